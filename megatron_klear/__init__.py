@@ -1,0 +1,2 @@
+"""megatron-klear: Klear-Reasoner SFT + GPPO on Megatron-Core."""
+__version__ = "0.1.0"

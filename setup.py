@@ -1,0 +1,30 @@
+"""megatron-klear: the Klear-Reasoner recipe (long-CoT SFT + GPPO RL) on Megatron-Core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-klear",
+    version="0.1.0",
+    description="Long chain-of-thought SFT and GPPO reinforcement learning on Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_klear", "megatron_klear.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "tokenizers>=0.21",
+        "numpy",
+        "psutil",
+        "pyyaml",
+        # math-verify's parsing changes between releases: pinned (see rewards/math.py).
+        "math-verify[antlr4_13_2]==0.9.0",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout"],
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "sglang": ["sglang[srt]", "sglang-router"],
+        "logging": ["wandb", "tensorboard"],
+    },
+)
