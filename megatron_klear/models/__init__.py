@@ -1,0 +1,1 @@
+"""HF config -> Megatron-Core model (TransformerConfig + layer spec)."""

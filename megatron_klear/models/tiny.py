@@ -1,0 +1,130 @@
+"""Tiny Qwen3-shaped HF checkpoints (random weights + a small byte-level BPE tokenizer).
+
+No weights or data can be downloaded at run time, so the demo, the examples and the tests build
+their models here: a real HF checkpoint directory (config.json, sharded safetensors with an index,
+tokenizer.json, tokenizer_config.json with a Qwen-style chat template) that every loader in the
+project reads exactly as it reads a downloaded Qwen3-8B.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+# Qwen's special tokens; the chat template below renders the same layout as Qwen3's.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+_CORPUS = [
+    "Let x be a real number such that x^2 + 3x - 4 = 0. Find the sum of all possible values of x.",
+    "The answer is \\boxed{42}. We compute 6 * 7 = 42 and check that it satisfies the equation.",
+    "def solve(n):\n    total = 0\n    for i in range(n):\n        total += i * i\n    return total\n",
+    "import sys\nn = int(sys.stdin.readline())\nprint(sum(map(int, input().split())))\n",
+    "Okay, so I need to figure out how many integers between 1 and 100 are divisible by 3 or 5.",
+    "First, the probability that a fair coin lands heads three times in a row is 1/8.",
+    "Therefore the triangle has area \\frac{1}{2} \\cdot 8 \\cdot 15 = 60 and perimeter 40.",
+    "Wait, let me double-check the modular arithmetic: 2^{10} = 1024 \\equiv 24 \\pmod{1000}.",
+    "class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n        return []\n",
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } < > , . ; :",
+]
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 320):
+    """Train a deterministic byte-level BPE tokenizer and save it as an HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(out_dir)
+    return hf
+
+
+def make_tiny_qwen3(
+    out_dir: str,
+    *,
+    tied: bool = False,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 24,
+    intermediate_size: int = 96,
+    vocab_size: int = 389,
+    rope_theta: float = 1_000_000.0,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+    init_std: float = 0.1,
+    max_shard_size: str | int = "64KB",
+    with_tokenizer: bool = True,
+) -> str:
+    """Write a random Qwen3 checkpoint to ``out_dir`` (atomically) and return the path.
+
+    Sizes are deliberately awkward: vocab not a multiple of 128, head_dim != hidden/heads, GQA.
+    ``init_std`` is larger than HF's default so that logits differ visibly between tokens.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=tied,
+        initializer_range=init_std,
+        bos_token_id=None,
+        eos_token_id=2,  # <|im_end|> in the tiny tokenizer
+        pad_token_id=0,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # norms at 1.0 hide mapping mistakes: make them distinct
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    parent = os.path.dirname(os.path.abspath(out_dir)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        if with_tokenizer:
+            tok = build_tokenizer(tmp)
+            assert len(tok) <= vocab_size, (len(tok), vocab_size)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
