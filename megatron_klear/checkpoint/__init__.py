@@ -1,0 +1,1 @@
+"""HF <-> Megatron weights: the one name/shape mapping, conversion, dist-checkpoint save/load."""

@@ -1,0 +1,172 @@
+"""Reading and writing HF safetensors checkpoints, one tensor / one shard at a time.
+
+Nothing here holds a whole model: the reader opens shards lazily and hands out single tensors;
+the writer buffers tensors up to ``max_shard_bytes`` and flushes each shard to disk. Output goes
+to a temporary directory that is renamed into place when complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+)
+
+
+class HFReader:
+    """Lazy access to the tensors of an HF checkpoint directory (sharded or not)."""
+
+    def __init__(self, hf_dir: str):
+        self.dir = hf_dir
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        single = os.path.join(hf_dir, "model.safetensors")
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    self.weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+        elif os.path.isfile(single):
+            from safetensors import safe_open
+
+            with safe_open(single, framework="pt") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"{hf_dir}: no model.safetensors or model.safetensors.index.json "
+                "(only safetensors checkpoints are supported)"
+            )
+        for fname in sorted(set(self.weight_map.values())):
+            if not os.path.isfile(os.path.join(hf_dir, fname)):
+                raise FileNotFoundError(f"{hf_dir}: shard '{fname}' named in the index is missing")
+        self._handles = {}
+
+    def keys(self) -> set:
+        return set(self.weight_map)
+
+    def files(self) -> list:
+        """Shard files in order, each with its keys: read shard by shard to stream."""
+        by_file = {}
+        for key, fname in self.weight_map.items():
+            by_file.setdefault(fname, []).append(key)
+        return sorted(by_file.items())
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.weight_map:
+            raise KeyError(f"{self.dir}: tensor '{key}' is not in the checkpoint")
+        fname = self.weight_map[key]
+        handle = self._handles.get(fname)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = safe_open(os.path.join(self.dir, fname), framework="pt")
+            self._handles = {fname: handle}  # keep one shard open at a time
+        return handle.get_tensor(key)
+
+    def close(self):
+        self._handles = {}
+
+
+class HFWriter:
+    """Write tensors into size-capped safetensors shards plus the index, atomically."""
+
+    def __init__(self, out_dir: str, max_shard_bytes: int = 5 * 1024**3, dtype=None):
+        self.out_dir = os.path.abspath(out_dir)
+        parent = os.path.dirname(self.out_dir)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(self.out_dir) + "-", dir=parent)
+        self.max_shard_bytes = max_shard_bytes
+        self.dtype = dtype
+        self._buffer, self._buffer_bytes, self._shards = {}, 0, []
+        self.weight_map, self.total_bytes = {}, 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.weight_map or name in self._buffer:
+            raise ValueError(f"tensor '{name}' written twice")
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buffer[name] = tensor.detach().contiguous()
+        self._buffer_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._buffer:
+            return
+        fname = f"model-{len(self._shards) + 1:05d}.safetensors"
+        save_file(self._buffer, os.path.join(self.tmp, fname), metadata={"format": "pt"})
+        for k in self._buffer:
+            self.weight_map[k] = fname
+        self.total_bytes += self._buffer_bytes
+        self._shards.append(fname)
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def finish(self, config: dict, tokenizer_dir: str | None = None, manifest: dict | None = None) -> str:
+        self._flush()
+        n = len(self._shards)
+        renames = {}
+        for i, old in enumerate(self._shards):
+            new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(os.path.join(self.tmp, old), os.path.join(self.tmp, new))
+            renames[old] = new
+        weight_map = {k: renames[v] for k, v in sorted(self.weight_map.items())}
+        with open(os.path.join(self.tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(self.tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if tokenizer_dir:
+            copy_tokenizer_files(tokenizer_dir, self.tmp)
+        if manifest is not None:
+            write_manifest(self.tmp, manifest)
+        if os.path.exists(self.out_dir):
+            shutil.rmtree(self.out_dir)
+        os.replace(self.tmp, self.out_dir)
+        return self.out_dir
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list:
+    copied = []
+    for name in TOKENIZER_FILES:
+        path = os.path.join(src_dir, name)
+        if os.path.isfile(path):
+            shutil.copy2(path, os.path.join(dst_dir, name))
+            copied.append(name)
+    return copied
+
+
+def write_manifest(directory: str, info: dict) -> None:
+    """A small JSON record of what made an artifact, from what, and when."""
+    from megatron_klear import __version__
+
+    data = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "megatron_klear": __version__, **info}
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        json.dump(data, f, indent=2, default=str)
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

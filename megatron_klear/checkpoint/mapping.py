@@ -1,0 +1,211 @@
+"""The one HF <-> Megatron-Core weight mapping (conversion, parity loading and RL weight sync).
+
+Megatron names here are *canonical*: the names of a TP=1, PP=1 ``GPTModel`` with global layer
+indices and Transformer-Engine-style norm names (``linear_qkv.layer_norm_weight``), which are also
+the keys of a torch_dist checkpoint whatever the layer spec. :func:`canonical_name` turns the name
+of a parameter of any rank's model (local spec, pipeline stage with local layer indices) into one.
+
+Layouts (``g`` = KV-head groups, ``q`` = query heads per group, ``d`` = head_dim):
+
+* ``linear_qkv`` rows are fused per group: ``[q heads of group 0, k0, v0, q heads of group 1, ...]``.
+  TP rank ``r`` holds a plain row slice (whole groups, so ``g`` must be divisible by TP).
+* ``linear_fc1`` rows are ``[gate; up]``; TP rank ``r`` holds ``[gate rows of r; up rows of r]``.
+* Row-parallel ``linear_proj``/``linear_fc2`` split columns; norms are replicated.
+* Embedding/output rows are padded up to the TP-divisible vocabulary size; padding rows are zero.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from megatron_klear.models.arch import ModelArch
+
+
+class MappingError(ValueError):
+    """A tensor that does not fit the mapping: the message names the tensor and what was expected."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str  # canonical Megatron name
+    hf: tuple  # the HF names it is made from, in fusion order
+    kind: str  # copy | qkv | gate_up | vocab
+    tp_dim: int | None  # dimension TP shards along (None: replicated)
+
+
+def _layer_rules(arch: ModelArch, i: int) -> list[Rule]:
+    hf = f"model.layers.{i}."
+    mg = f"decoder.layers.{i}."
+    rules = [
+        Rule(mg + "self_attention.linear_qkv.layer_norm_weight", (hf + "input_layernorm.weight",), "copy", None),
+        Rule(
+            mg + "self_attention.linear_qkv.weight",
+            tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv"),
+            "qkv",
+            0,
+        ),
+        Rule(mg + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "copy", 1),
+        Rule(mg + "mlp.linear_fc1.layer_norm_weight", (hf + "post_attention_layernorm.weight",), "copy", None),
+        Rule(
+            mg + "mlp.linear_fc1.weight",
+            (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+            "gate_up",
+            0,
+        ),
+        Rule(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "copy", 1),
+    ]
+    if arch.qkv_bias:
+        rules.append(
+            Rule(
+                mg + "self_attention.linear_qkv.bias",
+                tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv"),
+                "qkv",
+                0,
+            )
+        )
+    if arch.qk_norm:
+        rules += [
+            Rule(mg + "self_attention.q_layernorm.weight", (hf + "self_attn.q_norm.weight",), "copy", None),
+            Rule(mg + "self_attention.k_layernorm.weight", (hf + "self_attn.k_norm.weight",), "copy", None),
+        ]
+    return rules
+
+
+def rules_for(arch: ModelArch) -> list[Rule]:
+    """Every rule of the model, embedding first, then layer by layer, then the head."""
+    rules = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", 0)]
+    for i in range(arch.num_layers):
+        rules += _layer_rules(arch, i)
+    rules.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "copy", None))
+    if not arch.tie_word_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), "vocab", 0))
+    return rules
+
+
+def layer_of(name: str) -> int | None:
+    m = re.search(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+# ---- names ---------------------------------------------------------------------------------------
+_LOCAL_TO_TE = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def canonical_name(name: str, layer_offset: int = 0) -> str:
+    """Name of a parameter of any rank's model -> canonical Megatron name.
+
+    Strips DDP/Float16 wrappers (``module.``), maps local-spec norm names to TE-style ones and adds
+    the pipeline stage's ``layer_offset`` to the layer index.
+    """
+    while name.startswith("module."):
+        name = name[len("module."):]
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
+    if m:
+        rest = _LOCAL_TO_TE.get(m.group(2), m.group(2))
+        name = f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
+    return name
+
+
+# ---- full-tensor transforms ----------------------------------------------------------------------
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise MappingError(
+            f"tensor '{name}' has shape {tuple(tensor.shape)}, expected {tuple(expected)} from the config"
+        )
+
+
+def hf_shapes(rule: Rule, arch: ModelArch) -> list[tuple]:
+    h, d, g, q = arch.hidden_size, arch.head_dim, arch.num_kv_heads, arch.num_heads
+    name = rule.megatron
+    if rule.kind == "vocab":
+        return [(arch.vocab_size, h)]
+    if rule.kind == "qkv":
+        tail = (h,) if name.endswith("weight") else ()
+        return [(q * d, *tail), (g * d, *tail), (g * d, *tail)]
+    if rule.kind == "gate_up":
+        return [(arch.ffn_hidden_size, h)] * 2
+    if name.endswith("linear_proj.weight"):
+        return [(h, q * d)]
+    if name.endswith("linear_fc2.weight"):
+        return [(h, arch.ffn_hidden_size)]
+    if "q_layernorm" in name or "k_layernorm" in name:
+        return [(d,)]
+    return [(h,)]
+
+
+def to_megatron(rule: Rule, tensors: list, arch: ModelArch, padded_vocab: int) -> torch.Tensor:
+    """HF tensors (in ``rule.hf`` order) -> the full canonical Megatron tensor."""
+    for name, t, shape in zip(rule.hf, tensors, hf_shapes(rule, arch)):
+        _check_shape(name, t, shape)
+    if rule.kind == "copy":
+        return tensors[0]
+    if rule.kind == "vocab":
+        t = tensors[0]
+        if padded_vocab == t.shape[0]:
+            return t
+        out = t.new_zeros((padded_vocab, *t.shape[1:]))
+        out[: t.shape[0]] = t
+        return out
+    if rule.kind == "gate_up":
+        return torch.cat(tensors, dim=0)
+    # qkv: interleave per KV group
+    g, d, qg = arch.num_kv_heads, arch.head_dim, arch.q_per_group
+    qt, kt, vt = (t.reshape(g, -1, d, *t.shape[1:]) for t in tensors)
+    assert qt.shape[1] == qg
+    return torch.cat([qt, kt, vt], dim=1).reshape(-1, *tensors[0].shape[1:])
+
+
+def to_hf(rule: Rule, tensor: torch.Tensor, arch: ModelArch) -> list:
+    """The full canonical Megatron tensor -> HF tensors in ``rule.hf`` order."""
+    if rule.kind == "copy":
+        out = [tensor]
+    elif rule.kind == "vocab":
+        if tensor.shape[0] < arch.vocab_size:
+            raise MappingError(
+                f"tensor '{rule.megatron}' has {tensor.shape[0]} rows, fewer than vocab_size={arch.vocab_size}"
+            )
+        out = [tensor[: arch.vocab_size]]
+    elif rule.kind == "gate_up":
+        out = list(torch.chunk(tensor, 2, dim=0))
+    else:
+        g, d, qg = arch.num_kv_heads, arch.head_dim, arch.q_per_group
+        t = tensor.reshape(g, qg + 2, d, *tensor.shape[1:])
+        out = [
+            t[:, :qg].reshape(g * qg * d, *tensor.shape[1:]),
+            t[:, qg].reshape(g * d, *tensor.shape[1:]),
+            t[:, qg + 1].reshape(g * d, *tensor.shape[1:]),
+        ]
+    out = [o.contiguous() for o in out]
+    for name, t, shape in zip(rule.hf, out, hf_shapes(rule, arch)):
+        _check_shape(name, t, shape)
+    return out
+
+
+# ---- tensor parallel -----------------------------------------------------------------------------
+def tp_shard(rule: Rule, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's slice of a full canonical tensor."""
+    if rule.tp_dim is None or size == 1:
+        return full
+    if rule.kind == "gate_up":
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, size)[rank], torch.chunk(up, size)[rank]], dim=0)
+    return torch.chunk(full, size, dim=rule.tp_dim)[rank]
+
+
+def tp_unshard(rule: Rule, shards: list) -> torch.Tensor:
+    """Inverse of :func:`tp_shard` given every rank's slice in rank order."""
+    if rule.tp_dim is None or len(shards) == 1:
+        return shards[0]
+    if rule.kind == "gate_up":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=rule.tp_dim)
+
+
+def rules_by_megatron(arch: ModelArch) -> dict:
+    return {r.megatron: r for r in rules_for(arch)}

@@ -1,0 +1,125 @@
+"""The architecture of a decoder-only HF checkpoint, normalised: what the builder and the weight
+mapping need to know, read from ``config.json`` with errors that name the file and the key.
+
+Supported families: Qwen3 dense (q/k RMSNorm, no biases), Qwen2 / Qwen2.5 (q/k/v biases, no q/k
+norm) and Llama 3 (no biases, optional ``llama3`` RoPE scaling). YaRN RoPE scaling (Qwen's
+recommendation for 64K contexts) is carried through to Megatron-Core.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+SUPPORTED = {
+    "qwen3": dict(qk_norm=True, qkv_bias=False),
+    "qwen2": dict(qk_norm=False, qkv_bias=True),
+    "llama": dict(qk_norm=False, qkv_bias=False),
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that this project cannot map; the message names the file and the key."""
+
+
+@dataclass
+class ModelArch:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    rope_scaling: dict | None = None
+    hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json
+
+    @property
+    def q_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("hf_config")
+        return d
+
+
+def _require(cfg: dict, key: str, where: str, kind=int):
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{where}: missing required key '{key}'")
+    value = cfg[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ConfigError(f"{where}: key '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def arch_from_dict(cfg: dict, where: str = "config.json") -> ModelArch:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED:
+        archs = cfg.get("architectures")
+        raise ConfigError(
+            f"{where}: unsupported model_type {model_type!r} (architectures={archs}); "
+            f"supported: {sorted(SUPPORTED)}"
+        )
+    family = SUPPORTED[model_type]
+    hidden = _require(cfg, "hidden_size", where)
+    heads = _require(cfg, "num_attention_heads", where)
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}"
+        )
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(f"{where}: key 'use_sliding_window' is true; sliding-window attention is not supported")
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        raise ConfigError(f"{where}: mixture-of-experts configs are not supported by this mapping")
+    rope = cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or None
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = dict(rope)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("yarn", "llama3", "default"):
+            raise ConfigError(f"{where}: rope scaling type {kind!r} is not supported (yarn, llama3)")
+        if kind == "default":
+            scaling = None
+    bias = cfg.get("attention_bias")
+    return ModelArch(
+        model_type=model_type,
+        vocab_size=_require(cfg, "vocab_size", where),
+        hidden_size=hidden,
+        ffn_hidden_size=_require(cfg, "intermediate_size", where),
+        num_layers=_require(cfg, "num_hidden_layers", where),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=family["qk_norm"],
+        qkv_bias=family["qkv_bias"] if bias is None else bool(bias),
+        rope_scaling=scaling,
+        hf_config=dict(cfg),
+    )
+
+
+def load_arch(hf_dir: str) -> ModelArch:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{hf_dir}: no config.json (is this an HF checkpoint directory?)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    return arch_from_dict(cfg, where=path)

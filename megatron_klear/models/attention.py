@@ -1,0 +1,150 @@
+"""Causal core attention in plain torch for packed (``thd``) sequences and context parallelism.
+
+Megatron-Core's local ``DotProductAttention`` refuses packed sequences and context parallelism
+(both need Transformer Engine). This module fills that gap wherever TE is absent (the CPU path,
+and GPUs without TE): per-sequence causal attention from ``cu_seqlens``, and for CP an all-gather
+of keys/values across the CP group with masks from global positions.
+
+Layouts follow Megatron-Core:
+
+* ``sbhd``: query ``[s, b, heads, dim]``; each batch row is one (right-padded) sequence.
+* ``thd``: query ``[t, heads, dim]``; sequences are concatenated and delimited by
+  ``packed_seq_params.cu_seqlens_q`` (``cu_seqlens_q_padded`` when present).
+* Context parallel: every sequence of global length ``L`` (a multiple of ``2*cp``) is cut into
+  ``2*cp`` chunks and CP rank ``r`` holds chunks ``r`` and ``2*cp-1-r`` (Megatron's load-balanced
+  split, the same one its RoPE code assumes).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class _GatherAlongFirstDim(torch.autograd.Function):
+    """all_gather in forward; sum of the gradients over the group, own slice, in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def _cp_positions(local_len: int, cp_size: int, cp_rank: int, device) -> torch.Tensor:
+    """Global positions of the tokens CP rank ``cp_rank`` holds of one sequence."""
+    chunk = local_len // 2
+    first = torch.arange(chunk, device=device) + cp_rank * chunk
+    second = torch.arange(chunk, device=device) + (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([first, second])
+
+
+class TorchCoreAttention(torch.nn.Module):
+    """Drop-in ``core_attention`` submodule for Megatron's ``SelfAttention``."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        if cp_group is None and config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = cp_group
+        self.cp_size = config.context_parallel_size
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _attend(self, q, k, v, q_pos=None, k_pos=None):
+        """q [sq, h, d], k/v [sk, g, d] -> [sq, h*d]; causal by position (or by index)."""
+        heads, groups = q.shape[1], k.shape[1]
+        if heads != groups:
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [h, s, d]
+        dropout = self.dropout if self.training else 0.0
+        if q_pos is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale
+            )
+        else:
+            mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale
+            )
+        return out.transpose(0, 1).reshape(out.shape[1], -1)
+
+    def _gather_cp(self, x):
+        """[s_local, ...] on each CP rank -> [cp, s_local, ...]."""
+        return _GatherAlongFirstDim.apply(x, self.cp_group)
+
+    def _attend_sequence(self, q, k_all, v_all, start, end):
+        """One sequence [start, end) of the local tokens; k_all/v_all are CP-gathered or local."""
+        if self.cp_size == 1:
+            return self._attend(q[start:end], k_all[start:end], v_all[start:end])
+        local_len = end - start
+        q_pos = _cp_positions(local_len, self.cp_size, self.cp_group.rank(), q.device)
+        k_pos = torch.cat(
+            [_cp_positions(local_len, self.cp_size, r, q.device) for r in range(self.cp_size)]
+        )
+        k = k_all[:, start:end].flatten(0, 1)
+        v = v_all[:, start:end].flatten(0, 1)
+        return self._attend(q[start:end], k, v, q_pos, k_pos)
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if attention_bias is not None:
+            raise ValueError("TorchCoreAttention does not support attention_bias")
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if self.cp_size > 1:
+            key, value = self._gather_cp(key), self._gather_cp(value)
+        if packed:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            bounds = (cu // self.cp_size).tolist()
+            outs = [
+                self._attend_sequence(query, key, value, s, e)
+                for s, e in zip(bounds[:-1], bounds[1:])
+                if e > s
+            ]
+            return torch.cat(outs, dim=0)  # [t, h*d]
+        # sbhd: one sequence per batch row (right padding: causal masking is exact for real tokens)
+        seq = query.shape[0]
+        outs = []
+        for b in range(query.shape[1]):
+            kb = key[..., b, :, :] if self.cp_size > 1 else key[:, b]
+            vb = value[..., b, :, :] if self.cp_size > 1 else value[:, b]
+            outs.append(self._attend_sequence(query[:, b], kb, vb, 0, seq))
+        return torch.stack(outs, dim=1)  # [s, b, h*d]

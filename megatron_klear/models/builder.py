@@ -1,0 +1,252 @@
+"""HF architecture -> Megatron-Core ``TransformerConfig`` + layer spec -> ``GPTModel``.
+
+Two layer-spec backends:
+
+* ``te``: Transformer Engine layers (GPU). Needed for FP8 and for TE's fused attention on packed
+  sequences / context parallelism.
+* ``local``: Megatron-Core's own modules, with two submodules replaced by ours where the local ones
+  refuse a feature: :class:`~megatron_klear.models.attention.TorchCoreAttention` (packed ``thd``
+  sequences, context parallelism) and :class:`~megatron_klear.models.norm.RMSNorm` (sequence
+  parallelism). This is the CPU path and the GPU fallback without TE.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from megatron_klear.models.arch import ModelArch
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+@dataclass
+class ModelOptions:
+    """How to build the model (independent of which checkpoint it is)."""
+
+    backend: str = "auto"  # auto | te | local
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    make_vocab_size_divisible_by: int = 128
+    fp8: str | None = None  # None | hybrid | e4m3
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise (Hopper) | mxfp8 (Blackwell)
+    recompute_granularity: str | None = None  # None | full | selective
+    recompute_method: str = "uniform"  # uniform | block (with full)
+    recompute_num_layers: int = 1
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init_method_std: float = 0.02
+
+    def validate(self) -> None:
+        if self.backend not in ("auto", "te", "local"):
+            raise ValueError(f"model.backend must be auto, te or local, got {self.backend!r}")
+        if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"model.dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.fp8 not in (None, "hybrid", "e4m3"):
+            raise ValueError(f"model.fp8 must be null, hybrid or e4m3, got {self.fp8!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"model.fp8_recipe must be one of {FP8_RECIPES}, got {self.fp8_recipe!r}")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError(
+                f"model.recompute_granularity must be null, full or selective, "
+                f"got {self.recompute_granularity!r}"
+            )
+
+
+def have_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_backend(options: ModelOptions) -> str:
+    if options.backend == "te" or (options.backend == "auto" and options.fp8):
+        if not have_te():
+            raise ImportError(
+                "Transformer Engine is required for backend=te and for FP8 "
+                "(Megatron-Core would otherwise accept fp8 and silently do nothing). "
+                "Install the GPU extra: pip install 'megatron-klear[gpu]'"
+            )
+        return "te"
+    if options.backend == "auto":
+        return "te" if torch.cuda.is_available() and have_te() else "local"
+    return options.backend
+
+
+def resolve_dtype(options: ModelOptions) -> torch.dtype:
+    if options.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[options.dtype]
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config(arch: ModelArch, options: ModelOptions, parallel) -> "TransformerConfig":
+    """Megatron ``TransformerConfig`` for ``arch`` under ``parallel`` (a ParallelConfig)."""
+    from megatron.core.transformer import TransformerConfig
+
+    options.validate()
+    if parallel.tp > arch.num_kv_heads:
+        raise ValueError(
+            f"parallel.tp={parallel.tp} exceeds the number of KV heads ({arch.num_kv_heads}); "
+            "each TP rank must hold at least one KV head"
+        )
+    if arch.num_kv_heads % parallel.tp:
+        raise ValueError(
+            f"num_key_value_heads={arch.num_kv_heads} is not divisible by parallel.tp={parallel.tp}"
+        )
+    dtype = resolve_dtype(options)
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=options.hidden_dropout,
+        attention_dropout=options.attention_dropout,
+        init_method_std=options.init_method_std,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=True,
+        # Packed micro-batches vary in length: PP must exchange shapes.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # only to pass a validation tied to the line above
+        # Fused kernels that exist only with CUDA/apex/TE are off; TE's own fusions still apply.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        deallocate_pipeline_outputs=False,
+    )
+    if options.recompute_granularity:
+        kwargs.update(recompute_granularity=options.recompute_granularity)
+        if options.recompute_granularity == "full":
+            kwargs.update(
+                recompute_method=options.recompute_method,
+                recompute_num_layers=options.recompute_num_layers,
+            )
+    if options.fp8:
+        kwargs.update(fp8=options.fp8, fp8_recipe=options.fp8_recipe)
+    config = TransformerConfig(**kwargs)
+    if arch.rope_scaling and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) == "yarn":
+        s = arch.rope_scaling
+        config.yarn_rotary_scaling_factor = float(s["factor"])
+        config.yarn_original_max_position_embeddings = int(
+            s.get("original_max_position_embeddings", arch.max_position_embeddings)
+        )
+        config.yarn_beta_fast = float(s.get("beta_fast", 32.0))
+        config.yarn_beta_slow = float(s.get("beta_slow", 1.0))
+        config.yarn_mscale = float(s.get("mscale", 1.0))
+        config.yarn_mscale_all_dim = float(s.get("mscale_all_dim", 0.0))
+        config.yarn_correction_range_round_to_int = bool(s.get("truncate", True))
+    return config
+
+
+def layer_spec(arch: ModelArch, backend: str):
+    """The transformer-layer ``ModuleSpec`` for ``backend`` (te | local)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if backend == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    from megatron_klear.models.attention import TorchCoreAttention
+    from megatron_klear.models.norm import RMSNorm
+
+    spec = copy.deepcopy(
+        gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    )
+    layer = spec.submodules
+    layer.input_layernorm = RMSNorm
+    layer.pre_mlp_layernorm = RMSNorm
+    attn = layer.self_attention.submodules
+    attn.core_attention = TorchCoreAttention
+    if arch.qk_norm:
+        attn.q_layernorm = RMSNorm
+        attn.k_layernorm = RMSNorm
+    return spec
+
+
+def block_spec(arch: ModelArch, backend: str, config, vp_stage: int | None = None):
+    """A whole ``TransformerBlock`` spec: this stage's layers plus the final norm."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = layer_spec(arch, backend)
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        from megatron_klear.models.norm import RMSNorm as final_norm
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm),
+    )
+
+
+def build_model(arch: ModelArch, options: ModelOptions, parallel, *, vp_stage: int | None = None):
+    """Build this rank's ``GPTModel`` (one pipeline stage, or one virtual stage with ``vp_stage``).
+
+    Parallel state must be initialised (:func:`megatron_klear.platform.init_parallel`).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    backend = resolve_backend(options)
+    config = transformer_config(arch, options, parallel)
+    rope_kwargs = {}
+    position_embedding_type = "rope"
+    scaling = arch.rope_scaling
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "yarn":
+            position_embedding_type = "yarn"
+        elif kind == "llama3":
+            rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=float(scaling["factor"]))
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(arch, backend, config, vp_stage),
+        vocab_size=padded_vocab_size(
+            arch.vocab_size, options.make_vocab_size_divisible_by, parallel.tp
+        ),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type=position_embedding_type,
+        rotary_base=int(arch.rope_theta),
+        vp_stage=vp_stage,
+        **rope_kwargs,
+    )
+    model.arch = arch  # the mapping and the exporters read it from the model
+    return model
+
+
+def build_model_chunks(arch: ModelArch, options: ModelOptions, parallel) -> list:
+    """All model chunks of this rank: one, or ``parallel.vpp`` with the interleaved schedule."""
+    if parallel.vpp and parallel.vpp > 1:
+        return [build_model(arch, options, parallel, vp_stage=i) for i in range(parallel.vpp)]
+    return [build_model(arch, options, parallel)]

@@ -1,0 +1,113 @@
+"""One entry point for torch.distributed + Megatron-Core parallel state, on GPU and CPU.
+
+``init_parallel`` works under ``torchrun`` (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR from the
+environment) and in a plain ``python`` process (a world of one). NCCL on GPU, gloo on CPU; on CPU
+it also activates :mod:`megatron_klear.platform.cpu_compat`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split. world_size = tp * pp * cp * dp; dp is derived."""
+
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    cp: int = 1  # context parallel
+    vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
+    sequence_parallel: bool = False  # shard activations along the sequence inside TP regions
+    timeout_minutes: int = 30
+
+    def validate(self, world_size: int | None = None) -> None:
+        for name in ("tp", "pp", "cp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
+        if world_size is not None and world_size % (self.tp * self.pp * self.cp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {self.tp * self.pp * self.cp}"
+            )
+
+    def dp(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Start torch.distributed if it is not running yet (idempotent)."""
+    if dist.is_initialized():
+        return
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" not in os.environ:  # plain `python`: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(
+        backend="nccl" if use_cuda else "gloo",
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+
+
+def init_parallel(parallel: ParallelConfig | None = None, seed: int = 1234) -> None:
+    """torch.distributed + Megatron parallel state + model-parallel RNG, on GPU or CPU."""
+    parallel = parallel or ParallelConfig()
+    init_distributed(parallel.timeout_minutes)
+    parallel.validate(dist.get_world_size())
+    if not torch.cuda.is_available():
+        from megatron_klear.platform import cpu_compat
+
+        cpu_compat.activate()
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        distributed_timeout_minutes=parallel.timeout_minutes,
+    )
+    torch.manual_seed(seed)
+    # On CPU the CUDA RNG tracker cannot exist; the inference tracker is a no-op fork.
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,1 @@
+"""Reinforcement learning: policy losses, advantages, vocab-parallel log-probs, the actor and the loop."""
