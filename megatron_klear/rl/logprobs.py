@@ -123,6 +123,8 @@ def _grad_chunk(logits, targets, lse, entropy, g_logprob, g_entropy, *, n_valid,
     d logp_t / d z_j = 1[j = t] - p_j;  d H / d z_j = -p_j (log p_j + H);  z = logits / T.
     """
     logp = _scaled_float_copy(logits, n_valid, temperature)
+    if n_valid == 0:
+        return logp
     logp.sub_(lse.unsqueeze(1))  # log p_j
     p = torch.exp(logp)
     # coefficient c_j so that grad_z = -p_j * c_j (+ g_logprob at the target)
