@@ -40,6 +40,9 @@ class ExampleError(ValueError):
         self.reason = reason
         self.detail = detail
 
+    def __reduce__(self):  # picklable across worker processes
+        return (type(self), (self.reason, self.detail))
+
 
 class BadLineError(ValueError):
     """A rejected input line: ``path:line: reason: detail``."""
@@ -50,6 +53,9 @@ class BadLineError(ValueError):
         self.line = line
         self.reason = reason
         self.detail = detail
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.line, self.reason, self.detail))
 
     @classmethod
     def from_example_error(cls, path: str, line: int, err: ExampleError) -> "BadLineError":
