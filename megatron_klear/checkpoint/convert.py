@@ -1,0 +1,256 @@
+"""HF safetensors <-> Megatron torch_dist conversion, streamed tensor by tensor.
+
+Neither direction materialises the model: the Megatron model is built on the ``meta`` device (no
+memory) only to learn the checkpoint's keys and sharding from Megatron-Core itself.
+
+* HF -> Megatron: each Megatron tensor is built from its HF pieces (read one at a time from the
+  shards), cast, and written to a staging file that is memory-mapped back, so the torch_dist writer
+  reads from page cache rather than from anonymous memory. Peak resident memory stays near one
+  fused tensor plus the pages being written.
+* Megatron -> HF: the checkpoint is read one weight kind at a time (one stacked tensor of the
+  torch_dist checkpoint) and written into size-capped safetensors shards.
+
+Every source tensor is consumed exactly once; unknown or missing keys and wrong shapes are errors
+naming the tensor; outputs go to a temporary directory renamed into place at the end.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from megatron_klear.checkpoint import dist_ckpt
+from megatron_klear.checkpoint.hf_io import HFReader, HFWriter, copy_tokenizer_files, write_manifest
+from megatron_klear.checkpoint.mapping import (
+    MappingError,
+    canonical_name,
+    layer_of,
+    rules_by_megatron,
+    rules_for,
+    to_hf,
+    to_megatron,
+)
+from megatron_klear.models.arch import ModelArch, load_arch
+from megatron_klear.utils.progress import Progress
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _hf_dtype(cfg: dict) -> torch.dtype:
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+
+def _meta_model(arch: ModelArch, dtype: torch.dtype, make_vocab_size_divisible_by: int):
+    from megatron_klear.models.builder import ModelOptions, build_model
+    from megatron_klear.platform import ParallelConfig, init_parallel
+
+    init_parallel(ParallelConfig())
+    opts = ModelOptions(
+        backend="local",
+        dtype={torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
+    with torch.device("meta"):
+        return build_model(arch, opts, ParallelConfig())
+
+
+def _set_param(model, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, pname = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    module._parameters[pname] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def _stage(tensor: torch.Tensor, directory: str, index: int) -> torch.Tensor:
+    """Write a tensor to a file and return a private memory map of it."""
+    path = os.path.join(directory, f"{index:06d}.bin")
+    tensor = tensor.contiguous()
+    with open(path, "wb") as f:
+        tensor.view(torch.uint8).numpy().tofile(f)
+    mapped = torch.from_file(path, shared=False, size=tensor.numel(), dtype=tensor.dtype)
+    return mapped.view(tensor.shape)
+
+
+def check_hf_keys(arch: ModelArch, reader: HFReader) -> list:
+    """Expected vs present HF keys; returns HF keys that are allowed extras (tied lm_head)."""
+    expected = {k for r in rules_for(arch) for k in r.hf}
+    present = reader.keys()
+    extras = []
+    if arch.tie_word_embeddings and "lm_head.weight" in present:
+        extras.append("lm_head.weight")  # a redundant copy of the tied embedding; verified below
+    missing = sorted(expected - present)
+    unknown = sorted(present - expected - set(extras))
+    if missing:
+        raise MappingError(f"{reader.dir}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unknown:
+        raise MappingError(
+            f"{reader.dir}: unknown tensors (not in the {arch.model_type} mapping) "
+            f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+        )
+    return extras
+
+
+def hf_to_megatron(
+    hf_dir: str,
+    out_dir: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    progress: bool = True,
+) -> str:
+    """Convert an HF checkpoint into a megatron-klear torch_dist model directory."""
+    from megatron.core import dist_checkpointing
+
+    arch = load_arch(hf_dir)
+    if arch.num_kv_heads % tp:
+        raise ValueError(f"--tp {tp} must divide num_key_value_heads={arch.num_kv_heads}")
+    if arch.num_layers % pp:
+        raise ValueError(f"--pp {pp} must divide num_hidden_layers={arch.num_layers}")
+    reader = HFReader(hf_dir)
+    extras = check_hf_keys(arch, reader)
+    torch_dtype = DTYPES[dtype] if dtype else _hf_dtype(arch.hf_config)
+    model = _meta_model(arch, torch_dtype, make_vocab_size_divisible_by)
+    rules = rules_by_megatron(arch)
+
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
+    staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
+    try:
+        consumed = []
+        params = [(n, canonical_name(n)) for n, _ in model.named_parameters()]
+        bar = Progress(len(params), "HF -> Megatron") if progress else None
+        for i, (name, cname) in enumerate(params):
+            rule = rules.get(cname)
+            if rule is None:
+                raise MappingError(f"model parameter '{cname}' has no HF mapping")
+            full = to_megatron(rule, [reader.get(k) for k in rule.hf], arch, model.vocab_size)
+            _set_param(model, name, _stage(full.to(torch_dtype), staging, i))
+            consumed += rule.hf
+            if bar:
+                bar.step(note=cname)
+        for key in extras:  # the redundant tied head must equal the embedding it duplicates
+            if not torch.equal(reader.get(key), reader.get("model.embed_tokens.weight")):
+                raise MappingError(
+                    f"{hf_dir}: 'lm_head.weight' differs from 'model.embed_tokens.weight' but the "
+                    "config says tie_word_embeddings=true"
+                )
+        dupes = {k for k in consumed if consumed.count(k) > 1}
+        if dupes:
+            raise MappingError(f"source tensors consumed more than once: {sorted(dupes)}")
+        reader.close()
+        dist_checkpointing.save(
+            {"model": model.sharded_state_dict()}, tmp, sharded_strategy=dist_ckpt.save_strategy()
+        )
+        import json
+
+        with open(os.path.join(tmp, dist_ckpt.HF_CONFIG), "w") as f:
+            json.dump(arch.hf_config, f, indent=2)
+        os.makedirs(os.path.join(tmp, dist_ckpt.TOKENIZER_DIR))
+        tok = copy_tokenizer_files(hf_dir, os.path.join(tmp, dist_ckpt.TOKENIZER_DIR))
+        write_manifest(
+            tmp,
+            {
+                "kind": "megatron_klear.converted_model",
+                "source": os.path.abspath(hf_dir),
+                "format": "torch_dist",
+                "dtype": str(torch_dtype),
+                "suggested_parallel": {"tp": tp, "pp": pp},
+                "padded_vocab_size": model.vocab_size,
+                "arch": arch.to_dict(),
+                "tokenizer_files": tok,
+            },
+        )
+        dist_ckpt.finalize_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def megatron_to_hf(
+    ckpt_dir: str,
+    out_dir: str,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    progress: bool = True,
+) -> str:
+    """Convert a megatron-klear torch_dist model directory into an HF checkpoint directory.
+
+    The checkpoint is read one weight kind at a time (e.g. the q/k/v weights of all layers, stacked
+    as torch_dist stores them), so peak memory is the largest such stack plus one output shard.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron_klear.platform import init_parallel
+
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"{ckpt_dir}: checkpoint directory does not exist")
+    arch = dist_ckpt.checkpoint_arch(ckpt_dir)
+    if not dist_ckpt.is_torch_dist(ckpt_dir):
+        raise FileNotFoundError(f"{ckpt_dir}: no torch_dist checkpoint (metadata.json/.metadata) inside")
+    init_parallel()  # reading a torch_dist checkpoint needs a process group, even of one
+    meta = {k: v for k, v in dist_checkpointing.load_tensors_metadata(ckpt_dir).items() if not k.endswith("_extra_state")}
+    if arch.tie_word_embeddings:
+        meta.pop("output_layer.weight", None)
+
+    rules = rules_by_megatron(arch)
+    expected = {}
+    for cname in rules:
+        layer = layer_of(cname)
+        key = cname if layer is None else cname.replace(f"layers.{layer}.", "layers.", 1)
+        expected.setdefault(key, []).append((layer, rules[cname]))
+    missing, unknown = sorted(set(expected) - set(meta)), sorted(set(meta) - set(expected))
+    if missing or unknown:
+        raise MappingError(
+            f"{ckpt_dir}: checkpoint tensors do not match {dist_ckpt.HF_CONFIG}: missing {missing}, unknown {unknown}"
+        )
+    for key, entries in expected.items():
+        shape = tuple(meta[key].global_shape)
+        stacked = entries[0][0] is not None
+        if stacked and shape[0] != arch.num_layers:
+            raise MappingError(f"{ckpt_dir}: '{key}' stacks {shape[0]} layers, config has {arch.num_layers}")
+    src_dtype = meta["embedding.word_embeddings.weight"].dtype
+    torch_dtype = DTYPES[dtype] if dtype else src_dtype
+
+    writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, dtype=torch_dtype)
+    bar = Progress(len(expected), "Megatron -> HF (weight kinds)") if progress else None
+    try:
+        for key, entries in expected.items():
+            info = meta[key]
+            request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(info.global_shape, dtype=info.dtype), replica_id=0)}
+            full = dist_checkpointing.load(
+                request, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED, validate_access_integrity=False
+            )[key]
+            for layer, rule in entries:
+                tensor = full if layer is None else full[layer]
+                for hf_name, t in zip(rule.hf, to_hf(rule, tensor, arch)):
+                    writer.add(hf_name, t.clone())
+            del full
+            if bar:
+                bar.step(note=key)
+        config = dict(arch.hf_config)
+        config["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
+        config.pop("dtype", None)
+        tok_dir = os.path.join(ckpt_dir, dist_ckpt.TOKENIZER_DIR)
+        writer.finish(
+            config,
+            tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
+            manifest={"kind": "megatron_klear.hf_export", "source": os.path.abspath(ckpt_dir)},
+        )
+    except BaseException:
+        writer.abort()
+        raise
+    return out_dir
