@@ -1,0 +1,35 @@
+#!/usr/bin/env python
+"""Max |logits| difference between the HF model (transformers) and the Megatron model, float32.
+
+    python tools/check_parity.py --hf-dir H --ckpt M                  # one process
+    torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir H --ckpt M --tp 2 --pp 2
+
+Exits 1 when the difference exceeds --tol.
+"""
+import argparse
+import sys
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--ckpt", default=None, help="torch_dist model dir; default: load --hf-dir through the mapping")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=24)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--tol", type=float, default=1e-4)
+    args = p.parse_args(argv)
+    from megatron_klear.checkpoint.parity import check_parity
+    from megatron_klear.platform import is_rank0
+
+    diff = check_parity(args.hf_dir, ckpt_dir=args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch, seq_len=args.seq_len)
+    ok = diff <= args.tol
+    if is_rank0():
+        print(f"parity tp={args.tp} pp={args.pp}: max |logits diff| = {diff:.3e} "
+              f"({'OK' if ok else 'FAIL'}, tolerance {args.tol:.0e})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

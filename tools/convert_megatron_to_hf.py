@@ -1,0 +1,32 @@
+#!/usr/bin/env python
+"""megatron-klear torch_dist model directory -> HF checkpoint (sharded safetensors + index,
+config.json, tokenizer files) that ``transformers`` loads directly.
+
+    python tools/convert_megatron_to_hf.py --ckpt ckpt/qwen3-8b --out hf/qwen3-8b-rl
+"""
+import argparse
+import sys
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="converted model or a training checkpoint's iter_* directory")
+    p.add_argument("--out", required=True, help="output HF directory (written atomically)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's dtype")
+    p.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    args = p.parse_args(argv)
+    from megatron_klear.checkpoint.convert import megatron_to_hf
+
+    try:
+        out = megatron_to_hf(
+            args.ckpt, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_size_gb * 1024**3)
+        )
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

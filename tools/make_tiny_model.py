@@ -1,0 +1,15 @@
+#!/usr/bin/env python
+"""Write a tiny random Qwen3-shaped HF checkpoint (with tokenizer) for CPU runs and tests."""
+import argparse
+
+from megatron_klear.models.tiny import make_tiny_qwen3
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tied", action="store_true")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    print(make_tiny_qwen3(a.out, tied=a.tied, num_layers=a.layers, hidden_size=a.hidden, seed=a.seed))
