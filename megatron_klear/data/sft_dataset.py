@@ -26,6 +26,7 @@ key                         type               meaning
                                                over every DP rank and micro-batch: the exact
                                                global normaliser, known without communication
 ``epoch``, ``step``         int                epoch and step (within the epoch) of this row
+``example_ids``             list[int]          dataset indices of the examples, in row order
 ==========================  =================  ===============================================
 
 Order. Epoch ``e`` is planned identically on every rank: the examples are shuffled with
@@ -212,6 +213,11 @@ class PackedSFTDataset:
             bins = self.epoch_bins(self._epoch)
             if self._step < self._num_steps(len(bins) - self._bin_offset):
                 break
+            if self._bin_offset == 0 and self._num_steps(len(bins)) == 0:
+                raise ValueError(
+                    f"{self.prefix}: epoch {self._epoch} packs into {len(bins)} bins, fewer than "
+                    f"one step's {self.bins_per_step}; with remainder='drop' nothing would train"
+                )
             if self.dp_rank == 0:
                 log.info("SFT data epoch %d done: %s", self._epoch, self.epoch_stats(self._epoch))
             self._epoch += 1
@@ -226,6 +232,7 @@ class PackedSFTDataset:
             pad_to_multiple=self.pad_to_multiple,
             capacity=self.seq_length,
         )
+        batch["example_ids"] = [int(i) for i in examples]
         batch["num_loss_tokens_in_step"] = step["loss_tokens"]
         batch["epoch"] = self._epoch
         batch["step"] = self._step
