@@ -254,8 +254,9 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         if (g_logprob is None and g_entropy is None) or not (need_hidden or need_weight):
             return (grad_hidden, torch.zeros_like(weight) if need_weight else None) + none7
         w = weight[:n_valid]
-        # Weight gradient summed over chunks in float32 (one rounding at the end, like Megatron's
-        # fp32 main_grad); a low-precision weight also needs one product buffer of its own size.
+        # Weight gradient summed over chunks in float32. With a low-precision weight each chunk's
+        # product is computed in that precision (rounded once, as one micro-batch's gradient is
+        # before it reaches Megatron's fp32 main_grad) into a buffer of the weight's size.
         if need_weight:
             grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype != torch.float64 else weight.dtype,
                                  device=weight.device)
@@ -309,7 +310,8 @@ def chunked_logprobs_from_hidden(
     The gradient of ``hidden`` is all-reduced over ``group`` (as ColumnParallelLinear's input
     gradient is); pass ``reduce_grad_hidden=False`` when the caller's own op reduces it (e.g. the
     reduce-scatter in the backward of a sequence-parallel gather). The weight gradient is this
-    shard's and is accumulated over chunks in float32. Backward recomputes each chunk's logits: one
+    shard's, summed over chunks in float32 (a bf16 weight costs a float32 accumulator and one bf16
+    product buffer of the shard's size during backward). Backward recomputes each chunk's logits: one
     extra matmul per chunk for peak memory of one chunk instead of the whole [tokens, V_local].
     """
     if hidden.shape[:-1] != targets.shape:
