@@ -1,0 +1,242 @@
+"""One configuration schema for every job: YAML in, ``key.sub=value`` overrides, validated at start.
+
+A job config is a :class:`JobConfig` of sections (model, parallel, optim, data, train, logging,
+and for RL: rl, rollout, reward). Unknown keys and ill-typed values are errors that name the key
+and, for YAML, the file and line::
+
+    config.yaml:12: unknown key 'optim.lr_warmup' (did you mean 'optim.warmup_steps'?)
+
+Overrides on the command line use dotted keys: ``optim.lr=1e-5 parallel.tp=2 data.paths=[a,b]``
+(values are parsed as YAML scalars / flow lists).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from megatron_klear.models.builder import ModelOptions
+from megatron_klear.platform.distributed import ParallelConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig(ModelOptions):
+    """``path``: an HF checkpoint directory or a converted torch_dist directory to start from."""
+
+    path: str = ""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 8e-5  # paper SFT: 8e-5 cosine-decayed to 4e-5
+    min_lr: float = 4e-5
+    decay_style: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # default: train.steps
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed_optimizer: bool = False
+
+    def validate(self):
+        if self.decay_style not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"optim.decay_style must be cosine, linear or constant, got {self.decay_style!r}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim: need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})")
+        if self.warmup_steps < 0:
+            raise ConfigError("optim.warmup_steps must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    """SFT data: the prefix written by tools/preprocess_sft.py."""
+
+    prefix: str = ""
+    seq_length: int = 32768
+    micro_batches_per_step: int = 1  # packed rows per DP rank per optimizer step
+    pad_to_multiple: int = 0  # 0: chosen from the parallel layout (tp * cp * 2, 16 with FP8)
+    seed: int = 1234
+    remainder: str = "pad"  # pad | drop (the last, partial step of an epoch)
+
+    def validate(self):
+        if self.remainder not in ("pad", "drop"):
+            raise ConfigError(f"data.remainder must be pad or drop, got {self.remainder!r}")
+        if self.seq_length <= 0 or self.micro_batches_per_step <= 0:
+            raise ConfigError("data.seq_length and data.micro_batches_per_step must be positive")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0  # optimizer steps; 0 = derive from epochs
+    epochs: int = 4  # paper SFT: 4 epochs
+    seed: int = 1234
+    save_dir: str = ""
+    save_interval: int = 0  # steps between checkpoints (0: only at the end and on SIGTERM)
+    keep_last: int = 3
+    resume: bool = True  # continue from save_dir's latest checkpoint when there is one
+    log_interval: int = 1
+    logprob_chunk_size: int = 4096  # tokens per chunk of the vocab-parallel log-prob
+
+    def validate(self):
+        if self.steps < 0 or self.epochs < 0 or (self.steps == 0 and self.epochs == 0):
+            raise ConfigError("train: set train.steps > 0 or train.epochs > 0")
+        if self.keep_last < 1:
+            raise ConfigError("train.keep_last must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    jsonl: str = ""  # default: <save_dir>/metrics.jsonl
+    wandb: bool = False  # offline unless WANDB_API_KEY is set
+    wandb_project: str = "megatron-klear"
+    run_name: str = ""
+    tensorboard: bool = False  # writes to <save_dir>/tensorboard
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self):
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                try:
+                    section.validate()
+                except ConfigError:
+                    raise
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def _type_ok(value, tp) -> tuple[bool, Any]:
+    """Check/coerce ``value`` against annotation ``tp``; returns (ok, value)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in typing.get_args(tp):
+            return True, None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            ok, v = _type_ok(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if tp is Any:
+        return True, value
+    if origin in (list, tuple):
+        if isinstance(value, (list, tuple)):
+            return True, list(value)
+        return False, value
+    if origin is dict:
+        return isinstance(value, dict), value
+    if tp is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        if isinstance(value, str):
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if tp is int:
+        return (isinstance(value, int) and not isinstance(value, bool)), value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is str:
+        return isinstance(value, str), value
+    return True, value
+
+
+def _resolve_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _set(obj, dotted: str, value, where: str) -> None:
+    parts = dotted.split(".")
+    target = obj
+    for i, name in enumerate(parts):
+        if not dataclasses.is_dataclass(target):
+            raise ConfigError(f"{where}: '{'.'.join(parts[:i])}' is not a section")
+        names = [f.name for f in dataclasses.fields(target)]
+        if name not in names:
+            prefix = ".".join(parts[:i])
+            full = [f"{prefix}.{n}" if prefix else n for n in names]
+            hint = difflib.get_close_matches(dotted, full, n=1)
+            raise ConfigError(
+                f"{where}: unknown key '{dotted}'" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+            )
+        if i == len(parts) - 1:
+            tp = _resolve_hints(type(target))[name]
+            ok, coerced = _type_ok(value, tp)
+            if not ok:
+                tname = getattr(tp, "__name__", str(tp))
+                raise ConfigError(f"{where}: key '{dotted}' expects {tname}, got {value!r}")
+            setattr(target, name, coerced)
+        else:
+            target = getattr(target, name)
+
+
+def _walk_yaml(node, prefix: str, path: str, out: list) -> None:
+    """Flatten a YAML mapping node into (dotted key, value, 'file:line')."""
+    for key_node, value_node in node.value:
+        key = f"{prefix}{key_node.value}"
+        line = key_node.start_mark.line + 1
+        if isinstance(value_node, yaml.MappingNode) and not key_node.value.endswith("_kwargs"):
+            _walk_yaml(value_node, key + ".", path, out)
+        else:
+            out.append((key, yaml.safe_load(yaml.serialize(value_node)), f"{path}:{line}"))
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, cls=JobConfig):
+    """Build and validate a config: defaults, then the YAML file, then ``key=value`` overrides."""
+    cfg = cls()
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                root = yaml.compose(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else path
+            raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        if root is not None:
+            if not isinstance(root, yaml.MappingNode):
+                raise ConfigError(f"{path}: the top level must be a mapping of sections")
+            items: list = []
+            _walk_yaml(root, "", path, items)
+            for key, value, where in items:
+                _set(cfg, key, value, where)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"command line: override '{item}' is not of the form key.sub=value")
+        key, raw = item.split("=", 1)
+        _set(cfg, key.strip(), yaml.safe_load(raw) if raw != "" else "", "command line")
+    return cfg.validate()
+
+
+def dump_config(cfg) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
