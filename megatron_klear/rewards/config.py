@@ -50,6 +50,10 @@ class SandboxConfig:
     max_slots: int = 1024
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (also callable after fields were set one by one, e.g. by overrides)."""
         c = type(self).__name__
         _require(self.isolation in ISOLATION_LEVELS, c, "isolation", self.isolation,
                  f"one of {ISOLATION_LEVELS}")
@@ -99,11 +103,16 @@ class RewardConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self) -> None:
-        c = type(self).__name__
         if isinstance(self.sandbox, dict):
             self.sandbox = SandboxConfig(**self.sandbox)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field, the sandbox's too (callable again after overrides)."""
+        c = type(self).__name__
         _require(isinstance(self.sandbox, SandboxConfig), c, "sandbox", self.sandbox,
                  "a SandboxConfig or a mapping of its fields")
+        self.sandbox.validate()
         for name in ("correct", "wrong", "no_think_close", "no_think_open", "code_float_tol",
                      "code_sample_budget_s", "math_timeout_s"):
             v = getattr(self, name)

@@ -1,0 +1,322 @@
+"""Math reward: math-verify on the answer section, with the traps of real RL data handled.
+
+Built on math-verify, pinned to 0.9.0 (setup.py): its extraction and normalisation change between
+releases, and a silent change there changes every reward of a run.
+
+How a response is graded (the Klear recipe, section 4 of docs/KLEAR-REASONER.md):
+1. Think format first: no `</think>` -> `no_think_close` (-0.5), no `<think>` -> `no_think_open` (-2).
+2. Only the text after the last `</think>` counts. A `\\boxed{}` answer there is taken first; with
+   no box, math-verify's own extraction ("the answer is ...", last expression) is the fallback.
+3. Several *different* boxed answers, or a hedged one ("7 or 8"), are not credited: a policy must
+   not learn to list candidates.
+4. The gold answer is wrapped as `\\boxed{...}` before parsing: math-verify extracts a bare gold
+   such as `016` or `\\frac12` unreliably, and a gold that parses to nothing makes every answer
+   "wrong" without any error.
+5. Plain words ("Monday") would parse as a product of symbols (so "Dynamo" would equal
+   "Monday"); they are compared as text instead. Multiple-choice letters are compared as letters.
+6. Numbers with more than ~10^5 digits (`10^{10^{10}}`, `(10^9)!`) never reach sympy, which would
+   try to expand them: they are credited only when structurally identical to the gold.
+
+This module does no time limiting itself: math-verify's own timeouts use `signal.alarm`, which
+raises off the main thread (frameworks that call it from threads have scored every sample 0).
+The worker pool (pool.py) runs `grade_math` in worker processes under a deadline and a memory
+limit, and reports a timeout or a crash as an error with its reason.
+"""
+from __future__ import annotations
+
+import logging
+import math as _m
+import re
+from functools import lru_cache
+
+from .config import RewardConfig
+from .response import answer_section, think_format_score
+from .result import GradeResult
+
+__all__ = ["grade_math", "boxed_contents", "MATH_VERIFY_VERSION"]
+
+MATH_VERIFY_VERSION = "0.9.0"
+
+#: log10 of the largest magnitude we let sympy evaluate (about 10^5 digits).
+HUGE_LOG10 = 1e5
+#: Without a box, only the tail of the answer section is searched (regex cost on long tails).
+_NO_BOX_TAIL_CHARS = 4000
+
+_HEDGE = re.compile(r"(\bor\b|\\lor\b|\\vee\b|\beither\b)", re.IGNORECASE)
+_WORDS = re.compile(r"[A-Za-z]{2,}(?:[ ,'-]+[A-Za-z]+)*")
+_NOT_WORDS = {"pi", "inf", "infty", "oo", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln",
+              "exp", "sqrt", "max", "min", "mod", "gcd", "lcm", "det", "arcsin", "arccos",
+              "arctan", "sinh", "cosh", "tanh", "none", "nan", "i", "e"}
+_CHOICE = re.compile(r"\(?\s*([A-J])\s*\)?\.?")
+_TEXT_WRAP = re.compile(r"^\\(?:text|textbf|mathrm|mathbf|textit)\{(.*)\}$", re.DOTALL)
+
+
+def _mv():
+    """math-verify, imported on first use (it pulls in sympy and antlr: ~0.5 s)."""
+    import math_verify
+
+    version = getattr(math_verify, "__version__", None)
+    if version is None:
+        try:
+            from importlib.metadata import version as _version
+
+            version = _version("math-verify")
+        except Exception:  # pragma: no cover - metadata missing
+            version = "unknown"
+    if version != MATH_VERIFY_VERSION:
+        logging.getLogger(__name__).warning(
+            "math-verify %s is installed but rewards are validated against %s: parsing differs "
+            "between releases; pin math-verify==%s", version, MATH_VERIFY_VERSION,
+            MATH_VERIFY_VERSION)
+    # We disable math-verify's signal-based timeouts (the pool enforces deadlines); silence its
+    # one-time warning about that.
+    for name in ("math_verify", "math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return math_verify
+
+
+@lru_cache(maxsize=1)
+def _configs():
+    mv = _mv()
+    boxed_only = [mv.LatexExtractionConfig(boxed_match_priority=0,
+                                           try_extract_without_anchor=False)]
+    anywhere = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
+    return boxed_only, anywhere
+
+
+# --------------------------------------------------------------------------- boxed extraction
+
+def _braced(text: str, start: int) -> tuple[str, int] | None:
+    """Content of the brace group opening at text[start] == '{', and the index after it."""
+    depth = 0
+    i = start
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i], i + 1
+        i += 1
+    return None
+
+
+def boxed_contents(text: str) -> list[str]:
+    """Contents of every `\\boxed{...}` / `\\fbox{...}` (and `\\boxed 5`) in order of appearance.
+
+    An unclosed box (truncated output) is ignored.
+    """
+    out = []
+    for m in re.finditer(r"\\(?:boxed|fbox)\b", text):
+        j = m.end()
+        while j < len(text) and text[j] in " \t":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            got = _braced(text, j)
+            if got is not None:
+                out.append(got[0])
+        elif m.group(0) == "\\boxed" and j > m.end():
+            tok = re.match(r"[^\s$]+", text[j:])
+            if tok:
+                out.append(tok.group(0))
+    return out
+
+
+def _squash(s: str) -> str:
+    return re.sub(r"\s+", "", s)
+
+
+# --------------------------------------------------------------------------- answer forms
+
+def _strip_math_delims(s: str) -> str:
+    s = s.strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
+            s = s[len(left):len(s) - len(right)].strip()
+    return s
+
+
+def _unwrap_text(s: str) -> str:
+    s = s.strip()
+    m = _TEXT_WRAP.match(s)
+    return m.group(1).strip() if m else s
+
+
+def _as_words(s: str) -> str | None:
+    """Lower-cased text when `s` is a plain word answer ("Monday", "\\text{no solution}")."""
+    t = _unwrap_text(s).strip().rstrip(".")
+    if _WORDS.fullmatch(t) and t.lower() not in _NOT_WORDS:
+        return re.sub(r"\s+", " ", t.lower())
+    return None
+
+
+def _as_choice(s: str) -> str | None:
+    m = _CHOICE.fullmatch(_unwrap_text(s).strip())
+    return m.group(1) if m else None
+
+
+def _is_hedged(s: str) -> bool:
+    return bool(_HEDGE.search(re.sub(r"\\text\{([^{}]*)\}", r" \1 ", s)))
+
+
+# --------------------------------------------------------------------------- magnitude guard
+
+def _log10_bound(expr) -> float | None:
+    """Upper bound on log10|expr| for a numeric sympy expression; None when unknown.
+
+    Computed on the unevaluated tree with floats, so `10^{10^{10}}` costs microseconds instead of
+    the gigabytes sympy would allocate.
+    """
+    import sympy
+
+    if isinstance(expr, sympy.Integer):
+        v = abs(int(expr))
+        return -_m.inf if v == 0 else _m.log10(v)
+    if isinstance(expr, sympy.Rational):
+        return _m.log10(abs(int(expr.p))) - _m.log10(abs(int(expr.q)))
+    if isinstance(expr, sympy.Float):
+        v = abs(float(expr))
+        return -_m.inf if v == 0 else _m.log10(v) if _m.isfinite(v) else _m.inf
+    if expr in (sympy.pi, sympy.E):
+        return 0.5
+    if isinstance(expr, sympy.Pow):
+        lb, le = _log10_bound(expr.base), _log10_bound(expr.exp)
+        if lb is None or le is None:
+            return None
+        if lb <= 0:
+            return 0.0 if lb > -_m.inf else -_m.inf
+        if le > 300:
+            return _m.inf
+        return (10.0 ** le) * lb
+    if isinstance(expr, sympy.Mul):
+        parts = [_log10_bound(a) for a in expr.args]
+        return None if any(p is None for p in parts) else sum(parts)
+    if isinstance(expr, sympy.Add):
+        parts = [_log10_bound(a) for a in expr.args]
+        return None if any(p is None for p in parts) else max(parts) + _m.log10(len(parts))
+    if isinstance(expr, sympy.factorial):
+        ln = _log10_bound(expr.args[0])
+        if ln is None:
+            return None
+        if ln > 300:
+            return _m.inf
+        n = 10.0 ** ln
+        return n * _m.log10(n + 1.0)
+    return None
+
+
+def _is_huge(expr) -> bool:
+    """True when some power or factorial inside `expr` has more than ~1e5 digits."""
+    import sympy
+
+    if not isinstance(expr, sympy.Basic):
+        return False
+    for sub in sympy.preorder_traversal(expr):
+        if isinstance(sub, (sympy.Pow, sympy.factorial)) and not sub.free_symbols:
+            bound = _log10_bound(sub)
+            if bound is not None and bound > HUGE_LOG10:
+                return True
+    return False
+
+
+# --------------------------------------------------------------------------- grading
+
+def _parse_gold(gold: str):
+    mv = _mv()
+    g = _strip_math_delims(str(gold))
+    boxes = boxed_contents(g)
+    if boxes:
+        g = boxes[-1]
+    words = _as_words(g)
+    if words is not None:
+        return g, [f"text:{words}"], words
+    boxed_only, _ = _configs()
+    parsed = mv.parse("\\boxed{" + g + "}", extraction_config=boxed_only, parsing_timeout=None)
+    return g, parsed, None
+
+
+def _verdict(cfg: RewardConfig, ok: bool, why: str) -> GradeResult:
+    return GradeResult(reward=cfg.correct if ok else cfg.wrong, passed=int(ok), total=1,
+                       detail=why)
+
+
+def grade_math(response: str, gold: str | list[str], cfg: RewardConfig | None = None) -> GradeResult:
+    """Grade one math response against its gold answer(s) (any one may match).
+
+    Raises nothing for bad model output (that is a verdict); a gold answer that cannot be parsed
+    is reported as an error (a data problem, not the policy's fault).
+    """
+    cfg = cfg or RewardConfig()
+    if not isinstance(response, str):
+        return GradeResult.failure(cfg.wrong, f"response must be a string, got {type(response).__name__}")
+    golds = gold if isinstance(gold, list) else [gold]
+    if not golds or not all(isinstance(g, (str, int, float)) and not isinstance(g, bool) for g in golds):
+        return GradeResult.failure(cfg.wrong, f"answer must be a string or a list of strings, got {gold!r:.80}")
+    golds = [str(g) for g in golds]
+
+    fmt = think_format_score(response, cfg)
+    if fmt is not None:
+        return GradeResult(reward=fmt[0], passed=0, total=1, detail=fmt[1])
+    section = answer_section(response) or ""
+
+    boxes = boxed_contents(section)
+    distinct = list(dict.fromkeys(_squash(b) for b in boxes))
+    if len(distinct) > 1:
+        return _verdict(cfg, False, f"several different boxed answers ({len(distinct)})")
+    mv = _mv()
+    boxed_only, anywhere = _configs()
+    if boxes:
+        answer_text = boxes[-1]
+    else:
+        tail = section[-_NO_BOX_TAIL_CHARS:]
+        found = mv.parse(tail, extraction_config=anywhere, parsing_timeout=None)
+        if not found:
+            return _verdict(cfg, False, "no answer found after </think>")
+        answer_text = found[-1] if isinstance(found[-1], str) else str(found[0])
+
+    last_error = None
+    for g in golds:
+        g_text, g_parsed, g_words = _parse_gold(g)
+        if not g_parsed:
+            last_error = f"gold answer {g!r:.80} could not be parsed by math-verify"
+            continue
+        if _is_hedged(answer_text) and not _is_hedged(g_text):
+            return _verdict(cfg, False, f"hedged answer {answer_text!r:.80}")
+        # Cheap and exact first: identical strings need no sympy.
+        if _squash(_unwrap_text(answer_text)) == _squash(_unwrap_text(g_text)):
+            return _verdict(cfg, True, "correct (identical)")
+        if g_words is not None:
+            if _as_words(answer_text) == g_words:
+                return _verdict(cfg, True, "correct (text)")
+            continue
+        g_choice = _as_choice(g_text)
+        if g_choice is not None and _as_choice(answer_text) is not None:
+            if _as_choice(answer_text) == g_choice:
+                return _verdict(cfg, True, "correct (choice)")
+            continue
+        if _as_words(answer_text) is not None:
+            continue  # a word answer against a mathematical gold
+        if boxes:
+            pred = mv.parse("\\boxed{" + answer_text + "}", extraction_config=boxed_only,
+                            parsing_timeout=None)
+        else:
+            pred = found
+        if not pred:
+            continue
+        g_huge = any(_is_huge(x) for x in g_parsed)
+        p_huge = any(_is_huge(x) for x in pred)
+        if g_huge or p_huge:
+            same = any(isinstance(a, type(b)) and a == b for a in g_parsed for b in pred
+                       if not isinstance(a, str))
+            if same:
+                return _verdict(cfg, True, "correct (structurally identical huge number)")
+            continue
+        if mv.verify(g_parsed, pred, timeout_seconds=None):
+            return _verdict(cfg, True, "correct")
+    if last_error is not None and len(golds) == 1:
+        return GradeResult.failure(cfg.wrong, last_error)
+    return _verdict(cfg, False, f"wrong answer {answer_text!r:.80}")

@@ -1,0 +1,303 @@
+"""A pool of grading worker processes with futures, for the RL loop to grade while it generates.
+
+    with GradingPool(cfg.reward) as pool:
+        futures = [pool.submit(item) for item in items]      # returns at once
+        ...                                                   # keep generating
+        rewards = [f.result().reward for f in futures]
+    # or, inside asyncio:  result = await pool.grade(item)
+
+Why processes and not threads: math-verify's timeouts use signal.alarm (main thread only), sympy
+can hang in C where no signal reaches it, and a hostile answer can exhaust memory. Each worker
+grades one item at a time; this process keeps a hard deadline per item and, when it passes or the
+worker dies, kills the worker, records the outcome *with its reason* (a GradeResult with `error`
+set, never a silent 0), cleans up after the worker's sandbox, and starts a replacement.
+
+Sizing: one worker per core by default (`RewardConfig.workers`). Code tests are subprocesses that
+spend most of their time in the program, so the worker count is the number of programs running.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import wait as mp_wait
+
+from .config import RewardConfig
+from .items import GradeItem, failure_reward, parse_item
+from .result import GradeResult
+
+__all__ = ["GradingPool"]
+
+log = logging.getLogger(__name__)
+_PRELOAD = ["megatron_klear.rewards.worker", "megatron_klear.rewards.math", "math_verify"]
+
+
+class _Worker:
+    def __init__(self, ctx, slot: int, cfg: RewardConfig):
+        from .worker import worker_main
+
+        self.slot = slot
+        parent, child = ctx.Pipe(duplex=True)
+        self.conn = parent
+        self.proc = ctx.Process(target=worker_main, args=(child, slot, cfg), daemon=True,
+                                name=f"klear-grader-{slot}")
+        self.proc.start()
+        child.close()
+        self.task = None          # (task_id, future, item_dict, deadline)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):
+            pass
+        self.proc.join(5)
+        self.conn.close()
+
+
+def _signal_name(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class GradingPool:
+    """Grade items in `workers` processes. Thread-safe submit(); results as futures.
+
+    config: RewardConfig (scores, limits, sandbox). workers: overrides config.workers
+    (0/None: one per CPU core).
+    """
+
+    def __init__(self, config: RewardConfig | None = None, workers: int | None = None):
+        from .sandbox import SlotLease
+
+        self.cfg = config or RewardConfig()
+        n = workers or self.cfg.workers or os.cpu_count() or 1
+        self.n_workers = n
+        self._ctx = mp.get_context("forkserver")
+        try:
+            self._ctx.set_forkserver_preload(_PRELOAD)
+        except Exception:  # pragma: no cover - preload is an optimisation only
+            pass
+        self._leases = [SlotLease(self.cfg.sandbox.max_slots) for _ in range(n)]
+        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()
+        self._ids = itertools.count()
+        self._closing = False
+        self._level: str | None = None
+        self._isolation = None
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._workers = [_Worker(self._ctx, lease.slot, self.cfg) for lease in self._leases]
+        self.stats = collections.Counter()
+        self._thread = threading.Thread(target=self._dispatch, name="klear-grading-pool", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def isolation(self):
+        """The sandbox's IsolationReport (None until the first code item)."""
+        return self._isolation
+
+    def submit(self, item: GradeItem | dict) -> Future:
+        """Queue one item; returns a Future of GradeResult.
+
+        A malformed item is not raised: its future resolves to a GradeResult with `error` set.
+        Raises SandboxUnavailable for the first code item when no acceptable sandbox exists.
+        """
+        raw = item.__dict__.copy() if isinstance(item, GradeItem) else item
+        if isinstance(raw, dict) and raw.get("task") == "code" and self._level is None:
+            self._resolve_sandbox()
+        fut: Future = Future()
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("GradingPool is closed")
+            self._pending.append((next(self._ids), fut, raw))
+        self._wake()
+        return fut
+
+    async def grade(self, item: GradeItem | dict) -> GradeResult:
+        """asyncio-friendly: `await pool.grade(item)` without blocking the event loop."""
+        return await asyncio.wrap_future(self.submit(item))
+
+    def grade_many(self, items) -> list[GradeResult]:
+        """Grade a batch, results in input order."""
+        futs = [self.submit(it) for it in items]
+        return [f.result() for f in futs]
+
+    def close(self, cancel_pending: bool = False) -> None:
+        """Finish queued work (or cancel it), stop the workers, release the sandbox slots."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            if cancel_pending:
+                while self._pending:
+                    self._pending.popleft()[1].cancel()
+        self._wake()
+        self._thread.join()
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        for w in self._workers:
+            w.proc.join(2)
+            if w.proc.is_alive():
+                w.kill()
+            self._cleanup_slot(w.slot)
+        for lease in self._leases:
+            lease.release()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(cancel_pending=exc[0] is not None)
+
+    # ------------------------------------------------------------------ internals
+
+    def _resolve_sandbox(self) -> None:
+        from .sandbox import resolve_isolation
+
+        rep = resolve_isolation(self.cfg.sandbox)  # raises SandboxUnavailable, loudly
+        self._isolation, self._level = rep, rep.level
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send_bytes(b"w")
+        except OSError:
+            pass
+
+    def _hard_deadline(self, raw) -> float:
+        c = self.cfg
+        if isinstance(raw, dict) and raw.get("task") == "code":
+            n = c.code_max_tests or len((raw.get("tests") or {}).get("inputs") or [1])
+            per_test = c.sandbox.wall_s + 1.0
+            return min(n * per_test, c.code_sample_budget_s + per_test) + 10.0
+        return c.math_timeout_s + 2.0
+
+    def _cleanup_slot(self, slot: int) -> None:
+        """After a worker was killed: kill what its sandbox left running, remove its files."""
+        from .sandbox import _base_dir
+
+        if os.getuid() == 0:
+            subprocess.run(["/bin/kill", "-KILL", "-1"], user=self.cfg.sandbox.base_uid + slot,
+                           group=self.cfg.sandbox.base_uid + slot, extra_groups=[], env={},
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, check=False)
+        runs = os.path.join(_base_dir(), "runs")
+        for name in os.listdir(runs):
+            if name.startswith(f"{slot}-"):
+                shutil.rmtree(os.path.join(runs, name), ignore_errors=True)
+
+    def _finish(self, w: _Worker, res: GradeResult) -> None:
+        task_id, fut, raw, _ = w.task
+        w.task = None
+        self.stats["done"] += 1
+        if res.error:
+            self.stats["errors"] += 1
+        if not fut.done():
+            fut.set_result(res)
+
+    def _replace(self, w: _Worker, reason: str) -> None:
+        """Kill `w` (if alive), fail its task with `reason`, start a new worker on its slot."""
+        w.kill()
+        self._cleanup_slot(w.slot)
+        if w.task is not None:
+            raw = w.task[2]
+            task = raw.get("task") if isinstance(raw, dict) else "math"
+            self.stats["killed"] += 1
+            self._finish(w, GradeResult.failure(failure_reward(task, self.cfg), reason))
+        i = self._workers.index(w)
+        self._workers[i] = _Worker(self._ctx, w.slot, self.cfg)
+
+    def _dispatch(self) -> None:
+        try:
+            self._dispatch_loop()
+        except Exception:  # never leave futures hanging silently
+            log.exception("grading pool dispatcher crashed")
+            with self._lock:
+                pending = list(self._pending)
+                self._pending.clear()
+            for w in self._workers:
+                if w.task is not None and not w.task[1].done():
+                    w.task[1].set_exception(RuntimeError("grading pool dispatcher crashed"))
+            for _, fut, _ in pending:
+                if not fut.done():
+                    fut.set_exception(RuntimeError("grading pool dispatcher crashed"))
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            # hand out work
+            for w in self._workers:
+                if w.task is not None:
+                    continue
+                with self._lock:
+                    nxt = None
+                    while self._pending:
+                        cand = self._pending.popleft()
+                        if cand[1].set_running_or_notify_cancel():
+                            nxt = cand
+                            break
+                if nxt is None:
+                    break
+                task_id, fut, raw = nxt
+                try:
+                    parse_item(raw)
+                except Exception as e:
+                    task = raw.get("task") if isinstance(raw, dict) else "math"
+                    fut.set_result(GradeResult.failure(failure_reward(task, self.cfg), f"bad item: {e}"))
+                    self.stats["done"] += 1
+                    self.stats["errors"] += 1
+                    continue
+                w.task = (task_id, fut, raw, time.monotonic() + self._hard_deadline(raw))
+                try:
+                    w.conn.send((task_id, raw, self._level))
+                except OSError:
+                    self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} before the item was sent")
+            busy = [w for w in self._workers if w.task is not None]
+            with self._lock:
+                if self._closing and not busy and not self._pending:
+                    return
+            now = time.monotonic()
+            timeout = min((w.task[3] for w in busy), default=now + 3600) - now
+            waitables = [self._wake_r] + [w.conn for w in busy] + [w.proc.sentinel for w in self._workers]
+            ready = mp_wait(waitables, timeout=max(0.0, timeout))
+            if self._wake_r in ready:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+            for w in list(self._workers):
+                if w.task is not None and w.conn in ready:
+                    try:
+                        task_id, res = w.conn.recv()
+                    except (EOFError, OSError):
+                        w.proc.join(1)
+                        self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
+                                         "while grading this item")
+                        continue
+                    if task_id == w.task[0]:
+                        self._finish(w, res)
+                elif w.proc.sentinel in ready and not w.proc.is_alive():
+                    self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
+                                     "while grading this item")
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.task is not None and now > w.task[3]:
+                    self._replace(w, f"timeout: no verdict within the hard deadline of "
+                                     f"{self._hard_deadline(w.task[2]):g} s; worker killed")

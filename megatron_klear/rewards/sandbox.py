@@ -1,0 +1,735 @@
+"""Running untrusted programs: bubblewrap isolation, rlimits, a private uid, and a thorough kill.
+
+Two isolation levels, chosen by a probe at start-up (`probe_isolation`):
+
+"bwrap" (bubblewrap): new PID, network, IPC and UTS namespaces; a read-only view of /usr (plus the
+    interpreter's prefix) and nothing else of the host; a private size-limited /tmp; a clean
+    environment. When the grader is root, bubblewrap runs privileged (no user namespace: a user
+    namespace created by root maps the program's uid back to host root) and the harness drops to
+    the slot's private uid before the program runs; a non-root grader gets an unprivileged
+    bubblewrap with a user namespace instead.
+"fallback": for machines where bubblewrap cannot create namespaces, and only when explicitly
+    allowed: the same harness (rlimits, private uid, seccomp) without namespaces. The program then
+    sees the host filesystem with the permissions of an unknown uid (world-readable files are
+    readable) and shares /tmp; it cannot read root-only files, signal the grader, or open network
+    sockets, and everything it leaves in the world-writable directories is removed afterwards.
+
+Both levels: resource limits (CPU, address space, file size, open files, processes) set by the
+harness before the program runs; a seccomp filter (network sockets, namespaces, ptrace, io_uring);
+a wall-clock timeout and an output cap enforced by this process, which kill the run; afterwards
+every process of the run is killed (process group, then every process of the slot's uid, which the
+namespace makes redundant but the fallback needs) and reaped.
+
+Each concurrent sandbox uses its own uid (`base_uid + slot`, slots leased with a lock file), so
+programs of different samples cannot signal each other, and a leftover process of one run can be
+identified by its uid alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import math
+import os
+import selectors
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from . import harness as _harness
+from .config import SandboxConfig
+
+__all__ = ["Sandbox", "RunResult", "IsolationReport", "SandboxUnavailable", "probe_isolation",
+           "resolve_isolation", "SlotLease", "become_subreaper"]
+
+log = logging.getLogger(__name__)
+
+_HARNESS_PATH = os.path.abspath(_harness.__file__)
+_IN_SANDBOX_HARNESS = "/harness.py"
+_IN_SANDBOX_CODE_DIR = "/sandbox"
+_IN_SANDBOX_WORKDIR = "/tmp"
+_ENV_KEYS = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PWD")  # PWD: set by bwrap --chdir
+_GRACE_AFTER_EXIT_S = 0.05
+_STDERR_TAIL = 4096
+_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The requested isolation cannot be provided on this machine."""
+
+
+@dataclass
+class RunResult:
+    """How one run ended. Only `started` is trustworthy about the program's behaviour; everything
+    else (exit code, output) is the program's word and is interpreted as such."""
+
+    started: bool                 # the harness reached the program (else: a sandbox failure)
+    status: str                   # "exited" | "timeout" | "output_limit"
+    exit_code: int | None         # signals as 128+N (bubblewrap's convention, applied to both levels)
+    stdout: bytes
+    stderr_tail: bytes
+    wall_s: float
+
+    def failure_reason(self, limits: SandboxConfig) -> str | None:
+        """Why the run cannot count as a normal completion, or None."""
+        if not self.started:
+            tail = self.stderr_tail.decode("utf-8", "replace").strip().splitlines()
+            return "sandbox failure: " + (tail[-1] if tail else f"exit code {self.exit_code}")
+        if self.status == "timeout":
+            return f"timeout (wall {limits.wall_s:g} s)"
+        if self.status == "output_limit":
+            return f"output limit ({limits.output_limit_bytes} bytes)"
+        if self.exit_code == 0:
+            return None
+        sig = self.exit_code - 128 if self.exit_code and self.exit_code > 128 else None
+        if sig in (signal.SIGXCPU, signal.SIGKILL) and self._cpu_plausible(limits):
+            return f"cpu time limit ({math.ceil(limits.cpu_s)} s)"
+        if sig == signal.SIGXFSZ:
+            return f"file size limit ({limits.file_size_mb} MB)"
+        if b"MemoryError" in self.stderr_tail:
+            return f"memory limit ({limits.memory_mb} MB)"
+        if sig is not None:
+            return f"killed by signal {sig}"
+        last = self.stderr_tail.decode("utf-8", "replace").strip().splitlines()
+        return f"runtime error (exit {self.exit_code})" + (f": {last[-1][:200]}" if last else "")
+
+    def _cpu_plausible(self, limits: SandboxConfig) -> bool:
+        return self.wall_s >= 0.9 * math.ceil(limits.cpu_s) or self.exit_code - 128 == signal.SIGXCPU
+
+
+@dataclass
+class IsolationReport:
+    """What the start-up probe found."""
+
+    level: str | None                                   # what runs will use; None: refused
+    bwrap_ok: bool = False
+    bwrap_problems: list[str] = field(default_factory=list)
+    fallback_ok: bool = False
+    fallback_problems: list[str] = field(default_factory=list)
+    limitations: list[str] = field(default_factory=list)  # what the chosen level does not give
+
+    def summary(self) -> str:
+        parts = [f"isolation={self.level}"]
+        if self.bwrap_problems:
+            parts.append("bubblewrap: " + "; ".join(self.bwrap_problems))
+        if self.level == "fallback" and self.limitations:
+            parts.append("fallback limitations: " + "; ".join(self.limitations))
+        return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------- process helpers
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux), so that grandchildren a
+    program leaves behind come back to us to be reaped. Only for dedicated worker processes."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                          ctypes.c_ulong(0)) == 0  # PR_SET_CHILD_SUBREAPER
+    except OSError:
+        return False
+
+
+def _is_subreaper() -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        out = ctypes.c_int(0)
+        return libc.prctl(37, ctypes.byref(out), 0, 0, 0) == 0 and out.value == 1
+    except OSError:
+        return False
+
+
+def _reap_orphans(timeout_s: float = 0.5) -> None:
+    """Reap dead children that are not ours by Popen (orphans handed to us as subreaper)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            if time.monotonic() > end:
+                log.warning("sandbox: children still alive %.1f s after being killed", timeout_s)
+                return
+            time.sleep(0.001)
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """PIDs whose real uid is `uid` (tests and diagnostics)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        if int(line.split()[1]) == uid:
+                            out.append(int(name))
+                        break
+        except OSError:
+            continue
+    return out
+
+
+def _base_dir() -> str:
+    """The grader's private directory; refuses one that another user could have planted."""
+    path = os.path.join(tempfile.gettempdir(), f"megatron-klear-sandbox-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o711)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise SandboxUnavailable(f"{path} exists but is not a private directory of uid {os.getuid()}")
+    os.chmod(path, 0o711)
+    for sub, mode in (("slots", 0o700), ("runs", 0o711)):
+        p = os.path.join(path, sub)
+        os.makedirs(p, mode=mode, exist_ok=True)
+        os.chmod(p, mode)
+    return path
+
+
+class SlotLease:
+    """Exclusive use of one sandbox uid slot, across processes (flock on a lock file).
+
+    The lock dies with its holder, so a crashed grader never leaks a slot.
+    """
+
+    def __init__(self, max_slots: int, prefer: int | None = None):
+        d = os.path.join(_base_dir(), "slots")
+        order = list(range(max_slots))
+        if prefer is not None and 0 <= prefer < max_slots:
+            order.remove(prefer)
+            order.insert(0, prefer)
+        for slot in order:
+            fd = os.open(os.path.join(d, f"{slot}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.slot, self._fd = slot, fd
+            return
+        raise SandboxUnavailable(f"all {max_slots} sandbox slots are in use")
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# ----------------------------------------------------------------------------- the sandbox
+
+def _default_python(cfg: SandboxConfig) -> str:
+    if cfg.python:
+        return cfg.python
+    for cand in ("/usr/bin/python3",):
+        if os.access(cand, os.X_OK):
+            return os.path.realpath(cand)
+    return os.path.realpath(sys.executable)
+
+
+def _bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+class Program:
+    """One program's code, written once, run once per test."""
+
+    def __init__(self, sandbox: "Sandbox", code: str):
+        self.sandbox = sandbox
+        self.dir = os.path.join(_base_dir(), "runs", f"{sandbox.slot}-{uuid.uuid4().hex}")
+        os.mkdir(self.dir, 0o700)  # root-only: the harness reads the code before dropping privileges
+        self.code_path = os.path.join(self.dir, "solution.py")
+        with open(self.code_path, "w", encoding="utf-8", errors="surrogatepass") as f:
+            f.write(code)
+
+    def run(self, stdin: bytes = b"", call: str | None = None,
+            output_limit: int | None = None) -> RunResult:
+        return self.sandbox.run(self, stdin, call=call, output_limit=output_limit)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Sandbox:
+    """Runs programs under one isolation level, as one uid slot. Not thread-safe: one run at a time.
+
+    level: "bwrap" or "fallback"; None resolves it with the probe (`resolve_isolation`).
+    slot: use this uid slot (the caller holds its lease); None leases one.
+    """
+
+    def __init__(self, config: SandboxConfig | None = None, level: str | None = None,
+                 slot: int | None = None):
+        self.cfg = config or SandboxConfig()
+        self.level = level or resolve_isolation(self.cfg).level
+        if self.level not in ("bwrap", "fallback"):
+            raise ValueError(f"Sandbox level must be 'bwrap' or 'fallback', got {self.level!r}")
+        self._lease = None
+        if slot is None:
+            self._lease = SlotLease(self.cfg.max_slots)
+            slot = self._lease.slot
+        self.slot = slot
+        self.is_root = os.getuid() == 0
+        if self.level == "fallback" and not self.is_root:
+            raise SandboxUnavailable("the fallback sandbox needs root to run programs as a separate uid")
+        self.uid = self.cfg.base_uid + slot if self.is_root else -1
+        self.gid = self.uid
+        self.python = _default_python(self.cfg)
+        self._bwrap = _bwrap_path()
+        self._reap = _is_subreaper()
+        self._seccomp = _harness.seccomp_filter()
+        if self._seccomp is None:
+            log.warning("sandbox: no seccomp filter for %s; network isolation relies on namespaces",
+                        os.uname().machine)
+            if self.level == "fallback":
+                raise SandboxUnavailable(f"fallback sandbox needs seccomp, unsupported on {os.uname().machine}")
+        self._runs = 0
+
+    # -- public API
+
+    def program(self, code: str) -> Program:
+        return Program(self, code)
+
+    def run_code(self, code: str, stdin: bytes = b"", call: str | None = None) -> RunResult:
+        with self.program(code) as p:
+            return p.run(stdin, call=call)
+
+    def close(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- one run
+
+    def _limits_args(self, mode: str, status_fd: int, code_path: str, workdir: str,
+                     fn_name: str | None) -> list[str]:
+        c = self.cfg
+        return [mode, str(status_fd), code_path, workdir, str(self.uid), str(self.gid),
+                str(math.ceil(c.cpu_s)), str(c.memory_mb << 20), str(c.file_size_mb << 20),
+                str(c.open_files), str(c.processes), "1" if self.level == "fallback" else "0",
+                fn_name or "-"]
+
+    def _bwrap_command(self, program: Program, seccomp_fd: int | None) -> list[str]:
+        c = self.cfg
+        cmd = [self._bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+               "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv"]
+        for k, v in self._env(_IN_SANDBOX_WORKDIR).items():
+            cmd += ["--setenv", k, v]
+        cmd += ["--ro-bind", "/usr", "/usr"]
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+            if os.path.islink(top):
+                cmd += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                cmd += ["--ro-bind", top, top]
+        for f in ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives"):
+            cmd += ["--ro-bind-try", f, f]
+        prefix = os.path.dirname(os.path.dirname(self.python))
+        if not (prefix == "/usr" or prefix.startswith("/usr/")):
+            cmd += ["--ro-bind", prefix, prefix]
+        cmd += ["--proc", "/proc", "--dev", "/dev",
+                "--size", str(c.tmpfs_mb << 20), "--perms", "0700", "--tmpfs", _IN_SANDBOX_WORKDIR,
+                "--ro-bind", program.dir, _IN_SANDBOX_CODE_DIR,
+                "--ro-bind", _HARNESS_PATH, _IN_SANDBOX_HARNESS,
+                "--chdir", _IN_SANDBOX_WORKDIR]
+        if seccomp_fd is not None:
+            cmd += ["--seccomp", str(seccomp_fd)]
+        return cmd
+
+    @staticmethod
+    def _env(home: str) -> dict[str, str]:
+        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
+                "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+    def run(self, program: Program, stdin: bytes = b"", call: str | None = None,
+            output_limit: int | None = None) -> RunResult:
+        """Run `program` once: stdin/stdout mode, or `call`ing the named function (JSON args on stdin)."""
+        limit = output_limit or self.cfg.output_limit_bytes
+        mode = "call" if call else "stdio"
+        self._runs += 1
+        status_r, status_w = os.pipe()
+        to_close = [status_r, status_w]
+        workdir = None
+        seccomp_r = None
+        try:
+            if self.level == "bwrap":
+                if self._seccomp is not None:
+                    seccomp_r, sw = os.pipe()
+                    os.write(sw, self._seccomp)
+                    os.close(sw)
+                    to_close.append(seccomp_r)
+                cmd = self._bwrap_command(program, seccomp_r) + [
+                    self.python, "-I", _IN_SANDBOX_HARNESS] + self._limits_args(
+                    mode, status_w, f"{_IN_SANDBOX_CODE_DIR}/solution.py", _IN_SANDBOX_WORKDIR, call)
+                env, cwd = {}, "/"
+                fds = (status_w,) + ((seccomp_r,) if seccomp_r is not None else ())
+            else:
+                workdir = os.path.join(program.dir, f"work-{self._runs}")
+                os.mkdir(workdir, 0o700)
+                os.chown(workdir, self.uid, self.gid)
+                os.chmod(program.dir, 0o711)  # traversable by the uid, code file stays 0600 root
+                os.chmod(program.code_path, 0o600)
+                cmd = [self.python, "-I", _HARNESS_PATH] + self._limits_args(
+                    mode, status_w, program.code_path, workdir, call)
+                env, cwd = self._env(workdir), workdir
+                fds = (status_w,)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=env, cwd=cwd, pass_fds=fds,
+                                    start_new_session=True, close_fds=True)
+            os.close(status_w)
+            to_close.remove(status_w)
+            if seccomp_r is not None:
+                os.close(seccomp_r)
+                to_close.remove(seccomp_r)
+            try:
+                status, started, out, err = self._communicate(proc, stdin, status_r, limit)
+            finally:
+                self._kill_everything(proc)
+            wall = time.monotonic() - t0
+            rc = proc.returncode
+            if rc is not None and rc < 0:
+                rc = 128 - rc
+            return RunResult(started=started, status=status, exit_code=rc, stdout=bytes(out),
+                             stderr_tail=bytes(err[-_STDERR_TAIL:]), wall_s=wall)
+        finally:
+            for fd in to_close:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+                self._clean_world_writable()
+
+    def _communicate(self, proc, stdin: bytes, status_r: int, limit: int):
+        """Feed stdin, collect stdout/stderr under the cap, until exit or the wall deadline.
+
+        Returns (status, started, stdout, stderr). After the program's main process exits, output
+        is read for a short grace period only: a daemonised grandchild holding the pipes open
+        must not stall the grader (it is killed right after).
+        """
+        deadline = time.monotonic() + self.cfg.wall_s
+        sel = selectors.DefaultSelector()
+        out, err = bytearray(), bytearray()
+        total = 0
+        status = "exited"
+        started = False
+        pidfd = os.pidfd_open(proc.pid)
+        streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+        in_fd = proc.stdin.fileno()
+        view = memoryview(stdin)
+        try:
+            for fd in streams:
+                os.set_blocking(fd, False)
+                sel.register(fd, selectors.EVENT_READ)
+            sel.register(status_r, selectors.EVENT_READ)
+            sel.register(pidfd, selectors.EVENT_READ)
+            if view:
+                os.set_blocking(in_fd, False)
+                sel.register(in_fd, selectors.EVENT_WRITE)
+            else:
+                proc.stdin.close()
+            exited_at = None
+            while status == "exited":
+                now = time.monotonic()
+                if exited_at is not None and (not streams or now - exited_at > _GRACE_AFTER_EXIT_S):
+                    break
+                if now >= deadline:
+                    if exited_at is None:
+                        status = "timeout"
+                    break
+                wait = deadline - now
+                if exited_at is not None:
+                    wait = min(wait, _GRACE_AFTER_EXIT_S)
+                for key, _ in sel.select(wait):
+                    fd = key.fd
+                    if fd == in_fd:
+                        try:
+                            view = view[os.write(in_fd, view[:1 << 16]):]
+                        except BlockingIOError:
+                            continue
+                        except OSError:  # the program closed stdin or exited
+                            view = view[:0]
+                        if not view:
+                            sel.unregister(in_fd)
+                            proc.stdin.close()
+                    elif fd in streams:
+                        try:
+                            data = os.read(fd, 1 << 16)
+                        except BlockingIOError:
+                            continue
+                        if not data:
+                            sel.unregister(fd)
+                            del streams[fd]
+                            continue
+                        total += len(data)
+                        buf = streams[fd]
+                        buf += data
+                        if buf is err and len(err) > 2 * _STDERR_TAIL:
+                            del err[:-_STDERR_TAIL]
+                        if total > limit:
+                            status = "output_limit"
+                            break
+                    elif fd == status_r:
+                        data = os.read(status_r, 16)
+                        started = started or data.startswith(b"S")
+                        if not data:
+                            sel.unregister(status_r)
+                    elif fd == pidfd:
+                        sel.unregister(pidfd)
+                        exited_at = time.monotonic()
+        finally:
+            sel.close()
+            os.close(pidfd)
+            if not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        if not started:  # the start byte may still sit in the pipe when the loop ended early
+            try:
+                os.set_blocking(status_r, False)
+                started = os.read(status_r, 16).startswith(b"S")
+            except OSError:
+                pass
+        return status, started, out, err
+
+    def _kill_everything(self, proc) -> None:
+        """Kill the run's processes, all of them, and reap what is ours to reap."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.uid >= 0:
+            self._kill_uid()
+        proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            f.close()
+        if self._reap:
+            _reap_orphans()
+
+    def _kill_uid(self) -> None:
+        """kill(-1, SIGKILL) as the slot's uid: every process of that uid, wherever it hides
+        (new sessions, reparented daemons). Forks are blocked while the kernel walks the task
+        list, so one pass suffices. In bwrap mode the namespace already took them; cheap anyway."""
+        if self.level == "bwrap":
+            return
+        subprocess.run(["/bin/kill", "-KILL", "-1"], user=self.uid, group=self.gid,
+                       extra_groups=[], env={}, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+    def _clean_world_writable(self) -> None:
+        """Remove what the run's uid left in the shared world-writable directories (fallback)."""
+        for root in _WORLD_WRITABLE:
+            try:
+                names = os.listdir(root)
+            except OSError:
+                continue
+            for name in names:
+                p = os.path.join(root, name)
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    continue
+                if st.st_uid != self.uid:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
+
+
+# ----------------------------------------------------------------------------- the probe
+
+_PROBE = r'''
+import json, os, socket, sys
+r = {"uid": os.getuid(), "euid": os.geteuid(), "groups": os.getgroups(), "pid": os.getpid(),
+     "env": sorted(os.environ)}
+def can_read(p):
+    try:
+        open(p, "rb").read(1); return True
+    except OSError:
+        return False
+r["secret_readable"] = can_read(sys.stdin.readline().strip())
+r["host_file_visible"] = can_read(sys.stdin.readline().strip())
+r["host_tmp_visible"] = can_read(sys.stdin.readline().strip())
+port = int(sys.stdin.readline())
+try:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM); s.settimeout(1.0)
+    s.connect(("127.0.0.1", port)); r["network"] = True
+except OSError:
+    r["network"] = False
+try:
+    open("/usr/.klear-probe", "w"); r["system_writable"] = True
+except OSError:
+    r["system_writable"] = False
+r["visible_pids"] = len([p for p in os.listdir("/proc") if p.isdigit()])
+try:
+    import heapq, bisect, collections  # stdlib readable after the privilege drop
+    r["stdlib"] = True
+except Exception:
+    r["stdlib"] = False
+print(json.dumps(r))
+'''
+
+
+def _probe_level(cfg: SandboxConfig, level: str) -> tuple[list[str], list[str]]:
+    """Run the probe program at `level`; returns (problems, limitations)."""
+    problems: list[str] = []
+    limitations: list[str] = []
+    d = tempfile.mkdtemp(prefix="klear-probe-")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        secret = os.path.join(d, "secret")
+        with open(secret, "w") as f:
+            f.write("root only")
+        os.chmod(secret, 0o600)
+        visible = os.path.join(d, "visible")
+        with open(visible, "w") as f:
+            f.write("world readable")
+        os.chmod(visible, 0o644)
+        os.chmod(d, 0o755)
+        host_tmp = os.path.join(tempfile.gettempdir(), f"klear-probe-{uuid.uuid4().hex}")
+        with open(host_tmp, "w") as f:
+            f.write("x")
+        os.chmod(host_tmp, 0o644)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        probe_cfg = SandboxConfig(**{**cfg.__dict__, "wall_s": max(10.0, cfg.wall_s),
+                                     "cpu_s": max(5.0, cfg.cpu_s),
+                                     "memory_mb": max(256, cfg.memory_mb)})
+        try:
+            with Sandbox(probe_cfg, level=level) as sb:
+                res = sb.run_code(_PROBE, f"{secret}\n{visible}\n{host_tmp}\n{port}\n".encode())
+                uid = sb.uid
+        finally:
+            os.unlink(host_tmp)
+        if not res.started or res.exit_code != 0:
+            problems.append("probe program did not run: " + (res.failure_reason(probe_cfg) or
+                            res.stderr_tail.decode("utf-8", "replace")[-300:]))
+            return problems, limitations
+        import json
+
+        r = json.loads(res.stdout.decode().strip().splitlines()[-1])
+        if os.getuid() == 0 and (r["uid"] != uid or r["euid"] != uid or r["groups"]):
+            problems.append(f"program runs as uid {r['uid']} groups {r['groups']}, not uid {uid}")
+        if r["uid"] == 0:
+            problems.append("program runs as root")
+        if r["secret_readable"]:
+            problems.append("program can read a root-only file")
+        if r["network"]:
+            problems.append("program can connect to the host's loopback network")
+        if set(r["env"]) - set(_ENV_KEYS):
+            problems.append(f"environment not clean: {sorted(set(r['env']) - set(_ENV_KEYS))}")
+        if not r["stdlib"]:
+            problems.append(f"the interpreter {_default_python(cfg)} cannot import its standard "
+                            "library as an unprivileged uid (set sandbox.python)")
+        if level == "bwrap":
+            if r["host_file_visible"]:
+                problems.append("host files outside /usr are visible")
+            if r["host_tmp_visible"]:
+                problems.append("/tmp is not private")
+            if r["system_writable"]:
+                problems.append("/usr is writable")
+            if r["visible_pids"] > 4:
+                problems.append(f"no private PID namespace ({r['visible_pids']} processes visible)")
+        else:
+            if r["host_file_visible"]:
+                limitations.append("world-readable host files are readable")
+            if r["host_tmp_visible"]:
+                limitations.append("/tmp is shared (cleaned after each run)")
+            if r["visible_pids"] > 4:
+                limitations.append("host processes are visible (not signalable)")
+            limitations.append("no mount/PID/IPC namespaces; disk writes limited per file only")
+        return problems, limitations
+    except SandboxUnavailable as e:
+        return [str(e)], limitations
+    finally:
+        listener.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def probe_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
+    """Test, with a real probe program, what isolation works here. Does not decide anything."""
+    cfg = cfg or SandboxConfig()
+    rep = IsolationReport(level=None)
+    if _bwrap_path() is None:
+        rep.bwrap_problems.append("bubblewrap (bwrap) is not installed (Debian: apt-get install bubblewrap)")
+    else:
+        rep.bwrap_problems, _ = _probe_level(cfg, "bwrap")
+        rep.bwrap_ok = not rep.bwrap_problems
+    if os.getuid() != 0:
+        rep.fallback_problems.append("the fallback needs root (to run programs as a separate uid)")
+    else:
+        rep.fallback_problems, rep.limitations = _probe_level(cfg, "fallback")
+        rep.fallback_ok = not rep.fallback_problems
+    return rep
+
+
+_resolved: dict[tuple, IsolationReport] = {}
+_resolved_lock = threading.Lock()
+
+
+def resolve_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
+    """Pick the isolation level per `cfg`, probing once per process; refuses loudly.
+
+    Raises SandboxUnavailable when the requested isolation cannot be had. Falling back from
+    bubblewrap is logged at ERROR level and printed to stderr: a sandbox that is silently weaker
+    than believed is the worst outcome.
+    """
+    cfg = cfg or SandboxConfig()
+    key = (cfg.isolation, cfg.allow_fallback, _default_python(cfg), cfg.base_uid)
+    with _resolved_lock:
+        if key in _resolved:
+            return _resolved[key]
+        rep = probe_isolation(cfg)
+        if cfg.isolation in ("auto", "bwrap") and rep.bwrap_ok:
+            rep.level = "bwrap"
+            rep.limitations = []
+        elif cfg.isolation == "fallback" or (cfg.isolation == "auto" and cfg.allow_fallback):
+            if not rep.fallback_ok:
+                raise SandboxUnavailable(
+                    "no usable sandbox: bubblewrap: " + ("; ".join(rep.bwrap_problems) or "not requested")
+                    + " | fallback: " + "; ".join(rep.fallback_problems))
+            rep.level = "fallback"
+            msg = ("SANDBOX DEGRADED: bubblewrap isolation unavailable ("
+                   + ("; ".join(rep.bwrap_problems) or "fallback requested")
+                   + "); running untrusted programs with rlimits + separate uid + seccomp only. "
+                   "Limitations: " + "; ".join(rep.limitations))
+            log.error(msg)
+            print(f"megatron_klear.rewards: {msg}", file=sys.stderr, flush=True)
+        else:
+            raise SandboxUnavailable(
+                "bubblewrap isolation does not work here: " + "; ".join(rep.bwrap_problems)
+                + ". Refusing to run untrusted code; set sandbox.allow_fallback=true to accept "
+                "the weaker rlimits + separate-uid fallback"
+                + ("" if rep.fallback_ok else " (which does not work either: "
+                   + "; ".join(rep.fallback_problems) + ")"))
+        _resolved[key] = rep
+        return rep
