@@ -25,9 +25,12 @@ def main(argv=None) -> int:
                    help="a prompt is hard when its pass rate is below this (default 0.5)")
     p.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail")
     p.add_argument("--report", help="also write the summary as JSON here")
+    p.add_argument("--grading-workers", type=int, default=None,
+                   help="grading processes for records without a 'correct' flag (default: one per core)")
     args = p.parse_args(argv)
     cfg = CurateConfig(inputs=args.input, output=args.output, hard_below=args.hard_below,
-                       on_bad_line=args.on_bad_line, report=args.report)
+                       on_bad_line=args.on_bad_line, report=args.report,
+                       grading_workers=args.grading_workers)
     try:
         summary = curate(cfg)
     except (BadLineError, ValueError, FileNotFoundError) as e:

@@ -12,8 +12,9 @@ Input: JSONL, one teacher response per line::
 
 ``correct`` (a boolean) is used as given. Otherwise ``answer`` (string or list of strings) is graded
 with the project's math grader and ``tests`` with its code grader (every test run; correct means
-all pass); see :func:`grade_response`. A response whose grading fails (grader error, not a wrong
-answer) is dropped and counted, and does not enter the pass rate.
+all pass), through ``megatron_klear.rewards.GradingPool`` (see :class:`PoolGrader` and
+:func:`curation_reward_config`). A response whose grading fails (grader error, not a wrong answer)
+is dropped and counted, and does not enter the pass rate.
 
 Policy:
 1. ``pass_rate(prompt) = correct / graded`` over all of the prompt's graded responses (exact
@@ -56,28 +57,55 @@ DROP_DUPLICATE = "duplicate"
 DROP_GRADING_ERROR = "grading_error"
 
 
-def grade_response(record: dict, reward_config=None) -> tuple:
-    """Adapter to the project's graders: ``(correct, detail)``; ``correct`` is None on an error.
+def verdict_from_grade(result) -> tuple:
+    """``(correct, detail)`` from a rewards ``GradeResult``; ``correct`` is None on a grader error.
 
-    The one place curation touches ``megatron_klear.rewards``: math answers go through
-    ``rewards.math.grade_math`` (correct = passed), code tests through ``rewards.code.grade_code``
-    with every test run (correct = all tests pass). Grader errors (unparseable gold answer,
-    sandbox failure, timeout) are not verdicts and come back as ``(None, reason)``.
+    Correct means every check passed: the math answer, or all of the code tests (curation runs
+    every test, unlike the RL reward's sampled subset and partial credit).
     """
-    from megatron_klear.rewards.config import RewardConfig
-
-    cfg = reward_config or RewardConfig(code_max_tests=None)
-    if "answer" in record:
-        from megatron_klear.rewards.math import grade_math
-
-        result = grade_math(record["response"], record["answer"], cfg)
-    else:
-        from megatron_klear.rewards.code import grade_code
-
-        result = grade_code(record["response"], record["tests"], cfg)
     if result.error:
         return None, result.error
     return (result.total > 0 and result.passed == result.total), result.detail
+
+
+def curation_reward_config(**overrides):
+    """The graders' settings for curation: every code test, and no penalty for a missing
+    ``<think>`` (teacher templates often put it in the prompt); a missing ``</think>`` (a
+    truncated response) still counts as incorrect."""
+    from megatron_klear.rewards.config import RewardConfig
+
+    return RewardConfig(**{"code_max_tests": None, "require_think_open": False, **overrides})
+
+
+def grading_item(index: int, record: dict) -> dict:
+    """A record as a ``megatron_klear.rewards`` grading item (math if it has an answer)."""
+    if "answer" in record:
+        return {"id": index, "task": "math", "response": record["response"], "answer": record["answer"]}
+    return {"id": index, "task": "code", "response": record["response"], "tests": record["tests"]}
+
+
+class PoolGrader:
+    """The default grader: the project's ``rewards.GradingPool`` (worker processes with deadlines
+    and memory limits; code runs sandboxed). Called with a batch of records, returns one
+    ``(correct, detail)`` per record. The pool starts on the first batch."""
+
+    def __init__(self, workers: Optional[int] = None, reward_config=None):
+        self.workers = workers
+        self.reward_config = reward_config
+        self._pool = None
+
+    def __call__(self, records: list) -> list:
+        if self._pool is None:
+            from megatron_klear.rewards.pool import GradingPool
+
+            self._pool = GradingPool(self.reward_config or curation_reward_config(), workers=self.workers)
+        results = self._pool.grade_many([grading_item(i, r) for i, r in enumerate(records)])
+        return [verdict_from_grade(r) for r in results]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 def validate_record(obj: dict) -> dict:
@@ -111,6 +139,8 @@ class CurateConfig:
     hard_below: float = 0.5
     on_bad_line: str = "fail"
     report: Optional[str] = None  # summary JSON path
+    grading_workers: Optional[int] = None  # GradingPool processes (None: the reward config's)
+    grading_batch: int = 256  # records handed to the grader at a time
 
     def validate(self) -> None:
         if not self.inputs:
@@ -156,42 +186,73 @@ def _sha(*parts: str) -> bytes:
 def curate(
     cfg: CurateConfig,
     *,
-    grader: Callable[[dict], tuple] = grade_response,
+    grader: Optional[Callable[[list], list]] = None,
     stream: Optional[TextIO] = None,
 ) -> dict:
-    """Run the policy; write ``cfg.output`` (atomically) and return the summary."""
+    """Run the policy; write ``cfg.output`` (atomically) and return the summary.
+
+    ``grader(records) -> [(correct, detail), ...]`` grades records that have no ``correct`` flag;
+    by default a :class:`PoolGrader` over the project's graders.
+    """
     stream = stream or sys.stderr
     cfg.validate()
     bad = BadLinePolicy(cfg.on_bad_line, stream=stream)
 
     # Pass 1: verdicts (given or graded) and per-prompt pass rates.
-    verdicts: list = []  # one entry per valid record, in order: True / False / None (error)
+    own_grader = grader is None
+    if own_grader:
+        grader = PoolGrader(cfg.grading_workers)
+    verdicts: list = []  # one per valid record, in order: True / False / None (error) / "bad"
+    pids: list = []
     prompts: dict = {}
+    pending: list = []  # (index, where, record) awaiting the grader
     graded_lines = 0
     grading_errors: list = []
-    readers1: list = []
-    for path, lineno, rec in _records(cfg.inputs, bad, readers1):
-        pid = rec["prompt_id"]
-        psha = _sha(rec["prompt"])
-        st = prompts.get(pid)
-        if st is None:
-            st = prompts[pid] = _PromptStats(psha, f"{path}:{lineno}")
-        elif st.prompt_sha != psha:
-            bad.handle(BadLineError(path, lineno, INCONSISTENT_PROMPT,
-                                    f"prompt_id {pid!r} has a different prompt text than at {st.where}"))
-            verdicts.append("bad")
-            continue
-        if "correct" in rec:
-            ok = rec["correct"]
-        else:
-            ok, detail = grader(rec)
-            graded_lines += 1
+
+    def flush():
+        nonlocal graded_lines
+        if not pending:
+            return
+        results = grader([rec for _, _, rec in pending])
+        if len(results) != len(pending):
+            raise RuntimeError(f"grader returned {len(results)} verdicts for {len(pending)} records")
+        for (k, where, _), (ok, detail) in zip(pending, results):
+            verdicts[k] = ok
             if ok is None and len(grading_errors) < 20:
-                grading_errors.append(f"{path}:{lineno}: {detail}")
-        verdicts.append(ok)
-        if ok is not None:
-            st.graded += 1
-            st.correct += int(ok)
+                grading_errors.append(f"{where}: {detail}")
+        graded_lines += len(pending)
+        pending.clear()
+
+    readers1: list = []
+    try:
+        for path, lineno, rec in _records(cfg.inputs, bad, readers1):
+            pid = rec["prompt_id"]
+            psha = _sha(rec["prompt"])
+            st = prompts.get(pid)
+            if st is None:
+                st = prompts[pid] = _PromptStats(psha, f"{path}:{lineno}")
+            elif st.prompt_sha != psha:
+                bad.handle(BadLineError(path, lineno, INCONSISTENT_PROMPT,
+                                        f"prompt_id {pid!r} has a different prompt text than at {st.where}"))
+                verdicts.append("bad")
+                pids.append(pid)
+                continue
+            pids.append(pid)
+            if "correct" in rec:
+                verdicts.append(rec["correct"])
+            else:
+                verdicts.append(None)
+                pending.append((len(verdicts) - 1, f"{path}:{lineno}", rec))
+                if len(pending) >= cfg.grading_batch:
+                    flush()
+        flush()
+    finally:
+        if own_grader:
+            grader.close()
+    for pid, ok in zip(pids, verdicts):
+        if ok is not None and ok != "bad":
+            prompts[pid].graded += 1
+            prompts[pid].correct += int(ok)
     shas = [r.sha256 for r in readers1]
 
     def rate(st):

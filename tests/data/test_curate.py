@@ -14,6 +14,8 @@ from megatron_klear.data.curate import (
     CurateConfig,
     curate,
     format_summary,
+    grading_item,
+    verdict_from_grade,
 )
 from megatron_klear.data.jsonl import BadLineError
 from tests.data.helpers import write_jsonl
@@ -122,31 +124,43 @@ def test_grading_path_uses_the_adapter_and_drops_errors(tmp_path):
     ]
     calls = []
 
-    def grader(rec):
-        calls.append(rec["response"])
-        if rec["response"] == "??":
-            return None, "grader crashed"
-        return rec["response"] == rec["answer"], "ok"
+    def grader(records):
+        calls.append([r["response"] for r in records])
+        return [(None, "grader crashed") if r["response"] == "??" else (r["response"] == r["answer"], "ok")
+                for r in records]
 
     out = str(tmp_path / "o.jsonl")
-    s = curate(CurateConfig(inputs=[write_jsonl(tmp_path / "t.jsonl", rows)], output=out), grader=grader)
-    assert calls == ["4", "5", "??"]
+    cfg = CurateConfig(inputs=[write_jsonl(tmp_path / "t.jsonl", rows)], output=out, grading_batch=2)
+    s = curate(cfg, grader=grader)
+    assert calls == [["4", "5"], ["??"]]  # batches of grading_batch, only records without a flag
     # pass rate over graded responses only: 1 of 3 (4 yes, 5 no, 6 no) -> hard -> 4, 5, 6 kept
     assert [(r["response"], r["pass_rate"]) for r in _out(out)] == [("4", 1 / 3), ("5", 1 / 3), ("6", 1 / 3)]
     assert s["responses"]["dropped"] == {DROP_GRADING_ERROR: 1}
     assert s["first_grading_errors"] == [f"{tmp_path / 't.jsonl'}:3: grader crashed"]
 
 
-def test_math_answers_graded_by_project_grader(tmp_path):
-    pytest.importorskip("megatron_klear.rewards.math")
-    think = "<think>\nLet me compute.\n</think>\n\n"
+def test_verdict_from_grade_result():
+    rewards = pytest.importorskip("megatron_klear.rewards")
+    G = rewards.GradeResult
+    assert verdict_from_grade(G(reward=1.0, passed=1, total=1, detail="correct")) == (True, "correct")
+    assert verdict_from_grade(G(reward=0.5, passed=8, total=16, detail="8/16")) == (False, "8/16")  # not all tests
+    assert verdict_from_grade(G(reward=1.0, passed=16, total=16, detail="16/16")) == (True, "16/16")
+    assert verdict_from_grade(G.failure(0.0, "sandbox failed")) == (None, "sandbox failed")
+    assert grading_item(3, {"response": "r", "answer": "4"}) == {"id": 3, "task": "math", "response": "r", "answer": "4"}
+    assert grading_item(0, {"response": "r", "tests": {"inputs": []}})["task"] == "code"
+
+
+def test_math_answers_graded_by_project_grading_pool(tmp_path):
+    pytest.importorskip("megatron_klear.rewards.pool")
+    # No <think> opener (templates that put it in the prompt): not penalised in curation.
+    think = "Let me compute.\n</think>\n\n"
     rows = [
         {"prompt_id": 1, "prompt": "6*7?", "response": think + "The answer is \\boxed{42}.", "answer": "42"},
         {"prompt_id": 1, "prompt": "6*7?", "response": think + "The answer is \\boxed{41}.", "answer": "42"},
         {"prompt_id": 1, "prompt": "6*7?", "response": think + "So \\boxed{\\frac{84}{2}}.", "answer": "42"},
     ]
     out = str(tmp_path / "o.jsonl")
-    s = curate(CurateConfig(inputs=[write_jsonl(tmp_path / "t.jsonl", rows)], output=out))
+    s = curate(CurateConfig(inputs=[write_jsonl(tmp_path / "t.jsonl", rows)], output=out, grading_workers=1))
     kept = _out(out)
     assert [r["correct"] for r in kept] == [True, True]  # 2/3 -> easy: the wrong one is dropped
     assert kept[0]["pass_rate"] == pytest.approx(2 / 3)
