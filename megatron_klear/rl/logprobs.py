@@ -76,18 +76,23 @@ def _check_targets(targets: torch.Tensor, limit: int) -> None:
         )
 
 
-def _scaled_float_copy(logits: torch.Tensor, n_valid: int, temperature: float) -> torch.Tensor:
-    """Float32 (or float64) copy of the non-padding columns, divided by the temperature."""
+def _scaled_float_copy(logits: torch.Tensor, n_valid: int, temperature: float, owned: bool = False) -> torch.Tensor:
+    """Float32 (or float64) non-padding columns divided by the temperature.
+
+    A copy, unless ``owned`` (the caller's temporary, e.g. a chunk's matmul output) is already
+    float32/64: then it is reused in place, saving one chunk of memory.
+    """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    z = logits[:, :n_valid].to(dtype, copy=True)
+    z = logits[:, :n_valid].to(dtype, copy=not (owned and logits.dtype == dtype))
     if temperature != 1.0:
         z.div_(temperature)
     return z
 
 
-def _forward_chunk(logits, targets, *, n_valid, vocab_start_index, temperature, group):
+def _forward_chunk(logits, targets, *, n_valid, vocab_start_index, temperature, group, owned=False):
     """Log-prob, entropy and log-sum-exp of one chunk of rows (logits: [rows, V_local])."""
-    z = _scaled_float_copy(logits, n_valid, temperature)
+    z = _scaled_float_copy(logits, n_valid, temperature, owned)
+    del logits  # an owned low-precision chunk is freed here
     rows = z.shape[0]
     if n_valid > 0:
         zmax = z.max(dim=-1).values
@@ -117,12 +122,15 @@ def _forward_chunk(logits, targets, *, n_valid, vocab_start_index, temperature, 
     return logprob, entropy, zmax + log_z
 
 
-def _grad_chunk(logits, targets, lse, entropy, g_logprob, g_entropy, *, n_valid, vocab_start_index, temperature):
+def _grad_chunk(
+    logits, targets, lse, entropy, g_logprob, g_entropy, *, n_valid, vocab_start_index, temperature, owned=False
+):
     """d(loss)/d(logits) for one chunk, float, [rows, n_valid].
 
     d logp_t / d z_j = 1[j = t] - p_j;  d H / d z_j = -p_j (log p_j + H);  z = logits / T.
     """
-    logp = _scaled_float_copy(logits, n_valid, temperature)
+    logp = _scaled_float_copy(logits, n_valid, temperature, owned)
+    del logits
     if n_valid == 0:
         return logp
     logp.sub_(lse.unsqueeze(1))  # log p_j
@@ -233,12 +241,10 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         w = weight[:n_valid]
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logits = hidden[s:e] @ w.t()
             logprob[s:e], entropy[s:e], lse[s:e] = _forward_chunk(
-                logits, targets[s:e], n_valid=n_valid, vocab_start_index=vocab_start_index,
-                temperature=temperature, group=group,
+                hidden[s:e] @ w.t(), targets[s:e], n_valid=n_valid, vocab_start_index=vocab_start_index,
+                temperature=temperature, group=group, owned=True,
             )
-            del logits
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.cfg = (group, vocab_start_index, n_valid, temperature, chunk, reduce_grad_hidden)
         ctx.set_materialize_grads(False)
@@ -265,14 +271,12 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h = hidden[s:e]
-            logits = h @ w.t()
             g = _grad_chunk(
-                logits, targets[s:e], lse[s:e], entropy[s:e],
+                h @ w.t(), targets[s:e], lse[s:e], entropy[s:e],
                 None if g_logprob is None else g_logprob[s:e],
                 None if g_entropy is None else g_entropy[s:e],
-                n_valid=n_valid, vocab_start_index=vocab_start_index, temperature=temperature,
+                n_valid=n_valid, vocab_start_index=vocab_start_index, temperature=temperature, owned=True,
             )
-            del logits
             g = g.to(hidden.dtype)
             if need_hidden:
                 torch.matmul(g, w, out=grad_hidden[s:e])
