@@ -431,6 +431,11 @@ def policy_loss(
     nll = zero
     if positive is not None and nll_coef > 0:
         pos_mask = m & positive.bool()
+        if counts.num_positive_tokens <= 0 and bool(pos_mask.any()):
+            raise ValueError(
+                "policy_loss: this batch has positive response tokens but counts.num_positive_tokens is 0; "
+                "build counts with count_loss_units(mask, seq_ids, positive)"
+            )
         nll_tokens = -logprobs.to(loss_tokens.dtype)
         nll = aggregate(
             nll_tokens, pos_mask, agg, global_num_tokens=max(counts.num_positive_tokens, 1.0),

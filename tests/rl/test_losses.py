@@ -373,6 +373,8 @@ def test_policy_loss_errors():
         policy_loss(logp, old[:, :3], adv, mask)
     with pytest.raises(ValueError, match="positive has shape"):
         policy_loss(logp, old, adv, mask, positive=positive[:, 0])
+    with pytest.raises(ValueError, match="num_positive_tokens"):
+        policy_loss(logp, old, adv, mask, positive=positive, counts=count_loss_units(mask))
     with pytest.raises(ValueError, match="symmetric"):
         policy_loss(logp, old, adv, mask, algo="ppo", eps_low=0.2, eps_high=0.28)
 
