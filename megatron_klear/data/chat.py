@@ -203,7 +203,12 @@ class ChatRenderer:
                 f"{what} is not a prefix of the rendered conversation (differs at character {at}: "
                 f"{text[at:at + 30]!r} vs {full_text[at:at + 30]!r}); the template rewrites "
                 "earlier turns, so this turn cannot be trained as inference would see it"
-                + ("" if self.loss_on == "last" else " (loss_on='last' trains only the final turn)"),
+                + (
+                    ""
+                    if self.loss_on == "last"
+                    else " (loss_on='last' trains only the final turn; or split the conversation "
+                    "into one example per assistant turn)"
+                ),
             )
         ids = self.encode(text)
         if full_ids[: len(ids)] != ids:
