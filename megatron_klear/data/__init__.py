@@ -8,6 +8,7 @@ One example's path, module by module:
                   and marks which tokens are the assistant's (the only ones that carry loss).
 - ``preprocess``  tokenizes whole files once, in parallel, into a Megatron-Core indexed dataset
                   plus a metadata JSON (``python tools/preprocess_sft.py``).
+- ``indexed``     that on-disk format (tokens, loss spans, metadata) and its reader.
 - ``packing``     the best-fit-decreasing packer and the packed micro-batch layout
                   (cu_seqlens, restarting positions, shifted labels); shared by SFT and RL.
 - ``sft_dataset`` the training-side reader: deterministic, DP-sharded, resumable packed

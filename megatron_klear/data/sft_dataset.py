@@ -218,11 +218,19 @@ class PackedSFTDataset:
                     f"{self.prefix}: epoch {self._epoch} packs into {len(bins)} bins, fewer than "
                     f"one step's {self.bins_per_step}; with remainder='drop' nothing would train"
                 )
-            if self.dp_rank == 0:
-                log.info("SFT data epoch %d done: %s", self._epoch, self.epoch_stats(self._epoch))
             self._epoch += 1
             self._bin_offset = self._step = self._micro = 0
             self._bins_cache.pop(self._epoch - 1, None)
+        if self.dp_rank == 0 and self._step == 0 and self._micro == 0 and self._bin_offset == 0:
+            st = self.epoch_stats(self._epoch)
+            log.info(
+                "SFT data epoch %d: %d examples in %d packed rows of <= %d tokens, %d steps; packing "
+                "efficiency %.2f%% (real / rows x seq_length), %.2f%% of computed tokens are real; "
+                "%d filler rows, %d examples dropped",
+                st["epoch"], st["examples"], st["bins"], self.seq_length, st["steps"],
+                100 * st["packing_efficiency"], 100 * st["compute_efficiency"],
+                st["filler_micro_batches"], st["dropped_examples"],
+            )
         step = self._current_step(bins)
         examples = step["mine"][self._micro]
         batch = build_packed_micro_batch(

@@ -173,3 +173,15 @@ def test_assign_bins_to_ranks_balances_tokens():
     # r0 now has its 3 slots: 1 -> r1.
     assert slots == [[0, 3, 4], [1, 2, 5]]
     assert assign_bins_to_ranks([5], dp_size=2, per_rank=2) == [[0, None], [None, None]]
+
+
+def test_epoch_start_logs_packing_efficiency(prefix, caplog):
+    import logging
+
+    ds = make(prefix, num_epochs=2)
+    with caplog.at_level(logging.INFO, logger="megatron_klear.data.sft_dataset"):
+        list(ds)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[1].startswith("SFT data epoch 1:")
+    eff = 100 * ds.epoch_stats(0)["packing_efficiency"]
+    assert f"packing efficiency {eff:.2f}%" in lines[0]
