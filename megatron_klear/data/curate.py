@@ -35,7 +35,7 @@ import hashlib
 import json
 import os
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 

@@ -270,7 +270,7 @@ def preprocess(cfg: PreprocessConfig, stream: Optional[TextIO] = None) -> dict:
                 for r in readers
             ],
             "counts": {
-                "lines": lines,
+                "examples_read": lines,  # non-blank lines
                 "kept": len(lengths),
                 "truncated": int(truncated),
                 "skipped": dict(sorted(bad.counts.items())),

@@ -51,7 +51,7 @@ def mixed_file(tmp_path):
 def test_skip_counts_and_reports_every_bad_line(tmp_path, tokenizer_dir, tokenizer, mixed_file, capsys):
     meta = preprocess(_config(tmp_path, [mixed_file], tokenizer_dir, on_bad_line="skip"))
     c = meta["counts"]
-    assert c["kept"] == 2 and c["lines"] == 7 and c["truncated"] == 0 and c["dropped"] == {}
+    assert c["kept"] == 2 and c["examples_read"] == 7 and c["truncated"] == 0 and c["dropped"] == {}
     assert c["skipped"] == {
         J.INVALID_JSON: 1,
         J.MISSING_FIELD: 1,
