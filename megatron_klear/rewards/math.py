@@ -271,7 +271,10 @@ def grade_math(response: str, gold: str | list[str], cfg: RewardConfig | None = 
     boxed_only, anywhere = _configs()
     if boxes:
         answer_text = boxes[-1]
+        hedge_text = answer_text
     else:
+        lines = [ln for ln in section.strip().splitlines() if ln.strip()]
+        hedge_text = lines[-1] if lines else ""
         tail = section[-_NO_BOX_TAIL_CHARS:]
         found = mv.parse(tail, extraction_config=anywhere, parsing_timeout=None)
         if not found:
@@ -281,11 +284,15 @@ def grade_math(response: str, gold: str | list[str], cfg: RewardConfig | None = 
     last_error = None
     for g in golds:
         g_text, g_parsed, g_words = _parse_gold(g)
-        if not g_parsed:
+        if g_words is None and not any(not isinstance(x, str) for x in g_parsed):
+            # Only math-verify's string fallback came back: the gold is not mathematics it
+            # understands. Identical text still counts; anything else is a data error.
+            if _squash(_unwrap_text(answer_text)) == _squash(_unwrap_text(g_text)):
+                return _verdict(cfg, True, "correct (identical)")
             last_error = f"gold answer {g!r:.80} could not be parsed by math-verify"
             continue
-        if _is_hedged(answer_text) and not _is_hedged(g_text):
-            return _verdict(cfg, False, f"hedged answer {answer_text!r:.80}")
+        if _is_hedged(hedge_text) and not _is_hedged(g_text):
+            return _verdict(cfg, False, f"hedged answer {hedge_text!r:.80}")
         # Cheap and exact first: identical strings need no sympy.
         if _squash(_unwrap_text(answer_text)) == _squash(_unwrap_text(g_text)):
             return _verdict(cfg, True, "correct (identical)")

@@ -1,0 +1,44 @@
+"""Fixtures for the reward tests: the isolation levels this machine supports, small limits.
+
+A test that needs real namespaces runs only where the start-up probe says bubblewrap works and is
+skipped with the probe's reason otherwise; the fallback level (rlimits + separate uid + seccomp)
+runs wherever the grader is root. The hostile suite runs on every level available.
+"""
+import pytest
+
+from megatron_klear.rewards import RewardConfig, SandboxConfig
+from megatron_klear.rewards.sandbox import probe_isolation
+
+T = "<think>thinking</think>\n"
+
+
+def small_limits(level: str, **over) -> SandboxConfig:
+    """1 s of CPU, 2 s of wall clock: hostile programs die fast, honest ones finish in ms."""
+    kw = dict(isolation=level, allow_fallback=True, cpu_s=1, wall_s=2, memory_mb=256,
+              processes=16, output_limit_bytes=1 << 20, file_size_mb=4, tmpfs_mb=16)
+    kw.update(over)
+    return SandboxConfig(**kw)
+
+
+def code_response(code: str) -> str:
+    return T + "Here is my solution.\n```python\n" + code + "\n```\n"
+
+
+@pytest.fixture(scope="session")
+def isolation_report():
+    return probe_isolation(small_limits("auto"))
+
+
+@pytest.fixture(scope="session", params=["bwrap", "fallback"])
+def level(request, isolation_report):
+    rep = isolation_report
+    if request.param == "bwrap" and not rep.bwrap_ok:
+        pytest.skip("bubblewrap isolation unavailable here: " + "; ".join(rep.bwrap_problems))
+    if request.param == "fallback" and not rep.fallback_ok:
+        pytest.skip("fallback isolation unavailable here: " + "; ".join(rep.fallback_problems))
+    return request.param
+
+
+@pytest.fixture
+def reward_cfg(level):
+    return RewardConfig(sandbox=small_limits(level))
