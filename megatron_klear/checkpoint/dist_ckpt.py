@@ -41,10 +41,18 @@ def is_torch_dist(ckpt_dir: str) -> bool:
     )
 
 
+def _unwrap(model):
+    while hasattr(model, "module"):  # DDP / Float16Module
+        model = model.module
+    return model
+
+
 def model_sharded_state_dict(model_chunks) -> dict:
+    """{"model": ...} (or model0, model1, ... with virtual pipeline stages), keyed by the
+    unwrapped GPTModel's names so that checkpoints do not depend on the training wrappers."""
     if len(model_chunks) == 1:
-        return {"model": model_chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+        return {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
 
 
 def save_strategy():
@@ -67,7 +75,7 @@ def load_model(model_chunks, ckpt_dir: str) -> None:
     loaded = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RAISE_ALL)
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
-        chunk.load_state_dict(loaded[key], strict=False)
+        _unwrap(chunk).load_state_dict(loaded[key], strict=False)
 
 
 def finalize_dir(tmp_dir: str, out_dir: str) -> None:

@@ -93,7 +93,10 @@ class _NullStream:
 def _cuda_stubs():
     null = _NullStream()
     return {
-        "current_device": lambda: 0,
+        # A device, not an index: Megatron passes it as `device=` also in autograd backward
+        # functions, which run outside this mode (a mode is suspended while it handles a call such
+        # as torch.autograd.backward), so it must be right without any redirection.
+        "current_device": lambda: _CPU,
         "synchronize": lambda *a, **k: None,
         "current_stream": lambda *a, **k: null,
         "default_stream": lambda *a, **k: null,

@@ -21,11 +21,19 @@ _INT = re.compile(r"[+-]?\d+")
 _NUM = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
 
+def _canonical_int(s: str) -> str:
+    """'+007' -> '7', '-0' -> '0': exact integer comparison without int() (which refuses
+    more than 4300 digits by default)."""
+    neg = s.startswith("-")
+    digits = s.lstrip("+-").lstrip("0") or "0"
+    return "-" + digits if neg and digits != "0" else digits
+
+
 def _tokens_match(a: str, b: str, tol: float) -> bool:
     if a == b:
         return True
     if _INT.fullmatch(a) and _INT.fullmatch(b):
-        return int(a) == int(b)
+        return _canonical_int(a) == _canonical_int(b)
     if _NUM.fullmatch(a) and _NUM.fullmatch(b):
         x, y = float(a), float(b)
         if not (math.isfinite(x) and math.isfinite(y)):

@@ -7,6 +7,7 @@ it never imports megatron_klear). In order, before any untrusted byte runs, it:
 3. drops to the run's private uid/gid with no supplementary groups (when started as root);
 4. installs the seccomp filter itself when the sandbox could not (fallback mode), after
    PR_SET_NO_NEW_PRIVS so setuid binaries cannot regain privileges;
+   in fallback mode it first forks: the parent stays root as the run's reaper (see `_reaper`);
 5. writes one byte to the status pipe and closes it: the grader's proof that the sandbox came up.
    A run without that byte is a sandbox failure, never charged to the program.
 
@@ -25,7 +26,7 @@ RESULT_MARKER = b"\n@@klear-result@@"
 
 # Arguments, positionally (no json import on the stdin/stdout path: startup time is the cost of a test).
 _ARGS = ("mode", "status_fd", "code_path", "workdir", "uid", "gid", "cpu_s", "memory_bytes",
-         "file_bytes", "open_files", "processes", "install_seccomp", "fn_name")
+         "file_bytes", "open_files", "processes", "fallback", "fn_name")
 
 # ----------------------------------------------------------------------------- seccomp (BPF)
 
@@ -153,7 +154,7 @@ def _setup(a):
         os.setresuid(uid, uid, uid)
         if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups():
             raise OSError("privilege drop did not take")
-    if a["install_seccomp"] == "1":
+    if a["fallback"] == "1":
         prog = seccomp_filter()
         if prog is None:
             raise OSError("no seccomp table for " + os.uname().machine)
@@ -187,6 +188,55 @@ def _write_all(fd, data):
         view = view[n:]
 
 
+def _prctl(option, arg):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ul = ctypes.c_ulong
+    if libc.prctl(option, ul(arg), ul(0), ul(0), ul(0)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(%d)" % option)
+
+
+def _reaper(a, status_fd):
+    """Fallback mode only (no PID namespace): fork; the child becomes the program, this process
+    stays root as a child subreaper, so every orphan the program leaves is re-parented here, not
+    to init (which may never reap it). When the program's main process ends, it kills every
+    process of the run's uid (kill(-1) from a helper that drops to that uid), reaps them all and
+    exits with the main process's status (128+N for a signal, as bubblewrap reports it).
+    Returns only in the child."""
+    import signal
+
+    _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    main_pid = os.fork()
+    if main_pid == 0:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(status_fd)
+    uid, gid = int(a["uid"]), int(a["gid"])
+    status = None
+    while True:
+        try:
+            pid, st = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        if pid == main_pid:
+            status = st
+            if os.fork() == 0:
+                try:
+                    os.setgroups([])
+                    os.setresgid(gid, gid, gid)
+                    os.setresuid(uid, uid, uid)
+                    os.kill(-1, signal.SIGKILL)
+                finally:
+                    os._exit(0)
+    code = os.waitstatus_to_exitcode(status) if status is not None else 125
+    os._exit(128 - code if code < 0 else code)
+
+
 def main(argv):
     if len(argv) != len(_ARGS):
         sys.stderr.write("harness: expected %d arguments, got %d\n" % (len(_ARGS), len(argv)))
@@ -194,6 +244,8 @@ def main(argv):
     a = dict(zip(_ARGS, argv))
     status_fd = int(a["status_fd"])
     try:
+        if a["fallback"] == "1" and int(a["uid"]) >= 0 and os.getuid() == 0:
+            _reaper(a, status_fd)
         code = _setup(a)
         call_args = None
         if a["mode"] == "call":

@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from concurrent.futures import Future
@@ -194,13 +193,10 @@ class GradingPool:
 
     def _cleanup_slot(self, slot: int) -> None:
         """After a worker was killed: kill what its sandbox left running, remove its files."""
-        from .sandbox import _base_dir
+        from .sandbox import _base_dir, kill_uid
 
         if os.getuid() == 0:
-            subprocess.run(["/bin/kill", "-KILL", "-1"], user=self.cfg.sandbox.base_uid + slot,
-                           group=self.cfg.sandbox.base_uid + slot, extra_groups=[], env={},
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, check=False)
+            kill_uid(self.cfg.sandbox.base_uid + slot)
         runs = os.path.join(_base_dir(), "runs")
         for name in os.listdir(runs):
             if name.startswith(f"{slot}-"):

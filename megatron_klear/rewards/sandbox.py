@@ -92,7 +92,7 @@ class RunResult:
         sig = self.exit_code - 128 if self.exit_code and self.exit_code > 128 else None
         if sig in (signal.SIGXCPU, signal.SIGKILL) and self._cpu_plausible(limits):
             return f"cpu time limit ({math.ceil(limits.cpu_s)} s)"
-        if sig == signal.SIGXFSZ:
+        if sig == signal.SIGXFSZ or b"File too large" in self.stderr_tail:
             return f"file size limit ({limits.file_size_mb} MB)"
         if b"MemoryError" in self.stderr_tail:
             return f"memory limit ({limits.memory_mb} MB)"
@@ -180,6 +180,14 @@ def processes_of_uid(uid: int) -> list[int]:
     return out
 
 
+def kill_uid(uid: int) -> None:
+    """SIGKILL every process whose real or saved uid is `uid` (root only; `uid` must be private
+    to the caller, e.g. a sandbox slot uid)."""
+    subprocess.run(["/bin/kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], env={},
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, check=False)
+
+
 def _base_dir() -> str:
     """The grader's private directory; refuses one that another user could have planted."""
     path = os.path.join(tempfile.gettempdir(), f"megatron-klear-sandbox-{os.getuid()}")
@@ -250,7 +258,8 @@ class Program:
         self.dir = os.path.join(_base_dir(), "runs", f"{sandbox.slot}-{uuid.uuid4().hex}")
         os.mkdir(self.dir, 0o700)  # root-only: the harness reads the code before dropping privileges
         self.code_path = os.path.join(self.dir, "solution.py")
-        with open(self.code_path, "w", encoding="utf-8", errors="surrogatepass") as f:
+        fd = os.open(self.code_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
 
     def run(self, stdin: bytes = b"", call: str | None = None,
@@ -389,15 +398,18 @@ class Sandbox:
                 os.mkdir(workdir, 0o700)
                 os.chown(workdir, self.uid, self.gid)
                 os.chmod(program.dir, 0o711)  # traversable by the uid, code file stays 0600 root
-                os.chmod(program.code_path, 0o600)
                 cmd = [self.python, "-I", _HARNESS_PATH] + self._limits_args(
                     mode, status_w, program.code_path, workdir, call)
                 env, cwd = self._env(workdir), workdir
                 fds = (status_w,)
             t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=env, cwd=cwd, pass_fds=fds,
-                                    start_new_session=True, close_fds=True)
+            try:
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, env=env, cwd=cwd, pass_fds=fds,
+                                        start_new_session=True, close_fds=True)
+            except OSError as e:  # no interpreter / no bwrap: the sandbox, not the program
+                return RunResult(started=False, status="exited", exit_code=None, stdout=b"",
+                                 stderr_tail=f"cannot start {cmd[0]}: {e}".encode(), wall_s=0.0)
             os.close(status_w)
             to_close.remove(status_w)
             if seccomp_r is not None:
@@ -517,13 +529,24 @@ class Sandbox:
         return status, started, out, err
 
     def _kill_everything(self, proc) -> None:
-        """Kill the run's processes, all of them, and reap what is ours to reap."""
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.uid >= 0:
-            self._kill_uid()
+        """Kill the run's processes, all of them, and reap them.
+
+        bwrap: killing bubblewrap's process group ends its PID namespace, and the kernel kills
+        everything inside. fallback: the harness's root reaper (our direct child) reaps the run;
+        if the program is still running we kill every process of the slot's uid, after which
+        the reaper exits by itself, having reaped them all. Only if it does not is it killed.
+        """
+        if proc.poll() is None:
+            if self.level == "fallback" and self.uid >= 0:
+                self._kill_uid()
+                try:
+                    proc.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    log.warning("sandbox: the fallback reaper did not exit; killing it")
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         proc.wait()
         for f in (proc.stdout, proc.stderr):
             f.close()
@@ -532,13 +555,9 @@ class Sandbox:
 
     def _kill_uid(self) -> None:
         """kill(-1, SIGKILL) as the slot's uid: every process of that uid, wherever it hides
-        (new sessions, reparented daemons). Forks are blocked while the kernel walks the task
-        list, so one pass suffices. In bwrap mode the namespace already took them; cheap anyway."""
-        if self.level == "bwrap":
-            return
-        subprocess.run(["/bin/kill", "-KILL", "-1"], user=self.uid, group=self.gid,
-                       extra_groups=[], env={}, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        (new sessions, daemons). Forks are blocked while the kernel walks the task list, so one
+        pass suffices."""
+        kill_uid(self.uid)
 
     def _clean_world_writable(self) -> None:
         """Remove what the run's uid left in the shared world-writable directories (fallback)."""
@@ -704,7 +723,7 @@ def resolve_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
     than believed is the worst outcome.
     """
     cfg = cfg or SandboxConfig()
-    key = (cfg.isolation, cfg.allow_fallback, _default_python(cfg), cfg.base_uid)
+    key = (cfg.isolation, cfg.allow_fallback, _default_python(cfg), cfg.base_uid, _bwrap_path())
     with _resolved_lock:
         if key in _resolved:
             return _resolved[key]

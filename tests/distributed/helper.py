@@ -6,6 +6,7 @@ processes. Spawning costs a few seconds (mostly imports): group several checks i
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -34,7 +35,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Pickled here, with plain pickle: an unpicklable result fails in this rank with its
+        # traceback (not silently in the queue's feeder thread), and tensors travel as bytes
+        # rather than as shared-memory handles that die with this process.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -64,15 +68,29 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     try:
         import queue as _q
 
-        for _ in range(world_size):
+        import time
+
+        deadline = time.time() + timeout
+        while len(results) + len(errors) < world_size:
             try:
-                rank, status, payload = queue.get(timeout=timeout)
+                rank, status, payload = queue.get(timeout=1.0)
             except _q.Empty:
-                raise RuntimeError(
-                    f"distributed test timed out after {timeout:.0f}s; got results from ranks "
-                    f"{sorted(results)} and errors from {sorted(errors)}"
-                ) from None
-            (results if status == "ok" else errors)[rank] = payload
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors]
+                if dead:
+                    raise RuntimeError(
+                        f"rank {dead[0]} of {world_size} died with exit code {procs[dead[0]].exitcode} "
+                        "before reporting (killed? out of memory? a crash in native code?)"
+                    ) from None
+                if time.time() > deadline:
+                    raise RuntimeError(
+                        f"distributed test timed out after {timeout:.0f}s; got results from ranks "
+                        f"{sorted(results)} and errors from {sorted(errors)}"
+                    ) from None
+                continue
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             if errors:
                 break
     finally:

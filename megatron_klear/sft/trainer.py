@@ -1,0 +1,159 @@
+"""The SFT loop: packed micro-batches -> loss over assistant tokens -> Megatron optimizer step.
+
+The loss of a step is the mean NLL over *all* assistant tokens of the global batch (every
+micro-batch of every data-parallel rank): each micro-batch contributes ``sum(nll) / N_step`` where
+``N_step`` is the global count the data loader computes, and gradients are summed across
+micro-batches and ranks. This is not the mean of per-micro-batch means.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from megatron_klear.config import JobConfig, dump_config, load_config
+
+
+def sft_loss_fn(num_loss_tokens_in_step: int):
+    denom = float(max(num_loss_tokens_in_step, 1))
+
+    def loss_fn(batch, logprobs, entropy):
+        mask = batch["loss_mask"].to(logprobs.dtype)
+        nll = -(logprobs * mask).sum()
+        return nll / denom, {
+            "nll_sum": nll.detach(),
+            "loss_tokens": mask.sum().detach(),
+            "entropy_sum": (entropy.detach() * mask).sum(),
+        }
+
+    return loss_fn
+
+
+def pad_multiple(cfg: JobConfig) -> int:
+    """Packed rows must split evenly: across TP (sequence parallel), across 2*CP chunks, and
+    into FP8's 16-token tiles."""
+    if cfg.data.pad_to_multiple:
+        return cfg.data.pad_to_multiple
+    multiple = cfg.parallel.tp * (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1)
+    if cfg.model.fp8:
+        multiple = max(multiple, 16) if 16 % multiple == 0 else multiple * 16
+    return multiple
+
+
+def build_dataset(cfg: JobConfig):
+    from megatron.core import parallel_state
+
+    from megatron_klear.data.sft_dataset import PackedSFTDataset
+
+    if not cfg.data.prefix:
+        raise ValueError("data.prefix is empty: run tools/preprocess_sft.py first and point data.prefix at its output")
+    return PackedSFTDataset(
+        cfg.data.prefix,
+        seq_length=cfg.data.seq_length,
+        seed=cfg.data.seed,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        micro_batches_per_step=cfg.data.micro_batches_per_step,
+        pad_to_multiple=pad_multiple(cfg),
+        remainder=cfg.data.remainder,
+    )
+
+
+def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
+    """Run (or resume) SFT. ``stop_after`` ends the run after that global step without touching
+    the schedule (used to test resume). Returns the last step's metrics."""
+    from megatron_klear.platform import init_parallel, is_rank0
+    from megatron_klear.training.checkpointing import CheckpointManager
+    from megatron_klear.training.metrics import MetricsLogger
+    from megatron_klear.training.setup import build_training_state
+    from megatron_klear.training.signals import TerminationFlag
+    from megatron_klear.training.step import reduce_metrics, run_micro_batches
+
+    init_parallel(cfg.parallel, seed=cfg.train.seed)
+    dataset = build_dataset(cfg)
+    total_steps = cfg.train.steps or dataset.total_steps(cfg.train.epochs)
+    state = build_training_state(cfg, total_steps=total_steps)
+    ckpt = CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path) if cfg.train.save_dir else None
+    if ckpt and cfg.train.resume and ckpt.latest():
+        common = ckpt.load(state, ckpt.latest())
+        dataset.load_state_dict(common["data"])
+        if is_rank0():
+            print(f"resumed from {ckpt.latest()} at step {state.step}", flush=True)
+    logger = MetricsLogger(
+        jsonl_path=cfg.logging.jsonl or (os.path.join(cfg.train.save_dir, "metrics.jsonl") if cfg.train.save_dir else ""),
+        total_steps=total_steps,
+        config=cfg.to_dict(),
+        wandb=cfg.logging.wandb,
+        wandb_project=cfg.logging.wandb_project,
+        run_name=cfg.logging.run_name,
+        tensorboard_dir=os.path.join(cfg.train.save_dir or ".", "tensorboard") if cfg.logging.tensorboard else None,
+        enabled=is_rank0(),
+    )
+    if is_rank0() and cfg.train.save_dir:
+        os.makedirs(cfg.train.save_dir, exist_ok=True)
+        with open(os.path.join(cfg.train.save_dir, "config.yaml"), "w") as f:
+            f.write(dump_config(cfg))
+    term = TerminationFlag().install()
+    pad_id = 0
+    metrics = {}
+
+    def save():
+        ckpt.save(state, state.step, {"data": dataset.state_dict(), "config": cfg.to_dict()})
+
+    while state.step < total_steps:
+        t0 = time.time()
+        micro_batches = [next(dataset) for _ in range(cfg.data.micro_batches_per_step)]
+        n_step = micro_batches[0]["num_loss_tokens_in_step"]
+        for m in state.model:
+            m.zero_grad_buffer()
+        state.optimizer.zero_grad()
+        results = run_micro_batches(
+            state.model, micro_batches, sft_loss_fn(n_step),
+            chunk_size=cfg.train.logprob_chunk_size, pad_id=pad_id,
+        )
+        lr = state.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
+        ok, grad_norm, _ = state.optimizer.step()
+        state.scheduler.step(increment=1)
+        state.step += 1
+        sums = reduce_metrics(results, ("nll_sum", "loss_tokens", "entropy_sum"))
+        real = torch.tensor([sum(int(b["num_real_tokens"]) for b in micro_batches)], dtype=torch.float64)
+        if torch.distributed.is_initialized():
+            from megatron.core import parallel_state
+
+            torch.distributed.all_reduce(real, group=parallel_state.get_data_parallel_group())
+        dt = time.time() - t0
+        metrics = {
+            "loss": sums["nll_sum"] / max(sums["loss_tokens"], 1),
+            "entropy": sums["entropy_sum"] / max(sums["loss_tokens"], 1),
+            "loss_tokens": sums["loss_tokens"],
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "update_ok": bool(ok),
+            "tokens_per_s": float(real.item()) / dt,
+            "packing_efficiency": float(sum(int(b["num_real_tokens"]) for b in micro_batches))
+            / float(sum(int(b["tokens"].shape[1]) for b in micro_batches)),
+            "step_time_s": dt,
+            "epoch": int(micro_batches[-1]["epoch"]),
+        }
+        if state.step % cfg.train.log_interval == 0 or state.step == total_steps:
+            logger.log(state.step, metrics)
+        stopping = term.should_stop()
+        if ckpt and (stopping or state.step == total_steps
+                     or (cfg.train.save_interval and state.step % cfg.train.save_interval == 0)):
+            save()
+        if stopping or (stop_after is not None and state.step >= stop_after):
+            break
+    logger.close()
+    return metrics
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Long chain-of-thought SFT on Megatron-Core")
+    p.add_argument("--config", default=None, help="YAML config (see examples/)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    train(cfg)
+    return 0

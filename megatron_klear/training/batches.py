@@ -1,0 +1,80 @@
+"""Packed micro-batches -> what Megatron's GPTModel takes on this rank.
+
+A packed micro-batch (see ``data.sft_dataset``) is one row ``[1, S]`` of concatenated examples with
+``cu_seqlens``; labels are already shifted within each example. This module adds the Megatron
+``PackedSeqParams`` (``thd`` layout) and, with context parallelism, pads every segment to a multiple
+of ``2*cp`` and keeps this CP rank's two chunks of each segment (Megatron's load-balanced split,
+which its RoPE and our core attention both assume).
+"""
+from __future__ import annotations
+
+import torch
+
+PER_TOKEN_KEYS_DEFAULT = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def pad_segments(batch: dict, multiple: int, per_token_keys, pad_id: int = 0) -> dict:
+    """Pad each segment of a packed row to a multiple of ``multiple`` (at the segment's end).
+
+    Padding positions get ``pad_id`` tokens / labels and zeros in every other per-token tensor.
+    """
+    cu = batch["cu_seqlens"].tolist()
+    lengths = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    if all(n % multiple == 0 for n in lengths):
+        return batch
+    out = dict(batch)
+    new_cu = [0]
+    for key in per_token_keys:
+        t = batch[key]
+        pieces = []
+        for (s, e), n in zip(zip(cu[:-1], cu[1:]), lengths):
+            pad = (-n) % multiple
+            pieces.append(t[:, s:e])
+            if pad:
+                fill = pad_id if key in ("tokens", "labels") else 0
+                pieces.append(torch.full((t.shape[0], pad), fill, dtype=t.dtype))
+        out[key] = torch.cat(pieces, dim=1)
+    for n in lengths:
+        new_cu.append(new_cu[-1] + n + (-n) % multiple)
+    out["cu_seqlens"] = torch.tensor(new_cu, dtype=torch.int32)
+    out["max_seqlen"] = max(b - a for a, b in zip(new_cu[:-1], new_cu[1:]))
+    return out
+
+
+def cp_slice(batch: dict, cp_rank: int, cp_size: int, per_token_keys) -> dict:
+    """Keep chunks ``cp_rank`` and ``2*cp_size-1-cp_rank`` of every segment."""
+    cu = batch["cu_seqlens"].tolist()
+    index = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        chunk = (e - s) // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            index.extend(range(s + c * chunk, s + (c + 1) * chunk))
+    idx = torch.tensor(index, dtype=torch.long)
+    out = dict(batch)
+    for key in per_token_keys:
+        out[key] = batch[key].index_select(1, idx)
+    return out
+
+
+def prepare_packed(batch: dict, *, cp_rank: int = 0, cp_size: int = 1, per_token_keys=PER_TOKEN_KEYS_DEFAULT,
+                   pad_id: int = 0):
+    """-> (local batch dict, PackedSeqParams). cu_seqlens in the params are global (pre-CP) and
+    padded, as Megatron's RoPE and attention expect."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if cp_size > 1:
+        batch = pad_segments(batch, 2 * cp_size, per_token_keys, pad_id)
+    cu = batch["cu_seqlens"].to(torch.int32)
+    max_len = int(batch.get("max_seqlen") or int((cu[1:] - cu[:-1]).max()))
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+    )
+    if cp_size > 1:
+        batch = cp_slice(batch, cp_rank, cp_size, per_token_keys)
+    return batch, params

@@ -1,0 +1,83 @@
+"""Run metrics: a JSONL file always (rank 0), wandb (offline unless WANDB_API_KEY is set) and
+TensorBoard when enabled, and a console line with step, loss, lr, tokens/s and ETA."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from megatron_klear.utils.progress import format_seconds
+
+
+class MetricsLogger:
+    def __init__(self, *, jsonl_path: str, total_steps: int, config: dict | None = None,
+                 wandb: bool = False, wandb_project: str = "megatron-klear", run_name: str = "",
+                 tensorboard_dir: str | None = None, enabled: bool = True, stream=None):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.stream = stream or sys.stdout
+        self.start = time.time()
+        self.first_step = None
+        self._jsonl = None
+        self._wandb = None
+        self._tb = None
+        if not enabled:
+            return
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._jsonl = open(jsonl_path, "a", buffering=1)
+        if wandb:
+            try:
+                import wandb as wandb_lib
+            except ImportError:
+                raise ImportError("logging.wandb=true needs wandb: pip install 'megatron-klear[logging]'") from None
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self._wandb = wandb_lib.init(project=wandb_project, name=run_name or None, config=config, mode=mode)
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError("logging.tensorboard=true needs tensorboard: pip install 'megatron-klear[logging]'") from None
+            self._tb = SummaryWriter(tensorboard_dir)
+
+    def log(self, step: int, metrics: dict, console_keys=("loss", "lr", "grad_norm")) -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        if self.first_step is None:
+            self.first_step, self.start = step - 1, now - metrics.get("step_time_s", 0.0)
+        record = {"step": step, "time": now, **{k: v for k, v in metrics.items() if _finite(v)}}
+        if self._jsonl:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._wandb:
+            self._wandb.log(metrics, step=step)
+        if self._tb:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+        done = step - self.first_step
+        elapsed = now - self.start
+        eta = elapsed / max(done, 1) * (self.total_steps - step)
+        parts = [f"step {step}/{self.total_steps}"]
+        for k in console_keys:
+            if k in metrics:
+                parts.append(f"{k} {metrics[k]:.4g}")
+        if "tokens_per_s" in metrics:
+            parts.append(f"{metrics['tokens_per_s']:.0f} tokens/s")
+        parts.append(f"ETA {format_seconds(eta)}")
+        self.stream.write(" | ".join(parts) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._wandb:
+            self._wandb.finish()
+        if self._tb:
+            self._tb.close()
+
+
+def _finite(v) -> bool:
+    return not isinstance(v, float) or math.isfinite(v)

@@ -1,0 +1,117 @@
+"""Model, DDP, optimizer and learning-rate schedule, built the same way for SFT and RL."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainingState:
+    """Everything a training loop holds: model chunks (DDP-wrapped), optimizer, scheduler, arch."""
+
+    model: list
+    optimizer: object
+    scheduler: object
+    arch: object
+    config: object  # the JobConfig
+    step: int = 0
+
+
+def _is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def model_arch(path: str):
+    """Architecture of an HF directory or of a converted torch_dist directory."""
+    from megatron_klear.checkpoint import dist_ckpt
+    from megatron_klear.models.arch import load_arch
+
+    if not path:
+        raise ValueError("model.path is empty: point it at an HF checkpoint or a converted model directory")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.path: directory '{path}' does not exist")
+    return load_arch(path) if _is_hf_dir(path) else dist_ckpt.checkpoint_arch(path)
+
+
+def load_initial_weights(model_chunks, path: str) -> None:
+    """Start from an HF checkpoint (through the mapping) or a converted torch_dist model."""
+    from megatron_klear.checkpoint import dist_ckpt
+    from megatron_klear.checkpoint.hf_io import HFReader
+    from megatron_klear.checkpoint.model_weights import load_hf_weights, unwrap
+
+    raw = [unwrap(c) for c in model_chunks]
+    if _is_hf_dir(path):
+        load_hf_weights(raw, HFReader(path))
+    else:
+        dist_ckpt.load_model(raw, path)
+
+
+def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) -> TrainingState:
+    """Parallel state must be up (``init_parallel``). Builds model chunks, wraps them in Megatron's
+    DDP, and creates the Megatron optimizer and the warm-up + decay schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_klear.models.builder import build_model_chunks
+
+    arch = model_arch(cfg.model.path)
+    chunks = build_model_chunks(arch, cfg.model, cfg.parallel)
+    if load_weights:
+        load_initial_weights(chunks, cfg.model.path)
+    config = chunks[0].config
+    # Loss normalisation is ours (exact global counts), so Megatron must neither average over
+    # micro-batches nor over data-parallel ranks: gradients are summed.
+    config.calculate_per_token_loss = True
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.optim.distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    model = [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
+        for i, chunk in enumerate(chunks)
+    ]
+    for m in model:
+        m.broadcast_params()  # identical replicas across DP from the start
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    # Our losses are already divided by the global normaliser: finalize must not rescale.
+    config.finalize_model_grads_func = lambda chunks_, num_tokens=None, **kw: finalize_model_grads(chunks_, None, **kw)
+
+    dtype = config.params_dtype
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.optim.lr,
+        min_lr=cfg.optim.min_lr,
+        weight_decay=cfg.optim.weight_decay,
+        adam_beta1=cfg.optim.adam_beta1,
+        adam_beta2=cfg.optim.adam_beta2,
+        adam_eps=cfg.optim.adam_eps,
+        clip_grad=cfg.optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.optim.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    decay_steps = cfg.optim.decay_steps or max(total_steps, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr,
+        max_lr=cfg.optim.lr,
+        min_lr=cfg.optim.min_lr if cfg.optim.decay_style != "constant" else cfg.optim.lr,
+        lr_warmup_steps=cfg.optim.warmup_steps,
+        lr_decay_steps=max(decay_steps, cfg.optim.warmup_steps + 1),
+        lr_decay_style=cfg.optim.decay_style,
+        start_wd=cfg.optim.weight_decay,
+        end_wd=cfg.optim.weight_decay,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+    )
+    # Megatron's schedule gives step 0 the initial rate (0 with warm-up); we count optimizer steps
+    # from 1 so that the first update is not wasted and step `decay_steps` ends at min_lr.
+    scheduler.step(increment=1)
+    return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, arch=arch, config=cfg)

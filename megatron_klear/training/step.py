@@ -1,0 +1,123 @@
+"""The forward(-backward) pass over one step's packed micro-batches, shared by SFT and RL.
+
+Every micro-batch goes through Megatron's pipeline schedule (any TP/PP/CP/VPP); on the last
+pipeline stage the vocabulary-parallel logits become per-token log-probs and entropies
+(:mod:`megatron_klear.rl.logprobs`, no vocabulary gather), and the caller's ``loss_fn`` turns those
+into a scalar. Normalisation is the caller's: ``loss_fn`` divides by counts of the *whole* global
+batch, and Megatron is configured to sum (not average) over micro-batches and data-parallel ranks,
+so the gradient is exactly that of the global loss, however the batch is split.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_klear.training.batches import PER_TOKEN_KEYS_DEFAULT, prepare_packed
+
+LossFn = Callable[[dict, torch.Tensor, torch.Tensor], tuple]
+
+
+def _vocab_info(model_chunk):
+    from megatron.core import parallel_state
+
+    from megatron_klear.checkpoint.model_weights import unwrap
+
+    m = unwrap(model_chunk)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    v_local = m.vocab_size // tp_size
+    group = parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None
+    return group, tp_rank * v_local, m.arch.vocab_size
+
+
+def run_micro_batches(
+    model: list,
+    micro_batches: list,
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+    temperature: float = 1.0,
+    chunk_size: int | None = 4096,
+    per_token_keys=PER_TOKEN_KEYS_DEFAULT,
+    pad_id: int = 0,
+) -> list:
+    """Run this rank's ``micro_batches`` through the schedule; returns ``loss_fn``'s metrics per
+    micro-batch on the last pipeline stage (an empty list elsewhere).
+
+    ``loss_fn(batch, logprobs, entropy) -> (loss, metrics)`` sees this rank's (CP-local) slice of
+    the micro-batch; ``logprobs``/``entropy`` are float32 ``[1, S_local]`` for ``batch["labels"]``.
+    Gradients accumulate in the DDP buffers (call the optimizer afterwards).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cp_size = parallel_state.get_context_parallel_world_size()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    group, vocab_start, vocab_size = _vocab_info(model[0])
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        local, packed = prepare_packed(
+            batch, cp_rank=cp_rank, cp_size=cp_size, per_token_keys=per_token_keys, pad_id=pad_id
+        )
+        output = chunk(local["tokens"], local["position_ids"], None, packed_seq_params=packed)
+
+        def loss_func(logits):
+            logprobs, entropy = vocab_parallel_logprobs_and_entropy(
+                logits,
+                local["labels"],
+                group=group,
+                vocab_start_index=vocab_start,
+                vocab_size=vocab_size,
+                temperature=temperature,
+                chunk_size=chunk_size,
+            )
+            loss, metrics = loss_fn(local, logprobs, entropy)
+            return loss, torch.ones((), dtype=torch.int), metrics
+
+        return output, loss_func
+
+    from megatron_klear.rl.logprobs import vocab_parallel_logprobs_and_entropy
+
+    seq_len = max(int(b["tokens"].shape[1]) for b in micro_batches)
+    n = len(micro_batches)
+    if len(model) > 1:
+        iterators = [iter(micro_batches) for _ in model]
+    else:
+        iterators = iter(micro_batches)
+    for chunk in model:
+        chunk.train(not forward_only)
+    context = torch.no_grad() if forward_only else torch.enable_grad()
+    with context:
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=n,
+            seq_length=seq_len,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    return list(results or [])
+
+
+def reduce_metrics(per_micro_batch: list, keys: tuple) -> dict:
+    """Sum metrics ``keys`` over micro-batches and over every rank that holds the last pipeline
+    stage (data- and context-parallel replicas); every rank gets the result.
+
+    ``keys`` is explicit because ranks of other pipeline stages have no metrics of their own but
+    must take part in the same all-reduce. Metrics are sums: divide by the right global count.
+    """
+    from megatron.core import parallel_state
+
+    vec = torch.zeros(len(keys), dtype=torch.float64)
+    for m in per_micro_batch:
+        for i, k in enumerate(keys):
+            vec[i] += float(m[k])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Only last-stage ranks contributed; the ranks of a TP group hold identical values.
+        dist.all_reduce(vec)
+        vec /= parallel_state.get_tensor_model_parallel_world_size()
+    return dict(zip(keys, vec.tolist()))

@@ -1,0 +1,221 @@
+"""The sandbox directly: start-up probe and refusal, limits and their reasons, kill and reap."""
+import os
+import stat
+import textwrap
+import time
+
+import pytest
+
+from megatron_klear.rewards import SandboxConfig
+from megatron_klear.rewards import sandbox as sandbox_mod
+from megatron_klear.rewards.code import grade_code
+from megatron_klear.rewards.config import RewardConfig
+from megatron_klear.rewards.harness import seccomp_filter
+from megatron_klear.rewards.sandbox import (Sandbox, SandboxUnavailable, SlotLease, probe_isolation,
+                                            processes_of_uid, resolve_isolation)
+
+from .conftest import code_response, small_limits
+
+
+@pytest.fixture(scope="module")
+def sb(level):
+    s = Sandbox(small_limits(level), level=level)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def fresh_resolution(monkeypatch):
+    monkeypatch.setattr(sandbox_mod, "_resolved", {})
+
+
+def _fake_bwrap(tmp_path, body: str) -> str:
+    d = tmp_path / "fakebin"
+    d.mkdir()
+    p = d / "bwrap"
+    p.write_text("#!/bin/bash\n" + textwrap.dedent(body))
+    p.chmod(0o755)
+    return str(d)
+
+
+# --------------------------------------------------------------------------- probe and refusal
+
+def test_probe_on_this_machine_is_truthful(isolation_report):
+    rep = isolation_report
+    if os.path.exists("/usr/bin/bwrap") or os.path.exists("/bin/bwrap"):
+        # bubblewrap installed: either it works, or the probe names what fails
+        assert rep.bwrap_ok or rep.bwrap_problems
+    else:
+        assert not rep.bwrap_ok and "not installed" in rep.bwrap_problems[0]
+    if os.getuid() == 0:
+        assert rep.fallback_ok, rep.fallback_problems
+        assert "world-readable host files are readable" in rep.limitations
+
+
+def test_a_bwrap_that_does_not_isolate_is_refused(tmp_path, monkeypatch, fresh_resolution, isolation_report):
+    if not isolation_report.bwrap_ok:
+        pytest.skip("needs a working bubblewrap to wrap: " + "; ".join(isolation_report.bwrap_problems))
+    # looks like bubblewrap, runs the program, silently skips the PID and network namespaces
+    fake = _fake_bwrap(tmp_path, """
+        args=()
+        for a in "$@"; do
+          case "$a" in --unshare-pid|--unshare-net) ;; *) args+=("$a");; esac
+        done
+        exec /usr/bin/bwrap "${args[@]}"
+    """)
+    monkeypatch.setenv("PATH", fake + ":" + os.environ["PATH"])
+    rep = probe_isolation(small_limits("auto"))
+    assert not rep.bwrap_ok
+    assert any("PID namespace" in p for p in rep.bwrap_problems), rep.bwrap_problems
+    with pytest.raises(SandboxUnavailable, match="Refusing to run untrusted code"):
+        resolve_isolation(small_limits("auto", allow_fallback=False))
+
+
+def test_no_namespaces_refuses_or_falls_back_loudly(tmp_path, monkeypatch, fresh_resolution, capfd):
+    # what bubblewrap says in a container that forbids namespaces
+    fake = _fake_bwrap(tmp_path, """
+        echo "bwrap: No permissions to creating new namespace, likely because the kernel does not allow non-privileged user namespaces." >&2
+        exit 1
+    """)
+    monkeypatch.setenv("PATH", fake + ":" + os.environ["PATH"])
+    with pytest.raises(SandboxUnavailable, match="No permissions to creat"):
+        resolve_isolation(small_limits("auto", allow_fallback=False))
+    with pytest.raises(SandboxUnavailable):
+        resolve_isolation(small_limits("bwrap"))
+    if os.getuid() != 0:
+        pytest.skip("the fallback needs root")
+    rep = resolve_isolation(small_limits("auto", allow_fallback=True))
+    assert rep.level == "fallback"
+    err = capfd.readouterr().err
+    assert "SANDBOX DEGRADED" in err and "No permissions to creat" in err
+
+
+def test_missing_bwrap_is_named(monkeypatch, fresh_resolution):
+    monkeypatch.setattr(sandbox_mod, "_bwrap_path", lambda: None)
+    rep = probe_isolation(small_limits("auto"))
+    assert not rep.bwrap_ok and "bubblewrap (bwrap) is not installed" in rep.bwrap_problems[0]
+
+
+# --------------------------------------------------------------------------- identity and limits
+
+def test_program_runs_as_the_slot_uid_without_groups(sb):
+    res = sb.run_code("import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())")
+    uid = sb.uid
+    assert res.stdout.decode().split("\n")[0] == f"{uid} {uid} {uid} []"
+    assert uid == sb.cfg.base_uid + sb.slot and uid != 0
+
+
+def test_reasons_for_each_limit(sb):
+    cfg = sb.cfg
+    cases = {
+        "import time\ntime.sleep(60)": f"timeout (wall {cfg.wall_s:g} s)",
+        "while True: pass": "cpu time limit (1 s)",
+        "x = bytearray(2 ** 34)": f"memory limit ({cfg.memory_mb} MB)",
+        "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)": "killed by signal 11",
+        "while True: print('y' * 4096)": f"output limit ({cfg.output_limit_bytes} bytes)",
+        "open('big', 'wb').write(b'x' * (8 << 20))": f"file size limit ({cfg.file_size_mb} MB)",
+        "raise SystemExit(7)": "runtime error (exit 7)",
+        "print('ok')": None,
+    }
+    for code, reason in cases.items():
+        res = sb.run_code(code)
+        assert res.started, code
+        assert res.failure_reason(cfg) == reason, (code, res)
+
+
+def test_sleep_is_cut_at_the_wall_limit(sb):
+    t = time.monotonic()
+    res = sb.run_code("import time\ntime.sleep(60)")
+    assert res.status == "timeout" and sb.cfg.wall_s <= time.monotonic() - t < sb.cfg.wall_s + 1.5
+
+
+def test_orphaned_grandchild_is_killed_and_does_not_stall(sb):
+    code = textwrap.dedent("""
+        import os, sys, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                while True:
+                    time.sleep(0.01)
+            os._exit(0)
+        print("parent done", flush=True)
+    """)
+    t = time.monotonic()
+    res = sb.run_code(code)
+    assert time.monotonic() - t < 1.0, "the grader waited for the grandchild"
+    assert res.stdout == b"parent done\n" and res.failure_reason(sb.cfg) is None
+    if sb.uid >= 0:
+        assert processes_of_uid(sb.uid) == []
+
+
+def test_threads_and_subprocesses_still_work(sb):
+    code = textwrap.dedent("""
+        import subprocess, threading
+        out = []
+        t = threading.Thread(target=lambda: out.append(sum(range(10))))
+        t.start(); t.join()
+        print(out[0], subprocess.run(["echo", "hi"], capture_output=True, text=True).stdout.strip())
+    """)
+    res = sb.run_code(code)
+    assert res.stdout == b"45 hi\n", res
+
+
+def test_namespace_creation_and_ptrace_are_denied(sb):
+    code = textwrap.dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        r = []
+        for name, call in (("unshare", lambda: libc.unshare(0x10000000)),      # CLONE_NEWUSER
+                           ("ptrace", lambda: libc.ptrace(16, os.getppid(), 0, 0))):
+            rc = call()
+            r.append("%s=%d/%d" % (name, rc, ctypes.get_errno()))
+        print(" ".join(r))
+    """)
+    res = sb.run_code(code)
+    assert res.stdout.decode().strip() == "unshare=-1/1 ptrace=-1/1", res
+
+
+def test_the_interpreter_missing_is_a_sandbox_failure_not_a_program_failure(level):
+    cfg = RewardConfig(sandbox=small_limits(level, python="/nonexistent/python3"))
+    with Sandbox(cfg.sandbox, level=level) as s:
+        res = s.run_code("print(1)")
+        assert not res.started and res.failure_reason(s.cfg).startswith("sandbox failure")
+        graded = grade_code(code_response("print(1)"), {"inputs": [""], "outputs": ["1"]}, cfg, s)
+    assert graded.reward == 0.0 and graded.error is not None and "could not start" in graded.error
+
+
+def test_program_files_are_removed(sb):
+    with sb.program("print(1)") as prog:
+        assert os.path.isdir(prog.dir)
+        assert stat.S_IMODE(os.stat(prog.code_path).st_mode) == 0o600  # root-only: read before the drop
+        prog.run()
+    assert not os.path.exists(prog.dir)
+
+
+# --------------------------------------------------------------------------- plumbing
+
+def test_slot_leases_are_exclusive():
+    a, b = SlotLease(64), SlotLease(64)
+    assert a.slot != b.slot
+    s = a.slot
+    a.release()
+    c = SlotLease(64, prefer=s)
+    assert c.slot == s
+    b.release()
+    c.release()
+
+
+def test_seccomp_filter_shape():
+    prog = seccomp_filter("x86_64")
+    assert prog is not None and len(prog) % 8 == 0 and 20 < len(prog) // 8 < 100
+    assert seccomp_filter("aarch64") is not None
+    assert seccomp_filter("riscv64") is None
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="SandboxConfig.wall_s"):
+        SandboxConfig(wall_s=0)
+    with pytest.raises(ValueError, match="SandboxConfig.open_files"):
+        SandboxConfig(open_files=3)
+    with pytest.raises(ValueError, match="SandboxConfig.base_uid"):
+        SandboxConfig(base_uid=0)
