@@ -104,6 +104,51 @@ class LoggingConfig:
 
 
 @dataclass
+class RLConfig:
+    """GPPO and the rest of the Klear RL recipe (KLEAR-REASONER.md sections 3-4)."""
+
+    algo: str = "gppo"  # gppo | clip_higher | ppo | cispo
+    eps_low: float | None = None  # None: the algorithm's default (gppo: 0.2)
+    eps_high: float | None = None  # None: the algorithm's default (gppo: 0.28)
+    dual_clip: float | None = 10.0
+    beta1: float = 1.0  # CE-GPPO: 0.25-0.75 against entropy collapse; 1.0 is plain GPPO
+    beta2: float = 1.0
+    agg: str = "token_mean"  # token_mean (the paper's 1/sum T) | seq_mean_token_mean | seq_mean_token_sum_norm
+    norm_constant: float | None = None  # seq_mean_token_sum_norm's fixed length
+    nll_coef: float = 0.1  # alpha: NLL on rollouts whose reward is exactly the correct score
+    correct_score: float = 1.0
+    kl_coef: float = 0.0  # off: no reference model
+    prompts_per_step: int = 128
+    responses_per_prompt: int = 8
+    mini_batch_prompts: int = 16  # 128/16 = 8 optimizer steps per rollout batch
+    max_tokens_per_micro_batch: int = 32768  # packing budget per micro-batch (not a sample count)
+    temperature: float = 1.0  # must equal the rollout engine's sampling temperature
+    tis_cap: float | None = None  # truncated importance sampling for rollout/train mismatch (off)
+    std_normalize: bool = True  # False: Dr.GRPO advantages (no division by the std)
+    filter_zero_spread: bool = True
+    overlong_filter: bool = False
+
+    def validate(self):
+        from megatron_klear.rl.losses import AGGREGATIONS, ALGORITHMS
+
+        if self.algo not in ALGORITHMS:
+            raise ConfigError(f"rl.algo must be one of {ALGORITHMS}, got {self.algo!r}")
+        if self.agg not in AGGREGATIONS:
+            raise ConfigError(f"rl.agg must be one of {AGGREGATIONS}, got {self.agg!r}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"rl.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        if self.prompts_per_step % self.mini_batch_prompts:
+            raise ConfigError(
+                f"rl.prompts_per_step={self.prompts_per_step} must be a multiple of "
+                f"rl.mini_batch_prompts={self.mini_batch_prompts}"
+            )
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError("rl.tis_cap must be > 0 (or null)")
+        if self.temperature <= 0:
+            raise ConfigError("rl.temperature must be > 0")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -111,6 +156,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def validate(self):
         for f in dataclasses.fields(self):

@@ -101,6 +101,25 @@ def pack_in_windows(
     return bins
 
 
+def assign_bins_to_ranks(costs, dp_size: int, per_rank: int) -> list:
+    """Deal bins (by index into ``costs``) to ``dp_size`` ranks, ``per_rank`` slots each.
+
+    Largest cost first to the least-loaded rank with a free slot (ties: lowest rank). Slots left
+    when there are fewer bins than ``dp_size * per_rank`` hold ``None`` (a filler row).
+    """
+    if len(costs) > dp_size * per_rank:
+        raise ValueError(f"{len(costs)} bins do not fit {dp_size} ranks x {per_rank} slots")
+    loads = [0] * dp_size
+    slots = [[] for _ in range(dp_size)]
+    for b in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min((r for r in range(dp_size) if len(slots[r]) < per_rank), key=lambda r: (loads[r], r))
+        slots[r].append(b)
+        loads[r] += costs[b]
+    for s in slots:
+        s.extend([None] * (per_rank - len(s)))
+    return slots
+
+
 def packing_efficiency(lengths: Sequence[int], bins: Sequence[Sequence[int]], capacity: int) -> float:
     """Real tokens / (number of bins * capacity)."""
     if not bins:

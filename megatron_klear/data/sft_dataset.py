@@ -52,31 +52,12 @@ from typing import Optional
 import numpy as np
 
 from megatron_klear.data.indexed import SFTIndexedReader
-from megatron_klear.data.packing import build_packed_micro_batch, pack_in_windows, round_up
+from megatron_klear.data.packing import assign_bins_to_ranks, build_packed_micro_batch, pack_in_windows, round_up  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 REMAINDER_CHOICES = ("pad", "drop")
 STATE_VERSION = 1
-
-
-def assign_bins_to_ranks(costs, dp_size: int, per_rank: int) -> list:
-    """Deal bins (by index into ``costs``) to ``dp_size`` ranks, ``per_rank`` slots each.
-
-    Largest cost first to the least-loaded rank with a free slot (ties: lowest rank). Slots left
-    when there are fewer bins than ``dp_size * per_rank`` hold ``None`` (a filler row).
-    """
-    if len(costs) > dp_size * per_rank:
-        raise ValueError(f"{len(costs)} bins do not fit {dp_size} ranks x {per_rank} slots")
-    loads = [0] * dp_size
-    slots = [[] for _ in range(dp_size)]
-    for b in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min((r for r in range(dp_size) if len(slots[r]) < per_rank), key=lambda r: (loads[r], r))
-        slots[r].append(b)
-        loads[r] += costs[b]
-    for s in slots:
-        s.extend([None] * (per_rank - len(s)))
-    return slots
 
 
 class PackedSFTDataset:

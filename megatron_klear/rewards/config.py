@@ -99,6 +99,9 @@ class RewardConfig:
     code_sample_budget_s: float = 120.0
     math_timeout_s: float = 5.0         # per item, enforced inside the worker and by the parent
     math_memory_mb: int = 4096          # RLIMIT_AS of a grading worker
+    #: An item whose worker died is retried this many times on a fresh worker before it is
+    #: reported as a crash (a worker can die for reasons that are not the item's).
+    crash_retries: int = 1
     workers: int = 0                    # 0: one per CPU core
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
@@ -129,6 +132,8 @@ class RewardConfig:
             _require(getattr(self, name) > 0, c, name, getattr(self, name), "> 0 seconds")
         _require(isinstance(self.math_memory_mb, int) and self.math_memory_mb >= 256, c,
                  "math_memory_mb", self.math_memory_mb, "an integer >= 256")
+        _require(isinstance(self.crash_retries, int) and self.crash_retries >= 0, c, "crash_retries",
+                 self.crash_retries, "an integer >= 0")
         _require(isinstance(self.workers, int) and self.workers >= 0, c, "workers", self.workers,
                  "an integer >= 0 (0 = one per core)")
 

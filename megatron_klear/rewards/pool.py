@@ -51,7 +51,7 @@ class _Worker:
                                 name=f"klear-grader-{slot}")
         self.proc.start()
         child.close()
-        self.task = None          # (task_id, future, item_dict, deadline)
+        self.task = None          # (task_id, future, item_dict, deadline, attempt)
 
     def kill(self) -> None:
         try:
@@ -124,7 +124,7 @@ class GradingPool:
         with self._lock:
             if self._closing:
                 raise RuntimeError("GradingPool is closed")
-            self._pending.append((next(self._ids), fut, raw))
+            self._pending.append((next(self._ids), fut, raw, 0))
         self._wake()
         return fut
 
@@ -203,7 +203,7 @@ class GradingPool:
                 shutil.rmtree(os.path.join(runs, name), ignore_errors=True)
 
     def _finish(self, w: _Worker, res: GradeResult) -> None:
-        task_id, fut, raw, _ = w.task
+        fut = w.task[1]
         w.task = None
         self.stats["done"] += 1
         if res.error:
@@ -211,17 +211,26 @@ class GradingPool:
         if not fut.done():
             fut.set_result(res)
 
-    def _replace(self, w: _Worker, reason: str) -> None:
-        """Kill `w` (if alive), fail its task with `reason`, start a new worker on its slot."""
+    def _replace(self, w: _Worker, reason: str, retry: bool = False) -> None:
+        """Kill `w` (if alive) and start a new worker on its slot; then retry its task (crashes,
+        up to `crash_retries` times) or fail it with `reason`."""
         w.kill()
         self._cleanup_slot(w.slot)
-        if w.task is not None:
-            raw = w.task[2]
-            task = raw.get("task") if isinstance(raw, dict) else "math"
-            self.stats["killed"] += 1
-            self._finish(w, GradeResult.failure(failure_reward(task, self.cfg), reason))
-        i = self._workers.index(w)
-        self._workers[i] = _Worker(self._ctx, w.slot, self.cfg)
+        self._workers[self._workers.index(w)] = _Worker(self._ctx, w.slot, self.cfg)
+        if w.task is None:
+            return
+        task_id, fut, raw, _, attempt = w.task
+        self.stats["killed"] += 1
+        if retry and attempt < self.cfg.crash_retries:
+            w.task = None
+            self.stats["retried"] += 1
+            with self._lock:
+                self._pending.appendleft((task_id, fut, raw, attempt + 1))
+            return
+        task = raw.get("task") if isinstance(raw, dict) else "math"
+        if attempt:
+            reason += f" (after {attempt} retr{'y' if attempt == 1 else 'ies'} on a fresh worker)"
+        self._finish(w, GradeResult.failure(failure_reward(task, self.cfg), reason))
 
     def _dispatch(self) -> None:
         try:
@@ -234,7 +243,7 @@ class GradingPool:
             for w in self._workers:
                 if w.task is not None and not w.task[1].done():
                     w.task[1].set_exception(RuntimeError("grading pool dispatcher crashed"))
-            for _, fut, _ in pending:
+            for _, fut, _, _ in pending:
                 if not fut.done():
                     fut.set_exception(RuntimeError("grading pool dispatcher crashed"))
 
@@ -248,12 +257,12 @@ class GradingPool:
                     nxt = None
                     while self._pending:
                         cand = self._pending.popleft()
-                        if cand[1].set_running_or_notify_cancel():
+                        if cand[3] > 0 or cand[1].set_running_or_notify_cancel():
                             nxt = cand
                             break
                 if nxt is None:
                     break
-                task_id, fut, raw = nxt
+                task_id, fut, raw, attempt = nxt
                 try:
                     parse_item(raw)
                 except Exception as e:
@@ -262,11 +271,12 @@ class GradingPool:
                     self.stats["done"] += 1
                     self.stats["errors"] += 1
                     continue
-                w.task = (task_id, fut, raw, time.monotonic() + self._hard_deadline(raw))
+                w.task = (task_id, fut, raw, time.monotonic() + self._hard_deadline(raw), attempt)
                 try:
                     w.conn.send((task_id, raw, self._level))
                 except OSError:
-                    self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} before the item was sent")
+                    self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
+                                     "before the item was sent", retry=True)
             busy = [w for w in self._workers if w.task is not None]
             with self._lock:
                 if self._closing and not busy and not self._pending:
@@ -285,13 +295,13 @@ class GradingPool:
                     except (EOFError, OSError):
                         w.proc.join(1)
                         self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
-                                         "while grading this item")
+                                         "while grading this item", retry=True)
                         continue
                     if task_id == w.task[0]:
                         self._finish(w, res)
                 elif w.proc.sentinel in ready and not w.proc.is_alive():
                     self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
-                                     "while grading this item")
+                                     "while grading this item", retry=True)
             now = time.monotonic()
             for w in list(self._workers):
                 if w.task is not None and now > w.task[3]:

@@ -14,6 +14,7 @@ import time
 import torch
 
 from megatron_klear.config import JobConfig, dump_config, load_config
+from megatron_klear.training.batches import row_multiple
 
 
 def sft_loss_fn(num_loss_tokens_in_step: int):
@@ -31,17 +32,6 @@ def sft_loss_fn(num_loss_tokens_in_step: int):
     return loss_fn
 
 
-def pad_multiple(cfg: JobConfig) -> int:
-    """Packed rows must split evenly: across TP (sequence parallel), across 2*CP chunks, and
-    into FP8's 16-token tiles."""
-    if cfg.data.pad_to_multiple:
-        return cfg.data.pad_to_multiple
-    multiple = cfg.parallel.tp * (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1)
-    if cfg.model.fp8:
-        multiple = max(multiple, 16) if 16 % multiple == 0 else multiple * 16
-    return multiple
-
-
 def build_dataset(cfg: JobConfig):
     from megatron.core import parallel_state
 
@@ -56,7 +46,7 @@ def build_dataset(cfg: JobConfig):
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         micro_batches_per_step=cfg.data.micro_batches_per_step,
-        pad_to_multiple=pad_multiple(cfg),
+        pad_to_multiple=cfg.data.pad_to_multiple or row_multiple(cfg.parallel, cfg.model.fp8),
         remainder=cfg.data.remainder,
     )
 

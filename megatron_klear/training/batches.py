@@ -13,6 +13,17 @@ import torch
 PER_TOKEN_KEYS_DEFAULT = ("tokens", "labels", "loss_mask", "position_ids")
 
 
+def row_multiple(parallel, fp8: str | None = None) -> int:
+    """Packed rows must split evenly: across TP ranks (sequence parallel), into 2*CP chunks, and
+    into FP8's 16-token tiles."""
+    import math
+
+    multiple = parallel.tp * (2 * parallel.cp if parallel.cp > 1 else 1)
+    if fp8:
+        multiple = multiple * 16 // math.gcd(multiple, 16)
+    return multiple
+
+
 def pad_segments(batch: dict, multiple: int, per_token_keys, pad_id: int = 0) -> dict:
     """Pad each segment of a packed row to a multiple of ``multiple`` (at the segment's end).
 

@@ -1,0 +1,178 @@
+"""The GPPO actor update on Megatron: recompute old log-probs, then one optimizer step per
+mini-batch, through the same training step, optimizer and checkpoint code as SFT.
+
+Normalisation is exact and global: for each mini-batch the counts of the whole mini-batch
+(response tokens, sequences, and their positive-sample subsets) are computed from the rollout batch
+every rank holds, every micro-batch's loss is its share of the mini-batch loss under ``rl.agg``,
+and Megatron sums the gradients over micro-batches, pipeline stages and DP/CP ranks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_klear.rl.batch import RL_PER_TOKEN_KEYS, plan_mini_batch, split_mini_batches
+from megatron_klear.rl.losses import LossCounts, policy_loss
+from megatron_klear.training.batches import row_multiple
+from megatron_klear.training.step import reduce_metrics, run_micro_batches
+
+SUM_KEYS = (
+    "loss", "pg_loss", "nll_loss", "tokens", "clip_frac_low", "clip_frac_high", "clip_frac_dual",
+    "ratio_mean", "approx_kl", "entropy", "mismatch_abs", "mismatch_tokens",
+)
+
+
+def mini_batch_counts(samples: list, ids: list) -> LossCounts:
+    pos = [i for i in ids if samples[i].positive]
+    return LossCounts(
+        num_tokens=float(sum(len(samples[i].response_ids) for i in ids)),
+        num_seqs=float(len(ids)),
+        num_positive_tokens=float(sum(len(samples[i].response_ids) for i in pos)),
+        num_positive_seqs=float(len(pos)),
+    )
+
+
+class Actor:
+    def __init__(self, state, rl_cfg, *, pad_id: int = 0, logprob_chunk_size: int | None = 4096):
+        self.state = state
+        self.rl = rl_cfg
+        self.pad_id = pad_id
+        self.chunk_size = logprob_chunk_size
+
+    # -- planning ------------------------------------------------------------------------------------
+    def plan(self, samples: list) -> list:
+        """[(counts, this rank's micro-batches)] per mini-batch."""
+        from megatron.core import parallel_state
+
+        cfg = self.state.config
+        multiple = row_multiple(cfg.parallel, cfg.model.fp8)
+        plans = []
+        for ids in split_mini_batches(samples, self.rl.mini_batch_prompts):
+            mbs = plan_mini_batch(
+                samples, ids,
+                dp_rank=parallel_state.get_data_parallel_rank(),
+                dp_size=parallel_state.get_data_parallel_world_size(),
+                max_tokens=self.rl.max_tokens_per_micro_batch, pad_id=self.pad_id, pad_to_multiple=multiple,
+            )
+            plans.append((mini_batch_counts(samples, ids), mbs))
+        return plans
+
+    def _run(self, micro_batches, loss_fn, forward_only):
+        return run_micro_batches(
+            self.state.model, micro_batches, loss_fn, forward_only=forward_only,
+            temperature=self.rl.temperature, chunk_size=self.chunk_size,
+            per_token_keys=RL_PER_TOKEN_KEYS, pad_id=self.pad_id,
+        )
+
+    # -- old log-probs ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def recompute_old_logprobs(self, plans) -> None:
+        """Log-probs of the current weights, stored in each micro-batch (this rank's CP slice,
+        on the last pipeline stage) before any update."""
+        all_mbs = [mb for _, mbs in plans for mb in mbs]
+        for k, mb in enumerate(all_mbs):
+            mb["mb_id"] = k
+
+        def collect(local, logprobs, entropy):
+            return logprobs.sum() * 0.0, {"mb_id": local["mb_id"], "logprobs": logprobs.detach().clone()}
+
+        for res in self._run(all_mbs, collect, forward_only=True):
+            all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
+
+    # -- the update -----------------------------------------------------------------------------------
+    def _loss_fn(self, counts: LossCounts):
+        rl = self.rl
+
+        def loss_fn(local, logprobs, entropy):
+            mask = local["loss_mask"]
+            old = local["old_logprobs_local"].to(logprobs.dtype)
+            adv = local["advantages"].to(logprobs.dtype)
+            m = mask.bool()
+            mismatch = torch.zeros((), dtype=torch.float64)
+            mismatch_max = 0.0
+            if local.get("has_rollout_logprobs"):
+                diff = (old - local["rollout_logprobs"]).abs() * mask
+                mismatch = diff.sum().double()
+                mismatch_max = float(diff.max()) if diff.numel() else 0.0
+                if rl.tis_cap:
+                    # Truncated importance sampling (rollout engine vs trainer numerics): scaling
+                    # A by w > 0 scales the token's gradient by w and keeps every clip region.
+                    w = torch.exp(old - local["rollout_logprobs"]).clamp(max=rl.tis_cap)
+                    adv = adv * w
+            loss, metrics = policy_loss(
+                logprobs, old, adv, mask, algo=rl.algo, eps_low=rl.eps_low, eps_high=rl.eps_high,
+                dual_clip=rl.dual_clip, beta1=rl.beta1, beta2=rl.beta2, agg=rl.agg,
+                seq_ids=local["seq_ids"], norm_constant=rl.norm_constant, counts=counts,
+                positive=local["positive"], nll_coef=rl.nll_coef,
+            )
+            n = float(m.sum())
+            out = {
+                "loss": loss.detach(),
+                "pg_loss": metrics["pg_loss"],
+                "nll_loss": metrics["nll_loss"],
+                "tokens": n,
+                "entropy": (entropy.detach() * mask).sum(),
+                "mismatch_abs": mismatch,
+                "mismatch_tokens": n if local.get("has_rollout_logprobs") else 0.0,
+                "ratio_max": metrics["ratio_max"],
+                "mismatch_max": mismatch_max,
+            }
+            for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "approx_kl"):
+                out[k] = metrics[k] * n  # token-weighted: divided by the global count below
+            return loss, out
+
+        return loss_fn
+
+    def update(self, samples: list) -> dict:
+        """Recompute old log-probs, then one optimizer step per mini-batch. Returns metrics of the
+        whole rollout batch (token-weighted means over every mini-batch)."""
+        if not samples:
+            raise ValueError("actor.update: no samples (every group filtered out?)")
+        state = self.state
+        plans = self.plan(samples)
+        self.recompute_old_logprobs(plans)
+        totals = dict.fromkeys(SUM_KEYS, 0.0)
+        steps, grad_norms, ratio_max, mismatch_max = [], [], 0.0, 0.0
+        for counts, mbs in plans:
+            for m in state.model:
+                m.zero_grad_buffer()
+            state.optimizer.zero_grad()
+            results = self._run(mbs, self._loss_fn(counts), forward_only=False)
+            lr = state.optimizer.param_groups[0]["lr"]
+            ok, grad_norm, _ = state.optimizer.step()
+            state.scheduler.step(increment=1)
+            state.step += 1
+            sums = reduce_metrics(results, SUM_KEYS)
+            for k in SUM_KEYS:
+                totals[k] += sums[k]
+            local_max = max([float(r["ratio_max"]) for r in results] or [0.0])
+            ratio_max = max(ratio_max, _all_max(local_max))
+            mismatch_max = max(mismatch_max, _all_max(max([float(r["mismatch_max"]) for r in results] or [0.0])))
+            grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
+            steps.append({"loss": sums["loss"], "grad_norm": grad_norms[-1], "lr": lr, "update_ok": bool(ok)})
+        tokens = max(totals["tokens"], 1.0)
+        out = {
+            "actor/loss": totals["loss"] / len(plans),
+            "actor/pg_loss": totals["pg_loss"] / len(plans),
+            "actor/nll_loss": totals["nll_loss"] / len(plans),
+            "actor/entropy": totals["entropy"] / tokens,
+            "actor/grad_norm": sum(grad_norms) / len(grad_norms),
+            "actor/ratio_max": ratio_max,
+            "actor/optimizer_steps": len(plans),
+            "actor/steps": steps,
+        }
+        for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "approx_kl"):
+            out[f"actor/{k}"] = totals[k] / tokens
+        if totals["mismatch_tokens"]:
+            out["actor/logprob_mismatch_mean"] = totals["mismatch_abs"] / totals["mismatch_tokens"]
+            out["actor/logprob_mismatch_max"] = mismatch_max
+        return out
+
+
+def _all_max(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

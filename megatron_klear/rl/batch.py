@@ -1,0 +1,115 @@
+"""Rollout samples -> packed micro-batches for the actor, one list per mini-batch and DP rank.
+
+Every rank receives the whole rollout batch (from the driver) and derives its share
+deterministically, so the global normalisers of each mini-batch (response tokens, sequences,
+positive tokens/sequences) are known on every rank without communication.
+
+Per-token values follow the label shift of :mod:`megatron_klear.data.packing`: position ``t`` of a
+row predicts token ``t+1``, so the advantage, the rollout log-prob and the positive flag of
+response token ``j`` sit at the position of the token before it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megatron_klear.data.packing import assign_bins_to_ranks, build_packed_micro_batch, pack_best_fit_decreasing
+
+RL_PER_TOKEN_KEYS = (
+    "tokens", "labels", "loss_mask", "position_ids", "advantages", "positive", "seq_ids", "rollout_logprobs",
+)
+
+
+@dataclass
+class RolloutSample:
+    """One response to one prompt, graded."""
+
+    prompt_ids: list
+    response_ids: list
+    advantage: float
+    group: int  # index of the prompt in the rollout batch (mini-batches never split a group)
+    positive: bool = False  # reward == the correct score: trained with the NLL term too
+    rollout_logprobs: list | None = None  # per response token, from the rollout engine
+    reward: float = 0.0
+    finished: bool = True  # ended with EOS
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def _shifted(values: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros(n, dtype=np.float32)
+    out[: n - 1] = values[1:n]
+    return out
+
+
+def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to_multiple: int) -> dict:
+    """One packed row of ``samples`` (may be empty: a filler row with no loss)."""
+    tokens = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+    masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
+    row = build_packed_micro_batch(tokens, masks, pad_token_id=pad_id, pad_to_multiple=pad_to_multiple)
+    size = row["tokens"].shape[1]
+    adv = np.zeros(size, dtype=np.float32)
+    pos = np.zeros(size, dtype=np.float32)
+    seq = np.full(size, -1.0, dtype=np.float32)
+    rlp = np.zeros(size, dtype=np.float32)
+    off = 0
+    for s, sid in zip(samples, sample_ids):
+        n, p = len(s), len(s.prompt_ids)
+        per_tok = np.zeros(n, dtype=np.float32)
+        per_tok[p:] = s.advantage
+        adv[off: off + n] = _shifted(per_tok, n)
+        per_tok[p:] = 1.0 if s.positive else 0.0
+        pos[off: off + n] = _shifted(per_tok, n)
+        seq[off: off + n] = sid
+        if s.rollout_logprobs is not None:
+            if len(s.rollout_logprobs) != len(s.response_ids):
+                raise ValueError(
+                    f"sample {sid}: {len(s.rollout_logprobs)} rollout log-probs for {len(s.response_ids)} response tokens"
+                )
+            per_tok[:] = 0.0
+            per_tok[p:] = s.rollout_logprobs
+            rlp[off: off + n] = _shifted(per_tok, n)
+        off += n
+    row.update(
+        advantages=torch.from_numpy(adv).unsqueeze(0),
+        positive=torch.from_numpy(pos).unsqueeze(0),
+        seq_ids=torch.from_numpy(seq).unsqueeze(0),
+        rollout_logprobs=torch.from_numpy(rlp).unsqueeze(0),
+        has_rollout_logprobs=all(s.rollout_logprobs is not None for s in samples),
+    )
+    return row
+
+
+def split_mini_batches(samples: list, mini_batch_prompts: int) -> list:
+    """Consecutive groups of ``mini_batch_prompts`` prompts (all responses of a prompt together)."""
+    groups = sorted({s.group for s in samples})
+    out = []
+    for g0 in range(0, len(groups), mini_batch_prompts):
+        chosen = set(groups[g0: g0 + mini_batch_prompts])
+        out.append([i for i, s in enumerate(samples) if s.group in chosen])
+    return out
+
+
+def plan_mini_batch(samples: list, ids: list, *, dp_rank: int, dp_size: int, max_tokens: int,
+                    pad_id: int, pad_to_multiple: int) -> list:
+    """This DP rank's packed micro-batches of one mini-batch (same count on every rank)."""
+    lengths = [len(samples[i]) for i in ids]
+    too_long = [ids[k] for k, n in enumerate(lengths) if n > max_tokens]
+    if too_long:
+        raise ValueError(
+            f"rollout sample {too_long[0]} has {len(samples[too_long[0]])} tokens, more than "
+            f"rl.max_tokens_per_micro_batch={max_tokens}"
+        )
+    bins = [[ids[k] for k in b] for b in pack_best_fit_decreasing(lengths, max_tokens)]
+    per_rank = -(-len(bins) // dp_size)
+    slots = assign_bins_to_ranks([sum(len(samples[i]) for i in b) for b in bins], dp_size, per_rank)
+    mine = []
+    for b in slots[dp_rank]:
+        members = [] if b is None else bins[b]
+        mine.append(build_rl_micro_batch([samples[i] for i in members], members, pad_id=pad_id,
+                                         pad_to_multiple=pad_to_multiple))
+    return mine

@@ -1,0 +1,159 @@
+"""The grading pool: futures, asyncio, and timeouts and crashes reported with their reason."""
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from megatron_klear.rewards import GradingPool, RewardConfig
+
+from .conftest import T, code_response, small_limits
+
+MATH_OK = {"id": "ok", "task": "math", "response": T + r"\boxed{(x+1)^2}", "answer": "x^2+2x+1"}
+
+
+def _worker_pid(pool):
+    (w,) = pool._workers
+    return w.proc.pid
+
+
+@pytest.fixture
+def pool1():
+    cfg = RewardConfig(math_timeout_s=0.5, math_memory_mb=1536, sandbox=small_limits("auto"))
+    p = GradingPool(cfg, workers=1)
+    yield p
+    p.close(cancel_pending=True)
+
+
+def test_math_through_the_pool_and_results_in_order(pool1):
+    items = [{"id": i, "task": "math", "response": T + rf"\boxed{{{i % 3}}}", "answer": "1"} for i in range(9)]
+    res = pool1.grade_many(items)
+    assert [r.reward for r in res] == [-1.0, 1.0, -1.0] * 3
+
+
+def test_worker_memory_limit_is_in_place(pool1):
+    pool1.grade_many([MATH_OK])
+    with open(f"/proc/{_worker_pid(pool1)}/limits") as f:
+        line = next(ln for ln in f if ln.startswith("Max address space"))
+    assert int(line.split()[3]) == 1536 << 20
+
+
+def test_soft_timeout_inside_the_worker_is_reported(pool1):
+    pool1.cfg.math_timeout_s = 0.005  # the worker received its config at start; restart it
+    pool1._replace(pool1._workers[0], "test restart")
+    res = pool1.submit(MATH_OK).result(timeout=30)
+    assert res.error == "timeout: grading took more than 0.005 s"
+    assert res.reward == -1.0 and res.passed == 0
+
+
+def test_hung_worker_hits_the_hard_deadline_and_is_replaced(pool1):
+    pool1.grade_many([MATH_OK])
+    pid = _worker_pid(pool1)
+    os.kill(pid, signal.SIGSTOP)  # a worker stuck where no signal reaches (e.g. C big-int code)
+    t = time.monotonic()
+    res = pool1.submit(MATH_OK).result(timeout=30)
+    took = time.monotonic() - t
+    assert res.error.startswith("timeout: no verdict within the hard deadline of 2.5 s")
+    assert res.reward == -1.0
+    assert 2.4 < took < 10
+    assert _worker_pid(pool1) != pid
+    assert pool1.grade_many([MATH_OK])[0].reward == 1.0  # the replacement works
+    assert pool1.stats["killed"] == 1
+
+
+def test_worker_crash_while_grading_is_reported(pool1):
+    pool1.cfg.crash_retries = 0
+    pool1._replace(pool1._workers[0], "test restart")
+    pool1.grade_many([MATH_OK])
+    pid = _worker_pid(pool1)
+    os.kill(pid, signal.SIGSTOP)
+    fut = pool1.submit(MATH_OK)
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    res = fut.result(timeout=30)
+    assert res.error == "grader crashed: worker killed by SIGKILL while grading this item"
+    assert res.reward == -1.0
+    assert pool1.grade_many([MATH_OK])[0].reward == 1.0
+
+
+def test_a_crash_is_retried_once_on_a_fresh_worker(pool1):
+    assert pool1.cfg.crash_retries == 1
+    pool1.grade_many([MATH_OK])
+    pid = _worker_pid(pool1)
+    os.kill(pid, signal.SIGSTOP)
+    fut = pool1.submit(MATH_OK)
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    res = fut.result(timeout=30)
+    assert res.reward == 1.0 and res.error is None
+    assert pool1.stats["retried"] == 1
+
+
+def test_idle_worker_death_is_repaired(pool1):
+    pid = _worker_pid(pool1)
+    os.kill(pid, signal.SIGKILL)
+    res = pool1.submit(MATH_OK).result(timeout=30)
+    assert res.reward == 1.0 and res.error is None
+
+
+def test_bad_items_are_errors_and_do_not_stop_others(pool1):
+    items = [{"id": 1, "task": "math", "response": T + r"\boxed{1}"},           # no answer
+             {"id": 2, "task": "poetry", "response": "x"},
+             {"id": 3, "task": "code", "response": "x", "tests": None},
+             "not an object",
+             MATH_OK]
+    res = pool1.grade_many(items[:2] + items[3:])
+    assert "field 'answer'" in res[0].error
+    assert "field 'task'" in res[1].error
+    assert "expected a JSON object" in res[2].error
+    assert res[3].reward == 1.0
+
+
+def test_code_timeout_and_crash_reasons_through_the_pool(pool1):
+    tests = {"inputs": ["", ""], "outputs": ["1", "1"]}
+    r_sleep, r_segv = pool1.grade_many([
+        {"id": 1, "task": "code", "response": code_response("import time\ntime.sleep(30)"), "tests": tests},
+        {"id": 2, "task": "code", "response": code_response("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"),
+         "tests": tests},
+    ])
+    assert r_sleep.tests == ["timeout (wall 2 s)"] * 2 and r_sleep.reward == 0.0
+    assert r_segv.tests == ["killed by signal 11"] * 2 and r_segv.reward == 0.0
+    assert r_sleep.error is None and r_segv.error is None  # the program failed, not the grader
+
+
+def test_asyncio_api_does_not_block_the_loop(pool1):
+    slow = {"id": "slow", "task": "code", "response": code_response("import time\ntime.sleep(0.6)\nprint(1)"),
+            "tests": {"inputs": [""], "outputs": ["1"]}}
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        results = await asyncio.gather(pool1.grade(slow), pool1.grade(MATH_OK))
+        t.cancel()
+        return results, ticks
+
+    (r_code, r_math), ticks = asyncio.run(main())
+    assert r_code.reward == 1.0 and r_math.reward == 1.0
+    assert ticks >= 5  # the event loop kept running while the program slept
+
+
+def test_close_cancels_pending():
+    cfg = RewardConfig(sandbox=small_limits("auto"))
+    p = GradingPool(cfg, workers=1)
+    slow = {"id": 0, "task": "code", "response": code_response("import time\ntime.sleep(0.5)\nprint(1)"),
+            "tests": {"inputs": [""], "outputs": ["1"]}}
+    futs = [p.submit(slow) for _ in range(5)]
+    time.sleep(0.2)
+    p.close(cancel_pending=True)
+    assert futs[0].result().reward == 1.0           # the running one finishes
+    assert sum(f.cancelled() for f in futs) >= 3
+    with pytest.raises(RuntimeError, match="closed"):
+        p.submit(MATH_OK)
