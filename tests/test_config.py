@@ -1,0 +1,50 @@
+"""The job config: defaults, YAML with file:line errors, CLI overrides, validation."""
+import pytest
+
+from megatron_klear.config import ConfigError, dump_config, load_config
+
+
+def test_defaults_are_the_papers():
+    cfg = load_config()
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.decay_style, cfg.train.epochs) == (8e-5, 4e-5, "cosine", 4)
+    assert (cfg.rl.algo, cfg.rl.dual_clip, cfg.rl.nll_coef, cfg.rl.agg) == ("gppo", 10.0, 0.1, "token_mean")
+    assert (cfg.rl.prompts_per_step, cfg.rl.responses_per_prompt, cfg.rl.mini_batch_prompts) == (128, 8, 16)
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  path: /m\nparallel:\n  tp: 2\noptim:\n  lr: 1e-4\n")
+    cfg = load_config(str(path), ["parallel.tp=4", "optim.warmup_steps=10", "rl.eps_high=0.3"])
+    assert (cfg.model.path, cfg.parallel.tp, cfg.optim.lr, cfg.optim.warmup_steps, cfg.rl.eps_high) == (
+        "/m", 4, 1e-4, 10, 0.3)
+    again = tmp_path / "again.yaml"
+    again.write_text(dump_config(cfg))
+    assert load_config(str(again)) == cfg  # a dumped config loads back to the same thing
+
+
+@pytest.mark.parametrize(
+    "yaml_text, message",
+    [
+        ("optim:\n  lr: 1e-4\n  warmpu_steps: 3\n", r"c.yaml:3: unknown key 'optim.warmpu_steps' \(did you mean 'optim.warmup_steps'\?\)"),
+        ("parallel:\n  tp: two\n", r"c.yaml:2: key 'parallel.tp' expects int, got 'two'"),
+        ("bogus:\n  x: 1\n", r"c.yaml:2: unknown key 'bogus.x'"),
+        ("optim: [1, 2\n", r"c.yaml:\d+: invalid YAML"),
+        ("rl:\n  dual_clip: 1.0\n", r"rl.dual_clip must be > 1"),
+        ("rl:\n  algo: grpo\n", r"rl.algo must be one of"),
+        ("optim:\n  lr: 1e-5\n  min_lr: 1e-4\n", r"min_lr <= lr"),
+    ],
+)
+def test_bad_yaml(tmp_path, yaml_text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path))
+
+
+def test_bad_overrides():
+    with pytest.raises(ConfigError, match=r"command line: unknown key 'train.stpes' \(did you mean 'train.steps'\?\)"):
+        load_config(None, ["train.stpes=3"])
+    with pytest.raises(ConfigError, match="not of the form key.sub=value"):
+        load_config(None, ["train.steps"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent.yaml")
