@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Long-CoT SFT of Qwen3-8B at 32K on NNODES x 8 GPUs. Run the same command on every node:
+#
+#   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 bash examples/run_sft_qwen3_8b.sh [key=value ...]
+#
+# Before: convert the base model and tokenize the data once:
+#   python tools/convert_hf_to_megatron.py --hf-dir /models/Qwen3-8B-Base --out ckpt/qwen3-8b-base --tp 2
+#   python tools/preprocess_sft.py --input sft.jsonl --tokenizer /models/Qwen3-8B-Base \
+#       --output-prefix data/klear_sft --max-length 32768 --overlong drop --workers 32
+# After: export for evaluation / RL:
+#   python tools/convert_megatron_to_hf.py --ckpt runs/klear-sft-8b/iter_XXXXXXX --out hf/klear-sft-8b
+set -euo pipefail
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+export CUDA_DEVICE_MAX_CONNECTIONS=1   # needed by Megatron's TP/SP communication overlap
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+
+exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  -m megatron_klear.sft --config examples/configs/sft_qwen3_8b.yaml "$@"
