@@ -7,6 +7,7 @@ advantages with zero-spread groups dropped, and trained on with the Megatron act
 recompute + one optimizer step per mini-batch). The production path samples with SGLang instead.
 """
 import argparse
+import collections
 import json
 import os
 import sys
@@ -82,7 +83,7 @@ def main(argv=None):
         for r, g, a, k in zip(rollouts, grades, adv.tolist(), keep.tolist()) if k
     ]
     result = {"reward_mean": float(rewards.mean()), "samples": len(rollouts), "kept_after_zero_spread_filter": len(samples),
-              "verdicts": sorted({g.detail.split(":")[0] for g in grades})}
+              "verdicts": dict(collections.Counter(g.detail.split(":")[0].split(" '")[0] for g in grades))}
     if samples:
         cfg = load_config(None, [f"model.path={args.model}", "model.dtype=fp32", "optim.lr=1e-4", "optim.min_lr=1e-4",
                                  "optim.decay_style=constant", f"rl.prompts_per_step={args.prompts}",
