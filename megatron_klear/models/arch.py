@@ -92,6 +92,15 @@ def arch_from_dict(cfg: dict, where: str = "config.json") -> ModelArch:
             raise ConfigError(f"{where}: rope scaling type {kind!r} is not supported (yarn, llama3)")
         if kind == "default":
             scaling = None
+        elif kind == "llama3":
+            # Megatron-Core's llama3 scaling hard-codes the Llama-3.1 constants.
+            fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+            for key, value in fixed.items():
+                if float(scaling.get(key, value)) != value:
+                    raise ConfigError(
+                        f"{where}: rope scaling '{key}'={scaling.get(key)} is not supported "
+                        f"(Megatron-Core's llama3 scaling uses {value})"
+                    )
     bias = cfg.get("attention_bias")
     return ModelArch(
         model_type=model_type,

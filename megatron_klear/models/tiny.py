@@ -64,9 +64,16 @@ def build_tokenizer(out_dir: str, vocab_size: int = 320):
     return hf
 
 
-def make_tiny_qwen3(
+def make_tiny_qwen3(out_dir: str, **kwargs) -> str:
+    """A tiny random Qwen3 checkpoint (see :func:`make_tiny_model`)."""
+    return make_tiny_model(out_dir, model_type="qwen3", **kwargs)
+
+
+def make_tiny_model(
     out_dir: str,
     *,
+    model_type: str = "qwen3",
+    rope_scaling: dict | None = None,
     tied: bool = False,
     num_layers: int = 2,
     hidden_size: int = 64,
@@ -82,15 +89,25 @@ def make_tiny_qwen3(
     max_shard_size: str | int = "64KB",
     with_tokenizer: bool = True,
 ) -> str:
-    """Write a random Qwen3 checkpoint to ``out_dir`` (atomically) and return the path.
+    """Write a random checkpoint of ``model_type`` (qwen3 | qwen2 | llama) to ``out_dir``
+    (atomically) and return the path.
 
     Sizes are deliberately awkward: vocab not a multiple of 128, head_dim != hidden/heads, GQA.
     ``init_std`` is larger than HF's default so that logits differ visibly between tokens.
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
-    config = Qwen3Config(
+    names = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
+    if model_type not in names:
+        raise ValueError(f"model_type must be one of {sorted(names)}, got {model_type!r}")
+    config_cls = getattr(transformers, f"{names[model_type]}Config")
+    model_cls = getattr(transformers, f"{names[model_type]}ForCausalLM")
+    rope = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope = {**rope_scaling, "rope_theta": rope_theta}
+    extra = {"attention_bias": True} if model_type == "qwen2" else {}
+    config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -99,20 +116,23 @@ def make_tiny_qwen3(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        rope_parameters=rope,
+        **extra,
         tie_word_embeddings=tied,
         initializer_range=init_std,
         bos_token_id=None,
         eos_token_id=2,  # <|im_end|> in the tiny tokenizer
         pad_token_id=0,
     )
-    config.architectures = ["Qwen3ForCausalLM"]
+    config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float().eval()
-    with torch.no_grad():  # norms at 1.0 hide mapping mistakes: make them distinct
+    model = model_cls(config).float().eval()
+    with torch.no_grad():  # norms at 1.0 and biases at 0 hide mapping mistakes: make them distinct
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)

@@ -25,10 +25,10 @@ def _convert(rank, world, hf_dirs, out_root):
     return out
 
 
-def _parity(rank, world, tp, pp, pairs):
+def _parity(rank, world, tp, pp, pairs, seq_len=19):
     from megatron_klear.checkpoint.parity import check_parity
 
-    return [check_parity(hf, ckpt_dir=ckpt, tp=tp, pp=pp, seq_len=19) for hf, ckpt in pairs]
+    return [check_parity(hf, ckpt_dir=ckpt, tp=tp, pp=pp, seq_len=seq_len) for hf, ckpt in pairs]
 
 
 def _conversion_errors(rank, world, root, good_hf):
@@ -193,3 +193,37 @@ def test_cpu_compat_redirects_only_while_active():
     assert seen["type"] == "torch.cuda.FloatTensor" and seen["type_after"] == "torch.FloatTensor"
     assert seen["is_available"] is False
     assert seen["cuda_after"] == "error"
+
+
+@pytest.fixture(scope="module")
+def other_families(tmp_path_factory):
+    from megatron_klear.models.tiny import make_tiny_model
+
+    base = tmp_path_factory.mktemp("families")
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    return {
+        "qwen2": make_tiny_model(str(base / "qwen2"), model_type="qwen2", seed=4),
+        "llama3": make_tiny_model(str(base / "llama3"), model_type="llama", rope_scaling=llama3,
+                                  max_position_embeddings=65536, seed=5),
+    }
+
+
+def test_parity_qwen2_and_llama3_tp2(other_families):
+    """Qwen2.5-style q/k/v biases and Llama-3.1 RoPE scaling, loaded through the same mapping."""
+    pairs = [(other_families["qwen2"], None), (other_families["llama3"], None)]
+    # 200 tokens: long enough for the scaled low frequencies to matter (without the scaling the
+    # logits differ by ~0.1)
+    diffs = run_distributed(_parity, 2, 2, 1, pairs, 200)
+    assert max(diffs[0]) < TOL, diffs
+
+
+def test_fp8_without_transformer_engine_is_refused():
+    from megatron_klear.models.builder import ModelOptions, have_te, resolve_backend
+
+    if have_te():
+        pytest.skip("Transformer Engine is installed")
+    for opts in (ModelOptions(fp8="hybrid"), ModelOptions(backend="te")):
+        with pytest.raises(ImportError, match=r"megatron-klear\[gpu\]"):
+            resolve_backend(opts)
+    assert resolve_backend(ModelOptions()) == "local"
