@@ -96,6 +96,7 @@ class GradingPool:
         self._pending: collections.deque = collections.deque()
         self._ids = itertools.count()
         self._closing = False
+        self._closed = False
         self._level: str | None = None
         self._isolation = None
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -140,9 +141,9 @@ class GradingPool:
     def close(self, cancel_pending: bool = False) -> None:
         """Finish queued work (or cancel it), stop the workers, release the sandbox slots."""
         with self._lock:
-            if self._closing:
+            if self._closed:
                 return
-            self._closing = True
+            self._closed = self._closing = True
             if cancel_pending:
                 while self._pending:
                     self._pending.popleft()[1].cancel()
@@ -238,6 +239,7 @@ class GradingPool:
         except Exception:  # never leave futures hanging silently
             log.exception("grading pool dispatcher crashed")
             with self._lock:
+                self._closing = True  # further submits raise
                 pending = list(self._pending)
                 self._pending.clear()
             for w in self._workers:
@@ -249,38 +251,40 @@ class GradingPool:
 
     def _dispatch_loop(self) -> None:
         while True:
-            # hand out work
+            # hand out work: each idle worker takes the next valid pending item
             for w in self._workers:
-                if w.task is not None:
-                    continue
-                with self._lock:
-                    nxt = None
-                    while self._pending:
-                        cand = self._pending.popleft()
-                        if cand[3] > 0 or cand[1].set_running_or_notify_cancel():
-                            nxt = cand
-                            break
-                if nxt is None:
-                    break
-                task_id, fut, raw, attempt = nxt
-                try:
-                    parse_item(raw)
-                except Exception as e:
-                    task = raw.get("task") if isinstance(raw, dict) else "math"
-                    fut.set_result(GradeResult.failure(failure_reward(task, self.cfg), f"bad item: {e}"))
-                    self.stats["done"] += 1
-                    self.stats["errors"] += 1
-                    continue
-                w.task = (task_id, fut, raw, time.monotonic() + self._hard_deadline(raw), attempt)
-                try:
-                    w.conn.send((task_id, raw, self._level))
-                except OSError:
-                    self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
-                                     "before the item was sent", retry=True)
+                while w.task is None:
+                    with self._lock:
+                        nxt = None
+                        while self._pending:
+                            cand = self._pending.popleft()
+                            if cand[3] > 0 or cand[1].set_running_or_notify_cancel():
+                                nxt = cand
+                                break
+                    if nxt is None:
+                        break
+                    task_id, fut, raw, attempt = nxt
+                    try:
+                        parse_item(raw)
+                    except Exception as e:  # resolved here; the worker stays free for the next
+                        task = raw.get("task") if isinstance(raw, dict) else "math"
+                        fut.set_result(GradeResult.failure(failure_reward(task, self.cfg), f"bad item: {e}"))
+                        self.stats["done"] += 1
+                        self.stats["errors"] += 1
+                        continue
+                    w.task = (task_id, fut, raw, time.monotonic() + self._hard_deadline(raw), attempt)
+                    try:
+                        w.conn.send((task_id, raw, self._level))
+                    except OSError:
+                        self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
+                                         "before the item was sent", retry=True)
+                        break
             busy = [w for w in self._workers if w.task is not None]
             with self._lock:
                 if self._closing and not busy and not self._pending:
                     return
+                if self._pending and len(busy) < len(self._workers):
+                    continue  # a requeued item and a fresh worker: hand out again first
             now = time.monotonic()
             timeout = min((w.task[3] for w in busy), default=now + 3600) - now
             waitables = [self._wake_r] + [w.conn for w in busy] + [w.proc.sentinel for w in self._workers]

@@ -19,11 +19,23 @@ def _worker_pid(pool):
 
 
 @pytest.fixture
-def pool1():
-    cfg = RewardConfig(math_timeout_s=0.5, math_memory_mb=1536, sandbox=small_limits("auto"))
-    p = GradingPool(cfg, workers=1)
-    yield p
-    p.close(cancel_pending=True)
+def make_pool():
+    pools = []
+
+    def make(**over):
+        kw = dict(math_timeout_s=1.5, math_memory_mb=1536, sandbox=small_limits("auto"))
+        kw.update(over)
+        pools.append(GradingPool(RewardConfig(**kw), workers=1))
+        return pools[-1]
+
+    yield make
+    for p in pools:
+        p.close(cancel_pending=True)
+
+
+@pytest.fixture
+def pool1(make_pool):
+    return make_pool()
 
 
 def test_math_through_the_pool_and_results_in_order(pool1):
@@ -39,10 +51,9 @@ def test_worker_memory_limit_is_in_place(pool1):
     assert int(line.split()[3]) == 1536 << 20
 
 
-def test_soft_timeout_inside_the_worker_is_reported(pool1):
-    pool1.cfg.math_timeout_s = 0.005  # the worker received its config at start; restart it
-    pool1._replace(pool1._workers[0], "test restart")
-    res = pool1.submit(MATH_OK).result(timeout=30)
+def test_soft_timeout_inside_the_worker_is_reported(make_pool):
+    pool = make_pool(math_timeout_s=0.005)
+    res = pool.submit(MATH_OK).result(timeout=30)
     assert res.error == "timeout: grading took more than 0.005 s"
     assert res.reward == -1.0 and res.passed == 0
 
@@ -54,17 +65,16 @@ def test_hung_worker_hits_the_hard_deadline_and_is_replaced(pool1):
     t = time.monotonic()
     res = pool1.submit(MATH_OK).result(timeout=30)
     took = time.monotonic() - t
-    assert res.error.startswith("timeout: no verdict within the hard deadline of 2.5 s")
+    assert res.error.startswith("timeout: no verdict within the hard deadline of 3.5 s")
     assert res.reward == -1.0
-    assert 2.4 < took < 10
+    assert 3.4 < took < 15
     assert _worker_pid(pool1) != pid
     assert pool1.grade_many([MATH_OK])[0].reward == 1.0  # the replacement works
     assert pool1.stats["killed"] == 1
 
 
-def test_worker_crash_while_grading_is_reported(pool1):
-    pool1.cfg.crash_retries = 0
-    pool1._replace(pool1._workers[0], "test restart")
+def test_worker_crash_while_grading_is_reported(make_pool):
+    pool1 = make_pool(crash_retries=0)
     pool1.grade_many([MATH_OK])
     pid = _worker_pid(pool1)
     os.kill(pid, signal.SIGSTOP)
