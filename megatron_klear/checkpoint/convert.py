@@ -7,8 +7,8 @@ memory) only to learn the checkpoint's keys and sharding from Megatron-Core itse
   shards), cast, and written to a staging file that is memory-mapped back, so the torch_dist writer
   reads from page cache rather than from anonymous memory. Peak resident memory stays near one
   fused tensor plus the pages being written.
-* Megatron -> HF: the checkpoint is read one weight kind at a time (one stacked tensor of the
-  torch_dist checkpoint) and written into size-capped safetensors shards.
+* Megatron -> HF: the checkpoint is read one layer at a time (that layer's slice of each stacked
+  tensor of the torch_dist checkpoint) and written into size-capped safetensors shards.
 
 Every source tensor is consumed exactly once; unknown or missing keys and wrong shapes are errors
 naming the tensor; outputs go to a temporary directory renamed into place at the end.
@@ -188,8 +188,8 @@ def megatron_to_hf(
 ) -> str:
     """Convert a megatron-klear torch_dist model directory into an HF checkpoint directory.
 
-    The checkpoint is read one weight kind at a time (e.g. the q/k/v weights of all layers, stacked
-    as torch_dist stores them), so peak memory is the largest such stack plus one output shard.
+    The checkpoint is read one layer at a time (all weight kinds of the layer in one load), so peak
+    memory is one layer plus one output shard.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -230,22 +230,43 @@ def megatron_to_hf(
     src_dtype = meta["embedding.word_embeddings.weight"].dtype
     torch_dtype = DTYPES[dtype] if dtype else src_dtype
 
+    # One read per layer (all of its weight kinds in one load), plus one for the embedding and one
+    # for the final norm / head. torch_dist keeps each layer's slice of a stacked tensor as its own
+    # chunk, so a layer's read touches only its bytes: peak memory is one layer plus one output
+    # shard, not a whole [num_layers, ...] stack (7 GB for Qwen3-8B's fused gate/up weights).
+    outer = [(key, None, entries[0][1]) for key, entries in expected.items() if entries[0][0] is None]
+    steps = [[t for t in outer if t[0].startswith("embedding.")]]
+    by_layer = [[] for _ in range(arch.num_layers)]
+    for key, entries in expected.items():
+        for layer, rule in entries:
+            if layer is not None:
+                by_layer[layer].append((key, layer, rule))
+    steps += by_layer + [[t for t in outer if not t[0].startswith("embedding.")]]
+    steps = [step for step in steps if step]
+
     writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, dtype=torch_dtype)
-    bar = Progress(len(expected), "Megatron -> HF (weight kinds)") if progress else None
+    bar = Progress(len(steps), "Megatron -> HF (layers)") if progress else None
     try:
-        for key, entries in expected.items():
-            info = meta[key]
-            request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(info.global_shape, dtype=info.dtype), replica_id=0)}
-            full = dist_checkpointing.load(
+        for step in steps:
+            request = {}
+            for i, (key, layer, _) in enumerate(step):
+                info = meta[key]
+                if layer is None:
+                    data = torch.empty(info.global_shape, dtype=info.dtype)
+                    request[str(i)] = ShardedTensor.from_rank_offsets(key, data, replica_id=0)
+                else:
+                    data = torch.empty((1, *info.global_shape[1:]), dtype=info.dtype)
+                    request[str(i)] = ShardedTensor.from_rank_offsets(key, data, (0, layer, arch.num_layers), replica_id=0)
+            loaded = dist_checkpointing.load(
                 request, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED, validate_access_integrity=False
-            )[key]
-            for layer, rule in entries:
-                tensor = full if layer is None else full[layer]
+            )
+            for i, (key, layer, rule) in enumerate(step):
+                tensor = loaded[str(i)] if layer is None else loaded[str(i)][0]
                 for hf_name, t in zip(rule.hf, to_hf(rule, tensor, arch)):
-                    writer.add(hf_name, t.clone())
-            del full
+                    writer.add(hf_name, t)  # no copy: a view holds only this step's tensors
+            del loaded, request, data
             if bar:
-                bar.step(note=key)
+                bar.step(note=step[0][0] if step[0][1] is None else f"layer {step[0][1]}")
         config = dict(arch.hf_config)
         config["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
         config.pop("dtype", None)
