@@ -114,6 +114,12 @@ def _cuda_stubs():
     }
 
 
+def _rng_stubs():
+    # Activation recomputation saves/restores the "CUDA" RNG state around each recomputed layer;
+    # on the CPU the CPU generator (saved separately by Megatron) is the only one.
+    return {"get_rng_state": lambda *a, **k: torch.get_rng_state()}
+
+
 def is_active() -> bool:
     return _state["mode"] is not None
 
@@ -125,9 +131,10 @@ def activate() -> None:
             return
         if torch.cuda.is_available():
             raise RuntimeError("cpu_compat must not be activated on a machine with CUDA")
-        for name, stub in _cuda_stubs().items():
-            _state["saved"][name] = getattr(torch.cuda, name, None)
-            setattr(torch.cuda, name, stub)
+        for module, stubs in ((torch.cuda, _cuda_stubs()), (torch.cuda.random, _rng_stubs())):
+            for name, stub in stubs.items():
+                _state["saved"][(module, name)] = getattr(module, name, None)
+                setattr(module, name, stub)
         mode = _CudaToCpu()
         mode.__enter__()
         _state["mode"] = mode
@@ -139,10 +146,10 @@ def deactivate() -> None:
         if mode is None:
             return
         mode.__exit__(None, None, None)
-        for name, original in _state["saved"].items():
+        for (module, name), original in _state["saved"].items():
             if original is None:
-                delattr(torch.cuda, name)
+                delattr(module, name)
             else:
-                setattr(torch.cuda, name, original)
+                setattr(module, name, original)
         _state["saved"].clear()
         _state["mode"] = None

@@ -73,8 +73,8 @@ def test_reference_update_is_sane(reference):
     assert max(float(d.abs().max()) for d in delta.values()) > 1e-3  # the weights moved
 
 
-@pytest.mark.parametrize("world,extra", [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (2, [])],
-                         ids=["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("world,extra", [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (2, ["parallel.cp=2"]), (2, [])],
+                         ids=["tp2", "pp2", "cp2", "dp2"])
 def test_layouts_match_one_process(model_dir, reference, world, extra):
     import torch
 

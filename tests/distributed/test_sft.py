@@ -65,10 +65,20 @@ def _final_params(rank, world, ckpt_dir):
     return {k: r.get(k).clone() for k in sorted(r.keys())}
 
 
+def _convert(rank, world, hf_dir, out):
+    from megatron_klear.checkpoint.convert import hf_to_megatron
+
+    return hf_to_megatron(hf_dir, out, progress=False)
+
+
 @pytest.fixture(scope="module")
 def reference(sft_setup):
+    """One process, starting from the *converted* checkpoint; the layouts below start from the HF
+    directory, so agreeing also shows the two starting points are the same weights."""
     save = os.path.join(sft_setup["root"], "ref")
-    run_distributed(_train, 1, _overrides(sft_setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2"))
+    converted = run_distributed(_convert, 1, sft_setup["model"], os.path.join(sft_setup["root"], "converted"))[0]
+    run_distributed(_train, 1, _overrides(sft_setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2")
+                    + [f"model.path={converted}"])
     return {"metrics": _read_metrics(os.path.join(save, "metrics.jsonl")), "save": save,
             "params": run_distributed(_final_params, 1, os.path.join(save, f"iter_{STEPS:07d}"))[0]}
 
@@ -77,7 +87,7 @@ def reference(sft_setup):
     "name,world,extra",
     [
         ("tp2_sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.micro_batches_per_step=2"]),
-        ("pp2", 2, ["parallel.pp=2", "data.micro_batches_per_step=2"]),
+        ("pp2_recompute", 2, ["parallel.pp=2", "data.micro_batches_per_step=2", "model.recompute_granularity=full"]),
         ("cp2", 2, ["parallel.cp=2", "data.micro_batches_per_step=2"]),
         ("dp2_distopt", 2, ["data.micro_batches_per_step=1", "optim.distributed_optimizer=true"]),
     ],
@@ -122,3 +132,31 @@ def test_tiny_model_overfits(sft_setup):
     m = _read_metrics(os.path.join(save, "metrics.jsonl"))
     first, last = m[0]["loss"], min(x["loss"] for x in m[-5:])
     assert last < 0.5 * first, (first, last)
+
+
+def test_sigterm_saves_and_exits_through_the_cli(sft_setup):
+    """The real entry point under torchrun's signal: SIGTERM -> checkpoint at the current step."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    save = os.path.join(sft_setup["root"], "sigterm")
+    cmd = [sys.executable, "-m", "megatron_klear.sft", *_overrides(sft_setup, save, "train.steps=100000",
+                                                                    "optim.decay_steps=100")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    lines = []
+    deadline = time.time() + 240
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+        assert time.time() < deadline, "".join(lines[-20:])
+    rest = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, rest[-3000:]
+    step = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
+    logged = [json.loads(x)["step"] for x in open(os.path.join(save, "metrics.jsonl"))]
+    assert 3 <= step < 100 and step == logged[-1]
+    assert os.path.isdir(os.path.join(save, f"iter_{step:07d}"))
