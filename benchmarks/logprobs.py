@@ -52,7 +52,7 @@ def run_variant(args) -> dict:
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from megatron_klear.rl.logprobs import chunked_logprobs_from_hidden, vocab_parallel_logprobs_and_entropy
+    from megatron_klear.training.logprobs import chunked_logprobs_from_hidden, vocab_parallel_logprobs_and_entropy
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

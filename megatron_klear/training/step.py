@@ -2,7 +2,7 @@
 
 Every micro-batch goes through Megatron's pipeline schedule (any TP/PP/CP/VPP); on the last
 pipeline stage the vocabulary-parallel logits become per-token log-probs and entropies
-(:mod:`megatron_klear.rl.logprobs`, no vocabulary gather), and the caller's ``loss_fn`` turns those
+(:mod:`megatron_klear.training.logprobs`, no vocabulary gather), and the caller's ``loss_fn`` turns those
 into a scalar. Normalisation is the caller's: ``loss_fn`` divides by counts of the *whole* global
 batch, and Megatron is configured to sum (not average) over micro-batches and data-parallel ranks,
 so the gradient is exactly that of the global loss, however the batch is split.
@@ -79,7 +79,7 @@ def run_micro_batches(
 
         return output, loss_func
 
-    from megatron_klear.rl.logprobs import vocab_parallel_logprobs_and_entropy
+    from megatron_klear.training.logprobs import vocab_parallel_logprobs_and_entropy
 
     seq_len = max(int(b["tokens"].shape[1]) for b in micro_batches)
     n = len(micro_batches)

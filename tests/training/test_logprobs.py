@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_klear.rl.logprobs import chunked_logprobs_from_hidden, vocab_parallel_logprobs_and_entropy
+from megatron_klear.training.logprobs import chunked_logprobs_from_hidden, vocab_parallel_logprobs_and_entropy
 from tests.distributed.helper import run_distributed
 
 
