@@ -1,0 +1,63 @@
+"""The rollout-engine interface the RL loop talks to.
+
+An engine turns prompts (token ids) into sampled responses with the per-token log-probs of the
+sampled tokens under the sampling distribution (``logits / temperature`` before top-k/top-p, the
+same way :mod:`megatron_klear.training.logprobs` recomputes them), and accepts new weights by HF
+name between steps. Engines: :mod:`.embedded` (torch, in-process or as a small HTTP server) and
+:mod:`.sglang` (SGLang servers, optionally behind sglang-router).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_new_tokens: int = 1024
+    stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"rollout: temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout: top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout: top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    token_ids: list  # the response, including the EOS/stop token when it ended on one
+    logprobs: list  # one per token of token_ids, under the sampling distribution
+    finish_reason: str  # "stop" (EOS / stop token) | "length" (max_new_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason == "stop"
+
+
+class RolloutEngine(abc.ABC):
+    @abc.abstractmethod
+    def generate(self, prompts: list, params: SamplingParams, n: int = 1) -> list:
+        """``prompts``: list of token-id lists. Returns, per prompt, a list of ``n`` Completions."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors, *, version: int | None = None) -> None:
+        """Load new weights: an iterable of (HF name, tensor), every weight of the model exactly
+        once (all of them before the next ``generate``)."""
+
+    def release_memory(self) -> None:
+        """Free accelerator memory while the trainer runs (colocated engines); no-op by default."""
+
+    def resume_memory(self) -> None:
+        """Undo :meth:`release_memory` before generating again; no-op by default."""
+
+    def close(self) -> None:
+        """Stop servers / free resources."""
