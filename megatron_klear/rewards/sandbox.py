@@ -741,8 +741,9 @@ def resolve_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
                    + ("; ".join(rep.bwrap_problems) or "fallback requested")
                    + "); running untrusted programs with rlimits + separate uid + seccomp only. "
                    "Limitations: " + "; ".join(rep.limitations))
-            log.error(msg)
-            print(f"megatron_klear.rewards: {msg}", file=sys.stderr, flush=True)
+            log.error(msg)  # without logging configured, Python's last-resort handler prints it
+            if log.hasHandlers():  # configured handlers may write elsewhere: stderr as well
+                print(f"megatron_klear.rewards: {msg}", file=sys.stderr, flush=True)
         else:
             raise SandboxUnavailable(
                 "bubblewrap isolation does not work here: " + "; ".join(rep.bwrap_problems)

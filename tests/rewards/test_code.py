@@ -8,7 +8,7 @@ from megatron_klear.rewards import RewardConfig
 from megatron_klear.rewards.code import BadTests, extract_code, grade_code, parse_tests, select_tests
 from megatron_klear.rewards.sandbox import Sandbox
 
-from .conftest import T, code_response, small_limits
+from .conftest import code_response, small_limits
 
 SUM = "a, b = map(int, input().split())\nprint(a + b)"
 

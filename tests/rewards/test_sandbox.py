@@ -105,11 +105,12 @@ def test_program_runs_as_the_slot_uid_without_groups(sb):
     assert uid == sb.cfg.base_uid + sb.slot and uid != 0
 
 
-def test_reasons_for_each_limit(sb):
+def test_reasons_for_each_limit(sb, level):
     cfg = sb.cfg
+    with Sandbox(small_limits(level, wall_s=8), level=level) as roomy:  # CPU limit before the wall
+        assert roomy.run_code("while True: pass").failure_reason(roomy.cfg) == "cpu time limit (1 s)"
     cases = {
         "import time\ntime.sleep(60)": f"timeout (wall {cfg.wall_s:g} s)",
-        "while True: pass": "cpu time limit (1 s)",
         "x = bytearray(2 ** 34)": f"memory limit ({cfg.memory_mb} MB)",
         "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)": "killed by signal 11",
         "while True: print('y' * 4096)": f"output limit ({cfg.output_limit_bytes} bytes)",
