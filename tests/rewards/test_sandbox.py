@@ -149,6 +149,21 @@ def test_orphaned_grandchild_is_killed_and_does_not_stall(sb):
         assert processes_of_uid(sb.uid) == []
 
 
+def test_disk_writes_are_capped_and_cleaned(sb, level):
+    from .test_sandbox_hostile import FILL_DISK
+
+    res = sb.run_code(FILL_DISK)
+    written_mb = int(res.stdout.decode().split()[0]) if res.stdout.strip() else 0
+    if level == "bwrap":
+        # everything writable is the private /tmp, a tmpfs of tmpfs_mb: the program ran out of space
+        assert written_mb <= sb.cfg.tmpfs_mb, written_mb
+    else:
+        assert written_mb > 0  # no namespaces: only the per-file cap and the wall clock bound it
+    left = [os.path.join(d, n) for d in ("/tmp", "/var/tmp", "/dev/shm") for n in os.listdir(d)
+            if n.startswith("fill-")]
+    assert left == []
+
+
 def test_threads_and_subprocesses_still_work(sb):
     code = textwrap.dedent("""
         import subprocess, threading
