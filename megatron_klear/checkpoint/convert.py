@@ -183,7 +183,7 @@ def megatron_to_hf(
     out_dir: str,
     *,
     dtype: str | None = None,
-    max_shard_bytes: int = 5 * 1024**3,
+    max_shard_bytes: int = 2 * 1024**3,
     progress: bool = True,
 ) -> str:
     """Convert a megatron-klear torch_dist model directory into an HF checkpoint directory.

@@ -85,7 +85,7 @@ class HFReader:
 class HFWriter:
     """Write tensors into size-capped safetensors shards plus the index, atomically."""
 
-    def __init__(self, out_dir: str, max_shard_bytes: int = 5 * 1024**3, dtype=None):
+    def __init__(self, out_dir: str, max_shard_bytes: int = 2 * 1024**3, dtype=None):
         self.out_dir = os.path.abspath(out_dir)
         parent = os.path.dirname(self.out_dir)
         os.makedirs(parent, exist_ok=True)

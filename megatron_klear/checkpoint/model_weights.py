@@ -32,14 +32,21 @@ def layer_offset(model) -> int:
     return get_transformer_layer_offset(m.config, vp_stage=getattr(m, "vp_stage", None))
 
 
-def named_canonical_params(model):
-    """(canonical name, parameter) for every parameter of one model chunk."""
+def named_canonical_params(model, *, include_tied_copy: bool = True):
+    """(canonical name, parameter) for every parameter of one model chunk.
+
+    With tied embeddings and PP > 1 the last stage holds a copy of the embedding as
+    ``output_layer.weight``; it is named as the embedding (loading fills it) unless
+    ``include_tied_copy`` is False (exporting: the first stage's embedding is the one).
+    """
     m = unwrap(model)
     offset = layer_offset(m)
     for name, p in m.named_parameters():
         cname = canonical_name(name, offset)
         if cname == "output_layer.weight" and m.arch.tie_word_embeddings:
-            cname = "embedding.word_embeddings.weight"  # last stage's copy of the tied weight
+            if not include_tied_copy:
+                continue
+            cname = "embedding.word_embeddings.weight"
         yield cname, p
 
 
@@ -101,7 +108,7 @@ def iter_hf_tensors(model_chunks, *, tp_group=None):
         m = unwrap(chunk)
         rules = rules_by_megatron(m.arch)
         seen = set()
-        for cname, param in named_canonical_params(chunk):
+        for cname, param in named_canonical_params(chunk, include_tied_copy=False):
             if cname in seen:
                 continue
             seen.add(cname)
