@@ -22,6 +22,12 @@ class GradeResult:
     #: Code only: one verdict per test run, e.g. "pass", "wrong answer", "timeout (wall 6s)".
     tests: list[str] = field(default_factory=list)
 
+    @property
+    def solved(self) -> bool:
+        """Full marks: the math answer is correct, or the program passed every test it ran.
+        (Klear adds its NLL term on exactly these rollouts.)"""
+        return self.error is None and self.total > 0 and self.passed == self.total
+
     def to_record(self, item_id) -> dict:
         """The JSONL output record: the item's id, then the grade."""
         d = asdict(self)

@@ -183,9 +183,11 @@ def processes_of_uid(uid: int) -> list[int]:
 def kill_uid(uid: int) -> None:
     """SIGKILL every process whose real or saved uid is `uid` (root only; `uid` must be private
     to the caller, e.g. a sandbox slot uid)."""
-    subprocess.run(["/bin/kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], env={},
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=False)
+    kill = shutil.which("kill", path="/usr/bin:/bin")
+    cmd = [kill, "-KILL", "-1"] if kill else [sys.executable, "-I", "-S", "-c",
+                                               "import os, signal; os.kill(-1, signal.SIGKILL)"]
+    subprocess.run(cmd, user=uid, group=uid, extra_groups=[], env={}, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
 def _base_dir() -> str:

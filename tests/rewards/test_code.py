@@ -62,7 +62,7 @@ def test_missing_think_close_gives_zero_or_the_format_score(sandbox, cfg):
 def test_honest_solution_scores_one(sandbox, cfg):
     res = grade_code(code_response(SUM), stdio_tests([("1 2\n", "3"), ("-4 4\n", "0"), ("10 5\n", "15")]),
                      cfg, sandbox)
-    assert (res.reward, res.passed, res.total, res.error) == (1.0, 3, 3, None)
+    assert (res.reward, res.passed, res.total, res.error) == (1.0, 3, 3, None) and res.solved
     assert res.tests == ["pass"] * 3
 
 
@@ -71,7 +71,7 @@ def test_partial_solution_scores_its_exact_fraction(sandbox, cfg):
     code = "n = int(input())\nprint(n * n if n < 4 else n * n + 1)"
     tests = stdio_tests([(f"{n}\n", str(n * n)) for n in range(16)])
     res = grade_code(code_response(code), tests, cfg, sandbox)
-    assert (res.passed, res.total) == (4, 16) and res.reward == 0.25
+    assert (res.passed, res.total) == (4, 16) and res.reward == 0.25 and not res.solved
     assert res.tests[:4] == ["pass"] * 4 and set(res.tests[4:]) == {"wrong answer"}
 
 

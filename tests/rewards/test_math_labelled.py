@@ -124,6 +124,7 @@ def test_labelled_case(case_id, text, gold, verdict):
     expected_reward = 1.0 if verdict == OK else -1.0
     assert res.reward == expected_reward, f"{case_id}: {res.detail}"
     assert res.passed == int(verdict == OK) and res.total == 1
+    assert res.solved is (verdict == OK)
 
 
 def test_huge_answers_are_decided_without_expanding_them():
