@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from megatron_klear.models.builder import ModelOptions
+from megatron_klear.rewards.config import RewardConfig
 from megatron_klear.platform.distributed import ParallelConfig
 
 
@@ -124,6 +125,10 @@ class RLConfig:
     max_tokens_per_micro_batch: int = 32768  # packing budget per micro-batch (not a sample count)
     temperature: float = 1.0  # must equal the rollout engine's sampling temperature
     tis_cap: float | None = None  # truncated importance sampling for rollout/train mismatch (off)
+    prompts: list = field(default_factory=list)  # RL prompt JSONL files (see data/prompts.py)
+    max_prompt_length: int = 4096  # longer prompts are left-truncated
+    oversample_prompts: int = 0  # generate for this many prompts, keep prompts_per_step after filtering (0: no oversampling)
+    on_bad_line: str = "fail"  # fail | skip (bad prompt lines)
     std_normalize: bool = True  # False: Dr.GRPO advantages (no division by the std)
     filter_zero_spread: bool = True
     overlong_filter: bool = False
@@ -149,6 +154,29 @@ class RLConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """Where responses come from. Sampling temperature is rl.temperature (one value for the engine
+    and for the trainer's log-prob recompute)."""
+
+    engine: str = "embedded"  # embedded (torch, in the driver process) | http (SGLang or our embedded server)
+    urls: list = field(default_factory=list)  # http: server (or sglang-router) base URLs
+    max_new_tokens: int = 32768
+    top_p: float = 1.0
+    top_k: int = -1
+    dtype: str = "fp32"  # embedded engine dtype
+    sync_dir: str = ""  # http: shared directory for weight updates from disk (default <save_dir>/weights)
+    request_timeout_s: float = 3600.0
+
+    def validate(self):
+        if self.engine not in ("embedded", "http"):
+            raise ConfigError(f"rollout.engine must be embedded or http, got {self.engine!r}")
+        if self.engine == "http" and not self.urls:
+            raise ConfigError("rollout.engine=http needs rollout.urls (SGLang server or router URLs)")
+        if self.max_new_tokens < 1:
+            raise ConfigError("rollout.max_new_tokens must be >= 1")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -157,6 +185,8 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     def validate(self):
         for f in dataclasses.fields(self):

@@ -143,7 +143,6 @@ class Actor:
             lr = state.optimizer.param_groups[0]["lr"]
             ok, grad_norm, _ = state.optimizer.step()
             state.scheduler.step(increment=1)
-            state.step += 1
             sums = reduce_metrics(results, SUM_KEYS)
             for k in SUM_KEYS:
                 totals[k] += sums[k]

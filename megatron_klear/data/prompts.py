@@ -1,0 +1,124 @@
+"""RL prompt data: JSONL -> chat-rendered, tokenized prompts with what grading needs.
+
+Each line is one problem::
+
+    {"id": "aime-1", "task": "math", "prompt": "Find ...", "answer": "204"}
+    {"id": "lc-7", "task": "code", "messages": [{"role": "user", "content": "..."}],
+     "tests": {"inputs": [...], "outputs": [...], "fn_name": "optional"}}
+
+``prompt`` (a user turn) or ``messages`` (ending with a user turn) is rendered with the
+tokenizer's chat template and a generation prompt, then *left*-truncated to ``max_prompt_length``
+tokens (the recipe keeps the end of a long prompt, where the question is). Bad lines are errors
+with file and line, or skipped and counted (``on_bad_line``). The order is a seeded shuffle per
+epoch; :meth:`PromptDataset.state_dict` makes it resumable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_klear.data.jsonl import BadLineError, BadLinePolicy, ExampleError, iter_jsonl_objects
+
+TASKS = ("math", "code")
+
+
+@dataclass
+class Prompt:
+    id: str
+    task: str
+    prompt_ids: list
+    answer: object = None  # math
+    tests: dict | None = None  # code
+    truncated: bool = False
+
+    def grade_item(self, response: str) -> dict:
+        """The rewards package's item for one response to this prompt."""
+        item = {"id": self.id, "task": self.task, "response": response}
+        if self.task == "math":
+            item["answer"] = self.answer
+        else:
+            item["tests"] = self.tests
+        return item
+
+
+def _messages(obj: dict) -> list:
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise ExampleError("bad_messages", "'messages' must be a non-empty list of objects")
+        if msgs[-1].get("role") != "user":
+            raise ExampleError("bad_messages", "the last message must be a user turn")
+        return msgs
+    if not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+        raise ExampleError("missing_field", "need a non-empty 'prompt' string or 'messages'")
+    return [{"role": "user", "content": obj["prompt"]}]
+
+
+def parse_prompt(obj: dict, tokenizer, max_prompt_length: int, index: int) -> Prompt:
+    task = obj.get("task", "math")
+    if task not in TASKS:
+        raise ExampleError("bad_task", f"'task' must be one of {TASKS}, got {task!r}")
+    if task == "math" and (obj.get("answer") is None or isinstance(obj.get("answer"), (dict, bool))):
+        raise ExampleError("missing_field", "a math problem needs an 'answer'")
+    if task == "code":
+        tests = obj.get("tests")
+        if not isinstance(tests, dict) or not isinstance(tests.get("inputs"), list) or not isinstance(tests.get("outputs"), list):
+            raise ExampleError("missing_field", "a code problem needs 'tests' with 'inputs' and 'outputs' lists")
+        if len(tests["inputs"]) != len(tests["outputs"]) or not tests["inputs"]:
+            raise ExampleError("bad_tests", "'tests.inputs' and 'tests.outputs' must be non-empty and equally long")
+    text = tokenizer.apply_chat_template(_messages(obj), tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    truncated = len(ids) > max_prompt_length
+    if truncated:
+        ids = ids[-max_prompt_length:]
+    return Prompt(id=str(obj.get("id", index)), task=task, prompt_ids=ids, answer=obj.get("answer"),
+                  tests=obj.get("tests"), truncated=truncated)
+
+
+class PromptDataset:
+    """All prompts of some JSONL files, in a resumable seeded order (epoch after epoch)."""
+
+    def __init__(self, paths: list, tokenizer, *, max_prompt_length: int = 4096, seed: int = 0,
+                 on_bad_line: str = "fail"):
+        self.policy = BadLinePolicy(on_bad_line=on_bad_line)
+        self.prompts = []
+        for path in paths:
+            for lineno, obj in iter_jsonl_objects(path, self.policy):
+                try:
+                    self.prompts.append(parse_prompt(obj, tokenizer, max_prompt_length, len(self.prompts)))
+                except ExampleError as e:
+                    self.policy.handle(BadLineError.from_example_error(path, lineno, e))
+        if not self.prompts:
+            raise ValueError(f"no usable prompts in {paths}")
+        self.seed = seed
+        self.epoch, self.position = 0, 0
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
+
+    def take(self, n: int) -> list:
+        """The next ``n`` prompts (crossing into the next epoch when needed)."""
+        out = []
+        while len(out) < n:
+            order = self._order(self.epoch)
+            k = min(n - len(out), len(order) - self.position)
+            out += [self.prompts[i] for i in order[self.position: self.position + k]]
+            self.position += k
+            if self.position == len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.prompts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed") != self.seed or state.get("size") != len(self.prompts):
+            raise ValueError(
+                f"prompt data state was saved with seed={state.get('seed')} and {state.get('size')} prompts; "
+                f"this run has seed={self.seed} and {len(self.prompts)}: the order would differ"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

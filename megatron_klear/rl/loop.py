@@ -1,0 +1,257 @@
+"""The GPPO RL loop of Klear-Reasoner, one step top to bottom:
+
+1. take the next prompts (all ranks, same order);
+2. the driver (global rank 0) samples ``n`` responses per prompt from the rollout engine;
+3. the grading pool scores them (math-verify / sandboxed tests);
+4. group-normalised advantages; groups whose rewards have no spread are dropped (and, optionally,
+   responses that hit the length limit); with oversampling, the first ``prompts_per_step`` groups
+   that survive are kept (the authors generate for 256 prompts and keep 128);
+5. the samples go to every trainer rank; the actor recomputes old log-probs and takes one
+   optimizer step per mini-batch (GPPO + alpha * NLL on the correct responses);
+6. the new weights go to the engine; metrics to the console, JSONL, wandb/TensorBoard;
+   checkpoints (model, optimizer, scheduler, prompt position) on the configured cadence / SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megatron_klear.config import JobConfig, dump_config, load_config
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _broadcast(obj):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def make_engine(cfg: JobConfig, model_dir: str):
+    """The rollout engine (driver rank only)."""
+    if cfg.rollout.engine == "embedded":
+        from megatron_klear.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(model_dir, dtype=cfg.rollout.dtype)
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    return SGLangEngine(cfg.rollout.urls, timeout=cfg.rollout.request_timeout_s)
+
+
+def build_samples(prompts, completions, grades, cfg: JobConfig):
+    """Graded completions -> (RolloutSamples to train on, rollout metrics)."""
+    from megatron_klear.rl.advantages import group_advantages, nonzero_spread_mask
+    from megatron_klear.rl.batch import RolloutSample
+
+    flat = [(g, c, r) for g, (cs, rs) in enumerate(zip(completions, grades)) for c, r in zip(cs, rs)]
+    rewards = torch.tensor([r.reward for _, _, r in flat], dtype=torch.float64)
+    groups = torch.tensor([g for g, _, _ in flat])
+    errored = {g for g, _, r in flat if r.error is not None}  # grader failures: never train on them
+    keep = nonzero_spread_mask(rewards, groups)
+    if cfg.rl.overlong_filter:
+        keep &= torch.tensor([c.finished for _, c, _ in flat])
+    adv = group_advantages(rewards, groups, normalize_by_std=cfg.rl.std_normalize)
+    if not cfg.rl.filter_zero_spread:
+        keep = torch.ones_like(keep)
+    kept_groups = []
+    for g in range(len(prompts)):
+        if g in errored:
+            continue
+        if any(keep[i] for i, (gg, _, _) in enumerate(flat) if gg == g):
+            kept_groups.append(g)
+    kept_groups = kept_groups[: cfg.rl.prompts_per_step]
+    chosen = set(kept_groups)
+    samples = []
+    for i, (g, c, r) in enumerate(flat):
+        if g not in chosen or not keep[i]:
+            continue
+        samples.append(RolloutSample(
+            prompt_ids=prompts[g].prompt_ids, response_ids=c.token_ids, advantage=float(adv[i]),
+            group=kept_groups.index(g), positive=(r.error is None and r.total > 0 and r.passed == r.total),
+            rollout_logprobs=c.logprobs, reward=r.reward, finished=c.finished,
+        ))
+    lengths = [len(c.token_ids) for _, c, _ in flat]
+    metrics = {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/accuracy": sum(1 for _, _, r in flat if r.error is None and r.total and r.passed == r.total) / len(flat),
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": max(lengths),
+        "rollout/truncated_frac": sum(1 for _, c, _ in flat if not c.finished) / len(flat),
+        "rollout/grader_errors": sum(1 for _, _, r in flat if r.error is not None),
+        "rollout/groups_generated": len(prompts),
+        "rollout/groups_kept": len(kept_groups),
+        "rollout/samples_trained": len(samples),
+    }
+    return samples, metrics
+
+
+class RLLoop:
+    def __init__(self, cfg: JobConfig):
+        from megatron_klear.data.chat import load_tokenizer
+        from megatron_klear.data.prompts import PromptDataset
+        from megatron_klear.platform import init_parallel
+        from megatron_klear.rl.actor import Actor
+        from megatron_klear.training.checkpointing import CheckpointManager
+        from megatron_klear.training.metrics import MetricsLogger
+        from megatron_klear.training.setup import build_training_state, model_arch
+
+        self.cfg = cfg
+        rl = cfg.rl
+        if not rl.prompts:
+            raise ValueError("rl.prompts is empty: give one or more prompt JSONL files")
+        if cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0:
+            warnings.warn("rollout.top_p/top_k filter the sampling distribution; the trainer's "
+                          "importance ratios use the unfiltered one (the recipe samples with neither)")
+        init_parallel(cfg.parallel, seed=cfg.train.seed)
+        self.steps = cfg.train.steps or 100
+        steps_per_rollout = rl.prompts_per_step // rl.mini_batch_prompts
+        self.state = build_training_state(cfg, total_steps=self.steps * steps_per_rollout)
+        self.arch = model_arch(cfg.model.path)
+        tok_dir = cfg.model.path if os.path.isfile(os.path.join(cfg.model.path, "config.json")) else os.path.join(cfg.model.path, "tokenizer")
+        self.tokenizer = load_tokenizer(tok_dir)
+        self.tok_dir = tok_dir
+        self.prompts = PromptDataset(rl.prompts, self.tokenizer, max_prompt_length=rl.max_prompt_length,
+                                     seed=cfg.train.seed, on_bad_line=rl.on_bad_line)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.actor = Actor(self.state, rl, pad_id=pad, logprob_chunk_size=cfg.train.logprob_chunk_size)
+        self.ckpt = CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path) if cfg.train.save_dir else None
+        self.rl_step = 0
+        if self.ckpt and cfg.train.resume and self.ckpt.latest():
+            common = self.ckpt.load(self.state, self.ckpt.latest())
+            self.prompts.load_state_dict(common["prompts"])
+            self.rl_step = int(common["step"])
+        self.sync_dir = cfg.rollout.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights")
+        self.engine = self.pool = None
+        if _rank0():
+            from megatron_klear.rewards import GradingPool
+
+            os.makedirs(self.sync_dir, exist_ok=True)
+            self.engine = make_engine(cfg, self._export_weights() if cfg.rollout.engine == "embedded" else cfg.model.path)
+            self.pool = GradingPool(cfg.reward)
+        else:
+            if cfg.rollout.engine == "embedded":
+                self._export_weights()
+        if cfg.rollout.engine == "http" or self.rl_step > 0:
+            self.sync_weights()
+        self.logger = MetricsLogger(
+            jsonl_path=cfg.logging.jsonl or (os.path.join(cfg.train.save_dir, "metrics.jsonl") if cfg.train.save_dir else ""),
+            total_steps=self.steps, config=cfg.to_dict(), wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
+            tensorboard_dir=os.path.join(cfg.train.save_dir or ".", "tensorboard") if cfg.logging.tensorboard else None,
+            enabled=_rank0(),
+        )
+        if _rank0() and cfg.train.save_dir:
+            with open(os.path.join(cfg.train.save_dir, "config.yaml"), "w") as f:
+                f.write(dump_config(cfg))
+
+    # -- weights -> engine -------------------------------------------------------------------------
+    def _export_weights(self) -> str | None:
+        from megatron_klear.rollout.weight_sync import export_hf_for_engine
+
+        return export_hf_for_engine(self.state.model, self.arch, os.path.join(self.sync_dir, "current"),
+                                    tokenizer_dir=self.tok_dir)
+
+    def sync_weights(self) -> None:
+        from megatron_klear.rollout.weight_sync import sync_weights
+
+        if getattr(self.engine, "loads_from_disk", False) or (not _rank0() and self.cfg.rollout.engine == "http"):
+            path = self._export_weights()
+            if _rank0():
+                self.engine.load_from_disk(path)
+        else:
+            sync_weights(self.state.model, self.engine, version=self.rl_step)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def rollout(self, prompts):
+        """Driver only: sample, grade. Returns (samples, metrics)."""
+        from megatron_klear.rollout.base import SamplingParams
+
+        cfg = self.cfg
+        params = SamplingParams(temperature=cfg.rl.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed * 100003 + self.rl_step)
+        t0 = time.time()
+        completions = self.engine.generate([p.prompt_ids for p in prompts], params, n=cfg.rl.responses_per_prompt)
+        t_gen = time.time() - t0
+        strip = [t for t in (self.tokenizer.eos_token, self.tokenizer.pad_token) if t]
+        futures = []
+        for p, cs in zip(prompts, completions):
+            row = []
+            for c in cs:
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                for t in strip:
+                    text = text.replace(t, "")
+                row.append(self.pool.submit(p.grade_item(text)))
+            futures.append(row)
+        grades = [[f.result() for f in row] for row in futures]
+        t_grade = time.time() - t0 - t_gen
+        samples, metrics = build_samples(prompts, completions, grades, cfg)
+        n_tokens = sum(len(c.token_ids) for cs in completions for c in cs)
+        metrics.update({"time/generate_s": t_gen, "time/grade_s": t_grade, "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)})
+        return samples, metrics
+
+    def step(self) -> dict:
+        t0 = time.time()
+        rl = self.cfg.rl
+        prompts = self.prompts.take(rl.oversample_prompts or rl.prompts_per_step)
+        samples, metrics = self.rollout(prompts) if _rank0() else (None, None)
+        samples, metrics = _broadcast((samples, metrics))
+        if samples:
+            t1 = time.time()
+            actor = self.actor.update(samples)
+            metrics.update({k: v for k, v in actor.items() if k != "actor/steps"})
+            metrics["time/train_s"] = time.time() - t1
+            t2 = time.time()
+            self.sync_weights()
+            metrics["time/weight_sync_s"] = time.time() - t2
+        else:
+            metrics["actor/skipped"] = 1  # every group filtered: no update this step
+        self.rl_step += 1
+        metrics["time/step_s"] = time.time() - t0
+        metrics["lr"] = self.state.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def save(self) -> None:
+        self.ckpt.save(self.state, self.rl_step, {"prompts": self.prompts.state_dict(), "config": self.cfg.to_dict()})
+
+    def run(self, stop_after: int | None = None) -> dict:
+        from megatron_klear.training.signals import TerminationFlag
+
+        term = TerminationFlag().install()
+        metrics = {}
+        while self.rl_step < self.steps:
+            metrics = self.step()
+            self.logger.log(self.rl_step, metrics, console_keys=("rollout/reward_mean", "rollout/accuracy",
+                                                                 "actor/loss", "actor/entropy", "actor/clip_frac_high"))
+            stopping = term.should_stop()
+            interval = self.cfg.train.save_interval
+            if self.ckpt and (stopping or self.rl_step == self.steps or (interval and self.rl_step % interval == 0)):
+                self.save()
+            if stopping or (stop_after is not None and self.rl_step >= stop_after):
+                break
+        self.close()
+        return metrics
+
+    def close(self) -> None:
+        self.logger.close()
+        if self.pool is not None:
+            self.pool.close(cancel_pending=True)
+        if self.engine is not None:
+            self.engine.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="GPPO reinforcement learning on Megatron-Core (Klear-Reasoner)")
+    p.add_argument("--config", default=None)
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    args = p.parse_args(argv)
+    RLLoop(load_config(args.config, args.overrides)).run()
+    return 0
