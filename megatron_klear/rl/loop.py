@@ -76,13 +76,13 @@ def build_samples(prompts, completions, grades, cfg: JobConfig):
             continue
         samples.append(RolloutSample(
             prompt_ids=prompts[g].prompt_ids, response_ids=c.token_ids, advantage=float(adv[i]),
-            group=kept_groups.index(g), positive=(r.error is None and r.total > 0 and r.passed == r.total),
+            group=kept_groups.index(g), positive=r.solved,
             rollout_logprobs=c.logprobs, reward=r.reward, finished=c.finished,
         ))
     lengths = [len(c.token_ids) for _, c, _ in flat]
     metrics = {
         "rollout/reward_mean": float(rewards.mean()),
-        "rollout/accuracy": sum(1 for _, _, r in flat if r.error is None and r.total and r.passed == r.total) / len(flat),
+        "rollout/accuracy": sum(1 for _, _, r in flat if r.solved) / len(flat),
         "rollout/response_length_mean": sum(lengths) / len(lengths),
         "rollout/response_length_max": max(lengths),
         "rollout/truncated_frac": sum(1 for _, c, _ in flat if not c.finished) / len(flat),
