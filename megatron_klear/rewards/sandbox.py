@@ -354,12 +354,18 @@ class Sandbox:
                 cmd += ["--symlink", os.readlink(top), top]
             elif os.path.isdir(top):
                 cmd += ["--ro-bind", top, top]
-        for f in ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives"):
-            cmd += ["--ro-bind-try", f, f]
         prefix = os.path.dirname(os.path.dirname(self.python))
         if not (prefix == "/usr" or prefix.startswith("/usr/")):
             cmd += ["--ro-bind", prefix, prefix]
-        cmd += ["--proc", "/proc", "--dev", "/dev",
+        # A few device files and the /dev/std* links rather than bubblewrap's full --dev (which
+        # costs ~2 ms per run); nothing of /etc (each bind costs ~0.5 ms; UTC time zone).
+        cmd += ["--perms", "0755", "--dir", "/dev"]
+        for dev in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"):
+            cmd += ["--dev-bind", dev, dev]
+        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                             ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+            cmd += ["--symlink", target, f"/dev/{name}"]
+        cmd += ["--proc", "/proc",
                 "--size", str(c.tmpfs_mb << 20), "--perms", "0700", "--tmpfs", _IN_SANDBOX_WORKDIR,
                 "--ro-bind", program.dir, _IN_SANDBOX_CODE_DIR,
                 "--ro-bind", _HARNESS_PATH, _IN_SANDBOX_HARNESS,

@@ -164,6 +164,13 @@ def test_disk_writes_are_capped_and_cleaned(sb, level):
     assert left == []
 
 
+@pytest.mark.parametrize("idiom", ["sys.stdin.read()", "open(0).read()", "open('/dev/stdin').read()",
+                                   "sys.stdin.buffer.read().decode()", "' '.join(iter(input, 'END'))"])
+def test_common_stdin_idioms_work(sb, idiom):
+    res = sb.run_code(f"import sys\nprint({idiom}.split()[-1].upper())", b"a b\nhello\nEND\n")
+    assert res.stdout.decode().strip() in ("HELLO", "END"), res
+
+
 def test_threads_and_subprocesses_still_work(sb):
     code = textwrap.dedent("""
         import subprocess, threading
