@@ -1,0 +1,212 @@
+"""The embedded engine against independent references: greedy decoding and log-probs from full
+no-cache float64 forwards of the same checkpoint, top-k/top-p support, batching invariance, stop
+conditions, and weight updates."""
+import pytest
+import torch
+
+from megatron_klear.rollout.base import SamplingParams
+from megatron_klear.rollout.embedded import EmbeddedEngine, WeightUpdateError
+from megatron_klear.rollout.sampling import sample_seed
+from tests.rollout.conftest import PROMPTS, full_logits, greedy_reference
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf):
+    return EmbeddedEngine.from_pretrained(tiny_hf["untied"])
+
+
+def test_loads_float32_eval_with_config_eos(engine):
+    assert engine.vocab_size == 389  # the model's vocabulary, larger than the tokenizer's
+    assert engine.eos_token_ids == [2]
+    assert not engine.model.training
+    assert all(p.dtype == torch.float32 and not p.requires_grad for p in engine.model.parameters())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=1, max_new_tokens=12, seed=0),
+                                    SamplingParams(temperature=1e-4, max_new_tokens=12, seed=1)],
+                         ids=["top_k=1", "T=1e-4"])
+def test_greedy_equals_stepwise_full_forward(engine, ref_untied, params):
+    out = engine.generate(PROMPTS, params, n=2)
+    for prompt, samples in zip(PROMPTS, out):
+        ref_tokens, ref_reason = greedy_reference(ref_untied, prompt, params.max_new_tokens, {2})
+        for c in samples:
+            assert c.token_ids == ref_tokens
+            assert c.finish_reason == ref_reason
+            assert len(c.logprobs) == len(c.token_ids)
+
+
+def test_logprobs_are_full_vocab_log_softmax_before_filtering(engine, ref_untied):
+    t = 0.7
+    params = SamplingParams(temperature=t, top_p=0.9, top_k=20, max_new_tokens=16, seed=5)
+    out = engine.generate(PROMPTS, params, n=3)
+    filtered_gap = []
+    for prompt, samples in zip(PROMPTS, out):
+        for c in samples:
+            z = full_logits(ref_untied, prompt, c.token_ids) / t
+            tok = torch.tensor(c.token_ids)
+            ref = torch.log_softmax(z, -1).gather(1, tok[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, rtol=0, atol=1e-5)
+            # the log-prob renormalised over the top-20 support is visibly different: the check
+            # above would fail for an engine returning filtered log-probs
+            top = z.topk(20, dim=-1).values
+            filtered_gap.append((ref - (z.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(top, -1))).abs().min())
+    assert min(filtered_gap) > 1e-2
+
+
+def test_top_k_restricts_the_support(engine, ref_untied):
+    out = engine.generate(PROMPTS, SamplingParams(top_k=2, max_new_tokens=16, seed=2), n=3)
+    ranks = []
+    for prompt, samples in zip(PROMPTS, out):
+        for c in samples:
+            z = full_logits(ref_untied, prompt, c.token_ids)
+            rank = (z > z.gather(1, torch.tensor(c.token_ids)[:, None])).sum(1)
+            ranks += rank.tolist()
+    assert set(ranks) == {0, 1}  # always among the two largest logits, and both get drawn
+
+
+def test_top_p_restricts_the_support(engine, ref_untied):
+    top_p = 0.3
+    out = engine.generate(PROMPTS, SamplingParams(top_p=top_p, max_new_tokens=16, seed=4), n=3)
+    ranks = []
+    for prompt, samples in zip(PROMPTS, out):
+        for c in samples:
+            p = torch.softmax(full_logits(ref_untied, prompt, c.token_ids), -1)
+            tok = torch.tensor(c.token_ids)[:, None]
+            p_tok = p.gather(1, tok)
+            mass_before = (p * (p > p_tok)).sum(1)  # mass of the strictly more probable tokens
+            assert bool((mass_before < top_p + 1e-6).all()), mass_before.max()
+            ranks += (p > p_tok).sum(1).tolist()
+    assert max(ranks) >= 3  # a nucleus of several tokens, not greedy decoding
+
+
+def test_batch_equals_each_prompt_alone(engine, tiny_hf):
+    # frequent stop ids make rows finish at different steps, exercising the row dropping
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=list(range(40, 60)), seed=11)
+    batch = engine.generate(PROMPTS, params, n=3)
+    lengths = {len(c.token_ids) for samples in batch for c in samples}
+    assert len(lengths) >= 3 and {c.finish_reason for s in batch for c in s} == {"stop", "length"}
+    for i, prompt in enumerate(PROMPTS):
+        alone = engine.generate_with_seeds([prompt], params, [[sample_seed(11, i, j) for j in range(3)]])[0]
+        for a, b in zip(alone, batch[i]):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    # decoding in smaller batches (whole prompts at a time) changes nothing either
+    small = EmbeddedEngine(engine.model, max_batch_size=4)
+    chunked = small.generate(PROMPTS, params, n=3)
+    assert [[c.token_ids for c in s] for s in chunked] == [[c.token_ids for c in s] for s in batch]
+    # same seed, same samples; another seed, other samples; samples of one prompt differ
+    assert engine.generate(PROMPTS, params, n=3) == batch
+    other = engine.generate(PROMPTS, SamplingParams(**{**params.__dict__, "seed": 12}), n=3)
+    assert [[c.token_ids for c in s] for s in other] != [[c.token_ids for c in s] for s in batch]
+    assert len({tuple(c.token_ids) for c in batch[0]}) > 1
+
+
+def test_stop_token_and_max_new_tokens(engine, ref_untied):
+    prompt = PROMPTS[0]
+    greedy, _ = greedy_reference(ref_untied, prompt, 10, set())
+    out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=10, seed=0, stop_token_ids=[]), n=1)[0][0]
+    assert out.token_ids == greedy and out.finish_reason == "length"  # no EOS in the greedy path
+    stop_at = 4
+    stop_tok = greedy[stop_at]
+    first = greedy.index(stop_tok)
+    out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=10, stop_token_ids=[stop_tok]))[0][0]
+    assert out.token_ids == greedy[:first + 1] and out.finish_reason == "stop" and out.finished
+    assert len(out.logprobs) == first + 1
+    for m in (1, 3):
+        out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=m))[0][0]
+        assert out.token_ids == greedy[:m] and out.finish_reason == "length"
+
+
+def test_eos_ids_from_config_and_generation_config(tiny_hf, ref_untied):
+    from tests.rollout.conftest import load_reference
+
+    model = load_reference(tiny_hf["untied"]).float()
+    greedy, _ = greedy_reference(ref_untied, PROMPTS[1], 8, set())
+    a, b = greedy[2], greedy[5]
+    model.config.eos_token_id = [b, 2]
+    model.generation_config.eos_token_id = a
+    eng = EmbeddedEngine(model)
+    assert eng.eos_token_ids == sorted({a, b, 2})
+    out = eng.generate([PROMPTS[1]], SamplingParams(top_k=1, max_new_tokens=8))[0][0]
+    assert out.token_ids == greedy[:greedy.index(a) + 1] and out.finish_reason == "stop"
+
+
+def test_bad_inputs_are_clear_errors(engine):
+    with pytest.raises(ValueError, match=r"prompts\[1\]\[0\] = 389"):
+        engine.generate([[1, 2], [389]], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[0\] must be a non-empty"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[1]], SamplingParams(top_p=0))
+    with pytest.raises(ValueError, match="n must be"):
+        engine.generate([[1]], SamplingParams(), n=0)
+
+
+def _tensors(path):
+    from megatron_klear.checkpoint.hf_io import HFReader
+
+    reader = HFReader(path)
+    return {k: reader.get(k) for k in sorted(reader.keys())}
+
+
+def test_update_weights_switches_to_the_other_model(tiny_hf, other_hf):
+    eng = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
+    other = EmbeddedEngine.from_pretrained(other_hf)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=10, seed=3)
+    before, want = eng.generate(PROMPTS, params, n=2), other.generate(PROMPTS, params, n=2)
+    assert before != want
+    # bf16 tensors (a generator of them) are converted into the float32 model
+    eng.update_weights(((k, v.to(torch.bfloat16)) for k, v in _tensors(other_hf).items()), version=1)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(dict(eng.model.named_parameters())[name], _tensors(other_hf)[name].to(torch.bfloat16).float())
+    eng.update_weights(_tensors(other_hf).items(), version=2)
+    assert eng.weight_version == 2
+    assert eng.generate(PROMPTS, params, n=2) == want
+    eng.load_weights_from_dir(tiny_hf["untied"], version=3)
+    assert eng.generate(PROMPTS, params, n=2) == before and eng.weight_version == 3
+
+
+def test_update_weights_errors_name_the_tensor(tiny_hf):
+    eng = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
+    good = _tensors(tiny_hf["untied"])
+    name = "model.layers.1.mlp.up_proj.weight"
+    with pytest.raises(WeightUpdateError, match="unknown tensor 'model.layers.9.mlp.up_proj.weight'"):
+        eng.update_weights([("model.layers.9.mlp.up_proj.weight", good[name])])
+    eng.generate([[1]], SamplingParams(max_new_tokens=1))  # nothing copied yet: still usable
+    bad_shape = dict(good, **{name: good[name][:, :-1]})
+    with pytest.raises(WeightUpdateError, match=rf"'{name}' has shape \(96, 63\), the model expects \(96, 64\)"):
+        eng.update_weights(bad_shape.items())
+    missing = {k: v for k, v in good.items() if k != "model.norm.weight"}
+    with pytest.raises(WeightUpdateError, match=r"1 parameter\(s\) not given: model.norm.weight"):
+        eng.update_weights(missing.items())
+    with pytest.raises(RuntimeError, match="inconsistent after a failed update"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=1))
+    with pytest.raises(WeightUpdateError, match="'model.norm.weight' given twice"):
+        eng.update_weights(list(good.items()) + [("model.norm.weight", good["model.norm.weight"])])
+    eng.update_weights(good.items())  # a complete update makes it usable again
+    eng.generate([[1]], SamplingParams(max_new_tokens=1))
+
+
+def test_update_weights_tied_embeddings(tiny_hf):
+    eng = EmbeddedEngine.from_pretrained(tiny_hf["tied"])
+    good = _tensors(tiny_hf["tied"])
+    assert "lm_head.weight" not in good
+    embed = good["model.embed_tokens.weight"]
+    eng.update_weights({**good, "model.embed_tokens.weight": embed * 2}.items())
+    assert torch.equal(eng.model.get_output_embeddings().weight, embed * 2)  # the tie holds
+    eng.update_weights({**good, "lm_head.weight": embed}.items())
+    with pytest.raises(WeightUpdateError, match="'lm_head.weight' differs"):
+        eng.update_weights({**good, "lm_head.weight": embed + 1}.items())
+
+
+def test_from_config_then_update_weights(tiny_hf, ref_untied):
+    import json
+    import os
+
+    with open(os.path.join(tiny_hf["untied"], "config.json")) as f:
+        cfg = json.load(f)
+    eng = EmbeddedEngine.from_config(cfg, seed=0)
+    assert not eng.model.training
+    eng.update_weights(_tensors(tiny_hf["untied"]).items())
+    ref_tokens, _ = greedy_reference(ref_untied, PROMPTS[2], 6, {2})
+    assert eng.generate([PROMPTS[2]], SamplingParams(top_k=1, max_new_tokens=6))[0][0].token_ids == ref_tokens
