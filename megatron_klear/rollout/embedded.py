@@ -20,7 +20,11 @@ all ``len(prompts) * n`` sequences of a call together with its own loop over the
 
 Each prompt is prefilled once and its KV cache repeated for its ``n`` samples; rows that finish are
 dropped from the batch (and their cache) at the step they finish, so finished sequences cost nothing.
-``max_batch_size`` bounds the rows decoded together (whole prompts at a time).
+``max_batch_size`` bounds the rows decoded together (whole prompts at a time, at least one).
+
+Limits, acceptable at CPU scale: transformers' ``DynamicCache`` grows by concatenation (one copy of
+the cache per step), and the left padding of a batch stays until the batch ends. Prompts plus
+``max_new_tokens`` are not checked against ``max_position_embeddings``.
 
 Weights arrive by HF name (:meth:`EmbeddedEngine.update_weights`, every parameter exactly once) or
 from an HF checkpoint directory (:meth:`EmbeddedEngine.load_weights_from_dir`).
@@ -102,7 +106,7 @@ class EmbeddedEngine(RolloutEngine):
         self.model_path = model_path
         self.weight_version = None
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.pad_token_id = 0
+        self.pad_token_id = 0  # any valid id: left-padding positions are masked out
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._lock = threading.RLock()

@@ -211,3 +211,15 @@ def test_from_config_then_update_weights(tiny_hf, ref_untied):
     eng.update_weights(_tensors(tiny_hf["untied"]).items())
     ref_tokens, _ = greedy_reference(ref_untied, PROMPTS[2], 6, {2})
     assert eng.generate([PROMPTS[2]], SamplingParams(top_k=1, max_new_tokens=6))[0][0].token_ids == ref_tokens
+
+
+def test_bfloat16_engine_logprobs_near_the_float64_reference(tiny_hf, ref_untied):
+    eng = EmbeddedEngine.from_pretrained(tiny_hf["untied"], dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in eng.model.parameters())
+    out = eng.generate(PROMPTS[:2], SamplingParams(temperature=0.8, max_new_tokens=12, seed=1), n=2)
+    for prompt, samples in zip(PROMPTS, out):
+        for c in samples:
+            z = full_logits(ref_untied, prompt, c.token_ids) / 0.8
+            ref = torch.log_softmax(z, -1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+            # bf16 weights: about 0.03 off here; a log-prob of the wrong position is off by > 1
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, rtol=0, atol=0.15)
