@@ -41,7 +41,8 @@ def make_engine(cfg: JobConfig, model_dir: str):
     if cfg.rollout.engine == "embedded":
         from megatron_klear.rollout.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(model_dir, dtype=cfg.rollout.dtype)
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(cfg.rollout.dtype, cfg.rollout.dtype)
+        return EmbeddedEngine.from_pretrained(model_dir, dtype=dtype)
     from megatron_klear.rollout.sglang import SGLangEngine
 
     return SGLangEngine(cfg.rollout.urls, timeout=cfg.rollout.request_timeout_s)
