@@ -223,7 +223,7 @@ def _reaper(a, status_fd):
     os.close(status_fd)
     uid, gid = int(a["uid"]), int(a["gid"])
     status = None
-    while True:
+    while status is None:  # reap until the main process ends
         try:
             pid, st = os.wait()
         except ChildProcessError:
@@ -232,14 +232,29 @@ def _reaper(a, status_fd):
             continue
         if pid == main_pid:
             status = st
-            if os.fork() == 0:
-                try:
-                    os.setgroups([])
-                    os.setresgid(gid, gid, gid)
-                    os.setresuid(uid, uid, uid)
-                    os.kill(-1, signal.SIGKILL)
-                finally:
-                    os._exit(0)
+    while True:  # then: anything of the run still alive is our (possibly adopted) child
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break  # nothing left: the common case, no helper needed
+        if pid != 0:
+            continue  # reaped a dead one; look again
+        if os.fork() == 0:  # some are alive: kill every process of the uid, then reap them all
+            try:
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+        break
     code = os.waitstatus_to_exitcode(status) if status is not None else 125
     os._exit(128 - code if code < 0 else code)
 
