@@ -7,8 +7,9 @@
    training at TP=2 (2 processes) with checkpoints.
 4. Export of the trained checkpoint back to HF, a bit-exactness check of the round trip of the
    base model, and a greedy answer from the SFT model through transformers.
-5. One GPPO actor update on the SFT model, with responses sampled by transformers and graded by the
-   math grader (the SGLang / embedded rollout engine is not wired into the loop yet).
+5. GPPO RL from the SFT model: the embedded rollout engine samples 8 responses per arithmetic
+   prompt, the grading pool scores them with math-verify, the actor trains at TP=2 and the new
+   weights go back to the engine, for a few steps.
 """
 import json
 import os
@@ -79,17 +80,26 @@ def main():
                              pad_token_id=tok.pad_token_id)
     answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
 
-    banner("5. one GPPO actor update (transformers sampling + math grader)")
-    sh(PY, "examples/gppo_actor_demo.py", "--model", f"{OUT}/hf-sft", "--out", f"{OUT}/gppo-step.json")
-    gppo = json.load(open(f"{OUT}/gppo-step.json"))
+    banner("5. GPPO: embedded engine -> math grader -> actor at TP=2 -> weight sync")
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+
+    write_rl_prompts_jsonl(f"{OUT}/rl-prompts.jsonl", 128, seed=1)
+    torchrun(2, "-m", "megatron_klear.rl", f"model.path={OUT}/hf-sft", "model.dtype=fp32", "parallel.tp=2",
+             f"rl.prompts=[{OUT}/rl-prompts.jsonl]", "rl.prompts_per_step=8", "rl.oversample_prompts=12",
+             "rl.responses_per_prompt=8", "rl.mini_batch_prompts=4", "rl.max_tokens_per_micro_batch=1024",
+             "rollout.max_new_tokens=40", "optim.lr=2e-5", "optim.min_lr=2e-5", "optim.decay_style=constant",
+             "train.steps=4", f"train.save_dir={OUT}/rl-run", "reward.workers=1")
+    rl = [json.loads(x) for x in open(f"{OUT}/rl-run/metrics.jsonl")]
 
     banner("summary")
     print(f"round trip HF -> Megatron -> HF bit-exact: {exact}")
     print(f"SFT loss: {metrics[0]['loss']:.3f} (step 1) -> {metrics[-1]['loss']:.3f} (step {metrics[-1]['step']}), "
           f"{metrics[-1]['tokens_per_s']:.0f} tokens/s")
     print(f"SFT model, greedy, 'What is 12 + 7?': {answer!r}")
-    print(f"GPPO step: mean reward {gppo['reward_mean']:.3f}, actor loss {gppo['actor/loss']:.4f}, "
-          f"clip fraction high {gppo['actor/clip_frac_high']:.3f}, {gppo['actor/optimizer_steps']} optimizer steps")
+    for m in rl:
+        trained = f"{m['rollout/samples_trained']} samples trained, " if m.get("actor/optimizer_steps") else "no group with reward spread, "
+        print(f"GPPO step {m['step']}: mean reward {m['rollout/reward_mean']:+.3f}, accuracy {m['rollout/accuracy']:.3f}, "
+              f"{trained}engine/trainer log-prob mismatch {m.get('actor/logprob_mismatch_max', float('nan')):.1e}")
     print(f"outputs in {OUT} ({time.time() - t0:.0f}s)")
     if not exact or metrics[-1]["loss"] >= metrics[0]["loss"]:
         print("demo FAILED", file=sys.stderr)
