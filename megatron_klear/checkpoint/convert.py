@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
-import time
 
 import torch
 

@@ -83,7 +83,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(arch: ModelArch, options: ModelOptions, parallel) -> "TransformerConfig":
+def transformer_config(arch: ModelArch, options: ModelOptions, parallel):
     """Megatron ``TransformerConfig`` for ``arch`` under ``parallel`` (a ParallelConfig)."""
     from megatron.core.transformer import TransformerConfig
 

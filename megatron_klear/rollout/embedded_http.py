@@ -42,12 +42,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megatron_klear.rollout.base import Completion, RolloutEngine, SamplingParams
+
+from megatron_klear.rollout.base import Completion, SamplingParams
+from megatron_klear.rollout.sglang import SGLangEngine
 
 HOST = "127.0.0.1"
 MAX_BODY_BYTES = 1 << 30
@@ -296,108 +296,15 @@ def main(argv=None) -> int:
     return 0
 
 
-class EmbeddedHTTPEngine(RolloutEngine):
-    """A :class:`RolloutEngine` talking to an embedded-engine server (or anything answering the same
-    subset of SGLang's API) at ``url``. Every request has a timeout: ``timeout`` seconds, or
-    ``generate_timeout`` for /generate."""
+class EmbeddedHTTPEngine(SGLangEngine):
+    """The SGLang-API client (:class:`megatron_klear.rollout.sglang.SGLangEngine`) pointed at an
+    embedded-engine server, plus :meth:`launch` to start one. Every request has a timeout:
+    ``timeout`` seconds, or ``generate_timeout`` for /generate."""
 
     def __init__(self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0):
-        self.url = url.rstrip("/")
-        self.timeout, self.generate_timeout = float(timeout), float(generate_timeout)
+        super().__init__([url], timeout=timeout, generate_timeout=generate_timeout)
         self._process = None
         self._workdir = None
-
-    # ---------------------------------------------------------------- transport
-    def _request(self, method: str, path: str, body=None, timeout: float | None = None):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        timeout = self.timeout if timeout is None else timeout
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            raw = e.read()
-            try:
-                payload = json.loads(raw)
-                message = payload.get("error", {}).get("message") or payload.get("message") or raw.decode()
-            except (json.JSONDecodeError, AttributeError):
-                message = raw.decode(errors="replace")
-            raise RuntimeError(f"rollout.embedded_http: {method} {self.url}{path} failed with HTTP {e.code}: {message}") from None
-        except (urllib.error.URLError, TimeoutError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise RuntimeError(f"rollout.embedded_http: {method} {self.url}{path} failed (timeout {timeout:g} s): {reason}") from None
-        return json.loads(raw) if raw else None
-
-    def health(self) -> bool:
-        try:
-            self._request("GET", "/health", timeout=min(self.timeout, 10.0))
-            return True
-        except RuntimeError:
-            return False
-
-    def model_info(self) -> dict:
-        return self._request("GET", "/get_model_info")
-
-    # ---------------------------------------------------------------- RolloutEngine
-    def generate(self, prompts: list, params: SamplingParams, n: int = 1) -> list:
-        params.validate()
-        if not prompts:
-            return []
-        sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-              "max_new_tokens": params.max_new_tokens, "n": int(n), "stop_token_ids": list(params.stop_token_ids)}
-        if params.seed is not None:
-            sp["sampling_seed"] = int(params.seed)
-        body = {"input_ids": [list(map(int, p)) for p in prompts], "sampling_params": sp, "return_logprob": True}
-        outs = self._request("POST", "/generate", body, timeout=self.generate_timeout)
-        if isinstance(outs, dict):
-            outs = [outs]
-        if not isinstance(outs, list) or len(outs) != len(prompts) * n:
-            got = len(outs) if isinstance(outs, list) else type(outs).__name__
-            raise RuntimeError(f"rollout.embedded_http: /generate answered {got} samples, expected {len(prompts) * n}")
-        completions = [self._completion(o, k) for k, o in enumerate(outs)]
-        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
-
-    @staticmethod
-    def _completion(out: dict, k: int) -> Completion:
-        try:
-            ids = [int(t) for t in out["output_ids"]]
-            meta = out["meta_info"]
-            pairs = meta["output_token_logprobs"]
-            reason = meta["finish_reason"]["type"]
-        except (KeyError, TypeError) as e:
-            raise RuntimeError(f"rollout.embedded_http: /generate sample {k} lacks {e} (output_ids, meta_info."
-                               "output_token_logprobs and meta_info.finish_reason.type are required)") from None
-        if [int(p[1]) for p in pairs] != ids:
-            raise RuntimeError(f"rollout.embedded_http: /generate sample {k}: output_token_logprobs do not match output_ids")
-        if reason not in ("stop", "length"):
-            raise RuntimeError(f"rollout.embedded_http: /generate sample {k} finished with '{reason}'")
-        return Completion(token_ids=ids, logprobs=[float(p[0]) for p in pairs], finish_reason=reason)
-
-    def update_weights(self, named_tensors, *, version: int | None = None) -> None:
-        """Write the tensors to a temporary safetensors directory (the server runs on this machine: it
-        listens on loopback only) and have the server load it with /update_weights_from_disk; the
-        server checks every weight exactly as :meth:`EmbeddedEngine.update_weights` does."""
-        from megatron_klear.checkpoint.hf_io import HFWriter
-
-        tmp_root = tempfile.mkdtemp(prefix="klear-embedded-weights-")
-        try:
-            writer = HFWriter(os.path.join(tmp_root, "weights"), max_shard_bytes=1 << 30)
-            try:
-                for name, tensor in named_tensors:
-                    writer.add(name, tensor)
-                path = writer.finish(config={"note": "weights pushed by EmbeddedHTTPEngine.update_weights"})
-            except BaseException:
-                writer.abort()
-                raise
-            body = {"model_path": path}
-            if version is not None:
-                body["weight_version"] = str(version)
-            result = self._request("POST", "/update_weights_from_disk", body, timeout=max(self.timeout, 600.0))
-            if not result or not result.get("success"):
-                raise RuntimeError(f"rollout.embedded_http: update_weights failed: {(result or {}).get('message')}")
-        finally:
-            shutil.rmtree(tmp_root, ignore_errors=True)
 
     # ---------------------------------------------------------------- server process
     @classmethod
