@@ -120,7 +120,7 @@ class GradingPool:
         """
         raw = item.__dict__.copy() if isinstance(item, GradeItem) else item
         if isinstance(raw, dict) and raw.get("task") == "code" and self._level is None:
-            self._resolve_sandbox()
+            self.prepare_sandbox()
         fut: Future = Future()
         with self._lock:
             if self._closing:
@@ -172,11 +172,14 @@ class GradingPool:
 
     # ------------------------------------------------------------------ internals
 
-    def _resolve_sandbox(self) -> None:
+    def prepare_sandbox(self):
+        """Probe the sandbox now (at start-up, to fail early and loudly) instead of at the first
+        code item; returns the IsolationReport. Raises SandboxUnavailable."""
         from .sandbox import resolve_isolation
 
-        rep = resolve_isolation(self.cfg.sandbox)  # raises SandboxUnavailable, loudly
+        rep = resolve_isolation(self.cfg.sandbox)
         self._isolation, self._level = rep, rep.level
+        return rep
 
     def _wake(self) -> None:
         try:

@@ -110,14 +110,23 @@ def test_idle_worker_death_is_repaired(pool1):
 def test_bad_items_are_errors_and_do_not_stop_others(pool1):
     items = [{"id": 1, "task": "math", "response": T + r"\boxed{1}"},           # no answer
              {"id": 2, "task": "poetry", "response": "x"},
-             {"id": 3, "task": "code", "response": "x", "tests": None},
+             {"id": 3, "task": "math", "response": "x", "answer": "1", "tests": {}},
              "not an object",
              MATH_OK]
-    res = pool1.grade_many(items[:2] + items[3:])
+    res = pool1.grade_many(items)
     assert "field 'answer'" in res[0].error
     assert "field 'task'" in res[1].error
-    assert "expected a JSON object" in res[2].error
-    assert res[3].reward == 1.0
+    assert "field 'tests' does not belong to a math item" in res[2].error
+    assert "expected a JSON object" in res[3].error
+    assert res[4].reward == 1.0
+    extra = dict(MATH_OK, prompt="What is (x+1)^2 expanded?", source="synthetic")  # carried along
+    assert pool1.grade_many([extra])[0].reward == 1.0
+
+
+def test_prepare_sandbox_reports_the_level(pool1, isolation_report):
+    assert pool1.isolation is None  # nothing probed for math-only use
+    rep = pool1.prepare_sandbox()
+    assert pool1.isolation is rep and rep.level == ("bwrap" if isolation_report.bwrap_ok else "fallback")
 
 
 def test_code_timeout_and_crash_reasons_through_the_pool(pool1):

@@ -105,6 +105,21 @@ def test_program_runs_as_the_slot_uid_without_groups(sb):
     assert uid == sb.cfg.base_uid + sb.slot and uid != 0
 
 
+def test_the_graders_environment_does_not_reach_the_program(sb, monkeypatch):
+    import subprocess
+    import sys
+
+    secret = "SECRET-" + os.urandom(8).hex()
+    monkeypatch.setenv("KLEAR_GRADER_TOKEN", secret)
+    code = "import os\nprint(os.environ.get('KLEAR_GRADER_TOKEN', 'absent'), sorted(os.environ))"
+    # control: an ordinary child process inherits it
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    assert secret in plain
+    out = sb.run_code(code).stdout.decode()
+    assert secret not in out and out.startswith("absent")
+    assert set(eval(out.split(" ", 1)[1])) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PWD"}
+
+
 def test_reasons_for_each_limit(sb, level):
     cfg = sb.cfg
     with Sandbox(small_limits(level, wall_s=8), level=level) as roomy:  # CPU limit before the wall
