@@ -6,7 +6,6 @@ to a temporary directory that is renamed into place when complete.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -163,10 +162,3 @@ def write_manifest(directory: str, info: dict) -> None:
     with open(os.path.join(directory, "manifest.json"), "w") as f:
         json.dump(data, f, indent=2, default=str)
 
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

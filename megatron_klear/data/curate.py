@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
 from megatron_klear.data.jsonl import (
+    check_input_files,
     INVALID_FIELD,
     MISSING_FIELD,
     BadLineError,
@@ -143,11 +144,7 @@ class CurateConfig:
     grading_batch: int = 256  # records handed to the grader at a time
 
     def validate(self) -> None:
-        if not self.inputs:
-            raise ValueError("no input files given")
-        for path in self.inputs:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"input file {path!r} does not exist")
+        check_input_files(self.inputs)
         if not 0.0 <= self.hard_below <= 1.0:
             raise ValueError(f"hard_below must be in [0, 1], got {self.hard_below}")
         BadLinePolicy(self.on_bad_line)

@@ -166,3 +166,12 @@ def iter_jsonl_objects(path: str, policy: BadLinePolicy) -> Iterator[tuple[int, 
             yield lineno, parse_json_object(text)
         except ExampleError as e:
             policy.handle(BadLineError.from_example_error(path, lineno, e))
+
+
+def check_input_files(paths) -> None:
+    """At least one path, each an existing file (errors name the path)."""
+    if not paths:
+        raise ValueError("no input files given")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"input file {path!r} does not exist")

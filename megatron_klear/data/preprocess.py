@@ -31,6 +31,7 @@ from typing import Optional, TextIO
 import numpy as np
 
 from megatron_klear.data.jsonl import (
+    check_input_files,
     NO_LOSS_AFTER_TRUNCATION,
     TOO_LONG,
     BadLineError,
@@ -58,11 +59,7 @@ class PreprocessConfig:
     progress_every_s: float = 5.0
 
     def validate(self) -> None:
-        if not self.inputs:
-            raise ValueError("no input files given")
-        for path in self.inputs:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"input file {path!r} does not exist")
+        check_input_files(self.inputs)
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.overlong not in OVERLONG_CHOICES:
