@@ -241,13 +241,19 @@ HONEST = ("import sys\nfor line in sys.stdin:\n    a, b = map(int, line.split())
 
 
 @pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    d = tmp_path_factory.mktemp("secret")
+def secret_file():
+    """A root-only file whose directories are all traversable: only its own mode protects it."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="klear-secret-", dir="/tmp")
     os.chmod(d, 0o755)
-    p = d / "root-only.txt"
-    p.write_text(SECRET)
+    p = os.path.join(d, "root-only.txt")
+    with open(p, "w") as f:
+        f.write(SECRET)
     os.chmod(p, 0o600)
-    return str(p)
+    yield p
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -377,6 +383,10 @@ def test_the_orphan_did_not_stall_the_grader(graded):
 def test_secret_file_is_root_only(secret_file):
     st = os.stat(secret_file)
     assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
+    d = os.path.dirname(secret_file)
+    while d != "/":  # every directory above it can be traversed by anyone
+        assert os.stat(d).st_mode & 0o001, d
+        d = os.path.dirname(d)
 
 
 # --------------------------------------------------------------------------- controls
