@@ -138,6 +138,8 @@ class RLLoop:
             os.makedirs(self.sync_dir, exist_ok=True)
             self.engine = make_engine(cfg, self._export_weights() if cfg.rollout.engine == "embedded" else cfg.model.path)
             self.pool = GradingPool(cfg.reward)
+            if any(p.task == "code" for p in self.prompts.prompts):
+                self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
         else:
             if cfg.rollout.engine == "embedded":
                 self._export_weights()
