@@ -55,7 +55,7 @@ def _meta_model(arch: ModelArch, dtype: torch.dtype, make_vocab_size_divisible_b
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
     with torch.device("meta"):
-        return build_model(arch, opts, ParallelConfig())
+        return build_model(arch, opts, ParallelConfig(), cpu_init=True)
 
 
 def _set_param(model, name: str, tensor: torch.Tensor) -> None:

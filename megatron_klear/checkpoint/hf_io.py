@@ -102,7 +102,7 @@ class HFWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self._buffer[name] = tensor.detach().contiguous()
+        self._buffer[name] = tensor.detach().cpu().contiguous()
         self._buffer_bytes += nbytes
 
     def _flush(self) -> None:

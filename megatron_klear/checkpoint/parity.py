@@ -14,10 +14,12 @@ def check_parity(
     batch: int = 2,
     seq_len: int = 24,
     seed: int = 0,
+    backend: str = "local",
 ) -> float:
     """Max |logits_hf - logits_megatron| over a random batch (the same on every rank).
 
-    Megatron weights come from the torch_dist checkpoint ``ckpt_dir`` if given (the conversion
+    ``backend`` picks the layer spec (local, or te for Transformer Engine on a GPU). Megatron
+    weights come from the torch_dist checkpoint ``ckpt_dir`` if given (the conversion
     under test), otherwise straight from ``hf_dir`` through the mapping. Must be called on
     ``tp*pp`` ranks (torchrun) or one; returns the same number on every rank.
     """
@@ -32,7 +34,7 @@ def check_parity(
     parallel = ParallelConfig(tp=tp, pp=pp)
     init_parallel(parallel, seed=seed)
     arch = load_arch(hf_dir)
-    chunks = build_model_chunks(arch, ModelOptions(dtype="fp32", backend="local"), parallel)
+    chunks = build_model_chunks(arch, ModelOptions(dtype="fp32", backend=backend), parallel)
     if ckpt_dir:
         dist_ckpt.load_model(chunks, ckpt_dir)
     else:
@@ -47,7 +49,10 @@ def check_parity(
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             ref = hf(tokens).logits
-        diff = (logits.float() - ref).abs().max()
+        diff = (logits.float().cpu() - ref).abs().max()
     if dist.is_initialized() and dist.get_world_size() > 1:
+        from megatron_klear.platform import comm_device
+
+        diff = diff.to(comm_device())
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)

@@ -83,8 +83,11 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(arch: ModelArch, options: ModelOptions, parallel):
-    """Megatron ``TransformerConfig`` for ``arch`` under ``parallel`` (a ParallelConfig)."""
+def transformer_config(arch: ModelArch, options: ModelOptions, parallel, *, cpu_init: bool | None = None):
+    """Megatron ``TransformerConfig`` for ``arch`` under ``parallel`` (a ParallelConfig).
+
+    ``cpu_init`` (default: when there is no GPU) initialises weights on the CPU; the conversion
+    tools force it to build their weightless ``meta`` models on any machine."""
     from megatron.core.transformer import TransformerConfig
 
     options.validate()
@@ -124,7 +127,7 @@ def transformer_config(arch: ModelArch, options: ModelOptions, parallel):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
-        use_cpu_initialization=True,
+        use_cpu_initialization=(not torch.cuda.is_available()) if cpu_init is None else cpu_init,
         # Packed micro-batches vary in length: PP must exchange shapes.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # only to pass a validation tied to the line above
@@ -206,7 +209,8 @@ def block_spec(arch: ModelArch, backend: str, config, vp_stage: int | None = Non
     )
 
 
-def build_model(arch: ModelArch, options: ModelOptions, parallel, *, vp_stage: int | None = None):
+def build_model(arch: ModelArch, options: ModelOptions, parallel, *, vp_stage: int | None = None,
+                cpu_init: bool | None = None):
     """Build this rank's ``GPTModel`` (one pipeline stage, or one virtual stage with ``vp_stage``).
 
     Parallel state must be initialised (:func:`megatron_klear.platform.init_parallel`).
@@ -215,7 +219,7 @@ def build_model(arch: ModelArch, options: ModelOptions, parallel, *, vp_stage: i
     from megatron.core.models.gpt import GPTModel
 
     backend = resolve_backend(options)
-    config = transformer_config(arch, options, parallel)
+    config = transformer_config(arch, options, parallel, cpu_init=cpu_init)
     rope_kwargs = {}
     position_embedding_type = "rope"
     scaling = arch.rope_scaling
@@ -242,6 +246,8 @@ def build_model(arch: ModelArch, options: ModelOptions, parallel, *, vp_stage: i
         **rope_kwargs,
     )
     model.arch = arch  # the mapping and the exporters read it from the model
+    if torch.cuda.is_available() and not config.use_cpu_initialization:
+        model.cuda(torch.cuda.current_device())  # buffers (e.g. RoPE) follow the parameters
     return model
 
 

@@ -18,8 +18,11 @@ def forward_logits(model_chunks, tokens: torch.Tensor, vocab_size: int | None = 
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from megatron_klear.platform import device
+
     b, s = tokens.shape
-    positions = torch.arange(s).unsqueeze(0).expand(b, -1)
+    tokens = tokens.to(device())
+    positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
 
     def step(data_iterator, model):
         batch = next(data_iterator)

@@ -1,6 +1,7 @@
 """Device and distributed bring-up. Depends on nothing else of megatron_klear."""
 from megatron_klear.platform.distributed import (  # noqa: F401
     ParallelConfig,
+    comm_device,
     destroy_parallel,
     device,
     init_parallel,

@@ -50,6 +50,13 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def comm_device() -> torch.device:
+    """Where small tensors for collectives must live: the GPU with NCCL, the CPU with gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

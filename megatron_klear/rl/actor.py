@@ -171,7 +171,9 @@ class Actor:
 
 
 def _all_max(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+    from megatron_klear.platform import comm_device
+
+    t = torch.tensor([x], dtype=torch.float64, device=comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())

@@ -37,11 +37,14 @@ def iter_model_hf_weights(model_chunks):
     first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     tp_group = ps.get_tensor_model_parallel_group()
     is_leader = first_replica and ps.get_tensor_model_parallel_rank() == 0
+    from megatron_klear.platform import comm_device
+
+    dev = comm_device()
     # global rank of each stage's leader, known to everyone
-    leader = torch.tensor([rank if is_leader else -1], dtype=torch.int64)
+    leader = torch.tensor([rank if is_leader else -1], dtype=torch.int64, device=dev)
     leaders = [torch.zeros_like(leader) for _ in range(world)]
     dist.all_gather(leaders, leader)
-    stage_of = torch.tensor([pp_rank], dtype=torch.int64)
+    stage_of = torch.tensor([pp_rank], dtype=torch.int64, device=dev)
     stages = [torch.zeros_like(stage_of) for _ in range(world)]
     dist.all_gather(stages, stage_of)
     stage_leader = {int(s): int(r) for r, s in zip(leaders, stages) if int(r) >= 0}
@@ -62,7 +65,7 @@ def iter_model_hf_weights(model_chunks):
         if rank == src:
             for name, t in tensors:
                 dist.send_object_list([(name, tuple(t.shape), t.dtype)], dst=0)
-                dist.send(t.contiguous(), dst=0)
+                dist.send(t.contiguous().to(dev), dst=0)
             dist.send_object_list([None], dst=0)
         elif mine:
             for _ in tensors:
@@ -74,7 +77,7 @@ def iter_model_hf_weights(model_chunks):
                 if header[0] is None:
                     break
                 name, shape, dtype = header[0]
-                buf = torch.empty(shape, dtype=dtype)
+                buf = torch.empty(shape, dtype=dtype, device=dev)
                 dist.recv(buf, src=src)
                 yield name, buf
 

@@ -108,7 +108,10 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
         state.scheduler.step(increment=1)
         state.step += 1
         sums = reduce_metrics(results, ("nll_sum", "loss_tokens", "entropy_sum"))
-        real = torch.tensor([sum(int(b["num_real_tokens"]) for b in micro_batches)], dtype=torch.float64)
+        from megatron_klear.platform import comm_device
+
+        real = torch.tensor([sum(int(b["num_real_tokens"]) for b in micro_batches)], dtype=torch.float64,
+                            device=comm_device())
         if torch.distributed.is_initialized():
             from megatron.core import parallel_state
 

@@ -68,9 +68,9 @@ def cp_slice(batch: dict, cp_rank: int, cp_size: int, per_token_keys) -> dict:
 
 
 def prepare_packed(batch: dict, *, cp_rank: int = 0, cp_size: int = 1, per_token_keys=PER_TOKEN_KEYS_DEFAULT,
-                   pad_id: int = 0):
+                   pad_id: int = 0, device=None):
     """-> (local batch dict, PackedSeqParams). cu_seqlens in the params are global (pre-CP) and
-    padded, as Megatron's RoPE and attention expect."""
+    padded, as Megatron's RoPE and attention expect. Tensors are moved to ``device``."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if cp_size > 1:
@@ -88,4 +88,8 @@ def prepare_packed(batch: dict, *, cp_rank: int = 0, cp_size: int = 1, per_token
     )
     if cp_size > 1:
         batch = cp_slice(batch, cp_rank, cp_size, per_token_keys)
+    if device is not None and torch.device(device).type != "cpu":
+        batch = {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            setattr(params, name, getattr(params, name).to(device))
     return batch, params

@@ -23,7 +23,9 @@ class TerminationFlag:
         self.received = True
 
     def should_stop(self) -> bool:
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        from megatron_klear.platform import comm_device
+
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=comm_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -53,6 +53,9 @@ def run_micro_batches(
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_klear.platform import device
+
+    dev = device()
     cp_size = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
     group, vocab_start, vocab_size = _vocab_info(model[0])
@@ -60,7 +63,8 @@ def run_micro_batches(
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
         local, packed = prepare_packed(
-            batch, cp_rank=cp_rank, cp_size=cp_size, per_token_keys=per_token_keys, pad_id=pad_id
+            batch, cp_rank=cp_rank, cp_size=cp_size, per_token_keys=per_token_keys, pad_id=pad_id,
+            device=dev,
         )
         output = chunk(local["tokens"], local["position_ids"], None, packed_seq_params=packed)
 
@@ -112,12 +116,15 @@ def reduce_metrics(per_micro_batch: list, keys: tuple) -> dict:
     """
     from megatron.core import parallel_state
 
+    from megatron_klear.platform import comm_device
+
     vec = torch.zeros(len(keys), dtype=torch.float64)
     for m in per_micro_batch:
         for i, k in enumerate(keys):
             vec[i] += float(m[k])
+    vec = vec.to(comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         # Only last-stage ranks contributed; the ranks of a TP group hold identical values.
         dist.all_reduce(vec)
         vec /= parallel_state.get_tensor_model_parallel_world_size()
-    return dict(zip(keys, vec.tolist()))
+    return dict(zip(keys, vec.cpu().tolist()))

@@ -19,7 +19,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -33,7 +33,9 @@ def _worker(rank, world_size, port, fn, args, queue):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Pickled here, with plain pickle: an unpicklable result fails in this rank with its
         # traceback (not silently in the queue's feeder thread), and tensors travel as bytes
@@ -49,7 +51,7 @@ def _worker(rank, world_size, port, fn, args, queue):
                 pass
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend: str = "gloo"):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes.
 
     ``fn`` must be a module-level function (it is pickled). Returns the per-rank return values
@@ -59,7 +61,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
