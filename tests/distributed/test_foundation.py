@@ -206,12 +206,17 @@ def other_families(tmp_path_factory):
         "qwen2": make_tiny_model(str(base / "qwen2"), model_type="qwen2", seed=4),
         "llama3": make_tiny_model(str(base / "llama3"), model_type="llama", rope_scaling=llama3,
                                   max_position_embeddings=65536, seed=5),
+        # Klear's 64K evaluation: YaRN factor 2.5 over the original positions (scaled down here)
+        "qwen3_yarn": make_tiny_model(str(base / "yarn"), model_type="qwen3", max_position_embeddings=640, seed=6,
+                                      rope_scaling={"rope_type": "yarn", "factor": 2.5,
+                                                    "original_max_position_embeddings": 256}),
     }
 
 
-def test_parity_qwen2_and_llama3_tp2(other_families):
-    """Qwen2.5-style q/k/v biases and Llama-3.1 RoPE scaling, loaded through the same mapping."""
-    pairs = [(other_families["qwen2"], None), (other_families["llama3"], None)]
+def test_parity_qwen2_llama3_and_yarn_tp2(other_families):
+    """Qwen2.5-style q/k/v biases, Llama-3.1 RoPE scaling and Qwen3 with YaRN, through the same
+    mapping."""
+    pairs = [(other_families[k], None) for k in ("qwen2", "llama3", "qwen3_yarn")]
     # 200 tokens: long enough for the scaled low frequencies to matter (without the scaling the
     # logits differ by ~0.1)
     diffs = run_distributed(_parity, 2, 2, 1, pairs, 200)
