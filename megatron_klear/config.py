@@ -87,6 +87,7 @@ class TrainConfig:
     resume: bool = True  # continue from save_dir's latest checkpoint when there is one
     log_interval: int = 1
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocab-parallel log-prob
+    logprobs_from_hidden: bool = True  # never materialise [tokens, vocab/TP] logits (models/output_head.py)
 
     def validate(self):
         if self.steps < 0 or self.epochs < 0 or (self.steps == 0 and self.epochs == 0):

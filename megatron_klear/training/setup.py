@@ -59,6 +59,12 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
 
     arch = model_arch(cfg.model.path)
     chunks = build_model_chunks(arch, cfg.model, cfg.parallel)
+    if cfg.train.logprobs_from_hidden:
+        from megatron_klear.models.output_head import defer_output_layer
+
+        for chunk in chunks:
+            if chunk.post_process:
+                defer_output_layer(chunk)
     if load_weights:
         load_initial_weights(chunks, cfg.model.path)
     config = chunks[0].config

@@ -67,23 +67,26 @@ def run_micro_batches(
             device=dev,
         )
         output = chunk(local["tokens"], local["position_ids"], None, packed_seq_params=packed)
+        head = deferred_head(unwrap(chunk))
 
-        def loss_func(logits):
-            logprobs, entropy = vocab_parallel_logprobs_and_entropy(
-                logits,
-                local["labels"],
-                group=group,
-                vocab_start_index=vocab_start,
-                vocab_size=vocab_size,
-                temperature=temperature,
-                chunk_size=chunk_size,
-            )
+        def loss_func(output):
+            common = dict(group=group, vocab_start_index=vocab_start, vocab_size=vocab_size,
+                          temperature=temperature, chunk_size=chunk_size)
+            if head is not None:  # output = final hidden states: logits one chunk at a time
+                logprobs, entropy = chunked_logprobs_from_hidden(
+                    output, head.deferred_weight, local["labels"],
+                    reduce_grad_hidden=not head.sequence_parallel, **common,
+                )
+            else:  # output = vocab-parallel logits
+                logprobs, entropy = vocab_parallel_logprobs_and_entropy(output, local["labels"], **common)
             loss, metrics = loss_fn(local, logprobs, entropy)
             return loss, torch.ones((), dtype=torch.int), metrics
 
         return output, loss_func
 
-    from megatron_klear.training.logprobs import vocab_parallel_logprobs_and_entropy
+    from megatron_klear.checkpoint.model_weights import unwrap
+    from megatron_klear.models.output_head import deferred_head
+    from megatron_klear.training.logprobs import chunked_logprobs_from_hidden, vocab_parallel_logprobs_and_entropy
 
     seq_len = max(int(b["tokens"].shape[1]) for b in micro_batches)
     n = len(micro_batches)

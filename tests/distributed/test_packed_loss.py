@@ -5,7 +5,7 @@ import pytest
 from tests.distributed.helper import run_distributed
 
 
-def _packed_logprobs(rank, world, model_dir, examples, cp):
+def _packed_logprobs(rank, world, model_dir, examples, cp, from_hidden=True):
     import torch
 
     from megatron_klear.checkpoint.hf_io import HFReader
@@ -16,7 +16,8 @@ def _packed_logprobs(rank, world, model_dir, examples, cp):
     from megatron_klear.training.setup import build_training_state
     from megatron_klear.training.step import reduce_metrics, run_micro_batches
 
-    cfg = load_config(None, [f"model.path={model_dir}", f"parallel.cp={cp}", "train.steps=1"])
+    cfg = load_config(None, [f"model.path={model_dir}", f"parallel.cp={cp}", "train.steps=1",
+                             f"train.logprobs_from_hidden={str(from_hidden).lower()}"])
     init_parallel(cfg.parallel)
     state = build_training_state(cfg, total_steps=1)
     masks = [[0] * 3 + [1] * (len(e) - 3) for e in examples]
@@ -64,12 +65,13 @@ def _hf_reference(model_dir, examples):
     return per_example
 
 
-def test_packed_equals_each_example_alone(setup):
+@pytest.mark.parametrize("from_hidden", [True, False], ids=["logits_from_hidden_chunks", "materialised_logits"])
+def test_packed_equals_each_example_alone(setup, from_hidden):
     import torch
 
     model, examples = setup
     ref = _hf_reference(model, examples)
-    sums, per_token, mask, cu = run_distributed(_packed_logprobs, 1, model, examples, 1)[0]
+    sums, per_token, mask, cu = run_distributed(_packed_logprobs, 1, model, examples, 1, from_hidden)[0]
     for i, e in enumerate(examples):
         got = per_token[cu[i]: cu[i] + len(e) - 1]
         assert torch.allclose(got.double(), ref[i], atol=1e-4), (i, (got.double() - ref[i]).abs().max())
