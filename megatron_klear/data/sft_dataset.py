@@ -73,6 +73,7 @@ class PackedSFTDataset:
         dp_size: int = 1,
         micro_batches_per_step: int = 1,
         pad_to_multiple: int = 1,
+        segment_multiple: int = 1,
         pack_window: int = 16384,
         remainder: str = "pad",
         num_epochs: Optional[int] = None,
@@ -104,6 +105,18 @@ class PackedSFTDataset:
         self.dp_size = dp_size
         self.micro_batches_per_step = micro_batches_per_step
         self.pad_to_multiple = pad_to_multiple
+        # Context parallelism later pads every example to a multiple of 2*CP: pack with the
+        # rounded lengths so that rows stay within seq_length after that padding.
+        self.segment_multiple = max(1, segment_multiple)
+        self.pack_lengths = (
+            lengths if self.segment_multiple == 1
+            else ((lengths + self.segment_multiple - 1) // self.segment_multiple) * self.segment_multiple
+        )
+        if self.pack_lengths.size and int(self.pack_lengths.max()) > seq_length:
+            raise ValueError(
+                f"{prefix}: the longest example ({int(lengths.max())} tokens) rounded up to a multiple of "
+                f"{self.segment_multiple} (context parallelism) exceeds seq_length {seq_length}"
+            )
         self.pack_window = pack_window
         self.remainder = remainder
         self.num_epochs = num_epochs
@@ -126,7 +139,7 @@ class PackedSFTDataset:
         if epoch not in self._bins_cache:
             rng = np.random.default_rng([self.seed, epoch])
             order = rng.permutation(len(self.reader))
-            bins = pack_in_windows(self.reader.lengths, self.seq_length, order, self.pack_window)
+            bins = pack_in_windows(self.pack_lengths, self.seq_length, order, self.pack_window)
             perm = rng.permutation(len(bins))
             if len(self._bins_cache) >= 2:
                 self._bins_cache.pop(next(iter(self._bins_cache)))
@@ -239,6 +252,7 @@ class PackedSFTDataset:
             "seed": self.seed,
             "seq_length": self.seq_length,
             "pack_window": self.pack_window,
+            "segment_multiple": self.segment_multiple,
             "remainder": self.remainder,
         }
 

@@ -185,3 +185,17 @@ def test_epoch_start_logs_packing_efficiency(prefix, caplog):
     assert len(lines) == 2 and lines[1].startswith("SFT data epoch 1:")
     eff = 100 * ds.epoch_stats(0)["packing_efficiency"]
     assert f"packing efficiency {eff:.2f}%" in lines[0]
+
+
+def test_segment_multiple_keeps_cp_padded_rows_within_seq_length(prefix):
+    """With CP every example is later padded to a multiple of 2*CP: packing uses rounded lengths."""
+    seg = 16
+    ds = make(prefix, segment_multiple=seg)
+    lengths = ds.reader.lengths
+    overflow_without = 0
+    for b in ds.epoch_bins(0):
+        assert sum(-(-int(lengths[i]) // seg) * seg for i in b) <= SEQ
+    for b in make(prefix).epoch_bins(0):
+        overflow_without += sum(-(-int(lengths[i]) // seg) * seg for i in b) > SEQ
+    assert overflow_without > 0  # the plain packing would overflow after per-example padding
+    assert sorted(i for b in ds.epoch_bins(0) for i in b) == list(range(len(ds.reader)))
