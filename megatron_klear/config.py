@@ -66,6 +66,7 @@ class DataConfig:
     seq_length: int = 32768
     micro_batches_per_step: int = 1  # packed rows per DP rank per optimizer step
     pad_to_multiple: int = 0  # 0: chosen from the parallel layout (tp * cp * 2, 16 with FP8)
+    segment_multiple: int = 0  # pack examples as if rounded up to this; 0: 2*cp with context parallelism, else 1
     seed: int = 1234
     remainder: str = "pad"  # pad | drop (the last, partial step of an epoch)
 

@@ -47,7 +47,7 @@ def build_dataset(cfg: JobConfig):
         dp_size=parallel_state.get_data_parallel_world_size(),
         micro_batches_per_step=cfg.data.micro_batches_per_step,
         pad_to_multiple=cfg.data.pad_to_multiple or row_multiple(cfg.parallel, cfg.model.fp8),
-        segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
+        segment_multiple=cfg.data.segment_multiple or (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1),
         remainder=cfg.data.remainder,
     )
 

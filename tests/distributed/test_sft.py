@@ -32,7 +32,9 @@ def _overrides(setup, save_dir, *extra):
     return [
         f"model.path={setup['model']}", f"data.prefix={setup['data']}", "data.seq_length=128",
         "optim.lr=2e-3", "optim.min_lr=2e-4", "optim.warmup_steps=1", "optim.weight_decay=0.0",
-        f"train.save_dir={save_dir}", "train.keep_last=2", *extra,
+        f"train.save_dir={save_dir}", "train.keep_last=2",
+        "data.segment_multiple=4",  # what CP=2 packs with: every layout sees the same batches
+        *extra,
     ]
 
 
