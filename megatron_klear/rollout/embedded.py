@@ -115,14 +115,16 @@ class EmbeddedEngine(RolloutEngine):
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(cls, path: str, *, dtype="float32", device="cpu", attn_implementation: str = "sdpa",
-                        max_batch_size: int | None = None) -> "EmbeddedEngine":
-        """Load an HF checkpoint directory (config.json + safetensors)."""
+                        max_batch_size: int | None = None, config=None) -> "EmbeddedEngine":
+        """Load an HF checkpoint directory (config.json + safetensors); ``config`` overrides its
+        config.json (e.g. YaRN RoPE scaling for long-context evaluation)."""
         from transformers import AutoModelForCausalLM
 
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"rollout.embedded: {path}: no config.json (not an HF checkpoint directory)")
+        extra = {"config": config} if config is not None else {}
         model = AutoModelForCausalLM.from_pretrained(
-            path, **{_dtype_kwarg(): resolve_dtype(dtype)}, attn_implementation=attn_implementation
+            path, **{_dtype_kwarg(): resolve_dtype(dtype)}, attn_implementation=attn_implementation, **extra
         ).to(device)
         return cls(model, max_batch_size=max_batch_size, model_path=os.path.abspath(path))
 

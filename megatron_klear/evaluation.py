@@ -1,0 +1,69 @@
+"""avg@k evaluation of a model on math / code benchmarks, with the same engines, prompts and
+graders as RL (KLEAR-REASONER.md section 1: AIME24/25, HMMT25 avg@64, LiveCodeBench avg@8;
+temperature 0.6, top_p 0.95, top_k 20, a 32K budget).
+
+For each prompt, ``k`` responses are sampled; a response scores 1 when it is *solved* (the math
+answer is right / every test passes). Reported per benchmark: ``avg@k`` (mean over prompts of the
+fraction of solved responses, the paper's number, in %), ``pass@k`` (any solved), the mean
+response length, the fraction cut by the length limit, and grader errors (which count as unsolved
+and are listed, never hidden).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+PAPER_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
+
+
+def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progress=print) -> tuple:
+    """``benchmarks``: name -> list of :class:`megatron_klear.data.prompts.Prompt`.
+    Returns ``(summary, records)``: per-benchmark metrics and one record per response."""
+    summary, records = {}, []
+    strip = [t for t in (tokenizer.eos_token, tokenizer.pad_token) if t]
+    for name, prompts in benchmarks.items():
+        t0 = time.time()
+        completions = engine.generate([p.prompt_ids for p in prompts], params, n=k)
+        futures = []
+        for p, cs in zip(prompts, completions):
+            for j, c in enumerate(cs):
+                text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                for t in strip:
+                    text = text.replace(t, "")
+                futures.append((p, j, c, text, pool.submit(p.grade_item(text))))
+        per_prompt: dict = {}
+        errors = 0
+        for p, j, c, text, fut in futures:
+            g = fut.result()
+            errors += g.error is not None
+            per_prompt.setdefault(p.id, []).append(g.solved)
+            records.append({"benchmark": name, "id": p.id, "sample": j, "solved": g.solved, "reward": g.reward,
+                            "error": g.error, "detail": g.detail, "length": len(c.token_ids),
+                            "finish_reason": c.finish_reason, "response": text})
+        flat = [c for cs in completions for c in cs]
+        summary[name] = {
+            "prompts": len(prompts),
+            "k": k,
+            f"avg@{k}": 100.0 * sum(sum(v) / len(v) for v in per_prompt.values()) / len(per_prompt),
+            f"pass@{k}": 100.0 * sum(any(v) for v in per_prompt.values()) / len(per_prompt),
+            "response_length_mean": sum(len(c.token_ids) for c in flat) / len(flat),
+            "truncated_frac": sum(not c.finished for c in flat) / len(flat),
+            "grader_errors": errors,
+            "seconds": time.time() - t0,
+        }
+        progress(f"{name}: avg@{k} {summary[name][f'avg@{k}']:.1f}  pass@{k} {summary[name][f'pass@{k}']:.1f}  "
+                 f"({len(prompts)} prompts, {summary[name]['seconds']:.0f}s)")
+    return summary, records
+
+
+def write_results(out_path: str, summary: dict, records: list, meta: dict) -> None:
+    """``out_path`` (JSON summary) and ``out_path`` with .samples.jsonl, both atomically."""
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)) or ".", exist_ok=True)
+    samples = os.path.splitext(out_path)[0] + ".samples.jsonl"
+    for path, write in ((samples, lambda f: [f.write(json.dumps(r) + "\n") for r in records]),
+                        (out_path, lambda f: json.dump({"meta": meta, "results": summary}, f, indent=2))):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            write(f)
+        os.replace(tmp, path)

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""avg@k on math / code benchmarks with the paper's sampling (temperature 0.6, top_p 0.95, top_k 20).
+
+    python tools/eval.py --model hf/klear-8b --bench aime24=data/aime24.jsonl --bench aime25=data/aime25.jsonl \\
+        --k 64 --max-new-tokens 32768 --output results/klear-8b.json                    # embedded engine
+    python tools/eval.py --url http://router:30000 --tokenizer hf/klear-8b --bench lcb_v5=data/lcb_v5.jsonl --k 8 ...
+
+Benchmark files use the RL prompt format (data/prompts.py): {"id", "task": "math", "prompt", "answer"}
+or {"id", "task": "code", "prompt", "tests"}. For the 64K setting, serve the model with YaRN
+(factor 2.5 over 32768 positions) and pass --max-new-tokens 65536; with the embedded engine,
+--yarn-factor 2.5 edits the config it loads.
+"""
+import argparse
+import sys
+
+
+def main(argv=None):
+    from megatron_klear.evaluation import PAPER_SAMPLING
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF checkpoint directory (embedded engine, in this process)")
+    src.add_argument("--url", action="append", help="SGLang server / router URL (repeatable)")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    p.add_argument("--bench", action="append", required=True, metavar="NAME=FILE.jsonl")
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=PAPER_SAMPLING["temperature"])
+    p.add_argument("--top-p", type=float, default=PAPER_SAMPLING["top_p"])
+    p.add_argument("--top-k", type=int, default=PAPER_SAMPLING["top_k"])
+    p.add_argument("--max-new-tokens", type=int, default=32768)
+    p.add_argument("--max-prompt-length", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", help="embedded engine dtype")
+    p.add_argument("--yarn-factor", type=float, default=None, help="embedded engine: YaRN RoPE scaling factor")
+    p.add_argument("--yarn-original", type=int, default=32768, help="YaRN original_max_position_embeddings")
+    p.add_argument("--workers", type=int, default=0, help="grading workers (0: one per core)")
+    p.add_argument("--output", required=True, help="summary JSON (samples go to <output>.samples.jsonl)")
+    args = p.parse_args(argv)
+
+    from megatron_klear.data.chat import load_tokenizer
+    from megatron_klear.data.prompts import PromptDataset
+    from megatron_klear.evaluation import evaluate, write_results
+    from megatron_klear.rewards import GradingPool, RewardConfig
+    from megatron_klear.rollout.base import SamplingParams
+
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    benchmarks = {}
+    for spec in args.bench:
+        if "=" not in spec:
+            p.error(f"--bench {spec!r}: expected NAME=FILE.jsonl")
+        name, path = spec.split("=", 1)
+        benchmarks[name] = PromptDataset([path], tokenizer, max_prompt_length=args.max_prompt_length).prompts
+    if args.model:
+        import torch
+
+        from megatron_klear.rollout.embedded import EmbeddedEngine
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+        if args.yarn_factor:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(args.model)
+            theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 1e6))
+            config.rope_parameters = {"rope_type": "yarn", "factor": args.yarn_factor, "rope_theta": theta,
+                                      "original_max_position_embeddings": args.yarn_original}
+            config.max_position_embeddings = int(args.yarn_original * args.yarn_factor)
+            engine = EmbeddedEngine.from_pretrained(args.model, dtype=args.dtype, config=config, device=device)
+        else:
+            engine = EmbeddedEngine.from_pretrained(args.model, dtype=args.dtype, device=device)
+    else:
+        from megatron_klear.rollout.sglang import SGLangEngine
+
+        engine = SGLangEngine(args.url, check=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    with GradingPool(RewardConfig(workers=args.workers)) as pool:
+        summary, records = evaluate(engine, benchmarks, tokenizer, pool, k=args.k, params=params,
+                                    progress=lambda s: print(s, file=sys.stderr))
+    write_results(args.output, summary, records, meta={k: v for k, v in vars(args).items()})
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
