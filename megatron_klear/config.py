@@ -168,6 +168,7 @@ class RolloutConfig:
     dtype: str = "fp32"  # embedded engine dtype
     sync_dir: str = ""  # http: shared directory for weight updates from disk (default <save_dir>/weights)
     request_timeout_s: float = 3600.0
+    chunk_prompts: int = 0  # prompts per engine request; grading of a chunk overlaps the next ones (0: one request)
 
     def validate(self):
         if self.engine not in ("embedded", "http"):

@@ -175,30 +175,47 @@ class RLLoop:
 
     # -- one step ---------------------------------------------------------------------------------
     def rollout(self, prompts):
-        """Driver only: sample, grade. Returns (samples, metrics)."""
+        """Driver only: sample and grade. Prompts go to the engine in chunks
+        (``rollout.chunk_prompts``); each chunk's responses are submitted to the grading pool as
+        soon as they arrive, so grading overlaps the generation of the next chunks (with an HTTP
+        engine the chunks are also in flight together). Returns (samples, metrics)."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
         from megatron_klear.rollout.base import SamplingParams
 
         cfg = self.cfg
         params = SamplingParams(temperature=cfg.rl.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed * 100003 + self.rl_step)
-        t0 = time.time()
-        completions = self.engine.generate([p.prompt_ids for p in prompts], params, n=cfg.rl.responses_per_prompt)
-        t_gen = time.time() - t0
         strip = [t for t in (self.tokenizer.eos_token, self.tokenizer.pad_token) if t]
-        futures = []
-        for p, cs in zip(prompts, completions):
-            row = []
-            for c in cs:
-                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
-                for t in strip:
-                    text = text.replace(t, "")
-                row.append(self.pool.submit(p.grade_item(text)))
-            futures.append(row)
+        size = cfg.rollout.chunk_prompts or len(prompts)
+        chunks = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
+        completions, futures = [None] * len(prompts), [None] * len(prompts)
+
+        def generate(idx):
+            # one seed per chunk, derived from the step's seed: reproducible whatever the timing
+            p = SamplingParams(**{**params.__dict__, "seed": params.seed * 7919 + idx[0]})
+            return idx, self.engine.generate([prompts[i].prompt_ids for i in idx], p, n=cfg.rl.responses_per_prompt)
+
+        t0 = time.time()
+        parallel = 1 if cfg.rollout.engine == "embedded" else len(chunks)  # one in-process model
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            for fut in as_completed([pool.submit(generate, idx) for idx in chunks]):
+                idx, rows = fut.result()
+                for i, cs in zip(idx, rows):
+                    completions[i] = cs
+                    futures[i] = []
+                    for c in cs:
+                        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                        for t in strip:
+                            text = text.replace(t, "")
+                        futures[i].append(self.pool.submit(prompts[i].grade_item(text)))
+        t_gen = time.time() - t0
         grades = [[f.result() for f in row] for row in futures]
-        t_grade = time.time() - t0 - t_gen
+        t_grade = time.time() - t0 - t_gen  # grading left after the last chunk arrived
         samples, metrics = build_samples(prompts, completions, grades, cfg)
         n_tokens = sum(len(c.token_ids) for cs in completions for c in cs)
-        metrics.update({"time/generate_s": t_gen, "time/grade_s": t_grade, "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)})
+        metrics.update({"time/generate_s": t_gen, "time/grade_tail_s": t_grade,
+                        "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)})
         return samples, metrics
 
     def step(self) -> dict:
