@@ -86,7 +86,7 @@ def main():
     write_rl_prompts_jsonl(f"{OUT}/rl-prompts.jsonl", 128, seed=1)
     torchrun(2, "-m", "megatron_klear.rl", f"model.path={OUT}/hf-sft", "model.dtype=fp32", "parallel.tp=2",
              f"rl.prompts=[{OUT}/rl-prompts.jsonl]", "rl.prompts_per_step=8", "rl.oversample_prompts=12",
-             "rl.responses_per_prompt=8", "rl.mini_batch_prompts=4", "rl.max_tokens_per_micro_batch=1024",
+             "rl.responses_per_prompt=8", "rl.mini_batch_prompts=4", "rl.max_tokens_per_micro_batch=1024", "rl.max_prompt_length=128",
              "rollout.max_new_tokens=40", "optim.lr=2e-5", "optim.min_lr=2e-5", "optim.decay_style=constant",
              "train.steps=4", f"train.save_dir={OUT}/rl-run", "reward.workers=1")
     rl = [json.loads(x) for x in open(f"{OUT}/rl-run/metrics.jsonl")]

@@ -118,8 +118,7 @@ class RLConfig:
     beta2: float = 1.0
     agg: str = "token_mean"  # token_mean (the paper's 1/sum T) | seq_mean_token_mean | seq_mean_token_sum_norm
     norm_constant: float | None = None  # seq_mean_token_sum_norm's fixed length
-    nll_coef: float = 0.1  # alpha: NLL on rollouts whose reward is exactly the correct score
-    correct_score: float = 1.0
+    nll_coef: float = 0.1  # alpha: NLL on solved rollouts (math answer right / every test passed)
     kl_coef: float = 0.0  # off: no reference model
     prompts_per_step: int = 128
     responses_per_prompt: int = 8
@@ -201,7 +200,24 @@ class JobConfig:
                     raise
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
+        self._validate_across_sections()
         return self
+
+    def _validate_across_sections(self):
+        p = self.parallel
+        if p.cp > 1 and self.rl.agg == "seq_mean_token_mean":
+            # each CP rank sees only part of every sequence, so per-sequence means are not local
+            raise ConfigError("rl.agg=seq_mean_token_mean is not supported with parallel.cp > 1 "
+                              "(use token_mean or seq_mean_token_sum_norm)")
+        if p.vpp and p.vpp > 1 and self.data.micro_batches_per_step % p.pp:
+            raise ConfigError(
+                f"data.micro_batches_per_step={self.data.micro_batches_per_step} must be a multiple of "
+                f"parallel.pp={p.pp} with the interleaved schedule (parallel.vpp={p.vpp})")
+        longest = self.rl.max_prompt_length + self.rollout.max_new_tokens
+        if self.rl.prompts and self.rl.max_tokens_per_micro_batch < longest:
+            raise ConfigError(
+                f"rl.max_tokens_per_micro_batch={self.rl.max_tokens_per_micro_batch} cannot hold the longest "
+                f"sample: rl.max_prompt_length + rollout.max_new_tokens = {longest}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -48,3 +48,17 @@ def test_bad_overrides():
         load_config(None, ["train.steps"])
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent.yaml")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.cp=2", "rl.agg=seq_mean_token_mean"], "seq_mean_token_mean is not supported with parallel.cp > 1"),
+        (["parallel.pp=2", "parallel.vpp=2", "data.micro_batches_per_step=3"], "must be a multiple of parallel.pp=2"),
+        (["rl.prompts=[p.jsonl]", "rl.max_tokens_per_micro_batch=32768"], "cannot hold the longest sample"),
+        (["rollout.engine=http"], "needs rollout.urls"),
+    ],
+)
+def test_checks_across_sections(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -75,7 +75,15 @@ def load_model(model_chunks, ckpt_dir: str) -> None:
     loaded = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RAISE_ALL)
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
-        _unwrap(chunk).load_state_dict(loaded[key], strict=False)
+        check_loaded(_unwrap(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
+
+
+def check_loaded(result, ckpt_dir: str) -> None:
+    """``load_state_dict(strict=False)`` tolerates only Transformer Engine's ``_extra_state``."""
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise RuntimeError(f"{ckpt_dir}: model keys do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def finalize_dir(tmp_dir: str, out_dir: str) -> None:

@@ -2,6 +2,7 @@
 from megatron_klear.platform.distributed import (  # noqa: F401
     ParallelConfig,
     comm_device,
+    control_group,
     destroy_parallel,
     device,
     init_parallel,

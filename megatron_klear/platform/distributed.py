@@ -25,6 +25,7 @@ class ParallelConfig:
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
     sequence_parallel: bool = False  # shard activations along the sequence inside TP regions
     timeout_minutes: int = 30
+    control_timeout_minutes: int = 24 * 60  # the gloo group ranks wait on during rollouts
 
     def validate(self, world_size: int | None = None) -> None:
         for name in ("tp", "pp", "cp"):
@@ -100,11 +101,26 @@ def init_parallel(parallel: ParallelConfig | None = None, seed: int = 1234) -> N
         context_parallel_size=parallel.cp,
         distributed_timeout_minutes=parallel.timeout_minutes,
     )
+    if _CONTROL["group"] is None and dist.get_world_size() > 1:
+        _CONTROL["group"] = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(minutes=parallel.control_timeout_minutes)
+        )
     torch.manual_seed(seed)
     # On CPU the CUDA RNG tracker cannot exist; the inference tracker is a no-op fork.
     tensor_parallel.model_parallel_cuda_manual_seed(
         seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True
     )
+
+
+_CONTROL = {"group": None}
+
+
+def control_group():
+    """A gloo group over all ranks with a long timeout, for control messages (rollout batches
+    from the driver): waiting in it costs no GPU and trips no NCCL watchdog."""
+    if _CONTROL["group"] is None:
+        raise RuntimeError("control_group(): call init_parallel() first")
+    return _CONTROL["group"]
 
 
 def destroy_parallel() -> None:
@@ -114,6 +130,7 @@ def destroy_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _CONTROL["group"] = None
 
 
 def is_rank0() -> bool:

@@ -55,6 +55,8 @@ class Actor:
                 dp_rank=parallel_state.get_data_parallel_rank(),
                 dp_size=parallel_state.get_data_parallel_world_size(),
                 max_tokens=self.rl.max_tokens_per_micro_batch, pad_id=self.pad_id, pad_to_multiple=multiple,
+                count_multiple=cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1,
+                segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
             )
             plans.append((mini_batch_counts(samples, ids), mbs))
         return plans
@@ -142,7 +144,8 @@ class Actor:
             results = self._run(mbs, self._loss_fn(counts), forward_only=False)
             lr = state.optimizer.param_groups[0]["lr"]
             ok, grad_norm, _ = state.optimizer.step()
-            state.scheduler.step(increment=1)
+            if ok:  # fp16 overflow: skipped update, the schedule does not advance (as in Megatron)
+                state.scheduler.step(increment=1)
             sums = reduce_metrics(results, SUM_KEYS)
             for k in SUM_KEYS:
                 totals[k] += sums[k]

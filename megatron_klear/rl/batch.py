@@ -95,9 +95,12 @@ def split_mini_batches(samples: list, mini_batch_prompts: int) -> list:
 
 
 def plan_mini_batch(samples: list, ids: list, *, dp_rank: int, dp_size: int, max_tokens: int,
-                    pad_id: int, pad_to_multiple: int) -> list:
-    """This DP rank's packed micro-batches of one mini-batch (same count on every rank)."""
-    lengths = [len(samples[i]) for i in ids]
+                    pad_id: int, pad_to_multiple: int, count_multiple: int = 1, segment_multiple: int = 1) -> list:
+    """This DP rank's packed micro-batches of one mini-batch (same count on every rank, rounded up
+    to ``count_multiple`` with filler rows: the interleaved pipeline schedule needs a multiple of
+    the pipeline size)."""
+    # with CP every sample is later padded to a multiple of 2*CP: budget with that length
+    lengths = [-(-len(samples[i]) // segment_multiple) * segment_multiple for i in ids]
     too_long = [ids[k] for k, n in enumerate(lengths) if n > max_tokens]
     if too_long:
         raise ValueError(
@@ -106,6 +109,7 @@ def plan_mini_batch(samples: list, ids: list, *, dp_rank: int, dp_size: int, max
         )
     bins = [[ids[k] for k in b] for b in pack_best_fit_decreasing(lengths, max_tokens)]
     per_rank = -(-len(bins) // dp_size)
+    per_rank = -(-per_rank // count_multiple) * count_multiple
     slots = assign_bins_to_ranks([sum(len(samples[i]) for i in b) for b in bins], dp_size, per_rank)
     mine = []
     for b in slots[dp_rank]:

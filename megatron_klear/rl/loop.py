@@ -29,10 +29,15 @@ def _rank0() -> bool:
 
 
 def _broadcast(obj):
+    """Driver -> all ranks, over the gloo control group: the other ranks wait here for the whole
+    rollout (possibly hours), which must not trip NCCL's watchdog, and the samples travel as
+    pickled CPU data rather than through GPU buffers."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
+    from megatron_klear.platform import control_group
+
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_group())
     return box[0]
 
 
@@ -57,12 +62,12 @@ def build_samples(prompts, completions, grades, cfg: JobConfig):
     rewards = torch.tensor([r.reward for _, _, r in flat], dtype=torch.float64)
     groups = torch.tensor([g for g, _, _ in flat])
     errored = {g for g, _, r in flat if r.error is not None}  # grader failures: never train on them
-    keep = nonzero_spread_mask(rewards, groups)
+    # two independent filters: groups without reward spread, and (optionally) responses that hit
+    # the length limit (advantages still use the whole group as the baseline)
+    keep = nonzero_spread_mask(rewards, groups) if cfg.rl.filter_zero_spread else torch.ones(len(flat), dtype=torch.bool)
     if cfg.rl.overlong_filter:
         keep &= torch.tensor([c.finished for _, c, _ in flat])
     adv = group_advantages(rewards, groups, normalize_by_std=cfg.rl.std_normalize)
-    if not cfg.rl.filter_zero_spread:
-        keep = torch.ones_like(keep)
     kept_groups = []
     for g in range(len(prompts)):
         if g in errored:
@@ -130,7 +135,8 @@ class RLLoop:
             common = self.ckpt.load(self.state, self.ckpt.latest())
             self.prompts.load_state_dict(common["prompts"])
             self.rl_step = int(common["step"])
-        self.sync_dir = cfg.rollout.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights")
+        # absolute: SGLang servers resolve model_path in their own working directory
+        self.sync_dir = os.path.abspath(cfg.rollout.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
         self.engine = self.pool = None
         if _rank0():
             from megatron_klear.rewards import GradingPool

@@ -301,6 +301,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
     embedded-engine server, plus :meth:`launch` to start one. Every request has a timeout:
     ``timeout`` seconds, or ``generate_timeout`` for /generate."""
 
+    send_seed = True  # the embedded server derives one seed per (prompt, sample) from it
+
     def __init__(self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0):
         super().__init__([url], timeout=timeout, generate_timeout=generate_timeout)
         self._process = None

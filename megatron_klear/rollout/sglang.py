@@ -27,7 +27,13 @@ class EngineError(RuntimeError):
 
 
 class SGLangEngine(RolloutEngine):
+    """``send_seed``: SGLang honours ``sampling_seed`` only with ``--enable-deterministic-inference``,
+    and then one seed for a request's ``n`` samples would make them identical (every group would
+    have zero reward spread). So by default no seed is sent to SGLang; our embedded server derives
+    one seed per sample from it and its client turns this on."""
+
     loads_from_disk = True
+    send_seed = False
 
     def __init__(self, urls, *, timeout: float = 60.0, generate_timeout: float = 3600.0, check: bool = False):
         urls = [urls] if isinstance(urls, str) else list(urls)
@@ -78,7 +84,7 @@ class SGLangEngine(RolloutEngine):
         sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
               "max_new_tokens": params.max_new_tokens, "n": int(n), "stop_token_ids": list(params.stop_token_ids),
               "skip_special_tokens": False}
-        if params.seed is not None:
+        if params.seed is not None and self.send_seed:
             sp["sampling_seed"] = int(params.seed)
         body = {"input_ids": [list(map(int, p)) for p in prompts], "sampling_params": sp, "return_logprob": True}
         outs = self._request("POST", "/generate", body, timeout=self.generate_timeout, url=url)

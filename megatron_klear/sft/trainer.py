@@ -106,7 +106,8 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
         )
         lr = state.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
         ok, grad_norm, _ = state.optimizer.step()
-        state.scheduler.step(increment=1)
+        if ok:  # fp16 overflow: skipped update, the schedule does not advance (as in Megatron)
+            state.scheduler.step(increment=1)
         state.step += 1
         sums = reduce_metrics(results, ("nll_sum", "loss_tokens", "entropy_sum"))
         from megatron_klear.platform import comm_device

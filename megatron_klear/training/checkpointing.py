@@ -167,11 +167,11 @@ class CheckpointManager:
             sharded.pop("rng")
         with torch.no_grad():
             loaded = dist_checkpointing.load(sharded, ckpt_dir)
-        from megatron_klear.checkpoint.dist_ckpt import _unwrap
+        from megatron_klear.checkpoint.dist_ckpt import _unwrap, check_loaded
 
         for i, chunk in enumerate(state.model):
             key = "model" if len(state.model) == 1 else f"model{i}"
-            _unwrap(chunk).load_state_dict(loaded[key], strict=False)
+            check_loaded(_unwrap(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
         state.optimizer.load_state_dict(loaded["optimizer"])
         common = loaded["common"]
         state.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved count to this

@@ -103,6 +103,8 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
         use_distributed_optimizer=cfg.optim.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
+    # Megatron scales the loss only through this hook (fp16's dynamic loss scale; 1 otherwise)
+    config.grad_scale_func = optimizer.scale_loss
     decay_steps = cfg.optim.decay_steps or max(total_steps, 1)
     scheduler = OptimizerParamScheduler(
         optimizer,

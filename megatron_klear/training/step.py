@@ -9,6 +9,7 @@ so the gradient is exactly that of the global loss, however the batch is split.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -53,18 +54,27 @@ def run_micro_batches(
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_klear.checkpoint.model_weights import unwrap
+    from megatron_klear.models.output_head import deferred_head
     from megatron_klear.platform import device
+    from megatron_klear.training.logprobs import chunked_logprobs_from_hidden, vocab_parallel_logprobs_and_entropy
 
     dev = device()
     cp_size = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
     group, vocab_start, vocab_size = _vocab_info(model[0])
+    # With CP every segment is padded to 2*CP; the row must then still split over TP (sequence
+    # parallel) and FP8's tiles on every CP rank.
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    total_multiple = tp_size * 2 * cp_size if cp_size > 1 else 1
+    if getattr(unwrap(model[0]).config, "fp8", None) and cp_size > 1:
+        total_multiple = total_multiple * 16 // math.gcd(total_multiple, 16)
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
         local, packed = prepare_packed(
             batch, cp_rank=cp_rank, cp_size=cp_size, per_token_keys=per_token_keys, pad_id=pad_id,
-            device=dev,
+            device=dev, total_multiple=total_multiple,
         )
         output = chunk(local["tokens"], local["position_ids"], None, packed_seq_params=packed)
         head = deferred_head(unwrap(chunk))
@@ -83,10 +93,6 @@ def run_micro_batches(
             return loss, torch.ones((), dtype=torch.int), metrics
 
         return output, loss_func
-
-    from megatron_klear.checkpoint.model_weights import unwrap
-    from megatron_klear.models.output_head import deferred_head
-    from megatron_klear.training.logprobs import chunked_logprobs_from_hidden, vocab_parallel_logprobs_and_entropy
 
     seq_len = max(int(b["tokens"].shape[1]) for b in micro_batches)
     n = len(micro_batches)

@@ -39,7 +39,7 @@ def _overrides(setup, save):
     return [
         f"model.path={setup['model']}", f"rl.prompts=[{setup['prompts']}]", f"train.save_dir={save}",
         "train.steps=3", "train.save_interval=1", "rl.prompts_per_step=4", "rl.oversample_prompts=6",
-        "rl.responses_per_prompt=6", "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=256",
+        "rl.responses_per_prompt=6", "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=256", "rl.max_prompt_length=64",
         "rollout.max_new_tokens=24", "optim.lr=1e-3", "optim.min_lr=1e-3", "optim.decay_style=constant",
         "reward.workers=1", "parallel.tp=2", "rollout.chunk_prompts=4",
     ]

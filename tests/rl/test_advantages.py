@@ -76,3 +76,31 @@ def test_bad_grouping_is_reported():
         group_advantages(torch.zeros(8), [0, 1])
     with pytest.raises(ValueError, match="1-D"):
         group_advantages(torch.zeros(2, 4), group_size=4)
+
+
+def _grade(reward, solved):
+    from megatron_klear.rewards.result import GradeResult
+
+    return GradeResult(reward=reward, passed=int(solved), total=1)
+
+
+def test_rl_loop_filters_compose():
+    """Zero-spread and overlong filters are independent: turning one off keeps the other."""
+    from megatron_klear.config import load_config
+    from megatron_klear.data.prompts import Prompt
+    from megatron_klear.rl.loop import build_samples
+    from megatron_klear.rollout.base import Completion
+
+    prompts = [Prompt(id="a", task="math", prompt_ids=[1, 2], answer="1"),
+               Prompt(id="b", task="math", prompt_ids=[3], answer="2")]
+    c = lambda finished: Completion([5, 6], [-1.0, -1.0], "stop" if finished else "length")  # noqa: E731
+    completions = [[c(True), c(False), c(True)], [c(True), c(True), c(True)]]
+    grades = [[_grade(1.0, True), _grade(-0.5, False), _grade(-1.0, False)],
+              [_grade(-1.0, False)] * 3]  # group b has no reward spread
+    for spread, overlong, expect in [(True, True, [(0, True), (0, True)]),
+                                     (False, True, [(0, True), (0, True), (1, True), (1, True), (1, True)]),
+                                     (True, False, [(0, True), (0, False), (0, True)])]:
+        cfg = load_config(None, [f"rl.filter_zero_spread={str(spread).lower()}", f"rl.overlong_filter={str(overlong).lower()}"])
+        samples, metrics = build_samples(prompts, completions, grades, cfg)
+        assert [(s.group, s.finished) for s in samples] == expect, (spread, overlong)
+        assert [s.positive for s in samples][:1] == [True]
