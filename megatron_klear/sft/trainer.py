@@ -87,7 +87,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
         with open(os.path.join(cfg.train.save_dir, "config.yaml"), "w") as f:
             f.write(dump_config(cfg))
     term = TerminationFlag().install()
-    pad_id = 0
+    pad_id = dataset.pad_token_id  # what context parallelism pads segments with
     metrics = {}
 
     def save():
