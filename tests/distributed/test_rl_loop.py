@@ -69,3 +69,28 @@ def test_rl_loop_runs_syncs_and_resumes(setup):
     run_distributed(_run, 2, args)
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     assert [m["step"] for m in lines] == [1, 2, 3]
+
+
+def test_rl_loop_with_an_http_engine_reloads_weights_from_disk(setup):
+    """rollout.engine=http against our SGLang-API server: the trainer exports its weights to
+    rollout.sync_dir and the server reloads them after every step. If it did not, the sampling
+    log-probs of step 2 would come from the old weights and disagree with the trainer's."""
+    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+
+    server = EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120)
+    try:
+        save = os.path.join(setup["root"], "http-run")
+        args = _overrides(setup, save) + [
+            "rollout.engine=http", f"rollout.urls=[{server.url}]", "parallel.tp=1", "train.steps=2",
+            "optim.lr=5e-3", "optim.min_lr=5e-3",
+        ]
+        run_distributed(_run, 1, args)
+    finally:
+        server.close()
+    lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
+    trained = [m for m in lines if m.get("actor/optimizer_steps")]
+    assert len(lines) == 2 and trained, lines
+    for m in lines:
+        if m.get("actor/optimizer_steps"):
+            assert m["actor/logprob_mismatch_max"] < 1e-3, m
+    assert os.path.isdir(os.path.join(save, "weights", "current"))
