@@ -12,7 +12,7 @@ $(STAMP): setup.py requirements/cpu-constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip setuptools wheel
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -c requirements/cpu-constraints.txt -e '.[dev]'
+	$(BIN)/pip install -c requirements/cpu-constraints.txt -e '.[dev,logging]'
 	touch $(STAMP)
 
 test: venv

@@ -1,0 +1,53 @@
+"""Run metrics: JSONL always; TensorBoard events and an offline wandb run when enabled; a console
+line with step, loss, lr, tokens/s and ETA."""
+import io
+import json
+import os
+
+import pytest
+
+
+def test_jsonl_console_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from megatron_klear.training.metrics import MetricsLogger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    console = io.StringIO()
+    log = MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), total_steps=4, config={"x": 1}, wandb=True,
+                        run_name="t", tensorboard_dir=str(tmp_path / "tb"), stream=console)
+    for step in (1, 2):
+        log.log(step, {"loss": 3.0 / step, "lr": 1e-4, "tokens_per_s": 1000.0, "step_time_s": 0.5, "nan": float("nan")})
+    log.close()
+    rows = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] == 1.5 and "nan" not in rows[0]
+    lines = console.getvalue().splitlines()
+    assert lines[0].startswith("step 1/4 | loss 3 | lr 0.0001 | 1000 tokens/s | ETA")
+    events = [f for _, _, fs in os.walk(tmp_path / "tb") for f in fs if f.startswith("events.out.tfevents")]
+    assert events
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [round(e.value, 3) for e in acc.Scalars("loss")] == [3.0, 1.5]
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 1  # offline: nothing leaves the machine without a key
+
+
+def test_missing_extras_are_named(tmp_path, monkeypatch):
+    import builtins
+
+    from megatron_klear.training.metrics import MetricsLogger
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *a, **k):
+        if name == "wandb":
+            raise ImportError("no wandb")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ImportError, match=r"megatron-klear\[logging\]"):
+        MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), total_steps=1, wandb=True)
