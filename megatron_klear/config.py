@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,7 +228,7 @@ class JobConfig:
 def _type_ok(value, tp) -> tuple[bool, Any]:
     """Check/coerce ``value`` against annotation ``tp``; returns (ok, value)."""
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):
             return True, None
         for arg in typing.get_args(tp):
