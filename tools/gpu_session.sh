@@ -4,11 +4,8 @@
 #
 # On the CPU machine first (the device image runs Python 3.12 with its own torch; nothing can be
 # fetched there):
-#   python3 -m pip download -d .gpu-wheels --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any \
-#       'megatron-core==0.16.1' 'math-verify[antlr4_13_2]==0.9.0' --no-deps
-#   python3 -m pip download -d .gpu-wheels --only-binary=:all: --python-version 3.12 --no-deps \
-#       latex2sympy2_extended antlr4-python3-runtime==4.13.2
+#   python3 -m pip download -d .gpu-wheels --no-deps --only-binary=:all: --python-version 3.12 \
+#       'megatron-core==0.16.1' 'math-verify==0.9.0' latex2sympy2_extended 'antlr4-python3-runtime==4.13.2'
 # then run it through the device tool with carry=[".gpu-wheels"] and a timeout that leaves time
 # to rerun once:  bash tools/gpu_session.sh
 set -uo pipefail
