@@ -8,11 +8,12 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-$(STAMP): setup.py requirements/cpu-constraints.txt
+$(STAMP): setup.py requirements/cpu-constraints.txt tools/fetch_sglang_contract.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip setuptools wheel
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -c requirements/cpu-constraints.txt -e '.[dev,logging]'
+	$(BIN)/python tools/fetch_sglang_contract.py --out $(VENV)/sglang-contract
 	touch $(STAMP)
 
 test: venv

@@ -18,11 +18,15 @@ setup(
         "numpy",
         "psutil",
         "pyyaml",
+        # the rollout client: thousands of concurrent /generate requests per RL step
+        "httpx>=0.27",
         # math-verify's parsing changes between releases: pinned (see rewards/math.py).
         "math-verify[antlr4_13_2]==0.9.0",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout"],
+        # the real sglang-router runs in front of the embedded servers in the tests; msgspec loads
+        # SGLang's own request contract (tools/fetch_sglang_contract.py)
+        "dev": ["pytest>=8", "pytest-timeout", "sglang-router==0.3.2", "msgspec>=0.18"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "sglang": ["sglang[srt]", "sglang-router"],
         "logging": ["wandb", "tensorboard"],

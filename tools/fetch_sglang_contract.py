@@ -1,0 +1,69 @@
+"""Fetch SGLang's own HTTP request/response contract for the tests (no CUDA needed).
+
+SGLang needs CUDA to run, but its wheel carries the schema its server enforces on ``/generate``
+(``sglang/api/v1/api_types.py``, generated msgspec structs that need only ``msgspec``). The tests
+validate every request our client sends, and every response our embedded server answers, against
+that file. This script downloads the pinned wheel (no dependencies, the x86_64 / CPython 3.11 build
+whatever the host), checks its sha256 and extracts the contract::
+
+    python tools/fetch_sglang_contract.py --out .venv/sglang-contract
+
+Afterwards ``<out>/sglang/api/v1/api_types.py`` exists (``make venv`` runs this).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+SGLANG_VERSION = "0.5.23"
+WHEEL = f"sglang-{SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
+SHA256 = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"
+MEMBERS = ("sglang/api/v1/api_types.py",)
+
+
+def fetch(out: str) -> str:
+    target = os.path.join(out, MEMBERS[0])
+    if os.path.isfile(target):
+        return target
+    os.makedirs(out, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sglang-wheel-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION}", "--no-deps",
+               "--only-binary=:all:", "--platform", "manylinux_2_34_x86_64", "--python-version", "3.11",
+               "-d", tmp, "-q"]
+        subprocess.run(cmd, check=True)
+        wheel = os.path.join(tmp, WHEEL)
+        if not os.path.isfile(wheel):
+            raise SystemExit(f"fetch_sglang_contract: pip did not produce {WHEEL} (got {os.listdir(tmp)})")
+        digest = hashlib.sha256(open(wheel, "rb").read()).hexdigest()
+        if digest != SHA256:
+            raise SystemExit(f"fetch_sglang_contract: {WHEEL} has sha256 {digest}, expected {SHA256}")
+        staging = tempfile.mkdtemp(prefix=".tmp-", dir=out)
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                for member in MEMBERS:
+                    zf.extract(member, staging)
+            for member in MEMBERS:
+                dst = os.path.join(out, member)
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                os.replace(os.path.join(staging, member), dst)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".venv/sglang-contract")
+    args = ap.parse_args(argv)
+    print(fetch(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
