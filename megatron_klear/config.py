@@ -66,7 +66,7 @@ class DataConfig:
     prefix: str = ""
     seq_length: int = 32768
     micro_batches_per_step: int = 1  # packed rows per DP rank per optimizer step
-    pad_to_multiple: int = 0  # 0: chosen from the parallel layout (tp * cp * 2, 16 with FP8)
+    pad_to_multiple: int = 0  # 0: from the layout and FP8 recipe (training.batches.padding_rule); else a multiple of it
     segment_multiple: int = 0  # pack examples as if rounded up to this; 0: 2*cp with context parallelism, else 1
     seed: int = 1234
     remainder: str = "pad"  # pad | drop (the last, partial step of an epoch)
@@ -158,17 +158,32 @@ class RLConfig:
 @dataclass
 class RolloutConfig:
     """Where responses come from. Sampling temperature is rl.temperature (one value for the engine
-    and for the trainer's log-prob recompute)."""
+    and for the trainer's log-prob recompute).
 
-    engine: str = "embedded"  # embedded (torch, in the driver process) | http (SGLang or our embedded server)
-    urls: list = field(default_factory=list)  # http: server (or sglang-router) base URLs
+    ``engine=http``: SGLang servers, directly or behind sglang-router (``urls``). Generation is sent as
+    concurrent requests (one per prompt with ``n`` samples, or one per sample), at most
+    ``max_concurrent_requests`` in flight; weight updates go to every worker (``workers``, or the
+    router's ``GET /workers``), never to the router."""
+
+    engine: str = "embedded"  # embedded (torch, in the driver process) | http (SGLang servers / sglang-router)
+    urls: list = field(default_factory=list)  # http: where /generate goes: one sglang-router, or the servers
+    workers: list = field(default_factory=list)  # http: the servers for weight updates (default: asked from the router)
     max_new_tokens: int = 32768
     top_p: float = 1.0
     top_k: int = -1
     dtype: str = "fp32"  # embedded engine dtype
     sync_dir: str = ""  # http: shared directory for weight updates from disk (default <save_dir>/weights)
-    request_timeout_s: float = 3600.0
-    chunk_prompts: int = 0  # prompts per engine request; grading of a chunk overlaps the next ones (0: one request)
+    generate_timeout_s: float = 3600.0  # one /generate request (one prompt's samples)
+    control_timeout_s: float = 60.0  # health, info, pause/continue
+    weight_update_timeout_s: float = 1800.0  # one server's reload of the weights
+    max_concurrent_requests: int = 512  # /generate requests in flight
+    request_granularity: str = "prompt"  # prompt (one request per prompt, n samples) | sample (one per sample)
+    max_retries: int = 2  # per request, after a transport error, a 5xx or an abort
+    health_check_interval_s: float = 10.0  # probe every worker's /health this often while generating
+    health_check_timeout_s: float = 10.0
+    health_failure_threshold: int = 3  # missed probes in a row before the step fails naming the worker
+    send_seed: bool = False  # send sampling_seed (SGLang honours it only with --enable-deterministic-inference)
+    chunk_prompts: int = 0  # embedded engine: prompts per generate call, graded while the next runs (0: one call)
 
     def validate(self):
         if self.engine not in ("embedded", "http"):
@@ -177,6 +192,15 @@ class RolloutConfig:
             raise ConfigError("rollout.engine=http needs rollout.urls (SGLang server or router URLs)")
         if self.max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens must be >= 1")
+        if self.request_granularity not in ("prompt", "sample"):
+            raise ConfigError(f"rollout.request_granularity must be prompt or sample, got {self.request_granularity!r}")
+        if self.max_concurrent_requests < 1 or self.health_failure_threshold < 1 or self.max_retries < 0:
+            raise ConfigError("rollout: max_concurrent_requests and health_failure_threshold must be >= 1, "
+                              "max_retries >= 0")
+        for key in ("generate_timeout_s", "control_timeout_s", "weight_update_timeout_s", "health_check_interval_s",
+                    "health_check_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"rollout.{key} must be > 0, got {getattr(self, key)}")
 
 
 @dataclass

@@ -20,18 +20,26 @@ PAPER_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
 def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progress=print) -> tuple:
     """``benchmarks``: name -> list of :class:`megatron_klear.data.prompts.Prompt`.
     Returns ``(summary, records)``: per-benchmark metrics and one record per response."""
+    from dataclasses import replace
+
+    from megatron_klear.data.chat import generation_stop_ids
+
     summary, records = {}, []
-    strip = [t for t in (tokenizer.eos_token, tokenizer.pad_token) if t]
+    # responses end at EOS or at the chat template's end-of-turn token (a base model's EOS differs)
+    stop_ids = sorted(set(params.stop_token_ids) | set(generation_stop_ids(tokenizer)))
+    params = replace(params, stop_token_ids=stop_ids)
+    strip = [t for t in (tokenizer.eos_token, tokenizer.pad_token, *tokenizer.convert_ids_to_tokens(stop_ids)) if t]
     for name, prompts in benchmarks.items():
         t0 = time.time()
-        completions = engine.generate([p.prompt_ids for p in prompts], params, n=k)
-        futures = []
-        for p, cs in zip(prompts, completions):
+        completions, graded = [None] * len(prompts), [None] * len(prompts)
+        for i, cs in engine.generate_iter([p.prompt_ids for p in prompts], params, n=k):  # grade as they arrive
+            completions[i], graded[i] = cs, []
             for j, c in enumerate(cs):
                 text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
                 for t in strip:
                     text = text.replace(t, "")
-                futures.append((p, j, c, text, pool.submit(p.grade_item(text))))
+                graded[i].append((prompts[i], j, c, text, pool.submit(prompts[i].grade_item(text))))
+        futures = [item for row in graded for item in row]
         per_prompt: dict = {}
         errors = 0
         for p, j, c, text, fut in futures:

@@ -34,6 +34,8 @@ def main(argv=None):
     p.add_argument("--yarn-factor", type=float, default=None, help="embedded engine: YaRN RoPE scaling factor")
     p.add_argument("--yarn-original", type=int, default=32768, help="YaRN original_max_position_embeddings")
     p.add_argument("--workers", type=int, default=0, help="grading workers (0: one per core)")
+    p.add_argument("--max-concurrent-requests", type=int, default=512, help="--url: /generate requests in flight")
+    p.add_argument("--generate-timeout", type=float, default=3600.0, help="--url: seconds for one prompt's samples")
     p.add_argument("--output", required=True, help="summary JSON (samples go to <output>.samples.jsonl)")
     args = p.parse_args(argv)
 
@@ -71,7 +73,10 @@ def main(argv=None):
     else:
         from megatron_klear.rollout.sglang import SGLangEngine
 
-        engine = SGLangEngine(args.url, check=True)
+        engine = SGLangEngine(args.url, check=True, max_concurrent_requests=args.max_concurrent_requests,
+                              generate_timeout=args.generate_timeout)
+        engine.check_context_length(args.max_prompt_length + args.max_new_tokens,
+                                    "--max-prompt-length + --max-new-tokens")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     with GradingPool(RewardConfig(workers=args.workers)) as pool:

@@ -133,6 +133,7 @@ class HFWriter:
             json.dump(config, f, indent=2)
         if tokenizer_dir:
             copy_tokenizer_files(tokenizer_dir, self.tmp)
+            write_generation_config(self.tmp, config)
         if manifest is not None:
             write_manifest(self.tmp, manifest)
         if os.path.exists(self.out_dir):
@@ -152,6 +153,41 @@ def copy_tokenizer_files(src_dir: str, dst_dir: str) -> list:
             shutil.copy2(path, os.path.join(dst_dir, name))
             copied.append(name)
     return copied
+
+
+def write_generation_config(model_dir: str, config: dict) -> dict | None:
+    """Write ``generation_config.json`` in an exported HF directory (which already holds its
+    tokenizer files) so that its ``eos_token_id`` lists every token that ends a response: the
+    source's EOS ids plus the chat template's end-of-turn token (a base model's EOS is
+    ``<|endoftext|>`` while a fine-tuned turn ends with ``<|im_end|>``; transformers' ``generate`` and
+    SGLang both stop at these ids). Other fields of an existing generation_config.json are kept.
+    Returns the written dict, or None when the directory has no loadable tokenizer."""
+    from megatron_klear.data.chat import generation_stop_ids
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+    path = os.path.join(model_dir, "generation_config.json")
+    gen = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            gen = json.load(f)
+    ids = generation_stop_ids(tokenizer, model_dir)
+    cfg_eos = config.get("eos_token_id")
+    ids = sorted(set(ids) | ({cfg_eos} if isinstance(cfg_eos, int) else set(cfg_eos or [])))
+    if not ids:
+        return None
+    gen["eos_token_id"] = ids if len(ids) > 1 else ids[0]
+    if config.get("bos_token_id") is not None and "bos_token_id" not in gen:
+        gen["bos_token_id"] = config["bos_token_id"]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(gen, f, indent=2)
+    os.replace(tmp, path)
+    return gen
 
 
 def write_manifest(directory: str, info: dict) -> None:

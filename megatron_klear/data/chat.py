@@ -261,6 +261,56 @@ class ChatRenderer:
         return RenderedExample(list(ids), spans)
 
 
+def end_of_turn_ids(tokenizer) -> list:
+    """The special token that closes an assistant turn in the tokenizer's chat template (Qwen's
+    ``<|im_end|>``, Llama-3's ``<|eot_id|>``), found by rendering a short conversation the way SFT
+    does: the last token of the assistant's loss span when it is a special token. Empty without a
+    chat template or when the turn ends with no special token.
+
+    Generation must stop there: SFT teaches the model to end its turn with it, while a base model's
+    EOS (Qwen3-Base: ``<|endoftext|>``) is another token, so engines that stop only at EOS would run
+    every response to the token limit."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    renderer = ChatRenderer(tokenizer, loss_on="last")
+    example = renderer.render([{"role": "user", "content": "What is 1 + 1?"},
+                               {"role": "assistant", "content": "2"}])
+    _, end = example.loss_spans[-1]
+    last = example.token_ids[end - 1]
+    return [int(last)] if last in renderer.special_ids else []
+
+
+def _config_eos_ids(model_dir: str) -> list:
+    import json
+
+    ids = []
+    for name in ("config.json", "hf_config.json", "generation_config.json"):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            try:
+                value = json.load(f).get("eos_token_id")
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        ids += [value] if isinstance(value, int) else [v for v in (value or []) if isinstance(v, int)]
+    return ids
+
+
+def generation_stop_ids(tokenizer, model_dir: str | None = None) -> list:
+    """Token ids that end a response: the EOS ids (the tokenizer's, and config.json's /
+    generation_config.json's in ``model_dir``) plus the chat template's end-of-turn token. Sent as
+    ``stop_token_ids`` with every rollout and evaluation request, and written into exported
+    generation_config.json files."""
+    ids = []
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if model_dir:
+        ids += _config_eos_ids(model_dir)
+    ids += end_of_turn_ids(tokenizer)
+    return sorted(set(ids))
+
+
 def load_tokenizer(path: str):
     """The HF tokenizer in ``path`` (an HF checkpoint or tokenizer directory)."""
     from transformers import AutoTokenizer

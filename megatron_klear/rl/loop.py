@@ -28,6 +28,13 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from megatron_klear.platform import control_group
+
+        dist.barrier(group=control_group())
+
+
 def _broadcast(obj):
     """Driver -> all ranks, over the gloo control group: the other ranks wait here for the whole
     rollout (possibly hours), which must not trip NCCL's watchdog, and the samples travel as
@@ -43,14 +50,36 @@ def _broadcast(obj):
 
 def make_engine(cfg: JobConfig, model_dir: str):
     """The rollout engine (driver rank only)."""
-    if cfg.rollout.engine == "embedded":
+    r = cfg.rollout
+    if r.engine == "embedded":
         from megatron_klear.rollout.embedded import EmbeddedEngine
 
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(cfg.rollout.dtype, cfg.rollout.dtype)
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(r.dtype, r.dtype)
         return EmbeddedEngine.from_pretrained(model_dir, dtype=dtype)
     from megatron_klear.rollout.sglang import SGLangEngine
 
-    return SGLangEngine(cfg.rollout.urls, timeout=cfg.rollout.request_timeout_s)
+    return SGLangEngine(
+        r.urls, workers=r.workers or None, timeout=r.control_timeout_s, generate_timeout=r.generate_timeout_s,
+        weight_update_timeout=r.weight_update_timeout_s, max_concurrent_requests=r.max_concurrent_requests,
+        request_granularity=r.request_granularity, max_retries=r.max_retries,
+        health_check_interval=r.health_check_interval_s, health_check_timeout=r.health_check_timeout_s,
+        health_failure_threshold=r.health_failure_threshold, send_seed=r.send_seed, check=True)
+
+
+def check_engine_context(engine, cfg: JobConfig) -> None:
+    """Fail at start-up, not at the first batch, when the longest request cannot fit the engine's
+    context (SGLang rejects such a request with HTTP 400)."""
+    needed = cfg.rl.max_prompt_length + cfg.rollout.max_new_tokens
+    what = (f"rl.max_prompt_length + rollout.max_new_tokens = {cfg.rl.max_prompt_length} + "
+            f"{cfg.rollout.max_new_tokens}")
+    if hasattr(engine, "check_context_length"):
+        engine.check_context_length(needed, what)
+        return
+    limit = getattr(engine, "context_length", None)
+    if limit is not None and limit < needed:
+        raise ValueError(f"rollout: the embedded engine's context length is {limit} tokens (the model's "
+                         f"max_position_embeddings), but {what} = {needed}; lower them or use a model with "
+                         "a longer context / RoPE scaling")
 
 
 def build_samples(prompts, completions, grades, cfg: JobConfig):
@@ -138,11 +167,18 @@ class RLLoop:
         # absolute: SGLang servers resolve model_path in their own working directory
         self.sync_dir = os.path.abspath(cfg.rollout.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
         self.engine = self.pool = None
+        from megatron_klear.data.chat import generation_stop_ids
+
+        # EOS ids plus the chat template's end-of-turn token (Qwen3-Base: EOS <|endoftext|>, turns
+        # end with <|im_end|>): sent with every request, since engines stop only at EOS by themselves
+        self.stop_token_ids = generation_stop_ids(self.tokenizer, cfg.model.path if os.path.isfile(
+            os.path.join(cfg.model.path, "config.json")) else None)
         if _rank0():
             from megatron_klear.rewards import GradingPool
 
             os.makedirs(self.sync_dir, exist_ok=True)
             self.engine = make_engine(cfg, self._export_weights() if cfg.rollout.engine == "embedded" else cfg.model.path)
+            check_engine_context(self.engine, cfg)
             self.pool = GradingPool(cfg.reward)
             if any(p.task == "code" for p in self.prompts.prompts):
                 self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
@@ -163,61 +199,58 @@ class RLLoop:
                 f.write(dump_config(cfg))
 
     # -- weights -> engine -------------------------------------------------------------------------
-    def _export_weights(self) -> str | None:
+    def _export_weights(self, name: str = "current") -> str | None:
         from megatron_klear.rollout.weight_sync import export_hf_for_engine
 
-        return export_hf_for_engine(self.state.model, self.arch, os.path.join(self.sync_dir, "current"),
+        return export_hf_for_engine(self.state.model, self.arch, os.path.join(self.sync_dir, name),
                                     tokenizer_dir=self.tok_dir)
 
     def sync_weights(self) -> None:
-        from megatron_klear.rollout.weight_sync import sync_weights
+        """The trainer's weights to the engine, as weight version ``rl_step``. Servers load a new
+        versioned directory (``<sync_dir>/step_NNNNNNN``; older ones are removed once every worker
+        reports the new version); the in-process engine takes the tensors directly."""
+        from megatron_klear.rollout.weight_sync import remove_old_versions, sync_weights
 
-        if getattr(self.engine, "loads_from_disk", False) or (not _rank0() and self.cfg.rollout.engine == "http"):
-            path = self._export_weights()
+        if self.cfg.rollout.engine == "http":
+            name = f"step_{self.rl_step:07d}"
+            path = self._export_weights(name)
             if _rank0():
-                self.engine.load_from_disk(path)
+                self.engine.load_from_disk(path, version=self.rl_step)
+                remove_old_versions(self.sync_dir, keep=name)
+            _barrier()
         else:
             sync_weights(self.state.model, self.engine, version=self.rl_step)
 
     # -- one step ---------------------------------------------------------------------------------
     def rollout(self, prompts):
-        """Driver only: sample and grade. Prompts go to the engine in chunks
-        (``rollout.chunk_prompts``); each chunk's responses are submitted to the grading pool as
-        soon as they arrive, so grading overlaps the generation of the next chunks (with an HTTP
-        engine the chunks are also in flight together). Returns (samples, metrics)."""
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
+        """Driver only: sample and grade. The engine hands back each prompt's ``n`` responses as
+        they complete (an HTTP engine runs many requests concurrently; the in-process engine works
+        through ``rollout.chunk_prompts`` at a time), and each is submitted to the grading pool at
+        once, so grading overlaps generation. Returns (samples, metrics)."""
         from megatron_klear.rollout.base import SamplingParams
 
         cfg = self.cfg
         params = SamplingParams(temperature=cfg.rl.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed * 100003 + self.rl_step)
-        strip = [t for t in (self.tokenizer.eos_token, self.tokenizer.pad_token) if t]
-        size = cfg.rollout.chunk_prompts or len(prompts)
-        chunks = [list(range(i, min(i + size, len(prompts)))) for i in range(0, len(prompts), size)]
+                                max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=list(self.stop_token_ids),
+                                seed=cfg.train.seed * 100003 + self.rl_step)
+        # the grader sees the text without the tokens that end it (EOS, end of turn, padding)
+        strip = [t for t in (self.tokenizer.eos_token, self.tokenizer.pad_token,
+                             *self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids))) if t]
         completions, futures = [None] * len(prompts), [None] * len(prompts)
-
-        def generate(idx):
-            # one seed per chunk, derived from the step's seed: reproducible whatever the timing
-            p = SamplingParams(**{**params.__dict__, "seed": params.seed * 7919 + idx[0]})
-            return idx, self.engine.generate([prompts[i].prompt_ids for i in idx], p, n=cfg.rl.responses_per_prompt)
-
         t0 = time.time()
-        parallel = 1 if cfg.rollout.engine == "embedded" else len(chunks)  # one in-process model
-        with ThreadPoolExecutor(max_workers=parallel) as pool:
-            for fut in as_completed([pool.submit(generate, idx) for idx in chunks]):
-                idx, rows = fut.result()
-                for i, cs in zip(idx, rows):
-                    completions[i] = cs
-                    futures[i] = []
-                    for c in cs:
-                        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
-                        for t in strip:
-                            text = text.replace(t, "")
-                        futures[i].append(self.pool.submit(prompts[i].grade_item(text)))
+        stream = self.engine.generate_iter([p.prompt_ids for p in prompts], params, n=cfg.rl.responses_per_prompt,
+                                           chunk_size=cfg.rollout.chunk_prompts or None)
+        for i, cs in stream:
+            completions[i] = cs
+            futures[i] = []
+            for c in cs:
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                for t in strip:
+                    text = text.replace(t, "")
+                futures[i].append(self.pool.submit(prompts[i].grade_item(text)))
         t_gen = time.time() - t0
         grades = [[f.result() for f in row] for row in futures]
-        t_grade = time.time() - t0 - t_gen  # grading left after the last chunk arrived
+        t_grade = time.time() - t0 - t_gen  # grading left after the last response arrived
         samples, metrics = build_samples(prompts, completions, grades, cfg)
         n_tokens = sum(len(c.token_ids) for cs in completions for c in cs)
         metrics.update({"time/generate_s": t_gen, "time/grade_tail_s": t_grade,

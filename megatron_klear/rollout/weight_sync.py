@@ -104,3 +104,17 @@ def export_hf_for_engine(model_chunks, arch, out_dir: str, *, tokenizer_dir: str
         return None
     return writer.finish(dict(arch.hf_config), tokenizer_dir=tokenizer_dir,
                          manifest={"kind": "megatron_klear.weight_sync"})
+
+
+def remove_old_versions(sync_dir: str, keep: str) -> list:
+    """Delete the versioned weight directories (``step_*``) of ``sync_dir`` other than ``keep``;
+    returns what was removed. Called once every server reports the new version."""
+    import os
+    import shutil
+
+    removed = []
+    for name in sorted(os.listdir(sync_dir)):
+        if name.startswith("step_") and name != keep and os.path.isdir(os.path.join(sync_dir, name)):
+            shutil.rmtree(os.path.join(sync_dir, name), ignore_errors=True)
+            removed.append(name)
+    return removed

@@ -1,6 +1,11 @@
-"""The SGLang-API client with several servers: prompts split across URLs come back in order and
-equal what one in-process engine produces; weights loaded from disk reach every server; a bad
-response is an error naming what is missing."""
+"""The SGLang-API client against real processes: our embedded servers, the real sglang-router, and
+a scriptable fake worker for faults. Every request body the client sends is validated against
+SGLang 0.5.23's own request contract (``sglang/api/v1/api_types.py``)."""
+import os
+import signal
+import threading
+import time
+
 import pytest
 
 from megatron_klear.rollout.base import SamplingParams
@@ -8,27 +13,179 @@ from megatron_klear.rollout.embedded import EmbeddedEngine
 from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
 from tests.rollout.conftest import PROMPTS
+from tests.rollout.processes import fake_worker, recorded, router
+from tests.rollout.sglang_contract import validate_generate_request
+
+GREEDY = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=8)
+FAST = dict(timeout=5, max_retries=2, retry_backoff=0.05)
+
+
+def _tokens(rows):
+    return [[c.token_ids for c in row] for row in rows]
 
 
 def test_two_servers_split_prompts_and_reload_weights(tiny_hf, other_hf):
-    greedy = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=8)
     servers = [EmbeddedHTTPEngine.launch(tiny_hf["untied"], startup_timeout=120) for _ in range(2)]
     try:
-        client = SGLangEngine([s.url for s in servers], check=True)
-        prompts = PROMPTS * 2  # more prompts than servers, uneven chunks
-        got = client.generate(prompts, greedy, n=2)
-        want = EmbeddedEngine.from_pretrained(tiny_hf["untied"]).generate(prompts, greedy, n=2)
-        assert [[c.token_ids for c in row] for row in got] == [[c.token_ids for c in row] for row in want]
+        client = SGLangEngine([s.url for s in servers], check=True, send_seed=True)
+        prompts = PROMPTS * 2  # more prompts than servers
+        got = client.generate(prompts, GREEDY, n=2)
+        want = EmbeddedEngine.from_pretrained(tiny_hf["untied"]).generate(prompts, GREEDY, n=2)
+        assert _tokens(got) == _tokens(want)
         for row_got, row_want in zip(got, want):
             for a, b in zip(row_got, row_want):
                 assert a.finish_reason == b.finish_reason
                 assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
-        client.load_from_disk(other_hf)  # every server now runs the other model
-        other = EmbeddedEngine.from_pretrained(other_hf).generate(prompts, greedy, n=1)
-        assert [[c.token_ids for c in row] for row in client.generate(prompts, greedy)] == [[c.token_ids for c in row] for row in other]
+        assert client.requests_sent == len(prompts)  # one request per prompt, n samples each
+        client.load_from_disk(other_hf, version=7)  # every server now runs the other model
+        assert set(client.weight_versions().values()) == {"7"}
+        other = EmbeddedEngine.from_pretrained(other_hf).generate(prompts, GREEDY, n=1)
+        assert _tokens(client.generate(prompts, GREEDY)) == _tokens(other)
     finally:
         for s in servers:
             s.close()
+
+
+@pytest.mark.parametrize("granularity", ["prompt", "sample"])
+def test_every_request_follows_sglangs_contract(tmp_path, granularity):
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=3, stop_token_ids=[2, 0], seed=5)
+    with fake_worker(tmp_path) as (url, record, _):
+        client = SGLangEngine([url], request_granularity=granularity, send_seed=True, **FAST)
+        out = client.generate([[1, 2, 3], [4, 5], [6]], params, n=3)
+        client.check_context_length(100)
+        client.load_from_disk("/some/dir", version=3)
+    assert [[c.token_ids for c in row] for row in out] == [[[7, 8, 9]] * 3] * 3
+    bodies = recorded(record)
+    assert len(bodies) == (3 if granularity == "prompt" else 9)
+    for body in bodies:
+        validate_generate_request(body)  # SGLang's own decoder: raises on any violation
+        sp = body["sampling_params"]
+        assert sp["n"] == (3 if granularity == "prompt" else 1)
+        assert sp["stop_token_ids"] == [2, 0] and sp["max_new_tokens"] == 3 and body["return_logprob"] is True
+    seeds = [b["sampling_params"]["sampling_seed"] for b in bodies]
+    assert len(set(seeds)) == len(seeds)  # no two requests share a seed
+    update = recorded(record, "/update_weights_from_disk")
+    assert update == [{"model_path": "/some/dir", "flush_cache": True, "weight_version": "3"}]
+
+
+def test_no_seed_is_sent_to_sglang_by_default(tmp_path):
+    with fake_worker(tmp_path) as (url, record, _):
+        SGLangEngine([url], **FAST).generate([[1, 2]], SamplingParams(seed=3, max_new_tokens=3), n=4)
+    assert "sampling_seed" not in recorded(record)[0]["sampling_params"]
+
+
+def test_the_real_router_spreads_requests_and_weight_updates_reach_every_worker(tmp_path):
+    with fake_worker(tmp_path, "a") as (a, rec_a, _), fake_worker(tmp_path, "b") as (b, rec_b, _), router([a, b]) as r:
+        client = SGLangEngine([r], check=True, **FAST)  # /health of the router answers "OK", not JSON
+        assert sorted(client.workers()) == sorted([a, b])  # discovered through GET /workers
+        out = client.generate([[i + 1, 2] for i in range(8)], SamplingParams(max_new_tokens=3), n=2)
+        assert all(len(row) == 2 for row in out)
+        gen_a, gen_b = recorded(rec_a), recorded(rec_b)
+        assert len(gen_a) + len(gen_b) == 8 and gen_a and gen_b  # spread, not one batch to one worker
+        for body in gen_a + gen_b:  # what the router forwards (it adds keys) is still SGLang's contract
+            validate_generate_request(body)
+        client.load_from_disk("/weights/step_0000002", version=2)
+        assert client.weight_versions() == {a: "2", b: "2"}
+        for rec in (rec_a, rec_b):  # SGLang's sequence on each worker, never through the router
+            import json
+
+            paths = [json.loads(x)["path"] for x in open(rec)]
+            i = paths.index("/pause_generation")
+            assert paths[i:i + 3] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+
+
+def test_failed_requests_are_retried_then_named(tmp_path):
+    with fake_worker(tmp_path, "flaky", fail_first=1) as (url, _, _):
+        client = SGLangEngine([url], **FAST)
+        assert _tokens(client.generate([[1]], SamplingParams(max_new_tokens=3))) == [[[7, 8, 9]]]
+        assert client.retries == 1
+    with fake_worker(tmp_path, "abort", abort_first=1) as (url, _, _):
+        client = SGLangEngine([url], **FAST)
+        client.generate([[1]], SamplingParams(max_new_tokens=3))
+        assert client.retries == 1
+    with fake_worker(tmp_path, "broken", status=503) as (url, _, _):
+        client = SGLangEngine([url], **FAST)
+        with pytest.raises(EngineError, match=f"{url}/generate failed 3 times.*injected HTTP 503"):
+            client.generate([[1]], SamplingParams(max_new_tokens=3))
+    with fake_worker(tmp_path, "bad", status=400) as (url, _, _):
+        client = SGLangEngine([url], **FAST)
+        with pytest.raises(EngineError, match="HTTP 400: injected HTTP 400"):
+            client.generate([[1]], SamplingParams(max_new_tokens=3))
+        assert client.requests_sent == 1  # a bad request is not retried
+
+
+def test_a_server_that_answers_non_json_is_a_clear_error(tmp_path):
+    with fake_worker(tmp_path, non_json=True) as (url, _, _):
+        client = SGLangEngine([url], **FAST)
+        with pytest.raises(EngineError, match="not JSON.*502 Bad Gateway"):
+            client.generate([[1]], SamplingParams(max_new_tokens=3))
+        with pytest.raises(EngineError, match="not JSON"):
+            client.check_context_length(10)
+
+
+def test_context_too_short_names_the_fix(tmp_path):
+    with fake_worker(tmp_path, context_length=4096) as (url, _, _):
+        client = SGLangEngine([url], **FAST)
+        assert client.check_context_length(4096) == {url: 4096}
+        with pytest.raises(EngineError, match="context length of 4096 tokens.*needs 36864.*--context-length 36864"):
+            client.check_context_length(36864, "rl.max_prompt_length + rollout.max_new_tokens")
+
+
+def test_generate_timeout_is_the_configured_one(tmp_path):
+    with fake_worker(tmp_path, generate_delay=5) as (url, _, _):
+        client = SGLangEngine([url], generate_timeout=0.5, **FAST)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="within rollout.generate_timeout_s = 0.5 s"):
+            client.generate([[1]], SamplingParams(max_new_tokens=3))
+        assert time.monotonic() - t0 < 4
+
+
+def test_router_down_at_start_is_a_clear_error():
+    with pytest.raises(EngineError, match="127.0.0.1:9/health does not answer"):
+        SGLangEngine(["http://127.0.0.1:9"], timeout=2, check=True)
+    with pytest.raises(EngineError, match="cannot reach http://127.0.0.1:9"):
+        SGLangEngine(["http://127.0.0.1:9"], timeout=2).workers()
+
+
+WATCH = dict(health_check_interval=0.3, health_check_timeout=0.5, health_failure_threshold=2, **FAST)
+
+
+def _fails_within(client, seconds, match):
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=match):
+        client.generate([[1, 2], [3, 4], [5, 6], [7, 8]], SamplingParams(max_new_tokens=3), n=2)
+    elapsed = time.monotonic() - t0
+    assert elapsed < seconds, elapsed
+
+
+def test_a_frozen_worker_behind_the_router_is_noticed(tmp_path):
+    """SIGSTOP: the worker still accepts connections but never answers; without the health probe
+    the client would wait for the whole generation timeout (an hour by default)."""
+    with fake_worker(tmp_path, "a", generate_delay=60) as (a, _, proc_a), fake_worker(tmp_path, "b") as (b, _, _), \
+            router([a, b]) as r:
+        client = SGLangEngine([r], generate_timeout=3600, **WATCH)
+        client.workers()
+        os.kill(proc_a.pid, signal.SIGSTOP)
+        _fails_within(client, 20, f"worker {a} stopped answering /health")
+
+
+def test_a_frozen_embedded_server_is_noticed(tiny_hf):
+    server = EmbeddedHTTPEngine.launch(tiny_hf["untied"], startup_timeout=120)
+    try:
+        client = SGLangEngine([server.url], generate_timeout=3600, **WATCH)
+        assert client.workers() == [server.url]  # a server, not a router: it has no /workers
+        os.kill(server._process.pid, signal.SIGSTOP)
+        _fails_within(client, 20, f"worker {server.url} stopped answering /health")
+    finally:
+        os.kill(server._process.pid, signal.SIGCONT)
+        server.close()
+
+
+def test_a_worker_killed_mid_rollout_is_a_clear_error(tmp_path):
+    with fake_worker(tmp_path, generate_delay=60) as (url, _, proc):
+        client = SGLangEngine([url], generate_timeout=3600, **WATCH)
+        threading.Timer(1.0, proc.kill).start()
+        _fails_within(client, 20, url.replace(".", r"\."))
 
 
 def test_malformed_responses_are_named():
@@ -43,8 +200,3 @@ def test_malformed_responses_are_named():
     c = parse_completion({"output_ids": [5, 2], "meta_info": {"finish_reason": {"type": "stop", "matched": 2},
                                                               "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]]}})
     assert (c.token_ids, c.logprobs, c.finish_reason) == ([5, 2], [-0.5, -0.25], "stop")
-
-
-def test_unreachable_server_is_a_clear_error():
-    with pytest.raises(EngineError, match="127.0.0.1:9/health does not answer"):
-        SGLangEngine(["http://127.0.0.1:9"], timeout=2, check=True)

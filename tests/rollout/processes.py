@@ -1,0 +1,96 @@
+"""Processes the rollout tests run for real: the sglang-router (pinned, installed by ``make venv``)
+and the scriptable fake worker used for fault injection. Ports are chosen by the OS; every
+process is stopped by the context managers, whatever the test does."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)  # a stopped process ignores SIGTERM until continued
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout)
+
+
+def _get_json(url: str, timeout: float = 2.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+@contextlib.contextmanager
+def fake_worker(tmp_path, name: str = "w", **flags):
+    """A fake SGLang worker process; yields (url, record_path, proc). ``flags``: see the script
+    (``generate_delay=2.0``, ``fail_first=1``, ``non_json=True`` ...)."""
+    port_file, record = str(tmp_path / f"{name}.port"), str(tmp_path / f"{name}.requests.jsonl")
+    cmd = [sys.executable, os.path.join(HERE, "fake_sglang_worker.py"), "--port-file", port_file, "--record", record]
+    for k, v in flags.items():
+        opt = "--" + k.replace("_", "-")
+        cmd += [opt] if v is True else [opt, str(v)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.isfile(port_file):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"fake worker did not start (exit code {proc.poll()})")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{int(open(port_file).read())}", record, proc
+    finally:
+        stop(proc)
+
+
+def recorded(record_path: str, path: str = "/generate") -> list:
+    """Bodies of the requests a fake worker received on ``path``."""
+    if not os.path.isfile(record_path):
+        return []
+    return [r["body"] for r in map(json.loads, open(record_path)) if r["path"] == path]
+
+
+@contextlib.contextmanager
+def router(worker_urls, *, policy: str = "round_robin", startup_timeout: float = 60.0, extra=()):
+    """The real sglang-router in front of ``worker_urls``; yields its URL once every worker is
+    registered and healthy (``GET /workers``)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
+           "--prometheus-port", str(free_port()), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with code {proc.returncode}: {' '.join(cmd)}")
+            try:
+                listed = _get_json(url + "/workers").get("workers", [])
+                if len(listed) == len(worker_urls) and all(w.get("is_healthy") for w in listed):
+                    break
+            except (OSError, ValueError, AttributeError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sglang-router did not register {worker_urls} within {startup_timeout:g} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop(proc)
