@@ -47,7 +47,7 @@ class Actor:
         from megatron.core import parallel_state
 
         cfg = self.state.config
-        multiple = row_multiple(cfg.parallel, cfg.model.fp8)
+        multiple = row_multiple(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe)
         plans = []
         for ids in split_mini_batches(samples, self.rl.mini_batch_prompts):
             mbs = plan_mini_batch(

@@ -46,7 +46,7 @@ def build_dataset(cfg: JobConfig):
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         micro_batches_per_step=cfg.data.micro_batches_per_step,
-        pad_to_multiple=cfg.data.pad_to_multiple or row_multiple(cfg.parallel, cfg.model.fp8),
+        pad_to_multiple=row_multiple(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe, explicit=cfg.data.pad_to_multiple),
         segment_multiple=cfg.data.segment_multiple or (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1),
         remainder=cfg.data.remainder,
     )

@@ -9,13 +9,12 @@ so the gradient is exactly that of the global loss, however the batch is split.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_klear.training.batches import PER_TOKEN_KEYS_DEFAULT, prepare_packed
+from megatron_klear.training.batches import PER_TOKEN_KEYS_DEFAULT, model_padding_rule, prepare_packed
 
 LossFn = Callable[[dict, torch.Tensor, torch.Tensor], tuple]
 
@@ -63,12 +62,10 @@ def run_micro_batches(
     cp_size = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
     group, vocab_start, vocab_size = _vocab_info(model[0])
-    # With CP every segment is padded to 2*CP; the row must then still split over TP (sequence
-    # parallel) and FP8's tiles on every CP rank.
+    # With CP every segment is padded to 2*CP and the row to the rule's multiple, so that every CP
+    # rank's tokens (and SP shard) split over TP and meet the FP8 recipe's requirement.
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    total_multiple = tp_size * 2 * cp_size if cp_size > 1 else 1
-    if getattr(unwrap(model[0]).config, "fp8", None) and cp_size > 1:
-        total_multiple = total_multiple * 16 // math.gcd(total_multiple, 16)
+    total_multiple = model_padding_rule(unwrap(model[0]).config, tp_size, cp_size).row_multiple
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
