@@ -13,7 +13,11 @@ import sys
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-dir", required=True)
-    p.add_argument("--ckpt", default=None, help="torch_dist model dir; default: load --hf-dir through the mapping")
+    p.add_argument("--ckpt", default=None,
+                   help="converted model dir or a training checkpoint's iter_* dir (any backend, TP/PP); "
+                        "default: load --hf-dir through the mapping")
+    p.add_argument("--backend", choices=["local", "te"], default="local",
+                   help="layer spec of the Megatron model (te: Transformer Engine, GPU)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=24)
@@ -23,7 +27,8 @@ def main(argv=None):
     from megatron_klear.checkpoint.parity import check_parity
     from megatron_klear.platform import is_rank0
 
-    diff = check_parity(args.hf_dir, ckpt_dir=args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch, seq_len=args.seq_len)
+    diff = check_parity(args.hf_dir, ckpt_dir=args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch,
+                        seq_len=args.seq_len, backend=args.backend)
     ok = diff <= args.tol
     if is_rank0():
         print(f"parity tp={args.tp} pp={args.pp}: max |logits diff| = {diff:.3e} "

@@ -3,6 +3,10 @@
 config.json, tokenizer files) that ``transformers`` loads directly.
 
     python tools/convert_megatron_to_hf.py --ckpt ckpt/qwen3-8b --out hf/qwen3-8b-rl
+    python tools/convert_megatron_to_hf.py --ckpt runs/sft/iter_0001000 --out hf/qwen3-8b-sft
+
+--ckpt may be any training checkpoint (its optimizer state, RNG and common state are skipped),
+written at any TP/PP with either layer backend (Transformer Engine's _extra_state is skipped).
 """
 import argparse
 import sys

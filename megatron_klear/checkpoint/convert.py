@@ -35,7 +35,6 @@ from megatron_klear.checkpoint.mapping import (
 from megatron_klear.models.arch import ModelArch, load_arch
 from megatron_klear.utils.progress import Progress
 
-MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -201,11 +200,13 @@ def megatron_to_hf(
     if not dist_ckpt.is_torch_dist(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir}: no torch_dist checkpoint (metadata.json/.metadata) inside")
     init_parallel()  # reading a torch_dist checkpoint needs a process group, even of one
+    # Only the model's weights: a training checkpoint also holds optimizer state and RNG, a
+    # Transformer Engine one _extra_state (the rule is dist_ckpt.is_model_weight_key).
     meta = {
         k: v
         for k, v in dist_checkpointing.load_tensors_metadata(ckpt_dir).items()
-        if k.startswith(MODEL_KEY_PREFIXES) and not k.endswith("_extra_state")
-    }  # a training checkpoint also holds optimizer state: only the model's tensors matter
+        if dist_ckpt.is_model_weight_key(k)
+    }
     if arch.tie_word_embeddings:
         meta.pop("output_layer.weight", None)
 

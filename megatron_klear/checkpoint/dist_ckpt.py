@@ -62,9 +62,82 @@ def save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
+# -- which checkpoint keys matter ----------------------------------------------------------------
+# The one rule, used by every reader of a checkpoint's model (loading weights into a model, the
+# training-checkpoint resume, the Megatron -> HF export):
+#
+# * the model's weights are the keys under GPTModel's top-level modules (sharded keys carry no
+#   "model." prefix: the "model" / "model0", "model1", ... nesting only exists in the state dict
+#   handed to dist_checkpointing, not in the checkpoint's keys);
+# * everything else in a checkpoint belongs to the job that wrote it (a training checkpoint's
+#   ``optimizer.*`` tensors, ``rng_state``, its common state) and is not a weight;
+# * ``*_extra_state`` entries are never weights: Transformer Engine's layers carry FP8 metadata there
+#   (te RMSNorm, TE linears), Megatron's local linears an empty one, our own norms none at all, so
+#   they differ between backends and are ignored in both directions.
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+def is_extra_state(key: str) -> bool:
+    return key.endswith(EXTRA_STATE_SUFFIX)
+
+
+def is_model_weight_key(key: str) -> bool:
+    """True for a checkpoint key that is one of the model's weights (see the rule above)."""
+    return key.startswith(MODEL_KEY_PREFIXES) and not is_extra_state(key)
+
+
+def weight_mismatch(model_only, ckpt_only) -> tuple[list, list]:
+    """The mismatches that matter: keys the model asks for that the checkpoint lacks (less extra
+    state), and checkpoint keys the model does not ask for that are model weights."""
+    return (
+        sorted(k for k in model_only if not is_extra_state(k)),
+        sorted(k for k in ckpt_only if is_model_weight_key(k)),
+    )
+
+
+class CheckpointMismatchError(RuntimeError):
+    """The checkpoint's model weights and the model's do not match (names the keys and the dir)."""
+
+
+def _show(keys, limit: int = 8) -> str:
+    keys = list(keys)
+    return ", ".join(keys[:limit]) + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def raise_on_weight_mismatch(model_only, ckpt_only, ckpt_dir: str) -> None:
+    missing, unexpected = weight_mismatch(model_only, ckpt_only)
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"weights the model needs but the checkpoint lacks: {_show(missing)}")
+    if unexpected:
+        parts.append(f"weights in the checkpoint that the model does not have: {_show(unexpected)}")
+    raise CheckpointMismatchError(f"{ckpt_dir}: the checkpoint's model weights do not match the model: {'; '.join(parts)}")
+
+
+def _union_over_ranks(keys: set) -> set:
+    """dist_checkpointing's "unexpected" keys are per rank: every rank must see (and raise on) the
+    union, or the ranks without a mismatch would go on and wait for the others forever."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return set(keys)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(keys))
+    return set().union(*map(set, gathered))
+
+
 @torch.no_grad()
 def load_model(model_chunks, ckpt_dir: str) -> None:
-    """Load a torch_dist checkpoint into this rank's model chunks (any TP/PP)."""
+    """Load the model weights of a torch_dist checkpoint into this rank's model chunks.
+
+    ``ckpt_dir`` is a converted model directory or any training checkpoint (``iter_NNNNNNN``),
+    written at any TP/PP and with either layer backend: torch_dist reshards on load, the
+    checkpoint's optimizer / RNG / common state is not read, and ``_extra_state`` differences are
+    ignored both ways. A missing or unexpected weight raises :class:`CheckpointMismatchError`.
+    """
     from megatron.core import dist_checkpointing
 
     if not is_torch_dist(ckpt_dir):
@@ -72,18 +145,19 @@ def load_model(model_chunks, ckpt_dir: str) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     sharded = model_sharded_state_dict(model_chunks)
-    loaded = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RAISE_ALL)
+    # RETURN_ALL: requested keys absent from the checkpoint are dropped from the request and
+    # returned ("unexpected", per rank); checkpoint keys no rank requested are returned ("missing",
+    # the same on every rank). Of the rest only the small common state (common.pt) is read.
+    loaded, ckpt_only, model_only = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
+    raise_on_weight_mismatch(_union_over_ranks(model_only), ckpt_only, ckpt_dir)
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         check_loaded(_unwrap(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
 
 
 def check_loaded(result, ckpt_dir: str) -> None:
-    """``load_state_dict(strict=False)`` tolerates only Transformer Engine's ``_extra_state``."""
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    unexpected = [k for k in result.unexpected_keys if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise RuntimeError(f"{ckpt_dir}: model keys do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    """Check a ``load_state_dict(strict=False)`` result by the same rule (extra state may differ)."""
+    raise_on_weight_mismatch(result.missing_keys, result.unexpected_keys, ckpt_dir)
 
 
 def finalize_dir(tmp_dir: str, out_dir: str) -> None:

@@ -19,9 +19,11 @@ def check_parity(
     """Max |logits_hf - logits_megatron| over a random batch (the same on every rank).
 
     ``backend`` picks the layer spec (local, or te for Transformer Engine on a GPU). Megatron
-    weights come from the torch_dist checkpoint ``ckpt_dir`` if given (the conversion
-    under test), otherwise straight from ``hf_dir`` through the mapping. Must be called on
-    ``tp*pp`` ranks (torchrun) or one; returns the same number on every rank.
+    weights come from the torch_dist checkpoint ``ckpt_dir`` if given (the conversion under
+    test, or any training checkpoint, written with either backend: only its model weights are
+    read, see :func:`megatron_klear.checkpoint.dist_ckpt.load_model`), otherwise straight from
+    ``hf_dir`` through the mapping. Must be called on ``tp*pp`` ranks (torchrun) or one;
+    returns the same number on every rank.
     """
     from megatron_klear.checkpoint import dist_ckpt
     from megatron_klear.checkpoint.hf_io import HFReader

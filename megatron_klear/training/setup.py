@@ -36,7 +36,11 @@ def model_arch(path: str):
 
 
 def load_initial_weights(model_chunks, path: str) -> None:
-    """Start from an HF checkpoint (through the mapping) or a converted torch_dist model."""
+    """Start from an HF checkpoint (through the mapping) or a torch_dist one: a converted model
+    directory or any training checkpoint ``iter_NNNNNNN`` (SFT -> RL), written at any TP/PP with
+    either layer backend. Only the model weights are read: a training checkpoint's optimizer, RNG
+    and step belong to the job that wrote it, and this job starts them fresh (resuming a job is
+    :class:`~megatron_klear.training.checkpointing.CheckpointManager`'s business)."""
     from megatron_klear.checkpoint import dist_ckpt
     from megatron_klear.checkpoint.hf_io import HFReader
     from megatron_klear.checkpoint.model_weights import load_hf_weights, unwrap
