@@ -159,6 +159,9 @@ class SGLangEngine(RolloutEngine):
     def model_info(self, url: str | None = None) -> dict:
         return self._request("GET", "/model_info", url=url)
 
+    def server_info(self, url: str | None = None) -> dict:
+        return self._request("GET", "/server_info", url=url)
+
     # -- workers -----------------------------------------------------------------------------------
     def workers(self, refresh: bool = False) -> list:
         """The SGLang servers behind ``urls``: listed explicitly, or asked from each URL that is a

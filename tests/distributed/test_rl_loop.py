@@ -71,26 +71,58 @@ def test_rl_loop_runs_syncs_and_resumes(setup):
     assert [m["step"] for m in lines] == [1, 2, 3]
 
 
-def test_rl_loop_with_an_http_engine_reloads_weights_from_disk(setup):
-    """rollout.engine=http against our SGLang-API server: the trainer exports its weights to
-    rollout.sync_dir and the server reloads them after every step. If it did not, the sampling
-    log-probs of step 2 would come from the old weights and disagree with the trainer's."""
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+def _probe_logprobs_of_trainer(model_dir, trainer_weights, prompt, response):
+    """float64 log-probs of ``response`` after ``prompt`` under the trainer's final weights (an HF
+    model built from the tiny checkpoint's config and loaded with the trainer's HF-named tensors)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    server = EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).double().eval()
+    missing, unexpected = model.load_state_dict({k: v.double() for k, v in trainer_weights.items()}, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+    return [float(logp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(response)]
+
+
+def test_rl_loop_through_the_real_router_with_two_servers(setup):
+    """rollout.urls is the sglang-router only. Generation is spread over both embedded servers;
+    weight updates go to each worker (discovered through the router) as versioned directories;
+    at the end both hold the trainer's final weights: their log-probs for a probe sequence equal
+    the trainer's. If a reload were skipped, step 2's sampling log-probs would disagree with the
+    trainer's recompute and the probe would too."""
+    from megatron_klear.rollout.base import SamplingParams
+    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from tests.rollout.processes import router
+
+    servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120) for _ in range(2)]
     try:
-        save = os.path.join(setup["root"], "http-run")
-        args = _overrides(setup, save) + [
-            "rollout.engine=http", f"rollout.urls=[{server.url}]", "parallel.tp=1", "train.steps=2",
-            "optim.lr=5e-3", "optim.min_lr=5e-3",
-        ]
-        run_distributed(_run, 1, args)
+        with router([s.url for s in servers]) as router_url:
+            save = os.path.join(setup["root"], "router-run")
+            args = _overrides(setup, save) + [
+                "rollout.engine=http", f"rollout.urls=[{router_url}]", "parallel.tp=1", "train.steps=2",
+                "optim.lr=5e-3", "optim.min_lr=5e-3", "rollout.max_concurrent_requests=4",
+            ]
+            _, _, trainer_w = run_distributed(_run, 1, args)[0]
+            served = [SGLangEngine([s.url]).server_info().get("num_generate_requests", 0) for s in servers]
+            assert all(n > 0 for n in served), served  # the router spread the prompts over both workers
+            probe = [5, 17, 33, 60, 7]
+            for s in servers:
+                client = SGLangEngine([s.url])
+                assert client.model_info()["weight_version"] == "2"
+                out = client.generate([probe], SamplingParams(top_k=1, max_new_tokens=6))[0][0]
+                want = _probe_logprobs_of_trainer(setup["model"], trainer_w, probe, out.token_ids)
+                assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4, (s.url, out.logprobs, want)
     finally:
-        server.close()
+        for s in servers:
+            s.close()
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
-    trained = [m for m in lines if m.get("actor/optimizer_steps")]
-    assert len(lines) == 2 and trained, lines
+    assert len(lines) == 2 and any(m.get("actor/optimizer_steps") for m in lines), lines
     for m in lines:
         if m.get("actor/optimizer_steps"):
             assert m["actor/logprob_mismatch_max"] < 1e-3, m
-    assert os.path.isdir(os.path.join(save, "weights", "current"))
+    # one versioned directory per sync; older ones removed once every worker had the new one
+    assert os.listdir(os.path.join(save, "weights")) == ["step_0000002"]
+
