@@ -4,6 +4,16 @@ No weights or data can be downloaded at run time, so the demo, the examples and 
 their models here: a real HF checkpoint directory (config.json, sharded safetensors with an index,
 tokenizer.json, tokenizer_config.json with a Qwen-style chat template) that every loader in the
 project reads exactly as it reads a downloaded Qwen3-8B.
+
+Two flavors of special tokens (``flavor=``), as the Qwen3 releases have them:
+
+- ``"instruct"`` (like Qwen3-8B, the default for now): the tokenizer's EOS is ``<|im_end|>`` (pad
+  ``<|endoftext|>``), config.json's ``eos_token_id`` is ``<|im_end|>``'s id;
+- ``"base"`` (like Qwen3-8B-Base): the tokenizer's EOS and pad are ``<|endoftext|>``, config.json's
+  ``bos_token_id`` / ``eos_token_id`` and a generation_config.json's (with ``max_new_tokens`` 2048)
+  are ``<|endoftext|>``'s id, while the chat template still closes every turn with ``<|im_end|>`` --
+  so an engine that stops only at the checkpoint's EOS runs past the end of an assistant turn
+  unless ``<|im_end|>`` is sent as a stop token.
 """
 from __future__ import annotations
 
@@ -13,6 +23,8 @@ import tempfile
 
 # Qwen's special tokens; the chat template below renders the same layout as Qwen3's.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+ENDOFTEXT_ID, IM_END_ID = 0, 2  # their ids in every tiny tokenizer (special tokens come first)
+FLAVORS = ("instruct", "base")
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -38,8 +50,15 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: str, vocab_size: int = 320):
-    """Train a deterministic byte-level BPE tokenizer and save it as an HF fast tokenizer."""
+def _check_flavor(flavor: str) -> None:
+    if flavor not in FLAVORS:
+        raise ValueError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 320, flavor: str = "instruct"):
+    """Train a deterministic byte-level BPE tokenizer and save it as an HF fast tokenizer
+    (``flavor``: see the module docstring)."""
+    _check_flavor(flavor)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,12 +74,14 @@ def build_tokenizer(out_dir: str, vocab_size: int = 320):
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
+        eos_token="<|im_end|>" if flavor == "instruct" else "<|endoftext|>",
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:],
     )
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(out_dir)
+    ids = hf.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    assert ids == [ENDOFTEXT_ID, IM_END_ID], ids
     return hf
 
 
@@ -88,9 +109,10 @@ def make_tiny_model(
     init_std: float = 0.1,
     max_shard_size: str | int = "64KB",
     with_tokenizer: bool = True,
+    flavor: str = "instruct",
 ) -> str:
     """Write a random checkpoint of ``model_type`` (qwen3 | qwen2 | llama) to ``out_dir``
-    (atomically) and return the path.
+    (atomically) and return the path. ``flavor``: "instruct" | "base" special tokens (module docstring).
 
     Sizes are deliberately awkward: vocab not a multiple of 128, head_dim != hidden/heads, GQA.
     ``init_std`` is larger than HF's default so that logits differ visibly between tokens.
@@ -98,6 +120,7 @@ def make_tiny_model(
     import torch
     import transformers
 
+    _check_flavor(flavor)
     names = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
     if model_type not in names:
         raise ValueError(f"model_type must be one of {sorted(names)}, got {model_type!r}")
@@ -120,9 +143,9 @@ def make_tiny_model(
         **extra,
         tie_word_embeddings=tied,
         initializer_range=init_std,
-        bos_token_id=None,
-        eos_token_id=2,  # <|im_end|> in the tiny tokenizer
-        pad_token_id=0,
+        bos_token_id=None if flavor == "instruct" else ENDOFTEXT_ID,
+        eos_token_id=IM_END_ID if flavor == "instruct" else ENDOFTEXT_ID,
+        pad_token_id=ENDOFTEXT_ID,
     )
     config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
@@ -137,9 +160,12 @@ def make_tiny_model(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
+        if flavor == "base":  # Qwen3-8B-Base's generation_config.json, ids of the tiny vocabulary
+            model.generation_config = transformers.GenerationConfig(
+                bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID, do_sample=False, max_new_tokens=2048)
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if with_tokenizer:
-            tok = build_tokenizer(tmp)
+            tok = build_tokenizer(tmp, flavor=flavor)
             assert len(tok) <= vocab_size, (len(tok), vocab_size)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)

@@ -2,32 +2,52 @@
 
 The engine for CPU runs, tests and small experiments (SGLang is the production engine). It runs the
 transformers model of a Qwen3 / Qwen2 / Llama checkpoint in eval mode without autograd, and decodes
-all ``len(prompts) * n`` sequences of a call together with its own loop over the model's forward
-(``DynamicCache``, a left-padded attention mask and explicit position ids) instead of
-``model.generate``, so that sampling and log-probs are exactly the ones the trainer expects:
+all the sequences of a call together with its own loop over the model's forward (``DynamicCache``,
+a left-padded attention mask and explicit position ids) instead of ``model.generate``, so that
+sampling and log-probs are exactly the ones the trainer expects:
 
 - sampling: ``logits / temperature``, then top-k and top-p, then a seeded draw
-  (:mod:`megatron_klear.rollout.sampling` spells out the rules);
+  (:mod:`megatron_klear.rollout.sampling` spells out the rules); ``temperature`` below 1e-6 is
+  greedy, as in SGLang (``top_k=1``, log-probs at temperature 1);
 - returned log-prob of each token: ``log_softmax(logits / temperature)`` over the model's FULL
   vocabulary, BEFORE top-k/top-p -- what :mod:`megatron_klear.training.logprobs` recomputes;
-- stop: at an EOS id of the checkpoint (``eos_token_id`` of config.json and generation_config.json,
-  an int or a list) or one of ``params.stop_token_ids`` (finish_reason "stop", the stop token is
-  kept in the response with its log-prob), else after ``max_new_tokens`` ("length");
-- seeds: sample ``j`` of prompt ``i`` uses a generator seeded with
-  ``sampling.sample_seed(params.seed, i, j)`` (a random base seed when ``params.seed`` is None), so a
-  sample does not depend on what else is in the batch; :meth:`EmbeddedEngine.generate_with_seeds`
-  takes the per-sample seeds directly.
+- stop: at an EOS id (finish_reason "stop", the stop token is kept in the response with its
+  log-prob), else after ``max_new_tokens`` ("length"). The EOS ids are SGLang's
+  (``ModelConfig._get_hf_eos_token_id`` and ``Req._check_token_based_finish`` in SGLang 0.5.23):
+  config.json's ``eos_token_id`` (an int or a list), generation_config.json's ``eos_token_id``, the
+  tokenizer's ``eos_token_id`` and the turn-final markers SGLang adds when the tokenizer has them
+  (``<|eom_id|>``...), plus the request's ``stop_token_ids``; ``ignore_eos`` disables all of them
+  (stop_token_ids included, as in SGLang);
+- context length: ``engine.context_length`` is SGLang's (``get_context_length``: the first of
+  ``max_sequence_length``, ``seq_length``, ``max_seq_len``, ``model_max_length``,
+  ``max_position_embeddings`` in the config, times the RoPE scaling factor unless the scaling
+  names ``original_max_position_embeddings`` or is llama3), or the ``context_length`` given (not
+  above the derived one unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1``, as in SGLang). A
+  prompt of ``context_length`` tokens or more, or a prompt plus ``max_new_tokens`` over it, is a
+  ValueError with SGLang's message (``TokenizerManager._validate_one_request``);
+- seeds: sample ``j`` of prompt ``i`` of a :meth:`EmbeddedEngine.generate` call uses a generator
+  seeded with ``sampling.sample_seed(params.seed, i, j)`` (a random base seed when ``params.seed`` is
+  None), so a sample does not depend on what else is in the batch.
+  :meth:`EmbeddedEngine.generate_requests` takes :class:`PromptRequest` s with their per-sample seeds
+  directly (the HTTP server uses it to decode many requests together, each with its own parameters).
 
-Each prompt is prefilled once and its KV cache repeated for its ``n`` samples; rows that finish are
+Each prompt is prefilled once and its KV cache repeated for its samples; rows that finish are
 dropped from the batch (and their cache) at the step they finish, so finished sequences cost nothing.
 ``max_batch_size`` bounds the rows decoded together (whole prompts at a time, at least one).
+Prompts of one batch may have different sampling parameters: the forward is shared and each group
+of equal ``(temperature, top_k, top_p)`` is sampled on its own.
+
+A ``control`` object (the HTTP server's scheduler) may pause decoding between steps (the engine
+lock is released meanwhile, so weights can be updated while paused; after a ``"retract"`` pause the
+KV cache of the running sequences is recomputed with the current weights, after ``"in_place"`` it
+is kept) and abort requests (their rows end with finish_reason ``"abort"``).
 
 Limits, acceptable at CPU scale: transformers' ``DynamicCache`` grows by concatenation (one copy of
-the cache per step), and the left padding of a batch stays until the batch ends. Prompts plus
-``max_new_tokens`` are not checked against ``max_position_embeddings``.
+the cache per step), and the left padding of a batch stays until the batch ends.
 
 Weights arrive by HF name (:meth:`EmbeddedEngine.update_weights`, every parameter exactly once) or
-from an HF checkpoint directory (:meth:`EmbeddedEngine.load_weights_from_dir`).
+from an HF checkpoint directory (:meth:`EmbeddedEngine.load_weights_from_dir`, all or nothing: every
+tensor is read and checked before the first one is copied).
 
 ``python -m megatron_klear.rollout.embedded --model DIR --port P`` serves the engine over a subset of
 SGLang's native HTTP API (:mod:`.embedded_http`, which also holds the client
@@ -35,12 +55,14 @@ SGLang's native HTTP API (:mod:`.embedded_http`, which also holds the client
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import numbers
 import os
 import secrets
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +71,12 @@ from megatron_klear.rollout.sampling import SampleStreams, sample_seed, sample_t
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+# SGLang's get_context_length (srt/utils/hf_transformers/common.py): the first of these config keys.
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+# Turn-final markers SGLang treats as stop tokens when the tokenizer has them (attach_additional_stop_token_ids).
+ADDITIONAL_STOP_TOKEN_TEXTS = ("<|eom_id|>", "<|content_model_end_sampling|>", "<|ifm|im_end|>")
+GREEDY_TEMPERATURE_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a temperature below it is greedy
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -71,21 +99,92 @@ def _id_list(value, where: str) -> list:
     if value is None:
         return []
     values = [value] if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
-    if not isinstance(values, (list, tuple)) or not all(
+    if not isinstance(values, (list, tuple, set, frozenset)) or not all(
         isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values
     ):
         raise ValueError(f"rollout.embedded: {where} must be a token id or a list of token ids, got {value!r}")
     return [int(v) for v in values]
 
 
-def eos_token_ids_of(model) -> list:
-    """EOS ids of an HF model: its config's ``eos_token_id`` plus its generation config's (Qwen
-    instruct checkpoints list ``<|im_end|>`` and ``<|endoftext|>`` there)."""
+def eos_token_ids_of(model, tokenizer=None) -> list:
+    """The ids SGLang stops at for this checkpoint: config.json's ``eos_token_id``, generation_config.json's
+    ``eos_token_id`` (Qwen instruct checkpoints list ``<|im_end|>`` and ``<|endoftext|>`` there), and,
+    with a tokenizer, its ``eos_token_id`` and the turn-final markers of
+    :data:`ADDITIONAL_STOP_TOKEN_TEXTS` it has."""
     ids = _id_list(getattr(model.config, "eos_token_id", None), "config.json eos_token_id")
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         ids += _id_list(getattr(gen, "eos_token_id", None), "generation_config.json eos_token_id")
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.append(int(tokenizer.eos_token_id))
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        ids += [int(added[t]) for t in ADDITIONAL_STOP_TOKEN_TEXTS if t in added]
     return sorted(set(ids))
+
+
+def derived_context_length(config) -> int:
+    """SGLang's default context length for an HF config (``get_context_length``)."""
+    rope = getattr(config, "rope_scaling", None) or {}
+    factor = 1
+    if isinstance(rope, dict) and rope:
+        factor = rope.get("factor", 1) or 1
+        if "original_max_position_embeddings" in rope or rope.get("rope_type") == "llama3":
+            factor = 1
+    for key in CONTEXT_LENGTH_KEYS:
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(factor * value)
+    return 2048
+
+
+def resolve_context_length(config, context_length: int | None = None) -> int:
+    """``context_length`` (SGLang's ``--context-length``) checked against the config's, or the config's."""
+    derived = derived_context_length(config)
+    if context_length is None:
+        return derived
+    if isinstance(context_length, bool) or not isinstance(context_length, numbers.Integral) or context_length < 1:
+        raise ValueError(f"rollout.embedded: context_length must be a positive integer, got {context_length!r}")
+    if context_length > derived and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() not in ("1", "true"):
+        raise ValueError(
+            f"User-specified context_length ({context_length}) is greater than the derived context_length "
+            f"({derived}). This may lead to incorrect model outputs or CUDA errors. Note that the derived "
+            "context_length may differ from max_position_embeddings in the model's config. To allow overriding "
+            "this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+    return int(context_length)
+
+
+def context_length_error(prompt_tokens: int, max_new_tokens, context_length: int) -> str | None:
+    """SGLang's refusal (``TokenizerManager._validate_one_request``, same text) of a request that does
+    not fit ``context_length``, or None. ``max_new_tokens`` None is not checked (SGLang then generates
+    up to the context)."""
+    if prompt_tokens >= context_length:
+        return (f"The input ({prompt_tokens} tokens) is longer than the model's context length "
+                f"({context_length} tokens).")
+    if max_new_tokens is not None and prompt_tokens + max_new_tokens > context_length:
+        return (f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+                f"You requested a total of {prompt_tokens + max_new_tokens} tokens: {prompt_tokens} tokens from "
+                f"the input messages and {max_new_tokens} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit.")
+    return None
+
+
+@dataclass
+class PromptRequest:
+    """One prompt to sample ``len(seeds)`` responses for (:meth:`EmbeddedEngine.generate_requests`).
+
+    ``params``: temperature / top_p / top_k / stop_token_ids (``params.seed`` is not used; the
+    samples' seeds are ``seeds``). ``max_new_tokens`` overrides ``params.max_new_tokens`` and may
+    be 0 (an empty response, finish_reason "length"). ``ignore_eos`` disables the EOS ids and
+    ``stop_token_ids`` (SGLang's rule). ``key``: the caller's handle, passed to
+    ``control.aborted(key)``."""
+
+    prompt: list
+    params: SamplingParams
+    seeds: list
+    max_new_tokens: int | None = None
+    ignore_eos: bool = False
+    key: object = None
 
 
 class WeightUpdateError(ValueError):
@@ -95,15 +194,18 @@ class WeightUpdateError(ValueError):
 class EmbeddedEngine(RolloutEngine):
     """In-process :class:`RolloutEngine` over a transformers causal LM (see the module docstring)."""
 
-    def __init__(self, model, *, eos_token_ids=None, max_batch_size: int | None = None, model_path: str | None = None):
+    def __init__(self, model, *, eos_token_ids=None, max_batch_size: int | None = None, model_path: str | None = None,
+                 context_length: int | None = None, tokenizer=None):
         if max_batch_size is not None and int(max_batch_size) < 1:
             raise ValueError(f"rollout.embedded: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.eos_token_ids = _id_list(eos_token_ids, "eos_token_ids") if eos_token_ids is not None else eos_token_ids_of(model)
+        self.eos_token_ids = (_id_list(eos_token_ids, "eos_token_ids") if eos_token_ids is not None
+                              else eos_token_ids_of(model, tokenizer))
         self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
         self.model_path = model_path
+        self.context_length = resolve_context_length(model.config, context_length)
         self.weight_version = None
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.pad_token_id = 0  # any valid id: left-padding positions are masked out
@@ -111,13 +213,16 @@ class EmbeddedEngine(RolloutEngine):
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._lock = threading.RLock()
         self._broken = None  # why the weights are inconsistent (a failed update), else None
+        self.decode_steps = 0  # forwards run so far (the HTTP server's /health_generate watches it)
 
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(cls, path: str, *, dtype="float32", device="cpu", attn_implementation: str = "sdpa",
-                        max_batch_size: int | None = None, config=None) -> "EmbeddedEngine":
+                        max_batch_size: int | None = None, config=None, context_length: int | None = None,
+                        tokenizer="auto") -> "EmbeddedEngine":
         """Load an HF checkpoint directory (config.json + safetensors); ``config`` overrides its
-        config.json (e.g. YaRN RoPE scaling for long-context evaluation)."""
+        config.json (e.g. YaRN RoPE scaling for long-context evaluation). ``tokenizer``: "auto" loads
+        the directory's tokenizer when it has one (its EOS id is an EOS, as in SGLang), None skips it."""
         from transformers import AutoModelForCausalLM
 
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -126,11 +231,14 @@ class EmbeddedEngine(RolloutEngine):
         model = AutoModelForCausalLM.from_pretrained(
             path, **{_dtype_kwarg(): resolve_dtype(dtype)}, attn_implementation=attn_implementation, **extra
         ).to(device)
-        return cls(model, max_batch_size=max_batch_size, model_path=os.path.abspath(path))
+        if isinstance(tokenizer, str) and tokenizer == "auto":
+            tokenizer = load_tokenizer(path)
+        return cls(model, max_batch_size=max_batch_size, model_path=os.path.abspath(path),
+                   context_length=context_length, tokenizer=tokenizer)
 
     @classmethod
     def from_config(cls, config, *, dtype="float32", device="cpu", attn_implementation: str = "sdpa",
-                    seed: int = 0, max_batch_size: int | None = None) -> "EmbeddedEngine":
+                    seed: int = 0, max_batch_size: int | None = None, context_length: int | None = None) -> "EmbeddedEngine":
         """A randomly initialised model from an HF config (a dict, a config.json path or a checkpoint
         directory); load real weights with :meth:`update_weights` before generating anything useful."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -147,7 +255,8 @@ class EmbeddedEngine(RolloutEngine):
         hf_config = AutoConfig.for_model(**config)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
-        return cls(model.to(device=device, dtype=resolve_dtype(dtype)), max_batch_size=max_batch_size)
+        return cls(model.to(device=device, dtype=resolve_dtype(dtype)), max_batch_size=max_batch_size,
+                   context_length=context_length)
 
     @property
     def device(self) -> torch.device:
@@ -165,27 +274,79 @@ class EmbeddedEngine(RolloutEngine):
 
     def generate_with_seeds(self, prompts: list, params: SamplingParams, seeds: list) -> list:
         """Like :meth:`generate` with explicit per-sample seeds: ``seeds[i]`` lists one seed per sample
-        of prompt ``i`` (all prompts the same count). ``params.seed`` is not used."""
+        of prompt ``i``. ``params.seed`` is not used."""
         params.validate()
         prompts = self._check_prompts(prompts)
         if not isinstance(seeds, (list, tuple)) or len(seeds) != len(prompts):
             raise ValueError(f"rollout.embedded: seeds must hold one list per prompt ({len(prompts)}), got {seeds!r:.200}")
-        n = len(seeds[0]) if seeds else 1
-        for i, s in enumerate(seeds):
-            if not isinstance(s, (list, tuple)) or len(s) != n or n < 1:
-                raise ValueError(f"rollout.embedded: seeds[{i}] must list {n} seeds (one per sample), got {s!r:.200}")
-        stop = set(self.eos_token_ids) | set(_id_list(params.stop_token_ids, "stop_token_ids"))
-        per_chunk = len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // n)
+        return self.generate_requests([PromptRequest(p, params, s) for p, s in zip(prompts, seeds)])
+
+    def generate_requests(self, requests: list, *, control=None, on_prompt_done=None) -> list:
+        """Per :class:`PromptRequest`, its Completions (one per seed), all decoded together (in chunks
+        of at most ``max_batch_size`` rows). ``on_prompt_done(i, completions)`` is called as soon as
+        every sample of request ``i`` has finished. ``control`` (optional) has ``pause_mode()`` (None,
+        "in_place" or "retract"), ``wait_while_paused()`` and ``aborted(key)``, checked between steps."""
+        requests = self._check_requests(requests)
+        results = [None] * len(requests)
+
+        def done(i, completions):
+            results[i] = completions
+            if on_prompt_done is not None:
+                on_prompt_done(i, completions)
+
         with self._lock:
-            if self._broken:
-                raise RuntimeError(f"rollout.embedded: the weights are inconsistent after a failed update ({self._broken}); "
-                                   "call update_weights again with every tensor before generating")
-            results = []
+            self._check_not_broken()
+            todo = []
+            for i, r in enumerate(requests):
+                if r.max_new_tokens == 0 or (control is not None and control.aborted(r.key)):
+                    reason = "length" if r.max_new_tokens == 0 else "abort"
+                    done(i, [Completion(token_ids=[], logprobs=[], finish_reason=reason) for _ in r.seeds])
+                else:
+                    todo.append(i)
             with torch.inference_mode():
-                for start in range(0, len(prompts), per_chunk):
-                    chunk = slice(start, start + per_chunk)
-                    results += self._generate_chunk(prompts[chunk], params, list(seeds[chunk]), stop)
+                for chunk in self._chunks(todo, requests):
+                    self._generate_chunk([requests[i] for i in chunk], chunk, control, done)
         return results
+
+    def _check_not_broken(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"rollout.embedded: the weights are inconsistent after a failed update ({self._broken}); "
+                               "call update_weights again with every tensor before generating")
+
+    def _chunks(self, todo: list, requests: list) -> list:
+        if self.max_batch_size is None:
+            return [todo] if todo else []
+        chunks, cur, rows = [], [], 0
+        for i in todo:
+            n = len(requests[i].seeds)
+            if cur and rows + n > self.max_batch_size:
+                chunks.append(cur)
+                cur, rows = [], 0
+            cur.append(i)
+            rows += n
+        return chunks + ([cur] if cur else [])
+
+    def _check_requests(self, requests) -> list:
+        if not isinstance(requests, (list, tuple)):
+            raise ValueError(f"rollout.embedded: requests must be a list of PromptRequest, got {type(requests).__name__}")
+        prompts = self._check_prompts([r.prompt for r in requests])
+        out = []
+        for i, (r, prompt) in enumerate(zip(requests, prompts)):
+            max_new = r.params.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+            if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
+                raise ValueError(f"rollout.embedded: requests[{i}]: max_new_tokens must be an integer >= 0, got {max_new!r}")
+            dataclasses.replace(r.params, max_new_tokens=max(1, int(max_new))).validate()
+            if not isinstance(r.seeds, (list, tuple)) or not r.seeds or not all(
+                    isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in r.seeds):
+                raise ValueError(f"rollout.embedded: requests[{i}]: seeds must list one integer seed per sample (at least "
+                                 f"one), got {r.seeds!r:.200}")
+            err = context_length_error(len(prompt), int(max_new), self.context_length)
+            if err is not None:
+                raise ValueError(err)
+            stop = _id_list(r.params.stop_token_ids, "stop_token_ids")
+            out.append(dataclasses.replace(r, prompt=prompt, max_new_tokens=int(max_new), seeds=[int(s) for s in r.seeds],
+                                           params=dataclasses.replace(r.params, stop_token_ids=stop)))
+        return out
 
     def _check_prompts(self, prompts) -> list:
         if not isinstance(prompts, (list, tuple)):
@@ -212,123 +373,201 @@ class EmbeddedEngine(RolloutEngine):
             return DynamicCache()
 
     def _forward(self, ids, mask, positions, cache, logits_to_keep: int = 0) -> torch.Tensor:
+        self.decode_steps += 1
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache})
         return out.logits[:, -1]
 
-    def _generate_chunk(self, prompts: list, params: SamplingParams, seeds: list, stop: set) -> list:
-        dev, n = self.device, len(seeds[0])
-        # Prefill each prompt once, left-padded, then repeat its cache for its n samples.
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
+    def _prefill(self, seqs: list):
+        """Left-padded forward of ``seqs``: ``(logits of the last position, mask, last position, cache)``."""
+        dev = self.device
+        width = max(len(p) for p in seqs)
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, p in enumerate(seqs):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         positions = (mask.cumsum(1) - 1).clamp_(min=0)
         cache = self._new_cache()
         logits = self._forward(ids, mask, positions, cache, logits_to_keep=1)
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-            positions = positions.repeat_interleave(n, 0)
-        last_pos = positions[:, -1:]
+        return logits, mask, positions[:, -1:], cache
 
-        rows = len(prompts) * n  # row r is sample r % n of prompt r // n
-        streams = SampleStreams([s for per_prompt in seeds for s in per_prompt])
-        active = torch.arange(rows)  # which row each batch entry holds
+    def _checkpoint(self, control):
+        """Between steps: block while the control is paused (with the engine lock released, so that
+        weights can change meanwhile); returns the pause mode waited out, or None."""
+        mode = control.pause_mode()
+        if mode is None:
+            return None
+        self._lock.release()
+        try:
+            control.wait_while_paused()
+        finally:
+            self._lock.acquire()
+        self._check_not_broken()
+        return mode
+
+    def _generate_chunk(self, requests: list, indices: list, control, done) -> None:
+        dev = self.device
+        counts = [len(r.seeds) for r in requests]
+        prompt_of = [p for p, c in enumerate(counts) for _ in range(c)]  # row -> request (rows prompt-major)
+        logits, mask, last_pos, cache = self._prefill([r.prompt for r in requests])
+        if any(c != 1 for c in counts):  # repeat each prompt's cache for its samples
+            sel = torch.tensor(prompt_of, dtype=torch.long, device=dev)
+            cache.batch_select_indices(sel)
+            logits, mask, last_pos = logits[sel], mask[sel], last_pos[sel]
+
+        rows = len(prompt_of)
+        streams = SampleStreams([s for r in requests for s in r.seeds])
+        stops = [frozenset() if r.ignore_eos else frozenset(self.eos_token_ids) | frozenset(r.params.stop_token_ids)
+                 for r in requests]
+        sampling = []
+        for r in requests:
+            t, k = r.params.temperature, r.params.top_k
+            if t < GREEDY_TEMPERATURE_EPS:  # SGLang's greedy: top-1 at temperature 1
+                t, k = 1.0, 1
+            sampling.append((float(t), int(k), float(r.params.top_p)))
+        first_row = [0] * len(requests)
+        for p in range(1, len(requests)):
+            first_row[p] = first_row[p - 1] + counts[p - 1]
+        remaining = list(counts)
+        active = list(range(rows))  # which row each batch entry holds
         tokens = [[] for _ in range(rows)]
         logprobs = [[] for _ in range(rows)]
         reasons = [None] * rows
-        for step in range(params.max_new_tokens):
-            tok, lp = sample_tokens(logits, params.temperature, params.top_k, params.top_p, streams.next(active))
+
+        def finish(r, reason):
+            reasons[r] = reason
+            p = prompt_of[r]
+            remaining[p] -= 1
+            if remaining[p] == 0:
+                done(indices[p], [Completion(token_ids=tokens[q], logprobs=logprobs[q], finish_reason=reasons[q])
+                                  for q in range(first_row[p], first_row[p] + counts[p])])
+
+        def keep_only(keep):  # drop finished rows from the batch and the cache
+            nonlocal active, mask, last_pos, logits
+            if len(keep) == len(active):
+                return
+            sel = torch.tensor(keep, dtype=torch.long, device=dev)
+            cache.batch_select_indices(sel)
+            active = [active[b] for b in keep]
+            mask, last_pos, logits = mask[sel], last_pos[sel], logits[sel]
+
+        while active:
+            if control is not None:
+                mode = self._checkpoint(control)
+                keep = []
+                for b, r in enumerate(active):
+                    if control.aborted(requests[prompt_of[r]].key):
+                        finish(r, "abort")
+                    else:
+                        keep.append(b)
+                if not keep:
+                    break
+                keep_only(keep)
+                if mode == "retract":  # recompute the KV cache of the running rows with the current weights
+                    logits, mask, last_pos, cache = self._prefill(
+                        [requests[prompt_of[r]].prompt + tokens[r] for r in active])
+            uniforms = streams.next(torch.tensor(active, dtype=torch.long))
+            groups = {}
+            for b, r in enumerate(active):
+                groups.setdefault(sampling[prompt_of[r]], []).append(b)
+            tok, lp = [0] * len(active), [0.0] * len(active)
+            for (t, k, p), members in groups.items():
+                idx = torch.tensor(members, dtype=torch.long)
+                g_tok, g_lp = sample_tokens(logits[idx.to(logits.device)], t, k, p, uniforms[idx])
+                for b, a, c in zip(members, g_tok.tolist(), g_lp.tolist()):
+                    tok[b], lp[b] = a, c
             keep = []
-            for b, (r, t, l) in enumerate(zip(active.tolist(), tok.tolist(), lp.tolist())):
+            for b, (r, t, l) in enumerate(zip(active, tok, lp)):
                 tokens[r].append(t)
                 logprobs[r].append(l)
-                if t in stop:
-                    reasons[r] = "stop"
-                elif step + 1 == params.max_new_tokens:
-                    reasons[r] = "length"
+                if t in stops[prompt_of[r]]:
+                    finish(r, "stop")
+                elif len(tokens[r]) >= requests[prompt_of[r]].max_new_tokens:
+                    finish(r, "length")
                 else:
                     keep.append(b)
             if not keep:
                 break
-            if len(keep) < len(active):  # drop finished rows from the batch and the cache
-                sel = torch.tensor(keep, dtype=torch.long)
-                cache.batch_select_indices(sel.to(dev))
-                active, tok = active[sel], tok[sel.to(tok.device)]
-                mask, last_pos = mask[sel.to(dev)], last_pos[sel.to(dev)]
+            keep_only(keep)
+            fed = torch.tensor([tok[b] for b in keep], dtype=torch.long, device=dev).unsqueeze(1)
             mask = torch.cat([mask, mask.new_ones(len(keep), 1)], dim=1)
             last_pos = last_pos + 1
-            logits = self._forward(tok.to(dev).unsqueeze(1), mask, last_pos, cache)
-
-        completions = [Completion(token_ids=tokens[r], logprobs=logprobs[r], finish_reason=reasons[r]) for r in range(rows)]
-        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+            logits = self._forward(fed, mask, last_pos, cache)
 
     # ---------------------------------------------------------------- weights
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:
         """Copy ``(HF name, tensor)`` pairs into the model, converting dtype and device.
 
         Every parameter must arrive exactly once; with tied embeddings ``lm_head.weight`` may be
-        left out (if sent, it must equal ``model.embed_tokens.weight``). An unknown name, a
-        duplicate or a shape mismatch raises at once; missing names raise at the end. A failure after
-        some tensors were copied leaves the engine refusing to generate until a complete update.
+        left out (if sent, it must equal ``model.embed_tokens.weight``). A list, tuple or dict is
+        checked whole before the first copy, so a bad one leaves the weights untouched. A stream (a
+        generator) is copied as it comes: an unknown name, a duplicate or a shape mismatch raises at
+        once, missing names at the end, and a failure after some tensors were copied leaves the
+        engine refusing to generate until a complete update.
         """
+        if isinstance(named_tensors, dict):
+            named_tensors = list(named_tensors.items())
         with self._lock, torch.no_grad():
-            params = dict(self.model.named_parameters())
-            tied = bool(getattr(self.model.config, "tie_word_embeddings", False)) and "lm_head.weight" not in params
-            seen, tied_head, copied = set(), None, False
-            try:
-                for name, tensor in named_tensors:
-                    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                        raise TypeError(f"rollout.embedded: update_weights expects (str, torch.Tensor) pairs, got "
-                                        f"({type(name).__name__}, {type(tensor).__name__})")
-                    if name in seen:
-                        raise WeightUpdateError(f"rollout.embedded: update_weights: tensor '{name}' given twice")
-                    seen.add(name)
-                    if tied and name == "lm_head.weight":
-                        tied_head = tensor
-                        continue
-                    if name not in params:
-                        raise WeightUpdateError(f"rollout.embedded: update_weights: unknown tensor '{name}' (the model has "
-                                       f"{len(params)} parameters, e.g. '{next(iter(params))}')")
-                    if tuple(tensor.shape) != tuple(params[name].shape):
-                        raise WeightUpdateError(f"rollout.embedded: update_weights: tensor '{name}' has shape {tuple(tensor.shape)}, "
-                                         f"the model expects {tuple(params[name].shape)}")
+            if isinstance(named_tensors, (list, tuple)):
+                self._apply_weights(named_tensors, copy=False)  # all checks, nothing copied
+            self._apply_weights(named_tensors, copy=True)
+            self.weight_version = version
+
+    def _apply_weights(self, named_tensors, *, copy: bool) -> None:
+        params = dict(self.model.named_parameters())
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False)) and "lm_head.weight" not in params
+        seen, tied_head, copied = set(), None, False
+        try:
+            for name, tensor in named_tensors:
+                if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                    raise TypeError(f"rollout.embedded: update_weights expects (str, torch.Tensor) pairs, got "
+                                    f"({type(name).__name__}, {type(tensor).__name__})")
+                if name in seen:
+                    raise WeightUpdateError(f"rollout.embedded: update_weights: tensor '{name}' given twice")
+                seen.add(name)
+                if tied and name == "lm_head.weight":
+                    tied_head = tensor
+                    continue
+                if name not in params:
+                    raise WeightUpdateError(f"rollout.embedded: update_weights: unknown tensor '{name}' (the model has "
+                                            f"{len(params)} parameters, e.g. '{next(iter(params))}')")
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise WeightUpdateError(f"rollout.embedded: update_weights: tensor '{name}' has shape "
+                                            f"{tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}")
+                if copy:
                     params[name].copy_(tensor)
                     copied = True
-                missing = sorted(set(params) - seen)
-                if missing:
-                    raise WeightUpdateError(f"rollout.embedded: update_weights: {len(missing)} parameter(s) not given: "
-                                     f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-                if tied_head is not None:
-                    embed = self.model.get_input_embeddings().weight
-                    if tuple(tied_head.shape) != tuple(embed.shape) or not torch.equal(tied_head.to(embed), embed):
-                        raise WeightUpdateError("rollout.embedded: update_weights: 'lm_head.weight' differs from the embedding "
-                                         "of this tied-embedding model (tie_word_embeddings=true)")
-            except BaseException as e:
-                if copied:
-                    self._broken = str(e)
-                raise
+            missing = sorted(set(params) - seen)
+            if missing:
+                raise WeightUpdateError(f"rollout.embedded: update_weights: {len(missing)} parameter(s) not given: "
+                                        f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            if tied_head is not None:
+                embed = self.model.get_input_embeddings().weight
+                # after copying, the model's embedding is the new one; before, compare with the one given
+                new_embed = embed if copy else next((t for n, t in named_tensors if n == "model.embed_tokens.weight"), embed)
+                if tuple(tied_head.shape) != tuple(embed.shape) or not torch.equal(tied_head.to(embed), new_embed.to(embed)):
+                    raise WeightUpdateError("rollout.embedded: update_weights: 'lm_head.weight' differs from the embedding "
+                                            "of this tied-embedding model (tie_word_embeddings=true)")
+        except BaseException as e:
+            if copied:
+                self._broken = str(e)
+            raise
+        if copy:
             self._broken = None
-            self.weight_version = version
 
     def load_weights_from_dir(self, path: str, *, version=None) -> None:
         """Load every weight from an HF safetensors checkpoint directory through :meth:`update_weights`
-        (same checks); the architecture must match."""
+        (same checks; the architecture must match). All or nothing: every tensor is read and checked
+        before the first copy, so a failure leaves the current weights (and version) in place."""
         from megatron_klear.checkpoint.hf_io import HFReader
 
         reader = HFReader(path)
         try:
-            def tensors():
-                for _, keys in reader.files():
-                    for key in sorted(keys):
-                        yield key, reader.get(key)
-
+            tensors = [(key, reader.get(key)) for _, keys in reader.files() for key in sorted(keys)]
             try:
-                self.update_weights(tensors(), version=version)
+                self.update_weights(tensors, version=version)
             except WeightUpdateError as e:
                 raise WeightUpdateError(f"{e} [checkpoint {path}]") from None
         finally:
@@ -340,11 +579,22 @@ class EmbeddedEngine(RolloutEngine):
         return {
             "model_path": self.model_path,
             "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
             "vocab_size": self.vocab_size,
             "eos_token_ids": self.eos_token_ids,
+            "context_length": self.context_length,
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "weight_version": self.weight_version,
         }
+
+
+def load_tokenizer(path: str):
+    """The model directory's tokenizer, or None when it has none."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def __getattr__(name):  # the HTTP face lives in embedded_http (stdlib server + client)

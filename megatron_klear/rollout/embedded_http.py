@@ -3,38 +3,105 @@
 Server (standard library only, bound to 127.0.0.1)::
 
     python -m megatron_klear.rollout.embedded --model DIR --port P [--dtype float32] [--max-batch-size N]
+        [--context-length C] [--served-model-name NAME]
 
-Endpoints, shaped like SGLang's (``python/sglang/srt/entrypoints/http_server.py``, ``GenerateReqInput``):
+It stands in for SGLang 0.5.23 in the tests (SGLang needs CUDA), so it answers like SGLang wherever a
+client relies on it: request validation (``sglang/api/v1/api_types.py``, the contract SGLang's
+``/generate`` enforces, and ``sampling_params.py``), context length (``tokenizer_manager.py``
+``_validate_one_request``), EOS (``schedule_batch.py`` ``_check_token_based_finish``), response and
+error shapes, and the control routes (``http_server.py``).
 
-- ``POST /generate``: ``{"input_ids": [...] | [[...], ...], "sampling_params": {"temperature",
-  "top_p", "top_k", "max_new_tokens", "n", "stop_token_ids", "sampling_seed"}, "return_logprob": true}``.
-  One object per sample, ``{"text"?, "output_ids": [...], "meta_info": {"id", "finish_reason":
-  {"type": "stop", "matched": id} | {"type": "length", "length": max_new_tokens}, "prompt_tokens",
-  "completion_tokens", "cached_tokens", "weight_version", "output_token_logprobs":
-  [[logprob, token_id, null], ...]}}``; a single (flat) ``input_ids`` with ``n == 1`` answers one
-  object, anything else a list ordered prompt by prompt (sample ``j`` of prompt ``i`` at ``i * n + j``,
-  as SGLang expands parallel samples). ``temperature == 0`` means greedy, as in SGLang (``top_k=1``,
-  log-probs at temperature 1). ``text`` is present when the model directory has a tokenizer. The
-  log-probs are the engine's: ``log_softmax(logits / temperature)``, unfiltered (see
-  :mod:`megatron_klear.rollout.sampling`). Options SGLang has and this server does not (text prompts,
-  streaming, string stops, penalties, per-prompt sampling params...) are refused with a 400 naming the
-  field rather than ignored.
-- ``GET /health`` (200, empty body), ``GET /get_model_info``, ``POST /flush_cache`` (no-op: nothing is
-  cached between requests).
-- ``POST /update_weights_from_disk`` ``{"model_path": DIR, "weight_version"?}``: load every weight of
-  an HF safetensors checkpoint directory; answers ``{"success", "message", "num_paused_requests"}``.
+Generation
+----------
+``POST /generate`` (also PUT) with token ids: ``{"input_ids": [...] | [[...], ...], "sampling_params":
+{...} | [{...} per prompt], "return_logprob": bool, "rid": str | [str per prompt], ...}``.
 
-Errors answer ``{"error": {"message": ...}}`` with status 400 (bad request) or 500.
+- Answers, per sample, ``{"text"?, "output_ids": [...], "meta_info": {"id", "finish_reason":
+  {"type": "stop", "matched": id} | {"type": "length", "length": max_new_tokens} | {"type": "abort",
+  "message", "status_code": null, "err_type": null}, "prompt_tokens", "completion_tokens",
+  "cached_tokens": 0, "weight_version", "e2e_latency", "output_token_logprobs"?: [[logprob, id,
+  text|null], ...]}, "prompt_token_ids"?}``: one object for a single (flat) ``input_ids`` with
+  ``n == 1``, else a list ordered prompt by prompt (sample ``j`` of prompt ``i`` at ``i * n + j``,
+  as SGLang's ``_handle_batch_request`` expands parallel samples). ``text`` (decoded with
+  ``skip_special_tokens``, the matched stop token trimmed unless ``no_stop_trim``, as SGLang's
+  detokenizer does) is present when the server has a tokenizer. ``meta_info.id``: the ``rid`` for a
+  single request, ``{rid}_{k}`` for sample ``k`` of a batch or ``n > 1`` (SGLang gives those fresh
+  uuids), a uuid when no rid is sent. ``weight_version`` is ``"default"`` until weights are updated
+  with a version (SGLang's default).
+- Sampling: ``temperature`` (below 1e-6: greedy, SGLang's rule), ``top_p``, ``top_k`` (-1 or
+  2^30: off), ``max_new_tokens`` (default 128; 0 gives an empty response; null: up to the context,
+  as SGLang), ``n``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``; ``skip_special_tokens``,
+  ``spaces_between_special_tokens``, ``no_stop_trim`` and ``stream_interval`` only shape the text.
+  The log-probs are the engine's: ``log_softmax(logits / temperature)``, unfiltered (see
+  :mod:`megatron_klear.rollout.sampling`). Stop ids: the checkpoint's EOS ids (config.json,
+  generation_config.json, the tokenizer's EOS: see :mod:`.embedded`) plus ``stop_token_ids``.
+- Seeds: sample ``j`` of prompt ``i`` of a request draws from ``sample_seed(s, i, j)`` with ``s``
+  that prompt's ``sampling_seed`` (a random one when absent), whatever else is being decoded: the
+  tokens do not depend on the requests it happens to be batched with. (SGLang honours
+  ``sampling_seed`` only with deterministic inference, and then gives the ``n`` samples one seed.)
+- Batching: requests waiting when the engine becomes free are decoded together in one engine call
+  (at most ``--max-batch-size`` sequences, whole prompts, in arrival order), each prompt with its own
+  sampling parameters; a request answers as soon as its own samples have finished.
+- Validation, as SGLang: the body is checked against SGLang's contract types for the fields this
+  server reads (a violation answers 400 ``{"error": "<serde-style message>"}``, the shape of SGLang's
+  contract gate; e.g. an unknown ``sampling_params`` key gets ``unknown field `x`, expected one of
+  ...``); top-level keys SGLang does not know are ignored (sglang-router adds ``model``, ``stream``,
+  ``log_metrics``, ``return_hidden_states``, ``background``, ``no_logs``, ``return_bytes``,
+  ``return_entropy``, ``return_text_in_logprobs``). Values SGLang would refuse (``top_p`` outside
+  (0, 1], ...) and requests over the context length (SGLang's two messages: ``The input (N tokens)
+  is longer than the model's context length (C tokens).`` and ``Requested token count exceeds the
+  model's maximum context length of C tokens. ...``) answer 400 ``{"error": {"message"}}``, as do
+  options this server cannot honour, naming the field rather than ignoring it: text prompts,
+  ``stream: true``, images/audio/video, input embeddings, ``logprob_start_len`` other than -1, top
+  log-probs, ``token_ids_logprob``, hidden states, LoRA, sessions, custom logit processors,
+  penalties, ``min_p``, ``min_new_tokens``, string/regex stops, grammars, ``logit_bias``, beam search,
+  ``return_entropy`` and the like.
+
+Other routes (SGLang's shapes)
+------------------------------
+- ``GET /health`` (200, empty body; answers at once, also during a long generation),
+  ``GET /health_generate`` (200 once the engine makes progress or a 1-token generation completes,
+  503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds, default 20, e.g. while paused), ``GET /ready``
+  (200, 503 while paused).
+- ``GET /model_info`` and ``/get_model_info``: ``model_path``, ``served_model_name``,
+  ``tokenizer_path``, ``is_generation``, ``weight_version``, ``model_type``, ``architectures`` ...
+  plus ``vocab_size``, ``eos_token_ids``, ``context_length``, ``dtype``.
+- ``GET /server_info`` and ``/get_server_info``: ``context_length`` and ``max_context_length`` (the
+  effective context length), ``max_total_num_tokens`` (null: no KV pool bound), ``max_req_input_len``,
+  ``max_running_requests`` (``--max-batch-size``), ``version`` (the SGLang API version mimicked),
+  ``internal_states`` and ``num_generate_requests`` (the /generate requests accepted so far).
+- ``GET /v1/models`` (``{"object": "list", "data": [{"id", "object": "model", "created", "owned_by",
+  "root", "parent", "max_model_len"}]}``) and ``GET /v1/models/{name}`` (404 for another name).
+- ``POST /pause_generation`` ``{"mode": "abort" | "retract" | "in_place"}`` (default abort) and
+  ``POST /continue_generation``: while paused, new /generate requests wait until continue; ``abort``
+  ends the queued and running requests (finish_reason abort, the tokens so far) and answers once
+  none runs; ``in_place`` holds the running ones between two decode steps with their KV cache,
+  ``retract`` also recomputes their KV cache with the current weights on continue; both answer once
+  the engine holds. Weights may be updated while paused.
+- ``POST /update_weights_from_disk`` ``{"model_path", "weight_version"?, "abort_all_requests"?,
+  "flush_cache"?, "load_format"? (auto | safetensors), ...}`` (SGLang's UpdateWeightFromDiskReqInput
+  fields; the rest are accepted and have no effect here): not paused, it waits for the running
+  requests to finish and holds new ones meanwhile (SGLang's writer lock); paused, it applies at once.
+  Every tensor is read and checked before the first copy, so the weights are either all new or all
+  old. Answers ``{"success", "message", "num_paused_requests"}``, 400 with ``success: false`` on
+  failure.
+- ``POST /update_weight_version`` ``{"new_version", "abort_all_requests" (default true)}``.
+- ``POST /abort_request`` ``{"rid" | "abort_all"}`` (200, empty body): aborts the requests whose id
+  or a sample's id starts with ``rid`` (the whole request), queued or running.
+- ``POST``/``GET /flush_cache``: 200 (nothing is cached between requests here).
+
+Unknown routes answer 404 ``{"detail": "Not Found"}``; failures inside the engine 500 ``{"error":
+{"message"}}``.
 
 Client: :class:`EmbeddedHTTPEngine` implements :class:`~megatron_klear.rollout.base.RolloutEngine`
-over that API (weights go through a temporary safetensors directory and
-``/update_weights_from_disk``); :meth:`EmbeddedHTTPEngine.launch` starts a server subprocess.
+over that API (the SGLang client); :meth:`EmbeddedHTTPEngine.launch` starts a server subprocess.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
-import numbers
+import math
 import os
 import shutil
 import subprocess
@@ -42,119 +109,641 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 
 from megatron_klear.rollout.base import Completion, SamplingParams
 from megatron_klear.rollout.sglang import SGLangEngine
 
 HOST = "127.0.0.1"
 MAX_BODY_BYTES = 1 << 30
-
-# Request fields accepted besides the handled ones, when they hold these (default) values.
-_TOP_LEVEL_DEFAULTS = {"stream": (False, None), "logprob_start_len": (-1, None), "top_logprobs_num": (0, None),
-                       "return_text_in_logprobs": (False, True, None), "text": (None,)}
-_SAMPLING_DEFAULTS = {"stop": (None, [], ""), "ignore_eos": (False, None), "min_new_tokens": (0, None),
-                      "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
-                      "repetition_penalty": (1, 1.0, None), "min_p": (0, 0.0, None),
-                      "skip_special_tokens": (True, False, None), "spaces_between_special_tokens": (True, False, None),
-                      "no_stop_trim": (False, True, None), "regex": (None,), "json_schema": (None,), "ebnf": (None,)}
+SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose API this server mimics
+TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class BadRequest(ValueError):
-    """A request this server cannot serve; answered with status 400 and the message."""
+    """A request this server cannot serve: status 400, ``{"error": {"message": ...}}``."""
 
 
-def _int_field(value, name: str, minimum=None) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        raise BadRequest(f"{name} must be an integer{'' if minimum is None else f' >= {minimum}'}, got {value!r}")
-    return int(value)
+class ContractError(BadRequest):
+    """A body that violates SGLang's contract types: status 400, ``{"error": "<message>"}`` (SGLang's
+    ``generate_contract_error`` gate answers that shape)."""
 
 
-def _float_field(value, name: str) -> float:
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        raise BadRequest(f"{name} must be a number, got {value!r}")
-    return float(value)
+# ------------------------------------------------------------------------------------------------
+# SGLang's contract types (sglang/api/v1/api_types.py), with its serde-style messages
+# ------------------------------------------------------------------------------------------------
+def _unexpected(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean `{'true' if v else 'false'}`"
+    if isinstance(v, int):
+        return f"integer `{v}`"
+    if isinstance(v, float):
+        return f"floating point `{v}`"
+    if isinstance(v, str):
+        return f'string "{v}"'
+    if isinstance(v, list):
+        return "sequence"
+    if isinstance(v, dict):
+        return "map"
+    return type(v).__name__
 
 
-def parse_generate_request(body) -> tuple:
-    """``(prompts, single, SamplingParams, n, return_logprob, rid)`` from a /generate JSON body."""
-    if not isinstance(body, dict):
-        raise BadRequest("the /generate body must be a JSON object")
-    handled = {"input_ids", "sampling_params", "return_logprob", "rid"}
-    for key, value in body.items():
-        if key in handled:
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _invalid(where: str, v, expected: str) -> ContractError:
+    return ContractError(f"{where}: invalid type: {_unexpected(v)}, expected {expected}")
+
+
+def _bool(v, where, expected="a boolean"):
+    if not isinstance(v, bool):
+        raise _invalid(where, v, expected)
+    return v
+
+
+def _int(v, where, expected="i64"):
+    if not _is_int(v):
+        raise _invalid(where, v, expected)
+    return v
+
+
+def _uint(v, where, expected="u64"):
+    _int(v, where, expected)
+    if v < 0:
+        raise ContractError(f"{where}: invalid value: integer `{v}`, expected {expected}")
+    return v
+
+
+def _float(v, where, expected="f64"):
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool)):
+        raise _invalid(where, v, expected)
+    return float(v)
+
+
+def _str(v, where, expected="a string"):
+    if not isinstance(v, str):
+        raise _invalid(where, v, expected)
+    return v
+
+
+def _seq(v, where, expected="a sequence"):
+    if not isinstance(v, list):
+        raise _invalid(where, v, expected)
+    return v
+
+
+def _map(v, where, expected="a map"):
+    if not isinstance(v, dict):
+        raise _invalid(where, v, expected)
+    return v
+
+
+def _or_list(scalar):
+    """A contract ``XOrList``: one value or an array of values."""
+    def check(v, where, name):
+        if isinstance(v, list):
+            return [scalar(e, f"{where}[{k}]") for k, e in enumerate(v)]
+        return scalar(v, where, f"a value or an array of values for {name}")
+    return check
+
+
+def _token_ids(v, where):
+    return [_int(e, f"{where}[{k}]") for k, e in enumerate(_seq(v, where))]
+
+
+def _token_ids_or_list(v, where):
+    if not isinstance(v, list):
+        raise _invalid(where, v, "a value or an array of values for TokenIdsOrList")
+    if not v or (isinstance(v[0], (int, float)) and not isinstance(v[0], bool)):
+        return _token_ids(v, where)
+    return [_token_ids(e, f"{where}[{k}]") for k, e in enumerate(v)]
+
+
+def _optional_str(v, where, expected="a string"):
+    return None if v is None else _str(v, where, expected)
+
+
+_str_or_list = _or_list(_str)
+_bool_or_list = _or_list(_bool)
+_int_or_list = _or_list(_int)
+_optional_str_or_list = _or_list(_optional_str)
+
+# SamplingParams, in the contract's order (its unknown-field message lists them so); (kind, default).
+SAMPLING_FIELDS = {
+    "max_new_tokens": ("int", 128), "stop": ("str_or_list", None), "stop_token_ids": ("int_list", None),
+    "stop_regex": ("str_or_list", None), "temperature": ("float", 1.0), "top_p": ("float", 1.0),
+    "top_k": ("int", TOP_K_ALL), "min_p": ("float", 0.0), "frequency_penalty": ("float", 0.0),
+    "presence_penalty": ("float", 0.0), "repetition_penalty": ("float", 1.0), "min_new_tokens": ("int", 0),
+    "n": ("int", 1), "json_schema": ("str", None), "regex": ("str", None), "ebnf": ("str", None),
+    "structural_tag": ("str", None), "ignore_eos": ("bool", False), "skip_special_tokens": ("bool", True),
+    "spaces_between_special_tokens": ("bool", True), "no_stop_trim": ("bool", False),
+    "stream_interval": ("int", None), "logit_bias": ("map_float", {}), "sampling_seed": ("int", None),
+    "custom_params": ("any", None), "beam_width": ("int", None), "watermark": ("watermark", None),
+    "choice": ("str_list", []),
+}
+_WATERMARK_FIELDS = {"enabled": _bool, "key": _str, "context_window": _int}
+
+
+def _unknown_field(key: str, fields) -> ContractError:
+    """serde's ``unknown_field`` text (the contract's DENY policy)."""
+    fields = tuple(fields)
+    if not fields:
+        return ContractError(f"unknown field `{key}`, there are no fields")
+    if len(fields) == 1:
+        return ContractError(f"unknown field `{key}`, expected `{fields[0]}`")
+    if len(fields) == 2:
+        return ContractError(f"unknown field `{key}`, expected `{fields[0]}` or `{fields[1]}`")
+    listed = ", ".join(f"`{f}`" for f in fields)
+    return ContractError(f"unknown field `{key}`, expected one of {listed}")
+
+
+def decode_sampling_params(sp, where: str = "sampling_params") -> dict:
+    """SGLang's SamplingParams decoding (unknown keys rejected, types checked, null -> default);
+    returns every field with its value."""
+    _map(sp, where, "struct SamplingParams")
+    out = {name: default for name, (_, default) in SAMPLING_FIELDS.items()}
+    for key, x in sp.items():
+        if key not in SAMPLING_FIELDS:
+            raise _unknown_field(key, SAMPLING_FIELDS)
+        kind, default = SAMPLING_FIELDS[key]
+        at = f"{where}.{key}"
+        if x is None:
+            # the contract keeps null for the Optional fields without a default; SGLang's
+            # SamplingParams.__post_init__ then applies its defaults
+            out[key] = None if key in ("max_new_tokens",) else default
             continue
-        if key not in _TOP_LEVEL_DEFAULTS:
-            raise BadRequest(f"field '{key}' is not supported by the embedded engine")
-        if value not in _TOP_LEVEL_DEFAULTS[key]:
-            hint = ": send token ids in input_ids" if key == "text" else ""
-            raise BadRequest(f"field '{key}'={value!r} is not supported by the embedded engine{hint}")
+        if kind == "int":
+            out[key] = _int(x, at)
+        elif kind == "float":
+            out[key] = _float(x, at)
+        elif kind == "bool":
+            out[key] = _bool(x, at)
+        elif kind == "str":
+            out[key] = _str(x, at)
+        elif kind == "str_or_list":
+            out[key] = _str_or_list(x, at, "StringOrList")
+        elif kind == "int_list":
+            out[key] = _token_ids(x, at)
+        elif kind == "map_float":
+            out[key] = {k: _float(e, f"{at}.{k}") for k, e in _map(x, at).items()}
+        elif kind == "str_list":
+            out[key] = [_str(e, f"{at}[{k}]") for k, e in enumerate(_seq(x, at))]
+        elif kind == "watermark":
+            for wk, wx in _map(x, at, "struct WatermarkRequestConfig").items():
+                if wk not in _WATERMARK_FIELDS:
+                    raise _unknown_field(wk, _WATERMARK_FIELDS)
+                if wx is not None:
+                    _WATERMARK_FIELDS[wk](wx, f"{at}.{wk}")
+            out[key] = x
+        else:  # any
+            out[key] = x
+    return out
+
+
+# Top-level /generate fields that change what is computed: the value(s) this server can honour.
+def _default_or(*allowed):
+    def ok(v):
+        values = v if isinstance(v, list) else [v]
+        return all(any(x is a or (x == a and type(x) is type(a)) for a in allowed) for x in values)
+    return ok
+
+
+_UNSUPPORTED = {
+    "text": (_default_or(None), "send token ids in input_ids"),
+    "input_embeds": (_default_or(None), ""),
+    "image_data": (_default_or(None), ""), "video_data": (_default_or(None), ""), "audio_data": (_default_or(None), ""),
+    "stream": (_default_or(None, False), "only whole responses are served"),
+    "logprob_start_len": (_default_or(None, -1), "only output-token log-probs are served"),
+    "top_logprobs_num": (_default_or(None, 0), ""),
+    "token_ids_logprob": (lambda v: v is None or v == [], ""),
+    "return_hidden_states": (_default_or(None, False), ""),
+    "return_routed_experts": (_default_or(None, False), ""),
+    "return_indexer_topk": (_default_or(None, False), ""),
+    "return_entropy": (_default_or(None, False), ""),
+    "return_bytes": (_default_or(None, False), ""),
+    "return_sampling_mask": (_default_or(None, False), ""),
+    "sampling_logprobs_mode": (_default_or(None), ""),
+    "return_flat_raw_top_logprobs": (_default_or(None, False), ""),
+    "return_flat_raw_output_top_logprobs": (_default_or(None, False), ""),
+    "return_flat_raw_top_logprobs_b64": (_default_or(None, False), ""),
+    "lora_path": (_default_or(None), ""), "lora_id": (_default_or(None), ""),
+    "session_params": (_default_or(None), ""), "custom_logit_processor": (_default_or(None), ""),
+    "positional_embed_overrides": (_default_or(None), ""), "max_thinking_tokens": (_default_or(None), ""),
+    "require_reasoning": (_default_or(None, False), ""), "routed_experts_start_len": (_default_or(0), ""),
+    "multi_item_delimiter_indices": (_default_or(None), ""), "token_indices_to_pool": (_default_or(None), ""),
+    "use_audio_in_video": (_default_or(None, False), ""),
+}
+# Contract types of the top-level fields read or refused here (others are ignored, as SGLang's
+# GenerateRequest ignores unknown keys).
+_TOP_LEVEL_TYPES = {
+    "rid": lambda v, w: _str_or_list(v, w, "StringOrList"),
+    "text": lambda v, w: _str_or_list(v, w, "StringOrList"),
+    "stream": _bool,
+    "return_logprob": lambda v, w: _bool_or_list(v, w, "BoolOrList"),
+    "logprob_start_len": lambda v, w: _int_or_list(v, w, "Int64OrList"),
+    "top_logprobs_num": lambda v, w: _int_or_list(v, w, "Int64OrList"),
+    "token_ids_logprob": _token_ids_or_list,
+    "return_hidden_states": lambda v, w: _bool_or_list(v, w, "BoolOrList"),
+    "return_text_in_logprobs": _bool,
+    "require_reasoning": _bool,
+    "lora_path": lambda v, w: _optional_str_or_list(v, w, "OptionalStringOrList"),
+    "custom_logit_processor": lambda v, w: _optional_str_or_list(v, w, "OptionalStringOrList"),
+    "max_thinking_tokens": _uint,
+    "return_sampling_mask": lambda v, w: _bool_or_list(v, w, "BoolOrList"),
+}
+_NOT_NULL = {"return_prompt_token_ids": _bool, "routed_experts_start_len": _int}  # contract: no null
+
+
+@dataclass
+class GenerateCall:
+    """A parsed /generate body."""
+
+    prompts: list  # token-id lists
+    single: bool  # a flat input_ids (answered with one object when n == 1)
+    n: int
+    sampling: list  # per prompt: the decoded SamplingParams fields (dict)
+    params: list  # per prompt: SamplingParams (seed = the prompt's sampling_seed or None)
+    return_logprob: bool
+    rids: list  # per prompt: the rid sent for it, or None
+    rid: str | None  # the request's rid when a single string was sent
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    ids: list = field(default_factory=list)  # meta_info.id per sample, filled by assign_ids
+
+
+def _check_values(s: dict, where: str) -> None:
+    """SGLang's SamplingParams.verify (same texts), then what this engine cannot honour."""
+    t = s["temperature"]
+    if not math.isfinite(t) or t < 0:
+        raise BadRequest(f"temperature must be a non-negative finite number, got {t}.")
+    if not 0.0 < s["top_p"] <= 1.0:
+        raise BadRequest(f"top_p must be in (0, 1], got {s['top_p']}.")
+    if not 0.0 <= s["min_p"] <= 1.0:
+        raise BadRequest(f"min_p must be in [0, 1], got {s['min_p']}.")
+    if s["top_k"] < 1 and s["top_k"] != -1:
+        raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {s['top_k']}.")
+    if s["max_new_tokens"] is not None and s["max_new_tokens"] < 0:
+        raise BadRequest(f"max_new_tokens must be at least 0, got {s['max_new_tokens']}.")
+    if s["n"] < 1:
+        raise BadRequest(f"{where}.n must be at least 1, got {s['n']}.")
+    seed = s["sampling_seed"]
+    if seed is not None and not -(2 ** 63) <= seed <= 2 ** 63 - 1:
+        raise BadRequest(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
+    unsupported = {
+        "stop": lambda v: not v, "stop_regex": lambda v: not v, "min_p": lambda v: v == 0,
+        "frequency_penalty": lambda v: v == 0, "presence_penalty": lambda v: v == 0,
+        "repetition_penalty": lambda v: v == 1, "min_new_tokens": lambda v: v == 0,
+        "json_schema": lambda v: not v, "regex": lambda v: not v, "ebnf": lambda v: not v,
+        "structural_tag": lambda v: not v, "logit_bias": lambda v: not v, "custom_params": lambda v: not v,
+        "beam_width": lambda v: v in (None, 1), "choice": lambda v: not v,
+        "watermark": lambda v: not v or not v.get("enabled"),
+    }
+    for key, ok in unsupported.items():
+        if not ok(s[key]):
+            raise BadRequest(f"{where}.{key}={s[key]!r} is not supported by the embedded engine")
+
+
+def parse_generate_request(body) -> GenerateCall:
+    """A /generate JSON body -> :class:`GenerateCall`; raises :class:`ContractError` (SGLang's contract
+    refuses it) or :class:`BadRequest` (SGLang refuses the values, or this engine cannot honour them)."""
+    if not isinstance(body, dict):
+        raise ContractError(f"invalid type: {_unexpected(body)}, expected struct GenerateRequest")
+    for key, check in _TOP_LEVEL_TYPES.items():
+        if body.get(key) is not None:
+            check(body[key], key)
+    for key, check in _NOT_NULL.items():
+        if key in body:
+            check(body[key], key)
+    if body.get("input_ids") is not None:
+        _token_ids_or_list(body["input_ids"], "input_ids")
+    raw_sp = body.get("sampling_params")
+    if raw_sp is not None and isinstance(raw_sp, list):
+        decoded_sp = [decode_sampling_params(e, f"sampling_params[{k}]") for k, e in enumerate(_seq(raw_sp, "sampling_params"))]
+    elif raw_sp is not None:
+        _map(raw_sp, "sampling_params", "a value or an array of values for SamplingParamsOrList")
+        decoded_sp = decode_sampling_params(raw_sp)
+    else:
+        decoded_sp = decode_sampling_params({})
+
+    for key, (ok, hint) in _UNSUPPORTED.items():
+        if key in body and not ok(body[key]):
+            raise BadRequest(f"field '{key}'={body[key]!r:.200} is not supported by the embedded engine"
+                             + (f": {hint}" if hint else ""))
     ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids:
-        raise BadRequest("input_ids must be a non-empty list of token ids or a list of such lists")
+    if ids is None:
+        raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+    if not ids:
+        raise BadRequest("input_ids must not be empty")
     single = not isinstance(ids[0], list)
     prompts = [ids] if single else ids
     for i, p in enumerate(prompts):
-        if not isinstance(p, list) or not p:
+        if not p:
             raise BadRequest(f"input_ids[{i}] must be a non-empty list of token ids")
-        for k, t in enumerate(p):
-            if not isinstance(t, int) or isinstance(t, bool):
-                where = f"input_ids[{k}]" if single else f"input_ids[{i}][{k}]"
-                raise BadRequest(f"{where} must be an integer token id, got {t!r}")
-    sp = body.get("sampling_params") or {}
-    if not isinstance(sp, dict):
-        raise BadRequest("sampling_params must be one JSON object (per-prompt sampling params are not supported)")
-    for key, value in sp.items():
-        if key in {"temperature", "top_p", "top_k", "max_new_tokens", "n", "stop_token_ids", "sampling_seed", "seed"}:
-            continue
-        if key not in _SAMPLING_DEFAULTS:
-            raise BadRequest(f"sampling_params.{key} is not supported by the embedded engine")
-        if value not in _SAMPLING_DEFAULTS[key]:
-            raise BadRequest(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
-    temperature = _float_field(sp.get("temperature", 1.0), "sampling_params.temperature")
-    top_k = _int_field(sp.get("top_k", -1), "sampling_params.top_k")
-    if temperature < 0:
-        raise BadRequest(f"sampling_params.temperature must be >= 0, got {temperature}")
-    if temperature == 0:  # SGLang's greedy: top-1 at temperature 1
-        temperature, top_k = 1.0, 1
-    stop_ids = sp.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise BadRequest(f"sampling_params.stop_token_ids must be a list of token ids, got {stop_ids!r}")
-    seed = sp.get("sampling_seed", sp.get("seed"))
-    params = SamplingParams(
-        temperature=temperature,
-        top_p=_float_field(sp.get("top_p", 1.0), "sampling_params.top_p"),
-        top_k=top_k,
-        max_new_tokens=_int_field(sp.get("max_new_tokens", 128), "sampling_params.max_new_tokens", 1),
-        stop_token_ids=list(stop_ids),
-        seed=None if seed is None else _int_field(seed, "sampling_params.sampling_seed"),
-    )
-    try:
-        params.validate()
-    except ValueError as e:
-        raise BadRequest(f"sampling_params: {e}") from None
-    n = _int_field(sp.get("n", 1), "sampling_params.n", 1)
+
+    per_prompt = decoded_sp if isinstance(decoded_sp, list) else [decoded_sp] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise BadRequest(f"sampling_params lists {len(per_prompt)} entries for {len(prompts)} prompts")
+    n = per_prompt[0]["n"]
+    if any(s["n"] != n for s in per_prompt):
+        raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
+    params = []
+    for i, s in enumerate(per_prompt):
+        where = "sampling_params" if not isinstance(decoded_sp, list) else f"sampling_params[{i}]"
+        _check_values(s, where)
+        temperature, top_k = s["temperature"], s["top_k"]
+        if top_k == -1 or top_k >= TOP_K_ALL:
+            top_k = -1
+        params.append(SamplingParams(temperature=temperature if temperature > 0 else 0.0, top_p=s["top_p"], top_k=top_k,
+                                     max_new_tokens=s["max_new_tokens"], stop_token_ids=list(s["stop_token_ids"] or []),
+                                     seed=s["sampling_seed"]))
+
     rid = body.get("rid")
-    return prompts, single, params, n, bool(body.get("return_logprob", False)), rid
-
-
-def completion_to_sglang(c: Completion, *, prompt_len: int, params: SamplingParams, return_logprob: bool,
-                         rid: str, weight_version, tokenizer=None) -> dict:
-    """One sample in SGLang's /generate response shape."""
-    if c.finish_reason == "stop":
-        reason = {"type": "stop", "matched": c.token_ids[-1]}
+    if isinstance(rid, list):
+        if len(rid) != len(prompts) or single:
+            raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
+        if len(set(rid)) != len(rid):
+            raise BadRequest(f"Duplicate request IDs detected within the request: "
+                             f"{sorted(r for r, c in collections.Counter(rid).items() if c > 1)}")
+        rids, single_rid = list(rid), None
     else:
-        reason = {"type": "length", "length": params.max_new_tokens}
-    meta = {"id": rid, "finish_reason": reason, "prompt_tokens": prompt_len, "completion_tokens": len(c.token_ids),
-            "cached_tokens": 0, "weight_version": None if weight_version is None else str(weight_version)}
+        rids, single_rid = [rid] * len(prompts), rid
+    return_logprob = body.get("return_logprob")
+    if isinstance(return_logprob, list):
+        if len(set(return_logprob)) > 1:
+            raise BadRequest("field 'return_logprob' as a per-prompt list of different values is not supported by the "
+                             "embedded engine")
+        return_logprob = bool(return_logprob and return_logprob[0])
+    return GenerateCall(prompts=prompts, single=single, n=n, sampling=per_prompt, params=params,
+                        return_logprob=bool(return_logprob), rids=rids, rid=single_rid,
+                        return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),
+                        return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)))
+
+
+def assign_ids(call: GenerateCall) -> list:
+    """``meta_info.id`` of each sample (prompt-major), SGLang's naming where it is deterministic."""
+    n, count = call.n, len(call.prompts) * call.n
+    if call.single and n == 1:
+        ids = [call.rid if call.rid is not None else uuid.uuid4().hex]
+    elif call.rid is not None:
+        ids = [f"{call.rid}_{k}" for k in range(count)]
+    elif any(r is not None for r in call.rids):
+        ids = [r if n == 1 else f"{r}_{j}" for r in call.rids for j in range(n)]
+    else:
+        ids = [uuid.uuid4().hex for _ in range(count)]
+    call.ids = ids
+    return ids
+
+
+def finish_reason_json(c: Completion, max_new_tokens: int, abort_message: str | None = None) -> dict:
+    if c.finish_reason == "stop":
+        return {"type": "stop", "matched": c.token_ids[-1]}
+    if c.finish_reason == "abort":
+        return {"type": "abort", "message": abort_message or "Aborted", "status_code": None, "err_type": None}
+    return {"type": "length", "length": max_new_tokens}
+
+
+def completion_to_sglang(c: Completion, *, prompt: list, max_new_tokens: int, return_logprob: bool, rid: str,
+                         weight_version, tokenizer=None, sampling: dict | None = None, e2e_latency: float | None = None,
+                         return_text_in_logprobs: bool = False, return_prompt_token_ids: bool = False,
+                         abort_message: str | None = None) -> dict:
+    """One sample in SGLang's /generate response shape."""
+    sampling = sampling or {}
+    reason = finish_reason_json(c, max_new_tokens, abort_message)
+    meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt), "completion_tokens": len(c.token_ids),
+            "cached_tokens": 0, "weight_version": DEFAULT_WEIGHT_VERSION if weight_version is None else str(weight_version)}
+    if e2e_latency is not None:
+        meta["e2e_latency"] = e2e_latency
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.token_ids)]
+        texts = [None] * len(c.token_ids)
+        if return_text_in_logprobs and tokenizer is not None:
+            texts = [tokenizer.decode([t]) for t in c.token_ids]
+        meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(c.logprobs, c.token_ids, texts)]
     out = {"output_ids": list(c.token_ids), "meta_info": meta}
     if tokenizer is not None:
-        out = {"text": tokenizer.decode(c.token_ids, skip_special_tokens=True), **out}
+        shown = c.token_ids
+        if reason["type"] == "stop" and shown and not sampling.get("no_stop_trim", False):
+            shown = shown[:-1]  # SGLang's detokenizer trims the matched stop token
+        kwargs = {"skip_special_tokens": sampling.get("skip_special_tokens", True)}
+        out = {"text": tokenizer.decode(shown, **kwargs), **out}
+    if return_prompt_token_ids:
+        out["prompt_token_ids"] = list(prompt)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The scheduler: batches waiting requests into one engine call; pause / abort / weight updates
+# ------------------------------------------------------------------------------------------------
+class _Job:
+    """One /generate request: its prompts (PromptRequests keyed by this job) and what comes back."""
+
+    def __init__(self, requests: list, ids: list, rid=None):
+        self.requests, self.ids, self.rid = requests, ids, rid
+        self.rows = sum(len(r.seeds) for r in requests)
+        self.results = [None] * len(requests)
+        self.pending = len(requests)
+        self.done = threading.Event()
+        self.error = None
+        self.aborted = False
+        self.abort_message = None
+
+    def matches(self, rid: str) -> bool:
+        return any(isinstance(i, str) and i.startswith(rid) for i in [self.rid, *self.ids])
+
+    def finish_aborted(self, message: str) -> None:
+        self.aborted, self.abort_message = True, message
+        for k, r in enumerate(self.requests):
+            if self.results[k] is None:
+                self.results[k] = [Completion(token_ids=[], logprobs=[], finish_reason="abort") for _ in r.seeds]
+        self.done.set()
+
+
+class Scheduler:
+    """The engine's only caller: a thread that takes the requests waiting when the engine is free
+    (in arrival order, at most ``max_batch_size`` sequences, at least one request) and decodes them
+    in one :meth:`EmbeddedEngine.generate_requests` call. It is also the engine's ``control``
+    (pause between steps, aborts)."""
+
+    def __init__(self, engine, max_batch_size: int | None = None):
+        self.engine = engine
+        self.max_batch_size = max_batch_size if max_batch_size is not None else getattr(engine, "max_batch_size", None)
+        self.cond = threading.Condition()
+        self.queue = collections.deque()
+        self.running = []
+        self.paused = None  # None | "abort" | "retract" | "in_place"
+        self.parked = False  # the engine waits between two steps for continue
+        self.updates = 0  # weight updates waiting for the running requests to finish
+        self.closed = False
+        self.batches = 0
+        self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- the engine's control ----------------------------------------------------------------------
+    def pause_mode(self):
+        with self.cond:
+            return self.paused if self.paused in ("in_place", "retract") and not self.closed else None
+
+    def wait_while_paused(self) -> None:
+        with self.cond:
+            self.parked = True
+            self.cond.notify_all()
+            while self.paused in ("in_place", "retract") and not self.closed:
+                self.cond.wait()
+            self.parked = False
+
+    def aborted(self, job) -> bool:
+        return job is not None and (job.aborted or self.closed)
+
+    # -- requests -----------------------------------------------------------------------------------
+    def submit(self, job: _Job, timeout: float | None = None) -> _Job:
+        with self.cond:
+            if self.closed:
+                raise RuntimeError("the server is shutting down")
+            self.queue.append(job)
+            self.cond.notify_all()
+        job.done.wait(timeout)
+        return job
+
+    def _take(self) -> list:
+        batch, rows = [], 0
+        while self.queue:
+            job = self.queue[0]
+            if batch and self.max_batch_size is not None and rows + job.rows > self.max_batch_size:
+                break
+            batch.append(self.queue.popleft())
+            rows += job.rows
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and (not self.queue or self.paused or self.updates):
+                    self.cond.wait()
+                if self.closed:
+                    return
+                batch = self._take()
+                self.running = batch
+                self.batches += 1
+            owners = [(job, k) for job in batch for k in range(len(job.requests))]
+
+            def on_done(i, completions, owners=owners):
+                job, k = owners[i]
+                job.results[k] = completions
+                job.pending -= 1
+                if job.pending == 0:
+                    job.done.set()
+
+            try:
+                self.engine.generate_requests([job.requests[k] for job, k in owners], control=self, on_prompt_done=on_done)
+            except Exception as e:  # noqa: BLE001 -- handed to the requests, answered by their handlers
+                for job in batch:
+                    if not job.done.is_set():
+                        job.error = e
+                        job.done.set()
+            finally:
+                with self.cond:
+                    self.running = []
+                    self.cond.notify_all()
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted") -> int:
+        """Abort the queued and running requests matching ``rid`` (a prefix of their ids) or all."""
+        count = 0
+        with self.cond:
+            for job in list(self.queue):
+                if abort_all or job.matches(rid):
+                    self.queue.remove(job)
+                    job.finish_aborted(message)
+                    count += 1
+            for job in self.running:
+                if abort_all or job.matches(rid):
+                    job.aborted, job.abort_message = True, message
+                    count += 1
+            self.cond.notify_all()
+        return count
+
+    def pause(self, mode: str) -> None:
+        with self.cond:
+            self.paused = mode
+            if mode == "abort":  # what runs or waits now ends; later requests wait for continue
+                self.abort(abort_all=True, message="Aborted by /pause_generation (mode abort)")
+            self.cond.notify_all()
+        with self.cond:  # answer once nothing decodes: the running requests ended, or the engine holds
+            while self.running and not self.closed and not (mode != "abort" and self.parked):
+                self.cond.wait()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = None
+            self.cond.notify_all()
+
+    def run_update(self, fn):
+        """Run ``fn`` (a weight update) with no decoding under way: paused, at once (the held
+        requests continue with the new weights); else after the running requests, holding new ones.
+        Returns ``(fn(), number of requests held paused)``."""
+        with self.cond:
+            paused = self.paused is not None
+            held = sum(1 for _ in self.running) if paused else 0
+            if not paused:
+                self.updates += 1
+                while self.running and not self.closed:
+                    self.cond.wait()
+        try:
+            return fn(), held
+        finally:
+            if not paused:
+                with self.cond:
+                    self.updates -= 1
+                    self.cond.notify_all()
+
+    def stats(self) -> dict:
+        with self.cond:
+            return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.queue),
+                    "paused": self.paused, "num_batches": self.batches}
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            pending = list(self.queue)
+            self.queue.clear()
+            self.cond.notify_all()
+        for job in pending:
+            job.error = RuntimeError("the server shut down")
+            job.done.set()
+
+
+# ------------------------------------------------------------------------------------------------
+# HTTP
+# ------------------------------------------------------------------------------------------------
+class _ServerState:
+    def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.tokenizer_path = tokenizer_path
+        self.served_model_name = served_model_name
+        self.scheduler = Scheduler(engine, max_batch_size)
+        self.num_generate_requests = 0
+        self.lock = threading.Lock()
+        self.health_check_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+        self.host, self.port = HOST, 0
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path or ""
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @property
+    def weight_version(self) -> str:
+        v = self.engine.weight_version
+        return DEFAULT_WEIGHT_VERSION if v is None else str(v)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -164,10 +753,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):  # no access log; errors are answered to the client
         pass
 
-    def _send(self, status: int, payload=None) -> None:
-        data = b"" if payload is None else json.dumps(payload).encode()
+    # -- plumbing -----------------------------------------------------------------------------------
+    def _send(self, status: int, payload=None, *, text: str | None = None) -> None:
+        if text is not None:
+            data, ctype = text.encode(), "text/plain; charset=utf-8"
+        else:
+            data, ctype = (b"" if payload is None else json.dumps(payload).encode()), "application/json"
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -180,86 +773,258 @@ class _Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY_BYTES:
             raise BadRequest(f"request body of {length} bytes is over the {MAX_BODY_BYTES}-byte limit")
         raw = self.rfile.read(length) if length else b""
+        if not raw.strip():
+            return {}
         try:
-            return json.loads(raw or b"{}")
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"the request body is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON ({e})") from None
 
-    def do_GET(self):
-        state = self.server.state
-        if self.path == "/health":
-            self._send(200)
-        elif self.path == "/get_model_info":
-            info = state.engine.model_info()
-            self._send(200, {**info, "tokenizer_path": state.tokenizer_path, "is_generation": True})
-        else:
-            self._error(404, f"no GET endpoint {self.path}")
-
-    def do_POST(self):
-        routes = {"/generate": self._generate, "/update_weights_from_disk": self._update_from_disk,
-                  "/flush_cache": lambda body: self._send(200)}
-        route = routes.get(self.path)
+    def _dispatch(self, method: str) -> None:
+        path = urllib.parse.urlsplit(self.path).path
+        gets = {"/health": self._health, "/health_generate": self._health_generate, "/ready": self._ready,
+                "/model_info": self._model_info, "/get_model_info": self._model_info,
+                "/server_info": self._server_info, "/get_server_info": self._server_info,
+                "/v1/models": self._models, "/flush_cache": self._flush_cache}
+        posts = {"/generate": self._generate, "/update_weights_from_disk": self._update_from_disk,
+                 "/update_weight_version": self._update_weight_version, "/pause_generation": self._pause,
+                 "/continue_generation": self._continue, "/abort_request": self._abort,
+                 "/flush_cache": self._flush_cache}
+        puts = {"/generate": self._generate}
+        table = {"GET": gets, "POST": posts, "PUT": puts}[method]
+        route = table.get(path)
+        if route is None and method == "GET" and path.startswith("/v1/models/"):
+            route = lambda body: self._model_card(urllib.parse.unquote(path[len("/v1/models/"):]))  # noqa: E731
         if route is None:
-            self._error(404, f"no POST endpoint {self.path}")
+            known = any(path in t for t in (gets, posts, puts))
+            self._send(405 if known else 404, {"detail": "Method Not Allowed" if known else "Not Found"})
             return
         try:
-            route(self._body())
+            route(self._body() if method != "GET" else None)
+        except ContractError as e:
+            self._send(400, {"error": str(e)})
         except BadRequest as e:
             self._error(400, str(e))
         except Exception as e:  # noqa: BLE001 -- answered, not swallowed: the client raises it
             self._error(500, f"{type(e).__name__}: {e}")
 
-    def _generate(self, body) -> None:
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    # -- health and info ----------------------------------------------------------------------------
+    def _health(self, body) -> None:
+        self._send(200)
+
+    def _ready(self, body) -> None:
+        self._send(503 if self.server.state.scheduler.paused else 200)
+
+    def _health_generate(self, body) -> None:
+        from megatron_klear.rollout.embedded import PromptRequest
+
         state = self.server.state
-        prompts, single, params, n, return_logprob, rid = parse_generate_request(body)
-        try:
-            results = state.engine.generate(prompts, params, n)
-        except ValueError as e:  # bad prompt ids and the like
-            raise BadRequest(str(e)) from None
-        base_id = rid if isinstance(rid, str) else uuid.uuid4().hex
-        version = state.engine.weight_version
+        steps = state.engine.decode_steps
+        probe = PromptRequest(prompt=[0], params=SamplingParams(top_k=1, max_new_tokens=1), seeds=[0], max_new_tokens=1)
+        job = _Job([probe], ids=[f"HEALTH_CHECK_{uuid.uuid4().hex}"])
+        probe.key = job
+        state.scheduler.submit(job, timeout=0)
+        deadline = time.monotonic() + state.health_check_timeout
+        while time.monotonic() < deadline:
+            if job.done.wait(0.05) or state.engine.decode_steps > steps:
+                if job.error is None:
+                    state.scheduler.abort(job.ids[0], message="health check")
+                    self._send(200)
+                    return
+                break
+        state.scheduler.abort(job.ids[0], message="health check")
+        self._send(503)
+
+    def _model_info(self, body) -> None:
+        state = self.server.state
+        info = state.engine.model_info()
+        self._send(200, {**info,
+                         "model_path": state.model_path, "served_model_name": state.model_name,
+                         "tokenizer_path": state.tokenizer_path or state.model_path, "is_generation": True,
+                         "preferred_sampling_params": None, "weight_version": state.weight_version,
+                         "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+                         "disaggregation_mode": "null", "has_image_understanding": False,
+                         "has_audio_understanding": False})
+
+    def _server_info(self, body) -> None:
+        state = self.server.state
+        engine, sched = state.engine, state.scheduler
+        c = engine.context_length
+        self._send(200, {
+            "model_path": state.model_path, "served_model_name": state.model_name,
+            "tokenizer_path": state.tokenizer_path or state.model_path,
+            "context_length": c, "max_context_length": c, "max_total_num_tokens": None,
+            "max_req_input_len": c - 1, "max_running_requests": sched.max_batch_size,
+            "max_batch_size": sched.max_batch_size, "dtype": engine.model_info().get("dtype"),
+            "device": str(engine.device), "host": state.host, "port": state.port,
+            "version": SGLANG_API_VERSION, "frontend": "megatron-klear-embedded",
+            "weight_version": state.weight_version, "num_generate_requests": state.num_generate_requests,
+            "internal_states": [sched.stats()], "incremental_streaming_output": False, "disaggregation_mode": "null",
+        })
+
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
+                "parent": None, "max_model_len": self.server.state.engine.context_length}
+
+    def _models(self, body) -> None:
+        self._send(200, {"object": "list", "data": [self._card(self.server.state.model_name)]})
+
+    def _model_card(self, name: str) -> None:
+        if name != self.server.state.model_name:
+            self._send(404, {"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
+                                       "param": "model", "code": "model_not_found"}})
+            return
+        self._send(200, self._card(name))
+
+    def _flush_cache(self, body) -> None:
+        self._send(200, text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                             "waiting requests, the operation will not be performed.)\n")
+
+    # -- generation ---------------------------------------------------------------------------------
+    def _generate(self, body) -> None:
+        from megatron_klear.rollout.embedded import PromptRequest, context_length_error
+        from megatron_klear.rollout.sampling import sample_seed
+
+        state = self.server.state
+        engine = state.engine
+        t0 = time.monotonic()
+        call = parse_generate_request(body)
+        if call.return_text_in_logprobs and state.tokenizer is None:
+            raise BadRequest("field 'return_text_in_logprobs'=True needs a tokenizer; this server has none")
+        c = engine.context_length
+        requests, limits = [], []
+        for i, (prompt, params) in enumerate(zip(call.prompts, call.params)):
+            bad = next((t for t in prompt if not 0 <= t < engine.vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"input_ids{'' if call.single else f'[{i}]'} holds {bad}, not a token id of the "
+                                 f"model's vocabulary [0, {engine.vocab_size})")
+            err = context_length_error(len(prompt), params.max_new_tokens, c)
+            if err is not None:
+                raise BadRequest(err)
+            limit = params.max_new_tokens if params.max_new_tokens is not None else max(0, min(TOP_K_ALL, c - 1 - len(prompt)))
+            limits.append(limit)
+            base = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            requests.append(PromptRequest(prompt=list(prompt), params=SamplingParams(
+                temperature=params.temperature if params.temperature > 0 else 1.0,
+                top_p=params.top_p, top_k=params.top_k if params.temperature > 0 else 1, max_new_tokens=max(1, limit),
+                stop_token_ids=params.stop_token_ids), seeds=[sample_seed(base, i, j) for j in range(call.n)],
+                max_new_tokens=limit, ignore_eos=bool(call.sampling[i]["ignore_eos"])))
+        ids = assign_ids(call)
+        job = _Job(requests, ids, rid=call.rid)
+        for r in requests:
+            r.key = job
+        with state.lock:
+            state.num_generate_requests += 1
+        state.scheduler.submit(job)
+        if job.error is not None:
+            if isinstance(job.error, ValueError):
+                raise BadRequest(str(job.error))
+            raise job.error
+        latency = time.monotonic() - t0
         outs = []
-        for i, per_prompt in enumerate(results):
-            for j, c in enumerate(per_prompt):
-                sample_id = base_id if single and n == 1 else f"{base_id}-{i * n + j}"
-                outs.append(completion_to_sglang(c, prompt_len=len(prompts[i]), params=params, return_logprob=return_logprob,
-                                                 rid=sample_id, weight_version=version, tokenizer=state.tokenizer))
-        self._send(200, outs[0] if single and n == 1 else outs)
+        for i, completions in enumerate(job.results):
+            for j, comp in enumerate(completions):
+                outs.append(completion_to_sglang(
+                    comp, prompt=call.prompts[i], max_new_tokens=limits[i], return_logprob=call.return_logprob,
+                    rid=ids[i * call.n + j], weight_version=engine.weight_version, tokenizer=state.tokenizer,
+                    sampling=call.sampling[i], e2e_latency=latency, return_text_in_logprobs=call.return_text_in_logprobs,
+                    return_prompt_token_ids=call.return_prompt_token_ids, abort_message=job.abort_message))
+        self._send(200, outs[0] if call.single and call.n == 1 else outs)
+
+    # -- control ------------------------------------------------------------------------------------
+    def _fields(self, body, spec: dict, required=()) -> dict:
+        """Type-check a control body (unknown keys ignored, as SGLang's request structs do)."""
+        if not isinstance(body, dict):
+            raise BadRequest(f"the body must be a JSON object, got {_unexpected(body)}")
+        for key in required:
+            if body.get(key) is None:
+                raise BadRequest(f"field '{key}' is required")
+        out = {}
+        for key, (check, default) in spec.items():
+            value = body.get(key)
+            out[key] = default if value is None else check(value, key)
+        return out
+
+    def _pause(self, body) -> None:
+        f = self._fields(body, {"mode": (_str, "abort")})
+        if f["mode"] not in PAUSE_MODES:
+            raise BadRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, got {f['mode']!r}")
+        self.server.state.scheduler.pause(f["mode"])
+        self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
+
+    def _continue(self, body) -> None:
+        self._fields(body, {"torch_empty_cache": (_bool, True)})
+        self.server.state.scheduler.resume()
+        self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
+
+    def _abort(self, body) -> None:
+        f = self._fields(body, {"rid": (_str, ""), "abort_all": (_bool, False)})
+        if f["abort_all"] or f["rid"]:  # an empty rid without abort_all is ignored, as in SGLang
+            self.server.state.scheduler.abort(f["rid"], f["abort_all"], message="Aborted by /abort_request")
+        self._send(200)
+
+    def _update_weight_version(self, body) -> None:
+        f = self._fields(body, {"new_version": (_str, None), "abort_all_requests": (_bool, True)}, required=("new_version",))
+        state = self.server.state
+        if f["abort_all_requests"]:
+            state.scheduler.abort(abort_all=True, message="Aborted by /update_weight_version")
+        state.engine.weight_version = f["new_version"]
+        self._send(200, {"success": True, "message": f"Weight version updated to {f['new_version']}",
+                         "new_version": f["new_version"]})
 
     def _update_from_disk(self, body) -> None:
-        path = body.get("model_path") if isinstance(body, dict) else None
-        if not isinstance(path, str) or not path:
-            raise BadRequest("model_path must name an HF checkpoint directory")
-        version = body.get("weight_version")
-        try:
-            self.server.state.engine.load_weights_from_dir(path, version=version)
-        except (OSError, ValueError) as e:
-            self._send(400, {"success": False, "message": str(e), "num_paused_requests": 0})
+        f = self._fields(body, {
+            "model_path": (_str, None), "load_format": (_optional_str, None), "abort_all_requests": (_bool, False),
+            "weight_version": (_str, None), "is_async": (_bool, False), "torch_empty_cache": (_bool, False),
+            "keep_pause": (_bool, False), "recapture_cuda_graph": (_bool, False), "token_step": (_int, 0),
+            "flush_cache": (_bool, True), "manifest": (_map, None)}, required=("model_path",))
+        state = self.server.state
+        if f["load_format"] not in (None, "auto", "safetensors"):
+            self._send(400, {"success": False, "num_paused_requests": 0,
+                             "message": f"load_format {f['load_format']!r} is not supported by the embedded engine "
+                                        "(auto | safetensors)"})
             return
-        self._send(200, {"success": True, "message": f"loaded weights from {path}", "num_paused_requests": 0})
+        if f["abort_all_requests"]:
+            state.scheduler.abort(abort_all=True, message="Aborted by /update_weights_from_disk")
+        version = f["weight_version"] if f["weight_version"] is not None else state.engine.weight_version
+        try:
+            _, held = state.scheduler.run_update(lambda: state.engine.load_weights_from_dir(f["model_path"], version=version))
+        except (OSError, ValueError) as e:
+            self._send(400, {"success": False, "num_paused_requests": 0,
+                             "message": f"Failed to update weights: {e}.\nRolling back to original weights."})
+            return
+        message = "Succeeded to update model weights."
+        if f["weight_version"] is not None:
+            message += f" Weight version updated to {f['weight_version']}."
+        self._send(200, {"success": True, "message": message, "num_paused_requests": held})
 
 
-class _ServerState:
-    def __init__(self, engine, tokenizer, tokenizer_path):
-        self.engine, self.tokenizer, self.tokenizer_path = engine, tokenizer, tokenizer_path
+class EmbeddedHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def server_close(self):
+        self.state.scheduler.close()
+        super().server_close()
 
 
-def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None) -> ThreadingHTTPServer:
+def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
+                served_model_name: str | None = None, max_batch_size: int | None = None) -> EmbeddedHTTPServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
-    Call ``serve_forever()`` (e.g. in a thread) and ``shutdown()``; the engine serialises requests."""
-    server = ThreadingHTTPServer((HOST, int(port)), _Handler)
-    server.daemon_threads = True
-    server.state = _ServerState(engine, tokenizer, tokenizer_path)
+    Call ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``.
+    ``max_batch_size``: most sequences per engine call (default: the engine's)."""
+    server = EmbeddedHTTPServer((HOST, int(port)), _Handler)
+    server.state = _ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size)
+    server.state.port = server.server_address[1]
     return server
-
-
-def _load_tokenizer(path: str):
-    """The model directory's tokenizer, or None when it has none (responses then carry no text)."""
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def main(argv=None) -> int:
@@ -271,15 +1036,20 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | float64")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch-size", type=int, default=None, help="most sequences decoded together")
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="longest prompt + response (default: the config's, as SGLang's --context-length)")
+    ap.add_argument("--served-model-name", default=None, help="the model name in /v1/models (default: the path)")
     ap.add_argument("--port-file", default=None, help="write the bound port here (atomically) once serving")
     args = ap.parse_args(argv)
 
-    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
 
+    tokenizer = load_tokenizer(args.model)
     engine = EmbeddedEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                            max_batch_size=args.max_batch_size)
-    tokenizer = _load_tokenizer(args.model)
-    server = make_server(engine, args.port, tokenizer=tokenizer, tokenizer_path=args.model if tokenizer else None)
+                                            max_batch_size=args.max_batch_size, context_length=args.context_length,
+                                            tokenizer=tokenizer)
+    server = make_server(engine, args.port, tokenizer=tokenizer, tokenizer_path=args.model if tokenizer else None,
+                         served_model_name=args.served_model_name)
     port = server.server_address[1]
     if args.port_file:
         tmp = f"{args.port_file}.tmp-{os.getpid()}"
@@ -311,15 +1081,22 @@ class EmbeddedHTTPEngine(SGLangEngine):
     # ---------------------------------------------------------------- server process
     @classmethod
     def launch(cls, model_dir: str, *, port: int = 0, dtype: str = "float32", max_batch_size: int | None = None,
+               context_length: int | None = None, served_model_name: str | None = None,
                startup_timeout: float = 300.0, **kwargs) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.embedded`` for ``model_dir`` and wait until it is
-        healthy; :meth:`close` stops it. The server's output goes to a log file named in errors."""
+        healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
+        ``context_length`` / ``served_model_name``: the server's ``--context-length`` /
+        ``--served-model-name``."""
         workdir = tempfile.mkdtemp(prefix="klear-embedded-server-")
         port_file, log_path = os.path.join(workdir, "port"), os.path.join(workdir, "server.log")
         cmd = [sys.executable, "-m", "megatron_klear.rollout.embedded", "--model", model_dir, "--port", str(port),
                "--dtype", dtype, "--port-file", port_file]
         if max_batch_size is not None:
             cmd += ["--max-batch-size", str(max_batch_size)]
+        if context_length is not None:
+            cmd += ["--context-length", str(context_length)]
+        if served_model_name is not None:
+            cmd += ["--served-model-name", served_model_name]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         with open(log_path, "wb") as log:

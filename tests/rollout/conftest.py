@@ -47,3 +47,11 @@ def greedy_reference(ref, prompt, max_new_tokens, stop_ids):
 
 
 PROMPTS = [[5, 17, 33, 60, 7, 99, 12], [40, 41], [300, 8, 250, 3]]
+
+
+@pytest.fixture(scope="session")
+def sglang_contract():
+    """SGLang 0.5.23's contract module (tests/rollout/sglang_contract.py); fails when missing."""
+    from tests.rollout.sglang_contract import load_contract
+
+    return load_contract()
