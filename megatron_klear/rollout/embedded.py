@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_klear.rollout.base import Completion, RolloutEngine, SamplingParams
-from megatron_klear.rollout.sampling import SampleStreams, sample_seed, sample_tokens
+from megatron_klear.rollout.sampling import SampleStreams, request_seeds, sample_tokens
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -269,8 +269,7 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(f"rollout.embedded: n must be an integer >= 1, got {n!r}")
         base = params.seed if params.seed is not None else secrets.randbits(63)
         count = len(prompts) if isinstance(prompts, (list, tuple)) else 0
-        seeds = [[sample_seed(base, i, j) for j in range(int(n))] for i in range(count)]
-        return self.generate_with_seeds(prompts, params, seeds)
+        return self.generate_with_seeds(prompts, params, request_seeds(base, count, n))
 
     def generate_with_seeds(self, prompts: list, params: SamplingParams, seeds: list) -> list:
         """Like :meth:`generate` with explicit per-sample seeds: ``seeds[i]`` lists one seed per sample
@@ -395,7 +394,8 @@ class EmbeddedEngine(RolloutEngine):
 
     def _checkpoint(self, control):
         """Between steps: block while the control is paused (with the engine lock released, so that
-        weights can change meanwhile); returns the pause mode waited out, or None."""
+        weights can change meanwhile) until it continues or has aborts to serve; returns the pause
+        mode waited in, or None."""
         mode = control.pause_mode()
         if mode is None:
             return None
@@ -455,17 +455,24 @@ class EmbeddedEngine(RolloutEngine):
 
         while active:
             if control is not None:
-                mode = self._checkpoint(control)
-                keep = []
-                for b, r in enumerate(active):
-                    if control.aborted(requests[prompt_of[r]].key):
-                        finish(r, "abort")
+                retract = False
+                while True:  # held while paused; aborts are served meanwhile
+                    retract |= self._checkpoint(control) == "retract"
+                    keep = []
+                    for b, r in enumerate(active):
+                        if control.aborted(requests[prompt_of[r]].key):
+                            finish(r, "abort")
+                        else:
+                            keep.append(b)
+                    if keep:
+                        keep_only(keep)
                     else:
-                        keep.append(b)
-                if not keep:
+                        active = []
+                    if not active or control.pause_mode() is None:
+                        break
+                if not active:
                     break
-                keep_only(keep)
-                if mode == "retract":  # recompute the KV cache of the running rows with the current weights
+                if retract:  # recompute the KV cache of the running rows with the current weights
                     logits, mask, last_pos, cache = self._prefill(
                         [requests[prompt_of[r]].prompt + tokens[r] for r in active])
             uniforms = streams.next(torch.tensor(active, dtype=torch.long))

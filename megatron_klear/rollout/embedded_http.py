@@ -41,7 +41,9 @@ Generation
   ``sampling_seed`` only with deterministic inference, and then gives the ``n`` samples one seed.)
 - Batching: requests waiting when the engine becomes free are decoded together in one engine call
   (at most ``--max-batch-size`` sequences, whole prompts, in arrival order), each prompt with its own
-  sampling parameters; a request answers as soon as its own samples have finished.
+  sampling parameters; a request answers as soon as its own samples have finished. A running batch
+  admits no newcomers (no continuous batching), so an idle engine first lets concurrent arrivals
+  gather (until none came for 5 ms, at most ``--batch-window-ms``, default 50).
 - Validation, as SGLang: the body is checked against SGLang's contract types for the fields this
   server reads (a violation answers 400 ``{"error": "<serde-style message>"}``, the shape of SGLang's
   contract gate; e.g. an unknown ``sampling_params`` key gets ``unknown field `x`, expected one of
@@ -85,7 +87,8 @@ Other routes (SGLang's shapes)
   Every tensor is read and checked before the first copy, so the weights are either all new or all
   old. Answers ``{"success", "message", "num_paused_requests"}``, 400 with ``success: false`` on
   failure.
-- ``POST /update_weight_version`` ``{"new_version", "abort_all_requests" (default true)}``.
+- ``POST /update_weight_version`` ``{"new_version", "abort_all_requests" (default true)}``. (SGLang
+  0.5.23 has no route reading the version alone: it is ``weight_version`` in ``/model_info``.)
 - ``POST /abort_request`` ``{"rid" | "abort_all"}`` (200, empty body): aborts the requests whose id
   or a sample's id starts with ``rid`` (the whole request), queued or running.
 - ``POST``/``GET /flush_cache``: 200 (nothing is cached between requests here).
@@ -569,19 +572,27 @@ class Scheduler:
     """The engine's only caller: a thread that takes the requests waiting when the engine is free
     (in arrival order, at most ``max_batch_size`` sequences, at least one request) and decodes them
     in one :meth:`EmbeddedEngine.generate_requests` call. It is also the engine's ``control``
-    (pause between steps, aborts)."""
+    (pause between steps, aborts).
 
-    def __init__(self, engine, max_batch_size: int | None = None):
+    A batch does not admit requests that arrive while it decodes, so when the engine is idle and
+    requests start arriving the scheduler lets them gather first: it takes them once no new one has
+    come for ``settle`` seconds, or after ``window`` seconds (a client sending hundreds of requests
+    at once then fills one batch instead of having its first request decoded alone)."""
+
+    def __init__(self, engine, max_batch_size: int | None = None, *, window: float = 0.05, settle: float = 0.005):
         self.engine = engine
         self.max_batch_size = max_batch_size if max_batch_size is not None else getattr(engine, "max_batch_size", None)
+        self.window, self.settle = float(window), float(settle)
         self.cond = threading.Condition()
         self.queue = collections.deque()
         self.running = []
         self.paused = None  # None | "abort" | "retract" | "in_place"
         self.parked = False  # the engine waits between two steps for continue
         self.updates = 0  # weight updates waiting for the running requests to finish
+        self.abort_epoch = 0  # bumped by every abort of a running request (wakes a held engine)
         self.closed = False
         self.batches = 0
+        self.history = collections.deque(maxlen=1024)  # (requests, sequences) of the recent engine calls
         self._thread = threading.Thread(target=self._loop, name="embedded-scheduler", daemon=True)
         self._thread.start()
 
@@ -591,10 +602,13 @@ class Scheduler:
             return self.paused if self.paused in ("in_place", "retract") and not self.closed else None
 
     def wait_while_paused(self) -> None:
+        """Hold the engine until continue, or until an abort is to be served (the engine then ends
+        the aborted rows and comes back while still paused)."""
         with self.cond:
             self.parked = True
             self.cond.notify_all()
-            while self.paused in ("in_place", "retract") and not self.closed:
+            epoch = self.abort_epoch
+            while self.paused in ("in_place", "retract") and not self.closed and self.abort_epoch == epoch:
                 self.cond.wait()
             self.parked = False
 
@@ -610,6 +624,21 @@ class Scheduler:
             self.cond.notify_all()
         job.done.wait(timeout)
         return job
+
+    def _gather(self) -> None:
+        """(Holding the lock, the engine idle.) Let concurrent arrivals join before a batch starts."""
+        end = time.monotonic() + self.window
+        seen = len(self.queue)
+        while not self.closed and not self.paused and not self.updates:
+            if self.max_batch_size is not None and sum(job.rows for job in self.queue) >= self.max_batch_size:
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self.cond.wait(min(self.settle, left))
+            if len(self.queue) == seen:
+                return
+            seen = len(self.queue)
 
     def _take(self) -> list:
         batch, rows = [], 0
@@ -628,9 +657,15 @@ class Scheduler:
                     self.cond.wait()
                 if self.closed:
                     return
+                self._gather()
+                if self.closed:
+                    return
+                if not self.queue or self.paused or self.updates:
+                    continue
                 batch = self._take()
                 self.running = batch
                 self.batches += 1
+                self.history.append((len(batch), sum(job.rows for job in batch)))
             owners = [(job, k) for job in batch for k in range(len(job.requests))]
 
             def on_done(i, completions, owners=owners):
@@ -665,6 +700,7 @@ class Scheduler:
                 if abort_all or job.matches(rid):
                     job.aborted, job.abort_message = True, message
                     count += 1
+                    self.abort_epoch += 1
             self.cond.notify_all()
         return count
 
@@ -722,11 +758,11 @@ class Scheduler:
 # HTTP
 # ------------------------------------------------------------------------------------------------
 class _ServerState:
-    def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size):
+    def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window):
         self.engine, self.tokenizer = engine, tokenizer
         self.tokenizer_path = tokenizer_path
         self.served_model_name = served_model_name
-        self.scheduler = Scheduler(engine, max_batch_size)
+        self.scheduler = Scheduler(engine, max_batch_size, window=batch_window)
         self.num_generate_requests = 0
         self.lock = threading.Lock()
         self.health_check_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
@@ -1017,12 +1053,14 @@ class EmbeddedHTTPServer(ThreadingHTTPServer):
 
 
 def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
-                served_model_name: str | None = None, max_batch_size: int | None = None) -> EmbeddedHTTPServer:
+                served_model_name: str | None = None, max_batch_size: int | None = None,
+                batch_window: float = 0.05) -> EmbeddedHTTPServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
     Call ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``.
-    ``max_batch_size``: most sequences per engine call (default: the engine's)."""
+    ``max_batch_size``: most sequences per engine call (default: the engine's); ``batch_window``:
+    the longest an idle engine waits for concurrent requests to gather (:class:`Scheduler`)."""
     server = EmbeddedHTTPServer((HOST, int(port)), _Handler)
-    server.state = _ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size)
+    server.state = _ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window)
     server.state.port = server.server_address[1]
     return server
 
@@ -1039,6 +1077,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context-length", type=int, default=None,
                     help="longest prompt + response (default: the config's, as SGLang's --context-length)")
     ap.add_argument("--served-model-name", default=None, help="the model name in /v1/models (default: the path)")
+    ap.add_argument("--batch-window-ms", type=float, default=50.0,
+                    help="longest an idle engine waits for concurrent requests to gather into one batch")
     ap.add_argument("--port-file", default=None, help="write the bound port here (atomically) once serving")
     args = ap.parse_args(argv)
 
@@ -1049,7 +1089,7 @@ def main(argv=None) -> int:
                                             max_batch_size=args.max_batch_size, context_length=args.context_length,
                                             tokenizer=tokenizer)
     server = make_server(engine, args.port, tokenizer=tokenizer, tokenizer_path=args.model if tokenizer else None,
-                         served_model_name=args.served_model_name)
+                         served_model_name=args.served_model_name, batch_window=args.batch_window_ms / 1000.0)
     port = server.server_address[1]
     if args.port_file:
         tmp = f"{args.port_file}.tmp-{os.getpid()}"

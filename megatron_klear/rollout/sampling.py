@@ -26,6 +26,18 @@ Sample ``j`` of prompt ``i`` of a call with base seed ``s`` draws its uniforms f
 ``torch.Generator`` seeded with :func:`sample_seed` ``(s, i, j)``. Its tokens therefore depend only on
 its prompt, the sampling parameters, the weights and that seed -- not on the other sequences of
 the batch, the batch size or the padding (up to float rounding in the model's forward).
+
+Who picks ``s``, ``i`` and ``j``:
+
+- :meth:`EmbeddedEngine.generate` (in process): ``s = params.seed`` (random when None), ``i`` the
+  prompt's index in the call, ``j`` the sample's (:func:`request_seeds`).
+- the HTTP server (:mod:`.embedded_http`), per ``/generate`` request: ``s`` = that prompt's
+  ``sampling_params.sampling_seed`` (random when absent), ``i`` the prompt's index *in that
+  request*, ``j`` the sample's index among its ``n``. The server decodes whatever requests are
+  waiting together, but each sample keeps the seed its own request gives it, so its tokens are the
+  same whether the request arrives alone or with hundreds of others. (A request with the prompts
+  ``[a, b]`` and one seed therefore equals the in-process ``generate([a, b], seed)``; the same
+  prompts sent as two one-prompt requests get ``i = 0`` each.)
 """
 from __future__ import annotations
 
@@ -47,6 +59,12 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """
     digest = hashlib.blake2b(f"{int(seed)}/{int(prompt_index)}/{int(sample_index)}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
+
+
+def request_seeds(seed: int, num_prompts: int, n: int) -> list:
+    """Per prompt, the seeds of its ``n`` samples in a call (or request) seeded ``seed``:
+    ``seeds[i][j] = sample_seed(seed, i, j)``."""
+    return [[sample_seed(seed, i, j) for j in range(int(n))] for i in range(int(num_prompts))]
 
 
 class SampleStreams:

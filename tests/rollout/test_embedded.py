@@ -223,3 +223,34 @@ def test_bfloat16_engine_logprobs_near_the_float64_reference(tiny_hf, ref_untied
             ref = torch.log_softmax(z, -1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
             # bf16 weights: about 0.03 off here; a log-prob of the wrong position is off by > 1
             torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, rtol=0, atol=0.15)
+
+
+def test_eos_ids_include_the_tokenizers_as_sglang(tiny_hf, tmp_path):
+    from megatron_klear.models.tiny import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
+    from megatron_klear.rollout.embedded import eos_token_ids_of, load_tokenizer
+
+    engine = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
+    assert engine.eos_token_ids == [IM_END_ID]  # instruct: config, generation config and tokenizer agree
+    base_tok = build_tokenizer(str(tmp_path / "tok"), flavor="base")
+    assert eos_token_ids_of(engine.model, base_tok) == sorted([ENDOFTEXT_ID, IM_END_ID])
+    assert load_tokenizer(str(tmp_path)) is None  # no tokenizer files there
+
+
+def test_generate_requests_mixes_parameters_and_reports_each_prompt(engine):
+    from megatron_klear.rollout.embedded import PromptRequest
+
+    reqs = [PromptRequest(PROMPTS[0], SamplingParams(temperature=0.7, top_k=20, max_new_tokens=6), [11, 12]),
+            PromptRequest(PROMPTS[1], SamplingParams(top_p=0.8, max_new_tokens=9, stop_token_ids=[7]), [13]),
+            PromptRequest(PROMPTS[2], SamplingParams(top_k=1), [14], max_new_tokens=0),
+            PromptRequest(PROMPTS[2], SamplingParams(top_k=1, max_new_tokens=4), [15], ignore_eos=True)]
+    seen = []
+    out = engine.generate_requests(reqs, on_prompt_done=lambda i, cs: seen.append(i))
+    assert sorted(seen) == [0, 1, 2, 3] and seen[0] == 2  # the empty one first, then as each finishes
+    assert out[2][0].token_ids == [] and out[2][0].finish_reason == "length"
+    assert len(out[3][0].token_ids) == 4 and out[3][0].finish_reason == "length"
+    for i, r in enumerate(reqs):  # each as if alone
+        if r.max_new_tokens == 0 or r.ignore_eos:
+            continue
+        alone = engine.generate_with_seeds([r.prompt], r.params, [r.seeds])[0]
+        assert [c.token_ids for c in alone] == [c.token_ids for c in out[i]]
+        assert [c.finish_reason for c in alone] == [c.finish_reason for c in out[i]]

@@ -337,6 +337,8 @@ def test_base_flavor_eos_stops_and_im_end_only_when_asked(base_hf):
         status, out = _post(url + "/generate", {"input_ids": [5, 6], "sampling_params": greedy, "return_logprob": True})
         assert out["output_ids"] == [ENDOFTEXT_ID]
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ENDOFTEXT_ID}
+        (decoded,) = validate_generate_response(out)  # the stop shape, as SGLang's contract reads it
+        assert decoded.meta_info.finish_reason.matched == ENDOFTEXT_ID
         status, out = _post(url + "/generate", {"input_ids": [5, 6], "sampling_params": {**greedy, "ignore_eos": True}})
         assert out["output_ids"] == [ENDOFTEXT_ID] * 5  # ignore_eos: SGLang's rule
     finally:
@@ -392,14 +394,34 @@ def test_concurrent_requests_are_batched_with_the_tokens_they_get_alone(tiny_hf)
             assert [p[1] for p in lx] == [p[1] for p in ly]
             assert [p[0] for p in lx] == pytest.approx([p[0] for p in ly], abs=1e-5)
     assert len({len(ids) for r in together for ids in _ids(r)}) >= 3
-    # a server decoding at most 4 sequences at a time: the same tokens again
+    # arriving together at an idle server (no pause): they gather into few batches (the batch window)
+    server, url = _serve(EmbeddedEngine(engine.model), batch_window=2.0)
+    try:
+        server.state.scheduler.settle = 0.1  # generous, for a loaded machine
+        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            gathered = [r[1] for r in pool.map(lambda b: _post(url + "/generate", b), bodies)]
+        assert server.state.scheduler.batches <= 3, list(server.state.scheduler.history)
+    finally:
+        _stop(server)
+    assert [_ids(r) for r in gathered] == [_ids(r) for r in alone]
+    # a server decoding at most 4 sequences at a time (--max-batch-size): the same tokens again
     server, url = _serve(EmbeddedEngine(engine.model, max_batch_size=4))
     try:
+        sched = server.state.scheduler
+        assert _post(url + "/pause_generation", {"mode": "retract"})[0] == 200
         with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-            small = [r[1] for r in pool.map(lambda b: _post(url + "/generate", b), bodies)]
+            futures = [pool.submit(_post, url + "/generate", b) for b in bodies]
+            while sched.stats()["num_waiting_reqs"] < len(bodies):
+                time.sleep(0.01)
+            _post(url + "/continue_generation", {})
+            small = [f.result()[1] for f in futures]
+        sizes = list(sched.history)
     finally:
         _stop(server)
     assert [_ids(r) for r in small] == [_ids(r) for r in alone]
+    rows = [(len(b["input_ids"]) if isinstance(b["input_ids"][0], list) else 1) * b["sampling_params"]["n"] for b in bodies]
+    assert sum(r for _, r in sizes) == sum(rows) and len(sizes) > 1
+    assert all(r <= 4 or jobs == 1 for jobs, r in sizes) and max(jobs for jobs, _ in sizes) > 1, sizes
 
 
 def _ids(response):
@@ -494,6 +516,24 @@ def test_pause_holds_running_requests_and_continue_resumes_them(control_server, 
     assert engine.decode_steps - start == 200 + (mode == "retract")
     got = [p[0] for p in out["meta_info"]["output_token_logprobs"]]
     assert got == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_abort_while_paused_answers_at_once(control_server):
+    engine, url, server = control_server
+    start = engine.decode_steps
+    running = _start(url, {"input_ids": PROMPTS[0], "sampling_params": LONG, "rid": "held"})
+    other = _start(url, {"input_ids": PROMPTS[1], "sampling_params": LONG, "rid": "kept"})
+    _wait_steps(engine, start + 5)
+    assert _post(url + "/pause_generation", {"mode": "in_place"})[0] == 200
+    held = engine.decode_steps
+    assert _post(url + "/abort_request", {"rid": "held"})[0] == 200
+    status, out = running.result(timeout=30)  # answered while the server stays paused
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and server.state.scheduler.paused == "in_place"
+    time.sleep(0.2)
+    assert engine.decode_steps == held and not other.done()  # the other request is still held
+    assert _post(url + "/update_weight_version", {"new_version": "w2"})[0] == 200  # aborts all by default
+    status, out = other.result(timeout=30)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and engine.decode_steps == held
 
 
 def test_weights_update_while_paused_in_place(control_server, other_hf):
