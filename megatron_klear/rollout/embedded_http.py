@@ -3,7 +3,7 @@
 Server (standard library only, bound to 127.0.0.1)::
 
     python -m megatron_klear.rollout.embedded --model DIR --port P [--dtype float32] [--max-batch-size N]
-        [--context-length C] [--served-model-name NAME]
+        [--context-length C] [--served-model-name NAME] [--batch-window-ms MS]
 
 It stands in for SGLang 0.5.23 in the tests (SGLang needs CUDA), so it answers like SGLang wherever a
 client relies on it: request validation (``sglang/api/v1/api_types.py``, the contract SGLang's
@@ -30,8 +30,9 @@ Generation
   with a version (SGLang's default).
 - Sampling: ``temperature`` (below 1e-6: greedy, SGLang's rule), ``top_p``, ``top_k`` (-1 or
   2^30: off), ``max_new_tokens`` (default 128; 0 gives an empty response; null: up to the context,
-  as SGLang), ``n``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``; ``skip_special_tokens``,
-  ``spaces_between_special_tokens``, ``no_stop_trim`` and ``stream_interval`` only shape the text.
+  as SGLang), ``n``, ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``; ``skip_special_tokens``
+  and ``no_stop_trim`` shape the text; ``spaces_between_special_tokens`` and ``stream_interval`` are
+  accepted and have no effect.
   The log-probs are the engine's: ``log_softmax(logits / temperature)``, unfiltered (see
   :mod:`megatron_klear.rollout.sampling`). Stop ids: the checkpoint's EOS ids (config.json,
   generation_config.json, the tokenizer's EOS: see :mod:`.embedded`) plus ``stop_token_ids``.
