@@ -87,6 +87,7 @@ class TrainConfig:
     save_interval: int = 0  # steps between checkpoints (0: only at the end and on SIGTERM)
     keep_last: int = 3
     resume: bool = True  # continue from save_dir's latest checkpoint when there is one
+    overwrite: bool = False  # start fresh even if save_dir holds a run: move that run to save_dir/replaced/<time>/
     log_interval: int = 1
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocab-parallel log-prob
     logprobs_from_hidden: bool = True  # never materialise [tokens, vocab/TP] logits (models/output_head.py)
@@ -294,6 +295,39 @@ def _resolve_hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
+def _keys(obj, prefix: str = "") -> list:
+    """Every settable dotted key below ``obj``."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out += _keys(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
+    return out
+
+
+def _suggest(obj, parts: list, i: int, names: list) -> str | None:
+    """A close match for the unknown ``parts[i]``: a misspelt section with the rest kept
+    (``trian.steps`` -> ``train.steps``), a misspelt key among its siblings (``optim.lr_warmup``
+    -> ``optim.warmup_steps``), else the closest key anywhere."""
+    dotted = ".".join(parts)
+    everything = _keys(obj)
+    if i < len(parts) - 1:  # a section name
+        for name in difflib.get_close_matches(parts[i], names, n=3, cutoff=0.6):
+            section = ".".join(parts[:i] + [name])
+            candidate = ".".join([section] + parts[i + 1:])
+            if candidate in everything:
+                return candidate
+            inside = difflib.get_close_matches(candidate, [k for k in everything if k.startswith(section + ".")], n=1)
+            if inside:
+                return inside[0]
+    else:
+        prefix = ".".join(parts[:i])
+        hint = difflib.get_close_matches(dotted, [f"{prefix}.{n}" if prefix else n for n in names], n=1)
+        if hint:
+            return hint[0]
+    hint = difflib.get_close_matches(dotted, everything, n=1)
+    return hint[0] if hint else None
+
+
 def _set(obj, dotted: str, value, where: str) -> None:
     parts = dotted.split(".")
     target = obj
@@ -302,11 +336,9 @@ def _set(obj, dotted: str, value, where: str) -> None:
             raise ConfigError(f"{where}: '{'.'.join(parts[:i])}' is not a section")
         names = [f.name for f in dataclasses.fields(target)]
         if name not in names:
-            prefix = ".".join(parts[:i])
-            full = [f"{prefix}.{n}" if prefix else n for n in names]
-            hint = difflib.get_close_matches(dotted, full, n=1)
+            hint = _suggest(obj, parts, i, names)
             raise ConfigError(
-                f"{where}: unknown key '{dotted}'" + (f" (did you mean '{hint[0]}'?)" if hint else "")
+                f"{where}: unknown key '{dotted}'" + (f" (did you mean '{hint}'?)" if hint else "")
             )
         if i == len(parts) - 1:
             tp = _resolve_hints(type(target))[name]

@@ -85,14 +85,16 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
                       f"rollout.urls=[{router_url}]", f"rollout.sync_dir={tmp_path / 'weights'}",
                       "reward.workers=1", "train.steps=2", "train.save_interval=1", f"train.save_dir={rl_dir}",
                       env=env)
+            lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
+            last = max((m["step"] for m in lines if m.get("actor/optimizer_steps")), default=0)
             for s in servers:
                 info = SGLangEngine([s.url]).server_info()
                 assert info["num_generate_requests"] > 0, info  # both workers served rollouts
-                assert SGLangEngine([s.url]).model_info()["weight_version"] == "2"
+                # the weights of the last RL step that updated them (0: the start-up sync)
+                assert SGLangEngine([s.url]).model_info()["weight_version"] == str(last)
     finally:
         for s in servers:
             s.close()
-    lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         # the SFT model ends its turns with <|im_end|>; the engines stop there although it is not EOS

@@ -7,6 +7,8 @@
 Exits 1 when the difference exceeds --tol.
 """
 import argparse
+import os
+import shlex
 import sys
 
 
@@ -24,16 +26,27 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--tol", type=float, default=1e-4)
     args = p.parse_args(argv)
+    ranks = args.tp * args.pp
+    if ranks > 1 and "RANK" not in os.environ:  # plain `python`: one process, but TP x PP ranks are needed
+        script = sys.argv[0] if argv is None else "tools/check_parity.py"
+        rest = shlex.join(sys.argv[1:] if argv is None else list(argv))
+        print(f"error: --tp {args.tp} --pp {args.pp} needs {ranks} processes, one per rank; launch them with\n"
+              f"  torchrun --nproc-per-node {ranks} {script} {rest}", file=sys.stderr)
+        return 2
     from megatron_klear.checkpoint.parity import check_parity
     from megatron_klear.platform import is_rank0
+    from megatron_klear.platform.entry import run_entry_point
 
-    diff = check_parity(args.hf_dir, ckpt_dir=args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch,
-                        seq_len=args.seq_len, backend=args.backend)
-    ok = diff <= args.tol
-    if is_rank0():
-        print(f"parity tp={args.tp} pp={args.pp}: max |logits diff| = {diff:.3e} "
-              f"({'OK' if ok else 'FAIL'}, tolerance {args.tol:.0e})")
-    return 0 if ok else 1
+    def run():
+        diff = check_parity(args.hf_dir, ckpt_dir=args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch,
+                            seq_len=args.seq_len, backend=args.backend)
+        ok = diff <= args.tol
+        if is_rank0():
+            print(f"parity tp={args.tp} pp={args.pp}: max |logits diff| = {diff:.3e} "
+                  f"({'OK' if ok else 'FAIL'}, tolerance {args.tol:.0e})")
+        return 0 if ok else 1
+
+    return run_entry_point(run)
 
 
 if __name__ == "__main__":

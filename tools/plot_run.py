@@ -57,4 +57,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_klear.platform.entry import run_entry_point
+
+    sys.exit(run_entry_point(main))  # a bad input file or value: one line naming it, exit status 2

@@ -27,8 +27,35 @@ TOKENIZER_FILES = (
 )
 
 
+class UnreadableFileError(ValueError):
+    """An input file that exists but cannot be read (truncated, corrupt); the message names it."""
+
+
+def _safetensors_error():
+    try:
+        from safetensors import SafetensorError
+
+        return SafetensorError
+    except ImportError:  # pragma: no cover - older safetensors
+        return Exception
+
+
+def open_safetensors(path: str):
+    """``safe_open(path)``, failing with an error that names the file (safetensors' own says
+    only e.g. "incomplete metadata, file not fully covered")."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except (_safetensors_error(), OSError) as e:
+        raise UnreadableFileError(
+            f"{path}: cannot read this safetensors file ({e}); it is probably truncated or corrupt "
+            "(an interrupted download or copy): fetch it again") from None
+
+
 class HFReader:
-    """Lazy access to the tensors of an HF checkpoint directory (sharded or not)."""
+    """Lazy access to the tensors of an HF checkpoint directory (sharded or not). Every failure
+    to read a file names it."""
 
     def __init__(self, hf_dir: str):
         self.dir = hf_dir
@@ -38,12 +65,10 @@ class HFReader:
             try:
                 with open(index, encoding="utf-8") as f:
                     self.weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise UnreadableFileError(f"{index}: not a valid safetensors index ({e})") from None
         elif os.path.isfile(single):
-            from safetensors import safe_open
-
-            with safe_open(single, framework="pt") as f:
+            with open_safetensors(single) as f:
                 self.weight_map = {k: "model.safetensors" for k in f.keys()}
         else:
             raise FileNotFoundError(
@@ -69,13 +94,15 @@ class HFReader:
         if key not in self.weight_map:
             raise KeyError(f"{self.dir}: tensor '{key}' is not in the checkpoint")
         fname = self.weight_map[key]
+        path = os.path.join(self.dir, fname)
         handle = self._handles.get(fname)
         if handle is None:
-            from safetensors import safe_open
-
-            handle = safe_open(os.path.join(self.dir, fname), framework="pt")
+            handle = open_safetensors(path)
             self._handles = {fname: handle}  # keep one shard open at a time
-        return handle.get_tensor(key)
+        try:
+            return handle.get_tensor(key)
+        except _safetensors_error() as e:
+            raise UnreadableFileError(f"{path}: cannot read tensor '{key}' ({e})") from None
 
     def close(self):
         self._handles = {}

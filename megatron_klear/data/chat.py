@@ -317,7 +317,10 @@ def load_tokenizer(path: str):
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - tokenizers' parse errors name no file
+        raise ValueError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
 
 
 def tokenizer_fingerprint(path: str) -> dict:

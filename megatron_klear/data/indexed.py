@@ -152,14 +152,30 @@ def load_metadata(prefix: str) -> dict:
     if not os.path.exists(path):
         hint = " (the .bin/.idx exist: preprocessing did not finish)" if os.path.exists(prefix + ".idx") else ""
         raise FileNotFoundError(f"{path} not found: {prefix!r} is not a preprocessed SFT dataset{hint}")
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: unreadable dataset metadata ({e}); re-run tools/preprocess_sft.py") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: unreadable dataset metadata (not a JSON object); re-run tools/preprocess_sft.py")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{path}: format {meta.get('format')!r} v{meta.get('format_version')}, expected "
             f"{FORMAT!r} v{FORMAT_VERSION}"
         )
     return meta
+
+
+def _open_indexed(IndexedDataset, prefix: str):
+    """Megatron's reader, with its failures on a truncated or corrupt .idx/.bin naming the files."""
+    try:
+        return IndexedDataset(prefix)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - struct/numpy/assertion errors that name no file
+        raise ValueError(f"{prefix}.idx / {prefix}.bin: cannot read this indexed dataset ({type(e).__name__}: {e}); "
+                         "it is probably truncated or corrupt: re-run tools/preprocess_sft.py") from None
 
 
 class SFTIndexedReader:
@@ -177,8 +193,8 @@ class SFTIndexedReader:
                     f"but the model's tokenizer is {expected_tokenizer_sha256[:12]}...: re-run "
                     "tools/preprocess_sft.py with the model's tokenizer"
                 )
-        self._tokens = IndexedDataset(prefix)
-        self._spans = IndexedDataset(spans_prefix(prefix))
+        self._tokens = _open_indexed(IndexedDataset, prefix)
+        self._spans = _open_indexed(IndexedDataset, spans_prefix(prefix))
         n = self.meta["num_examples"]
         if len(self._tokens) != n or len(self._spans) != n:
             raise ValueError(

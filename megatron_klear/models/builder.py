@@ -83,6 +83,21 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+def check_parallel_fits(arch: ModelArch, parallel, where: str = "the model") -> None:
+    """Refuse a TP size the attention heads cannot be split by: every TP rank holds whole query
+    heads and whole KV groups. Cheap (no model is built): the trainers call it before anything
+    else that depends on ``parallel.tp``, so that this, the real cause, is what they report."""
+    tp = parallel.tp
+    bad = [f"{name}={n}" for name, n in (("num_attention_heads", arch.num_heads),
+                                         ("num_key_value_heads", arch.num_kv_heads)) if n % tp]
+    if bad:
+        fits = [t for t in range(1, arch.num_kv_heads + 1) if arch.num_kv_heads % t == 0 and arch.num_heads % t == 0]
+        raise ValueError(
+            f"parallel.tp={tp} does not divide {where}'s {' and '.join(bad)}: each tensor-parallel rank "
+            f"must hold whole attention heads and KV groups; parallel.tp can be {', '.join(map(str, fits))}"
+        )
+
+
 def transformer_config(arch: ModelArch, options: ModelOptions, parallel, *, cpu_init: bool | None = None):
     """Megatron ``TransformerConfig`` for ``arch`` under ``parallel`` (a ParallelConfig).
 
@@ -91,15 +106,7 @@ def transformer_config(arch: ModelArch, options: ModelOptions, parallel, *, cpu_
     from megatron.core.transformer import TransformerConfig
 
     options.validate()
-    if parallel.tp > arch.num_kv_heads:
-        raise ValueError(
-            f"parallel.tp={parallel.tp} exceeds the number of KV heads ({arch.num_kv_heads}); "
-            "each TP rank must hold at least one KV head"
-        )
-    if arch.num_kv_heads % parallel.tp:
-        raise ValueError(
-            f"num_key_value_heads={arch.num_kv_heads} is not divisible by parallel.tp={parallel.tp}"
-        )
+    check_parallel_fits(arch, parallel)
     dtype = resolve_dtype(options)
     kwargs = dict(
         num_layers=arch.num_layers,

@@ -1,10 +1,16 @@
-"""Device and distributed bring-up. Depends on nothing else of megatron_klear."""
-from megatron_klear.platform.distributed import (  # noqa: F401
-    ParallelConfig,
-    comm_device,
-    control_group,
-    destroy_parallel,
-    device,
-    init_parallel,
-    is_rank0,
-)
+"""Device and distributed bring-up. Depends on nothing else of megatron_klear.
+
+The names below are imported on first use, so that ``megatron_klear.platform.process`` (standard
+library only) loads without torch in helper processes."""
+_DISTRIBUTED = ("ParallelConfig", "comm_device", "control_group", "destroy_parallel", "device", "init_parallel",
+                "is_rank0")
+
+__all__ = list(_DISTRIBUTED)
+
+
+def __getattr__(name):
+    if name in _DISTRIBUTED:
+        from megatron_klear.platform import distributed
+
+        return getattr(distributed, name)
+    raise AttributeError(f"module 'megatron_klear.platform' has no attribute {name!r}")

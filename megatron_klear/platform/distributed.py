@@ -36,8 +36,9 @@ class ParallelConfig:
             raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
         if world_size is not None and world_size % (self.tp * self.pp * self.cp):
             raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp*cp = "
-                f"{self.tp}*{self.pp}*{self.cp} = {self.tp * self.pp * self.cp}"
+                f"world size {world_size} (the processes torchrun starts: --nnodes x --nproc-per-node) is not "
+                f"divisible by parallel.tp*parallel.pp*parallel.cp = {self.tp}*{self.pp}*{self.cp} = "
+                f"{self.tp * self.pp * self.cp}"
             )
 
     def dp(self, world_size: int) -> int:

@@ -5,9 +5,12 @@ Input lines:  {"id": ..., "task": "math", "response": ..., "answer": ...}
 Output lines, one per non-blank input line, in input order:
               {"id": ..., "reward": float, "passed": int, "total": int, "error": null | reason,
                "detail": ..., "tests": [...]}
-A bad line is reported on stderr with its file and line number and graded as an error (id null
-when it had none); the other lines are graded. Progress (items/s, ETA) goes to stderr. The output
-is written under a temporary name and renamed when complete, next to a manifest.
+A bad (malformed) line is reported on stderr with its file and line number and gets a record
+with ``reward: null`` and the reason in ``error`` (id null when it had none), never a score that
+looks like a wrong answer; the other lines are graded. The exit status is 1 when there were more
+bad lines than ``--max-bad-lines`` (default 0), after writing everything. Progress (items/s, ETA)
+goes to stderr. The output is written under a temporary name and renamed when complete, next to a
+manifest.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import sys
 import time
 
 from .config import ISOLATION_LEVELS, RewardConfig
-from .items import failure_reward, parse_item
+from .items import parse_item
 from .jsonl_io import Progress, atomic_writer, count_lines, decode_line, numbered_lines, write_manifest
 from .result import GradeResult
 
@@ -61,7 +64,7 @@ def grade_file(inp: str, out: str, cfg: RewardConfig, progress_every: float = 1.
     prog = Progress(total, "grade", every=progress_every)
     summary = collections.Counter()
     rewards = collections.defaultdict(list)
-    window = collections.deque()  # (lineno, id, task, future | GradeResult), in input order
+    window = collections.deque()  # (lineno, id, task, future | record of a malformed line), in input order
     t0 = time.monotonic()
 
     def drain(f, keep: int) -> None:
@@ -69,13 +72,15 @@ def grade_file(inp: str, out: str, cfg: RewardConfig, progress_every: float = 1.
 
         while len(window) > keep:
             lineno, item_id, task, fut = window.popleft()
-            res = fut if isinstance(fut, GradeResult) else fut.result()
-            f.write(json.dumps(res.to_record(item_id), ensure_ascii=False) + "\n")
+            res = fut if isinstance(fut, (GradeResult, dict)) else fut.result()
+            record = res if isinstance(res, dict) else res.to_record(item_id)  # a dict: a malformed line
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            error = record["error"] is not None
             summary["items"] += 1
-            summary["errors"] += res.error is not None
-            if task in ("math", "code") and res.error is None:
-                rewards[task].append(res.reward)
-            prog.step(error=res.error is not None)
+            summary["errors"] += error
+            if task in ("math", "code") and not error:
+                rewards[task].append(record["reward"])
+            prog.step(error=error)
 
     with GradingPool(cfg) as pool, atomic_writer(out) as f:
         max_window = max(64, 16 * pool.n_workers)
@@ -89,8 +94,8 @@ def grade_file(inp: str, out: str, cfg: RewardConfig, progress_every: float = 1.
             except ValueError as e:
                 print(f"bad input line: {e}", file=sys.stderr)
                 summary["bad_lines"] += 1
-                bad = GradeResult.failure(failure_reward(task, cfg) if task in ("math", "code") else 0.0,
-                                          str(e))
+                # no grade at all (reward null), never a score that looks like a wrong answer
+                bad = {**GradeResult.failure(0.0, str(e), total=0).to_record(item_id), "reward": None}
                 window.append((lineno, item_id, task, bad))
             drain(f, max_window)
         drain(f, 0)
@@ -116,6 +121,9 @@ def grade_main(argv=None) -> int:
                     help="run code without bubblewrap (rlimits + separate uid + seccomp) if it cannot isolate")
     ap.add_argument("--code-max-tests", type=int, default=None, help="tests sampled per code item (0: all)")
     ap.add_argument("--seed", type=int, default=None, help="seed of the test sampling")
+    ap.add_argument("--max-bad-lines", type=int, default=0,
+                    help="malformed input lines tolerated before the exit status is 1 (default 0); they are "
+                         "written with reward null either way")
     args = ap.parse_args(argv)
     cfg = _load_config(args)
     from .sandbox import SandboxUnavailable
@@ -133,4 +141,9 @@ def grade_main(argv=None) -> int:
     print(f"graded {summary.get('items', 0)} items ({summary.get('errors', 0)} errors, "
           f"{summary.get('bad_lines', 0)} bad lines) in {summary['seconds']:.1f} s"
           + (f"; {means}" if means else "") + f" -> {args.output}", file=sys.stderr)
+    bad = summary.get("bad_lines", 0)
+    if bad > args.max_bad_lines:
+        print(f"error: {bad} malformed input line(s) in {args.input} (more than --max-bad-lines {args.max_bad_lines}); "
+              "their records have reward null and the reason in 'error'", file=sys.stderr)
+        return 1
     return 0

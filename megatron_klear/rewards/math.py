@@ -16,6 +16,18 @@ How a response is graded (the Klear recipe, section 4 of docs/KLEAR-REASONER.md)
    "Monday"); they are compared as text instead. Multiple-choice letters are compared as letters.
 6. Numbers with more than ~10^5 digits (`10^{10^{10}}`, `(10^9)!`) never reach sympy, which would
    try to expand them: they are credited only when structurally identical to the gold.
+7. Numbers are compared without any absolute tolerance, at every order of magnitude (math-verify's
+   own comparison rounds floats to 6 decimal places and chops differences below ~1e-15, so
+   `0.0000001` equalled `0.0000002` and `1/20!` equalled `1/21!`; its `sympy_numeric_eq` is
+   replaced, see `_numeric_eq`). A decimal is the exact rational it spells (`0.5` = 1/2, `5.0` = 5,
+   `1.5 \\times 10^{-10}` = 3/(2*10^10)); two rational values are equal only when exactly equal
+   (`0.333333` is not 1/3); exact irrational values (`\\frac{2}{\\sqrt 2}`, `\\sqrt 2`) are equal
+   when they agree to 30 significant digits; a decimal against an irrational value is equal
+   within the relative tolerance `RewardConfig.math_float_rel_tol` (1e-6: `1.414214` is
+   `\\sqrt 2`, `1.41421` is not). A whole answer in e-notation (`1.5e-10`, `2.5E30`) is read as
+   scientific notation, not as Euler's number.
+8. Whether several boxed answers differ is decided by this same equivalence (`\\boxed{5}` ...
+   `\\boxed{5.0}` is one answer).
 
 This module does no time limiting itself: math-verify's own timeouts use `signal.alarm`, which
 raises off the main thread (frameworks that call it from threads have scored every sample 0).
@@ -41,6 +53,11 @@ MATH_VERIFY_VERSION = "0.9.0"
 HUGE_LOG10 = 1e5
 #: Without a box, only the tail of the answer section is searched (regex cost on long tails).
 _NO_BOX_TAIL_CHARS = 4000
+#: Exact irrational values agree to this relative precision when equal (evaluated at 50 digits).
+_EXACT_REL_TOL = 1e-30
+#: More distinct boxed answers than this are "several different answers" without comparing them.
+_MAX_BOXES_COMPARED = 8
+_SCIENTIFIC = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d+)")
 
 _HEDGE = re.compile(r"(\bor\b|\\lor\b|\\vee\b|\beither\b)", re.IGNORECASE)
 _WORDS = re.compile(r"[A-Za-z]{2,}(?:[ ,'-]+[A-Za-z]+)*")
@@ -72,7 +89,104 @@ def _mv():
     # one-time warning about that.
     for name in ("math_verify", "math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    _install_numeric_eq()
     return math_verify
+
+
+# --------------------------------------------------------------------------- number equality
+
+class _Tolerance:
+    """The relative tolerance of the grading in progress (set by grade_math; workers are
+    single-threaded)."""
+
+    rel = 1e-6
+
+
+def _exact_decimals(expr):
+    """``expr`` with every Float replaced by the exact decimal it was written as, and whether
+    there was one. (latex2sympy keeps enough binary precision for the digits written, so the
+    shortest decimal at that precision is the literal.)"""
+    import sympy
+
+    floats = expr.atoms(sympy.Float)
+    if not floats:
+        return expr, False
+    return expr.xreplace({f: sympy.Rational(str(f)) for f in floats}), True
+
+
+def _number(expr):
+    """(value, had a decimal) for a constant scalar expression, else None."""
+    import sympy
+
+    if not isinstance(expr, sympy.Expr) or expr.free_symbols:
+        return None
+    if expr.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan):
+        return None
+    value, had_decimal = _exact_decimals(expr)
+    try:
+        value = value.doit()  # percent (UnevaluatedExpr), factorials
+    except Exception:  # noqa: BLE001 - sympy raises anything
+        pass
+    return (value, had_decimal) if value.is_number else None
+
+
+def numbers_equal(a, b, rel_tol: float | None = None) -> bool | None:
+    """Equality of two constant sympy expressions (None when either is not a number): rationals
+    exactly; irrational values at 50 digits, relative 1e-30 when both are exact, ``rel_tol``
+    when a decimal approximation takes part. Never an absolute tolerance."""
+    import sympy
+
+    na, nb = _number(a), _number(b)
+    if na is None or nb is None:
+        return None
+    (x, dx), (y, dy) = na, nb
+    if x.is_Rational and y.is_Rational:
+        return bool(x == y)
+    tol = (_Tolerance.rel if rel_tol is None else rel_tol) if (dx or dy) else _EXACT_REL_TOL
+    try:
+        diff = abs(sympy.N(x - y, 50))
+        scale = max(abs(sympy.N(x, 50)), abs(sympy.N(y, 50)))
+        if not (diff.is_number and scale.is_number):
+            return None
+        if scale == 0:
+            return True
+        return bool(diff <= tol * scale)
+    except Exception:  # noqa: BLE001 - evalf can fail on exotic expressions
+        return None
+
+
+def _numeric_eq(a, b, float_rounding=None, numeric_precision=None) -> bool:
+    """Replaces math-verify's ``sympy_numeric_eq`` (same signature; its rounding arguments are
+    ignored): :func:`numbers_equal` for numbers, a percentage also compared by its number
+    (50% = 50, as math-verify does), matrices element by element. Anything with free symbols
+    returns False here and is left to math-verify's symbolic comparison (simplify(a - b) == 0)."""
+    from math_verify.grader import get_pct_val
+    from sympy import MatrixBase
+
+    if isinstance(a, MatrixBase) or isinstance(b, MatrixBase):
+        try:
+            a, b = a.doit(), b.doit()
+        except Exception:  # noqa: BLE001
+            return False
+        if isinstance(a, MatrixBase) and isinstance(b, MatrixBase) and a.shape == b.shape:
+            return all(_numeric_eq(x, y) for x, y in zip(a, b))
+        return False
+    left = [a] + [v for v in (get_pct_val(a),) if v is not None]
+    right = [b] + [v for v in (get_pct_val(b),) if v is not None]
+    return any(numbers_equal(x, y) is True for x in left for y in right)
+
+
+def _install_numeric_eq() -> None:
+    import math_verify.grader as grader
+
+    if getattr(grader.sympy_numeric_eq, "__name__", "") != _numeric_eq.__name__:
+        grader.sympy_numeric_eq = _numeric_eq
+
+
+def _scientific(s: str) -> str:
+    """``1.5e-10`` (the whole answer) -> ``1.5 \\times 10^{-10}``; anything else unchanged."""
+    m = _SCIENTIFIC.fullmatch(s.strip())
+    return f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}" if m else s
 
 
 @lru_cache(maxsize=1)
@@ -235,7 +349,7 @@ def _parse_gold(gold: str):
     if words is not None:
         return g, [f"text:{words}"], words
     boxed_only, _ = _configs()
-    parsed = mv.parse("\\boxed{" + g + "}", extraction_config=boxed_only, parsing_timeout=None)
+    parsed = mv.parse("\\boxed{" + _scientific(g) + "}", extraction_config=boxed_only, parsing_timeout=None)
     return g, parsed, None
 
 

@@ -37,7 +37,9 @@ from .result import GradeResult
 __all__ = ["GradingPool"]
 
 log = logging.getLogger(__name__)
-_PRELOAD = ["megatron_klear.rewards.worker", "megatron_klear.rewards.math", "math_verify"]
+# forkserver_preload first: the forkserver (and through it every worker) dies with this process
+_PRELOAD = ["megatron_klear.rewards.forkserver_preload", "megatron_klear.rewards.worker",
+            "megatron_klear.rewards.math", "math_verify"]
 
 
 class _Worker:

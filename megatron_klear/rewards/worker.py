@@ -65,9 +65,10 @@ def _limit_memory(mb: int) -> None:
 
 def worker_main(conn, slot: int, cfg: RewardConfig) -> None:
     """Serve (task_id, item_dict, isolation_level) messages until None or EOF."""
-    from .sandbox import Sandbox, become_subreaper
+    from .sandbox import Sandbox, become_subreaper, die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    die_with_parent()  # the forkserver we were forked from exits with the trainer: so do we
     become_subreaper()
     _limit_memory(cfg.math_memory_mb)
     if hasattr(sys, "set_int_max_str_digits"):

@@ -147,6 +147,8 @@ class RLLoop:
             warnings.warn("rollout.top_p/top_k filter the sampling distribution; the trainer's "
                           "importance ratios use the unfiltered one (the recipe samples with neither)")
         init_parallel(cfg.parallel, seed=cfg.train.seed)
+        self.ckpt = CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path) if cfg.train.save_dir else None
+        resume_from = self.ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite) if self.ckpt else None
         self.steps = cfg.train.steps or 100
         steps_per_rollout = rl.prompts_per_step // rl.mini_batch_prompts
         self.state = build_training_state(cfg, total_steps=self.steps * steps_per_rollout)
@@ -158,12 +160,13 @@ class RLLoop:
                                      seed=cfg.train.seed, on_bad_line=rl.on_bad_line)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.actor = Actor(self.state, rl, pad_id=pad, logprob_chunk_size=cfg.train.logprob_chunk_size)
-        self.ckpt = CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path) if cfg.train.save_dir else None
         self.rl_step = 0
-        if self.ckpt and cfg.train.resume and self.ckpt.latest():
-            common = self.ckpt.load(self.state, self.ckpt.latest())
+        if resume_from:
+            common = self.ckpt.load(self.state, resume_from)
             self.prompts.load_state_dict(common["prompts"])
             self.rl_step = int(common["step"])
+            if _rank0():
+                print(f"resumed from {resume_from} at step {self.rl_step}", flush=True)
         # absolute: SGLang servers resolve model_path in their own working directory
         self.sync_dir = os.path.abspath(cfg.rollout.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
         self.engine = self.pool = None
@@ -192,7 +195,7 @@ class RLLoop:
             total_steps=self.steps, config=cfg.to_dict(), wandb=cfg.logging.wandb,
             wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
             tensorboard_dir=os.path.join(cfg.train.save_dir or ".", "tensorboard") if cfg.logging.tensorboard else None,
-            enabled=_rank0(),
+            enabled=_rank0(), resume_step=self.rl_step if resume_from else None,
         )
         if _rank0() and cfg.train.save_dir:
             with open(os.path.join(cfg.train.save_dir, "config.yaml"), "w") as f:
@@ -263,17 +266,17 @@ class RLLoop:
         prompts = self.prompts.take(rl.oversample_prompts or rl.prompts_per_step)
         samples, metrics = self.rollout(prompts) if _rank0() else (None, None)
         samples, metrics = _broadcast((samples, metrics))
+        self.rl_step += 1
         if samples:
             t1 = time.time()
             actor = self.actor.update(samples)
             metrics.update({k: v for k, v in actor.items() if k != "actor/steps"})
             metrics["time/train_s"] = time.time() - t1
             t2 = time.time()
-            self.sync_weights()
+            self.sync_weights()  # weight_version = this RL step
             metrics["time/weight_sync_s"] = time.time() - t2
         else:
-            metrics["actor/skipped"] = 1  # every group filtered: no update this step
-        self.rl_step += 1
+            metrics["actor/skipped"] = 1  # every group filtered: no update, the engine keeps its weights
         metrics["time/step_s"] = time.time() - t0
         metrics["lr"] = self.state.optimizer.param_groups[0]["lr"]
         return metrics
@@ -301,6 +304,8 @@ class RLLoop:
 
     def close(self) -> None:
         self.logger.close()
+        if self.ckpt:
+            self.ckpt.finish()
         if self.pool is not None:
             self.pool.close(cancel_pending=True)
         if self.engine is not None:
@@ -312,5 +317,6 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=None)
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = p.parse_args(argv)
-    RLLoop(load_config(args.config, args.overrides)).run()
-    return 0
+    from megatron_klear.platform.entry import run_entry_point
+
+    return run_entry_point(lambda: RLLoop(load_config(args.config, args.overrides)).run())

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from megatron_klear.config import JobConfig, dump_config, load_config
-from megatron_klear.training.batches import row_multiple
+from megatron_klear.config import ConfigError, JobConfig, dump_config, load_config
+from megatron_klear.training.batches import row_multiple, rule_for
 
 
 def sft_loss_fn(num_loss_tokens_in_step: int):
@@ -32,13 +32,42 @@ def sft_loss_fn(num_loss_tokens_in_step: int):
     return loss_fn
 
 
+def row_padding(cfg: JobConfig) -> int:
+    """The multiple packed rows are padded to; ``data.seq_length`` must be one, and the error says
+    where the number comes from."""
+    multiple = row_multiple(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe, explicit=cfg.data.pad_to_multiple)
+    if cfg.data.seq_length % multiple:
+        rule = rule_for(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe)
+        layout = (f"parallel.tp={rule.tp}" + (" with parallel.sequence_parallel" if rule.sequence_parallel else "")
+                  + f", parallel.cp={rule.cp}"
+                  + (f", model.fp8={rule.fp8} with model.fp8_recipe={rule.fp8_recipe}" if rule.fp8 else ""))
+        source = (f"data.pad_to_multiple={cfg.data.pad_to_multiple}" if cfg.data.pad_to_multiple
+                  else f"the padding every rank needs with {layout}")
+        raise ConfigError(f"data.seq_length={cfg.data.seq_length} must be a multiple of {multiple} ({source}, "
+                          f"training/batches.py padding_rule): rows are padded to multiples of {multiple}")
+    return multiple
+
+
+def preflight(cfg: JobConfig) -> None:
+    """The checks that need neither processes nor data, before anything else, in the order of
+    their causes: the model against ``parallel.tp`` first (a TP size that splits no head also
+    makes the row padding odd), then the data settings derived from the layout."""
+    from megatron_klear.models.builder import check_parallel_fits
+    from megatron_klear.training.setup import model_arch
+
+    check_parallel_fits(model_arch(cfg.model.path), cfg.parallel, where=f"model.path={cfg.model.path}")
+    if not cfg.data.prefix:
+        raise ConfigError("data.prefix is empty: run tools/preprocess_sft.py first and point data.prefix at its output")
+    row_padding(cfg)
+
+
 def build_dataset(cfg: JobConfig):
     from megatron.core import parallel_state
 
     from megatron_klear.data.sft_dataset import PackedSFTDataset
 
     if not cfg.data.prefix:
-        raise ValueError("data.prefix is empty: run tools/preprocess_sft.py first and point data.prefix at its output")
+        raise ConfigError("data.prefix is empty: run tools/preprocess_sft.py first and point data.prefix at its output")
     return PackedSFTDataset(
         cfg.data.prefix,
         seq_length=cfg.data.seq_length,
@@ -46,7 +75,7 @@ def build_dataset(cfg: JobConfig):
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         micro_batches_per_step=cfg.data.micro_batches_per_step,
-        pad_to_multiple=row_multiple(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe, explicit=cfg.data.pad_to_multiple),
+        pad_to_multiple=row_padding(cfg),
         segment_multiple=cfg.data.segment_multiple or (2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1),
         remainder=cfg.data.remainder,
     )
@@ -62,16 +91,18 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
     from megatron_klear.training.signals import TerminationFlag
     from megatron_klear.training.step import reduce_metrics, run_micro_batches
 
+    preflight(cfg)
     init_parallel(cfg.parallel, seed=cfg.train.seed)
     dataset = build_dataset(cfg)
     total_steps = cfg.train.steps or dataset.total_steps(cfg.train.epochs)
-    state = build_training_state(cfg, total_steps=total_steps)
     ckpt = CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path) if cfg.train.save_dir else None
-    if ckpt and cfg.train.resume and ckpt.latest():
-        common = ckpt.load(state, ckpt.latest())
+    resume_from = ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite) if ckpt else None
+    state = build_training_state(cfg, total_steps=total_steps)
+    if resume_from:
+        common = ckpt.load(state, resume_from)
         dataset.load_state_dict(common["data"])
         if is_rank0():
-            print(f"resumed from {ckpt.latest()} at step {state.step}", flush=True)
+            print(f"resumed from {resume_from} at step {state.step}", flush=True)
     logger = MetricsLogger(
         jsonl_path=cfg.logging.jsonl or (os.path.join(cfg.train.save_dir, "metrics.jsonl") if cfg.train.save_dir else ""),
         total_steps=total_steps,
@@ -81,6 +112,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
         run_name=cfg.logging.run_name,
         tensorboard_dir=os.path.join(cfg.train.save_dir or ".", "tensorboard") if cfg.logging.tensorboard else None,
         enabled=is_rank0(),
+        resume_step=state.step if resume_from else None,
     )
     if is_rank0() and cfg.train.save_dir:
         os.makedirs(cfg.train.save_dir, exist_ok=True)
@@ -141,14 +173,16 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
         if stopping or (stop_after is not None and state.step >= stop_after):
             break
     logger.close()
+    if ckpt:
+        ckpt.finish()
     return metrics
 
 
 def main(argv=None) -> int:
+    from megatron_klear.platform.entry import run_entry_point
+
     p = argparse.ArgumentParser(description="Long chain-of-thought SFT on Megatron-Core")
     p.add_argument("--config", default=None, help="YAML config (see examples/)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    train(cfg)
-    return 0
+    return run_entry_point(lambda: train(load_config(args.config, args.overrides)))

@@ -14,7 +14,11 @@ from megatron_klear.utils.progress import format_seconds
 class MetricsLogger:
     def __init__(self, *, jsonl_path: str, total_steps: int, config: dict | None = None,
                  wandb: bool = False, wandb_project: str = "megatron-klear", run_name: str = "",
-                 tensorboard_dir: str | None = None, enabled: bool = True, stream=None):
+                 tensorboard_dir: str | None = None, enabled: bool = True, stream=None,
+                 resume_step: int | None = None):
+        """``resume_step``: the step a resumed run continues from; the JSONL file keeps the records
+        up to it (the steps after it, logged before a crash, are run again) and is appended to.
+        None (a fresh run): the JSONL file starts empty."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
@@ -27,7 +31,11 @@ class MetricsLogger:
             return
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            self._jsonl = open(jsonl_path, "a", buffering=1)
+            if resume_step is None:
+                self._jsonl = open(jsonl_path, "w", buffering=1)
+            else:
+                truncate_jsonl(jsonl_path, resume_step)
+                self._jsonl = open(jsonl_path, "a", buffering=1)
         if wandb:
             try:
                 import wandb as wandb_lib
@@ -77,6 +85,33 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tb:
             self._tb.close()
+
+
+def truncate_jsonl(path: str, last_step: int) -> int:
+    """Keep the records of ``path`` with ``step <= last_step`` (dropping a torn last line too),
+    atomically (a temporary file renamed over it). Returns how many records were dropped."""
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                step = json.loads(line).get("step")
+                keep = line.endswith("\n") and isinstance(step, int) and step <= last_step
+            except (ValueError, AttributeError):
+                keep = False
+            if keep:
+                kept.append(line)
+            else:
+                dropped += 1
+    if dropped:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
 
 
 def _finite(v) -> bool:

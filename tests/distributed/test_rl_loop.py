@@ -104,25 +104,66 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
             args = _overrides(setup, save) + [
                 "rollout.engine=http", f"rollout.urls=[{router_url}]", "parallel.tp=1", "train.steps=2",
                 "optim.lr=5e-3", "optim.min_lr=5e-3", "rollout.max_concurrent_requests=4",
+                # a random model ends ~9% of 48-token responses with </think> (reward -1 instead of
+                # -0.5): enough reward spread that both steps train
+                "rl.oversample_prompts=8", "rl.responses_per_prompt=8", "rollout.max_new_tokens=48",
             ]
             _, _, trainer_w = run_distributed(_run, 1, args)[0]
+            lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
+            last = max((m["step"] for m in lines if m.get("actor/optimizer_steps")), default=0)
             served = [SGLangEngine([s.url]).server_info().get("num_generate_requests", 0) for s in servers]
             assert all(n > 0 for n in served), served  # the router spread the prompts over both workers
             probe = [5, 17, 33, 60, 7]
             for s in servers:
                 client = SGLangEngine([s.url])
-                assert client.model_info()["weight_version"] == "2"
+                assert client.model_info()["weight_version"] == str(last)  # the RL step of the weights
                 out = client.generate([probe], SamplingParams(top_k=1, max_new_tokens=6))[0][0]
                 want = _probe_logprobs_of_trainer(setup["model"], trainer_w, probe, out.token_ids)
                 assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4, (s.url, out.logprobs, want)
     finally:
         for s in servers:
             s.close()
-    lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
-    assert len(lines) == 2 and any(m.get("actor/optimizer_steps") for m in lines), lines
+    assert len(lines) == 2 and last > 0, lines
     for m in lines:
         if m.get("actor/optimizer_steps"):
             assert m["actor/logprob_mismatch_max"] < 1e-3, m
     # one versioned directory per sync; older ones removed once every worker had the new one
-    assert os.listdir(os.path.join(save, "weights")) == ["step_0000002"]
+    assert os.listdir(os.path.join(save, "weights")) == [f"step_{last:07d}"]
 
+
+
+def test_a_frozen_worker_stops_the_run_in_bounded_time_and_a_restart_resumes(setup):
+    """Step 1 runs and is checkpointed; then a worker freezes (SIGSTOP): the restarted run fails at
+    its start-up weight sync within the control timeout, naming the worker, instead of hanging.
+    Once the worker runs again, a restart resumes from the step-1 checkpoint and finishes."""
+    import signal
+    import time
+
+    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from tests.rollout.processes import router
+
+    servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120) for _ in range(2)]
+    frozen = servers[1]
+    try:
+        with router([s.url for s in servers]) as router_url:
+            save = os.path.join(setup["root"], "fault-run")
+            args = _overrides(setup, save) + [
+                "rollout.engine=http", f"rollout.urls=[{router_url}]", "parallel.tp=1", "train.steps=2",
+                "rollout.control_timeout_s=3", "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=1",
+                "rollout.health_failure_threshold=2",
+            ]
+            run_distributed(_run, 1, args, 1)  # stop after step 1 (checkpointed)
+            os.kill(frozen._process.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match=frozen.url.replace(".", r"\.")):
+                run_distributed(_run, 1, args)
+            assert time.monotonic() - t0 < 60
+            os.kill(frozen._process.pid, signal.SIGCONT)
+            run_distributed(_run, 1, args)
+    finally:
+        for s in servers:
+            os.kill(s._process.pid, signal.SIGCONT)
+            s.close()
+    lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
+    assert [m["step"] for m in lines] == [1, 2]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"

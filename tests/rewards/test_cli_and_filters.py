@@ -47,7 +47,10 @@ def test_grade_cli_end_to_end(tmp_path, capfd):
     out = str(tmp_path / "out.jsonl")
     rc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "grade.py"), "--input", inp,
                          "--output", out, "--workers", "2"], capture_output=True, text=True, timeout=300)
-    assert rc.returncode == 0, rc.stderr
+    assert rc.returncode == 1, rc.stderr  # malformed lines: graded the rest, but not a success
+    assert rc.stderr.strip().splitlines()[-1] == (
+        f"error: 4 malformed input line(s) in {inp} (more than --max-bad-lines 0); "
+        "their records have reward null and the reason in 'error'")
     recs = _read_jsonl(out)
     assert [r["id"] for r in recs] == ["m1", "m2", None, "c1", "m3", None, "x"]  # one per non-blank line
     by_id = {r["id"]: r for r in recs if r["id"]}
@@ -59,11 +62,27 @@ def test_grade_cli_end_to_end(tmp_path, capfd):
     assert recs[5]["error"] == f"{inp}:7: expected a JSON object, got list"
     assert by_id["x"]["error"].startswith(f"{inp}:8: field 'task'")
     for r in recs:
-        assert set(r) >= {"id", "reward", "passed", "total", "error"} and isinstance(r["reward"], float)
+        assert set(r) >= {"id", "reward", "passed", "total", "error"}
+    # malformed lines get no score at all, never one that looks like a wrong answer
+    assert [r["reward"] for r in recs] == [1.0, -1.0, None, 0.75, None, None, None]
     assert f"{inp}:3" in rc.stderr and f"{inp}:7" in rc.stderr and "items/s" in rc.stderr
     manifest = json.load(open(out + ".manifest.json"))
     assert manifest["summary"]["bad_lines"] == 4 and manifest["summary"]["items"] == 7
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_grade_cli_exit_status_and_max_bad_lines(tmp_path, capsys):
+    """Every line malformed used to exit 0; --max-bad-lines sets how many are tolerated."""
+    all_bad = _write_lines(tmp_path / "bad.jsonl", ["not json", {"id": 1, "task": "math"}])
+    out = str(tmp_path / "out.jsonl")
+    assert grade_main(["--input", all_bad, "--output", out, "--workers", "1"]) == 1
+    assert [r["reward"] for r in _read_jsonl(out)] == [None, None]
+    assert "error: 2 malformed input line(s)" in capsys.readouterr().err
+    some_bad = _write_lines(tmp_path / "some.jsonl", GRADE_LINES[:3])
+    assert grade_main(["--input", some_bad, "--output", out, "--workers", "1", "--max-bad-lines", "1"]) == 0
+    assert [r["reward"] for r in _read_jsonl(out)] == [1.0, -1.0, None]
+    good = _write_lines(tmp_path / "ok.jsonl", GRADE_LINES[:2])
+    assert grade_main(["--input", good, "--output", out, "--workers", "1"]) == 0
 
 
 def test_grade_cli_refuses_without_a_sandbox_and_writes_nothing(tmp_path, monkeypatch, capsys):

@@ -1,0 +1,12 @@
+"""Imported only by the grading pool's forkserver process (its first preload module): the
+forkserver dies with the process that started it.
+
+Grading workers are forked by the forkserver and die with it (``worker_main`` asks for that), but
+the forkserver itself only exits once no process holds its "alive" pipe, and every worker holds
+one: a worker stuck in C code (sympy on a hostile answer) kept itself and the forkserver alive
+after the trainer was killed. With this module, the trainer's death takes the forkserver, and the
+forkserver's the workers (Linux ``PR_SET_PDEATHSIG``; the trainer thread that starts the pool
+must live as long as the pool, as the main thread does)."""
+from .sandbox import die_with_parent
+
+die_with_parent()

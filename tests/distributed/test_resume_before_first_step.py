@@ -1,0 +1,40 @@
+"""A checkpoint written before the first optimizer step (RL steps whose groups were all filtered,
+or a SIGTERM right at the start) has no Adam moments. Resuming from it must not ask for them (the
+load used to fail: "optimizer.state.exp_avg... not in state dict"), and the resumed optimizer must
+step like a fresh one (asking Megatron for a loading state dict creates moments without a step
+count, which torch's Adam cannot step)."""
+import torch
+
+from tests.distributed.helper import run_distributed
+
+
+def _check(rank, world, hf_dir, root):
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.training.checkpointing import CheckpointManager
+    from megatron_klear.training.setup import build_training_state
+
+    cfg = load_config(None, [f"model.path={hf_dir}", f"train.save_dir={root}/run", "train.steps=2",
+                             "optim.lr=1e-2", "optim.min_lr=1e-2", "optim.decay_style=constant", "parallel.tp=2"])
+    init_parallel(cfg.parallel, seed=0)
+
+    def step(state):
+        for chunk in state.model:
+            for p in chunk.parameters():
+                p.main_grad.fill_(0.01)
+        ok, _, _ = state.optimizer.step()
+        return ok, [p.detach().clone() for c in state.model for p in c.parameters()]
+
+    first = build_training_state(cfg, total_steps=2)
+    manager = CheckpointManager(cfg.train.save_dir, keep_last=2, model_source=hf_dir)
+    ckpt = manager.save(first, 0, {"note": "before any optimizer step"})
+    _, want = step(first)
+    second = build_training_state(cfg, total_steps=2)
+    manager.load(second, ckpt)
+    ok, got = step(second)
+    assert ok and all(torch.equal(a, b) for a, b in zip(got, want))
+    return True
+
+
+def test_resume_from_a_checkpoint_saved_before_the_first_optimizer_step(tiny_hf, tmp_path):
+    assert run_distributed(_check, 2, tiny_hf["untied"], str(tmp_path)) == [True, True]

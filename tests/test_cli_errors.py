@@ -1,0 +1,307 @@
+"""Errors at the end of the output, named inputs, launch hints, no orphans (issue 13, items 4-6, 8)."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from megatron_klear.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
+    return env
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- item 4: config errors ------------------------------------------------------------------------
+@pytest.mark.parametrize("override,hint", [
+    ("trian.steps=3", "train.steps"),         # a misspelt section
+    ("paralel.tp=2", "parallel.tp"),
+    ("reward.sandbx.isolation=bwrap", "reward.sandbox.isolation"),
+    ("train.stpes=3", "train.steps"),         # a misspelt key (as before)
+])
+def test_misspelt_sections_get_a_suggestion(override, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value) == f"command line: unknown key '{override.split('=')[0]}' (did you mean '{hint}'?)"
+
+
+def test_the_head_count_is_reported_before_the_padding_it_causes(tiny_hf):
+    """tp=3 on 4 heads / 2 KV heads used to report `seq_length 512 must be a multiple of
+    pad_to_multiple 3`; the cause is the head split."""
+    from megatron_klear.sft.trainer import preflight
+
+    cfg = load_config(None, [f"model.path={tiny_hf['untied']}", "parallel.tp=3", "data.seq_length=512",
+                             "data.prefix=unused"])
+    with pytest.raises(ValueError) as e:
+        preflight(cfg)
+    assert str(e.value) == (f"parallel.tp=3 does not divide model.path={tiny_hf['untied']}'s num_attention_heads=4 "
+                            "and num_key_value_heads=2: each tensor-parallel rank must hold whole attention heads "
+                            "and KV groups; parallel.tp can be 1, 2")
+
+
+def test_a_derived_number_says_where_it_comes_from(tiny_hf, tmp_path):
+    from megatron_klear.sft.trainer import preflight
+
+    model = str(tmp_path / "six-heads")
+    shutil.copytree(tiny_hf["untied"], model)
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    config.update(num_attention_heads=6, num_key_value_heads=3, head_dim=16)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(config, f)
+    cfg = load_config(None, [f"model.path={model}", "parallel.tp=3", "data.seq_length=512", "data.prefix=unused"])
+    with pytest.raises(ConfigError, match=r"^data.seq_length=512 must be a multiple of 3 \(the padding every rank "
+                                          r"needs with parallel.tp=3, parallel.cp=1, training/batches.py"):
+        preflight(cfg)
+    cfg.data.pad_to_multiple = 6
+    with pytest.raises(ConfigError, match=r"a multiple of 6 \(data.pad_to_multiple=6, "):
+        preflight(cfg)
+
+
+def test_one_process_prints_one_line_and_no_traceback():
+    r = subprocess.run([PY, "-m", "megatron_klear.sft", "trian.steps=3"], capture_output=True, text=True,
+                       env=_env(), cwd=ROOT, timeout=300)
+    assert r.returncode == 2
+    out = (r.stdout + r.stderr).strip()
+    assert "Traceback" not in out, out
+    assert out.splitlines()[-1] == "error: command line: unknown key 'trian.steps' (did you mean 'train.steps'?)"
+
+
+def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary():
+    """Every rank fails the same way: rank 0 prints the line; no rank prints a traceback; torchrun's
+    own failure summary (its ChildFailedError, which no child can suppress) ends with the message
+    from the ranks' error files instead of "To enable traceback see ..."."""
+    message = "command line: unknown key 'trian.steps' (did you mean 'train.steps'?)"
+    r = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                        "--master-port", str(_free_port()), "-m", "megatron_klear.sft", "trian.steps=3"],
+                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert out.count(f"error: {message}") == 1, out
+    assert "megatron_klear" not in "".join(ln for ln in out.splitlines() if ln.strip().startswith("File ")), out
+    assert "ConfigError" not in out and "To enable traceback" not in out, out
+    last_cause = [ln for ln in out.splitlines() if ln.strip().startswith("traceback :")][-1]
+    assert last_cause.strip() == f"traceback : {message}", out
+
+
+# -- item 5: launch hints ---------------------------------------------------------------------------
+def test_check_parity_without_torchrun_says_how_to_launch_it():
+    args = ["--hf-dir", "/models/x", "--tp", "2", "--pp", "2"]
+    r = subprocess.run([PY, "tools/check_parity.py", *args], capture_output=True, text=True, env=_env(),
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: --tp 2 --pp 2 needs 4 processes, one per rank; launch them with",
+        "  torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir /models/x --tp 2 --pp 2"]
+
+
+# -- item 6: unreadable input files are named -------------------------------------------------------
+def _truncate(path, keep=0.5):
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: int(len(data) * keep)])
+
+
+def _single_file_copy(src, dst):
+    """``src`` (sharded) as one model.safetensors."""
+    from safetensors.torch import save_file
+
+    from megatron_klear.checkpoint.hf_io import HFReader
+
+    shutil.copytree(src, dst)
+    reader = HFReader(dst)
+    tensors = {k: reader.get(k) for k in reader.keys()}
+    for fname, _ in reader.files():
+        os.remove(os.path.join(dst, fname))
+    os.remove(os.path.join(dst, "model.safetensors.index.json"))
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def test_a_truncated_safetensors_file_is_named(tiny_hf, tmp_path):
+    from megatron_klear.checkpoint.hf_io import HFReader
+
+    hf = _single_file_copy(tiny_hf["untied"], str(tmp_path / "hf"))
+    _truncate(os.path.join(hf, "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"^{hf}/model.safetensors: cannot read this safetensors file "
+                                         r"\(.*incomplete metadata.*\); it is probably truncated"):
+        HFReader(hf)
+
+
+def test_a_truncated_shard_is_named_when_read(tiny_hf, tmp_path):
+    from megatron_klear.checkpoint.hf_io import HFReader
+
+    hf = str(tmp_path / "sharded")
+    shutil.copytree(tiny_hf["untied"], hf)
+    reader = HFReader(hf)
+    (first, first_keys), (last, last_keys) = reader.files()[0], reader.files()[-1]
+    _truncate(os.path.join(hf, last))
+    reader.get(first_keys[0])
+    with pytest.raises(ValueError, match=rf"^{hf}/{last}: cannot read this safetensors file"):
+        reader.get(last_keys[0])
+
+
+def test_convert_cli_prints_one_line_naming_the_file(tiny_hf, tmp_path, capsys):
+    sys.path.insert(0, ROOT)
+    try:
+        from tools.convert_hf_to_megatron import main
+    finally:
+        sys.path.remove(ROOT)
+    hf = str(tmp_path / "hf")
+    shutil.copytree(tiny_hf["untied"], hf)
+    shard = sorted(n for n in os.listdir(hf) if n.endswith(".safetensors"))[-1]
+    _truncate(os.path.join(hf, shard))
+    assert main(["--hf-dir", hf, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err  # (after Megatron's import warnings)
+    assert err.strip().splitlines()[-1].startswith(f"error: {hf}/{shard}: cannot read this safetensors file"), err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_corrupt_dataset_and_tokenizer_files_are_named(tiny_hf, tmp_path):
+    from megatron_klear.data.chat import load_tokenizer
+    from megatron_klear.data.indexed import load_metadata, meta_path
+
+    prefix = str(tmp_path / "data")
+    with open(meta_path(prefix), "w") as f:
+        f.write('{"format": "megatron_klear.sft", "num_ex')
+    with pytest.raises(ValueError, match=rf"^{meta_path(prefix)}: unreadable dataset metadata"):
+        load_metadata(prefix)
+    tok = str(tmp_path / "tok")
+    shutil.copytree(tiny_hf["untied"], tok)
+    _truncate(os.path.join(tok, "tokenizer.json"), 0.3)
+    with pytest.raises(ValueError, match=rf"^{tok}: cannot load the tokenizer"):
+        load_tokenizer(tok)
+
+
+# -- item 8: no orphans -------------------------------------------------------------------------------
+def _gone(pid, timeout=20.0):
+    """Whether ``pid`` exits (or is a zombie: killed, not yet reaped) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _kill_if_alive(*pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, TypeError):
+            pass
+
+
+def _start(script, *args, **kw):
+    p = subprocess.Popen([PY, "-c", textwrap.dedent(script), *args], stdout=subprocess.PIPE, text=True,
+                         env=_env(), cwd=ROOT, **kw)
+    return p, json.loads(p.stdout.readline())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_checkpoint_writer_manager_dies_with_its_rank():
+    """Megatron's writer queue lives in a Manager server process (~276 MB) that outlived a killed
+    rank by up to 18 minutes."""
+    p, info = _start("""
+        import json, multiprocessing, time
+        from megatron_klear.platform.process import start_checkpoint_writer_manager
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+        q = start_checkpoint_writer_manager()
+        assert fa._results_queue is q
+        q.put(1); assert q.get() == 1
+        print(json.dumps([c.pid for c in multiprocessing.active_children()]), flush=True)
+        time.sleep(120)
+    """)
+    try:
+        (manager,) = info
+        assert not _gone(manager, timeout=0.5)
+        p.kill()
+        p.wait()
+        assert _gone(manager), "the Manager outlived its rank"
+    finally:
+        _kill_if_alive(p.pid, *info)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_grading_worker_stuck_in_c_code_dies_with_the_trainer():
+    p, info = _start("""
+        import json, time
+        from megatron_klear.rewards import GradingPool, RewardConfig
+        pool = GradingPool(RewardConfig(math_timeout_s=5), workers=1)
+        item = {"id": 1, "task": "math", "response": "<think>x</think> 1", "answer": "1"}
+        pool.submit(item).result(timeout=60)
+        worker = pool._workers[0].proc.pid
+        forkserver = int(open(f"/proc/{worker}/stat").read().rsplit(")", 1)[1].split()[1])
+        print(json.dumps([worker, forkserver]), flush=True)
+        time.sleep(120)
+    """)
+    try:
+        worker, forkserver = info
+        assert forkserver != p.pid  # forked by the forkserver, which every worker keeps alive
+        os.kill(worker, signal.SIGSTOP)  # busy where no signal handler runs: it would never see EOF
+        p.kill()
+        p.wait()
+        assert _gone(forkserver), "the grading pool's forkserver outlived the trainer"
+        assert _gone(worker), "the grading worker outlived the trainer"
+    finally:
+        _kill_if_alive(p.pid, *info)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_die_with_torchrun(tmp_path):
+    """torchrun starts each rank in its own session: killing torchrun (or its process group) used
+    to leave the ranks training on and writing checkpoints."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        from megatron_klear.platform.entry import run_entry_point
+
+        def main():
+            with open(sys.argv[1] + f".{os.environ['RANK']}", "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(120)
+
+        sys.exit(run_entry_point(main))
+    """))
+    pids = str(tmp_path / "pid")
+    p = subprocess.Popen([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                          "--master-port", str(_free_port()), str(script), pids],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2 and time.monotonic() < deadline:
+            ranks = [int(open(f"{pids}.{r}").read()) for r in (0, 1) if os.path.exists(f"{pids}.{r}")
+                     and open(f"{pids}.{r}").read()]
+            time.sleep(0.2)
+        assert len(ranks) == 2, "the ranks did not start"
+        assert not any(_gone(pid, timeout=1.0) for pid in ranks)  # alive while torchrun is
+        p.kill()
+        p.wait()
+        assert all(_gone(pid) for pid in ranks), "ranks outlived torchrun"
+    finally:
+        _kill_if_alive(p.pid, *ranks)
