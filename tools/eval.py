@@ -75,8 +75,12 @@ def main(argv=None):
 
         engine = SGLangEngine(args.url, check=True, max_concurrent_requests=args.max_concurrent_requests,
                               generate_timeout=args.generate_timeout)
-        engine.check_context_length(args.max_prompt_length + args.max_new_tokens,
-                                    "--max-prompt-length + --max-new-tokens")
+
+    from megatron_klear.rollout.base import require_context
+
+    longest = max(len(p.prompt_ids) for prompts in benchmarks.values() for p in prompts)
+    require_context(engine, longest + args.max_new_tokens, f"the longest prompt ({longest}) + --max-new-tokens",
+                    hint="; --yarn-factor extends the embedded engine's context")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     with GradingPool(RewardConfig(workers=args.workers)) as pool:

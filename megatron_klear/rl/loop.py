@@ -66,22 +66,6 @@ def make_engine(cfg: JobConfig, model_dir: str):
         health_failure_threshold=r.health_failure_threshold, send_seed=r.send_seed, check=True)
 
 
-def check_engine_context(engine, cfg: JobConfig) -> None:
-    """Fail at start-up, not at the first batch, when the longest request cannot fit the engine's
-    context (SGLang rejects such a request with HTTP 400)."""
-    needed = cfg.rl.max_prompt_length + cfg.rollout.max_new_tokens
-    what = (f"rl.max_prompt_length + rollout.max_new_tokens = {cfg.rl.max_prompt_length} + "
-            f"{cfg.rollout.max_new_tokens}")
-    if hasattr(engine, "check_context_length"):
-        engine.check_context_length(needed, what)
-        return
-    limit = getattr(engine, "context_length", None)
-    if limit is not None and limit < needed:
-        raise ValueError(f"rollout: the embedded engine's context length is {limit} tokens (the model's "
-                         f"max_position_embeddings), but {what} = {needed}; lower them or use a model with "
-                         "a longer context / RoPE scaling")
-
-
 def build_samples(prompts, completions, grades, cfg: JobConfig):
     """Graded completions -> (RolloutSamples to train on, rollout metrics)."""
     from megatron_klear.rl.advantages import group_advantages, nonzero_spread_mask
@@ -181,7 +165,10 @@ class RLLoop:
 
             os.makedirs(self.sync_dir, exist_ok=True)
             self.engine = make_engine(cfg, self._export_weights() if cfg.rollout.engine == "embedded" else cfg.model.path)
-            check_engine_context(self.engine, cfg)
+            from megatron_klear.rollout.base import require_context
+
+            require_context(self.engine, cfg.rl.max_prompt_length + cfg.rollout.max_new_tokens,
+                            "rl.max_prompt_length + rollout.max_new_tokens")
             self.pool = GradingPool(cfg.reward)
             if any(p.task == "code" for p in self.prompts.prompts):
                 self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item

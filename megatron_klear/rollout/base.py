@@ -73,3 +73,17 @@ class RolloutEngine(abc.ABC):
 
     def close(self) -> None:
         """Stop servers / free resources."""
+
+
+def require_context(engine, needed: int, what: str, hint: str = "") -> None:
+    """Fail before generating anything when the longest request (``needed`` = prompt budget +
+    max_new_tokens, described by ``what``) cannot fit the engine's context: SGLang and the embedded
+    engine refuse such a request (HTTP 400 / ValueError), which would otherwise surface mid-run."""
+    if hasattr(engine, "check_context_length"):  # servers: each worker is asked
+        engine.check_context_length(needed, what)  # (its message names SGLang's flags)
+        return
+    limit = getattr(engine, "context_length", None)
+    if limit is not None and limit < needed:
+        raise ValueError(f"rollout: the embedded engine's context length is {limit} tokens (the model's "
+                         f"max_position_embeddings), but {what} = {needed}: lower them, or give the model a "
+                         f"longer context (RoPE scaling such as YaRN){hint}")
