@@ -37,7 +37,9 @@ def report_user_error(exc: BaseException, stream=None) -> None:
     if error_file:
         try:
             with open(error_file, "w") as f:
-                json.dump({"message": message, "timestamp": str(int(time.time()))}, f)
+                # torchrun's format (ErrorHandler.record_exception); it shows py_callstack
+                json.dump({"message": {"message": message, "extraInfo": {
+                    "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
         except OSError:
             pass
 

@@ -68,9 +68,10 @@ def no_torch_dist_save(monkeypatch, tmp_path):
         monkeypatch.setattr(process, "start_checkpoint_writer_manager", lambda: None)
     except ImportError:  # before issue 13
         pass
-    monkeypatch.setattr(CheckpointManager, "_sharded_state", lambda self, state, is_loading: {})
+    monkeypatch.setattr(CheckpointManager, "_sharded_state", lambda self, state, **kw: {})
     monkeypatch.chdir(tmp_path)
     return types.SimpleNamespace(scheduler=types.SimpleNamespace(state_dict=lambda: {}),
+                                 optimizer=types.SimpleNamespace(optimizer=types.SimpleNamespace(state={})),
                                  arch=types.SimpleNamespace(hf_config={"model_type": "qwen3"}))
 
 
@@ -347,10 +348,7 @@ def _rl_resume(rank, world, setup, save):
         f"model.path={setup['model']}", f"rl.prompts=[{setup['prompts']}]", f"train.save_dir={save}",
         "train.steps=2", "train.save_interval=1", "rl.prompts_per_step=2", "rl.responses_per_prompt=2",
         "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=256", "rl.max_prompt_length=64",
-        "rollout.max_new_tokens=8", "reward.workers=1",
-        # train on every group: an optimizer step at step 1 whatever the rewards (a checkpoint
-        # written before the first update does not resume: the optimizer has no state yet)
-        "rl.filter_zero_spread=false"])
+        "rollout.max_new_tokens=8", "reward.workers=1"])
     RLLoop(cfg).run(stop_after=1)
     with open(os.path.join(save, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 2}) + "\n")  # logged by a step whose checkpoint never came
