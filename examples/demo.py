@@ -29,7 +29,12 @@ def sh(*args, **kw):
 
 
 def torchrun(n, *args):
-    sh(PY, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", "29511", *args)
+    import socket
+
+    with socket.socket() as s:  # a port the OS says is free, not a fixed one another job may hold
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sh(PY, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(port), *args)
 
 
 def banner(text):
@@ -76,8 +81,8 @@ def main():
                                      add_generation_prompt=True)
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
+        # the export's generation_config.json stops at EOS and at the chat template's <|im_end|>
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
     answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
 
     banner("5. GPPO: embedded engine -> math grader -> actor at TP=2 -> weight sync")

@@ -11,5 +11,8 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flavor", choices=("base", "instruct"), default="base",
+                   help="base (default): EOS <|endoftext|> while turns end with <|im_end|>, like Qwen3-8B-Base; "
+                        "instruct: EOS <|im_end|>")
     a = p.parse_args()
-    print(make_tiny_qwen3(a.out, tied=a.tied, num_layers=a.layers, hidden_size=a.hidden, seed=a.seed))
+    print(make_tiny_qwen3(a.out, tied=a.tied, num_layers=a.layers, hidden_size=a.hidden, seed=a.seed, flavor=a.flavor))
