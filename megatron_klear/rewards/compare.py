@@ -6,11 +6,15 @@ always true, a patched `json`) takes part in the verdict.
 
 stdin/stdout tests follow LiveCodeBench: both outputs are stripped, split into lines, each line
 stripped; lines must match one to one. A line that differs as text still matches when it has the
-same whitespace-separated tokens, numeric tokens compared with a tolerance (integers exactly, so
-that 10^18+1 never equals 10^18 through float rounding).
+same whitespace-separated tokens, numbers compared by value: integers exactly (so that 10^18+1
+never equals 10^18 through float rounding), decimals exactly as decimals (``0.50`` = ``0.5``,
+LiveCodeBench's own rule), else within a *relative* tolerance ``tol`` (1e-6: 0.3333333 matches
+0.333333333). There is no absolute tolerance: it would make every small number equal (1e-9 and
+2e-9, or 1e-7 and 0).
 """
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import re
@@ -35,11 +39,20 @@ def _tokens_match(a: str, b: str, tol: float) -> bool:
     if _INT.fullmatch(a) and _INT.fullmatch(b):
         return _canonical_int(a) == _canonical_int(b)
     if _NUM.fullmatch(a) and _NUM.fullmatch(b):
-        x, y = float(a), float(b)
-        if not (math.isfinite(x) and math.isfinite(y)):
-            return False
-        return abs(x - y) <= tol or abs(x - y) <= tol * abs(y)
+        try:
+            if decimal.Decimal(a) == decimal.Decimal(b):
+                return True
+        except (decimal.InvalidOperation, ValueError):  # pragma: no cover - _NUM matched
+            pass
+        return _close(float(a), float(b), tol)
     return False
+
+
+def _close(x: float, y: float, tol: float) -> bool:
+    """Relative closeness only (no absolute floor); infinities and NaN never match here."""
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return False
+    return abs(x - y) <= tol * max(abs(x), abs(y))
 
 
 def _lines(text: str) -> list[str]:
@@ -67,7 +80,8 @@ def _number(x) -> bool:
 
 def values_match(actual, expected, tol: float = 1e-6) -> bool:
     """Deep comparison of JSON values: exact for ints, strings, bools and None (True is not 1);
-    floats within `tol` (absolute or relative); lists element-wise; dicts key-wise."""
+    floats equal or within the relative tolerance `tol` (no absolute one); lists element-wise;
+    dicts key-wise."""
     if _number(actual) and _number(expected):
         if isinstance(actual, int) and isinstance(expected, int):
             return actual == expected
@@ -76,7 +90,7 @@ def values_match(actual, expected, tol: float = 1e-6) -> bool:
             return False
         if math.isinf(x) or math.isinf(y):
             return x == y
-        return abs(x - y) <= tol or abs(x - y) <= tol * abs(y)
+        return x == y or _close(x, y, tol)
     if type(actual) is not type(expected):
         return False
     if isinstance(actual, list):

@@ -340,7 +340,6 @@ def _is_huge(expr) -> bool:
 # --------------------------------------------------------------------------- grading
 
 def _parse_gold(gold: str):
-    mv = _mv()
     g = _strip_math_delims(str(gold))
     boxes = boxed_contents(g)
     if boxes:
@@ -348,14 +347,56 @@ def _parse_gold(gold: str):
     words = _as_words(g)
     if words is not None:
         return g, [f"text:{words}"], words
-    boxed_only, _ = _configs()
-    parsed = mv.parse("\\boxed{" + _scientific(g) + "}", extraction_config=boxed_only, parsing_timeout=None)
-    return g, parsed, None
+    return g, _parse_boxed(g), None
 
 
 def _verdict(cfg: RewardConfig, ok: bool, why: str) -> GradeResult:
     return GradeResult(reward=cfg.correct if ok else cfg.wrong, passed=int(ok), total=1,
                        detail=why)
+
+
+def _parse_boxed(text: str):
+    boxed_only, _ = _configs()
+    return _mv().parse("\\boxed{" + _scientific(text) + "}", extraction_config=boxed_only,
+                       parsing_timeout=None)
+
+
+def _match(answer_text: str, pred, g_text: str, g_parsed, g_words) -> str | None:
+    """The grading equivalence: why ``answer_text`` (``pred``: its parse, or None to parse it as
+    a boxed answer) equals the gold (from :func:`_parse_gold`), or None when it does not."""
+    # Cheap and exact first: identical strings need no sympy.
+    if _squash(_unwrap_text(answer_text)) == _squash(_unwrap_text(g_text)):
+        return "correct (identical)"
+    if g_words is not None:
+        return "correct (text)" if _as_words(answer_text) == g_words else None
+    if not any(not isinstance(x, str) for x in g_parsed):
+        return None  # a gold math-verify does not understand: identical text only
+    g_choice = _as_choice(g_text)
+    if g_choice is not None and _as_choice(answer_text) is not None:
+        return "correct (choice)" if _as_choice(answer_text) == g_choice else None
+    if _as_words(answer_text) is not None:
+        return None  # a word answer against a mathematical gold
+    if pred is None:
+        pred = _parse_boxed(answer_text)
+    if not pred:
+        return None
+    if any(_is_huge(x) for x in g_parsed) or any(_is_huge(x) for x in pred):
+        same = any(isinstance(a, type(b)) and a == b for a in g_parsed for b in pred
+                   if not isinstance(a, str))
+        return "correct (structurally identical huge number)" if same else None
+    return "correct" if _mv().verify(g_parsed, pred, timeout_seconds=None) else None
+
+
+def _one_answer(boxes: list[str]) -> bool:
+    """Do all boxed answers say the same thing as the last one (by the grading equivalence)?"""
+    last = boxes[-1]
+    others = list(dict.fromkeys(b for b in boxes if _squash(b) != _squash(last)))
+    if not others:
+        return True
+    if len(others) >= _MAX_BOXES_COMPARED:
+        return False
+    l_text, l_parsed, l_words = _parse_gold(last)
+    return all(_match(b, None, l_text, l_parsed, l_words) is not None for b in others)
 
 
 def grade_math(response: str, gold: str | list[str], cfg: RewardConfig | None = None) -> GradeResult:
@@ -376,13 +417,15 @@ def grade_math(response: str, gold: str | list[str], cfg: RewardConfig | None = 
     if fmt is not None:
         return GradeResult(reward=fmt[0], passed=0, total=1, detail=fmt[1])
     section = answer_section(response) or ""
+    mv = _mv()
+    _Tolerance.rel = cfg.math_float_rel_tol
 
     boxes = boxed_contents(section)
-    distinct = list(dict.fromkeys(_squash(b) for b in boxes))
-    if len(distinct) > 1:
-        return _verdict(cfg, False, f"several different boxed answers ({len(distinct)})")
-    mv = _mv()
-    boxed_only, anywhere = _configs()
+    if boxes and not _one_answer(boxes):
+        distinct = len(dict.fromkeys(_squash(b) for b in boxes))
+        return _verdict(cfg, False, f"several different boxed answers ({distinct})")
+    _, anywhere = _configs()
+    found = None
     if boxes:
         answer_text = boxes[-1]
         hedge_text = answer_text
@@ -401,43 +444,15 @@ def grade_math(response: str, gold: str | list[str], cfg: RewardConfig | None = 
         if g_words is None and not any(not isinstance(x, str) for x in g_parsed):
             # Only math-verify's string fallback came back: the gold is not mathematics it
             # understands. Identical text still counts; anything else is a data error.
-            if _squash(_unwrap_text(answer_text)) == _squash(_unwrap_text(g_text)):
+            if _match(answer_text, found, g_text, g_parsed, g_words):
                 return _verdict(cfg, True, "correct (identical)")
             last_error = f"gold answer {g!r:.80} could not be parsed by math-verify"
             continue
         if _is_hedged(hedge_text) and not _is_hedged(g_text):
             return _verdict(cfg, False, f"hedged answer {hedge_text!r:.80}")
-        # Cheap and exact first: identical strings need no sympy.
-        if _squash(_unwrap_text(answer_text)) == _squash(_unwrap_text(g_text)):
-            return _verdict(cfg, True, "correct (identical)")
-        if g_words is not None:
-            if _as_words(answer_text) == g_words:
-                return _verdict(cfg, True, "correct (text)")
-            continue
-        g_choice = _as_choice(g_text)
-        if g_choice is not None and _as_choice(answer_text) is not None:
-            if _as_choice(answer_text) == g_choice:
-                return _verdict(cfg, True, "correct (choice)")
-            continue
-        if _as_words(answer_text) is not None:
-            continue  # a word answer against a mathematical gold
-        if boxes:
-            pred = mv.parse("\\boxed{" + answer_text + "}", extraction_config=boxed_only,
-                            parsing_timeout=None)
-        else:
-            pred = found
-        if not pred:
-            continue
-        g_huge = any(_is_huge(x) for x in g_parsed)
-        p_huge = any(_is_huge(x) for x in pred)
-        if g_huge or p_huge:
-            same = any(isinstance(a, type(b)) and a == b for a in g_parsed for b in pred
-                       if not isinstance(a, str))
-            if same:
-                return _verdict(cfg, True, "correct (structurally identical huge number)")
-            continue
-        if mv.verify(g_parsed, pred, timeout_seconds=None):
-            return _verdict(cfg, True, "correct")
+        why = _match(answer_text, found, g_text, g_parsed, g_words)
+        if why is not None:
+            return _verdict(cfg, True, why)
     if last_error is not None and len(golds) == 1:
         return GradeResult.failure(cfg.wrong, last_error)
     return _verdict(cfg, False, f"wrong answer {answer_text!r:.80}")

@@ -13,9 +13,14 @@ from megatron_klear.rewards.compare import parse_json_output, stdio_match, value
     ("1\n2\n", "1 2", False),                   # line structure matters
     ("\n\n", "", True),
     ("", "0", False),
-    ("0.3333333\n", "0.333333333", True),        # |diff| <= 1e-6
+    ("0.3333333\n", "0.333333333", True),        # relative difference 3e-7 <= 1e-6
     ("0.33\n", "0.333333333", False),
-    ("1e-7", "0", True),
+    ("0.50", "0.5", True),                      # equal decimals
+    ("1e-7", "0", False),                       # no absolute tolerance: small numbers differ
+    ("1e-9", "2e-9", False),
+    ("0.0000001", "0.0000002", False),
+    ("1.0000001e-9", "1e-9", True),             # relative 1e-7
+    ("-0.0", "0", True),
     ("1000000.5", "1000000.0", True),           # relative tolerance 1e-6 of 1e6
     ("1000001.5", "1000000.0", False),
     ("1000000000000000001", "1000000000000000000", False),  # integers exactly, no float rounding
@@ -47,6 +52,11 @@ def test_huge_integer_tokens_compare_exactly():
     ([1, 2, 3], [1, 2], False),
     ([1, 2], [2, 1], False),
     (1.0000001, 1, True),
+    (1e-9, 2e-9, False),                        # no absolute tolerance
+    (1e-7, 0, False),
+    (1e-7, 0.0, False),
+    (0.0, 0, True),
+    (1.0000001e-30, 1e-30, True),
     (2, 2.0, True),
     (10 ** 18 + 1, 10 ** 18, False),
     (True, 1, False),                           # JSON true is not 1

@@ -26,6 +26,15 @@ CASES = [
     ("multi-box-or", r"It is \boxed{7} or \boxed{8}.", "7", WRONG),
     ("multi-box-changed-mind", r"First \boxed{8}, no wait: \boxed{7}", "7", WRONG),
     ("multi-box-same-twice", r"\boxed{7}. Double-checking: \boxed{7}", "7", OK),
+    # whether boxed answers differ: the grading equivalence, not their spelling
+    ("multi-box-5-and-5.0", r"\boxed{5} ... so the answer is \boxed{5.0}", "5", OK),
+    ("multi-box-frac-and-decimal", r"\boxed{\frac{1}{2}}, i.e. \boxed{0.5}", r"\frac12", OK),
+    ("multi-box-power-and-decimal", r"\boxed{10^{-7}} = \boxed{0.0000001}", "10^{-7}", OK),
+    ("multi-box-text-case", r"\boxed{\text{Monday}}, so \boxed{monday}", "Monday", OK),
+    ("multi-box-leading-zero", r"\boxed{016} (that is, \boxed{16})", "16", OK),
+    ("multi-box-close-not-equal", r"\boxed{5} or maybe \boxed{5.0000001}", "5", WRONG),
+    ("multi-box-tiny-not-equal", r"\boxed{0.0000002} and \boxed{0.0000001}", "0.0000001", WRONG),
+    ("multi-box-three-one-differs", r"\boxed{5}, \boxed{5.0}, \boxed{6}", "6", WRONG),
     ("hedge-text-or", r"\boxed{7 \text{ or } 8}", "7", WRONG),
     ("hedge-bare-or", r"\boxed{7 or 8}", "7", WRONG),
     ("hedge-lor", r"\boxed{7 \lor 8}", "7", WRONG),
@@ -217,3 +226,18 @@ def test_boxed_contents_nesting_and_truncation():
     assert boxed_contents(r"\boxed 5$") == ["5"]
     assert boxed_contents(r"\boxed{\frac{1}{2}") == []  # unclosed (truncated) box is not an answer
     assert boxed_contents(r"\boxed{a\}b}") == [r"a\}b"]
+
+
+def test_number_equality_is_relative_never_absolute_and_configurable():
+    """The tolerance for a decimal against an irrational value is relative and set by
+    RewardConfig.math_float_rel_tol; rationals are exact whatever it is."""
+    loose = RewardConfig(math_float_rel_tol=1e-3)
+    assert grade_math(T + r"\boxed{1.414}", r"\sqrt{2}").reward == -1.0
+    assert grade_math(T + r"\boxed{1.414}", r"\sqrt{2}", loose).reward == 1.0
+    assert grade_math(T + r"\boxed{1.414 \times 10^{-30}}", r"\sqrt{2} \cdot 10^{-30}", loose).reward == 1.0
+    assert grade_math(T + r"\boxed{1.5 \times 10^{-30}}", r"\sqrt{2} \cdot 10^{-30}", loose).reward == -1.0
+    # rationals: exact, even under a loose tolerance, at every magnitude
+    for a, b in [("0.3333", r"\frac13"), ("1000001", "1000000"), (r"10^{-40}", r"1.001 \times 10^{-40}")]:
+        assert grade_math(T + rf"\boxed{{{a}}}", b, loose).reward == -1.0, (a, b)
+    with pytest.raises(ValueError, match="math_float_rel_tol"):
+        RewardConfig(math_float_rel_tol=-1e-6)
