@@ -2,8 +2,11 @@
 
 Klear-Reasoner's "soft reward" (section 4): up to K=16 tests are sampled per problem and the reward
 is the fraction that pass (4 of 16 -> 0.25; LiveCodeBench v5 61.0 vs 59.2 for all-or-nothing).
-The sample of tests depends only on the seed and the problem's tests, so all responses of a GRPO
-group are graded on the same tests.
+By default (`code_test_sampling="fixed"`) the sample depends only on the seed and the problem's
+tests, so all responses of a GRPO group are graded on the same tests; "per_call" draws a fresh
+sample on every grading call, as the authors' code does. With `code_think_format` the reward is
+on the authors' scale: the mean of +1 per passed and -1 per failed test, with the think-format
+scores (-0.5 / -2) on that scale (config.py).
 
 The program is the last fenced python block after the last `</think>`. Two test styles:
 - stdin/stdout: `inputs[i]` is fed on stdin, stdout is compared with `outputs[i]` (compare.py).
@@ -31,7 +34,7 @@ from .harness import RESULT_MARKER
 from .response import answer_section, think_format_score
 from .result import GradeResult
 
-__all__ = ["grade_code", "extract_code", "parse_tests", "select_tests", "CodeTests", "BadTests"]
+__all__ = ["grade_code", "code_reward", "extract_code", "parse_tests", "select_tests", "CodeTests", "BadTests"]
 
 _FENCE = re.compile(r"```[ \t]*([^\n`]*)\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = {"python", "py", "python3", "py3"}
@@ -132,11 +135,20 @@ def parse_tests(tests) -> CodeTests:
     return CodeTests(cases=cases, fn_name=fn_name, key=digest)
 
 
-def select_tests(n: int, k: int | None, seed: int, key: str) -> list[int]:
-    """Indices of the tests to run: all when n <= k, else a seeded sample of k (sorted)."""
+def select_tests(n: int, k: int | None, seed: int, key: str, fresh: bool = False) -> list[int]:
+    """Indices of the tests to run: all when n <= k, else a sample of k (sorted), seeded by
+    ``seed`` and the problem's ``key``, or drawn afresh from the OS's entropy when ``fresh``."""
     if k is None or n <= k:
         return list(range(n))
-    return sorted(random.Random(f"{seed}:{key}").sample(range(n), k))
+    rng = random.Random() if fresh else random.Random(f"{seed}:{key}")
+    return sorted(rng.sample(range(n), k))
+
+
+def code_reward(passed: int, total: int, cfg: RewardConfig) -> float:
+    """The soft reward: the pass fraction in [0, 1], or with ``code_think_format`` the authors'
+    mean of +1 per passed and -1 per failed test, in [-1, 1] (the scale of the format scores)."""
+    frac = passed / total if total else 0.0
+    return 2.0 * frac - 1.0 if cfg.code_think_format else frac
 
 
 def _judge(res, case: Case, fn_name: str | None, limits, tol: float) -> str:
@@ -160,13 +172,15 @@ def _judge(res, case: Case, fn_name: str | None, limits, tol: float) -> str:
 def grade_code(response: str, tests, cfg: RewardConfig | None = None, sandbox=None) -> GradeResult:
     """Grade one code response. `sandbox`: a sandbox.Sandbox (one is created when None)."""
     cfg = cfg or RewardConfig()
+    fail = code_reward(0, 1, cfg)
     if not isinstance(response, str):
-        return GradeResult.failure(0.0, f"response must be a string, got {type(response).__name__}")
+        return GradeResult.failure(fail, f"response must be a string, got {type(response).__name__}")
     try:
         spec = parse_tests(tests)
     except BadTests as e:
-        return GradeResult.failure(0.0, str(e))
-    picked = select_tests(len(spec.cases), cfg.code_max_tests, cfg.code_seed, spec.key)
+        return GradeResult.failure(fail, str(e))
+    picked = select_tests(len(spec.cases), cfg.code_max_tests, cfg.code_seed, spec.key,
+                          fresh=cfg.code_test_sampling == "per_call")
     total = len(picked)
     if cfg.code_think_format:
         fmt = think_format_score(response, cfg)
@@ -174,10 +188,10 @@ def grade_code(response: str, tests, cfg: RewardConfig | None = None, sandbox=No
             return GradeResult(reward=fmt[0], passed=0, total=total, detail=fmt[1])
     section = answer_section(response)
     if section is None:
-        return GradeResult(reward=0.0, passed=0, total=total, detail="missing </think>: no answer section")
+        return GradeResult(reward=fail, passed=0, total=total, detail="missing </think>: no answer section")
     code = extract_code(section)
     if code is None or not code.strip():
-        return GradeResult(reward=0.0, passed=0, total=total, detail="no python code block after </think>")
+        return GradeResult(reward=fail, passed=0, total=total, detail="no python code block after </think>")
 
     own = sandbox is None
     if own:
@@ -210,5 +224,5 @@ def grade_code(response: str, tests, cfg: RewardConfig | None = None, sandbox=No
     error = None
     if failures:
         error = f"{len(failures)} of {total} runs could not start: {failures[0]}"
-    return GradeResult(reward=passed / total, passed=passed, total=total, error=error,
+    return GradeResult(reward=code_reward(passed, total, cfg), passed=passed, total=total, error=error,
                        detail=detail, tests=verdicts)

@@ -78,22 +78,34 @@ class RewardConfig:
 
     Math: +1 correct, -1 wrong, -0.5 when `</think>` is missing (checked first, like the authors'
     code), -2 when `<think>` is missing. Code ("soft reward"): the fraction of up to
-    `code_max_tests` sampled tests that pass, in [0, 1].
+    `code_max_tests` sampled tests that pass, in [0, 1]; with `code_think_format` the authors'
+    scale instead (below).
     """
 
     correct: float = 1.0
     wrong: float = -1.0
     no_think_close: float = -0.5
     no_think_open: float = -2.0
-    #: The authors' code also applies the two think-format scores to code responses; off by
-    #: default so that the code reward stays the paper's pass fraction in [0, 1].
+    #: Math: a decimal answer for an irrational value (or the reverse) counts within this relative
+    #: error; rationals are compared exactly, and there is never an absolute tolerance (math.py).
+    math_float_rel_tol: float = 1e-6
+    #: The authors' code also applies the two think-format scores to code responses. On, the code
+    #: reward is theirs: the mean of +1 per passed and -1 per failed test (2 * fraction - 1, in
+    #: [-1, 1]), with `no_think_close` / `no_think_open` on that same scale, so a truncated
+    #: response (-0.5) ranks above an all-fail one (-1), as in their runs. Off (the default), the
+    #: reward is the paper's pass fraction in [0, 1] and the think format is not scored.
     code_think_format: bool = False
     #: Some chat templates put `<think>` in the prompt, so responses never contain it; then the
     #: -2 score would hit every sample. Set False for such templates.
     require_think_open: bool = True
     code_max_tests: int | None = 16     # None: run every test
     code_seed: int = 0
-    #: Tolerance for numeric tokens/values in code outputs (absolute or relative).
+    #: Which tests: "fixed" (a sample seeded by code_seed and the problem's tests: every response
+    #: to a problem, at every step, runs the same ones) or "per_call" (a fresh random sample on
+    #: every grading call, as the authors' code does).
+    code_test_sampling: str = "fixed"
+    #: Relative tolerance for non-integer numbers in code outputs (integers and equal decimals
+    #: match exactly; never an absolute tolerance: 1e-9 is not 2e-9).
     code_float_tol: float = 1e-6
     #: Wall budget for all tests of one code sample; tests after it count as failed.
     code_sample_budget_s: float = 120.0
@@ -117,7 +129,7 @@ class RewardConfig:
                  "a SandboxConfig or a mapping of its fields")
         self.sandbox.validate()
         for name in ("correct", "wrong", "no_think_close", "no_think_open", "code_float_tol",
-                     "code_sample_budget_s", "math_timeout_s"):
+                     "math_float_rel_tol", "code_sample_budget_s", "math_timeout_s"):
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
                      c, name, v, "a finite number")
@@ -127,7 +139,12 @@ class RewardConfig:
                                                  and self.code_max_tests > 0),
                  c, "code_max_tests", self.code_max_tests, "a positive integer or None")
         _require(isinstance(self.code_seed, int), c, "code_seed", self.code_seed, "an integer")
-        _require(self.code_float_tol >= 0, c, "code_float_tol", self.code_float_tol, ">= 0")
+        _require(0 <= self.code_float_tol < 1, c, "code_float_tol", self.code_float_tol,
+                 "a relative tolerance in [0, 1)")
+        _require(0 <= self.math_float_rel_tol < 1, c, "math_float_rel_tol", self.math_float_rel_tol,
+                 "a relative tolerance in [0, 1)")
+        _require(self.code_test_sampling in ("fixed", "per_call"), c, "code_test_sampling",
+                 self.code_test_sampling, "'fixed' or 'per_call'")
         for name in ("code_sample_budget_s", "math_timeout_s"):
             _require(getattr(self, name) > 0, c, name, getattr(self, name), "> 0 seconds")
         _require(isinstance(self.math_memory_mb, int) and self.math_memory_mb >= 256, c,

@@ -61,8 +61,9 @@ def parse_item(obj, where: str = "item") -> GradeItem:
 
 
 def failure_reward(task: str, cfg: RewardConfig) -> float:
-    """The reward recorded alongside an error: the 'wrong' score for math, 0 for code."""
-    return cfg.wrong if task == "math" else 0.0
+    """The reward recorded alongside an error: the 'wrong' score for math, every test failed
+    for code (0, or -1 on the authors' scale with ``code_think_format``)."""
+    return cfg.wrong if task == "math" else (-1.0 if cfg.code_think_format else 0.0)
 
 
 def grade_item(item: GradeItem, cfg: RewardConfig, sandbox=None) -> GradeResult:

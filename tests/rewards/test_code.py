@@ -186,6 +186,68 @@ def test_all_responses_of_a_problem_see_the_same_tests(sandbox, cfg):
     assert r2.passed == evens and r2.reward == evens / 16
 
 
+def test_per_call_sampling_draws_a_fresh_sample_on_every_call(sandbox, cfg, monkeypatch):
+    """code_test_sampling="per_call" (the authors): a new random sample of k tests on every
+    grading call; the default "fixed" sample stays the seeded one."""
+    draws = {tuple(select_tests(40, 16, 0, "p", fresh=True)) for _ in range(20)}
+    assert len(draws) > 10 and all(len(d) == 16 and list(d) == sorted(set(d)) for d in draws)
+    assert {tuple(select_tests(40, 16, 0, "p")) for _ in range(5)} == {tuple(select_tests(40, 16, 0, "p"))}
+    assert select_tests(10, 16, 0, "p", fresh=True) == list(range(10))
+    import megatron_klear.rewards.code as code_mod
+
+    picks = []
+    real = code_mod.select_tests
+    monkeypatch.setattr(code_mod, "select_tests", lambda *a, **kw: picks.append(real(*a, **kw)) or picks[-1])
+    tests = stdio_tests([(f"{n}\n", str(n)) for n in range(40)])
+    echo = code_response("print(int(input()))")
+    per_call = RewardConfig(code_test_sampling="per_call", code_max_tests=4, sandbox=cfg.sandbox)
+    for _ in range(3):
+        res = grade_code(echo, tests, per_call, sandbox)
+        assert (res.passed, res.total) == (4, 4)
+    fixed = RewardConfig(code_max_tests=4, sandbox=cfg.sandbox)
+    for _ in range(2):
+        grade_code(echo, tests, fixed, sandbox)
+    assert len({tuple(p) for p in picks[:3]}) > 1  # all three equal: probability 1/C(40,4)^2
+    assert picks[3] == picks[4] == select_tests(40, 4, 0, parse_tests(tests).key)
+    with pytest.raises(ValueError, match="code_test_sampling"):
+        RewardConfig(code_test_sampling="sometimes")
+
+
+# --------------------------------------------------------------------------- format scores
+
+def test_think_format_scores_share_the_soft_reward_scale(sandbox, cfg):
+    """code_think_format=True: the authors' scale, mean of +1 per passed / -1 per failed test, with
+    -0.5 (no </think>, usually truncated) and -2 (no <think>) on it: a truncated response ranks
+    above an all-fail one and below a partial one, and so do their advantages in a group."""
+    import torch
+
+    from megatron_klear.rl.advantages import group_advantages
+
+    fmt = RewardConfig(code_think_format=True, sandbox=cfg.sandbox)
+    tests = stdio_tests([(f"{n}\n", str(2 * n)) for n in range(4)])
+    responses = {
+        "no_think_open": "reasoning</think>\n```python\nprint(2 * int(input()))\n```",
+        "all_fail": code_response("print(-1)"),
+        "truncated": "<think>still thinking about print(2 * int(input())) when the budget ran out",
+        "partial": code_response("n = int(input())\nprint(2 * n if n < 3 else 0)"),   # 3 of 4
+        "all_pass": code_response("print(2 * int(input()))"),
+    }
+    got = {k: grade_code(r, tests, fmt, sandbox) for k, r in responses.items()}
+    rewards = {k: g.reward for k, g in got.items()}
+    assert rewards == {"no_think_open": -2.0, "all_fail": -1.0, "truncated": -0.5, "partial": 0.5,
+                       "all_pass": 1.0}
+    assert all(g.error is None for g in got.values()) and got["all_pass"].solved
+    # the authors' reward for a graded program: mean of +-1 per test
+    assert rewards["partial"] == (3 * 1 + 1 * -1) / 4
+    order = ["no_think_open", "all_fail", "truncated", "partial", "all_pass"]
+    adv = group_advantages(torch.tensor([rewards[k] for k in order], dtype=torch.float64),
+                           torch.zeros(len(order), dtype=torch.long))
+    assert all(adv[i] < adv[i + 1] for i in range(len(order) - 1)), adv
+    # off (the default): the paper's pass fraction, no format score; truncated = all-fail = 0
+    plain = {k: grade_code(r, tests, cfg, sandbox).reward for k, r in responses.items()}
+    assert plain == {"no_think_open": 1.0, "all_fail": 0.0, "truncated": 0.0, "partial": 0.75, "all_pass": 1.0}
+
+
 # --------------------------------------------------------------------------- bad tests
 
 @pytest.mark.parametrize("tests,msg", [
