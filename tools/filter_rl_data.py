@@ -1,5 +1,5 @@
-"""Filter RL problems like the paper: code needs >= 16 tests and a reference pass rate >= 0.5;
-math prompts are kept by the reference pass rate.
+"""Filter RL problems like the paper: code needs >= 16 tests and a reference pass@16 >= 0.5;
+math prompts are kept when most reference samples pass (pass rate >= 0.5).
 
     python tools/filter_rl_data.py --input problems.jsonl --output kept.jsonl --dropped dropped.jsonl
 

@@ -1,10 +1,11 @@
 """RL data filters from the paper (Klear-Reasoner, section 4), as a tool over JSONL problems.
 
 - Code: drop problems with fewer than `min_tests` (16) test cases, and problems whose reference
-  solutions pass too rarely (the authors: pass rate of 16 reference samples >= 0.5; a problem a
-  strong model almost never solves usually has faulty tests).
-- Math: drop prompts by the pass rate of reference samples ("most of 16 pass"; the threshold is
-  configurable, inclusive).
+  samples pass too rarely: the documented rule is pass@16 >= 0.5 (`code_k` = 16, `code_min_pass`
+  = 0.5; a problem a strong model almost never solves usually has faulty tests). With exactly 16
+  references, pass@16 is 1 when any of them passes.
+- Math: drop prompts unless most reference samples pass: pass rate (`math_k` = 1) >= 0.5 ("most of
+  16 pass"). Thresholds are configurable and inclusive.
 
     python tools/filter_rl_data.py --input problems.jsonl --output kept.jsonl --dropped dropped.jsonl
 
@@ -15,8 +16,8 @@ Each problem line is {"id", "task": "code", "tests": {...}, ...} or {"id", "task
     "reference_solutions": ["print(...)", ...]       code only: bare programs, graded here
 A reference response passes when it earns the full score: the `correct` score for math, every
 test (all of them, not a sample) for code. The pass metric is the unbiased pass@k estimator over
-the n references (k=1: the plain pass rate). Kept lines are copied verbatim; dropped ones are
-listed with their line number and reason.
+the n references (k=1: the plain pass rate; fewer than k references: dropped, saying so). Kept
+lines are copied verbatim; dropped ones are listed with their line number and reason.
 """
 from __future__ import annotations
 
@@ -43,13 +44,15 @@ class FilterConfig:
     min_tests: int = 16
     code_min_pass: float = 0.5
     math_min_pass: float = 0.5
-    k: int = 1
+    code_k: int = 16  # code: pass@16 of the references >= code_min_pass
+    math_k: int = 1   # math: the plain pass rate >= math_min_pass
     #: False: apply only the structural filters (test counts), keep lines without references.
     pass_filter: bool = True
 
     def __post_init__(self):
-        if self.min_tests < 0 or self.k < 1:
-            raise ValueError(f"FilterConfig: need min_tests >= 0 and k >= 1 (got {self.min_tests}, {self.k})")
+        if self.min_tests < 0 or self.code_k < 1 or self.math_k < 1:
+            raise ValueError(f"FilterConfig: need min_tests >= 0 and code_k, math_k >= 1 "
+                             f"(got {self.min_tests}, {self.code_k}, {self.math_k})")
         for name in ("code_min_pass", "math_min_pass"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"FilterConfig.{name}={getattr(self, name)}: expected a fraction in [0, 1]")
@@ -95,12 +98,13 @@ def pass_drop_reason(task: str, passed: list[bool], fcfg: FilterConfig) -> str |
     n, c = len(passed), sum(bool(p) for p in passed)
     if n == 0:
         return "no reference results"
-    if fcfg.k > n:
-        return f"only {n} reference results, fewer than k={fcfg.k}"
-    rate = pass_at_k(n, c, fcfg.k)
+    k = fcfg.code_k if task == "code" else fcfg.math_k
+    if k > n:
+        return f"only {n} reference results, fewer than k={k}"
+    rate = pass_at_k(n, c, k)
     need = fcfg.code_min_pass if task == "code" else fcfg.math_min_pass
     if rate < need:
-        return f"reference pass@{fcfg.k} {rate:.3f} < {need:g} ({c}/{n} passed)"
+        return f"reference pass@{k} {rate:.3f} < {need:g} ({c}/{n} passed)"
     return None
 
 
@@ -224,7 +228,11 @@ def filter_main(argv=None) -> int:
     ap.add_argument("--min-tests", type=int, default=16)
     ap.add_argument("--code-min-pass", type=float, default=0.5)
     ap.add_argument("--math-min-pass", type=float, default=0.5)
-    ap.add_argument("--k", type=int, default=1, help="pass@k over the references (1: pass rate)")
+    ap.add_argument("--code-k", type=int, default=16,
+                    help="code: pass@k over the references (default 16: pass@16 >= --code-min-pass)")
+    ap.add_argument("--math-k", type=int, default=1,
+                    help="math: pass@k over the references (default 1: the pass rate >= --math-min-pass)")
+    ap.add_argument("--k", type=int, default=None, help="set --code-k and --math-k together")
     ap.add_argument("--no-pass-filter", action="store_true",
                     help="only the test-count filter; keep problems without reference results")
     ap.add_argument("--workers", type=int, default=None)
@@ -233,7 +241,8 @@ def filter_main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         fcfg = FilterConfig(min_tests=args.min_tests, code_min_pass=args.code_min_pass,
-                            math_min_pass=args.math_min_pass, k=args.k, pass_filter=not args.no_pass_filter)
+                            math_min_pass=args.math_min_pass, code_k=args.k or args.code_k,
+                            math_k=args.k or args.math_k, pass_filter=not args.no_pass_filter)
         rcfg = RewardConfig(workers=args.workers or 0)
         rcfg.sandbox.allow_fallback = args.allow_fallback
     except ValueError as e:

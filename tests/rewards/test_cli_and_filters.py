@@ -9,7 +9,7 @@ import pytest
 
 from megatron_klear.rewards import sandbox as sandbox_mod
 from megatron_klear.rewards.cli import grade_main
-from megatron_klear.rewards.filters import FilterConfig, filter_file, pass_at_k, pass_drop_reason
+from megatron_klear.rewards.filters import FilterConfig, filter_file, filter_main, pass_at_k, pass_drop_reason
 from megatron_klear.rewards.config import RewardConfig
 
 from .conftest import T, code_response
@@ -103,10 +103,39 @@ def test_pass_at_k_matches_the_combinatorial_formula(n, c, k):
 
 
 def test_pass_drop_reason_threshold_is_inclusive():
-    f = FilterConfig()
+    f = FilterConfig(code_k=1)
     assert pass_drop_reason("math", [True] * 8 + [False] * 8, f) is None
     assert pass_drop_reason("code", [True] * 6 + [False] * 10, f) == "reference pass@1 0.375 < 0.5 (6/16 passed)"
     assert pass_drop_reason("code", [], f) == "no reference results"
+
+
+def test_filter_defaults_are_the_documented_rule(tmp_path, capsys):
+    """Code: pass@16 of the references >= 0.5; math: most references pass (pass rate >= 0.5).
+    The defaults used to be a pass rate (k=1) for code too."""
+    f = FilterConfig()
+    assert (f.min_tests, f.code_k, f.code_min_pass, f.math_k, f.math_min_pass) == (16, 16, 0.5, 1, 0.5)
+    assert pass_drop_reason("code", [True] + [False] * 15, f) is None            # pass@16 = 1
+    assert pass_drop_reason("code", [False] * 16, f) == "reference pass@16 0.000 < 0.5 (0/16 passed)"
+    assert pass_drop_reason("code", [True] + [False] * 31, f) is None            # pass@16 = 16/32
+    assert pass_drop_reason("code", [True] * 4 + [False] * 4, f) == "only 8 reference results, fewer than k=16"
+    assert pass_drop_reason("math", [True] * 8 + [False] * 8, f) is None
+    assert pass_drop_reason("math", [True] * 6 + [False] * 10, f) == "reference pass@1 0.375 < 0.5 (6/16 passed)"
+    # the tool's defaults are the same rule
+    lines = [
+        _code_problem("rare-but-solvable", 16, reference_passed=[True] + [False] * 15),
+        _code_problem("never-solved", 16, reference_passed=[False] * 16),
+        {"id": "math-most", "task": "math", "answer": "7", "reference_passed": [True] * 9 + [False] * 7},
+        {"id": "math-few", "task": "math", "answer": "7", "reference_passed": [True] * 2 + [False] * 14},
+    ]
+    inp = _write_lines(tmp_path / "p.jsonl", lines)
+    out, dropped = str(tmp_path / "kept.jsonl"), str(tmp_path / "dropped.jsonl")
+    assert filter_main(["--input", inp, "--output", out, "--dropped", dropped]) == 0
+    assert [json.loads(x)["id"] for x in open(out).read().splitlines()] == ["rare-but-solvable", "math-most"]
+    assert {r["id"]: r["reason"] for r in _read_jsonl(dropped)} == {
+        "never-solved": "reference pass@16 0.000 < 0.5 (0/16 passed)",
+        "math-few": "reference pass@1 0.125 < 0.5 (2/16 passed)"}
+    assert filter_main(["--input", inp, "--output", out, "--k", "1"]) == 0       # both pass rates
+    assert [json.loads(x)["id"] for x in open(out).read().splitlines()] == ["math-most"]
 
 
 def _code_problem(pid, n_tests, **refs):
@@ -129,7 +158,7 @@ def test_filter_tool(tmp_path, capsys):
     ]
     inp = _write_lines(tmp_path / "p.jsonl", lines)
     out, dropped = str(tmp_path / "kept.jsonl"), str(tmp_path / "dropped.jsonl")
-    s = filter_file(inp, out, dropped, FilterConfig(), RewardConfig(workers=2))
+    s = filter_file(inp, out, dropped, FilterConfig(code_k=1), RewardConfig(workers=2))
     kept_text = open(out).read().splitlines()
     src = open(inp).read().splitlines()
     assert kept_text == [src[0], src[3]]  # verbatim
