@@ -7,14 +7,44 @@ answer is right / every test passes). Reported per benchmark: ``avg@k`` (mean ov
 fraction of solved responses, the paper's number, in %), ``pass@k`` (any solved), the mean
 response length, the fraction cut by the length limit, and grader errors (which count as unsolved
 and are listed, never hidden).
+
+"Every test" means all of a problem's tests (LiveCodeBench semantics), not RL's sample of
+``code_max_tests``: the grading pool must be built with :func:`evaluation_reward_config`, and
+:func:`evaluate` refuses a pool that samples tests when a benchmark has code problems. Chat
+templates that open ``<think>`` inside the prompt (the response continues the thought and never
+writes ``<think>`` itself) need ``think_in_prompt``, else every response would score the missing
+``<think>`` format penalty; :func:`prompts_open_think` detects them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 
 PAPER_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
+
+
+def evaluation_reward_config(base=None, *, think_in_prompt: bool = False):
+    """The grading settings of evaluation: every test of a code problem (no sample), and no
+    ``<think>`` required in the response when the prompt opens it."""
+    from megatron_klear.rewards import RewardConfig
+
+    base = base or RewardConfig()
+    return dataclasses.replace(base, code_max_tests=None, code_test_sampling="fixed",
+                               require_think_open=not think_in_prompt)
+
+
+def prompts_open_think(tokenizer, prompts, tail_tokens: int = 32) -> bool:
+    """True when every prompt ends inside an open ``<think>`` block (its rendered tail has a
+    ``<think>`` after the last ``</think>``)."""
+    if not prompts:
+        return False
+    for p in prompts:
+        tail = tokenizer.decode(list(p.prompt_ids)[-tail_tokens:], skip_special_tokens=False)
+        if tail.rfind("<think>") < 0 or tail.rfind("<think>") < tail.rfind("</think>"):
+            return False
+    return True
 
 
 def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progress=print) -> tuple:
@@ -24,6 +54,11 @@ def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progr
 
     from megatron_klear.data.chat import generation_stop_ids
 
+    cfg = getattr(pool, "cfg", None)
+    has_code = any(p.task == "code" for ps in benchmarks.values() for p in ps)
+    if has_code and cfg is not None and cfg.code_max_tests is not None:
+        raise ValueError(f"evaluation grades every test of a code problem, but the grading pool samples "
+                         f"code_max_tests={cfg.code_max_tests}: build it with evaluation_reward_config()")
     summary, records = {}, []
     # responses end at EOS or at the chat template's end-of-turn token (a base model's EOS differs)
     stop_ids = sorted(set(params.stop_token_ids) | set(generation_stop_ids(tokenizer)))

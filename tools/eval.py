@@ -6,9 +6,11 @@
     python tools/eval.py --url http://router:30000 --tokenizer hf/klear-8b --bench lcb_v5=data/lcb_v5.jsonl --k 8 ...
 
 Benchmark files use the RL prompt format (data/prompts.py): {"id", "task": "math", "prompt", "answer"}
-or {"id", "task": "code", "prompt", "tests"}. For the 64K setting, serve the model with YaRN
-(factor 2.5 over 32768 positions) and pass --max-new-tokens 65536; with the embedded engine,
---yarn-factor 2.5 edits the config it loads.
+or {"id", "task": "code", "prompt", "tests"}. Code responses run on every test of the problem
+(LiveCodeBench semantics; RL's reward samples up to 16). For the 64K setting, serve the model with
+YaRN (factor 2.5 over 32768 positions) and pass --max-new-tokens 65536; with the embedded engine,
+--yarn-factor 2.5 edits the config it loads. --think-in-prompt: for chat templates whose generation
+prompt opens <think> (responses then never contain it); "auto" (the default) detects them.
 """
 import argparse
 import sys
@@ -36,12 +38,15 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=0, help="grading workers (0: one per core)")
     p.add_argument("--max-concurrent-requests", type=int, default=512, help="--url: /generate requests in flight")
     p.add_argument("--generate-timeout", type=float, default=3600.0, help="--url: seconds for one prompt's samples")
+    p.add_argument("--think-in-prompt", choices=("auto", "yes", "no"), default="auto",
+                   help="the chat template opens <think> in the prompt, so responses need not write it "
+                        "(auto: when every rendered prompt ends inside an open <think>)")
     p.add_argument("--output", required=True, help="summary JSON (samples go to <output>.samples.jsonl)")
     args = p.parse_args(argv)
 
     from megatron_klear.data.chat import load_tokenizer
     from megatron_klear.data.prompts import PromptDataset
-    from megatron_klear.evaluation import evaluate, write_results
+    from megatron_klear.evaluation import evaluate, evaluation_reward_config, prompts_open_think, write_results
     from megatron_klear.rewards import GradingPool, RewardConfig
     from megatron_klear.rollout.base import SamplingParams
 
@@ -52,6 +57,11 @@ def main(argv=None):
             p.error(f"--bench {spec!r}: expected NAME=FILE.jsonl")
         name, path = spec.split("=", 1)
         benchmarks[name] = PromptDataset([path], tokenizer, max_prompt_length=args.max_prompt_length).prompts
+    think_in_prompt = args.think_in_prompt == "yes" or (
+        args.think_in_prompt == "auto" and prompts_open_think(tokenizer, [q for ps in benchmarks.values() for q in ps]))
+    if think_in_prompt and args.think_in_prompt == "auto":
+        print("the prompts open <think>: responses are not required to contain it (--think-in-prompt)",
+              file=sys.stderr)
     if args.model:
         import torch
 
@@ -83,10 +93,12 @@ def main(argv=None):
                     hint="; --yarn-factor extends the embedded engine's context")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
-    with GradingPool(RewardConfig(workers=args.workers)) as pool:
+    reward_cfg = evaluation_reward_config(RewardConfig(workers=args.workers), think_in_prompt=think_in_prompt)
+    with GradingPool(reward_cfg) as pool:
         summary, records = evaluate(engine, benchmarks, tokenizer, pool, k=args.k, params=params,
                                     progress=lambda s: print(s, file=sys.stderr))
-    write_results(args.output, summary, records, meta={k: v for k, v in vars(args).items()})
+    write_results(args.output, summary, records,
+                  meta={**vars(args), "think_in_prompt_resolved": think_in_prompt, "code_tests": "all"})
     print(f"wrote {args.output}")
     return 0
 

@@ -273,8 +273,20 @@ def end_of_turn_ids(tokenizer) -> list:
     if not getattr(tokenizer, "chat_template", None):
         return []
     renderer = ChatRenderer(tokenizer, loss_on="last")
-    example = renderer.render([{"role": "user", "content": "What is 1 + 1?"},
-                               {"role": "assistant", "content": "2"}])
+    messages = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]
+    try:
+        example = renderer.render(messages)
+    except ExampleError:
+        # Templates whose generation prompt opens <think> (DeepSeek-R1 style) render a past
+        # assistant turn without it, so they are not prefix-stable; the turn still ends with the
+        # first special token after the assistant's content.
+        text = renderer._render(messages, add_generation_prompt=False)
+        for t in renderer.encode(text[text.rfind("2") + 1:]):
+            if t in renderer.special_ids:
+                return [int(t)]
+            if tokenizer.decode([t]).strip():
+                return []
+        return []
     _, end = example.loss_spans[-1]
     last = example.token_ids[end - 1]
     return [int(last)] if last in renderer.special_ids else []
