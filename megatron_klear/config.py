@@ -41,11 +41,15 @@ class OptimConfig:
     lr: float = 8e-5  # paper SFT: 8e-5 cosine-decayed to 4e-5
     min_lr: float = 4e-5
     decay_style: str = "cosine"  # cosine | linear | constant
-    warmup_steps: int = 0
-    decay_steps: int | None = None  # default: train.steps
+    warmup_steps: int = 0  # linear from lr 0, in schedule_unit steps
+    decay_steps: int | None = None  # default: train.steps (in schedule_unit steps)
+    # The unit of warmup_steps / decay_steps: the schedule advances once per optimizer step
+    # (Megatron; SFT) or once per RL step (the authors' verl trainer: "10 warm-up steps" = 10 RL
+    # steps = 80 optimizer steps at 8 mini-batches per step). rl_step is for RL jobs only.
+    schedule_unit: str = "optimizer_step"  # optimizer_step | rl_step
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
+    adam_beta2: float = 0.95  # Megatron's default; the authors' RL (verl's AdamW) uses 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     distributed_optimizer: bool = False
@@ -57,6 +61,8 @@ class OptimConfig:
             raise ConfigError(f"optim: need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})")
         if self.warmup_steps < 0:
             raise ConfigError("optim.warmup_steps must be >= 0")
+        if self.schedule_unit not in ("optimizer_step", "rl_step"):
+            raise ConfigError(f"optim.schedule_unit must be optimizer_step or rl_step, got {self.schedule_unit!r}")
 
 
 @dataclass
@@ -121,7 +127,7 @@ class RLConfig:
     agg: str = "token_mean"  # token_mean (the paper's 1/sum T) | seq_mean_token_mean | seq_mean_token_sum_norm
     norm_constant: float | None = None  # seq_mean_token_sum_norm's fixed length
     nll_coef: float = 0.1  # alpha: NLL on solved rollouts (math answer right / every test passed)
-    kl_coef: float = 0.0  # off: no reference model
+    kl_coef: float = 0.0  # must stay 0: no reference-model KL term (the recipe has none); non-zero is refused
     prompts_per_step: int = 128
     responses_per_prompt: int = 8
     mini_batch_prompts: int = 16  # 128/16 = 8 optimizer steps per rollout batch
@@ -131,6 +137,12 @@ class RLConfig:
     prompts: list = field(default_factory=list)  # RL prompt JSONL files (see data/prompts.py)
     max_prompt_length: int = 4096  # longer prompts are left-truncated
     oversample_prompts: int = 0  # generate for this many prompts, keep prompts_per_step after filtering (0: no oversampling)
+    # Dynamic sampling (DAPO): while fewer than prompts_per_step groups survive the filters, generate
+    # another batch (of oversample_prompts or prompts_per_step prompts), up to this many batches per
+    # step; then on_shortfall decides: train (on the groups there are, logged) or fail. The authors'
+    # trainer: 1 batch, fail.
+    max_generation_batches: int = 1
+    on_shortfall: str = "train"  # train | fail
     on_bad_line: str = "fail"  # fail | skip (bad prompt lines)
     std_normalize: bool = True  # False: Dr.GRPO advantages (no division by the std)
     filter_zero_spread: bool = True
@@ -152,6 +164,16 @@ class RLConfig:
             )
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError("rl.tis_cap must be > 0 (or null)")
+        if self.kl_coef != 0:
+            raise ConfigError(f"rl.kl_coef={self.kl_coef}: a reference-model KL term is not implemented (the "
+                              "Klear recipe uses none: no KL, no reference model); set rl.kl_coef=0")
+        if self.oversample_prompts and self.oversample_prompts < self.prompts_per_step:
+            raise ConfigError(f"rl.oversample_prompts={self.oversample_prompts} must be >= rl.prompts_per_step="
+                              f"{self.prompts_per_step} (or 0: no oversampling)")
+        if self.max_generation_batches < 1:
+            raise ConfigError(f"rl.max_generation_batches must be >= 1, got {self.max_generation_batches}")
+        if self.on_shortfall not in ("train", "fail"):
+            raise ConfigError(f"rl.on_shortfall must be train or fail, got {self.on_shortfall!r}")
         if self.temperature <= 0:
             raise ConfigError("rl.temperature must be > 0")
 
@@ -239,6 +261,8 @@ class JobConfig:
             raise ConfigError(
                 f"data.micro_batches_per_step={self.data.micro_batches_per_step} must be a multiple of "
                 f"parallel.pp={p.pp} with the interleaved schedule (parallel.vpp={p.vpp})")
+        if self.optim.schedule_unit == "rl_step" and not self.rl.prompts:
+            raise ConfigError("optim.schedule_unit=rl_step is for RL jobs (rl.prompts); SFT schedules by optimizer_step")
         longest = self.rl.max_prompt_length + self.rollout.max_new_tokens
         if self.rl.prompts and self.rl.max_tokens_per_micro_batch < longest:
             raise ConfigError(

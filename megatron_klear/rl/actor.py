@@ -133,6 +133,8 @@ class Actor:
         if not samples:
             raise ValueError("actor.update: no samples (every group filtered out?)")
         state = self.state
+        # the lr schedule advances per optimizer step, or once per RL step (optim.schedule_unit)
+        per_rl_step = getattr(getattr(state.config, "optim", None), "schedule_unit", "optimizer_step") == "rl_step"
         plans = self.plan(samples)
         self.recompute_old_logprobs(plans)
         totals = dict.fromkeys(SUM_KEYS, 0.0)
@@ -144,7 +146,7 @@ class Actor:
             results = self._run(mbs, self._loss_fn(counts), forward_only=False)
             lr = state.optimizer.param_groups[0]["lr"]
             ok, grad_norm, _ = state.optimizer.step()
-            if ok:  # fp16 overflow: skipped update, the schedule does not advance (as in Megatron)
+            if ok and not per_rl_step:  # fp16 overflow: skipped update, the schedule does not advance
                 state.scheduler.step(increment=1)
             sums = reduce_metrics(results, SUM_KEYS)
             for k in SUM_KEYS:
@@ -154,6 +156,8 @@ class Actor:
             mismatch_max = max(mismatch_max, _all_max(max([float(r["mismatch_max"]) for r in results] or [0.0])))
             grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
             steps.append({"loss": sums["loss"], "grad_norm": grad_norms[-1], "lr": lr, "update_ok": bool(ok)})
+        if per_rl_step and any(st["update_ok"] for st in steps):
+            state.scheduler.step(increment=1)  # every mini-batch of this RL step ran at one lr
         tokens = max(totals["tokens"], 1.0)
         out = {
             "actor/loss": totals["loss"] / len(plans),

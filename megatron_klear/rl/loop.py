@@ -5,7 +5,9 @@
 3. the grading pool scores them (math-verify / sandboxed tests);
 4. group-normalised advantages; groups whose rewards have no spread are dropped (and, optionally,
    responses that hit the length limit); with oversampling, the first ``prompts_per_step`` groups
-   that survive are kept (the authors generate for 256 prompts and keep 128);
+   that survive are kept (the authors generate for 256 prompts and keep 128); while fewer survive,
+   further batches are generated, up to ``rl.max_generation_batches`` (DAPO's dynamic sampling),
+   then ``rl.on_shortfall`` trains on what there is or fails;
 5. the samples go to every trainer rank; the actor recomputes old log-probs and takes one
    optimizer step per mini-batch (GPPO + alpha * NLL on the correct responses);
 6. the new weights go to the engine; metrics to the console, JSONL, wandb/TensorBoard;
@@ -113,6 +115,63 @@ def build_samples(prompts, completions, grades, cfg: JobConfig):
     return samples, metrics
 
 
+_SUMMED = {"rollout/grader_errors", "rollout/groups_generated", "time/generate_s", "time/grade_tail_s"}
+
+
+def merge_rollout_metrics(batches: list) -> dict:
+    """Rollout metrics of several generation batches as one: counts and times summed, maxima
+    maxed, means weighted by the groups each batch generated."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    weights = [m.get("rollout/groups_generated", 1) for m in batches]
+    out = {}
+    for k in dict.fromkeys(k for m in batches for k in m):
+        vals = [(m[k], w) for m, w in zip(batches, weights) if isinstance(m.get(k), (int, float))]
+        if not vals:
+            continue
+        if k in _SUMMED:
+            out[k] = sum(v for v, _ in vals)
+        elif k.endswith("_max"):
+            out[k] = max(v for v, _ in vals)
+        else:
+            out[k] = sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1e-12)
+    return out
+
+
+class ShortfallError(ValueError):
+    """Fewer than rl.prompts_per_step groups survived after rl.max_generation_batches batches."""
+
+
+def dynamic_sampling(generate, rl) -> tuple:
+    """DAPO's dynamic sampling. ``generate(b)`` produces generation batch ``b`` as
+    ``(samples, metrics)`` (filtered; group ids 0.. in the order kept). Batches are generated until
+    ``rl.prompts_per_step`` groups are collected or ``rl.max_generation_batches`` were generated;
+    the groups are renumbered 0..k-1 across batches and the surplus of the last batch is dropped.
+    Short of the quota, ``rl.on_shortfall`` = "train" returns what there is (metric
+    ``rollout/shortfall_groups``), "fail" raises :class:`ShortfallError`."""
+    from dataclasses import replace
+
+    need, kept, samples, per_batch = rl.prompts_per_step, 0, [], []
+    while kept < need and len(per_batch) < rl.max_generation_batches:
+        got, metrics = generate(len(per_batch))
+        per_batch.append(metrics)
+        groups = sorted({s.group for s in got})[: need - kept]
+        renumber = {g: kept + i for i, g in enumerate(groups)}
+        samples += [replace(s, group=renumber[s.group]) for s in got if s.group in renumber]
+        kept += len(groups)
+    metrics = merge_rollout_metrics(per_batch)
+    metrics.update({"rollout/generation_batches": len(per_batch), "rollout/groups_kept": kept,
+                    "rollout/samples_trained": len(samples), "rollout/shortfall_groups": need - kept})
+    if kept < need:
+        msg = (f"only {kept} of rl.prompts_per_step={need} prompt groups have reward spread after "
+               f"{len(per_batch)} generation batch(es) (rl.max_generation_batches={rl.max_generation_batches})")
+        if rl.on_shortfall == "fail":
+            raise ShortfallError(msg + "; raise rl.max_generation_batches or rl.oversample_prompts, "
+                                 "or set rl.on_shortfall=train")
+        warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
+    return samples, metrics
+
+
 class RLLoop:
     def __init__(self, cfg: JobConfig):
         from megatron_klear.data.chat import load_tokenizer
@@ -135,7 +194,9 @@ class RLLoop:
         resume_from = self.ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite) if self.ckpt else None
         self.steps = cfg.train.steps or 100
         steps_per_rollout = rl.prompts_per_step // rl.mini_batch_prompts
-        self.state = build_training_state(cfg, total_steps=self.steps * steps_per_rollout)
+        # the lr schedule's length in its own unit (optim.schedule_unit)
+        per_rl_step = cfg.optim.schedule_unit == "rl_step"
+        self.state = build_training_state(cfg, total_steps=self.steps * (1 if per_rl_step else steps_per_rollout))
         self.arch = model_arch(cfg.model.path)
         tok_dir = cfg.model.path if os.path.isfile(os.path.join(cfg.model.path, "config.json")) else os.path.join(cfg.model.path, "tokenizer")
         self.tokenizer = load_tokenizer(tok_dir)
@@ -212,17 +273,18 @@ class RLLoop:
             sync_weights(self.state.model, self.engine, version=self.rl_step)
 
     # -- one step ---------------------------------------------------------------------------------
-    def rollout(self, prompts):
+    def rollout(self, prompts, batch: int = 0):
         """Driver only: sample and grade. The engine hands back each prompt's ``n`` responses as
         they complete (an HTTP engine runs many requests concurrently; the in-process engine works
         through ``rollout.chunk_prompts`` at a time), and each is submitted to the grading pool at
-        once, so grading overlaps generation. Returns (samples, metrics)."""
+        once, so grading overlaps generation. ``batch``: the generation batch of this step (its own
+        seed). Returns (samples, metrics)."""
         from megatron_klear.rollout.base import SamplingParams
 
         cfg = self.cfg
         params = SamplingParams(temperature=cfg.rl.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                 max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=list(self.stop_token_ids),
-                                seed=cfg.train.seed * 100003 + self.rl_step)
+                                seed=cfg.train.seed * 100003 + self.rl_step + 1_000_003 * batch)
         # the grader sees the text without the tokens that end it (EOS, end of turn, padding)
         strip = [t for t in (self.tokenizer.eos_token, self.tokenizer.pad_token,
                              *self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids))) if t]
@@ -250,9 +312,23 @@ class RLLoop:
     def step(self) -> dict:
         t0 = time.time()
         rl = self.cfg.rl
-        prompts = self.prompts.take(rl.oversample_prompts or rl.prompts_per_step)
-        samples, metrics = self.rollout(prompts) if _rank0() else (None, None)
-        samples, metrics = _broadcast((samples, metrics))
+        n = rl.oversample_prompts or rl.prompts_per_step
+        first = self.prompts.take(n)  # every rank takes the same prompts: the position is checkpointed
+        result = None
+        if _rank0():
+            def generate(b):
+                return self.rollout(first) if b == 0 else self.rollout(self.prompts.take(n), batch=b)
+
+            try:
+                result = (*dynamic_sampling(generate, rl), None)
+            except ShortfallError as e:
+                result = (None, {"rollout/generation_batches": rl.max_generation_batches}, str(e))
+        samples, metrics, error = _broadcast(result)
+        if not _rank0():
+            for _ in range(metrics["rollout/generation_batches"] - 1):
+                self.prompts.take(n)
+        if error:
+            raise ShortfallError(error)
         self.rl_step += 1
         if samples:
             t1 = time.time()

@@ -57,7 +57,6 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
     DDP, and creates the Megatron optimizer and the warm-up + decay schedule."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_klear.models.builder import build_model_chunks
 
@@ -109,21 +108,32 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
     optimizer = get_megatron_optimizer(opt_config, model)
     # Megatron scales the loss only through this hook (fp16's dynamic loss scale; 1 otherwise)
     config.grad_scale_func = optimizer.scale_loss
-    decay_steps = cfg.optim.decay_steps or max(total_steps, 1)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, arch=arch, config=cfg)
+
+
+def build_scheduler(optimizer, optim, total_steps: int):
+    """Megatron's warm-up + decay schedule. Its steps are ``optim.schedule_unit`` steps (the
+    caller advances it once per optimizer step, or once per RL step: rl/actor.py), and
+    ``total_steps`` is counted in the same unit. Warm-up is linear from lr 0."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = optim.decay_steps or max(total_steps, 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if cfg.optim.warmup_steps else cfg.optim.lr,
-        max_lr=cfg.optim.lr,
-        min_lr=cfg.optim.min_lr if cfg.optim.decay_style != "constant" else cfg.optim.lr,
-        lr_warmup_steps=cfg.optim.warmup_steps,
-        lr_decay_steps=max(decay_steps, cfg.optim.warmup_steps + 1),
-        lr_decay_style=cfg.optim.decay_style,
-        start_wd=cfg.optim.weight_decay,
-        end_wd=cfg.optim.weight_decay,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr if optim.decay_style != "constant" else optim.lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(decay_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
         wd_incr_steps=max(decay_steps, 1),
         wd_incr_style="constant",
     )
-    # Megatron's schedule gives step 0 the initial rate (0 with warm-up); we count optimizer steps
-    # from 1 so that the first update is not wasted and step `decay_steps` ends at min_lr.
+    # Megatron's schedule gives step 0 the initial rate (0 with warm-up); we count steps from 1 so
+    # that the first update is not wasted (step s of a W-step warm-up runs at lr * s / W) and step
+    # `decay_steps` ends at min_lr. (verl's warm-up gives its first RL step lr 0: one step later.)
     scheduler.step(increment=1)
-    return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, arch=arch, config=cfg)
+    return scheduler

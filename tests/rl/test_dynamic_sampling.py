@@ -1,0 +1,119 @@
+"""Oversampling shortfall (issue 11, item 8): DAPO's dynamic sampling in RLLoop.step.
+
+When fewer than rl.prompts_per_step groups survive the zero-spread filter, the step generates
+further batches (up to rl.max_generation_batches), then trains on what there is (logged) or fails,
+per rl.on_shortfall. The step runs here with a scripted rollout (what ``RLLoop.rollout`` returns
+for each generation batch) and a recording actor: the loop's own logic, no model.
+"""
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_klear.config import ConfigError, JobConfig, load_config
+from megatron_klear.rl.batch import RolloutSample
+from megatron_klear.rl.loop import RLLoop, ShortfallError, dynamic_sampling, merge_rollout_metrics
+
+
+def _batch(groups_kept: int, generated: int, reward: float, tag: str, n: int = 2):
+    """What rollout() returns for one generation batch: ``groups_kept`` groups of ``n`` samples."""
+    samples = [RolloutSample(prompt_ids=[1], response_ids=[2, 3], advantage=1.0 if j == 0 else -1.0,
+                             group=g, meta={"from": f"{tag}{g}"})
+               for g in range(groups_kept) for j in range(n)]
+    metrics = {"rollout/reward_mean": reward, "rollout/groups_generated": generated,
+               "rollout/groups_kept": groups_kept, "rollout/samples_trained": len(samples),
+               "rollout/response_length_max": 10 * (groups_kept + 1), "time/generate_s": 1.0}
+    return samples, metrics
+
+
+class _Prompts:
+    def __init__(self):
+        self.taken = []
+
+    def take(self, n):
+        start = sum(self.taken)
+        self.taken.append(n)
+        return [SimpleNamespace(id=f"p{start + i}") for i in range(n)]
+
+
+def _loop(script, **rl):
+    """An RLLoop with only what step() touches: scripted rollouts, a recording actor."""
+    cfg = JobConfig()
+    for k, v in {"prompts_per_step": 4, "mini_batch_prompts": 2, "oversample_prompts": 8, **rl}.items():
+        setattr(cfg.rl, k, v)
+    cfg.validate()
+    loop = object.__new__(RLLoop)
+    loop.cfg, loop.rl_step, loop.prompts = cfg, 0, _Prompts()
+    loop.calls, loop.trained = [], []
+
+    def rollout(prompts, batch=0):
+        loop.calls.append((batch, prompts[0].id, len(prompts)))
+        return script[batch]
+
+    loop.rollout = rollout
+    loop.actor = SimpleNamespace(update=lambda samples: loop.trained.append(samples) or {"actor/loss": 0.5})
+    loop.sync_weights = lambda: None
+    loop.state = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 1e-6}]))
+    return loop
+
+
+def test_further_batches_until_the_quota_is_met():
+    # 3 groups survive of the first 8 prompts, 2 of the next 8: the step trains on 4 (3 + the first
+    # of the second batch), numbered 0..3, and does not generate a third batch
+    loop = _loop([_batch(3, 8, 0.5, "a"), _batch(2, 8, 0.0, "b"), _batch(4, 8, 0.0, "c")],
+                 max_generation_batches=3)
+    m = loop.step()
+    assert loop.calls == [(0, "p0", 8), (1, "p8", 8)] and loop.prompts.taken == [8, 8]
+    (samples,) = loop.trained
+    assert [s.group for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s.meta["from"] for s in samples[::2]] == ["a0", "a1", "a2", "b0"]
+    assert m["rollout/generation_batches"] == 2 and m["rollout/groups_kept"] == 4
+    assert m["rollout/shortfall_groups"] == 0 and m["rollout/samples_trained"] == 8
+    assert m["rollout/groups_generated"] == 16 and m["time/generate_s"] == 2.0
+    assert m["rollout/reward_mean"] == 0.25 and m["rollout/response_length_max"] == 40
+    assert m["actor/loss"] == 0.5 and loop.rl_step == 1
+
+
+def test_shortfall_trains_on_what_there_is_and_logs_it():
+    loop = _loop([_batch(1, 8, 0.5, "a"), _batch(1, 8, 0.5, "b")], max_generation_batches=2)
+    with pytest.warns(UserWarning, match="only 2 of rl.prompts_per_step=4"):
+        m = loop.step()
+    assert [s.meta["from"] for s in loop.trained[0][::2]] == ["a0", "b0"]
+    assert [s.group for s in loop.trained[0]] == [0, 0, 1, 1]
+    assert m["rollout/shortfall_groups"] == 2 and m["rollout/generation_batches"] == 2
+
+
+def test_shortfall_fails_when_asked_to():
+    loop = _loop([_batch(3, 8, 0.5, "a")], on_shortfall="fail")  # the authors: one batch, then fail
+    with pytest.raises(ShortfallError, match=r"only 3 of rl.prompts_per_step=4 .* after 1 generation batch"):
+        loop.step()
+    assert loop.trained == [] and loop.rl_step == 0
+
+
+def test_the_default_is_one_batch_and_a_full_batch_needs_no_more():
+    loop = _loop([_batch(6, 8, 0.5, "a")])
+    m = loop.step()
+    assert loop.calls == [(0, "p0", 8)] and len({s.group for s in loop.trained[0]}) == 4
+    assert m["rollout/generation_batches"] == 1 and m["rollout/shortfall_groups"] == 0
+
+
+def test_dynamic_sampling_and_metric_merging_directly():
+    rl = JobConfig().rl
+    rl.prompts_per_step, rl.max_generation_batches = 2, 5
+    script = iter([_batch(0, 4, 0.0, "a"), _batch(0, 4, 1.0, "b"), _batch(5, 4, 0.0, "c")])
+    samples, m = dynamic_sampling(lambda b: next(script), rl)
+    assert m["rollout/generation_batches"] == 3 and {s.meta["from"] for s in samples} == {"c0", "c1"}
+    merged = merge_rollout_metrics([{"rollout/groups_generated": 1, "rollout/accuracy": 1.0},
+                                    {"rollout/groups_generated": 3, "rollout/accuracy": 0.0}])
+    assert merged == {"rollout/groups_generated": 4, "rollout/accuracy": 0.25}
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["rl.prompts_per_step=128", "rl.oversample_prompts=64"], "oversample_prompts=64 must be >= rl.prompts_per_step=128"),
+    (["rl.max_generation_batches=0"], "max_generation_batches must be >= 1"),
+    (["rl.on_shortfall=skip"], "on_shortfall must be train or fail"),
+])
+def test_config_validation(overrides, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, overrides)
+    load_config(None, ["rl.prompts_per_step=128", "rl.oversample_prompts=256", "rl.max_generation_batches=3",
+                       "rl.on_shortfall=fail"])
