@@ -45,9 +45,11 @@ is kept) and abort requests (their rows end with finish_reason ``"abort"``).
 Limits, acceptable at CPU scale: transformers' ``DynamicCache`` grows by concatenation (one copy of
 the cache per step), and the left padding of a batch stays until the batch ends.
 
-Weights arrive by HF name (:meth:`EmbeddedEngine.update_weights`, every parameter exactly once) or
-from an HF checkpoint directory (:meth:`EmbeddedEngine.load_weights_from_dir`, all or nothing: every
-tensor is read and checked before the first one is copied).
+Weights arrive by HF name (:meth:`EmbeddedEngine.update_weights`, every parameter exactly once), as
+a subset by HF name (:meth:`EmbeddedEngine.load_named_weights`, all or nothing: the HTTP server
+commits a distributed weight-update session with it) or from an HF checkpoint directory
+(:meth:`EmbeddedEngine.load_weights_from_dir`, all or nothing: every tensor is read and checked
+before the first one is copied).
 
 ``python -m megatron_klear.rollout.embedded --model DIR --port P`` serves the engine over a subset of
 SGLang's native HTTP API (:mod:`.embedded_http`, which also holds the client
@@ -522,7 +524,37 @@ class EmbeddedEngine(RolloutEngine):
             self._apply_weights(named_tensors, copy=True)
             self.weight_version = version
 
-    def _apply_weights(self, named_tensors, *, copy: bool) -> None:
+    def load_named_weights(self, named_tensors, *, version=None) -> None:
+        """Copy some or all parameters, all or nothing: every ``(HF name, tensor)`` is checked (known
+        name, given once, shape; a tied ``lm_head.weight`` must equal the embedding) before the first
+        copy, so a failure leaves the weights and the version as they were. Parameters not given keep
+        their values (SGLang's ``load_weights`` semantics; the HTTP server commits a weight-update
+        session with it)."""
+        named_tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+        with self._lock, torch.no_grad():
+            self._apply_weights(named_tensors, copy=False, require_all=False)
+            self._apply_weights(named_tensors, copy=True, require_all=False)
+            self.weight_version = version
+
+    def check_named_weights(self, named_tensors) -> None:
+        """The checks of :meth:`load_named_weights` without copying (raises :class:`WeightUpdateError`)."""
+        with torch.no_grad():
+            self._apply_weights(list(named_tensors), copy=False, require_all=False)
+
+    def checksums(self, skip=()) -> dict:
+        """{parameter name: sha256 of its bytes (16 hex digits)} (SGLang's ``/weights_checker``)."""
+        import hashlib
+
+        out = {}
+        with self._lock, torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if any(s in name for s in skip):
+                    continue
+                data = p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                out[name] = hashlib.sha256(data).hexdigest()[:16]
+        return out
+
+    def _apply_weights(self, named_tensors, *, copy: bool, require_all: bool = True) -> None:
         params = dict(self.model.named_parameters())
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False)) and "lm_head.weight" not in params
         seen, tied_head, copied = set(), None, False
@@ -546,7 +578,7 @@ class EmbeddedEngine(RolloutEngine):
                 if copy:
                     params[name].copy_(tensor)
                     copied = True
-            missing = sorted(set(params) - seen)
+            missing = sorted(set(params) - seen) if require_all else []
             if missing:
                 raise WeightUpdateError(f"rollout.embedded: update_weights: {len(missing)} parameter(s) not given: "
                                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
@@ -561,7 +593,7 @@ class EmbeddedEngine(RolloutEngine):
             if copied:
                 self._broken = str(e)
             raise
-        if copy:
+        if copy and require_all:  # a complete update repairs a broken state; a partial one does not
             self._broken = None
 
     def load_weights_from_dir(self, path: str, *, version=None) -> None:

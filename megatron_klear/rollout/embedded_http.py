@@ -3,7 +3,7 @@
 Server (standard library only, bound to 127.0.0.1)::
 
     python -m megatron_klear.rollout.embedded --model DIR --port P [--dtype float32] [--max-batch-size N]
-        [--context-length C] [--served-model-name NAME] [--batch-window-ms MS]
+        [--context-length C] [--served-model-name NAME] [--batch-window-ms MS] [--weight-sync-timeout S]
 
 It stands in for SGLang 0.5.23 in the tests (SGLang needs CUDA), so it answers like SGLang wherever a
 client relies on it: request validation (``sglang/api/v1/api_types.py``, the contract SGLang's
@@ -88,6 +88,30 @@ Other routes (SGLang's shapes)
   Every tensor is read and checked before the first copy, so the weights are either all new or all
   old. Answers ``{"success", "message", "num_paused_requests"}``, 400 with ``success: false`` on
   failure.
+- Weights over a process group, SGLang's ``update_weights_from_distributed`` protocol (the trainer
+  side is :class:`megatron_klear.rollout.weight_sync.DistributedWeightSync`; the group and bucket
+  layout are :mod:`megatron_klear.rollout.update_group`):
+  ``POST /init_weights_update_group`` ``{"master_address", "master_port", "rank_offset",
+  "world_size", "group_name" (default "weight_update_group"), "backend"}`` joins the group as rank
+  ``rank_offset`` (this server is one TP rank) through the sender's TCP store and answers once the
+  whole group has formed (gloo; nccl needs a CUDA engine), or fails after ``--weight-sync-timeout``
+  seconds; ``POST /destroy_weights_update_group`` ``{"group_name"}`` leaves it;
+  ``POST /begin_weight_update`` / ``POST /end_weight_update`` open and close a session (SGLang
+  0.5.23 refuses updates outside one, and a second begin);
+  ``POST /update_weights_from_distributed`` ``{"names", "dtypes", "shapes", "group_name",
+  "load_format"?, "flush_cache", "weight_version"?, "abort_all_requests"}`` receives the tensors
+  broadcast by group rank 0: one broadcast per tensor in order, or one ``uint8`` broadcast for
+  ``load_format="flattened_bucket"``. All or nothing, unlike SGLang (which loads each call as it
+  arrives): the tensors are checked and staged, and ``/end_weight_update`` copies every staged
+  tensor at once (between two decode steps, as a disk update) with the last ``weight_version``
+  given; a session with any failed call (a broadcast cut by a dead peer or a timeout, an unknown
+  tensor, a refused flush) applies nothing, its end answers 400 naming the version still served,
+  and destroying a group discards what its sender staged. ``flush_cache`` fails the call as SGLang
+  does while requests hold KV cache of the old weights (running, or paused ``in_place``; paused
+  with ``retract`` they recompute it). A broadcast that fails drops the group.
+  ``GET``/``POST /weights_checker`` ``{"action": "checksum"}``: per-parameter sha256 prefixes in
+  SGLang's answer shape (``ranks``, ``per_engine_checksum``); other actions answer 400.
+  ``/server_info`` reports ``tp_size``, ``pp_size``, ``dp_size`` (1) for the trainer's rank layout.
 - ``POST /update_weight_version`` ``{"new_version", "abort_all_requests" (default true)}``. (SGLang
   0.5.23 has no route reading the version alone: it is ``weight_version`` in ``/model_info``.)
 - ``POST /abort_request`` ``{"rid" | "abort_all"}`` (200, empty body): aborts the requests whose id
@@ -126,6 +150,7 @@ MAX_BODY_BYTES = 1 << 30
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose API this server mimics
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
+DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name for weight updates
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -739,6 +764,14 @@ class Scheduler:
                     self.updates -= 1
                     self.cond.notify_all()
 
+    def cache_flushable(self) -> bool:
+        """SGLang's condition for flushing the cache after a weight update (``Scheduler.flush_cache``:
+        fully idle, the waiting requests ignored while paused), asked during :meth:`run_update`: no
+        request holds KV cache computed with the old weights. Paused with ``retract``, the held
+        requests recompute theirs on continue; paused ``in_place``, they keep it (not flushable)."""
+        with self.cond:
+            return not self.running or self.paused == "retract"
+
     def stats(self) -> dict:
         with self.cond:
             return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.queue),
@@ -759,7 +792,8 @@ class Scheduler:
 # HTTP
 # ------------------------------------------------------------------------------------------------
 class _ServerState:
-    def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window):
+    def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
+                 weight_sync_timeout: float = 600.0):
         self.engine, self.tokenizer = engine, tokenizer
         self.tokenizer_path = tokenizer_path
         self.served_model_name = served_model_name
@@ -768,6 +802,13 @@ class _ServerState:
         self.lock = threading.Lock()
         self.health_check_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
         self.host, self.port = HOST, 0
+        # weights over a process group (SGLang's update_weights_from_distributed): the groups joined,
+        # the open begin/end session, and a lock that runs these calls one at a time, as SGLang's
+        # scheduler does
+        self.weight_sync_timeout = float(weight_sync_timeout)
+        self.update_groups = {}
+        self.weight_session = None
+        self.weight_lock = threading.Lock()
 
     @property
     def model_path(self) -> str:
@@ -822,8 +863,13 @@ class _Handler(BaseHTTPRequestHandler):
         gets = {"/health": self._health, "/health_generate": self._health_generate, "/ready": self._ready,
                 "/model_info": self._model_info, "/get_model_info": self._model_info,
                 "/server_info": self._server_info, "/get_server_info": self._server_info,
-                "/v1/models": self._models, "/flush_cache": self._flush_cache}
+                "/v1/models": self._models, "/flush_cache": self._flush_cache,
+                "/weights_checker": self._weights_checker}
         posts = {"/generate": self._generate, "/update_weights_from_disk": self._update_from_disk,
+                 "/init_weights_update_group": self._init_group, "/destroy_weights_update_group": self._destroy_group,
+                 "/begin_weight_update": self._begin_update, "/end_weight_update": self._end_update,
+                 "/update_weights_from_distributed": self._update_from_distributed,
+                 "/weights_checker": self._weights_checker,
                  "/update_weight_version": self._update_weight_version, "/pause_generation": self._pause,
                  "/continue_generation": self._continue, "/abort_request": self._abort,
                  "/flush_cache": self._flush_cache}
@@ -903,6 +949,7 @@ class _Handler(BaseHTTPRequestHandler):
             "max_req_input_len": c - 1, "max_running_requests": sched.max_batch_size,
             "max_batch_size": sched.max_batch_size, "dtype": engine.model_info().get("dtype"),
             "device": str(engine.device), "host": state.host, "port": state.port,
+            "tp_size": 1, "pp_size": 1, "dp_size": 1,
             "version": SGLANG_API_VERSION, "frontend": "megatron-klear-embedded",
             "weight_version": state.weight_version, "num_generate_requests": state.num_generate_requests,
             "internal_states": [sched.stats()], "incremental_streaming_output": False, "disaggregation_mode": "null",
@@ -1045,6 +1092,201 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, {"success": True, "message": message, "num_paused_requests": held})
 
 
+    # -- weights over a process group (SGLang's update_weights_from_distributed) ----------------------
+    def _weights_reply(self, ok: bool, message: str, **extra) -> None:
+        self._send(200 if ok else 400, {"success": ok, "message": message, **extra})
+
+    def _init_group(self, body) -> None:
+        f = self._fields(body, {"master_address": (_str, None), "master_port": (_int, None), "rank_offset": (_int, None),
+                                "world_size": (_int, None), "group_name": (_str, DEFAULT_GROUP_NAME),
+                                "backend": (_str, "nccl")},
+                         required=("master_address", "master_port", "rank_offset", "world_size"))
+        from megatron_klear.rollout.update_group import join_update_group, set_group_timeout
+
+        state = self.server.state
+        prefix = "Failed to initialize custom process group: "
+        name, backend, rank = f["group_name"], f["backend"], f["rank_offset"]  # this server is TP rank 0 of 1
+        if backend not in ("gloo", "nccl"):
+            return self._weights_reply(False, f"{prefix}backend {backend!r} is not supported (gloo | nccl).")
+        if backend == "nccl" and state.engine.device.type != "cuda":
+            return self._weights_reply(False, f"{prefix}backend nccl needs CUDA; this embedded engine runs on "
+                                              f"{state.engine.device.type}: use backend gloo.")
+        if not 0 < rank < f["world_size"]:
+            return self._weights_reply(False, f"{prefix}rank_offset {rank} is not a receiver rank of a group of "
+                                              f"world_size {f['world_size']} (rank 0 is the sender).")
+        with state.weight_lock:
+            if name in state.update_groups:
+                return self._weights_reply(False, f"{prefix}The specified group name has already been created, "
+                                                  "please use a different group name.")
+            try:
+                pg = join_update_group(backend=backend, master_address=f["master_address"],
+                                       master_port=f["master_port"], rank=rank, world_size=f["world_size"],
+                                       group_name=name, timeout=state.weight_sync_timeout)
+                set_group_timeout(pg, state.weight_sync_timeout)
+            except Exception as e:  # noqa: BLE001 -- answered
+                return self._weights_reply(False, f"{prefix}{type(e).__name__}: {e}.")
+            state.update_groups[name] = pg
+        self._weights_reply(True, "Succeeded to initialize custom process group.")
+
+    def _destroy_group(self, body) -> None:
+        f = self._fields(body, {"group_name": (_str, DEFAULT_GROUP_NAME)})
+        from megatron_klear.rollout.update_group import destroy_update_group
+
+        state = self.server.state
+        with state.weight_lock:
+            pg = state.update_groups.pop(f["group_name"], None)
+            if pg is None:
+                return self._weights_reply(False, "The group to be destroyed does not exist.")
+            session = state.weight_session
+            if session is not None and f["group_name"] in session.groups:
+                state.weight_session = None  # what a gone sender staged is never applied
+            destroy_update_group(pg)
+        self._weights_reply(True, "Succeeded to destroy custom process group.")
+
+    def _begin_update(self, body) -> None:
+        f = self._fields(body, {"selector": (_str, "all")})
+        if f["selector"] not in ("target", "draft", "all"):
+            raise BadRequest(f"invalid selector {f['selector']!r}; expected 'target', 'draft', or 'all'")
+        state = self.server.state
+        with state.weight_lock:
+            if state.weight_session is not None:
+                return self._weights_reply(False, "a weight-update session is already open; call end_weight_update() "
+                                                  "first")
+            state.weight_session = _WeightSession()
+        self._weights_reply(True, "Success")
+
+    def _update_from_distributed(self, body) -> None:
+        f = self._fields(body, {
+            "names": (lambda v, w: [_str(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
+            "dtypes": (lambda v, w: [_str(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
+            "shapes": (lambda v, w: [_token_ids(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
+            "group_name": (_str, DEFAULT_GROUP_NAME), "flush_cache": (_bool, True), "abort_all_requests": (_bool, False),
+            "weight_version": (_str, None), "load_format": (_optional_str, None), "selector": (_str, "all"),
+            "torch_empty_cache": (_bool, False)}, required=("names", "dtypes", "shapes"))
+        from megatron_klear.rollout.update_group import destroy_update_group
+
+        state = self.server.state
+        if f["abort_all_requests"]:
+            state.scheduler.abort(abort_all=True, message="Aborted by /update_weights_from_distributed")
+        with state.weight_lock:
+            session = state.weight_session
+            if session is None:
+                return self._weights_reply(False, "update_weights_from_distributed must run between "
+                                                  "begin_weight_update() and end_weight_update()")
+            name = f["group_name"]
+            pg = state.update_groups.get(name)
+            if pg is None:
+                session.error = (f"Failed to receive weights: Group {name} not in {sorted(state.update_groups)}. "
+                                 "Please call `init_weights_update_group` first.")
+                return self._weights_reply(False, session.error)
+            session.groups.add(name)
+
+            def receive():  # with no decoding under way (SGLang: paused, or behind the model-update lock)
+                try:
+                    tensors = _receive_weights(pg, f["names"], f["dtypes"], f["shapes"], f["load_format"],
+                                               state.engine.device)
+                except Exception as e:  # noqa: BLE001 -- a broken group (sender or a peer gone, a timeout) is dropped
+                    if not isinstance(e, ValueError):
+                        state.update_groups.pop(name, None)
+                        destroy_update_group(pg)
+                    return None, f"Failed to receive weights: {type(e).__name__}: {e}"
+                try:
+                    state.engine.check_named_weights(tensors)
+                except (TypeError, ValueError) as e:
+                    return None, f"Failed to update parameter online: {e}. Nothing was applied."
+                if f["flush_cache"] and not state.scheduler.cache_flushable():
+                    # SGLang's answer when requests hold KV cache computed with the old weights
+                    return None, ("Weights were updated, but the cache was not flushed because requests are still "
+                                  "running or queued. Retract or finish them, then call /flush_cache. (Nothing "
+                                  "was applied: the embedded engine commits a session whole.)")
+                return tensors, None
+
+            (tensors, error), _ = state.scheduler.run_update(receive)
+            if error is not None:
+                session.error = error
+                return self._weights_reply(False, error)
+            session.staged.update(tensors)
+            if f["weight_version"] is not None:
+                session.version = f["weight_version"]
+        message = f"Succeeded to update parameter online ({len(tensors)} tensors staged; applied by end_weight_update)."
+        if f["weight_version"] is not None:
+            message += f" Weight version updated to {f['weight_version']}."
+        self._weights_reply(True, message)
+
+    def _end_update(self, body) -> None:
+        self._fields(body, {})
+        state = self.server.state
+        with state.weight_lock:
+            session, state.weight_session = state.weight_session, None
+            if session is None:
+                return self._weights_reply(False, "no weight-update session is open; call begin_weight_update() first")
+            if session.error is not None:
+                return self._weights_reply(False, f"the weight update failed ({session.error}); nothing was applied: "
+                                                  f"weight version {state.weight_version} is still served")
+            if session.staged:
+                version = session.version if session.version is not None else state.engine.weight_version
+                try:
+                    state.scheduler.run_update(lambda: state.engine.load_named_weights(session.staged, version=version))
+                except (TypeError, ValueError) as e:
+                    return self._weights_reply(False, f"Failed to update parameter online: {e}. Nothing was applied.")
+        self._weights_reply(True, "Success")
+
+    def _weights_checker(self, body) -> None:
+        f = self._fields(body or {}, {"action": (_str, "checksum"), "allow_quant_error": (_bool, False),
+                                      "skip_tensor_list": (lambda v, w: [_str(x, w) for x in _seq(v, w)], None),
+                                      "selector": (_str, "all")})
+        if f["action"] != "checksum":
+            return self._weights_reply(False, f"action {f['action']!r} is not supported by the embedded engine "
+                                              "(checksum)")
+        import hashlib
+
+        checksums = self.server.state.engine.checksums(skip=f["skip_tensor_list"] or ())
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode())
+            overall.update(checksums[name].encode())
+        per_gpu = overall.hexdigest()
+        info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                "rank": 0, "size": 1}
+        self._weights_reply(True, "Success", ranks=[{"checksums": checksums, "per_gpu_checksum": per_gpu,
+                                                     "parallelism_info": [info]}],
+                            per_engine_checksum=hashlib.sha256(per_gpu.encode()).hexdigest())
+
+
+class _WeightSession:
+    """A begin/end weight-update session: what was received (applied at end, whole), the version
+    to report with it, the groups it came from, and the first failure (nothing is applied then)."""
+
+    def __init__(self):
+        self.staged, self.version, self.groups, self.error = {}, None, set(), None
+
+
+def _receive_weights(pg, names, dtypes, shapes, load_format, device) -> list:
+    """(name, tensor) received from group rank 0: one broadcast per tensor in order, or one
+    ``uint8`` broadcast for ``load_format="flattened_bucket"`` (SGLang's two receive paths)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_klear.rollout.update_group import FLATTENED_BUCKET, bucket_layout, dtype_of, unflatten_bucket
+
+    if load_format == FLATTENED_BUCKET:
+        layout = bucket_layout(names, dtypes, shapes)
+        flat = torch.empty(layout[-1][4], dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=0, group=pg)
+        return unflatten_bucket(flat, layout)
+    if load_format not in (None, "auto"):
+        raise ValueError(f"load_format {load_format!r} is not supported by the embedded engine "
+                         f"(auto | {FLATTENED_BUCKET})")
+    out, works = [], []
+    for name, dt, shape in zip(names, dtypes, shapes):
+        t = torch.empty([int(d) for d in shape], dtype=dtype_of(dt), device=device)
+        works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
+        out.append((name, t))
+    for w in works:
+        w.wait()
+    return out
+
+
 class EmbeddedHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -1055,13 +1297,15 @@ class EmbeddedHTTPServer(ThreadingHTTPServer):
 
 def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
                 served_model_name: str | None = None, max_batch_size: int | None = None,
-                batch_window: float = 0.05) -> EmbeddedHTTPServer:
+                batch_window: float = 0.05, weight_sync_timeout: float = 600.0) -> EmbeddedHTTPServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
     Call ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``.
     ``max_batch_size``: most sequences per engine call (default: the engine's); ``batch_window``:
-    the longest an idle engine waits for concurrent requests to gather (:class:`Scheduler`)."""
+    the longest an idle engine waits for concurrent requests to gather (:class:`Scheduler`);
+    ``weight_sync_timeout``: seconds for joining a weight-update group and for each broadcast."""
     server = EmbeddedHTTPServer((HOST, int(port)), _Handler)
-    server.state = _ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window)
+    server.state = _ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
+                                weight_sync_timeout)
     server.state.port = server.server_address[1]
     return server
 
@@ -1080,6 +1324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--served-model-name", default=None, help="the model name in /v1/models (default: the path)")
     ap.add_argument("--batch-window-ms", type=float, default=50.0,
                     help="longest an idle engine waits for concurrent requests to gather into one batch")
+    ap.add_argument("--weight-sync-timeout", type=float, default=600.0,
+                    help="seconds for joining a weight-update group and for each broadcast received in it")
     ap.add_argument("--port-file", default=None, help="write the bound port here (atomically) once serving")
     args = ap.parse_args(argv)
 
@@ -1090,7 +1336,8 @@ def main(argv=None) -> int:
                                             max_batch_size=args.max_batch_size, context_length=args.context_length,
                                             tokenizer=tokenizer)
     server = make_server(engine, args.port, tokenizer=tokenizer, tokenizer_path=args.model if tokenizer else None,
-                         served_model_name=args.served_model_name, batch_window=args.batch_window_ms / 1000.0)
+                         served_model_name=args.served_model_name, batch_window=args.batch_window_ms / 1000.0,
+                         weight_sync_timeout=args.weight_sync_timeout)
     port = server.server_address[1]
     if args.port_file:
         tmp = f"{args.port_file}.tmp-{os.getpid()}"
@@ -1123,11 +1370,12 @@ class EmbeddedHTTPEngine(SGLangEngine):
     @classmethod
     def launch(cls, model_dir: str, *, port: int = 0, dtype: str = "float32", max_batch_size: int | None = None,
                context_length: int | None = None, served_model_name: str | None = None,
-               startup_timeout: float = 300.0, **kwargs) -> "EmbeddedHTTPEngine":
+               weight_sync_timeout: float | None = None, startup_timeout: float = 300.0,
+               **kwargs) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.embedded`` for ``model_dir`` and wait until it is
         healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
-        ``context_length`` / ``served_model_name``: the server's ``--context-length`` /
-        ``--served-model-name``."""
+        ``context_length`` / ``served_model_name`` / ``weight_sync_timeout``: the server's
+        ``--context-length`` / ``--served-model-name`` / ``--weight-sync-timeout``."""
         workdir = tempfile.mkdtemp(prefix="klear-embedded-server-")
         port_file, log_path = os.path.join(workdir, "port"), os.path.join(workdir, "server.log")
         cmd = [sys.executable, "-m", "megatron_klear.rollout.embedded", "--model", model_dir, "--port", str(port),
@@ -1138,6 +1386,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
             cmd += ["--context-length", str(context_length)]
         if served_model_name is not None:
             cmd += ["--served-model-name", served_model_name]
+        if weight_sync_timeout is not None:
+            cmd += ["--weight-sync-timeout", str(weight_sync_timeout)]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         with open(log_path, "wb") as log:
