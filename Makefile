@@ -17,7 +17,7 @@ $(STAMP): setup.py requirements/cpu-constraints.txt tools/fetch_sglang_contract.
 	touch $(STAMP)
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -rfE tests
 
 demo: venv
 	$(BIN)/python examples/demo.py
