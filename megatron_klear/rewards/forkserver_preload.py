@@ -6,7 +6,13 @@ the forkserver itself only exits once no process holds its "alive" pipe, and eve
 one: a worker stuck in C code (sympy on a hostile answer) kept itself and the forkserver alive
 after the trainer was killed. With this module, the trainer's death takes the forkserver, and the
 forkserver's the workers (Linux ``PR_SET_PDEATHSIG``; the trainer thread that starts the pool
-must live as long as the pool, as the main thread does)."""
+must live as long as the pool, as the main thread does).
+
+It also pays math-verify's one-time costs here (``worker._warm_up``), once: every worker forked
+from this process, the replacement of a killed one included, grades its first item as fast as
+its next ones."""
 from .sandbox import die_with_parent
+from .worker import _warm_up
 
 die_with_parent()
+_warm_up()

@@ -45,12 +45,29 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
+# Graded once before any real item. math-verify's first gradings pay one-time costs: sympy
+# submodules imported on first use and the LaTeX parser's (ANTLR) prediction caches, ~0.4 s of CPU
+# against ~5 ms for the same item afterwards. Charged to a worker's first item they could exceed
+# its math_timeout_s on a loaded machine: a correct answer scored as a timeout.
+_WARM_UP_ITEMS = ((r"(x+1)^2", "x^2+2x+1"), (r"\frac{1}{2}", "0.5"), (r"\sqrt{2}\pi", r"\sqrt{2} \cdot \pi"),
+                  (r"(2, 1)", r"(1, 2)"), (r"(-\infty, 3)", r"(-\infty, 3]"))
+_warm = False
+
+
 def _warm_up() -> None:
-    """Import math-verify and compile its regexes once (in the forkserver, via preload)."""
+    """Pay math-verify's one-time costs once per process image: in the forkserver (preloaded by
+    ``forkserver_preload``), so that every worker forked from it starts warm; in a worker only
+    when its forkserver did not (a forkserver started without our preload)."""
+    global _warm
+    if _warm:
+        return
+    _warm = True
     try:
-        from .math import _configs
+        from .math import _configs, grade_math
 
         _configs()
+        for answer, gold in _WARM_UP_ITEMS:
+            grade_math("<think>warm-up</think>\n\\boxed{" + answer + "}", gold)
     except Exception:  # a broken install surfaces on the first math item, with its message
         pass
 

@@ -1,7 +1,10 @@
 """The grading pool: futures, asyncio, and timeouts and crashes reported with their reason."""
+import array
 import asyncio
+import fcntl
 import os
 import signal
+import termios
 import time
 
 import pytest
@@ -11,11 +14,30 @@ from megatron_klear.rewards import GradingPool, RewardConfig
 from .conftest import T, code_response, small_limits
 
 MATH_OK = {"id": "ok", "task": "math", "response": T + r"\boxed{(x+1)^2}", "answer": "x^2+2x+1"}
+# ~0.1 s of sympy (trigonometric simplification) however warm the worker: 20x a 5 ms deadline
+MATH_SLOW = {"id": "slow", "task": "math", "response": T + r"\boxed{\sin^{4}(x)\cos^{4}(x)}",
+             "answer": r"\frac{3-4\cos(4x)+\cos(8x)}{128}"}
 
 
 def _worker_pid(pool):
     (w,) = pool._workers
     return w.proc.pid
+
+
+def _wait_until_sent_to_stopped_worker(pool, timeout=30.0):
+    """Until the dispatcher has written the submitted item into the (SIGSTOPped) worker's pipe: the
+    worker holds an item, and bytes sent to it are unread (SIOCOUTQ of our end of the socketpair).
+    A fixed sleep could lose that race on a loaded machine: the worker then dies idle, not grading."""
+    (w,) = pool._workers
+    deadline = time.monotonic() + timeout
+    while True:
+        unread = array.array("i", [0])
+        if w.task is not None:
+            fcntl.ioctl(w.conn.fileno(), termios.TIOCOUTQ, unread)
+        if unread[0] > 0:
+            return
+        assert time.monotonic() < deadline, "the dispatcher did not hand the item to the worker"
+        time.sleep(0.005)
 
 
 @pytest.fixture
@@ -53,7 +75,7 @@ def test_worker_memory_limit_is_in_place(pool1):
 
 def test_soft_timeout_inside_the_worker_is_reported(make_pool):
     pool = make_pool(math_timeout_s=0.005)
-    res = pool.submit(MATH_OK).result(timeout=30)
+    res = pool.submit(MATH_SLOW).result(timeout=30)
     assert res.error == "timeout: grading took more than 0.005 s"
     assert res.reward == -1.0 and res.passed == 0
 
@@ -79,7 +101,7 @@ def test_worker_crash_while_grading_is_reported(make_pool):
     pid = _worker_pid(pool1)
     os.kill(pid, signal.SIGSTOP)
     fut = pool1.submit(MATH_OK)
-    time.sleep(0.2)
+    _wait_until_sent_to_stopped_worker(pool1)
     os.kill(pid, signal.SIGKILL)
     res = fut.result(timeout=30)
     assert res.error == "grader crashed: worker killed by SIGKILL while grading this item"
@@ -93,7 +115,7 @@ def test_a_crash_is_retried_once_on_a_fresh_worker(pool1):
     pid = _worker_pid(pool1)
     os.kill(pid, signal.SIGSTOP)
     fut = pool1.submit(MATH_OK)
-    time.sleep(0.2)
+    _wait_until_sent_to_stopped_worker(pool1)
     os.kill(pid, signal.SIGKILL)
     res = fut.result(timeout=30)
     assert res.reward == 1.0 and res.error is None
@@ -170,7 +192,10 @@ def test_close_cancels_pending():
     slow = {"id": 0, "task": "code", "response": code_response("import time\ntime.sleep(0.5)\nprint(1)"),
             "tests": {"inputs": [""], "outputs": ["1"]}}
     futs = [p.submit(slow) for _ in range(5)]
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while not futs[0].running():  # the worker took the first (a fixed sleep could lose that race)
+        assert time.monotonic() < deadline, "the dispatcher did not start the first item"
+        time.sleep(0.005)
     p.close(cancel_pending=True)
     assert futs[0].result().reward == 1.0           # the running one finishes
     assert sum(f.cancelled() for f in futs) >= 3
