@@ -100,7 +100,8 @@ def test_shape_mismatch_names_the_tensor():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(model_type="qwen3_moe"), "unsupported model_type 'qwen3_moe'"),
+        (dict(model_type="qwen3_moe"), "missing required key .num_experts."),
+        (dict(model_type="qwen2", num_experts=4), "mixture-of-experts configs of model_type .qwen2."),
         (dict(hidden_size=None), "missing required key 'hidden_size'"),
         (dict(num_key_value_heads=3), "not divisible by num_key_value_heads=3"),
         (dict(use_sliding_window=True), "use_sliding_window"),
@@ -110,3 +111,95 @@ def test_shape_mismatch_names_the_tensor():
 def test_bad_configs(change, message):
     with pytest.raises(ConfigError, match=message):
         arch_from_dict(_cfg(**change), where="x/config.json")
+
+
+# ---- Qwen3-MoE (issue 12) ----------------------------------------------------------------------------
+def _moe_cfg(**kw):
+    cfg = _cfg(model_type="qwen3_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=5, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+               router_aux_loss_coef=0.001)
+    cfg.update(kw)
+    return cfg
+
+
+def test_moe_layers_follow_mlp_only_layers_and_sparse_step():
+    assert arch_from_dict(_moe_cfg()).moe_layer_pattern == (1, 0, 1)
+    assert arch_from_dict(_moe_cfg(mlp_only_layers=[], decoder_sparse_step=2)).moe_layer_pattern == (0, 1, 0)
+    # transformers 5.x saves num_experts as num_local_experts
+    cfg = _moe_cfg()
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    assert arch_from_dict(cfg).num_experts == 4
+
+
+def test_moe_rules_experts_router_and_norms():
+    from megatron_klear.checkpoint.mapping import checkpoint_location
+
+    arch = arch_from_dict(_moe_cfg())
+    rules = rules_by_megatron(arch)
+    fc1 = rules["decoder.layers.2.mlp.experts.3.linear_fc1.weight"]
+    assert fc1.hf == ("model.layers.2.mlp.experts.3.gate_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight")
+    assert fc1.expert and fc1.kind == "gate_up"
+    gate, up = torch.randn(5, 8), torch.randn(5, 8)
+    assert torch.equal(to_megatron(fc1, [gate, up], arch, 512), torch.cat([gate, up]))
+    assert rules["decoder.layers.0.mlp.router.weight"].hf == ("model.layers.0.mlp.gate.weight",)
+    assert rules["decoder.layers.0.pre_mlp_layernorm.weight"].hf == ("model.layers.0.post_attention_layernorm.weight",)
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in rules and "decoder.layers.1.mlp.router.weight" not in rules
+    names = [k for r in rules_for(arch) for k in r.hf]
+    assert len(names) == len(set(names)) == 1 + 3 * 8 + 2 * (1 + 4 * 3) + 3 + 2
+    with pytest.raises(MappingError, match=r"mlp.experts.3.down_proj.weight.*\(8, 6\).*\(8, 5\)"):
+        to_megatron(rules["decoder.layers.2.mlp.experts.3.linear_fc2.weight"], [torch.zeros(8, 6)], arch, 512)
+    # mixed dense/MoE layers: per-layer checkpoint keys; all-MoE: stacked [layer, expert, ...]
+    assert checkpoint_location("decoder.layers.2.mlp.experts.3.linear_fc1.weight", arch) == (
+        "decoder.layers.2.mlp.experts.experts.linear_fc1.weight", (3,))
+    stacked = arch_from_dict(_moe_cfg(mlp_only_layers=[]))
+    assert checkpoint_location("decoder.layers.2.mlp.experts.3.linear_fc1.weight", stacked) == (
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 3))
+    assert checkpoint_location("decoder.layers.1.mlp.router.weight", stacked) == ("decoder.layers.mlp.router.weight", (1,))
+
+
+def test_moe_canonical_names_of_live_modules():
+    moe = frozenset({0, 2})
+    # SequentialMLP (local spec) and TEGroupedMLP name local experts; EP rank 1 of 2 holds 2..3
+    assert canonical_name("module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 2,
+                          expert_offset=2, moe_layers=moe) == "decoder.layers.2.mlp.experts.3.linear_fc2.weight"
+    assert canonical_name("decoder.layers.2.mlp.experts.linear_fc1.weight1", expert_offset=2, moe_layers=moe) == (
+        "decoder.layers.2.mlp.experts.3.linear_fc1.weight")
+    assert canonical_name("decoder.layers.2.pre_mlp_layernorm.weight", moe_layers=moe) == (
+        "decoder.layers.2.pre_mlp_layernorm.weight")
+    assert canonical_name("decoder.layers.1.pre_mlp_layernorm.weight", moe_layers=moe) == (
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight")
+    assert canonical_name("decoder.layers.2.input_layernorm.weight", moe_layers=moe) == (
+        "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight")
+
+
+def test_moe_router_settings_match_transformers():
+    from megatron_klear.models.builder import ModelOptions, moe_kwargs
+    from megatron_klear.platform.distributed import ParallelConfig
+
+    kw = moe_kwargs(arch_from_dict(_moe_cfg()), ModelOptions(backend="local"), ParallelConfig(ep=2))
+    # norm_topk_prob: softmax over the top-k logits (= renormalised top-k of the full softmax)
+    assert kw["moe_router_pre_softmax"] is False and kw["moe_router_topk"] == 2
+    assert kw["moe_aux_loss_coeff"] == 0.001 and kw["moe_router_load_balancing_type"] == "aux_loss"
+    assert kw["moe_layer_freq"] == [1, 0, 1] and kw["expert_model_parallel_size"] == 2
+    assert kw["moe_grouped_gemm"] is False and kw["moe_ffn_hidden_size"] == 5
+    kw = moe_kwargs(arch_from_dict(_moe_cfg(norm_topk_prob=False, mlp_only_layers=[])),
+                    ModelOptions(backend="local", moe_aux_loss_coeff=0.0), ParallelConfig())
+    assert kw["moe_router_pre_softmax"] is True and kw["moe_layer_freq"] == 1
+    assert kw["moe_router_load_balancing_type"] == "none" and kw["moe_aux_loss_coeff"] == 0.0
+
+
+def test_expert_parallel_is_validated():
+    from megatron_klear.models.builder import check_parallel_fits
+    from megatron_klear.platform.distributed import ParallelConfig
+
+    with pytest.raises(ValueError, match=r"parallel.ep=3 does not divide .*num_experts=4.*can be 1, 2, 4"):
+        check_parallel_fits(arch_from_dict(_moe_cfg()), ParallelConfig(ep=3))
+    with pytest.raises(ValueError, match=r"parallel.etp=2 does not divide .*moe_intermediate_size=5"):
+        check_parallel_fits(arch_from_dict(_moe_cfg()), ParallelConfig(etp=2))
+    with pytest.raises(ValueError, match=r"parallel.ep=2 .*has no experts"):
+        check_parallel_fits(arch_from_dict(_cfg()), ParallelConfig(ep=2))
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel.etp\*parallel.ep\*parallel.pp = 1\*4\*1"):
+        ParallelConfig(ep=4).validate(6)
+    with pytest.raises(ValueError, match=r"parallel.ep must be a positive integer"):
+        ParallelConfig(ep=0).validate()
+    ParallelConfig(tp=2, ep=2).validate(2)  # EP inside the TP ranks is fine

@@ -3,10 +3,12 @@
 
     python tools/check_parity.py --hf-dir H --ckpt M                  # one process
     torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir H --ckpt M --tp 2 --pp 2
+    torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir H --ckpt M --tp 2 --ep 2  # MoE: dp=2
 
 Exits 1 when the difference exceeds --tol.
 """
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -22,15 +24,18 @@ def main(argv=None):
                    help="layer spec of the Megatron model (te: Transformer Engine, GPU)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel (MoE models)")
+    p.add_argument("--etp", type=int, default=1, help="tensor parallel inside each expert (MoE models)")
     p.add_argument("--seq-len", type=int, default=24)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--tol", type=float, default=1e-4)
     args = p.parse_args(argv)
-    ranks = args.tp * args.pp
+    ranks = args.pp * math.lcm(args.tp, args.ep * args.etp)  # the smallest world both grids fit
     if ranks > 1 and "RANK" not in os.environ:  # plain `python`: one process, but TP x PP ranks are needed
         script = sys.argv[0] if argv is None else "tools/check_parity.py"
         rest = shlex.join(sys.argv[1:] if argv is None else list(argv))
-        print(f"error: --tp {args.tp} --pp {args.pp} needs {ranks} processes, one per rank; launch them with\n"
+        ep = f" --ep {args.ep}" if args.ep > 1 else ""
+        print(f"error: --tp {args.tp} --pp {args.pp}{ep} needs {ranks} processes, one per rank; launch them with\n"
               f"  torchrun --nproc-per-node {ranks} {script} {rest}", file=sys.stderr)
         return 2
     from megatron_klear.checkpoint.parity import check_parity
@@ -39,10 +44,10 @@ def main(argv=None):
 
     def run():
         diff = check_parity(args.hf_dir, ckpt_dir=args.ckpt, tp=args.tp, pp=args.pp, batch=args.batch,
-                            seq_len=args.seq_len, backend=args.backend)
+                            seq_len=args.seq_len, backend=args.backend, ep=args.ep, etp=args.etp)
         ok = diff <= args.tol
         if is_rank0():
-            print(f"parity tp={args.tp} pp={args.pp}: max |logits diff| = {diff:.3e} "
+            print(f"parity tp={args.tp} pp={args.pp} ep={args.ep}: max |logits diff| = {diff:.3e} "
                   f"({'OK' if ok else 'FAIL'}, tolerance {args.tol:.0e})")
         return 0 if ok else 1
 

@@ -26,6 +26,7 @@ from megatron_klear.checkpoint.hf_io import HFReader, HFWriter, copy_tokenizer_f
 from megatron_klear.checkpoint.mapping import (
     MappingError,
     canonical_name,
+    checkpoint_location,
     layer_of,
     rules_by_megatron,
     rules_for,
@@ -123,7 +124,7 @@ def hf_to_megatron(
     staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
     try:
         consumed = []
-        params = [(n, canonical_name(n)) for n, _ in model.named_parameters()]
+        params = [(n, canonical_name(n, moe_layers=arch.moe_layers)) for n, _ in model.named_parameters()]
         bar = Progress(len(params), "HF -> Megatron") if progress else None
         for i, (name, cname) in enumerate(params):
             rule = rules.get(cname)
@@ -211,11 +212,12 @@ def megatron_to_hf(
         meta.pop("output_layer.weight", None)
 
     rules = rules_by_megatron(arch)
+    # canonical name -> (checkpoint key, index into its leading dims): a layer's slice of a stacked
+    # tensor, an expert's slice of an expert tensor (mapping.checkpoint_location)
+    where = {cname: checkpoint_location(cname, arch) for cname in rules}
     expected = {}
-    for cname in rules:
-        layer = layer_of(cname)
-        key = cname if layer is None else cname.replace(f"layers.{layer}.", "layers.", 1)
-        expected.setdefault(key, []).append((layer, rules[cname]))
+    for cname, (key, index) in where.items():
+        expected.setdefault(key, []).append((index, rules[cname]))
     missing, unknown = sorted(set(expected) - set(meta)), sorted(set(meta) - set(expected))
     if missing or unknown:
         raise MappingError(
@@ -223,23 +225,28 @@ def megatron_to_hf(
         )
     for key, entries in expected.items():
         shape = tuple(meta[key].global_shape)
-        stacked = entries[0][0] is not None
-        if stacked and shape[0] != arch.num_layers:
-            raise MappingError(f"{ckpt_dir}: '{key}' stacks {shape[0]} layers, config has {arch.num_layers}")
+        depth = len(entries[0][0])
+        lead = tuple(max(index[d] for index, _ in entries) + 1 for d in range(depth))
+        if shape[:depth] != lead:
+            raise MappingError(
+                f"{ckpt_dir}: '{key}' has leading dimensions {shape[:depth]} (layers/experts), "
+                f"the config implies {lead}"
+            )
     src_dtype = meta["embedding.word_embeddings.weight"].dtype
     torch_dtype = DTYPES[dtype] if dtype else src_dtype
 
-    # One read per layer (all of its weight kinds in one load), plus one for the embedding and one
-    # for the final norm / head. torch_dist keeps each layer's slice of a stacked tensor as its own
-    # chunk, so a layer's read touches only its bytes: peak memory is one layer plus one output
-    # shard, not a whole [num_layers, ...] stack (7 GB for Qwen3-8B's fused gate/up weights).
-    outer = [(key, None, entries[0][1]) for key, entries in expected.items() if entries[0][0] is None]
+    # One read per layer (all of its weight kinds and experts in one load), plus one for the
+    # embedding and one for the final norm / head. torch_dist keeps each layer's slice of a stacked
+    # tensor as its own chunk, so a layer's read touches only its bytes: peak memory is one layer
+    # plus one output shard, not a whole [num_layers, ...] stack (7 GB for Qwen3-8B's fused gate/up
+    # weights).
+    outer = [(cname, None) for cname in rules if layer_of(cname) is None]
     steps = [[t for t in outer if t[0].startswith("embedding.")]]
     by_layer = [[] for _ in range(arch.num_layers)]
-    for key, entries in expected.items():
-        for layer, rule in entries:
-            if layer is not None:
-                by_layer[layer].append((key, layer, rule))
+    for cname in rules:
+        layer = layer_of(cname)
+        if layer is not None:
+            by_layer[layer].append((cname, layer))
     steps += by_layer + [[t for t in outer if not t[0].startswith("embedding.")]]
     steps = [step for step in steps if step]
 
@@ -248,19 +255,18 @@ def megatron_to_hf(
     try:
         for step in steps:
             request = {}
-            for i, (key, layer, _) in enumerate(step):
+            for i, (cname, layer) in enumerate(step):
+                key, index = where[cname]
                 info = meta[key]
-                if layer is None:
-                    data = torch.empty(info.global_shape, dtype=info.dtype)
-                    request[str(i)] = ShardedTensor.from_rank_offsets(key, data, replica_id=0)
-                else:
-                    data = torch.empty((1, *info.global_shape[1:]), dtype=info.dtype)
-                    request[str(i)] = ShardedTensor.from_rank_offsets(key, data, (0, layer, arch.num_layers), replica_id=0)
+                data = torch.empty((1,) * len(index) + tuple(info.global_shape[len(index):]), dtype=info.dtype)
+                offsets = [(d, index[d], info.global_shape[d]) for d in range(len(index))]
+                request[str(i)] = ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=0)
             loaded = dist_checkpointing.load(
                 request, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED, validate_access_integrity=False
             )
-            for i, (key, layer, rule) in enumerate(step):
-                tensor = loaded[str(i)] if layer is None else loaded[str(i)][0]
+            for i, (cname, layer) in enumerate(step):
+                rule = rules[cname]
+                tensor = loaded[str(i)].reshape(loaded[str(i)].shape[len(where[cname][1]):])
                 for hf_name, t in zip(rule.hf, to_hf(rule, tensor, arch)):
                     writer.add(hf_name, t)  # no copy: a view holds only this step's tensors
             del loaded, request, data

@@ -12,6 +12,17 @@ Layouts (``g`` = KV-head groups, ``q`` = query heads per group, ``d`` = head_dim
 * ``linear_fc1`` rows are ``[gate; up]``; TP rank ``r`` holds ``[gate rows of r; up rows of r]``.
 * Row-parallel ``linear_proj``/``linear_fc2`` split columns; norms are replicated.
 * Embedding/output rows are padded up to the TP-divisible vocabulary size; padding rows are zero.
+
+Mixture of experts (Qwen3-MoE), per MoE layer ``i``: HF's router ``mlp.gate.weight`` is
+``mlp.router.weight`` (replicated), the norm before the MLP is ``pre_mlp_layernorm.weight`` (its own
+module in both backends), and expert ``e``'s ``{gate,up,down}_proj`` are the canonical
+``decoder.layers.{i}.mlp.experts.{e}.linear_fc1.weight`` (``[gate; up]``) and ``linear_fc2.weight``,
+whatever the live module is (SequentialMLP ``local_experts.{le}``, TEGroupedMLP ``weight{le}``; the
+global index is ``ep_rank * num_local_experts + le``). Experts are sharded over the expert-TP group
+(``parallel.etp``), not the TP group. In a torch_dist checkpoint they are one tensor per weight kind
+with an expert dimension: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of shape
+``[layers, experts, ...]`` when every layer is an MoE layer, per-layer keys
+(``decoder.layers.{i}.*``, experts ``[experts, ...]``) when dense and MoE layers mix.
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ class Rule:
     hf: tuple  # the HF names it is made from, in fusion order
     kind: str  # copy | qkv | gate_up | vocab
     tp_dim: int | None  # dimension TP shards along (None: replicated)
+    expert: bool = False  # an expert's weight: lives on one EP rank, sharded over the expert-TP group
 
 
 def _layer_rules(arch: ModelArch, i: int) -> list[Rule]:
@@ -47,15 +59,29 @@ def _layer_rules(arch: ModelArch, i: int) -> list[Rule]:
             0,
         ),
         Rule(mg + "self_attention.linear_proj.weight", (hf + "self_attn.o_proj.weight",), "copy", 1),
-        Rule(mg + "mlp.linear_fc1.layer_norm_weight", (hf + "post_attention_layernorm.weight",), "copy", None),
-        Rule(
-            mg + "mlp.linear_fc1.weight",
-            (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-            "gate_up",
-            0,
-        ),
-        Rule(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "copy", 1),
     ]
+    if i in arch.moe_layers:
+        rules += [
+            Rule(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "copy", None),
+            Rule(mg + "mlp.router.weight", (hf + "mlp.gate.weight",), "copy", None),
+        ]
+        for e in range(arch.num_experts):
+            ex, mx = f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.{e}."
+            rules += [
+                Rule(mx + "linear_fc1.weight", (ex + "gate_proj.weight", ex + "up_proj.weight"), "gate_up", 0, True),
+                Rule(mx + "linear_fc2.weight", (ex + "down_proj.weight",), "copy", 1, True),
+            ]
+    else:
+        rules += [
+            Rule(mg + "mlp.linear_fc1.layer_norm_weight", (hf + "post_attention_layernorm.weight",), "copy", None),
+            Rule(
+                mg + "mlp.linear_fc1.weight",
+                (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                "gate_up",
+                0,
+            ),
+            Rule(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "copy", 1),
+        ]
     if arch.qkv_bias:
         rules.append(
             Rule(
@@ -89,6 +115,30 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.*)$")
+
+
+def checkpoint_location(cname: str, arch: ModelArch) -> tuple[str, tuple]:
+    """Where a canonical tensor sits in a torch_dist checkpoint: (key, index into its leading
+    dimensions). Stacked per-layer tensors ``decoder.layers.X`` have a leading layer dimension
+    unless dense and MoE layers mix (then keys are per layer, as Megatron-Core writes them for
+    non-homogeneous layers); expert tensors have an expert dimension after it."""
+    layer = layer_of(cname)
+    if layer is None:
+        return cname, ()
+    stacked = all(arch.moe_layer_pattern)  # dense models, and MoE models without dense layers
+    expert = None
+    m = _EXPERT.match(cname)
+    if m:
+        expert = int(m.group(2))
+        cname = f"{m.group(1)}.experts.{m.group(3)}"
+    if stacked:
+        key, index = cname.replace(f"layers.{layer}.", "layers.", 1), (layer,)
+    else:
+        key, index = cname, ()
+    return key, index + (() if expert is None else (expert,))
+
+
 # ---- names ---------------------------------------------------------------------------------------
 _LOCAL_TO_TE = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -96,18 +146,32 @@ _LOCAL_TO_TE = {
 }
 
 
-def canonical_name(name: str, layer_offset: int = 0) -> str:
+def canonical_name(name: str, layer_offset: int = 0, *, expert_offset: int = 0,
+                   moe_layers: frozenset = frozenset()) -> str:
     """Name of a parameter of any rank's model -> canonical Megatron name.
 
     Strips DDP/Float16 wrappers (``module.``), maps local-spec norm names to TE-style ones and adds
-    the pipeline stage's ``layer_offset`` to the layer index.
+    the pipeline stage's ``layer_offset`` to the layer index. MoE models: ``moe_layers`` (global
+    indices, ``arch.moe_layers``) keep ``pre_mlp_layernorm`` (an MoE layer has no fc1 to fuse it
+    into), and local expert indices (SequentialMLP ``local_experts.{le}.``, TEGroupedMLP
+    ``linear_fcN.weight{le}``) become global ones, ``expert_offset`` (= ep_rank * local experts)
+    added.
     """
     while name.startswith("module."):
         name = name[len("module."):]
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
     if m:
-        rest = _LOCAL_TO_TE.get(m.group(2), m.group(2))
-        name = f"decoder.layers.{int(m.group(1)) + layer_offset}.{rest}"
+        layer = int(m.group(1)) + layer_offset
+        rest = m.group(2)
+        if layer not in moe_layers or rest != "pre_mlp_layernorm.weight":
+            rest = _LOCAL_TO_TE.get(rest, rest)
+        e = re.match(r"mlp\.experts\.local_experts\.(\d+)\.(.*)$", rest)
+        if e:
+            rest = f"mlp.experts.{int(e.group(1)) + expert_offset}.{e.group(2)}"
+        e = re.match(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$", rest)
+        if e:
+            rest = f"mlp.experts.{int(e.group(3)) + expert_offset}.{e.group(1)}.{e.group(2)}"
+        name = f"decoder.layers.{layer}.{rest}"
     return name
 
 
@@ -127,12 +191,15 @@ def hf_shapes(rule: Rule, arch: ModelArch) -> list[tuple]:
     if rule.kind == "qkv":
         tail = (h,) if name.endswith("weight") else ()
         return [(q * d, *tail), (g * d, *tail), (g * d, *tail)]
+    ffn = arch.moe_ffn_hidden_size if rule.expert else arch.ffn_hidden_size
     if rule.kind == "gate_up":
-        return [(arch.ffn_hidden_size, h)] * 2
+        return [(ffn, h)] * 2
     if name.endswith("linear_proj.weight"):
         return [(h, q * d)]
     if name.endswith("linear_fc2.weight"):
-        return [(h, arch.ffn_hidden_size)]
+        return [(h, ffn)]
+    if name.endswith("mlp.router.weight"):
+        return [(arch.num_experts, h)]
     if "q_layernorm" in name or "k_layernorm" in name:
         return [(d,)]
     return [(h,)]

@@ -32,17 +32,30 @@ def layer_offset(model) -> int:
     return get_transformer_layer_offset(m.config, vp_stage=getattr(m, "vp_stage", None))
 
 
+def expert_offset(model) -> int:
+    """Global index of this rank's first local expert (0 for dense models and EP = 1)."""
+    m = unwrap(model)
+    if not m.arch.is_moe:
+        return 0
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (m.arch.num_experts // ep)
+
+
 def named_canonical_params(model, *, include_tied_copy: bool = True):
     """(canonical name, parameter) for every parameter of one model chunk.
 
     With tied embeddings and PP > 1 the last stage holds a copy of the embedding as
     ``output_layer.weight``; it is named as the embedding (loading fills it) unless
     ``include_tied_copy`` is False (exporting: the first stage's embedding is the one).
+    Experts are named by their global index.
     """
     m = unwrap(model)
     offset = layer_offset(m)
+    eoffset = expert_offset(m)
     for name, p in m.named_parameters():
-        cname = canonical_name(name, offset)
+        cname = canonical_name(name, offset, expert_offset=eoffset, moe_layers=m.arch.moe_layers)
         if cname == "output_layer.weight" and m.arch.tie_word_embeddings:
             if not include_tied_copy:
                 continue
@@ -65,6 +78,8 @@ def load_hf_weights(model_chunks, reader) -> set:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+    etp_size = parallel_state.get_expert_tensor_parallel_world_size()
     consumed = set()
     for chunk in model_chunks:
         m = unwrap(chunk)
@@ -74,7 +89,7 @@ def load_hf_weights(model_chunks, reader) -> set:
             if rule is None:
                 raise MappingError(f"model parameter '{cname}' has no HF mapping")
             full = to_megatron(rule, [reader.get(k) for k in rule.hf], m.arch, m.vocab_size)
-            shard = tp_shard(rule, full, tp_rank, tp_size)
+            shard = tp_shard(rule, full, *((etp_rank, etp_size) if rule.expert else (tp_rank, tp_size)))
             if shard.shape != param.shape:
                 raise MappingError(
                     f"'{cname}': TP shard has shape {tuple(shard.shape)}, parameter has {tuple(param.shape)}"
@@ -98,20 +113,70 @@ def gather_tp(rule, shard: torch.Tensor, group) -> torch.Tensor:
     return tp_unshard(rule, parts)
 
 
-def iter_hf_tensors(model_chunks, *, tp_group=None):
+def gather_experts(rule, full: torch.Tensor, ep_group, name_of) -> list:
+    """All-gather one local expert's full tensor over the EP group: [(canonical name, tensor)] for
+    the experts at the same local index on every EP rank (rank r holds experts r*n .. r*n+n-1)."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(ep_group) if ep_group is not None else 1
+    if size == 1:
+        return [(name_of(0), full)]
+    parts = [torch.empty_like(full) for _ in range(size)]
+    dist.all_gather(parts, full.contiguous(), group=ep_group)
+    return [(name_of(r), t) for r, t in enumerate(parts)]
+
+
+def _default_expert_groups(m):
+    import torch.distributed as dist
+
+    if not m.arch.is_moe or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None, None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_group(), parallel_state.get_expert_tensor_parallel_group()
+
+
+def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_group="auto"):
     """Yield (hf_name, full tensor) for this pipeline stage's parameters.
 
     Every TP rank of the stage must call it (TP shards are all-gathered); the tied output layer of
-    the last stage is skipped (it is the embedding).
+    the last stage is skipped (it is the embedding). MoE models: experts are all-gathered over the
+    expert-TP group and then over the EP group ("auto": Megatron's, when torch.distributed runs
+    more than one process), so every rank of those groups must call it too -- with EP > 1 that is
+    every rank of the stage, whatever its data-parallel rank; each yields every expert.
     """
+    import re
+
     for chunk in model_chunks:
         m = unwrap(chunk)
         rules = rules_by_megatron(m.arch)
+        groups = _default_expert_groups(m)
+        ep_g = groups[0] if ep_group == "auto" else ep_group
+        etp_g = groups[1] if expert_tp_group == "auto" else expert_tp_group
+        n_local = m.arch.num_experts // _group_size(ep_g) if m.arch.is_moe else 0
+        offset = expert_offset(m) if ep_g is not None else 0
         seen = set()
         for cname, param in named_canonical_params(chunk, include_tied_copy=False):
             if cname in seen:
                 continue
             seen.add(cname)
             rule = rules[cname]
-            full = gather_tp(rule, param.detach(), tp_group)
-            yield from zip(rule.hf, to_hf(rule, full, m.arch))
+            if not rule.expert:
+                full = gather_tp(rule, param.detach(), tp_group)
+                yield from zip(rule.hf, to_hf(rule, full, m.arch))
+                continue
+            full = gather_tp(rule, param.detach(), etp_g)
+            e = re.search(r"\.experts\.(\d+)\.", cname)
+            local = int(e.group(1)) - offset
+
+            def name_of(r, cname=cname, e=e, local=local):
+                return f"{cname[:e.start()]}.experts.{r * n_local + local}.{cname[e.end():]}"
+
+            for name, t in gather_experts(rule, full, ep_g, name_of):
+                yield from zip(rules[name].hf, to_hf(rules[name], t, m.arch))
+
+
+def _group_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if group is not None else 1

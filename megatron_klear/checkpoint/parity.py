@@ -15,6 +15,8 @@ def check_parity(
     seq_len: int = 24,
     seed: int = 0,
     backend: str = "local",
+    ep: int = 1,
+    etp: int = 1,
 ) -> float:
     """Max |logits_hf - logits_megatron| over a random batch (the same on every rank).
 
@@ -22,7 +24,8 @@ def check_parity(
     weights come from the torch_dist checkpoint ``ckpt_dir`` if given (the conversion under
     test, or any training checkpoint, written with either backend: only its model weights are
     read, see :func:`megatron_klear.checkpoint.dist_ckpt.load_model`), otherwise straight from
-    ``hf_dir`` through the mapping. Must be called on ``tp*pp`` ranks (torchrun) or one;
+    ``hf_dir`` through the mapping. Must be called on every rank of a world that fits tp/pp and,
+    for MoE models, ep/etp (torchrun; extra ranks are data-parallel replicas fed the same tokens);
     returns the same number on every rank.
     """
     from megatron_klear.checkpoint import dist_ckpt
@@ -33,7 +36,7 @@ def check_parity(
     from megatron_klear.models.forward import forward_logits
     from megatron_klear.platform import ParallelConfig, init_parallel
 
-    parallel = ParallelConfig(tp=tp, pp=pp)
+    parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
     init_parallel(parallel, seed=seed)
     arch = load_arch(hf_dir)
     chunks = build_model_chunks(arch, ModelOptions(dtype="fp32", backend=backend), parallel)

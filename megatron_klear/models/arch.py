@@ -1,7 +1,9 @@
 """The architecture of a decoder-only HF checkpoint, normalised: what the builder and the weight
 mapping need to know, read from ``config.json`` with errors that name the file and the key.
 
-Supported families: Qwen3 dense (q/k RMSNorm, no biases), Qwen2 / Qwen2.5 (q/k/v biases, no q/k
+Supported families: Qwen3 dense (q/k RMSNorm, no biases), Qwen3-MoE (Qwen3 attention; sparse MoE
+MLPs: softmax router with top-k, renormalised when ``norm_topk_prob``, no shared expert, dense MLPs
+where ``mlp_only_layers`` / ``decoder_sparse_step`` say), Qwen2 / Qwen2.5 (q/k/v biases, no q/k
 norm) and Llama 3 (no biases, optional ``llama3`` RoPE scaling). YaRN RoPE scaling (Qwen's
 recommendation for 64K contexts) is carried through to Megatron-Core.
 """
@@ -13,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 SUPPORTED = {
     "qwen3": dict(qk_norm=True, qkv_bias=False),
+    "qwen3_moe": dict(qk_norm=True, qkv_bias=False),
     "qwen2": dict(qk_norm=False, qkv_bias=True),
     "llama": dict(qk_norm=False, qkv_bias=False),
 }
@@ -39,11 +42,27 @@ class ModelArch:
     qk_norm: bool
     qkv_bias: bool
     rope_scaling: dict | None = None
+    # Mixture of experts (Qwen3-MoE); num_experts == 0: a dense model.
+    num_experts: int = 0
+    moe_topk: int = 0  # num_experts_per_tok
+    moe_ffn_hidden_size: int = 0  # moe_intermediate_size (one expert's MLP width)
+    moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to one
+    moe_layer_pattern: tuple = ()  # per layer: 1 = sparse MoE MLP, 0 = dense MLP
+    router_aux_loss_coef: float = 0.0
     hf_config: dict = field(default_factory=dict, repr=False)  # the original config.json
 
     @property
     def q_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def moe_layers(self) -> frozenset:
+        """Global indices of the layers whose MLP is a sparse MoE block."""
+        return frozenset(i for i, v in enumerate(self.moe_layer_pattern) if v)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -79,8 +98,12 @@ def arch_from_dict(cfg: dict, where: str = "config.json") -> ModelArch:
     head_dim = cfg.get("head_dim") or hidden // heads
     if cfg.get("use_sliding_window"):
         raise ConfigError(f"{where}: key 'use_sliding_window' is true; sliding-window attention is not supported")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        raise ConfigError(f"{where}: mixture-of-experts configs are not supported by this mapping")
+    if model_type != "qwen3_moe" and (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        raise ConfigError(
+            f"{where}: mixture-of-experts configs of model_type {model_type!r} are not supported "
+            "(only qwen3_moe)"
+        )
+    moe = _moe_fields(cfg, where) if model_type == "qwen3_moe" else {}
     rope = cfg.get("rope_parameters") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or None
@@ -118,7 +141,39 @@ def arch_from_dict(cfg: dict, where: str = "config.json") -> ModelArch:
         qk_norm=family["qk_norm"],
         qkv_bias=family["qkv_bias"] if bias is None else bool(bias),
         rope_scaling=scaling,
+        **moe,
         hf_config=dict(cfg),
+    )
+
+
+def _moe_fields(cfg: dict, where: str) -> dict:
+    """Qwen3-MoE's keys, read as transformers' Qwen3MoeDecoderLayer reads them: layer i has a
+    sparse MoE MLP when num_experts > 0, i is not in mlp_only_layers and (i + 1) is a multiple of
+    decoder_sparse_step; every other layer has a dense MLP of intermediate_size."""
+    layers = _require(cfg, "num_hidden_layers", where)
+    # The Hub's config.json says num_experts; transformers 5.x saves it as num_local_experts.
+    key = "num_experts" if cfg.get("num_experts") is not None or cfg.get("num_local_experts") is None else "num_local_experts"
+    experts = _require(cfg, key, where)
+    topk = _require(cfg, "num_experts_per_tok", where)
+    if topk > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok={topk} exceeds num_experts={experts}")
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ConfigError(f"{where}: key 'decoder_sparse_step' must be a positive integer, got {step!r}")
+    only = cfg.get("mlp_only_layers") or []
+    bad = [i for i in only if not isinstance(i, int) or not 0 <= i < layers]
+    if bad:
+        raise ConfigError(f"{where}: key 'mlp_only_layers' lists {bad}, not layer indices below {layers}")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"{where}: shared experts (shared_expert_intermediate_size) are not supported")
+    pattern = tuple(int(i not in only and (i + 1) % step == 0) for i in range(layers))
+    return dict(
+        num_experts=experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=_require(cfg, "moe_intermediate_size", where),
+        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),  # transformers' default
+        moe_layer_pattern=pattern,
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0),
     )
 
 

@@ -37,8 +37,14 @@ class ModelOptions:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     init_method_std: float = 0.02
+    # MoE models: the load-balancing loss coefficient (None: the checkpoint's router_aux_loss_coef;
+    # 0: no auxiliary loss). Megatron-Core adds coeff * aux_loss of every MoE layer to the loss.
+    moe_aux_loss_coeff: float | None = None
+    moe_grouped_gemm: bool | None = None  # None: with Transformer Engine (GPU), else SequentialMLP
 
     def validate(self) -> None:
+        if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"model.moe_aux_loss_coeff must be >= 0 or null, got {self.moe_aux_loss_coeff!r}")
         if self.backend not in ("auto", "te", "local"):
             raise ValueError(f"model.backend must be auto, te or local, got {self.backend!r}")
         if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
@@ -96,6 +102,24 @@ def check_parallel_fits(arch: ModelArch, parallel, where: str = "the model") -> 
             f"parallel.tp={tp} does not divide {where}'s {' and '.join(bad)}: each tensor-parallel rank "
             f"must hold whole attention heads and KV groups; parallel.tp can be {', '.join(map(str, fits))}"
         )
+    ep, etp = getattr(parallel, "ep", 1), getattr(parallel, "etp", 1)
+    if not arch.is_moe:
+        if ep > 1 or etp > 1:
+            raise ValueError(
+                f"parallel.ep={ep} / parallel.etp={etp}: {where} ({arch.model_type}) has no experts; "
+                "expert parallelism needs a mixture-of-experts model (qwen3_moe)"
+            )
+        return
+    if arch.num_experts % ep:
+        fits = [e for e in range(1, arch.num_experts + 1) if arch.num_experts % e == 0]
+        raise ValueError(
+            f"parallel.ep={ep} does not divide {where}'s num_experts={arch.num_experts}: each expert-parallel "
+            f"rank holds num_experts/ep whole experts; parallel.ep can be {', '.join(map(str, fits))}"
+        )
+    if arch.moe_ffn_hidden_size % etp:
+        raise ValueError(
+            f"parallel.etp={etp} does not divide {where}'s moe_intermediate_size={arch.moe_ffn_hidden_size}"
+        )
 
 
 def transformer_config(arch: ModelArch, options: ModelOptions, parallel, *, cpu_init: bool | None = None):
@@ -148,6 +172,8 @@ def transformer_config(arch: ModelArch, options: ModelOptions, parallel, *, cpu_
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=False,
     )
+    if arch.is_moe:
+        kwargs.update(moe_kwargs(arch, options, parallel))
     if options.recompute_granularity:
         kwargs.update(recompute_granularity=options.recompute_granularity)
         if options.recompute_granularity == "full":
@@ -172,17 +198,78 @@ def transformer_config(arch: ModelArch, options: ModelOptions, parallel, *, cpu_
     return config
 
 
-def layer_spec(arch: ModelArch, backend: str):
-    """The transformer-layer ``ModuleSpec`` for ``backend`` (te | local)."""
+def aux_loss_coeff(arch: ModelArch, options: ModelOptions) -> float:
+    """The load-balancing loss coefficient in use (0.0: none)."""
+    if not arch.is_moe:
+        return 0.0
+    return float(arch.router_aux_loss_coef if options.moe_aux_loss_coeff is None else options.moe_aux_loss_coeff)
+
+
+def use_grouped_gemm(options: ModelOptions, backend: str) -> bool:
+    return backend == "te" if options.moe_grouped_gemm is None else bool(options.moe_grouped_gemm)
+
+
+def moe_kwargs(arch: ModelArch, options: ModelOptions, parallel) -> dict:
+    """Megatron-Core MoE settings that reproduce transformers' Qwen3MoeSparseMoeBlock.
+
+    Routing: HF takes softmax over all experts, then the top-k, renormalised to sum to one when
+    ``norm_topk_prob``. Megatron's ``moe_router_pre_softmax=False`` takes the top-k logits, then a
+    softmax over those k: the same probabilities (softmax is monotonic, and renormalising the top-k
+    of a softmax is the softmax of the top-k logits). Without ``norm_topk_prob`` the pre-softmax
+    router (softmax over all, then top-k, not renormalised) is HF's computation. No token dropping
+    (capacity factor None), no shared expert, the router in fp32.
+
+    Load balancing: Megatron's switch-transformer loss per MoE layer, ``coeff * E / (T * k) *
+    sum_e f_e P_e`` summed over the MoE layers; transformers (only when ``output_router_logits``)
+    pools the counts and probabilities of all layers before the product. The coefficient is HF's
+    ``router_aux_loss_coef`` unless ``model.moe_aux_loss_coeff`` says otherwise."""
+    coeff = aux_loss_coeff(arch, options)
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_topk,
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+        moe_aux_loss_coeff=coeff,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=use_grouped_gemm(options, resolve_backend(options)),
+        # 1: every layer is MoE (stacked checkpoint keys); a list marks layers "non-homogeneous",
+        # which Megatron-Core checkpoints with per-layer keys (mapping.checkpoint_location)
+        moe_layer_freq=1 if all(arch.moe_layer_pattern) else list(arch.moe_layer_pattern),
+        expert_model_parallel_size=getattr(parallel, "ep", 1),
+        expert_tensor_parallel_size=getattr(parallel, "etp", 1),
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+
+
+def _patch_moe_without_te() -> None:
+    """Megatron-Core 0.16.1's router reads ``moe_utils.te_general_gemm`` whether or not Transformer
+    Engine imported (the import's ``except`` leaves the name undefined: a NameError at the first
+    routed token). Without TE the name is None, which selects its own torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+                 "fused_moe_aux_loss"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def layer_spec(arch: ModelArch, backend: str, moe: bool = False, grouped_gemm: bool = False):
+    """The transformer-layer ``ModuleSpec`` for ``backend`` (te | local); ``moe``: the layer's MLP
+    is a sparse MoE block (local experts as SequentialMLP, or grouped GEMM: TEGroupedMLP on GPU)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    moe_args = dict(num_experts=arch.num_experts, moe_grouped_gemm=grouped_gemm) if moe else {}
     if backend == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm, **moe_args)
     from megatron_klear.models.attention import TorchCoreAttention
     from megatron_klear.models.norm import RMSNorm
 
     spec = copy.deepcopy(
-        gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm", **moe_args)
     )
     layer = spec.submodules
     layer.input_layernorm = RMSNorm
@@ -192,6 +279,8 @@ def layer_spec(arch: ModelArch, backend: str):
     if arch.qk_norm:
         attn.q_layernorm = RMSNorm
         attn.k_layernorm = RMSNorm
+    if moe:  # as the TE spec: an MoE layer's norm is its own module (no fc1 to fuse it into)
+        layer.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     return spec
 
 
@@ -204,15 +293,24 @@ def block_spec(arch: ModelArch, backend: str, config, vp_stage: int | None = Non
         get_num_layers_to_build,
     )
 
-    layer = layer_spec(arch, backend)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if arch.is_moe:
+        _patch_moe_without_te()
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        grouped = bool(config.moe_grouped_gemm)
+        specs = {m: layer_spec(arch, backend, moe=bool(m), grouped_gemm=grouped) for m in (0, 1)}
+        layers = [specs[arch.moe_layer_pattern[offset + i]] for i in range(n)]
+    else:
+        layers = [layer_spec(arch, backend)] * n
     if backend == "te":
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
         from megatron_klear.models.norm import RMSNorm as final_norm
-    n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm),
+        submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm),
     )
 
 

@@ -90,6 +90,12 @@ def make_tiny_qwen3(out_dir: str, **kwargs) -> str:
     return make_tiny_model(out_dir, model_type="qwen3", **kwargs)
 
 
+def make_tiny_qwen3_moe(out_dir: str, **kwargs) -> str:
+    """A tiny random Qwen3-MoE checkpoint (8 experts, top-2, renormalised; see :func:`make_tiny_model`).
+    ``mlp_only_layers=[1]`` gives a model whose layer 1 is dense, as Qwen3-MoE configs allow."""
+    return make_tiny_model(out_dir, model_type="qwen3_moe", **kwargs)
+
+
 def make_tiny_model(
     out_dir: str,
     *,
@@ -110,9 +116,17 @@ def make_tiny_model(
     max_shard_size: str | int = "64KB",
     with_tokenizer: bool = True,
     flavor: str = "instruct",
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 40,
+    norm_topk_prob: bool = True,
+    mlp_only_layers: tuple = (),
+    decoder_sparse_step: int = 1,
+    router_aux_loss_coef: float = 0.01,
 ) -> str:
-    """Write a random checkpoint of ``model_type`` (qwen3 | qwen2 | llama) to ``out_dir``
+    """Write a random checkpoint of ``model_type`` (qwen3 | qwen3_moe | qwen2 | llama) to ``out_dir``
     (atomically) and return the path. ``flavor``: "instruct" | "base" special tokens (module docstring).
+    The ``num_experts`` ... ``router_aux_loss_coef`` arguments are Qwen3MoeConfig's (qwen3_moe only).
 
     Sizes are deliberately awkward: vocab not a multiple of 128, head_dim != hidden/heads, GQA.
     ``init_std`` is larger than HF's default so that logits differ visibly between tokens.
@@ -121,7 +135,7 @@ def make_tiny_model(
     import transformers
 
     _check_flavor(flavor)
-    names = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
+    names = {"qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "qwen2": "Qwen2", "llama": "Llama"}
     if model_type not in names:
         raise ValueError(f"model_type must be one of {sorted(names)}, got {model_type!r}")
     config_cls = getattr(transformers, f"{names[model_type]}Config")
@@ -130,6 +144,11 @@ def make_tiny_model(
     if rope_scaling:
         rope = {**rope_scaling, "rope_theta": rope_theta}
     extra = {"attention_bias": True} if model_type == "qwen2" else {}
+    if model_type == "qwen3_moe":
+        extra = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                     moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
+                     mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=decoder_sparse_step,
+                     router_aux_loss_coef=router_aux_loss_coef)
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

@@ -12,7 +12,9 @@ This module redirects exactly those calls while it is active:
   into a no-op, drops ``pin_memory=True`` and reports CPU tensors' ``.type()`` under the CUDA name
   Megatron's optimizer checks for;
 * ``torch.cuda`` helpers Megatron calls unconditionally get small CPU stand-ins (streams and
-  events that do nothing, device index 0, no-op synchronize).
+  events that do nothing, device index 0, no-op synchronize);
+* the MoE all-to-all dispatcher's device-to-host copy of its split sizes, which converts only
+  CUDA tensors, converts CPU ones too (:func:`_moe_dtoh`).
 
 It is activated by :func:`megatron_klear.platform.init_parallel` only when CUDA is not available
 and is never active on a GPU machine. ``torch.cuda.is_available()`` keeps returning False, so code
@@ -120,6 +122,25 @@ def _rng_stubs():
     return {"get_rng_state": lambda *a, **k: torch.get_rng_state()}
 
 
+def _moe_dtoh(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron-Core's MoE all-to-all dispatcher moves its split sizes "to the CPU" and turns them
+    into numpy arrays only when they are CUDA tensors (``maybe_move_tensor_to_cpu``); on the CPU
+    they stay tensors, which ``all_to_all_single`` refuses as split sizes. Same contract, CPU
+    tensors included."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _megatron_patches():
+    """(module, name, replacement) for the Megatron-Core functions that hard-code CUDA tensors."""
+    try:
+        from megatron.core.transformer.moe import token_dispatcher
+    except ImportError:  # no Megatron-Core MoE in this install
+        return []
+    return [(token_dispatcher, "maybe_move_tensor_to_cpu", _moe_dtoh)]
+
+
 def is_active() -> bool:
     return _state["mode"] is not None
 
@@ -135,6 +156,9 @@ def activate() -> None:
             for name, stub in stubs.items():
                 _state["saved"][(module, name)] = getattr(module, name, None)
                 setattr(module, name, stub)
+        for module, name, stub in _megatron_patches():
+            _state["saved"][(module, name)] = getattr(module, name, None)
+            setattr(module, name, stub)
         mode = _CudaToCpu()
         mode.__enter__()
         _state["mode"] = mode

@@ -17,18 +17,27 @@ import torch.distributed as dist
 
 @dataclass
 class ParallelConfig:
-    """How the model is split. world_size = tp * pp * cp * dp; dp is derived."""
+    """How the model is split. world_size = tp * pp * cp * dp; dp is derived.
+
+    Mixture-of-experts layers are split on their own grid over the same ranks (Megatron-Core's
+    "MoE parallel folding"): world_size = etp * ep * pp * edp, so the experts of a layer are spread
+    over ``ep`` ranks (each holds num_experts / ep of them, tokens travel all-to-all) and each
+    expert's MLP is tensor-parallel over ``etp`` ranks. ``ep`` ranks come out of the ranks that are
+    data-parallel for the dense layers (and of TP/CP when etp * ep spans them): ep = 2 on two
+    processes is dp = 2 for attention and two halves of the experts."""
 
     tp: int = 1  # tensor parallel
     pp: int = 1  # pipeline parallel
     cp: int = 1  # context parallel
+    ep: int = 1  # expert parallel (MoE models only)
+    etp: int = 1  # tensor parallel inside each expert (MoE models only; 1 is the usual choice)
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
     sequence_parallel: bool = False  # shard activations along the sequence inside TP regions
     timeout_minutes: int = 30
     control_timeout_minutes: int = 24 * 60  # the gloo group ranks wait on during rollouts
 
     def validate(self, world_size: int | None = None) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep", "etp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -39,6 +48,13 @@ class ParallelConfig:
                 f"world size {world_size} (the processes torchrun starts: --nnodes x --nproc-per-node) is not "
                 f"divisible by parallel.tp*parallel.pp*parallel.cp = {self.tp}*{self.pp}*{self.cp} = "
                 f"{self.tp * self.pp * self.cp}"
+            )
+        expert = self.etp * self.ep * self.pp
+        if world_size is not None and world_size % expert:
+            raise ValueError(
+                f"world size {world_size} is not divisible by parallel.etp*parallel.ep*parallel.pp = "
+                f"{self.etp}*{self.ep}*{self.pp} = {expert}: the expert layers of each pipeline stage are "
+                f"split over etp*ep ranks"
             )
 
     def dp(self, world_size: int) -> int:
@@ -100,6 +116,8 @@ def init_parallel(parallel: ParallelConfig | None = None, seed: int = 1234) -> N
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp,
         context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
         distributed_timeout_minutes=parallel.timeout_minutes,
     )
     if _CONTROL["group"] is None and dist.get_world_size() > 1:
