@@ -3,12 +3,16 @@
 SGLang needs CUDA to run, but its wheel carries the schema its server enforces on ``/generate``
 (``sglang/api/v1/api_types.py``, generated msgspec structs that need only ``msgspec``). The tests
 validate every request our client sends, and every response our embedded server answers, against
-that file. This script downloads the pinned wheel (no dependencies, the x86_64 / CPython 3.11 build
-whatever the host), checks its sha256 and extracts the contract::
+that file; the bodies of the control calls (weight updates over a process group, pause/continue,
+versions) are checked against the request structs of ``sglang/srt/managers/io_struct.py``, read as
+source (importing it needs SGLang's dependencies). This script downloads the pinned wheel (no
+dependencies, the x86_64 / CPython 3.11 build whatever the host), checks its sha256 and extracts
+both files::
 
     python tools/fetch_sglang_contract.py --out .venv/sglang-contract
 
-Afterwards ``<out>/sglang/api/v1/api_types.py`` exists (``make venv`` runs this).
+Afterwards ``<out>/sglang/api/v1/api_types.py`` and ``<out>/sglang/srt/managers/io_struct.py``
+exist (``make venv`` runs this; a later run extracts only what is missing).
 """
 from __future__ import annotations
 
@@ -24,12 +28,13 @@ import zipfile
 SGLANG_VERSION = "0.5.23"
 WHEEL = f"sglang-{SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
 SHA256 = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"
-MEMBERS = ("sglang/api/v1/api_types.py",)
+MEMBERS = ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py")
 
 
 def fetch(out: str) -> str:
     target = os.path.join(out, MEMBERS[0])
-    if os.path.isfile(target):
+    missing = [m for m in MEMBERS if not os.path.isfile(os.path.join(out, m))]
+    if not missing:
         return target
     os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sglang-wheel-") as tmp:
@@ -46,9 +51,9 @@ def fetch(out: str) -> str:
         staging = tempfile.mkdtemp(prefix=".tmp-", dir=out)
         try:
             with zipfile.ZipFile(wheel) as zf:
-                for member in MEMBERS:
+                for member in missing:
                     zf.extract(member, staging)
-            for member in MEMBERS:
+            for member in missing:
                 dst = os.path.join(out, member)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 os.replace(os.path.join(staging, member), dst)

@@ -22,12 +22,18 @@ the router (``sglang-router`` has no weight-update routes): workers are listed e
 discovered from the router (``GET /workers``). A weight update from disk runs on all workers in
 parallel as SGLang's sequence ``/pause_generation`` -> ``/update_weights_from_disk`` (with
 ``weight_version``) -> ``/continue_generation``, then checks that each worker reports the new
-version (``/model_info``).
+version (``/model_info``). The calls of SGLang's distributed weight update
+(``/init_weights_update_group``, ``/begin_weight_update``, ``/update_weights_from_distributed``,
+``/end_weight_update``, ``/update_weight_version``, ``/destroy_weights_update_group``) are here
+too, each on every worker in parallel; :class:`megatron_klear.rollout.weight_sync.DistributedWeightSync`
+drives them while the trainer broadcasts the tensors. :meth:`SGLangEngine.probe` asks one worker
+for a greedy continuation with log-probs (the weight check of :mod:`megatron_klear.rl.verify`).
 
 API checked against SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``,
 ``sglang/srt/managers/io_struct.py``, ``sglang/api/v1/api_types.py``) and the real sglang-router
 0.3.2 (which answers ``/health`` with the text ``OK`` and has no weight routes); the tests validate
-every request body against that contract file.
+every ``/generate`` body against that contract file and every control body against the request
+structs of ``io_struct.py``.
 """
 from __future__ import annotations
 
@@ -448,6 +454,150 @@ class SGLangEngine(RolloutEngine):
 
     def weight_versions(self) -> dict:
         return {w: (self.model_info(w) or {}).get("weight_version") for w in self.workers()}
+
+    # -- weights over a process group (SGLang's update_weights_from_distributed) ---------------------
+    # The trainer side (megatron_klear.rollout.weight_sync.DistributedWeightSync) drives these; each
+    # runs on every worker in parallel and raises EngineError naming the first worker that failed.
+    def _post_weights(self, worker: str, path: str, body: dict, timeout: float | None = None) -> dict:
+        """POST a weight-control call; SGLang answers ``{"success", "message"}`` (400 on failure)."""
+        result = self._request("POST", path, body, timeout=timeout, url=worker)
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineError(f"rollout: POST {worker}{path} failed: {result.get('message')}")
+        return result if isinstance(result, dict) else {}
+
+    def update_group_layout(self) -> list:
+        """``[(worker, ranks)]``: each worker joins an update group with one rank per TP rank of its
+        model (SGLang: ``rank_offset + tp_rank``). Refuses layouts SGLang cannot update this way."""
+        def ask(w):
+            info = self.server_info(w) or {}
+            tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
+            if dp > 1 and not info.get("enable_dp_attention"):
+                raise EngineError(f"rollout: {w} runs {dp} data-parallel replicas (dp_size); SGLang updates weights "
+                                  "from a process group only with dp_size 1: start one server per replica "
+                                  "(behind the router), or use rollout.weight_sync=disk")
+            if pp > 1:
+                raise EngineError(f"rollout: {w} runs pipeline parallelism (pp_size={pp}), which SGLang's "
+                                  "update_weights_from_distributed does not cover: use rollout.weight_sync=disk")
+            return tp
+
+        return list(zip(self.workers(), self._on_workers(ask)))
+
+    def init_weights_update_group_async(self, *, master_address: str, master_port: int, world_size: int,
+                                        rank_offsets: dict, group_name: str, backend: str, timeout: float) -> dict:
+        """Start ``/init_weights_update_group`` on every worker (each first drops a stale group of that
+        name, left by a trainer that died); returns ``{worker: concurrent.futures.Future}`` (the
+        call blocks on the server until the whole group has joined)."""
+        import concurrent.futures
+
+        def join(w):
+            try:
+                self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name})
+            except EngineError as e:
+                if "does not exist" not in str(e):
+                    raise
+            return self._post_weights(w, "/init_weights_update_group", {
+                "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offsets[w]),
+                "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout=timeout)
+
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(rank_offsets), thread_name_prefix="weights-init")
+        futures = {w: pool.submit(join, w) for w in rank_offsets}
+        pool.shutdown(wait=False)
+        return futures
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Drop the group on every worker (best effort: a worker without it, or gone, is skipped)."""
+        def drop(w):
+            try:
+                self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name})
+            except EngineError:
+                pass
+
+        self._on_workers(drop)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._on_workers(lambda w: self._request("POST", "/pause_generation", {"mode": mode}, url=w))
+
+    def continue_generation(self) -> None:
+        self._on_workers(lambda w: self._request("POST", "/continue_generation", {}, url=w))
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session on every worker (SGLang 0.5.23 refuses updates outside one).
+        A session left open by a trainer that died is closed first."""
+        def begin(w):
+            try:
+                self._post_weights(w, "/begin_weight_update", {})
+            except EngineError as e:
+                if "already open" not in str(e):
+                    raise
+                try:
+                    self._post_weights(w, "/end_weight_update", {})
+                except EngineError:
+                    pass  # a failed stale session (ours: nothing applied) still closes
+                self._post_weights(w, "/begin_weight_update", {})
+
+        self._on_workers(begin)
+
+    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, *, group_name: str,
+                                        load_format: str | None = None, flush_cache: bool = True,
+                                        weight_version: str | None = None, timeout: float | None = None) -> None:
+        """Every worker receives one bucket (the sender broadcasts it meanwhile)."""
+        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                "group_name": group_name, "flush_cache": bool(flush_cache), "abort_all_requests": False}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        timeout = self.weight_update_timeout if timeout is None else timeout
+        workers = self.workers()
+        errors = [None] * len(workers)
+
+        def post(i, w):
+            try:
+                self._post_weights(w, "/update_weights_from_distributed", body, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 -- collected below
+                errors[i] = e
+
+        threads = [threading.Thread(target=post, args=(i, w), daemon=True) for i, w in enumerate(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [(w, e) for w, e in zip(workers, errors) if e is not None]
+        if failed:
+            # a server that cannot be reached (dead) first: the others' failures follow from it
+            failed.sort(key=lambda we: "failed with HTTP" in str(we[1]))
+            raise EngineError("; ".join(str(e) for _, e in failed))
+
+    def end_weight_update(self) -> None:
+        self._on_workers(lambda w: self._post_weights(w, "/end_weight_update", {}, timeout=self.weight_update_timeout))
+
+    def set_weight_version(self, version) -> None:
+        """``/update_weight_version`` on every worker, aborting nothing (generation is paused)."""
+        body = {"new_version": str(version), "abort_all_requests": False}
+        self._on_workers(lambda w: self._post_weights(w, "/update_weight_version", body))
+
+    def check_weight_versions(self, version) -> None:
+        """Every worker must report ``version`` (``/model_info``'s ``weight_version``)."""
+        for w, reported in self.weight_versions().items():
+            if str(reported) != str(version):
+                raise EngineError(f"rollout: {w} reports weight_version {reported!r} after the update, expected "
+                                  f"{str(version)!r}")
+
+    # -- verification ------------------------------------------------------------------------------
+    def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:
+        """Greedy continuation of ``prompt_ids`` by one worker (not through the router), exactly
+        ``max_new_tokens`` tokens (``ignore_eos``), with the log-prob of each token (greedy:
+        ``log_softmax`` of the logits at temperature 1, in SGLang and in the embedded engine)."""
+        body = {"input_ids": [int(t) for t in prompt_ids], "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True,
+                                    "skip_special_tokens": False}}
+        out = self._request("POST", "/generate", body, timeout=self.generate_timeout, url=worker)
+        return parse_completion(out[0] if isinstance(out, list) else out, url=worker)
+
+    def worker_dtypes(self) -> dict:
+        """{worker: the dtype its model runs in} from ``/server_info`` (``dtype``; SGLang's ``auto``
+        is reported as is)."""
+        return {w: str((self.server_info(w) or {}).get("dtype") or "auto") for w in self.workers()}
 
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:
         """Write the tensors to a temporary HF directory and have every worker load it. Only for

@@ -1,13 +1,17 @@
 """Trainer weights -> rollout engine, through the one HF <-> Megatron mapping.
 
-Every trainer rank calls :func:`sync_weights` (it is collective): each pipeline stage's replica
-``(dp=0, cp=0)`` all-gathers its TP shards and turns them into HF-named full tensors
-(:func:`megatron_klear.checkpoint.model_weights.iter_hf_tensors`); the stage leaders
-(``tp=0``) send them to global rank 0, which streams them into the engine one tensor at a time
-(no rank holds the whole model at once beyond what the engine itself keeps).
+Three paths, all collective (every trainer rank calls them), all fed by
+:func:`megatron_klear.checkpoint.model_weights.iter_hf_tensors`: each pipeline stage's replica
+``(dp=0, cp=0)`` all-gathers its TP shards and turns them into HF-named full tensors.
 
-For engines that load from disk (SGLang's ``update_weights_from_disk``, or our embedded HTTP
-server), :func:`export_hf_for_engine` writes the same tensors as an HF checkpoint directory.
+- :func:`sync_weights` (the in-process embedded engine): the stage leaders (``tp=0``) send the
+  tensors to global rank 0, which streams them into the engine one tensor at a time.
+- :func:`export_hf_for_engine` (``rollout.weight_sync=disk``): the same stream written as an HF
+  checkpoint directory by rank 0, which servers load with ``/update_weights_from_disk``.
+- :class:`DistributedWeightSync` (``rollout.weight_sync=distributed``, the default for servers):
+  SGLang's ``update_weights_from_distributed``. Each stage leader broadcasts its own stage's
+  tensors, packed into buckets, over its own process group with every server (NCCL on GPU, gloo
+  on CPU); global rank 0 drives the servers over HTTP. No file, and no stage funnels through rank 0.
 """
 from __future__ import annotations
 
@@ -118,3 +122,437 @@ def remove_old_versions(sync_dir: str, keep: str) -> list:
             shutil.rmtree(os.path.join(sync_dir, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+# ------------------------------------------------------------------------------------------------
+# rollout.weight_sync=distributed: SGLang's update_weights_from_distributed
+# ------------------------------------------------------------------------------------------------
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def stage_leaders():
+    """Collective. ``(leaders, mine)``: ``leaders[s]`` = global rank of pipeline stage ``s``'s leader
+    (``tp=0`` of the replica ``dp=0, cp=0``), and ``mine`` = this rank's stage when it belongs to
+    that replica (it takes part in the stage's TP all-gathers), else None."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {0: 0}, 0
+    from megatron_klear.platform import comm_device
+
+    ps = _groups()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+    is_leader = first_replica and ps.get_tensor_model_parallel_rank() == 0
+    dev = comm_device()
+    mine = torch.tensor([rank if is_leader else -1, pp_rank], dtype=torch.int64, device=dev)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    leaders = {int(t[1]): int(t[0]) for t in every if int(t[0]) >= 0}
+    assert len(leaders) == ps.get_pipeline_model_parallel_world_size(), leaders
+    return leaders, (pp_rank if first_replica else None)
+
+
+def route_address(url: str) -> str:
+    """This host's address on the interface that routes to ``url``'s host (what a server there
+    connects back to)."""
+    import socket
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: no packet is sent, the kernel picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def iter_buckets(named_tensors, bucket_bytes: int):
+    """Group ``(name, tensor)`` into lists of about ``bucket_bytes`` bytes, one dtype per list (a
+    flattened bucket puts every tensor at a multiple of its item size); a tensor larger than the
+    bucket travels alone."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > bucket_bytes or t.dtype != bucket[0][1].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class DistributedWeightSync:
+    """The trainer side of SGLang's distributed weight update, for every server at once.
+
+    **Groups.** One process group per pipeline stage, ``<group_name>`` (``..._stage<s>`` with PP > 1):
+    rank 0 is that stage's leader (it hosts the TCP store at ``master_addr:master_port + s``), and
+    every server joins with its TP ranks at ``rank_offset = 1 + sum of the TP sizes of the servers
+    before it`` (``/init_weights_update_group``; a server answers once the whole group is formed, or
+    fails after ``group_timeout``). Global rank 0 drives the servers' HTTP control for every stage,
+    so each server sees one stage's calls after another (they are handled one at a time by an
+    SGLang server; two stages posting concurrently could deadlock two servers against each other).
+
+    **A sync** (:meth:`sync`, version ``v``): rank 0 pauses generation (``/pause_generation``
+    ``abort``) and opens a session (``/begin_weight_update``) on every server; then, stage after
+    stage, the leader packs its HF tensors into buckets of ``bucket_bytes`` (one dtype per bucket) and
+    for each bucket: rank 0 posts ``/update_weights_from_distributed`` (names, dtypes, shapes,
+    ``load_format="flattened_bucket"``, ``flush_cache``) to every server while the leader broadcasts
+    the bucket's bytes (``src=0``); the leader gathers bucket ``k+1`` (the TP all-gathers) while
+    bucket ``k`` is on the wire, and sends ``k+1`` once every server acknowledged ``k``. Then rank
+    0 closes the session (``/end_weight_update``), sets the version (``/update_weight_version``),
+    continues generation and checks that every server reports ``v``.
+
+    **Failures** end the sync with :class:`WeightSyncError` on every rank, in bounded time: group
+    creation waits at most ``group_timeout`` seconds, each bucket's broadcast ``bucket_timeout``
+    (a dead peer fails it at once with gloo). The error names the server (its HTTP answer) or the
+    stage. Generation stays paused and the servers' groups are dropped: an SGLang server that got
+    part of the buckets holds a mix of weights (SGLang loads each bucket as it arrives) and must not
+    serve, our embedded server discards the whole session (its weights and version are the old
+    ones). A restarted run re-creates the groups and sends every weight before generating.
+    """
+
+    def __init__(self, model_chunks, engine, *, bucket_mb: float = 1024.0, backend: str = "auto",
+                 master_addr: str = "", master_port: int = 0, group_timeout: float = 120.0,
+                 bucket_timeout: float = 300.0, control_timeout: float = 60.0,
+                 group_name: str = "klear_weights", load_format: str | None = None):
+        from megatron_klear.rollout.update_group import FLATTENED_BUCKET
+
+        self.model_chunks = model_chunks
+        self.engine = engine  # global rank 0 only
+        self.bucket_bytes = max(1, int(float(bucket_mb) * (1 << 20)))
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"rollout.sync_backend must be auto, nccl or gloo, got {backend!r}")
+        self.backend = backend
+        self.master_addr, self.master_port = master_addr, int(master_port)
+        self.group_timeout, self.bucket_timeout = float(group_timeout), float(bucket_timeout)
+        self.control_timeout = float(control_timeout)
+        self.group_name = group_name
+        self.load_format = FLATTENED_BUCKET if load_format is None else load_format
+        self.pg = None  # on stage leaders, once connected
+        self.connected = False
+        self.leaders, self.my_stage = None, None
+        self.stats = {}  # of the last sync: bytes, buckets, seconds
+
+    # -- plumbing -------------------------------------------------------------------------------------
+    @staticmethod
+    def _rank() -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @staticmethod
+    def _multi() -> bool:
+        return dist.is_initialized() and dist.get_world_size() > 1
+
+    def _bcast(self, obj):
+        """Rank 0's ``obj`` on every rank (the gloo control group)."""
+        if not self._multi():
+            return obj
+        from megatron_klear.platform import control_group
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=control_group())
+        return box[0]
+
+    def _send(self, obj, dst: int) -> None:
+        from megatron_klear.platform import control_group
+
+        dist.send_object_list([obj], dst=dst, group=control_group())
+
+    def _recv(self, src: int):
+        from megatron_klear.platform import control_group
+
+        box = [None]
+        dist.recv_object_list(box, src=src, group=control_group())
+        return box[0]
+
+    def _device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _name(self, stage: int) -> str:
+        return self.group_name if len(self.leaders) == 1 else f"{self.group_name}_stage{stage}"
+
+    def _tp_group(self):
+        if not self._multi():
+            return None
+        return _groups().get_tensor_model_parallel_group()
+
+    # -- groups ---------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Collective: create the update groups with every server (see the class docstring)."""
+        from megatron_klear.rollout.update_group import PortInUseError, join_update_group, open_master_store, set_group_timeout
+
+        rank = self._rank()
+        self.leaders, self.my_stage = stage_leaders()
+        assert self.leaders[0] == 0, "global rank 0 must lead pipeline stage 0"
+        plan = None
+        if rank == 0:
+            try:
+                layout = self.engine.update_group_layout()
+                offsets, nxt = {}, 1
+                for w, ranks in layout:
+                    offsets[w] = nxt
+                    nxt += ranks
+                plan = {"workers": [w for w, _ in layout], "offsets": offsets, "world": nxt}
+            except Exception as e:  # noqa: BLE001 -- reported on every rank
+                plan = {"error": str(e)}
+        plan = self._bcast(plan)
+        if "error" in plan:
+            raise WeightSyncError(plan["error"])
+        self.workers, self.offsets, self.world = plan["workers"], plan["offsets"], plan["world"]
+        error = None
+        for stage in sorted(self.leaders):
+            leader, name = self.leaders[stage], self._name(stage)
+            result = None
+            if rank == leader:  # host the store, then join as rank 0
+                store, addr, port, err = None, None, None, None
+                try:
+                    addr = self.master_addr or route_address(self.workers[0])
+                    port = self.master_port + stage if self.master_port else 0
+                    store = open_master_store(addr, port, self.world, self.group_timeout)
+                    port = store.port
+                except PortInUseError as e:
+                    err = (f"rollout: cannot host the weight-update group {name} on rank {rank}: {e} (set "
+                           f"rollout.sync_master_port to a free port, or 0 to let the OS choose)")
+                except Exception as e:  # noqa: BLE001
+                    err = f"rollout: cannot host the weight-update group {name} on rank {rank}: {type(e).__name__}: {e}"
+                if leader != 0:
+                    self._send((addr, port, err), 0)
+                result = (addr, port, err)
+            if rank == 0:
+                addr, port, err = result if leader == 0 else self._recv(leader)
+                futures = None
+                if err is None:
+                    futures = self.engine.init_weights_update_group_async(
+                        master_address=addr, master_port=port, world_size=self.world, rank_offsets=self.offsets,
+                        group_name=name, backend=self.backend, timeout=self.group_timeout + self.control_timeout)
+            if rank == leader and result[2] is None:
+                join_err = None
+                try:
+                    self.pg = join_update_group(backend=self.backend, master_address=result[0], master_port=result[1],
+                                                rank=0, world_size=self.world, group_name=name,
+                                                timeout=self.group_timeout, store=store)
+                    set_group_timeout(self.pg, self.bucket_timeout)
+                except Exception as e:  # noqa: BLE001
+                    join_err = f"{type(e).__name__}: {e}"
+                    self.pg = None
+                if leader != 0:
+                    self._send(join_err, 0)
+            if rank == 0:
+                if err is not None:
+                    error = err
+                else:
+                    join_err = join_err if leader == 0 else self._recv(leader)
+                    error = self._group_outcome(name, addr, port, futures, join_err)
+            error = self._bcast(error)
+            if error:
+                self._drop_local()
+                raise WeightSyncError(error)
+        self.connected = True
+
+    def _group_outcome(self, name, addr, port, futures, join_err):
+        """Rank 0: the error of one group's creation (naming the servers that failed or never
+        joined), or None."""
+        import concurrent.futures
+
+        done, pending = concurrent.futures.wait(list(futures.values()), timeout=0 if join_err else None)
+        if join_err is not None:  # give answers in flight a moment to arrive
+            done, pending = concurrent.futures.wait(list(futures.values()), timeout=2.0)
+        failed = {w: f.exception() for w, f in futures.items() if f in done and f.exception() is not None}
+        silent = [w for w, f in futures.items() if f in pending]
+        if join_err is None and not failed:
+            return None
+        where = f"{addr}:{port}"
+        parts = []
+        if failed:
+            w, e = next(iter(failed.items()))
+            parts.append(f"{w} answered: {e}")
+        if silent:
+            parts.append(f"{', '.join(silent)} never joined (no answer to /init_weights_update_group)")
+        if join_err is not None and not parts:
+            parts.append("every server answered, but the group did not form")
+        tail = f"; the trainer's side: {join_err}" if join_err else ""
+        self.engine.destroy_weights_update_group(name)
+        return (f"rollout: the weight-update group {name} (store at {where}, backend {self.backend}, "
+                f"rollout.sync_group_timeout_s={self.group_timeout:g}) could not be created: {'; '.join(parts)}{tail}. "
+                f"Each server must reach {where} ({'NCCL' if self.backend == 'nccl' else 'gloo'} connections to the "
+                "trainer's stage leaders: check rollout.sync_master_addr, firewalls, NCCL_SOCKET_IFNAME / "
+                "GLOO_SOCKET_IFNAME)")
+
+    def _drop_local(self) -> None:
+        from megatron_klear.rollout.update_group import destroy_update_group
+
+        if self.pg is not None:
+            destroy_update_group(self.pg)
+        self.pg = None
+        self.connected = False
+
+    def close(self) -> None:
+        """Drop the groups (servers and trainer side); not collective."""
+        if self.connected and self._rank() == 0 and self.engine is not None:
+            for stage in sorted(self.leaders or {}):
+                try:
+                    self.engine.destroy_weights_update_group(self._name(stage))
+                except Exception:  # noqa: BLE001 -- best effort at shutdown
+                    pass
+        self._drop_local()
+
+    # -- one sync -------------------------------------------------------------------------------------
+    def sync(self, version) -> dict:
+        """Collective: every weight to every server as weight version ``version``; returns stats
+        (bytes, buckets, seconds) on rank 0."""
+        import time
+
+        if not self.connected:
+            self.connect()
+        rank = self._rank()
+        t0 = time.monotonic()
+        error = None
+        if rank == 0:
+            try:
+                self.engine.pause_generation("abort")
+                self.engine.begin_weight_update()
+            except Exception as e:  # noqa: BLE001
+                error = f"rollout: cannot start the weight update: {e}"
+        error = self._bcast(error)
+        if error:
+            raise WeightSyncError(error)
+        totals = {"bytes": 0, "buckets": 0}
+        for stage in sorted(self.leaders):
+            leader, err = self.leaders[stage], None
+            if rank == leader:
+                err = self._send_stage(stage, totals)
+                if leader != 0:
+                    self._send(("end", (err, totals)), 0)
+            elif self.my_stage == stage:  # TP peers of the leader: the all-gathers
+                for _ in iter_hf_tensors_of(self.model_chunks, self._tp_group()):
+                    pass
+            if rank == 0 and leader != 0:
+                err = self._coordinate(stage, totals)
+            err = self._bcast(err)
+            if err:
+                return self._fail(err)
+        if rank == 0:
+            try:
+                self.engine.end_weight_update()
+                self.engine.set_weight_version(version)
+                self.engine.continue_generation()
+                self.engine.check_weight_versions(version)
+            except Exception as e:  # noqa: BLE001
+                error = f"rollout: the weight update of version {version} did not complete: {e}"
+        error = self._bcast(error)
+        if error:
+            return self._fail(error)
+        self.stats = {**totals, "seconds": time.monotonic() - t0}
+        return self.stats
+
+    def _fail(self, error: str):
+        """Every rank: drop the groups (servers: rank 0, best effort), keep generation paused, raise."""
+        if self._rank() == 0:
+            for stage in sorted(self.leaders):
+                try:
+                    self.engine.destroy_weights_update_group(self._name(stage))
+                except Exception:  # noqa: BLE001
+                    pass
+        self._drop_local()
+        raise WeightSyncError(
+            f"{error}. Generation on the servers stays paused: a server that received part of the buckets "
+            "must not serve a mix of weights (restart the run: it re-creates the groups and sends every "
+            "weight before generating)")
+
+    def _post_bucket(self, stage: int, meta):
+        """Rank 0: post one bucket's metadata to every server; the error text naming the server, or None."""
+        names, dtypes, shapes = meta
+        try:
+            self.engine.update_weights_from_distributed(
+                names, dtypes, shapes, group_name=self._name(stage), load_format=self.load_format,
+                flush_cache=True, timeout=self.bucket_timeout + self.control_timeout)
+            return None
+        except Exception as e:  # noqa: BLE001
+            return f"rollout: bucket of stage {stage} ({len(names)} tensors, first {names[0]}) failed: {e}"
+
+    def _coordinate(self, stage: int, totals: dict):
+        """Rank 0 for a stage led by another rank: post each bucket the leader announces, acknowledge
+        it; returns the stage's error or None."""
+        err = None
+        while True:
+            kind, payload = self._recv(self.leaders[stage])
+            if kind == "end":
+                stage_err, stage_totals = payload
+                for k, v in stage_totals.items():
+                    totals[k] += v
+                return stage_err or err
+            err = self._post_bucket(stage, payload)
+            self._send(err, self.leaders[stage])
+
+    def _send_stage(self, stage: int, totals: dict):
+        """The stage leader: stream the stage's buckets (see the class docstring); returns the first
+        error or None. Drains the tensors after an error (the TP peers' all-gathers go on)."""
+        import concurrent.futures
+
+        from megatron_klear.rollout.update_group import dtype_name, flatten_bucket
+
+        rank, dev = self._rank(), self._device()
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-http") if rank == 0 else None
+
+        def announce(meta):
+            if rank == 0:
+                return pool.submit(self._post_bucket, stage, meta)
+            self._send(("bucket", meta), 0)
+            return None
+
+        def acknowledged(handle):
+            return handle.result() if handle is not None else self._recv(0)
+
+        error, pending = None, None  # pending: (work, flat, meta, HTTP handle) of the bucket in flight
+
+        def finish(p):
+            work, flat, meta, handle = p
+            # The servers answer once they have received the bucket, or at once when they refuse it
+            # (then the broadcast would only run into its timeout): the answer first, always
+            # consumed (rank 0's answers stay in step with the buckets).
+            ack = acknowledged(handle)
+            if ack is not None:
+                return ack
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 -- a dead peer, or the bucket timeout
+                return (f"rollout: the broadcast of a bucket of stage {stage} ({flat.numel() / 2**20:.0f} MiB, "
+                        f"{len(meta[0])} tensors from {meta[0][0]}) failed within rollout.sync_bucket_timeout_s="
+                        f"{self.bucket_timeout:g}: {type(e).__name__}: {e}")
+            return None
+
+        try:
+            for bucket in iter_buckets(iter_hf_tensors_of(self.model_chunks, self._tp_group()), self.bucket_bytes):
+                if error is not None:
+                    continue
+                flat = flatten_bucket([t.to(dev, non_blocking=True) for _, t in bucket])
+                if pending is not None:
+                    error, pending = finish(pending), None
+                    if error is not None:
+                        continue
+                meta = ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket],
+                        [list(t.shape) for _, t in bucket])
+                handle = announce(meta)
+                work = dist.broadcast(flat, src=0, group=self.pg, async_op=True)
+                pending = (work, flat, meta, handle)
+                totals["bytes"] += flat.numel()
+                totals["buckets"] += 1
+            if pending is not None:
+                error = finish(pending)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+        return error
+
+
+def iter_hf_tensors_of(model_chunks, tp_group):
+    from megatron_klear.checkpoint.model_weights import iter_hf_tensors
+
+    return iter_hf_tensors(model_chunks, tp_group=tp_group)

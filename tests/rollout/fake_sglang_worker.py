@@ -7,6 +7,11 @@ against SGLang's contract. Generation answers in SGLang's response shape: each s
 
     python tests/rollout/fake_sglang_worker.py --port-file F --record R.jsonl [--generate-delay S]
         [--fail-first K] [--status CODE] [--abort-first K] [--non-json] [--context-length C]
+        [--tp-size N] [--hang-init]
+
+The routes of SGLang's distributed weight update answer ``{"success": true}`` without joining any
+process group (``/update_weight_version`` sets the version); with ``--hang-init``,
+``/init_weights_update_group`` never answers (a server that never joins the group).
 """
 from __future__ import annotations
 
@@ -65,7 +70,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(200, {"object": "list", "data": [{"id": "fake", "object": "model",
                                                              "max_model_len": a.context_length}]})
         elif self.path in ("/server_info", "/get_server_info"):
-            self._send(200, {"context_length": a.context_length, "generate_calls": st.generate_calls})
+            self._send(200, {"context_length": a.context_length, "generate_calls": st.generate_calls,
+                             "tp_size": a.tp_size, "dtype": "bfloat16"})
         elif self.path in ("/model_info", "/get_model_info"):
             self._send(200, {"model_path": "fake", "is_generation": True, "weight_version": st.weight_version})
         else:
@@ -104,6 +110,14 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/continue_generation":
             st.paused = False
             return self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
+        if self.path == "/init_weights_update_group" and a.hang_init:
+            time.sleep(3600)
+        if self.path == "/update_weight_version":
+            st.weight_version = str(body["new_version"])
+            return self._send(200, {"success": True, "message": "ok", "new_version": st.weight_version})
+        if self.path in ("/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
+                         "/end_weight_update", "/update_weights_from_distributed"):
+            return self._send(200, {"success": True, "message": "ok"})
         if self.path == "/update_weights_from_disk":
             st.weight_version = str(body.get("weight_version", st.weight_version))
             return self._send(200, {"success": True, "message": "ok", "num_paused_requests": 0})
@@ -120,6 +134,8 @@ def main():
     ap.add_argument("--status", type=int, default=0)
     ap.add_argument("--non-json", action="store_true")
     ap.add_argument("--context-length", type=int, default=40960)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--hang-init", action="store_true")
     args = ap.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True

@@ -64,3 +64,79 @@ def contract_error(body: dict) -> str | None:
     except load_contract().JsonContractError as e:
         return str(e)
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The control calls: request structs of sglang/srt/managers/io_struct.py, read as source
+# ------------------------------------------------------------------------------------------------
+IO_STRUCT_FILE = os.path.join(CONTRACT_DIR, "sglang", "srt", "managers", "io_struct.py")
+#: route -> the struct SGLang 0.5.23's http_server.py decodes its body into
+CONTROL_ROUTES = {
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def io_structs() -> dict:
+    """{struct name: {field: (annotation source, required)}} of io_struct.py, BaseReq's fields
+    included (``rid``, ``http_worker_ipc``)."""
+    import ast
+
+    if not os.path.isfile(IO_STRUCT_FILE):
+        raise ContractMissing(f"SGLang's io_struct.py is missing ({IO_STRUCT_FILE}): run make venv "
+                              "(tools/fetch_sglang_contract.py)")
+    tree = ast.parse(open(IO_STRUCT_FILE, encoding="utf-8").read())
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def fields(name):
+        node = classes[name]
+        out = {}
+        for base in node.bases:
+            if isinstance(base, ast.Name) and base.id in classes:
+                out.update(fields(base.id))
+        for stmt in node.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                out[stmt.target.id] = (ast.unparse(stmt.annotation), stmt.value is None)
+        return out
+
+    return {name: fields(name) for name in classes}
+
+
+def _matches(annotation: str, value) -> bool:
+    """Does a JSON value fit an io_struct annotation (the subset those structs use)?"""
+    a = annotation.replace("typing.", "").strip()
+    if a.startswith("Optional[") and a.endswith("]"):
+        return value is None or _matches(a[9:-1], value)
+    if a.startswith("Literal["):
+        import ast
+
+        return value in ast.literal_eval("[" + a[8:-1] + "]")
+    if a.startswith(("List[", "list[")):
+        inner = a[5:-1]
+        return isinstance(value, list) and all(_matches(inner, v) for v in value)
+    if a.startswith(("Dict[", "dict[")):
+        return isinstance(value, dict)
+    simple = {"str": str, "int": int, "float": (int, float), "bool": bool}
+    if a in simple:
+        return isinstance(value, simple[a]) and (a == "bool" or not isinstance(value, bool))
+    return True  # Any, unions the tests do not exercise
+
+
+def control_contract_errors(route: str, body) -> list:
+    """What SGLang would refuse in a control call's body: unknown fields, missing required ones,
+    values of the wrong type (empty when it passes)."""
+    spec = io_structs()[CONTROL_ROUTES[route]]
+    if not isinstance(body, dict):
+        return [f"{route}: the body is {type(body).__name__}, not an object"]
+    errors = [f"{route}: unknown field {k!r}" for k in body if k not in spec]
+    errors += [f"{route}: missing required field {k!r}" for k, (_, req) in spec.items() if req and k not in body]
+    errors += [f"{route}: {k}={body[k]!r} is not {spec[k][0]}" for k in body if k in spec and not _matches(spec[k][0], body[k])]
+    return errors

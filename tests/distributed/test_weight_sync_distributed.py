@@ -1,0 +1,205 @@
+"""rollout.weight_sync=distributed, the trainer side: :class:`DistributedWeightSync` at TP=2 and PP=2
+broadcasts every HF tensor, in buckets, to two embedded servers (subprocesses speaking SGLang's
+protocol over gloo), which then hold exactly the trainer's weights under the new version. Faults end
+in a clear error in bounded time with nothing half-applied served: a server killed mid-broadcast, a
+port already taken, a server that never joins. Every control body follows SGLang 0.5.23's request
+structs (``io_struct.py``)."""
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.distributed.helper import run_distributed
+from tests.rollout.processes import fake_worker, recorded
+
+
+def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(1,)):
+    """Build the trainer, sync ``versions`` one after another; ``kill=(pid, k)``: SIGKILL that
+    server while bucket ``k`` is being packed. Returns ("ok", stats) or ("error", message, seconds)."""
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rollout import update_group
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync, WeightSyncError
+    from megatron_klear.training.setup import build_training_state
+
+    cfg = load_config(None, [f"model.path={model_dir}", *overrides])
+    init_parallel(cfg.parallel)
+    state = build_training_state(cfg, total_steps=1)
+    if kill is not None:
+        pid, at, flatten, count = *kill, update_group.flatten_bucket, [0]
+
+        def flatten_and_kill(tensors):
+            count[0] += 1
+            if count[0] == at:
+                os.kill(pid, signal.SIGKILL)
+            return flatten(tensors)
+
+        update_group.flatten_bucket = flatten_and_kill
+    engine = SGLangEngine(urls, timeout=5) if rank == 0 else None
+    sync = DistributedWeightSync(state.model, engine, **kwargs)
+    t0 = time.monotonic()
+    try:
+        stats = [sync.sync(version=v) for v in versions]
+    except WeightSyncError as e:
+        return ("error", str(e), time.monotonic() - t0)
+    finally:
+        sync.close()
+    return ("ok", stats)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from megatron_klear.models.tiny import make_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("dsync")
+    return {"a": make_tiny_qwen3(str(root / "a"), num_layers=4, seed=5),  # what the servers start with
+            "b": make_tiny_qwen3(str(root / "b"), num_layers=4, seed=6)}  # the trainer's weights
+
+
+def _launch(model, n=2):
+    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+
+    servers = []
+    try:
+        for _ in range(n):
+            servers.append(EmbeddedHTTPEngine.launch(model, weight_sync_timeout=20, startup_timeout=120))
+    except BaseException:
+        for s in servers:
+            s.close()
+        raise
+    return servers
+
+
+@pytest.fixture(scope="module")
+def servers(models):
+    servers = _launch(models["a"])
+    yield servers
+    for s in servers:
+        s.close()
+
+
+def _checksums(url):
+    return httpx.get(url + "/weights_checker", timeout=60).json()["ranks"][0]["checksums"]
+
+
+def _version(url):
+    return httpx.get(url + "/model_info", timeout=10).json()["weight_version"]
+
+
+@pytest.mark.parametrize("extra", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
+def test_every_server_gets_every_weight(models, servers, extra):
+    from megatron_klear.checkpoint.hf_io import HFReader
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    urls = [s.url for s in servers]
+    SGLangEngine(urls).load_from_disk(models["a"], version="a")
+    want = EmbeddedEngine.from_pretrained(models["b"]).checksums()
+    assert _checksums(urls[0]) != want
+    # small buckets: many of them, each gathered while the previous one is on the wire
+    out = run_distributed(_sync, 2, models["b"], extra, urls, {"bucket_mb": 0.02, "group_timeout": 30,
+                                                               "bucket_timeout": 30}, None, (3, 4))
+    assert out[0][0] == "ok", out[0]
+    reader = HFReader(models["b"])
+    total = sum(reader.get(k).numel() * reader.get(k).element_size() for k in reader.keys())
+    for stats in out[0][1]:
+        assert stats["bytes"] == total and stats["buckets"] >= 10, stats
+    for u in urls:
+        assert _checksums(u) == want
+        assert _version(u) == "4"
+        assert httpx.get(u + "/ready").status_code == 200  # generation continued
+
+
+def test_a_server_killed_mid_broadcast_fails_the_sync_and_the_other_serves_the_old_weights(models):
+    from megatron_klear.rollout.base import SamplingParams
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    servers = _launch(models["a"])
+    try:
+        urls = [s.url for s in servers]
+        before = _checksums(urls[0])
+        t0 = time.monotonic()
+        out = run_distributed(_sync, 1, models["b"], [], urls, {"bucket_mb": 0.02, "group_timeout": 30,
+                                                                "bucket_timeout": 30}, (servers[1]._process.pid, 3))
+        assert time.monotonic() - t0 < 120
+        status, message, seconds = out[0]
+        assert status == "error" and urls[1] in message and "stays paused" in message, out[0]
+        assert seconds < 30, seconds
+        # the survivor applied nothing: old weights, old version; it is paused until told otherwise
+        assert _checksums(urls[0]) == before and _version(urls[0]) == "default"
+        assert httpx.get(urls[0] + "/ready").status_code == 503
+        client = SGLangEngine([urls[0]], timeout=10)
+        client.continue_generation()
+        greedy = SamplingParams(top_k=1, max_new_tokens=6)
+        got = client.generate([[5, 17, 33]], greedy)[0][0].token_ids
+        assert got == EmbeddedEngine.from_pretrained(models["a"]).generate([[5, 17, 33]], greedy)[0][0].token_ids
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_a_port_already_taken_is_named(models, servers):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        out = run_distributed(_sync, 1, models["b"], [], [s.url for s in servers],
+                              {"master_port": port, "group_timeout": 30})
+        assert time.monotonic() - t0 < 90
+    status, message, seconds = out[0]
+    assert status == "error" and f"port {port} is already in use" in message and "rollout.sync_master_port" in message
+    assert seconds < 10, seconds
+
+
+def test_a_server_that_never_joins_is_named_within_the_group_timeout(models, tmp_path):
+    from tests.rollout.sglang_contract import control_contract_errors
+
+    with fake_worker(tmp_path, "tp2", tp_size=2) as (joins, rec_joins, _), \
+            fake_worker(tmp_path, "hangs", hang_init=True) as (hangs, rec_hangs, _):
+        out = run_distributed(_sync, 1, models["b"], [], [joins, hangs], {"group_timeout": 3})
+    status, message, seconds = out[0]
+    assert status == "error" and f"{hangs} never joined" in message and joins not in message.split("never joined")[0]
+    assert "rollout.sync_group_timeout_s=3" in message
+    assert seconds < 15, seconds
+    # ranks: the trainer is 0, the TP=2 server 1-2, the other one 3
+    first = recorded(rec_joins, "/init_weights_update_group")[0]
+    assert (first["rank_offset"], first["world_size"]) == (1, 4)
+    assert recorded(rec_hangs, "/init_weights_update_group")[0]["rank_offset"] == 3
+    for rec in (rec_joins, rec_hangs):
+        for path in ("/init_weights_update_group", "/destroy_weights_update_group"):
+            for body in recorded(rec, path):
+                assert not control_contract_errors(path, body), (path, body)
+
+
+def test_control_calls_follow_sglangs_request_structs(tmp_path):
+    import json
+
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from tests.rollout.sglang_contract import CONTROL_ROUTES, control_contract_errors
+
+    with fake_worker(tmp_path) as (url, record, _):
+        e = SGLangEngine([url], timeout=5)
+        e.pause_generation("abort")
+        e.begin_weight_update()
+        e.update_weights_from_distributed(["a.weight", "b.weight"], ["bfloat16", "bfloat16"], [[2, 3], [4]],
+                                          group_name="g", load_format="flattened_bucket", timeout=5)
+        e.end_weight_update()
+        e.set_weight_version(7)
+        e.continue_generation()
+        e.check_weight_versions(7)
+        e.load_from_disk("/some/dir", version=8)
+        calls = [json.loads(line) for line in open(record)]
+    posts = [(c["path"], c["body"]) for c in calls if c["method"] == "POST"]
+    assert [p for p, _ in posts[:6]] == ["/pause_generation", "/begin_weight_update", "/update_weights_from_distributed",
+                                         "/end_weight_update", "/update_weight_version", "/continue_generation"]
+    for path, body in posts:
+        assert path in CONTROL_ROUTES, path
+        assert not control_contract_errors(path, body), (path, body, control_contract_errors(path, body))
+    assert posts[2][1]["names"] == ["a.weight", "b.weight"] and posts[2][1]["shapes"] == [[2, 3], [4]]
+    assert posts[4][1] == {"new_version": "7", "abort_all_requests": False}
