@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_klear.rl.batch import RL_PER_TOKEN_KEYS, plan_mini_batch, split_mini_batches
 from megatron_klear.rl.losses import LossCounts, policy_loss
 from megatron_klear.training.batches import row_multiple
-from megatron_klear.training.step import reduce_metrics, run_micro_batches
+from megatron_klear.training.step import last_moe_aux_loss, reduce_metrics, run_micro_batches
 
 SUM_KEYS = (
     "loss", "pg_loss", "nll_loss", "tokens", "clip_frac_low", "clip_frac_high", "clip_frac_dual",
@@ -156,6 +156,8 @@ class Actor:
             mismatch_max = max(mismatch_max, _all_max(max([float(r["mismatch_max"]) for r in results] or [0.0])))
             grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
             steps.append({"loss": sums["loss"], "grad_norm": grad_norms[-1], "lr": lr, "update_ok": bool(ok)})
+            if last_moe_aux_loss() is not None:  # MoE: the load-balancing loss of this mini-batch
+                steps[-1]["moe_aux_loss"] = last_moe_aux_loss()
         if per_rl_step and any(st["update_ok"] for st in steps):
             state.scheduler.step(increment=1)  # every mini-batch of this RL step ran at one lr
         tokens = max(totals["tokens"], 1.0)
@@ -171,6 +173,8 @@ class Actor:
         }
         for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "approx_kl"):
             out[f"actor/{k}"] = totals[k] / tokens
+        if any("moe_aux_loss" in st for st in steps):
+            out["actor/moe_aux_loss"] = sum(st["moe_aux_loss"] for st in steps) / len(steps)
         if totals["mismatch_tokens"]:
             out["actor/logprob_mismatch_mean"] = totals["mismatch_abs"] / totals["mismatch_tokens"]
             out["actor/logprob_mismatch_max"] = mismatch_max

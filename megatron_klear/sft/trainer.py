@@ -89,7 +89,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
     from megatron_klear.training.metrics import MetricsLogger
     from megatron_klear.training.setup import build_training_state
     from megatron_klear.training.signals import TerminationFlag
-    from megatron_klear.training.step import reduce_metrics, run_micro_batches
+    from megatron_klear.training.step import last_moe_aux_loss, reduce_metrics, run_micro_batches
 
     preflight(cfg)
     init_parallel(cfg.parallel, seed=cfg.train.seed)
@@ -164,6 +164,9 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
             "step_time_s": dt,
             "epoch": int(micro_batches[-1]["epoch"]),
         }
+        aux = last_moe_aux_loss()
+        if aux is not None:  # MoE: the load-balancing loss (its coefficient times it is in the gradient)
+            metrics["moe/aux_loss"] = aux
         if state.step % cfg.train.log_interval == 0 or state.step == total_steps:
             logger.log(state.step, metrics)
         stopping = term.should_stop()

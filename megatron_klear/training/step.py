@@ -99,6 +99,7 @@ def run_micro_batches(
         iterators = iter(micro_batches)
     for chunk in model:
         chunk.train(not forward_only)
+    aux = None if forward_only else _MoEAux.start(model, n)
     context = torch.no_grad() if forward_only else torch.enable_grad()
     with context:
         results = get_forward_backward_func()(
@@ -110,7 +111,76 @@ def run_micro_batches(
             micro_batch_size=1,
             forward_only=forward_only,
         )
+    if aux is not None:
+        aux.finish()
     return list(results or [])
+
+
+_LAST_AUX = {"value": None}
+
+
+def last_moe_aux_loss() -> float | None:
+    """The load-balancing loss of the latest training :func:`run_micro_batches` of an MoE model
+    (without its coefficient): the sum over MoE layers of the mean over the step's micro-batches
+    (all data-parallel ranks). None for dense models or without an auxiliary loss. Every rank."""
+    return _LAST_AUX["value"]
+
+
+class _MoEAux:
+    """The MoE load-balancing loss of one optimizer step, with the project's normalisation.
+
+    Megatron-Core attaches ``coeff * aux_loss`` of each MoE layer to the router's output; with
+    ``calculate_per_token_loss`` it multiplies by the micro-batch's token count and expects
+    ``finalize_model_grads`` to divide by the step's tokens, which ours does not (our loss
+    functions divide by the global counts themselves). So the routers attach the plain per
+    micro-batch loss (their ``calculate_per_token_loss`` is turned off) with the coefficient
+    divided by the number of micro-batches of the step over all data-parallel ranks: the gradient
+    is that of ``coeff * sum_layers mean_micro-batches aux``, whatever the layout (DP/EP/TP/PP)."""
+
+    def __init__(self, config, routers, coeff, total):
+        self.config, self.routers, self.coeff, self.total = config, routers, coeff, total
+
+    @classmethod
+    def start(cls, model, n_local: int):
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+        from megatron.core.transformer.moe.router import Router
+
+        from megatron_klear.checkpoint.model_weights import unwrap
+        from megatron_klear.platform import comm_device
+
+        config = unwrap(model[0]).config
+        coeff = float(getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0)
+        if not getattr(config, "num_moe_experts", None) or coeff <= 0:
+            _LAST_AUX["value"] = None
+            return None
+        routers = [m for chunk in model for m in unwrap(chunk).modules() if isinstance(m, Router)]
+        total = torch.tensor([float(n_local)], dtype=torch.float64, device=comm_device())
+        if dist.is_initialized() and parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        total = float(total.item())
+        clear_aux_losses_tracker()
+        for r in routers:
+            r.calculate_per_token_loss = False
+        config.moe_aux_loss_coeff = coeff / total
+        return cls(config, routers, coeff, total)
+
+    def finish(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        self.config.moe_aux_loss_coeff = self.coeff
+        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        # per layer, the sum over this rank's micro-batches of aux_loss (the tracker divides out the
+        # coefficient it was given); TP/CP ranks hold the same values
+        value = entry["values"].double().sum().reshape(1) if entry is not None else torch.zeros(1, dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from megatron_klear.platform import comm_device
+
+            value = value.to(comm_device())
+            dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+            dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        _LAST_AUX["value"] = float(value.item()) / self.total
 
 
 def reduce_metrics(per_micro_batch: list, keys: tuple) -> dict:

@@ -87,3 +87,52 @@ def test_moe_parity_ep2_tp2xep2_pp2xep2(moe_hf, moe_converted):
     assert all(r == results[0] for r in results)  # every rank reports the same numbers
     for layout, diffs in results[0].items():
         assert max(diffs) < TOL, (layout, diffs)
+
+
+# ---- SFT at EP=2 vs one process ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def moe_sft(tmp_path_factory):
+    import io
+
+    from megatron_klear.data.preprocess import PreprocessConfig, preprocess
+    from megatron_klear.data.synthetic import write_sft_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3_moe
+
+    root = tmp_path_factory.mktemp("moe_sft")
+    model = make_tiny_qwen3_moe(str(root / "model"), seed=13, router_aux_loss_coef=0.1)
+    jsonl = write_sft_jsonl(str(root / "train.jsonl"), 48, seed=1)
+    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model, output_prefix=str(root / "data"), max_length=128),
+               stream=io.StringIO())
+    return {"model": model, "data": str(root / "data"), "root": str(root)}
+
+
+def _sft_run(setup, name, world, *extra):
+    from tests.distributed.test_sft import STEPS, _final_params, _overrides, _read_metrics, _train
+
+    save = os.path.join(setup["root"], name)
+    run_distributed(_train, world, _overrides(setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2",
+                                              *extra))
+    return {"metrics": _read_metrics(os.path.join(save, "metrics.jsonl")),
+            "params": run_distributed(_final_params, 1, os.path.join(save, f"iter_{STEPS:07d}"))[0]}
+
+
+@pytest.mark.slow
+def test_moe_sft_ep2_matches_one_process_and_includes_the_aux_loss(moe_sft):
+    import torch
+
+    ref = _sft_run(moe_sft, "ref", 1)
+    ep2 = _sft_run(moe_sft, "ep2", 2, "parallel.ep=2", "data.micro_batches_per_step=1")  # dp=2: same global batch
+    no_aux = _sft_run(moe_sft, "no_aux", 1, "model.moe_aux_loss_coeff=0.0")
+    for a, b in zip(ref["metrics"], ep2["metrics"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["moe/aux_loss"] == pytest.approx(b["moe/aux_loss"], rel=1e-5)
+        assert a["moe/aux_loss"] > 0.5  # ~1 for a balanced router (num_experts * sum f_e P_e / topk)
+    assert ref["params"].keys() == ep2["params"].keys()
+    for k, v in ref["params"].items():
+        assert torch.allclose(v, ep2["params"][k], atol=2e-5, rtol=1e-4), k
+    # the auxiliary loss is in the gradient: without it the first step's loss is the same, the
+    # gradient is not, and nothing is logged for it
+    assert no_aux["metrics"][0]["loss"] == pytest.approx(ref["metrics"][0]["loss"], rel=1e-6)
+    assert no_aux["metrics"][0]["grad_norm"] != pytest.approx(ref["metrics"][0]["grad_norm"], rel=1e-4)
+    assert "moe/aux_loss" not in no_aux["metrics"][0]
