@@ -207,6 +207,21 @@ class RolloutConfig:
     health_failure_threshold: int = 3  # missed probes in a row before the step fails naming the worker
     send_seed: bool = False  # send sampling_seed (SGLang honours it only with --enable-deterministic-inference)
     chunk_prompts: int = 0  # embedded engine: prompts per generate call, graded while the next runs (0: one call)
+    # http: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
+    # bucketed broadcast from each pipeline stage's leader over a process group with every server
+    # (rollout/weight_sync.py); disk: a versioned HF directory in sync_dir that every server reloads.
+    weight_sync: str = "distributed"  # distributed | disk
+    sync_bucket_mb: float = 1024.0  # distributed: tensors per broadcast (one dtype per bucket)
+    sync_backend: str = "auto"  # distributed: auto (nccl on GPU, gloo on CPU) | nccl | gloo
+    sync_master_addr: str = ""  # distributed: the address servers reach the stage leaders at ("": the interface routing to the first server)
+    sync_master_port: int = 0  # distributed: stage s hosts its group's TCP store at this port + s (0: a free port)
+    sync_group_timeout_s: float = 120.0  # distributed: creating the group with every server
+    sync_bucket_timeout_s: float = 300.0  # distributed: one bucket's broadcast (and the servers' answer)
+    # Probe check: the servers' log-probs of a fixed greedy probe must equal the trainer's (within a
+    # dtype-aware tolerance) after the first sync, after a resume, and every verify_interval steps
+    # (0: only those two; -1: never); verify_tolerance 0: by dtype (rl/verify.py).
+    verify_interval: int = 10
+    verify_tolerance: float = 0.0
 
     def validate(self):
         if self.engine not in ("embedded", "http"):
@@ -221,9 +236,17 @@ class RolloutConfig:
             raise ConfigError("rollout: max_concurrent_requests and health_failure_threshold must be >= 1, "
                               "max_retries >= 0")
         for key in ("generate_timeout_s", "control_timeout_s", "weight_update_timeout_s", "health_check_interval_s",
-                    "health_check_timeout_s"):
+                    "health_check_timeout_s", "sync_bucket_mb", "sync_group_timeout_s", "sync_bucket_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"rollout.{key} must be > 0, got {getattr(self, key)}")
+        if self.weight_sync not in ("distributed", "disk"):
+            raise ConfigError(f"rollout.weight_sync must be distributed or disk, got {self.weight_sync!r}")
+        if self.sync_backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"rollout.sync_backend must be auto, nccl or gloo, got {self.sync_backend!r}")
+        if not 0 <= self.sync_master_port < 65536:
+            raise ConfigError(f"rollout.sync_master_port must be a port number (0: a free one), got {self.sync_master_port}")
+        if self.verify_interval < -1 or self.verify_tolerance < 0:
+            raise ConfigError("rollout.verify_interval must be >= -1 and rollout.verify_tolerance >= 0")
 
 
 @dataclass

@@ -215,6 +215,9 @@ class RLLoop:
         # absolute: SGLang servers resolve model_path in their own working directory
         self.sync_dir = os.path.abspath(cfg.rollout.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
         self.engine = self.pool = None
+        self.weight_sync = None  # rollout.weight_sync=distributed: the update groups with the servers
+        self.syncs = 0  # weight syncs done by this process (the first one, fresh or resumed, is verified)
+        self.sync_metrics = {}
         from megatron_klear.data.chat import generation_stop_ids
 
         # EOS ids plus the chat template's end-of-turn token (Qwen3-Base: EOS <|endoftext|>, turns
@@ -224,7 +227,8 @@ class RLLoop:
         if _rank0():
             from megatron_klear.rewards import GradingPool
 
-            os.makedirs(self.sync_dir, exist_ok=True)
+            if cfg.rollout.engine == "embedded" or cfg.rollout.weight_sync == "disk":
+                os.makedirs(self.sync_dir, exist_ok=True)
             self.engine = make_engine(cfg, self._export_weights() if cfg.rollout.engine == "embedded" else cfg.model.path)
             from megatron_klear.rollout.base import require_context
 
@@ -236,6 +240,14 @@ class RLLoop:
         else:
             if cfg.rollout.engine == "embedded":
                 self._export_weights()
+        if cfg.rollout.engine == "http" and cfg.rollout.weight_sync == "distributed":
+            from megatron_klear.rollout.weight_sync import DistributedWeightSync
+
+            r = cfg.rollout
+            self.weight_sync = DistributedWeightSync(
+                self.state.model, self.engine, bucket_mb=r.sync_bucket_mb, backend=r.sync_backend,
+                master_addr=r.sync_master_addr, master_port=r.sync_master_port, group_timeout=r.sync_group_timeout_s,
+                bucket_timeout=r.sync_bucket_timeout_s, control_timeout=r.control_timeout_s)
         if cfg.rollout.engine == "http" or self.rl_step > 0:
             self.sync_weights()
         self.logger = MetricsLogger(
@@ -257,20 +269,69 @@ class RLLoop:
                                     tokenizer_dir=self.tok_dir)
 
     def sync_weights(self) -> None:
-        """The trainer's weights to the engine, as weight version ``rl_step``. Servers load a new
-        versioned directory (``<sync_dir>/step_NNNNNNN``; older ones are removed once every worker
-        reports the new version); the in-process engine takes the tensors directly."""
+        """The trainer's weights to the engine, as weight version ``rl_step``. Servers get them over
+        the update groups (``rollout.weight_sync=distributed``: a bucketed broadcast from each
+        pipeline stage's leader) or load a new versioned directory (``disk``:
+        ``<sync_dir>/step_NNNNNNN``; older ones are removed once every worker reports the new
+        version); the in-process engine takes the tensors directly. Servers are then checked
+        (:meth:`verify_weights`) after the first sync of this process (a fresh start or a resume)
+        and every ``rollout.verify_interval`` steps."""
         from megatron_klear.rollout.weight_sync import remove_old_versions, sync_weights
 
-        if self.cfg.rollout.engine == "http":
-            name = f"step_{self.rl_step:07d}"
-            path = self._export_weights(name)
-            if _rank0():
-                self.engine.load_from_disk(path, version=self.rl_step)
-                remove_old_versions(self.sync_dir, keep=name)
-            _barrier()
+        r = self.cfg.rollout
+        if r.engine == "http":
+            self.sync_metrics = {}
+            if self.weight_sync is not None:
+                stats = self.weight_sync.sync(version=self.rl_step)
+                self.sync_metrics = {"weights/sync_bytes": stats.get("bytes", 0), "weights/sync_buckets": stats.get("buckets", 0)}
+            else:
+                name = f"step_{self.rl_step:07d}"
+                path = self._export_weights(name)
+                if _rank0():
+                    self.engine.load_from_disk(path, version=self.rl_step)
+                    remove_old_versions(self.sync_dir, keep=name)
+                _barrier()
+            self.syncs += 1
+            if r.verify_interval >= 0 and (self.syncs == 1 or (r.verify_interval and self.rl_step % r.verify_interval == 0)):
+                self.verify_weights()
         else:
             sync_weights(self.state.model, self.engine, version=self.rl_step)
+
+    def verify_weights(self) -> dict:
+        """Collective: every server's log-probs of the probe (:mod:`megatron_klear.rl.verify`) must
+        equal the trainer's within the dtype-aware tolerance; else the run stops naming the first
+        server that differs. Returns ``{worker: (mean, max) difference}`` (rank 0)."""
+        from megatron_klear.checkpoint.model_weights import unwrap
+        from megatron_klear.rl.verify import (PROBE_NEW_TOKENS, WeightVerificationError, dtype_tolerance,
+                                              first_mismatch, probe_prompt, trainer_logprob_diffs)
+
+        prompt = probe_prompt(self.tokenizer, self.arch.vocab_size)
+        payload = None
+        if _rank0():
+            try:
+                workers = self.engine.workers()
+                outs = [self.engine.probe(w, prompt, PROBE_NEW_TOKENS) for w in workers]
+                payload = (workers, [(c.token_ids, c.logprobs) for c in outs], self.engine.worker_dtypes())
+            except Exception as e:  # noqa: BLE001 -- reported on every rank
+                payload = f"rollout: the weight check could not probe the servers: {e}"
+        payload = _broadcast(payload)
+        if isinstance(payload, str):
+            raise WeightVerificationError(payload)
+        workers, outs, dtypes = payload
+        diffs = trainer_logprob_diffs(self.actor, [(prompt, ids, lps) for ids, lps in outs])
+        trainer_dtype = unwrap(self.state.model[0]).config.params_dtype
+        tols = [self.cfg.rollout.verify_tolerance or dtype_tolerance(dtypes.get(w), trainer_dtype) for w in workers]
+        self.sync_metrics["weights/verify_mean_diff_max"] = max(d[0] for d in diffs)
+        bad = first_mismatch(workers, diffs, tols)
+        if bad is not None:
+            w, mean, top, tol = bad
+            raise WeightVerificationError(
+                f"rollout: the server {w} does not serve the trainer's weights (weight version {self.rl_step}): its "
+                f"log-probs of the probe differ from the trainer's by {mean:.3g} on average (max {top:.3g}) over "
+                f"{PROBE_NEW_TOKENS} tokens, above the tolerance {tol:g} (dtypes: server {dtypes.get(w)}, trainer "
+                f"{str(trainer_dtype).replace('torch.', '')}; rollout.verify_tolerance). A corrupted or incomplete "
+                "transfer, or a server loading other weights: stopping")
+        return dict(zip(workers, [(d[0], d[1]) for d in diffs]))
 
     # -- one step ---------------------------------------------------------------------------------
     def rollout(self, prompts, batch: int = 0):
@@ -338,6 +399,7 @@ class RLLoop:
             t2 = time.time()
             self.sync_weights()  # weight_version = this RL step
             metrics["time/weight_sync_s"] = time.time() - t2
+            metrics.update(self.sync_metrics)
         else:
             metrics["actor/skipped"] = 1  # every group filtered: no update, the engine keeps its weights
         metrics["time/step_s"] = time.time() - t0
@@ -371,6 +433,8 @@ class RLLoop:
             self.ckpt.finish()
         if self.pool is not None:
             self.pool.close(cancel_pending=True)
+        if self.weight_sync is not None:
+            self.weight_sync.close()
         if self.engine is not None:
             self.engine.close()
 

@@ -88,7 +88,8 @@ def _probe_logprobs_of_trainer(model_dir, trainer_weights, prompt, response):
 
 def test_rl_loop_through_the_real_router_with_two_servers(setup):
     """rollout.urls is the sglang-router only. Generation is spread over both embedded servers;
-    weight updates go to each worker (discovered through the router) as versioned directories;
+    weight updates go to each worker (discovered through the router) as versioned directories
+    (rollout.weight_sync=disk; the default, distributed, is tests/distributed/test_rl_weight_sync.py);
     at the end both hold the trainer's final weights: their log-probs for a probe sequence equal
     the trainer's. If a reload were skipped, step 2's sampling log-probs would disagree with the
     trainer's recompute and the probe would too."""
@@ -103,7 +104,7 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
             save = os.path.join(setup["root"], "router-run")
             args = _overrides(setup, save) + [
                 "rollout.engine=http", f"rollout.urls=[{router_url}]", "parallel.tp=1", "train.steps=2",
-                "optim.lr=5e-3", "optim.min_lr=5e-3", "rollout.max_concurrent_requests=4",
+                "optim.lr=5e-3", "optim.min_lr=5e-3", "rollout.max_concurrent_requests=4", "rollout.weight_sync=disk",
                 # a random model ends ~9% of 48-token responses with </think> (reward -1 instead of
                 # -0.5): enough reward spread that both steps train
                 "rl.oversample_prompts=8", "rl.responses_per_prompt=8", "rollout.max_new_tokens=48",

@@ -1,0 +1,105 @@
+"""Do the rollout servers serve the trainer's weights? A probe check after weight syncs.
+
+Every server continues a fixed probe prompt greedily for :data:`PROBE_NEW_TOKENS` tokens
+(``ignore_eos``) and returns the log-prob of each token (greedy: ``log_softmax`` of the logits at
+temperature 1, in SGLang and in the embedded engine); the trainer recomputes the log-probs of the
+same tokens with its own weights (the actor's packed forward, at temperature 1, collective over
+TP/PP/CP/DP). A server whose mean absolute difference exceeds the tolerance does not hold the
+trainer's weights (a corrupted transfer, a server that loaded something else, a bucket that never
+arrived), and the run stops naming the first such server.
+
+Tolerances are per dtype (the coarser of the server's and the trainer's): float32 1e-3 (CPU runs
+agree to ~1e-6), float16 2e-2, bfloat16 5e-2 (SGLang and Megatron in bf16 differ in kernels and
+reduction order; a wrong tensor moves log-probs by far more). A server reporting SGLang's ``auto``
+dtype is taken as bfloat16. ``rollout.verify_tolerance`` overrides them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+PROBE_TEXT = "Weight sync probe: the quick brown fox jumps over the lazy dog. 1, 2, 3, 5, 8, 13, 21"
+PROBE_NEW_TOKENS = 16
+TOLERANCES = {"float64": 1e-3, "float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32",
+            "double": "float64"}
+
+
+class WeightVerificationError(RuntimeError):
+    pass
+
+
+def dtype_tolerance(*dtypes) -> float:
+    """The coarsest tolerance of ``dtypes`` (names or torch dtypes; unknown ones as bfloat16)."""
+    tol = 0.0
+    for d in dtypes:
+        name = str(d).replace("torch.", "").lower()
+        name = _ALIASES.get(name, name)
+        tol = max(tol, TOLERANCES.get(name, TOLERANCES["bfloat16"]))
+    return tol
+
+
+def probe_prompt(tokenizer, vocab_size: int | None = None) -> list:
+    """The probe's token ids (the fixed text; ids beyond the model's vocabulary are dropped)."""
+    ids = [int(t) for t in tokenizer.encode(PROBE_TEXT, add_special_tokens=False)]
+    if vocab_size is not None:
+        ids = [t for t in ids if 0 <= t < vocab_size]
+    if not ids:
+        raise ValueError("the weight-sync probe text has no token in the model's vocabulary")
+    return ids
+
+
+@torch.no_grad()
+def trainer_logprob_diffs(actor, probes: list) -> list:
+    """Collective (every trainer rank, same ``probes``). ``probes``: ``[(prompt_ids, response_ids,
+    engine_logprobs)]``. Returns per probe ``(mean |trainer - engine|, max, tokens)`` of the
+    response tokens' log-probs at temperature 1 (NaN counts as infinitely far)."""
+    from megatron_klear.platform import comm_device
+    from megatron_klear.rl.batch import RL_PER_TOKEN_KEYS, RolloutSample
+    from megatron_klear.training.step import run_micro_batches
+
+    n = len(probes)
+    samples = [RolloutSample(prompt_ids=list(p), response_ids=list(r), advantage=0.0, group=0,
+                             rollout_logprobs=[float(x) for x in lp]) for p, r, lp in probes]
+    (_, mbs), = actor.plan(samples)  # one mini-batch (one group), this DP rank's micro-batches
+
+    def loss_fn(local, logprobs, entropy):
+        mask = local["loss_mask"].bool()
+        diff = torch.nan_to_num((logprobs.double() - local["rollout_logprobs"].double()).abs(), nan=math.inf)
+        seq = local["seq_ids"].round().long()
+        sums, counts, maxs = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        for i in range(n):
+            sel = mask & (seq == i)
+            if bool(sel.any()):
+                d = diff[sel].cpu()
+                sums[i], counts[i], maxs[i] = d.sum(), d.numel(), d.max()
+        return logprobs.sum() * 0.0, {"sums": sums, "counts": counts, "maxs": maxs}
+
+    results = run_micro_batches(actor.state.model, mbs, loss_fn, forward_only=True, temperature=1.0,
+                                chunk_size=actor.chunk_size, per_token_keys=RL_PER_TOKEN_KEYS, pad_id=actor.pad_id)
+    sums, counts, maxs = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
+    for r in results:
+        sums += r["sums"]
+        counts += r["counts"]
+        maxs = torch.maximum(maxs, r["maxs"])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dev = comm_device()
+        packed = torch.stack([sums, counts]).to(dev)
+        dist.all_reduce(packed)  # TP ranks repeat both sums and counts: the means are unaffected
+        top = maxs.to(dev)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        sums, counts, maxs = packed[0].cpu(), packed[1].cpu(), top.cpu()
+    out = []
+    for s, c, m, (_, r, _) in zip(sums.tolist(), counts.tolist(), maxs.tolist(), probes):
+        out.append((s / c if c else math.inf, m, len(r)))
+    return out
+
+
+def first_mismatch(workers: list, diffs: list, tolerances: list):
+    """``(worker, mean, max, tolerance)`` of the first worker over its tolerance, or None."""
+    for w, (mean, top, _), tol in zip(workers, diffs, tolerances):
+        if not mean <= tol:  # NaN / inf included
+            return w, mean, top, tol
+    return None
