@@ -200,9 +200,10 @@ class DistributedWeightSync:
     ``abort``) and opens a session (``/begin_weight_update``) on every server; then, stage after
     stage, the leader packs its HF tensors into buckets of ``bucket_bytes`` (one dtype per bucket) and
     for each bucket: rank 0 posts ``/update_weights_from_distributed`` (names, dtypes, shapes,
-    ``load_format="flattened_bucket"``, ``flush_cache``) to every server while the leader broadcasts
-    the bucket's bytes (``src=0``); the leader gathers bucket ``k+1`` (the TP all-gathers) while
-    bucket ``k`` is on the wire, and sends ``k+1`` once every server acknowledged ``k``. Then rank
+    ``flush_cache``, and ``load_format="flattened_bucket"`` with NCCL) to every server while the
+    leader broadcasts the bucket (``src=0``: its bytes back to back with NCCL, each tensor in order
+    with gloo, SGLang's two receive paths); the leader gathers bucket ``k+1`` (the TP all-gathers)
+    while bucket ``k`` is on the wire, and sends ``k+1`` once every server acknowledged ``k``. Then rank
     0 closes the session (``/end_weight_update``), sets the version (``/update_weight_version``),
     continues generation and checks that every server reports ``v``.
 
@@ -233,7 +234,15 @@ class DistributedWeightSync:
         self.group_timeout, self.bucket_timeout = float(group_timeout), float(bucket_timeout)
         self.control_timeout = float(control_timeout)
         self.group_name = group_name
-        self.load_format = FLATTENED_BUCKET if load_format is None else load_format
+        # How a bucket travels: "flattened_bucket" (one broadcast of its bytes back to back: fewer,
+        # larger NCCL calls for one device copy) or "auto" (SGLang's default load_format: one
+        # broadcast per tensor, no copy: cheaper with gloo, where the copy costs CPU time). None:
+        # flattened with NCCL, per tensor with gloo.
+        if load_format is None:
+            load_format = FLATTENED_BUCKET if backend == "nccl" else "auto"
+        if load_format not in (FLATTENED_BUCKET, "auto"):
+            raise ValueError(f"load_format must be {FLATTENED_BUCKET} or auto, got {load_format!r}")
+        self.load_format = load_format
         self.pg = None  # on stage leaders, once connected
         self.connected = False
         self.leaders, self.my_stage = None, None
@@ -471,7 +480,8 @@ class DistributedWeightSync:
         names, dtypes, shapes = meta
         try:
             self.engine.update_weights_from_distributed(
-                names, dtypes, shapes, group_name=self._name(stage), load_format=self.load_format,
+                names, dtypes, shapes, group_name=self._name(stage),
+                load_format=self.load_format if self.load_format != "auto" else None,
                 flush_cache=True, timeout=self.bucket_timeout + self.control_timeout)
             return None
         except Exception as e:  # noqa: BLE001
@@ -496,9 +506,10 @@ class DistributedWeightSync:
         error or None. Drains the tensors after an error (the TP peers' all-gathers go on)."""
         import concurrent.futures
 
-        from megatron_klear.rollout.update_group import dtype_name, flatten_bucket
+        from megatron_klear.rollout.update_group import FLATTENED_BUCKET, dtype_name, flatten_bucket
 
         rank, dev = self._rank(), self._device()
+        flattened = self.load_format == FLATTENED_BUCKET
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-http") if rank == 0 else None
 
         def announce(meta):
@@ -513,7 +524,7 @@ class DistributedWeightSync:
         error, pending = None, None  # pending: (work, flat, meta, HTTP handle) of the bucket in flight
 
         def finish(p):
-            work, flat, meta, handle = p
+            works, nbytes, meta, handle = p
             # The servers answer once they have received the bucket, or at once when they refuse it
             # (then the broadcast would only run into its timeout): the answer first, always
             # consumed (rank 0's answers stay in step with the buckets).
@@ -521,9 +532,10 @@ class DistributedWeightSync:
             if ack is not None:
                 return ack
             try:
-                work.wait()
+                for work in works:
+                    work.wait()
             except Exception as e:  # noqa: BLE001 -- a dead peer, or the bucket timeout
-                return (f"rollout: the broadcast of a bucket of stage {stage} ({flat.numel() / 2**20:.0f} MiB, "
+                return (f"rollout: the broadcast of a bucket of stage {stage} ({nbytes / 2**20:.0f} MiB, "
                         f"{len(meta[0])} tensors from {meta[0][0]}) failed within rollout.sync_bucket_timeout_s="
                         f"{self.bucket_timeout:g}: {type(e).__name__}: {e}")
             return None
@@ -532,7 +544,10 @@ class DistributedWeightSync:
             for bucket in iter_buckets(iter_hf_tensors_of(self.model_chunks, self._tp_group()), self.bucket_bytes):
                 if error is not None:
                     continue
-                flat = flatten_bucket([t.to(dev, non_blocking=True) for _, t in bucket])
+                if flattened:  # one broadcast of the bucket's bytes back to back
+                    payload = [flatten_bucket([t.to(dev, non_blocking=True) for _, t in bucket])]
+                else:  # SGLang's default: one broadcast per tensor, in order
+                    payload = [t.detach().to(dev, non_blocking=True).contiguous() for _, t in bucket]
                 if pending is not None:
                     error, pending = finish(pending), None
                     if error is not None:
@@ -540,9 +555,10 @@ class DistributedWeightSync:
                 meta = ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket],
                         [list(t.shape) for _, t in bucket])
                 handle = announce(meta)
-                work = dist.broadcast(flat, src=0, group=self.pg, async_op=True)
-                pending = (work, flat, meta, handle)
-                totals["bytes"] += flat.numel()
+                works = [dist.broadcast(x, src=0, group=self.pg, async_op=True) for x in payload]
+                nbytes = sum(x.numel() * x.element_size() for x in payload)
+                pending = (works, nbytes, meta, handle)
+                totals["bytes"] += nbytes
                 totals["buckets"] += 1
             if pending is not None:
                 error = finish(pending)

@@ -18,10 +18,9 @@ from tests.rollout.processes import fake_worker, recorded
 
 def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(1,)):
     """Build the trainer, sync ``versions`` one after another; ``kill=(pid, k)``: SIGKILL that
-    server while bucket ``k`` is being packed. Returns ("ok", stats) or ("error", message, seconds)."""
+    server once bucket ``k`` is gathered (bucket ``k-1`` may still be on the wire). Returns ("ok", stats) or ("error", message, seconds)."""
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
-    from megatron_klear.rollout import update_group
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, WeightSyncError
     from megatron_klear.training.setup import build_training_state
@@ -30,15 +29,17 @@ def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(
     init_parallel(cfg.parallel)
     state = build_training_state(cfg, total_steps=1)
     if kill is not None:
-        pid, at, flatten, count = *kill, update_group.flatten_bucket, [0]
+        from megatron_klear.rollout import weight_sync
 
-        def flatten_and_kill(tensors):
-            count[0] += 1
-            if count[0] == at:
-                os.kill(pid, signal.SIGKILL)
-            return flatten(tensors)
+        pid, at, buckets = *kill, weight_sync.iter_buckets
 
-        update_group.flatten_bucket = flatten_and_kill
+        def buckets_and_kill(named, bucket_bytes):
+            for k, bucket in enumerate(buckets(named, bucket_bytes), 1):
+                if k == at:
+                    os.kill(pid, signal.SIGKILL)
+                yield bucket
+
+        weight_sync.iter_buckets = buckets_and_kill
     engine = SGLangEngine(urls, timeout=5) if rank == 0 else None
     sync = DistributedWeightSync(state.model, engine, **kwargs)
     t0 = time.monotonic()
@@ -90,8 +91,9 @@ def _version(url):
     return httpx.get(url + "/model_info", timeout=10).json()["weight_version"]
 
 
-@pytest.mark.parametrize("extra", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
-def test_every_server_gets_every_weight(models, servers, extra):
+@pytest.mark.parametrize("extra,load_format", [(["parallel.tp=2"], "flattened_bucket"), (["parallel.pp=2"], "auto")],
+                         ids=["tp2-flattened", "pp2-per-tensor"])
+def test_every_server_gets_every_weight(models, servers, extra, load_format):
     from megatron_klear.checkpoint.hf_io import HFReader
     from megatron_klear.rollout.embedded import EmbeddedEngine
     from megatron_klear.rollout.sglang import SGLangEngine
@@ -102,7 +104,8 @@ def test_every_server_gets_every_weight(models, servers, extra):
     assert _checksums(urls[0]) != want
     # small buckets: many of them, each gathered while the previous one is on the wire
     out = run_distributed(_sync, 2, models["b"], extra, urls, {"bucket_mb": 0.02, "group_timeout": 30,
-                                                               "bucket_timeout": 30}, None, (3, 4))
+                                                               "bucket_timeout": 30, "load_format": load_format},
+                          None, (3, 4))
     assert out[0][0] == "ok", out[0]
     reader = HFReader(models["b"])
     total = sum(reader.get(k).numel() * reader.get(k).element_size() for k in reader.keys())
