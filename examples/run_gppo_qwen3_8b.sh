@@ -24,9 +24,29 @@
 #    --prometheus-port (the default 29000 collides).
 # 4. On every trainer node:
 #      NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 bash examples/run_gppo_qwen3_8b.sh rollout.urls=[http://router:30000]
-#    The trainer asks the router for its workers (GET /workers) and sends weight updates to each
-#    (pause -> update_weights_from_disk -> continue, checked by weight_version); rollout.sync_dir
-#    must be on a filesystem the servers read.
+#    The trainer asks the router for its workers (GET /workers) and updates each worker directly
+#    (never through the router), checked by weight_version.
+#    Weights travel without files (rollout.weight_sync=distributed, the default): the leader of each
+#    pipeline stage (tp=0, dp=0, cp=0 of the stage; global rank 0 for stage 0) hosts a TCP store at
+#    rollout.sync_master_port + stage (SYNC_MASTER_PORT below; 0: a free port each run) and every
+#    server joins an NCCL group with it (SGLang's /init_weights_update_group; a server started with
+#    --tp N takes N ranks); every step the stage leaders broadcast their layers from GPU memory in
+#    buckets of rollout.sync_bucket_mb (pause -> begin_weight_update -> update_weights_from_distributed
+#    per bucket -> end_weight_update -> update_weight_version -> continue). Therefore:
+#      - every server must reach the stage leaders' nodes: TCP to the store port, and NCCL's own
+#        connections (sockets / IB). Open them between trainer and rollout nodes; with a fixed port
+#        range set SYNC_MASTER_PORT (e.g. 29600; stage s uses 29600 + s), and rollout.sync_master_addr
+#        when the address routing to the servers is not the one they should dial;
+#      - NCCL picks its interfaces on both sides: set NCCL_SOCKET_IFNAME (e.g. ib0 or eth0; and
+#        NCCL_IB_HCA for InfiniBand) the same way for the trainer and the SGLang servers when nodes
+#        have several; GLOO_SOCKET_IFNAME likewise for rollout.sync_backend=gloo;
+#      - servers run with dp_size 1 and pp_size 1 (one server per replica behind the router).
+#    A server that cannot join fails the start-up within rollout.sync_group_timeout_s naming it; one
+#    lost during a sync fails the step within rollout.sync_bucket_timeout_s (the others stay paused;
+#    restart the server and the run resumes from its last checkpoint). After the first sync, a
+#    resume and every rollout.verify_interval steps each server's log-probs of a probe must equal the
+#    trainer's. rollout.weight_sync=disk instead writes <rollout.sync_dir>/step_NNNNNNN (on a
+#    filesystem the servers read) and has every server reload it in parallel (update_weights_from_disk).
 # For code RL afterwards: CONFIG=examples/configs/gppo_qwen3_8b_code.yaml model.path=<math RL checkpoint>
 set -euo pipefail
 NNODES=${NNODES:-1}
@@ -35,8 +55,10 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 CONFIG=${CONFIG:-examples/configs/gppo_qwen3_8b_math.yaml}
+SYNC_MASTER_PORT=${SYNC_MASTER_PORT:-0}  # the weight-update groups' store port (stage s: + s); 0: a free one
 export CUDA_DEVICE_MAX_CONNECTIONS=1
+# NCCL_SOCKET_IFNAME / NCCL_IB_HCA / GLOO_SOCKET_IFNAME, when set, reach every rank from here.
 
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  -m megatron_klear.rl --config "$CONFIG" "$@"
+  -m megatron_klear.rl --config "$CONFIG" "rollout.sync_master_port=$SYNC_MASTER_PORT" "$@"
