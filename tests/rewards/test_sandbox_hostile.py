@@ -299,7 +299,9 @@ def graded(level, secret_file, loopback_server):
     """Run every attack (and honest programs alongside) through a 2-worker pool at `level`."""
     os.environ[ENV_NAME] = SECRET  # before the pool starts: the workers inherit it
     harness_sha = _sha(harness_mod.__file__)
-    cfg = RewardConfig(code_max_tests=16, sandbox=small_limits(level))
+    # A wall limit well above what the attacks that must meet another limit need to meet it (the
+    # growing memory bomb writes 256 MB: 0.35 s alone, beyond 2 s beside busy neighbours).
+    cfg = RewardConfig(code_max_tests=16, sandbox=small_limits(level, wall_s=6))
     attacks = dict(ATTACKS)
     attacks["read-secrets"] = (READ_SECRETS % {"env": ENV_NAME, "path": secret_file},) + ATTACKS["read-secrets"][1:]
     attacks["network"] = (NETWORK % {"port": loopback_server},) + ATTACKS["network"][1:]
