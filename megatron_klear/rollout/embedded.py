@@ -524,17 +524,34 @@ class EmbeddedEngine(RolloutEngine):
             self._apply_weights(named_tensors, copy=True)
             self.weight_version = version
 
-    def load_named_weights(self, named_tensors, *, version=None) -> None:
+    def load_named_weights(self, named_tensors, *, version=None, adopt: bool = False) -> list:
         """Copy some or all parameters, all or nothing: every ``(HF name, tensor)`` is checked (known
         name, given once, shape; a tied ``lm_head.weight`` must equal the embedding) before the first
         copy, so a failure leaves the weights and the version as they were. Parameters not given keep
         their values (SGLang's ``load_weights`` semantics; the HTTP server commits a weight-update
-        session with it)."""
+        session with it). ``adopt``: the tensors become the parameters' storage where their dtype,
+        device and layout allow (no copy; the caller hands them over and must not touch them).
+        Returns the storages replaced by adoption (no longer used by the model: reusable buffers)."""
         named_tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+        replaced = []
         with self._lock, torch.no_grad():
             self._apply_weights(named_tensors, copy=False, require_all=False)
-            self._apply_weights(named_tensors, copy=True, require_all=False)
+            if not adopt:
+                self._apply_weights(named_tensors, copy=True, require_all=False)
+            else:
+                params = dict(self.model.named_parameters())  # a tied lm_head is the embedding: absent
+                for name, tensor in named_tensors:
+                    param = params.get(name)
+                    if param is None:
+                        continue
+                    tensor = tensor.to(device=param.device, dtype=param.dtype)
+                    if tensor.is_contiguous() and tensor.shape == param.shape:
+                        replaced.append(param.data)
+                        param.data = tensor
+                    else:
+                        param.copy_(tensor)
             self.weight_version = version
+        return replaced
 
     def check_named_weights(self, named_tensors) -> None:
         """The checks of :meth:`load_named_weights` without copying (raises :class:`WeightUpdateError`)."""

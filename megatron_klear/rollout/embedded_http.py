@@ -102,9 +102,9 @@ Other routes (SGLang's shapes)
   "load_format"?, "flush_cache", "weight_version"?, "abort_all_requests"}`` receives the tensors
   broadcast by group rank 0: one broadcast per tensor in order, or one ``uint8`` broadcast for
   ``load_format="flattened_bucket"``. All or nothing, unlike SGLang (which loads each call as it
-  arrives): the tensors are checked and staged, and ``/end_weight_update`` copies every staged
-  tensor at once (between two decode steps, as a disk update) with the last ``weight_version``
-  given; a session with any failed call (a broadcast cut by a dead peer or a timeout, an unknown
+  arrives): the tensors are checked and staged, and ``/end_weight_update`` makes every staged
+  tensor a parameter at once (the received buffers become the parameters' storage, no copy; between
+  two decode steps, as a disk update) with the last ``weight_version`` given; a session with any failed call (a broadcast cut by a dead peer or a timeout, an unknown
   tensor, a refused flush) applies nothing, its end answers 400 naming the version still served,
   and destroying a group discards what its sender staged. ``flush_cache`` fails the call as SGLang
   does while requests hold KV cache of the old weights (running, or paused ``in_place``; paused
@@ -808,6 +808,8 @@ class _ServerState:
         self.weight_sync_timeout = float(weight_sync_timeout)
         self.update_groups = {}
         self.weight_session = None
+        self.receive_buffers = {}  # the storages the last commit replaced: the next update lands there
+        self.adopted = set()  # data pointers of the received buffers the model holds
         self.weight_lock = threading.Lock()
 
     @property
@@ -1184,7 +1186,7 @@ class _Handler(BaseHTTPRequestHandler):
             def receive():  # with no decoding under way (SGLang: paused, or behind the model-update lock)
                 try:
                     tensors = _receive_weights(pg, f["names"], f["dtypes"], f["shapes"], f["load_format"],
-                                               state.engine.device)
+                                               state.engine.device, state.receive_buffers)
                 except Exception as e:  # noqa: BLE001 -- a broken group (sender or a peer gone, a timeout) is dropped
                     if not isinstance(e, ValueError):
                         state.update_groups.pop(name, None)
@@ -1226,7 +1228,16 @@ class _Handler(BaseHTTPRequestHandler):
             if session.staged:
                 version = session.version if session.version is not None else state.engine.weight_version
                 try:
-                    state.scheduler.run_update(lambda: state.engine.load_named_weights(session.staged, version=version))
+                    # the received buffers become the parameters (no copy): the swap is the commit;
+                    # the storages they replace receive the next update (no fresh allocation)
+                    replaced, _ = state.scheduler.run_update(
+                        lambda: state.engine.load_named_weights(session.staged, version=version, adopt=True))
+                    state.receive_buffers = {}
+                    for t in replaced:  # only buffers this server received into (not the loaded checkpoint's)
+                        if t.data_ptr() in state.adopted and t.storage_offset() == 0 and \
+                                t.untyped_storage().nbytes() == t.numel() * t.element_size():
+                            state.receive_buffers.setdefault((tuple(t.shape), t.dtype), []).append(t)
+                    state.adopted = {t.data_ptr() for t in session.staged.values()}
                 except (TypeError, ValueError) as e:
                     return self._weights_reply(False, f"Failed to update parameter online: {e}. Nothing was applied.")
         self._weights_reply(True, "Success")
@@ -1261,9 +1272,10 @@ class _WeightSession:
         self.staged, self.version, self.groups, self.error = {}, None, set(), None
 
 
-def _receive_weights(pg, names, dtypes, shapes, load_format, device) -> list:
+def _receive_weights(pg, names, dtypes, shapes, load_format, device, buffers=None) -> list:
     """(name, tensor) received from group rank 0: one broadcast per tensor in order, or one
-    ``uint8`` broadcast for ``load_format="flattened_bucket"`` (SGLang's two receive paths)."""
+    ``uint8`` broadcast for ``load_format="flattened_bucket"`` (SGLang's two receive paths).
+    ``buffers``: {(shape, dtype): [free tensors]} to receive into before allocating."""
     import torch
     import torch.distributed as dist
 
@@ -1279,7 +1291,9 @@ def _receive_weights(pg, names, dtypes, shapes, load_format, device) -> list:
                          f"(auto | {FLATTENED_BUCKET})")
     out, works = [], []
     for name, dt, shape in zip(names, dtypes, shapes):
-        t = torch.empty([int(d) for d in shape], dtype=dtype_of(dt), device=device)
+        shape, dt = tuple(int(d) for d in shape), dtype_of(dt)
+        free = (buffers or {}).get((shape, dt))
+        t = free.pop() if free else torch.empty(shape, dtype=dt, device=device)
         works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
         out.append((name, t))
     for w in works:
