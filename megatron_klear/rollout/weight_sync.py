@@ -199,7 +199,8 @@ class DistributedWeightSync:
     SGLang server; two stages posting concurrently could deadlock two servers against each other).
 
     **A sync** (:meth:`sync`, version ``v``): rank 0 pauses generation (``/pause_generation``
-    ``abort``) and opens a session (``/begin_weight_update``) on every server; then, stage after
+    ``abort``) and opens a session (``/begin_weight_update``) on every server, while the first
+    bucket is gathered; then, stage after
     stage, the leader packs its HF tensors into buckets of ``bucket_bytes`` (one dtype per bucket) and
     for each bucket: rank 0 posts ``/update_weights_from_distributed`` (names, dtypes, shapes,
     ``flush_cache``, and ``load_format="flattened_bucket"`` with NCCL) to every server while the
@@ -249,6 +250,7 @@ class DistributedWeightSync:
         self.connected = False
         self.leaders, self.my_stage = None, None
         self.stats = {}  # of the last sync: bytes, buckets, seconds
+        self._started = None  # rank 0: the future of the servers' pause + begin of the current sync
 
     # -- plumbing -------------------------------------------------------------------------------------
     @staticmethod
@@ -418,6 +420,7 @@ class DistributedWeightSync:
     def sync(self, version) -> dict:
         """Collective: every weight to every server as weight version ``version``; returns stats
         (bytes, buckets, seconds) on rank 0."""
+        import concurrent.futures
         import time
 
         if not self.connected:
@@ -425,15 +428,18 @@ class DistributedWeightSync:
         rank = self._rank()
         t0 = time.monotonic()
         error = None
-        if rank == 0:
-            try:
-                self.engine.pause_generation("abort")
-                self.engine.begin_weight_update()
-            except Exception as e:  # noqa: BLE001
-                error = f"rollout: cannot start the weight update: {e}"
-        error = self._bcast(error)
-        if error:
-            raise WeightSyncError(error)
+        if rank == 0:  # pause + begin on the servers while the first bucket is gathered
+            def start():
+                try:
+                    self.engine.pause_generation("abort")
+                    self.engine.begin_weight_update()
+                    return None
+                except Exception as e:  # noqa: BLE001 -- the first bucket's answer
+                    return f"rollout: cannot start the weight update: {e}"
+
+            starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-start")
+            self._started = starter.submit(start)
+            starter.shutdown(wait=False)
         totals = {"bytes": 0, "buckets": 0}
         for stage in sorted(self.leaders):
             leader, err = self.leaders[stage], None
@@ -451,6 +457,8 @@ class DistributedWeightSync:
                 return self._fail(err)
         if rank == 0:
             try:
+                if self._started.result() is not None:
+                    raise WeightSyncError(self._started.result())
                 self.engine.end_weight_update()
                 self.engine.set_weight_version(version)
                 self.engine.continue_generation()
@@ -478,8 +486,12 @@ class DistributedWeightSync:
             "weight before generating)")
 
     def _post_bucket(self, stage: int, meta):
-        """Rank 0: post one bucket's metadata to every server; the error text naming the server, or None."""
+        """Rank 0: post one bucket's metadata to every server (once they paused and opened the
+        session); the error text naming the server, or None."""
         names, dtypes, shapes = meta
+        started = self._started.result()
+        if started is not None:
+            return started
         try:
             self.engine.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=self._name(stage),
