@@ -119,11 +119,17 @@ def gather_tp(rule, shard: torch.Tensor, group, *, to: int | None = None) -> tor
     if me != to:
         dist.send(shard.contiguous(), dst=dist.get_global_rank(group, to), group=group)
         return None
-    parts = [shard if r == me else torch.empty_like(shard) for r in range(size)]
+    plain_rows = rule.tp_dim == 0 and rule.kind != "gate_up"  # unsharding is a concatenation of rows
+    if plain_rows:  # receive straight into the full tensor's row blocks (contiguous): no concatenation
+        full = torch.empty((shard.shape[0] * size, *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+        parts = list(full.chunk(size, dim=0))
+        parts[me].copy_(shard)
+    else:
+        parts = [shard if r == me else torch.empty_like(shard) for r in range(size)]
     works = [dist.irecv(parts[r], src=dist.get_global_rank(group, r), group=group) for r in range(size) if r != me]
     for w in works:
         w.wait()
-    return tp_unshard(rule, parts)
+    return full if plain_rows else tp_unshard(rule, parts)
 
 
 def gather_experts(rule, full: torch.Tensor, ep_group, name_of) -> list:
