@@ -29,6 +29,6 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout", "sglang-router==0.3.2", "msgspec>=0.18"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
         "sglang": ["sglang[srt]", "sglang-router"],
-        "logging": ["wandb", "tensorboard"],
+        "logging": ["wandb", "tensorboard", "matplotlib"],  # matplotlib: tools/plot_run.py, the demo's and benchmarks' plots
     },
 )

@@ -1,9 +1,13 @@
 #!/usr/bin/env python
-"""Plot a run's metrics.jsonl as SVG charts, one per metric (or per --group of metrics).
+"""Plot a run's metrics.jsonl with matplotlib, one chart per metric (or per --group of metrics);
+PNG by default (--format svg for vector files).
 
     python tools/plot_run.py runs/klear-gppo-8b-math/metrics.jsonl --out plots/ \\
         --metric rollout/reward_mean --metric actor/entropy --group clip=actor/clip_frac_low,actor/clip_frac_high
     python tools/plot_run.py runs/a/metrics.jsonl runs/b/metrics.jsonl --metric loss   # compare runs
+
+Runs are named by their directory (runs/a/metrics.jsonl -> "a"). Needs matplotlib
+(pip install 'megatron-klear[logging]').
 """
 import argparse
 import json
@@ -11,49 +15,58 @@ import os
 import sys
 
 
-def main(argv=None):
-    from megatron_klear.utils.svg_plot import line_chart
+def read_metrics(path: str) -> list:
+    """The records of a metrics.jsonl; a bad line is a ValueError naming file and line."""
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: {e.msg}") from None
+    return rows
 
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="metrics.jsonl files")
     p.add_argument("--metric", action="append", default=[], help="one chart per metric (repeatable)")
     p.add_argument("--group", action="append", default=[], metavar="NAME=m1,m2", help="several metrics in one chart")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", choices=("png", "svg", "pdf"), default="png")
     args = p.parse_args(argv)
-    runs = {}
-    for path in args.runs:
-        rows = []
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    print(f"error: {path}:{lineno}: {e.msg}", file=sys.stderr)
-                    return 2
-        runs[os.path.basename(os.path.dirname(os.path.abspath(path))) or path] = rows
     charts = {m: [m] for m in args.metric}
     for g in args.group:
         name, _, metrics = g.partition("=")
+        if not name or not metrics:
+            p.error(f"--group {g!r}: expected NAME=metric1,metric2")
         charts[name] = metrics.split(",")
     if not charts:
         p.error("give at least one --metric or --group")
-    os.makedirs(args.out, exist_ok=True)
+    from megatron_klear.utils.plots import line_chart
+
+    runs = {}
+    for path in args.runs:
+        name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+        runs[name if name not in runs else path] = read_metrics(path)
+    written = 0
     for name, metrics in charts.items():
         series = {}
         for run, rows in runs.items():
             for m in metrics:
-                pts = [(r["step"], r[m]) for r in rows if isinstance(r.get(m), (int, float))]
+                pts = [(r["step"], r[m]) for r in rows if isinstance(r.get(m), (int, float)) and "step" in r]
                 if pts:
                     series[f"{run}: {m}" if len(runs) > 1 else m] = pts
         if not series:
             print(f"warning: no values for {metrics} in {list(runs)}", file=sys.stderr)
             continue
-        path = os.path.join(args.out, name.replace("/", "_") + ".svg")
-        with open(path + ".tmp", "w") as f:
-            f.write(line_chart(series, title=name))
-        os.replace(path + ".tmp", path)
+        path = os.path.join(args.out, name.replace("/", "_") + "." + args.format)
+        line_chart(path, series, title=name)
+        written += 1
         print(f"wrote {path}")
-    return 0
+    return 0 if written else 1
 
 
 if __name__ == "__main__":
