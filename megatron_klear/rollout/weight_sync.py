@@ -535,10 +535,10 @@ class DistributedWeightSync:
         def acknowledged(handle):
             return handle.result() if handle is not None else self._recv(0)
 
-        error, pending = None, None  # pending: (work, flat, meta, HTTP handle) of the bucket in flight
+        error, pending = None, None  # pending: (works, bytes, meta, HTTP handle, payload) of the bucket in flight
 
         def finish(p):
-            works, nbytes, meta, handle = p
+            works, nbytes, meta, handle, _ = p  # (the payload stays referenced until its broadcast ends)
             # The servers answer once they have received the bucket, or at once when they refuse it
             # (then the broadcast would only run into its timeout): the answer first, always
             # consumed (rank 0's answers stay in step with the buckets).
@@ -571,7 +571,7 @@ class DistributedWeightSync:
                 handle = announce(meta)
                 works = [dist.broadcast(x, src=0, group=self.pg, async_op=True) for x in payload]
                 nbytes = sum(x.numel() * x.element_size() for x in payload)
-                pending = (works, nbytes, meta, handle)
+                pending = (works, nbytes, meta, handle, payload)
                 totals["bytes"] += nbytes
                 totals["buckets"] += 1
             if pending is not None:

@@ -10,6 +10,8 @@ import pytest
 from tests.distributed.helper import run_distributed
 from tests.distributed.test_rl_loop import _overrides, _probe_logprobs_of_trainer, _run
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

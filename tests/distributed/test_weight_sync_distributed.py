@@ -91,6 +91,7 @@ def _version(url):
     return httpx.get(url + "/model_info", timeout=10).json()["weight_version"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,load_format", [(["parallel.tp=2"], "flattened_bucket"), (["parallel.pp=2"], "auto")],
                          ids=["tp2-flattened", "pp2-per-tensor"])
 def test_every_server_gets_every_weight(models, servers, extra, load_format):
@@ -117,6 +118,7 @@ def test_every_server_gets_every_weight(models, servers, extra, load_format):
         assert httpx.get(u + "/ready").status_code == 200  # generation continued
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_broadcast_fails_the_sync_and_the_other_serves_the_old_weights(models):
     from megatron_klear.rollout.base import SamplingParams
     from megatron_klear.rollout.embedded import EmbeddedEngine
