@@ -1,0 +1,290 @@
+"""Weights to two rollout servers: disk (sequential and parallel reload) vs SGLang's distributed
+protocol over gloo vs the raw gloo broadcast of the same bytes, all in one run.
+
+    python benchmarks/weight_sync.py                       # 8 layers of Qwen3-0.6B's shape (~0.56 GB)
+    python benchmarks/weight_sync.py --layers 28 --json out.json
+
+Setup: a random bf16 checkpoint with Qwen3-0.6B's shapes (hidden 1024, intermediate 3072, 16 query /
+8 KV heads of 128, vocabulary 151,936, tied embeddings; ``--layers`` of its 28 layers: the embedding
+is 311 MB, each layer 31.5 MB), written by ``benchmarks/convert.py``'s writer; two embedded servers
+(``python -m megatron_klear.rollout.embedded --dtype bfloat16``, subprocesses); the trainer at TP=2
+(two processes, gloo; the model only, bf16: no optimizer, which a sync does not touch); two extra
+receiver processes for the raw broadcast. Every variant moves the whole model to both servers:
+
+- ``disk_sequential``: rank 0 writes the HF checkpoint (``export_hf_for_engine``, the TP shards
+  gathered), then each server loads it with ``/update_weights_from_disk``, one after the other (how
+  servers were updated before the parallel reload);
+- ``disk_parallel``: the same, both servers loading at once (``SGLangEngine.load_from_disk``, the
+  ``rollout.weight_sync=disk`` fallback);
+- ``distributed``: ``DistributedWeightSync.sync`` (pause, begin, a flattened bucket per
+  ``--bucket-mb`` with the TP gathers of the next bucket overlapping the broadcast, end, version,
+  continue, version check), the group already created (its creation is reported apart);
+- ``raw_broadcast``: the same bucket sizes broadcast from trainer rank 0 to two receivers that do
+  nothing else (no HTTP, no gathering, no packing, no staging): the collective's floor.
+
+Each variant runs ``--repeats`` times, interleaved (median reported, and the fastest under ``best``:
+on a shared machine other jobs only ever add time). The disk files are in the page cache
+(written just before they are read), so the disk variants are a lower bound of a shared filesystem.
+JSON keys: ``disk_s`` (= ``disk_parallel_s``, the fallback), ``disk_sequential_s``,
+``distributed_s``, ``raw_broadcast_s``, ``speedup_vs_disk`` (disk_s / distributed_s),
+``speedup_vs_disk_sequential``, ``efficiency_vs_raw`` (raw_broadcast_s / distributed_s: the
+protocol's throughput as a fraction of the bare collective's), plus sizes and the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_checkpoint(path: str, layers: int) -> dict:
+    import convert  # benchmarks/convert.py: the Qwen3-0.6B-shaped random checkpoint writer
+
+    convert.QWEN3_0_6B = {**convert.QWEN3_0_6B, "num_hidden_layers": layers}
+    return convert.phase_make(argparse.Namespace(dst=path, max_shard_bytes=convert.UNLIMITED_SHARD))
+
+
+# ------------------------------------------------------------------------------------------------
+# raw receivers
+# ------------------------------------------------------------------------------------------------
+def raw_receiver(rank: int, port: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_klear.rollout.update_group import join_update_group
+
+    torch.set_num_threads(1)
+    pg = join_update_group(backend="gloo", master_address="127.0.0.1", master_port=port, rank=rank,
+                           world_size=world, group_name="raw_bench", timeout=600)
+    buf = None
+    while True:
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(n, src=0, group=pg)
+        if int(n) < 0:
+            return
+        sizes = torch.zeros(int(n), dtype=torch.int64)
+        dist.broadcast(sizes, src=0, group=pg)
+        top = int(sizes.max())
+        if buf is None or buf.numel() < top:
+            buf = torch.empty(top, dtype=torch.uint8)
+        for size in sizes.tolist():
+            dist.broadcast(buf[:size], src=0, group=pg)
+
+
+# ------------------------------------------------------------------------------------------------
+# the trainer (TP=2)
+# ------------------------------------------------------------------------------------------------
+def trainer(rank: int, world: int, port: int, ckpt: str, urls: list, args, raw_port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", _trainer(rank, ckpt, urls, args, raw_port)))
+    except BaseException as e:  # noqa: BLE001 -- reported by the parent
+        import traceback
+
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _trainer(rank, ckpt, urls, args, raw_port):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_klear.config import load_config
+    from megatron_klear.models.builder import build_model_chunks
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.update_group import join_update_group, open_master_store
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync, export_hf_for_engine, iter_buckets
+    from megatron_klear.training.setup import load_initial_weights, model_arch
+
+    cfg = load_config(None, [f"model.path={ckpt}", "parallel.tp=2", "model.dtype=bf16"])
+    init_parallel(cfg.parallel)
+    chunks = build_model_chunks(model_arch(ckpt), cfg.model, cfg.parallel)
+    load_initial_weights(chunks, ckpt)
+    from megatron_klear.platform import control_group
+
+    def barrier():
+        dist.barrier(group=control_group())
+
+    engine = SGLangEngine(urls, timeout=120, weight_update_timeout=1800) if rank == 0 else None
+    sync = DistributedWeightSync(chunks, engine, bucket_mb=args.bucket_mb, group_timeout=600, bucket_timeout=600,
+                                 control_timeout=120)
+    tp_group = __import__("megatron.core.parallel_state", fromlist=["x"]).get_tensor_model_parallel_group()
+    from megatron_klear.checkpoint.model_weights import iter_hf_tensors
+
+    # the bucket sizes of this model (what the distributed sync sends): the raw broadcast repeats them
+    sizes = [sum(t.numel() * t.element_size() for _, t in b)
+             for b in iter_buckets(iter_hf_tensors(chunks, tp_group=tp_group), sync.bucket_bytes)]
+    raw_pg = None
+    if rank == 0:
+        store = open_master_store("127.0.0.1", raw_port, 3, 600)
+        raw_pg = join_update_group(backend="gloo", master_address="127.0.0.1", master_port=raw_port, rank=0,
+                                   world_size=3, group_name="raw_bench", timeout=600, store=store)
+    barrier()
+    times = {"disk_sequential": [], "disk_parallel": [], "distributed": [], "raw_broadcast": []}
+    t0 = time.perf_counter()
+    sync.sync(version="warmup")  # creates the groups
+    first = time.perf_counter() - t0
+    version = served = 0
+    workdir = tempfile.mkdtemp(prefix="klear-wsync-") if rank == 0 else None
+    workdir = [workdir]
+    dist.broadcast_object_list(workdir, src=0, group=control_group())
+    workdir = workdir[0]
+    for _ in range(args.repeats):
+        for variant in ("disk_sequential", "disk_parallel", "distributed", "raw_broadcast"):
+            version += 1
+            barrier()
+            t0 = time.perf_counter()
+            if variant.startswith("disk"):
+                out = os.path.join(workdir, f"step_{version:07d}")
+                path = export_hf_for_engine(chunks, model_arch(ckpt), out)
+                if rank == 0:
+                    if variant == "disk_sequential":
+                        for u in urls:
+                            SGLangEngine([u], timeout=120, weight_update_timeout=1800).load_from_disk(path, version=version)
+                    else:
+                        engine.load_from_disk(path, version=version)
+            elif variant == "distributed":
+                sync.sync(version=version)
+            elif rank == 0:
+                buf = torch.empty(max(sizes), dtype=torch.uint8)
+                dist.broadcast(torch.tensor([len(sizes)], dtype=torch.int64), src=0, group=raw_pg)
+                dist.broadcast(torch.tensor(sizes, dtype=torch.int64), src=0, group=raw_pg)
+                for size in sizes:
+                    dist.broadcast(buf[:size], src=0, group=raw_pg)
+            barrier()
+            times[variant].append(time.perf_counter() - t0)
+            if variant != "raw_broadcast":
+                served = version
+            if rank == 0 and variant.startswith("disk"):
+                shutil.rmtree(os.path.join(workdir, f"step_{version:07d}"), ignore_errors=True)
+    if rank == 0:
+        dist.broadcast(torch.tensor([-1], dtype=torch.int64), src=0, group=raw_pg)
+        shutil.rmtree(workdir, ignore_errors=True)
+        engine.check_weight_versions(served)  # the last update reached both servers
+    sync.close()
+    return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": sync.stats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8, help="layers of Qwen3-0.6B's 28 (default 8: a few minutes on 2 cores)")
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="rollout.sync_bucket_mb (default 256: several buckets)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("--workdir", default="")
+    args = ap.parse_args()
+
+    import torch.multiprocessing as mp
+
+    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+
+    work = args.workdir or tempfile.mkdtemp(prefix="klear-bench-wsync-")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_before = os.getloadavg()
+    ckpt = os.path.join(work, "qwen3-0.6b-shape")
+    if not os.path.isdir(ckpt):
+        made = make_checkpoint(ckpt, args.layers)
+        print(f"checkpoint: {made['params'] / 1e6:.0f} M params, {made['bytes'] / 1e9:.3f} GB bf16, {args.layers} layers",
+              flush=True)
+    servers = []
+    procs = []
+    try:
+        for _ in range(2):
+            servers.append(EmbeddedHTTPEngine.launch(ckpt, dtype="bfloat16", weight_sync_timeout=600,
+                                                     startup_timeout=600, timeout=120))
+        print("servers:", [s.url for s in servers], flush=True)
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        raw_port, port = _free_port(), _free_port()
+        procs = [ctx.Process(target=raw_receiver, args=(r, raw_port, 3)) for r in (1, 2)]
+        procs += [ctx.Process(target=trainer, args=(r, 2, port, ckpt, [s.url for s in servers], args, raw_port, queue))
+                  for r in range(2)]
+        for p in procs:
+            p.start()
+        results = {}
+        while len(results) < 2:
+            rank, status, payload = queue.get(timeout=3600)
+            if status != "ok":
+                raise SystemExit(f"trainer rank {rank} failed:\n{payload}")
+            results[rank] = payload
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for s in servers:
+            s.close()
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    r = results[0]
+    med = {k: statistics.median(v) for k, v in r["times"].items()}
+    best = {k: min(v) for k, v in r["times"].items()}
+    total = sum(r["sizes"])
+    out = {
+        "date": started.isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+                    "load_average_before": [round(x, 1) for x in load_before],
+                    "load_average_after": [round(x, 1) for x in os.getloadavg()]},
+        "layers": args.layers, "model_bytes": total, "buckets": len(r["sizes"]), "bucket_mb": args.bucket_mb,
+        "servers": 2, "trainer_tp": 2, "repeats": args.repeats,
+        "disk_sequential_s": med["disk_sequential"], "disk_parallel_s": med["disk_parallel"],
+        "disk_s": med["disk_parallel"], "distributed_s": med["distributed"], "raw_broadcast_s": med["raw_broadcast"],
+        "first_distributed_s": r["first_distributed_s"],
+        "speedup_vs_disk": med["disk_parallel"] / med["distributed"],
+        "speedup_vs_disk_sequential": med["disk_sequential"] / med["distributed"],
+        "efficiency_vs_raw": med["raw_broadcast"] / med["distributed"],
+        "distributed_gb_per_s": total / med["distributed"] / 1e9, "raw_gb_per_s": total / med["raw_broadcast"] / 1e9,
+        # the fastest of the repeats (a shared machine adds delays, never removes them)
+        "best": {**{f"{k}_s": v for k, v in best.items()},
+                 "speedup_vs_disk": best["disk_parallel"] / best["distributed"],
+                 "speedup_vs_disk_sequential": best["disk_sequential"] / best["distributed"],
+                 "efficiency_vs_raw": best["raw_broadcast"] / best["distributed"]},
+        "all_times": r["times"],
+    }
+    print(f"\n{total / 1e9:.3f} GB in {len(r['sizes'])} buckets of <= {args.bucket_mb:g} MB to 2 servers, trainer TP=2 "
+          f"(median of {args.repeats})")
+    print(f"{'variant':<20}{'median s':>10}{'GB/s':>8}{'best s':>10}")
+    for k in ("disk_sequential", "disk_parallel", "distributed", "raw_broadcast"):
+        print(f"{k:<20}{med[k]:>10.3f}{total / med[k] / 1e9:>8.2f}{best[k]:>10.3f}")
+    b = out["best"]
+    print(f"speedup vs disk (parallel) {out['speedup_vs_disk']:.2f}x (best {b['speedup_vs_disk']:.2f}x), vs disk "
+          f"(sequential) {out['speedup_vs_disk_sequential']:.2f}x (best {b['speedup_vs_disk_sequential']:.2f}x); "
+          f"efficiency vs raw broadcast {out['efficiency_vs_raw']:.2f} (best {b['efficiency_vs_raw']:.2f})")
+    print(f"load average before / after: {out['machine']['load_average_before']} / {out['machine']['load_average_after']}")
+    print(f"first distributed sync (group creation included): {r['first_distributed_s']:.3f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
