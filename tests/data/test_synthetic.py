@@ -1,0 +1,101 @@
+"""The synthetic digit-chain task (data/synthetic.py): answers the real math grader accepts,
+train / held-out problems disjoint, files identical for a seed."""
+import hashlib
+import json
+
+import pytest
+
+from megatron_klear.data import synthetic as syn
+
+
+def test_reference_responses_are_graded_correct_and_wrong_answers_are_not():
+    from megatron_klear.rewards.math import grade_math
+
+    chosen = syn.sample_problems(40, seed=3, split="train") + syn.sample_problems(40, seed=3, split="heldout")
+    for p in chosen:
+        ex = syn.example(p)
+        # the answer is the chain's value, worked left to right in the trace
+        assert int(ex["answer"]) == eval(p.expression)  # noqa: S307 - digits and +/- only
+        assert ex["response"].startswith("<think>") and "</think>" in ex["response"]
+        assert ex["response"].count("\n") == len(p.digits) - 1  # one line per step, then the answer
+        good = grade_math(ex["response"], ex["answer"])
+        assert good.solved and good.reward == 1.0, (ex, good)
+        wrong = ex["response"].replace(f"\\boxed{{{ex['answer']}}}", f"\\boxed{{{int(ex['answer']) + 1}}}")
+        bad = grade_math(wrong, ex["answer"])
+        assert not bad.solved and bad.reward == -1.0 and bad.error is None, (wrong, bad)
+        # the Klear format scores: no </think> (a truncated trace) and no <think>
+        assert grade_math(ex["response"].split("</think>")[0], ex["answer"]).reward == -0.5
+        assert grade_math(ex["response"].replace("<think>", ""), ex["answer"]).reward == -2.0
+
+
+def test_the_imperfect_teachers_slips_are_wrong_answers_one_per_response(tmp_path):
+    from megatron_klear.rewards.math import grade_math
+
+    path = syn.write_sft_jsonl(str(tmp_path / "sft.jsonl"), 400, seed=5, slip_rate=0.6)
+    rows = [json.loads(x)["messages"] for x in open(path)]
+    by_question = {p.question: p for p in syn.problems("train")}
+    slipped = 0
+    for user, assistant in rows:
+        p = by_question[user["content"]]
+        lines = assistant["content"].split("</think>")[0].removeprefix("<think>").split("\n")
+        # a slip changes one partial result and everything after it: the first wrong line is off by 1 or 2
+        first = next((i for i, (line, ok) in enumerate(zip(lines, p.steps())) if int(line.split("=")[1]) != ok[3]), None)
+        if first is None:
+            assert assistant["content"] == p.response
+            assert grade_math(assistant["content"], str(p.answer)).solved
+            continue
+        slipped += 1
+        left, _, result = lines[first].partition("=")
+        assert abs(int(result) - eval(left)) in (1, 2)  # noqa: S307
+        for line in lines[first + 1:]:  # no second slip: the chain goes on correctly from the slipped value
+            left, _, result = line.partition("=")
+            assert int(result) == eval(left)  # noqa: S307
+        assert not grade_math(assistant["content"], str(p.answer)).solved  # a slip is always a wrong answer
+    assert 0.5 < slipped / len(rows) < 0.7
+    # and the +/- task: answers (negative ones too) verified by the grader
+    task = syn.ChainTask(ops="+-")
+    for p in syn.sample_problems(30, seed=2, split="heldout", task=task):
+        assert grade_math(p.response, str(p.answer)).solved and p.answer == eval(p.expression)  # noqa: S307
+
+
+def test_train_and_heldout_are_disjoint_and_cover_the_space():
+    task = syn.DEFAULT_TASK
+    train, held = syn.problems("train"), syn.problems("heldout")
+    assert len(train) + len(held) == (task.max_digit + 1) ** task.terms * len(task.ops) ** (task.terms - 1)
+    assert not {p.question for p in train} & {p.question for p in held}
+    assert 0.08 < len(held) / (len(train) + len(held)) < 0.17  # about 1 in heldout_every = 8
+    # and the files: whatever the seeds, no held-out question among SFT chats or RL prompts
+    held_q = {p.question for p in held}
+    for seed in range(3):
+        sft = [syn.example(p)["question"] for p in syn.sample_problems(4000, seed=seed, split="train")]
+        assert not held_q & set(sft)
+    # another task shape has its own split
+    small = syn.ChainTask(terms=2, ops="+", heldout_every=4)
+    assert len(syn.problems("train", small)) + len(syn.problems("heldout", small)) == 100
+
+
+def test_files_are_deterministic_per_seed(tmp_path):
+    def digest(path):
+        return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+    a = syn.write_sft_jsonl(str(tmp_path / "a.jsonl"), 64, seed=7)
+    b = syn.write_sft_jsonl(str(tmp_path / "b.jsonl"), 64, seed=7)
+    c = syn.write_sft_jsonl(str(tmp_path / "c.jsonl"), 64, seed=8)
+    assert digest(a) == digest(b) != digest(c)
+    p1 = syn.write_rl_prompts_jsonl(str(tmp_path / "p1.jsonl"), 32, seed=1)
+    p2 = syn.write_rl_prompts_jsonl(str(tmp_path / "p2.jsonl"), 32, seed=1)
+    assert digest(p1) == digest(p2)
+    rows = [json.loads(x) for x in open(p1)]
+    assert len({r["id"] for r in rows}) == 32 and all(r["task"] == "math" for r in rows)
+    held = [json.loads(x) for x in open(syn.write_rl_prompts_jsonl(str(tmp_path / "h.jsonl"), None, split="heldout"))]
+    assert len(held) == len(syn.problems("heldout")) and len({r["id"] for r in held}) == len(held)
+    # more prompts than the side holds: another pass, ids stay unique
+    many = [json.loads(x) for x in open(syn.write_rl_prompts_jsonl(str(tmp_path / "m.jsonl"), 600, split="heldout"))]
+    assert len({r["id"] for r in many}) == 600
+
+
+def test_bad_task_and_split_are_refused():
+    with pytest.raises(ValueError, match="split"):
+        syn.problems("test")
+    with pytest.raises(ValueError, match="ChainTask"):
+        syn.ChainTask(terms=1)
