@@ -7,16 +7,9 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
@@ -35,7 +28,9 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # the rendezvous store is the parent's (see run_distributed): connect to it as a client
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Pickled here, with plain pickle: an unpicklable result fails in this rank with its
         # traceback (not silently in the queue's feeder thread), and tensors travel as bytes
@@ -57,9 +52,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend:
     ``fn`` must be a module-level function (it is pickled). Returns the per-rank return values
     (which must be picklable). Raises RuntimeError with the failing rank's traceback.
     """
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    # The rendezvous store listens in this process, on a port the OS picks at bind and that stays
+    # held until the ranks are done. (A port found free, released, then bound by rank 0 seconds
+    # later, after spawning and imports, could meanwhile be taken by another process.)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=False)
         for r in range(world_size)
