@@ -1424,7 +1424,7 @@ class EmbeddedHTTPEngine(SGLangEngine):
                                        f"log {log_path}:\n{_tail(log_path)}")
                 time.sleep(0.1)
         except BaseException:
-            _stop(proc)
+            stop_process(proc)
             raise
         engine._process, engine._workdir = proc, workdir
         return engine
@@ -1432,15 +1432,23 @@ class EmbeddedHTTPEngine(SGLangEngine):
     def close(self) -> None:
         """Stop the server if :meth:`launch` started it."""
         if self._process is not None:
-            _stop(self._process)
+            stop_process(self._process)
             self._process = None
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
 
 
-def _stop(proc, timeout: float = 10.0) -> None:
+def stop_process(proc, timeout: float = 10.0) -> None:
+    """Terminate ``proc`` (SIGCONT first: a stopped process ignores SIGTERM until continued), then
+    kill it if it has not exited within ``timeout`` seconds."""
     if proc.poll() is None:
+        import signal
+
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         proc.terminate()
         try:
             proc.wait(timeout=timeout)

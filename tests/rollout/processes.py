@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,16 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)  # a stopped process ignores SIGTERM until continued
-        proc.terminate()
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
+from megatron_klear.rollout.embedded_http import stop_process as stop  # noqa: E402
 
 
 def _get_json(url: str, timeout: float = 2.0):
