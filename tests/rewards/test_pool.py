@@ -193,7 +193,7 @@ def test_close_cancels_pending():
             "tests": {"inputs": [""], "outputs": ["1"]}}
     futs = [p.submit(slow) for _ in range(5)]
     deadline = time.monotonic() + 30
-    while not futs[0].running():  # the worker took the first (a fixed sleep could lose that race)
+    while not (futs[0].running() or futs[0].done()):  # the worker took it (a fixed sleep could lose that race)
         assert time.monotonic() < deadline, "the dispatcher did not start the first item"
         time.sleep(0.005)
     p.close(cancel_pending=True)
