@@ -110,7 +110,5 @@ def test_algos_benchmark_quick(quick_demo, tmp_path):
         assert v["seeds"] == 1 and v["steps"][0] == 0 and len(v["mean"]) == len(v["steps"]) >= 2
     table = (out / "results.md").read_text()
     assert "| GPPO |" in table and "| CISPO |" in table
-    for name in ("heldout_algos", "heldout_nll", "entropy", "clip_frac_high"):
-        if name == "heldout_nll":
-            continue  # --quick runs no alpha = 0 variant
+    for name in ("heldout_algos", "heldout_nll", "entropy", "clip_frac_high", "clip_frac_low"):
         _png(str(out / "plots" / f"{name}.png"))
