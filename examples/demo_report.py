@@ -104,7 +104,11 @@ def write_report(out: str, summary: dict, plots: dict, commands: list) -> str:
         f"for {s['rl_oversample']}, groups without reward spread dropped), mini-batches of "
         f"{s['rl_mini_batch_prompts']} prompts, lr {s['rl_lr']:g} constant (a tiny model moves far less per step "
         f"than the paper's 8B at 1e-6), alpha = {s['rl_nll_coef']:g} NLL on correct rollouts, eps 0.2 / 0.28, dual "
-        "clip 10, embedded rollout engine at temperature 1.0, TP=2.",
+        "clip 10, embedded rollout engine at temperature 1.0, TP=2."
+        + (" One optimizer step per RL step on all the responses: the update is on-policy, the importance ratio "
+           "is 1 and no token is clipped (the clip fractions are 0 by construction); `benchmarks/algos.py` "
+           "compares the clipping rules with off-policy mini-batches." if s["rl_mini_batch_prompts"] >= s["rl_prompts_per_step"]
+           else ""),
         "",
         "Commands:",
         "",
