@@ -131,10 +131,11 @@ def run_all(args, settings, files) -> list:
             with open(os.path.join(args.out, "runs", f"{v}-s{seed}.json")) as f:
                 results.append(json.load(f))
             done, total = len(results), len(results) + len(running) + len(jobs)
-            rate = (time.time() - t0) / done
+            from megatron_klear.utils.progress import format_seconds
+
+            eta = (total - done) * (time.time() - t0) / done  # runs finish at this rate, side by side
             print(f"  {v} seed {seed}: held-out avg@8 {results[-1]['heldout_curve'][0][1]:.1f}% -> "
-                  f"{results[-1]['heldout_curve'][-1][1]:.1f}%  [{done}/{total} runs, ETA "
-                  f"{(total - done) * rate / max(1, min(args.parallel, total - done) if total > done else 1):.0f}s]",
+                  f"{results[-1]['heldout_curve'][-1][1]:.1f}%  [{done}/{total} runs, ETA {format_seconds(eta)}]",
                   flush=True)
     return results
 
