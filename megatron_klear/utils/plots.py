@@ -41,6 +41,9 @@ def _figure(title: str, xlabel: str, ylabel: str | None):
     if ylabel:
         ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
     return fig, ax
 
 
@@ -69,7 +72,8 @@ def band_chart(path: str, series: dict, *, title: str, xlabel: str = "step", yla
     return _save(fig, path)
 
 
-def bar_chart(path: str, groups: dict, *, title: str, ylabel: str | None = None, value_format: str = "{:.1f}") -> str:
+def bar_chart(path: str, groups: dict, *, title: str, ylabel: str | None = None, value_format: str = "{:.1f}",
+              ylim: tuple | None = None) -> str:
     """``groups``: group label -> {bar label -> value}: bars side by side per group, values written
     on the bars (e.g. {"avg@8": {"SFT": 31.2, "SFT + GPPO": 52.0}, "greedy": {...}})."""
     plt = _pyplot()
@@ -89,7 +93,10 @@ def bar_chart(path: str, groups: dict, *, title: str, ylabel: str | None = None,
                         va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(list(groups))
-    ax.margins(y=0.15)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    else:
+        ax.margins(y=0.15)
     if len(bars) > 1:
         ax.legend(fontsize=8)
     return _save(fig, path)
