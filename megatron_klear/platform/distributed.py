@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -75,12 +74,6 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(timeout_minutes: int = 30) -> None:
     """Start torch.distributed if it is not running yet (idempotent)."""
     if dist.is_initialized():
@@ -88,14 +81,15 @@ def init_distributed(timeout_minutes: int = 30) -> None:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" not in os.environ:  # plain `python`: a world of one
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(
-        backend="nccl" if use_cuda else "gloo",
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-    )
+    backend = "nccl" if use_cuda else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:
+        # plain `python`: a world of one, rendezvous in memory. No port is opened and os.environ is left
+        # alone: a RANK/MASTER_PORT written here would be inherited by every subprocess this process
+        # starts (a torchrun job, a tool), which would then try to join or re-bind this process's store.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def init_parallel(parallel: ParallelConfig | None = None, seed: int = 1234) -> None:

@@ -5,10 +5,15 @@ Each test spawns fresh gloo processes (Megatron's parallel state is process-glob
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.distributed.helper import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TOL = 1e-4
 
@@ -232,3 +237,28 @@ def test_fp8_without_transformer_engine_is_refused():
         with pytest.raises(ImportError, match=r"megatron-klear\[gpu\]"):
             resolve_backend(opts)
     assert resolve_backend(ModelOptions()) == "local"
+
+
+def test_a_world_of_one_leaves_the_environment_to_its_children(tmp_path):
+    # A plain `python` process that starts torch.distributed (a tool, a test, the demo's parent) must
+    # neither publish RANK/MASTER_PORT in os.environ nor hold a TCP store a child would then try to join
+    # or re-bind: the quick demo once died with EADDRINUSE because an earlier in-process world of one
+    # had leaked MASTER_PORT into the environment its subprocesses inherited.
+    script = tmp_path / "one.py"
+    script.write_text(
+        "import os, subprocess, sys\n"
+        "from megatron_klear.platform.distributed import init_parallel\n"
+        "init_parallel()\n"
+        "leaked = sorted(k for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT') if k in os.environ)\n"
+        "assert not leaked, leaked\n"
+        "if len(sys.argv) == 1:\n"
+        "    subprocess.run([sys.executable, __file__, 'child'], check=True)\n"
+        "import torch, torch.distributed as dist\n"
+        "t = torch.ones(3)\n"
+        "dist.all_reduce(t)\n"
+        "assert t.tolist() == [1.0, 1.0, 1.0] and dist.get_world_size() == 1\n"
+        "print('ok', sys.argv[1:])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["ok ['child']", "ok []"]

@@ -51,7 +51,7 @@ def _loop(script, **rl):
 
     loop.rollout = rollout
     loop.actor = SimpleNamespace(update=lambda samples: loop.trained.append(samples) or {"actor/loss": 0.5})
-    loop.sync_weights = lambda: None
+    loop.sync_weights, loop.sync_metrics = (lambda: None), {}
     loop.state = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 1e-6}]))
     return loop
 
