@@ -458,6 +458,24 @@ def _wait_steps(engine, steps, timeout=30):
     assert engine.decode_steps >= steps
 
 
+def _hold_until_paused(monkeypatch, engine, server, after_steps, timeout=60):
+    """From forward number ``after_steps`` on, the engine waits for /pause_generation to arrive before
+    each forward: a short request cannot finish before the test pauses it, however slow the machine
+    (without this, a loaded CI machine could run all its tokens between two lines of the test)."""
+    forward, scheduler, seen = engine._forward, server.state.scheduler, []
+
+    def held_forward(*args, **kwargs):
+        deadline = time.monotonic() + timeout
+        while not seen and engine.decode_steps >= after_steps and time.monotonic() < deadline:
+            if scheduler.paused is not None:
+                seen.append(True)  # paused once: from now on (continue included) forwards run freely
+            else:
+                time.sleep(0.002)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", held_forward)
+
+
 def test_health_answers_during_generation_and_abort_request_ends_it(control_server):
     engine, url, server = control_server
     start = engine.decode_steps
@@ -496,13 +514,14 @@ def test_pause_abort_ends_running_requests_and_holds_new_ones(control_server):
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_pause_holds_running_requests_and_continue_resumes_them(control_server, other_hf, mode):
+def test_pause_holds_running_requests_and_continue_resumes_them(control_server, other_hf, mode, monkeypatch):
     engine, url, server = control_server
     body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "sampling_seed": 11},
             "return_logprob": True}
     want = engine.generate_requests([PromptRequest(PROMPTS[2], SamplingParams(max_new_tokens=200), [sample_seed(11, 0, 0)],
                                                    ignore_eos=True)])[0][0]
     start = engine.decode_steps
+    _hold_until_paused(monkeypatch, engine, server, start + 3)
     running = _start(url, body)
     _wait_steps(engine, start + 3)
     assert _post(url + "/pause_generation", {"mode": mode})[0] == 200
@@ -536,9 +555,10 @@ def test_abort_while_paused_answers_at_once(control_server):
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and engine.decode_steps == held
 
 
-def test_weights_update_while_paused_in_place(control_server, other_hf):
+def test_weights_update_while_paused_in_place(control_server, other_hf, monkeypatch):
     engine, url, server = control_server
     start = engine.decode_steps
+    _hold_until_paused(monkeypatch, engine, server, start + 3)
     running = _start(url, {"input_ids": PROMPTS[0], "sampling_params": {**LONG, "max_new_tokens": 150}})
     _wait_steps(engine, start + 3)
     assert _post(url + "/pause_generation", {"mode": "in_place"})[0] == 200
