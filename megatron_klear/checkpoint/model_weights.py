@@ -155,7 +155,8 @@ def _default_expert_groups(m):
     return parallel_state.get_expert_model_parallel_group(), parallel_state.get_expert_tensor_parallel_group()
 
 
-def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_group="auto", tp_to=None):
+def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_group="auto", tp_to=None,
+                    experts_only: bool = False):
     """Yield (hf_name, full tensor) for this pipeline stage's parameters.
 
     Every TP rank of the stage must call it (TP shards are all-gathered); the tied output layer of
@@ -165,12 +166,16 @@ def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_g
     every rank of the stage, whatever its data-parallel rank; each yields every expert.
     ``tp_to`` (a rank of ``tp_group``): only that rank yields; the other TP ranks send it their
     shards and yield nothing (for a consumer on one rank: export, weight sync).
+    ``experts_only``: take part in the experts' all-gathers only, yield nothing (a rank outside the
+    consumer's TP group whose expert-parallel peers are in it: Megatron spreads an EP group over
+    data-parallel ranks).
     """
     import re
 
     import torch.distributed as dist
 
-    yields = tp_to is None or tp_group is None or _group_size(tp_group) == 1 or dist.get_rank(tp_group) == tp_to
+    yields = not experts_only and (tp_to is None or tp_group is None or _group_size(tp_group) == 1
+                                   or dist.get_rank(tp_group) == tp_to)
     for chunk in model_chunks:
         m = unwrap(chunk)
         rules = rules_by_megatron(m.arch)
@@ -186,6 +191,8 @@ def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_g
             seen.add(cname)
             rule = rules[cname]
             if not rule.expert:
+                if experts_only:
+                    continue
                 full = gather_tp(rule, param.detach(), tp_group, to=tp_to)
                 if full is not None:
                     yield from zip(rule.hf, to_hf(rule, full, m.arch))

@@ -540,9 +540,12 @@ class EmbeddedEngine(RolloutEngine):
                 self._apply_weights(named_tensors, copy=True, require_all=False)
             else:
                 params = dict(self.model.named_parameters())  # a tied lm_head is the embedding: absent
+                slices = self._weight_targets()
                 for name, tensor in named_tensors:
                     param = params.get(name)
                     if param is None:
+                        if name in slices:  # an expert's slice of a fused parameter: copied into
+                            slices[name].copy_(tensor)
                         continue
                     tensor = tensor.to(device=param.device, dtype=param.dtype)
                     if tensor.is_contiguous() and tensor.shape == param.shape:
@@ -571,8 +574,29 @@ class EmbeddedEngine(RolloutEngine):
                 out[name] = hashlib.sha256(data).hexdigest()[:16]
         return out
 
+    def _weight_targets(self) -> dict:
+        """{HF checkpoint name: the parameter, or the slice of one, that it loads into}. transformers
+        keeps a MoE layer's experts fused (``mlp.experts.gate_up_proj`` [E, 2I, H] with gate rows
+        then up rows, ``mlp.experts.down_proj`` [E, H, I]); checkpoints, SGLang and the trainer's
+        weight sync name them one tensor per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``).
+        Call under ``torch.no_grad()`` (the slices are views that are copied into)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            prefix, _, kind = name.rpartition(".experts.")
+            if prefix and kind in ("gate_up_proj", "down_proj") and p.dim() == 3:
+                half = p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    base = f"{prefix}.experts.{e}."
+                    if kind == "gate_up_proj":
+                        out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = p[e, :half], p[e, half:]
+                    else:
+                        out[base + "down_proj.weight"] = p[e]
+            else:
+                out[name] = p
+        return out
+
     def _apply_weights(self, named_tensors, *, copy: bool, require_all: bool = True) -> None:
-        params = dict(self.model.named_parameters())
+        params = self._weight_targets()
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False)) and "lm_head.weight" not in params
         seen, tied_head, copied = set(), None, False
         try:

@@ -3,7 +3,10 @@
 Three paths, all collective (every trainer rank calls them), all fed by
 :func:`megatron_klear.checkpoint.model_weights.iter_hf_tensors`: in each pipeline stage's replica
 ``(dp=0, cp=0)`` the TP peers send their shards to the stage leader (``tp=0``; point to point:
-with gloo ~8x faster per byte than an all-gather), which turns them into HF-named full tensors.
+with gloo ~8x faster per byte than an all-gather), which turns them into HF-named full tensors. In a
+MoE model with EP > 1 the experts are all-gathered over their expert groups, which Megatron lays
+over the data-parallel ranks: the leader's EP peers in other replicas take part too
+(:func:`stage_leaders`), and only the leader yields.
 
 - :func:`sync_weights` (the in-process embedded engine): the stage leaders (``tp=0``) send the
   tensors to global rank 0, which streams them into the engine one tensor at a time.
@@ -15,6 +18,8 @@ with gloo ~8x faster per byte than an all-gather), which turns them into HF-name
   on CPU); global rank 0 drives the servers over HTTP. No file, and no stage funnels through rank 0.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,40 +36,26 @@ def iter_model_hf_weights(model_chunks):
     on every other rank, yields nothing (but must be iterated to the end)."""
     from megatron_klear.checkpoint.model_weights import iter_hf_tensors
 
-    ps = _groups()
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         yield from iter_hf_tensors(model_chunks)
         return
     rank = dist.get_rank()
-    pp_size = ps.get_pipeline_model_parallel_world_size()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-    tp_group = ps.get_tensor_model_parallel_group()
-    is_leader = first_replica and ps.get_tensor_model_parallel_rank() == 0
     from megatron_klear.platform import comm_device
 
     dev = comm_device()
-    # global rank of each stage's leader, known to everyone
-    leader = torch.tensor([rank if is_leader else -1], dtype=torch.int64, device=dev)
-    leaders = [torch.zeros_like(leader) for _ in range(world)]
-    dist.all_gather(leaders, leader)
-    stage_of = torch.tensor([pp_rank], dtype=torch.int64, device=dev)
-    stages = [torch.zeros_like(stage_of) for _ in range(world)]
-    dist.all_gather(stages, stage_of)
-    stage_leader = {int(s): int(r) for r, s in zip(leaders, stages) if int(r) >= 0}
-    assert len(stage_leader) == pp_size, stage_leader
-
-    for stage in range(pp_size):
-        src = stage_leader[stage]
-        mine = first_replica and pp_rank == stage
-        # the stage leader (TP rank 0) gets the full tensors; its TP peers send it their shards
-        tensors = iter_hf_tensors(model_chunks, tp_group=tp_group, tp_to=0) if mine else iter(())
+    leaders, part = stage_leaders()
+    for stage in sorted(leaders):
+        src = leaders[stage]
+        mine = part is not None and part.stage == stage
+        # the stage leader (TP rank 0) gets the full tensors; its TP peers send it their shards and
+        # the EP peers take part in gathering the experts
+        tensors = iter_stage_hf_tensors(model_chunks, part) if mine else iter(())
         if src == 0:
             if rank == 0:
                 yield from tensors
             else:
-                for _ in tensors:  # TP peers of rank 0 send it their shards
+                for _ in tensors:  # rank 0's TP / EP peers
                     pass
             continue
         # The stage lives elsewhere: its leader sends (header, tensor) pairs to rank 0.
@@ -133,12 +124,23 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+class StagePart(NamedTuple):
+    """A rank's part in producing its pipeline stage's HF tensors (:func:`stage_leaders`)."""
+
+    stage: int
+    experts_only: bool  # an EP peer outside the leader's replica: it helps gather the experts only
+
+
 def stage_leaders():
-    """Collective. ``(leaders, mine)``: ``leaders[s]`` = global rank of pipeline stage ``s``'s leader
-    (``tp=0`` of the replica ``dp=0, cp=0``), and ``mine`` = this rank's stage when it belongs to
-    that replica (it takes part in gathering the stage's TP shards), else None."""
+    """Collective. ``(leaders, part)``: ``leaders[s]`` = global rank of pipeline stage ``s``'s leader
+    (``tp=0`` of the replica ``dp=0, cp=0``), and ``part`` = this rank's :class:`StagePart` when it
+    takes part in producing its stage's tensors, else None: every rank of that replica (its TP
+    shards go to the leader) and, in a MoE model, every rank of an expert group (ETP x EP) holding
+    one of them -- Megatron lays expert parallelism over the data-parallel ranks, so the experts
+    of the leader's replica live on ranks of other replicas, and each expert is all-gathered over
+    its group (:func:`~megatron_klear.checkpoint.model_weights.iter_hf_tensors`)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {0: 0}, 0
+        return {0: 0}, StagePart(0, False)
     from megatron_klear.platform import comm_device
 
     ps = _groups()
@@ -147,12 +149,31 @@ def stage_leaders():
     first_replica = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
     is_leader = first_replica and ps.get_tensor_model_parallel_rank() == 0
     dev = comm_device()
+    expert_peer = False
+    if ps.get_expert_tensor_and_model_parallel_world_size() > 1:  # the same size on every rank
+        flag = torch.tensor([int(first_replica)], dtype=torch.int64, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ps.get_expert_tensor_and_model_parallel_group())
+        expert_peer = bool(flag.item()) and not first_replica
     mine = torch.tensor([rank if is_leader else -1, pp_rank], dtype=torch.int64, device=dev)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     leaders = {int(t[1]): int(t[0]) for t in every if int(t[0]) >= 0}
     assert len(leaders) == ps.get_pipeline_model_parallel_world_size(), leaders
-    return leaders, (pp_rank if first_replica else None)
+    part = StagePart(pp_rank, expert_peer) if first_replica or expert_peer else None
+    return leaders, part
+
+
+def iter_stage_hf_tensors(model_chunks, part):
+    """This rank's part (a :class:`StagePart`, or None: nothing) in producing its stage's HF
+    tensors: the stage leader (TP rank 0) yields them; its TP peers send it their shards, the EP
+    peers take part in gathering the experts, and both iterate to the end yielding nothing."""
+    from megatron_klear.checkpoint.model_weights import iter_hf_tensors
+
+    if part is None:
+        return iter(())
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    tp_group = _groups().get_tensor_model_parallel_group() if multi else None
+    return iter_hf_tensors(model_chunks, tp_group=tp_group, tp_to=0, experts_only=part.experts_only)
 
 
 def route_address(url: str) -> str:
@@ -248,7 +269,7 @@ class DistributedWeightSync:
         self.load_format = load_format
         self.pg = None  # on stage leaders, once connected
         self.connected = False
-        self.leaders, self.my_stage = None, None
+        self.leaders, self.part = None, None
         self.stats = {}  # of the last sync: bytes, buckets, seconds
         self._started = None  # rank 0: the future of the servers' pause + begin of the current sync
 
@@ -291,18 +312,13 @@ class DistributedWeightSync:
     def _name(self, stage: int) -> str:
         return self.group_name if len(self.leaders) == 1 else f"{self.group_name}_stage{stage}"
 
-    def _tp_group(self):
-        if not self._multi():
-            return None
-        return _groups().get_tensor_model_parallel_group()
-
     # -- groups ---------------------------------------------------------------------------------------
     def connect(self) -> None:
         """Collective: create the update groups with every server (see the class docstring)."""
         from megatron_klear.rollout.update_group import PortInUseError, join_update_group, open_master_store, set_group_timeout
 
         rank = self._rank()
-        self.leaders, self.my_stage = stage_leaders()
+        self.leaders, self.part = stage_leaders()
         assert self.leaders[0] == 0, "global rank 0 must lead pipeline stage 0"
         plan = None
         if rank == 0:
@@ -447,8 +463,8 @@ class DistributedWeightSync:
                 err = self._send_stage(stage, totals)
                 if leader != 0:
                     self._send(("end", (err, totals)), 0)
-            elif self.my_stage == stage:  # TP peers of the leader: send it their shards
-                for _ in iter_hf_tensors_of(self.model_chunks, self._tp_group()):
+            elif self.part is not None and self.part.stage == stage:  # the leader's TP and EP peers
+                for _ in iter_stage_hf_tensors(self.model_chunks, self.part):
                     pass
             if rank == 0 and leader != 0:
                 err = self._coordinate(stage, totals)
@@ -555,7 +571,7 @@ class DistributedWeightSync:
             return None
 
         try:
-            for bucket in iter_buckets(iter_hf_tensors_of(self.model_chunks, self._tp_group()), self.bucket_bytes):
+            for bucket in iter_buckets(iter_stage_hf_tensors(self.model_chunks, self.part), self.bucket_bytes):
                 if error is not None:
                     continue
                 if flattened:  # one broadcast of the bucket's bytes back to back
@@ -581,10 +597,3 @@ class DistributedWeightSync:
                 pool.shutdown(wait=True)
         return error
 
-
-def iter_hf_tensors_of(model_chunks, tp_group):
-    """The stage's HF tensors on its leader (TP rank 0); its TP peers send it their shards (and
-    iterate to the end, yielding nothing)."""
-    from megatron_klear.checkpoint.model_weights import iter_hf_tensors
-
-    return iter_hf_tensors(model_chunks, tp_group=tp_group, tp_to=0)

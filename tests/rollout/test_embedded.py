@@ -254,3 +254,35 @@ def test_generate_requests_mixes_parameters_and_reports_each_prompt(engine):
         alone = engine.generate_with_seeds([r.prompt], r.params, [r.seeds])[0]
         assert [c.token_ids for c in alone] == [c.token_ids for c in out[i]]
         assert [c.finish_reason for c in alone] == [c.finish_reason for c in out[i]]
+
+
+def test_update_weights_of_a_moe_model_by_per_expert_names(tmp_path):
+    """transformers fuses a MoE layer's experts into [E, 2I, H] / [E, H, I] parameters; weights
+    arrive (checkpoints, SGLang's protocol, the trainer's sync) one tensor per expert."""
+    from megatron_klear.models.tiny import make_tiny_qwen3_moe
+
+    a = make_tiny_qwen3_moe(str(tmp_path / "a"), seed=1, num_layers=3, mlp_only_layers=(1,))
+    b = make_tiny_qwen3_moe(str(tmp_path / "b"), seed=2, num_layers=3, mlp_only_layers=(1,))
+    eng, other = EmbeddedEngine.from_pretrained(a), EmbeddedEngine.from_pretrained(b)
+    want = other.checksums()
+    assert eng.checksums() != want
+    tensors = _tensors(b)
+    assert "model.layers.2.mlp.experts.7.up_proj.weight" in tensors
+    fused = dict(eng.model.named_parameters())["model.layers.2.mlp.experts.gate_up_proj"]
+    eng.update_weights(tensors.items(), version=1)
+    assert eng.checksums() == want  # every expert's slice in place, as transformers' own loader puts it
+    assert torch.equal(fused[7, 40:], tensors["model.layers.2.mlp.experts.7.up_proj.weight"])
+    params = SamplingParams(top_k=1, max_new_tokens=6)
+    assert eng.generate(PROMPTS, params) == other.generate(PROMPTS, params)
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.0.mlp.experts.3.down_proj.weight"}
+    with pytest.raises(WeightUpdateError, match=r"1 parameter\(s\) not given: model.layers.0.mlp.experts.3.down_proj"):
+        eng.update_weights(missing.items())
+    eng.load_weights_from_dir(a)
+    assert eng.checksums() == EmbeddedEngine.from_pretrained(a).checksums()
+    # a partial update by name (the HTTP server's session commit, adopting what it received)
+    gate = tensors["model.layers.0.mlp.experts.5.gate_proj.weight"].clone()
+    eng.load_named_weights({"model.layers.0.mlp.experts.5.gate_proj.weight": gate}, adopt=True)
+    layer0 = dict(eng.model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(layer0[5, :40], gate)
+    assert torch.equal(layer0[4], dict(EmbeddedEngine.from_pretrained(a).model.named_parameters())[
+        "model.layers.0.mlp.experts.gate_up_proj"][4])
