@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -459,20 +460,23 @@ def _wait_steps(engine, steps, timeout=30):
 
 
 def _hold_until_paused(monkeypatch, engine, server, after_steps, timeout=60):
-    """From forward number ``after_steps`` on, the engine waits for /pause_generation to arrive before
-    each forward: a short request cannot finish before the test pauses it, however slow the machine
-    (without this, a loaded CI machine could run all its tokens between two lines of the test)."""
-    forward, scheduler, seen = engine._forward, server.state.scheduler, []
+    """From forward number ``after_steps`` on, the engine waits for /pause_generation to have arrived
+    before each forward: a short request cannot finish before the test pauses it, however slow the
+    machine (without this, a loaded CI machine could run all its tokens between two lines of the
+    test). Once the pause has arrived, forwards run freely (after continue too)."""
+    forward, scheduler, pause_arrived = engine._forward, server.state.scheduler, threading.Event()
+    pause = scheduler.pause
+
+    def recorded_pause(mode):
+        pause_arrived.set()
+        return pause(mode)
 
     def held_forward(*args, **kwargs):
-        deadline = time.monotonic() + timeout
-        while not seen and engine.decode_steps >= after_steps and time.monotonic() < deadline:
-            if scheduler.paused is not None:
-                seen.append(True)  # paused once: from now on (continue included) forwards run freely
-            else:
-                time.sleep(0.002)
+        if engine.decode_steps >= after_steps:
+            pause_arrived.wait(timeout)
         return forward(*args, **kwargs)
 
+    monkeypatch.setattr(scheduler, "pause", recorded_pause)
     monkeypatch.setattr(engine, "_forward", held_forward)
 
 
