@@ -3,16 +3,17 @@ the stage leader (dp=0) holds half of the experts and its EP peer (dp=1) the oth
 from the trainer to a rollout engine -- the in-process stream (``sync_weights``), the HF checkpoint
 written for ``rollout.weight_sync=disk`` and SGLang's distributed update into an embedded server --
 must deliver every expert, bit-identical to the checkpoint the trainer loaded (the one-process
-model's tensors); the server then holds what transformers' own loader makes of that checkpoint."""
+model's tensors); the server then holds what transformers' own loader makes of that checkpoint. At
+PP=2 x EP=2 (4 processes, slow) the second stage's leader sends to rank 0 while its EP peer helps."""
 import pytest
 
 from tests.distributed.helper import run_distributed
 from tests.distributed.test_weight_sync import RecordingEngine
 
-LAYERS, EXPERTS = 3, 8  # layer 1 dense (mlp_only_layers)
+LAYERS, EXPERTS = 4, 8  # layer 1 dense (mlp_only_layers)
 
 
-def _sync_at_ep2(rank, world, model_dir, out_dir, url):
+def _sync_at_ep2(rank, world, model_dir, overrides, out_dir, url):
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
@@ -21,10 +22,10 @@ def _sync_at_ep2(rank, world, model_dir, out_dir, url):
 
     from megatron.core import parallel_state as ps
 
-    cfg = load_config(None, [f"model.path={model_dir}", "parallel.ep=2"])
+    cfg = load_config(None, [f"model.path={model_dir}", *overrides])
     init_parallel(cfg.parallel)
     state = build_training_state(cfg, total_steps=1)
-    layout = (ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank())
+    layout = (ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank())
     engine = RecordingEngine()
     sync_weights(state.model, engine)
     written = export_hf_for_engine(state.model, state.arch, out_dir, tokenizer_dir=model_dir)
@@ -47,7 +48,10 @@ def models(tmp_path_factory):
             "b": make_tiny_qwen3_moe(str(root / "b"), seed=32, **kw)}  # the trainer's weights
 
 
-def test_every_expert_reaches_the_engines_at_ep2(models, tmp_path):
+@pytest.mark.parametrize("world,overrides", [
+    (2, ["parallel.ep=2"]),
+    pytest.param(4, ["parallel.pp=2", "parallel.ep=2"], marks=pytest.mark.slow)], ids=["ep2", "pp2xep2"])
+def test_every_expert_reaches_the_engines_at_ep2(models, tmp_path, world, overrides):
     import httpx
     import torch
 
@@ -64,9 +68,10 @@ def test_every_expert_reaches_the_engines_at_ep2(models, tmp_path):
         want = EmbeddedEngine.from_pretrained(models["b"]).checksums()  # transformers' loader, one process
         assert checksums() != want
         exported = str(tmp_path / "exported")
-        out = run_distributed(_sync_at_ep2, 2, models["b"], exported, server.url, timeout=240)
-        # the layout under test: the two EP ranks are the two data-parallel replicas
-        assert [r["layout"] for r in out] == [(0, 0), (1, 1)]
+        out = run_distributed(_sync_at_ep2, world, models["b"], overrides, exported, server.url, timeout=300)
+        # the layout under test: in each stage, the two EP ranks are the two data-parallel replicas
+        for stage in range(world // 2):
+            assert sorted(r["layout"][1:] for r in out if r["layout"][0] == stage) == [(0, 0), (1, 1)]
         ref = HFReader(models["b"])
         experts = {k for k in ref.keys() if ".mlp.experts." in k}
         assert len(experts) == (LAYERS - 1) * EXPERTS * 3  # the reference itself has every expert
@@ -76,7 +81,7 @@ def test_every_expert_reaches_the_engines_at_ep2(models, tmp_path):
         for k in ref.keys():
             assert torch.equal(got[k], ref.get(k)), k
         # rollout.weight_sync=disk: the checkpoint written, and what a server loads from it
-        assert out[0]["written"] == exported and out[1]["written"] is None
+        assert out[0]["written"] == exported and all(r["written"] is None for r in out[1:])
         disk = HFReader(exported)
         assert disk.keys() == ref.keys(), sorted(disk.keys() ^ ref.keys())[:5]
         for k in ref.keys():
