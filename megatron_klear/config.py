@@ -222,6 +222,10 @@ class RolloutConfig:
     # (0: only those two; -1: never); verify_tolerance 0: by dtype (rl/verify.py).
     verify_interval: int = 10
     verify_tolerance: float = 0.0
+    # MoE models: the trainer's old-log-prob pass routes each token to the experts the engine chose
+    # (Megatron-Core's RouterReplay), so that routing differences do not enter the old log-probs.
+    # The embedded engine only (SGLang's return_routed_experts is not wired); CP = 1.
+    router_replay: bool = False
 
     def validate(self):
         if self.engine not in ("embedded", "http"):
@@ -245,6 +249,9 @@ class RolloutConfig:
             raise ConfigError(f"rollout.sync_backend must be auto, nccl or gloo, got {self.sync_backend!r}")
         if not 0 <= self.sync_master_port < 65536:
             raise ConfigError(f"rollout.sync_master_port must be a port number (0: a free one), got {self.sync_master_port}")
+        if self.router_replay and self.engine != "embedded":
+            raise ConfigError("rollout.router_replay needs rollout.engine=embedded (it returns the experts it routed "
+                              "each token to; SGLang's return_routed_experts is not wired yet)")
         if self.verify_interval < -1 or self.verify_tolerance < 0:
             raise ConfigError("rollout.verify_interval must be >= -1 and rollout.verify_tolerance >= 0")
 
@@ -276,6 +283,9 @@ class JobConfig:
 
     def _validate_across_sections(self):
         p = self.parallel
+        if self.rollout.router_replay and p.cp > 1:
+            raise ConfigError("rollout.router_replay is not supported with parallel.cp > 1 (the engine's expert "
+                              "choices are not split over CP ranks)")
         if p.cp > 1 and self.rl.agg == "seq_mean_token_mean":
             # each CP rank sees only part of every sequence, so per-sequence means are not local
             raise ConfigError("rl.agg=seq_mean_token_mean is not supported with parallel.cp > 1 "

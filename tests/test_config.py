@@ -62,3 +62,13 @@ def test_bad_overrides():
 def test_checks_across_sections(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.router_replay=true", "rollout.engine=http", "rollout.urls=[http://x:1]"], "needs rollout.engine=embedded"),
+    (["rollout.router_replay=true", "parallel.cp=2"], "not supported with parallel.cp > 1"),
+])
+def test_router_replay_limits_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    assert load_config(None, ["rollout.router_replay=true"]).rollout.router_replay is True

@@ -242,6 +242,8 @@ def moe_kwargs(arch: ModelArch, options: ModelOptions, parallel) -> dict:
         expert_tensor_parallel_size=getattr(parallel, "etp", 1),
         moe_permute_fusion=False,
         moe_router_fusion=False,
+        # a RouterReplay per router (inactive unless told: rollout.router_replay's old-log-prob pass)
+        moe_enable_routing_replay=True,
     )
 
 

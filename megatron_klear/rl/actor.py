@@ -35,8 +35,10 @@ def mini_batch_counts(samples: list, ids: list) -> LossCounts:
 
 
 class Actor:
-    def __init__(self, state, rl_cfg, *, pad_id: int = 0, logprob_chunk_size: int | None = 4096):
+    def __init__(self, state, rl_cfg, *, pad_id: int = 0, logprob_chunk_size: int | None = 4096,
+                 router_replay: bool = False):
         self.state = state
+        self.router_replay = router_replay  # MoE: old log-probs with the engine's expert choices
         self.rl = rl_cfg
         self.pad_id = pad_id
         self.chunk_size = logprob_chunk_size
@@ -61,18 +63,19 @@ class Actor:
             plans.append((mini_batch_counts(samples, ids), mbs))
         return plans
 
-    def _run(self, micro_batches, loss_fn, forward_only):
+    def _run(self, micro_batches, loss_fn, forward_only, before_forward=None):
         return run_micro_batches(
             self.state.model, micro_batches, loss_fn, forward_only=forward_only,
             temperature=self.rl.temperature, chunk_size=self.chunk_size,
-            per_token_keys=RL_PER_TOKEN_KEYS, pad_id=self.pad_id,
+            per_token_keys=RL_PER_TOKEN_KEYS, pad_id=self.pad_id, before_forward=before_forward,
         )
 
     # -- old log-probs ----------------------------------------------------------------------------
     @torch.no_grad()
     def recompute_old_logprobs(self, plans) -> None:
         """Log-probs of the current weights, stored in each micro-batch (this rank's CP slice,
-        on the last pipeline stage) before any update."""
+        on the last pipeline stage) before any update. With ``router_replay`` (MoE), micro-batches
+        that carry the engine's ``routed_experts`` are routed to those experts."""
         all_mbs = [mb for _, mbs in plans for mb in mbs]
         for k, mb in enumerate(all_mbs):
             mb["mb_id"] = k
@@ -80,8 +83,17 @@ class Actor:
         def collect(local, logprobs, entropy):
             return logprobs.sum() * 0.0, {"mb_id": local["mb_id"], "logprobs": logprobs.detach().clone()}
 
-        for res in self._run(all_mbs, collect, forward_only=True):
-            all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
+        from megatron_klear.checkpoint.model_weights import unwrap
+
+        replay = self.router_replay and any("routed_experts" in mb for mb in all_mbs)
+        self.replayed_micro_batches = sum("routed_experts" in mb for mb in all_mbs) if replay else 0
+        try:
+            for res in self._run(all_mbs, collect, forward_only=True, before_forward=replay_routing if replay else None):
+                all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
+        finally:
+            if replay:
+                for chunk in self.state.model:
+                    replay_routing({}, unwrap(chunk))  # every router back to its own choice
 
     # -- the update -----------------------------------------------------------------------------------
     def _loss_fn(self, counts: LossCounts):
@@ -175,10 +187,42 @@ class Actor:
             out[f"actor/{k}"] = totals[k] / tokens
         if any("moe_aux_loss" in st for st in steps):
             out["actor/moe_aux_loss"] = sum(st["moe_aux_loss"] for st in steps) / len(steps)
+        if self.router_replay:  # this rank's micro-batches whose old log-probs used the engine's experts
+            out["actor/router_replay_micro_batches"] = float(self.replayed_micro_batches)
         if totals["mismatch_tokens"]:
             out["actor/logprob_mismatch_mean"] = totals["mismatch_abs"] / totals["mismatch_tokens"]
             out["actor/logprob_mismatch_max"] = mismatch_max
         return out
+
+
+def replay_routing(batch: dict, model) -> None:
+    """Before a forward: every MoE router of ``model`` (one unwrapped model chunk) routes each token of
+    ``batch`` to the experts in ``batch["routed_experts"]`` (``[1, row, MoE layers, top_k]``, the
+    engine's choices; Megatron-Core's RouterReplay), or, without that key, chooses itself again."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    for router in routers:
+        router.router_replay.clear_indices()
+        router.router_replay.clear_router_replay_action()
+    if "routed_experts" not in batch or not routers:
+        return
+    if model.config.sequence_parallel or model.config.context_parallel_size > 1:
+        raise NotImplementedError("rollout.router_replay with sequence or context parallelism (the routers see "
+                                  "a slice of the row)")
+    idx = batch["routed_experts"][0]
+    size = batch["tokens"].shape[1]  # the row as the model sees it (it may have been padded)
+    if idx.shape[0] < size:
+        topk = idx.shape[-1]
+        fill = torch.arange(topk, dtype=idx.dtype, device=idx.device).expand(size - idx.shape[0], idx.shape[1], topk)
+        idx = torch.cat([idx, fill])
+    idx = idx[:size]
+    moe_layers = [i for i, m in enumerate(model.arch.moe_layer_pattern) if m]
+    for router in routers:
+        layer = moe_layers.index(router.layer_number - 1)  # layer_number: global, from 1
+        router.router_replay.set_target_indices(idx[:, layer].contiguous())
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
 def _all_max(x: float) -> float:

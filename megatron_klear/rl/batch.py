@@ -35,6 +35,9 @@ class RolloutSample:
     reward: float = 0.0
     finished: bool = True  # ended with EOS
     meta: dict = field(default_factory=dict)
+    # MoE, rollout.router_replay: the engine's experts per token fed to it, int
+    # [len(prompt) + len(response) - 1, MoE layers, top_k] (Completion.routed_experts)
+    routed_experts: object = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -81,7 +84,28 @@ def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to
         rollout_logprobs=torch.from_numpy(rlp).unsqueeze(0),
         has_rollout_logprobs=all(s.rollout_logprobs is not None for s in samples),
     )
+    if samples and all(s.routed_experts is not None for s in samples):
+        row["routed_experts"] = routed_experts_row(samples, size)
     return row
+
+
+def routed_experts_row(samples: list, size: int) -> torch.Tensor:
+    """The engine's experts for a packed row of ``size`` tokens: int64 ``[1, size, MoE layers,
+    top_k]``. Positions the engine never routed (each sample's last token, the padding) get
+    experts 0..top_k-1: their outputs feed no log-prob of the row (causal attention within each
+    segment; the last token's output predicts nothing)."""
+    first = torch.as_tensor(samples[0].routed_experts)
+    layers, topk = first.shape[1:]
+    out = torch.arange(topk, dtype=torch.long).expand(size, layers, topk).clone()
+    off = 0
+    for s in samples:
+        r = torch.as_tensor(s.routed_experts, dtype=torch.long)
+        if tuple(r.shape) != (len(s) - 1, layers, topk):
+            raise ValueError(f"routed_experts of shape {tuple(r.shape)} for a sample of {len(s)} tokens "
+                             f"(expected {(len(s) - 1, layers, topk)})")
+        out[off: off + len(s) - 1] = r
+        off += len(s)
+    return out.unsqueeze(0)
 
 
 def split_mini_batches(samples: list, mini_batch_prompts: int) -> list:

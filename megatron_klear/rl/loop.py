@@ -57,7 +57,9 @@ def make_engine(cfg: JobConfig, model_dir: str):
         from megatron_klear.rollout.embedded import EmbeddedEngine
 
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(r.dtype, r.dtype)
-        return EmbeddedEngine.from_pretrained(model_dir, dtype=dtype)
+        engine = EmbeddedEngine.from_pretrained(model_dir, dtype=dtype)
+        engine.record_routing = r.router_replay  # MoE: report the experts of every token
+        return engine
     from megatron_klear.rollout.sglang import SGLangEngine
 
     return SGLangEngine(
@@ -99,6 +101,7 @@ def build_samples(prompts, completions, grades, cfg: JobConfig):
             prompt_ids=prompts[g].prompt_ids, response_ids=c.token_ids, advantage=float(adv[i]),
             group=kept_groups.index(g), positive=r.solved,
             rollout_logprobs=c.logprobs, reward=r.reward, finished=c.finished,
+            routed_experts=getattr(c, "routed_experts", None),
         ))
     lengths = [len(c.token_ids) for _, c, _ in flat]
     metrics = {
@@ -204,7 +207,13 @@ class RLLoop:
         self.prompts = PromptDataset(rl.prompts, self.tokenizer, max_prompt_length=rl.max_prompt_length,
                                      seed=cfg.train.seed, on_bad_line=rl.on_bad_line)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.actor = Actor(self.state, rl, pad_id=pad, logprob_chunk_size=cfg.train.logprob_chunk_size)
+        if cfg.rollout.router_replay and not self.arch.is_moe:
+            from megatron_klear.config import ConfigError
+
+            raise ConfigError(f"rollout.router_replay is for mixture-of-experts models; {cfg.model.path} is "
+                              f"{self.arch.model_type}")
+        self.actor = Actor(self.state, rl, pad_id=pad, logprob_chunk_size=cfg.train.logprob_chunk_size,
+                           router_replay=cfg.rollout.router_replay)
         self.rl_step = 0
         if resume_from:
             common = self.ckpt.load(self.state, resume_from)

@@ -37,6 +37,9 @@ class Completion:
     token_ids: list  # the response, including the EOS/stop token when it ended on one
     logprobs: list  # one per token of token_ids, under the sampling distribution
     finish_reason: str  # "stop" (EOS / stop token) | "length" (max_new_tokens)
+    # MoE models, when the engine records routing: the experts each token fed to the model was routed
+    # to, int [prompt + response - 1 tokens, MoE layers, top_k] (the last token is never fed)
+    routed_experts: object = None
 
     @property
     def finished(self) -> bool:

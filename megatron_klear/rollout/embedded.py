@@ -216,6 +216,13 @@ class EmbeddedEngine(RolloutEngine):
         self._lock = threading.RLock()
         self._broken = None  # why the weights are inconsistent (a failed update), else None
         self.decode_steps = 0  # forwards run so far (the HTTP server's /health_generate watches it)
+        # MoE models: record the experts each token was routed to (Completion.routed_experts, for
+        # rollout.router_replay); the routers' top-k indices, one [tokens, top_k] per MoE layer
+        self.record_routing = False
+        self._routed = None  # the current forward's indices while recording
+        self._routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        for router in self._routers:
+            router.register_forward_hook(self._record_route)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -373,10 +380,22 @@ class EmbeddedEngine(RolloutEngine):
         except TypeError:  # transformers < 4.56
             return DynamicCache()
 
+    def _record_route(self, module, inputs, output) -> None:
+        if self._routed is not None:
+            self._routed.append(output[2].detach())  # transformers' router: (logits, weights, indices)
+
     def _forward(self, ids, mask, positions, cache, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits of the last position; with ``record_routing``, ``self.last_routing`` = the experts
+        of every position, ``[batch, positions, MoE layers, top_k]``."""
         self.decode_steps += 1
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache})
+        self._routed = [] if self.record_routing and self._routers else None
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache})
+            if self._routed is not None:
+                self.last_routing = torch.stack(self._routed, dim=1).reshape(*ids.shape, len(self._routed), -1).cpu()
+        finally:
+            self._routed = None
         return out.logits[:, -1]
 
     def _prefill(self, seqs: list):
@@ -392,6 +411,8 @@ class EmbeddedEngine(RolloutEngine):
         positions = (mask.cumsum(1) - 1).clamp_(min=0)
         cache = self._new_cache()
         logits = self._forward(ids, mask, positions, cache, logits_to_keep=1)
+        if self.record_routing and self._routers:
+            self.last_routing = [self.last_routing[i, width - len(p):] for i, p in enumerate(seqs)]
         return logits, mask, positions[:, -1:], cache
 
     def _checkpoint(self, control):
@@ -414,6 +435,9 @@ class EmbeddedEngine(RolloutEngine):
         counts = [len(r.seeds) for r in requests]
         prompt_of = [p for p, c in enumerate(counts) for _ in range(c)]  # row -> request (rows prompt-major)
         logits, mask, last_pos, cache = self._prefill([r.prompt for r in requests])
+        recording = self.record_routing and bool(self._routers)
+        # per row: the experts of each token fed to the model so far ([tokens, MoE layers, top_k] pieces)
+        routes = [[self.last_routing[p]] for p in prompt_of] if recording else None
         if any(c != 1 for c in counts):  # repeat each prompt's cache for its samples
             sel = torch.tensor(prompt_of, dtype=torch.long, device=dev)
             cache.batch_select_indices(sel)
@@ -443,7 +467,8 @@ class EmbeddedEngine(RolloutEngine):
             p = prompt_of[r]
             remaining[p] -= 1
             if remaining[p] == 0:
-                done(indices[p], [Completion(token_ids=tokens[q], logprobs=logprobs[q], finish_reason=reasons[q])
+                done(indices[p], [Completion(token_ids=tokens[q], logprobs=logprobs[q], finish_reason=reasons[q],
+                                             routed_experts=torch.cat(routes[q]).to(torch.int16) if recording else None)
                                   for q in range(first_row[p], first_row[p] + counts[p])])
 
         def keep_only(keep):  # drop finished rows from the batch and the cache
@@ -477,6 +502,9 @@ class EmbeddedEngine(RolloutEngine):
                 if retract:  # recompute the KV cache of the running rows with the current weights
                     logits, mask, last_pos, cache = self._prefill(
                         [requests[prompt_of[r]].prompt + tokens[r] for r in active])
+                    if recording:  # routed again, with the current weights
+                        for b, r in enumerate(active):
+                            routes[r] = [self.last_routing[b]]
             uniforms = streams.next(torch.tensor(active, dtype=torch.long))
             groups = {}
             for b, r in enumerate(active):
@@ -504,6 +532,9 @@ class EmbeddedEngine(RolloutEngine):
             mask = torch.cat([mask, mask.new_ones(len(keep), 1)], dim=1)
             last_pos = last_pos + 1
             logits = self._forward(fed, mask, last_pos, cache)
+            if recording:
+                for b, r in enumerate(active):
+                    routes[r].append(self.last_routing[b])
 
     # ---------------------------------------------------------------- weights
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:

@@ -42,6 +42,7 @@ def run_micro_batches(
     chunk_size: int | None = 4096,
     per_token_keys=PER_TOKEN_KEYS_DEFAULT,
     pad_id: int = 0,
+    before_forward=None,
 ) -> list:
     """Run this rank's ``micro_batches`` through the schedule; returns ``loss_fn``'s metrics per
     micro-batch on the last pipeline stage (an empty list elsewhere).
@@ -49,6 +50,8 @@ def run_micro_batches(
     ``loss_fn(batch, logprobs, entropy) -> (loss, metrics)`` sees this rank's (CP-local) slice of
     the micro-batch; ``logprobs``/``entropy`` are float32 ``[1, S_local]`` for ``batch["labels"]``.
     Gradients accumulate in the DDP buffers (call the optimizer afterwards).
+    ``before_forward(batch, model)``: called with the local batch and the unwrapped model chunk
+    before each forward (e.g. to set the routers' replayed experts).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -73,6 +76,8 @@ def run_micro_batches(
             batch, cp_rank=cp_rank, cp_size=cp_size, per_token_keys=per_token_keys, pad_id=pad_id,
             device=dev, total_multiple=total_multiple,
         )
+        if before_forward is not None:
+            before_forward(local, unwrap(chunk))
         output = chunk(local["tokens"], local["position_ids"], None, packed_seq_params=packed)
         head = deferred_head(unwrap(chunk))
 

@@ -41,3 +41,103 @@ def test_moe_actor_update_at_ep2_matches_one_process(moe_dir):
         assert torch.allclose(delta[k], v, atol=2e-4, rtol=0), (k, (delta[k] - v).abs().max())
         moved += ".mlp.experts." in k and float(v.abs().max()) > 1e-3
     assert moved > 24  # most experts received tokens and moved (not a vacuous comparison)
+
+
+# ---- rollout.router_replay: the old-log-prob pass with the engine's expert choices -----------------------
+def _hf_logprobs(model, samples, forced=None):
+    """transformers' log-probs of each response (float64 log-softmax), routing each token to
+    ``forced[i]`` ([tokens, MoE layers, top_k]) when given: the router's own softmax, gathered at the
+    forced experts and renormalised as Qwen3MoeTopKRouter does."""
+    import torch
+    import torch.nn.functional as F
+
+    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    out = []
+    for i, s in enumerate(samples):
+        originals = []
+        for j, router in enumerate(routers):
+            if forced is None:
+                continue
+
+            def forward(hidden, router=router, idx=forced[i][:, j].long()):
+                hidden = hidden.reshape(-1, router.hidden_dim)
+                logits = F.linear(hidden, router.weight)
+                top = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, idx)
+                if router.norm_topk_prob:
+                    top = top / top.sum(dim=-1, keepdim=True)
+                return logits, top.to(logits.dtype), idx
+
+            originals.append((router, router.forward))
+            router.forward = forward
+        try:
+            ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids)[:-1]])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0].double()
+        finally:
+            for router, f in originals:
+                router.forward = f
+        p = len(s.prompt_ids)
+        lp = torch.log_softmax(logits[p - 1:], dim=-1)
+        out.append(lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1))[:, 0])
+    return out
+
+
+def _trainer_old_logprobs(actor, samples):
+    plans = actor.plan(samples)
+    actor.recompute_old_logprobs(plans)
+    got = {}
+    for _, mbs in plans:
+        for mb in mbs:
+            seq, mask = mb["seq_ids"][0], mb["loss_mask"][0]
+            old = mb["old_logprobs_local"][0][: seq.shape[0]].double()
+            for sid in seq[mask > 0].round().long().unique().tolist():
+                got[sid] = old[(seq.round().long() == sid) & (mask > 0)]
+    return [got[i] for i in range(len(samples))]
+
+
+def _replay(rank, world, model_dir):
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rl.actor import Actor
+    from megatron_klear.training.setup import build_training_state
+    from tests.distributed.test_actor import make_samples
+
+    cfg = load_config(None, [f"model.path={model_dir}", "rl.mini_batch_prompts=2", "rl.prompts_per_step=4",
+                             "rl.max_tokens_per_micro_batch=48"])
+    init_parallel(cfg.parallel, seed=1)
+    state = build_training_state(cfg, total_steps=1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples = make_samples()
+    n_layers, topk, experts = 2, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    forced = [torch.rand(len(s) - 1, n_layers, experts, generator=gen).argsort(-1)[..., :topk].to(torch.int16)
+              for s in samples]
+    replayed = [dataclasses.replace(s, routed_experts=f) for s, f in zip(samples, forced)]
+    return {
+        "own": _trainer_old_logprobs(Actor(state, cfg.rl, logprob_chunk_size=7), samples),
+        "replayed": _trainer_old_logprobs(Actor(state, cfg.rl, logprob_chunk_size=7, router_replay=True), replayed),
+        # replay off: the routed experts are carried but ignored
+        "ignored": _trainer_old_logprobs(Actor(state, cfg.rl, logprob_chunk_size=7), replayed),
+        # after a replayed pass the routers choose for themselves again
+        "own_after": _trainer_old_logprobs(Actor(state, cfg.rl, logprob_chunk_size=7), samples),
+        "hf_own": _hf_logprobs(hf, samples),
+        "hf_forced": _hf_logprobs(hf, samples, forced),
+    }
+
+
+def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe_dir):
+    r = run_distributed(_replay, 1, moe_dir)[0]
+
+    def close(a, b, tol=1e-4):
+        return all(x.shape == y.shape and float((x - y).abs().max()) < tol for x, y in zip(a, b))
+
+    assert len(r["own"]) == 12
+    assert close(r["own"], r["hf_own"])  # parity: the trainer's own routing is transformers'
+    assert close(r["replayed"], r["hf_forced"])  # replay: transformers with the same experts forced
+    assert not close(r["hf_forced"], r["hf_own"], tol=1e-2)  # forcing them changes the log-probs
+    assert close(r["ignored"], r["own"], tol=1e-6) and close(r["own_after"], r["own"], tol=1e-6)

@@ -168,3 +168,37 @@ def test_a_frozen_worker_stops_the_run_in_bounded_time_and_a_restart_resumes(set
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     assert [m["step"] for m in lines] == [1, 2]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+
+
+@pytest.mark.slow
+def test_moe_rl_loop_at_ep2_with_router_replay(setup, tmp_path):
+    """Qwen3-MoE through the loop at EP=2 (issue 12): the embedded engine records its experts, the
+    old-log-prob pass replays them, the weights go back to the engine through the EP gather (per-expert
+    names into transformers' fused experts) and equal the trainer's."""
+    import torch
+
+    from megatron_klear.models.tiny import make_tiny_qwen3_moe
+
+    model = make_tiny_qwen3_moe(str(tmp_path / "moe"), num_layers=2, seed=23)
+    save = str(tmp_path / "run")
+    args = [a for a in _overrides({**setup, "model": model}, save) if not a.startswith(("parallel.tp", "train.steps"))]
+    # a random tiny model rarely earns a reward spread: keep every group (zero advantages; the update,
+    # its old-log-prob pass and the sync run all the same)
+    args += ["parallel.ep=2", "train.steps=2", "rollout.router_replay=true", "rl.filter_zero_spread=false"]
+    metrics, engine_w, trainer_w = run_distributed(_run, 2, args)[0]
+    lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
+    stepped = [m for m in lines if m.get("actor/optimizer_steps")]
+    assert len(stepped) == 2
+    for m in stepped:
+        assert m["actor/router_replay_micro_batches"] >= 1  # rank 0's micro-batches carried the engine's experts
+        assert m["actor/logprob_mismatch_max"] < 1e-3, m["actor/logprob_mismatch_max"]
+        assert m["actor/moe_aux_loss"] > 0
+    assert sum(".mlp.experts." in k for k in trainer_w) == 2 * 8 * 3
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+
+    fused = EmbeddedEngine.from_pretrained(model)  # the trainer's HF tensors through the engine's own loading
+    fused.update_weights(trainer_w.items())
+    want = {k: v for k, v in fused.model.state_dict().items()}
+    assert engine_w.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(engine_w[k], v), k

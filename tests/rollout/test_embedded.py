@@ -286,3 +286,29 @@ def test_update_weights_of_a_moe_model_by_per_expert_names(tmp_path):
     assert torch.equal(layer0[5, :40], gate)
     assert torch.equal(layer0[4], dict(EmbeddedEngine.from_pretrained(a).model.named_parameters())[
         "model.layers.0.mlp.experts.gate_up_proj"][4])
+
+
+def test_moe_engine_records_the_experts_of_every_token_it_fed(tmp_path):
+    """rollout.router_replay: with record_routing, each completion carries the experts every token
+    fed to the model was routed to (prompt + response but the last token), as a teacher-forced
+    transformers forward of the whole sequence routes them -- across left-padded batched prefill,
+    several samples per prompt and rows leaving the batch as they finish."""
+    from megatron_klear.models.tiny import make_tiny_qwen3_moe
+
+    model_dir = make_tiny_qwen3_moe(str(tmp_path / "m"), seed=3, num_layers=3, mlp_only_layers=(1,))
+    eng = EmbeddedEngine.from_pretrained(model_dir)
+    prompts = [[5, 17, 33], [7, 8, 9, 10, 11, 12, 13], [100]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1, stop_token_ids=list(range(0, 389, 4)))
+    assert all(c.routed_experts is None for cs in eng.generate(prompts, params, n=2) for c in cs)
+    eng.record_routing = True
+    outs = eng.generate(prompts, params, n=2)
+    lengths = {len(c.token_ids) for cs in outs for c in cs}
+    assert len(lengths) > 1  # rows finished at different steps
+    for prompt, completions in zip(prompts, outs):
+        for c in completions:
+            seq = prompt + c.token_ids[:-1]
+            with torch.no_grad():
+                out = eng.model(input_ids=torch.tensor([seq]), output_router_logits=True)
+            want = torch.stack([logits.topk(2, dim=-1).indices for logits in out.router_logits], dim=1)
+            assert c.routed_experts.shape == (len(seq), 2, 2) and c.routed_experts.dtype == torch.int16
+            assert torch.equal(c.routed_experts.long().sort(-1).values, want.sort(-1).values)
