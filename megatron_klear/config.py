@@ -283,9 +283,10 @@ class JobConfig:
 
     def _validate_across_sections(self):
         p = self.parallel
-        if self.rollout.router_replay and p.cp > 1:
-            raise ConfigError("rollout.router_replay is not supported with parallel.cp > 1 (the engine's expert "
-                              "choices are not split over CP ranks)")
+        if self.rollout.router_replay and (p.cp > 1 or p.sequence_parallel):
+            raise ConfigError("rollout.router_replay is not supported with parallel.cp > 1 or "
+                              "parallel.sequence_parallel (the engine's expert choices are not split over the ranks "
+                              "that each see a slice of the row)")
         if p.cp > 1 and self.rl.agg == "seq_mean_token_mean":
             # each CP rank sees only part of every sequence, so per-sequence means are not local
             raise ConfigError("rl.agg=seq_mean_token_mean is not supported with parallel.cp > 1 "

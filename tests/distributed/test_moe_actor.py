@@ -83,19 +83,22 @@ def _hf_logprobs(model, samples, forced=None):
 
 
 def _trainer_old_logprobs(actor, samples):
+    """{sample index: old log-probs of its response} for the samples on this rank (last stage)."""
     plans = actor.plan(samples)
     actor.recompute_old_logprobs(plans)
     got = {}
     for _, mbs in plans:
         for mb in mbs:
+            if "old_logprobs_local" not in mb:  # not the last pipeline stage
+                continue
             seq, mask = mb["seq_ids"][0], mb["loss_mask"][0]
             old = mb["old_logprobs_local"][0][: seq.shape[0]].double()
             for sid in seq[mask > 0].round().long().unique().tolist():
                 got[sid] = old[(seq.round().long() == sid) & (mask > 0)]
-    return [got[i] for i in range(len(samples))]
+    return got
 
 
-def _replay(rank, world, model_dir):
+def _replay(rank, world, model_dir, overrides=()):
     import dataclasses
 
     import torch
@@ -108,12 +111,12 @@ def _replay(rank, world, model_dir):
     from tests.distributed.test_actor import make_samples
 
     cfg = load_config(None, [f"model.path={model_dir}", "rl.mini_batch_prompts=2", "rl.prompts_per_step=4",
-                             "rl.max_tokens_per_micro_batch=48"])
+                             "rl.max_tokens_per_micro_batch=48", *overrides])
     init_parallel(cfg.parallel, seed=1)
     state = build_training_state(cfg, total_steps=1)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     samples = make_samples()
-    n_layers, topk, experts = 2, 2, 8
+    n_layers, topk, experts = sum(state.arch.moe_layer_pattern), 2, 8
     gen = torch.Generator().manual_seed(0)
     forced = [torch.rand(len(s) - 1, n_layers, experts, generator=gen).argsort(-1)[..., :topk].to(torch.int16)
               for s in samples]
@@ -125,13 +128,29 @@ def _replay(rank, world, model_dir):
         "ignored": _trainer_old_logprobs(Actor(state, cfg.rl, logprob_chunk_size=7), replayed),
         # after a replayed pass the routers choose for themselves again
         "own_after": _trainer_old_logprobs(Actor(state, cfg.rl, logprob_chunk_size=7), samples),
-        "hf_own": _hf_logprobs(hf, samples),
-        "hf_forced": _hf_logprobs(hf, samples, forced),
+        "hf_own": dict(enumerate(_hf_logprobs(hf, samples))) if rank == 0 else {},
+        "hf_forced": dict(enumerate(_hf_logprobs(hf, samples, forced))) if rank == 0 else {},
     }
 
 
-def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe_dir):
-    r = run_distributed(_replay, 1, moe_dir)[0]
+@pytest.fixture(scope="module")
+def moe4_dir(tmp_path_factory):
+    from megatron_klear.models.tiny import make_tiny_qwen3_moe
+
+    return make_tiny_qwen3_moe(str(tmp_path_factory.mktemp("moe_replay") / "m"), num_layers=4, mlp_only_layers=(1,),
+                               seed=42)
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (1, []), pytest.param(2, ["parallel.pp=2"], marks=pytest.mark.slow),
+    pytest.param(2, ["parallel.ep=2"], marks=pytest.mark.slow)], ids=["one", "pp2", "ep2"])
+def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe4_dir, world, overrides):
+    results = run_distributed(_replay, world, moe4_dir, overrides)
+    r = {k: {} for k in results[0]}
+    for res in results:  # PP: the last stage has the log-probs; EP (= DP here): each rank its micro-batches
+        for k, v in res.items():
+            r[k].update(v)
+    r = {k: [v[i] for i in sorted(v)] for k, v in r.items()}
 
     def close(a, b, tol=1e-4):
         return all(x.shape == y.shape and float((x - y).abs().max()) < tol for x, y in zip(a, b))
