@@ -3,6 +3,7 @@ protocol over gloo vs the raw gloo broadcast of the same bytes, all in one run.
 
     python benchmarks/weight_sync.py                       # 8 layers of Qwen3-0.6B's shape (~0.56 GB)
     python benchmarks/weight_sync.py --layers 28 --json out.json
+    python benchmarks/weight_sync.py --quick               # a small model, seconds (the test runs it)
 
 Setup: a random bf16 checkpoint with Qwen3-0.6B's shapes (hidden 1024, intermediate 3072, 16 query /
 8 KV heads of 128, vocabulary 151,936, tied embeddings; ``--layers`` of its 28 layers: the embedding
@@ -16,19 +17,27 @@ receiver processes for the raw broadcast. Every variant moves the whole model to
   servers were updated before the parallel reload);
 - ``disk_parallel``: the same, both servers loading at once (``SGLangEngine.load_from_disk``, the
   ``rollout.weight_sync=disk`` fallback);
-- ``distributed``: ``DistributedWeightSync.sync`` (pause, begin, a flattened bucket per
-  ``--bucket-mb`` with the TP gathers of the next bucket overlapping the broadcast, end, version,
-  continue, version check), the group already created (its creation is reported apart);
+- ``disk_flushed``: ``disk_parallel`` with the files written to the disk and dropped from the page
+  cache before the servers read them (fsync + ``POSIX_FADV_DONTNEED``), as servers on other nodes
+  read what the trainer wrote to a shared filesystem: the bytes leave the writer's memory and come
+  back from storage (``--sync-dir`` chooses the disk);
+- ``distributed``: ``DistributedWeightSync.sync`` (pause, begin, the buckets of ``--bucket-mb`` with
+  the TP gathers overlapping the broadcasts, end, version, continue, version check), the group
+  already created (its creation is reported apart), in the steady state of a run: an untimed
+  distributed sync just before each timed one, so the layout is recorded (the streamed schedule)
+  and the servers receive into the storages the previous update replaced, as in a run where every
+  step syncs this way;
 - ``raw_broadcast``: the same bucket sizes broadcast from trainer rank 0 to two receivers that do
   nothing else (no HTTP, no gathering, no packing, no staging): the collective's floor.
 
 Each variant runs ``--repeats`` times, interleaved (median reported, and the fastest under ``best``:
-on a shared machine other jobs only ever add time). The disk files are in the page cache
-(written just before they are read), so the disk variants are a lower bound of a shared filesystem.
-JSON keys: ``disk_s`` (= ``disk_parallel_s``, the fallback), ``disk_sequential_s``,
-``distributed_s``, ``raw_broadcast_s``, ``speedup_vs_disk`` (disk_s / distributed_s),
-``speedup_vs_disk_sequential``, ``efficiency_vs_raw`` (raw_broadcast_s / distributed_s: the
-protocol's throughput as a fraction of the bare collective's), plus sizes and the machine.
+on a shared machine other jobs only ever add time); ``--variants`` runs a subset. JSON keys:
+``disk_s`` (= ``disk_parallel_s``, the fallback, page cache), ``disk_sequential_s``,
+``disk_flushed_s``, ``distributed_s``, ``raw_broadcast_s``, ``speedup_vs_disk`` (disk_s /
+distributed_s), ``speedup_vs_disk_flushed``, ``speedup_vs_disk_sequential``, ``efficiency_vs_raw``
+(raw_broadcast_s / distributed_s: the protocol's throughput as a fraction of the bare
+collective's), ``distributed_stats`` (bytes, buckets, streamed stages, seconds of each timed sync),
+plus sizes and the machine.
 """
 from __future__ import annotations
 
@@ -55,11 +64,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_checkpoint(path: str, layers: int) -> dict:
+# --quick: a small model of the same structure (seconds; what the test runs)
+QUICK = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=64, bos_token_id=1, eos_token_id=2)
+
+
+def make_checkpoint(path: str, layers: int, quick: bool = False) -> dict:
     import convert  # benchmarks/convert.py: the Qwen3-0.6B-shaped random checkpoint writer
 
-    convert.QWEN3_0_6B = {**convert.QWEN3_0_6B, "num_hidden_layers": layers}
+    convert.QWEN3_0_6B = {**convert.QWEN3_0_6B, "num_hidden_layers": layers, **(QUICK if quick else {})}
     return convert.phase_make(argparse.Namespace(dst=path, max_shard_bytes=convert.UNLIMITED_SHARD))
+
+
+VARIANTS = ("disk_sequential", "disk_parallel", "disk_flushed", "distributed", "raw_broadcast")
+
+
+def flush_to_disk(path: str) -> None:
+    """Write the checkpoint's bytes to the disk and drop them from the page cache (fsync, then
+    ``POSIX_FADV_DONTNEED``): the servers then read them from the disk, as servers on other nodes
+    read what the trainer wrote to a shared filesystem (the bytes leave the writer's memory and come
+    back from storage)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -146,24 +178,31 @@ def _trainer(rank, ckpt, urls, args, raw_port):
         raw_pg = join_update_group(backend="gloo", master_address="127.0.0.1", master_port=raw_port, rank=0,
                                    world_size=3, group_name="raw_bench", timeout=600, store=store)
     barrier()
-    times = {"disk_sequential": [], "disk_parallel": [], "distributed": [], "raw_broadcast": []}
+    times = {v: [] for v in VARIANTS}
+    stats = []
     t0 = time.perf_counter()
     sync.sync(version="warmup")  # creates the groups
     first = time.perf_counter() - t0
     version = served = 0
-    workdir = tempfile.mkdtemp(prefix="klear-wsync-") if rank == 0 else None
+    workdir = tempfile.mkdtemp(prefix="klear-wsync-", dir=args.sync_dir or None) if rank == 0 else None
     workdir = [workdir]
     dist.broadcast_object_list(workdir, src=0, group=control_group())
     workdir = workdir[0]
     for _ in range(args.repeats):
-        for variant in ("disk_sequential", "disk_parallel", "distributed", "raw_broadcast"):
+        for variant in args.variants:
             version += 1
+            if variant == "distributed":
+                # steady state: in a run every update takes this path, so the servers receive into
+                # the storages the previous one replaced (after a disk reload they allocate afresh)
+                sync.sync(version=f"{version}-prep")
             barrier()
             t0 = time.perf_counter()
             if variant.startswith("disk"):
                 out = os.path.join(workdir, f"step_{version:07d}")
                 path = export_hf_for_engine(chunks, model_arch(ckpt), out)
                 if rank == 0:
+                    if variant == "disk_flushed":
+                        flush_to_disk(path)
                     if variant == "disk_sequential":
                         for u in urls:
                             SGLangEngine([u], timeout=120, weight_update_timeout=1800).load_from_disk(path, version=version)
@@ -171,6 +210,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
                         engine.load_from_disk(path, version=version)
             elif variant == "distributed":
                 sync.sync(version=version)
+                stats.append(dict(sync.stats))
             elif rank == 0:
                 buf = torch.empty(max(sizes), dtype=torch.uint8)
                 dist.broadcast(torch.tensor([len(sizes)], dtype=torch.int64), src=0, group=raw_pg)
@@ -188,7 +228,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
         shutil.rmtree(workdir, ignore_errors=True)
         engine.check_weight_versions(served)  # the last update reached both servers
     sync.close()
-    return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": sync.stats}
+    return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats}
 
 
 def main() -> int:
@@ -196,20 +236,32 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="layers of Qwen3-0.6B's 28 (default 8: a few minutes on 2 cores)")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="rollout.sync_bucket_mb (default 256: several buckets)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true",
+                    help="a small model (vocabulary 8192, hidden 256), 2 layers, 1 MB buckets, 1 repeat: seconds")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated subset of " + ", ".join(VARIANTS) + " (a ratio needs both of its variants)")
+    ap.add_argument("--sync-dir", default="", help="where the disk variants write (default: the temporary directory)")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--workdir", default="")
     args = ap.parse_args()
+    if args.quick:
+        args.layers, args.bucket_mb, args.repeats = 2, 1.0, 1
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown or not args.variants:
+        ap.error(f"--variants: unknown {sorted(unknown)}" if unknown else "--variants: none given")
 
     import torch.multiprocessing as mp
 
     from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
 
     work = args.workdir or tempfile.mkdtemp(prefix="klear-bench-wsync-")
+    os.makedirs(work, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg()
     ckpt = os.path.join(work, "qwen3-0.6b-shape")
     if not os.path.isdir(ckpt):
-        made = make_checkpoint(ckpt, args.layers)
+        made = make_checkpoint(ckpt, args.layers, args.quick)
         print(f"checkpoint: {made['params'] / 1e6:.0f} M params, {made['bytes'] / 1e9:.3f} GB bf16, {args.layers} layers",
               flush=True)
     servers = []
@@ -244,9 +296,19 @@ def main() -> int:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     r = results[0]
-    med = {k: statistics.median(v) for k, v in r["times"].items()}
-    best = {k: min(v) for k, v in r["times"].items()}
+    med = {k: statistics.median(v) for k, v in r["times"].items() if v}
+    best = {k: min(v) for k, v in r["times"].items() if v}
     total = sum(r["sizes"])
+
+    def ratios(t):  # None where a variant was not run
+        def q(a, b):
+            return t[a] / t[b] if a in t and b in t else None
+
+        return {"speedup_vs_disk": q("disk_parallel", "distributed"),
+                "speedup_vs_disk_sequential": q("disk_sequential", "distributed"),
+                "speedup_vs_disk_flushed": q("disk_flushed", "distributed"),
+                "efficiency_vs_raw": q("raw_broadcast", "distributed")}
+
     out = {
         "date": started.isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -255,29 +317,26 @@ def main() -> int:
                     "load_average_after": [round(x, 1) for x in os.getloadavg()]},
         "layers": args.layers, "model_bytes": total, "buckets": len(r["sizes"]), "bucket_mb": args.bucket_mb,
         "servers": 2, "trainer_tp": 2, "repeats": args.repeats,
-        "disk_sequential_s": med["disk_sequential"], "disk_parallel_s": med["disk_parallel"],
-        "disk_s": med["disk_parallel"], "distributed_s": med["distributed"], "raw_broadcast_s": med["raw_broadcast"],
-        "first_distributed_s": r["first_distributed_s"],
-        "speedup_vs_disk": med["disk_parallel"] / med["distributed"],
-        "speedup_vs_disk_sequential": med["disk_sequential"] / med["distributed"],
-        "efficiency_vs_raw": med["raw_broadcast"] / med["distributed"],
-        "distributed_gb_per_s": total / med["distributed"] / 1e9, "raw_gb_per_s": total / med["raw_broadcast"] / 1e9,
+        **{f"{k}_s": v for k, v in med.items()}, "disk_s": med.get("disk_parallel"),
+        "first_distributed_s": r["first_distributed_s"], **ratios(med),
+        "distributed_gb_per_s": total / med["distributed"] / 1e9 if "distributed" in med else None,
+        "raw_gb_per_s": total / med["raw_broadcast"] / 1e9 if "raw_broadcast" in med else None,
         # the fastest of the repeats (a shared machine adds delays, never removes them)
-        "best": {**{f"{k}_s": v for k, v in best.items()},
-                 "speedup_vs_disk": best["disk_parallel"] / best["distributed"],
-                 "speedup_vs_disk_sequential": best["disk_sequential"] / best["distributed"],
-                 "efficiency_vs_raw": best["raw_broadcast"] / best["distributed"]},
-        "all_times": r["times"],
+        "best": {**{f"{k}_s": v for k, v in best.items()}, **ratios(best)},
+        "all_times": r["times"], "distributed_stats": r["stats"],
     }
     print(f"\n{total / 1e9:.3f} GB in {len(r['sizes'])} buckets of <= {args.bucket_mb:g} MB to 2 servers, trainer TP=2 "
           f"(median of {args.repeats})")
     print(f"{'variant':<20}{'median s':>10}{'GB/s':>8}{'best s':>10}")
-    for k in ("disk_sequential", "disk_parallel", "distributed", "raw_broadcast"):
+    for k in med:
         print(f"{k:<20}{med[k]:>10.3f}{total / med[k] / 1e9:>8.2f}{best[k]:>10.3f}")
     b = out["best"]
-    print(f"speedup vs disk (parallel) {out['speedup_vs_disk']:.2f}x (best {b['speedup_vs_disk']:.2f}x), vs disk "
-          f"(sequential) {out['speedup_vs_disk_sequential']:.2f}x (best {b['speedup_vs_disk_sequential']:.2f}x); "
-          f"efficiency vs raw broadcast {out['efficiency_vs_raw']:.2f} (best {b['efficiency_vs_raw']:.2f})")
+    for key, what in (("speedup_vs_disk", "speedup vs disk (parallel, page cache)"),
+                      ("speedup_vs_disk_flushed", "speedup vs disk (parallel, flushed to the disk)"),
+                      ("speedup_vs_disk_sequential", "speedup vs disk (sequential, page cache)"),
+                      ("efficiency_vs_raw", "efficiency vs raw broadcast")):
+        if out[key] is not None:
+            print(f"{what}: {out[key]:.2f} (best {b[key]:.2f})")
     print(f"load average before / after: {out['machine']['load_average_before']} / {out['machine']['load_average_after']}")
     print(f"first distributed sync (group creation included): {r['first_distributed_s']:.3f} s")
     if args.json:

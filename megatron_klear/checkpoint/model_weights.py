@@ -157,7 +157,7 @@ def _default_expert_groups(m):
 
 def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_group="auto", tp_to=None,
                     experts_only: bool = False):
-    """Yield (hf_name, full tensor) for this pipeline stage's parameters.
+    """Yield (hf_name, full tensor) for this pipeline stage's parameters (in :func:`_streaming_order`).
 
     Every TP rank of the stage must call it (TP shards are all-gathered); the tied output layer of
     the last stage is skipped (it is the embedding). MoE models: experts are all-gathered over the
@@ -185,7 +185,7 @@ def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_g
         n_local = m.arch.num_experts // _group_size(ep_g) if m.arch.is_moe else 0
         offset = expert_offset(m) if ep_g is not None else 0
         seen = set()
-        for cname, param in named_canonical_params(chunk, include_tied_copy=False):
+        for cname, param in _streaming_order(list(named_canonical_params(chunk, include_tied_copy=False))):
             if cname in seen:
                 continue
             seen.add(cname)
@@ -209,6 +209,16 @@ def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_g
                 continue
             for name, t in experts:
                 yield from zip(rules[name].hf, to_hf(rules[name], t, m.arch))
+
+
+def _streaming_order(params: list) -> list:
+    """Model order, but the word embedding (a stage's largest TP-sharded tensor, vocabulary x
+    hidden) last: a consumer that overlaps the gathers with its own work (the weight sync
+    broadcasts each tensor while the next is gathered) then starts at once with the layers, and
+    the embedding's long gather overlaps their broadcast instead of stalling the start. The same
+    order on every rank of the collectives."""
+    emb = "embedding.word_embeddings.weight"
+    return [p for p in params if p[0] != emb] + [p for p in params if p[0] == emb]
 
 
 def _group_size(group) -> int:

@@ -227,7 +227,10 @@ class DistributedWeightSync:
     ``flush_cache``, and ``load_format="flattened_bucket"`` with NCCL) to every server while the
     leader broadcasts the bucket (``src=0``: its bytes back to back with NCCL, each tensor in order
     with gloo, SGLang's two receive paths); the leader gathers bucket ``k+1`` (its TP peers' shards)
-    while bucket ``k`` is on the wire, and sends ``k+1`` once every server acknowledged ``k``. Then rank
+    while bucket ``k`` is on the wire, and sends ``k+1`` once every server acknowledged ``k``. From
+    the second sync on (per-tensor format), a bucket is announced from the layout the last sync
+    recorded before its tensors are gathered, and each tensor is broadcast as soon as it is
+    (:meth:`_send_streamed_buckets`). Then rank
     0 closes the session (``/end_weight_update``), sets the version (``/update_weight_version``),
     continues generation and checks that every server reports ``v``.
 
@@ -270,8 +273,9 @@ class DistributedWeightSync:
         self.pg = None  # on stage leaders, once connected
         self.connected = False
         self.leaders, self.part = None, None
-        self.stats = {}  # of the last sync: bytes, buckets, seconds
+        self.stats = {}  # of the last sync: bytes, buckets, seconds, streamed_stages
         self._started = None  # rank 0: the future of the servers' pause + begin of the current sync
+        self._layouts = {}  # stage -> [(names, dtypes, shapes) per bucket] of the last sync (per-tensor format)
 
     # -- plumbing -------------------------------------------------------------------------------------
     @staticmethod
@@ -456,7 +460,7 @@ class DistributedWeightSync:
             starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-start")
             self._started = starter.submit(start)
             starter.shutdown(wait=False)
-        totals = {"bytes": 0, "buckets": 0}
+        totals = {"bytes": 0, "buckets": 0, "streamed_stages": 0}
         for stage in sorted(self.leaders):
             leader, err = self.leaders[stage], None
             if rank == leader:
@@ -533,67 +537,150 @@ class DistributedWeightSync:
 
     def _send_stage(self, stage: int, totals: dict):
         """The stage leader: stream the stage's buckets (see the class docstring); returns the first
-        error or None. Drains the tensors after an error (the TP peers keep sending their shards)."""
+        error or None. Drains the tensors after an error (the TP peers keep sending their shards).
+
+        Two schedules. Without a layout (the first sync, or ``flattened_bucket``, whose bucket is
+        one tensor made of all of them): gather a whole bucket, then announce and broadcast it,
+        gathering the next one meanwhile. With the layout the last sync recorded (names, dtypes and
+        shapes per bucket: a model's structure does not change), a bucket is announced before its
+        tensors are gathered and each tensor is broadcast as soon as it is: the first tensors are
+        on the wire at once instead of after a whole bucket's gather, and the gathers overlap the
+        broadcasts throughout."""
         import concurrent.futures
 
-        from megatron_klear.rollout.update_group import FLATTENED_BUCKET, dtype_name, flatten_bucket
+        from megatron_klear.rollout.update_group import FLATTENED_BUCKET
 
-        rank, dev = self._rank(), self._device()
+        rank = self._rank()
         flattened = self.load_format == FLATTENED_BUCKET
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-http") if rank == 0 else None
-
-        def announce(meta):
-            if rank == 0:
-                return pool.submit(self._post_bucket, stage, meta)
-            self._send(("bucket", meta), 0)
-            return None
-
-        def acknowledged(handle):
-            return handle.result() if handle is not None else self._recv(0)
-
-        error, pending = None, None  # pending: (works, bytes, meta, HTTP handle, payload) of the bucket in flight
-
-        def finish(p):
-            works, nbytes, meta, handle, _ = p  # (the payload stays referenced until its broadcast ends)
-            # The servers answer once they have received the bucket, or at once when they refuse it
-            # (then the broadcast would only run into its timeout): the answer first, always
-            # consumed (rank 0's answers stay in step with the buckets).
-            ack = acknowledged(handle)
-            if ack is not None:
-                return ack
-            try:
-                for work in works:
-                    work.wait()
-            except Exception as e:  # noqa: BLE001 -- a dead peer, or the bucket timeout
-                return (f"rollout: the broadcast of a bucket of stage {stage} ({nbytes / 2**20:.0f} MiB, "
-                        f"{len(meta[0])} tensors from {meta[0][0]}) failed within rollout.sync_bucket_timeout_s="
-                        f"{self.bucket_timeout:g}: {type(e).__name__}: {e}")
-            return None
-
+        tensors = iter_stage_hf_tensors(self.model_chunks, self.part)
+        layout = None if flattened else self._layouts.get(stage)
         try:
-            for bucket in iter_buckets(iter_stage_hf_tensors(self.model_chunks, self.part), self.bucket_bytes):
-                if error is not None:
-                    continue
-                if flattened:  # one broadcast of the bucket's bytes back to back
-                    payload = [flatten_bucket([t.to(dev, non_blocking=True) for _, t in bucket])]
-                else:  # SGLang's default: one broadcast per tensor, in order
-                    payload = [t.detach().to(dev, non_blocking=True).contiguous() for _, t in bucket]
-                if pending is not None:
-                    error, pending = finish(pending), None
-                    if error is not None:
-                        continue
-                meta = ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket],
-                        [list(t.shape) for _, t in bucket])
-                handle = announce(meta)
-                works = [dist.broadcast(x, src=0, group=self.pg, async_op=True) for x in payload]
-                nbytes = sum(x.numel() * x.element_size() for x in payload)
-                pending = (works, nbytes, meta, handle, payload)
-                totals["bytes"] += nbytes
-                totals["buckets"] += 1
-            if pending is not None:
-                error = finish(pending)
+            if layout is None:
+                error, layout = self._send_gathered_buckets(stage, tensors, totals, pool)
+                if error is None and not flattened:
+                    self._layouts[stage] = layout
+                return error
+            totals["streamed_stages"] += 1
+            return self._send_streamed_buckets(stage, tensors, totals, pool, layout)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
-        return error
 
+    # A bucket on the wire: {"meta": (names, dtypes, shapes), "handle": rank 0's HTTP future or None,
+    # "works": its broadcasts, "payload": the tensors they send (referenced until they end), "nbytes"}
+    def _launch_bucket(self, stage: int, meta, payload, totals: dict, pool) -> dict:
+        """Announce one bucket (rank 0 posts it to the servers; another stage's leader asks rank 0
+        to) and broadcast the tensors of it already at hand."""
+        handle = pool.submit(self._post_bucket, stage, meta) if self._rank() == 0 else None
+        if handle is None:
+            self._send(("bucket", meta), 0)
+        flight = {"meta": meta, "handle": handle, "works": [], "payload": [], "nbytes": 0}
+        totals["buckets"] += 1
+        for x in payload:
+            self._broadcast_into(flight, x, totals)
+        return flight
+
+    def _broadcast_into(self, flight: dict, x: torch.Tensor, totals: dict) -> None:
+        flight["works"].append(dist.broadcast(x, src=0, group=self.pg, async_op=True))
+        flight["payload"].append(x)
+        nbytes = x.numel() * x.element_size()
+        flight["nbytes"] += nbytes
+        totals["bytes"] += nbytes
+
+    def _finish_bucket(self, stage: int, flight: dict):
+        """Wait for a bucket: the servers' answer first, always consumed (rank 0's answers stay in
+        step with the buckets; a server that refuses a bucket answers at once, and its broadcast
+        would only run into the timeout), then the broadcasts. The error text, or None."""
+        ack = flight["handle"].result() if flight["handle"] is not None else self._recv(0)
+        if ack is not None:
+            return ack
+        try:
+            for work in flight["works"]:
+                work.wait()
+        except Exception as e:  # noqa: BLE001 -- a dead peer, or the bucket timeout
+            names = flight["meta"][0]
+            return (f"rollout: the broadcast of a bucket of stage {stage} ({flight['nbytes'] / 2**20:.0f} MiB, "
+                    f"{len(names)} tensors from {names[0]}) failed within rollout.sync_bucket_timeout_s="
+                    f"{self.bucket_timeout:g}: {type(e).__name__}: {e}")
+        return None
+
+    @staticmethod
+    def _meta_of(bucket) -> tuple:
+        from megatron_klear.rollout.update_group import dtype_name
+
+        return ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
+
+    def _send_gathered_buckets(self, stage: int, tensors, totals: dict, pool):
+        """Gather a bucket whole, then send it while the next one is gathered. ``(error, layout)``."""
+        from megatron_klear.rollout.update_group import FLATTENED_BUCKET, flatten_bucket
+
+        dev = self._device()
+        error, flight, layout = None, None, []
+        for bucket in iter_buckets(tensors, self.bucket_bytes):
+            if error is not None:
+                continue
+            if self.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes back to back
+                payload = [flatten_bucket([t.to(dev, non_blocking=True) for _, t in bucket])]
+            else:  # SGLang's default: one broadcast per tensor, in order
+                payload = [t.detach().to(dev, non_blocking=True).contiguous() for _, t in bucket]
+            if flight is not None:
+                error, flight = self._finish_bucket(stage, flight), None
+                if error is not None:
+                    continue
+            meta = self._meta_of(bucket)
+            layout.append(meta)
+            flight = self._launch_bucket(stage, meta, payload, totals, pool)
+        if flight is not None:
+            error = self._finish_bucket(stage, flight)
+        return error, layout
+
+    def _send_streamed_buckets(self, stage: int, tensors, totals: dict, pool, layout) -> str | None:
+        """Each bucket announced before its tensors are gathered (``layout``: the last sync's), each
+        tensor broadcast as soon as it is gathered. The next bucket's tensors are gathered while the
+        current one is on the wire (at most one bucket ahead) and go out once the servers answered
+        it. The error text, or None."""
+        from megatron_klear.rollout.update_group import dtype_name, dtype_of
+
+        dev = self._device()
+        expected = [(n, d, list(s), b) for b, meta in enumerate(layout) for n, d, s in zip(*meta)]
+        counts = [len(meta[0]) for meta in layout]
+        b, error, ahead, i = 0, None, [], 0
+        flight = self._launch_bucket(stage, layout[0], [], totals, pool)
+
+        def done_now(f) -> bool:  # rank 0 can tell without blocking; another leader learns it from rank 0
+            return f["handle"] is not None and f["handle"].done() and all(w.is_completed() for w in f["works"])
+
+        for name, t in tensors:
+            if error is not None:
+                continue  # drain: the TP / EP peers keep sending
+            got = (name, dtype_name(t.dtype), list(t.shape))
+            if i >= len(expected) or got != expected[i][:3]:
+                want = expected[i][:3] if i < len(expected) else "the end of the stage"
+                error = (f"rollout: stage {stage}'s weights no longer follow the layout of the last sync: tensor {i} "
+                         f"is {got}, expected {want}")
+                continue
+            x = t.detach().to(dev, non_blocking=True).contiguous()
+            if expected[i][3] == b:
+                self._broadcast_into(flight, x, totals)
+            else:  # the next bucket's: held until the servers have the current one
+                ahead.append(x)
+            i += 1
+            while (error is None and len(flight["works"]) == counts[b] and b + 1 < len(layout)
+                   and (len(ahead) == counts[b + 1] or done_now(flight))):
+                error = self._finish_bucket(stage, flight)
+                if error is None:
+                    b += 1
+                    flight, ahead = self._launch_bucket(stage, layout[b], ahead, totals, pool), []
+        if error is None and i != len(expected):
+            error = f"rollout: stage {stage} yielded {i} tensors, the layout of the last sync has {len(expected)}"
+        if error is not None:
+            self._layouts.pop(stage, None)  # the next sync gathers whole buckets again
+            # The servers wait for the rest of the announced bucket: send zeros in its place (the sync
+            # fails, so nothing of it is served), then take their answer (rank 0's stay in step).
+            start = sum(counts[:b])
+            for _, d, shape, _ in expected[start + len(flight["works"]):start + counts[b]]:
+                self._broadcast_into(flight, torch.zeros(shape, dtype=dtype_of(d), device=dev), totals)
+            self._finish_bucket(stage, flight)
+            return error
+        return self._finish_bucket(stage, flight)

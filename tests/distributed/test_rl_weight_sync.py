@@ -61,11 +61,13 @@ def test_rl_loop_with_distributed_weights_through_the_router_verifies_and_resume
         _, _, trainer_w = run_distributed(_run, 1, [a.replace("train.steps=2", "train.steps=3") for a in args])[0]
         lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
         assert [m["step"] for m in lines] == [1, 2, 3]
-        last = max(m["step"] for m in lines if m.get("actor/optimizer_steps"))
+        # the restart synced as version 2; step 3 syncs as 3 unless dynamic sampling filtered every
+        # group (sampling on the servers depends on how requests batch, so either can happen)
+        version = "3" if any(m["step"] == 3 and m.get("actor/optimizer_steps") for m in lines) else "2"
         probe = [5, 17, 33, 60, 7]
         for s in servers:  # independently of the loop's own check
             client = SGLangEngine([s.url])
-            assert client.model_info()["weight_version"] in (str(last), "3")
+            assert client.model_info()["weight_version"] == version, (version, lines[-1])
             out = client.generate([probe], SamplingParams(top_k=1, max_new_tokens=6))[0][0]
             want = _probe_logprobs_of_trainer(setup["model"], trainer_w, probe, out.token_ids)
             assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4, (s.url, out.logprobs, want)

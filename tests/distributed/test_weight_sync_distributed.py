@@ -16,9 +16,11 @@ from tests.distributed.helper import run_distributed
 from tests.rollout.processes import fake_worker, recorded
 
 
-def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(1,)):
+def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(1,), double=False):
     """Build the trainer, sync ``versions`` one after another; ``kill=(pid, k)``: SIGKILL that
-    server once bucket ``k`` is gathered (bucket ``k-1`` may still be on the wire). Returns ("ok", stats) or ("error", message, seconds)."""
+    server once bucket ``k`` is gathered (bucket ``k-1`` may still be on the wire); ``double``:
+    every parameter times 2 (exact) before each sync after the first. Returns ("ok", stats) or
+    ("error", message, seconds)."""
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
@@ -44,7 +46,16 @@ def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(
     sync = DistributedWeightSync(state.model, engine, **kwargs)
     t0 = time.monotonic()
     try:
-        stats = [sync.sync(version=v) for v in versions]
+        stats = []
+        for k, v in enumerate(versions):
+            if double and k:
+                import torch
+
+                with torch.no_grad():
+                    for chunk in state.model:
+                        for p in chunk.parameters():
+                            p.mul_(2)
+            stats.append(sync.sync(version=v))
     except WeightSyncError as e:
         return ("error", str(e), time.monotonic() - t0)
     finally:
@@ -99,19 +110,28 @@ def test_every_server_gets_every_weight(models, servers, extra, load_format):
     from megatron_klear.rollout.embedded import EmbeddedEngine
     from megatron_klear.rollout.sglang import SGLangEngine
 
+    import torch
+
     urls = [s.url for s in servers]
     SGLangEngine(urls).load_from_disk(models["a"], version="a")
-    want = EmbeddedEngine.from_pretrained(models["b"]).checksums()
+    engine = EmbeddedEngine.from_pretrained(models["b"])
+    with torch.no_grad():  # what the second sync sends: the trainer doubles every weight in between
+        for p in engine.model.parameters():
+            p.mul_(2)
+    want = engine.checksums()
     assert _checksums(urls[0]) != want
-    # small buckets: many of them, each gathered while the previous one is on the wire
+    # small buckets: many of them, each gathered while the previous one is on the wire; the second
+    # sync (per tensor) announces each bucket before gathering it and streams its tensors
     out = run_distributed(_sync, 2, models["b"], extra, urls, {"bucket_mb": 0.02, "group_timeout": 30,
                                                                "bucket_timeout": 30, "load_format": load_format},
-                          None, (3, 4))
+                          None, (3, 4), True)
     assert out[0][0] == "ok", out[0]
     reader = HFReader(models["b"])
     total = sum(reader.get(k).numel() * reader.get(k).element_size() for k in reader.keys())
     for stats in out[0][1]:
         assert stats["bytes"] == total and stats["buckets"] >= 10, stats
+    stages = 2 if "parallel.pp=2" in extra else 1
+    assert [s["streamed_stages"] for s in out[0][1]] == [0, 0 if load_format == "flattened_bucket" else stages]
     for u in urls:
         assert _checksums(u) == want
         assert _version(u) == "4"
@@ -208,3 +228,56 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
         assert not control_contract_errors(path, body), (path, body, control_contract_errors(path, body))
     assert posts[2][1]["names"] == ["a.weight", "b.weight"] and posts[2][1]["shapes"] == [[2, 3], [4]]
     assert posts[4][1] == {"new_version": "7", "abort_all_requests": False}
+    # one kept-alive connection for every control call (a fresh client per call cost ~20 ms each)
+    assert len({tuple(c["client"]) for c in calls}) == 1, {tuple(c["client"]) for c in calls}
+
+
+def _sync_with_a_stale_layout(rank, world, model_dir, urls):
+    """Sync version 1, then corrupt the recorded layout (the first tensor renamed), sync 2 (must
+    fail), then sync 3. Returns (error of 2, seconds it took, versions served after 2, stats of 3)."""
+    import time
+
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync, WeightSyncError
+    from megatron_klear.training.setup import build_training_state
+
+    cfg = load_config(None, [f"model.path={model_dir}"])
+    init_parallel(cfg.parallel)
+    state = build_training_state(cfg, total_steps=1)
+    engine = SGLangEngine(urls, timeout=5)
+    sync = DistributedWeightSync(state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=30)
+    try:
+        sync.sync(version=1)
+        sync._layouts[0][0][0][0] += ".stale"
+        t0 = time.monotonic()
+        try:
+            sync.sync(version=2)
+            error = None
+        except WeightSyncError as e:
+            error = str(e)
+        seconds = time.monotonic() - t0
+        served = engine.weight_versions()
+        engine.continue_generation()  # (paused by the failed sync)
+        return error, seconds, served, sync.sync(version=3)
+    finally:
+        sync.close()
+
+
+def test_a_stale_layout_fails_the_sync_cleanly_and_the_next_one_gathers_again(models, servers):
+    """The streamed schedule announces each bucket from the last sync's layout; should the
+    tensors ever stop following it, the sync fails at once (the announced bucket is completed
+    with zeros so no server waits for its timeout), nothing is applied, and the next sync records
+    the layout afresh."""
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+
+    urls = [s.url for s in servers]
+    (error, seconds, served, stats), = run_distributed(_sync_with_a_stale_layout, 1, models["b"], urls)
+    assert error is not None and "no longer follow the layout of the last sync: tensor 0" in error, error
+    assert seconds < 20, seconds  # not the 30 s bucket timeout
+    assert set(served.values()) == {"1"}  # version 2 was never applied
+    assert stats["streamed_stages"] == 0  # gathered whole again, recording a new layout
+    want = EmbeddedEngine.from_pretrained(models["b"]).checksums()
+    for u in urls:
+        assert _version(u) == "3" and _checksums(u) == want

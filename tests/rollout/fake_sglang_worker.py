@@ -1,7 +1,7 @@
 """A scriptable stand-in for one SGLang worker, for fault injection only (stdlib, starts in ~50 ms).
 
 Run as its own process so that the faults are real (SIGKILL, SIGSTOP); every request it receives
-is recorded (one JSON line: method, path, body) so the tests can validate what the client sent
+is recorded (one JSON line: method, path, body, the client's address) so the tests can validate what the client sent
 against SGLang's contract. Generation answers in SGLang's response shape: each sample is
 ``[7, 8, 9]`` (or a prefix of it for a smaller max_new_tokens) with log-prob -0.5 per token.
 
@@ -33,10 +33,10 @@ class State:
         self.weight_version = "0"
         self.paused = False
 
-    def record(self, method, path, body):
+    def record(self, method, path, body, client=None):
         if self.args.record:
             with self.lock, open(self.args.record, "a") as f:
-                f.write(json.dumps({"method": method, "path": path, "body": body}) + "\n")
+                f.write(json.dumps({"method": method, "path": path, "body": body, "client": client}) + "\n")
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -60,7 +60,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         st, a = self.server.state, self.server.state.args
-        st.record("GET", self.path, None)
+        st.record("GET", self.path, None, self.client_address)
         if self.path == "/health":
             self._send(200)
         elif self.path == "/v1/models":
@@ -80,7 +80,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         st, a = self.server.state, self.server.state.args
         body = self._body()
-        st.record("POST", self.path, body)
+        st.record("POST", self.path, body, self.client_address)
         if self.path == "/generate":
             with st.lock:
                 st.generate_calls += 1
