@@ -224,7 +224,8 @@ class RolloutConfig:
     verify_tolerance: float = 0.0
     # MoE models: the trainer's old-log-prob pass routes each token to the experts the engine chose
     # (Megatron-Core's RouterReplay), so that routing differences do not enter the old log-probs.
-    # The embedded engine only (SGLang's return_routed_experts is not wired); CP = 1.
+    # The embedded engine records them; SGLang servers return them when started with
+    # --enable-return-routed-experts (return_routed_experts). CP = 1, no sequence parallelism.
     router_replay: bool = False
 
     def validate(self):
@@ -249,9 +250,7 @@ class RolloutConfig:
             raise ConfigError(f"rollout.sync_backend must be auto, nccl or gloo, got {self.sync_backend!r}")
         if not 0 <= self.sync_master_port < 65536:
             raise ConfigError(f"rollout.sync_master_port must be a port number (0: a free one), got {self.sync_master_port}")
-        if self.router_replay and self.engine != "embedded":
-            raise ConfigError("rollout.router_replay needs rollout.engine=embedded (it returns the experts it routed "
-                              "each token to; SGLang's return_routed_experts is not wired yet)")
+
         if self.verify_interval < -1 or self.verify_tolerance < 0:
             raise ConfigError("rollout.verify_interval must be >= -1 and rollout.verify_tolerance >= 0")
 

@@ -65,7 +65,6 @@ def test_checks_across_sections(overrides, message):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["rollout.router_replay=true", "rollout.engine=http", "rollout.urls=[http://x:1]"], "needs rollout.engine=embedded"),
     (["rollout.router_replay=true", "parallel.cp=2"], "not supported with parallel.cp > 1"),
     (["rollout.router_replay=true", "parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
 ])

@@ -239,6 +239,9 @@ class RLLoop:
             if cfg.rollout.engine == "embedded" or cfg.rollout.weight_sync == "disk":
                 os.makedirs(self.sync_dir, exist_ok=True)
             self.engine = make_engine(cfg, self._export_weights() if cfg.rollout.engine == "embedded" else cfg.model.path)
+            if cfg.rollout.router_replay and cfg.rollout.engine == "http":  # the layout of SGLang's routed_experts
+                self.engine.record_routing = True
+                self.engine.routing_layers, self.engine.routing_topk = sorted(self.arch.moe_layers), self.arch.moe_topk
             from megatron_klear.rollout.base import require_context
 
             require_context(self.engine, cfg.rl.max_prompt_length + cfg.rollout.max_new_tokens,

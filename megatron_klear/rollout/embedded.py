@@ -62,6 +62,7 @@ import inspect
 import json
 import numbers
 import os
+import re
 import secrets
 import threading
 from dataclasses import dataclass
@@ -220,7 +221,12 @@ class EmbeddedEngine(RolloutEngine):
         # rollout.router_replay); the routers' top-k indices, one [tokens, top_k] per MoE layer
         self.record_routing = False
         self._routed = None  # the current forward's indices while recording
-        self._routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        routers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+        self._routers = [m for _, m in routers]
+        # the model's layer index of each router (Completion.routed_experts' second axis, in order)
+        self.routed_layers = [int(re.search(r"layers\.(\d+)\.", n).group(1)) for n, _ in routers]
+        self.num_layers = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
+                                      "num_hidden_layers", 0) or 0)
         for router in self._routers:
             router.register_forward_hook(self._record_route)
 

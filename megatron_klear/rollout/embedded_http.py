@@ -354,7 +354,6 @@ _UNSUPPORTED = {
     "top_logprobs_num": (_default_or(None, 0), ""),
     "token_ids_logprob": (lambda v: v is None or v == [], ""),
     "return_hidden_states": (_default_or(None, False), ""),
-    "return_routed_experts": (_default_or(None, False), ""),
     "return_indexer_topk": (_default_or(None, False), ""),
     "return_entropy": (_default_or(None, False), ""),
     "return_bytes": (_default_or(None, False), ""),
@@ -366,7 +365,7 @@ _UNSUPPORTED = {
     "lora_path": (_default_or(None), ""), "lora_id": (_default_or(None), ""),
     "session_params": (_default_or(None), ""), "custom_logit_processor": (_default_or(None), ""),
     "positional_embed_overrides": (_default_or(None), ""), "max_thinking_tokens": (_default_or(None), ""),
-    "require_reasoning": (_default_or(None, False), ""), "routed_experts_start_len": (_default_or(0), ""),
+    "require_reasoning": (_default_or(None, False), ""),
     "multi_item_delimiter_indices": (_default_or(None), ""), "token_indices_to_pool": (_default_or(None), ""),
     "use_audio_in_video": (_default_or(None, False), ""),
 }
@@ -387,6 +386,7 @@ _TOP_LEVEL_TYPES = {
     "custom_logit_processor": lambda v, w: _optional_str_or_list(v, w, "OptionalStringOrList"),
     "max_thinking_tokens": _uint,
     "return_sampling_mask": lambda v, w: _bool_or_list(v, w, "BoolOrList"),
+    "return_routed_experts": _bool,  # (GenerateReqInput's bool; the v1 contract ignores it)
 }
 _NOT_NULL = {"return_prompt_token_ids": _bool, "routed_experts_start_len": _int}  # contract: no null
 
@@ -405,6 +405,8 @@ class GenerateCall:
     rid: str | None  # the request's rid when a single string was sent
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     ids: list = field(default_factory=list)  # meta_info.id per sample, filled by assign_ids
 
 
@@ -513,7 +515,9 @@ def parse_generate_request(body) -> GenerateCall:
     return GenerateCall(prompts=prompts, single=single, n=n, sampling=per_prompt, params=params,
                         return_logprob=bool(return_logprob), rids=rids, rid=single_rid,
                         return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),
-                        return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)))
+                        return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)),
+                        return_routed_experts=bool(body.get("return_routed_experts")),
+                        routed_experts_start_len=int(body.get("routed_experts_start_len", 0)))
 
 
 def assign_ids(call: GenerateCall) -> list:
@@ -542,8 +546,12 @@ def finish_reason_json(c: Completion, max_new_tokens: int, abort_message: str | 
 def completion_to_sglang(c: Completion, *, prompt: list, max_new_tokens: int, return_logprob: bool, rid: str,
                          weight_version, tokenizer=None, sampling: dict | None = None, e2e_latency: float | None = None,
                          return_text_in_logprobs: bool = False, return_prompt_token_ids: bool = False,
-                         abort_message: str | None = None) -> dict:
-    """One sample in SGLang's /generate response shape."""
+                         abort_message: str | None = None, routing: tuple | None = None) -> dict:
+    """One sample in SGLang's /generate response shape. ``routing`` = (start, the model's layer count,
+    the layer index of each recorded MoE layer): ``meta_info["routed_experts"]`` as SGLang 0.5.23
+    returns it (``--enable-return-routed-experts``): int32 [tokens, layers, top_k] for the positions
+    ``[start, prompt + response - 1)``, base64; a dense layer's rows are zeros, as in SGLang's
+    zero-initialised capture buffer."""
     sampling = sampling or {}
     reason = finish_reason_json(c, max_new_tokens, abort_message)
     meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt), "completion_tokens": len(c.token_ids),
@@ -564,6 +572,16 @@ def completion_to_sglang(c: Completion, *, prompt: list, max_new_tokens: int, re
         out = {"text": tokenizer.decode(shown, **kwargs), **out}
     if return_prompt_token_ids:
         out["prompt_token_ids"] = list(prompt)
+    if routing is not None and c.routed_experts is not None:
+        import torch
+
+        from megatron_klear.rollout.sglang import encode_routed_experts
+
+        start, num_layers, layers = routing
+        rec = torch.as_tensor(c.routed_experts)[start:]
+        full = torch.zeros((rec.shape[0], num_layers, rec.shape[2]), dtype=torch.int32)
+        full[:, layers] = rec.to(torch.int32)
+        meta["routed_experts"] = encode_routed_experts(full.numpy())
     return out
 
 
@@ -793,8 +811,12 @@ class Scheduler:
 # ------------------------------------------------------------------------------------------------
 class _ServerState:
     def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
-                 weight_sync_timeout: float = 600.0):
+                 weight_sync_timeout: float = 600.0, return_routed_experts: bool = False):
         self.engine, self.tokenizer = engine, tokenizer
+        # --enable-return-routed-experts: the engine records every token's experts (MoE models)
+        self.return_routed_experts = bool(return_routed_experts) and bool(getattr(engine, "routed_layers", None))
+        if self.return_routed_experts:
+            engine.record_routing = True
         self.tokenizer_path = tokenizer_path
         self.served_model_name = served_model_name
         self.scheduler = Scheduler(engine, max_batch_size, window=batch_window)
@@ -1007,6 +1029,19 @@ class _Handler(BaseHTTPRequestHandler):
                 top_p=params.top_p, top_k=params.top_k if params.temperature > 0 else 1, max_new_tokens=max(1, limit),
                 stop_token_ids=params.stop_token_ids), seeds=[sample_seed(base, i, j) for j in range(call.n)],
                 max_new_tokens=limit, ignore_eos=bool(call.sampling[i]["ignore_eos"])))
+        routing = None
+        if call.return_routed_experts:
+            start = call.routed_experts_start_len  # SGLang's scheduler checks (its texts)
+            for prompt in call.prompts:
+                if start < 0:
+                    raise BadRequest(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a "
+                                     "non-negative routed_experts_start_len.")
+                if start > len(prompt):
+                    raise BadRequest(f"recv_req.routed_experts_start_len={start} is higher than the number of input "
+                                     f"tokens len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
+                                     "routed_experts_start_len.")
+            if state.return_routed_experts:  # else not captured: SGLang then leaves the field out
+                routing = (start, engine.num_layers, engine.routed_layers)
         ids = assign_ids(call)
         job = _Job(requests, ids, rid=call.rid)
         for r in requests:
@@ -1026,7 +1061,8 @@ class _Handler(BaseHTTPRequestHandler):
                     comp, prompt=call.prompts[i], max_new_tokens=limits[i], return_logprob=call.return_logprob,
                     rid=ids[i * call.n + j], weight_version=engine.weight_version, tokenizer=state.tokenizer,
                     sampling=call.sampling[i], e2e_latency=latency, return_text_in_logprobs=call.return_text_in_logprobs,
-                    return_prompt_token_ids=call.return_prompt_token_ids, abort_message=job.abort_message))
+                    return_prompt_token_ids=call.return_prompt_token_ids, abort_message=job.abort_message,
+                    routing=routing))
         self._send(200, outs[0] if call.single and call.n == 1 else outs)
 
     # -- control ------------------------------------------------------------------------------------
@@ -1314,15 +1350,17 @@ class EmbeddedHTTPServer(ThreadingHTTPServer):
 
 def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
                 served_model_name: str | None = None, max_batch_size: int | None = None,
-                batch_window: float = 0.05, weight_sync_timeout: float = 600.0) -> EmbeddedHTTPServer:
+                batch_window: float = 0.05, weight_sync_timeout: float = 600.0,
+                return_routed_experts: bool = False) -> EmbeddedHTTPServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
     Call ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``.
     ``max_batch_size``: most sequences per engine call (default: the engine's); ``batch_window``:
     the longest an idle engine waits for concurrent requests to gather (:class:`Scheduler`);
-    ``weight_sync_timeout``: seconds for joining a weight-update group and for each broadcast."""
+    ``weight_sync_timeout``: seconds for joining a weight-update group and for each broadcast;
+    ``return_routed_experts``: SGLang's ``--enable-return-routed-experts`` (MoE models)."""
     server = EmbeddedHTTPServer((HOST, int(port)), _Handler)
     server.state = _ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
-                                weight_sync_timeout)
+                                weight_sync_timeout, return_routed_experts)
     server.state.port = server.server_address[1]
     return server
 
@@ -1344,6 +1382,9 @@ def main(argv=None) -> int:
     ap.add_argument("--weight-sync-timeout", type=float, default=600.0,
                     help="seconds for joining a weight-update group and for each broadcast received in it")
     ap.add_argument("--port-file", default=None, help="write the bound port here (atomically) once serving")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="record each token's experts (MoE models) and return them to requests with "
+                         "return_routed_experts (SGLang's flag of the same name)")
     args = ap.parse_args(argv)
 
     from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
@@ -1354,7 +1395,8 @@ def main(argv=None) -> int:
                                             tokenizer=tokenizer)
     server = make_server(engine, args.port, tokenizer=tokenizer, tokenizer_path=args.model if tokenizer else None,
                          served_model_name=args.served_model_name, batch_window=args.batch_window_ms / 1000.0,
-                         weight_sync_timeout=args.weight_sync_timeout)
+                         weight_sync_timeout=args.weight_sync_timeout,
+                         return_routed_experts=args.enable_return_routed_experts)
     port = server.server_address[1]
     if args.port_file:
         tmp = f"{args.port_file}.tmp-{os.getpid()}"
@@ -1388,7 +1430,7 @@ class EmbeddedHTTPEngine(SGLangEngine):
     def launch(cls, model_dir: str, *, port: int = 0, dtype: str = "float32", max_batch_size: int | None = None,
                context_length: int | None = None, served_model_name: str | None = None,
                weight_sync_timeout: float | None = None, startup_timeout: float = 300.0,
-               **kwargs) -> "EmbeddedHTTPEngine":
+               return_routed_experts: bool = False, **kwargs) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.embedded`` for ``model_dir`` and wait until it is
         healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
         ``context_length`` / ``served_model_name`` / ``weight_sync_timeout``: the server's
@@ -1405,6 +1447,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
             cmd += ["--served-model-name", served_model_name]
         if weight_sync_timeout is not None:
             cmd += ["--weight-sync-timeout", str(weight_sync_timeout)]
+        if return_routed_experts:
+            cmd += ["--enable-return-routed-experts"]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         with open(log_path, "wb") as log:

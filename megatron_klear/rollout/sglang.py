@@ -96,6 +96,11 @@ class SGLangEngine(RolloutEngine):
 
     loads_from_disk = True
     send_seed = False
+    # rollout.router_replay (MoE): ask each server for the experts every token was routed to
+    # (``return_routed_experts``); the model's MoE layer indices and top_k to read them
+    record_routing = False
+    routing_layers: list = []
+    routing_topk: int = 0
 
     def __init__(self, urls, *, workers=None, timeout: float = 60.0, generate_timeout: float = 3600.0,
                  weight_update_timeout: float = 1800.0, max_concurrent_requests: int = 256,
@@ -238,6 +243,14 @@ class SGLangEngine(RolloutEngine):
             raise errors[0]
         return results
 
+    def generation_urls(self) -> list:
+        """Where /generate requests go: ``urls`` (a router, or the servers themselves), each request
+        to the one with the fewest in flight. With ``record_routing`` the workers themselves: the
+        real sglang-router (0.3.2) rebuilds each request from its own struct, which has no
+        ``return_routed_experts`` / ``routed_experts_start_len``, so the servers would never be
+        asked for the experts (tests/rollout/test_routed_experts.py sends one through it)."""
+        return self.workers() if self.record_routing else list(self.urls)
+
     # -- context length ----------------------------------------------------------------------------
     def context_length(self, url: str) -> int | None:
         """The longest prompt + response a worker accepts: ``/v1/models``' ``max_model_len``
@@ -320,7 +333,7 @@ class SGLangEngine(RolloutEngine):
         base_seed = params.seed
         per_sample = self.request_granularity == "sample" and n > 1
         units = [(i, j) for i in range(len(prompts)) for j in range(n)] if per_sample else [(i, None) for i in range(len(prompts))]
-        in_flight = {u: 0 for u in self.urls}
+        in_flight = {u: 0 for u in self.generation_urls()}
         sem = asyncio.Semaphore(self.max_concurrent_requests)
         partial = {i: [None] * n for i in range(len(prompts))} if per_sample else None
         limits = httpx.Limits(max_connections=self.max_concurrent_requests + 8,
@@ -337,6 +350,8 @@ class SGLangEngine(RolloutEngine):
                     seed = ((base_seed * 1_000_003 + i) * 1_000_033 + j) % (1 << 63)
                 body = {"input_ids": [int(t) for t in prompts[i]], "return_logprob": True,
                         "sampling_params": self._sampling_params(params, 1 if per_sample else n, seed)}
+                if self.record_routing:  # SGLang >= 0.5.x with --enable-return-routed-experts
+                    body["return_routed_experts"] = True
                 async with sem:
                     return unit, await self._post_generate(client, body, 1 if per_sample else n, in_flight)
 
@@ -371,8 +386,9 @@ class SGLangEngine(RolloutEngine):
     async def _post_generate(self, client: httpx.AsyncClient, body: dict, n: int, in_flight: dict) -> list:
         last = None
         for attempt in range(self.max_retries + 1):
-            url = min(self.urls, key=lambda u: in_flight[u]) if last is None or len(self.urls) == 1 else \
-                min((u for u in self.urls if u != last.url), key=lambda u: in_flight[u])
+            urls = list(in_flight)
+            url = min(urls, key=lambda u: in_flight[u]) if last is None or len(urls) == 1 else \
+                min((u for u in urls if u != last.url), key=lambda u: in_flight[u])
             in_flight[url] += 1
             self.requests_sent += 1
             try:
@@ -411,7 +427,8 @@ class SGLangEngine(RolloutEngine):
             reason = (o.get("meta_info") or {}).get("finish_reason") if isinstance(o, dict) else None
             if isinstance(reason, dict) and reason.get("type") == "abort":
                 raise _Retryable(url, f"sample {k} aborted by the server: {reason.get('message') or reason}")
-        return [parse_completion(o, k, url=url) for k, o in enumerate(outs)]
+        routing = (len(body["input_ids"]), self.routing_layers, self.routing_topk) if self.record_routing else None
+        return [parse_completion(o, k, url=url, routing=routing) for k, o in enumerate(outs)]
 
     async def _watch_workers(self, client: httpx.AsyncClient, stop: threading.Event):
         """Probe every worker's /health while requests run; raise when one misses too many in a row."""
@@ -646,8 +663,45 @@ class SGLangEngine(RolloutEngine):
         self._on_workers(lambda w: self._request("POST", "/resume_memory_occupation", {}, url=w))
 
 
-def parse_completion(out: dict, k: int = 0, url: str = "") -> Completion:
-    """One element of a /generate response -> Completion (validated)."""
+def encode_routed_experts(routes) -> str:
+    """SGLang's ``meta_info["routed_experts"]``: the base64 of an int32 array [tokens, layers, top_k]
+    (``detokenizer_manager._b64_encode_per_request`` of 0.5.23)."""
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.ascontiguousarray(np.asarray(routes, dtype=np.int32)).tobytes()).decode("ascii")
+
+
+def decode_routed_experts(text, *, rows: int, layers: list, top_k: int, where: str = "/generate"):
+    """``meta_info["routed_experts"]`` -> int16 tensor [rows, len(layers), top_k]: the experts of the
+    MoE layers ``layers`` (indices among the model's layers; SGLang reports every layer, a dense
+    one as zeros) for each of the ``rows`` = prompt + response - 1 tokens the model was fed (SGLang:
+    positions ``[routed_experts_start_len, seqlen - 1)``, start 0)."""
+    import base64
+    import binascii
+
+    import numpy as np
+    import torch
+
+    if not isinstance(text, str):
+        raise EngineError(f"rollout: {where} did not return meta_info.routed_experts (rollout.router_replay needs "
+                          "SGLang started with --enable-return-routed-experts)")
+    try:
+        flat = np.frombuffer(base64.b64decode(text, validate=True), dtype=np.int32)
+    except (binascii.Error, ValueError) as e:
+        raise EngineError(f"rollout: {where}: meta_info.routed_experts is not base64 int32 ({e})") from None
+    per_token = flat.size // rows if rows else 0
+    if rows <= 0 or flat.size != rows * per_token or per_token % top_k or per_token // top_k <= max(layers, default=-1):
+        raise EngineError(f"rollout: {where}: meta_info.routed_experts holds {flat.size} ids, not {rows} tokens x "
+                          f"layers x top_k={top_k} covering MoE layers {list(layers)} (prompt + response - 1 = {rows})")
+    routes = torch.from_numpy(flat.reshape(rows, per_token // top_k, top_k)[:, list(layers)].astype(np.int16))
+    return routes
+
+
+def parse_completion(out: dict, k: int = 0, url: str = "", routing: tuple | None = None) -> Completion:
+    """One element of a /generate response -> Completion (validated). ``routing``: (prompt length,
+    MoE layer indices, top_k) to read the routed experts too (rollout.router_replay)."""
     where = f"{url}/generate" if url else "/generate"
     try:
         meta = out["meta_info"]
@@ -667,4 +721,9 @@ def parse_completion(out: dict, k: int = 0, url: str = "") -> Completion:
         raise EngineError(f"rollout: {where} sample {k}: output_token_logprobs do not match output_ids")
     if reason not in ("stop", "length"):
         raise EngineError(f"rollout: {where} sample {k} finished with {reason!r}")
-    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason)
+    routes = None
+    if routing is not None:
+        prompt_len, layers, top_k = routing
+        routes = decode_routed_experts(meta.get("routed_experts"), rows=prompt_len + len(ids) - 1, layers=layers,
+                                       top_k=top_k, where=f"{where} sample {k}")
+    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, routed_experts=routes)
