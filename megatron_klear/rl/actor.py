@@ -208,9 +208,9 @@ def replay_routing(batch: dict, model) -> None:
         router.router_replay.clear_router_replay_action()
     if "routed_experts" not in batch or not routers:
         return
-    if model.config.sequence_parallel or model.config.context_parallel_size > 1:
-        raise NotImplementedError("rollout.router_replay with sequence or context parallelism (the routers see "
-                                  "a slice of the row)")
+    if model.config.context_parallel_size > 1:
+        raise NotImplementedError("rollout.router_replay with context parallelism (each rank's routers see two "
+                                  "load-balanced chunks of the row)")
     idx = batch["routed_experts"][0]
     size = batch["tokens"].shape[1]  # the row as the model sees it (it may have been padded)
     if idx.shape[0] < size:
@@ -218,6 +218,13 @@ def replay_routing(batch: dict, model) -> None:
         fill = torch.arange(topk, dtype=idx.dtype, device=idx.device).expand(size - idx.shape[0], idx.shape[1], topk)
         idx = torch.cat([idx, fill])
     idx = idx[:size]
+    if model.config.sequence_parallel:  # the routers see this TP rank's contiguous slice of the row
+        from megatron.core import parallel_state
+
+        tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        if size % tp:
+            raise ValueError(f"router replay: a row of {size} tokens does not split over {tp} sequence-parallel ranks")
+        idx = idx[rank * (size // tp):(rank + 1) * (size // tp)]
     moe_layers = [i for i, m in enumerate(model.arch.moe_layer_pattern) if m]
     for router in routers:
         layer = moe_layers.index(router.layer_number - 1)  # layer_number: global, from 1

@@ -143,7 +143,9 @@ def moe4_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("world,overrides", [
     (1, []), pytest.param(2, ["parallel.pp=2"], marks=pytest.mark.slow),
-    pytest.param(2, ["parallel.ep=2"], marks=pytest.mark.slow)], ids=["one", "pp2", "ep2"])
+    pytest.param(2, ["parallel.ep=2"], marks=pytest.mark.slow),
+    pytest.param(2, ["parallel.tp=2", "parallel.sequence_parallel=true"], marks=pytest.mark.slow)],
+    ids=["one", "pp2", "ep2", "tp2-sp"])
 def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe4_dir, world, overrides):
     results = run_distributed(_replay, world, moe4_dir, overrides)
     r = {k: {} for k in results[0]}
