@@ -47,6 +47,10 @@
 #    resume and every rollout.verify_interval steps each server's log-probs of a probe must equal the
 #    trainer's. rollout.weight_sync=disk instead writes <rollout.sync_dir>/step_NNNNNNN (on a
 #    filesystem the servers read) and has every server reload it in parallel (update_weights_from_disk).
+#    Servers on the training GPUs instead (no rollout nodes): start each with --enable-memory-saver
+#    and a smaller --mem-fraction-static, and pass rollout.colocate=true: the servers release their
+#    memory while the actor trains and reload the weights from disk (README, "Servers on the
+#    trainer's GPUs").
 # For code RL afterwards: CONFIG=examples/configs/gppo_qwen3_8b_code.yaml model.path=<math RL checkpoint>
 set -euo pipefail
 NNODES=${NNODES:-1}

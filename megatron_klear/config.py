@@ -210,7 +210,8 @@ class RolloutConfig:
     # http: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
     # bucketed broadcast from each pipeline stage's leader over a process group with every server
     # (rollout/weight_sync.py); disk: a versioned HF directory in sync_dir that every server reloads.
-    weight_sync: str = "distributed"  # distributed | disk
+    # auto: distributed, or disk with colocate (NCCL cannot pair the trainer's rank with a server on its own GPU).
+    weight_sync: str = "auto"  # auto | distributed | disk
     sync_bucket_mb: float = 1024.0  # distributed: tensors per broadcast (one dtype per bucket)
     sync_backend: str = "auto"  # distributed: auto (nccl on GPU, gloo on CPU) | nccl | gloo
     sync_master_addr: str = ""  # distributed: the address servers reach the stage leaders at ("": the interface routing to the first server)
@@ -227,6 +228,11 @@ class RolloutConfig:
     # The embedded engine records them; SGLang servers return them when started with
     # --enable-return-routed-experts (return_routed_experts). CP = 1.
     router_replay: bool = False
+    # http: the SGLang servers share the trainer's GPUs (started with --enable-memory-saver): after
+    # generating, every server releases its KV cache and weights (/release_memory_occupation) while
+    # the actor trains; the weight sync resumes the weights, reloads them from disk, then resumes the
+    # KV cache. Needs weight_sync=disk (auto picks it).
+    colocate: bool = False
 
     def validate(self):
         if self.engine not in ("embedded", "http"):
@@ -244,8 +250,17 @@ class RolloutConfig:
                     "health_check_timeout_s", "sync_bucket_mb", "sync_group_timeout_s", "sync_bucket_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"rollout.{key} must be > 0, got {getattr(self, key)}")
-        if self.weight_sync not in ("distributed", "disk"):
-            raise ConfigError(f"rollout.weight_sync must be distributed or disk, got {self.weight_sync!r}")
+        if self.weight_sync not in ("auto", "distributed", "disk"):
+            raise ConfigError(f"rollout.weight_sync must be auto, distributed or disk, got {self.weight_sync!r}")
+        if self.colocate and self.engine != "http":
+            raise ConfigError("rollout.colocate is for SGLang servers on the trainer's GPUs (rollout.engine=http); the "
+                              "embedded engine already runs inside the trainer's driver process")
+        if self.colocate and self.weight_sync == "distributed":
+            raise ConfigError("rollout.colocate with rollout.weight_sync=distributed: a server on the trainer's own GPU "
+                              "cannot join the trainer's NCCL group (NCCL refuses two ranks of one group on one "
+                              "device); use rollout.weight_sync=disk (or auto)")
+        if self.weight_sync == "auto":
+            self.weight_sync = "disk" if self.colocate else "distributed"
         if self.sync_backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"rollout.sync_backend must be auto, nccl or gloo, got {self.sync_backend!r}")
         if not 0 <= self.sync_master_port < 65536:

@@ -50,6 +50,14 @@ def _broadcast(obj):
     return box[0]
 
 
+def _free_cached_accelerator_memory() -> None:
+    """Hand the caching allocator's free blocks back to the device (servers on the same GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def make_engine(cfg: JobConfig, model_dir: str):
     """The rollout engine (driver rank only)."""
     r = cfg.rollout
@@ -227,6 +235,9 @@ class RLLoop:
         self.weight_sync = None  # rollout.weight_sync=distributed: the update groups with the servers
         self.syncs = 0  # weight syncs done by this process (the first one, fresh or resumed, is verified)
         self.sync_metrics = {}
+        # rollout.colocate (rank 0): the servers' memory released for the actor update, whether their
+        # resumed weights still wait for a load, and the last (directory, version) they loaded
+        self.released, self.weights_lost, self.last_sync = set(), False, None
         from megatron_klear.data.chat import generation_stop_ids
 
         # EOS ids plus the chat template's end-of-turn token (Qwen3-Base: EOS <|endoftext|>, turns
@@ -246,6 +257,8 @@ class RLLoop:
 
             require_context(self.engine, cfg.rl.max_prompt_length + cfg.rollout.max_new_tokens,
                             "rl.max_prompt_length + rollout.max_new_tokens")
+            if cfg.rollout.colocate:
+                self.engine.check_memory_saver()
             self.pool = GradingPool(cfg.reward)
             if any(p.task == "code" for p in self.prompts.prompts):
                 self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
@@ -299,8 +312,10 @@ class RLLoop:
             else:
                 name = f"step_{self.rl_step:07d}"
                 path = self._export_weights(name)
+                if r.colocate:
+                    _free_cached_accelerator_memory()  # for the servers' weights and KV cache
                 if _rank0():
-                    self.engine.load_from_disk(path, version=self.rl_step)
+                    self._load_on_servers(path, self.rl_step)
                     remove_old_versions(self.sync_dir, keep=name)
                 _barrier()
             self.syncs += 1
@@ -308,6 +323,40 @@ class RLLoop:
                 self.verify_weights()
         else:
             sync_weights(self.state.model, self.engine, version=self.rl_step)
+
+    # -- servers sharing the trainer's GPUs (rollout.colocate) -----------------------------------------
+    def _release_servers(self) -> None:
+        """Rank 0: every server frees its KV cache and weights while the actor trains."""
+        from megatron_klear.rollout.sglang import MEMORY_TAGS
+
+        self.engine.release_memory(list(MEMORY_TAGS))
+        self.released = set(MEMORY_TAGS)
+
+    def _load_on_servers(self, path: str, version: int) -> None:
+        """Rank 0: the servers load ``path`` as ``version``; released servers first get their weights'
+        memory back (its content lost), then load, then get their KV cache back."""
+        if "weights" in self.released:
+            self.engine.resume_memory(["weights"])
+            self.released.discard("weights")
+            self.weights_lost = True
+        self.engine.load_from_disk(path, version=version)
+        self.weights_lost = False
+        self.last_sync = (path, version)
+        if self.released:
+            self.engine.resume_memory(sorted(self.released))
+            self.released.clear()
+
+    def _restore_servers(self) -> None:
+        """Rank 0, after a failure while the servers' memory was released: they serve the weights of
+        the last sync again (best effort: a warning names what failed)."""
+        if not (self.released or self.weights_lost) or self.engine is None or self.last_sync is None:
+            return
+        try:
+            self._load_on_servers(*self.last_sync)
+        except Exception as e:  # noqa: BLE001 -- the original failure is the one raised
+            warnings.warn(f"rollout.colocate: the servers could not be given back their memory and weight version "
+                          f"{self.last_sync[1]} ({self.last_sync[0]}): {e}; they stay released (tags "
+                          f"{sorted(self.released)}) until resume_memory_occupation and a weight update")
 
     def verify_weights(self) -> dict:
         """Collective: every server's log-probs of the probe (:mod:`megatron_klear.rl.verify`) must
@@ -405,7 +454,14 @@ class RLLoop:
         self.rl_step += 1
         if samples:
             t1 = time.time()
-            actor = self.actor.update(samples)
+            if self.cfg.rollout.colocate and _rank0():
+                self._release_servers()
+            try:
+                actor = self.actor.update(samples)
+            except BaseException:
+                if _rank0():
+                    self._restore_servers()
+                raise
             metrics.update({k: v for k, v in actor.items() if k != "actor/steps"})
             metrics["time/train_s"] = time.time() - t1
             t2 = time.time()
@@ -440,6 +496,8 @@ class RLLoop:
         return metrics
 
     def close(self) -> None:
+        if _rank0():
+            self._restore_servers()
         self.logger.close()
         if self.ckpt:
             self.ckpt.finish()

@@ -68,11 +68,13 @@ class RolloutEngine(abc.ABC):
         """Load new weights: an iterable of (HF name, tensor), every weight of the model exactly
         once (all of them before the next ``generate``)."""
 
-    def release_memory(self) -> None:
-        """Free accelerator memory while the trainer runs (colocated engines); no-op by default."""
+    def release_memory(self, tags=None) -> None:
+        """Free accelerator memory while the trainer runs (colocated engines; ``tags``: of
+        ``weights``, ``kv_cache``, ``cuda_graph``, None for all); no-op by default."""
 
-    def resume_memory(self) -> None:
-        """Undo :meth:`release_memory` before generating again; no-op by default."""
+    def resume_memory(self, tags=None) -> None:
+        """Undo :meth:`release_memory` of ``tags`` before loading weights and generating again;
+        no-op by default."""
 
     def close(self) -> None:
         """Stop servers / free resources."""

@@ -216,6 +216,7 @@ class EmbeddedEngine(RolloutEngine):
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._lock = threading.RLock()
         self._broken = None  # why the weights are inconsistent (a failed update), else None
+        self._released = None  # {parameter: shape} while the weights are released (release_weights)
         self.decode_steps = 0  # forwards run so far (the HTTP server's /health_generate watches it)
         # MoE models: record the experts each token was routed to (Completion.routed_experts, for
         # rollout.router_replay); the routers' top-k indices, one [tokens, top_k] per MoE layer
@@ -323,8 +324,11 @@ class EmbeddedEngine(RolloutEngine):
         return results
 
     def _check_not_broken(self) -> None:
+        if self._released is not None:
+            raise RuntimeError("rollout.embedded: the weights are released (release_memory_occupation); resume them "
+                               "and load weights before generating")
         if self._broken:
-            raise RuntimeError(f"rollout.embedded: the weights are inconsistent after a failed update ({self._broken}); "
+            raise RuntimeError(f"rollout.embedded: the weights are inconsistent {self._broken}; "
                                "call update_weights again with every tensor before generating")
 
     def _chunks(self, todo: list, requests: list) -> list:
@@ -590,8 +594,44 @@ class EmbeddedEngine(RolloutEngine):
                         param.data = tensor
                     else:
                         param.copy_(tensor)
+                if not set(slices) - {n for n, _ in named_tensors}:  # every weight loaded
+                    self._broken = None
             self.weight_version = version
         return replaced
+
+    # ---------------------------------------------------------------- memory (colocated servers)
+    def release_weights(self) -> int:
+        """Free every parameter's storage (SGLang's ``release_memory_occupation`` of ``weights`` under
+        ``--enable-memory-saver``); returns the bytes freed. Buffers (rotary frequencies) stay, as
+        SGLang stashes and restores a model's static state. Generating or loading is refused until
+        :meth:`resume_weights`."""
+        with self._lock:
+            if self._released is not None:
+                return 0
+            released, freed = {}, 0
+            for p in self.model.parameters():  # a tied lm_head is the embedding: once
+                released[p] = tuple(p.shape)
+                freed += p.numel() * p.element_size()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._released = released
+            return freed
+
+    def resume_weights(self) -> None:
+        """Give the parameters their storage back. Their content is lost, as with SGLang's memory
+        saver: floats are NaN (integers 0) and the engine refuses to generate until an update loads
+        every weight (the colocated loop reloads them from disk next)."""
+        with self._lock:
+            released, self._released = self._released, None
+            if released is None:
+                return
+            for p, shape in released.items():
+                fill = float("nan") if p.dtype.is_floating_point else 0
+                p.data = torch.full(shape, fill, dtype=p.dtype, device=p.device)
+            self._broken = "since their memory was released and resumed (their content is lost)"
+
+    @property
+    def weights_released(self) -> bool:
+        return self._released is not None
 
     def check_named_weights(self, named_tensors) -> None:
         """The checks of :meth:`load_named_weights` without copying (raises :class:`WeightUpdateError`)."""
@@ -633,6 +673,9 @@ class EmbeddedEngine(RolloutEngine):
         return out
 
     def _apply_weights(self, named_tensors, *, copy: bool, require_all: bool = True) -> None:
+        if self._released is not None:
+            raise WeightUpdateError("rollout.embedded: the weights are released (release_memory_occupation): "
+                                    "resume them (resume_memory_occupation) before loading new ones")
         params = self._weight_targets()
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False)) and "lm_head.weight" not in params
         seen, tied_head, copied = set(), None, False
@@ -669,9 +712,9 @@ class EmbeddedEngine(RolloutEngine):
                                             "of this tied-embedding model (tie_word_embeddings=true)")
         except BaseException as e:
             if copied:
-                self._broken = str(e)
+                self._broken = f"after a failed update ({e})"
             raise
-        if copy and require_all:  # a complete update repairs a broken state; a partial one does not
+        if copy and not set(params) - seen:  # a complete update repairs a broken state; a partial one does not
             self._broken = None
 
     def load_weights_from_dir(self, path: str, *, version=None) -> None:

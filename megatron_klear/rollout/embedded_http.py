@@ -117,6 +117,15 @@ Other routes (SGLang's shapes)
 - ``POST /abort_request`` ``{"rid" | "abort_all"}`` (200, empty body): aborts the requests whose id
   or a sample's id starts with ``rid`` (the whole request), queued or running.
 - ``POST``/``GET /flush_cache``: 200 (nothing is cached between requests here).
+- ``POST /release_memory_occupation`` / ``POST /resume_memory_occupation`` ``{"tags"?}`` (``weights``,
+  ``kv_cache``, ``cuda_graph``; none or empty: all), for servers colocated with the trainer
+  (``rollout.colocate``). Release needs an idle server (SGLang asserts it). With
+  ``--enable-memory-saver`` releasing ``weights`` frees the parameters and resuming gives them back
+  with their content lost (NaN), as SGLang's memory saver does, so a weight update must follow;
+  without it the tags are only recorded (SGLang's no-op saver). Stricter than SGLang, which would
+  run them on freed memory: while ``weights`` or ``kv_cache`` is released ``/generate`` answers 503
+  and weight updates 400, and resuming a tag that is not released answers 400 (SGLang's scheduler
+  fails on it). ``/server_info`` reports ``enable_memory_saver``.
 
 Unknown routes answer 404 ``{"detail": "Not Found"}``; failures inside the engine 500 ``{"error":
 {"message"}}``.
@@ -143,7 +152,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from megatron_klear.rollout.base import Completion, SamplingParams
-from megatron_klear.rollout.sglang import SGLangEngine
+from megatron_klear.rollout.sglang import MEMORY_TAGS, SGLangEngine
 
 HOST = "127.0.0.1"
 MAX_BODY_BYTES = 1 << 30
@@ -152,6 +161,8 @@ TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name for weight updates
 PAUSE_MODES = ("abort", "retract", "in_place")
+_RELEASED_WEIGHTS = ("the weights are released (release_memory_occupation): resume_memory_occupation with tag "
+                     "'weights' before updating them")
 
 
 class BadRequest(ValueError):
@@ -811,8 +822,13 @@ class Scheduler:
 # ------------------------------------------------------------------------------------------------
 class _ServerState:
     def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
-                 weight_sync_timeout: float = 600.0, return_routed_experts: bool = False):
+                 weight_sync_timeout: float = 600.0, return_routed_experts: bool = False,
+                 enable_memory_saver: bool = False):
         self.engine, self.tokenizer = engine, tokenizer
+        # --enable-memory-saver: releasing "weights" frees them (rollout.colocate); the tags released
+        self.enable_memory_saver = bool(enable_memory_saver)
+        self.offload_tags = set()
+        self.memory_releases = 0
         # --enable-return-routed-experts: the engine records every token's experts (MoE models)
         self.return_routed_experts = bool(return_routed_experts) and bool(getattr(engine, "routed_layers", None))
         if self.return_routed_experts:
@@ -899,7 +915,8 @@ class _Handler(BaseHTTPRequestHandler):
                  "/weights_checker": self._weights_checker,
                  "/update_weight_version": self._update_weight_version, "/pause_generation": self._pause,
                  "/continue_generation": self._continue, "/abort_request": self._abort,
-                 "/flush_cache": self._flush_cache}
+                 "/flush_cache": self._flush_cache, "/release_memory_occupation": self._release_memory,
+                 "/resume_memory_occupation": self._resume_memory}
         puts = {"/generate": self._generate}
         table = {"GET": gets, "POST": posts, "PUT": puts}[method]
         route = table.get(path)
@@ -980,6 +997,9 @@ class _Handler(BaseHTTPRequestHandler):
             "version": SGLANG_API_VERSION, "frontend": "megatron-klear-embedded",
             "weight_version": state.weight_version, "num_generate_requests": state.num_generate_requests,
             "internal_states": [sched.stats()], "incremental_streaming_output": False, "disaggregation_mode": "null",
+            "enable_memory_saver": state.enable_memory_saver,
+            # not SGLang's: what is released now, and how often memory was released (tests, operators)
+            "released_memory_tags": sorted(state.offload_tags), "memory_releases": state.memory_releases,
         })
 
     def _card(self, name: str) -> dict:
@@ -1009,6 +1029,11 @@ class _Handler(BaseHTTPRequestHandler):
         engine = state.engine
         t0 = time.monotonic()
         call = parse_generate_request(body)
+        released = sorted(state.offload_tags & {"weights", "kv_cache"})
+        if released:
+            self._error(503, f"the server's memory is released ({', '.join(released)}: release_memory_occupation); "
+                             "resume_memory_occupation and load weights before generating")
+            return
         if call.return_text_in_logprobs and state.tokenizer is None:
             raise BadRequest("field 'return_text_in_logprobs'=True needs a tokenizer; this server has none")
         c = engine.context_length
@@ -1118,6 +1143,9 @@ class _Handler(BaseHTTPRequestHandler):
                              "message": f"load_format {f['load_format']!r} is not supported by the embedded engine "
                                         "(auto | safetensors)"})
             return
+        if "weights" in state.offload_tags:
+            self._send(400, {"success": False, "num_paused_requests": 0, "message": _RELEASED_WEIGHTS})
+            return
         if f["abort_all_requests"]:
             state.scheduler.abort(abort_all=True, message="Aborted by /update_weights_from_disk")
         version = f["weight_version"] if f["weight_version"] is not None else state.engine.weight_version
@@ -1132,6 +1160,42 @@ class _Handler(BaseHTTPRequestHandler):
             message += f" Weight version updated to {f['weight_version']}."
         self._send(200, {"success": True, "message": message, "num_paused_requests": held})
 
+
+    # -- memory of a server colocated with the trainer (SGLang's --enable-memory-saver) ---------------
+    def _memory_tags(self, body) -> list:
+        f = self._fields(body or {}, {"tags": (lambda v, w: [_str(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))],
+                                               None)})
+        tags = f["tags"] or list(MEMORY_TAGS)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise BadRequest(f"tags: unknown memory type(s) {unknown}; expected some of {list(MEMORY_TAGS)}")
+        return tags
+
+    def _release_memory(self, body) -> None:
+        tags = self._memory_tags(body)
+        state = self.server.state
+        stats = state.scheduler.stats()
+        if stats["num_running_reqs"] or stats["num_waiting_reqs"]:
+            raise BadRequest("release_memory_occupation should be called only when server is idle.")
+        with state.weight_lock:
+            state.offload_tags.update(tags)
+            state.memory_releases += 1
+            if "weights" in tags and state.enable_memory_saver:
+                state.scheduler.run_update(state.engine.release_weights)
+        self._send(200)
+
+    def _resume_memory(self, body) -> None:
+        tags = self._memory_tags(body)
+        state = self.server.state
+        with state.weight_lock:
+            not_released = [t for t in tags if t not in state.offload_tags]
+            if not_released:
+                raise BadRequest(f"resume_memory_occupation: {not_released} not released (released: "
+                                 f"{sorted(state.offload_tags)})")
+            state.offload_tags.difference_update(tags)
+            if "weights" in tags and state.enable_memory_saver:
+                state.engine.resume_weights()
+        self._send(200)
 
     # -- weights over a process group (SGLang's update_weights_from_distributed) ----------------------
     def _weights_reply(self, ok: bool, message: str, **extra) -> None:
@@ -1189,6 +1253,8 @@ class _Handler(BaseHTTPRequestHandler):
         if f["selector"] not in ("target", "draft", "all"):
             raise BadRequest(f"invalid selector {f['selector']!r}; expected 'target', 'draft', or 'all'")
         state = self.server.state
+        if "weights" in state.offload_tags:
+            return self._weights_reply(False, _RELEASED_WEIGHTS)
         with state.weight_lock:
             if state.weight_session is not None:
                 return self._weights_reply(False, "a weight-update session is already open; call end_weight_update() "
@@ -1341,26 +1407,58 @@ def _receive_weights(pg, names, dtypes, shapes, load_format, device, buffers=Non
 
 
 class EmbeddedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection. Closing the server also ends its kept-alive connections and waits
+    for their threads: a handler thread still blocked on a client's idle connection when the
+    interpreter exits is killed mid-call, which aborts the process ("terminate called without an
+    active exception")."""
+
     daemon_threads = True
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._connections = {}  # socket -> the thread serving it
+        self._connections_lock = threading.Lock()
+
+    def process_request_thread(self, request, client_address):
+        with self._connections_lock:
+            self._connections[request] = threading.current_thread()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._connections_lock:
+                self._connections.pop(request, None)
+
     def server_close(self):
+        import socket
+
         self.state.scheduler.close()
         super().server_close()
+        with self._connections_lock:
+            open_connections = list(self._connections.items())
+        for sock, _ in open_connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # a handler waiting for the next request reads EOF
+            except OSError:
+                pass  # already closed by the client
+        for _, thread in open_connections:
+            if thread is not threading.current_thread():
+                thread.join(timeout=5.0)
 
 
 def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
                 served_model_name: str | None = None, max_batch_size: int | None = None,
                 batch_window: float = 0.05, weight_sync_timeout: float = 600.0,
-                return_routed_experts: bool = False) -> EmbeddedHTTPServer:
+                return_routed_experts: bool = False, enable_memory_saver: bool = False) -> EmbeddedHTTPServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
     Call ``serve_forever()`` (e.g. in a thread), then ``shutdown()`` and ``server_close()``.
     ``max_batch_size``: most sequences per engine call (default: the engine's); ``batch_window``:
     the longest an idle engine waits for concurrent requests to gather (:class:`Scheduler`);
     ``weight_sync_timeout``: seconds for joining a weight-update group and for each broadcast;
-    ``return_routed_experts``: SGLang's ``--enable-return-routed-experts`` (MoE models)."""
+    ``return_routed_experts``: SGLang's ``--enable-return-routed-experts`` (MoE models);
+    ``enable_memory_saver``: SGLang's ``--enable-memory-saver`` (releasing weights frees them)."""
     server = EmbeddedHTTPServer((HOST, int(port)), _Handler)
     server.state = _ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
-                                weight_sync_timeout, return_routed_experts)
+                                weight_sync_timeout, return_routed_experts, enable_memory_saver)
     server.state.port = server.server_address[1]
     return server
 
@@ -1385,6 +1483,9 @@ def main(argv=None) -> int:
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="record each token's experts (MoE models) and return them to requests with "
                          "return_routed_experts (SGLang's flag of the same name)")
+    ap.add_argument("--enable-memory-saver", action="store_true",
+                    help="release_memory_occupation of 'weights' frees them (a server sharing the trainer's "
+                         "machine; SGLang's flag of the same name)")
     args = ap.parse_args(argv)
 
     from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
@@ -1396,7 +1497,8 @@ def main(argv=None) -> int:
     server = make_server(engine, args.port, tokenizer=tokenizer, tokenizer_path=args.model if tokenizer else None,
                          served_model_name=args.served_model_name, batch_window=args.batch_window_ms / 1000.0,
                          weight_sync_timeout=args.weight_sync_timeout,
-                         return_routed_experts=args.enable_return_routed_experts)
+                         return_routed_experts=args.enable_return_routed_experts,
+                         enable_memory_saver=args.enable_memory_saver)
     port = server.server_address[1]
     if args.port_file:
         tmp = f"{args.port_file}.tmp-{os.getpid()}"
@@ -1430,11 +1532,12 @@ class EmbeddedHTTPEngine(SGLangEngine):
     def launch(cls, model_dir: str, *, port: int = 0, dtype: str = "float32", max_batch_size: int | None = None,
                context_length: int | None = None, served_model_name: str | None = None,
                weight_sync_timeout: float | None = None, startup_timeout: float = 300.0,
-               return_routed_experts: bool = False, **kwargs) -> "EmbeddedHTTPEngine":
+               return_routed_experts: bool = False, enable_memory_saver: bool = False,
+               **kwargs) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.embedded`` for ``model_dir`` and wait until it is
         healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
-        ``context_length`` / ``served_model_name`` / ``weight_sync_timeout``: the server's
-        ``--context-length`` / ``--served-model-name`` / ``--weight-sync-timeout``."""
+        ``context_length`` / ``served_model_name`` / ``weight_sync_timeout`` /
+        ``return_routed_experts`` / ``enable_memory_saver``: the server's flags of those names."""
         workdir = tempfile.mkdtemp(prefix="klear-embedded-server-")
         port_file, log_path = os.path.join(workdir, "port"), os.path.join(workdir, "server.log")
         cmd = [sys.executable, "-m", "megatron_klear.rollout.embedded", "--model", model_dir, "--port", str(port),
@@ -1449,6 +1552,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
             cmd += ["--weight-sync-timeout", str(weight_sync_timeout)]
         if return_routed_experts:
             cmd += ["--enable-return-routed-experts"]
+        if enable_memory_saver:
+            cmd += ["--enable-memory-saver"]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         with open(log_path, "wb") as log:

@@ -48,6 +48,10 @@ import httpx
 from megatron_klear.rollout.base import Completion, RolloutEngine, SamplingParams
 
 
+#: SGLang's memory types (``GPU_MEMORY_ALL_TYPES``) for /release_memory_occupation and /resume_memory_occupation
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
 class EngineError(RuntimeError):
     pass
 
@@ -656,11 +660,31 @@ class SGLangEngine(RolloutEngine):
         finally:
             shutil.rmtree(tmp_root, ignore_errors=True)
 
-    def release_memory(self) -> None:
-        self._on_workers(lambda w: self._request("POST", "/release_memory_occupation", {}, url=w))
+    # -- servers colocated with the trainer (rollout.colocate) ------------------------------------------
+    def check_memory_saver(self) -> None:
+        """Every worker must run with ``--enable-memory-saver``: without it SGLang's
+        ``/release_memory_occupation`` frees nothing (a no-op saver), and the trainer would meet the
+        server's weights and KV cache on its GPU."""
+        def ask(w):
+            if not (self.server_info(w) or {}).get("enable_memory_saver"):
+                raise EngineError(f"rollout.colocate: {w} was not started with --enable-memory-saver, so releasing its "
+                                  "memory would free nothing: restart it with that flag (pip install "
+                                  "torch-memory-saver), or give the servers their own GPUs (rollout.colocate=false)")
 
-    def resume_memory(self) -> None:
-        self._on_workers(lambda w: self._request("POST", "/resume_memory_occupation", {}, url=w))
+        self._on_workers(ask)
+
+    def release_memory(self, tags=None) -> None:
+        """SGLang's ``/release_memory_occupation`` on every worker (they must be idle): ``tags`` of
+        ``weights``, ``kv_cache``, ``cuda_graph`` (None: all). Released weights lose their content:
+        resume them, then load weights, before generating."""
+        body = {"tags": list(tags)} if tags else {}
+        self._on_workers(lambda w: self._request("POST", "/release_memory_occupation", body, url=w))
+
+    def resume_memory(self, tags=None) -> None:
+        """SGLang's ``/resume_memory_occupation`` on every worker, for ``tags`` released before (None:
+        all; resuming a tag that is not released fails SGLang's scheduler)."""
+        body = {"tags": list(tags)} if tags else {}
+        self._on_workers(lambda w: self._request("POST", "/resume_memory_occupation", body, url=w))
 
 
 def encode_routed_experts(routes) -> str:

@@ -219,6 +219,10 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
         e.continue_generation()
         e.check_weight_versions(7)
         e.load_from_disk("/some/dir", version=8)
+        e.release_memory(["weights", "kv_cache", "cuda_graph"])  # rollout.colocate
+        e.resume_memory(["weights"])
+        e.resume_memory(["kv_cache", "cuda_graph"])
+        e.release_memory()
         calls = [json.loads(line) for line in open(record)]
     posts = [(c["path"], c["body"]) for c in calls if c["method"] == "POST"]
     assert [p for p, _ in posts[:6]] == ["/pause_generation", "/begin_weight_update", "/update_weights_from_distributed",
@@ -228,6 +232,11 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
         assert not control_contract_errors(path, body), (path, body, control_contract_errors(path, body))
     assert posts[2][1]["names"] == ["a.weight", "b.weight"] and posts[2][1]["shapes"] == [[2, 3], [4]]
     assert posts[4][1] == {"new_version": "7", "abort_all_requests": False}
+    memory = [(p, b) for p, b in posts if p.endswith("_memory_occupation")]
+    assert memory == [("/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]}),
+                      ("/resume_memory_occupation", {"tags": ["weights"]}),
+                      ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
+                      ("/release_memory_occupation", {})], memory
     # one kept-alive connection for every control call (a fresh client per call cost ~20 ms each)
     assert len({tuple(c["client"]) for c in calls}) == 1, {tuple(c["client"]) for c in calls}
 

@@ -118,6 +118,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.path in ("/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
                          "/end_weight_update", "/update_weights_from_distributed"):
             return self._send(200, {"success": True, "message": "ok"})
+        if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            return self._send(200, raw=b"null")  # SGLang's handlers return None: FastAPI answers null
         if self.path == "/update_weights_from_disk":
             st.weight_version = str(body.get("weight_version", st.weight_version))
             return self._send(200, {"success": True, "message": "ok", "num_paused_requests": 0})

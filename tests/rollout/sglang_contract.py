@@ -81,6 +81,8 @@ CONTROL_ROUTES = {
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
 }
 
 

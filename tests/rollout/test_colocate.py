@@ -1,0 +1,214 @@
+"""rollout.colocate: SGLang servers on the trainer's GPUs release their memory while the actor
+trains. SGLang 0.5.23's protocol, read from its wheel: ``srt/entrypoints/http_server.py``
+(``/release_memory_occupation``, ``/resume_memory_occupation``), ``srt/managers/io_struct.py``
+(``{"tags"}``), ``srt/managers/scheduler_components/weight_updater.py`` (an idle server required;
+no tags = weights, kv_cache and cuda_graph; released weights come back with their content lost, so a
+weight update must follow; resuming a tag that is not released fails its scheduler). SGLang needs
+CUDA: our embedded server, started with ``--enable-memory-saver``, stands in for it and frees its
+parameters for real."""
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from megatron_klear.rollout.sglang import MEMORY_TAGS, EngineError, SGLangEngine
+
+
+def _params(engine):
+    return list(engine.model.parameters())
+
+
+@pytest.fixture
+def served(tiny_hf):
+    """Two in-thread embedded servers of the tied tiny model, with --enable-memory-saver."""
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.embedded_http import serve_in_thread
+
+    out = []
+    for _ in range(2):
+        engine = EmbeddedEngine.from_pretrained(tiny_hf["tied"])
+        server, url = serve_in_thread(engine, enable_memory_saver=True, batch_window=0.001)
+        out.append((engine, server, url))
+    yield [(e, u) for e, _, u in out]
+    for _, server, _ in out:
+        server.shutdown()
+        server.server_close()
+
+
+def _info(url):
+    return httpx.get(url + "/server_info", timeout=10).json()
+
+
+def test_release_frees_the_weights_and_a_reload_brings_them_back(served, tiny_hf):
+    (engine, url), _ = served
+    client = SGLangEngine([url], timeout=30)
+    client.check_memory_saver()
+    before = client.probe(url, [5, 17, 3], 6)
+    sums = engine.checksums()
+    nbytes = sum(p.numel() * p.element_size() for p in _params(engine))
+    assert nbytes > 0
+
+    client.release_memory()
+    assert sum(p.numel() for p in _params(engine)) == 0  # every parameter's storage is gone
+    assert _info(url)["released_memory_tags"] == sorted(MEMORY_TAGS)
+    r = httpx.post(url + "/generate", json={"input_ids": [5, 17], "sampling_params": {"max_new_tokens": 2}}, timeout=10)
+    assert r.status_code == 503 and "released" in r.text, r.text
+    with pytest.raises(EngineError, match="released"):  # weights cannot load into released memory
+        client.load_from_disk(tiny_hf["tied"], version=5)
+
+    client.resume_memory(["weights"])
+    # the storage is back, its content lost (NaN), as SGLang's memory saver gives it back
+    assert sum(p.numel() * p.element_size() for p in _params(engine)) == nbytes
+    assert all(torch.isnan(p).all() for p in _params(engine))
+    with pytest.raises(EngineError, match="not released"):
+        client.resume_memory(["weights"])
+    assert httpx.post(url + "/generate", json={"input_ids": [5]}, timeout=10).status_code == 503  # KV cache still released
+
+    client.load_from_disk(tiny_hf["tied"], version=5)
+    client.resume_memory(["kv_cache", "cuda_graph"])
+    assert engine.checksums() == sums
+    after = client.probe(url, [5, 17, 3], 6)
+    # bit-identical weights (the checksums); float32 kernels may still differ in the last bits
+    assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
+    info = _info(url)
+    assert info["released_memory_tags"] == [] and info["memory_releases"] == 1 and info["weight_version"] == "5"
+
+
+def test_refusals_name_the_cause(served):
+    (engine, url), _ = served
+    bad = httpx.post(url + "/release_memory_occupation", json={"tags": ["weights", "gpu"]}, timeout=10)
+    assert bad.status_code == 400 and "'gpu'" in bad.text and "kv_cache" in bad.text
+    assert httpx.post(url + "/resume_memory_occupation", json={"tags": ["kv_cache"]}, timeout=10).status_code == 400
+
+    # a server still generating cannot release (SGLang asserts it is idle)
+    done = {}
+
+    def long_request():
+        done["r"] = httpx.post(url + "/generate", json={"input_ids": [5, 17], "sampling_params": {
+            "max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0}}, timeout=120)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while _info(url)["internal_states"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.01)
+    busy = httpx.post(url + "/release_memory_occupation", json={}, timeout=10)
+    t.join()
+    assert busy.status_code == 400 and "idle" in busy.text, busy.text
+    assert done["r"].status_code == 200 and _info(url)["released_memory_tags"] == []
+    assert all(p.numel() for p in _params(engine))
+
+
+def test_a_server_without_the_memory_saver_is_named(tiny_hf):
+    """Without --enable-memory-saver SGLang's release frees nothing (a no-op saver): the client names
+    the flag before a colocated run starts."""
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.embedded_http import serve_in_thread
+
+    engine = EmbeddedEngine.from_pretrained(tiny_hf["tied"])
+    server, url = serve_in_thread(engine)
+    try:
+        client = SGLangEngine([url], timeout=30)
+        with pytest.raises(EngineError, match="--enable-memory-saver"):
+            client.check_memory_saver()
+        client.release_memory(["weights"])  # only recorded: the weights stay
+        assert _info(url)["released_memory_tags"] == ["weights"] and all(p.numel() for p in _params(engine))
+        client.resume_memory(["weights"])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_config_picks_disk_and_refuses_what_cannot_work():
+    from megatron_klear.config import ConfigError, load_config
+
+    base = ["rollout.engine=http", "rollout.urls=[http://127.0.0.1:1]", "rl.prompts=[p.jsonl]", "rollout.max_new_tokens=64"]
+    assert load_config(None, base).rollout.weight_sync == "distributed"
+    assert load_config(None, base + ["rollout.colocate=true"]).rollout.weight_sync == "disk"
+    with pytest.raises(ConfigError, match="NCCL"):
+        load_config(None, base + ["rollout.colocate=true", "rollout.weight_sync=distributed"])
+    with pytest.raises(ConfigError, match="engine=http"):
+        load_config(None, ["rollout.colocate=true", "rl.prompts=[p.jsonl]", "rollout.max_new_tokens=64"])
+
+
+def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf):
+    """The actor update fails while the servers are released: the loop resumes them and reloads the
+    last synced weights, so they serve that version (and not freed or NaN weights)."""
+    from types import SimpleNamespace
+
+    from megatron_klear.config import load_config
+    from megatron_klear.rl.batch import RolloutSample
+    from megatron_klear.rl.loop import RLLoop
+
+    urls = [u for _, u in served]
+    cfg = load_config(None, ["rollout.engine=http", f"rollout.urls=[{','.join(urls)}]", "rollout.colocate=true",
+                             "rl.prompts=[p.jsonl]", "rl.prompts_per_step=1", "rl.mini_batch_prompts=1",
+                             "rollout.max_new_tokens=64"])
+    loop = object.__new__(RLLoop)
+    loop.cfg, loop.rl_step = cfg, 1
+    loop.engine = SGLangEngine(urls, timeout=30)
+    loop.released, loop.weights_lost, loop.last_sync = set(), False, None
+    loop._load_on_servers(tiny_hf["tied"], 1)
+    sums = [e.checksums() for e, _ in served]
+    loop.prompts = SimpleNamespace(take=lambda n: [SimpleNamespace(id="p0")])
+    sample = RolloutSample(prompt_ids=[1], response_ids=[2, 3], advantage=1.0, group=0, meta={})
+    loop.rollout = lambda prompts, batch=0: ([sample], {"rollout/groups_generated": 1, "rollout/groups_kept": 1})
+    seen = []
+
+    def update(samples):
+        seen.append([e.weights_released for e, _ in served])
+        raise RuntimeError("out of memory in the actor")
+
+    loop.actor = SimpleNamespace(update=update)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        loop.step()
+    assert seen == [[True, True]]  # both servers were released while the actor ran
+    for (engine, url), s in zip(served, sums):
+        info = _info(url)
+        assert info["released_memory_tags"] == [] and info["weight_version"] == "1"
+        assert engine.checksums() == s
+    assert not loop.released and not loop.weights_lost
+
+
+def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
+    """rollout.colocate against two embedded servers (--enable-memory-saver) behind the real
+    sglang-router: every step releases both servers before the actor update, and the sync gives
+    them their memory back and reloads the weights from disk; verify_interval=1 checks after every
+    sync that both serve exactly the trainer's weights."""
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from tests.distributed.helper import run_distributed
+    from tests.distributed.test_rl_loop import _overrides, _run
+    from tests.rollout.processes import router
+
+    model = make_tiny_qwen3(str(tmp_path / "m"), num_layers=2, seed=21)
+    prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 12, seed=3)
+    servers = [EmbeddedHTTPEngine.launch(model, enable_memory_saver=True, startup_timeout=120) for _ in range(2)]
+    save = str(tmp_path / "run")
+    try:
+        with router([s.url for s in servers]) as url:
+            args = [a for a in _overrides({"model": model, "prompts": prompts}, save)
+                    if not a.startswith(("parallel.tp", "train.steps"))]
+            args += ["parallel.tp=1", "train.steps=2", "rollout.engine=http", f"rollout.urls=[{url}]",
+                     "rollout.colocate=true", "rollout.verify_interval=1", "rl.filter_zero_spread=false",
+                     "rollout.max_concurrent_requests=4"]
+            run_distributed(_run, 1, args)
+        lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
+        assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 2, lines
+        for m in lines:
+            assert m["weights/verify_mean_diff_max"] < 1e-4, m  # verified after every sync
+        for s in servers:
+            info = _info(s.url)
+            assert info["memory_releases"] == 2 and info["released_memory_tags"] == [], info
+            assert info["weight_version"] == "2"
+        assert "weight_sync: disk" in open(os.path.join(save, "config.yaml")).read()
+        assert sorted(os.listdir(os.path.join(save, "weights"))) == ["step_0000002"]  # older versions removed
+    finally:
+        for s in servers:
+            s.close()
