@@ -233,6 +233,9 @@ class RolloutConfig:
     # the actor trains; the weight sync resumes the weights, reloads them from disk, then resumes the
     # KV cache. Needs weight_sync=disk (auto picks it).
     colocate: bool = False
+    # colocate: the trainer too frees its gradient buffers and moves its optimizer state to host
+    # memory while the servers generate (Megatron-Core's RL hooks; training/offload.py)
+    offload_trainer: bool = True
 
     def validate(self):
         if self.engine not in ("embedded", "http"):

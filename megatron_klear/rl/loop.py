@@ -436,6 +436,11 @@ class RLLoop:
         rl = self.cfg.rl
         n = rl.oversample_prompts or rl.prompts_per_step
         first = self.prompts.take(n)  # every rank takes the same prompts: the position is checkpointed
+        offload = self.cfg.rollout.colocate and self.cfg.rollout.offload_trainer
+        if offload:  # the servers share this GPU: leave them the gradient buffers and optimizer state
+            from megatron_klear.training.offload import offload_trainer, restore_trainer
+
+            offloaded = offload_trainer(self.state)
         result = None
         if _rank0():
             def generate(b):
@@ -446,6 +451,9 @@ class RLLoop:
             except ShortfallError as e:
                 result = (None, {"rollout/generation_batches": rl.max_generation_batches}, str(e))
         samples, metrics, error = _broadcast(result)
+        if offload:
+            restore_trainer(self.state)
+            metrics["memory/trainer_offloaded_gb"] = offloaded / 1e9
         if not _rank0():
             for _ in range(metrics["rollout/generation_batches"] - 1):
                 self.prompts.take(n)

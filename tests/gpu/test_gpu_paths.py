@@ -119,3 +119,21 @@ def test_sft_on_the_gpu_with_the_local_spec(model_dir, tmp_path):
             "model.backend=local", "train.steps=8", "optim.lr=3e-3", "optim.min_lr=3e-3", f"train.save_dir={tmp_path / 'run'}"]
     losses = run_distributed(_sft_steps, 1, args, backend="nccl")[0]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
+def test_trainer_offload_frees_gradients_and_optimizer_state_on_the_gpu(model_dir):
+    """rollout.colocate on a GPU: offload_trainer frees the gradient buffers and moves the optimizer
+    state (Adam moments) to host memory, so the device holds less than the gradient buffers alone
+    account for; the next update equals the one without offloading."""
+    import torch
+
+    from tests.distributed.test_trainer_offload import _two_updates
+
+    plain = run_distributed(_two_updates, 1, model_dir, False, backend="nccl")[0]
+    seen, metrics, weights = run_distributed(_two_updates, 1, model_dir, True, backend="nccl")[0]
+    held, freed, during, _, back, zero, device_freed = seen
+    assert during == 0 and back == held and zero
+    assert device_freed > held, (device_freed, held)  # the optimizer state left the device too
+    assert metrics["actor/loss"] == plain[1]["actor/loss"]
+    for k in weights:
+        assert torch.equal(weights[k], plain[2][k]), k

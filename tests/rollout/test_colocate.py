@@ -147,6 +147,7 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
 
     urls = [u for _, u in served]
     cfg = load_config(None, ["rollout.engine=http", f"rollout.urls=[{','.join(urls)}]", "rollout.colocate=true",
+                             "rollout.offload_trainer=false",  # no trainer here: the servers' side only
                              "rl.prompts=[p.jsonl]", "rl.prompts_per_step=1", "rl.mini_batch_prompts=1",
                              "rollout.max_new_tokens=64"])
     loop = object.__new__(RLLoop)
@@ -203,6 +204,7 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
         assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 2, lines
         for m in lines:
             assert m["weights/verify_mean_diff_max"] < 1e-4, m  # verified after every sync
+            assert m["memory/trainer_offloaded_gb"] > 0, m  # the trainer's gradient buffers freed meanwhile
         for s in servers:
             info = _info(s.url)
             assert info["memory_releases"] == 2 and info["released_memory_tags"] == [], info
