@@ -228,13 +228,13 @@ class RolloutConfig:
     # The embedded engine records them; SGLang servers return them when started with
     # --enable-return-routed-experts (return_routed_experts). CP = 1.
     router_replay: bool = False
-    # http: the SGLang servers share the trainer's GPUs (started with --enable-memory-saver): after
-    # generating, every server releases its KV cache and weights (/release_memory_occupation) while
-    # the actor trains; the weight sync resumes the weights, reloads them from disk, then resumes the
-    # KV cache. Needs weight_sync=disk (auto picks it).
+    # http: the SGLang servers share the trainer's GPUs (started with --enable-memory-saver): they
+    # release their KV cache, weights and CUDA graphs (/release_memory_occupation) before the trainer
+    # builds its state and before every update; each sync resumes their weights, reloads them from
+    # disk, then resumes the rest. Needs weight_sync=disk (auto picks it).
     colocate: bool = False
-    # colocate: the trainer too frees its gradient buffers and moves its optimizer state to host
-    # memory while the servers generate (Megatron-Core's RL hooks; training/offload.py)
+    # colocate: the trainer frees its gradient buffers and moves its optimizer state to host memory
+    # from each sync until the next update, while the servers hold theirs (training/offload.py)
     offload_trainer: bool = True
 
     def validate(self):

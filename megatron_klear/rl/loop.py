@@ -201,6 +201,17 @@ class RLLoop:
             warnings.warn("rollout.top_p/top_k filter the sampling distribution; the trainer's "
                           "importance ratios use the unfiltered one (the recipe samples with neither)")
         init_parallel(cfg.parallel, seed=cfg.train.seed)
+        # rollout.colocate: the servers' memory released (rank 0), whether their resumed weights still
+        # wait for a load, the last (directory, version) they loaded, and whether the trainer's
+        # gradient buffers and optimizer state are offloaded (every rank)
+        self.released, self.weights_lost, self.last_sync, self.trainer_offloaded = set(), False, None, False
+        self.engine = None
+        if cfg.rollout.colocate:  # the servers give way before the trainer allocates its state
+            if _rank0():
+                self.engine = make_engine(cfg, cfg.model.path)
+                self.engine.check_memory_saver()
+                self._release_servers()
+            _barrier()
         self.ckpt = CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path) if cfg.train.save_dir else None
         resume_from = self.ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite) if self.ckpt else None
         self.steps = cfg.train.steps or 100
@@ -231,13 +242,10 @@ class RLLoop:
                 print(f"resumed from {resume_from} at step {self.rl_step}", flush=True)
         # absolute: SGLang servers resolve model_path in their own working directory
         self.sync_dir = os.path.abspath(cfg.rollout.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
-        self.engine = self.pool = None
+        self.pool = None
         self.weight_sync = None  # rollout.weight_sync=distributed: the update groups with the servers
         self.syncs = 0  # weight syncs done by this process (the first one, fresh or resumed, is verified)
         self.sync_metrics = {}
-        # rollout.colocate (rank 0): the servers' memory released for the actor update, whether their
-        # resumed weights still wait for a load, and the last (directory, version) they loaded
-        self.released, self.weights_lost, self.last_sync = set(), False, None
         from megatron_klear.data.chat import generation_stop_ids
 
         # EOS ids plus the chat template's end-of-turn token (Qwen3-Base: EOS <|endoftext|>, turns
@@ -249,7 +257,8 @@ class RLLoop:
 
             if cfg.rollout.engine == "embedded" or cfg.rollout.weight_sync == "disk":
                 os.makedirs(self.sync_dir, exist_ok=True)
-            self.engine = make_engine(cfg, self._export_weights() if cfg.rollout.engine == "embedded" else cfg.model.path)
+            if self.engine is None:
+                self.engine = make_engine(cfg, self._export_weights() if cfg.rollout.engine == "embedded" else cfg.model.path)
             if cfg.rollout.router_replay and cfg.rollout.engine == "http":  # the layout of SGLang's routed_experts
                 self.engine.record_routing = True
                 self.engine.routing_layers, self.engine.routing_topk = sorted(self.arch.moe_layers), self.arch.moe_topk
@@ -257,8 +266,6 @@ class RLLoop:
 
             require_context(self.engine, cfg.rl.max_prompt_length + cfg.rollout.max_new_tokens,
                             "rl.max_prompt_length + rollout.max_new_tokens")
-            if cfg.rollout.colocate:
-                self.engine.check_memory_saver()
             self.pool = GradingPool(cfg.reward)
             if any(p.task == "code" for p in self.prompts.prompts):
                 self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
@@ -312,8 +319,9 @@ class RLLoop:
             else:
                 name = f"step_{self.rl_step:07d}"
                 path = self._export_weights(name)
-                if r.colocate:
-                    _free_cached_accelerator_memory()  # for the servers' weights and KV cache
+                if r.colocate:  # the trainer gives way before the servers take their memory back
+                    self._offload_trainer()
+                    _free_cached_accelerator_memory()
                 if _rank0():
                     self._load_on_servers(path, self.rl_step)
                     remove_old_versions(self.sync_dir, keep=name)
@@ -331,6 +339,27 @@ class RLLoop:
 
         self.engine.release_memory(list(MEMORY_TAGS))
         self.released = set(MEMORY_TAGS)
+
+    def _offload_trainer(self) -> None:
+        """Every rank: free the gradient buffers and move the optimizer state to host memory until the
+        next update (rollout.offload_trainer); the weights stay for the probe check and the next sync."""
+        if self.cfg.rollout.offload_trainer and not self.trainer_offloaded:
+            from megatron_klear.training.offload import offload_trainer
+
+            self.sync_metrics["memory/trainer_offloaded_gb"] = offload_trainer(self.state) / 1e9
+            self.trainer_offloaded = True
+
+    def _make_room_for_training(self) -> None:
+        """Collective, before an update: the servers release their memory (rank 0, then everyone
+        waits for it), then the trainer takes its gradient buffers and optimizer state back."""
+        if _rank0():
+            self._release_servers()
+        _barrier()
+        if self.trainer_offloaded:
+            from megatron_klear.training.offload import restore_trainer
+
+            restore_trainer(self.state)
+            self.trainer_offloaded = False
 
     def _load_on_servers(self, path: str, version: int) -> None:
         """Rank 0: the servers load ``path`` as ``version``; released servers first get their weights'
@@ -436,11 +465,6 @@ class RLLoop:
         rl = self.cfg.rl
         n = rl.oversample_prompts or rl.prompts_per_step
         first = self.prompts.take(n)  # every rank takes the same prompts: the position is checkpointed
-        offload = self.cfg.rollout.colocate and self.cfg.rollout.offload_trainer
-        if offload:  # the servers share this GPU: leave them the gradient buffers and optimizer state
-            from megatron_klear.training.offload import offload_trainer, restore_trainer
-
-            offloaded = offload_trainer(self.state)
         result = None
         if _rank0():
             def generate(b):
@@ -451,9 +475,6 @@ class RLLoop:
             except ShortfallError as e:
                 result = (None, {"rollout/generation_batches": rl.max_generation_batches}, str(e))
         samples, metrics, error = _broadcast(result)
-        if offload:
-            restore_trainer(self.state)
-            metrics["memory/trainer_offloaded_gb"] = offloaded / 1e9
         if not _rank0():
             for _ in range(metrics["rollout/generation_batches"] - 1):
                 self.prompts.take(n)
@@ -462,8 +483,8 @@ class RLLoop:
         self.rl_step += 1
         if samples:
             t1 = time.time()
-            if self.cfg.rollout.colocate and _rank0():
-                self._release_servers()
+            if self.cfg.rollout.colocate:
+                self._make_room_for_training()
             try:
                 actor = self.actor.update(samples)
             except BaseException:

@@ -153,7 +153,7 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     loop = object.__new__(RLLoop)
     loop.cfg, loop.rl_step = cfg, 1
     loop.engine = SGLangEngine(urls, timeout=30)
-    loop.released, loop.weights_lost, loop.last_sync = set(), False, None
+    loop.released, loop.weights_lost, loop.last_sync, loop.trainer_offloaded = set(), False, None, False
     loop._load_on_servers(tiny_hf["tied"], 1)
     sums = [e.checksums() for e, _ in served]
     loop.prompts = SimpleNamespace(take=lambda n: [SimpleNamespace(id="p0")])
@@ -178,9 +178,10 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
 
 def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
     """rollout.colocate against two embedded servers (--enable-memory-saver) behind the real
-    sglang-router: every step releases both servers before the actor update, and the sync gives
-    them their memory back and reloads the weights from disk; verify_interval=1 checks after every
-    sync that both serve exactly the trainer's weights."""
+    sglang-router: both servers release their memory before the trainer builds its state and
+    before every actor update; each sync first offloads the trainer's gradient buffers, then gives
+    the servers their memory back and reloads the weights from disk; verify_interval=1 checks after
+    every sync that both serve exactly the trainer's weights."""
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
     from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
@@ -207,7 +208,8 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
             assert m["memory/trainer_offloaded_gb"] > 0, m  # the trainer's gradient buffers freed meanwhile
         for s in servers:
             info = _info(s.url)
-            assert info["memory_releases"] == 2 and info["released_memory_tags"] == [], info
+            # one release before the trainer builds its state, one per step before the update
+            assert info["memory_releases"] == 3 and info["released_memory_tags"] == [], info
             assert info["weight_version"] == "2"
         assert "weight_sync: disk" in open(os.path.join(save, "config.yaml")).read()
         assert sorted(os.listdir(os.path.join(save, "weights"))) == ["step_0000002"]  # older versions removed
