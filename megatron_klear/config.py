@@ -226,7 +226,7 @@ class RolloutConfig:
     # MoE models: the trainer's old-log-prob pass routes each token to the experts the engine chose
     # (Megatron-Core's RouterReplay), so that routing differences do not enter the old log-probs.
     # The embedded engine records them; SGLang servers return them when started with
-    # --enable-return-routed-experts (return_routed_experts). CP = 1.
+    # --enable-return-routed-experts (return_routed_experts). Any TP/SP/PP/CP/EP layout.
     router_replay: bool = False
     # http: the SGLang servers share the trainer's GPUs (started with --enable-memory-saver): they
     # release their KV cache, weights and CUDA graphs (/release_memory_occupation) before the trainer
@@ -300,9 +300,6 @@ class JobConfig:
 
     def _validate_across_sections(self):
         p = self.parallel
-        if self.rollout.router_replay and p.cp > 1:
-            raise ConfigError("rollout.router_replay is not supported with parallel.cp > 1 (the engine's expert "
-                              "choices are not split over the load-balanced chunks each context-parallel rank sees)")
         if p.cp > 1 and self.rl.agg == "seq_mean_token_mean":
             # each CP rank sees only part of every sequence, so per-sequence means are not local
             raise ConfigError("rl.agg=seq_mean_token_mean is not supported with parallel.cp > 1 "

@@ -64,12 +64,8 @@ def test_checks_across_sections(overrides, message):
         load_config(None, overrides)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["rollout.router_replay=true", "parallel.cp=2"], "not supported with parallel.cp > 1"),
-])
-def test_router_replay_limits_are_config_errors(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides)
+def test_router_replay_takes_every_layout():
     assert load_config(None, ["rollout.router_replay=true"]).rollout.router_replay is True
     assert load_config(None, ["rollout.router_replay=true", "parallel.tp=2",  # SP: each rank replays its slice
                               "parallel.sequence_parallel=true"]).parallel.sequence_parallel is True
+    assert load_config(None, ["rollout.router_replay=true", "parallel.cp=2"]).parallel.cp == 2  # CP: its chunks

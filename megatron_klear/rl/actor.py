@@ -198,7 +198,10 @@ class Actor:
 def replay_routing(batch: dict, model) -> None:
     """Before a forward: every MoE router of ``model`` (one unwrapped model chunk) routes each token of
     ``batch`` to the experts in ``batch["routed_experts"]`` (``[1, row, MoE layers, top_k]``, the
-    engine's choices; Megatron-Core's RouterReplay), or, without that key, chooses itself again."""
+    engine's choices; Megatron-Core's RouterReplay), or, without that key, chooses itself again.
+    ``batch`` is this rank's part of the row as the model sees it: with CP the load-balanced chunks
+    (``routed_experts`` was padded and sliced with the tokens, its padding rows zeros), with
+    sequence parallelism this TP rank's contiguous slice of that is taken here."""
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -208,28 +211,39 @@ def replay_routing(batch: dict, model) -> None:
         router.router_replay.clear_router_replay_action()
     if "routed_experts" not in batch or not routers:
         return
-    if model.config.context_parallel_size > 1:
-        raise NotImplementedError("rollout.router_replay with context parallelism (each rank's routers see two "
-                                  "load-balanced chunks of the row)")
-    idx = batch["routed_experts"][0]
-    size = batch["tokens"].shape[1]  # the row as the model sees it (it may have been padded)
-    if idx.shape[0] < size:
-        topk = idx.shape[-1]
-        fill = torch.arange(topk, dtype=idx.dtype, device=idx.device).expand(size - idx.shape[0], idx.shape[1], topk)
-        idx = torch.cat([idx, fill])
-    idx = idx[:size]
+    sp_rank, sp_size = 0, 1
     if model.config.sequence_parallel:  # the routers see this TP rank's contiguous slice of the row
         from megatron.core import parallel_state
 
-        tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-        if size % tp:
-            raise ValueError(f"router replay: a row of {size} tokens does not split over {tp} sequence-parallel ranks")
-        idx = idx[rank * (size // tp):(rank + 1) * (size // tp)]
+        sp_rank = parallel_state.get_tensor_model_parallel_rank()
+        sp_size = parallel_state.get_tensor_model_parallel_world_size()
+    idx = replay_indices(batch["routed_experts"][0], batch["tokens"].shape[1], sp_rank=sp_rank, sp_size=sp_size)
     moe_layers = [i for i, m in enumerate(model.arch.moe_layer_pattern) if m]
     for router in routers:
         layer = moe_layers.index(router.layer_number - 1)  # layer_number: global, from 1
         router.router_replay.set_target_indices(idx[:, layer].contiguous())
         router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def replay_indices(routed: torch.Tensor, size: int, *, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
+    """The experts this rank's routers replay, ``[size / sp_size, MoE layers, top_k]``, from the
+    engine's ``routed`` ``[tokens, MoE layers, top_k]`` for a row the model sees as ``size`` tokens:
+    rows beyond ``routed`` (padding the model added) and padding rows inside it (all zeros, as
+    :func:`~megatron_klear.training.batches.pad_segments` fills them) get the distinct experts
+    0..top_k-1, as a router would choose (never one expert twice for a token); with sequence
+    parallelism rank ``sp_rank`` keeps its contiguous slice."""
+    topk = routed.shape[-1]
+    distinct = torch.arange(topk, dtype=routed.dtype, device=routed.device)
+    idx = routed[:size]
+    if idx.shape[0] < size:
+        idx = torch.cat([idx, distinct.expand(size - idx.shape[0], idx.shape[1], topk)])
+    if topk > 1:
+        padding = (idx == idx[..., :1]).all(-1)
+        if padding.any():
+            idx = torch.where(padding.unsqueeze(-1), distinct, idx)
+    if size % sp_size:
+        raise ValueError(f"router replay: a row of {size} tokens does not split over {sp_size} sequence-parallel ranks")
+    return idx[sp_rank * (size // sp_size):(sp_rank + 1) * (size // sp_size)]
 
 
 def _all_max(x: float) -> float:

@@ -19,6 +19,7 @@ from megatron_klear.data.packing import assign_bins_to_ranks, build_packed_micro
 
 RL_PER_TOKEN_KEYS = (
     "tokens", "labels", "loss_mask", "position_ids", "advantages", "positive", "seq_ids", "rollout_logprobs",
+    "routed_experts",  # only in rows whose samples all carry the engine's experts (router replay)
 )
 
 

@@ -206,7 +206,8 @@ def pad_segments(batch: dict, multiple: int, per_token_keys, pad_id: int = 0, to
     the row is never longer than its real tokens + (< ``multiple`` per segment) + (<
     ``total_multiple``). A row of padding only (a filler row) becomes ``total_multiple`` tokens.
 
-    Padding positions get ``pad_id`` tokens / labels and zeros in every other per-token tensor.
+    Padding positions get ``pad_id`` tokens / labels and zeros in every other per-token tensor
+    (``[rows, tokens, ...]``: a token may carry more than one value).
     """
     total_multiple = _lcm(max(1, int(multiple)), max(1, int(total_multiple)))
     cu = batch["cu_seqlens"].tolist()
@@ -227,9 +228,9 @@ def pad_segments(batch: dict, multiple: int, per_token_keys, pad_id: int = 0, to
         for s, n, p in zip(cu[:n_seg], lengths, pads):
             pieces.append(t[:, s:s + n])
             if p:
-                pieces.append(torch.full((t.shape[0], p), fill, dtype=t.dtype))
+                pieces.append(torch.full((t.shape[0], p, *t.shape[2:]), fill, dtype=t.dtype))
         if extra:
-            pieces.append(torch.full((t.shape[0], extra), fill, dtype=t.dtype))
+            pieces.append(torch.full((t.shape[0], extra, *t.shape[2:]), fill, dtype=t.dtype))
         out[key] = torch.cat(pieces, dim=1)
     new_cu = [0]
     for n in new_lengths:
@@ -265,8 +266,11 @@ def prepare_packed(batch: dict, *, cp_rank: int = 0, cp_size: int = 1, per_token
 
     ``total_multiple`` is the rule's ``row_multiple`` (:func:`padding_rule`): with CP every
     segment is padded to ``2*cp`` and the row to ``total_multiple``; without CP a row that is not
-    already a multiple of it (the packers pad to it) is padded too."""
+    already a multiple of it (the packers pad to it) is padded too. ``per_token_keys`` absent from
+    ``batch`` are skipped (optional ones, such as the engine's routed experts)."""
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    per_token_keys = [k for k in per_token_keys if k in batch]
 
     if cp_size > 1:
         batch = pad_segments(batch, 2 * cp_size, per_token_keys, pad_id, total_multiple=total_multiple)

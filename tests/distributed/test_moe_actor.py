@@ -83,7 +83,17 @@ def _hf_logprobs(model, samples, forced=None):
 
 
 def _trainer_old_logprobs(actor, samples):
-    """{sample index: old log-probs of its response} for the samples on this rank (last stage)."""
+    """{sample index: {position: old log-prob}} of the response tokens this rank computed (the last
+    pipeline stage; with CP its load-balanced chunks of each sample, found as the step finds them)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_klear.checkpoint.model_weights import unwrap
+    from megatron_klear.training.batches import model_padding_rule, prepare_packed
+
+    cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    multiple = model_padding_rule(unwrap(actor.state.model[0]).config,
+                                  parallel_state.get_tensor_model_parallel_world_size(), cp).row_multiple
     plans = actor.plan(samples)
     actor.recompute_old_logprobs(plans)
     got = {}
@@ -91,10 +101,12 @@ def _trainer_old_logprobs(actor, samples):
         for mb in mbs:
             if "old_logprobs_local" not in mb:  # not the last pipeline stage
                 continue
-            seq, mask = mb["seq_ids"][0], mb["loss_mask"][0]
-            old = mb["old_logprobs_local"][0][: seq.shape[0]].double()
-            for sid in seq[mask > 0].round().long().unique().tolist():
-                got[sid] = old[(seq.round().long() == sid) & (mask > 0)]
+            local, _ = prepare_packed(mb, cp_rank=cp_rank, cp_size=cp, total_multiple=multiple,
+                                      per_token_keys=("seq_ids", "loss_mask", "position_ids"))
+            seq, mask, pos = local["seq_ids"][0], local["loss_mask"][0], local["position_ids"][0]
+            old = mb["old_logprobs_local"][0].double()
+            for i in torch.nonzero(mask > 0).flatten().tolist():
+                got.setdefault(int(seq[i].round()), {})[int(pos[i])] = old[i]
     return got
 
 
@@ -144,15 +156,25 @@ def moe4_dir(tmp_path_factory):
 @pytest.mark.parametrize("world,overrides", [
     (1, []), pytest.param(2, ["parallel.pp=2"], marks=pytest.mark.slow),
     pytest.param(2, ["parallel.ep=2"], marks=pytest.mark.slow),
-    pytest.param(2, ["parallel.tp=2", "parallel.sequence_parallel=true"], marks=pytest.mark.slow)],
-    ids=["one", "pp2", "ep2", "tp2-sp"])
+    pytest.param(2, ["parallel.tp=2", "parallel.sequence_parallel=true"], marks=pytest.mark.slow),
+    pytest.param(2, ["parallel.cp=2"], marks=pytest.mark.slow)],
+    ids=["one", "pp2", "ep2", "tp2-sp", "cp2"])
 def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe4_dir, world, overrides):
+    import torch
+
     results = run_distributed(_replay, world, moe4_dir, overrides)
     r = {k: {} for k in results[0]}
-    for res in results:  # PP: the last stage has the log-probs; EP (= DP here): each rank its micro-batches
+    # PP: the last stage has the log-probs; EP (= DP here): each rank its micro-batches; CP: each
+    # rank two chunks of every sample (merged by position)
+    for res in results:
         for k, v in res.items():
-            r[k].update(v)
-    r = {k: [v[i] for i in sorted(v)] for k, v in r.items()}
+            for sid, x in v.items():
+                if isinstance(x, dict):
+                    r[k].setdefault(sid, {}).update(x)
+                else:
+                    r[k][sid] = x
+    r = {k: [torch.stack([v[i][p] for p in sorted(v[i])]) if isinstance(v[i], dict) else v[i] for i in sorted(v)]
+         for k, v in r.items()}
 
     def close(a, b, tol=1e-4):
         return all(x.shape == y.shape and float((x - y).abs().max()) < tol for x, y in zip(a, b))

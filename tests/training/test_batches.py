@@ -30,3 +30,21 @@ def test_cp_slices_split_evenly_and_cover_every_token(tp, cp):
         assert loss == float(row["loss_mask"].sum())
         want = [int(x) for x, m in zip(row["labels"][0], row["loss_mask"][0]) if m]
         assert sorted(seen_labels) == sorted(want)
+
+
+def test_a_per_token_key_with_more_values_per_token_is_padded_and_split_with_the_tokens():
+    """router replay: ``routed_experts`` [1, row, layers, top_k] follows the tokens through the CP
+    padding and slicing (zeros where padding was inserted); a key absent from the batch is skipped."""
+    lengths = [5, 3]
+    row = build_packed_micro_batch([[10 + i for i in range(n)] for n in lengths], [[1] * n for n in lengths],
+                                   pad_token_id=0)
+    T = row["tokens"].shape[1]
+    # each token's "experts" encode its token id, so that the two can be compared after slicing
+    row["routed_experts"] = row["tokens"][..., None, None].expand(1, T, 3, 2).clone()
+    keys = ("tokens", "labels", "loss_mask", "position_ids", "routed_experts", "absent")
+    for r in range(2):
+        local, _ = prepare_packed(row, cp_rank=r, cp_size=2, per_token_keys=keys, total_multiple=4)
+        assert "absent" not in local
+        experts = local["routed_experts"]
+        assert experts.shape == (1, local["tokens"].shape[1], 3, 2)
+        assert torch.equal(experts, local["tokens"][..., None, None].expand_as(experts))
