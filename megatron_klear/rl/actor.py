@@ -231,10 +231,10 @@ def replay_indices(routed: torch.Tensor, size: int, *, sp_rank: int = 0, sp_size
     rows beyond ``routed`` (padding the model added) and padding rows inside it (all zeros, as
     :func:`~megatron_klear.training.batches.pad_segments` fills them) get the distinct experts
     0..top_k-1, as a router would choose (never one expert twice for a token); with sequence
-    parallelism rank ``sp_rank`` keeps its contiguous slice."""
+    parallelism rank ``sp_rank`` keeps its contiguous slice. Returns int64."""
     topk = routed.shape[-1]
-    distinct = torch.arange(topk, dtype=routed.dtype, device=routed.device)
-    idx = routed[:size]
+    distinct = torch.arange(topk, dtype=torch.long, device=routed.device)
+    idx = routed[:size].long()  # Megatron's router gathers with int64 indices
     if idx.shape[0] < size:
         idx = torch.cat([idx, distinct.expand(size - idx.shape[0], idx.shape[1], topk)])
     if topk > 1:

@@ -91,16 +91,20 @@ def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to
 
 
 def routed_experts_row(samples: list, size: int) -> torch.Tensor:
-    """The engine's experts for a packed row of ``size`` tokens: int64 ``[1, size, MoE layers,
-    top_k]``. Positions the engine never routed (each sample's last token, the padding) get
-    experts 0..top_k-1: their outputs feed no log-prob of the row (causal attention within each
-    segment; the last token's output predicts nothing)."""
+    """The engine's experts for a packed row of ``size`` tokens: int16 ``[1, size, MoE layers,
+    top_k]`` (a quarter of int64's bytes through packing, CP slicing and the copy to the device;
+    widened for Megatron's router by :func:`megatron_klear.rl.actor.replay_indices`). Positions the
+    engine never routed (each sample's last token, the padding) get experts 0..top_k-1: their
+    outputs feed no log-prob of the row (causal attention within each segment; the last token's
+    output predicts nothing)."""
     first = torch.as_tensor(samples[0].routed_experts)
     layers, topk = first.shape[1:]
-    out = torch.arange(topk, dtype=torch.long).expand(size, layers, topk).clone()
+    out = torch.arange(topk, dtype=torch.int16).expand(size, layers, topk).clone()
     off = 0
     for s in samples:
-        r = torch.as_tensor(s.routed_experts, dtype=torch.long)
+        r = torch.as_tensor(s.routed_experts)
+        if r.numel() and (int(r.min()) < 0 or int(r.max()) > torch.iinfo(torch.int16).max):
+            raise ValueError(f"routed_experts holds expert ids outside [0, 32767]: {int(r.min())}..{int(r.max())}")
         if tuple(r.shape) != (len(s) - 1, layers, topk):
             raise ValueError(f"routed_experts of shape {tuple(r.shape)} for a sample of {len(s)} tokens "
                              f"(expected {(len(s) - 1, layers, topk)})")
