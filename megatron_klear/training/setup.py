@@ -17,6 +17,7 @@ class TrainingState:
     arch: object
     config: object  # the JobConfig
     step: int = 0
+    optimizer_offloaded: bool = False  # its state in host memory (training/offload.py)
 
 
 def _is_hf_dir(path: str) -> bool:

@@ -72,3 +72,26 @@ def test_a_megatron_core_without_the_hooks_keeps_the_memory_and_says_so():
     with pytest.warns(UserWarning, match="offload_grad_buffers"):
         assert offload_trainer(state) == 0
     restore_trainer(state)  # nothing to undo
+
+
+def _holds_model_weights(rank, world, model_dir):
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.training.offload import optimizer_holds_model_weights
+    from megatron_klear.training.setup import build_training_state
+
+    out = {}
+    for distributed in (True, False):
+        cfg = load_config(None, [f"model.path={model_dir}", f"optim.distributed_optimizer={str(distributed).lower()}"])
+        if not out:
+            init_parallel(cfg.parallel, seed=1)
+        out[distributed] = optimizer_holds_model_weights(build_training_state(cfg, total_steps=1))
+    return out
+
+
+def test_an_optimizer_updating_the_models_own_weights_is_recognised(model_dir):
+    """fp32 without the distributed optimizer: Megatron's FP32Optimizer steps the model's parameters
+    themselves, so moving its parameters to host memory would move the model (kept on the device);
+    the distributed optimizer's fp32 shards are its own tensors (copied into the model after a step)."""
+    out = run_distributed(_holds_model_weights, 1, model_dir)[0]
+    assert out == {True: False, False: True}
