@@ -89,7 +89,7 @@ def test_refusals_name_the_cause(served):
 
     def long_request():
         done["r"] = httpx.post(url + "/generate", json={"input_ids": [5, 17], "sampling_params": {
-            "max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0}}, timeout=120)
+            "max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0}}, timeout=120)
 
     t = threading.Thread(target=long_request)
     t.start()
