@@ -259,6 +259,10 @@ def _token_ids(v, where):
     return [_int(e, f"{where}[{k}]") for k, e in enumerate(_seq(v, where))]
 
 
+def _str_list(v, where):
+    return [_str(e, f"{where}[{k}]") for k, e in enumerate(_seq(v, where))]
+
+
 def _token_ids_or_list(v, where):
     if not isinstance(v, list):
         raise _invalid(where, v, "a value or an array of values for TokenIdsOrList")
@@ -1163,8 +1167,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- memory of a server colocated with the trainer (SGLang's --enable-memory-saver) ---------------
     def _memory_tags(self, body) -> list:
-        f = self._fields(body or {}, {"tags": (lambda v, w: [_str(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))],
-                                               None)})
+        f = self._fields(body or {}, {"tags": (_str_list, None)})
         tags = f["tags"] or list(MEMORY_TAGS)
         unknown = [t for t in tags if t not in MEMORY_TAGS]
         if unknown:
@@ -1264,8 +1267,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _update_from_distributed(self, body) -> None:
         f = self._fields(body, {
-            "names": (lambda v, w: [_str(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
-            "dtypes": (lambda v, w: [_str(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
+            "names": (_str_list, None),
+            "dtypes": (_str_list, None),
             "shapes": (lambda v, w: [_token_ids(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
             "group_name": (_str, DEFAULT_GROUP_NAME), "flush_cache": (_bool, True), "abort_all_requests": (_bool, False),
             "weight_version": (_str, None), "load_format": (_optional_str, None), "selector": (_str, "all"),
