@@ -101,7 +101,7 @@ def raw_receiver(rank: int, port: int, world: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_klear.rollout.update_group import join_update_group
+    from megatron_klear.rollout.weight_sync.update_group import join_update_group
 
     torch.set_num_threads(1)
     pg = join_update_group(backend="gloo", master_address="127.0.0.1", master_port=port, rank=rank,
@@ -150,7 +150,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     from megatron_klear.models.builder import build_model_chunks
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
-    from megatron_klear.rollout.update_group import join_update_group, open_master_store
+    from megatron_klear.rollout.weight_sync.update_group import join_update_group, open_master_store
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, export_hf_for_engine, iter_buckets
     from megatron_klear.training.setup import load_initial_weights, model_arch
 

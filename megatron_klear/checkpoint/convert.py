@@ -34,14 +34,13 @@ from megatron_klear.checkpoint.mapping import (
     to_megatron,
 )
 from megatron_klear.models.arch import ModelArch, load_arch
+from megatron_klear.platform import dtypes
 from megatron_klear.utils.progress import Progress
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def _hf_dtype(cfg: dict) -> torch.dtype:
-    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+    """The checkpoint's half-precision dtype when config.json names one, else float32."""
+    name = dtypes.canonical_name(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+    return dtypes.torch_dtype(name) if name in ("bfloat16", "float16") else torch.float32
 
 
 def _meta_model(arch: ModelArch, dtype: torch.dtype, make_vocab_size_divisible_by: int):
@@ -113,7 +112,7 @@ def hf_to_megatron(
         raise ValueError(f"--pp {pp} must divide num_hidden_layers={arch.num_layers}")
     reader = HFReader(hf_dir)
     extras = check_hf_keys(arch, reader)
-    torch_dtype = DTYPES[dtype] if dtype else _hf_dtype(arch.hf_config)
+    torch_dtype = dtypes.torch_dtype(dtype) if dtype else _hf_dtype(arch.hf_config)
     model = _meta_model(arch, torch_dtype, make_vocab_size_divisible_by)
     rules = rules_by_megatron(arch)
 
@@ -233,7 +232,7 @@ def megatron_to_hf(
                 f"the config implies {lead}"
             )
     src_dtype = meta["embedding.word_embeddings.weight"].dtype
-    torch_dtype = DTYPES[dtype] if dtype else src_dtype
+    torch_dtype = dtypes.torch_dtype(dtype) if dtype else src_dtype
 
     # One read per layer (all of its weight kinds and experts in one load), plus one for the
     # embedding and one for the final norm / head. torch_dist keeps each layer's slice of a stacked
@@ -273,7 +272,7 @@ def megatron_to_hf(
             if bar:
                 bar.step(note=step[0][0] if step[0][1] is None else f"layer {step[0][1]}")
         config = dict(arch.hf_config)
-        config["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
+        config["torch_dtype"] = dtypes.canonical_name(torch_dtype)
         config.pop("dtype", None)
         tok_dir = os.path.join(ckpt_dir, dist_ckpt.TOKENIZER_DIR)
         writer.finish(

@@ -81,7 +81,9 @@ def resolve_backend(options: ModelOptions) -> str:
 def resolve_dtype(options: ModelOptions) -> torch.dtype:
     if options.dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[options.dtype]
+    from megatron_klear.platform.dtypes import torch_dtype
+
+    return torch_dtype(options.dtype, what="model.dtype")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -146,5 +146,47 @@ def destroy_parallel() -> None:
     _CONTROL["group"] = None
 
 
+def rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return rank() == 0
+
+
+def _multi() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _host_group():
+    """The gloo control group once :func:`init_parallel` made it, else the default group."""
+    return _CONTROL["group"]
+
+
+def barrier() -> None:
+    """Every rank waits here, over the gloo control group (waiting costs no GPU and trips no NCCL
+    watchdog, however long rank 0's host work takes)."""
+    if _multi():
+        dist.barrier(group=_host_group())
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's ``obj`` (any picklable object) on every rank, over the control group: the other ranks
+    may wait here for a whole rollout (hours), and the object travels as pickled host data."""
+    if not _multi():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_host_group())
+    return box[0]
+
+
+def send_object(obj, dst: int) -> None:
+    """Point to point over the control group (a picklable object to global rank ``dst``)."""
+    dist.send_object_list([obj], dst=dst, group=_host_group())
+
+
+def recv_object(src: int):
+    box = [None]
+    dist.recv_object_list(box, src=src, group=_host_group())
+    return box[0]

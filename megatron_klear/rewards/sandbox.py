@@ -138,23 +138,6 @@ def become_subreaper() -> bool:
         return False
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Have Linux send ``sig`` to this process when its parent exits (PR_SET_PDEATHSIG), so that a
-    grading worker busy in C code does not outlive a killed trainer (the same helper as
-    ``megatron_klear.platform.process.die_with_parent``; rewards/ imports nothing else of the package)."""
-    before = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, ctypes.c_ulong(int(sig)), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                      ctypes.c_ulong(0)) != 0:  # PR_SET_PDEATHSIG
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != before:  # the parent exited before the request took effect
-        os.kill(os.getpid(), sig)
-    return True
-
-
 def _is_subreaper() -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -82,7 +82,9 @@ def _limit_memory(mb: int) -> None:
 
 def worker_main(conn, slot: int, cfg: RewardConfig) -> None:
     """Serve (task_id, item_dict, isolation_level) messages until None or EOF."""
-    from .sandbox import Sandbox, become_subreaper, die_with_parent
+    from megatron_klear.platform.process import die_with_parent
+
+    from .sandbox import Sandbox, become_subreaper
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     die_with_parent()  # the forkserver we were forked from exits with the trainer: so do we

@@ -20,12 +20,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from megatron_klear.platform.dtypes import canonical_name
+
 PROBE_TEXT = "Weight sync probe: the quick brown fox jumps over the lazy dog. 1, 2, 3, 5, 8, 13, 21"
 PROBE_NEW_TOKENS = 16
 TOLERANCES = {"float64": 1e-3, "float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
-_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32",
-            "double": "float64"}
-
 
 class WeightVerificationError(RuntimeError):
     pass
@@ -35,8 +34,7 @@ def dtype_tolerance(*dtypes) -> float:
     """The coarsest tolerance of ``dtypes`` (names or torch dtypes; unknown ones as bfloat16)."""
     tol = 0.0
     for d in dtypes:
-        name = str(d).replace("torch.", "").lower()
-        name = _ALIASES.get(name, name)
+        name = canonical_name(d)
         tol = max(tol, TOLERANCES.get(name, TOLERANCES["bfloat16"]))
     return tol
 

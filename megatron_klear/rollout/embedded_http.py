@@ -34,7 +34,7 @@ Generation
   and ``no_stop_trim`` shape the text; ``spaces_between_special_tokens`` and ``stream_interval`` are
   accepted and have no effect.
   The log-probs are the engine's: ``log_softmax(logits / temperature)``, unfiltered (see
-  :mod:`megatron_klear.rollout.sampling`). Stop ids: the checkpoint's EOS ids (config.json,
+  :mod:`megatron_klear.rollout.embedded.sampling`). Stop ids: the checkpoint's EOS ids (config.json,
   generation_config.json, the tokenizer's EOS: see :mod:`.embedded`) plus ``stop_token_ids``.
 - Seeds: sample ``j`` of prompt ``i`` of a request draws from ``sample_seed(s, i, j)`` with ``s``
   that prompt's ``sampling_seed`` (a random one when absent), whatever else is being decoded: the
@@ -90,7 +90,7 @@ Other routes (SGLang's shapes)
   failure.
 - Weights over a process group, SGLang's ``update_weights_from_distributed`` protocol (the trainer
   side is :class:`megatron_klear.rollout.weight_sync.DistributedWeightSync`; the group and bucket
-  layout are :mod:`megatron_klear.rollout.update_group`):
+  layout are :mod:`megatron_klear.rollout.weight_sync.update_group`):
   ``POST /init_weights_update_group`` ``{"master_address", "master_port", "rank_offset",
   "world_size", "group_name" (default "weight_update_group"), "backend"}`` joins the group as rank
   ``rank_offset`` (this server is one TP rank) through the sender's TCP store and answers once the
@@ -1027,7 +1027,7 @@ class _Handler(BaseHTTPRequestHandler):
     # -- generation ---------------------------------------------------------------------------------
     def _generate(self, body) -> None:
         from megatron_klear.rollout.embedded import PromptRequest, context_length_error
-        from megatron_klear.rollout.sampling import sample_seed
+        from megatron_klear.rollout.embedded.sampling import sample_seed
 
         state = self.server.state
         engine = state.engine
@@ -1209,7 +1209,7 @@ class _Handler(BaseHTTPRequestHandler):
                                 "world_size": (_int, None), "group_name": (_str, DEFAULT_GROUP_NAME),
                                 "backend": (_str, "nccl")},
                          required=("master_address", "master_port", "rank_offset", "world_size"))
-        from megatron_klear.rollout.update_group import join_update_group, set_group_timeout
+        from megatron_klear.rollout.weight_sync.update_group import join_update_group, set_group_timeout
 
         state = self.server.state
         prefix = "Failed to initialize custom process group: "
@@ -1238,7 +1238,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _destroy_group(self, body) -> None:
         f = self._fields(body, {"group_name": (_str, DEFAULT_GROUP_NAME)})
-        from megatron_klear.rollout.update_group import destroy_update_group
+        from megatron_klear.rollout.weight_sync.update_group import destroy_update_group
 
         state = self.server.state
         with state.weight_lock:
@@ -1273,7 +1273,7 @@ class _Handler(BaseHTTPRequestHandler):
             "group_name": (_str, DEFAULT_GROUP_NAME), "flush_cache": (_bool, True), "abort_all_requests": (_bool, False),
             "weight_version": (_str, None), "load_format": (_optional_str, None), "selector": (_str, "all"),
             "torch_empty_cache": (_bool, False)}, required=("names", "dtypes", "shapes"))
-        from megatron_klear.rollout.update_group import destroy_update_group
+        from megatron_klear.rollout.weight_sync.update_group import destroy_update_group
 
         state = self.server.state
         if f["abort_all_requests"]:
@@ -1387,7 +1387,7 @@ def _receive_weights(pg, names, dtypes, shapes, load_format, device, buffers=Non
     import torch
     import torch.distributed as dist
 
-    from megatron_klear.rollout.update_group import FLATTENED_BUCKET, bucket_layout, dtype_of, unflatten_bucket
+    from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET, bucket_layout, dtype_of, unflatten_bucket
 
     if load_format == FLATTENED_BUCKET:
         layout = bucket_layout(names, dtypes, shapes)

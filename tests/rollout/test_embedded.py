@@ -6,7 +6,7 @@ import torch
 
 from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import EmbeddedEngine, WeightUpdateError
-from megatron_klear.rollout.sampling import sample_seed
+from megatron_klear.rollout.embedded.sampling import sample_seed
 from tests.rollout.conftest import PROMPTS, full_logits, greedy_reference
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_klear.rollout.sampling import SampleStreams, sample_seed, sample_tokens
+from megatron_klear.rollout.embedded.sampling import SampleStreams, sample_seed, sample_tokens
 
 P = [0.5, 0.3, 0.15, 0.05]  # token order scrambled below so that sorting matters
 ORDER = [2, 0, 3, 1]  # vocabulary id of P[k]

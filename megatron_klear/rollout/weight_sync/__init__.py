@@ -247,7 +247,7 @@ class DistributedWeightSync:
                  master_addr: str = "", master_port: int = 0, group_timeout: float = 120.0,
                  bucket_timeout: float = 300.0, control_timeout: float = 60.0,
                  group_name: str = "klear_weights", load_format: str | None = None):
-        from megatron_klear.rollout.update_group import FLATTENED_BUCKET
+        from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET
 
         self.model_chunks = model_chunks
         self.engine = engine  # global rank 0 only
@@ -319,7 +319,7 @@ class DistributedWeightSync:
     # -- groups ---------------------------------------------------------------------------------------
     def connect(self) -> None:
         """Collective: create the update groups with every server (see the class docstring)."""
-        from megatron_klear.rollout.update_group import PortInUseError, join_update_group, open_master_store, set_group_timeout
+        from megatron_klear.rollout.weight_sync.update_group import PortInUseError, join_update_group, open_master_store, set_group_timeout
 
         rank = self._rank()
         self.leaders, self.part = stage_leaders()
@@ -419,7 +419,7 @@ class DistributedWeightSync:
                 "GLOO_SOCKET_IFNAME)")
 
     def _drop_local(self) -> None:
-        from megatron_klear.rollout.update_group import destroy_update_group
+        from megatron_klear.rollout.weight_sync.update_group import destroy_update_group
 
         if self.pg is not None:
             destroy_update_group(self.pg)
@@ -548,7 +548,7 @@ class DistributedWeightSync:
         broadcasts throughout."""
         import concurrent.futures
 
-        from megatron_klear.rollout.update_group import FLATTENED_BUCKET
+        from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET
 
         rank = self._rank()
         flattened = self.load_format == FLATTENED_BUCKET
@@ -607,13 +607,13 @@ class DistributedWeightSync:
 
     @staticmethod
     def _meta_of(bucket) -> tuple:
-        from megatron_klear.rollout.update_group import dtype_name
+        from megatron_klear.rollout.weight_sync.update_group import dtype_name
 
         return ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
 
     def _send_gathered_buckets(self, stage: int, tensors, totals: dict, pool):
         """Gather a bucket whole, then send it while the next one is gathered. ``(error, layout)``."""
-        from megatron_klear.rollout.update_group import FLATTENED_BUCKET, flatten_bucket
+        from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET, flatten_bucket
 
         dev = self._device()
         error, flight, layout = None, None, []
@@ -640,7 +640,7 @@ class DistributedWeightSync:
         tensor broadcast as soon as it is gathered. The next bucket's tensors are gathered while the
         current one is on the wire (at most one bucket ahead) and go out once the servers answered
         it. The error text, or None."""
-        from megatron_klear.rollout.update_group import dtype_name, dtype_of
+        from megatron_klear.rollout.weight_sync.update_group import dtype_name, dtype_of
 
         dev = self._device()
         expected = [(n, d, list(s), b) for b, meta in enumerate(layout) for n, d, s in zip(*meta)]

@@ -7,7 +7,7 @@ a left-padded attention mask and explicit position ids) instead of ``model.gener
 sampling and log-probs are exactly the ones the trainer expects:
 
 - sampling: ``logits / temperature``, then top-k and top-p, then a seeded draw
-  (:mod:`megatron_klear.rollout.sampling` spells out the rules); ``temperature`` below 1e-6 is
+  (:mod:`megatron_klear.rollout.embedded.sampling` spells out the rules); ``temperature`` below 1e-6 is
   greedy, as in SGLang (``top_k=1``, log-probs at temperature 1);
 - returned log-prob of each token: ``log_softmax(logits / temperature)`` over the model's FULL
   vocabulary, BEFORE top-k/top-p -- what :mod:`megatron_klear.training.logprobs` recomputes;
@@ -69,11 +69,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_klear.platform.dtypes import torch_dtype
 from megatron_klear.rollout.base import Completion, RolloutEngine, SamplingParams
-from megatron_klear.rollout.sampling import SampleStreams, request_seeds, sample_tokens
+from megatron_klear.rollout.embedded.sampling import SampleStreams, request_seeds, sample_tokens
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 # SGLang's get_context_length (srt/utils/hf_transformers/common.py): the first of these config keys.
 CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
@@ -83,11 +82,7 @@ GREEDY_TEMPERATURE_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a temperature below it 
 
 
 def resolve_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(f"rollout.embedded: dtype must be one of {sorted(_DTYPES)} or a torch.dtype, got {dtype!r}")
+    return torch_dtype(dtype, what="rollout.embedded: dtype")
 
 
 def _dtype_kwarg() -> str:
@@ -764,8 +759,3 @@ def __getattr__(name):  # the HTTP face lives in embedded_http (stdlib server + 
         return getattr(embedded_http, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-if __name__ == "__main__":
-    from megatron_klear.rollout.embedded_http import main
-
-    raise SystemExit(main())

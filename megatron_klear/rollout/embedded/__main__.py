@@ -1,0 +1,4 @@
+"""``python -m megatron_klear.rollout.embedded``: the embedded engine behind an SGLang-compatible server."""
+from megatron_klear.rollout.embedded_http import main
+
+raise SystemExit(main())
