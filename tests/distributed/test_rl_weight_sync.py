@@ -80,7 +80,7 @@ def _run_corrupted(rank, world, overrides, tensor):
 
     from megatron_klear.config import load_config
     from megatron_klear.rl.loop import RLLoop
-    from megatron_klear.rollout import weight_sync
+    from megatron_klear.rollout.weight_sync import distributed_buckets as weight_sync  # where the sync reads iter_buckets
 
     buckets = weight_sync.iter_buckets
 

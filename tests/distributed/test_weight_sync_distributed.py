@@ -31,7 +31,7 @@ def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(
     init_parallel(cfg.parallel)
     state = build_training_state(cfg, total_steps=1)
     if kill is not None:
-        from megatron_klear.rollout import weight_sync
+        from megatron_klear.rollout.weight_sync import distributed_buckets as weight_sync  # where the sync reads iter_buckets
 
         pid, at, buckets = *kill, weight_sync.iter_buckets
 

@@ -31,9 +31,9 @@ Who picks ``s``, ``i`` and ``j``:
 
 - :meth:`EmbeddedEngine.generate` (in process): ``s = params.seed`` (random when None), ``i`` the
   prompt's index in the call, ``j`` the sample's (:func:`request_seeds`).
-- the HTTP server (:mod:`.embedded_http`), per ``/generate`` request: ``s`` = that prompt's
-  ``sampling_params.sampling_seed`` (random when absent), ``i`` the prompt's index *in that
-  request*, ``j`` the sample's index among its ``n``. The server decodes whatever requests are
+- the stand-in server (:mod:`megatron_klear.rollout.sglang_standin`), per ``/generate`` request:
+  ``s`` = that prompt's ``sampling_params.sampling_seed`` (random when absent), ``i`` the prompt's
+  index *in that request*, ``j`` the sample's index among its ``n``. The server decodes whatever requests are
   waiting together, but each sample keeps the seed its own request gives it, so its tokens are the
   same whether the request arrives alone or with hundreds of others. (A request with the prompts
   ``[a, b]`` and one seed therefore equals the in-process ``generate([a, b], seed)``; the same

@@ -23,6 +23,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from megatron_klear.platform.dtypes import canonical_name
+
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
 
@@ -32,7 +34,8 @@ class PortInUseError(RuntimeError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    """The name SGLang reads back with :func:`dtype_of` (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return canonical_name(dtype)
 
 
 def dtype_of(name) -> torch.dtype:

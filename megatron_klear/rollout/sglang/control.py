@@ -1,0 +1,287 @@
+"""Control calls of the SGLang client. They go to every *worker*, in parallel, never to the router
+(``sglang-router`` has no weight-update routes), and raise naming the first worker that failed.
+
+- weights from disk: SGLang's ``/pause_generation`` -> ``/update_weights_from_disk`` (with
+  ``weight_version``) -> ``/continue_generation``, then each worker must report the new version
+  (``/model_info``);
+- the calls of SGLang's distributed weight update (``/init_weights_update_group``,
+  ``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``,
+  ``/update_weight_version``, ``/destroy_weights_update_group``), which
+  :class:`megatron_klear.rollout.weight_sync.DistributedWeightSync` drives while the trainer
+  broadcasts the tensors;
+- :meth:`Control.probe`: one worker's greedy continuation with log-probs (the weight check of
+  :mod:`megatron_klear.rl.verify`);
+- colocated servers: memory release / resume (``--enable-memory-saver``);
+- each worker's context length.
+
+Bodies follow the request structs of SGLang 0.5.23's ``io_struct.py`` (the tests check them).
+:class:`Control` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine` over
+:class:`.transport.Transport`.
+"""
+from __future__ import annotations
+
+import threading
+
+from megatron_klear.rollout.base import Completion
+from megatron_klear.rollout.sglang.generation import parse_completion
+from megatron_klear.rollout.sglang.transport import EngineError
+
+#: SGLang's memory types (``GPU_MEMORY_ALL_TYPES``) for /release_memory_occupation and /resume_memory_occupation
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class Control:
+    # -- context length ----------------------------------------------------------------------------
+    def context_length(self, url: str) -> int | None:
+        """The longest prompt + response a worker accepts: ``/v1/models``' ``max_model_len``
+        (SGLang's model_config.context_len), else ``/server_info``'s context length."""
+        try:
+            models = self._request("GET", "/v1/models", url=url)
+            cards = models.get("data") if isinstance(models, dict) else None
+            if cards and isinstance(cards[0], dict) and cards[0].get("max_model_len"):
+                return int(cards[0]["max_model_len"])
+        except EngineError as e:
+            if "HTTP 404" not in str(e):  # a server without the route falls back; anything else is an error
+                raise
+        info = self._request("GET", "/server_info", url=url)
+        for key in ("max_context_length", "context_length"):
+            if isinstance(info, dict) and isinstance(info.get(key), int) and info[key] > 0:
+                return int(info[key])
+        return None
+
+    def check_context_length(self, needed: int, what: str = "") -> dict:
+        """Fail unless every worker's context holds ``needed`` tokens (prompt + max_new_tokens);
+        returns {worker: context length}."""
+        lengths = dict(zip(self.workers(), self._on_workers(self.context_length)))
+        short = {w: c for w, c in lengths.items() if c is not None and c < needed}
+        if short:
+            w, c = next(iter(short.items()))
+            raise EngineError(
+                f"rollout: the server {w} has a context length of {c} tokens, but {what or 'a request'} needs "
+                f"{needed} (SGLang answers every such request with HTTP 400). Start the servers with "
+                f"`--context-length {needed}` (beyond the model's max_position_embeddings also set "
+                "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, or choose a RoPE scaling such as YaRN with "
+                "--json-model-override-args), or lower rl.max_prompt_length / rollout.max_new_tokens")
+        return lengths
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_from_disk(self, model_dir: str, *, version=None) -> None:
+        """Every worker loads the HF checkpoint ``model_dir`` (a path the servers can read), in
+        parallel: pause -> update_weights_from_disk -> continue; then each must report ``version``."""
+        version = None if version is None else str(version)
+
+        def update(w):
+            self._request("POST", "/pause_generation", {"mode": "abort"}, url=w)
+            try:
+                body = {"model_path": model_dir, "flush_cache": True}
+                if version is not None:
+                    body["weight_version"] = version
+                result = self._request("POST", "/update_weights_from_disk", body, timeout=self.weight_update_timeout, url=w)
+                if not isinstance(result, dict) or not result.get("success", False):
+                    raise EngineError(f"rollout: {w}/update_weights_from_disk failed: {(result or {}).get('message')}")
+            finally:
+                self._request("POST", "/continue_generation", {}, url=w)
+            if version is not None:
+                reported = (self.model_info(w) or {}).get("weight_version")
+                if str(reported) != version:
+                    raise EngineError(f"rollout: {w} reports weight_version {reported!r} after loading {model_dir}, "
+                                      f"expected {version!r}")
+
+        self._on_workers(update)
+
+    def weight_versions(self) -> dict:
+        return {w: (self.model_info(w) or {}).get("weight_version") for w in self.workers()}
+
+    # -- weights over a process group (SGLang's update_weights_from_distributed) ---------------------
+    # The trainer side (megatron_klear.rollout.weight_sync.DistributedWeightSync) drives these; each
+    # runs on every worker in parallel and raises EngineError naming the first worker that failed.
+    def _post_weights(self, worker: str, path: str, body: dict, timeout: float | None = None) -> dict:
+        """POST a weight-control call; SGLang answers ``{"success", "message"}`` (400 on failure)."""
+        result = self._request("POST", path, body, timeout=timeout, url=worker)
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineError(f"rollout: POST {worker}{path} failed: {result.get('message')}")
+        return result if isinstance(result, dict) else {}
+
+    def update_group_layout(self) -> list:
+        """``[(worker, ranks)]``: each worker joins an update group with one rank per TP rank of its
+        model (SGLang: ``rank_offset + tp_rank``). Refuses layouts SGLang cannot update this way."""
+        def ask(w):
+            info = self.server_info(w) or {}
+            tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
+            if dp > 1 and not info.get("enable_dp_attention"):
+                raise EngineError(f"rollout: {w} runs {dp} data-parallel replicas (dp_size); SGLang updates weights "
+                                  "from a process group only with dp_size 1: start one server per replica "
+                                  "(behind the router), or use rollout.weight_sync=disk")
+            if pp > 1:
+                raise EngineError(f"rollout: {w} runs pipeline parallelism (pp_size={pp}), which SGLang's "
+                                  "update_weights_from_distributed does not cover: use rollout.weight_sync=disk")
+            return tp
+
+        return list(zip(self.workers(), self._on_workers(ask)))
+
+    def init_weights_update_group_async(self, *, master_address: str, master_port: int, world_size: int,
+                                        rank_offsets: dict, group_name: str, backend: str, timeout: float) -> dict:
+        """Start ``/init_weights_update_group`` on every worker (each first drops a stale group of that
+        name, left by a trainer that died); returns ``{worker: concurrent.futures.Future}`` (the
+        call blocks on the server until the whole group has joined)."""
+        import concurrent.futures
+
+        def join(w):
+            try:
+                self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name})
+            except EngineError as e:
+                if "does not exist" not in str(e):
+                    raise
+            return self._post_weights(w, "/init_weights_update_group", {
+                "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offsets[w]),
+                "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout=timeout)
+
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(rank_offsets), thread_name_prefix="weights-init")
+        futures = {w: pool.submit(join, w) for w in rank_offsets}
+        pool.shutdown(wait=False)
+        return futures
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Drop the group on every worker (best effort: a worker without it, or gone, is skipped)."""
+        def drop(w):
+            try:
+                self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name})
+            except EngineError:
+                pass
+
+        self._on_workers(drop)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._on_workers(lambda w: self._request("POST", "/pause_generation", {"mode": mode}, url=w))
+
+    def continue_generation(self) -> None:
+        self._on_workers(lambda w: self._request("POST", "/continue_generation", {}, url=w))
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session on every worker (SGLang 0.5.23 refuses updates outside one).
+        A session left open by a trainer that died is closed first."""
+        def begin(w):
+            try:
+                self._post_weights(w, "/begin_weight_update", {})
+            except EngineError as e:
+                if "already open" not in str(e):
+                    raise
+                try:
+                    self._post_weights(w, "/end_weight_update", {})
+                except EngineError:
+                    pass  # a failed stale session (ours: nothing applied) still closes
+                self._post_weights(w, "/begin_weight_update", {})
+
+        self._on_workers(begin)
+
+    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, *, group_name: str,
+                                        load_format: str | None = None, flush_cache: bool = True,
+                                        weight_version: str | None = None, timeout: float | None = None) -> None:
+        """Every worker receives one bucket (the sender broadcasts it meanwhile)."""
+        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                "group_name": group_name, "flush_cache": bool(flush_cache), "abort_all_requests": False}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        timeout = self.weight_update_timeout if timeout is None else timeout
+        workers = self.workers()
+        errors = [None] * len(workers)
+
+        def post(i, w):
+            try:
+                self._post_weights(w, "/update_weights_from_distributed", body, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 -- collected below
+                errors[i] = e
+
+        threads = [threading.Thread(target=post, args=(i, w), daemon=True) for i, w in enumerate(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [(w, e) for w, e in zip(workers, errors) if e is not None]
+        if failed:
+            # a server that cannot be reached (dead) first: the others' failures follow from it
+            failed.sort(key=lambda we: "failed with HTTP" in str(we[1]))
+            raise EngineError("; ".join(str(e) for _, e in failed))
+
+    def end_weight_update(self) -> None:
+        self._on_workers(lambda w: self._post_weights(w, "/end_weight_update", {}, timeout=self.weight_update_timeout))
+
+    def set_weight_version(self, version) -> None:
+        """``/update_weight_version`` on every worker, aborting nothing (generation is paused)."""
+        body = {"new_version": str(version), "abort_all_requests": False}
+        self._on_workers(lambda w: self._post_weights(w, "/update_weight_version", body))
+
+    def check_weight_versions(self, version) -> None:
+        """Every worker must report ``version`` (``/model_info``'s ``weight_version``)."""
+        for w, reported in self.weight_versions().items():
+            if str(reported) != str(version):
+                raise EngineError(f"rollout: {w} reports weight_version {reported!r} after the update, expected "
+                                  f"{str(version)!r}")
+
+    # -- verification ------------------------------------------------------------------------------
+    def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:
+        """Greedy continuation of ``prompt_ids`` by one worker (not through the router), exactly
+        ``max_new_tokens`` tokens (``ignore_eos``), with the log-prob of each token (greedy:
+        ``log_softmax`` of the logits at temperature 1, in SGLang and in the embedded engine)."""
+        body = {"input_ids": [int(t) for t in prompt_ids], "return_logprob": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True,
+                                    "skip_special_tokens": False}}
+        out = self._request("POST", "/generate", body, timeout=self.generate_timeout, url=worker)
+        return parse_completion(out[0] if isinstance(out, list) else out, url=worker)
+
+    def worker_dtypes(self) -> dict:
+        """{worker: the dtype its model runs in} from ``/server_info`` (``dtype``; SGLang's ``auto``
+        is reported as is)."""
+        return {w: str((self.server_info(w) or {}).get("dtype") or "auto") for w in self.workers()}
+
+    def update_weights(self, named_tensors, *, version: int | None = None) -> None:
+        """Write the tensors to a temporary HF directory and have every worker load it. Only for
+        servers on this machine; on a cluster the RL loop writes to ``rollout.sync_dir`` (a
+        filesystem the servers share) and calls :meth:`load_from_disk`."""
+        import os
+        import shutil
+        import tempfile
+
+        from megatron_klear.checkpoint.hf_io import HFWriter
+
+        tmp_root = tempfile.mkdtemp(prefix="klear-engine-weights-")
+        try:
+            writer = HFWriter(os.path.join(tmp_root, "weights"), max_shard_bytes=1 << 30)
+            try:
+                for name, tensor in named_tensors:
+                    writer.add(name, tensor)
+                path = writer.finish(config={"note": "weights pushed by SGLangEngine.update_weights"})
+            except BaseException:
+                writer.abort()
+                raise
+            self.load_from_disk(path, version=version)
+        finally:
+            shutil.rmtree(tmp_root, ignore_errors=True)
+
+    # -- servers colocated with the trainer (rollout.colocate) ------------------------------------------
+    def check_memory_saver(self) -> None:
+        """Every worker must run with ``--enable-memory-saver``: without it SGLang's
+        ``/release_memory_occupation`` frees nothing (a no-op saver), and the trainer would meet the
+        server's weights and KV cache on its GPU."""
+        def ask(w):
+            if not (self.server_info(w) or {}).get("enable_memory_saver"):
+                raise EngineError(f"rollout.colocate: {w} was not started with --enable-memory-saver, so releasing its "
+                                  "memory would free nothing: restart it with that flag (pip install "
+                                  "torch-memory-saver), or give the servers their own GPUs (rollout.colocate=false)")
+
+        self._on_workers(ask)
+
+    def release_memory(self, tags=None) -> None:
+        """SGLang's ``/release_memory_occupation`` on every worker (they must be idle): ``tags`` of
+        ``weights``, ``kv_cache``, ``cuda_graph`` (None: all). Released weights lose their content:
+        resume them, then load weights, before generating."""
+        body = {"tags": list(tags)} if tags else {}
+        self._on_workers(lambda w: self._request("POST", "/release_memory_occupation", body, url=w))
+
+    def resume_memory(self, tags=None) -> None:
+        """SGLang's ``/resume_memory_occupation`` on every worker, for ``tags`` released before (None:
+        all; resuming a tag that is not released fails SGLang's scheduler)."""
+        body = {"tags": list(tags)} if tags else {}
+        self._on_workers(lambda w: self._request("POST", "/resume_memory_occupation", body, url=w))

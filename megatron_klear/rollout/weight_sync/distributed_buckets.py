@@ -1,0 +1,198 @@
+"""The bucket schedule of ``rollout.weight_sync=distributed``: how one stage's tensors reach every
+server over its update group.
+
+The stage leader packs its HF tensors into buckets of ``bucket_bytes`` (one dtype per bucket,
+:func:`~megatron_klear.rollout.weight_sync.gather.iter_buckets`) and for each bucket: rank 0 posts
+``/update_weights_from_distributed`` (names, dtypes, shapes, ``flush_cache``, and
+``load_format="flattened_bucket"`` with NCCL) to every server while the leader broadcasts the bucket
+(``src=0``: its bytes back to back with NCCL, each tensor in order with gloo, SGLang's two receive
+paths). A leader other than rank 0 announces each bucket to rank 0, which posts it and sends the
+servers' answer back (:meth:`BucketSchedule._coordinate`). Two schedules
+(:meth:`BucketSchedule._send_stage`): the first sync gathers bucket ``k+1`` (the TP peers' shards)
+while bucket ``k`` is on the wire; later syncs (per-tensor format) announce each bucket from the
+layout the last sync recorded and broadcast each tensor as soon as it is gathered.
+
+:class:`BucketSchedule` is a mixin of
+:class:`~megatron_klear.rollout.weight_sync.distributed.DistributedWeightSync`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_klear.platform import rank, recv_object, send_object
+from megatron_klear.rollout.weight_sync.gather import iter_buckets, iter_stage_hf_tensors
+from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET, dtype_name, dtype_of, flatten_bucket
+
+
+class BucketSchedule:
+    def _post_bucket(self, stage: int, meta):
+        """Rank 0: post one bucket's metadata to every server (once they paused and opened the
+        session); the error text naming the server, or None."""
+        names, dtypes, shapes = meta
+        started = self._started.result()
+        if started is not None:
+            return started
+        try:
+            self.engine.update_weights_from_distributed(
+                names, dtypes, shapes, group_name=self._name(stage),
+                load_format=self.load_format if self.load_format != "auto" else None,
+                flush_cache=True, timeout=self.bucket_timeout + self.control_timeout)
+            return None
+        except Exception as e:  # noqa: BLE001
+            return f"rollout: bucket of stage {stage} ({len(names)} tensors, first {names[0]}) failed: {e}"
+
+    def _coordinate(self, stage: int, totals: dict):
+        """Rank 0 for a stage led by another rank: post each bucket the leader announces, acknowledge
+        it; returns the stage's error or None."""
+        err = None
+        while True:
+            kind, payload = recv_object(self.leaders[stage])
+            if kind == "end":
+                stage_err, stage_totals = payload
+                for k, v in stage_totals.items():
+                    totals[k] += v
+                return stage_err or err
+            err = self._post_bucket(stage, payload)
+            send_object(err, self.leaders[stage])
+
+    def _send_stage(self, stage: int, totals: dict):
+        """The stage leader: stream the stage's buckets (see the module docstring); returns the first
+        error or None. Drains the tensors after an error (the TP peers keep sending their shards).
+
+        Two schedules. Without a layout (the first sync, or ``flattened_bucket``, whose bucket is
+        one tensor made of all of them): gather a whole bucket, then announce and broadcast it,
+        gathering the next one meanwhile. With the layout the last sync recorded (names, dtypes and
+        shapes per bucket: a model's structure does not change), a bucket is announced before its
+        tensors are gathered and each tensor is broadcast as soon as it is: the first tensors are
+        on the wire at once instead of after a whole bucket's gather, and the gathers overlap the
+        broadcasts throughout."""
+        import concurrent.futures
+
+        flattened = self.load_format == FLATTENED_BUCKET
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-http") if rank() == 0 else None
+        tensors = iter_stage_hf_tensors(self.model_chunks, self.part)
+        layout = None if flattened else self._layouts.get(stage)
+        try:
+            if layout is None:
+                error, layout = self._send_gathered_buckets(stage, tensors, totals, pool)
+                if error is None and not flattened:
+                    self._layouts[stage] = layout
+                return error
+            totals["streamed_stages"] += 1
+            return self._send_streamed_buckets(stage, tensors, totals, pool, layout)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    # A bucket on the wire: {"meta": (names, dtypes, shapes), "handle": rank 0's HTTP future or None,
+    # "works": its broadcasts, "payload": the tensors they send (referenced until they end), "nbytes"}
+    def _launch_bucket(self, stage: int, meta, payload, totals: dict, pool) -> dict:
+        """Announce one bucket (rank 0 posts it to the servers; another stage's leader asks rank 0
+        to) and broadcast the tensors of it already at hand."""
+        handle = pool.submit(self._post_bucket, stage, meta) if rank() == 0 else None
+        if handle is None:
+            send_object(("bucket", meta), 0)
+        flight = {"meta": meta, "handle": handle, "works": [], "payload": [], "nbytes": 0}
+        totals["buckets"] += 1
+        for x in payload:
+            self._broadcast_into(flight, x, totals)
+        return flight
+
+    def _broadcast_into(self, flight: dict, x: torch.Tensor, totals: dict) -> None:
+        flight["works"].append(dist.broadcast(x, src=0, group=self.pg, async_op=True))
+        flight["payload"].append(x)
+        nbytes = x.numel() * x.element_size()
+        flight["nbytes"] += nbytes
+        totals["bytes"] += nbytes
+
+    def _finish_bucket(self, stage: int, flight: dict):
+        """Wait for a bucket: the servers' answer first, always consumed (rank 0's answers stay in
+        step with the buckets; a server that refuses a bucket answers at once, and its broadcast
+        would only run into the timeout), then the broadcasts. The error text, or None."""
+        ack = flight["handle"].result() if flight["handle"] is not None else recv_object(0)
+        if ack is not None:
+            return ack
+        try:
+            for work in flight["works"]:
+                work.wait()
+        except Exception as e:  # noqa: BLE001 -- a dead peer, or the bucket timeout
+            names = flight["meta"][0]
+            return (f"rollout: the broadcast of a bucket of stage {stage} ({flight['nbytes'] / 2**20:.0f} MiB, "
+                    f"{len(names)} tensors from {names[0]}) failed within rollout.sync_bucket_timeout_s="
+                    f"{self.bucket_timeout:g}: {type(e).__name__}: {e}")
+        return None
+
+    @staticmethod
+    def _meta_of(bucket) -> tuple:
+        return ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
+
+    def _send_gathered_buckets(self, stage: int, tensors, totals: dict, pool):
+        """Gather a bucket whole, then send it while the next one is gathered. ``(error, layout)``."""
+        dev = self._device()
+        error, flight, layout = None, None, []
+        for bucket in iter_buckets(tensors, self.bucket_bytes):
+            if error is not None:
+                continue
+            if self.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes back to back
+                payload = [flatten_bucket([t.to(dev, non_blocking=True) for _, t in bucket])]
+            else:  # SGLang's default: one broadcast per tensor, in order
+                payload = [t.detach().to(dev, non_blocking=True).contiguous() for _, t in bucket]
+            if flight is not None:
+                error, flight = self._finish_bucket(stage, flight), None
+                if error is not None:
+                    continue
+            meta = self._meta_of(bucket)
+            layout.append(meta)
+            flight = self._launch_bucket(stage, meta, payload, totals, pool)
+        if flight is not None:
+            error = self._finish_bucket(stage, flight)
+        return error, layout
+
+    def _send_streamed_buckets(self, stage: int, tensors, totals: dict, pool, layout) -> str | None:
+        """Each bucket announced before its tensors are gathered (``layout``: the last sync's), each
+        tensor broadcast as soon as it is gathered. The next bucket's tensors are gathered while the
+        current one is on the wire (at most one bucket ahead) and go out once the servers answered
+        it. The error text, or None."""
+        dev = self._device()
+        expected = [(n, d, list(s), b) for b, meta in enumerate(layout) for n, d, s in zip(*meta)]
+        counts = [len(meta[0]) for meta in layout]
+        b, error, ahead, i = 0, None, [], 0
+        flight = self._launch_bucket(stage, layout[0], [], totals, pool)
+
+        def done_now(f) -> bool:  # rank 0 can tell without blocking; another leader learns it from rank 0
+            return f["handle"] is not None and f["handle"].done() and all(w.is_completed() for w in f["works"])
+
+        for name, t in tensors:
+            if error is not None:
+                continue  # drain: the TP / EP peers keep sending
+            got = (name, dtype_name(t.dtype), list(t.shape))
+            if i >= len(expected) or got != expected[i][:3]:
+                want = expected[i][:3] if i < len(expected) else "the end of the stage"
+                error = (f"rollout: stage {stage}'s weights no longer follow the layout of the last sync: tensor {i} "
+                         f"is {got}, expected {want}")
+                continue
+            x = t.detach().to(dev, non_blocking=True).contiguous()
+            if expected[i][3] == b:
+                self._broadcast_into(flight, x, totals)
+            else:  # the next bucket's: held until the servers have the current one
+                ahead.append(x)
+            i += 1
+            while (error is None and len(flight["works"]) == counts[b] and b + 1 < len(layout)
+                   and (len(ahead) == counts[b + 1] or done_now(flight))):
+                error = self._finish_bucket(stage, flight)
+                if error is None:
+                    b += 1
+                    flight, ahead = self._launch_bucket(stage, layout[b], ahead, totals, pool), []
+        if error is None and i != len(expected):
+            error = f"rollout: stage {stage} yielded {i} tensors, the layout of the last sync has {len(expected)}"
+        if error is not None:
+            self._layouts.pop(stage, None)  # the next sync gathers whole buckets again
+            # The servers wait for the rest of the announced bucket: send zeros in its place (the sync
+            # fails, so nothing of it is served), then take their answer (rank 0's stay in step).
+            start = sum(counts[:b])
+            for _, d, shape, _ in expected[start + len(flight["works"]):start + counts[b]]:
+                self._broadcast_into(flight, torch.zeros(shape, dtype=dtype_of(d), device=dev), totals)
+            self._finish_bucket(stage, flight)
+            return error
+        return self._finish_bucket(stage, flight)

@@ -1,0 +1,19 @@
+"""``rollout.engine=embedded``: the trainer's weights into the in-process engine held by global rank 0."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_klear.platform import is_rank0
+from megatron_klear.rollout.weight_sync.gather import iter_model_hf_weights
+
+
+def sync_weights(model_chunks, engine, *, version: int | None = None) -> None:
+    """Collective: push the trainer's current weights into ``engine`` (held by global rank 0): the
+    stage leaders send their tensors to rank 0, which streams them into the engine one at a time."""
+    stream = iter_model_hf_weights(model_chunks)
+    if is_rank0():
+        engine.update_weights(stream, version=version)
+    for _ in stream:  # ranks other than 0 (and anything the engine left unread)
+        pass
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
