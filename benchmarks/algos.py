@@ -70,7 +70,7 @@ def run_one(args) -> dict:
     params = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens, seed=1000 + args.seed)
 
     def heldout() -> float:
-        summary, _ = evaluate(loop.engine, bench, loop.tokenizer, loop.pool, k=s.eval_k, params=params,
+        summary, _ = evaluate(loop.rollout.engine, bench, loop.tokenizer, loop.rollout.pool, k=s.eval_k, params=params,
                               progress=lambda line: None)
         return summary["heldout"][f"avg@{s.eval_k}"]
 

@@ -101,3 +101,45 @@ def first_mismatch(workers: list, diffs: list, tolerances: list):
         if not mean <= tol:  # NaN / inf included
             return w, mean, top, tol
     return None
+
+
+def verification_due(syncs: int, step: int, interval: int) -> bool:
+    """After the first push of this process (a fresh start or a resume) and every ``interval``
+    steps (``rollout.verify_interval``: 0 only the first, -1 never)."""
+    return interval >= 0 and (syncs == 1 or bool(interval and step % interval == 0))
+
+
+def verify_servers(engine, actor, tokenizer, vocab_size: int, version: int, tolerance: float = 0.0) -> dict:
+    """Collective: every server's log-probs of the probe must equal the trainer's within the
+    dtype-aware tolerance (``tolerance`` > 0 overrides it); else :class:`WeightVerificationError`
+    naming the first server that differs, on every rank. ``engine``: rank 0's (None elsewhere).
+    Returns metrics (``weights/verify_mean_diff_max``)."""
+    from megatron_klear.checkpoint.model_weights import unwrap
+    from megatron_klear.platform import broadcast_from_rank0, is_rank0
+
+    prompt = probe_prompt(tokenizer, vocab_size)
+    payload = None
+    if is_rank0():
+        try:
+            workers = engine.workers()
+            outs = [engine.probe(w, prompt, PROBE_NEW_TOKENS) for w in workers]
+            payload = (workers, [(c.token_ids, c.logprobs) for c in outs], engine.worker_dtypes())
+        except Exception as e:  # noqa: BLE001 -- reported on every rank
+            payload = f"rollout: the weight check could not probe the servers: {e}"
+    payload = broadcast_from_rank0(payload)
+    if isinstance(payload, str):
+        raise WeightVerificationError(payload)
+    workers, outs, dtypes = payload
+    diffs = trainer_logprob_diffs(actor, [(prompt, ids, lps) for ids, lps in outs])
+    trainer_dtype = unwrap(actor.state.model[0]).config.params_dtype
+    tols = [tolerance or dtype_tolerance(dtypes.get(w), trainer_dtype) for w in workers]
+    bad = first_mismatch(workers, diffs, tols)
+    if bad is not None:
+        w, mean, top, tol = bad
+        raise WeightVerificationError(
+            f"rollout: the server {w} does not serve the trainer's weights (weight version {version}): its "
+            f"log-probs of the probe differ from the trainer's by {mean:.3g} on average (max {top:.3g}) over "
+            f"{PROBE_NEW_TOKENS} tokens, above the tolerance {tol:g} (dtypes: server {dtypes.get(w)}, trainer "
+            f"{canonical_name(trainer_dtype)}; rollout.verify_tolerance). A corrupted or incomplete "
+            "transfer, or a server loading other weights: stopping")
+    return {"weights/verify_mean_diff_max": max(d[0] for d in diffs)}

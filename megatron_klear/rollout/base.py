@@ -2,9 +2,18 @@
 
 An engine turns prompts (token ids) into sampled responses with the per-token log-probs of the
 sampled tokens under the sampling distribution (``logits / temperature`` before top-k/top-p, the
-same way :mod:`megatron_klear.training.logprobs` recomputes them), and accepts new weights by HF
-name between steps. Engines: :mod:`.embedded` (torch, in-process or as a small HTTP server) and
-:mod:`.sglang` (SGLang servers, optionally behind sglang-router).
+same way :mod:`megatron_klear.training.logprobs` recomputes them), and accepts new weights between
+steps. Two kinds:
+
+- :class:`RolloutEngine`: what every engine does -- generate, take weights by HF name, tell its
+  context length, close. The in-process torch engine (:mod:`.embedded`) is one.
+- :class:`ServerEngine`: an engine made of rollout servers (SGLang, or the stand-in server of
+  :mod:`.sglang_standin`), reached over HTTP (:mod:`.sglang`). Besides generating, it lists its
+  workers, loads weights from a directory, reports each worker's dtype, answers a greedy probe per
+  worker (the weight check), and releases / resumes the servers' accelerator memory when they share
+  the trainer's GPUs.
+
+:func:`megatron_klear.rollout.factory.make_engine` builds either from a ``rollout`` config section.
 """
 from __future__ import annotations
 
@@ -79,16 +88,53 @@ class RolloutEngine(abc.ABC):
     def close(self) -> None:
         """Stop servers / free resources."""
 
+    def check_context(self, needed: int, what: str, hint: str = "") -> None:
+        """Fail before generating anything when the longest request (``needed`` = prompt budget +
+        max_new_tokens, described by ``what``) cannot fit the engine's context: SGLang and the
+        embedded engine refuse such a request (HTTP 400 / ValueError), which would otherwise
+        surface mid-run. Here: against ``self.context_length`` (tokens) when the engine has one."""
+        limit = getattr(self, "context_length", None)
+        if isinstance(limit, int) and limit < needed:
+            raise ValueError(f"rollout: the embedded engine's context length is {limit} tokens (the model's "
+                             f"max_position_embeddings), but {what} = {needed}: lower them, or give the model a "
+                             f"longer context (RoPE scaling such as YaRN){hint}")
+
+
+class ServerEngine(RolloutEngine):
+    """Rollout servers behind HTTP. Every verb below goes to every *worker* (a server), never to a
+    router; each raises naming the worker that failed."""
+
+    @abc.abstractmethod
+    def workers(self, refresh: bool = False) -> list:
+        """The servers' URLs (given, or asked from the router)."""
+
+    @abc.abstractmethod
+    def worker_dtypes(self) -> dict:
+        """``{worker: dtype name}`` as each server reports it."""
+
+    @abc.abstractmethod
+    def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:
+        """A greedy continuation of ``prompt_ids`` with its log-probs, from one worker."""
+
+    @abc.abstractmethod
+    def load_from_disk(self, model_dir: str, *, version=None) -> None:
+        """Every worker loads the HF checkpoint ``model_dir`` as weight version ``version``."""
+
+    @abc.abstractmethod
+    def check_context_length(self, needed: int, what: str = "") -> dict:
+        """Fail unless every worker's context holds ``needed`` tokens; ``{worker: context length}``."""
+
+    @abc.abstractmethod
+    def check_memory_saver(self) -> None:
+        """Fail unless every worker can really free its memory (colocated servers)."""
+
+    def check_context(self, needed: int, what: str, hint: str = "") -> None:
+        self.check_context_length(needed, what)  # its message names SGLang's flags
+
 
 def require_context(engine, needed: int, what: str, hint: str = "") -> None:
-    """Fail before generating anything when the longest request (``needed`` = prompt budget +
-    max_new_tokens, described by ``what``) cannot fit the engine's context: SGLang and the embedded
-    engine refuse such a request (HTTP 400 / ValueError), which would otherwise surface mid-run."""
-    if hasattr(engine, "check_context_length"):  # servers: each worker is asked
-        engine.check_context_length(needed, what)  # (its message names SGLang's flags)
+    """``engine.check_context(needed, what, hint)``."""
+    if not isinstance(engine, ServerEngine) and hasattr(engine, "check_context_length"):  # TODO(issue 19): SGLangEngine(ServerEngine)
+        engine.check_context_length(needed, what)
         return
-    limit = getattr(engine, "context_length", None)
-    if limit is not None and limit < needed:
-        raise ValueError(f"rollout: the embedded engine's context length is {limit} tokens (the model's "
-                         f"max_position_embeddings), but {what} = {needed}: lower them, or give the model a "
-                         f"longer context (RoPE scaling such as YaRN){hint}")
+    engine.check_context(needed, what, hint)

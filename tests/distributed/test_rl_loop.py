@@ -17,7 +17,7 @@ def _run(rank, world, overrides, stop_after=None):
     metrics = loop.run(stop_after=stop_after)
     engine_weights = None
     if rank == 0:
-        engine_weights = {k: v.clone() for k, v in loop.engine.model.state_dict().items()} if hasattr(loop.engine, "model") else None
+        engine_weights = {k: v.clone() for k, v in loop.rollout.engine.model.state_dict().items()} if hasattr(loop.rollout.engine, "model") else None
     from megatron_klear.rollout.weight_sync import iter_model_hf_weights
 
     trainer = {k: v.clone() for k, v in iter_model_hf_weights(loop.state.model)}

@@ -88,7 +88,7 @@ def test_rl_loop_filters_compose():
     """Zero-spread and overlong filters are independent: turning one off keeps the other."""
     from megatron_klear.config import load_config
     from megatron_klear.data.prompts import Prompt
-    from megatron_klear.rl.loop import build_samples
+    from megatron_klear.rl.sampling import build_samples
     from megatron_klear.rollout.base import Completion
 
     prompts = [Prompt(id="a", task="math", prompt_ids=[1, 2], answer="1"),

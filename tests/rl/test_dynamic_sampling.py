@@ -2,8 +2,9 @@
 
 When fewer than rl.prompts_per_step groups survive the zero-spread filter, the step generates
 further batches (up to rl.max_generation_batches), then trains on what there is (logged) or fails,
-per rl.on_shortfall. The step runs here with a scripted rollout (what ``RLLoop.rollout`` returns
-for each generation batch) and a recording actor: the loop's own logic, no model.
+per rl.on_shortfall. The step runs here with a scripted rollout (what
+``RolloutManager.generate_batch`` returns for each generation batch) and a recording actor: the
+loop's and the rollout manager's own logic, no model.
 """
 from types import SimpleNamespace
 
@@ -11,7 +12,9 @@ import pytest
 
 from megatron_klear.config import ConfigError, JobConfig, load_config
 from megatron_klear.rl.batch import RolloutSample
-from megatron_klear.rl.loop import RLLoop, ShortfallError, dynamic_sampling, merge_rollout_metrics
+from megatron_klear.rl.loop import RLLoop
+from megatron_klear.rl.rollout_manager import RolloutManager
+from megatron_klear.rl.sampling import ShortfallError, dynamic_sampling, merge_rollout_metrics
 
 
 def _batch(groups_kept: int, generated: int, reward: float, tag: str, n: int = 2):
@@ -35,23 +38,32 @@ class _Prompts:
         return [SimpleNamespace(id=f"p{start + i}") for i in range(n)]
 
 
-def _loop(script, **rl):
-    """An RLLoop with only what step() touches: scripted rollouts, a recording actor."""
+def _manager(script, calls, **rl):
+    """A RolloutManager (servers on their own GPUs, nothing started) whose generation batches are
+    scripted; ``calls`` records (batch, first prompt, prompts) of each."""
     cfg = JobConfig()
     for k, v in {"prompts_per_step": 4, "mini_batch_prompts": 2, "oversample_prompts": 8, **rl}.items():
         setattr(cfg.rl, k, v)
     cfg.validate()
-    loop = object.__new__(RLLoop)
-    loop.cfg, loop.rl_step, loop.prompts = cfg, 0, _Prompts()
-    loop.calls, loop.trained = [], []
+    manager = RolloutManager(cfg)
 
-    def rollout(prompts, batch=0):
-        loop.calls.append((batch, prompts[0].id, len(prompts)))
+    def generate_batch(prompts, step, batch):
+        calls.append((batch, prompts[0].id, len(prompts)))
         return script[batch]
 
-    loop.rollout = rollout
+    manager.generate_batch = generate_batch
+    manager.pushed = []
+    manager.weights = SimpleNamespace(push=lambda v: manager.pushed.append(v) or {}, to_servers=False)
+    return manager
+
+
+def _loop(script, **rl):
+    """An RLLoop with only what step() touches: the manager above, a recording actor."""
+    loop = object.__new__(RLLoop)
+    loop.calls, loop.trained = [], []
+    loop.rollout = _manager(script, loop.calls, **rl)
+    loop.cfg, loop.rl_step, loop.prompts = loop.rollout.cfg, 0, _Prompts()
     loop.actor = SimpleNamespace(update=lambda samples: loop.trained.append(samples) or {"actor/loss": 0.5})
-    loop.sync_weights, loop.sync_metrics = (lambda: None), {}
     loop.state = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 1e-6}]))
     return loop
 
@@ -71,6 +83,7 @@ def test_further_batches_until_the_quota_is_met():
     assert m["rollout/groups_generated"] == 16 and m["time/generate_s"] == 2.0
     assert m["rollout/reward_mean"] == 0.25 and m["rollout/response_length_max"] == 40
     assert m["actor/loss"] == 0.5 and loop.rl_step == 1
+    assert loop.rollout.pushed == [1]  # the new weights go out as version 1
 
 
 def test_shortfall_trains_on_what_there_is_and_logs_it():
@@ -86,7 +99,30 @@ def test_shortfall_fails_when_asked_to():
     loop = _loop([_batch(3, 8, 0.5, "a")], on_shortfall="fail")  # the authors: one batch, then fail
     with pytest.raises(ShortfallError, match=r"only 3 of rl.prompts_per_step=4 .* after 1 generation batch"):
         loop.step()
-    assert loop.trained == [] and loop.rl_step == 0
+    assert loop.trained == [] and loop.rl_step == 0 and loop.rollout.pushed == []
+
+
+def test_a_step_with_no_group_left_skips_the_update_and_the_push():
+    loop = _loop([_batch(0, 8, 0.0, "a")], on_shortfall="train")
+    with pytest.warns(UserWarning, match="only 0 of"):
+        m = loop.step()
+    assert m["actor/skipped"] == 1 and loop.trained == [] and loop.rollout.pushed == []
+    assert loop.rl_step == 1  # the step counts: its prompts were consumed
+
+
+def test_the_manager_generates_the_seeds_of_each_batch_from_the_step():
+    """generate(prompts, step) hands the step number to every batch: batch b of step s samples with
+    its own seed (rl/sampling.py sampling_params), so a resumed run repeats the same draws."""
+    from megatron_klear.rl.sampling import sampling_params
+
+    calls, steps = [], []
+    manager = _manager([_batch(1, 8, 0.5, "a"), _batch(3, 8, 0.5, "b")], calls, max_generation_batches=2)
+    script = manager.generate_batch
+    manager.generate_batch = lambda prompts, step, batch: steps.append(step) or script(prompts, step, batch)
+    samples, m = manager.generate(_Prompts(), 7)
+    assert steps == [7, 7] and [c[0] for c in calls] == [0, 1] and m["rollout/groups_kept"] == 4
+    seeds = {sampling_params(manager.cfg, [2], step=s, batch=b).seed for s in (7, 8) for b in (0, 1)}
+    assert len(seeds) == 4  # no two (step, batch) pairs share a seed
 
 
 def test_the_default_is_one_batch_and_a_full_batch_needs_no_more():

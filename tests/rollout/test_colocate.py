@@ -137,28 +137,32 @@ def test_config_picks_disk_and_refuses_what_cannot_work():
 
 
 def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf):
-    """The actor update fails while the servers are released: the loop resumes them and reloads the
-    last synced weights, so they serve that version (and not freed or NaN weights)."""
+    """The actor update fails while the servers are released: the rollout manager resumes them and
+    reloads the last pushed weights, so they serve that version (and not freed or NaN weights)."""
     from types import SimpleNamespace
 
     from megatron_klear.config import load_config
     from megatron_klear.rl.batch import RolloutSample
     from megatron_klear.rl.loop import RLLoop
+    from megatron_klear.rl.rollout_manager import RolloutManager
 
     urls = [u for _, u in served]
     cfg = load_config(None, ["rollout.engine=http", f"rollout.urls=[{','.join(urls)}]", "rollout.colocate=true",
                              "rollout.offload_trainer=false",  # no trainer here: the servers' side only
                              "rl.prompts=[p.jsonl]", "rl.prompts_per_step=1", "rl.mini_batch_prompts=1",
                              "rollout.max_new_tokens=64"])
-    loop = object.__new__(RLLoop)
-    loop.cfg, loop.rl_step = cfg, 1
-    loop.engine = SGLangEngine(urls, timeout=30)
-    loop.released, loop.weights_lost, loop.last_sync, loop.trainer_offloaded = set(), False, None, False
-    loop._load_on_servers(tiny_hf["tied"], 1)
+    manager = RolloutManager(cfg)  # colocated: the servers release everything before the trainer exists
+    assert [e.weights_released for e, _ in served] == [True, True]
+    assert all(_info(u)["released_memory_tags"] == sorted(MEMORY_TAGS) for u in urls)
+    manager.placement.load(manager.engine, tiny_hf["tied"], 1)  # the first push: weights, load, the rest
+    assert all(_info(u)["released_memory_tags"] == [] for u in urls)
     sums = [e.checksums() for e, _ in served]
+    loop = object.__new__(RLLoop)
+    loop.cfg, loop.rl_step, loop.rollout = cfg, 1, manager
     loop.prompts = SimpleNamespace(take=lambda n: [SimpleNamespace(id="p0")])
     sample = RolloutSample(prompt_ids=[1], response_ids=[2, 3], advantage=1.0, group=0, meta={})
-    loop.rollout = lambda prompts, batch=0: ([sample], {"rollout/groups_generated": 1, "rollout/groups_kept": 1})
+    manager.generate_batch = lambda prompts, step, batch: ([sample], {"rollout/groups_generated": 1,
+                                                                      "rollout/groups_kept": 1})
     seen = []
 
     def update(samples):
@@ -173,7 +177,8 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
         info = _info(url)
         assert info["released_memory_tags"] == [] and info["weight_version"] == "1"
         assert engine.checksums() == s
-    assert not loop.released and not loop.weights_lost
+    assert not manager.placement.released and not manager.placement.weights_lost
+    manager.close()
 
 
 def test_the_rl_loop_releases_the_servers_while_training(tmp_path):

@@ -206,7 +206,7 @@ def test_rollout_config_reaches_the_client(tmp_path):
     """Every rollout.* timeout and limit reaches the engine the RL loop builds (the old
     rollout.request_timeout_s never reached the generate timeout)."""
     from megatron_klear.config import load_config
-    from megatron_klear.rl.loop import make_engine
+    from megatron_klear.rollout.factory import make_engine
 
     with fake_worker(tmp_path) as (url, _, _):
         cfg = load_config(None, ["rollout.engine=http", f"rollout.urls=[{url}]", "rollout.generate_timeout_s=123",
@@ -215,7 +215,7 @@ def test_rollout_config_reaches_the_client(tmp_path):
                                  "rollout.max_retries=4", "rollout.health_check_interval_s=2",
                                  "rollout.health_check_timeout_s=3", "rollout.health_failure_threshold=5",
                                  "rollout.send_seed=true", f"rollout.workers=[{url}]"])
-        engine = make_engine(cfg, "")
+        engine = make_engine(cfg.rollout)
     assert (engine.generate_timeout, engine.timeout, engine.weight_update_timeout) == (123, 7, 99)
     assert (engine.max_concurrent_requests, engine.request_granularity, engine.max_retries) == (3, "sample", 4)
     assert (engine.health_check_interval, engine.health_check_timeout, engine.health_failure_threshold) == (2, 3, 5)

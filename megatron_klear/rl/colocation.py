@@ -1,0 +1,117 @@
+"""Where the rollout servers live relative to the trainer, and what that costs around each update.
+
+:class:`Dedicated`: the servers have their own GPUs (or the engine runs in this process): nothing to
+give way, a weight load is just a load.
+
+:class:`Colocated` (``rollout.colocate``): SGLang servers share the trainer's GPUs, so the two sides
+never hold their memory at once:
+
+1. before the trainer builds its state and before every update, the servers release their KV cache,
+   weights and CUDA graphs (rank 0), every rank waits for that, then the trainer takes back its
+   gradient buffers and optimizer state if it had offloaded them;
+2. at each weight push (from disk), the trainer frees its gradient buffers and moves its optimizer
+   state to host memory (``rollout.offload_trainer``), then the servers resume their weights' memory
+   (its content lost), load the new weights, and resume the rest;
+3. if an update fails while the servers are released, they get the last pushed weights back, so
+   they never stay on freed or NaN weights.
+
+The SGLang protocol (0.5.23): ``/release_memory_occupation`` needs an idle server; resuming a tag
+that was not released breaks its scheduler, so only released tags are resumed.
+"""
+from __future__ import annotations
+
+import warnings
+
+from megatron_klear.platform import barrier, is_rank0
+
+
+class Dedicated:
+    """Servers on their own GPUs: every verb is a plain load or nothing."""
+
+    def release_servers(self, engine) -> None:
+        pass
+
+    def make_room(self, engine, state) -> None:
+        pass
+
+    def before_load(self, state) -> dict:
+        return {}
+
+    def load(self, engine, path: str, version: int) -> None:
+        engine.load_from_disk(path, version=version)
+
+    def restore(self, engine) -> None:
+        pass
+
+
+class Colocated:
+    """Servers on the trainer's GPUs (see the module docstring). ``offload_trainer``: the trainer's
+    gradient buffers and optimizer state leave the GPU from each push until the next update."""
+
+    def __init__(self, offload_trainer: bool = True):
+        self.offload_trainer = offload_trainer
+        self.released = set()  # rank 0: the memory tags the servers have released
+        self.weights_lost = False  # rank 0: their weights' memory came back without content
+        self.last_sync = None  # rank 0: (directory, version) they loaded last
+        self.trainer_offloaded = False  # every rank
+
+    def release_servers(self, engine) -> None:
+        """Rank 0: every server frees its KV cache, weights and CUDA graphs."""
+        from megatron_klear.rollout.sglang import MEMORY_TAGS
+
+        engine.release_memory(list(MEMORY_TAGS))
+        self.released = set(MEMORY_TAGS)
+
+    def make_room(self, engine, state) -> None:
+        """Collective, before the trainer needs its memory: the servers release (rank 0), everyone
+        waits for it, then the trainer takes back what it had offloaded (``state``: None before the
+        trainer exists)."""
+        if is_rank0():
+            self.release_servers(engine)
+        barrier()
+        if self.trainer_offloaded:
+            from megatron_klear.training.offload import restore_trainer
+
+            restore_trainer(state)
+            self.trainer_offloaded = False
+
+    def before_load(self, state) -> dict:
+        """Collective, before the servers take their memory back: the trainer gives way (its
+        weights stay, for the probe check and the next push). Returns metrics."""
+        metrics = {}
+        if self.offload_trainer and not self.trainer_offloaded:
+            from megatron_klear.training.offload import offload_trainer
+
+            metrics["memory/trainer_offloaded_gb"] = offload_trainer(state) / 1e9
+            self.trainer_offloaded = True
+        import torch
+
+        if torch.cuda.is_available():  # the caching allocator's free blocks back to the device
+            torch.cuda.empty_cache()
+        return metrics
+
+    def load(self, engine, path: str, version: int) -> None:
+        """Rank 0: released servers get their weights' memory back (content lost), load ``path`` as
+        ``version``, then get their KV cache and CUDA graphs back."""
+        if "weights" in self.released:
+            engine.resume_memory(["weights"])
+            self.released.discard("weights")
+            self.weights_lost = True
+        engine.load_from_disk(path, version=version)
+        self.weights_lost = False
+        self.last_sync = (path, version)
+        if self.released:
+            engine.resume_memory(sorted(self.released))
+            self.released.clear()
+
+    def restore(self, engine) -> None:
+        """Rank 0, after a failure while the servers were released: they serve the last pushed
+        weights again (best effort: a warning names what failed; the original error is raised)."""
+        if not (self.released or self.weights_lost) or engine is None or self.last_sync is None:
+            return
+        try:
+            self.load(engine, *self.last_sync)
+        except Exception as e:  # noqa: BLE001 -- the original failure is the one raised
+            warnings.warn(f"rollout.colocate: the servers could not be given back their memory and weight version "
+                          f"{self.last_sync[1]} ({self.last_sync[0]}): {e}; they stay released (tags "
+                          f"{sorted(self.released)}) until resume_memory_occupation and a weight update")

@@ -1,0 +1,70 @@
+"""The ``rl`` section of a job config: the GPPO objective, the batch shape of an RL step, dynamic
+sampling and the prompt data (validated at start; errors name the key)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_klear.platform.errors import ConfigError
+from megatron_klear.rl.losses import AGGREGATIONS, ALGORITHMS
+
+
+@dataclass
+class RLConfig:
+    """GPPO and the rest of the Klear RL recipe (docs/recipe.md, docs/gppo.md)."""
+
+    algo: str = "gppo"  # gppo | clip_higher | ppo | cispo
+    eps_low: float | None = None  # None: the algorithm's default (gppo: 0.2)
+    eps_high: float | None = None  # None: the algorithm's default (gppo: 0.28)
+    dual_clip: float | None = 10.0
+    beta1: float = 1.0  # CE-GPPO: 0.25-0.75 against entropy collapse; 1.0 is plain GPPO
+    beta2: float = 1.0
+    agg: str = "token_mean"  # token_mean (the paper's 1/sum T) | seq_mean_token_mean | seq_mean_token_sum_norm
+    norm_constant: float | None = None  # seq_mean_token_sum_norm's fixed length
+    nll_coef: float = 0.1  # alpha: NLL on solved rollouts (math answer right / every test passed)
+    kl_coef: float = 0.0  # must stay 0: no reference-model KL term (the recipe has none); non-zero is refused
+    prompts_per_step: int = 128
+    responses_per_prompt: int = 8
+    mini_batch_prompts: int = 16  # 128/16 = 8 optimizer steps per rollout batch
+    max_tokens_per_micro_batch: int = 32768  # packing budget per micro-batch (not a sample count)
+    temperature: float = 1.0  # must equal the rollout engine's sampling temperature
+    tis_cap: float | None = None  # truncated importance sampling for rollout/train mismatch (off)
+    prompts: list = field(default_factory=list)  # RL prompt JSONL files (see data/prompts.py)
+    max_prompt_length: int = 4096  # longer prompts are left-truncated
+    oversample_prompts: int = 0  # generate for this many prompts, keep prompts_per_step after filtering (0: no oversampling)
+    # Dynamic sampling (DAPO): while fewer than prompts_per_step groups survive the filters, generate
+    # another batch (of oversample_prompts or prompts_per_step prompts), up to this many batches per
+    # step; then on_shortfall decides: train (on the groups there are, logged) or fail. The authors'
+    # trainer: 1 batch, fail.
+    max_generation_batches: int = 1
+    on_shortfall: str = "train"  # train | fail
+    on_bad_line: str = "fail"  # fail | skip (bad prompt lines)
+    std_normalize: bool = True  # False: Dr.GRPO advantages (no division by the std)
+    filter_zero_spread: bool = True
+    overlong_filter: bool = False
+
+    def validate(self):
+        if self.algo not in ALGORITHMS:
+            raise ConfigError(f"rl.algo must be one of {ALGORITHMS}, got {self.algo!r}")
+        if self.agg not in AGGREGATIONS:
+            raise ConfigError(f"rl.agg must be one of {AGGREGATIONS}, got {self.agg!r}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"rl.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        if self.prompts_per_step % self.mini_batch_prompts:
+            raise ConfigError(
+                f"rl.prompts_per_step={self.prompts_per_step} must be a multiple of "
+                f"rl.mini_batch_prompts={self.mini_batch_prompts}"
+            )
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError("rl.tis_cap must be > 0 (or null)")
+        if self.kl_coef != 0:
+            raise ConfigError(f"rl.kl_coef={self.kl_coef}: a reference-model KL term is not implemented (the "
+                              "Klear recipe uses none: no KL, no reference model); set rl.kl_coef=0")
+        if self.oversample_prompts and self.oversample_prompts < self.prompts_per_step:
+            raise ConfigError(f"rl.oversample_prompts={self.oversample_prompts} must be >= rl.prompts_per_step="
+                              f"{self.prompts_per_step} (or 0: no oversampling)")
+        if self.max_generation_batches < 1:
+            raise ConfigError(f"rl.max_generation_batches must be >= 1, got {self.max_generation_batches}")
+        if self.on_shortfall not in ("train", "fail"):
+            raise ConfigError(f"rl.on_shortfall must be train or fail, got {self.on_shortfall!r}")
+        if self.temperature <= 0:
+            raise ConfigError("rl.temperature must be > 0")

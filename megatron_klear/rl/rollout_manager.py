@@ -1,0 +1,144 @@
+"""The rollout side of the RL loop, behind the verbs the loop calls:
+
+- :meth:`RolloutManager.generate`: rank 0 generates and grades a step's samples (with dynamic
+  sampling over further batches), every rank receives them;
+- :meth:`RolloutManager.make_room`: around an actor update, the servers give their memory to the
+  trainer when they share its GPUs (a no-op otherwise), and get their weights back if the update fails;
+- :meth:`RolloutManager.push_weights`: the trainer's weights to the engine as a new version, then
+  the probe check of the servers when it is due;
+- :meth:`RolloutManager.close`.
+
+It owns the engine and the grading pool (rank 0), the weight-push path (every rank), the placement of
+the servers (:mod:`.colocation`) and the weight check (:mod:`.verify`). Each feature lives in its own
+module; this class only wires them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from megatron_klear.platform import broadcast_from_rank0, is_rank0
+from megatron_klear.rl.colocation import Colocated, Dedicated
+from megatron_klear.rl.sampling import ShortfallError, dynamic_sampling, generate_and_grade, sampling_params
+
+
+class RolloutManager:
+    def __init__(self, cfg):
+        """Collective, before the trainer builds its state: servers that share the trainer's GPUs
+        (``rollout.colocate``) are connected to and release their memory first."""
+        self.cfg = cfg
+        r = cfg.rollout
+        self.placement = Colocated(r.offload_trainer) if r.colocate else Dedicated()
+        self.engine = self.pool = self.weights = None
+        self.state = self.actor = self.tokenizer = None
+        self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
+        if r.colocate:
+            if is_rank0():
+                from megatron_klear.rollout.factory import make_engine
+
+                self.engine = make_engine(r, cfg.model.path)
+                self.engine.check_memory_saver()
+            self.placement.make_room(self.engine, None)
+
+    def start(self, *, state, actor, arch, tokenizer, tokenizer_dir: str, stop_token_ids, needs_sandbox: bool) -> None:
+        """Collective, once the trainer exists: the engine (rank 0; the embedded one loads the
+        trainer's weights), its context checked against the longest request, the grading pool (rank
+        0) and the weight-push path (every rank)."""
+        from megatron_klear.rl.weight_push import export_weights, make_weight_push
+        from megatron_klear.rollout.factory import make_engine
+
+        cfg, r = self.cfg, self.cfg.rollout
+        self.state, self.actor, self.tokenizer, self.vocab_size = state, actor, tokenizer, arch.vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        # absolute: SGLang servers resolve model_path in their own working directory
+        sync_dir = os.path.abspath(r.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
+        in_process = r.engine == "embedded"
+        if is_rank0() and (in_process or r.weight_sync == "disk"):
+            os.makedirs(sync_dir, exist_ok=True)
+        model_dir = export_weights(state.model, arch, os.path.join(sync_dir, "current"), tokenizer_dir) if in_process \
+            else cfg.model.path
+        if is_rank0():
+            from megatron_klear.rewards import GradingPool
+
+            if self.engine is None:
+                routed = (sorted(arch.moe_layers), arch.moe_topk) if r.router_replay and arch.is_moe else None
+                self.engine = make_engine(r, model_dir, routed_experts=routed)
+            self.engine.check_context(cfg.rl.max_prompt_length + r.max_new_tokens,
+                                      "rl.max_prompt_length + rollout.max_new_tokens")
+            self.pool = GradingPool(cfg.reward)
+            if needs_sandbox:
+                self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
+        self.weights = make_weight_push(cfg, state, arch, self.engine, sync_dir, tokenizer_dir, self.placement)
+
+    # -- the verbs ----------------------------------------------------------------------------------
+    def generate(self, prompts, step: int):
+        """Collective: the samples of RL step ``step + 1`` and the rollout metrics. Every rank takes
+        the same prompts from ``prompts`` (its position is checkpointed); rank 0 generates and grades
+        them, and further batches while fewer than ``rl.prompts_per_step`` groups survive the
+        filters (``rl.max_generation_batches``); the samples are broadcast to every rank."""
+        rl = self.cfg.rl
+        n = rl.oversample_prompts or rl.prompts_per_step
+        first = prompts.take(n)
+        result = None
+        if is_rank0():
+            def batch(b):
+                return self.generate_batch(first if b == 0 else prompts.take(n), step, b)
+
+            try:
+                result = (*dynamic_sampling(batch, rl), None)
+            except ShortfallError as e:
+                result = (None, {"rollout/generation_batches": rl.max_generation_batches}, str(e))
+        samples, metrics, error = broadcast_from_rank0(result)
+        if not is_rank0():
+            for _ in range(metrics["rollout/generation_batches"] - 1):
+                prompts.take(n)
+        if error:
+            raise ShortfallError(error)
+        return samples, metrics
+
+    def generate_batch(self, prompts, step: int, batch: int):
+        """Rank 0: one generation batch, generated and graded -> (samples, metrics)."""
+        params = sampling_params(self.cfg, self.stop_token_ids, step=step, batch=batch)
+        return generate_and_grade(self.engine, self.pool, self.tokenizer, prompts, params, self.cfg,
+                                  self.stop_token_ids)
+
+    @contextlib.contextmanager
+    def make_room(self):
+        """Collective, around an actor update: colocated servers release their memory and the trainer
+        takes back its own; if the update fails, the servers get the last pushed weights back. They
+        stay released after a successful update, until :meth:`push_weights`."""
+        self.placement.make_room(self.engine, self.state)
+        try:
+            yield
+        except BaseException:
+            if is_rank0():
+                self.placement.restore(self.engine)
+            raise
+
+    def push_weights(self, version: int) -> dict:
+        """Collective: the trainer's weights to the engine as weight version ``version``; servers are
+        then checked against the trainer (:mod:`megatron_klear.rl.verify`) after the first push of this
+        process and every ``rollout.verify_interval`` steps. Returns metrics."""
+        from megatron_klear.rl.verify import verification_due, verify_servers
+
+        r = self.cfg.rollout
+        metrics = self.weights.push(version)
+        if self.weights.to_servers:
+            self.syncs += 1
+            if verification_due(self.syncs, version, r.verify_interval):
+                metrics.update(verify_servers(self.engine, self.actor, self.tokenizer, self.vocab_size, version,
+                                              r.verify_tolerance))
+        return metrics
+
+    def close(self) -> None:
+        """Servers released by a failed step get their weights back; the pool, the update groups and
+        the engine are shut."""
+        if is_rank0():
+            self.placement.restore(self.engine)
+        if self.pool is not None:
+            self.pool.close(cancel_pending=True)
+        if self.weights is not None:
+            self.weights.close()
+        if self.engine is not None:
+            self.engine.close()
+

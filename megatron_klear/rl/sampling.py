@@ -1,0 +1,152 @@
+"""From responses to training samples: one generation batch generated and graded, its samples built
+(group advantages, the zero-spread and overlong filters), and DAPO's dynamic sampling over further
+batches until a step has its quota of prompt groups. Pure functions of their inputs: the rollout
+manager (:mod:`megatron_klear.rl.rollout_manager`) runs them on rank 0."""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import replace
+
+import torch
+
+from megatron_klear.rl.advantages import group_advantages, nonzero_spread_mask
+from megatron_klear.rl.batch import RolloutSample
+from megatron_klear.rollout.base import SamplingParams
+
+
+def sampling_params(cfg, stop_token_ids, *, step: int, batch: int = 0) -> SamplingParams:
+    """The sampling parameters of generation batch ``batch`` of RL step ``step`` (its own seed)."""
+    return SamplingParams(temperature=cfg.rl.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                          max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=list(stop_token_ids),
+                          seed=cfg.train.seed * 100003 + step + 1_000_003 * batch)
+
+
+def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams, cfg, stop_token_ids):
+    """Sample ``rl.responses_per_prompt`` responses per prompt and grade them. The engine hands back
+    each prompt's responses as they complete (an HTTP engine runs many requests concurrently; the
+    in-process engine works through ``rollout.chunk_prompts`` at a time), and each is submitted to the
+    grading pool at once, so grading overlaps generation. Returns (samples, metrics)."""
+    # the grader sees the text without the tokens that end it (EOS, end of turn, padding)
+    strip = [t for t in (tokenizer.eos_token, tokenizer.pad_token,
+                         *tokenizer.convert_ids_to_tokens(list(stop_token_ids))) if t]
+    completions, futures = [None] * len(prompts), [None] * len(prompts)
+    t0 = time.time()
+    stream = engine.generate_iter([p.prompt_ids for p in prompts], params, n=cfg.rl.responses_per_prompt,
+                                  chunk_size=cfg.rollout.chunk_prompts or None)
+    for i, cs in stream:
+        completions[i] = cs
+        futures[i] = []
+        for c in cs:
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
+            for t in strip:
+                text = text.replace(t, "")
+            futures[i].append(pool.submit(prompts[i].grade_item(text)))
+    t_gen = time.time() - t0
+    grades = [[f.result() for f in row] for row in futures]
+    t_grade = time.time() - t0 - t_gen  # grading left after the last response arrived
+    samples, metrics = build_samples(prompts, completions, grades, cfg)
+    n_tokens = sum(len(c.token_ids) for cs in completions for c in cs)
+    metrics.update({"time/generate_s": t_gen, "time/grade_tail_s": t_grade,
+                    "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)})
+    return samples, metrics
+
+
+def build_samples(prompts, completions, grades, cfg):
+    """Graded completions -> (RolloutSamples to train on, rollout metrics)."""
+    flat = [(g, c, r) for g, (cs, rs) in enumerate(zip(completions, grades)) for c, r in zip(cs, rs)]
+    rewards = torch.tensor([r.reward for _, _, r in flat], dtype=torch.float64)
+    groups = torch.tensor([g for g, _, _ in flat])
+    errored = {g for g, _, r in flat if r.error is not None}  # grader failures: never train on them
+    # two independent filters: groups without reward spread, and (optionally) responses that hit
+    # the length limit (advantages still use the whole group as the baseline)
+    keep = nonzero_spread_mask(rewards, groups) if cfg.rl.filter_zero_spread else torch.ones(len(flat), dtype=torch.bool)
+    if cfg.rl.overlong_filter:
+        keep &= torch.tensor([c.finished for _, c, _ in flat])
+    adv = group_advantages(rewards, groups, normalize_by_std=cfg.rl.std_normalize)
+    kept_groups = []
+    for g in range(len(prompts)):
+        if g in errored:
+            continue
+        if any(keep[i] for i, (gg, _, _) in enumerate(flat) if gg == g):
+            kept_groups.append(g)
+    kept_groups = kept_groups[: cfg.rl.prompts_per_step]
+    chosen = set(kept_groups)
+    samples = []
+    for i, (g, c, r) in enumerate(flat):
+        if g not in chosen or not keep[i]:
+            continue
+        samples.append(RolloutSample(
+            prompt_ids=prompts[g].prompt_ids, response_ids=c.token_ids, advantage=float(adv[i]),
+            group=kept_groups.index(g), positive=r.solved,
+            rollout_logprobs=c.logprobs, reward=r.reward, finished=c.finished,
+            routed_experts=getattr(c, "routed_experts", None),
+        ))
+    lengths = [len(c.token_ids) for _, c, _ in flat]
+    metrics = {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/accuracy": sum(1 for _, _, r in flat if r.solved) / len(flat),
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": max(lengths),
+        "rollout/truncated_frac": sum(1 for _, c, _ in flat if not c.finished) / len(flat),
+        "rollout/grader_errors": sum(1 for _, _, r in flat if r.error is not None),
+        "rollout/groups_generated": len(prompts),
+        "rollout/groups_kept": len(kept_groups),
+        "rollout/samples_trained": len(samples),
+    }
+    return samples, metrics
+
+
+_SUMMED = {"rollout/grader_errors", "rollout/groups_generated", "time/generate_s", "time/grade_tail_s"}
+
+
+def merge_rollout_metrics(batches: list) -> dict:
+    """Rollout metrics of several generation batches as one: counts and times summed, maxima
+    maxed, means weighted by the groups each batch generated."""
+    if len(batches) == 1:
+        return dict(batches[0])
+    weights = [m.get("rollout/groups_generated", 1) for m in batches]
+    out = {}
+    for k in dict.fromkeys(k for m in batches for k in m):
+        vals = [(m[k], w) for m, w in zip(batches, weights) if isinstance(m.get(k), (int, float))]
+        if not vals:
+            continue
+        if k in _SUMMED:
+            out[k] = sum(v for v, _ in vals)
+        elif k.endswith("_max"):
+            out[k] = max(v for v, _ in vals)
+        else:
+            out[k] = sum(v * w for v, w in vals) / max(sum(w for _, w in vals), 1e-12)
+    return out
+
+
+class ShortfallError(ValueError):
+    """Fewer than rl.prompts_per_step groups survived after rl.max_generation_batches batches."""
+
+
+def dynamic_sampling(generate, rl) -> tuple:
+    """DAPO's dynamic sampling. ``generate(b)`` produces generation batch ``b`` as
+    ``(samples, metrics)`` (filtered; group ids 0.. in the order kept). Batches are generated until
+    ``rl.prompts_per_step`` groups are collected or ``rl.max_generation_batches`` were generated;
+    the groups are renumbered 0..k-1 across batches and the surplus of the last batch is dropped.
+    Short of the quota, ``rl.on_shortfall`` = "train" returns what there is (metric
+    ``rollout/shortfall_groups``), "fail" raises :class:`ShortfallError`."""
+    need, kept, samples, per_batch = rl.prompts_per_step, 0, [], []
+    while kept < need and len(per_batch) < rl.max_generation_batches:
+        got, metrics = generate(len(per_batch))
+        per_batch.append(metrics)
+        groups = sorted({s.group for s in got})[: need - kept]
+        renumber = {g: kept + i for i, g in enumerate(groups)}
+        samples += [replace(s, group=renumber[s.group]) for s in got if s.group in renumber]
+        kept += len(groups)
+    metrics = merge_rollout_metrics(per_batch)
+    metrics.update({"rollout/generation_batches": len(per_batch), "rollout/groups_kept": kept,
+                    "rollout/samples_trained": len(samples), "rollout/shortfall_groups": need - kept})
+    if kept < need:
+        msg = (f"only {kept} of rl.prompts_per_step={need} prompt groups have reward spread after "
+               f"{len(per_batch)} generation batch(es) (rl.max_generation_batches={rl.max_generation_batches})")
+        if rl.on_shortfall == "fail":
+            raise ShortfallError(msg + "; raise rl.max_generation_batches or rl.oversample_prompts, "
+                                 "or set rl.on_shortfall=train")
+        warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
+    return samples, metrics

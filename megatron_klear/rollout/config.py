@@ -1,0 +1,103 @@
+"""The ``rollout`` section of a job config: which engine generates, how requests reach SGLang
+servers, how weights reach them, and whether they share the trainer's GPUs (validated at start;
+errors name the key)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_klear.platform.errors import ConfigError
+
+
+@dataclass
+class RolloutConfig:
+    """Where responses come from. Sampling temperature is rl.temperature (one value for the engine
+    and for the trainer's log-prob recompute).
+
+    ``engine=http``: SGLang servers, directly or behind sglang-router (``urls``). Generation is sent as
+    concurrent requests (one per prompt with ``n`` samples, or one per sample), at most
+    ``max_concurrent_requests`` in flight; weight updates go to every worker (``workers``, or the
+    router's ``GET /workers``), never to the router."""
+
+    engine: str = "embedded"  # embedded (torch, in the driver process) | http (SGLang servers / sglang-router)
+    urls: list = field(default_factory=list)  # http: where /generate goes: one sglang-router, or the servers
+    workers: list = field(default_factory=list)  # http: the servers for weight updates (default: asked from the router)
+    max_new_tokens: int = 32768
+    top_p: float = 1.0
+    top_k: int = -1
+    dtype: str = "fp32"  # embedded engine dtype
+    sync_dir: str = ""  # http: shared directory for weight updates from disk (default <save_dir>/weights)
+    generate_timeout_s: float = 3600.0  # one /generate request (one prompt's samples)
+    control_timeout_s: float = 60.0  # health, info, pause/continue
+    weight_update_timeout_s: float = 1800.0  # one server's reload of the weights
+    max_concurrent_requests: int = 512  # /generate requests in flight
+    request_granularity: str = "prompt"  # prompt (one request per prompt, n samples) | sample (one per sample)
+    max_retries: int = 2  # per request, after a transport error, a 5xx or an abort
+    health_check_interval_s: float = 10.0  # probe every worker's /health this often while generating
+    health_check_timeout_s: float = 10.0
+    health_failure_threshold: int = 3  # missed probes in a row before the step fails naming the worker
+    send_seed: bool = False  # send sampling_seed (SGLang honours it only with --enable-deterministic-inference)
+    chunk_prompts: int = 0  # embedded engine: prompts per generate call, graded while the next runs (0: one call)
+    # http: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
+    # bucketed broadcast from each pipeline stage's leader over a process group with every server
+    # (rollout/weight_sync/distributed.py); disk: a versioned HF directory in sync_dir that every server reloads.
+    # auto: distributed, or disk with colocate (NCCL cannot pair the trainer's rank with a server on its own GPU).
+    weight_sync: str = "auto"  # auto | distributed | disk
+    sync_bucket_mb: float = 1024.0  # distributed: tensors per broadcast (one dtype per bucket)
+    sync_backend: str = "auto"  # distributed: auto (nccl on GPU, gloo on CPU) | nccl | gloo
+    sync_master_addr: str = ""  # distributed: the address servers reach the stage leaders at ("": the interface routing to the first server)
+    sync_master_port: int = 0  # distributed: stage s hosts its group's TCP store at this port + s (0: a free port)
+    sync_group_timeout_s: float = 120.0  # distributed: creating the group with every server
+    sync_bucket_timeout_s: float = 300.0  # distributed: one bucket's broadcast (and the servers' answer)
+    # Probe check: the servers' log-probs of a fixed greedy probe must equal the trainer's (within a
+    # dtype-aware tolerance) after the first sync, after a resume, and every verify_interval steps
+    # (0: only those two; -1: never); verify_tolerance 0: by dtype (rl/verify.py).
+    verify_interval: int = 10
+    verify_tolerance: float = 0.0
+    # MoE models: the trainer's old-log-prob pass routes each token to the experts the engine chose
+    # (Megatron-Core's RouterReplay), so that routing differences do not enter the old log-probs.
+    # The embedded engine records them; SGLang servers return them when started with
+    # --enable-return-routed-experts (return_routed_experts). Any TP/SP/PP/CP/EP layout.
+    router_replay: bool = False
+    # http: the SGLang servers share the trainer's GPUs (started with --enable-memory-saver): they
+    # release their KV cache, weights and CUDA graphs (/release_memory_occupation) before the trainer
+    # builds its state and before every update; each sync resumes their weights, reloads them from
+    # disk, then resumes the rest. Needs weight_sync=disk (auto picks it).
+    colocate: bool = False
+    # colocate: the trainer frees its gradient buffers and moves its optimizer state to host memory
+    # from each sync until the next update, while the servers hold theirs (training/offload.py)
+    offload_trainer: bool = True
+
+    def validate(self):
+        if self.engine not in ("embedded", "http"):
+            raise ConfigError(f"rollout.engine must be embedded or http, got {self.engine!r}")
+        if self.engine == "http" and not self.urls:
+            raise ConfigError("rollout.engine=http needs rollout.urls (SGLang server or router URLs)")
+        if self.max_new_tokens < 1:
+            raise ConfigError("rollout.max_new_tokens must be >= 1")
+        if self.request_granularity not in ("prompt", "sample"):
+            raise ConfigError(f"rollout.request_granularity must be prompt or sample, got {self.request_granularity!r}")
+        if self.max_concurrent_requests < 1 or self.health_failure_threshold < 1 or self.max_retries < 0:
+            raise ConfigError("rollout: max_concurrent_requests and health_failure_threshold must be >= 1, "
+                              "max_retries >= 0")
+        for key in ("generate_timeout_s", "control_timeout_s", "weight_update_timeout_s", "health_check_interval_s",
+                    "health_check_timeout_s", "sync_bucket_mb", "sync_group_timeout_s", "sync_bucket_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"rollout.{key} must be > 0, got {getattr(self, key)}")
+        if self.weight_sync not in ("auto", "distributed", "disk"):
+            raise ConfigError(f"rollout.weight_sync must be auto, distributed or disk, got {self.weight_sync!r}")
+        if self.colocate and self.engine != "http":
+            raise ConfigError("rollout.colocate is for SGLang servers on the trainer's GPUs (rollout.engine=http); the "
+                              "embedded engine already runs inside the trainer's driver process")
+        if self.colocate and self.weight_sync == "distributed":
+            raise ConfigError("rollout.colocate with rollout.weight_sync=distributed: a server on the trainer's own GPU "
+                              "cannot join the trainer's NCCL group (NCCL refuses two ranks of one group on one "
+                              "device); use rollout.weight_sync=disk (or auto)")
+        if self.weight_sync == "auto":
+            self.weight_sync = "disk" if self.colocate else "distributed"
+        if self.sync_backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"rollout.sync_backend must be auto, nccl or gloo, got {self.sync_backend!r}")
+        if not 0 <= self.sync_master_port < 65536:
+            raise ConfigError(f"rollout.sync_master_port must be a port number (0: a free one), got {self.sync_master_port}")
+
+        if self.verify_interval < -1 or self.verify_tolerance < 0:
+            raise ConfigError("rollout.verify_interval must be >= -1 and rollout.verify_tolerance >= 0")
