@@ -49,8 +49,8 @@
 #    filesystem the servers read) and has every server reload it in parallel (update_weights_from_disk).
 #    Servers on the training GPUs instead (no rollout nodes): start each with --enable-memory-saver
 #    and a smaller --mem-fraction-static, and pass rollout.colocate=true: the servers release their
-#    memory while the actor trains and reload the weights from disk (README, "Servers on the
-#    trainer's GPUs").
+#    memory while the actor trains and reload the weights from disk (docs/sglang.md, "Colocated
+#    servers").
 # For code RL afterwards: CONFIG=examples/configs/gppo_qwen3_8b_code.yaml model.path=<math RL checkpoint>
 set -euo pipefail
 NNODES=${NNODES:-1}

@@ -1,5 +1,5 @@
 """avg@k evaluation of a model on math / code benchmarks, with the same engines, prompts and
-graders as RL (KLEAR-REASONER.md section 1: AIME24/25, HMMT25 avg@64, LiveCodeBench avg@8;
+graders as RL (docs/recipe.md, "Evaluation": AIME24/25, HMMT25 avg@64, LiveCodeBench avg@8;
 temperature 0.6, top_p 0.95, top_k 20, a 32K budget).
 
 For each prompt, ``k`` responses are sampled; a response scores 1 when it is *solved* (the math

@@ -1,6 +1,6 @@
 """The paper's SFT data policy: difficulty from pass rate, wrong answers kept only where hard.
 
-Klear-Reasoner's finding (docs/KLEAR-REASONER.md section 2): with several teacher responses per
+Klear-Reasoner's finding (docs/recipe.md, "SFT"): with several teacher responses per
 prompt, keep only the correct ones for EASY prompts, but keep the incorrect ones too for HARD
 prompts (they help exploration). Difficulty comes from the pass rate.
 

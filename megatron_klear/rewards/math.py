@@ -3,7 +3,7 @@
 Built on math-verify, pinned to 0.9.0 (setup.py): its extraction and normalisation change between
 releases, and a silent change there changes every reward of a run.
 
-How a response is graded (the Klear recipe, section 4 of docs/KLEAR-REASONER.md):
+How a response is graded (the Klear recipe: docs/recipe.md, "Rewards"; docs/rewards.md, "Math"):
 1. Think format first: no `</think>` -> `no_think_close` (-0.5), no `<think>` -> `no_think_open` (-2).
 2. Only the text after the last `</think>` counts. A `\\boxed{}` answer there is taken first; with
    no box, math-verify's own extraction ("the answer is ...", last expression) is the fallback.

@@ -4,7 +4,7 @@ Plain torch: nothing here knows about Megatron, packing or data parallelism. The
 building blocks on each packed micro-batch and passes the counts of the whole global batch, so that
 the sum of the micro-batch losses equals the loss of the full batch exactly.
 
-Notation (docs/KLEAR-REASONER.md section 3): ``r = exp(logp - old_logp)`` per token, ``A`` the
+Notation (docs/gppo.md, "Notation"): ``r = exp(logp - old_logp)`` per token, ``A`` the
 advantage of the token's sequence, ``sg`` stop-gradient, ``loss = -objective``. Every algorithm
 gives a per-token gradient ``d(loss)/d(logp) = -F * A`` where:
 
@@ -21,7 +21,7 @@ cispo         ``clip(r, 1-eps_low, 1+eps_high)`` for both signs of A (MiniMax-M1
 For ppo, clip_higher and gppo the dual clip (Ye et al. 2020) then caps the per-token loss of a
 negative-advantage token at ``-dual_clip * A``, i.e. F = 0 where r > dual_clip and A < 0. The
 dual clip must be > 1: the authors' early code effectively used 1, which zeroed the gradient of every
-negative-advantage token with r > 1 (KLEAR-REASONER.md section 6); ``dual_clip <= 1`` is refused.
+negative-advantage token with r > 1 (docs/recipe.md, "Bugs of the authors' code"); ``dual_clip <= 1`` is refused.
 
 Forward values: gppo's per-token loss equals clip_higher's for any beta (the betas only scale the
 gradient; CE-GPPO writes the betas into the value too, which changes nothing but the logged loss).

@@ -1,4 +1,4 @@
-"""Policy losses: the gradient table of KLEAR-REASONER.md section 3, independent float64 gradient
+"""Policy losses: the gradient table of docs/gppo.md ("Worked gradients"), independent float64 gradient
 formulas, the aggregation weights, global normalisation across micro-batches, the SFT term."""
 import math
 
