@@ -62,35 +62,30 @@ def main(argv=None):
     if think_in_prompt and args.think_in_prompt == "auto":
         print("the prompts open <think>: responses are not required to contain it (--think-in-prompt)",
               file=sys.stderr)
-    if args.model:
-        import torch
+    import torch
 
-        from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.config import RolloutConfig
+    from megatron_klear.rollout.factory import make_engine
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rollout = RolloutConfig(engine="embedded" if args.model else "http", urls=args.url or [], dtype=args.dtype,
+                            max_concurrent_requests=args.max_concurrent_requests,
+                            generate_timeout_s=args.generate_timeout)
+    rollout.validate()
+    hf_config = None
+    if args.model and args.yarn_factor:
+        from transformers import AutoConfig
 
-        if args.yarn_factor:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(args.model)
-            theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 1e6))
-            config.rope_parameters = {"rope_type": "yarn", "factor": args.yarn_factor, "rope_theta": theta,
-                                      "original_max_position_embeddings": args.yarn_original}
-            config.max_position_embeddings = int(args.yarn_original * args.yarn_factor)
-            engine = EmbeddedEngine.from_pretrained(args.model, dtype=args.dtype, config=config, device=device)
-        else:
-            engine = EmbeddedEngine.from_pretrained(args.model, dtype=args.dtype, device=device)
-    else:
-        from megatron_klear.rollout.sglang import SGLangEngine
-
-        engine = SGLangEngine(args.url, check=True, max_concurrent_requests=args.max_concurrent_requests,
-                              generate_timeout=args.generate_timeout)
-
-    from megatron_klear.rollout.base import require_context
+        hf_config = AutoConfig.from_pretrained(args.model)
+        theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", getattr(hf_config, "rope_theta", 1e6))
+        hf_config.rope_parameters = {"rope_type": "yarn", "factor": args.yarn_factor, "rope_theta": theta,
+                                     "original_max_position_embeddings": args.yarn_original}
+        hf_config.max_position_embeddings = int(args.yarn_original * args.yarn_factor)
+    engine = make_engine(rollout, args.model or "", device="cuda" if torch.cuda.is_available() else "cpu",
+                         hf_config=hf_config)
 
     longest = max(len(p.prompt_ids) for prompts in benchmarks.values() for p in prompts)
-    require_context(engine, longest + args.max_new_tokens, f"the longest prompt ({longest}) + --max-new-tokens",
-                    hint="; --yarn-factor extends the embedded engine's context")
+    engine.check_context(longest + args.max_new_tokens, f"the longest prompt ({longest}) + --max-new-tokens",
+                         hint="; --yarn-factor extends the embedded engine's context")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     reward_cfg = evaluation_reward_config(RewardConfig(workers=args.workers), think_in_prompt=think_in_prompt)

@@ -131,10 +131,3 @@ class ServerEngine(RolloutEngine):
     def check_context(self, needed: int, what: str, hint: str = "") -> None:
         self.check_context_length(needed, what)  # its message names SGLang's flags
 
-
-def require_context(engine, needed: int, what: str, hint: str = "") -> None:
-    """``engine.check_context(needed, what, hint)``."""
-    if not isinstance(engine, ServerEngine) and hasattr(engine, "check_context_length"):  # TODO(issue 19): SGLangEngine(ServerEngine)
-        engine.check_context_length(needed, what)
-        return
-    engine.check_context(needed, what, hint)

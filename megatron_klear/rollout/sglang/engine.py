@@ -5,13 +5,13 @@ HTTP API, directly or behind ``sglang-router``. One class composed of the client
 :class:`.transport.Transport` (the HTTP client, errors, worker discovery)."""
 from __future__ import annotations
 
-from megatron_klear.rollout.base import RolloutEngine
+from megatron_klear.rollout.base import ServerEngine
 from megatron_klear.rollout.sglang.control import Control
 from megatron_klear.rollout.sglang.generation import GRANULARITIES, Generation
 from megatron_klear.rollout.sglang.transport import EngineError, Transport
 
 
-class SGLangEngine(Generation, Control, Transport, RolloutEngine):
+class SGLangEngine(Generation, Control, Transport, ServerEngine):
     """SGLang servers as the rollout engine (see :mod:`megatron_klear.rollout.sglang`).
 
     ``urls``: where ``/generate`` goes (one router, or the servers); ``workers``: the servers

@@ -1,0 +1,131 @@
+"""The rollout manager's verbs without an RLLoop or a model: the order of the calls the servers see
+around an update (colocated or not), what a failed update leaves them with, and when the weight
+check runs. The servers' own side of these calls (memory really freed, NaN weights after a resume,
+SGLang's refusals) is tested against the stand-in server in tests/rollout/test_colocate.py."""
+import pytest
+
+from megatron_klear.config import JobConfig
+from megatron_klear.rl.colocation import Colocated, Dedicated
+from megatron_klear.rl.rollout_manager import RolloutManager
+from megatron_klear.rl.verify import verification_due
+
+
+class RecordingServers:
+    """Records the calls a placement makes, in order; ``fail_load`` makes the next load raise."""
+
+    def __init__(self):
+        self.calls, self.fail_load = [], False
+
+    def release_memory(self, tags):
+        self.calls.append(("release", tuple(tags)))
+
+    def resume_memory(self, tags):
+        self.calls.append(("resume", tuple(tags)))
+
+    def load_from_disk(self, path, *, version):
+        self.calls.append(("load", path, version))
+        if self.fail_load:
+            raise RuntimeError("the server is gone")
+
+
+def _manager(placement, engine):
+    cfg = JobConfig()
+    cfg.rl.prompts = ["p.jsonl"]
+    manager = RolloutManager(cfg)  # not colocated in the config: nothing connects
+    manager.placement, manager.engine = placement, engine
+    return manager
+
+
+def test_colocated_servers_release_everything_and_a_load_resumes_the_weights_first():
+    servers, place = RecordingServers(), Colocated(offload_trainer=False)
+    place.make_room(servers, None)
+    assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph"))]
+    place.load(servers, "/w/step_0000001", 1)
+    # weights' memory first (SGLang gives it back empty), the load, then the KV cache and CUDA graphs
+    assert servers.calls[1:] == [("resume", ("weights",)), ("load", "/w/step_0000001", 1),
+                                 ("resume", ("cuda_graph", "kv_cache"))]
+    assert not place.released and not place.weights_lost and place.last_sync == ("/w/step_0000001", 1)
+    place.load(servers, "/w/step_0000002", 2)  # nothing released: a plain load, no resume of unreleased tags
+    assert servers.calls[4:] == [("load", "/w/step_0000002", 2)]
+
+
+def test_a_failed_update_reloads_the_last_pushed_weights_and_a_good_one_leaves_the_servers_released():
+    servers, place = RecordingServers(), Colocated(offload_trainer=False)
+    manager = _manager(place, servers)
+    place.load(servers, "/w/step_0000003", 3)
+    servers.calls.clear()
+    with manager.make_room():
+        pass
+    assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph"))]  # released until the push
+    servers.calls.clear()
+    with pytest.raises(ValueError, match="boom"):
+        with manager.make_room():
+            raise ValueError("boom")
+    assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph")), ("resume", ("weights",)),
+                             ("load", "/w/step_0000003", 3), ("resume", ("cuda_graph", "kv_cache"))]
+    assert not place.released and not place.weights_lost
+
+
+def test_a_restore_that_fails_warns_and_the_update_error_is_the_one_raised():
+    servers, place = RecordingServers(), Colocated(offload_trainer=False)
+    manager = _manager(place, servers)
+    place.load(servers, "/w/step_0000001", 1)
+    servers.fail_load = True
+    with pytest.warns(UserWarning, match=r"could not be given back .* version 1 .*the server is gone"):
+        with pytest.raises(MemoryError, match="actor"):
+            with manager.make_room():
+                raise MemoryError("actor")
+    # the weights' memory came back empty and the load failed: the placement says so
+    assert place.weights_lost and place.released == {"kv_cache", "cuda_graph"}
+
+
+def test_before_the_first_push_a_failure_has_nothing_to_restore():
+    servers, place = RecordingServers(), Colocated(offload_trainer=False)
+    manager = _manager(place, servers)
+    with pytest.raises(RuntimeError):
+        with manager.make_room():
+            raise RuntimeError("the trainer failed to build")
+    assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph"))]
+
+
+def test_dedicated_servers_are_never_released():
+    servers = RecordingServers()
+    manager = _manager(Dedicated(), servers)
+    with pytest.raises(RuntimeError):
+        with manager.make_room():
+            raise RuntimeError("x")
+    Dedicated().load(servers, "/w/step_0000002", 2)
+    assert servers.calls == [("load", "/w/step_0000002", 2)] and Dedicated().before_load(None) == {}
+
+
+@pytest.mark.parametrize("interval,checked", [
+    (10, [1, 10, 20]),  # the first push of the process, then every 10 steps
+    (0, [1]),           # only the first
+    (-1, []),           # never
+    (1, list(range(1, 21))),
+])
+def test_the_weight_check_runs_after_the_first_push_and_every_interval(interval, checked):
+    # push number k of this process carries weight version k (a fresh run)
+    assert [v for v in range(1, 21) if verification_due(v, v, interval)] == checked
+
+
+def test_a_resumed_run_checks_its_first_push_whatever_the_step():
+    assert verification_due(1, 37, 10) and not verification_due(2, 38, 10) and verification_due(4, 40, 10)
+
+
+def test_push_weights_checks_only_servers(monkeypatch):
+    """The in-process engine is never probed; servers are after the first push and when due."""
+    from types import SimpleNamespace
+
+    import megatron_klear.rl.verify as verify
+
+    checked = []
+    monkeypatch.setattr(verify, "verify_servers", lambda *a, **k: checked.append(a[4]) or {"weights/verify_mean_diff_max": 0.0})
+    manager = _manager(Dedicated(), None)
+    manager.actor = manager.tokenizer = manager.vocab_size = None
+    manager.weights = SimpleNamespace(push=lambda v: {"weights/sync_bytes": v}, to_servers=False)
+    assert manager.push_weights(1) == {"weights/sync_bytes": 1} and checked == []
+    manager.cfg.rollout.verify_interval = 2
+    manager.weights = SimpleNamespace(push=lambda v: {}, to_servers=True)
+    metrics = [manager.push_weights(v) for v in (1, 2, 3, 4)]
+    assert checked == [1, 2, 4] and metrics[0] == {"weights/verify_mean_diff_max": 0.0} and metrics[2] == {}
