@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_klear.platform.distributed import barrier, broadcast_from_rank0, is_rank0, rank
+
 LATEST = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"^iter_(\d{7})$")
 LOCK = "run.lock"
@@ -48,27 +50,8 @@ class RunDirError(ValueError):
     """The save directory cannot be used as asked (another run's checkpoints, a broken pointer)."""
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _print(message: str) -> None:
     print(message, flush=True)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast_from_rank0(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    from megatron_klear.platform import control_group
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=control_group())
-    return box[0]
 
 
 def _step(name: str) -> int:
@@ -166,16 +149,16 @@ class CheckpointManager:
         checkpoint to resume from, or None for a fresh start. Raises :class:`RunDirError` or
         ``RunLockedError`` on every rank when the directory cannot be used as asked."""
         outcome = None
-        if _rank() == 0:
+        if is_rank0():
             try:
                 outcome = ("ok", self._start_run_rank0(resume, overwrite, log or _print))
             except Exception as e:  # noqa: BLE001 - every rank must learn that rank 0 failed
                 error = e
                 outcome = ("error", type(e).__name__, str(e))
-        outcome = _broadcast_from_rank0(outcome)
+        outcome = broadcast_from_rank0(outcome)
         if outcome[0] == "ok":
             return outcome[1]
-        if _rank() == 0:
+        if is_rank0():
             raise error
         from megatron_klear.platform.process import RunLockedError
 
@@ -275,7 +258,7 @@ class CheckpointManager:
                 model_sd, is_loading=is_loading, **_optimizer_sharding_kwargs(state.optimizer)
             )
         sharded["rng"] = ShardedObject(
-            "rng_state", _rng_state(), (world,), (_rank(),), replica_id=0
+            "rng_state", _rng_state(), (world,), (rank(),), replica_id=0
         )
         return sharded
 
@@ -289,11 +272,11 @@ class CheckpointManager:
 
         final = os.path.join(self.save_dir, f"iter_{step:07d}")
         tmp = os.path.join(self.save_dir, f".tmp-iter_{step:07d}")
-        if _rank() == 0:
+        if is_rank0():
             os.makedirs(self.save_dir, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-        _barrier()
+        barrier()
         sharded = self._sharded_state(state, is_loading=False)
         # before the first optimizer step (e.g. RL steps whose groups were all filtered) Adam has no
         # moments yet and none are saved; the load must then not ask for them
@@ -307,8 +290,8 @@ class CheckpointManager:
 
         start_checkpoint_writer_manager()  # Megatron's writer queue, in a process that dies with this one
         dist_checkpointing.save(sharded, tmp, sharded_strategy=dist_ckpt.save_strategy())
-        _barrier()
-        if _rank() == 0:
+        barrier()
+        if is_rank0():
             with open(os.path.join(tmp, dist_ckpt.HF_CONFIG), "w") as f:
                 json.dump(state.arch.hf_config, f, indent=2)
             tok_dst = os.path.join(tmp, dist_ckpt.TOKENIZER_DIR)
@@ -323,7 +306,7 @@ class CheckpointManager:
             dist_ckpt.finalize_dir(tmp, final)
             _write_atomic(os.path.join(self.save_dir, LATEST), str(step))
             self._rotate(step)
-        _barrier()
+        barrier()
         return final
 
     def _rotate(self, step: int) -> None:
