@@ -1,0 +1,262 @@
+"""Running the stand-in: :func:`make_server` and :func:`serve_in_thread` (uvicorn on 127.0.0.1),
+:func:`main` (``python -m megatron_klear.rollout.sglang_standin``), and the client
+:class:`EmbeddedHTTPEngine`, which can launch a server subprocess."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import uvicorn
+
+import megatron_klear
+from megatron_klear.rollout.sglang import SGLangEngine
+from megatron_klear.rollout.sglang_standin.state import HOST, ServerState
+
+SERVER_HEADER = "megatron-klear-embedded"
+# idle kept-alive connections stay open (the clients expire theirs: httpx after 5 s, which would
+# race uvicorn's default of 5 s and fail a request sent on a connection the server just closed)
+KEEP_ALIVE_S = 3600
+SHUTDOWN_GRACE_S = 5  # a call still running this long after shutdown is cancelled
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn leaving the process's signals alone: SIGTERM ends a server process at once and SIGINT
+    raises KeyboardInterrupt (uvicorn's handlers would first wait for the running requests)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class StandinServer:
+    """One stand-in server: its :class:`ServerState` (``state``), ``uvicorn`` (a ``uvicorn.Server``)
+    and the socket bound at construction (``server_address``). Call :meth:`serve_forever` (e.g. in
+    a thread), then :meth:`shutdown` and :meth:`server_close`."""
+
+    def __init__(self, state: ServerState, port: int = 0):
+        from megatron_klear.rollout.sglang_standin.app import build_app  # (the routes import the engine: torch)
+
+        self.state = state
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on connections accepted from such a socket
+        # (without it an answer's body waits for the client's delayed ACK of its headers, ~40 ms)
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((HOST, int(port)))
+        self.socket.listen(2048)
+        self.server_address = self.socket.getsockname()[:2]
+        state.port = self.server_address[1]
+        config = uvicorn.Config(build_app(state), loop="asyncio", http="h11", lifespan="off", log_config=None,
+                                log_level="warning", access_log=False, proxy_headers=False, server_header=False,
+                                headers=[("server", SERVER_HEADER)], timeout_keep_alive=KEEP_ALIVE_S,
+                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        self.uvicorn = _Uvicorn(config)
+        self._serving = False
+        self._stopped = threading.Event()
+
+    def serve_forever(self) -> None:
+        self._serving = True
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop serving; returns once :meth:`serve_forever` has. Running requests end (finish_reason
+        abort), queued ones answer 500, idle kept-alive connections are closed at once and the others
+        after their answer."""
+        self.state.scheduler.close()
+        self.uvicorn.should_exit = True
+        if self._serving:
+            self._stopped.wait()
+
+    def server_close(self) -> None:
+        self.shutdown()
+        self.socket.close()
+
+
+def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
+                served_model_name: str | None = None, max_batch_size: int | None = None,
+                batch_window: float = 0.05, weight_sync_timeout: float = 600.0,
+                return_routed_experts: bool = False, enable_memory_saver: bool = False) -> StandinServer:
+    """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
+    ``max_batch_size``: most sequences per engine call (default: the engine's); ``batch_window``:
+    the longest an idle engine waits for concurrent requests to gather (the scheduler);
+    ``weight_sync_timeout``: seconds for joining a weight-update group and for each broadcast;
+    ``return_routed_experts``: SGLang's ``--enable-return-routed-experts`` (MoE models);
+    ``enable_memory_saver``: SGLang's ``--enable-memory-saver`` (releasing weights frees them)."""
+    state = ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
+                        weight_sync_timeout, return_routed_experts, enable_memory_saver)
+    return StandinServer(state, port)
+
+
+def serve_in_thread(engine, port: int = 0, **kwargs):
+    """:func:`make_server` served by a daemon thread; returns ``(server, url)``. Stop with
+    ``server.shutdown(); server.server_close()``."""
+    server = make_server(engine, port, **kwargs)
+    server._serving = True  # (a shutdown right away waits for the thread)
+    threading.Thread(target=server.serve_forever, name="standin-http", daemon=True).start()
+    return server, f"http://{HOST}:{server.server_address[1]}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m megatron_klear.rollout.embedded",
+                                 description="Serve an HF checkpoint with the embedded rollout engine on 127.0.0.1 "
+                                             "(a subset of SGLang's native HTTP API).")
+    ap.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    ap.add_argument("--port", type=int, default=30000, help="port on 127.0.0.1 (0: any free port)")
+    ap.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | float64")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-batch-size", type=int, default=None, help="most sequences decoded together")
+    ap.add_argument("--context-length", type=int, default=None,
+                    help="longest prompt + response (default: the config's, as SGLang's --context-length)")
+    ap.add_argument("--served-model-name", default=None, help="the model name in /v1/models (default: the path)")
+    ap.add_argument("--batch-window-ms", type=float, default=50.0,
+                    help="longest an idle engine waits for concurrent requests to gather into one batch")
+    ap.add_argument("--weight-sync-timeout", type=float, default=600.0,
+                    help="seconds for joining a weight-update group and for each broadcast received in it")
+    ap.add_argument("--port-file", default=None, help="write the bound port here (atomically) once serving")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="record each token's experts (MoE models) and return them to requests with "
+                         "return_routed_experts (SGLang's flag of the same name)")
+    ap.add_argument("--enable-memory-saver", action="store_true",
+                    help="release_memory_occupation of 'weights' frees them (a server sharing the trainer's "
+                         "machine; SGLang's flag of the same name)")
+    args = ap.parse_args(argv)
+
+    from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    engine = EmbeddedEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
+                                            max_batch_size=args.max_batch_size, context_length=args.context_length,
+                                            tokenizer=tokenizer)
+    server = make_server(engine, args.port, tokenizer=tokenizer, tokenizer_path=args.model if tokenizer else None,
+                         served_model_name=args.served_model_name, batch_window=args.batch_window_ms / 1000.0,
+                         weight_sync_timeout=args.weight_sync_timeout,
+                         return_routed_experts=args.enable_return_routed_experts,
+                         enable_memory_saver=args.enable_memory_saver)
+    port = server.server_address[1]
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    print(f"embedded rollout engine serving {args.model} on http://{HOST}:{port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+class EmbeddedHTTPEngine(SGLangEngine):
+    """The SGLang-API client (:class:`megatron_klear.rollout.sglang.SGLangEngine`) pointed at a
+    stand-in server, plus :meth:`launch` to start one. Every request has a timeout: ``timeout``
+    seconds, or ``generate_timeout`` for /generate."""
+
+    send_seed = True  # the stand-in derives one seed per (prompt, sample) from it
+
+    def __init__(self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0):
+        super().__init__([url], timeout=timeout, generate_timeout=generate_timeout)
+        self._process = None
+        self._workdir = None
+
+    @classmethod
+    def launch(cls, model_dir: str, *, port: int = 0, dtype: str = "float32", max_batch_size: int | None = None,
+               context_length: int | None = None, served_model_name: str | None = None,
+               weight_sync_timeout: float | None = None, startup_timeout: float = 300.0,
+               return_routed_experts: bool = False, enable_memory_saver: bool = False,
+               **kwargs) -> "EmbeddedHTTPEngine":
+        """Start ``python -m megatron_klear.rollout.sglang_standin`` for ``model_dir`` and wait until
+        it is healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
+        ``context_length`` / ``served_model_name`` / ``weight_sync_timeout`` /
+        ``return_routed_experts`` / ``enable_memory_saver``: the server's flags of those names."""
+        workdir = tempfile.mkdtemp(prefix="klear-embedded-server-")
+        port_file, log_path = os.path.join(workdir, "port"), os.path.join(workdir, "server.log")
+        cmd = [sys.executable, "-m", "megatron_klear.rollout.sglang_standin", "--model", model_dir, "--port", str(port),
+               "--dtype", dtype, "--port-file", port_file]
+        if max_batch_size is not None:
+            cmd += ["--max-batch-size", str(max_batch_size)]
+        if context_length is not None:
+            cmd += ["--context-length", str(context_length)]
+        if served_model_name is not None:
+            cmd += ["--served-model-name", served_model_name]
+        if weight_sync_timeout is not None:
+            cmd += ["--weight-sync-timeout", str(weight_sync_timeout)]
+        if return_routed_experts:
+            cmd += ["--enable-return-routed-experts"]
+        if enable_memory_saver:
+            cmd += ["--enable-memory-saver"]
+        root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_klear.__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        engine = None
+        deadline = time.monotonic() + startup_timeout
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"rollout.sglang_standin: the server exited with code {proc.returncode} "
+                                       f"before serving; log {log_path}:\n{_tail(log_path)}")
+                if os.path.isfile(port_file):
+                    if engine is None:
+                        with open(port_file) as f:
+                            engine = cls(f"http://{HOST}:{int(f.read())}", **kwargs)
+                    if engine.health():
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout.sglang_standin: the server was not healthy within "
+                                       f"{startup_timeout:g} s; log {log_path}:\n{_tail(log_path)}")
+                time.sleep(0.1)
+        except BaseException:
+            stop_process(proc)
+            raise
+        engine._process, engine._workdir = proc, workdir
+        return engine
+
+    def close(self) -> None:
+        """Stop the server if :meth:`launch` started it."""
+        super().close()
+        if self._process is not None:
+            stop_process(self._process)
+            self._process = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+
+def stop_process(proc, timeout: float = 10.0) -> None:
+    """Terminate ``proc`` (SIGCONT first: a stopped process ignores SIGTERM until continued), then
+    kill it if it has not exited within ``timeout`` seconds."""
+    if proc.poll() is None:
+        import signal
+
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout)
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - chars))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,285 @@
+"""Generation, health, info, pause/continue/abort and memory routes, as SGLang 0.5.23's
+``http_server.py`` names them. Blocking work never runs on the event loop: /generate awaits its
+job's future (the scheduler thread decodes), pause and memory calls run in threads of their own,
+so /health answers at once during a long generation."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from megatron_klear.rollout.base import SamplingParams
+from megatron_klear.rollout.embedded import PromptRequest, context_length_error
+from megatron_klear.rollout.embedded.sampling import sample_seed
+from megatron_klear.rollout.sglang import MEMORY_TAGS
+from megatron_klear.rollout.sglang_standin.contract import (PAUSE_MODES, SGLANG_API_VERSION, TOP_K_ALL, BadRequest, _bool,
+                                                            _str, _str_list, assign_ids, completion_to_sglang,
+                                                            control_fields, parse_generate_request)
+from megatron_klear.rollout.sglang_standin.plumbing import (StandinRoute, decode_json, error, off_loop, read_body,
+                                                            read_json, reply, server_state)
+from megatron_klear.rollout.sglang_standin.scheduler import Job
+
+router = APIRouter(route_class=StandinRoute)
+
+
+# -- health and info -----------------------------------------------------------------------------
+@router.get("/health")
+async def health():
+    return reply(200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    """200 once the engine makes progress or a 1-token generation completes; 503 after
+    ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (e.g. while paused)."""
+    state = server_state(request)
+    steps = state.engine.decode_steps
+    probe = PromptRequest(prompt=[0], params=SamplingParams(top_k=1, max_new_tokens=1), seeds=[0], max_new_tokens=1)
+    job = Job([probe], ids=[f"HEALTH_CHECK_{uuid.uuid4().hex}"])
+    probe.key = job
+    state.scheduler.submit(job)
+    done = asyncio.wrap_future(job.future)
+    deadline = time.monotonic() + state.health_check_timeout
+    healthy = False
+    while time.monotonic() < deadline:
+        await asyncio.wait({done}, timeout=0.05)
+        if done.done() or state.engine.decode_steps > steps:
+            healthy = job.error is None
+            break
+    state.scheduler.abort(job.ids[0], message="health check")
+    return reply(200 if healthy else 503)
+
+
+@router.get("/ready")
+async def ready(request: Request):
+    return reply(503 if server_state(request).scheduler.paused else 200)
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(request: Request):
+    state = server_state(request)
+    return reply(200, {**state.engine.model_info(),
+                       "model_path": state.model_path, "served_model_name": state.model_name,
+                       "tokenizer_path": state.tokenizer_path or state.model_path, "is_generation": True,
+                       "preferred_sampling_params": None, "weight_version": state.weight_version,
+                       "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+                       "disaggregation_mode": "null", "has_image_understanding": False,
+                       "has_audio_understanding": False})
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request):
+    state = server_state(request)
+    engine, sched = state.engine, state.scheduler
+    c = engine.context_length
+    return reply(200, {
+        "model_path": state.model_path, "served_model_name": state.model_name,
+        "tokenizer_path": state.tokenizer_path or state.model_path,
+        "context_length": c, "max_context_length": c, "max_total_num_tokens": None,
+        "max_req_input_len": c - 1, "max_running_requests": sched.max_batch_size,
+        "max_batch_size": sched.max_batch_size, "dtype": engine.model_info().get("dtype"),
+        "device": str(engine.device), "host": state.host, "port": state.port,
+        "tp_size": 1, "pp_size": 1, "dp_size": 1,
+        "version": SGLANG_API_VERSION, "frontend": "megatron-klear-embedded",
+        "weight_version": state.weight_version, "num_generate_requests": state.num_generate_requests,
+        "internal_states": [sched.stats()], "incremental_streaming_output": False, "disaggregation_mode": "null",
+        "enable_memory_saver": state.enable_memory_saver,
+        # not SGLang's: what is released now, and how often memory was released (tests, operators)
+        "released_memory_tags": sorted(state.offload_tags), "memory_releases": state.memory_releases,
+    })
+
+
+def _card(state, name: str) -> dict:
+    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
+            "parent": None, "max_model_len": state.engine.context_length}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    state = server_state(request)
+    return reply(200, {"object": "list", "data": [_card(state, state.model_name)]})
+
+
+@router.get("/v1/models/{name:path}")
+async def model_card(name: str, request: Request):
+    state = server_state(request)
+    if name != state.model_name:
+        return reply(404, {"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
+                                     "param": "model", "code": "model_not_found"}})
+    return reply(200, _card(state, name))
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request):
+    if request.method != "GET":
+        await read_json(request)  # a body that is not JSON is refused, as on every POST route
+    return reply(200, text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                           "waiting requests, the operation will not be performed.)\n")
+
+
+# -- generation ----------------------------------------------------------------------------------
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request):
+    """Token ids in, SGLang's answer shape out. Decoding and answering run in worker threads (a
+    large batch is CPU work), the engine in the scheduler's; the request waits on its job."""
+    state = server_state(request)
+    raw = await read_body(request)
+    t0 = time.monotonic()
+    prepared = await run_in_threadpool(_prepare, state, raw)
+    if isinstance(prepared, Response):
+        return prepared  # 503: the memory is released
+    call, job, limits, routing = prepared
+    state.scheduler.submit(job)
+    await asyncio.wrap_future(job.future)
+    if job.error is not None:
+        if isinstance(job.error, ValueError):
+            raise BadRequest(str(job.error))
+        raise job.error
+    latency = time.monotonic() - t0
+    return await run_in_threadpool(_answer, state, call, job, limits, routing, latency)
+
+
+def _prepare(state, raw: bytes):
+    """The body -> (call, job, per-prompt token limits, routing), or the 503 of released memory."""
+    engine = state.engine
+    call = parse_generate_request(decode_json(raw))
+    released = sorted(state.offload_tags & {"weights", "kv_cache"})
+    if released:
+        return error(503, f"the server's memory is released ({', '.join(released)}: release_memory_occupation); "
+                          "resume_memory_occupation and load weights before generating")
+    if call.return_text_in_logprobs and state.tokenizer is None:
+        raise BadRequest("field 'return_text_in_logprobs'=True needs a tokenizer; this server has none")
+    c = engine.context_length
+    requests, limits = [], []
+    for i, (prompt, params) in enumerate(zip(call.prompts, call.params)):
+        bad = next((t for t in prompt if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"input_ids{'' if call.single else f'[{i}]'} holds {bad}, not a token id of the "
+                             f"model's vocabulary [0, {engine.vocab_size})")
+        err = context_length_error(len(prompt), params.max_new_tokens, c)
+        if err is not None:
+            raise BadRequest(err)
+        limit = params.max_new_tokens if params.max_new_tokens is not None else max(0, min(TOP_K_ALL, c - 1 - len(prompt)))
+        limits.append(limit)
+        base = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        requests.append(PromptRequest(prompt=list(prompt), params=SamplingParams(
+            temperature=params.temperature if params.temperature > 0 else 1.0,
+            top_p=params.top_p, top_k=params.top_k if params.temperature > 0 else 1, max_new_tokens=max(1, limit),
+            stop_token_ids=params.stop_token_ids), seeds=[sample_seed(base, i, j) for j in range(call.n)],
+            max_new_tokens=limit, ignore_eos=bool(call.sampling[i]["ignore_eos"])))
+    routing = None
+    if call.return_routed_experts:
+        start = call.routed_experts_start_len  # SGLang's scheduler checks (its texts)
+        for prompt in call.prompts:
+            if start < 0:
+                raise BadRequest(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a "
+                                 "non-negative routed_experts_start_len.")
+            if start > len(prompt):
+                raise BadRequest(f"recv_req.routed_experts_start_len={start} is higher than the number of input "
+                                 f"tokens len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
+                                 "routed_experts_start_len.")
+        if state.return_routed_experts:  # else not captured: SGLang then leaves the field out
+            routing = (start, engine.num_layers, engine.routed_layers)
+    job = Job(requests, assign_ids(call), rid=call.rid)
+    for r in requests:
+        r.key = job
+    with state.lock:
+        state.num_generate_requests += 1
+    return call, job, limits, routing
+
+
+def _answer(state, call, job, limits, routing, latency):
+    outs = []
+    for i, completions in enumerate(job.results):
+        for j, comp in enumerate(completions):
+            outs.append(completion_to_sglang(
+                comp, prompt=call.prompts[i], max_new_tokens=limits[i], return_logprob=call.return_logprob,
+                rid=job.ids[i * call.n + j], weight_version=state.engine.weight_version, tokenizer=state.tokenizer,
+                sampling=call.sampling[i], e2e_latency=latency, return_text_in_logprobs=call.return_text_in_logprobs,
+                return_prompt_token_ids=call.return_prompt_token_ids, abort_message=job.abort_message,
+                routing=routing))
+    return reply(200, outs[0] if call.single and call.n == 1 else outs)
+
+
+# -- pause / continue / abort --------------------------------------------------------------------
+@router.post("/pause_generation")
+async def pause_generation(request: Request):
+    """Answers once nothing decodes: mode abort ends the running requests, in_place and retract hold
+    them between two decode steps."""
+    f = control_fields(await read_json(request), {"mode": (_str, "abort")})
+    if f["mode"] not in PAUSE_MODES:
+        raise BadRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, got {f['mode']!r}")
+    await off_loop(server_state(request).scheduler.pause, f["mode"])
+    return reply(200, {"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request):
+    control_fields(await read_json(request), {"torch_empty_cache": (_bool, True)})
+    server_state(request).scheduler.resume()
+    return reply(200, {"message": "Generation continued successfully.", "status": "ok"})
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request):
+    f = control_fields(await read_json(request), {"rid": (_str, ""), "abort_all": (_bool, False)})
+    if f["abort_all"] or f["rid"]:  # an empty rid without abort_all is ignored, as in SGLang
+        server_state(request).scheduler.abort(f["rid"], f["abort_all"], message="Aborted by /abort_request")
+    return reply(200)
+
+
+# -- memory of a server colocated with the trainer (SGLang's --enable-memory-saver) ---------------
+def _memory_tags(body) -> list:
+    f = control_fields(body or {}, {"tags": (_str_list, None)})
+    tags = f["tags"] or list(MEMORY_TAGS)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise BadRequest(f"tags: unknown memory type(s) {unknown}; expected some of {list(MEMORY_TAGS)}")
+    return tags
+
+
+@router.post("/release_memory_occupation")
+async def release_memory_occupation(request: Request):
+    """Needs an idle server (SGLang asserts it); with --enable-memory-saver releasing ``weights``
+    frees the parameters, else the tags are only recorded (SGLang's no-op saver)."""
+    tags = _memory_tags(await read_json(request))
+    state = server_state(request)
+    stats = state.scheduler.stats()
+    if stats["num_running_reqs"] or stats["num_waiting_reqs"]:
+        raise BadRequest("release_memory_occupation should be called only when server is idle.")
+    await off_loop(_release, state, tags)
+    return reply(200)
+
+
+def _release(state, tags) -> None:
+    with state.weight_lock:
+        state.offload_tags.update(tags)
+        state.memory_releases += 1
+        if "weights" in tags and state.enable_memory_saver:
+            state.scheduler.run_update(state.engine.release_weights)
+
+
+@router.post("/resume_memory_occupation")
+async def resume_memory_occupation(request: Request):
+    """Resumed weights come back with their content lost (a weight update must follow); resuming a
+    tag that is not released is refused."""
+    tags = _memory_tags(await read_json(request))
+    await off_loop(_resume, server_state(request), tags)
+    return reply(200)
+
+
+def _resume(state, tags) -> None:
+    with state.weight_lock:
+        not_released = [t for t in tags if t not in state.offload_tags]
+        if not_released:
+            raise BadRequest(f"resume_memory_occupation: {not_released} not released (released: "
+                             f"{sorted(state.offload_tags)})")
+        state.offload_tags.difference_update(tags)
+        if "weights" in tags and state.enable_memory_saver:
+            state.engine.resume_weights()

@@ -1,0 +1,55 @@
+"""What one stand-in server holds: the engine, its scheduler, and the state of the memory and
+weight-update routes. One per app (``app.state.standin``), so that a process can serve several."""
+from __future__ import annotations
+
+import os
+import threading
+
+from megatron_klear.rollout.sglang_standin.contract import DEFAULT_WEIGHT_VERSION
+from megatron_klear.rollout.sglang_standin.scheduler import Scheduler
+
+HOST = "127.0.0.1"
+
+
+class ServerState:
+    def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
+                 weight_sync_timeout: float = 600.0, return_routed_experts: bool = False,
+                 enable_memory_saver: bool = False):
+        self.engine, self.tokenizer = engine, tokenizer
+        # --enable-memory-saver: releasing "weights" frees them (rollout.colocate); the tags released
+        self.enable_memory_saver = bool(enable_memory_saver)
+        self.offload_tags = set()
+        self.memory_releases = 0
+        # --enable-return-routed-experts: the engine records every token's experts (MoE models)
+        self.return_routed_experts = bool(return_routed_experts) and bool(getattr(engine, "routed_layers", None))
+        if self.return_routed_experts:
+            engine.record_routing = True
+        self.tokenizer_path = tokenizer_path
+        self.served_model_name = served_model_name
+        self.scheduler = Scheduler(engine, max_batch_size, window=batch_window)
+        self.num_generate_requests = 0
+        self.lock = threading.Lock()
+        self.health_check_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+        self.host, self.port = HOST, 0
+        # weights over a process group (SGLang's update_weights_from_distributed): the groups joined,
+        # the open begin/end session, and a lock that runs these calls one at a time, as SGLang's
+        # scheduler does
+        self.weight_sync_timeout = float(weight_sync_timeout)
+        self.update_groups = {}
+        self.weight_session = None
+        self.receive_buffers = {}  # the storages the last commit replaced: the next update lands there
+        self.adopted = set()  # data pointers of the received buffers the model holds
+        self.weight_lock = threading.Lock()
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model_path or ""
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @property
+    def weight_version(self) -> str:
+        v = self.engine.weight_version
+        return DEFAULT_WEIGHT_VERSION if v is None else str(v)
