@@ -1,0 +1,136 @@
+"""The package's layering, as docs/architecture.md states it: imports only run down the layers,
+no module imports itself back through others, the engines never import the server that stands in
+for SGLang, and no module grows past what a reader can hold. Read from the source (every
+``import`` statement, those inside functions included), so a lazy import counts as much as a
+top-level one."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "megatron_klear")
+MAX_LINES = 800
+
+# package -> the lowest layer it is in; a module may import its own layer and those below
+LAYERS = {"platform": 0, "utils": 0, "models": 1, "data": 1, "rewards": 1, "checkpoint": 1, "training": 2,
+          "evaluation": 3, "rollout": 3, "rl": 4, "sft": 4, "config": 5}
+# modules above their package's layer: the entry points, which read the whole job config
+ENTRY_POINTS = {"megatron_klear.rl.loop": 6, "megatron_klear.rl.__main__": 6, "megatron_klear.sft.trainer": 6,
+                "megatron_klear.sft.__main__": 6}
+# (importer prefix, imported prefix) that must never exist whatever the layers say
+FORBIDDEN = [
+    ("megatron_klear.rollout.embedded", "megatron_klear.rollout.sglang_standin"),  # an engine and its server
+    ("megatron_klear.rollout.sglang", "megatron_klear.rollout.sglang_standin"),  # the client and the stand-in
+    ("megatron_klear.rollout.weight_sync", "megatron_klear.rollout.sglang_standin"),
+]
+
+
+def _modules() -> dict:
+    out = {}
+    for d, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> set:
+    """The megatron_klear modules ``name`` imports (``from pkg import sub`` counts as pkg.sub)."""
+    path = MODULES[name]
+    is_pkg = path.endswith("__init__.py")
+    found = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_pkg else name.split(".")[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        for t in targets:
+            while t not in MODULES and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in MODULES and t != name and t.startswith("megatron_klear"):
+                found.add(t)
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _layer(module: str):
+    if module in ENTRY_POINTS:
+        return ENTRY_POINTS[module]
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_package_has_a_layer():
+    missing = sorted({m.split(".")[1] for m in MODULES if "." in m} - set(LAYERS))
+    assert not missing, f"packages without a layer in this test (and in docs/architecture.md): {missing}"
+
+
+def test_imports_only_run_down_the_layers():
+    upward = [(a, b) for a, bs in GRAPH.items() for b in bs
+              if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)]
+    assert not upward, "imports running up the layers: " + ", ".join(f"{a} -> {b}" for a, b in sorted(upward))
+
+
+def test_no_import_circle():
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(GRAPH[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            # a package re-exporting its own submodule lazily is not a circle a reader follows
+            if len(comp) > 1 and not all(c == min(comp) or c.startswith(min(comp) + ".") for c in comp):
+                circles.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+@pytest.mark.parametrize("importer,imported", FORBIDDEN)
+def test_arrows_that_must_never_exist(importer, imported):
+    bad = [(a, b) for a, bs in GRAPH.items() for b in bs
+           if (a == importer or a.startswith(importer + ".")) and (b == imported or b.startswith(imported + "."))]
+    assert not bad, f"{bad}"
+
+
+def test_no_module_is_longer_than_a_reader_can_hold():
+    long = {m: n for m, p in MODULES.items() if (n := sum(1 for _ in open(p, encoding="utf-8"))) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_checker_sees_a_known_arrow_and_its_direction():
+    # the graph is not empty by accident: the loop reads the rollout manager, never the reverse
+    assert "megatron_klear.rl.rollout_manager" in GRAPH["megatron_klear.rl.loop"]
+    assert "megatron_klear.rl.loop" not in GRAPH["megatron_klear.rl.rollout_manager"]
+    assert _layer("megatron_klear.rollout.factory") < _layer("megatron_klear.rl.loop")
