@@ -253,7 +253,7 @@ def main() -> int:
 
     import torch.multiprocessing as mp
 
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     work = args.workdir or tempfile.mkdtemp(prefix="klear-bench-wsync-")
     os.makedirs(work, exist_ok=True)

@@ -39,7 +39,7 @@ def _torchrun(n, *args, env=None):
 def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl, write_sft_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
 
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}

@@ -65,7 +65,7 @@ def test_sft_qwen3_32b_at_tp2_with_sequence_parallelism(data):
 
 
 def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
 
     layout = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.cp=1", "parallel.ep=2"]

@@ -57,7 +57,7 @@ def test_every_expert_reaches_the_engines_at_ep2(models, tmp_path, world, overri
 
     from megatron_klear.checkpoint.hf_io import HFReader
     from megatron_klear.rollout.embedded import EmbeddedEngine
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
 
     server = EmbeddedHTTPEngine.launch(models["a"], weight_sync_timeout=30, startup_timeout=120)

@@ -94,7 +94,7 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
     the trainer's. If a reload were skipped, step 2's sampling log-probs would disagree with the
     trainer's recompute and the probe would too."""
     from megatron_klear.rollout.base import SamplingParams
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
     from tests.rollout.processes import router
 
@@ -140,7 +140,7 @@ def test_a_frozen_worker_stops_the_run_in_bounded_time_and_a_restart_resumes(set
     import signal
     import time
 
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from tests.rollout.processes import router
 
     servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120) for _ in range(2)]

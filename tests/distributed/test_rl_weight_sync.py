@@ -26,7 +26,7 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(setup):
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     servers = [EmbeddedHTTPEngine.launch(setup["model"], weight_sync_timeout=30, startup_timeout=120) for _ in range(2)]
     yield servers

@@ -73,7 +73,7 @@ def models(tmp_path_factory):
 
 
 def _launch(model, n=2):
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     servers = []
     try:

@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-from megatron_klear.rollout.embedded_http import stop_process as stop  # noqa: E402
+from megatron_klear.rollout.sglang_standin import stop_process as stop  # noqa: E402
 
 
 def _get_json(url: str, timeout: float = 2.0):

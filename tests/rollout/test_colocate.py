@@ -26,7 +26,7 @@ def _params(engine):
 def served(tiny_hf):
     """Two in-thread embedded servers of the tied tiny model, with --enable-memory-saver."""
     from megatron_klear.rollout.embedded import EmbeddedEngine
-    from megatron_klear.rollout.embedded_http import serve_in_thread
+    from megatron_klear.rollout.sglang_standin import serve_in_thread
 
     out = []
     for _ in range(2):
@@ -108,7 +108,7 @@ def test_a_server_without_the_memory_saver_is_named(tiny_hf):
     """Without --enable-memory-saver SGLang's release frees nothing (a no-op saver): the client names
     the flag before a colocated run starts."""
     from megatron_klear.rollout.embedded import EmbeddedEngine
-    from megatron_klear.rollout.embedded_http import serve_in_thread
+    from megatron_klear.rollout.sglang_standin import serve_in_thread
 
     engine = EmbeddedEngine.from_pretrained(tiny_hf["tied"])
     server, url = serve_in_thread(engine)
@@ -189,7 +189,7 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
     every sync that both serve exactly the trainer's weights."""
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from tests.distributed.helper import run_distributed
     from tests.distributed.test_rl_loop import _overrides, _run
     from tests.rollout.processes import router

@@ -19,8 +19,8 @@ import torch
 
 from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import EmbeddedEngine, PromptRequest, load_tokenizer
-from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine, parse_generate_request, serve_in_thread
 from megatron_klear.rollout.embedded.sampling import sample_seed
+from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine, parse_generate_request, serve_in_thread
 from tests.rollout.conftest import PROMPTS
 from tests.rollout.sglang_contract import validate_generate_response
 

@@ -30,7 +30,7 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(moe_dir):
-    from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     on = EmbeddedHTTPEngine.launch(moe_dir, return_routed_experts=True, startup_timeout=120)
     off = EmbeddedHTTPEngine.launch(moe_dir, startup_timeout=120)

@@ -10,7 +10,7 @@ import pytest
 
 from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import EmbeddedEngine
-from megatron_klear.rollout.embedded_http import EmbeddedHTTPEngine
+from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
 from tests.rollout.conftest import PROMPTS
 from tests.rollout.processes import fake_worker, recorded, router

@@ -5,7 +5,7 @@ it too, with the contract's text."""
 import pytest
 
 from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
-from megatron_klear.rollout.embedded_http import SAMPLING_FIELDS, serve_in_thread
+from megatron_klear.rollout.sglang_standin import SAMPLING_FIELDS, serve_in_thread
 from tests.rollout.conftest import PROMPTS
 from tests.rollout.sglang_contract import contract_error, load_contract, validate_generate_request, validate_generate_response
 from tests.rollout.test_embedded_http import _post
