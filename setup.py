@@ -20,6 +20,9 @@ setup(
         "pyyaml",
         # the rollout client: thousands of concurrent /generate requests per RL step
         "httpx>=0.27",
+        # the SGLang stand-in server: fastapi 0.100 (pydantic 2), uvicorn 0.29 (Server.capture_signals)
+        "fastapi>=0.100",
+        "uvicorn>=0.29",
         # math-verify's parsing changes between releases: pinned (see rewards/math.py).
         "math-verify[antlr4_13_2]==0.9.0",
     ],
