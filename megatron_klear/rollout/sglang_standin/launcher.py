@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,12 +30,24 @@ SHUTDOWN_GRACE_S = 5  # a call still running this long after shutdown is cancell
 
 
 class _Uvicorn(uvicorn.Server):
-    """uvicorn leaving the process's signals alone: SIGTERM ends a server process at once and SIGINT
-    raises KeyboardInterrupt (uvicorn's handlers would first wait for the running requests)."""
+    """uvicorn with a server process's signals kept: SIGTERM ends it at once (uvicorn would first
+    wait for the running requests), SIGINT (Ctrl-C) calls ``on_interrupt`` in the event loop."""
+
+    def __init__(self, config, on_interrupt):
+        super().__init__(config)
+        self.on_interrupt = on_interrupt
 
     @contextlib.contextmanager
     def capture_signals(self):
-        yield
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, self.on_interrupt)
+        try:
+            yield
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
 
 
 class StandinServer:
@@ -57,7 +71,7 @@ class StandinServer:
                                 log_level="warning", access_log=False, proxy_headers=False, server_header=False,
                                 headers=[("server", SERVER_HEADER)], timeout_keep_alive=KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-        self.uvicorn = _Uvicorn(config)
+        self.uvicorn = _Uvicorn(config, on_interrupt=self._stop)
         self._serving = False
         self._stopped = threading.Event()
 
@@ -68,18 +82,24 @@ class StandinServer:
         finally:
             self._stopped.set()
 
+    def _stop(self) -> None:
+        self.state.scheduler.close()
+        self.uvicorn.should_exit = True
+
     def shutdown(self) -> None:
         """Stop serving; returns once :meth:`serve_forever` has. Running requests end (finish_reason
         abort), queued ones answer 500, idle kept-alive connections are closed at once and the others
-        after their answer."""
-        self.state.scheduler.close()
-        self.uvicorn.should_exit = True
+        after their answer; a call still running after ``SHUTDOWN_GRACE_S`` is cancelled."""
+        self._stop()
         if self._serving:
             self._stopped.wait()
 
     def server_close(self) -> None:
+        """:meth:`shutdown`, then close the socket and wait (at most ``SHUTDOWN_GRACE_S``) for the
+        engine to stop."""
         self.shutdown()
         self.socket.close()
+        self.state.scheduler.join(SHUTDOWN_GRACE_S)
 
 
 def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
@@ -238,8 +258,6 @@ def stop_process(proc, timeout: float = 10.0) -> None:
     """Terminate ``proc`` (SIGCONT first: a stopped process ignores SIGTERM until continued), then
     kill it if it has not exited within ``timeout`` seconds."""
     if proc.poll() is None:
-        import signal
-
         try:
             os.kill(proc.pid, signal.SIGCONT)
         except ProcessLookupError:

@@ -10,7 +10,7 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request, Response
-from starlette.concurrency import run_in_threadpool
+from fastapi.concurrency import run_in_threadpool
 
 from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import PromptRequest, context_length_error

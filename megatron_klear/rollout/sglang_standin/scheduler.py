@@ -236,3 +236,9 @@ class Scheduler:
         for job in pending:
             job.error = RuntimeError("the server shut down")
             job.finish()
+
+    def join(self, timeout: float | None = None) -> None:
+        """(After :meth:`close`.) Wait for the engine to stop: it ends the running rows at its next
+        decode step. A process exiting while the engine computes aborts ("terminate called without
+        an active exception")."""
+        self._thread.join(timeout)
