@@ -4,6 +4,7 @@ control routes (pause / continue / abort, weight updates, versions, info); concu
 batched into one engine call with the tokens they get alone; and the real sglang-router in front
 of two servers."""
 import concurrent.futures
+import http.client
 import json
 import re
 import socket
@@ -269,6 +270,75 @@ def test_client_timeouts_and_unreachable_server():
         with pytest.raises(RuntimeError, match=r"0.5 s"):
             client.model_info()
     assert not EmbeddedHTTPEngine("http://127.0.0.1:9", timeout=1).health()
+
+
+# ------------------------------------------------------------------------------------------------
+# HTTP behaviour (FastAPI + uvicorn): methods, the body limit, kept-alive connections
+# ------------------------------------------------------------------------------------------------
+def _raw(url, method, path, body=b"", headers=()):
+    """(status, parsed JSON | None) over a fresh http.client connection (headers sent as given)."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=30)
+    try:
+        conn.putrequest(method, path)
+        for k, v in headers:
+            conn.putheader(k, v)
+        conn.endheaders(body or None)
+        r = conn.getresponse()
+        raw = r.read()
+        return r.status, json.loads(raw) if raw else None
+    finally:
+        conn.close()
+
+
+def test_methods_and_unknown_routes_answer_as_sglangs_fastapi_server(thread_server):
+    _, url, _ = thread_server
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2, "sampling_seed": 1}}
+    assert _call("PUT", url + "/generate", body)[0] == 200  # /generate takes POST and PUT
+    assert _get(url + "/generate") == (405, {"detail": "Method Not Allowed"})
+    assert _post(url + "/health", {}) == (405, {"detail": "Method Not Allowed"})
+    assert _get(url + "/weights_checker")[1]["success"] is True  # GET and POST
+    for path in ("/health/", "/docs", "/openapi.json", "/redoc"):  # no redirects, no docs routes
+        assert _get(url + path) == (404, {"detail": "Not Found"}), path
+    # bodies are decoded by the server (never FastAPI's 422): not JSON, or over the 1 GiB limit, is a 400
+    status, payload = _raw(url, "POST", "/generate", b"{nope", [("Content-Type", "application/json"),
+                                                                 ("Content-Length", "5")])
+    assert status == 400 and payload["error"]["message"].startswith("the request body is not valid JSON")
+    status, payload = _raw(url, "POST", "/pause_generation", headers=[("Content-Length", str((1 << 30) + 1))])
+    assert status == 400 and "over the 1073741824-byte limit" in payload["error"]["message"], payload
+
+
+def test_kept_alive_connections_have_tcp_nodelay_survive_errors_and_close_on_shutdown(tiny_hf, monkeypatch):
+    engine = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
+    server, url = _serve(engine)
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+
+    def ask(method, path, body=None):
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read()
+        return r.status, json.loads(raw) if raw else None
+
+    try:
+        assert ask("GET", "/health") == (200, None)
+        (served,) = server.uvicorn.server_state.connections  # one connection serves every request below
+        sock = served.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)  # no 40 ms delayed-ACK stall
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(engine, "generate_requests", broken)
+        assert ask("POST", "/generate", {"input_ids": [1, 2]}) == (500, {"error": {"message": "RuntimeError: boom"}})
+        assert ask("GET", "/ready") == (200, None)  # the same connection, still open
+        assert set(server.uvicorn.server_state.connections) == {served}
+        t0 = time.monotonic()
+        _stop(server)
+        assert time.monotonic() - t0 < 3.0
+        assert conn.sock.recv(1) == b""  # the idle kept-alive connection was closed by the server
+    finally:
+        conn.close()
+        _stop(server)
 
 
 # ------------------------------------------------------------------------------------------------
