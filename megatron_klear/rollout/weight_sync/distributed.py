@@ -72,12 +72,11 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         self._started = None  # rank 0: the future of the servers' pause + begin of the current sync
         self._layouts = {}  # stage -> [(names, dtypes, shapes) per bucket] of the last sync (per-tensor format)
 
-
     def _device(self) -> torch.device:
+        """Where a bucket's tensors are broadcast from: the GPU with NCCL, the CPU with gloo."""
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-
 
     # -- a sync -------------------------------------------------------------------------------------
     def sync(self, version) -> dict:
