@@ -36,8 +36,8 @@ def main() -> int:
     import httpx
 
     from megatron_klear.models.tiny import make_tiny_qwen3
-    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     work = tempfile.mkdtemp(prefix="klear-bench-control-")
     servers = []
