@@ -23,6 +23,12 @@ FORBIDDEN = [
     ("megatron_klear.rollout.embedded", "megatron_klear.rollout.sglang_standin"),  # an engine and its server
     ("megatron_klear.rollout.sglang", "megatron_klear.rollout.sglang_standin"),  # the client and the stand-in
     ("megatron_klear.rollout.weight_sync", "megatron_klear.rollout.sglang_standin"),
+    ("megatron_klear.rollout", "megatron_klear.training"),  # engines get weights by name, not trainer state
+]
+# leaves: (package or module, the megatron_klear modules it may import, third-party roots it must not)
+LEAVES = [
+    ("megatron_klear.rewards", ("megatron_klear.rewards", "megatron_klear.platform.process"), ("torch", "megatron")),
+    ("megatron_klear.rl.losses", (), ("megatron",)),
 ]
 
 
@@ -122,6 +128,27 @@ def test_arrows_that_must_never_exist(importer, imported):
     bad = [(a, b) for a, bs in GRAPH.items() for b in bs
            if (a == importer or a.startswith(importer + ".")) and (b == imported or b.startswith(imported + "."))]
     assert not bad, f"{bad}"
+
+
+def _third_party(name: str) -> set:
+    roots = set()
+    for node in ast.walk(ast.parse(open(MODULES[name], encoding="utf-8").read())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("leaf,allowed,banned", LEAVES)
+def test_leaves_stay_leaves(leaf, allowed, banned):
+    members = [m for m in MODULES if m == leaf or m.startswith(leaf + ".")]
+    assert members
+    inward = [(m, t) for m in members for t in GRAPH[m]
+              if not any(t == a or t.startswith(a + ".") for a in allowed)]
+    assert not inward, f"{leaf} imports the package beyond {allowed}: {inward}"
+    outward = [(m, r) for m in members for r in _third_party(m) if r in banned]
+    assert not outward, f"{leaf} imports {banned}: {outward}"
 
 
 def test_no_module_is_longer_than_a_reader_can_hold():

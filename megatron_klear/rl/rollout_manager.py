@@ -44,8 +44,8 @@ class RolloutManager:
         """Collective, once the trainer exists: the engine (rank 0; the embedded one loads the
         trainer's weights), its context checked against the longest request, the grading pool (rank
         0) and the weight-push path (every rank)."""
-        from megatron_klear.rl.weight_push import export_weights, make_weight_push
         from megatron_klear.rollout.factory import make_engine
+        from megatron_klear.rollout.weight_sync import export_hf_for_engine, make_weight_push
 
         cfg, r = self.cfg, self.cfg.rollout
         self.state, self.actor, self.tokenizer, self.vocab_size = state, actor, tokenizer, arch.vocab_size
@@ -55,8 +55,8 @@ class RolloutManager:
         in_process = r.engine == "embedded"
         if is_rank0() and (in_process or r.weight_sync == "disk"):
             os.makedirs(sync_dir, exist_ok=True)
-        model_dir = export_weights(state.model, arch, os.path.join(sync_dir, "current"), tokenizer_dir) if in_process \
-            else cfg.model.path
+        model_dir = export_hf_for_engine(state.model, arch, os.path.join(sync_dir, "current"),
+                                         tokenizer_dir=tokenizer_dir) if in_process else cfg.model.path
         if is_rank0():
             from megatron_klear.rewards import GradingPool
 
@@ -68,7 +68,7 @@ class RolloutManager:
             self.pool = GradingPool(cfg.reward)
             if needs_sandbox:
                 self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
-        self.weights = make_weight_push(cfg, state, arch, self.engine, sync_dir, tokenizer_dir, self.placement)
+        self.weights = make_weight_push(r, state, arch, self.engine, sync_dir, tokenizer_dir, self.placement)
 
     # -- the verbs ----------------------------------------------------------------------------------
     def generate(self, prompts, step: int):

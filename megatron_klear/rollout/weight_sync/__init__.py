@@ -10,15 +10,19 @@ gathered from TP / PP / EP by each pipeline stage's leader):
   its stage's buckets to every server over its own process group (:mod:`.distributed_groups`,
   :mod:`.distributed_buckets`; the wire format is :mod:`.update_group`).
 
-A new path (e.g. CUDA IPC for colocated servers) is one new module beside these.
+Each path also has the rollout manager's face (``push(version) -> metrics``, ``close()``,
+``to_servers``): :class:`InProcessPush`, :class:`DiskPush`, :class:`DistributedWeightSync` itself;
+:func:`make_weight_push` (:mod:`.push`) picks one from the ``rollout`` config. A new path (e.g. CUDA
+IPC for colocated servers) is one new module beside these and one line in :mod:`.push`.
 """
-from megatron_klear.rollout.weight_sync.disk import export_hf_for_engine, remove_old_versions
+from megatron_klear.rollout.weight_sync.disk import DiskPush, export_hf_for_engine, remove_old_versions
 from megatron_klear.rollout.weight_sync.distributed import DistributedWeightSync
 from megatron_klear.rollout.weight_sync.distributed_groups import WeightSyncError, route_address
 from megatron_klear.rollout.weight_sync.gather import (StagePart, iter_buckets, iter_model_hf_weights,
                                                        iter_stage_hf_tensors, stage_leaders)
-from megatron_klear.rollout.weight_sync.in_process import sync_weights
+from megatron_klear.rollout.weight_sync.in_process import InProcessPush, sync_weights
+from megatron_klear.rollout.weight_sync.push import make_weight_push
 
-__all__ = ["DistributedWeightSync", "StagePart", "WeightSyncError", "export_hf_for_engine", "iter_buckets",
-           "iter_model_hf_weights", "iter_stage_hf_tensors", "remove_old_versions", "route_address", "stage_leaders",
-           "sync_weights"]
+__all__ = ["DiskPush", "DistributedWeightSync", "InProcessPush", "StagePart", "WeightSyncError", "export_hf_for_engine",
+           "iter_buckets", "iter_model_hf_weights", "iter_stage_hf_tensors", "make_weight_push", "remove_old_versions",
+           "route_address", "stage_leaders", "sync_weights"]

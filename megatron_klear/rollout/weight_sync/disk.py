@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from megatron_klear.platform import is_rank0
+from megatron_klear.platform import barrier, is_rank0
 from megatron_klear.rollout.weight_sync.gather import iter_model_hf_weights
 
 
@@ -33,3 +33,31 @@ def remove_old_versions(sync_dir: str, keep: str) -> list:
             shutil.rmtree(os.path.join(sync_dir, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+class DiskPush:
+    """``rollout.weight_sync=disk``, the rollout manager's path (``push(version) -> metrics``): the
+    weights go to ``<sync_dir>/step_NNNNNNN`` and every server reloads them; older versions are
+    removed once the servers report the new one. ``placement`` (the rollout manager's: servers on
+    their own GPUs, or sharing the trainer's) makes the trainer give way before the load
+    (``before_load(state) -> metrics``) and performs it (``load(engine, path, version)``, rank 0)."""
+
+    to_servers = True
+
+    def __init__(self, state, arch, engine, sync_dir: str, tokenizer_dir: str | None, placement):
+        self.state, self.arch, self.engine = state, arch, engine
+        self.sync_dir, self.tokenizer_dir, self.placement = sync_dir, tokenizer_dir, placement
+
+    def push(self, version: int) -> dict:
+        name = f"step_{version:07d}"
+        path = export_hf_for_engine(self.state.model, self.arch, os.path.join(self.sync_dir, name),
+                                    tokenizer_dir=self.tokenizer_dir)
+        metrics = self.placement.before_load(self.state)
+        if is_rank0():
+            self.placement.load(self.engine, path, version)
+            remove_old_versions(self.sync_dir, keep=name)
+        barrier()
+        return metrics
+
+    def close(self) -> None:
+        pass

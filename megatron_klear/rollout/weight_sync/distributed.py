@@ -72,6 +72,21 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         self._started = None  # rank 0: the future of the servers' pause + begin of the current sync
         self._layouts = {}  # stage -> [(names, dtypes, shapes) per bucket] of the last sync (per-tensor format)
 
+    # -- the rollout manager's path (push(version) -> metrics) ---------------------------------------
+    to_servers = True
+
+    @classmethod
+    def from_config(cls, model_chunks, engine, r) -> "DistributedWeightSync":
+        """From a ``rollout`` config section (its ``sync_*`` keys and control timeout)."""
+        return cls(model_chunks, engine, bucket_mb=r.sync_bucket_mb, backend=r.sync_backend,
+                   master_addr=r.sync_master_addr, master_port=r.sync_master_port,
+                   group_timeout=r.sync_group_timeout_s, bucket_timeout=r.sync_bucket_timeout_s,
+                   control_timeout=r.control_timeout_s)
+
+    def push(self, version: int) -> dict:
+        stats = self.sync(version=version)
+        return {"weights/sync_bytes": stats.get("bytes", 0), "weights/sync_buckets": stats.get("buckets", 0)}
+
     def _device(self) -> torch.device:
         """Where a bucket's tensors are broadcast from: the GPU with NCCL, the CPU with gloo."""
         if self.backend == "nccl":

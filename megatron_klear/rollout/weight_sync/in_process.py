@@ -17,3 +17,19 @@ def sync_weights(model_chunks, engine, *, version: int | None = None) -> None:
         pass
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+class InProcessPush:
+    """The in-process engine's path of the rollout manager (``push(version) -> metrics``)."""
+
+    to_servers = False  # no servers to check
+
+    def __init__(self, model_chunks, engine):
+        self.model_chunks, self.engine = model_chunks, engine
+
+    def push(self, version: int) -> dict:
+        sync_weights(self.model_chunks, self.engine, version=version)
+        return {}
+
+    def close(self) -> None:
+        pass
