@@ -7,11 +7,13 @@ against SGLang's contract. Generation answers in SGLang's response shape: each s
 
     python tests/rollout/fake_sglang_worker.py --port-file F --record R.jsonl [--generate-delay S]
         [--fail-first K] [--status CODE] [--abort-first K] [--non-json] [--context-length C]
-        [--tp-size N] [--hang-init]
+        [--tp-size N] [--hang-init] [--fail-post PATH,PATH...]
 
 The routes of SGLang's distributed weight update answer ``{"success": true}`` without joining any
 process group (``/update_weight_version`` sets the version); with ``--hang-init``,
-``/init_weights_update_group`` never answers (a server that never joins the group).
+``/init_weights_update_group`` never answers (a server that never joins the group). With
+``--fail-post``, each POST to one of those paths answers 400 ``{"success": false, "message":
+"injected failure of PATH"}`` (SGLang's shape for a failed control call).
 """
 from __future__ import annotations
 
@@ -81,6 +83,8 @@ class Handler(BaseHTTPRequestHandler):
         st, a = self.server.state, self.server.state.args
         body = self._body()
         st.record("POST", self.path, body, self.client_address)
+        if self.path in a.fail_post:
+            return self._send(400, {"success": False, "message": f"injected failure of {self.path}"})
         if self.path == "/generate":
             with st.lock:
                 st.generate_calls += 1
@@ -138,6 +142,7 @@ def main():
     ap.add_argument("--context-length", type=int, default=40960)
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--hang-init", action="store_true")
+    ap.add_argument("--fail-post", type=lambda v: v.split(","), default=[])
     args = ap.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True

@@ -220,3 +220,13 @@ def test_rollout_config_reaches_the_client(tmp_path):
     assert (engine.max_concurrent_requests, engine.request_granularity, engine.max_retries) == (3, "sample", 4)
     assert (engine.health_check_interval, engine.health_check_timeout, engine.health_failure_threshold) == (2, 3, 5)
     assert engine.send_seed and engine.workers() == [url]
+
+
+def test_a_failed_disk_update_is_reported_not_the_resume_after_it(tmp_path):
+    """Issue 20 item 6: the /continue_generation of the cleanup used to replace the update's error."""
+    with fake_worker(tmp_path, fail_post="/update_weights_from_disk,/continue_generation") as (url, record, _):
+        client = SGLangEngine([url], **FAST)
+        with pytest.raises(EngineError, match=r"/update_weights_from_disk failed") as e:
+            client.load_from_disk("/some/dir", version=3)
+    assert "/continue_generation" in " ".join(getattr(e.value, "__notes__", [])), e.value
+    assert len(recorded(record, "/continue_generation")) >= 1  # the resume was still tried

@@ -79,8 +79,15 @@ class Control:
                 result = self._request("POST", "/update_weights_from_disk", body, timeout=self.weight_update_timeout, url=w)
                 if not isinstance(result, dict) or not result.get("success", False):
                     raise EngineError(f"rollout: {w}/update_weights_from_disk failed: {(result or {}).get('message')}")
-            finally:
-                self._request("POST", "/continue_generation", {}, url=w)
+            except BaseException as cause:
+                # resume the worker, but the update's failure is the one reported (the resume's, if
+                # it fails too, rides along as a note)
+                try:
+                    self._request("POST", "/continue_generation", {}, url=w)
+                except Exception as cleanup:  # noqa: BLE001
+                    cause.add_note(f"(then {w}/continue_generation failed too: {cleanup})")
+                raise
+            self._request("POST", "/continue_generation", {}, url=w)
             if version is not None:
                 reported = (self.model_info(w) or {}).get("weight_version")
                 if str(reported) != version:
