@@ -305,3 +305,20 @@ def test_ranks_die_with_torchrun(tmp_path):
         assert all(_gone(pid) for pid in ranks), "ranks outlived torchrun"
     finally:
         _kill_if_alive(p.pid, *ranks)
+
+
+# -- issue 20 item 6: a wrong shape names the file ----------------------------------------------------
+def test_a_tensor_that_does_not_fit_the_config_names_its_file(tiny_hf, tmp_path):
+    from megatron_klear.checkpoint.convert import hf_to_megatron
+
+    hf = str(tmp_path / "hf")
+    shutil.copytree(tiny_hf["untied"], hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    config["hidden_size"] *= 2
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=rf"^{hf}/model-\d+-of-\d+\.safetensors: tensor 'model\.embed_tokens\.weight' "
+                                         rf"has shape .* from the config \({hf}/config\.json\)$"):
+        hf_to_megatron(hf, str(tmp_path / "out"), progress=False)
+    assert not os.path.exists(tmp_path / "out")

@@ -129,7 +129,11 @@ def hf_to_megatron(
             rule = rules.get(cname)
             if rule is None:
                 raise MappingError(f"model parameter '{cname}' has no HF mapping")
-            full = to_megatron(rule, [reader.get(k) for k in rule.hf], arch, model.vocab_size)
+            try:
+                full = to_megatron(rule, [reader.get(k) for k in rule.hf], arch, model.vocab_size)
+            except MappingError as e:  # the shapes the config implies: name both files
+                key = next((k for k in rule.hf if f"'{k}'" in str(e)), rule.hf[0])
+                raise MappingError(f"{reader.path_of(key)}: {e} ({os.path.join(hf_dir, 'config.json')})") from None
             _set_param(model, name, _stage(full.to(torch_dtype), staging, i))
             consumed += rule.hf
             if bar:

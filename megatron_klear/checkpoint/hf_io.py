@@ -90,6 +90,10 @@ class HFReader:
             by_file.setdefault(fname, []).append(key)
         return sorted(by_file.items())
 
+    def path_of(self, key: str) -> str:
+        """The file that holds tensor ``key``."""
+        return os.path.join(self.dir, self.weight_map[key])
+
     def get(self, key: str) -> torch.Tensor:
         if key not in self.weight_map:
             raise KeyError(f"{self.dir}: tensor '{key}' is not in the checkpoint")
