@@ -322,3 +322,19 @@ def test_a_tensor_that_does_not_fit_the_config_names_its_file(tiny_hf, tmp_path)
                                          rf"has shape .* from the config \({hf}/config\.json\)$"):
         hf_to_megatron(hf, str(tmp_path / "out"), progress=False)
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_code_item_whose_tests_do_not_match_is_a_bad_line_not_a_zero(tmp_path, capsys):
+    """It used to get reward 0.0, as if the response were wrong."""
+    from megatron_klear.rewards.cli import grade_main
+
+    inp, out = str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")
+    with open(inp, "w") as f:
+        f.write(json.dumps({"id": "c", "task": "code", "response": "print(1)",
+                            "tests": {"inputs": [], "outputs": ["1"]}}) + "\n")
+    assert grade_main(["--input", inp, "--output", out, "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{inp}:1: tests: 0 inputs but 1 outputs" in err, err
+    assert err.strip().splitlines()[-1].startswith("error: 1 malformed input line(s)"), err
+    (record,) = [json.loads(line) for line in open(out)]
+    assert record["reward"] is None and record["error"] == f"{inp}:1: tests: 0 inputs but 1 outputs"

@@ -4,8 +4,9 @@
 
 Each input line is {"id", "task": "math", "response", "answer"} or {"id", "task": "code",
 "response", "tests": {"inputs", "outputs", "fn_name"?}}; each output line repeats the id and adds
-reward, passed, total, error (null or a reason). A malformed line gets reward null, and the exit
-status is 1 when there are more of them than --max-bad-lines (default 0). See
+reward, passed, total, error (null or a reason). A malformed line (a code item whose tests do not
+match included) is named on stderr as FILE:LINE and gets reward null, and the exit status is 2
+when there are more of them than --max-bad-lines (default 0). See
 megatron_klear/rewards/cli.py.
 """
 import os

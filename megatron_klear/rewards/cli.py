@@ -7,8 +7,9 @@ Output lines, one per non-blank input line, in input order:
                "detail": ..., "tests": [...]}
 A bad (malformed) line is reported on stderr with its file and line number and gets a record
 with ``reward: null`` and the reason in ``error`` (id null when it had none), never a score that
-looks like a wrong answer; the other lines are graded. The exit status is 1 when there were more
-bad lines than ``--max-bad-lines`` (default 0), after writing everything. Progress (items/s, ETA)
+looks like a wrong answer; the other lines are graded. The exit status is 2 (a user error, as
+everywhere in the project) when there were more bad lines than ``--max-bad-lines`` (default 0),
+after writing everything; the last line of stderr then says so. Progress (items/s, ETA)
 goes to stderr. The output is written under a temporary name and renamed when complete, next to a
 manifest.
 """
@@ -122,7 +123,7 @@ def grade_main(argv=None) -> int:
     ap.add_argument("--code-max-tests", type=int, default=None, help="tests sampled per code item (0: all)")
     ap.add_argument("--seed", type=int, default=None, help="seed of the test sampling")
     ap.add_argument("--max-bad-lines", type=int, default=0,
-                    help="malformed input lines tolerated before the exit status is 1 (default 0); they are "
+                    help="malformed input lines tolerated before the exit status is 2 (default 0); they are "
                          "written with reward null either way")
     args = ap.parse_args(argv)
     cfg = _load_config(args)
@@ -145,5 +146,5 @@ def grade_main(argv=None) -> int:
     if bad > args.max_bad_lines:
         print(f"error: {bad} malformed input line(s) in {args.input} (more than --max-bad-lines {args.max_bad_lines}); "
               "their records have reward null and the reason in 'error'", file=sys.stderr)
-        return 1
+        return 2
     return 0

@@ -57,6 +57,12 @@ def parse_item(obj, where: str = "item") -> GradeItem:
     tests = obj.get("tests")
     if not isinstance(tests, dict):
         raise BadItem(f"{where}: field 'tests' must be an object with 'inputs' and 'outputs'")
+    from .code import BadTests, parse_tests
+
+    try:  # tests that cannot be run (0 inputs for 1 output ...) are the item's fault, not the response's
+        parse_tests(tests)
+    except BadTests as e:
+        raise BadItem(f"{where}: {e}") from None
     return GradeItem(id=obj["id"], task=task, response=response, tests=tests)
 
 

@@ -47,7 +47,7 @@ def test_grade_cli_end_to_end(tmp_path, capfd):
     out = str(tmp_path / "out.jsonl")
     rc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "grade.py"), "--input", inp,
                          "--output", out, "--workers", "2"], capture_output=True, text=True, timeout=300)
-    assert rc.returncode == 1, rc.stderr  # malformed lines: graded the rest, but not a success
+    assert rc.returncode == 2, rc.stderr  # malformed lines: graded the rest, but not a success (a user error)
     assert rc.stderr.strip().splitlines()[-1] == (
         f"error: 4 malformed input line(s) in {inp} (more than --max-bad-lines 0); "
         "their records have reward null and the reason in 'error'")
@@ -75,7 +75,7 @@ def test_grade_cli_exit_status_and_max_bad_lines(tmp_path, capsys):
     """Every line malformed used to exit 0; --max-bad-lines sets how many are tolerated."""
     all_bad = _write_lines(tmp_path / "bad.jsonl", ["not json", {"id": 1, "task": "math"}])
     out = str(tmp_path / "out.jsonl")
-    assert grade_main(["--input", all_bad, "--output", out, "--workers", "1"]) == 1
+    assert grade_main(["--input", all_bad, "--output", out, "--workers", "1"]) == 2
     assert [r["reward"] for r in _read_jsonl(out)] == [None, None]
     assert "error: 2 malformed input line(s)" in capsys.readouterr().err
     some_bad = _write_lines(tmp_path / "some.jsonl", GRADE_LINES[:3])
