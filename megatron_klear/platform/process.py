@@ -8,7 +8,9 @@
   and RL entry points, it makes them die with torchrun.
 * :func:`start_checkpoint_writer_manager`: Megatron's torch_dist writer starts a
   ``multiprocessing.Manager`` server (a spawned process, with a resource tracker) on the first
-  save and never stops it; started here instead, it dies with the rank.
+  save and never stops it; started here instead, it dies with the rank, and only with it: it
+  leaves the rank's process group and ignores the stop signals, so that the checkpoint a rank
+  writes when told to stop (torchrun's ``killpg(SIGTERM)``, Slurm's ``--signal``) can still use it.
 * :class:`RunLock`: a lock file (pid, host, start time) that a second run on the same directory
   sees; a lock whose owner is gone on this host is taken over, with a message.
 
@@ -72,7 +74,24 @@ def die_with_launcher() -> bool:
 
 
 # -- Megatron's checkpoint writer ------------------------------------------------------------------
+# What the ranks take as "save a checkpoint and stop" (training/signals.py), plus what torchrun
+# forwards by default: the manager must outlive all of them, since the rank's last save needs it.
+WRITER_IGNORES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+
+
 def _manager_init(parent: int) -> None:
+    """In the manager process, before it serves. torchrun stops a rank with ``killpg`` on the
+    rank's process group, and Slurm's ``--signal`` (proctrack/cgroup) signals every process of the
+    job step: neither may end the manager before the rank has written its last checkpoint (its
+    queue then fails with ``BrokenPipeError`` inside ``dist_checkpointing.save``). It leaves the
+    group and ignores those signals; it still dies with the rank (``PR_SET_PDEATHSIG``)."""
+    for name in WRITER_IGNORES:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
     die_with_parent(signal.SIGKILL, expected_parent=parent)
 
 

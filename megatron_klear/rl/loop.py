@@ -126,11 +126,17 @@ class RLLoop:
         while self.rl_step < self.steps:
             metrics = self.step()
             self.logger.log(self.rl_step, metrics, console_keys=CONSOLE_KEYS)
-            stopping = term.should_stop()
+            stopping = term.should_stop()  # SIGTERM, SIGINT or SIGUSR1: save this step and stop
             interval = self.cfg.train.save_interval
             if self.ckpt and (stopping or self.rl_step == self.steps or (interval and self.rl_step % interval == 0)):
                 self.save()
-            if stopping or (stop_after is not None and self.rl_step >= stop_after):
+            if stopping:
+                if is_rank0():
+                    where = (f"checkpoint of step {self.rl_step} saved in {self.cfg.train.save_dir}" if self.ckpt
+                             else "no train.save_dir")
+                    print(f"stopped on {term.signal_name} after step {self.rl_step}/{self.steps}: {where}", flush=True)
+                break
+            if stop_after is not None and self.rl_step >= stop_after:
                 break
         self.close()
         return metrics

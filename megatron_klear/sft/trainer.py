@@ -169,11 +169,16 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
             metrics["moe/aux_loss"] = aux
         if state.step % cfg.train.log_interval == 0 or state.step == total_steps:
             logger.log(state.step, metrics)
-        stopping = term.should_stop()
+        stopping = term.should_stop()  # SIGTERM, SIGINT or SIGUSR1: save this step and stop
         if ckpt and (stopping or state.step == total_steps
                      or (cfg.train.save_interval and state.step % cfg.train.save_interval == 0)):
             save()
-        if stopping or (stop_after is not None and state.step >= stop_after):
+        if stopping:
+            if is_rank0():
+                where = f"checkpoint of step {state.step} saved in {cfg.train.save_dir}" if ckpt else "no train.save_dir"
+                print(f"stopped on {term.signal_name} after step {state.step}/{total_steps}: {where}", flush=True)
+            break
+        if stop_after is not None and state.step >= stop_after:
             break
     logger.close()
     if ckpt:

@@ -1,31 +1,89 @@
-"""SIGTERM (a scheduler's preemption, torchrun forwarding Ctrl-C) -> checkpoint, then exit."""
+"""Preemption: SIGTERM, SIGINT or SIGUSR1 -> finish the step, save a checkpoint, exit 0.
+
+Who sends what (docs/checkpoints.md#preemption):
+
+* ``kill -TERM <torchrun pid>`` (Kubernetes, a scheduler's preemption) and Ctrl-C (SIGINT):
+  torchrun forwards them to every rank's process group, then waits ``--shutdown-timeout``
+  seconds (default 30) before SIGKILL; the step and the save must fit in that time. torchrun
+  itself then re-raises the signal it got (``SignalException``) and exits 1, whatever the ranks did.
+* SIGUSR1 (Slurm's ``--signal=USR1@<seconds>``): torchrun does not handle it unless started with
+  ``--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``; without that its default action
+  ends torchrun at once and the ranks die with it (platform/process.py ``die_with_launcher``)
+  without a checkpoint. Sent to the ranks themselves (Slurm signals every process of the step),
+  it works with or without torchrun.
+
+The signal only sets a flag; :meth:`TerminationFlag.should_stop`, called once per step, is
+collective, so every rank stops and saves at the same step. A second SIGINT in a run without
+torchrun interrupts at once (KeyboardInterrupt), as Ctrl-C twice is meant to.
+"""
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
 
 class TerminationFlag:
     """Install with ``TerminationFlag().install()``; ``should_stop()`` is collective (every rank
-    gets the same answer, so all of them save and stop at the same step)."""
+    gets the same answer, so all of them save and stop at the same step); after it returned True,
+    ``signal_name`` names the signal (received on some rank)."""
 
     def __init__(self):
-        self.received = False
+        self.received = 0  # the signal's number, 0 while none came
+        self.signal_name = ""
 
-    def install(self, signals=(signal.SIGTERM,)):
+    def install(self, signals=STOP_SIGNALS):
         for s in signals:
             signal.signal(s, self._handler)
+        _warn_if_torchrun_ends_on(signals)
         return self
 
     def _handler(self, signum, frame):
-        self.received = True
+        if self.received == signal.SIGINT and signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise KeyboardInterrupt  # Ctrl-C twice
+        self.received = signum
 
     def should_stop(self) -> bool:
         from megatron_klear.platform import comm_device
 
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=comm_device())
+        flag = torch.tensor([int(self.received)], dtype=torch.int32, device=comm_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        got = int(flag.item())
+        if got:
+            try:
+                self.signal_name = signal.Signals(got).name
+            except ValueError:
+                self.signal_name = f"signal {got}"
+        return bool(got)
+
+
+def _caught_by(pid: int) -> int | None:
+    """The mask of signals process ``pid`` catches (Linux /proc), None when unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _warn_if_torchrun_ends_on(signals) -> None:
+    """Under torchrun in a Slurm job: say so when torchrun would die of SIGUSR1 (Slurm's
+    ``--signal``) instead of forwarding it; the ranks would die with it, without a checkpoint."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "SLURM_JOB_ID" not in os.environ:
+        return
+    if os.environ.get("RANK", "0") != "0" or signal.SIGUSR1 not in signals:
+        return
+    caught = _caught_by(os.getppid())
+    if caught is not None and not caught & (1 << (signal.SIGUSR1 - 1)):
+        print("warning: torchrun does not handle SIGUSR1: Slurm's --signal=USR1 would end it and every rank "
+              "without a checkpoint; start it with --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "
+              "(docs/checkpoints.md#preemption)", file=sys.stderr, flush=True)

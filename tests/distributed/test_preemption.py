@@ -1,0 +1,161 @@
+"""Preemption under torchrun (issue 20, item 1): a signal after the first interval save ends with a
+complete checkpoint of the step at which the run stopped, and the run resumes from it exactly.
+
+The checkpoint writer's ``multiprocessing`` manager (started at the first save) used to sit in the
+rank's process group, where torchrun's ``killpg(SIGTERM)`` killed it: the final save then failed
+with ``BrokenPipeError`` and left a ``.tmp-iter_*``. See docs/checkpoints.md#preemption.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+SAVE_INTERVAL = 2
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc are Linux's")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import io
+
+    from megatron_klear.data.preprocess import PreprocessConfig, preprocess
+    from megatron_klear.data.synthetic import write_sft_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("preempt")
+    model = make_tiny_qwen3(str(root / "model"), seed=5)
+    jsonl = write_sft_jsonl(str(root / "train.jsonl"), 64, seed=2)
+    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model, output_prefix=str(root / "data"), max_length=128),
+               stream=io.StringIO())
+    return {"model": model, "data": str(root / "data"), "root": root}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return env
+
+
+def _torchrun(setup, save, steps, *torchrun_args):
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), *torchrun_args, "-m", "megatron_klear.sft",
+           f"model.path={setup['model']}", f"data.prefix={setup['data']}", "data.seq_length=128",
+           "data.micro_batches_per_step=1", "optim.lr=2e-3", "optim.min_lr=2e-4", "optim.warmup_steps=1",
+           "optim.decay_steps=100",  # the schedule does not depend on train.steps
+           f"train.steps={steps}", f"train.save_interval={SAVE_INTERVAL}", "train.keep_last=2",
+           f"train.save_dir={save}"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+                            start_new_session=True)
+
+
+def _descendants(pid):
+    """``pid``'s processes below it (the ranks, the checkpoint writer's manager, ...)."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _logged_steps(save):
+    try:
+        with open(os.path.join(save, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _signal_when(proc, ready, send, timeout=240):
+    """Wait until ``ready()``, then ``send(proc)``; returns the output and the exit status."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, "the run did not get there in time"
+            time.sleep(0.05)
+        send(proc)
+        out = proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return out, proc.returncode
+
+
+def _check_stopped_with_checkpoint(save, out, returncode):
+    """The documented outcome: each rank saved the step it stopped at and exited 0; torchrun itself
+    re-raises the signal it got (SignalException) and exits 1."""
+    latest = int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
+    logged = [m["step"] for m in _logged_steps(save)]
+    assert latest > SAVE_INTERVAL and latest == logged[-1], (latest, logged, out[-4000:])
+    ckpt = os.path.join(save, f"iter_{latest:07d}")
+    assert os.path.isfile(os.path.join(ckpt, "manifest.json")) and os.path.isfile(os.path.join(ckpt, "metadata.json")), \
+        out[-4000:]
+    assert not [n for n in os.listdir(save) if n.startswith(".tmp")], (os.listdir(save), out[-4000:])
+    assert "BrokenPipeError" not in out and "]: Traceback" not in out, out[-4000:]  # no rank failed
+    assert f"checkpoint of step {latest} saved" in out, out[-4000:]
+    assert returncode == 1, (returncode, out[-4000:])
+    assert "exitcode  : 0" not in out  # torchrun reports no failed rank
+    return latest
+
+
+def test_sigterm_to_torchrun_saves_the_current_step_and_resumes_exactly(setup):
+    save = str(setup["root"] / "sigterm")
+    proc = _torchrun(setup, save, 1000)
+    first = os.path.join(save, f"iter_{SAVE_INTERVAL:07d}")
+    out, rc = _signal_when(proc, lambda: os.path.isdir(first), lambda p: p.send_signal(signal.SIGTERM))
+    stopped = _check_stopped_with_checkpoint(save, out, rc)
+    before = _logged_steps(save)
+
+    # SIGUSR1 as Slurm's --signal sends it: to every process of the job step (torchrun, the ranks,
+    # their helpers), with torchrun told to handle it; this run also goes 2 steps further than the
+    # first, so that it is the uninterrupted reference for the resumed one.
+    ref_save = str(setup["root"] / "sigusr1")
+    proc = _torchrun(setup, ref_save, 1000, "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+
+    def usr1_everywhere(p):
+        for pid in [p.pid, *_descendants(p.pid)]:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+    out, rc = _signal_when(proc, lambda: len(_logged_steps(ref_save)) >= stopped + 2, usr1_everywhere)
+    ref_stopped = _check_stopped_with_checkpoint(ref_save, out, rc)
+    reference = _logged_steps(ref_save)
+    assert ref_stopped >= stopped + 2
+
+    proc = _torchrun(setup, save, stopped + 2)  # resume the SIGTERM run
+    out = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0, out[-4000:]
+    assert f"resumed from {os.path.join(save, f'iter_{stopped:07d}')} at step {stopped}" in out, out[-4000:]
+    after = _logged_steps(save)
+    assert [m["step"] for m in after] == list(range(1, stopped + 3))
+    assert after[:stopped] == before
+    for got, ref in zip(after, reference):
+        assert (got["loss"], got["grad_norm"], got["lr"]) == (ref["loss"], ref["grad_norm"], ref["lr"]), (got, ref)
