@@ -8,8 +8,10 @@ depend on TP/PP: it loads into a model built with any other split (resharding on
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -170,3 +172,64 @@ def finalize_dir(tmp_dir: str, out_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp_dir, out_dir)
+
+
+# -- disk space ------------------------------------------------------------------------------------
+# What a write that ran out of space looks like from torch_dist: the OSError itself (ENOSPC,
+# EDQUOT), or, from torch.save's zip writer in Megatron's writer process, a short write reported as
+# "[enforce fail at inline_container.cc:NNN] . unexpected pos 704 vs 598" (the OSError is not kept).
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|enforce fail at inline_container\.cc:\d+\]"
+                             r"[^\n]*unexpected pos \d+ vs \d+")
+
+
+def sharded_state_bytes(sharded) -> int:
+    """The bytes of tensor data this rank writes for ``sharded`` (main replicas only): a lower bound
+    of the checkpoint's share on disk (torch_dist adds small headers and the metadata)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, is_main_replica
+
+    def size(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, ShardedBase):
+            if not is_main_replica(getattr(obj, "replica_id", 0)):
+                return 0
+            return size(getattr(obj, "data", None))
+        if isinstance(obj, dict):
+            return sum(size(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(size(v) for v in obj)
+        return 0
+
+    return size(sharded)
+
+
+def disk_full_cause(exc: BaseException) -> str | None:
+    """The disk-full error inside ``exc`` (its causes, and the per-rank failures of a
+    ``CheckpointException``), as a short text; None when it is something else."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS:
+            return os.strerror(e.errno)
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        found = _DISK_FULL_TEXT.search(str(e))
+        if found:
+            return found.group(0)
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def format_bytes(n: int) -> str:
+    """``1.2 GiB (1288490188 bytes)``: a size people read, and the number to compare."""
+    value, unit = float(n), "bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit} ({n} bytes)"

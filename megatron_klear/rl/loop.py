@@ -49,7 +49,7 @@ class RLLoop:
         init_parallel(cfg.parallel, seed=train.seed)
         self.rollout = RolloutManager(cfg)  # colocated servers give way before the trainer allocates its state
         self.ckpt = CheckpointManager(train.save_dir, train.keep_last, model_source=cfg.model.path) if train.save_dir else None
-        resume_from = self.ckpt.start_run(resume=train.resume, overwrite=train.overwrite) if self.ckpt else None
+        resume_from = self.ckpt.start_run(resume=train.resume, overwrite=train.overwrite, job=("rl", cfg)) if self.ckpt else None
         self.steps = train.steps or 100
         # the lr schedule's length in its own unit (optim.schedule_unit)
         per_rl_step = cfg.optim.schedule_unit == "rl_step"

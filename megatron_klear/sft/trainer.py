@@ -96,7 +96,7 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
     dataset = build_dataset(cfg)
     total_steps = cfg.train.steps or dataset.total_steps(cfg.train.epochs)
     ckpt = CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path) if cfg.train.save_dir else None
-    resume_from = ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite) if ckpt else None
+    resume_from = ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite, job=("sft", cfg)) if ckpt else None
     state = build_training_state(cfg, total_steps=total_steps)
     if resume_from:
         common = ckpt.load(state, resume_from)

@@ -20,12 +20,22 @@ The rules of a save directory (:meth:`CheckpointManager.start_run`, called befor
 * a run resumes from ``latest_checkpointed_iteration.txt`` (``train.resume``, the default);
   a fresh run never mixes with an earlier run's checkpoints: it refuses, naming the choices, or,
   with ``train.overwrite=true``, moves the earlier run to ``replaced/<time>/`` first;
+* a run resumes only its own checkpoints: each records the job that wrote it (``manifest.json``:
+  sft or rl, the model's shape, the data's fingerprint); a job whose description differs is refused
+  before anything is loaded, naming what differs and the choices (:func:`job_identity`);
 * rotation (``keep_last``) deletes only this run's checkpoints: those at or below the step just
-  saved, never the one just written.
+  saved, never the one just written;
+* a save that does not fit on the disk (checked before writing, and any ENOSPC while writing) ends
+  the run with :class:`DiskFullError` naming the path, the bytes needed and free; the previous
+  checkpoint stays the latest, the partial one is removed.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -36,7 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_klear.platform.distributed import barrier, broadcast_from_rank0, is_rank0, rank
+from megatron_klear.checkpoint.dist_ckpt import disk_full_cause, format_bytes
+from megatron_klear.platform.distributed import broadcast_from_rank0, is_rank0, rank
 
 LATEST = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"^iter_(\d{7})$")
@@ -48,6 +59,13 @@ RUN_FILES = (LATEST, "metrics.jsonl", "config.yaml", "tensorboard")
 
 class RunDirError(ValueError):
     """The save directory cannot be used as asked (another run's checkpoints, a broken pointer)."""
+
+
+class DiskFullError(RunDirError):
+    """A checkpoint does not fit on the save directory's filesystem (a user error: a ValueError,
+    so that the entry points end with one ``error:`` line; ``errno`` is ENOSPC)."""
+
+    errno = errno.ENOSPC
 
 
 def _print(message: str) -> None:
@@ -84,6 +102,19 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+@contextlib.contextmanager
+def _quiet_writer_errors():
+    """Megatron's writer logs a failed write ("Local process 0 encountered an error: ...") before
+    raising it; the failure is reported once, from the raised error."""
+    logger = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _optimizer_has_state(optimizer) -> bool:
     """Whether any (chained) Megatron optimizer holds per-parameter state (Adam moments)."""
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -112,12 +143,153 @@ def _optimizer_sharding_kwargs(optimizer) -> dict:
     return {}
 
 
+def _control_group():
+    from megatron_klear.platform import control_group
+
+    try:
+        return control_group()  # gloo: a CPU tensor works under NCCL too
+    except RuntimeError:
+        return None
+
+
+def _sum_over_ranks(n: int) -> int:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        total = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(total, group=_control_group())
+        return int(total.item())
+    return n
+
+
+def _gather(obj) -> list:
+    """Every rank's ``obj``, on every rank (over the control group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=_control_group())
+        return out
+    return [obj]
+
+
+# -- whose run: what a checkpoint records of the job that wrote it ---------------------------------
+JOB_KINDS = ("sft", "rl")
+# the model's fields that decide the shapes of its weights (and so of the optimizer state)
+SHAPE_FIELDS = ("model_type", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "vocab_size", "tie_word_embeddings", "qk_norm", "qkv_bias", "num_experts",
+                "moe_topk", "moe_ffn_hidden_size", "moe_layer_pattern")
+
+
+def _model_shape(arch) -> dict:
+    shape = {k: getattr(arch, k) for k in SHAPE_FIELDS}
+    shape["moe_layer_pattern"] = list(shape["moe_layer_pattern"])
+    return shape
+
+
+def _sft_data_fingerprint(prefix: str) -> str:
+    """The preprocessed dataset's fingerprint, as PackedSFTDataset records it in its state (read
+    from the metadata file alone: no index is opened)."""
+    import types
+
+    from megatron_klear.data.indexed import SFTIndexedReader, load_metadata
+
+    return SFTIndexedReader.fingerprint.fget(types.SimpleNamespace(meta=load_metadata(prefix)))
+
+
+def _files_sha256(paths) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def job_identity(kind: str, cfg) -> dict:
+    """What makes checkpoints a job's own: its kind (sft or rl), the model's shape (read from
+    ``model.path``) and the data's fingerprint (SFT: the preprocessed dataset's content hash; RL: the
+    sha256 of the prompt files). A part that cannot be read is None, and not compared: the job
+    reports that problem itself where it reads the part."""
+    from megatron_klear.training.setup import model_arch
+
+    if kind not in JOB_KINDS:
+        raise ValueError(f"job kind must be one of {JOB_KINDS}, got {kind!r}")
+    job = {"kind": kind, "model": None, "data": None}
+    try:
+        job["model"] = _model_shape(model_arch(cfg.model.path))
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+    try:
+        if kind == "sft":
+            job["data"] = {"source": f"data.prefix={cfg.data.prefix}", "fingerprint": _sft_data_fingerprint(cfg.data.prefix)}
+        else:
+            job["data"] = {"source": f"rl.prompts={list(cfg.rl.prompts)}", "fingerprint": _files_sha256(cfg.rl.prompts)}
+    except Exception:  # noqa: BLE001
+        pass
+    return job
+
+
+def recorded_job(ckpt_dir: str) -> dict:
+    """The job that wrote ``ckpt_dir``: its manifest's ``job`` record, or for a checkpoint written
+    before there was one, what the checkpoint shows (the model's shape from hf_config.json; the
+    kind, and SFT's data fingerprint, from the common state: an RL checkpoint holds its prompt
+    position, an SFT one its data position). Unknown parts are None."""
+    try:
+        with open(os.path.join(ckpt_dir, "manifest.json"), encoding="utf-8") as f:
+            job = json.load(f).get("job")
+        if isinstance(job, dict):
+            return job
+    except (OSError, ValueError, AttributeError):
+        pass
+    from megatron_klear.checkpoint.dist_ckpt import checkpoint_arch
+
+    job = {"kind": None, "model": None, "data": None}
+    try:
+        job["model"] = _model_shape(checkpoint_arch(ckpt_dir))
+    except Exception:  # noqa: BLE001 - unknown: not compared
+        pass
+    try:
+        common = torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=True)["common"]
+        if "prompts" in common:
+            job["kind"] = "rl"
+        elif "data" in common:
+            prefix = (common.get("config") or {}).get("data", {}).get("prefix")
+            job["kind"] = "sft"
+            job["data"] = {"source": f"data.prefix={prefix}", "fingerprint": common["data"].get("dataset")}
+    except Exception:  # noqa: BLE001
+        pass
+    return job
+
+
+def job_differences(saved: dict, job: dict) -> dict:
+    """{"job" | "model" | "data": what differs} between a checkpoint's job and this one (parts
+    unknown on either side are not compared; the data of jobs of different kinds neither)."""
+    diffs = {}
+    if saved.get("kind") and saved.get("kind") != job.get("kind"):
+        diffs["job"] = f"its checkpoints are of an {saved['kind'].upper()} job, this is an {job['kind'].upper()} job"
+    there, here = saved.get("model") or {}, job.get("model") or {}
+    fields = [k for k in SHAPE_FIELDS if k in there and k in here and there[k] != here[k]]
+    if fields:
+        diffs["model"] = (", ".join(f"{k} {there[k]}" for k in fields) + " in its checkpoints, "
+                          + ", ".join(f"{k} {here[k]}" for k in fields) + " in this job's model.path")
+    there, here = saved.get("data") or {}, job.get("data") or {}
+    if ("job" not in diffs and there.get("fingerprint") and here.get("fingerprint")
+            and there["fingerprint"] != here["fingerprint"]):
+        diffs["data"] = (f"its checkpoints were trained on {there.get('source')} (content {there['fingerprint'][:12]}), "
+                         f"this job reads {here.get('source')} (content {here['fingerprint'][:12]})")
+    return diffs
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
 class CheckpointManager:
     def __init__(self, save_dir: str, keep_last: int = 3, model_source: str | None = None):
         self.save_dir = save_dir
         self.keep_last = keep_last
         self.model_source = model_source  # where hf_config.json / tokenizer come from
         self.lock = None
+        self.job = None  # this run's job_identity (rank 0), recorded in every checkpoint's manifest
+        self.model_path = None
 
     # -- discovery ---------------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -143,14 +315,21 @@ class CheckpointManager:
         return sorted(n for n in os.listdir(self.save_dir) if ITER_RE.match(n))
 
     # -- start of a run ----------------------------------------------------------------------------
-    def start_run(self, *, resume: bool = True, overwrite: bool = False, log=None) -> str | None:
+    def start_run(self, *, resume: bool = True, overwrite: bool = False, log=None, job=None) -> str | None:
         """Claim ``save_dir`` for this run and decide where it starts (the module doc's rules).
         Every rank calls it; global rank 0 does the file work and prints what it did. Returns the
         checkpoint to resume from, or None for a fresh start. Raises :class:`RunDirError` or
-        ``RunLockedError`` on every rank when the directory cannot be used as asked."""
+        ``RunLockedError`` on every rank when the directory cannot be used as asked.
+
+        ``job``: ``(kind, cfg)``, "sft" or "rl" and the job's config: the checkpoint to resume must
+        have been written by the same kind of job, for a model of the same shape, on the same data
+        (checked before anything is loaded), and ``train.overwrite`` must not move ``model.path``
+        away. None: not checked."""
         outcome = None
         if is_rank0():
             try:
+                if job is not None:
+                    self.job, self.model_path = job_identity(*job), job[1].model.path
                 outcome = ("ok", self._start_run_rank0(resume, overwrite, log or _print))
             except Exception as e:  # noqa: BLE001 - every rank must learn that rank 0 failed
                 error = e
@@ -181,9 +360,12 @@ class CheckpointManager:
         self._clean_partial(log)
         latest_file = os.path.join(self.save_dir, LATEST)
         if resume and not overwrite and os.path.isfile(latest_file):
-            return self.latest()
+            ckpt = self.latest()
+            self._check_same_run(ckpt)
+            return ckpt
         found = self.checkpoints()
         if found and overwrite:
+            self._check_model_stays(found)
             self._move_aside(log)
         elif found:
             self._refuse(found, resume)
@@ -205,6 +387,39 @@ class CheckpointManager:
             f"train.save_dir={self.save_dir} holds checkpoints of an earlier run ({listed}) and this run would "
             f"start afresh ({why}). Choose one: {choice}, write to a new directory (train.save_dir=...), or "
             f"replace it (train.overwrite=true moves it to {os.path.join(self.save_dir, REPLACED)}/<time>/)")
+
+    def _check_same_run(self, ckpt: str) -> None:
+        """Refuse to resume another run's checkpoint (see :meth:`start_run`), naming what differs
+        and the choices."""
+        if self.job is None:
+            return
+        diffs = job_differences(recorded_job(ckpt), self.job)
+        if not diffs:
+            return
+        parts = list(diffs)
+        what = (parts[0] + " differs" if len(parts) == 1
+                else ", ".join(parts[:-1]) + f" and {parts[-1]} differ")
+        config = os.path.join(self.save_dir, "config.yaml")
+        resume = f"resume it (with its own settings{': ' + config if os.path.isfile(config) else ''})"
+        replaced = os.path.join(self.save_dir, REPLACED)
+        if self.model_path and _inside(self.model_path, self.save_dir):
+            others = (f"choose another train.save_dir (model.path={self.model_path} is inside this one, so "
+                      f"train.overwrite=true would move it to {replaced}/<time>/ too)")
+        else:
+            others = f"choose another train.save_dir, or train.overwrite=true (moves it to {replaced}/<time>/)"
+        raise RunDirError(f"train.save_dir={self.save_dir} holds another run ({what}: {'; '.join(diffs.values())}): "
+                          f"{resume}, {others}")
+
+    def _check_model_stays(self, found: list) -> None:
+        """train.overwrite moves the earlier run's checkpoints aside: not the one this job starts from."""
+        if not self.model_path:
+            return
+        for name in found:
+            if _inside(self.model_path, os.path.join(self.save_dir, name)):
+                raise RunDirError(
+                    f"train.overwrite=true would move model.path={self.model_path} (a checkpoint of the run in "
+                    f"train.save_dir={self.save_dir}) to {os.path.join(self.save_dir, REPLACED)}/<time>/ before "
+                    f"this job reads it: choose another train.save_dir for this job")
 
     def _clean_partial(self, log) -> None:
         """Remove what interrupted saves leave: ``.tmp-iter_*`` (a checkpoint being written),
@@ -264,19 +479,16 @@ class CheckpointManager:
 
     def save(self, state, step: int, common: dict) -> str:
         """Save everything at ``step``; ``common`` (JSON-able, identical on every rank) holds the
-        scheduler, the data position and the config."""
+        scheduler, the data position and the config. Raises :class:`DiskFullError` on every rank
+        when the checkpoint does not fit (before writing when the free space is known to be short,
+        or when a write runs out of space): the partial checkpoint is removed and the latest one
+        stays the latest."""
         from megatron.core import dist_checkpointing
 
         from megatron_klear.checkpoint import dist_ckpt
-        from megatron_klear.checkpoint.hf_io import copy_tokenizer_files, write_manifest
 
         final = os.path.join(self.save_dir, f"iter_{step:07d}")
         tmp = os.path.join(self.save_dir, f".tmp-iter_{step:07d}")
-        if is_rank0():
-            os.makedirs(self.save_dir, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        barrier()
         sharded = self._sharded_state(state, is_loading=False)
         # before the first optimizer step (e.g. RL steps whose groups were all filtered) Adam has no
         # moments yet and none are saved; the load must then not ask for them
@@ -286,28 +498,116 @@ class CheckpointManager:
             "scheduler": state.scheduler.state_dict(),
             **common,
         }
+        needed = _sum_over_ranks(dist_ckpt.sharded_state_bytes(sharded))
+
+        def prepare():
+            os.makedirs(self.save_dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(self.save_dir).free
+            if needed > free:
+                raise DiskFullError(self._disk_full_message(step, tmp, needed, free))
+            os.makedirs(tmp)
+
+        self._on_rank0(prepare, step, tmp, needed)
         from megatron_klear.platform.process import start_checkpoint_writer_manager
 
         start_checkpoint_writer_manager()  # Megatron's writer queue, in a process that dies with this one
-        dist_checkpointing.save(sharded, tmp, sharded_strategy=dist_ckpt.save_strategy())
-        barrier()
-        if is_rank0():
-            with open(os.path.join(tmp, dist_ckpt.HF_CONFIG), "w") as f:
-                json.dump(state.arch.hf_config, f, indent=2)
-            tok_dst = os.path.join(tmp, dist_ckpt.TOKENIZER_DIR)
-            os.makedirs(tok_dst, exist_ok=True)
-            src = self.model_source or ""
-            tok_src = src if os.path.isfile(os.path.join(src, "config.json")) else os.path.join(src, dist_ckpt.TOKENIZER_DIR)
-            if os.path.isdir(tok_src):
-                copy_tokenizer_files(tok_src, tok_dst)
-            write_manifest(tmp, {"kind": "megatron_klear.training_checkpoint", "step": step,
-                                 "model_source": src, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                                 "optimizer_state": has_optimizer_state})
-            dist_ckpt.finalize_dir(tmp, final)
-            _write_atomic(os.path.join(self.save_dir, LATEST), str(step))
-            self._rotate(step)
-        barrier()
+        try:
+            with _quiet_writer_errors():
+                dist_checkpointing.save(sharded, tmp, sharded_strategy=dist_ckpt.save_strategy())
+            failure = None
+        except Exception as e:  # noqa: BLE001 - sorted out with the other ranks' outcomes below
+            failure = e
+        self._raise_write_failure(failure, step, tmp, needed)
+        self._on_rank0(lambda: self._complete(state, step, tmp, final, has_optimizer_state), step, tmp, needed)
         return final
+
+    def _complete(self, state, step: int, tmp: str, final: str, has_optimizer_state: bool) -> None:
+        """Rank 0, once every rank wrote its part: the model-directory files, the rename, the pointer,
+        the rotation."""
+        from megatron_klear.checkpoint import dist_ckpt
+        from megatron_klear.checkpoint.hf_io import copy_tokenizer_files, write_manifest
+
+        with open(os.path.join(tmp, dist_ckpt.HF_CONFIG), "w") as f:
+            json.dump(state.arch.hf_config, f, indent=2)
+        tok_dst = os.path.join(tmp, dist_ckpt.TOKENIZER_DIR)
+        os.makedirs(tok_dst, exist_ok=True)
+        src = self.model_source or ""
+        tok_src = src if os.path.isfile(os.path.join(src, "config.json")) else os.path.join(src, dist_ckpt.TOKENIZER_DIR)
+        if os.path.isdir(tok_src):
+            copy_tokenizer_files(tok_src, tok_dst)
+        info = {"kind": "megatron_klear.training_checkpoint", "step": step, "model_source": src,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "optimizer_state": has_optimizer_state}
+        if self.job is not None:
+            info["job"] = self.job
+        write_manifest(tmp, info)
+        dist_ckpt.finalize_dir(tmp, final)
+        _write_atomic(os.path.join(self.save_dir, LATEST), str(step))
+        self._rotate(step)
+
+    def _on_rank0(self, work, step: int, tmp: str, needed: int) -> None:
+        """Collective: ``work()`` on rank 0; if it fails every rank raises (the disk-full error as
+        :class:`DiskFullError`, with the partial checkpoint removed), instead of the other ranks
+        waiting for rank 0 forever."""
+        outcome = None
+        if is_rank0():
+            try:
+                work()
+            except Exception as e:  # noqa: BLE001 - every rank must learn that rank 0 failed
+                error = e
+                if not isinstance(e, DiskFullError) and disk_full_cause(e):
+                    error = DiskFullError(self._disk_full_message(step, tmp, needed, None, e))
+                    error.__cause__ = e
+                    shutil.rmtree(tmp, ignore_errors=True)
+                outcome = (type(error).__name__, str(error))
+        outcome = broadcast_from_rank0(outcome)
+        if outcome is None:
+            return
+        if is_rank0():
+            raise error
+        if outcome[0] == "DiskFullError":
+            raise DiskFullError(outcome[1])
+        raise RuntimeError(f"saving the checkpoint of step {step} failed on rank 0: {outcome[1]}")
+
+    def _raise_write_failure(self, failure, step: int, tmp: str, needed: int) -> None:
+        """Collective, after Megatron's save: if any rank's write failed, every rank raises; a write
+        that ran out of space (on any rank) as :class:`DiskFullError`, on every rank, with the
+        partial checkpoint removed by rank 0."""
+        outcomes = _gather(None if failure is None else (disk_full_cause(failure), f"{type(failure).__name__}: {failure}"))
+        failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
+        if not failed:
+            return
+        cause = next((o[0] for _, o in failed if o[0]), None)
+        if cause:
+            message = self._disk_full_message(step, tmp, needed, None, cause)
+            if is_rank0():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise DiskFullError(message) from failure
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"saving the checkpoint of step {step} failed on rank {failed[0][0]}: {failed[0][1][1]}")
+
+    def _disk_full_message(self, step: int, tmp: str, needed: int, free: int | None, cause=None) -> str:
+        """One line: the path, the bytes needed (the state's size: a lower bound) and free, and what
+        is left of the run."""
+        if free is None:
+            try:
+                free = shutil.disk_usage(self.save_dir).free
+            except OSError:
+                free = None
+        if isinstance(cause, BaseException):
+            cause = disk_full_cause(cause) or str(cause)
+        try:
+            previous = self.latest()
+        except RunDirError:
+            previous = None
+        kept = (f"the previous checkpoint {previous} is intact and a restart resumes from it" if previous
+                else "there is no earlier checkpoint of this run")
+        return (f"not enough disk space for the checkpoint of step {step}: {tmp} needs about {format_bytes(needed)}, "
+                + (f"{format_bytes(free)} free" if free is not None else "free space unknown")
+                + (f" when the write failed ({cause}; the partial checkpoint was removed)" if cause else "")
+                + f"; {kept}. Free some space or choose another train.save_dir")
 
     def _rotate(self, step: int) -> None:
         """Keep the last ``keep_last`` of this run's checkpoints: those at or below ``step`` (a
