@@ -102,6 +102,71 @@ def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary()
     assert last_cause.strip() == f"traceback : {message}", out
 
 
+def _launch(*args, timeout=300):
+    """``python -m megatron_klear.launch`` (torchrun's arguments) at 2 ranks; (status, output lines)."""
+    r = subprocess.run([PY, "-m", "megatron_klear.launch", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                        "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, timeout=timeout)
+    return r.returncode, r.stdout.strip().splitlines()
+
+
+@pytest.mark.parametrize("case", ["key", "type", "data"])
+def test_under_the_launcher_a_user_error_is_the_last_line_and_status_2(case, tiny_hf, tmp_path):
+    """Issue 20 item 2: under plain torchrun the line was followed by torchrun's ChildFailedError
+    traceback and summary (the message three times), the last line '=====', status 1."""
+    overrides, message = {
+        "key": (["trian.steps=3"], "command line: unknown key 'trian.steps' (did you mean 'train.steps'?)"),
+        "type": (["train.steps=abc"], "command line: key 'train.steps' expects int, got 'abc'"),
+        "data": ([f"model.path={tiny_hf['untied']}", f"data.prefix={tmp_path}/nodata",
+                  f"train.save_dir={tmp_path}/run"],
+                 f"{tmp_path}/nodata.meta.json not found: '{tmp_path}/nodata' is not a preprocessed SFT dataset"),
+    }[case]
+    rc, lines = _launch("-m", "megatron_klear.sft", "--config", "examples/configs/sft_tiny_cpu.yaml", *overrides)
+    out = "\n".join(lines)
+    assert (rc, lines[-1]) == (2, f"error: {message}"), out
+    assert out.count("error:") == 1 and "Traceback" not in out and "ChildFailedError" not in out, out
+
+
+def test_a_rank_that_saw_another_rank_fail_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """Issue 20 item 6: rank 1 printed gloo's "Connection closed by peer" traceback as if it were
+    a cause; the launcher (and torchrun's summary) must take rank 0's failure as the root cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from megatron_klear.launch import report
+    from megatron_klear.platform.entry import run_entry_point
+
+    def gloo_fails():
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                           "[127.0.0.1]:29500")
+
+    def server_fails():
+        raise RuntimeError("rollout: POST http://127.0.0.1:1/generate failed: ConnectError")
+
+    monkeypatch.delenv("KLEAR_LAUNCHER", raising=False)
+    files = {}
+    for rank, fn in ((1, gloo_fails), (0, server_fails)):
+        files[rank] = str(tmp_path / f"error{rank}.json")
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", files[rank])
+        if rank == 1:
+            assert run_entry_point(fn) == 1
+            assert capsys.readouterr().err.strip().splitlines() == [
+                "rank 1 stopped: a collective operation failed (RuntimeError: [../third_party/gloo/gloo/transport/"
+                "tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500), most likely because another rank "
+                "failed first; see that rank's error"]
+        else:
+            with pytest.raises(RuntimeError, match="rollout: POST"):
+                run_entry_point(fn)
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file=f) for r, f in files.items()}
+    failures[1].timestamp -= 5  # rank 1 noticed first
+    error = ChildFailedError("megatron_klear.rl", failures)
+    assert report(error) == 1
+    summary = capsys.readouterr().err
+    root = summary.split("Root Cause")[1]
+    assert "rank      : 0" in root and "rollout: POST http://127.0.0.1:1/generate" in root, summary
+    assert "Traceback" in root  # rank 0's own, recorded in its error file
+
+
 # -- item 5: launch hints ---------------------------------------------------------------------------
 def test_check_parity_without_torchrun_says_how_to_launch_it():
     args = ["--hf-dir", "/models/x", "--tp", "2", "--pp", "2"]
