@@ -124,19 +124,27 @@ def _check_stopped_with_checkpoint(save, out, returncode):
     return latest
 
 
-def test_sigterm_to_torchrun_saves_the_current_step_and_resumes_exactly(setup):
-    save = str(setup["root"] / "sigterm")
+def _latest(save):
+    try:
+        return int(open(os.path.join(save, "latest_checkpointed_iteration.txt")).read())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def test_sigterm_then_sigusr1_save_the_current_step_and_the_run_resumes_from_it(setup):
+    """Two runs on one save_dir (each torchrun launch costs ~15 s on 2 cores): SIGTERM to torchrun
+    after the first interval save; then the resumed run gets SIGUSR1 as Slurm's ``--signal`` sends
+    it (to every process of the job step: torchrun, the ranks, their helpers), with torchrun told to
+    handle it. That a checkpoint resumes exactly is tests/distributed/test_sft.py's
+    test_resume_continues_exactly; here the records continue without a gap or a repeat."""
+    save = str(setup["root"] / "run")
     proc = _torchrun(setup, save, 1000)
-    first = os.path.join(save, f"iter_{SAVE_INTERVAL:07d}")
-    out, rc = _signal_when(proc, lambda: os.path.isdir(first), lambda p: p.send_signal(signal.SIGTERM))
+    out, rc = _signal_when(proc, lambda: _latest(save) >= SAVE_INTERVAL, lambda p: p.send_signal(signal.SIGTERM))
     stopped = _check_stopped_with_checkpoint(save, out, rc)
+    assert "stopped on SIGTERM" in out
     before = _logged_steps(save)
 
-    # SIGUSR1 as Slurm's --signal sends it: to every process of the job step (torchrun, the ranks,
-    # their helpers), with torchrun told to handle it; this run also goes 2 steps further than the
-    # first, so that it is the uninterrupted reference for the resumed one.
-    ref_save = str(setup["root"] / "sigusr1")
-    proc = _torchrun(setup, ref_save, 1000, "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    proc = _torchrun(setup, save, 1000, "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
 
     def usr1_everywhere(p):
         for pid in [p.pid, *_descendants(p.pid)]:
@@ -145,17 +153,11 @@ def test_sigterm_to_torchrun_saves_the_current_step_and_resumes_exactly(setup):
             except ProcessLookupError:
                 pass
 
-    out, rc = _signal_when(proc, lambda: len(_logged_steps(ref_save)) >= stopped + 2, usr1_everywhere)
-    ref_stopped = _check_stopped_with_checkpoint(ref_save, out, rc)
-    reference = _logged_steps(ref_save)
-    assert ref_stopped >= stopped + 2
-
-    proc = _torchrun(setup, save, stopped + 2)  # resume the SIGTERM run
-    out = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 0, out[-4000:]
+    # after an interval save of the resumed run: its checkpoint writer is running
+    out, rc = _signal_when(proc, lambda: _latest(save) > stopped, usr1_everywhere)
     assert f"resumed from {os.path.join(save, f'iter_{stopped:07d}')} at step {stopped}" in out, out[-4000:]
+    again = _check_stopped_with_checkpoint(save, out, rc)
+    assert "stopped on SIGUSR1" in out
     after = _logged_steps(save)
-    assert [m["step"] for m in after] == list(range(1, stopped + 3))
+    assert [m["step"] for m in after] == list(range(1, again + 1))
     assert after[:stopped] == before
-    for got, ref in zip(after, reference):
-        assert (got["loss"], got["grad_norm"], got["lr"]) == (ref["loss"], ref["grad_norm"], ref["lr"]), (got, ref)
