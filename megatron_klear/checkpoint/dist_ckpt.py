@@ -179,8 +179,8 @@ def finalize_dir(tmp_dir: str, out_dir: str) -> None:
 # EDQUOT), or, from torch.save's zip writer in Megatron's writer process, a short write reported as
 # "[enforce fail at inline_container.cc:NNN] . unexpected pos 704 vs 598" (the OSError is not kept).
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|enforce fail at inline_container\.cc:\d+\]"
-                             r"[^\n]*unexpected pos \d+ vs \d+")
+_DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\[?enforce fail at inline_container\.cc:\d+\]"
+                             r"[^\n]*?unexpected pos \d+ vs \d+")
 
 
 def sharded_state_bytes(sharded) -> int:

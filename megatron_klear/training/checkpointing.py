@@ -511,12 +511,14 @@ class CheckpointManager:
         self._on_rank0(prepare, step, tmp, needed)
         from megatron_klear.platform.process import start_checkpoint_writer_manager
 
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
         start_checkpoint_writer_manager()  # Megatron's writer queue, in a process that dies with this one
         try:
             with _quiet_writer_errors():
                 dist_checkpointing.save(sharded, tmp, sharded_strategy=dist_ckpt.save_strategy())
             failure = None
-        except Exception as e:  # noqa: BLE001 - sorted out with the other ranks' outcomes below
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - sorted out with the other ranks' outcomes below
             failure = e
         self._raise_write_failure(failure, step, tmp, needed)
         self._on_rank0(lambda: self._complete(state, step, tmp, final, has_optimizer_state), step, tmp, needed)
@@ -606,7 +608,7 @@ class CheckpointManager:
                 else "there is no earlier checkpoint of this run")
         return (f"not enough disk space for the checkpoint of step {step}: {tmp} needs about {format_bytes(needed)}, "
                 + (f"{format_bytes(free)} free" if free is not None else "free space unknown")
-                + (f" when the write failed ({cause}; the partial checkpoint was removed)" if cause else "")
+                + (f" (the write failed: {cause}; the partial checkpoint was removed)" if cause else "")
                 + f"; {kept}. Free some space or choose another train.save_dir")
 
     def _rotate(self, step: int) -> None:
