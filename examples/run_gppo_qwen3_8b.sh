@@ -63,8 +63,9 @@ SYNC_MASTER_PORT=${SYNC_MASTER_PORT:-0}  # the weight-update groups' store port 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 # NCCL_SOCKET_IFNAME / NCCL_IB_HCA / GLOO_SOCKET_IFNAME, when set, reach every rank from here.
 
-# megatron_klear.launch is torchrun (same arguments) that ends a user error (a wrong key, a missing
-# file ...) with one "error: ..." line, last, and exit status 2 (docs/training.md#user-errors-under-torchrun)
-exec "${PY:-python}" -m megatron_klear.launch --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+# megatron_klear.platform.launch is torchrun (same arguments) that ends a user error (a wrong key,
+# a missing file ...) with one "error: ..." line, last, and exit status 2 (docs/training.md#user-errors-under-torchrun)
+exec "${PY:-python}" -m megatron_klear.platform.launch \
+  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
   -m megatron_klear.rl --config "$CONFIG" "rollout.sync_master_port=$SYNC_MASTER_PORT" "$@"

@@ -18,8 +18,9 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # needed by Megatron's TP/SP communication overlap
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 
-# megatron_klear.launch is torchrun (same arguments) that ends a user error (a wrong key, a missing
-# file ...) with one "error: ..." line, last, and exit status 2 (docs/training.md#user-errors-under-torchrun)
-exec "${PY:-python}" -m megatron_klear.launch --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
+# megatron_klear.platform.launch is torchrun (same arguments) that ends a user error (a wrong key,
+# a missing file ...) with one "error: ..." line, last, and exit status 2 (docs/training.md#user-errors-under-torchrun)
+exec "${PY:-python}" -m megatron_klear.platform.launch \
+  --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
   -m megatron_klear.sft --config examples/configs/sft_qwen3_8b.yaml "$@"

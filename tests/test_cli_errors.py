@@ -103,9 +103,9 @@ def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary()
 
 
 def _launch(*args, timeout=300):
-    """``python -m megatron_klear.launch`` (torchrun's arguments) at 2 ranks; (status, output lines)."""
-    r = subprocess.run([PY, "-m", "megatron_klear.launch", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                        "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE,
+    """``python -m megatron_klear.platform.launch`` (torchrun's arguments) at 2 ranks; (status, output lines)."""
+    r = subprocess.run([PY, "-m", "megatron_klear.platform.launch", "--nproc-per-node", "2", "--master-addr",
+                        "127.0.0.1", "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, timeout=timeout)
     return r.returncode, r.stdout.strip().splitlines()
 
@@ -132,7 +132,7 @@ def test_a_rank_that_saw_another_rank_fail_says_so_in_one_line(tmp_path, monkeyp
     a cause; the launcher (and torchrun's summary) must take rank 0's failure as the root cause."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from megatron_klear.launch import report
+    from megatron_klear.platform.launch import report
     from megatron_klear.platform.entry import run_entry_point
 
     def gloo_fails():

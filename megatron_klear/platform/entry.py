@@ -4,9 +4,9 @@ A wrong config key, a missing file or a save directory in use is reported as ``e
 by global rank 0 only, without a traceback, and every rank exits with status 2. Under torchrun
 each rank also leaves the message in torchrun's error file (marked as a user error), so that
 torchrun's failure summary names the cause instead of "To enable traceback see ...", and so that
-``python -m megatron_klear.launch`` (torchrun's arguments, see megatron_klear/launch.py) can end
-the job with that one line, last, and status 2; under that launcher the ranks leave the printing
-to it. ``KLEAR_TRACEBACK=1`` re-raises instead (for debugging).
+``python -m megatron_klear.platform.launch`` (torchrun's arguments) can end the job with that one
+line, last, and status 2; under that launcher the ranks leave the printing to it.
+``KLEAR_TRACEBACK=1`` re-raises instead (for debugging).
 
 Anything else is a bug and keeps its traceback (also written to torchrun's error file, as
 torchrun's ``@record`` would), except on a rank other than 0 whose collective operation failed
@@ -30,9 +30,9 @@ USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryEr
                FileExistsError, RunLockedError)
 EXIT_USER_ERROR = 2
 EXIT_CONSEQUENCE = 1
-# extraInfo["klear"] in torchrun's error file: what megatron_klear.launch reads
+# extraInfo["klear"] in torchrun's error file: what megatron_klear.platform.launch reads
 USER_ERROR, CONSEQUENCE, CRASH = "user_error", "consequence", "crash"
-LAUNCHER_ENV = "KLEAR_LAUNCHER"  # set by megatron_klear.launch: it prints the user error itself
+LAUNCHER_ENV = "KLEAR_LAUNCHER"  # set by megatron_klear.platform.launch: it prints the user error itself
 
 # what gloo / NCCL / the c10d store say when the peer on the other side is gone
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
