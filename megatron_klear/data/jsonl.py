@@ -70,14 +70,16 @@ class BadLinePolicy:
     """Skip-and-count or fail on the first bad line; always report where.
 
     ``report`` receives every rejected line (one JSON object per line) so that a skipped line is
-    never silently lost; the first ``echo_first`` are also printed to ``stream``.
+    never silently lost; the first ``echo_first`` are also printed to ``stream`` (None: printed
+    nowhere, e.g. on all ranks but one), the note after them naming ``report_name``.
     """
 
     on_bad_line: str = "fail"
     report: Optional[TextIO] = None
     echo_first: int = 20
-    stream: TextIO = field(default_factory=lambda: sys.stderr)
+    stream: Optional[TextIO] = field(default_factory=lambda: sys.stderr)
     counts: Counter = field(default_factory=Counter)
+    report_name: Optional[str] = None
 
     def __post_init__(self):
         if self.on_bad_line not in ON_BAD_LINE_CHOICES:
@@ -101,18 +103,27 @@ class BadLinePolicy:
         if self.report is not None:
             self.report.write(json.dumps(err.to_record(), ensure_ascii=False) + "\n")
         n = self.total
-        if n <= self.echo_first:
+        if n <= self.echo_first and self.stream is not None:
             print(f"rejected {err}", file=self.stream)
             if n == self.echo_first:
-                print("(further rejected lines go only to the report)", file=self.stream)
+                print(f"(further rejected lines go only to {self.report_name or 'the report'})" if self.report is not None
+                      else "(further rejected lines are counted, not shown)", file=self.stream)
+
+    def reasons(self) -> str:
+        """``invalid_json: 1, missing_field: 2``: the count of each reason."""
+        return ", ".join(f"{r}: {n}" for r, n in sorted(self.counts.items()))
 
 
 def parse_json_object(text: str) -> dict:
-    """Parse one line as a JSON object, raising :class:`ExampleError` otherwise."""
+    """Parse one line as a JSON object, raising :class:`ExampleError` otherwise (a JSON error names
+    its column in the line, counted in characters from 1)."""
+    line = text.rstrip("\r\n")  # the line's end is not part of the object: an error there is at the last column + 1
     try:
-        obj = json.loads(text)
+        obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ExampleError(INVALID_JSON, f"{e.msg} at column {e.colno}") from None
+        where = (f"column {e.pos + 1}, the end of the line (an unclosed object, array or string?)"
+                 if e.pos >= len(line.rstrip()) else f"column {e.pos + 1}")
+        raise ExampleError(INVALID_JSON, f"{e.msg.removesuffix(' at')} at {where}") from None
     if not isinstance(obj, dict):
         raise ExampleError(NOT_AN_OBJECT, f"expected a JSON object, got {type(obj).__name__}")
     return obj

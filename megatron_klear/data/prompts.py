@@ -9,18 +9,25 @@ Each line is one problem::
 ``prompt`` (a user turn) or ``messages`` (ending with a user turn) is rendered with the
 tokenizer's chat template and a generation prompt, then *left*-truncated to ``max_prompt_length``
 tokens (the recipe keeps the end of a long prompt, where the question is). Bad lines are errors
-with file and line, or skipped and counted (``on_bad_line``). The order is a seeded shuffle per
-epoch; :meth:`PromptDataset.state_dict` makes it resumable.
+with file and line, or skipped and counted (``on_bad_line``): with ``skip`` each rejected line is
+printed once (by global rank 0; the first 20), the total with a count per reason follows, and
+every one of them is listed in ``<report_dir>/skipped_prompt_lines.jsonl`` (the RL loop's
+``train.save_dir``; its metrics log the total as ``data/skipped_prompt_lines``). The order is a
+seeded shuffle per epoch; :meth:`PromptDataset.state_dict` makes it resumable.
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_klear.data.jsonl import BadLineError, BadLinePolicy, ExampleError, iter_jsonl_objects
+from megatron_klear.platform import is_rank0
 
 TASKS = ("math", "code")
+REPORT_NAME = "skipped_prompt_lines.jsonl"
 
 
 @dataclass
@@ -76,12 +83,28 @@ def parse_prompt(obj: dict, tokenizer, max_prompt_length: int, index: int) -> Pr
                   tests=obj.get("tests"), truncated=truncated)
 
 
+class _Rejected(list):
+    """The rejected lines' records, kept until all files are read (then written as the report)."""
+
+    def write(self, line: str) -> None:
+        self.append(line)
+
+
 class PromptDataset:
-    """All prompts of some JSONL files, in a resumable seeded order (epoch after epoch)."""
+    """All prompts of some JSONL files, in a resumable seeded order (epoch after epoch).
+
+    ``report_dir``: where the report of skipped lines goes (:data:`REPORT_NAME`; rank 0 writes
+    it, replacing an earlier one). ``stream``: where rejected lines and their total are printed
+    (default: stderr on global rank 0, nowhere on the other ranks)."""
 
     def __init__(self, paths: list, tokenizer, *, max_prompt_length: int = 4096, seed: int = 0,
-                 on_bad_line: str = "fail"):
-        self.policy = BadLinePolicy(on_bad_line=on_bad_line)
+                 on_bad_line: str = "fail", report_dir: str | None = None, stream=None):
+        self.report_path = os.path.join(report_dir, REPORT_NAME) if report_dir else None
+        if stream is None and is_rank0():
+            stream = sys.stderr
+        rejected = _Rejected()
+        self.policy = BadLinePolicy(on_bad_line=on_bad_line, report=rejected if self.report_path else None,
+                                    stream=stream, report_name=self.report_path)
         self.prompts = []
         for path in paths:
             for lineno, obj in iter_jsonl_objects(path, self.policy):
@@ -89,10 +112,33 @@ class PromptDataset:
                     self.prompts.append(parse_prompt(obj, tokenizer, max_prompt_length, len(self.prompts)))
                 except ExampleError as e:
                     self.policy.handle(BadLineError.from_example_error(path, lineno, e))
+        self._report(rejected, stream)
         if not self.prompts:
-            raise ValueError(f"no usable prompts in {paths}")
+            raise ValueError(f"no usable prompts in {paths}" + (f" ({self.skipped} lines skipped)" if self.skipped else ""))
         self.seed = seed
         self.epoch, self.position = 0, 0
+
+    @property
+    def skipped(self) -> int:
+        """The number of lines skipped (``on_bad_line=skip``)."""
+        return self.policy.total
+
+    def _report(self, rejected: list, stream) -> None:
+        """The report file (rank 0: every skipped line, or none when none was) and the total."""
+        if self.report_path and is_rank0():
+            if rejected:
+                os.makedirs(os.path.dirname(self.report_path), exist_ok=True)
+                tmp = f"{self.report_path}.tmp{os.getpid()}"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.writelines(rejected)
+                os.replace(tmp, self.report_path)
+            elif os.path.isfile(self.report_path):  # an earlier run's, about other data
+                os.remove(self.report_path)
+        if self.skipped and stream is not None:
+            where = (f"each listed in {self.report_path}" if self.report_path
+                     else "set train.save_dir to get each listed in a report")
+            print(f"on_bad_line=skip: skipped {self.skipped} bad prompt lines ({self.policy.reasons()}); {where}",
+                  file=stream, flush=True)
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -32,6 +32,7 @@ class RolloutManager:
         self.engine = self.pool = self.weights = None
         self.state = self.actor = self.tokenizer = None
         self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
+        self.generated = 0  # generate() calls by this process (the first one's metrics count the skipped lines)
         if r.colocate:
             if is_rank0():
                 from megatron_klear.rollout.factory import make_engine
@@ -75,7 +76,9 @@ class RolloutManager:
         """Collective: the samples of RL step ``step + 1`` and the rollout metrics. Every rank takes
         the same prompts from ``prompts`` (its position is checkpointed); rank 0 generates and grades
         them, and further batches while fewer than ``rl.prompts_per_step`` groups survive the
-        filters (``rl.max_generation_batches``); the samples are broadcast to every rank."""
+        filters (``rl.max_generation_batches``); the samples are broadcast to every rank. The first
+        call's metrics also hold ``data/skipped_prompt_lines``, the prompt lines that
+        ``rl.on_bad_line=skip`` dropped (the same on every rank: each reads every file)."""
         rl = self.cfg.rl
         n = rl.oversample_prompts or rl.prompts_per_step
         first = prompts.take(n)
@@ -94,6 +97,9 @@ class RolloutManager:
                 prompts.take(n)
         if error:
             raise ShortfallError(error)
+        if self.generated == 0:
+            metrics["data/skipped_prompt_lines"] = getattr(prompts, "skipped", 0)
+        self.generated += 1
         return samples, metrics
 
     def generate_batch(self, prompts, step: int, batch: int):
