@@ -106,7 +106,7 @@ def test_another_model_shape_is_refused_before_any_load(tmp_path, fake_writer, m
     _choices(save, msg)
     assert ("(model differs: hidden_size 64, num_heads 4 in its checkpoints, hidden_size 128, num_heads 8 in "
             "this job's model.path)") in msg
-    assert f"resume it (with its own settings" in msg and f"(moves it to {save}/replaced/<time>/)" in msg
+    assert "resume it (with its own settings" in msg and f"(moves it to {save}/replaced/<time>/)" in msg
     # the same job resumes
     mgr = CheckpointManager(save)
     assert mgr.start_run(job=("sft", _cfg(_model(root, "m64"), data))) == os.path.join(save, "iter_0000002")
@@ -207,7 +207,7 @@ def test_a_write_that_runs_out_of_space_is_one_line_and_the_previous_checkpoint_
     assert msg.startswith(f"not enough disk space for the checkpoint of step 2: {save}/.tmp-iter_0000002 needs "
                           f"about 3.9 KiB (4000 bytes), ") and "\n" not in msg
     cause = "unexpected pos 704 vs 598" if failure == "enforce" else "No space left on device"
-    assert (f"free (the write failed: " in msg and cause in msg
+    assert ("free (the write failed: " in msg and cause in msg
             and f"the partial checkpoint was removed); the previous checkpoint {save}/iter_0000001 is intact" in msg)
     assert _iters(save) == ["iter_0000001", LATEST] and open(os.path.join(save, LATEST)).read() == "1"
 
