@@ -17,6 +17,7 @@ tracebacks included, as under plain torchrun.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from megatron_klear.platform.entry import CONSEQUENCE, EXIT_USER_ERROR, LAUNCHER_ENV, USER_ERROR
@@ -36,11 +37,19 @@ def _text(failure) -> str:
     return str(message.get("message", "")) if isinstance(message, dict) else str(message)
 
 
+def _consequence(failure) -> bool:
+    """A rank that failed because another did: its collective broke (entry.py says so), or torchrun
+    terminated it (SIGTERM, before it wrote an error file) after another rank had failed."""
+    kind = _kind(failure)
+    return kind == CONSEQUENCE or (kind is None and failure.exitcode == -signal.SIGTERM)
+
+
 def root_cause(failures: dict):
     """``(rank, failure)``: the earliest failure that is not a consequence of another (ties: the
-    lowest rank), else the earliest of all."""
+    lowest rank), else the earliest of all. (torchrun takes the earliest, ties to the first
+    listed: with one-second timestamps, often a rank it terminated itself.)"""
     ordered = sorted(failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
-    causes = [rf for rf in ordered if _kind(rf[1]) != CONSEQUENCE]
+    causes = [rf for rf in ordered if not _consequence(rf[1])]
     return (causes or ordered)[0]
 
 
