@@ -102,6 +102,7 @@ def run_entry_point(main, *args) -> int:
         return rc if isinstance(rc, int) else 0
     except USER_ERRORS as e:
         if os.environ.get("KLEAR_TRACEBACK"):
+            write_error_file(f"{type(e).__name__}: {e}", CRASH, traceback.format_exc())
             raise
         _shut_down()  # first: whatever it prints comes before the message
         report_user_error(e)
