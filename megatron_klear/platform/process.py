@@ -107,13 +107,19 @@ def start_checkpoint_writer_manager():
     if not hasattr(fa, "_results_queue"):
         return None
     if fa._results_queue is None:
-        import multiprocessing as mp
-        from multiprocessing.managers import SyncManager
-
-        manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(initializer=_manager_init, initargs=(os.getpid(),))
-        fa._results_queue = manager.Queue()  # the proxy keeps the manager alive
+        fa._results_queue = start_writer_manager().Queue()  # the proxy keeps the manager alive
     return fa._results_queue
+
+
+def start_writer_manager():
+    """A started spawn-context ``SyncManager`` whose server process dies with this one and only
+    with it (see :func:`_manager_init`)."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_manager_init, initargs=(os.getpid(),))
+    return manager
 
 
 # -- one run per directory -------------------------------------------------------------------------
