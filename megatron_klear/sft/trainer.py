@@ -175,7 +175,8 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
             save()
         if stopping:
             if is_rank0():
-                where = f"checkpoint of step {state.step} saved in {cfg.train.save_dir}" if ckpt else "no train.save_dir"
+                where = (f"checkpoint of step {state.step} saved in {cfg.train.save_dir}" if ckpt
+                         else "no train.save_dir")
                 print(f"stopped on {term.signal_name} after step {state.step}/{total_steps}: {where}", flush=True)
             break
         if stop_after is not None and state.step >= stop_after:

@@ -114,8 +114,8 @@ def _check_stopped_with_checkpoint(save, out, returncode):
     logged = [m["step"] for m in _logged_steps(save)]
     assert latest > SAVE_INTERVAL and latest == logged[-1], (latest, logged, out[-4000:])
     ckpt = os.path.join(save, f"iter_{latest:07d}")
-    assert os.path.isfile(os.path.join(ckpt, "manifest.json")) and os.path.isfile(os.path.join(ckpt, "metadata.json")), \
-        out[-4000:]
+    for name in ("manifest.json", "metadata.json", "common.pt"):
+        assert os.path.isfile(os.path.join(ckpt, name)), (name, out[-4000:])
     assert not [n for n in os.listdir(save) if n.startswith(".tmp")], (os.listdir(save), out[-4000:])
     assert "BrokenPipeError" not in out and "]: Traceback" not in out, out[-4000:]  # no rank failed
     assert f"checkpoint of step {latest} saved" in out, out[-4000:]
