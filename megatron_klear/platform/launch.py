@@ -10,8 +10,11 @@ megatron_klear/platform/entry.py marks it in torchrun's error file), the job end
 ``error: <message>`` line last on stderr and exit status 2, as a single process does; the ranks
 do not print it themselves. A rank's other failure (a bug, a server that went away) ends with
 torchrun's summary of the failures, without torchrun's own traceback, and exit status 1; ranks
-that merely saw another rank fail (a broken collective) are never taken for its cause. Success,
-signals and everything else are torchrun's. ``KLEAR_TRACEBACK=1``: ranks raise their errors,
+that merely saw another rank fail (a broken collective) are never taken for its cause. A stop
+signal (SIGTERM, SIGINT, or a signal given to ``--signals-to-handle``) that torchrun forwarded to the
+ranks, which save the current step and stop (docs/checkpoints.md#preemption), ends with one line and
+exit status 128 + the signal's number (143 for SIGTERM, the shell's "terminated by a signal"),
+instead of torchrun's traceback and status 1. Success and everything else are torchrun's. ``KLEAR_TRACEBACK=1``: ranks raise their errors,
 tracebacks included, as under plain torchrun.
 """
 from __future__ import annotations
@@ -72,7 +75,16 @@ def report(error, stream=None) -> int:
     return EXIT_FAILURE
 
 
+def stopped_by_signal(sigval, stream=None) -> int:
+    """The end of a job torchrun stopped on a signal: one line, status 128 + the signal's number."""
+    sig = signal.Signals(int(sigval))
+    print(f"stopped on {sig.name}: the ranks were asked to save the current step and stop (their "
+          f"'stopped on {sig.name}' line names the checkpoint)", file=stream or sys.stderr, flush=True)
+    return 128 + int(sig)
+
+
 def main(argv=None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -82,6 +94,8 @@ def main(argv=None) -> int:
         run(args)
     except ChildFailedError as e:
         return report(e)
+    except SignalException as e:
+        return stopped_by_signal(e.sigval)
     return 0
 
 
