@@ -9,7 +9,6 @@ tests/training/test_save_dir_owner_and_disk_full.py and tests/data/test_prompt_s
   the same CheckpointManager.start_run);
 * ``rl.on_bad_line=skip`` on an RL run started from that checkpoint: each rejected line printed once,
   the total on the console and in metrics.jsonl, every line in the report, real JSON columns."""
-import io
 import json
 import os
 import re
@@ -19,6 +18,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.tiny_sft import sft_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
@@ -55,15 +56,11 @@ def _user_error(rc, out, message):
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     """An SFT run whose second save finds the disk full."""
-    from megatron_klear.data.preprocess import PreprocessConfig, preprocess
-    from megatron_klear.data.synthetic import write_sft_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     root = tmp_path_factory.mktemp("issue20")
     model = make_tiny_qwen3(str(root / "model"), num_layers=2, seed=5)
-    jsonl = write_sft_jsonl(str(root / "train.jsonl"), 24, seed=1)
-    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model, output_prefix=str(root / "data"), max_length=128),
-               stream=io.StringIO())
+    sft_data(root, model, 24, seed=1)
     save = str(root / "sft")
     rc, out = _torchrun("tests/distributed/enospc_sft.py", f"model.path={model}", f"data.prefix={root}/data",
                         "data.seq_length=128", f"train.save_dir={save}", "train.steps=2", "train.save_interval=1",

@@ -11,6 +11,7 @@ import os
 import pytest
 
 from tests.distributed.helper import run_distributed
+from tests.tiny_sft import sft_data
 
 TOL = 1e-4
 
@@ -92,17 +93,11 @@ def test_moe_parity_ep2_tp2xep2_pp2xep2(moe_hf, moe_converted):
 # ---- SFT at EP=2 vs one process ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def moe_sft(tmp_path_factory):
-    import io
-
-    from megatron_klear.data.preprocess import PreprocessConfig, preprocess
-    from megatron_klear.data.synthetic import write_sft_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3_moe
 
     root = tmp_path_factory.mktemp("moe_sft")
     model = make_tiny_qwen3_moe(str(root / "model"), seed=13, router_aux_loss_coef=0.1)
-    jsonl = write_sft_jsonl(str(root / "train.jsonl"), 48, seed=1)
-    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model, output_prefix=str(root / "data"), max_length=128),
-               stream=io.StringIO())
+    sft_data(root, model, 48, seed=1)
     return {"model": model, "data": str(root / "data"), "root": str(root)}
 
 

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tests.tiny_sft import sft_data
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 SAVE_INTERVAL = 2
@@ -24,17 +26,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pr
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    import io
-
-    from megatron_klear.data.preprocess import PreprocessConfig, preprocess
-    from megatron_klear.data.synthetic import write_sft_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     root = tmp_path_factory.mktemp("preempt")
     model = make_tiny_qwen3(str(root / "model"), seed=5)
-    jsonl = write_sft_jsonl(str(root / "train.jsonl"), 64, seed=2)
-    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model, output_prefix=str(root / "data"), max_length=128),
-               stream=io.StringIO())
+    sft_data(root, model, 64, seed=2)
     return {"model": model, "data": str(root / "data"), "root": root}
 
 

@@ -7,24 +7,19 @@ import os
 import pytest
 
 from tests.distributed.helper import run_distributed
+from tests.tiny_sft import sft_data
 
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def sft_setup(tmp_path_factory):
-    from megatron_klear.data.preprocess import PreprocessConfig, preprocess
-    from megatron_klear.data.synthetic import write_sft_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     root = tmp_path_factory.mktemp("sft")
     # 4 KV heads so that TP=2 and CP=2 layouts are all possible; 4 layers for PP=2.
     model = make_tiny_qwen3(str(root / "model"), num_layers=4, num_heads=4, num_kv_heads=2, seed=3)
-    jsonl = write_sft_jsonl(str(root / "train.jsonl"), 96, seed=1)
-    import io
-
-    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model, output_prefix=str(root / "data"), max_length=128),
-               stream=io.StringIO())
+    sft_data(root, model, 96, seed=1)
     return {"model": model, "data": str(root / "data"), "root": str(root)}
 
 

@@ -11,6 +11,8 @@ import types
 
 import pytest
 
+from tests.tiny_sft import sft_data
+
 from megatron_klear.training import checkpointing
 from megatron_klear.training.checkpointing import LATEST, CheckpointManager
 
@@ -272,17 +274,12 @@ def test_metrics_of_a_fresh_run_start_a_new_file(tmp_path):
 # -- end to end: SFT and RL through their trainers (one spawned process each) ---------------------
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    import io
-
-    from megatron_klear.data.preprocess import PreprocessConfig, preprocess
-    from megatron_klear.data.synthetic import write_rl_prompts_jsonl, write_sft_jsonl
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     root = tmp_path_factory.mktemp("restart")
     model = make_tiny_qwen3(str(root / "model"), num_layers=2, seed=5)
-    jsonl = write_sft_jsonl(str(root / "train.jsonl"), 48, seed=1)
-    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model, output_prefix=str(root / "data"), max_length=128),
-               stream=io.StringIO())
+    sft_data(root, model, 48, seed=1)
     prompts = write_rl_prompts_jsonl(str(root / "prompts.jsonl"), 12, seed=3)
     return {"model": model, "data": str(root / "data"), "prompts": prompts, "root": str(root)}
 
