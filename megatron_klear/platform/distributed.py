@@ -159,16 +159,12 @@ def _multi() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _host_group():
-    """The gloo control group once :func:`init_parallel` made it, else the default group."""
-    return _CONTROL["group"]
-
-
+# The helpers below use the gloo control group once init_parallel made it (None: the default group).
 def barrier() -> None:
     """Every rank waits here, over the gloo control group (waiting costs no GPU and trips no NCCL
     watchdog, however long rank 0's host work takes)."""
     if _multi():
-        dist.barrier(group=_host_group())
+        dist.barrier(group=_CONTROL["group"])
 
 
 def broadcast_from_rank0(obj):
@@ -177,16 +173,16 @@ def broadcast_from_rank0(obj):
     if not _multi():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_host_group())
+    dist.broadcast_object_list(box, src=0, group=_CONTROL["group"])
     return box[0]
 
 
 def send_object(obj, dst: int) -> None:
     """Point to point over the control group (a picklable object to global rank ``dst``)."""
-    dist.send_object_list([obj], dst=dst, group=_host_group())
+    dist.send_object_list([obj], dst=dst, group=_CONTROL["group"])
 
 
 def recv_object(src: int):
     box = [None]
-    dist.recv_object_list(box, src=src, group=_host_group())
+    dist.recv_object_list(box, src=src, group=_CONTROL["group"])
     return box[0]

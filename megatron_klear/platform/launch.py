@@ -14,8 +14,8 @@ that merely saw another rank fail (a broken collective) are never taken for its 
 signal (SIGTERM, SIGINT, or a signal given to ``--signals-to-handle``) that torchrun forwarded to the
 ranks, which save the current step and stop (docs/checkpoints.md#preemption), ends with one line and
 exit status 128 + the signal's number (143 for SIGTERM, the shell's "terminated by a signal"),
-instead of torchrun's traceback and status 1. Success and everything else are torchrun's. ``KLEAR_TRACEBACK=1``: ranks raise their errors,
-tracebacks included, as under plain torchrun.
+instead of torchrun's traceback and status 1. Success and everything else are torchrun's.
+``KLEAR_TRACEBACK=1``: ranks raise their errors, tracebacks included, as under plain torchrun.
 """
 from __future__ import annotations
 

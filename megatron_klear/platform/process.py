@@ -18,6 +18,8 @@ Standard library only (no torch): spawned helper processes import this module.
 """
 from __future__ import annotations
 
+import contextlib
+
 import atexit
 import ctypes
 import json
@@ -88,10 +90,8 @@ def _manager_init(parent: int) -> None:
     for name in WRITER_IGNORES:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
-    try:
+    with contextlib.suppress(OSError):  # already a group leader: nothing to leave
         os.setpgid(0, 0)
-    except OSError:
-        pass
     die_with_parent(signal.SIGKILL, expected_parent=parent)
 
 
@@ -124,7 +124,7 @@ def start_writer_manager():
 
 # -- one run per directory -------------------------------------------------------------------------
 class RunLockedError(RuntimeError):
-    pass
+    """The directory is held by another run (its lock file names the pid and host)."""
 
 
 def _start_time(pid: int) -> str | None:

@@ -26,22 +26,20 @@ from megatron_klear.platform import barrier, is_rank0
 
 
 class Dedicated:
-    """Servers on their own GPUs: every verb is a plain load or nothing."""
-
-    def release_servers(self, engine) -> None:
-        pass
+    """Servers on their own GPUs (or the engine in this process): the trainer and the servers never
+    compete for memory, so a load is a plain load and there is never anything to give back."""
 
     def make_room(self, engine, state) -> None:
-        pass
+        """Nothing to release: the trainer's memory is its own."""
 
     def before_load(self, state) -> dict:
-        return {}
+        return {}  # the trainer keeps its state: nothing offloaded, nothing to report
 
     def load(self, engine, path: str, version: int) -> None:
         engine.load_from_disk(path, version=version)
 
     def restore(self, engine) -> None:
-        pass
+        """Nothing was released, so nothing to give back."""
 
 
 class Colocated:

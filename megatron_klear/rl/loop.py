@@ -24,7 +24,6 @@ import warnings
 
 from megatron_klear.config import ConfigError, JobConfig, dump_config, load_config
 from megatron_klear.platform import is_rank0
-from megatron_klear.rl.sampling import ShortfallError  # noqa: F401 -- raised by step(); importable from here
 
 CONSOLE_KEYS = ("rollout/reward_mean", "rollout/accuracy", "actor/loss", "actor/entropy", "actor/clip_frac_high")
 
@@ -48,12 +47,14 @@ class RLLoop:
                           "importance ratios use the unfiltered one (the recipe samples with neither)")
         init_parallel(cfg.parallel, seed=train.seed)
         self.rollout = RolloutManager(cfg)  # colocated servers give way before the trainer allocates its state
-        self.ckpt = CheckpointManager(train.save_dir, train.keep_last, model_source=cfg.model.path) if train.save_dir else None
-        resume_from = self.ckpt.start_run(resume=train.resume, overwrite=train.overwrite, job=("rl", cfg)) if self.ckpt else None
+        self.ckpt, resume_from = None, None
+        if train.save_dir:
+            self.ckpt = CheckpointManager(train.save_dir, train.keep_last, model_source=cfg.model.path)
+            resume_from = self.ckpt.start_run(resume=train.resume, overwrite=train.overwrite, job=("rl", cfg))
         self.steps = train.steps or 100
-        # the lr schedule's length in its own unit (optim.schedule_unit)
-        per_rl_step = cfg.optim.schedule_unit == "rl_step"
-        self.state = build_training_state(cfg, total_steps=self.steps * (1 if per_rl_step else rl.prompts_per_step // rl.mini_batch_prompts))
+        # the lr schedule's length in its own unit (optim.schedule_unit): RL steps or optimizer steps
+        per_step = 1 if cfg.optim.schedule_unit == "rl_step" else rl.prompts_per_step // rl.mini_batch_prompts
+        self.state = build_training_state(cfg, total_steps=self.steps * per_step)
         self.arch = model_arch(cfg.model.path)
         hf_dir = cfg.model.path if os.path.isfile(os.path.join(cfg.model.path, "config.json")) else None
         tok_dir = hf_dir or os.path.join(cfg.model.path, "tokenizer")

@@ -202,6 +202,15 @@ def _files_sha256(paths) -> str:
     return h.hexdigest()
 
 
+def _known(read):
+    """``read()``, or None when it cannot be read: that part of a job is then not compared (the job
+    reports the problem itself where it really reads the part)."""
+    try:
+        return read()
+    except Exception:  # noqa: BLE001 -- any failure means "unknown"
+        return None
+
+
 def job_identity(kind: str, cfg) -> dict:
     """What makes checkpoints a job's own: its kind (sft or rl), the model's shape (read from
     ``model.path``) and the data's fingerprint (SFT: the preprocessed dataset's content hash; RL: the
@@ -211,19 +220,12 @@ def job_identity(kind: str, cfg) -> dict:
 
     if kind not in JOB_KINDS:
         raise ValueError(f"job kind must be one of {JOB_KINDS}, got {kind!r}")
-    job = {"kind": kind, "model": None, "data": None}
-    try:
-        job["model"] = _model_shape(model_arch(cfg.model.path))
-    except Exception:  # noqa: BLE001 - see the docstring
-        pass
-    try:
-        if kind == "sft":
-            job["data"] = {"source": f"data.prefix={cfg.data.prefix}", "fingerprint": _sft_data_fingerprint(cfg.data.prefix)}
-        else:
-            job["data"] = {"source": f"rl.prompts={list(cfg.rl.prompts)}", "fingerprint": _files_sha256(cfg.rl.prompts)}
-    except Exception:  # noqa: BLE001
-        pass
-    return job
+    if kind == "sft":
+        data = _known(lambda: {"source": f"data.prefix={cfg.data.prefix}",
+                               "fingerprint": _sft_data_fingerprint(cfg.data.prefix)})
+    else:
+        data = _known(lambda: {"source": f"rl.prompts={list(cfg.rl.prompts)}", "fingerprint": _files_sha256(cfg.rl.prompts)})
+    return {"kind": kind, "model": _known(lambda: _model_shape(model_arch(cfg.model.path))), "data": data}
 
 
 def recorded_job(ckpt_dir: str) -> dict:
@@ -231,30 +233,24 @@ def recorded_job(ckpt_dir: str) -> dict:
     before there was one, what the checkpoint shows (the model's shape from hf_config.json; the
     kind, and SFT's data fingerprint, from the common state: an RL checkpoint holds its prompt
     position, an SFT one its data position). Unknown parts are None."""
-    try:
+    def manifest_job():
         with open(os.path.join(ckpt_dir, "manifest.json"), encoding="utf-8") as f:
-            job = json.load(f).get("job")
-        if isinstance(job, dict):
-            return job
-    except (OSError, ValueError, AttributeError):
-        pass
+            return json.load(f).get("job")
+
+    job = _known(manifest_job)
+    if isinstance(job, dict):
+        return job
     from megatron_klear.checkpoint.dist_ckpt import checkpoint_arch
 
-    job = {"kind": None, "model": None, "data": None}
-    try:
-        job["model"] = _model_shape(checkpoint_arch(ckpt_dir))
-    except Exception:  # noqa: BLE001 - unknown: not compared
-        pass
-    try:
-        common = torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=True)["common"]
-        if "prompts" in common:
-            job["kind"] = "rl"
-        elif "data" in common:
-            prefix = (common.get("config") or {}).get("data", {}).get("prefix")
-            job["kind"] = "sft"
-            job["data"] = {"source": f"data.prefix={prefix}", "fingerprint": common["data"].get("dataset")}
-    except Exception:  # noqa: BLE001
-        pass
+    job = {"kind": None, "model": _known(lambda: _model_shape(checkpoint_arch(ckpt_dir))), "data": None}
+    common = _known(lambda: torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu",
+                                       weights_only=True)["common"])
+    if isinstance(common, dict) and "prompts" in common:
+        job["kind"] = "rl"
+    elif isinstance(common, dict) and isinstance(common.get("data"), dict):
+        prefix = _known(lambda: common["config"]["data"]["prefix"])
+        job["kind"] = "sft"
+        job["data"] = {"source": f"data.prefix={prefix}", "fingerprint": common["data"].get("dataset")}
     return job
 
 

@@ -18,6 +18,8 @@ torchrun interrupts at once (KeyboardInterrupt), as Ctrl-C twice is meant to.
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import signal
 import sys
@@ -65,13 +67,11 @@ class TerminationFlag:
 
 def _caught_by(pid: int) -> int | None:
     """The mask of signals process ``pid`` catches (Linux /proc), None when unknown."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("SigCgt:"):
                     return int(line.split()[1], 16)
-    except (OSError, ValueError, IndexError):
-        pass
     return None
 
 

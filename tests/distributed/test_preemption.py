@@ -5,6 +5,7 @@ The checkpoint writer's ``multiprocessing`` manager (started at the first save) 
 rank's process group, where torchrun's ``killpg(SIGTERM)`` killed it: the final save then failed
 with ``BrokenPipeError`` and left a ``.tmp-iter_*``. See docs/checkpoints.md#preemption.
 """
+import contextlib
 import json
 import os
 import signal
@@ -165,10 +166,8 @@ def test_sigterm_then_sigusr1_save_the_current_step_and_the_run_resumes_from_it(
 
     def usr1_everywhere(p):
         for pid in [p.pid, *_descendants(p.pid)]:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # a helper process that exited meanwhile
                 os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
 
     # after an interval save of the resumed run: its checkpoint writer is running
     out, rc = _signal_when(proc, lambda: _latest(save) > stopped, usr1_everywhere)

@@ -55,8 +55,9 @@ def test_a_failed_update_reloads_the_last_pushed_weights_and_a_good_one_leaves_t
     place.load(servers, "/w/step_0000003", 3)
     servers.calls.clear()
     with manager.make_room():
-        pass
-    assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph"))]  # released until the push
+        servers.calls.append(("update",))
+    # released before the update, and still released after it: until the push
+    assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph")), ("update",)]
     servers.calls.clear()
     with pytest.raises(ValueError, match="boom"):
         with manager.make_room():

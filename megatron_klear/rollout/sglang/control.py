@@ -20,6 +20,8 @@ Bodies follow the request structs of SGLang 0.5.23's ``io_struct.py`` (the tests
 """
 from __future__ import annotations
 
+import contextlib
+
 import threading
 
 from megatron_klear.rollout.base import Completion
@@ -151,10 +153,8 @@ class Control:
     def destroy_weights_update_group(self, group_name: str) -> None:
         """Drop the group on every worker (best effort: a worker without it, or gone, is skipped)."""
         def drop(w):
-            try:
+            with contextlib.suppress(EngineError):
                 self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name})
-            except EngineError:
-                pass
 
         self._on_workers(drop)
 

@@ -14,7 +14,7 @@ import httpx
 
 
 class EngineError(RuntimeError):
-    pass
+    """A rollout server or router failed a call; the message names the URL and its answer."""
 
 
 class _Retryable(Exception):

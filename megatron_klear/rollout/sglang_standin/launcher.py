@@ -170,9 +170,8 @@ def main(argv=None) -> int:
         os.replace(tmp, args.port_file)
     print(f"embedded rollout engine serving {args.model} on http://{HOST}:{port}", flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: a clean stop
+            server.serve_forever()
     finally:
         server.server_close()
     return 0
@@ -258,10 +257,8 @@ def stop_process(proc, timeout: float = 10.0) -> None:
     """Terminate ``proc`` (SIGCONT first: a stopped process ignores SIGTERM until continued), then
     kill it if it has not exited within ``timeout`` seconds."""
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
             os.kill(proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
         proc.terminate()
         try:
             proc.wait(timeout=timeout)

@@ -3,6 +3,8 @@ waiting when the engine is free into one engine call, and is the engine's ``cont
 between decode steps, aborts); weight updates run through it with no decoding under way."""
 from __future__ import annotations
 
+import contextlib
+
 import collections
 import concurrent.futures
 import threading
@@ -28,10 +30,8 @@ class Job:
 
     def finish(self) -> None:
         """Resolve :attr:`future` (once; a no-op if it is done or its waiter was cancelled)."""
-        try:
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
             self.future.set_result(self)
-        except concurrent.futures.InvalidStateError:
-            pass
 
     def matches(self, rid: str) -> bool:
         return any(isinstance(i, str) and i.startswith(rid) for i in [self.rid, *self.ids])

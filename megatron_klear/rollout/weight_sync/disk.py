@@ -60,4 +60,4 @@ class DiskPush:
         return metrics
 
     def close(self) -> None:
-        pass
+        """Nothing is held between pushes (the versioned directories stay for a restart to reload)."""

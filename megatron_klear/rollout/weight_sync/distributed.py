@@ -14,7 +14,7 @@ import torch
 from megatron_klear.platform import broadcast_from_rank0, rank, send_object
 from megatron_klear.rollout.weight_sync.distributed_buckets import BucketSchedule
 from megatron_klear.rollout.weight_sync.distributed_groups import UpdateGroups, WeightSyncError
-from megatron_klear.rollout.weight_sync.gather import iter_stage_hf_tensors
+from megatron_klear.rollout.weight_sync.gather import drain, iter_stage_hf_tensors
 from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET
 
 
@@ -125,8 +125,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
                 if leader != 0:
                     send_object(("end", (err, totals)), 0)
             elif self.part is not None and self.part.stage == stage:  # the leader's TP and EP peers
-                for _ in iter_stage_hf_tensors(self.model_chunks, self.part):
-                    pass
+                drain(iter_stage_hf_tensors(self.model_chunks, self.part))
             if me == 0 and leader != 0:
                 err = self._coordinate(stage, totals)
             err = broadcast_from_rank0(err)
@@ -151,11 +150,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
     def _fail(self, error: str):
         """Every rank: drop the groups (servers: rank 0, best effort), keep generation paused, raise."""
         if rank() == 0:
-            for stage in sorted(self.leaders):
-                try:
-                    self.engine.destroy_weights_update_group(self._name(stage))
-                except Exception:  # noqa: BLE001
-                    pass
+            self._leave_server_groups()
         self._drop_local()
         raise WeightSyncError(
             f"{error}. Generation on the servers stays paused: a server that received part of the buckets "

@@ -15,6 +15,8 @@ posting concurrently could deadlock two servers against each other).
 """
 from __future__ import annotations
 
+import contextlib
+
 from megatron_klear.platform import broadcast_from_rank0, rank, recv_object, send_object
 from megatron_klear.rollout.weight_sync.gather import stage_leaders
 from megatron_klear.rollout.weight_sync.update_group import (PortInUseError, destroy_update_group, join_update_group,
@@ -22,7 +24,8 @@ from megatron_klear.rollout.weight_sync.update_group import (PortInUseError, des
 
 
 class WeightSyncError(RuntimeError):
-    pass
+    """A distributed weight sync did not complete (raised on every trainer rank, naming the server or
+    the stage)."""
 
 
 def route_address(url: str) -> str:
@@ -150,13 +153,16 @@ class UpdateGroups:
         self.pg = None
         self.connected = False
 
+    def _leave_server_groups(self) -> None:
+        """Rank 0: every server leaves every stage's group, best effort (a server that is gone or
+        broken cannot answer, and the error being reported or the shutdown must not be masked)."""
+        for stage in sorted(self.leaders or {}):
+            with contextlib.suppress(Exception):
+                self.engine.destroy_weights_update_group(self._name(stage))
+
     def close(self) -> None:
         """Drop the groups (servers and trainer side); not collective."""
         if self.connected and rank() == 0 and self.engine is not None:
-            for stage in sorted(self.leaders or {}):
-                try:
-                    self.engine.destroy_weights_update_group(self._name(stage))
-                except Exception:  # noqa: BLE001 -- best effort at shutdown
-                    pass
+            self._leave_server_groups()
         self._drop_local()
 

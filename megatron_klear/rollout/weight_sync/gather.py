@@ -11,6 +11,8 @@ over the data-parallel ranks: the leader's EP peers in other replicas take part 
 """
 from __future__ import annotations
 
+import collections
+
 from typing import NamedTuple
 
 import torch
@@ -75,6 +77,12 @@ def iter_stage_hf_tensors(model_chunks, part):
     return iter_hf_tensors(model_chunks, tp_group=tp_group, tp_to=0, experts_only=part.experts_only)
 
 
+def drain(tensors) -> None:
+    """Run a gather to its end without keeping what it yields: ranks that only take part in its
+    collectives (a leader's TP / EP peers) still have to step through every tensor."""
+    collections.deque(tensors, maxlen=0)
+
+
 def iter_model_hf_weights(model_chunks):
     """Collective. On global rank 0, yields (HF name, tensor) for the whole model, stage by stage;
     on every other rank, yields nothing (but must be iterated to the end)."""
@@ -99,8 +107,7 @@ def iter_model_hf_weights(model_chunks):
             if rank == 0:
                 yield from tensors
             else:
-                for _ in tensors:  # rank 0's TP / EP peers
-                    pass
+                drain(tensors)  # rank 0's TP / EP peers
             continue
         # The stage lives elsewhere: its leader sends (header, tensor) pairs to rank 0.
         if rank == src:
@@ -109,8 +116,7 @@ def iter_model_hf_weights(model_chunks):
                 dist.send(t.contiguous().to(dev), dst=0)
             dist.send_object_list([None], dst=0)
         elif mine:
-            for _ in tensors:
-                pass
+            drain(tensors)
         elif rank == 0:
             while True:
                 header = [None]

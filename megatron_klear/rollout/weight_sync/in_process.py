@@ -1,10 +1,8 @@
 """``rollout.engine=embedded``: the trainer's weights into the in-process engine held by global rank 0."""
 from __future__ import annotations
 
-import torch.distributed as dist
-
-from megatron_klear.platform import is_rank0
-from megatron_klear.rollout.weight_sync.gather import iter_model_hf_weights
+from megatron_klear.platform import barrier, is_rank0
+from megatron_klear.rollout.weight_sync.gather import drain, iter_model_hf_weights
 
 
 def sync_weights(model_chunks, engine, *, version: int | None = None) -> None:
@@ -13,10 +11,8 @@ def sync_weights(model_chunks, engine, *, version: int | None = None) -> None:
     stream = iter_model_hf_weights(model_chunks)
     if is_rank0():
         engine.update_weights(stream, version=version)
-    for _ in stream:  # ranks other than 0 (and anything the engine left unread)
-        pass
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    drain(stream)  # ranks other than 0 (and anything the engine left unread)
+    barrier()
 
 
 class InProcessPush:
@@ -32,4 +28,4 @@ class InProcessPush:
         return {}
 
     def close(self) -> None:
-        pass
+        """Nothing is held between pushes (the engine is the rollout manager's to close)."""
