@@ -34,7 +34,12 @@ class RolloutConfig:
     max_retries: int = 2  # per request, after a transport error, a 5xx or an abort
     health_check_interval_s: float = 10.0  # probe every worker's /health this often while generating
     health_check_timeout_s: float = 10.0
-    health_failure_threshold: int = 3  # missed probes in a row before the step fails naming the worker
+    health_failure_threshold: int = 3  # missed probes in a row before a worker is dropped for the step
+    # The fleet (rollout/sglang/fleet.py): a worker that dies, freezes or keeps failing is dropped and
+    # its requests go to the others; the step fails, naming the lost workers, once fewer than this remain.
+    # A dropped worker that answers again is given the current weights at the next push, then rejoins.
+    min_live_workers: int = 1
+    api_key: str = ""  # http: the servers' (and router's) --api-key, sent as "Authorization: Bearer <key>"
     send_seed: bool = False  # send sampling_seed (SGLang honours it only with --enable-deterministic-inference)
     chunk_prompts: int = 0  # embedded engine: prompts per generate call, graded while the next runs (0: one call)
     # http: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
@@ -76,6 +81,8 @@ class RolloutConfig:
             raise ConfigError("rollout.max_new_tokens must be >= 1")
         if self.request_granularity not in ("prompt", "sample"):
             raise ConfigError(f"rollout.request_granularity must be prompt or sample, got {self.request_granularity!r}")
+        if self.min_live_workers < 1:
+            raise ConfigError(f"rollout.min_live_workers must be >= 1, got {self.min_live_workers}")
         if self.max_concurrent_requests < 1 or self.health_failure_threshold < 1 or self.max_retries < 0:
             raise ConfigError("rollout: max_concurrent_requests and health_failure_threshold must be >= 1, "
                               "max_retries >= 0")

@@ -27,4 +27,5 @@ def make_engine(r: RolloutConfig, model_dir: str = "", *, device: str = "cpu", h
         request_granularity=r.request_granularity, max_retries=r.max_retries,
         health_check_interval=r.health_check_interval_s, health_check_timeout=r.health_check_timeout_s,
         health_failure_threshold=r.health_failure_threshold, send_seed=r.send_seed, check=True,
+        min_live_workers=r.min_live_workers, api_key=r.api_key or None,
         routed_experts=routed_experts if r.router_replay else None)

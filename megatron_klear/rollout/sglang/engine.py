@@ -24,7 +24,8 @@ class SGLangEngine(Generation, Control, Transport, ServerEngine):
     per sample from it: runs are reproducible). ``routed_experts``: ``(MoE layer indices, top_k)``
     to ask each server for the experts every token was routed to (``rollout.router_replay``; sets
     ``record_routing``, ``routing_layers``, ``routing_topk``). ``check``: every URL must answer
-    ``/health`` now.
+    ``/health`` now. ``min_live_workers``: the fewest live workers a step goes on with
+    (:mod:`.fleet`). ``api_key``: the servers' ``--api-key``.
     """
 
     loads_from_disk = True
@@ -40,7 +41,7 @@ class SGLangEngine(Generation, Control, Transport, ServerEngine):
                  request_granularity: str = "prompt", max_retries: int = 2, retry_backoff: float = 1.0,
                  health_check_interval: float = 10.0, health_check_timeout: float = 10.0,
                  health_failure_threshold: int = 3, send_seed: bool | None = None, check: bool = False,
-                 routed_experts: tuple | None = None):
+                 routed_experts: tuple | None = None, min_live_workers: int = 1, api_key: str | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls or [])
         if not urls:
             raise ValueError("rollout: at least one server URL is needed")
@@ -67,6 +68,8 @@ class SGLangEngine(Generation, Control, Transport, ServerEngine):
             if int(top_k) < 1:
                 raise ValueError(f"rollout: routed_experts needs (MoE layer indices, top_k >= 1), got {routed_experts!r}")
             self.record_routing, self.routing_layers, self.routing_topk = True, [int(x) for x in layers], int(top_k)
+        self.min_live_workers = int(min_live_workers)
+        self.api_key = api_key or None  # sent as "Authorization: Bearer <key>" (servers started with --api-key)
         self.requests_sent = 0  # /generate requests, retries included
         self.retries = 0
         if check:

@@ -1,0 +1,131 @@
+"""Which rollout servers serve now: the membership of an SGLang engine's workers.
+
+A worker is in one of three states:
+
+- **live**: it holds the current weights and takes generation requests;
+- **rejoining**: it answered again after it was lost (restarted at its URL, or newly listed by the
+  router); it takes the control calls of the next weight push (the current weights, then the version
+  and probe check) but no generation request until :meth:`Fleet.admit` makes it live;
+- **lost**: it died, froze or kept failing; nothing is sent to it until it is recalled.
+
+:class:`Fleet` only keeps that state (thread-safe: the generation's event loop, the watchdog and
+the control calls' threads all report to it) and counts the events for the step's metrics; the
+HTTP side (probing a lost worker, telling the router) is the engine's
+(:mod:`megatron_klear.rollout.sglang.transport`). Losing a worker is an event, not an error, while at
+least ``min_live`` workers remain live; below that, :class:`FleetError` names every lost worker and
+why it was lost.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+LIVE, REJOINING, LOST = "live", "rejoining", "lost"
+
+
+class FleetError(RuntimeError):
+    """Fewer than ``rollout.min_live_workers`` workers remain; the message names the lost ones."""
+
+
+class Fleet:
+    def __init__(self, workers=(), min_live: int = 1):
+        if int(min_live) < 1:
+            raise ValueError(f"rollout.min_live_workers must be >= 1, got {min_live}")
+        self.min_live = int(min_live)
+        self._lock = threading.RLock()
+        self._state: dict = {}  # worker -> LIVE | REJOINING | LOST, in the order they became known
+        self._why: dict = {}  # lost worker -> (why, time.monotonic() when lost)
+        self.failures = 0  # workers lost, every event counted (a worker lost twice counts twice)
+        self.rejoins = 0  # lost workers made live again
+        for w in workers:
+            self._state[w] = LIVE
+
+    # -- reading ------------------------------------------------------------------------------------
+    def known(self) -> list:
+        with self._lock:
+            return list(self._state)
+
+    def _in(self, *states) -> list:
+        with self._lock:
+            return [w for w, s in self._state.items() if s in states]
+
+    def live(self) -> list:
+        """Workers that take generation requests."""
+        return self._in(LIVE)
+
+    def serving(self) -> list:
+        """Workers that take control calls (weights, versions, probes): live and rejoining."""
+        return self._in(LIVE, REJOINING)
+
+    def rejoining(self) -> list:
+        return self._in(REJOINING)
+
+    def lost(self) -> dict:
+        """``{worker: why it was lost}``."""
+        with self._lock:
+            return {w: self._why.get(w, ("", 0.0))[0] for w, s in self._state.items() if s == LOST}
+
+    def state(self, worker: str) -> str | None:
+        with self._lock:
+            return self._state.get(worker)
+
+    # -- changes ------------------------------------------------------------------------------------
+    def add(self, worker: str, state: str = LIVE) -> bool:
+        """A worker that was not known (a router listing a new one): ``REJOINING`` unless it is
+        known to hold the current weights. Returns whether it was new."""
+        with self._lock:
+            if worker in self._state:
+                return False
+            self._state[worker] = state
+            return True
+
+    def lose(self, worker: str, why: str) -> bool:
+        """``worker`` died, froze or kept failing: nothing more is sent to it. Returns whether this
+        changed its state (it was live or rejoining). Raises :class:`FleetError` when fewer than
+        ``min_live`` live workers remain."""
+        with self._lock:
+            if self._state.get(worker) == LOST:
+                return False
+            was = self._state.get(worker)
+            self._state[worker] = LOST
+            self._why[worker] = (why, time.monotonic())
+            if was == LIVE:
+                self.failures += 1
+            self.check()
+            return was is not None
+
+    def check(self) -> None:
+        """Raise :class:`FleetError` unless at least ``min_live`` workers are live."""
+        with self._lock:
+            live = self.live()
+            if len(live) >= self.min_live:
+                return
+            lost = "; ".join(f"{w}: {why}" for w, why in self.lost().items()) or "none"
+            raise FleetError(
+                f"rollout: {len(live)} rollout server(s) left serving, fewer than rollout.min_live_workers = "
+                f"{self.min_live}. Lost: {lost}. Restart the lost servers (they rejoin at the next weight push) "
+                "or lower rollout.min_live_workers")
+
+    def recall(self, worker: str) -> bool:
+        """A lost worker answers again: it takes the next push's control calls (``REJOINING``)."""
+        with self._lock:
+            if self._state.get(worker) != LOST:
+                return False
+            self._state[worker] = REJOINING
+            return True
+
+    def admit(self, worker: str) -> bool:
+        """A rejoining worker holds the current weights (version and probe checked): it takes
+        generation requests again."""
+        with self._lock:
+            if self._state.get(worker) != REJOINING:
+                return False
+            self._state[worker] = LIVE
+            self._why.pop(worker, None)
+            self.rejoins += 1
+            return True
+
+    def metrics(self) -> dict:
+        with self._lock:
+            return {"rollout/live_workers": len(self.live()), "rollout/worker_failures": self.failures,
+                    "rollout/worker_rejoins": self.rejoins}
