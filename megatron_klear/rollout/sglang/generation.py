@@ -98,7 +98,7 @@ class Generation:
         limits = httpx.Limits(max_connections=self.max_concurrent_requests + 8,
                               max_keepalive_connections=self.max_concurrent_requests + 8)
         timeout = httpx.Timeout(self.generate_timeout, connect=self.timeout)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._auth_headers()) as client:
             async def run(unit):
                 i, j = unit
                 if base_seed is None:

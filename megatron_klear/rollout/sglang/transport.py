@@ -25,8 +25,27 @@ class _Retryable(Exception):
         self.url, self.message = url, message
 
 
+#: what a refused API key is answered with: SGLang 401 ``{"error": "Unauthorized"}`` (403 ``Forbidden``
+#: for an admin route without an admin key); sglang-router 0.3.2 with ``--api-key``: 401, empty body
+UNAUTHORIZED = (401, 403)
+
+
 def _message_of(resp: httpx.Response) -> str:
-    """What a server said in an error response (SGLang: ``{"error": {"message"}}`` or ``{"message"}``)."""
+    """What a server said in an error response (SGLang: ``{"error": {"message"}}`` or ``{"message"}``);
+    a refused API key says which setting sends one."""
+    said = _said(resp)
+    if resp.status_code in UNAUTHORIZED:
+        said += (" -- the server or router was started with --api-key: set rollout.api_key to that key (sent as "
+                 "'Authorization: Bearer <key>')")
+    return said
+
+
+def auth_headers(api_key: str | None) -> dict:
+    """The headers of every request to servers started with ``--api-key`` (and a router with it)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _said(resp: httpx.Response) -> str:
     text = resp.text
     try:
         payload = json.loads(text)
@@ -56,8 +75,14 @@ class Transport:
         ~20 ms (its TLS context) and a TCP handshake, paid several times per weight sync."""
         with self._control_lock:
             if self._control is None:
-                self._control = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
+                self._control = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+                                             headers=self._auth_headers())
             return self._control
+
+    def _auth_headers(self) -> dict:
+        """``Authorization: Bearer <rollout.api_key>`` when a key is set (every request carries it:
+        control calls, /generate, the watchdog's probes)."""
+        return auth_headers(getattr(self, "api_key", None))
 
     def close(self) -> None:
         with self._control_lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from megatron_klear.rollout.sglang_standin import routes, weight_routes
+from megatron_klear.rollout.sglang_standin.sglang_env import ApiKeyMiddleware
 from megatron_klear.rollout.sglang_standin.state import ServerState
 
 
@@ -15,4 +16,6 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.standin = state
     app.include_router(routes.router)
     app.include_router(weight_routes.router)
+    if state.api_key or state.admin_api_key:  # --api-key / --admin-api-key: SGLang's auth middleware
+        app.add_middleware(ApiKeyMiddleware, api_key=state.api_key, admin_api_key=state.admin_api_key)
     return app

@@ -55,7 +55,7 @@ class StandinServer:
     and the socket bound at construction (``server_address``). Call :meth:`serve_forever` (e.g. in
     a thread), then :meth:`shutdown` and :meth:`server_close`."""
 
-    def __init__(self, state: ServerState, port: int = 0):
+    def __init__(self, state: ServerState, port: int = 0, *, exit_on_fault: bool = False):
         from megatron_klear.rollout.sglang_standin.app import build_app  # (the routes import the engine: torch)
 
         self.state = state
@@ -74,6 +74,15 @@ class StandinServer:
         self.uvicorn = _Uvicorn(config, on_interrupt=self._stop)
         self._serving = False
         self._stopped = threading.Event()
+        # a generation on released memory kills SGLang's server: a server process exits (status 1),
+        # an in-process one stops serving
+        self.exit_on_fault = exit_on_fault
+        state.on_fault = self._die
+
+    def _die(self) -> None:
+        if self.exit_on_fault:
+            os._exit(1)
+        self._stop()
 
     def serve_forever(self) -> None:
         self._serving = True
@@ -105,15 +114,17 @@ class StandinServer:
 def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
                 served_model_name: str | None = None, max_batch_size: int | None = None,
                 batch_window: float = 0.05, weight_sync_timeout: float = 600.0,
-                return_routed_experts: bool = False, enable_memory_saver: bool = False) -> StandinServer:
+                return_routed_experts: bool = False, enable_memory_saver: bool = False,
+                api_key: str | None = None, admin_api_key: str | None = None) -> StandinServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
     ``max_batch_size``: most sequences per engine call (default: the engine's); ``batch_window``:
     the longest an idle engine waits for concurrent requests to gather (the scheduler);
     ``weight_sync_timeout``: seconds for joining a weight-update group and for each broadcast;
     ``return_routed_experts``: SGLang's ``--enable-return-routed-experts`` (MoE models);
-    ``enable_memory_saver``: SGLang's ``--enable-memory-saver`` (releasing weights frees them)."""
+    ``enable_memory_saver``: SGLang's ``--enable-memory-saver`` (releasing weights frees them);
+    ``api_key`` / ``admin_api_key``: SGLang's ``--api-key`` / ``--admin-api-key``."""
     state = ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
-                        weight_sync_timeout, return_routed_experts, enable_memory_saver)
+                        weight_sync_timeout, return_routed_experts, enable_memory_saver, api_key, admin_api_key)
     return StandinServer(state, port)
 
 
@@ -149,6 +160,11 @@ def main(argv=None) -> int:
     ap.add_argument("--enable-memory-saver", action="store_true",
                     help="release_memory_occupation of 'weights' frees them (a server sharing the trainer's "
                          "machine; SGLang's flag of the same name)")
+    ap.add_argument("--api-key", default=None,
+                    help="refuse requests without 'Authorization: Bearer <key>' (SGLang's flag and rules; /health "
+                         "stays open)")
+    ap.add_argument("--admin-api-key", default=None,
+                    help="the key of the admin routes (weights, memory, pause; SGLang's flag and rules)")
     args = ap.parse_args(argv)
 
     from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
@@ -161,7 +177,9 @@ def main(argv=None) -> int:
                          served_model_name=args.served_model_name, batch_window=args.batch_window_ms / 1000.0,
                          weight_sync_timeout=args.weight_sync_timeout,
                          return_routed_experts=args.enable_return_routed_experts,
-                         enable_memory_saver=args.enable_memory_saver)
+                         enable_memory_saver=args.enable_memory_saver, api_key=args.api_key,
+                         admin_api_key=args.admin_api_key)
+    server.exit_on_fault = True
     port = server.server_address[1]
     if args.port_file:
         tmp = f"{args.port_file}.tmp-{os.getpid()}"
@@ -184,8 +202,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
 
     send_seed = True  # the stand-in derives one seed per (prompt, sample) from it
 
-    def __init__(self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0):
-        super().__init__([url], timeout=timeout, generate_timeout=generate_timeout)
+    def __init__(self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0, api_key: str | None = None):
+        super().__init__([url], timeout=timeout, generate_timeout=generate_timeout, api_key=api_key)
         self._process = None
         self._workdir = None
 
@@ -194,11 +212,13 @@ class EmbeddedHTTPEngine(SGLangEngine):
                context_length: int | None = None, served_model_name: str | None = None,
                weight_sync_timeout: float | None = None, startup_timeout: float = 300.0,
                return_routed_experts: bool = False, enable_memory_saver: bool = False,
-               **kwargs) -> "EmbeddedHTTPEngine":
+               api_key: str | None = None, env: dict | None = None, **kwargs) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.sglang_standin`` for ``model_dir`` and wait until
         it is healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
         ``context_length`` / ``served_model_name`` / ``weight_sync_timeout`` /
-        ``return_routed_experts`` / ``enable_memory_saver``: the server's flags of those names."""
+        ``return_routed_experts`` / ``enable_memory_saver`` / ``api_key``: the server's flags of those
+        names (the client sends ``api_key`` too); ``env``: variables added to the server's environment
+        (e.g. ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``)."""
         workdir = tempfile.mkdtemp(prefix="klear-embedded-server-")
         port_file, log_path = os.path.join(workdir, "port"), os.path.join(workdir, "server.log")
         cmd = [sys.executable, "-m", "megatron_klear.rollout.sglang_standin", "--model", model_dir, "--port", str(port),
@@ -215,8 +235,11 @@ class EmbeddedHTTPEngine(SGLangEngine):
             cmd += ["--enable-return-routed-experts"]
         if enable_memory_saver:
             cmd += ["--enable-memory-saver"]
+        if api_key:
+            cmd += ["--api-key", api_key]
         root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_klear.__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, **(env or {}),
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         engine = None
@@ -229,7 +252,7 @@ class EmbeddedHTTPEngine(SGLangEngine):
                 if os.path.isfile(port_file):
                     if engine is None:
                         with open(port_file) as f:
-                            engine = cls(f"http://{HOST}:{int(f.read())}", **kwargs)
+                            engine = cls(f"http://{HOST}:{int(f.read())}", api_key=api_key, **kwargs)
                     if engine.health():
                         break
                 if time.monotonic() > deadline:

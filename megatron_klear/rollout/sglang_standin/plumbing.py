@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import json
 import threading
+import time
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
@@ -14,6 +15,15 @@ from fastapi.routing import APIRoute
 from megatron_klear.rollout.sglang_standin.contract import BadRequest, ContractError
 
 MAX_BODY_BYTES = 1 << 30
+#: the routes SGLang answers through its scheduler: their answer moves the tokenizer manager's
+#: last_receive_tstamp, which a health probe counts as a sign of life (SGLang 0.5.23 tokenizer_manager.py
+#: handle_loop); so does every decode step
+SCHEDULER_ROUTES = frozenset({
+    "/server_info", "/get_server_info", "/flush_cache", "/update_weights_from_disk", "/init_weights_update_group",
+    "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
+    "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker",
+    "/continue_generation",
+})
 
 
 def reply(status: int = 200, payload=None, *, text: str | None = None) -> Response:
@@ -40,7 +50,10 @@ class StandinRoute(APIRoute):
 
         async def gated(request: Request) -> Response:
             try:
-                return await handler(request)
+                response = await handler(request)
+                if request.url.path in SCHEDULER_ROUTES:
+                    server_state(request).last_receive = time.monotonic()
+                return response
             except ContractError as e:
                 return reply(400, {"error": str(e)})
             except BadRequest as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 import uuid
 
@@ -16,6 +17,7 @@ from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import PromptRequest, context_length_error
 from megatron_klear.rollout.embedded.sampling import sample_seed
 from megatron_klear.rollout.sglang import MEMORY_TAGS
+from megatron_klear.rollout.sglang_standin import sglang_env
 from megatron_klear.rollout.sglang_standin.contract import (PAUSE_MODES, SGLANG_API_VERSION, TOP_K_ALL, BadRequest, _bool,
                                                             _str, _str_list, assign_ids, completion_to_sglang,
                                                             control_fields, parse_generate_request)
@@ -28,30 +30,62 @@ router = APIRouter(route_class=StandinRoute)
 
 # -- health and info -----------------------------------------------------------------------------
 @router.get("/health")
-async def health():
-    return reply(200)
+async def health(request: Request):
+    """SGLang 0.5.23: a one-token generation, as /health_generate, unless
+    ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is false (then 200 at once, even while paused)."""
+    if not sglang_env.env_bool(sglang_env.HEALTH_GENERATION, True):
+        return reply(200)
+    return await _health_generate(server_state(request))
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
-    """200 once the engine makes progress or a 1-token generation completes; 503 after
-    ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (e.g. while paused)."""
-    state = server_state(request)
+    return await _health_generate(server_state(request))
+
+
+async def _health_generate(state):
+    """SGLang's health generation: 200 once the scheduler shows a sign of life after the probe came
+    (a decode step, a control call answered, the probe's own token), 503 after
+    ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds. A busy scheduler does not run the probe (its running
+    requests answer for it); a paused server holds it (no sign of life: 503). An idle server runs it
+    -- on memory the memory saver has unmapped, too, which kills SGLang's scheduler: the server
+    answers 503 naming the fault and exits."""
+    tic = time.monotonic()
     steps = state.engine.decode_steps
-    probe = PromptRequest(prompt=[0], params=SamplingParams(top_k=1, max_new_tokens=1), seeds=[0], max_new_tokens=1)
-    job = Job([probe], ids=[f"HEALTH_CHECK_{uuid.uuid4().hex}"])
-    probe.key = job
-    state.scheduler.submit(job)
-    done = asyncio.wrap_future(job.future)
-    deadline = time.monotonic() + state.health_check_timeout
+    stats = state.scheduler.stats()
+    job = None
+    if not stats["paused"] and not stats["num_running_reqs"] and not stats["num_waiting_reqs"]:
+        freed = state.freed_memory_tags()
+        if freed:
+            return _fault(state, f"a health-check generation ran while {', '.join(sorted(freed))} memory was "
+                                 "released (release_memory_occupation): SGLang's scheduler reads unmapped memory "
+                                 "and dies; start colocated servers with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="
+                                 "false")
+        probe = PromptRequest(prompt=[0], params=SamplingParams(top_k=1, max_new_tokens=1), seeds=[0],
+                              max_new_tokens=1)
+        job = Job([probe], ids=[f"HEALTH_CHECK_{uuid.uuid4().hex}"])
+        probe.key = job
+        state.scheduler.submit(job)
+    done = asyncio.wrap_future(job.future) if job is not None else None
+    deadline = tic + state.health_check_timeout
     healthy = False
     while time.monotonic() < deadline:
-        await asyncio.wait({done}, timeout=0.05)
-        if done.done() or state.engine.decode_steps > steps:
-            healthy = job.error is None
+        await asyncio.sleep(0.05)
+        if state.engine.decode_steps > steps or state.last_receive > tic or (done is not None and done.done()):
+            healthy = job is None or not job.future.done() or job.error is None
             break
-    state.scheduler.abort(job.ids[0], message="health check")
+    if job is not None:
+        state.scheduler.abort(job.ids[0], message="health check")
     return reply(200 if healthy else 503)
+
+
+def _fault(state, message: str) -> Response:
+    """The server dies of a generation on released memory: this answer, then ``state.on_fault``."""
+    state.fault = message
+    print(f"sglang stand-in: fatal: {message}", file=sys.stderr, flush=True)
+    if state.on_fault is not None:
+        asyncio.get_running_loop().call_later(0.1, state.on_fault)
+    return error(503, message)
 
 
 @router.get("/ready")
@@ -78,6 +112,9 @@ async def server_info(request: Request):
     state = server_state(request)
     engine, sched = state.engine, state.scheduler
     c = engine.context_length
+    internal = sched.stats()
+    if sglang_env.env_bool(sglang_env.EXPOSE_ENV_VARS, False):  # SGLang's SGLANG_EXPOSE_OWN_ENV_VARS
+        internal["env_vars"] = sglang_env.own_env_vars()
     return reply(200, {
         "model_path": state.model_path, "served_model_name": state.model_name,
         "tokenizer_path": state.tokenizer_path or state.model_path,
@@ -88,10 +125,13 @@ async def server_info(request: Request):
         "tp_size": 1, "pp_size": 1, "dp_size": 1,
         "version": SGLANG_API_VERSION, "frontend": "megatron-klear-embedded",
         "weight_version": state.weight_version, "num_generate_requests": state.num_generate_requests,
-        "internal_states": [sched.stats()], "incremental_streaming_output": False, "disaggregation_mode": "null",
+        "internal_states": [internal], "incremental_streaming_output": False, "disaggregation_mode": "null",
         "enable_memory_saver": state.enable_memory_saver,
         # not SGLang's: what is released now, and how often memory was released (tests, operators)
         "released_memory_tags": sorted(state.offload_tags), "memory_releases": state.memory_releases,
+        # not SGLang's: the released tags whose memory is really free (cuda_graph only with
+        # SGLANG_MEMORY_SAVER_CUDA_GRAPH; none without --enable-memory-saver)
+        "freed_memory_tags": sorted(state.freed_memory_tags()),
     })
 
 
@@ -251,7 +291,9 @@ async def release_memory_occupation(request: Request):
     tags = _memory_tags(await read_json(request))
     state = server_state(request)
     stats = state.scheduler.stats()
-    if stats["num_running_reqs"] or stats["num_waiting_reqs"]:
+    # SGLang: is_fully_idle(ignore_waiting=paused); a request waiting on a paused SGLang server has not
+    # reached its scheduler (the tokenizer manager holds it), as a queued job here waits for continue
+    if stats["num_running_reqs"] or (stats["num_waiting_reqs"] and not stats["paused"]):
         raise BadRequest("release_memory_occupation should be called only when server is idle.")
     await off_loop(_release, state, tags)
     return reply(200)

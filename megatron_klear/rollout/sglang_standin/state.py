@@ -2,9 +2,10 @@
 weight-update routes. One per app (``app.state.standin``), so that a process can serve several."""
 from __future__ import annotations
 
-import os
 import threading
+import time
 
+from megatron_klear.rollout.sglang_standin import sglang_env
 from megatron_klear.rollout.sglang_standin.contract import DEFAULT_WEIGHT_VERSION
 from megatron_klear.rollout.sglang_standin.scheduler import Scheduler
 
@@ -14,12 +15,17 @@ HOST = "127.0.0.1"
 class ServerState:
     def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
                  weight_sync_timeout: float = 600.0, return_routed_experts: bool = False,
-                 enable_memory_saver: bool = False):
+                 enable_memory_saver: bool = False, api_key: str | None = None, admin_api_key: str | None = None):
         self.engine, self.tokenizer = engine, tokenizer
         # --enable-memory-saver: releasing "weights" frees them (rollout.colocate); the tags released
         self.enable_memory_saver = bool(enable_memory_saver)
         self.offload_tags = set()
         self.memory_releases = 0
+        # SGLANG_MEMORY_SAVER_CUDA_GRAPH, read at start-up as SGLang reads it when it captures its graphs:
+        # without it releasing "cuda_graph" frees nothing
+        self.memory_saver_cuda_graph = sglang_env.bool_env_var(sglang_env.MEMORY_SAVER_CUDA_GRAPH)
+        # --api-key / --admin-api-key (SGLang's auth rules: sglang_env.auth_status)
+        self.api_key, self.admin_api_key = api_key or None, admin_api_key or None
         # --enable-return-routed-experts: the engine records every token's experts (MoE models)
         self.return_routed_experts = bool(return_routed_experts) and bool(getattr(engine, "routed_layers", None))
         if self.return_routed_experts:
@@ -29,7 +35,14 @@ class ServerState:
         self.scheduler = Scheduler(engine, max_batch_size, window=batch_window)
         self.num_generate_requests = 0
         self.lock = threading.Lock()
-        self.health_check_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+        self.health_check_timeout = sglang_env.health_check_timeout()
+        # when the scheduler last answered something (a decode step, a control call it serves): SGLang's
+        # last_receive_tstamp, which a health probe waits to see move
+        self.last_receive = time.monotonic()
+        # a generation ran on memory the memory saver had unmapped: SGLang's scheduler dies of it
+        # (launcher: the server answers that probe, then exits); the message
+        self.fault = None
+        self.on_fault = None  # set by the launcher: how this server dies
         self.host, self.port = HOST, 0
         # weights over a process group (SGLang's update_weights_from_distributed): the groups joined,
         # the open begin/end session, and a lock that runs these calls one at a time, as SGLang's
@@ -40,6 +53,16 @@ class ServerState:
         self.receive_buffers = {}  # the storages the last commit replaced: the next update lands there
         self.adopted = set()  # data pointers of the received buffers the model holds
         self.weight_lock = threading.Lock()
+
+    def freed_memory_tags(self) -> set:
+        """The released tags whose memory is really freed: none without ``--enable-memory-saver``
+        (SGLang's no-op saver); ``cuda_graph`` only with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH``."""
+        if not self.enable_memory_saver:
+            return set()
+        freed = self.offload_tags & {"weights", "kv_cache"}
+        if "cuda_graph" in self.offload_tags and self.memory_saver_cuda_graph:
+            freed.add("cuda_graph")
+        return freed
 
     @property
     def model_path(self) -> str:
