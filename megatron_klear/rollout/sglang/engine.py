@@ -1,17 +1,19 @@
 """:class:`SGLangEngine`: the rollout engine made of SGLang servers, reached through their native
 HTTP API, directly or behind ``sglang-router``. One class composed of the client's parts:
-:class:`.generation.Generation` (``/generate`` with retries and the health watchdog),
-:class:`.control.Control` (weights, versions, probe, memory, context length) and
-:class:`.transport.Transport` (the HTTP client, errors, worker discovery)."""
+:class:`.generation.Generation` (``/generate`` with retries, the health watchdog, requests sent
+again when a worker is lost), :class:`.control.Control` (weights, versions, probe, memory, context
+length), :class:`.membership.Membership` (the workers: discovery, live / rejoining / lost, the
+router's list) and :class:`.transport.Transport` (the HTTP client, errors)."""
 from __future__ import annotations
 
 from megatron_klear.rollout.base import ServerEngine
 from megatron_klear.rollout.sglang.control import Control
 from megatron_klear.rollout.sglang.generation import GRANULARITIES, Generation
+from megatron_klear.rollout.sglang.membership import Membership
 from megatron_klear.rollout.sglang.transport import EngineError, Transport
 
 
-class SGLangEngine(Generation, Control, Transport, ServerEngine):
+class SGLangEngine(Generation, Control, Membership, Transport, ServerEngine):
     """SGLang servers as the rollout engine (see :mod:`megatron_klear.rollout.sglang`).
 
     ``urls``: where ``/generate`` goes (one router, or the servers); ``workers``: the servers
@@ -25,7 +27,7 @@ class SGLangEngine(Generation, Control, Transport, ServerEngine):
     to ask each server for the experts every token was routed to (``rollout.router_replay``; sets
     ``record_routing``, ``routing_layers``, ``routing_topk``). ``check``: every URL must answer
     ``/health`` now. ``min_live_workers``: the fewest live workers a step goes on with
-    (:mod:`.fleet`). ``api_key``: the servers' ``--api-key``.
+    (:mod:`.fleet`; fewer fail the call with :class:`~.fleet.FleetError`). ``api_key``: the servers' ``--api-key``.
     """
 
     loads_from_disk = True
@@ -53,6 +55,7 @@ class SGLangEngine(Generation, Control, Transport, ServerEngine):
         self.url = self.urls[0]
         self._explicit_workers = [w.rstrip("/") for w in workers] if workers else None
         self._init_transport()
+        self._init_membership()
         self.timeout, self.generate_timeout = float(timeout), float(generate_timeout)
         self.weight_update_timeout = float(weight_update_timeout)
         self.max_concurrent_requests = int(max_concurrent_requests)
@@ -68,6 +71,8 @@ class SGLangEngine(Generation, Control, Transport, ServerEngine):
             if int(top_k) < 1:
                 raise ValueError(f"rollout: routed_experts needs (MoE layer indices, top_k >= 1), got {routed_experts!r}")
             self.record_routing, self.routing_layers, self.routing_topk = True, [int(x) for x in layers], int(top_k)
+        if int(min_live_workers) < 1:
+            raise ValueError(f"rollout.min_live_workers must be >= 1, got {min_live_workers}")
         self.min_live_workers = int(min_live_workers)
         self.api_key = api_key or None  # sent as "Authorization: Bearer <key>" (servers started with --api-key)
         self.requests_sent = 0  # /generate requests, retries included

@@ -37,6 +37,8 @@ class Fleet:
         self._why: dict = {}  # lost worker -> (why, time.monotonic() when lost)
         self.failures = 0  # workers lost, every event counted (a worker lost twice counts twice)
         self.rejoins = 0  # lost workers made live again
+        self.resent = 0  # /generate requests sent again because their worker was lost (or answered stale)
+        self.stale = 0  # /generate answers discarded: made with other weights than the expected version
         for w in workers:
             self._state[w] = LIVE
 
@@ -106,6 +108,26 @@ class Fleet:
                 f"{self.min_live}. Lost: {lost}. Restart the lost servers (they rejoin at the next weight push) "
                 "or lower rollout.min_live_workers")
 
+    def demote(self, worker: str, why: str) -> bool:
+        """A live worker holds other weights than the current ones (it answered with another
+        version): it takes no generation request until the next push has given it the weights and
+        :meth:`admit` made it live again. Counted as a failure. Raises :class:`FleetError` below
+        ``min_live``."""
+        with self._lock:
+            if self._state.get(worker) != LIVE:
+                return False
+            self._state[worker] = REJOINING
+            self._why[worker] = (why, time.monotonic())
+            self.failures += 1
+            self.check()
+            return True
+
+    def count(self, resent: int = 0, stale: int = 0) -> None:
+        """Count requests sent again and answers discarded as stale (the generation reports them)."""
+        with self._lock:
+            self.resent += int(resent)
+            self.stale += int(stale)
+
     def recall(self, worker: str) -> bool:
         """A lost worker answers again: it takes the next push's control calls (``REJOINING``)."""
         with self._lock:
@@ -116,16 +138,18 @@ class Fleet:
 
     def admit(self, worker: str) -> bool:
         """A rejoining worker holds the current weights (version and probe checked): it takes
-        generation requests again."""
+        generation requests again. Counted as a rejoin when it had been lost or demoted (a worker
+        new to the fleet joins without counting)."""
         with self._lock:
             if self._state.get(worker) != REJOINING:
                 return False
             self._state[worker] = LIVE
-            self._why.pop(worker, None)
-            self.rejoins += 1
+            if self._why.pop(worker, None) is not None:
+                self.rejoins += 1
             return True
 
     def metrics(self) -> dict:
         with self._lock:
             return {"rollout/live_workers": len(self.live()), "rollout/worker_failures": self.failures,
-                    "rollout/worker_rejoins": self.rejoins}
+                    "rollout/worker_rejoins": self.rejoins, "rollout/resent_requests": self.resent,
+                    "rollout/stale_responses": self.stale}

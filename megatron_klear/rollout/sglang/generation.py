@@ -3,20 +3,49 @@
 A call is sent as many concurrent requests, at most ``max_concurrent_requests`` in flight, one per
 prompt (``n`` samples each, ``request_granularity="prompt"``) or one per sample (``"sample"``), so
 that a router can spread them over its workers and no request carries a whole batch towards a
-timeout. With several URLs each request goes to the one with the fewest requests in flight.
+timeout. Requests go to the routers among ``urls`` or the live workers among them (the live
+workers themselves with ``record_routing``), each to the one with the fewest requests in flight.
 Results are handed back as each prompt completes (:meth:`Generation.generate_iter`), so grading
 overlaps generation.
 
 Failures: a request that fails in transport, answers 5xx or is aborted by the server is retried up
 to ``max_retries`` times (on another URL when there are several), then the call fails naming the
 URL and the server's message; a 4xx (a bad request: too long for the context, an unknown field) is
-not retried. While requests run, every worker's ``/health`` is probed each
-``health_check_interval`` seconds; a worker that misses ``health_failure_threshold`` probes in a
-row (dead, or frozen: a stopped process still accepts TCP connections but never answers) fails the
-call naming it, instead of waiting out the generation timeout.
+not retried.
+
+**A lost worker does not end the step** (see :mod:`.membership` for the states):
+
+- While requests run, every live worker's ``/health`` is probed each ``health_check_interval``
+  seconds; a worker that misses ``health_failure_threshold`` probes in a row (dead, or frozen: a
+  stopped process still accepts TCP connections but never answers) is dropped -- taken out of the
+  fleet and of the routers. A request sent directly to a worker that could not be reached is
+  followed by one ``/health`` probe of that worker; when that fails too, the worker is dropped at
+  once instead of at the watchdog's next round.
+- A request in flight on a dropped worker (sent to it directly) is cancelled and sent to a live
+  worker, without consuming a retry. Through a router the client cannot tell which worker holds a
+  request, so every request in flight through a router when a worker is dropped is **hedged** once
+  the router has stopped routing to that worker: sent again, the first answer kept, the other
+  cancelled. Requests on the live workers keep their progress (no work is thrown away); the cost is
+  duplicate work for the requests that were fine.
+- Fewer than ``rollout.min_live_workers`` live workers: the call fails with
+  :class:`~megatron_klear.rollout.sglang.fleet.FleetError` naming every lost worker and why, within
+  the watchdog's bound (``health_failure_threshold`` x (``health_check_interval`` +
+  ``health_check_timeout``), plus the routers' update).
+- **Stale weights**: after a weight push the client expects ``meta_info.weight_version`` (SGLang
+  0.5.23 returns it with every output, ``srt/managers/tokenizer_manager.py``) to be
+  :attr:`~.membership.Membership.expected_version`. An answer with another version is discarded and
+  the request sent again (no retry consumed; at most ``max_retries + 1`` such answers per request);
+  its worker -- the URL itself, or through a router the live workers whose ``/model_info``
+  reports another version -- leaves the live set to get the weights at the next push. Before the
+  first push (``expected_version`` None) any version is accepted: the servers answer with the
+  version they started with (SGLang's ``"default"``).
+
+The counts of the step (workers lost and readmitted, requests sent again, stale answers) are in
+:meth:`~.membership.Membership.fleet_metrics`.
 
 :class:`Generation` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine` (its
-settings, ``record_routing`` / ``routing_layers`` / ``routing_topk``, and :class:`.transport.Transport`).
+settings, ``record_routing`` / ``routing_layers`` / ``routing_topk``, :class:`.membership.Membership`
+and :class:`.transport.Transport`).
 """
 from __future__ import annotations
 
@@ -29,20 +58,45 @@ import time
 import httpx
 
 from megatron_klear.rollout.base import Completion, SamplingParams
+from megatron_klear.rollout.sglang.fleet import LIVE, FleetError
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts
-from megatron_klear.rollout.sglang.transport import EngineError, _message_of, _Retryable
+from megatron_klear.rollout.sglang.transport import GONE, EngineError, _message_of, _Retryable
 
 GRANULARITIES = ("prompt", "sample")
 
 
+class _Request:
+    """One request's wake-up: its worker was dropped (``hedge``: send it again through a router)."""
+
+    __slots__ = ("wake", "hedge")
+
+    def __init__(self):
+        self.wake = asyncio.Event()
+        self.hedge = False
+
+
+class _Call:
+    """What one generate call's requests share on its event loop: the HTTP client, the requests in
+    flight per URL, the attempts in flight (to cancel or hedge them when a worker is dropped)."""
+
+    def __init__(self, client: httpx.AsyncClient):
+        self.client = client
+        self.in_flight: dict = {}  # url -> requests in flight there
+        self.attempts: dict = {}  # attempt task -> (url, its _Request)
+        self.probes: dict = {}  # worker -> the running quick /health probe (shared)
+        self.audit = asyncio.Lock()  # one version audit at a time
+        self.audited_at = 0.0
+
+
 class Generation:
     def generation_urls(self) -> list:
-        """Where /generate requests go: ``urls`` (a router, or the servers themselves), each request
-        to the one with the fewest in flight. With ``record_routing`` the workers themselves: the
-        real sglang-router (0.3.2) rebuilds each request from its own struct, which has no
+        """Where /generate requests go now: the routers among ``urls`` and the live workers among
+        them (:meth:`~.membership.Membership.generation_targets`), each request to the one with the
+        fewest in flight. With ``record_routing`` the live workers themselves: the real
+        sglang-router (0.3.2) rebuilds each request from its own struct, which has no
         ``return_routed_experts`` / ``routed_experts_start_len``, so the servers would never be
         asked for the experts (tests/rollout/test_routed_experts.py sends one through it)."""
-        return self.workers() if self.record_routing else list(self.urls)
+        return self.fleet.live() if self.record_routing else self.generation_targets()
 
     def _sampling_params(self, params: SamplingParams, n: int, seed) -> dict:
         sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
@@ -65,6 +119,7 @@ class Generation:
         params.validate()
         if not prompts:
             return
+        self.fleet  # noqa: B018 -- discovers the workers here, so that a router that is down fails now
         results: queue.Queue = queue.Queue()
         stop = threading.Event()
         thread = threading.Thread(target=self._run_loop, args=(prompts, params, int(n), results, stop),
@@ -86,19 +141,21 @@ class Generation:
         try:
             asyncio.run(self._generate_all(prompts, params, n, results, stop))
         except BaseException as e:  # noqa: BLE001 -- handed to the consumer
-            results.put(("error", e if isinstance(e, EngineError) else EngineError(f"rollout: {type(e).__name__}: {e}"), None))
+            keep = isinstance(e, (EngineError, FleetError))
+            results.put(("error", e if keep else EngineError(f"rollout: {type(e).__name__}: {e}"), None))
 
     async def _generate_all(self, prompts, params, n, results, stop):
         base_seed = params.seed
         per_sample = self.request_granularity == "sample" and n > 1
         units = [(i, j) for i in range(len(prompts)) for j in range(n)] if per_sample else [(i, None) for i in range(len(prompts))]
-        in_flight = {u: 0 for u in self.generation_urls()}
         sem = asyncio.Semaphore(self.max_concurrent_requests)
         partial = {i: [None] * n for i in range(len(prompts))} if per_sample else None
         limits = httpx.Limits(max_connections=self.max_concurrent_requests + 8,
                               max_keepalive_connections=self.max_concurrent_requests + 8)
         timeout = httpx.Timeout(self.generate_timeout, connect=self.timeout)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._auth_headers()) as client:
+            call = _Call(client)
+
             async def run(unit):
                 i, j = unit
                 if base_seed is None:
@@ -112,10 +169,10 @@ class Generation:
                 if self.record_routing:  # SGLang >= 0.5.x with --enable-return-routed-experts
                     body["return_routed_experts"] = True
                 async with sem:
-                    return unit, await self._post_generate(client, body, 1 if per_sample else n, in_flight)
+                    return unit, await self._post_generate(call, body, 1 if per_sample else n)
 
             tasks = [asyncio.ensure_future(run(u)) for u in units]
-            watchdog = asyncio.ensure_future(self._watch_workers(client, stop))
+            watchdog = asyncio.ensure_future(self._watch_workers(call, stop))
             pending = set(tasks) | {watchdog}
             try:
                 while True:
@@ -123,8 +180,8 @@ class Generation:
                     if stop.is_set():
                         return
                     failed = [t.exception() for t in done if t.exception() is not None]  # (retrieves them all)
-                    if failed:  # a request that exhausted its retries, or the watchdog
-                        raise next((e for e in failed if "stopped answering" in str(e)), failed[0])
+                    if failed:  # a request that exhausted its retries, or too few workers left
+                        raise next((e for e in failed if isinstance(e, FleetError)), failed[0])
                     for t in done:
                         if t is watchdog:
                             continue
@@ -142,33 +199,151 @@ class Generation:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _post_generate(self, client: httpx.AsyncClient, body: dict, n: int, in_flight: dict) -> list:
-        last = None
-        for attempt in range(self.max_retries + 1):
-            urls = list(in_flight)
-            url = min(urls, key=lambda u: in_flight[u]) if last is None or len(urls) == 1 else \
-                min((u for u in urls if u != last.url), key=lambda u: in_flight[u])
-            in_flight[url] += 1
-            self.requests_sent += 1
-            try:
-                return await self._post_once(client, url, body, n)
-            except _Retryable as e:
-                last = e
-                if attempt < self.max_retries:
-                    self.retries += 1
-                    await asyncio.sleep(self.retry_backoff * (2 ** attempt))
-            finally:
-                in_flight[url] -= 1
-        raise EngineError(f"rollout: POST {last.url}/generate failed {self.max_retries + 1} times; last: {last.message}")
+    # -- one request ---------------------------------------------------------------------------------
+    def _pick(self, call: _Call, avoid: str | None) -> str:
+        urls = self.generation_urls()
+        if not urls:
+            self.fleet.check()  # FleetError naming the lost workers
+            raise EngineError("rollout: no live rollout server to send /generate to")
+        if avoid is not None and len(urls) > 1:
+            urls = [u for u in urls if u != avoid] or urls
+        return min(urls, key=lambda u: call.in_flight.get(u, 0))
 
-    async def _post_once(self, client: httpx.AsyncClient, url: str, body: dict, n: int) -> list:
+    def _start(self, call: _Call, me: _Request, url: str, body: dict, n: int) -> asyncio.Task:
+        call.in_flight[url] = call.in_flight.get(url, 0) + 1
+        self.requests_sent += 1
+        task = asyncio.ensure_future(self._post_once(call.client, url, body, n))
+        call.attempts[task] = (url, me)
+        return task
+
+    def _finish(self, call: _Call, task: asyncio.Task) -> str:
+        url, _ = call.attempts.pop(task)
+        call.in_flight[url] -= 1
+        return url
+
+    async def _post_generate(self, call: _Call, body: dict, n: int) -> list:
+        """One request, until an answer made with the expected weights: retried after a failure
+        (``max_retries``), sent again without consuming a retry when its worker is dropped or it
+        answered with stale weights, hedged through a router (see the module's docstring)."""
+        me, mine = _Request(), set()
+        last, retries, stale = None, 0, 0
+        try:
+            while True:
+                if not mine or me.hedge:
+                    if me.hedge:
+                        self.fleet.count(resent=1)
+                    me.hedge = False
+                    mine.add(self._start(call, me, self._pick(call, last.url if last else None), body, n))
+                waiter = asyncio.ensure_future(me.wake.wait())
+                try:
+                    done, _ = await asyncio.wait(mine | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                me.wake.clear()
+                for task in done - {waiter}:
+                    mine.discard(task)
+                    url = self._finish(call, task)
+                    if task.cancelled():  # its worker was dropped: sent again, no retry consumed
+                        self.fleet.count(resent=1)
+                        continue
+                    e = task.exception()
+                    if e is None:
+                        completions, versions = task.result()
+                        wrong = self._stale(versions)
+                        if wrong is None:
+                            return completions
+                        stale += 1
+                        self.fleet.count(stale=1, resent=1)
+                        if stale > self.max_retries + 1:
+                            raise EngineError(
+                                f"rollout: POST {url}/generate answered with weight_version {wrong!r} {stale} times, "
+                                f"expected {self.expected_version!r} (a worker the client cannot tell is serving "
+                                "other weights)")
+                        await self._demote_stale(call, url, wrong)
+                        continue
+                    if not isinstance(e, _Retryable):
+                        raise e
+                    if e.gone and await self._worker_is_gone(call, url, e.message):
+                        continue  # its worker was dropped: sent again, no retry consumed
+                    if mine:
+                        continue  # a hedge of this request is still running
+                    last = e
+                    if retries >= self.max_retries:
+                        raise EngineError(f"rollout: POST {last.url}/generate failed {self.max_retries + 1} times; "
+                                          f"last: {last.message}")
+                    retries += 1
+                    self.retries += 1
+                    await asyncio.sleep(self.retry_backoff * (2 ** (retries - 1)))
+        finally:
+            for task in mine:
+                task.cancel()
+                self._finish(call, task)
+
+    def _stale(self, versions: list):
+        """The first ``weight_version`` that is not the expected one (None: none, or no push yet)."""
+        if self.expected_version is None:
+            return None
+        return next((v for v in versions if v is not None and str(v) != self.expected_version), None)
+
+    async def _demote_stale(self, call: _Call, url: str, version) -> None:
+        """An answer made with other weights: its worker (``url``, or through a router the live
+        workers reporting another version) leaves the live set until the next push."""
+        why = f"answered /generate with weight_version {version!r}, expected {self.expected_version!r}"
+        if self.fleet.state(url) is not None:
+            await asyncio.to_thread(self.demote_worker, url, why)
+            return
+        asked = time.monotonic()
+        async with call.audit:
+            if call.audited_at < asked:  # (an audit that started after this answer came covers it)
+                await asyncio.to_thread(self.audit_versions)
+                call.audited_at = time.monotonic()
+
+    async def _worker_is_gone(self, call: _Call, url: str, message: str) -> bool:
+        """A request to the worker ``url`` could not reach it: one /health probe (shared by the
+        requests that failed alike) decides whether it is dropped now. True when it was dropped
+        (now or before); False for a router, or a worker that answers (the failure is retried)."""
+        state = self.fleet.state(url)
+        if state is None:
+            return False  # a router: its own failure, retried as before
+        if state != LIVE:
+            return True
+        probe = call.probes.get(url)
+        if probe is None:
+            probe = call.probes[url] = asyncio.ensure_future(self._probe(call.client, url))
+        try:
+            ok, why = await asyncio.shield(probe)
+        finally:
+            if probe.done():
+                call.probes.pop(url, None)
+        if ok:
+            return False
+        await self._lose(call, url, f"POST /generate failed ({message}), then /health: {why}")
+        return True
+
+    async def _lose(self, call: _Call, worker: str, why: str) -> None:
+        """Drop ``worker`` (fleet and routers; FleetError below min_live), then send its requests
+        again: those sent to it directly are cancelled (their requests pick another worker), those
+        in flight through a router are hedged."""
+        if not await asyncio.to_thread(self.drop_worker, worker, why):
+            return
+        for task, (url, req) in list(call.attempts.items()):
+            if url == worker:
+                task.cancel()
+            elif self.fleet.state(url) is None:  # through a router: it may hold the request
+                req.hedge = True
+            else:
+                continue
+            req.wake.set()
+
+    async def _post_once(self, client: httpx.AsyncClient, url: str, body: dict, n: int):
+        """One POST; ``(completions, each sample's weight_version)``."""
         try:
             resp = await client.post(url + "/generate", json=body)
         except httpx.TimeoutException:
             raise EngineError(f"rollout: POST {url}/generate did not answer within rollout.generate_timeout_s = "
                               f"{self.generate_timeout:g} s") from None
         except httpx.HTTPError as e:
-            raise _Retryable(url, f"{type(e).__name__}: {e}") from None
+            raise _Retryable(url, f"{type(e).__name__}: {e}", gone=isinstance(e, GONE)) from None
         if resp.status_code >= 500:
             raise _Retryable(url, f"HTTP {resp.status_code}: {_message_of(resp)}")
         if resp.status_code >= 400:
@@ -187,37 +362,38 @@ class Generation:
             if isinstance(reason, dict) and reason.get("type") == "abort":
                 raise _Retryable(url, f"sample {k} aborted by the server: {reason.get('message') or reason}")
         routing = (len(body["input_ids"]), self.routing_layers, self.routing_topk) if self.record_routing else None
-        return [parse_completion(o, k, url=url, routing=routing) for k, o in enumerate(outs)]
+        completions = [parse_completion(o, k, url=url, routing=routing) for k, o in enumerate(outs)]
+        return completions, [(o.get("meta_info") or {}).get("weight_version") for o in outs]
 
-    async def _watch_workers(self, client: httpx.AsyncClient, stop: threading.Event):
-        """Probe every worker's /health while requests run; raise when one misses too many in a row."""
-        workers = self.workers()
-        misses = {w: 0 for w in workers}
-        first_miss = {}
+    # -- the watchdog ----------------------------------------------------------------------------------
+    async def _probe(self, client: httpx.AsyncClient, w: str):
+        try:
+            r = await client.get(w + "/health", timeout=self.health_check_timeout)
+            return r.status_code < 400, f"HTTP {r.status_code}"
+        except httpx.TimeoutException:
+            return False, f"no answer within {self.health_check_timeout:g} s"
+        except httpx.HTTPError as e:
+            return False, f"{type(e).__name__}: {e}"
+
+    async def _watch_workers(self, call: _Call, stop: threading.Event):
+        """Probe every live worker's /health while requests run; drop one that misses
+        ``health_failure_threshold`` probes in a row (FleetError when too few remain)."""
+        misses, first_miss = {}, {}
         while not stop.is_set():
             await asyncio.sleep(self.health_check_interval)
-
-            async def probe(w):
-                try:
-                    r = await client.get(w + "/health", timeout=self.health_check_timeout)
-                    return w, (r.status_code < 400, f"HTTP {r.status_code}")
-                except httpx.TimeoutException:
-                    return w, (False, f"no answer within {self.health_check_timeout:g} s")
-                except httpx.HTTPError as e:
-                    return w, (False, f"{type(e).__name__}: {e}")
-
-            for w, (ok, why) in await asyncio.gather(*(probe(w) for w in workers)):
+            workers = self.fleet.live()
+            probed = await asyncio.gather(*(self._probe(call.client, w) for w in workers))
+            for w, (ok, why) in zip(workers, probed):
                 if ok:
-                    misses[w] = 0
+                    misses.pop(w, None)
                     first_miss.pop(w, None)
                     continue
-                misses[w] += 1
+                misses[w] = misses.get(w, 0) + 1
                 first_miss.setdefault(w, time.monotonic())
                 if misses[w] >= self.health_failure_threshold:
-                    raise EngineError(
-                        f"rollout: the worker {w} stopped answering /health during generation ({misses[w]} probes in a "
-                        f"row over {time.monotonic() - first_miss[w]:.0f} s; last: {why}): is it dead or hung? "
-                        "The step is abandoned; restart the server and the run resumes from its last checkpoint")
+                    why = (f"stopped answering /health during generation ({misses.pop(w)} probes in a row over "
+                           f"{time.monotonic() - first_miss.pop(w):.0f} s; last: {why})")
+                    await self._lose(call, w, why)
 
 
 def parse_completion(out: dict, k: int = 0, url: str = "", routing: tuple | None = None) -> Completion:

@@ -1,9 +1,9 @@
 """The synchronous HTTP side of the SGLang client: one keep-alive ``httpx`` client for every control
-call, errors that name the URL and the server's message, and the workers behind the URLs (given, or
-asked from a router's ``GET /workers``; a URL without that route is a server itself).
+call, and errors that name the URL and the server's message (:class:`WorkerGone` when the server
+could not be reached or did not answer). The workers behind the URLs are :mod:`.membership`'s.
 
 :class:`Transport` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine`; it uses the
-engine's ``urls``, ``url``, ``timeout``, ``health_check_timeout`` and ``_explicit_workers``.
+engine's ``url``, ``timeout`` and ``health_check_timeout``.
 """
 from __future__ import annotations
 
@@ -17,12 +17,23 @@ class EngineError(RuntimeError):
     """A rollout server or router failed a call; the message names the URL and its answer."""
 
 
+class WorkerGone(EngineError):
+    """The call could not reach its server or got no answer in time (connection refused or reset,
+    the connection closed without an answer, a timeout): the server is gone or frozen. An answer,
+    whatever its status, is a plain :class:`EngineError` (the server is there and refused)."""
+
+
+#: transport failures that mean the server is gone (not an answer that refuses the call)
+GONE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+
+
 class _Retryable(Exception):
     """A failure worth another attempt (transport, 5xx, abort)."""
 
-    def __init__(self, url: str, message: str):
+    def __init__(self, url: str, message: str, gone: bool = False):
         super().__init__(message)
         self.url, self.message = url, message
+        self.gone = gone  # no answer at all (GONE): the server may be dead
 
 
 #: what a refused API key is answered with: SGLang 401 ``{"error": "Unauthorized"}`` (403 ``Forbidden``
@@ -66,7 +77,6 @@ def _said(resp: httpx.Response) -> str:
 
 class Transport:
     def _init_transport(self) -> None:
-        self._workers = None  # discovered from the routers (workers())
         self._control = None  # the keep-alive client of the control calls (made on first use)
         self._control_lock = threading.Lock()
 
@@ -97,9 +107,10 @@ class Transport:
         try:
             resp = self._client().request(method, url, json=body, timeout=timeout)
         except httpx.TimeoutException:
-            raise EngineError(f"rollout: {method} {url} did not answer within {timeout:g} s") from None
+            raise WorkerGone(f"rollout: {method} {url} did not answer within {timeout:g} s") from None
         except httpx.HTTPError as e:
-            raise EngineError(f"rollout: {method} {url} failed: {type(e).__name__}: {e}") from None
+            cls = WorkerGone if isinstance(e, GONE) else EngineError
+            raise cls(f"rollout: {method} {url} failed: {type(e).__name__}: {e}") from None
         if resp.status_code >= 400:
             raise EngineError(f"rollout: {method} {url} failed with HTTP {resp.status_code}: {_message_of(resp)}")
         if not expect_json:
@@ -126,57 +137,3 @@ class Transport:
 
     def server_info(self, url: str | None = None) -> dict:
         return self._request("GET", "/server_info", url=url)
-
-    # -- workers -----------------------------------------------------------------------------------
-    def workers(self, refresh: bool = False) -> list:
-        """The SGLang servers behind ``urls``: listed explicitly, or asked from each URL that is a
-        router (``GET /workers``); a URL without that route is a server itself."""
-        if self._explicit_workers is not None:
-            return list(self._explicit_workers)
-        if self._workers is not None and not refresh:
-            return list(self._workers)
-        found = []
-        for u in self.urls:
-            try:
-                resp = self._client().get(u + "/workers", timeout=self.timeout)
-            except httpx.TimeoutException:
-                raise EngineError(f"rollout: {u} did not answer GET /workers within {self.timeout:g} s "
-                                  "(rollout.control_timeout_s): is it hung?") from None
-            except httpx.HTTPError as e:
-                raise EngineError(f"rollout: cannot reach {u} ({type(e).__name__}: {e}); is the server or router "
-                                  "running, and is rollout.urls right?") from None
-            listed = None
-            if resp.status_code == 200:
-                try:
-                    listed = resp.json().get("workers")
-                except (json.JSONDecodeError, AttributeError):
-                    listed = None
-            if isinstance(listed, list):
-                urls = [w.get("url") for w in listed if isinstance(w, dict) and w.get("url")]
-                if not urls:
-                    raise EngineError(f"rollout: the router {u} has no workers registered ({u}/workers)")
-                found += [w.rstrip("/") for w in urls]
-            else:
-                found.append(u)
-        self._workers = list(dict.fromkeys(found))
-        return list(self._workers)
-
-    def _on_workers(self, fn, timeout_hint: str = "") -> list:
-        """Run ``fn(worker_url)`` on every worker in parallel; the first failure is raised after all finish."""
-        workers = self.workers()
-        results, errors = [None] * len(workers), []
-
-        def run(i, w):
-            try:
-                results[i] = fn(w)
-            except Exception as e:  # noqa: BLE001 -- collected and re-raised below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(i, w), daemon=True) for i, w in enumerate(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
