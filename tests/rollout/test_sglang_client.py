@@ -12,6 +12,7 @@ from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import EmbeddedEngine
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
+from megatron_klear.rollout.sglang.fleet import FleetError
 from tests.rollout.conftest import PROMPTS
 from tests.rollout.processes import fake_worker, recorded, router
 from tests.rollout.sglang_contract import validate_generate_request
@@ -152,7 +153,7 @@ WATCH = dict(health_check_interval=0.3, health_check_timeout=0.5, health_failure
 
 def _fails_within(client, seconds, match):
     t0 = time.monotonic()
-    with pytest.raises(EngineError, match=match):
+    with pytest.raises(FleetError, match=match):
         client.generate([[1, 2], [3, 4], [5, 6], [7, 8]], SamplingParams(max_new_tokens=3), n=2)
     elapsed = time.monotonic() - t0
     assert elapsed < seconds, elapsed
@@ -160,13 +161,15 @@ def _fails_within(client, seconds, match):
 
 def test_a_frozen_worker_behind_the_router_is_noticed(tmp_path):
     """SIGSTOP: the worker still accepts connections but never answers; without the health probe
-    the client would wait for the whole generation timeout (an hour by default)."""
+    the client would wait for the whole generation timeout (an hour by default). With
+    rollout.min_live_workers = 2 the call cannot go on with the other worker alone: it fails
+    naming the frozen one (tests/rollout/test_fleet.py: with 1 it goes on)."""
     with fake_worker(tmp_path, "a", generate_delay=60) as (a, _, proc_a), fake_worker(tmp_path, "b") as (b, _, _), \
             router([a, b]) as r:
-        client = SGLangEngine([r], generate_timeout=3600, **WATCH)
+        client = SGLangEngine([r], generate_timeout=3600, min_live_workers=2, **WATCH)
         client.workers()
         os.kill(proc_a.pid, signal.SIGSTOP)
-        _fails_within(client, 20, f"worker {a} stopped answering /health")
+        _fails_within(client, 20, f"{a}: stopped answering /health")
 
 
 def test_a_frozen_embedded_server_is_noticed(tiny_hf):
@@ -175,7 +178,7 @@ def test_a_frozen_embedded_server_is_noticed(tiny_hf):
         client = SGLangEngine([server.url], generate_timeout=3600, **WATCH)
         assert client.workers() == [server.url]  # a server, not a router: it has no /workers
         os.kill(server._process.pid, signal.SIGSTOP)
-        _fails_within(client, 20, f"worker {server.url} stopped answering /health")
+        _fails_within(client, 20, f"{server.url}: stopped answering /health")
     finally:
         os.kill(server._process.pid, signal.SIGCONT)
         server.close()
