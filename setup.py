@@ -31,7 +31,10 @@ setup(
         # SGLang's own request contract (tools/fetch_sglang_contract.py)
         "dev": ["pytest>=8", "pytest-timeout", "sglang-router==0.3.2", "msgspec>=0.18"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
-        "sglang": ["sglang[srt]", "sglang-router"],
+        # the version whose contract the tests pin (SGLang 0.5.23 defines no [srt] extra); it pins
+        # torch==2.14.1 and needs Python >= 3.11: for weight_sync=distributed over NCCL the trainer
+        # must run that torch too (rollout/sglang/compat.py checks it; docs/sglang.md)
+        "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
         "logging": ["wandb", "tensorboard", "matplotlib"],  # matplotlib: tools/plot_run.py, the demo's and benchmarks' plots
     },
 )

@@ -11,17 +11,27 @@
 # 2. One SGLang server per rollout GPU group. Prompt (4K) + response (32K) = 36864 tokens exceeds
 #    Qwen3-8B-Base's max_position_embeddings (32768): allow it explicitly (what the authors' 32K
 #    responses imply) or pick a RoPE scaling (YaRN) with --json-model-override-args:
+#      pip install -e '.[sglang]'   # sglang==0.5.23 (pins torch 2.14.1) and sglang-router==0.3.2
 #      SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 python -m sglang.launch_server \
 #          --model-path /shared/klear-sft-8b-hf --host 0.0.0.0 --port 30000 --tp 1 \
-#          --context-length 36864 --mem-fraction-static 0.85
+#          --context-length 36864 --mem-fraction-static 0.85 --api-key "$KEY"
 #    The trainer checks every server's context at start-up and stops with this advice if it is short.
+#    --api-key is optional: with it every request needs "Authorization: Bearer $KEY" (/health
+#    excepted); pass the same key to the router and rollout.api_key=$KEY to the trainer.
+#    Weights over NCCL (the default) put the trainer and the servers in one NCCL communicator: the
+#    trainer must run the torch SGLang 0.5.23 pins (2.14.1, same CUDA flavour: the same NCCL); the
+#    trainer checks the servers' SGLang version against its torch at start-up.
 # 3. The router, in front of all servers (requests are one per prompt, spread over the workers):
 #      python -m sglang_router.launch_router --host 0.0.0.0 --port 30000 --policy cache_aware \
 #          --worker-urls http://r0:30000 http://r1:30000 ... --request-timeout-secs 10800 \
-#          --prometheus-port 29000
+#          --prometheus-port 29000 --disable-health-check --api-key "$KEY"
 #    --request-timeout-secs must exceed the longest request (rollout.generate_timeout_s), else the
 #    router re-sends it and finally answers HTTP 500; give each router on a host its own
-#    --prometheus-port (the default 29000 collides).
+#    --prometheus-port (the default 29000 collides). --disable-health-check: SGLang's /health
+#    blocks while generation is paused and answers 503 after 20 s, and the router's default checks
+#    (every 60 s, unhealthy after 3 failures) drop every worker during a pause of about 2 minutes
+#    (a disk reload from a shared filesystem): the trainer pauses the servers itself, probes them
+#    and keeps the worker list (docs/sglang.md, "The router's health checks").
 # 4. On every trainer node:
 #      NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 bash examples/run_gppo_qwen3_8b.sh rollout.urls=[http://router:30000]
 #    The trainer asks the router for its workers (GET /workers) and updates each worker directly
@@ -47,10 +57,18 @@
 #    resume and every rollout.verify_interval steps each server's log-probs of a probe must equal the
 #    trainer's. rollout.weight_sync=disk instead writes <rollout.sync_dir>/step_NNNNNNN (on a
 #    filesystem the servers read) and has every server reload it in parallel (update_weights_from_disk).
-#    Servers on the training GPUs instead (no rollout nodes): start each with --enable-memory-saver
-#    and a smaller --mem-fraction-static, and pass rollout.colocate=true: the servers release their
-#    memory while the actor trains and reload the weights from disk (docs/sglang.md, "Colocated
-#    servers").
+#    Servers on the training GPUs instead (no rollout nodes), with rollout.colocate=true: the
+#    servers release their memory while the actor trains and reload the weights from disk
+#    (docs/sglang.md, "Colocated servers"). Start each server on its training GPU with:
+#      SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false SGLANG_MEMORY_SAVER_CUDA_GRAPH=true \
+#      SGLANG_EXPOSE_OWN_ENV_VARS=true SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 \
+#      CUDA_VISIBLE_DEVICES=$GPU python -m sglang.launch_server --model-path /shared/klear-sft-8b-hf \
+#          --host 0.0.0.0 --port $((30000 + GPU)) --tp 1 --context-length 36864 \
+#          --enable-memory-saver --mem-fraction-static 0.5
+#    (health generation off: a /health probe would otherwise generate on the released memory and
+#    crash the server; the CUDA-graph saver: without it releasing cuda_graph frees nothing;
+#    SGLANG_EXPOSE_OWN_ENV_VARS lets the trainer check both at start-up), and the router as in 3,
+#    with --disable-health-check.
 # For code RL afterwards: CONFIG=examples/configs/gppo_qwen3_8b_code.yaml model.path=<math RL checkpoint>
 set -euo pipefail
 NNODES=${NNODES:-1}

@@ -10,9 +10,9 @@ def make_engine(r: RolloutConfig, model_dir: str = "", *, device: str = "cpu", h
     """``engine=embedded``: the torch engine on ``model_dir`` (an HF directory) in this process, on
     ``device``, in ``r.dtype`` (``hf_config``: a transformers config overriding the directory's, e.g.
     with RoPE scaling). ``engine=http``: the SGLang client of ``r.urls`` / ``r.workers``, with every
-    timeout and limit of ``r``; it checks the servers answer. ``routed_experts``: ``(MoE layer
-    numbers, top_k)`` of the model when ``r.router_replay`` asks the engine for the experts of every
-    token."""
+    timeout and limit of ``r``; it checks the servers answer, and what :mod:`.sglang.compat` checks
+    (colocated servers' environment, the NCCL build). ``routed_experts``: ``(MoE layer numbers,
+    top_k)`` of the model when ``r.router_replay`` asks the engine for the experts of every token."""
     if r.engine == "embedded":
         from megatron_klear.rollout.embedded import EmbeddedEngine
 
@@ -20,8 +20,9 @@ def make_engine(r: RolloutConfig, model_dir: str = "", *, device: str = "cpu", h
         return EmbeddedEngine.from_pretrained(model_dir, dtype=r.dtype, device=device,
                                               record_routing=r.router_replay, **extra)
     from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang.compat import check_servers
 
-    return SGLangEngine(
+    engine = SGLangEngine(
         r.urls, workers=r.workers or None, timeout=r.control_timeout_s, generate_timeout=r.generate_timeout_s,
         weight_update_timeout=r.weight_update_timeout_s, max_concurrent_requests=r.max_concurrent_requests,
         request_granularity=r.request_granularity, max_retries=r.max_retries,
@@ -29,3 +30,5 @@ def make_engine(r: RolloutConfig, model_dir: str = "", *, device: str = "cpu", h
         health_failure_threshold=r.health_failure_threshold, send_seed=r.send_seed, check=True,
         min_live_workers=r.min_live_workers, api_key=r.api_key or None,
         routed_experts=routed_experts if r.router_replay else None)
+    check_servers(engine, r)  # colocated servers' environment; the NCCL build of weight_sync=distributed
+    return engine

@@ -24,8 +24,8 @@ def free_port() -> int:
 from megatron_klear.rollout.sglang_standin import stop_process as stop  # noqa: E402
 
 
-def _get_json(url: str, timeout: float = 2.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def _get_json(url: str, timeout: float = 2.0, headers=None):
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
         return json.loads(r.read() or b"null")
 
 
@@ -58,13 +58,16 @@ def recorded(record_path: str, path: str = "/generate") -> list:
 
 
 @contextlib.contextmanager
-def router(worker_urls, *, policy: str = "round_robin", startup_timeout: float = 60.0, extra=()):
+def router(worker_urls, *, policy: str = "round_robin", startup_timeout: float = 60.0, extra=(),
+           api_key: str | None = None):
     """The real sglang-router in front of ``worker_urls``; yields its URL once every worker is
-    registered and healthy (``GET /workers``)."""
+    registered and healthy (``GET /workers``). ``api_key``: the router's ``--api-key`` (it then
+    refuses clients without it and sends it to the workers)."""
     port = free_port()
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
-           "--prometheus-port", str(free_port()), *extra]
+           "--prometheus-port", str(free_port()), *extra, *(("--api-key", api_key) if api_key else ())]
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -73,7 +76,7 @@ def router(worker_urls, *, policy: str = "round_robin", startup_timeout: float =
             if proc.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with code {proc.returncode}: {' '.join(cmd)}")
             try:
-                listed = _get_json(url + "/workers").get("workers", [])
+                listed = _get_json(url + "/workers", headers=auth).get("workers", [])
                 if len(listed) == len(worker_urls) and all(w.get("is_healthy") for w in listed):
                     break
             except (OSError, ValueError, AttributeError):

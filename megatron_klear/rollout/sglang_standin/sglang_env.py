@@ -19,31 +19,29 @@ import os
 import secrets
 import warnings
 
-HEALTH_GENERATION = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+from megatron_klear.rollout.sglang import compat
+
+HEALTH_GENERATION, MEMORY_SAVER_CUDA_GRAPH, EXPOSE_ENV_VARS = (compat.HEALTH_GENERATION, compat.MEMORY_SAVER_CUDA_GRAPH,
+                                                              compat.EXPOSE_ENV_VARS)
 HEALTH_CHECK_TIMEOUT = "SGLANG_HEALTH_CHECK_TIMEOUT"
-MEMORY_SAVER_CUDA_GRAPH = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
-EXPOSE_ENV_VARS = "SGLANG_EXPOSE_OWN_ENV_VARS"
 
 
 def env_bool(name: str, default: bool) -> bool:
     """SGLang's ``EnvBool``: true/1/yes/y and false/0/no/n (any case); another value warns and gives
     the default."""
     value = os.environ.get(name)
-    if value is None:
+    parsed = compat.env_bool(value, None)
+    if parsed is None:
+        if value is not None:
+            warnings.warn(f'Invalid value for {name}: "{value.lower()}" is not a valid boolean value, using default '
+                          f'"{default}"', stacklevel=2)
         return default
-    value = value.lower()
-    if value in ("true", "1", "yes", "y"):
-        return True
-    if value in ("false", "0", "no", "n"):
-        return False
-    warnings.warn(f'Invalid value for {name}: "{value}" is not a valid boolean value, using default "{default}"',
-                  stacklevel=2)
-    return default
+    return parsed
 
 
 def bool_env_var(name: str) -> bool:
     """SGLang's ``get_bool_env_var`` (default false): only ``true`` and ``1`` (any case) are true."""
-    return os.environ.get(name, "false").lower() in ("true", "1")
+    return compat.get_bool_env_var(os.environ.get(name))
 
 
 def health_check_timeout() -> int:
