@@ -7,13 +7,15 @@ against SGLang's contract. Generation answers in SGLang's response shape: each s
 
     python tests/rollout/fake_sglang_worker.py --port-file F --record R.jsonl [--generate-delay S]
         [--fail-first K] [--status CODE] [--abort-first K] [--non-json] [--context-length C]
-        [--tp-size N] [--hang-init] [--fail-post PATH,PATH...]
+        [--tp-size N] [--hang-init] [--fail-post PATH,PATH...] [--refuse-flush K]
 
 The routes of SGLang's distributed weight update answer ``{"success": true}`` without joining any
 process group (``/update_weight_version`` sets the version); with ``--hang-init``,
 ``/init_weights_update_group`` never answers (a server that never joins the group). With
 ``--fail-post``, each POST to one of those paths answers 400 ``{"success": false, "message":
-"injected failure of PATH"}`` (SGLang's shape for a failed control call).
+"injected failure of PATH"}`` (SGLang's shape for a failed control call). ``/flush_cache`` answers
+SGLang's text; with ``--refuse-flush K`` its first K calls answer 400 ``Flush cache failed.`` (SGLang
+0.5.23 while a request is still running or queued).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class State:
         self.generate_calls = 0
         self.weight_version = "0"
         self.paused = False
+        self.flushes = 0
 
     def record(self, method, path, body, client=None):
         if self.args.record:
@@ -108,6 +111,13 @@ class Handler(BaseHTTPRequestHandler):
                 "completion_tokens": k, "cached_tokens": 0, "weight_version": st.weight_version,
                 "output_token_logprobs": [[-0.5, t, None] for t in ids]}} for j in range(n)]
             return self._send(200, outs[0] if n == 1 else outs)
+        if self.path == "/flush_cache":
+            with st.lock:
+                st.flushes += 1
+                refuse = st.flushes <= a.refuse_flush
+            if refuse:
+                return self._send(400, raw=b"Flush cache failed.\n", ctype="text/plain")
+            return self._send(200, raw=b"Cache flushed.\n", ctype="text/plain")
         if self.path == "/pause_generation":
             st.paused = True
             return self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
@@ -143,6 +153,7 @@ def main():
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--hang-init", action="store_true")
     ap.add_argument("--fail-post", type=lambda v: v.split(","), default=[])
+    ap.add_argument("--refuse-flush", type=int, default=0)
     args = ap.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True

@@ -66,7 +66,9 @@ def test_every_request_follows_sglangs_contract(tmp_path, granularity):
     seeds = [b["sampling_params"]["sampling_seed"] for b in bodies]
     assert len(set(seeds)) == len(seeds)  # no two requests share a seed
     update = recorded(record, "/update_weights_from_disk")
-    assert update == [{"model_path": "/some/dir", "flush_cache": True, "weight_version": "3"}]
+    # the cache is flushed once before the load (SGLang 0.5.23 fails a load whose flush finds a
+    # request still queued), so the load itself does not flush
+    assert update == [{"model_path": "/some/dir", "flush_cache": False, "weight_version": "3"}]
 
 
 def test_no_seed_is_sent_to_sglang_by_default(tmp_path):
@@ -92,7 +94,8 @@ def test_the_real_router_spreads_requests_and_weight_updates_reach_every_worker(
 
             paths = [json.loads(x)["path"] for x in open(rec)]
             i = paths.index("/pause_generation")
-            assert paths[i:i + 3] == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+            assert paths[i:i + 4] == ["/pause_generation", "/flush_cache", "/update_weights_from_disk",
+                                      "/continue_generation"]
 
 
 def test_failed_requests_are_retried_then_named(tmp_path):

@@ -26,13 +26,80 @@ import threading
 
 from megatron_klear.rollout.base import Completion
 from megatron_klear.rollout.sglang.generation import parse_completion
-from megatron_klear.rollout.sglang.transport import EngineError
+from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone
 
 #: SGLang's memory types (``GPU_MEMORY_ALL_TYPES``) for /release_memory_occupation and /resume_memory_occupation
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
+def answered(e: BaseException) -> bool:
+    """Whether a control call's failure is the worker's own answer (an HTTP error status, or
+    ``success: false``) rather than no answer at all (:class:`~.transport.WorkerGone`: a refused or
+    reset connection, a timeout: the worker is gone or frozen)."""
+    return not isinstance(e, WorkerGone)
+
+
+class BucketPost:
+    """One bucket's ``/update_weights_from_distributed``, posted to every member of the update group
+    at once; each post answers only once its server has received the broadcast (SGLang's handler
+    receives, then loads, then answers).
+
+    What HTTP shows before the broadcast is an *early* answer: a server refuses a bucket at once
+    when it has no open session, does not know the group, or is unreachable (SGLang checks these
+    before it starts receiving). :meth:`refusals` waits until every post has answered or ``grace``
+    seconds have passed, and returns the early failures: the sender broadcasts only when there are
+    none (a broadcast to a group with a member that is not receiving never completes: with NCCL,
+    only the watchdog ends it)."""
+
+    def __init__(self, engine, workers, body: dict, timeout: float):
+        self.workers = list(workers)
+        self.errors: dict = {}
+        self._done = {w: threading.Event() for w in self.workers}
+        self._threads = [threading.Thread(target=self._post, args=(engine, w, body, timeout), daemon=True,
+                                          name="weights-bucket") for w in self.workers]
+        for t in self._threads:
+            t.start()
+
+    def _post(self, engine, w, body, timeout):
+        try:
+            engine._post_weights(w, "/update_weights_from_distributed", body, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 -- collected
+            self.errors[w] = e
+        finally:
+            self._done[w].set()
+
+    def refusals(self, grace: float) -> dict:
+        """``{worker: error}`` of the posts that failed within ``grace`` seconds (or before every
+        post answered, whichever comes first)."""
+        import time
+
+        deadline = time.monotonic() + float(grace)
+        for ev in self._done.values():
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
+                break
+        return dict(self.errors)
+
+    def done(self) -> bool:
+        return all(ev.is_set() for ev in self._done.values())
+
+    def result(self) -> dict:
+        """Wait for every answer; ``{worker: error}`` of the posts that failed."""
+        for t in self._threads:
+            t.join()
+        return dict(self.errors)
+
+
+def bucket_error(errors: dict) -> str:
+    """One message for a bucket's failed posts: a server that cannot be reached (gone) first, the
+    others' failures follow from it."""
+    failed = sorted(errors.items(), key=lambda we: answered(we[1]))
+    return "; ".join(str(e) for _, e in failed)
+
+
 class Control:
+    #: tries of /flush_cache before a weight load (see :meth:`Control.flush_cache`)
+    flush_attempts = 8
+
     # -- context length ----------------------------------------------------------------------------
     def context_length(self, url: str) -> int | None:
         """The longest prompt + response a worker accepts: ``/v1/models``' ``max_model_len``
@@ -67,39 +134,111 @@ class Control:
         return lengths
 
     # -- weights -----------------------------------------------------------------------------------
+    def flush_cache(self, worker: str) -> None:
+        """SGLang's ``/flush_cache`` on one worker, retried while it refuses: SGLang 0.5.23 flushes only
+        a fully idle scheduler (``Scheduler.flush_cache``; while paused, the waiting queue is ignored)
+        and otherwise answers HTTP 400 (``Flush cache failed.``), e.g. while the requests aborted by
+        ``/pause_generation`` are still leaving the running batch. ``flush_attempts`` tries, the waits
+        between them doubling from 0.1 s up to 2 s; then :class:`EngineError` naming the worker."""
+        import time
+
+        last = None
+        for attempt in range(max(1, int(self.flush_attempts))):
+            try:
+                # no body: SGLang's route reads only an optional ``timeout`` query parameter
+                self._request("POST", "/flush_cache", None, url=worker, expect_json=False)
+                return
+            except EngineError as e:
+                if "HTTP 400" not in str(e):  # gone, or another answer than SGLang's refusal
+                    raise
+                last = e
+            time.sleep(min(2.0, 0.1 * 2 ** attempt))
+        raise EngineError(f"rollout: {worker} refused to flush its cache {self.flush_attempts} times (requests still "
+                          f"running or queued after /pause_generation); last: {last}")
+
     def load_from_disk(self, model_dir: str, *, version=None) -> None:
-        """Every worker loads the HF checkpoint ``model_dir`` (a path the servers can read), in
-        parallel: pause -> update_weights_from_disk -> continue; then each must report ``version``."""
+        """Every worker (live and rejoining) loads the HF checkpoint ``model_dir`` (a path the servers
+        can read), in parallel: pause -> flush the cache (once, retried: see :meth:`flush_cache`) ->
+        update_weights_from_disk (``flush_cache=False``: SGLang would fail the load if a request were
+        still queued) -> continue; then each must report ``version``.
+
+        A worker that is gone (no answer: refused connection, reset, timeout) is dropped from the
+        fleet and the others go on (:class:`~.fleet.FleetError` below ``min_live_workers``). A worker
+        that *answers* with a failure (the path unreadable there, its weights released, a wrong
+        version) is an error for a live worker -- the same cause would usually hit every server, and
+        it must be seen -- while a rejoining one is only dropped again (it keeps its old weights and
+        gets no request)."""
         version = None if version is None else str(version)
+        refused = {}
 
         def update(w):
-            self._request("POST", "/pause_generation", {"mode": "abort"}, url=w)
             try:
-                body = {"model_path": model_dir, "flush_cache": True}
-                if version is not None:
-                    body["weight_version"] = version
-                result = self._request("POST", "/update_weights_from_disk", body, timeout=self.weight_update_timeout, url=w)
-                if not isinstance(result, dict) or not result.get("success", False):
-                    raise EngineError(f"rollout: {w}/update_weights_from_disk failed: {(result or {}).get('message')}")
-            except BaseException as cause:
-                # resume the worker, but the update's failure is the one reported (the resume's, if
-                # it fails too, rides along as a note)
+                self._request("POST", "/pause_generation", {"mode": "abort"}, url=w)
                 try:
-                    self._request("POST", "/continue_generation", {}, url=w)
-                except Exception as cleanup:  # noqa: BLE001
-                    cause.add_note(f"(then {w}/continue_generation failed too: {cleanup})")
-                raise
-            self._request("POST", "/continue_generation", {}, url=w)
-            if version is not None:
-                reported = (self.model_info(w) or {}).get("weight_version")
-                if str(reported) != version:
-                    raise EngineError(f"rollout: {w} reports weight_version {reported!r} after loading {model_dir}, "
-                                      f"expected {version!r}")
+                    self.flush_cache(w)
+                    body = {"model_path": model_dir, "flush_cache": False}
+                    if version is not None:
+                        body["weight_version"] = version
+                    result = self._request("POST", "/update_weights_from_disk", body,
+                                           timeout=self.weight_update_timeout, url=w)
+                    if not isinstance(result, dict) or not result.get("success", False):
+                        message = (result or {}).get("message")
+                        raise EngineError(f"rollout: {w}/update_weights_from_disk failed: {message}")
+                except BaseException as cause:
+                    # resume the worker, but the update's failure is the one reported (the resume's, if
+                    # it fails too, rides along as a note)
+                    try:
+                        self._request("POST", "/continue_generation", {}, url=w)
+                    except Exception as cleanup:  # noqa: BLE001
+                        cause.add_note(f"(then {w}/continue_generation failed too: {cleanup})")
+                    raise
+                self._request("POST", "/continue_generation", {}, url=w)
+                if version is not None:
+                    reported = (self.model_info(w) or {}).get("weight_version")
+                    if str(reported) != version:
+                        raise EngineError(f"rollout: {w} reports weight_version {reported!r} after loading "
+                                          f"{model_dir}, expected {version!r}")
+            except EngineError as e:
+                if not answered(e):
+                    raise  # gone: _on_workers drops it
+                refused[w] = e
 
-        self._on_workers(update)
+        rejoining = set(self.fleet.rejoining())
+        self._on_workers(update, tolerate_loss=True)
+        for w, e in refused.items():
+            if w in rejoining:
+                self.drop_worker(w, f"its weight load as it rejoined failed: {e}")
+        live_failures = [e for w, e in refused.items() if w not in rejoining]
+        if live_failures:
+            raise live_failures[0]
+
+    def alive(self, workers) -> list:
+        """Whether each of ``workers`` answers at all, in parallel: ``/model_info`` within
+        ``rollout.health_check_timeout_s``, any answer counts. Not ``/health``: SGLang 0.5.23's blocks
+        while generation is paused (a weight sync pauses it) and answers 503 after 20 s."""
+        out = [False] * len(workers)
+        wait = min(self.timeout, self.health_check_timeout)
+
+        def ask(i, w):
+            try:
+                self._request("GET", "/model_info", timeout=wait, url=w)
+                out[i] = True
+            except WorkerGone:
+                out[i] = False
+            except EngineError:
+                out[i] = True  # it answered (with an error status): it is there
+
+        threads = [threading.Thread(target=ask, args=(i, w), daemon=True) for i, w in enumerate(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
 
     def weight_versions(self) -> dict:
-        return {w: (self.model_info(w) or {}).get("weight_version") for w in self.workers()}
+        """``{worker: the weight_version it reports}`` of every worker that answers (a gone one is
+        dropped)."""
+        return self._on_workers(lambda w: (self.model_info(w) or {}).get("weight_version"), tolerate_loss=True)
 
     # -- weights over a process group (SGLang's update_weights_from_distributed) ---------------------
     # The trainer side (megatron_klear.rollout.weight_sync.DistributedWeightSync) drives these; each
@@ -181,10 +320,13 @@ class Control:
 
         self._on_workers(begin)
 
-    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, *, group_name: str,
-                                        load_format: str | None = None, flush_cache: bool = True,
-                                        weight_version: str | None = None, timeout: float | None = None) -> None:
-        """Every worker receives one bucket (the sender broadcasts it meanwhile)."""
+    def post_bucket(self, names: list, dtypes: list, shapes: list, *, group_name: str, workers=None,
+                    load_format: str | None = None, flush_cache: bool = False, weight_version: str | None = None,
+                    timeout: float | None = None) -> BucketPost:
+        """Post one bucket to every worker (``workers``: the update group's members), without waiting:
+        the sender broadcasts it once :meth:`BucketPost.refusals` is empty. ``flush_cache`` stays
+        False: the cache is flushed once before the first bucket (:meth:`flush_caches`); SGLang
+        0.5.23 fails a bucket whose flush finds a request still queued."""
         body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
                 "group_name": group_name, "flush_cache": bool(flush_cache), "abort_all_requests": False}
         if load_format is not None:
@@ -192,25 +334,21 @@ class Control:
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         timeout = self.weight_update_timeout if timeout is None else timeout
-        workers = self.workers()
-        errors = [None] * len(workers)
+        return BucketPost(self, self.workers() if workers is None else workers, body, timeout)
 
-        def post(i, w):
-            try:
-                self._post_weights(w, "/update_weights_from_distributed", body, timeout=timeout)
-            except Exception as e:  # noqa: BLE001 -- collected below
-                errors[i] = e
+    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, *, group_name: str,
+                                        load_format: str | None = None, flush_cache: bool = False,
+                                        weight_version: str | None = None, timeout: float | None = None) -> None:
+        """Every worker receives one bucket (the sender broadcasts it meanwhile); raises naming the
+        workers that failed."""
+        errors = self.post_bucket(names, dtypes, shapes, group_name=group_name, load_format=load_format,
+                                  flush_cache=flush_cache, weight_version=weight_version, timeout=timeout).result()
+        if errors:
+            raise EngineError(bucket_error(errors))
 
-        threads = [threading.Thread(target=post, args=(i, w), daemon=True) for i, w in enumerate(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        failed = [(w, e) for w, e in zip(workers, errors) if e is not None]
-        if failed:
-            # a server that cannot be reached (dead) first: the others' failures follow from it
-            failed.sort(key=lambda we: "failed with HTTP" in str(we[1]))
-            raise EngineError("; ".join(str(e) for _, e in failed))
+    def flush_caches(self) -> None:
+        """:meth:`flush_cache` on every worker, in parallel; the first failure is raised."""
+        self._on_workers(self.flush_cache)
 
     def end_weight_update(self) -> None:
         self._on_workers(lambda w: self._post_weights(w, "/end_weight_update", {}, timeout=self.weight_update_timeout))
@@ -221,11 +359,16 @@ class Control:
         self._on_workers(lambda w: self._post_weights(w, "/update_weight_version", body))
 
     def check_weight_versions(self, version) -> None:
-        """Every worker must report ``version`` (``/model_info``'s ``weight_version``)."""
+        """Every worker must report ``version`` (``/model_info``'s ``weight_version``): a live one that
+        does not is an error, a rejoining one is dropped again (it gets no request)."""
+        rejoining = set(self.fleet.rejoining())
         for w, reported in self.weight_versions().items():
-            if str(reported) != str(version):
-                raise EngineError(f"rollout: {w} reports weight_version {reported!r} after the update, expected "
-                                  f"{str(version)!r}")
+            if str(reported) == str(version):
+                continue
+            why = f"rollout: {w} reports weight_version {reported!r} after the update, expected {str(version)!r}"
+            if w not in rejoining:
+                raise EngineError(why)
+            self.drop_worker(w, why)
 
     # -- verification ------------------------------------------------------------------------------
     def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:

@@ -25,25 +25,48 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
     leader, every server joined (:mod:`.distributed_groups`).
 
     **A sync** (:meth:`sync`, version ``v``): rank 0 pauses generation (``/pause_generation``
-    ``abort``) and opens a session (``/begin_weight_update``) on every server while the first
-    bucket is gathered; then, stage after stage, the leader streams its buckets
+    ``abort``), flushes every server's cache once (``/flush_cache``, retried while a request is
+    still leaving: SGLang 0.5.23 fails a bucket sent with ``flush_cache=True`` if one is queued, so
+    buckets go with ``flush_cache=False``) and opens a session (``/begin_weight_update``) while the
+    first bucket is gathered; then, stage after stage, the leader streams its buckets
     (:mod:`.distributed_buckets`). Then rank 0 closes the session (``/end_weight_update``), sets the
     version (``/update_weight_version``), continues generation and checks that every server
     reports ``v``.
 
-    **Failures** end the sync with :class:`WeightSyncError` on every rank, in bounded time: group
-    creation waits at most ``group_timeout`` seconds, each bucket's broadcast ``bucket_timeout``
-    (a dead peer fails it at once with gloo). The error names the server (its HTTP answer) or the
-    stage. Generation stays paused and the servers' groups are dropped: an SGLang server that got
-    part of the buckets holds a mix of weights (SGLang loads each bucket as it arrives) and must not
-    serve, the stand-in server discards the whole session (its weights and version are the old
-    ones). A restarted run re-creates the groups and sends every weight before generating.
+    **No broadcast without its post.** A bucket is broadcast only once its post has reached every
+    member and none refused it within ``post_grace`` seconds (SGLang refuses a bucket without an
+    open session, for an unknown group, or cannot be reached, at once, before it receives): a
+    broadcast to a group with a member that does not receive never completes. A refused bucket is
+    not broadcast to anyone and the attempt fails naming the server.
+
+    **Bounded waits.** Group creation waits at most ``group_timeout`` seconds; so does the first
+    broadcast of a new group (with NCCL, ``/init_weights_update_group`` returns once the TCP store
+    connects and the communicator is built at the first collective: the first bucket is then a
+    single tensor, waited for under ``group_timeout``); each later bucket ``bucket_timeout``. gloo
+    fails a broadcast to a dead peer at once. NCCL's ``wait`` does not block the host, so the works
+    are polled to the deadline and the communicator aborted after it; the group is built with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` so that NCCL's watchdog (at the group's timeout) aborts
+    it and raises instead of ending the trainer. (What the CPU tests show is the gloo side; the NCCL
+    side is exercised by ``tests/gpu``. A server blocked receiving a bucket that never comes waits
+    for its own group's timeout, which SGLang does not let the client set: torch's default.)
+
+    **A lost worker** (:meth:`sync`): the sync is tried again, up to ``max_attempts`` times, with the
+    groups re-formed without the workers that are gone (fresh group names), every bucket sent again;
+    the groups are also re-formed when the workers changed between syncs (one lost during
+    generation, one rejoining). Fewer than ``rollout.min_live_workers`` left: :class:`FleetError`
+    naming them. Any other failure ends the sync with :class:`WeightSyncError` on every rank (the
+    decision is rank 0's, broadcast), naming the server (its HTTP answer) or the stage. Generation
+    then stays paused and the servers' groups are dropped: an SGLang server that got part of the
+    buckets holds a mix of weights (SGLang loads each bucket as it arrives) and must not serve; the
+    stand-in server discards the whole session (its weights and version are the old ones). A
+    restarted run re-creates the groups and sends every weight before generating.
     """
 
     def __init__(self, model_chunks, engine, *, bucket_mb: float = 1024.0, backend: str = "auto",
                  master_addr: str = "", master_port: int = 0, group_timeout: float = 120.0,
                  bucket_timeout: float = 300.0, control_timeout: float = 60.0,
-                 group_name: str = "klear_weights", load_format: str | None = None):
+                 group_name: str = "klear_weights", load_format: str | None = None, post_grace: float = 0.05,
+                 max_attempts: int = 3):
         self.model_chunks = model_chunks
         self.engine = engine  # global rank 0 only
         self.bucket_bytes = max(1, int(float(bucket_mb) * (1 << 20)))
@@ -69,7 +92,17 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         self.connected = False
         self.leaders, self.part = None, None
         self.stats = {}  # of the last sync: bytes, buckets, seconds, streamed_stages
-        self._started = None  # rank 0: the future of the servers' pause + begin of the current sync
+        self._started = None  # rank 0: the future of the servers' pause + flush + begin of the current sync
+        self._totals = {}
+        # a bucket is broadcast once every server has had post_grace seconds to refuse its post
+        # (distributed_buckets.BucketSchedule._post_bucket)
+        self.post_grace = float(post_grace)
+        if int(max_attempts) < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.max_attempts = int(max_attempts)  # a sync tried again after losing a worker, re-formed
+        self.reforms = 0  # groups re-formed so far (their names carry it)
+        self.workers = None  # the groups' members (rank 0's engine workers when they were formed)
+        self.warm = False  # the groups' first broadcast has completed
         self._layouts = {}  # stage -> [(names, dtypes, shapes) per bucket] of the last sync (per-tensor format)
 
     # -- the rollout manager's path (push(version) -> metrics) ---------------------------------------
@@ -85,7 +118,8 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
 
     def push(self, version: int) -> dict:
         stats = self.sync(version=version)
-        return {"weights/sync_bytes": stats.get("bytes", 0), "weights/sync_buckets": stats.get("buckets", 0)}
+        return {"weights/sync_bytes": stats.get("bytes", 0), "weights/sync_buckets": stats.get("buckets", 0),
+                "weights/sync_reforms": stats.get("reforms", 0)}
 
     def _device(self) -> torch.device:
         """Where a bucket's tensors are broadcast from: the GPU with NCCL, the CPU with gloo."""
@@ -96,19 +130,68 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
     # -- a sync -------------------------------------------------------------------------------------
     def sync(self, version) -> dict:
         """Collective: every weight to every server as weight version ``version``; returns stats
-        (bytes, buckets, seconds) on rank 0."""
-        import concurrent.futures
+        (bytes, buckets, seconds, reforms) on rank 0.
+
+        Up to ``max_attempts`` attempts. The groups are (re-)formed first whenever the servers that
+        take control calls (live and rejoining) are not the groups' members: a worker lost since the
+        last sync, or one rejoining. After a failed attempt rank 0 finds the members that are gone
+        (no answer to ``/model_info``, which a paused server still answers), drops them from the
+        fleet, and, if any was dropped and at least ``rollout.min_live_workers`` remain, every rank
+        re-forms the groups without them and sends every bucket again (a server that got part of
+        them is still paused and in its session, which the next attempt restarts). A failure with
+        no member gone (a server refusing a bucket, a stale layout) ends the sync as before
+        (:meth:`_fail`); so does the last attempt."""
         import time
 
-        if not self.connected:
-            self.connect()
-        me = rank()
         t0 = time.monotonic()
-        error = None
-        if me == 0:  # pause + begin on the servers while the first bucket is gathered
+        reforms = 0
+        for attempt in range(1, self.max_attempts + 1):
+            error = self._attempt(version)
+            if error is None:
+                self.stats = {**self._totals, "seconds": time.monotonic() - t0, "reforms": reforms}
+                return self.stats
+            verdict = self._after_failure(error, version, last=attempt == self.max_attempts)
+            kind, message = broadcast_from_rank0(verdict)
+            if kind == "fleet":
+                return self._fail(message, fleet=True)
+            if kind == "fail":
+                return self._fail(message)
+            # re-form: the surviving servers leave the old groups (rank 0), every rank drops its side
+            if rank() == 0:
+                self._leave_server_groups()
+            self._drop_local()
+            self.reforms += 1
+            reforms += 1
+        raise AssertionError("unreachable: the last attempt ends in _fail")
+
+    def _attempt(self, version) -> str | None:
+        """Collective: one try of a whole sync (the groups formed if needed); the error text (the
+        same on every rank) or None."""
+        import concurrent.futures
+
+        me = rank()
+        reform = None
+        if me == 0 and self.connected:
+            members = set(self.workers)
+            now = set(self.engine.workers())
+            if now != members:
+                reform = sorted(now ^ members)
+        if broadcast_from_rank0(reform):  # membership changed since the groups were formed
+            if me == 0:
+                self._leave_server_groups()
+            self._drop_local()
+            self.reforms += 1
+        if not self.connected:
+            try:
+                self.connect()
+            except WeightSyncError as e:
+                return str(e)
+        self._totals = totals = {"bytes": 0, "buckets": 0, "streamed_stages": 0}
+        if me == 0:  # pause, flush once, begin on the servers while the first bucket is gathered
             def start():
                 try:
                     self.engine.pause_generation("abort")
+                    self.engine.flush_caches()
                     self.engine.begin_weight_update()
                     return None
                 except Exception as e:  # noqa: BLE001 -- the first bucket's answer
@@ -117,7 +200,6 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
             starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-start")
             self._started = starter.submit(start)
             starter.shutdown(wait=False)
-        totals = {"bytes": 0, "buckets": 0, "streamed_stages": 0}
         for stage in sorted(self.leaders):
             leader, err = self.leaders[stage], None
             if me == leader:
@@ -130,7 +212,8 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
                 err = self._coordinate(stage, totals)
             err = broadcast_from_rank0(err)
             if err:
-                return self._fail(err)
+                return err
+        error = None
         if me == 0:
             try:
                 if self._started.result() is not None:
@@ -138,22 +221,50 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
                 self.engine.end_weight_update()
                 self.engine.set_weight_version(version)
                 self.engine.continue_generation()
-                self.engine.check_weight_versions(version)
+                self.engine.check_weight_versions(version)  # a rejoining worker that differs is dropped
             except Exception as e:  # noqa: BLE001
                 error = f"rollout: the weight update of version {version} did not complete: {e}"
-        error = broadcast_from_rank0(error)
-        if error:
-            return self._fail(error)
-        self.stats = {**totals, "seconds": time.monotonic() - t0}
-        return self.stats
+        return broadcast_from_rank0(error)
 
-    def _fail(self, error: str):
-        """Every rank: drop the groups (servers: rank 0, best effort), keep generation paused, raise."""
+    def _after_failure(self, error: str, version, last: bool):
+        """Rank 0 (None elsewhere): what a failed attempt leads to -- ``("retry", error)`` when
+        members were gone (now dropped), ``("fleet", message)`` when fewer than
+        ``rollout.min_live_workers`` remain, ``("fail", error)`` otherwise. A rejoining member named
+        by the error is dropped again (it was not serving) and the sync retried without it."""
+        if rank() != 0:
+            return None
+        from megatron_klear.rollout.sglang.fleet import FleetError
+
+        if self._started is not None:
+            self._started.result()  # the servers' start calls have ended (they report to the fleet)
+        members = list(self.workers or [])
+        serving = set(self.engine.workers())
+        alive = dict(zip(members, self.engine.alive(members)))
+        rejoining = set(self.engine.fleet.rejoining())
+        dropped = [w for w in members if w not in serving]  # dropped by a control call already
+        try:
+            for w in members:
+                if w in serving and not alive[w]:
+                    self.engine.drop_worker(w, f"gone during the weight sync of version {version}: {error}")
+                    dropped.append(w)
+                elif w in serving and w in rejoining and w in error:
+                    self.engine.drop_worker(w, f"failed the weight sync of version {version} as it rejoined: {error}")
+                    dropped.append(w)
+        except FleetError as e:
+            return ("fleet", f"{e}. The weight sync of version {version} failed: {error}")
+        if not dropped or last:
+            return ("fail", error)
+        return ("retry", error)
+
+    def _fail(self, error: str, fleet: bool = False):
+        """Every rank: drop the groups (servers: rank 0, best effort), keep generation paused, raise
+        (:class:`~megatron_klear.rollout.sglang.fleet.FleetError` when too few workers remain)."""
+        from megatron_klear.rollout.sglang.fleet import FleetError
+
         if rank() == 0:
             self._leave_server_groups()
         self._drop_local()
-        raise WeightSyncError(
-            f"{error}. Generation on the servers stays paused: a server that received part of the buckets "
-            "must not serve a mix of weights (restart the run: it re-creates the groups and sends every "
-            "weight before generating)")
-
+        message = (f"{error}. Generation on the servers stays paused: a server that received part of the buckets "
+                   "must not serve a mix of weights (restart the run: it re-creates the groups and sends every "
+                   "weight before generating)")
+        raise (FleetError if fleet else WeightSyncError)(message)

@@ -27,24 +27,44 @@ from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET, dt
 
 class BucketSchedule:
     def _post_bucket(self, stage: int, meta):
-        """Rank 0: post one bucket's metadata to every server (once they paused and opened the
-        session); the error text naming the server, or None."""
+        """Rank 0: post one bucket's metadata to every member of the group (once they paused and
+        opened the session) and wait until each post is under way: ``(post, None)``, or ``(None,
+        error text naming the servers)`` when a server refused it or could not be reached before the
+        broadcast (see :class:`~megatron_klear.rollout.sglang.control.BucketPost`): then the bucket
+        is not broadcast at all."""
+        from megatron_klear.rollout.sglang.control import bucket_error
+
         names, dtypes, shapes = meta
         started = self._started.result()
         if started is not None:
-            return started
+            return None, started
         try:
-            self.engine.update_weights_from_distributed(
-                names, dtypes, shapes, group_name=self._name(stage),
+            post = self.engine.post_bucket(
+                names, dtypes, shapes, group_name=self._name(stage), workers=self.workers,
                 load_format=self.load_format if self.load_format != "auto" else None,
-                flush_cache=True, timeout=self.bucket_timeout + self.control_timeout)
-            return None
+                flush_cache=False, timeout=self._bucket_wait() + self.control_timeout)
         except Exception as e:  # noqa: BLE001
-            return f"rollout: bucket of stage {stage} ({len(names)} tensors, first {names[0]}) failed: {e}"
+            return None, self._bucket_failed(stage, names, e)
+        refused = post.refusals(self.post_grace)
+        if refused:
+            return None, self._bucket_failed(stage, names, bucket_error(refused)) + " (not broadcast)"
+        return post, None
+
+    @staticmethod
+    def _bucket_failed(stage: int, names, e) -> str:
+        return f"rollout: bucket of stage {stage} ({len(names)} tensors, first {names[0]}) failed: {e}"
+
+    def _post_answer(self, stage: int, meta, post):
+        """Rank 0: the servers' answer to a bucket that was broadcast (waits for every post)."""
+        from megatron_klear.rollout.sglang.control import bucket_error
+
+        errors = post.result()
+        return self._bucket_failed(stage, meta[0], bucket_error(errors)) if errors else None
 
     def _coordinate(self, stage: int, totals: dict):
-        """Rank 0 for a stage led by another rank: post each bucket the leader announces, acknowledge
-        it; returns the stage's error or None."""
+        """Rank 0 for a stage led by another rank: post each bucket the leader announces, tell it
+        whether to broadcast (every post under way) and then the servers' answer; returns the
+        stage's error or None."""
         err = None
         while True:
             kind, payload = recv_object(self.leaders[stage])
@@ -53,7 +73,9 @@ class BucketSchedule:
                 for k, v in stage_totals.items():
                     totals[k] += v
                 return stage_err or err
-            err = self._post_bucket(stage, payload)
+            post, refused = self._post_bucket(stage, payload)
+            send_object(refused, self.leaders[stage])  # go (None) or not
+            err = refused if post is None else self._post_answer(stage, payload, post)
             send_object(err, self.leaders[stage])
 
     def _send_stage(self, stage: int, totals: dict):
@@ -67,71 +89,109 @@ class BucketSchedule:
         tensors are gathered and each tensor is broadcast as soon as it is: the first tensors are
         on the wire at once instead of after a whole bucket's gather, and the gathers overlap the
         broadcasts throughout."""
-        import concurrent.futures
-
         flattened = self.load_format == FLATTENED_BUCKET
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-http") if rank() == 0 else None
         tensors = iter_stage_hf_tensors(self.model_chunks, self.part)
-        layout = None if flattened else self._layouts.get(stage)
-        try:
-            if layout is None:
-                error, layout = self._send_gathered_buckets(stage, tensors, totals, pool)
-                if error is None and not flattened:
-                    self._layouts[stage] = layout
-                return error
-            totals["streamed_stages"] += 1
-            return self._send_streamed_buckets(stage, tensors, totals, pool, layout)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
+        layout = None if flattened or not self.warm else self._layouts.get(stage)
+        if layout is None:
+            error, layout = self._send_gathered_buckets(stage, tensors, totals)
+            if error is None and not flattened:
+                self._layouts[stage] = layout
+            return error
+        totals["streamed_stages"] += 1
+        return self._send_streamed_buckets(stage, tensors, totals, layout)
 
-    # A bucket on the wire: {"meta": (names, dtypes, shapes), "handle": rank 0's HTTP future or None,
-    # "works": its broadcasts, "payload": the tensors they send (referenced until they end), "nbytes"}
-    def _launch_bucket(self, stage: int, meta, payload, totals: dict, pool) -> dict:
+    def _bucket_wait(self) -> float:
+        """How long one bucket may take: the group timeout for the first broadcast of a new group
+        (NCCL builds its communicator then), the bucket timeout after."""
+        return max(self.bucket_timeout, self.group_timeout) if not self.warm else self.bucket_timeout
+
+    # A bucket on the wire: {"meta": (names, dtypes, shapes), "post": rank 0's BucketPost or None,
+    # "refused": the error that stopped its broadcast or None, "works": its broadcasts, "payload":
+    # the tensors they send (referenced until they end), "nbytes"}
+    def _launch_bucket(self, stage: int, meta, payload, totals: dict) -> dict:
         """Announce one bucket (rank 0 posts it to the servers; another stage's leader asks rank 0
-        to) and broadcast the tensors of it already at hand."""
-        handle = pool.submit(self._post_bucket, stage, meta) if rank() == 0 else None
-        if handle is None:
+        to), and once every post is under way broadcast the tensors of it already at hand. A bucket
+        whose post failed is never broadcast (``refused``)."""
+        if rank() == 0:
+            post, refused = self._post_bucket(stage, meta)
+        else:
             send_object(("bucket", meta), 0)
-        flight = {"meta": meta, "handle": handle, "works": [], "payload": [], "nbytes": 0}
+            post, refused = None, recv_object(0)
+        flight = {"meta": meta, "post": post, "refused": refused, "works": [], "payload": [], "nbytes": 0}
         totals["buckets"] += 1
         for x in payload:
             self._broadcast_into(flight, x, totals)
         return flight
 
     def _broadcast_into(self, flight: dict, x: torch.Tensor, totals: dict) -> None:
+        if flight["refused"] is not None:
+            return
         flight["works"].append(dist.broadcast(x, src=0, group=self.pg, async_op=True))
         flight["payload"].append(x)
         nbytes = x.numel() * x.element_size()
         flight["nbytes"] += nbytes
         totals["bytes"] += nbytes
 
+    def _wait_works(self, works, seconds: float) -> None:
+        """Wait for a bucket's broadcasts, at most ``seconds``. gloo: each ``wait`` is bounded by the
+        group's timeout (a dead peer fails it at once). NCCL: ``wait`` does not block the host (it
+        only orders the streams), so the works are polled until the deadline, then the group's
+        communicator is aborted (the watchdog would also abort it at the group's timeout: the group
+        is built to raise, not to end the process)."""
+        import time
+
+        from megatron_klear.rollout.weight_sync.update_group import abort_update_group
+
+        if self.backend == "nccl":
+            deadline = time.monotonic() + seconds
+            while not all(w.is_completed() for w in works):
+                if time.monotonic() > deadline:
+                    abort_update_group(self.pg)
+                    raise TimeoutError(f"the broadcast did not complete within {seconds:g} s (NCCL communicator "
+                                       "aborted)")
+                time.sleep(0.002)
+        for w in works:
+            w.wait()
+
     def _finish_bucket(self, stage: int, flight: dict):
         """Wait for a bucket: the servers' answer first, always consumed (rank 0's answers stay in
-        step with the buckets; a server that refuses a bucket answers at once, and its broadcast
-        would only run into the timeout), then the broadcasts. The error text, or None."""
-        ack = flight["handle"].result() if flight["handle"] is not None else recv_object(0)
+        step with the buckets), then the broadcasts. The error text, or None."""
+        if flight["refused"] is not None:
+            if rank() != 0:
+                recv_object(0)  # rank 0's answer of a bucket that was not broadcast: the same error
+            return flight["refused"]
+        ack = self._post_answer(stage, flight["meta"], flight["post"]) if rank() == 0 else recv_object(0)
         if ack is not None:
             return ack
         try:
-            for work in flight["works"]:
-                work.wait()
+            self._wait_works(flight["works"], self._bucket_wait())
         except Exception as e:  # noqa: BLE001 -- a dead peer, or the bucket timeout
             names = flight["meta"][0]
             return (f"rollout: the broadcast of a bucket of stage {stage} ({flight['nbytes'] / 2**20:.0f} MiB, "
-                    f"{len(names)} tensors from {names[0]}) failed within rollout.sync_bucket_timeout_s="
-                    f"{self.bucket_timeout:g}: {type(e).__name__}: {e}")
+                    f"{len(names)} tensors from {names[0]}) failed within {self._bucket_wait():g} s "
+                    f"(rollout.sync_bucket_timeout_s; a new group's first: rollout.sync_group_timeout_s): "
+                    f"{type(e).__name__}: {e}")
+        self.warm = True
         return None
 
     @staticmethod
     def _meta_of(bucket) -> tuple:
         return ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
 
-    def _send_gathered_buckets(self, stage: int, tensors, totals: dict, pool):
+    def _buckets(self, tensors):
+        """The stage's buckets; on a new NCCL group the first one is its first tensor alone, a small
+        broadcast that builds NCCL's communicator under the group timeout (:meth:`_bucket_wait`)."""
+        for k, bucket in enumerate(iter_buckets(tensors, self.bucket_bytes)):
+            if k == 0 and not self.warm and self.backend == "nccl" and len(bucket) > 1:
+                yield bucket[:1]
+                bucket = bucket[1:]
+            yield bucket
+
+    def _send_gathered_buckets(self, stage: int, tensors, totals: dict):
         """Gather a bucket whole, then send it while the next one is gathered. ``(error, layout)``."""
         dev = self._device()
         error, flight, layout = None, None, []
-        for bucket in iter_buckets(tensors, self.bucket_bytes):
+        for bucket in self._buckets(tensors):
             if error is not None:
                 continue
             if self.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes back to back
@@ -144,12 +204,12 @@ class BucketSchedule:
                     continue
             meta = self._meta_of(bucket)
             layout.append(meta)
-            flight = self._launch_bucket(stage, meta, payload, totals, pool)
+            flight = self._launch_bucket(stage, meta, payload, totals)
         if flight is not None:
             error = self._finish_bucket(stage, flight)
         return error, layout
 
-    def _send_streamed_buckets(self, stage: int, tensors, totals: dict, pool, layout) -> str | None:
+    def _send_streamed_buckets(self, stage: int, tensors, totals: dict, layout) -> str | None:
         """Each bucket announced before its tensors are gathered (``layout``: the last sync's), each
         tensor broadcast as soon as it is gathered. The next bucket's tensors are gathered while the
         current one is on the wire (at most one bucket ahead) and go out once the servers answered
@@ -157,11 +217,12 @@ class BucketSchedule:
         dev = self._device()
         expected = [(n, d, list(s), b) for b, meta in enumerate(layout) for n, d, s in zip(*meta)]
         counts = [len(meta[0]) for meta in layout]
-        b, error, ahead, i = 0, None, [], 0
-        flight = self._launch_bucket(stage, layout[0], [], totals, pool)
+        b, ahead, i = 0, [], 0
+        flight = self._launch_bucket(stage, layout[0], [], totals)
+        error = flight["refused"]
 
         def done_now(f) -> bool:  # rank 0 can tell without blocking; another leader learns it from rank 0
-            return f["handle"] is not None and f["handle"].done() and all(w.is_completed() for w in f["works"])
+            return f["post"] is not None and f["post"].done() and all(w.is_completed() for w in f["works"])
 
         for name, t in tensors:
             if error is not None:
@@ -183,11 +244,15 @@ class BucketSchedule:
                 error = self._finish_bucket(stage, flight)
                 if error is None:
                     b += 1
-                    flight, ahead = self._launch_bucket(stage, layout[b], ahead, totals, pool), []
+                    flight, ahead = self._launch_bucket(stage, layout[b], ahead, totals), []
+                    error = flight["refused"]
         if error is None and i != len(expected):
             error = f"rollout: stage {stage} yielded {i} tensors, the layout of the last sync has {len(expected)}"
         if error is not None:
             self._layouts.pop(stage, None)  # the next sync gathers whole buckets again
+            if flight["refused"] is not None:  # never announced to every server: nothing to complete
+                self._finish_bucket(stage, flight)
+                return error
             # The servers wait for the rest of the announced bucket: send zeros in its place (the sync
             # fails, so nothing of it is served), then take their answer (rank 0's stay in step).
             start = sum(counts[:b])

@@ -46,7 +46,10 @@ def route_address(url: str) -> str:
 
 class UpdateGroups:
     def _name(self, stage: int) -> str:
-        return self.group_name if len(self.leaders) == 1 else f"{self.group_name}_stage{stage}"
+        """Stage ``stage``'s group name; a group re-formed without a lost worker (or with a rejoining
+        one) gets a fresh one (``..._r<n>``), so that no server confuses it with the old one."""
+        name = self.group_name if len(self.leaders) == 1 else f"{self.group_name}_stage{stage}"
+        return name if not self.reforms else f"{name}_r{self.reforms}"
 
     def connect(self) -> None:
         """Collective: create the update groups with every server (see the module docstring)."""
@@ -68,6 +71,7 @@ class UpdateGroups:
         if "error" in plan:
             raise WeightSyncError(plan["error"])
         self.workers, self.offsets, self.world = plan["workers"], plan["offsets"], plan["world"]
+        self.warm = False  # the first broadcast of a new group builds NCCL's communicator
         error = None
         for stage in sorted(self.leaders):
             leader, name = self.leaders[stage], self._name(stage)

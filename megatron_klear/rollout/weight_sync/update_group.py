@@ -18,7 +18,9 @@ of its dtype's item size). Dtypes are named as ``torch`` attributes (``"bfloat16
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -109,11 +111,45 @@ def join_update_group(*, backend: str, master_address: str, master_port: int, ra
         store = dist.TCPStore(master_address, int(master_port), int(world_size), is_master=False,
                               timeout=_td(timeout), multi_tenant=True)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(int(world_size), int(rank), [], backend, store, group_name=group_name,
-                                      timeout=_td(timeout))
+    with _nccl_errors_raised(backend):
+        pg, _ = _new_process_group_helper(int(world_size), int(rank), [], backend, store, group_name=group_name,
+                                          timeout=_td(timeout))
     # as SGLang: global rank == group rank, so broadcast(src=0, group=pg) means the sender
     _world.pg_group_ranks[pg] = {i: i for i in range(int(world_size))}
     return pg
+
+
+@contextlib.contextmanager
+def _nccl_errors_raised(backend: str):
+    """NCCL: the group is built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up only): when a
+    collective of the group outlives its timeout, NCCL's watchdog aborts the group's communicator and
+    the error surfaces in the waiting thread, instead of the default (3) that ends the whole process.
+    ProcessGroupNCCL reads the variable when the group is constructed; the trainer's own groups keep
+    theirs."""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    if backend != "nccl":
+        yield
+        return
+    before = os.environ.get(key)
+    os.environ[key] = "2"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def abort_update_group(pg) -> None:
+    """End ``pg``'s in-flight collectives now (NCCL: abort its communicator, which a hung broadcast
+    never leaves by itself), best effort; the group is unusable afterwards."""
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    with contextlib.suppress(Exception):
+        if abort is not None:
+            abort(pg)
 
 
 def set_group_timeout(pg, seconds: float) -> None:
