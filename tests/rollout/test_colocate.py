@@ -22,12 +22,22 @@ def _params(engine):
     return list(engine.model.parameters())
 
 
+# what docs/sglang.md gives colocated servers: /health must not generate on released memory (SGLang's
+# default does, and the server dies of it: tests/rollout/test_sglang_divergences.py), CUDA graphs are
+# released with the rest, and the trainer can read both from /server_info
+COLOCATED_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
+                 "SGLANG_EXPOSE_OWN_ENV_VARS": "true"}
+
+
 @pytest.fixture
-def served(tiny_hf):
-    """Two in-thread embedded servers of the tied tiny model, with --enable-memory-saver."""
+def served(tiny_hf, monkeypatch):
+    """Two in-thread embedded servers of the tied tiny model, with --enable-memory-saver and the
+    colocated servers' environment (in-thread servers read this process's)."""
     from megatron_klear.rollout.embedded import EmbeddedEngine
     from megatron_klear.rollout.sglang_standin import serve_in_thread
 
+    for name, value in COLOCATED_ENV.items():
+        monkeypatch.setenv(name, value)
     out = []
     for _ in range(2):
         engine = EmbeddedEngine.from_pretrained(tiny_hf["tied"])
@@ -196,10 +206,11 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
 
     model = make_tiny_qwen3(str(tmp_path / "m"), num_layers=2, seed=21)
     prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 12, seed=3)
-    servers = [EmbeddedHTTPEngine.launch(model, enable_memory_saver=True, startup_timeout=120) for _ in range(2)]
+    servers = [EmbeddedHTTPEngine.launch(model, enable_memory_saver=True, startup_timeout=120, env=COLOCATED_ENV)
+               for _ in range(2)]
     save = str(tmp_path / "run")
     try:
-        with router([s.url for s in servers]) as url:
+        with router([s.url for s in servers], extra=("--disable-health-check",)) as url:  # the launch script's
             args = [a for a in _overrides({"model": model, "prompts": prompts}, save)
                     if not a.startswith(("parallel.tp", "train.steps"))]
             args += ["parallel.tp=1", "train.steps=2", "rollout.engine=http", f"rollout.urls=[{url}]",
