@@ -51,13 +51,16 @@ class Colocated:
         self.released = set()  # rank 0: the memory tags the servers have released
         self.weights_lost = False  # rank 0: their weights' memory came back without content
         self.last_sync = None  # rank 0: (directory, version) they loaded last
+        self.released_on = None  # rank 0: the workers that released (None: all of them)
         self.trainer_offloaded = False  # every rank
 
     def release_servers(self, engine) -> None:
         """Rank 0: every server frees its KV cache, weights and CUDA graphs."""
         from megatron_klear.rollout.sglang import MEMORY_TAGS
 
-        engine.release_memory(list(MEMORY_TAGS))
+        released_on = engine.release_memory(list(MEMORY_TAGS))
+        # with a fleet, the workers that released: one that rejoins later (restarted) holds its memory
+        self.released_on = released_on if getattr(engine, "fleet", None) is not None else None
         self.released = set(MEMORY_TAGS)
 
     def make_room(self, engine, state) -> None:
@@ -90,17 +93,21 @@ class Colocated:
 
     def load(self, engine, path: str, version: int) -> None:
         """Rank 0: released servers get their weights' memory back (content lost), load ``path`` as
-        ``version``, then get their KV cache and CUDA graphs back."""
+        ``version``, then get their KV cache and CUDA graphs back. Only the servers that released
+        resume (a rejoining one, restarted since, holds its memory and only loads); a server that
+        is gone is dropped and the others go on (``engine.load_from_disk``)."""
+        only = {} if self.released_on is None else {"workers": self.released_on}
         if "weights" in self.released:
-            engine.resume_memory(["weights"])
+            engine.resume_memory(["weights"], **only)
             self.released.discard("weights")
             self.weights_lost = True
         engine.load_from_disk(path, version=version)
         self.weights_lost = False
         self.last_sync = (path, version)
         if self.released:
-            engine.resume_memory(sorted(self.released))
+            engine.resume_memory(sorted(self.released), **only)
             self.released.clear()
+        self.released_on = None
 
     def restore(self, engine) -> None:
         """Rank 0, after a failure while the servers were released: they serve the last pushed

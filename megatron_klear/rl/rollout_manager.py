@@ -33,6 +33,7 @@ class RolloutManager:
         self.state = self.actor = self.tokenizer = None
         self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
         self.generated = 0  # generate() calls by this process (the first one's metrics count the skipped lines)
+        self._fleet_step = self._fleet_carry = {}  # rank 0: fleet counts of this step / not yet logged
         if r.colocate:
             if is_rank0():
                 from megatron_klear.rollout.factory import make_engine
@@ -91,6 +92,8 @@ class RolloutManager:
                 result = (*dynamic_sampling(batch, rl), None)
             except ShortfallError as e:
                 result = (None, {"rollout/generation_batches": rl.max_generation_batches}, str(e))
+            if getattr(self.engine, "fleet", None) is not None:  # SGLang servers (not the embedded engine)
+                result[1].update(self._fleet_metrics(push=False))
         samples, metrics, error = broadcast_from_rank0(result)
         if not is_rank0():
             for _ in range(metrics["rollout/generation_batches"] - 1):
@@ -124,17 +127,52 @@ class RolloutManager:
     def push_weights(self, version: int) -> dict:
         """Collective: the trainer's weights to the engine as weight version ``version``; servers are
         then checked against the trainer (:mod:`megatron_klear.rl.verify`) after the first push of this
-        process and every ``rollout.verify_interval`` steps. Returns metrics."""
+        process and every ``rollout.verify_interval`` steps. Returns metrics.
+
+        With SGLang servers (a fleet), lost workers that answer again are recalled first (rejoining,
+        :meth:`~megatron_klear.rollout.sglang.SGLangEngine.recall_workers`) and the push includes
+        them (disk: they load the same directory; distributed: the groups are re-formed with them).
+        After it, every rejoining worker is checked -- its version, and the probe whatever
+        ``rollout.verify_interval`` says -- before it is admitted (live: it gets requests again); one
+        that fails is dropped again, not an error of the run. The metrics carry the fleet's
+        (``rollout/live_workers``, ``rollout/worker_failures``, ``rollout/worker_rejoins``)."""
         from megatron_klear.rl.verify import verification_due, verify_servers
 
         r = self.cfg.rollout
+        fleet = self.weights.to_servers and getattr(self.engine, "fleet", None) is not None if is_rank0() else None
+        fleet = broadcast_from_rank0(fleet)
+        if fleet and is_rank0():
+            self.engine.recall_workers()
         metrics = self.weights.push(version)
         if self.weights.to_servers:
             self.syncs += 1
-            if verification_due(self.syncs, version, r.verify_interval):
+            due = verification_due(self.syncs, version, r.verify_interval)
+            rejoining = broadcast_from_rank0(bool(self.engine.fleet.rejoining()) if fleet and is_rank0() else False)
+            if due or rejoining:
                 metrics.update(verify_servers(self.engine, self.actor, self.tokenizer, self.vocab_size, version,
-                                              r.verify_tolerance))
+                                              r.verify_tolerance, only_rejoining=not due))
+        if fleet and is_rank0():
+            self.engine.admit_workers(version)
+            metrics.update(self._fleet_metrics(push=True))
         return metrics
+
+    def _fleet_metrics(self, push: bool) -> dict:
+        """Rank 0: the fleet's metrics for the step's log. ``engine.fleet_metrics()`` counts since its
+        last call, and a step logs its generation's metrics updated by its push's, so a push adds
+        its counts to its step's generation's; the start-up push (before any step) carries over to
+        the first step."""
+        def add(now, base):
+            return {k: v if k == "rollout/live_workers" else v + base.get(k, 0) for k, v in now.items()}
+
+        now = self.engine.fleet_metrics()
+        if push:
+            merged, self._fleet_step = add(now, self._fleet_step), {}
+            if self.generated == 0:
+                self._fleet_carry = merged
+            return merged
+        merged, self._fleet_carry = add(now, self._fleet_carry), {}
+        self._fleet_step = merged
+        return merged
 
     def close(self) -> None:
         """Servers released by a failed step get their weights back; the pool, the update groups and

@@ -109,11 +109,44 @@ def verification_due(syncs: int, step: int, interval: int) -> bool:
     return interval >= 0 and (syncs == 1 or bool(interval and step % interval == 0))
 
 
-def verify_servers(engine, actor, tokenizer, vocab_size: int, version: int, tolerance: float = 0.0) -> dict:
+def _probe_workers(engine, prompt, only_rejoining: bool):
+    """Rank 0: ``(workers, [(token ids, log-probs)], {worker: dtype}, rejoining)`` of the workers
+    probed -- every serving one, or only the rejoining ones -- leaving out (and dropping from the
+    fleet) those that are gone by now; :class:`~megatron_klear.rollout.sglang.fleet.FleetError`
+    when too few live ones remain."""
+    from megatron_klear.rollout.sglang.transport import WorkerGone
+
+    fleet = getattr(engine, "fleet", None)
+    rejoining = list(fleet.rejoining()) if fleet is not None else []
+    candidates = rejoining if only_rejoining else list(engine.workers())
+    workers, outs, dtypes = [], [], {}
+    for w in candidates:
+        try:
+            out = engine.probe(w, prompt, PROBE_NEW_TOKENS)
+            dtype = str((engine.server_info(w) or {}).get("dtype") or "auto")
+        except WorkerGone as e:
+            if fleet is None:
+                raise
+            engine.drop_worker(w, f"gone at the weight check: {e}")
+            continue
+        workers.append(w)
+        outs.append((out.token_ids, out.logprobs))
+        dtypes[w] = dtype
+    return workers, outs, dtypes, rejoining
+
+
+def verify_servers(engine, actor, tokenizer, vocab_size: int, version: int, tolerance: float = 0.0, *,
+                   only_rejoining: bool = False) -> dict:
     """Collective: every server's log-probs of the probe must equal the trainer's within the
     dtype-aware tolerance (``tolerance`` > 0 overrides it); else :class:`WeightVerificationError`
     naming the first server that differs, on every rank. ``engine``: rank 0's (None elsewhere).
-    Returns metrics (``weights/verify_mean_diff_max``)."""
+
+    With a fleet (SGLang servers), the workers probed are the serving ones (live and rejoining), or
+    with ``only_rejoining`` the rejoining ones alone (a push that is not due for the check still
+    checks every worker that rejoins). A rejoining worker that differs is dropped again (it gets no
+    request; rank 0 drops it), a live one that differs is the error above; a worker gone by the
+    time it is probed is dropped. Returns metrics (``weights/verify_mean_diff_max``, over the
+    workers probed)."""
     from megatron_klear.checkpoint.model_weights import unwrap
     from megatron_klear.platform import broadcast_from_rank0, is_rank0
 
@@ -121,19 +154,24 @@ def verify_servers(engine, actor, tokenizer, vocab_size: int, version: int, tole
     payload = None
     if is_rank0():
         try:
-            workers = engine.workers()
-            outs = [engine.probe(w, prompt, PROBE_NEW_TOKENS) for w in workers]
-            payload = (workers, [(c.token_ids, c.logprobs) for c in outs], engine.worker_dtypes())
+            payload = _probe_workers(engine, prompt, only_rejoining)
         except Exception as e:  # noqa: BLE001 -- reported on every rank
             payload = f"rollout: the weight check could not probe the servers: {e}"
     payload = broadcast_from_rank0(payload)
     if isinstance(payload, str):
         raise WeightVerificationError(payload)
-    workers, outs, dtypes = payload
+    workers, outs, dtypes, rejoining = payload
+    if not workers:
+        return {}
     diffs = trainer_logprob_diffs(actor, [(prompt, ids, lps) for ids, lps in outs])
     trainer_dtype = unwrap(actor.state.model[0]).config.params_dtype
     tols = [tolerance or dtype_tolerance(dtypes.get(w), trainer_dtype) for w in workers]
-    bad = first_mismatch(workers, diffs, tols)
+    for w, (mean, top, _), tol in zip(workers, diffs, tols):
+        if w in rejoining and not mean <= tol and is_rank0():
+            engine.drop_worker(w, f"rejoined without the trainer's weights (weight version {version}): its "
+                                  f"log-probs of the probe differ by {mean:.3g} on average, above {tol:g}")
+    live = [i for i, w in enumerate(workers) if w not in rejoining]
+    bad = first_mismatch([workers[i] for i in live], [diffs[i] for i in live], [tols[i] for i in live])
     if bad is not None:
         w, mean, top, tol = bad
         raise WeightVerificationError(

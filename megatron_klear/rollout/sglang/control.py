@@ -423,15 +423,26 @@ class Control:
 
         self._on_workers(ask)
 
-    def release_memory(self, tags=None) -> None:
+    def release_memory(self, tags=None) -> list:
         """SGLang's ``/release_memory_occupation`` on every worker (they must be idle): ``tags`` of
         ``weights``, ``kv_cache``, ``cuda_graph`` (None: all). Released weights lose their content:
-        resume them, then load weights, before generating."""
+        resume them, then load weights, before generating. A worker that is gone is dropped.
+        Returns the workers that released."""
         body = {"tags": list(tags)} if tags else {}
-        self._on_workers(lambda w: self._request("POST", "/release_memory_occupation", body, url=w))
+        done = self._on_workers(lambda w: self._request("POST", "/release_memory_occupation", body, url=w),
+                                tolerate_loss=True)
+        return list(done)
 
-    def resume_memory(self, tags=None) -> None:
-        """SGLang's ``/resume_memory_occupation`` on every worker, for ``tags`` released before (None:
-        all; resuming a tag that is not released fails SGLang's scheduler)."""
+    def resume_memory(self, tags=None, workers=None) -> None:
+        """SGLang's ``/resume_memory_occupation`` on every worker -- or only on ``workers``, those
+        that released ``tags`` (a worker that restarted since holds its memory) -- for ``tags``
+        released before (None: all; resuming a tag that is not released fails SGLang's scheduler).
+        A worker that is gone is dropped."""
         body = {"tags": list(tags)} if tags else {}
-        self._on_workers(lambda w: self._request("POST", "/resume_memory_occupation", body, url=w))
+        only = None if workers is None else set(workers)
+
+        def resume(w):
+            if only is None or w in only:
+                self._request("POST", "/resume_memory_occupation", body, url=w)
+
+        self._on_workers(resume, tolerate_loss=True)
