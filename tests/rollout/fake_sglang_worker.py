@@ -5,7 +5,7 @@ is recorded (one JSON line: method, path, body, the client's address) so the tes
 against SGLang's contract. Generation answers in SGLang's response shape: each sample is
 ``[7, 8, 9]`` (or a prefix of it for a smaller max_new_tokens) with log-prob -0.5 per token.
 
-    python tests/rollout/fake_sglang_worker.py --port-file F --record R.jsonl [--generate-delay S]
+    python tests/rollout/fake_sglang_worker.py --port-file F [--port P] --record R.jsonl [--generate-delay S]
         [--fail-first K] [--status CODE] [--abort-first K] [--non-json] [--context-length C]
         [--tp-size N] [--hang-init] [--fail-post PATH,PATH...] [--refuse-flush K]
 
@@ -143,6 +143,7 @@ class Handler(BaseHTTPRequestHandler):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--port-file", required=True)
+    ap.add_argument("--port", type=int, default=0, help="0: any free port (a restart at a known URL names one)")
     ap.add_argument("--record", default="")
     ap.add_argument("--generate-delay", type=float, default=0.0)
     ap.add_argument("--fail-first", type=int, default=0)
@@ -155,7 +156,7 @@ def main():
     ap.add_argument("--fail-post", type=lambda v: v.split(","), default=[])
     ap.add_argument("--refuse-flush", type=int, default=0)
     args = ap.parse_args()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     server.daemon_threads = True
     server.state = State(args)
     tmp = args.port_file + ".tmp"

@@ -264,7 +264,8 @@ class Generation:
                     if not isinstance(e, _Retryable):
                         raise e
                     if e.gone and await self._worker_is_gone(call, url, e.message):
-                        continue  # its worker was dropped: sent again, no retry consumed
+                        self.fleet.count(resent=1)  # its worker was dropped: sent again, no retry consumed
+                        continue
                     if mine:
                         continue  # a hedge of this request is still running
                     last = e
