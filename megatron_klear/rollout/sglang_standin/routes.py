@@ -71,8 +71,15 @@ async def _health_generate(state):
     healthy = False
     while time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-        if state.engine.decode_steps > steps or state.last_receive > tic or (done is not None and done.done()):
-            healthy = job is None or not job.future.done() or job.error is None
+        if done is not None and done.done():
+            healthy = job.error is None
+            break
+        now = state.scheduler.stats()
+        # a sign of life: a decode step, a control call answered, a batch started, or the batch that
+        # ran when the probe came finished (its answers went out)
+        if state.engine.decode_steps > steps or state.last_receive > tic or now["num_batches"] > stats["num_batches"] \
+                or (stats["num_running_reqs"] and not now["num_running_reqs"] and not now["paused"]):
+            healthy = True
             break
     if job is not None:
         state.scheduler.abort(job.ids[0], message="health check")
