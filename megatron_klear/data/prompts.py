@@ -98,7 +98,8 @@ class PromptDataset:
     (default: stderr on global rank 0, nowhere on the other ranks)."""
 
     def __init__(self, paths: list, tokenizer, *, max_prompt_length: int = 4096, seed: int = 0,
-                 on_bad_line: str = "fail", report_dir: str | None = None, stream=None):
+                 on_bad_line: str = "fail", report_dir: str | None = None, stream=None,
+                 format: str = "auto", since: str | None = None, until: str | None = None):
         self.report_path = os.path.join(report_dir, REPORT_NAME) if report_dir else None
         if stream is None and is_rank0():
             stream = sys.stderr
@@ -106,8 +107,9 @@ class PromptDataset:
         self.policy = BadLinePolicy(on_bad_line=on_bad_line, report=rejected if self.report_path else None,
                                     stream=stream, report_name=self.report_path)
         self.prompts = []
+        self.summaries = []
         for path in paths:
-            for lineno, obj in iter_jsonl_objects(path, self.policy):
+            for lineno, obj in self._objects(path, format, since, until, stream):
                 try:
                     self.prompts.append(parse_prompt(obj, tokenizer, max_prompt_length, len(self.prompts)))
                 except ExampleError as e:
@@ -117,6 +119,24 @@ class PromptDataset:
             raise ValueError(f"no usable prompts in {paths}" + (f" ({self.skipped} lines skipped)" if self.skipped else ""))
         self.seed = seed
         self.epoch, self.position = 0, 0
+
+    def _objects(self, path: str, fmt: str, since, until, stream):
+        """``(row, problem)`` of one file: the project's JSONL as it is, a published layout
+        (data/formats: verl, livecodebench, math) converted; the format and a summary are logged."""
+        from megatron_klear.data.formats import detect, read_problems
+
+        chosen = detect(path) if fmt == "auto" else fmt
+        if chosen == "project" and not (since or until):
+            if stream is not None and fmt == "auto" and not path.endswith(".jsonl"):
+                print(f"{path}: read as the project's prompt JSONL", file=stream, flush=True)
+            yield from iter_jsonl_objects(path, self.policy)
+            return
+        problems, summary = read_problems(path, chosen, policy=self.policy, since=since, until=until)
+        self.summaries.append(summary)
+        if stream is not None:
+            print(f"prompt data ({'detected' if fmt == 'auto' else 'given'} format): {summary.line()}",
+                  file=stream, flush=True)
+        yield from zip(summary.problem_rows, problems)
 
     @property
     def skipped(self) -> int:

@@ -8,12 +8,16 @@ sample on every grading call, as the authors' code does. With `code_think_format
 on the authors' scale: the mean of +1 per passed and -1 per failed test, with the think-format
 scores (-0.5 / -2) on that scale (config.py).
 
-The program is the last fenced python block after the last `</think>`. Two test styles:
+The program is the last fenced python block after the last `</think>`. Three test styles:
 - stdin/stdout: `inputs[i]` is fed on stdin, stdout is compared with `outputs[i]` (compare.py).
 - function call (`fn_name` set): `inputs[i]` is the argument list, either a JSON list or
   LiveCodeBench's string of one JSON value per line; the function (or method of a LeetCode-style
   `class Solution`) is called and its return value compared with `outputs[i]` (a JSON value, or a
   string holding JSON; a one-element list also matches its element, as in APPS).
+- expression (`"kind": "expr"`): a `functional` test's check turned into (call, expected) pairs by
+  data/formats/functional.py; the call (Python source ending in an expression) runs after the
+  program's code and its JSON value is compared here with the expected value, which never enters
+  the sandbox: exiting early, patching `assert` or `__eq__`, or printing a verdict cannot pass.
 
 Every test runs in a fresh sandboxed process. Verdicts come from comparing the bytes the program
 handed over with the expected output, here in the grader; the expected outputs never enter the
@@ -21,6 +25,7 @@ sandbox, and neither the program's exit code nor anything it prints about itself
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import random
@@ -68,6 +73,7 @@ class CodeTests:
     cases: list[Case]
     fn_name: str | None
     key: str                   # stable digest of the tests: seeds the per-problem test sample
+    kind: str = "stdio"        # "stdio" | "call" (fn_name) | "expr"
 
 
 def _call_args(x, where: str) -> bytes:
@@ -99,12 +105,18 @@ def _call_expected(y) -> list:
 
 
 def parse_tests(tests) -> CodeTests:
-    """Validate {"inputs": [...], "outputs": [...], "fn_name": optional}; errors name the field."""
+    """Validate {"inputs": [...], "outputs": [...], "fn_name": optional, "kind": optional};
+    errors name the field. ``"kind": "expr"``: each input is Python source (setup statements, then
+    one expression, e.g. ``candidate = Solution().f\ncandidate(nums=[1, 2])``) evaluated after the
+    program's code; its value is compared here with the output (a JSON value)."""
     if not isinstance(tests, dict):
         raise BadTests(f"tests: expected an object with inputs/outputs, got {type(tests).__name__}")
-    unknown = set(tests) - {"inputs", "outputs", "fn_name"}
+    unknown = set(tests) - {"inputs", "outputs", "fn_name", "kind"}
     if unknown:
         raise BadTests(f"tests: unknown key(s) {sorted(unknown)}")
+    kind = tests.get("kind")
+    if kind not in (None, "stdio", "call", "expr"):
+        raise BadTests(f"tests.kind: {kind!r} is not one of stdio, call, expr")
     inputs, outputs = tests.get("inputs"), tests.get("outputs")
     if not isinstance(inputs, list) or not isinstance(outputs, list):
         raise BadTests("tests.inputs and tests.outputs must be lists")
@@ -117,8 +129,23 @@ def parse_tests(tests) -> CodeTests:
                                 or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", fn_name)):
         raise BadTests(f"tests.fn_name: {fn_name!r} is not a Python identifier")
     fn_name = fn_name or None
+    if kind == "expr" and fn_name:
+        raise BadTests("tests: kind 'expr' takes no fn_name (the expression names what it calls)")
+    if kind == "call" and not fn_name:
+        raise BadTests("tests: kind 'call' needs fn_name")
     cases = []
     for i, (x, y) in enumerate(zip(inputs, outputs)):
+        if kind == "expr":
+            if not isinstance(x, str) or not x.strip():
+                raise BadTests(f"tests.inputs[{i}]: an expression test must be a non-empty string of Python")
+            try:
+                tree = ast.parse(x, f"tests.inputs[{i}]")
+            except SyntaxError as e:
+                raise BadTests(f"tests.inputs[{i}]: not Python ({e.msg}, line {e.lineno})") from None
+            if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+                raise BadTests(f"tests.inputs[{i}]: must end with an expression (the value to compare)")
+            cases.append(Case(x.encode("utf-8"), [y], len(json.dumps(y))))
+            continue
         if fn_name:
             cases.append(Case(_call_args(x, f"tests.inputs[{i}]"), _call_expected(y),
                                   len(json.dumps(y))))
@@ -132,7 +159,11 @@ def parse_tests(tests) -> CodeTests:
         cases.append(Case(x.encode("utf-8", "surrogatepass"), y, len(y.encode("utf-8", "replace"))))
     digest = hashlib.sha256(json.dumps([inputs, outputs, fn_name], sort_keys=True,
                                        default=str).encode()).hexdigest()
-    return CodeTests(cases=cases, fn_name=fn_name, key=digest)
+    if kind == "expr":
+        digest = hashlib.sha256(json.dumps([inputs, outputs, "expr"], sort_keys=True,
+                                           default=str).encode()).hexdigest()
+    return CodeTests(cases=cases, fn_name=fn_name, key=digest,
+                     kind="expr" if kind == "expr" else "call" if fn_name else "stdio")
 
 
 def select_tests(n: int, k: int | None, seed: int, key: str, fresh: bool = False) -> list[int]:
@@ -151,12 +182,12 @@ def code_reward(passed: int, total: int, cfg: RewardConfig) -> float:
     return 2.0 * frac - 1.0 if cfg.code_think_format else frac
 
 
-def _judge(res, case: Case, fn_name: str | None, limits, tol: float) -> str:
+def _judge(res, case: Case, kind: str, limits, tol: float) -> str:
     reason = res.failure_reason(limits)
     if reason is not None:
         return reason
     out = res.stdout
-    if fn_name is None:
+    if kind == "stdio":
         return "pass" if stdio_match(out.decode("utf-8", "replace"), case.expected, tol) else "wrong answer"
     i = out.rfind(RESULT_MARKER)
     if i < 0:
@@ -209,10 +240,10 @@ def grade_code(response: str, tests, cfg: RewardConfig | None = None, sandbox=No
                     continue
                 case = spec.cases[idx]
                 limit = max(sandbox.cfg.output_limit_bytes, 2 * case.size + (64 << 10))
-                res = prog.run(case.stdin, call=spec.fn_name, output_limit=limit)
+                res = prog.run(case.stdin, call=spec.fn_name, output_limit=limit, expr=spec.kind == "expr")
                 if not res.started:
                     failures.append(res.failure_reason(sandbox.cfg))
-                verdicts.append(_judge(res, case, spec.fn_name, sandbox.cfg, cfg.code_float_tol))
+                verdicts.append(_judge(res, case, spec.kind, sandbox.cfg, cfg.code_float_tol))
     finally:
         if own:
             sandbox.close()

@@ -12,8 +12,9 @@ it never imports megatron_klear). In order, before any untrusted byte runs, it:
    A run without that byte is a sandbox failure, never charged to the program.
 
 It knows nothing of expected outputs: a test's input arrives on stdin, the program's answer leaves
-on stdout (stdin/stdout tests) or as one JSON line after RESULT_MARKER (function-call tests, where
-the program's own prints are redirected to stderr). Whatever the program does to this harness
+on stdout (stdin/stdout tests) or as one JSON line after RESULT_MARKER (function-call tests, and
+expression tests -- a `functional` check's call, evaluated after the program's code -- where the
+program's own prints are redirected to stderr). Whatever the program does to this harness
 (patching it, inspecting its frames, exiting early) can only change the bytes it hands over, and
 the grader compares those bytes itself.
 
@@ -188,6 +189,20 @@ def _jsonable(x):
     raise TypeError("result of type %s is not JSON serialisable" % type(x).__name__)
 
 
+def _compile_expr_test(source):
+    """An expression test (the checks of a `functional` test turned into one expression each):
+    setup statements, then the expression whose value is the program's answer. Compiled before
+    the program runs; it names no expected value (the grader keeps those)."""
+    import ast
+
+    tree = ast.parse(source, "<test>")
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        raise ValueError("an expression test must end with an expression")
+    setup = ast.Module(body=tree.body[:-1], type_ignores=[])
+    return (compile(setup, "<test>", "exec"),
+            compile(ast.Expression(body=tree.body[-1].value), "<test>", "eval"))
+
+
 def _write_all(fd, data):
     view = memoryview(data)
     while view:
@@ -278,6 +293,10 @@ def main(argv):
             call_args = json.loads(sys.stdin.buffer.read())
             if not isinstance(call_args, list):
                 raise ValueError("call arguments must be a JSON list")
+        elif a["mode"] == "expr":
+            if hasattr(sys, "set_int_max_str_digits"):
+                sys.set_int_max_str_digits(0)
+            call_args = _compile_expr_test(sys.stdin.buffer.read().decode("utf-8"))
     except BaseException as e:  # the sandbox failed to come up: say so, not started
         sys.stderr.write("harness: setup failed: %r\n" % (e,))
         os._exit(125)
@@ -291,25 +310,37 @@ def main(argv):
         exec(compile(code, "solution.py", "exec"), g)
         return
 
-    # Function-call test: the program's prints go to stderr; the result goes to the saved stdout.
+    # Function-call and expression tests: the program's prints go to stderr; the result goes to
+    # the saved stdout.
     import json
+    import types
 
+    dumps = json.dumps
     sys.stdout.flush()
     result_fd = os.dup(1)
     os.dup2(2, 1)
     fn_name = a["fn_name"]
-    g = {"__name__": "__solution__", "__builtins__": __builtins__, "__file__": "solution.py"}
+    module = types.ModuleType("solution")  # `from solution import f` in a test's setup finds it
+    g = module.__dict__
+    g.update({"__name__": "__solution__", "__builtins__": __builtins__, "__file__": "solution.py"})
+    sys.modules["solution"] = module
     exec(compile(_PRELUDE, "<prelude>", "exec"), g)
     exec(compile(code, "solution.py", "exec"), g)
-    cls = g.get("Solution")
-    if isinstance(cls, type) and hasattr(cls, fn_name):
-        target = getattr(cls(), fn_name)
-    elif callable(g.get(fn_name)):
-        target = g[fn_name]
+    if a["mode"] == "expr":
+        setup, expr = call_args
+        t = dict(g)
+        exec(setup, t)
+        result = eval(expr, t)
     else:
-        raise NameError("no function %r and no class Solution with that method" % fn_name)
-    result = target(*call_args)
-    payload = json.dumps(result, default=_jsonable).encode("utf-8")
+        cls = g.get("Solution")
+        if isinstance(cls, type) and hasattr(cls, fn_name):
+            target = getattr(cls(), fn_name)
+        elif callable(g.get(fn_name)):
+            target = g[fn_name]
+        else:
+            raise NameError("no function %r and no class Solution with that method" % fn_name)
+        result = target(*call_args)
+    payload = dumps(result, default=_jsonable).encode("utf-8")
     sys.stdout.flush()
     sys.stderr.flush()
     _write_all(result_fd, RESULT_MARKER + payload + b"\n")

@@ -265,8 +265,8 @@ class Program:
             f.write(code)
 
     def run(self, stdin: bytes = b"", call: str | None = None,
-            output_limit: int | None = None) -> RunResult:
-        return self.sandbox.run(self, stdin, call=call, output_limit=output_limit)
+            output_limit: int | None = None, expr: bool = False) -> RunResult:
+        return self.sandbox.run(self, stdin, call=call, output_limit=output_limit, expr=expr)
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -380,10 +380,11 @@ class Sandbox:
                 "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
 
     def run(self, program: Program, stdin: bytes = b"", call: str | None = None,
-            output_limit: int | None = None) -> RunResult:
-        """Run `program` once: stdin/stdout mode, or `call`ing the named function (JSON args on stdin)."""
+            output_limit: int | None = None, expr: bool = False) -> RunResult:
+        """Run `program` once: stdin/stdout mode, `call`ing the named function (JSON args on stdin),
+        or (`expr`) evaluating the expression test on stdin after the program's code."""
         limit = output_limit or self.cfg.output_limit_bytes
-        mode = "call" if call else "stdio"
+        mode = "expr" if expr else "call" if call else "stdio"
         self._runs += 1
         status_r, status_w = os.pipe()
         to_close = [status_r, status_w]

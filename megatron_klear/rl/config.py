@@ -28,7 +28,9 @@ class RLConfig:
     max_tokens_per_micro_batch: int = 32768  # packing budget per micro-batch (not a sample count)
     temperature: float = 1.0  # must equal the rollout engine's sampling temperature
     tis_cap: float | None = None  # truncated importance sampling for rollout/train mismatch (off)
-    prompts: list = field(default_factory=list)  # RL prompt JSONL files (see data/prompts.py)
+    prompts: list = field(default_factory=list)  # RL prompt files (see data/prompts.py, docs/data.md)
+    # how rl.prompts are read: auto (detected per file, logged) | project | verl | livecodebench | math
+    prompts_format: str = "auto"
     max_prompt_length: int = 4096  # longer prompts are left-truncated
     oversample_prompts: int = 0  # generate for this many prompts, keep prompts_per_step after filtering (0: no oversampling)
     # Dynamic sampling (DAPO): while fewer than prompts_per_step groups survive the filters, generate
@@ -43,6 +45,9 @@ class RLConfig:
     overlong_filter: bool = False
 
     def validate(self):
+        formats = ("auto", "project", "verl", "livecodebench", "math")
+        if self.prompts_format not in formats:
+            raise ConfigError(f"rl.prompts_format={self.prompts_format!r}: expected one of {', '.join(formats)}")
         if self.algo not in ALGORITHMS:
             raise ConfigError(f"rl.algo must be one of {ALGORITHMS}, got {self.algo!r}")
         if self.agg not in AGGREGATIONS:

@@ -60,7 +60,8 @@ class RLLoop:
         tok_dir = hf_dir or os.path.join(cfg.model.path, "tokenizer")
         self.tokenizer = load_tokenizer(tok_dir)
         self.prompts = PromptDataset(rl.prompts, self.tokenizer, max_prompt_length=rl.max_prompt_length,
-                                     seed=train.seed, on_bad_line=rl.on_bad_line, report_dir=train.save_dir)
+                                     seed=train.seed, on_bad_line=rl.on_bad_line, report_dir=train.save_dir,
+                                     format=rl.prompts_format)
         if cfg.rollout.router_replay and not self.arch.is_moe:
             raise ConfigError(f"rollout.router_replay is for mixture-of-experts models; {cfg.model.path} is "
                               f"{self.arch.model_type}")
