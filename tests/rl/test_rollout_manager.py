@@ -130,3 +130,47 @@ def test_push_weights_checks_only_servers(monkeypatch):
     manager.weights = SimpleNamespace(push=lambda v: {}, to_servers=True)
     metrics = [manager.push_weights(v) for v in (1, 2, 3, 4)]
     assert checked == [1, 2, 4] and metrics[0] == {"weights/verify_mean_diff_max": 0.0} and metrics[2] == {}
+
+
+class FleetServers:
+    """A stand-in for an SGLang engine with a fleet: records the rejoin calls around a push."""
+
+    def __init__(self, calls):
+        from megatron_klear.rollout.sglang.fleet import Fleet
+
+        self.calls, self.fleet = calls, Fleet(["a", "b"])
+        self.fleet.lose("b", "killed")
+
+    def recall_workers(self):
+        self.calls.append(("recall",))
+        return ["b"] if self.fleet.recall("b") else []
+
+    def admit_workers(self, version):
+        self.calls.append(("admit", version))
+        return [w for w in self.fleet.rejoining() if self.fleet.admit(w)]
+
+    def fleet_metrics(self):
+        return self.fleet.metrics()
+
+
+def test_a_push_recalls_lost_workers_includes_them_probes_them_whatever_the_interval_then_admits(monkeypatch):
+    from types import SimpleNamespace
+
+    import megatron_klear.rl.verify as verify
+
+    calls = []
+    engine = FleetServers(calls)
+    manager = _manager(Dedicated(), engine)
+    manager.actor = manager.tokenizer = manager.vocab_size = None
+    manager.cfg.rollout.verify_interval = -1  # never due: the rejoining worker is still probed
+    monkeypatch.setattr(verify, "verify_servers", lambda *a, **k: calls.append(("verify", a[4], k)) or {})
+    manager.weights = SimpleNamespace(push=lambda v: calls.append(("push", v, engine.fleet.serving())) or {},
+                                      to_servers=True)
+    metrics = manager.push_weights(5)
+    assert calls == [("recall",), ("push", 5, ["a", "b"]), ("verify", 5, {"only_rejoining": True}), ("admit", 5)]
+    assert engine.fleet.live() == ["a", "b"]
+    assert metrics["rollout/live_workers"] == 2 and metrics["rollout/worker_rejoins"] == 1
+    assert metrics["rollout/worker_failures"] == 1  # the start-up push carries the loss before it
+    calls.clear()
+    manager.push_weights(6)  # nobody rejoining, check not due: no probe
+    assert calls == [("recall",), ("push", 6, ["a", "b"]), ("admit", 6)]
