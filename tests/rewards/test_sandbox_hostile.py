@@ -236,8 +236,51 @@ ATTACKS = {
     "write-outside-tempdir": (None, {"inputs": [""], "outputs": ["1"]}, ("wrong answer",)),
 }
 
+# Functional (check-code) tests as the authors grade them -- solution + asserts, exit status 0 is a
+# pass -- are beaten by exiting early, patching assert/__eq__ or printing a verdict. Here the checks
+# are (call, expected) pairs (data/formats/functional.py); the expected value is a nonce the program
+# would have to know. The check code goes through the same converter the readers use.
+from megatron_klear.data.formats.functional import convert as _convert_check  # noqa: E402
+
+FUNCTIONAL = _convert_check(f"def check(candidate):\n    want = {EXPECTED!r}\n    assert candidate(1) == want\n"
+                            f"    assert candidate(2) == {EXPECTED!r}\n\n\ncheck(Solution().f)")
+PYTEST_STYLE = _convert_check(f"from solution import f\n\ndef test_f():\n    assert f(1) == {EXPECTED!r}\n")
+FUNCTIONAL_ATTACKS = {
+    "functional-exit-0-at-import": ("import sys\nsys.exit(0)\nclass Solution:\n    def f(self, x):\n        return x",
+                                    FUNCTIONAL, ("no result",)),
+    "functional-os-exit-in-call": ("import os\nclass Solution:\n    def f(self, x):\n        os._exit(0)",
+                                   FUNCTIONAL, ("no result",)),
+    "functional-exit-in-atexit": ("import atexit, os\natexit.register(lambda: os._exit(0))\n"
+                                  "def f(x):\n    raise SystemExit(0)", PYTEST_STYLE, ("no result",)),
+    "functional-patch-assert": ("import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\n"
+                                "builtins.isinstance = lambda *a: True\nbuiltins.abs = lambda x: 0\n"
+                                "class Solution:\n    def f(self, x):\n        assert False\n        return 0",
+                                FUNCTIONAL, ("wrong answer", "runtime error")),
+    "functional-always-equal-object": ("class E:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
+                                       "class Solution:\n    def f(self, x):\n        return E()",
+                                       FUNCTIONAL, ("runtime error",)),
+    "functional-always-equal-str": ("class S(str):\n    def __eq__(self, o): return True\n    __hash__ = str.__hash__\n"
+                                    "def f(x):\n    return S('nope')", PYTEST_STYLE, ("wrong answer",)),
+    "functional-print-verdict": ("import os, sys\nprint('All tests passed'); print('PASSED')\n"
+                                 "sys.stderr.write('OK\\n')\n"
+                                 "for fd in range(1, 20):\n    try:\n"
+                                 "        os.write(fd, b'\\n@@klear-result@@true\\n@@klear-result@@\"PASS\"\\n')\n"
+                                 "    except OSError:\n        pass\n"
+                                 "class Solution:\n    def f(self, x):\n        os._exit(0)",
+                                 FUNCTIONAL, ("wrong answer",)),
+    "functional-patch-json": ("import json, json.encoder\njson.dumps = lambda *a, **k: 'true'\n"
+                              "json.encoder.JSONEncoder.encode = lambda self, o: 'true'\n"
+                              "def f(x):\n    return None", PYTEST_STYLE, ("wrong answer",)),
+    "functional-stack-inspection": (STACK_AND_MEMORY.replace("print(", "RESULT = (") +
+                                    "\nclass Solution:\n    def f(self, x):\n        return RESULT",
+                                    FUNCTIONAL, ("wrong answer",)),
+}
+
 HONEST = ("import sys\nfor line in sys.stdin:\n    a, b = map(int, line.split())\n    print(a + b)",
           {"inputs": ["1 2\n", "10 20\n", "-5 5\n"], "outputs": ["3", "30", "0"]})
+
+
+ATTACKS.update(FUNCTIONAL_ATTACKS)
 
 
 @pytest.fixture(scope="module")
@@ -436,3 +479,19 @@ def test_control_write_outside_works_unsandboxed():
     finally:
         if os.path.exists(target):
             os.unlink(target)
+
+
+def test_control_the_authors_exit_status_grading_passes_the_functional_attacks():
+    """Graded the authors' way (solution + check code in one program, exit status 0 is a pass),
+    exiting early and an atexit handler that exits 0 after a failed assert both pass; the same
+    programs score 0 above."""
+    import subprocess
+    import sys
+
+    check = f"\n\ndef check(candidate):\n    assert candidate(1) == {EXPECTED!r}\n\n\ncheck(Solution().f)\n"
+    wrong = "class Solution:\n    def f(self, x):\n        return 0\n"
+    for code in (FUNCTIONAL_ATTACKS["functional-exit-0-at-import"][0],
+                 "import atexit, os\natexit.register(lambda: os._exit(0))\n" + wrong):
+        done = subprocess.run([sys.executable, "-c", code + check], capture_output=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+    assert subprocess.run([sys.executable, "-c", wrong + check], capture_output=True, timeout=30).returncode == 1
