@@ -55,7 +55,8 @@ def _trainer(model_dir):
 
 
 def _kill_then_rejoin(rank, world, models, urls, pid):
-    """Sync 1 with the second server SIGKILLed at bucket 3; generate; restart it at its URL; sync 2."""
+    """Sync 1 with the second server SIGKILLed at bucket 3; generate; restart it at its URL; sync 2;
+    kill it again; sync 3."""
     from megatron_klear.rollout.base import SamplingParams
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
@@ -82,6 +83,11 @@ def _kill_then_rejoin(rank, world, models, urls, pid):
         out["after_second"] = (sorted(engine.fleet.live()), engine.fleet_metrics())
         out["checksums"] = {u: _checksums(u) for u in urls}
         out["versions"] = {u: _version(u) for u in urls}
+        # killed again between syncs, unnoticed (no generation since): the next sync finds it gone
+        restarted._process.kill()
+        restarted._process.wait()
+        out["third"] = sync.sync(version=3)
+        out["after_third"] = (engine.workers(), engine.fleet_metrics(), _version(urls[0]))
     finally:
         sync.close()
         if restarted is not None:
@@ -114,6 +120,10 @@ def test_a_server_killed_mid_sync_is_left_out_and_rejoins_at_the_next_sync(model
     assert live == sorted(urls) and metrics["rollout/worker_rejoins"] == 1 and metrics["rollout/live_workers"] == 2
     want = trainer.checksums()
     assert out["checksums"] == {u: want for u in urls} and out["versions"] == {u: "2" for u in urls}
+    # lost between syncs: the start of the next one fails on it, the sync is redone without it
+    workers, metrics, version = out["after_third"]
+    assert out["third"]["reforms"] == 1 and workers == [urls[0]] and version == "3", out["after_third"]
+    assert metrics["rollout/worker_failures"] == 1 and metrics["rollout/live_workers"] == 1, metrics
 
 
 def _refused_bucket(rank, world, model_dir, urls):

@@ -237,8 +237,11 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
 
         if self._started is not None:
             self._started.result()  # the servers' start calls have ended (they report to the fleet)
-        members = list(self.workers or [])
-        serving = set(self.engine.workers())
+        serving = self.engine.workers()
+        # the groups' members, and the serving workers a group being formed was meant for (a worker
+        # gone before the first sync fails the groups' creation)
+        members = list(dict.fromkeys([*(self.workers or []), *serving]))
+        serving = set(serving)
         alive = dict(zip(members, self.engine.alive(members)))
         rejoining = set(self.engine.fleet.rejoining())
         dropped = [w for w in members if w not in serving]  # dropped by a control call already
@@ -250,6 +253,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
                 elif w in serving and w in rejoining and w in error:
                     self.engine.drop_worker(w, f"failed the weight sync of version {version} as it rejoined: {error}")
                     dropped.append(w)
+            self.engine.fleet.check()  # (a control call of the attempt may have dropped one already)
         except FleetError as e:
             return ("fleet", f"{e}. The weight sync of version {version} failed: {error}")
         if not dropped or last:
