@@ -182,6 +182,30 @@ def test_a_restarted_server_is_recalled_admitted_after_the_version_and_served_ag
             assert metrics["rollout/live_workers"] == 2
 
 
+def test_a_worker_the_router_lists_later_joins_only_with_the_current_weights(tmp_path):
+    """A server registered with the router while the job runs (POST /workers, by an operator or
+    its launcher) holds unknown weights: the client takes it out of the router (rejoining) until a
+    push has given it the current version."""
+    import httpx
+
+    with fake_worker(tmp_path, "a") as (a, _, _), fake_worker(tmp_path, "c") as (c, rec_c, _), router([a]) as r:
+        client = SGLangEngine([r], **WATCH)
+        assert client.workers() == [a]
+        httpx.post(r + "/workers", json={"url": c}, timeout=5).raise_for_status()
+        deadline = time.monotonic() + 10
+        while c not in _listed(r) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.recall_workers() == [c] and client.fleet.state(c) == REJOINING
+        assert _listed(r) == [a] and client.workers() == [a, c]
+        client.generate(PROMPTS, PARAMS)
+        assert recorded(rec_c) == []
+        client.set_weight_version(5)
+        assert client.admit_workers(5) == [c] and _listed(r) == sorted([a, c])
+        assert client.fleet_metrics()["rollout/worker_rejoins"] == 0  # a new worker, not a rejoin
+        client.generate(PROMPTS, PARAMS)
+        assert recorded(rec_c)
+
+
 @pytest.mark.parametrize("via_router", [True, False], ids=["router", "direct"])
 def test_answers_made_with_stale_weights_are_never_returned(tmp_path, via_router):
     """b answers with weight_version "0" after the client expects "1": its answers are discarded and

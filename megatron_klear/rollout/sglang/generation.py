@@ -76,11 +76,12 @@ class _Request:
 
 
 class _Call:
-    """What one generate call's requests share on its event loop: the HTTP client, the requests in
-    flight per URL, the attempts in flight (to cancel or hedge them when a worker is dropped)."""
+    """What one generate call's requests share on its event loop: the HTTP clients (requests,
+    probes), the requests in flight per URL, the attempts in flight (to cancel or hedge them when a worker is dropped)."""
 
-    def __init__(self, client: httpx.AsyncClient):
+    def __init__(self, client: httpx.AsyncClient, probe_client: httpx.AsyncClient):
         self.client = client
+        self.probe_client = probe_client
         self.in_flight: dict = {}  # url -> requests in flight there
         self.attempts: dict = {}  # attempt task -> (url, its _Request)
         self.probes: dict = {}  # worker -> the running quick /health probe (shared)
@@ -150,11 +151,14 @@ class Generation:
         units = [(i, j) for i in range(len(prompts)) for j in range(n)] if per_sample else [(i, None) for i in range(len(prompts))]
         sem = asyncio.Semaphore(self.max_concurrent_requests)
         partial = {i: [None] * n for i in range(len(prompts))} if per_sample else None
-        limits = httpx.Limits(max_connections=self.max_concurrent_requests + 8,
+        # room for a hedge of every request in flight; the probes have their own connections, so
+        # that requests filling the pool never make a worker look dead
+        limits = httpx.Limits(max_connections=2 * self.max_concurrent_requests + 8,
                               max_keepalive_connections=self.max_concurrent_requests + 8)
         timeout = httpx.Timeout(self.generate_timeout, connect=self.timeout)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._auth_headers()) as client:
-            call = _Call(client)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._auth_headers()) as client, \
+                httpx.AsyncClient(headers=self._auth_headers()) as probes:
+            call = _Call(client, probes)
 
             async def run(unit):
                 i, j = unit
@@ -310,7 +314,7 @@ class Generation:
             return True
         probe = call.probes.get(url)
         if probe is None:
-            probe = call.probes[url] = asyncio.ensure_future(self._probe(call.client, url))
+            probe = call.probes[url] = asyncio.ensure_future(self._probe(call.probe_client, url))
         try:
             ok, why = await asyncio.shield(probe)
         finally:
@@ -383,7 +387,7 @@ class Generation:
         while not stop.is_set():
             await asyncio.sleep(self.health_check_interval)
             workers = self.fleet.live()
-            probed = await asyncio.gather(*(self._probe(call.client, w) for w in workers))
+            probed = await asyncio.gather(*(self._probe(call.probe_client, w) for w in workers))
             for w, (ok, why) in zip(workers, probed):
                 if ok:
                     misses.pop(w, None)
