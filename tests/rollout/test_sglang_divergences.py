@@ -234,9 +234,12 @@ def paused_pair(tiny_hf):
 
 def _pause_then_generate(urls, router_flags, pause_s: float = 6.0):
     """Pause both servers for ``pause_s`` (a long disk reload, scaled down: the router probes every
-    second and gives a probe 1 s), continue, then generate through the router at once (no client
-    retry: the default ones would only wait for the router to probe again). Returns (whether the
-    router marked every worker unhealthy during the pause, the completions or the error)."""
+    second and gives a probe 1 s); at its end the trainer's next step sends a request (no client
+    retry: the default ones would only wait for the router's next probes), and generation
+    continues. Returns (whether the router marked every worker unhealthy during the pause, the
+    completions or the error). The request is sent just before continue rather than just after: the
+    router's state is the same (a worker it dropped needs 2 passing probes to come back, up to 2
+    intervals after continue: 2 minutes by default), without racing the scaled-down probes."""
     from tests.rollout.processes import router
 
     scaled = ("--health-check-interval-secs", "1", "--health-check-timeout-secs", "1")
@@ -252,11 +255,20 @@ def _pause_then_generate(urls, router_flags, pause_s: float = 6.0):
                 listed = httpx.get(rurl + "/workers", timeout=10).json()["workers"]
                 dropped = dropped or not any(w["is_healthy"] for w in listed)
                 time.sleep(0.2)
+            result = {}
+
+            def generate():
+                try:
+                    result["out"] = client.generate([[5, 17, 3]], SamplingParams(max_new_tokens=2, seed=1), n=1)
+                except EngineError as e:
+                    result["out"] = e
+
+            t = threading.Thread(target=generate)
+            t.start()
+            time.sleep(0.5)  # the request reaches the router (and a paused server holds it)
             client.continue_generation()
-            try:
-                return dropped, client.generate([[5, 17, 3]], SamplingParams(max_new_tokens=2, seed=1), n=1)
-            except EngineError as e:
-                return dropped, e
+            t.join(60)
+            return dropped, result["out"]
         finally:
             client.close()
 
