@@ -69,3 +69,91 @@ def test_eval_cli_on_a_tiny_model(tmp_path):
     assert res["truncated_frac"] > 0  # 8 new tokens: a random tiny model rarely stops
     lines = (tmp_path / "r" / "res.samples.jsonl").read_text().splitlines()
     assert len(lines) == 6 and all(json.loads(x)["length"] <= 8 for x in lines)
+
+
+def _authors_output_lines():
+    """The authors' inference output layout: {"id", "meta": <input line>, "messages": [..., assistant]},
+    the input repeated n (= 2) times; ids count every sample."""
+    import json as _json
+
+    from tests.data.format_fixtures import lcb_rows
+
+    aime = {"messages": [{"role": "user", "content": "AIME question"}],
+            "meta": {"unique_id": "2024-II-1", "solution": "73", "answer": "73"}}
+    hmmt = {"id": 0, "messages": [{"role": "user", "content": "HMMT question"}], "solution": "\\boxed{103}",
+            "answer": "103"}
+    lcb = lcb_rows()[1]
+    lcb_q = [{"role": "user", "content": "LCB question"}]
+    honest = ("<think>min ops</think>\n```python\nclass Solution:\n    def minOperations(self, nums, k):\n"
+              "        seen = set()\n        for i in range(len(nums) - 1, -1, -1):\n            if nums[i] <= k:\n"
+              "                seen.add(nums[i])\n            if len(seen) == k:\n                return len(nums) - i\n```")
+    rows = []
+    for sample in range(2):
+        for item, response in ((aime, "<think>x</think> so \\boxed{73}" if sample == 0 else "<think>x</think> \\boxed{72}"),
+                               (hmmt, "<think>x</think> \\boxed{103}"),
+                               (dict(lcb, messages=lcb_q), honest if sample == 1 else "<think>x</think> no code")):
+            msgs = list(item["messages"]) + [{"role": "assistant", "content": response}]
+            rows.append({"id": len(rows), "meta": item, "messages": msgs})
+    return [_json.dumps(r) for r in rows]
+
+
+def test_regrade_the_authors_output_file(tmp_path):
+    from tools.eval import main
+
+    path = tmp_path / "inference_results_105.jsonl"
+    path.write_text("\n".join(_authors_output_lines()) + "\n")
+    out = tmp_path / "res.json"
+    assert main(["--regrade", f"mixed={path}", "--workers", "1", "--output", str(out)]) == 0
+    res = json.load(open(out))["results"]["mixed"]
+    assert res["problems"] == 3 and res["samples"] == 6 and res["samples_per_problem"] == [2]
+    assert res["per_problem"] == {"2024-II-1": 0.5, "0": 1.0, "3044": 0.5}
+    assert res["avg@2"] == pytest.approx(100 * (0.5 + 1.0 + 0.5) / 3) and res["pass@2"] == 100.0
+    assert res["grader_errors"] == 0
+
+
+def test_regrade_names_a_line_without_a_response(tmp_path):
+    from megatron_klear.data.jsonl import BadLineError
+    from tools.eval import main
+
+    lines = _authors_output_lines()
+    broken = json.loads(lines[1])
+    broken["messages"] = broken["messages"][:-1]
+    broken["error"] = "CUDA out of memory"
+    lines[1] = json.dumps(broken)
+    path = tmp_path / "out.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BadLineError, match=r"out\.jsonl:2: no_response: column messages: .*CUDA out of memory"):
+        main(["--regrade", f"x={path}", "--workers", "1", "--output", str(tmp_path / "r.json")])
+
+
+def test_klear_preset_and_the_missing_repetition_penalty(capsys):
+    import argparse
+
+    from tools.eval import KLEAR_PRESET, _apply_klear_preset, main
+
+    args = argparse.Namespace(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=32768, yarn_factor=None,
+                              yarn_original=32768, model="m")
+    _apply_klear_preset(args, ["--model", "m", "--top-k", "50"])
+    assert (args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.yarn_factor) == (0.6, 0.95, -1, 65536, 2.5)
+    assert "NOT applied: the authors' repetition_penalty 1.05" in capsys.readouterr().err
+    assert KLEAR_PRESET["repetition_penalty"] == 1.05
+    with pytest.raises(SystemExit):
+        main(["--model", "m", "--bench", "a=b.jsonl", "--repetition-penalty", "1.05", "--output", "x.json"])
+    assert "no repetition penalty" in capsys.readouterr().err
+
+
+def test_eval_cli_on_a_livecodebench_release_reports_every_problem(tmp_path):
+    from megatron_klear.models.tiny import make_tiny_qwen3
+    from tests.data.format_fixtures import lcb_rows, write
+    from tools.eval import main
+
+    model = make_tiny_qwen3(str(tmp_path / "m"), seed=4)
+    bench = write(tmp_path / "test6.parquet", lcb_rows())
+    out = tmp_path / "res.json"
+    assert main(["--model", model, "--bench", f"lcb={bench}", "--bench-window", "lcb=2024-08-01..2025-05-01",
+                 "--k", "1", "--max-new-tokens", "4", "--dtype", "float32", "--workers", "1",
+                 "--output", str(out)]) == 0
+    res = json.load(open(out))["results"]["lcb"]
+    assert res["prompts"] == 2 and sorted(res["per_problem"]) == ["3044", "abc1_a"]  # the 2023 one is outside
+    ids = sorted(json.loads(x)["id"] for x in (tmp_path / "res.samples.jsonl").read_text().splitlines())
+    assert ids == ["3044", "abc1_a"]

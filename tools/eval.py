@@ -11,6 +11,16 @@ or {"id", "task": "code", "prompt", "tests"}. Code responses run on every test o
 YaRN (factor 2.5 over 32768 positions) and pass --max-new-tokens 65536; with the embedded engine,
 --yarn-factor 2.5 edits the config it loads. --think-in-prompt: for chat templates whose generation
 prompt opens <think> (responses then never contain it); "auto" (the default) detects them.
+
+--bench reads the project's JSONL or a published file as it is downloaded (docs/data.md): a
+LiveCodeBench release (--bench-window lcb=v5), AIME/HMMT/NeMo-Skills math JSONL or parquet, the
+authors' *.qs.jsonl, a verl parquet; the format is detected (or --bench-format NAME=FMT) and logged.
+--preset klear is the authors' sampling (temperature 0.6, top_p 0.95, top_k 20, 64K new tokens,
+YaRN 2.5); their repetition penalty 1.05 is not available in this project's engines and is
+announced as missing, never silently dropped. --regrade NAME=FILE grades the authors' inference
+output ({"id", "meta", "messages"} lines) with this project's graders, no model needed:
+
+    python tools/eval.py --regrade aime24=inference_results_105.jsonl --output results/authors_aime24.json
 """
 import argparse
 import sys
@@ -23,8 +33,17 @@ def main(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF checkpoint directory (embedded engine, in this process)")
     src.add_argument("--url", action="append", help="SGLang server / router URL (repeatable)")
+    src.add_argument("--regrade", action="append", metavar="NAME=FILE.jsonl",
+                     help="grade the authors' inference output file (no model; repeatable)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
-    p.add_argument("--bench", action="append", required=True, metavar="NAME=FILE.jsonl")
+    p.add_argument("--bench", action="append", default=[], metavar="NAME=FILE")
+    p.add_argument("--bench-format", action="append", default=[], metavar="NAME=FORMAT",
+                   help="the format of a --bench file (auto: detected; project, verl, livecodebench, math)")
+    p.add_argument("--bench-window", action="append", default=[], metavar="NAME=v5|v6|SINCE..UNTIL",
+                   help="LiveCodeBench contest-date window of a --bench file")
+    p.add_argument("--preset", choices=("klear",), help="the authors' sampling and 64K/YaRN setting (docs/data.md)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="only 1.0: this project's engines have no repetition penalty (refused otherwise)")
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--temperature", type=float, default=PAPER_SAMPLING["temperature"])
     p.add_argument("--top-p", type=float, default=PAPER_SAMPLING["top_p"])
@@ -43,20 +62,25 @@ def main(argv=None):
                         "(auto: when every rendered prompt ends inside an open <think>)")
     p.add_argument("--output", required=True, help="summary JSON (samples go to <output>.samples.jsonl)")
     args = p.parse_args(argv)
+    if args.repetition_penalty != 1.0:
+        p.error(f"--repetition-penalty {args.repetition_penalty:g}: this project's engines have no repetition "
+                f"penalty (rollout SamplingParams); refused rather than ignored (docs/data.md)")
+    if args.preset == "klear":
+        _apply_klear_preset(args, sys.argv[1:] if argv is None else argv)
+    if args.regrade:
+        if args.bench:
+            p.error("--regrade grades existing outputs: no --bench")
+        return _regrade(args)
+    if not args.bench:
+        p.error("--bench is required (unless --regrade)")
 
     from megatron_klear.data.chat import load_tokenizer
-    from megatron_klear.data.prompts import PromptDataset
     from megatron_klear.evaluation import evaluate, evaluation_reward_config, prompts_open_think, write_results
     from megatron_klear.rewards import GradingPool, RewardConfig
     from megatron_klear.rollout.base import SamplingParams
 
     tokenizer = load_tokenizer(args.tokenizer or args.model)
-    benchmarks = {}
-    for spec in args.bench:
-        if "=" not in spec:
-            p.error(f"--bench {spec!r}: expected NAME=FILE.jsonl")
-        name, path = spec.split("=", 1)
-        benchmarks[name] = PromptDataset([path], tokenizer, max_prompt_length=args.max_prompt_length).prompts
+    benchmarks = _read_benchmarks(p, args, tokenizer)
     think_in_prompt = args.think_in_prompt == "yes" or (
         args.think_in_prompt == "auto" and prompts_open_think(tokenizer, [q for ps in benchmarks.values() for q in ps]))
     if think_in_prompt and args.think_in_prompt == "auto":
@@ -92,8 +116,112 @@ def main(argv=None):
     with GradingPool(reward_cfg) as pool:
         summary, records = evaluate(engine, benchmarks, tokenizer, pool, k=args.k, params=params,
                                     progress=lambda s: print(s, file=sys.stderr))
+    _per_problem(summary, records)
     write_results(args.output, summary, records,
                   meta={**vars(args), "think_in_prompt_resolved": think_in_prompt, "code_tests": "all"})
+    print(f"wrote {args.output}")
+    return 0
+
+
+#: The authors' evaluation setting (KlearReasoner benchmarks/inference.py, README "Evaluation").
+KLEAR_PRESET = dict(temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=65536, yarn_factor=2.5,
+                    yarn_original=32768, repetition_penalty=1.05)
+
+
+def _apply_klear_preset(args, argv) -> None:
+    """The preset's values where the command line did not set them; the repetition penalty, which
+    no engine here applies, is announced."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "yarn_factor", "yarn_original"):
+        if "--" + key.replace("_", "-") not in given:
+            setattr(args, key, KLEAR_PRESET[key])
+    print("--preset klear: temperature 0.6, top_p 0.95, top_k 20, 65536 new tokens, YaRN 2.5 over 32768 "
+          "positions. NOT applied: the authors' repetition_penalty 1.05 (this project's engines have none); "
+          "scores can differ from theirs by that." + (
+              "" if args.model else " With --url, serve the model with YaRN (docs/data.md)."), file=sys.stderr)
+
+
+def _read_benchmarks(p, args, tokenizer) -> dict:
+    from megatron_klear.data.formats.livecodebench import WINDOWS
+    from megatron_klear.data.prompts import PromptDataset
+
+    def by_name(specs, flag):
+        out = {}
+        for spec in specs:
+            if "=" not in spec:
+                p.error(f"{flag} {spec!r}: expected NAME=VALUE")
+            k, v = spec.split("=", 1)
+            out[k] = v
+        return out
+
+    files = by_name(args.bench, "--bench")
+    formats, windows = by_name(args.bench_format, "--bench-format"), by_name(args.bench_window, "--bench-window")
+    for flag, named in (("--bench-format", formats), ("--bench-window", windows)):
+        for name in set(named) - set(files):
+            p.error(f"{flag} {name}=...: no --bench named {name!r}")
+    benchmarks = {}
+    for name, path in files.items():
+        since = until = None
+        if name in windows:
+            w = windows[name]
+            if w in WINDOWS:
+                since, until = WINDOWS[w]
+            elif ".." in w:
+                since, until = (x or None for x in w.split("..", 1))
+            else:
+                p.error(f"--bench-window {name}={w}: expected v5, v6 or SINCE..UNTIL")
+        benchmarks[name] = PromptDataset([path], tokenizer, max_prompt_length=args.max_prompt_length,
+                                         format=formats.get(name, "auto"), since=since, until=until).prompts
+    return benchmarks
+
+
+def _per_problem(summary: dict, records: list) -> None:
+    """Every problem's solved fraction, in each benchmark's summary."""
+    for r in records:
+        cell = summary[r["benchmark"]].setdefault("per_problem", {}).setdefault(str(r["id"]), [0, 0])
+        cell[0] += bool(r["solved"])
+        cell[1] += 1
+    for s in summary.values():
+        s["per_problem"] = {k: v[0] / v[1] for k, v in s.get("per_problem", {}).items()}
+
+
+def _regrade(args) -> int:
+    """The authors' output files graded here: avg@n over each problem's samples."""
+    from megatron_klear.data.formats.authors_outputs import read_samples
+    from megatron_klear.evaluation import evaluation_reward_config, write_results
+    from megatron_klear.rewards import GradingPool, RewardConfig
+
+    # their judge reads the response whole and does not require <think>: neither do we here
+    cfg = evaluation_reward_config(RewardConfig(workers=args.workers), think_in_prompt=args.think_in_prompt != "no")
+    summary, records = {}, []
+    with GradingPool(cfg) as pool:
+        for spec in args.regrade:
+            if "=" not in spec:
+                raise ValueError(f"--regrade {spec!r}: expected NAME=FILE.jsonl")
+            name, path = spec.split("=", 1)
+            problems, samples = read_samples(path)
+            if not samples:
+                raise ValueError(f"{path}: no samples")
+            futs = []
+            for key, sid, response in samples:
+                q = problems[key]
+                item = {"id": q["id"], "task": q["task"], "response": response}
+                item.update({"answer": q["answer"]} if q["task"] == "math" else {"tests": q["tests"]})
+                futs.append((q["id"], sid, pool.submit(item)))
+            solved: dict = {}
+            for pid, sid, fut in futs:
+                g = fut.result()
+                solved.setdefault(pid, []).append(g.solved)
+                records.append({"benchmark": name, "id": pid, "sample": sid, "solved": g.solved, "reward": g.reward,
+                                "error": g.error, "detail": g.detail})
+            ns = sorted({len(v) for v in solved.values()})
+            summary[name] = {"problems": len(solved), "samples": len(samples), "samples_per_problem": ns,
+                             f"avg@{ns[-1]}": 100.0 * sum(sum(v) / len(v) for v in solved.values()) / len(solved),
+                             f"pass@{ns[-1]}": 100.0 * sum(any(v) for v in solved.values()) / len(solved),
+                             "grader_errors": sum(r["error"] is not None for r in records if r["benchmark"] == name)}
+            print(f"{name}: {summary[name]}", file=sys.stderr)
+    _per_problem(summary, records)
+    write_results(args.output, summary, records, meta={**vars(args), "regraded": True})
     print(f"wrote {args.output}")
     return 0
 
