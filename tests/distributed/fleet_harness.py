@@ -225,10 +225,10 @@ def _tail(path: str, chars: int = 3000) -> str:
         return "(no log)"
 
 
-def router_flags(interval_s: int = 1) -> list:
-    """sglang-router 0.3.2's health checking at a test's pace (its default probes every 60 s)."""
-    return ["--health-check-interval-secs", str(interval_s), "--health-failure-threshold", "2",
-            "--health-success-threshold", "1", "--health-check-timeout-secs", "1"]
+def router_flags() -> list:
+    """sglang-router 0.3.2 as docs/sglang.md starts it: no health checks of its own (the trainer keeps
+    the membership) and a request timeout above the runs' rollout.generate_timeout_s."""
+    return ["--disable-health-check", "--request-timeout-secs", "600"]
 
 
 def read_metrics(path: str) -> list:
