@@ -349,3 +349,46 @@ def test_api_key_through_the_real_router(tiny_hf):
     finally:
         for _, server, _ in servers:
             _stop(server)
+
+
+# -- 6. /flush_cache refuses a busy server ------------------------------------------------------------
+def test_flush_cache_refuses_running_or_waiting_requests_unless_paused(tiny_hf, monkeypatch):
+    """SGLang 0.5.23's Scheduler.flush_cache: only when fully idle (waiting requests ignored while
+    paused); 400 ``Flush cache failed.``, or with ?timeout=S after waiting S seconds for idle."""
+    engine, server, url = _serve(tiny_hf["tied"])
+    started, go = threading.Event(), threading.Event()
+    forward = engine._forward
+
+    def held(*args, **kwargs):
+        started.set()
+        go.wait(30)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", held)
+    body = {"input_ids": [5, 17], "sampling_params": {"max_new_tokens": 2}}
+    done = {}
+    t = threading.Thread(target=lambda: done.update(r=httpx.post(url + "/generate", json=body, timeout=60)))
+    t.start()
+    try:
+        assert started.wait(30)
+        busy = httpx.post(url + "/flush_cache", json={}, timeout=10)
+        assert (busy.status_code, busy.text) == (400, "Flush cache failed.\n")
+        timed = httpx.get(url + "/flush_cache", params={"timeout": "0.3"}, timeout=10)
+        assert (timed.status_code, timed.text) == (400, "Timed out waiting for idle state.")
+        threading.Timer(0.3, go.set).start()
+        waited = httpx.get(url + "/flush_cache", params={"timeout": "20"}, timeout=30)  # becomes idle meanwhile
+        assert waited.status_code == 200 and waited.text.startswith("Cache flushed.")
+        t.join(60)
+        assert done["r"].status_code == 200
+        assert httpx.post(url + "/pause_generation", json={"mode": "abort"}, timeout=10).status_code == 200
+        held_back = threading.Thread(target=lambda: httpx.post(url + "/generate", json=body, timeout=60))
+        held_back.start()  # waits for continue: SGLang's tokenizer manager holds it, its scheduler is idle
+        time.sleep(0.3)
+        assert server.state.scheduler.stats()["num_waiting_reqs"] == 1
+        assert httpx.post(url + "/flush_cache", json={}, timeout=10).status_code == 200
+        assert httpx.post(url + "/continue_generation", json={}, timeout=10).status_code == 200
+        held_back.join(60)
+    finally:
+        go.set()
+        t.join(60)
+        _stop(server)

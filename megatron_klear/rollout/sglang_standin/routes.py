@@ -164,8 +164,24 @@ async def model_card(name: str, request: Request):
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request):
+    """SGLang 0.5.23: flushes only an idle server (running requests, or waiting ones while not paused,
+    refuse it: 400 ``Flush cache failed.``); ``?timeout=S`` waits up to S seconds for idle (then 400
+    ``Timed out waiting for idle state.``). Nothing is cached between requests here."""
     if request.method != "GET":
         await read_json(request)  # a body that is not JSON is refused, as on every POST route
+    raw = request.query_params.get("timeout", "0")
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = -1.0
+    if not timeout >= 0:
+        raise BadRequest(f"timeout must be a number >= 0, got {raw!r}")
+    sched = server_state(request).scheduler
+    deadline = time.monotonic() + timeout
+    while not sched.idle_for_flush():
+        if time.monotonic() >= deadline:
+            return reply(400, text="Timed out waiting for idle state." if timeout > 0 else "Flush cache failed.\n")
+        await asyncio.sleep(0.02)
     return reply(200, text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
                            "waiting requests, the operation will not be performed.)\n")
 

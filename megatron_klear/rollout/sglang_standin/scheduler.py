@@ -222,6 +222,14 @@ class Scheduler:
         with self.cond:
             return not self.running or self.paused == "retract"
 
+    def idle_for_flush(self) -> bool:
+        """SGLang's condition for ``/flush_cache`` (``Scheduler.flush_cache``: ``is_fully_idle(ignore_waiting=
+        paused)``): nothing holds KV cache (as :meth:`cache_flushable`) and nothing waits, unless paused
+        (a request waiting here while paused is one SGLang's tokenizer manager holds, or one its paused
+        scheduler ignores)."""
+        with self.cond:
+            return (not self.running or self.paused == "retract") and (not self.queue or self.paused is not None)
+
     def stats(self) -> dict:
         with self.cond:
             return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.queue),
