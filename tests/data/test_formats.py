@@ -280,3 +280,37 @@ def test_leetcode_check_code_becomes_call_expected_pairs():
                       ("assert f(1) == g(2)", 1)):
         with pytest.raises(NotConvertible, match=f"line {line}"):
             convert(bad)
+
+
+def test_prepare_data_writes_the_project_jsonl_a_summary_and_the_rejected_rows(tmp_path, tokenizer):
+    from tools.prepare_data import main
+
+    rows = verl_rows() + [dict(verl_rows()[0], data_source="ifeval")]
+    src = write(tmp_path / "rl.parquet", rows)
+    out = tmp_path / "out" / "rl.jsonl"
+    with pytest.raises(BadLineError, match=r"rl\.parquet:13: unknown_data_source: column data_source: data_source 'ifeval' has no verifier"):
+        main(["--input", src, "--output", str(out)])
+    assert main(["--input", src, "--output", str(out), "--on-bad-row", "skip"]) == 0
+    written = [json.loads(x) for x in out.read_text().splitlines()]
+    assert {w["id"]: (w["task"], w.get("answer") if w["task"] == "math" else w["tests"]) for w in written} == VERL_EXPECTED
+    rejected = [json.loads(x) for x in (tmp_path / "out" / "rl.jsonl.rejected.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["reason"]) for r in rejected] == [(13, "unknown_data_source")]
+    summary = json.load(open(tmp_path / "out" / "rl.summary.json"))
+    assert summary[0]["rows"] == 13 and summary[0]["problems"] == 12 and summary[0]["skipped_rows"] == {"unknown_data_source": 1}
+    # what it wrote is the project's own layout: read back as it is
+    ds = PromptDataset([str(out)], tokenizer, stream=io.StringIO())
+    assert sorted(p.id for p in ds.prompts) == sorted(VERL_EXPECTED)
+    lcb = write(tmp_path / "lcb.jsonl", lcb_rows())
+    assert main(["--input", lcb, "--window", "v5", "--output", str(tmp_path / "v5.jsonl")]) == 0
+    assert [json.loads(x)["id"] for x in (tmp_path / "v5.jsonl").read_text().splitlines()] == ["abc1_a"]
+
+
+def test_code_r1_functional_lists_and_primeintellect_literals(tmp_path):
+    from megatron_klear.data.formats.verl import code_tests
+
+    two = code_tests("coder1", json.dumps({"functional": ["assert f(1) == 2", "assert f(2) == 4\nassert f(3) == 6"]}))
+    assert two == {"kind": "expr", "inputs": ["f(1)", "f(2)", "f(3)"], "outputs": [2, 4, 6]}
+    lit = code_tests("primeintellect", json.dumps(str([{"input": "1\n", "output": "2\n", "fn_name": None}])))
+    assert lit == {"inputs": ["1\n"], "outputs": ["2\n"]}
+    fn = code_tests("primeintellect", json.dumps([{"input": [1], "output": [2], "fn_name": "double"}]))
+    assert fn == {"inputs": [[1]], "outputs": [[2]], "fn_name": "double"}
