@@ -14,6 +14,11 @@ printed once (by global rank 0; the first 20), the total with a count per reason
 every one of them is listed in ``<report_dir>/skipped_prompt_lines.jsonl`` (the RL loop's
 ``train.save_dir``; its metrics log the total as ``data/skipped_prompt_lines``). The order is a
 seeded shuffle per epoch; :meth:`PromptDataset.state_dict` makes it resumable.
+
+Files in a published layout (Klear's verl parquet, LiveCodeBench releases, math sets; docs/data.md)
+are read by :mod:`megatron_klear.data.formats` into problems of this layout first: the format is
+detected per file (``format="auto"``, ``rl.prompts_format``) or given, and the format and a
+summary of what was read are printed; their bad rows follow ``on_bad_line`` like bad lines.
 """
 from __future__ import annotations
 
