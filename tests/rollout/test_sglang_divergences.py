@@ -1,5 +1,5 @@
 """Behaviours of real SGLang 0.5.23 the stand-in now shows, each reproduced and then met by what the
-launch commands and the client do (issue 21's divergences 1, 2, 4, 5 and 7):
+launch commands and the client do (issue 21's divergences 1, 2, 4, 5, 7, and 6's /flush_cache):
 
 1. ``/health`` generates a token unless ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is false
    (``srt/environ.py``, ``entrypoints/http_server.py``): on released memory that kills the server;
@@ -8,7 +8,8 @@ launch commands and the client do (issue 21's divergences 1, 2, 4, 5 and 7):
 4. SGLang 0.5.23 pins torch 2.14.1: the NCCL weight sync needs the trainer on the same build;
 5. ``/health`` blocks while generation is paused and answers 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT``
    seconds; behind sglang-router 0.3.2's default health checks a pause leaves no worker;
-7. ``--api-key`` (``srt/utils/auth.py``): the client sends ``rollout.api_key``, also through the router.
+7. ``--api-key`` (``srt/utils/auth.py``): the client sends ``rollout.api_key``, also through the router;
+6. ``/flush_cache`` refuses a server with running requests, or waiting ones while not paused.
 """
 import os
 import re
