@@ -105,7 +105,7 @@ def main(argv=None):
                                      "original_max_position_embeddings": args.yarn_original}
         hf_config.max_position_embeddings = int(args.yarn_original * args.yarn_factor)
     engine = make_engine(rollout, args.model or "", device="cuda" if torch.cuda.is_available() else "cpu",
-                         hf_config=hf_config)
+                         hf_config=hf_config, weight_sync=False)  # evaluation pushes no weights
 
     longest = max(len(p.prompt_ids) for prompts in benchmarks.values() for p in prompts)
     engine.check_context(longest + args.max_new_tokens, f"the longest prompt ({longest}) + --max-new-tokens",

@@ -6,13 +6,15 @@ from megatron_klear.rollout.config import RolloutConfig
 
 
 def make_engine(r: RolloutConfig, model_dir: str = "", *, device: str = "cpu", hf_config=None,
-                routed_experts: tuple | None = None) -> RolloutEngine:
+                routed_experts: tuple | None = None, weight_sync: bool = True) -> RolloutEngine:
     """``engine=embedded``: the torch engine on ``model_dir`` (an HF directory) in this process, on
     ``device``, in ``r.dtype`` (``hf_config``: a transformers config overriding the directory's, e.g.
     with RoPE scaling). ``engine=http``: the SGLang client of ``r.urls`` / ``r.workers``, with every
     timeout and limit of ``r``; it checks the servers answer, and what :mod:`.sglang.compat` checks
     (colocated servers' environment, the NCCL build). ``routed_experts``: ``(MoE layer numbers,
-    top_k)`` of the model when ``r.router_replay`` asks the engine for the experts of every token."""
+    top_k)`` of the model when ``r.router_replay`` asks the engine for the experts of every token.
+    ``weight_sync``: the engine will receive the trainer's weights by ``r.weight_sync`` (False for
+    evaluation, which pushes none: the NCCL build is then not checked)."""
     if r.engine == "embedded":
         from megatron_klear.rollout.embedded import EmbeddedEngine
 
@@ -30,5 +32,5 @@ def make_engine(r: RolloutConfig, model_dir: str = "", *, device: str = "cpu", h
         health_failure_threshold=r.health_failure_threshold, send_seed=r.send_seed, check=True,
         min_live_workers=r.min_live_workers, api_key=r.api_key or None,
         routed_experts=routed_experts if r.router_replay else None)
-    check_servers(engine, r)  # colocated servers' environment; the NCCL build of weight_sync=distributed
+    check_servers(engine, r, weight_sync=weight_sync)  # colocated servers' environment; the NCCL build
     return engine

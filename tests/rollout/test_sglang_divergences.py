@@ -207,6 +207,7 @@ def test_the_nccl_path_needs_the_torch_sglang_pins(tiny_hf):
         if torch.__version__.split("+")[0] != "2.14.1":
             with pytest.raises(EngineError, match=f"trainer runs torch {re.escape(torch.__version__)}"):
                 compat.check_servers(client, r)
+        compat.check_servers(client, r, weight_sync=False)  # evaluation: no weights pushed
         compat.check_servers(client, load_config(None, base + ["rollout.sync_backend=gloo"]).rollout)  # no NCCL
         compat.check_servers(client, load_config(None, base + ["rollout.weight_sync=disk",
                                                                "rollout.sync_backend=nccl"]).rollout)

@@ -115,13 +115,14 @@ def check_colocated_env(engine) -> None:
                       f"{MEMORY_SAVER_CUDA_GRAPH}=true", stacklevel=2)
 
 
-def check_servers(engine, r) -> None:
+def check_servers(engine, r, *, weight_sync: bool = True) -> None:
     """The checks a ``rollout`` config needs: colocated servers' environment; the NCCL build for
-    ``weight_sync=distributed`` over NCCL (``sync_backend`` auto: NCCL where CUDA is)."""
+    ``weight_sync=distributed`` over NCCL (``sync_backend`` auto: NCCL where CUDA is), unless the
+    engine receives no weights (``weight_sync=False``: evaluation)."""
     if r.colocate:
         check_colocated_env(engine)
         return
-    if r.weight_sync not in ("distributed", "auto"):
+    if not weight_sync or r.weight_sync not in ("distributed", "auto"):
         return
     backend = r.sync_backend
     if backend == "auto":
