@@ -79,10 +79,13 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
 
 
 # -- a worker lost mid-generation ----------------------------------------------------------------------------
-@pytest.mark.parametrize("via_router", [True, False], ids=["router", "direct"])
-def test_a_worker_killed_mid_generation_is_dropped_and_the_call_completes(tmp_path, via_router):
+@pytest.mark.parametrize("via_router,router_flags", [(True, ()), (True, ("--disable-health-check",)), (False, ())],
+                         ids=["router", "router-without-health-checks", "direct"])
+def test_a_worker_killed_mid_generation_is_dropped_and_the_call_completes(tmp_path, via_router, router_flags):
+    """Behind a router that checks its workers' health or not (the launch script disables it: the
+    client keeps the router's list), or sent to directly."""
     with fake_worker(tmp_path, "a", generate_delay=1.5) as (a, rec_a, proc_a), \
-            fake_worker(tmp_path, "b", generate_delay=1.5) as (b, rec_b, _), router([a, b]) as r:
+            fake_worker(tmp_path, "b", generate_delay=1.5) as (b, rec_b, _), router([a, b], extra=router_flags) as r:
         client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         assert sorted(client.workers()) == sorted([a, b])
         _later(0.5, proc_a.kill)
@@ -104,13 +107,14 @@ def test_a_worker_killed_mid_generation_is_dropped_and_the_call_completes(tmp_pa
         assert len(client.generate(PROMPTS[:2], PARAMS)) == 2
 
 
-@pytest.mark.parametrize("via_router", [True, False], ids=["router", "direct"])
-def test_a_worker_frozen_mid_generation_is_dropped_within_the_watchdogs_bound(tmp_path, via_router):
+@pytest.mark.parametrize("via_router,router_flags", [(True, ()), (True, ("--disable-health-check",)), (False, ())],
+                         ids=["router", "router-without-health-checks", "direct"])
+def test_a_worker_frozen_mid_generation_is_dropped_within_the_watchdogs_bound(tmp_path, via_router, router_flags):
     """SIGSTOP: the worker accepts connections but never answers; its requests would wait for the
     hour of generate_timeout. The watchdog drops it; its requests (direct) or every request in
     flight through the router (hedged) go to the live worker."""
     with fake_worker(tmp_path, "a", generate_delay=1.0) as (a, rec_a, proc_a), \
-            fake_worker(tmp_path, "b", generate_delay=1.0) as (b, rec_b, _), router([a, b]) as r:
+            fake_worker(tmp_path, "b", generate_delay=1.0) as (b, rec_b, _), router([a, b], extra=router_flags) as r:
         client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         client.workers()
         try:
