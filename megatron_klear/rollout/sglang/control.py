@@ -289,11 +289,12 @@ class Control:
         pool.shutdown(wait=False)
         return futures
 
-    def destroy_weights_update_group(self, group_name: str) -> None:
-        """Drop the group on every worker (best effort: a worker without it, or gone, is skipped)."""
+    def destroy_weights_update_group(self, group_name: str, timeout: float | None = None) -> None:
+        """Drop the group on every worker (best effort: a worker without it, or gone, is skipped);
+        ``timeout``: each call's (a server answers after the weight call it is still busy with)."""
         def drop(w):
             with contextlib.suppress(EngineError):
-                self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name})
+                self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout)
 
         self._on_workers(drop)
 
@@ -374,11 +375,14 @@ class Control:
     def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:
         """Greedy continuation of ``prompt_ids`` by one worker (not through the router), exactly
         ``max_new_tokens`` tokens (``ignore_eos``), with the log-prob of each token (greedy:
-        ``log_softmax`` of the logits at temperature 1, in SGLang and in the embedded engine)."""
+        ``log_softmax`` of the logits at temperature 1, in SGLang and in the embedded engine), within
+        ``rollout.control_timeout_s``."""
         body = {"input_ids": [int(t) for t in prompt_ids], "return_logprob": True,
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True,
                                     "skip_special_tokens": False}}
-        out = self._request("POST", "/generate", body, timeout=self.generate_timeout, url=worker)
+        # bounded by the control timeout, not the generation one: 16 greedy tokens on an idle server
+        # (right after a push) take well under a second, and a frozen server must not hold the step
+        out = self._request("POST", "/generate", body, timeout=self.timeout, url=worker)
         return parse_completion(out[0] if isinstance(out, list) else out, url=worker)
 
     def worker_dtypes(self) -> dict:

@@ -94,6 +94,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         self.stats = {}  # of the last sync: bytes, buckets, seconds, streamed_stages
         self._started = None  # rank 0: the future of the servers' pause + flush + begin of the current sync
         self._totals = {}
+        self._disconnected, self._posts = set(), []
         # a bucket is broadcast once every server has had post_grace seconds to refuse its post
         # (distributed_buckets.BucketSchedule._post_bucket)
         self.post_grace = float(post_grace)
@@ -156,9 +157,12 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
                 return self._fail(message, fleet=True)
             if kind == "fail":
                 return self._fail(message)
-            # re-form: the surviving servers leave the old groups (rank 0), every rank drops its side
+            # re-form: the surviving servers leave the old groups (rank 0), every rank drops its side.
+            # Each server answers the leave after whatever it still had in hand for the old group (a
+            # bucket it waited for): wait as long as a bucket may take, so that nothing of the old
+            # attempt reaches the next one's session.
             if rank() == 0:
-                self._leave_server_groups()
+                self._leave_server_groups(timeout=self._bucket_wait() + self.control_timeout)
             self._drop_local()
             self.reforms += 1
             reforms += 1
@@ -187,6 +191,8 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
             except WeightSyncError as e:
                 return str(e)
         self._totals = totals = {"bytes": 0, "buckets": 0, "streamed_stages": 0}
+        self._disconnected = set()  # rank 0: members whose bucket post lost its connection
+        self._posts = []  # rank 0: the attempt's bucket posts (awaited before a retry)
         if me == 0:  # pause, flush once, begin on the servers while the first bucket is gathered
             def start():
                 try:
@@ -237,6 +243,8 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
 
         if self._started is not None:
             self._started.result()  # the servers' start calls have ended (they report to the fleet)
+        for post in self._posts:  # a bucket not broadcast still has posts in flight: let them end
+            post.result()
         serving = self.engine.workers()
         # the groups' members, and the serving workers a group being formed was meant for (a worker
         # gone before the first sync fails the groups' creation)
@@ -247,7 +255,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         dropped = [w for w in members if w not in serving]  # dropped by a control call already
         try:
             for w in members:
-                if w in serving and not alive[w]:
+                if w in serving and (not alive[w] or w in self._disconnected):
                     self.engine.drop_worker(w, f"gone during the weight sync of version {version}: {error}")
                     dropped.append(w)
                 elif w in serving and w in rejoining and w in error:

@@ -45,7 +45,9 @@ class BucketSchedule:
                 flush_cache=False, timeout=self._bucket_wait() + self.control_timeout)
         except Exception as e:  # noqa: BLE001
             return None, self._bucket_failed(stage, names, e)
+        self._posts.append(post)
         refused = post.refusals(self.post_grace)
+        self._note_disconnected(refused)
         if refused:
             return None, self._bucket_failed(stage, names, bucket_error(refused)) + " (not broadcast)"
         return post, None
@@ -59,7 +61,20 @@ class BucketSchedule:
         from megatron_klear.rollout.sglang.control import bucket_error
 
         errors = post.result()
+        self._note_disconnected(errors)
         return self._bucket_failed(stage, meta[0], bucket_error(errors)) if errors else None
+
+    def _note_disconnected(self, errors: dict) -> None:
+        """Rank 0: remember the servers whose bucket post lost its connection (refused, reset, closed
+        without an answer): the process that took part in this attempt's group is gone, even if a
+        restarted one answers at its URL by the time the failure is examined. (A post that timed
+        out is not counted: a survivor waits for a bucket a broken broadcast never completed; the
+        liveness probe judges it.)"""
+        from megatron_klear.rollout.sglang.transport import WorkerGone
+
+        for w, e in errors.items():
+            if isinstance(e, WorkerGone) and "did not answer within" not in str(e):
+                self._disconnected.add(w)
 
     def _coordinate(self, stage: int, totals: dict):
         """Rank 0 for a stage led by another rank: post each bucket the leader announces, tell it

@@ -157,12 +157,13 @@ class UpdateGroups:
         self.pg = None
         self.connected = False
 
-    def _leave_server_groups(self) -> None:
+    def _leave_server_groups(self, timeout: float | None = None) -> None:
         """Rank 0: every server leaves every stage's group, best effort (a server that is gone or
-        broken cannot answer, and the error being reported or the shutdown must not be masked)."""
+        broken cannot answer, and the error being reported or the shutdown must not be masked);
+        ``timeout``: each call's (None: the control timeout)."""
         for stage in sorted(self.leaders or {}):
             with contextlib.suppress(Exception):
-                self.engine.destroy_weights_update_group(self._name(stage))
+                self.engine.destroy_weights_update_group(self._name(stage), timeout=timeout)
 
     def close(self) -> None:
         """Drop the groups (servers and trainer side); not collective."""
