@@ -58,7 +58,8 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
     results come back as {worker: result}; an answer refusing the call still fails it and drops
     nobody; without tolerate_loss a gone worker fails the call as before."""
     dead = f"http://127.0.0.1:{free_port()}"
-    with fake_worker(tmp_path, "a") as (a, _, _), fake_worker(tmp_path, "r", fail_post="/update_weight_version") as (r, _, _):
+    with fake_worker(tmp_path, "a") as (a, _, _), \
+            fake_worker(tmp_path, "r", fail_post="/update_weight_version") as (r, _, _):
         client = SGLangEngine([a], workers=[a, dead], timeout=2)
         with pytest.raises(EngineError, match=dead.replace(".", r"\.")):
             client._on_workers(client.model_info)

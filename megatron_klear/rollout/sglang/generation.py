@@ -77,7 +77,8 @@ class _Request:
 
 class _Call:
     """What one generate call's requests share on its event loop: the HTTP clients (requests,
-    probes), the requests in flight per URL, the attempts in flight (to cancel or hedge them when a worker is dropped)."""
+    probes), the requests in flight per URL, the attempts in flight (to cancel or hedge them when a
+    worker is dropped)."""
 
     def __init__(self, client: httpx.AsyncClient, probe_client: httpx.AsyncClient):
         self.client = client
