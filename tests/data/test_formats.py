@@ -164,7 +164,8 @@ def test_a_malicious_pickle_is_refused_naming_the_row_and_never_runs(tmp_path, e
 
 @pytest.mark.parametrize("value", [["a"], {"a": 1}, 3, b"bytes", None])
 def test_the_unpickler_accepts_nothing_but_a_string(value):
-    assert loads_str(pickle.dumps("plain [json]")) == "plain [json]"
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert loads_str(pickle.dumps("plain [json] " * 3, protocol=protocol)) == "plain [json] " * 3
     with pytest.raises(UnsafePickle):
         loads_str(pickle.dumps(value))
     with pytest.raises(UnsafePickle, match="not a readable pickle"):

@@ -83,7 +83,7 @@ def convert(row: dict, row_no: int, *, since=None, until=None, stats=None) -> di
         if not isinstance(row.get(col), str) or not row[col].strip():
             raise RowError("missing_field", col, "missing or empty")
     try:
-        date = datetime.fromisoformat(row["contest_date"])
+        date = datetime.fromisoformat(row["contest_date"]).replace(tzinfo=None)  # dates compare as written
     except ValueError:
         raise RowError("bad_field", "contest_date", f"{row['contest_date']!r} is not an ISO date") from None
     if (since is not None and date < since) or (until is not None and date > until):
