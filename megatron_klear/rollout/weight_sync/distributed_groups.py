@@ -104,7 +104,10 @@ class UpdateGroups:
                     self.pg = join_update_group(backend=self.backend, master_address=result[0], master_port=result[1],
                                                 rank=0, world_size=self.world, group_name=name,
                                                 timeout=self.group_timeout, store=store)
-                    set_group_timeout(self.pg, self.bucket_timeout)
+                    # gloo: each bucket's wait fails after this; NCCL: the watchdog's bound, never before
+                    # the trainer's own deadline (a new group's first bucket: the group timeout)
+                    set_group_timeout(self.pg, self.bucket_timeout if self.backend != "nccl"
+                                      else max(self.bucket_timeout, self.group_timeout))
                 except Exception as e:  # noqa: BLE001
                     join_err = f"{type(e).__name__}: {e}"
                     self.pg = None
