@@ -77,3 +77,50 @@ def test_a_failed_load_is_an_error_for_a_live_worker_and_a_drop_for_a_rejoining_
         client.load_from_disk("/w/step_4", version=4)  # its load fails: dropped again, no error
         assert client.fleet.live() == [a] and list(client.fleet.lost()) == [b]
         assert "rejoined failed" in client.fleet.lost()[b]
+
+
+def test_a_bucket_is_not_broadcast_while_a_post_is_refused_within_the_grace(tmp_path):
+    """BucketPost.refusals: the early answers decide whether the sender broadcasts (divergence 3)."""
+    with fake_worker(tmp_path, "ok") as (ok, _, _), \
+            fake_worker(tmp_path, "no", fail_post="/update_weights_from_distributed") as (no, _, _):
+        client = SGLangEngine([ok, no], **FAST)
+        post = client.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", timeout=5)
+        refused = post.refusals(5.0)
+        assert list(refused) == [no] and "injected failure" in str(refused[no])
+        assert post.result().keys() == {no}
+        # a server that is not there at all refuses too (a connection refused, at once)
+        t0 = time.monotonic()
+        gone = "http://127.0.0.1:9"
+        assert list(client.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", workers=[ok, gone]).refusals(5.0)) \
+            == [gone]
+        assert time.monotonic() - t0 < 3
+
+
+class _Hung:
+    """A broadcast that never completes (an NCCL work whose peer never receives)."""
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        raise AssertionError("wait() must not be reached on a hung NCCL work")
+
+
+def test_nccl_waits_are_polled_to_a_deadline_and_a_new_groups_first_bucket_is_one_tensor():
+    import torch
+
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync
+
+    sync = DistributedWeightSync([], None, backend="nccl", bucket_mb=1, group_timeout=7, bucket_timeout=3)
+    tensors = [(n, torch.zeros(4)) for n in "abc"]
+    assert [[n for n, _ in b] for b in sync._buckets(iter(tensors))] == [["a"], ["b", "c"]]
+    assert sync._bucket_wait() == 7  # the first broadcast builds NCCL's communicator
+    sync.warm = True
+    assert [[n for n, _ in b] for b in sync._buckets(iter(tensors))] == [["a", "b", "c"]]
+    assert sync._bucket_wait() == 3
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not complete within 0.2 s"):
+        sync._wait_works([_Hung()], 0.2)
+    assert time.monotonic() - t0 < 2
+    gloo = DistributedWeightSync([], None, backend="gloo", bucket_mb=1)
+    assert len(list(gloo._buckets(iter(tensors)))) == 1  # gloo connects at creation: no warm-up bucket

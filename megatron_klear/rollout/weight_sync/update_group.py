@@ -146,6 +146,8 @@ def abort_update_group(pg) -> None:
     never leaves by itself), best effort; the group is unusable afterwards."""
     from torch.distributed import distributed_c10d as c10d
 
+    if pg is None:  # (None would name the default group)
+        return
     abort = getattr(c10d, "_abort_process_group", None)
     with contextlib.suppress(Exception):
         if abort is not None:
