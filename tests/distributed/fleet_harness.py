@@ -149,7 +149,8 @@ class Server:
             if not self.running():
                 raise RuntimeError(f"server {self.name} ({self.url}) exited; log {self.log_path}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server {self.name} ({self.url}) not healthy within {timeout:g} s:\n{self.log_tail()}")
+                raise RuntimeError(f"server {self.name} ({self.url}) not healthy within {timeout:g} s:\n"
+                                   f"{self.log_tail()}")
             time.sleep(0.05)
         return self
 
@@ -203,7 +204,8 @@ class Server:
         pid = self.pid
         evs = [e for e in self.events() if e["pid"] == pid]
         answered = {e["id"] for e in evs if e["ev"] == "answer"}
-        return [e for e in evs if e["ev"] == "start" and e["path"] in paths and e["t"] > since and e["id"] not in answered]
+        return [e for e in evs
+                if e["ev"] == "start" and e["path"] in paths and e["t"] > since and e["id"] not in answered]
 
     def received(self, path: str, since: float = 0.0) -> int:
         return sum(1 for e in self.events() if e["ev"] == "start" and e["path"] == path and e["t"] > since)
