@@ -37,8 +37,14 @@ def data(tmp_path_factory):
     _run("tools/preprocess_sft.py", "--input", str(d / "sft.jsonl"), "--tokenizer", dense,
          "--output-prefix", str(d / "sft-data"), "--max-length", "256")
     write_rl_prompts_jsonl(str(d / "rl.jsonl"), 16, seed=1)
+    # the authors' RL data layout (verl parquet): two math rows and two code rows (Code-R1 check
+    # code, a Codeforces stdin problem), read by rl.prompts as published
+    from tests.data.format_fixtures import verl_rows, write
+
+    write(d / "verl-math-code.parquet", [verl_rows()[i] for i in (0, 1, 3, 6)])
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(d), "WANDB_SILENT": "true"}
-    return {"dir": d, "dense": dense, "moe": moe, "prefix": str(d / "sft-data"), "rl": str(d / "rl.jsonl"), "env": env}
+    return {"dir": d, "dense": dense, "moe": moe, "prefix": str(d / "sft-data"), "rl": str(d / "rl.jsonl"),
+            "verl": str(d / "verl-math-code.parquet"), "env": env}
 
 
 def _sft(data, config, model, layout, name):
@@ -76,7 +82,7 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
     server = EmbeddedHTTPEngine.launch(data["moe"], startup_timeout=120)
     try:
         _torchrun(2, "-m", "megatron_klear.rl", "--config", os.path.join(CONFIGS, "gppo_qwen3_30b_a3b_math.yaml"),
-                  f"model.path={ckpt}", *layout, f"rl.prompts=[{data['rl']}]", "rl.prompts_per_step=2",
+                  f"model.path={ckpt}", *layout, f"rl.prompts=[{data['verl']}]", "rl.prompts_per_step=2",
                   "rl.oversample_prompts=4", "rl.responses_per_prompt=4", "rl.mini_batch_prompts=1",
                   "rl.max_tokens_per_micro_batch=512", "rl.max_prompt_length=128", "rollout.max_new_tokens=32",
                   f"rollout.urls=[{server.url}]", f"rollout.sync_dir={data['dir'] / 'weights'}",
@@ -90,3 +96,6 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
         server.close()
     assert [m["step"] for m in lines] == [1, 2], lines
     assert os.path.isdir(os.path.join(rl_dir, "iter_0000002"))
+    # the verl parquet's four prompts make step 1's batch (rl.oversample_prompts=4): both tasks graded
+    first = lines[0]
+    assert first["rollout/task/math/responses"] == 8 and first["rollout/task/code/responses"] == 8, first

@@ -94,7 +94,20 @@ def build_samples(prompts, completions, grades, cfg):
         "rollout/groups_kept": len(kept_groups),
         "rollout/samples_trained": len(samples),
     }
+    metrics.update(task_metrics(prompts, flat))
     return samples, metrics
+
+
+def task_metrics(prompts, flat) -> dict:
+    """Per task of the batch's prompts (math, code): ``rollout/task/<task>/responses`` graded,
+    their ``reward_mean`` and ``accuracy`` (a mixed math and code run shows each side apart)."""
+    out = {}
+    for task in sorted({p.task for p in prompts}):
+        graded = [r for g, _, r in flat if prompts[g].task == task]
+        out[f"rollout/task/{task}/responses"] = len(graded)
+        out[f"rollout/task/{task}/reward_mean"] = sum(r.reward for r in graded) / max(len(graded), 1)
+        out[f"rollout/task/{task}/accuracy"] = sum(1 for r in graded if r.solved) / max(len(graded), 1)
+    return out
 
 
 _SUMMED = {"rollout/grader_errors", "rollout/groups_generated", "time/generate_s", "time/grade_tail_s"}
@@ -102,16 +115,20 @@ _SUMMED = {"rollout/grader_errors", "rollout/groups_generated", "time/generate_s
 
 def merge_rollout_metrics(batches: list) -> dict:
     """Rollout metrics of several generation batches as one: counts and times summed, maxima
-    maxed, means weighted by the groups each batch generated."""
+    maxed, means weighted by the groups each batch generated (a task's means by its responses)."""
     if len(batches) == 1:
         return dict(batches[0])
     weights = [m.get("rollout/groups_generated", 1) for m in batches]
     out = {}
     for k in dict.fromkeys(k for m in batches for k in m):
-        vals = [(m[k], w) for m, w in zip(batches, weights) if isinstance(m.get(k), (int, float))]
+        if k.startswith("rollout/task/"):
+            count = k.rsplit("/", 1)[0] + "/responses"
+            vals = [(m[k], m.get(count, 0)) for m in batches if isinstance(m.get(k), (int, float))]
+        else:
+            vals = [(m[k], w) for m, w in zip(batches, weights) if isinstance(m.get(k), (int, float))]
         if not vals:
             continue
-        if k in _SUMMED:
+        if k in _SUMMED or k.endswith("/responses"):
             out[k] = sum(v for v, _ in vals)
         elif k.endswith("_max"):
             out[k] = max(v for v, _ in vals)

@@ -104,3 +104,26 @@ def test_rl_loop_filters_compose():
         samples, metrics = build_samples(prompts, completions, grades, cfg)
         assert [(s.group, s.finished) for s in samples] == expect, (spread, overlong)
         assert [s.positive for s in samples][:1] == [True]
+
+
+def test_per_task_metrics_of_a_mixed_batch_and_their_merge():
+    """A math and code batch reports each task apart; merged over batches, a task's means are
+    weighted by its own responses (a batch without code does not dilute code's accuracy)."""
+    from megatron_klear.config import load_config
+    from megatron_klear.data.prompts import Prompt
+    from megatron_klear.rl.sampling import build_samples, merge_rollout_metrics
+    from megatron_klear.rollout.base import Completion
+
+    cfg = load_config(None, [])
+    prompts = [Prompt(id="m", task="math", prompt_ids=[1], answer="1"),
+               Prompt(id="c", task="code", prompt_ids=[2], tests={"inputs": [""], "outputs": [""]})]
+    done = Completion([5], [-1.0], "stop")
+    grades = [[_grade(1.0, True), _grade(-1.0, False)], [_grade(0.5, True), _grade(0.5, True)]]
+    _, m = build_samples(prompts, [[done, done], [done, done]], grades, cfg)
+    assert m["rollout/task/math/responses"] == 2 and m["rollout/task/code/responses"] == 2
+    assert m["rollout/task/math/accuracy"] == 0.5 and m["rollout/task/code/accuracy"] == 1.0
+    assert m["rollout/task/math/reward_mean"] == 0.0 and m["rollout/task/code/reward_mean"] == 0.5
+    _, m2 = build_samples(prompts[:1], [[done] * 2], [[_grade(1.0, True)] * 2], cfg)
+    merged = merge_rollout_metrics([m, m2])
+    assert merged["rollout/task/math/responses"] == 4 and merged["rollout/task/math/accuracy"] == 0.75
+    assert merged["rollout/task/code/responses"] == 2 and merged["rollout/task/code/accuracy"] == 1.0
