@@ -20,7 +20,7 @@ answer again would otherwise route to it while it still holds its start-up weigh
   until recalled); the router stops routing to it. While fewer than ``rollout.min_live_workers``
   would remain, :class:`~megatron_klear.rollout.sglang.fleet.FleetError` is raised instead and the
   router's list is left as it is (the step fails; a restarted job finds the workers listed there).
-- :meth:`Membership.recall_workers`: lost workers that answer ``/health`` again, and workers the
+- :meth:`Membership.recall_workers`: lost workers that answer ``/model_info`` again, and workers the
   router lists that this client did not know, become *rejoining*: the next weight push includes
   them (:meth:`workers` lists them) but nothing is generated on them yet.
 - :meth:`Membership.admit_workers`: rejoining workers that report the pushed version become live
@@ -189,15 +189,25 @@ class Membership:
         return changed
 
     def recall_workers(self) -> list:
-        """Lost workers that answer ``/health`` again (each probe bounded by
+        """Lost workers that answer ``/model_info`` again (each probe bounded by
         ``rollout.health_check_timeout_s``) and workers a router lists that this client did not know
-        become rejoining (removed from the routers until :meth:`admit_workers`). Returns them."""
+        become rejoining (removed from the routers until :meth:`admit_workers`). Returns them.
+
+        Not ``/health``: SGLang 0.5.23's blocks while generation is paused and answers 503 after
+        20 s, and a worker dropped during a weight sync was left paused by it. A recalled worker is
+        told ``/continue_generation`` (best effort; a restarted server is not paused): it takes no
+        generation request until admitted, and the next push pauses it again."""
         fleet = self.fleet
         lost = list(fleet.lost())
         answered = [None] * len(lost)
+        wait = min(self.timeout, self.health_check_timeout)
 
         def probe(i, w):
-            answered[i] = self.health(w)
+            try:
+                self._request("GET", "/model_info", timeout=wait, url=w)
+                answered[i] = True
+            except EngineError:
+                answered[i] = False
 
         threads = [threading.Thread(target=probe, args=(i, w), daemon=True) for i, w in enumerate(lost)]
         for t in threads:
@@ -206,6 +216,10 @@ class Membership:
             t.join()
         back = [w for w, ok in zip(lost, answered) if ok and fleet.recall(w)]
         for w in back:
+            try:
+                self._request("POST", "/continue_generation", {}, timeout=wait, url=w)
+            except EngineError as e:
+                note(f"rollout: worker {w} answers again but refused /continue_generation: {e}")
             note(f"rollout: worker {w} answers again; it rejoins at the next weight push")
         return back + self._refresh_from_routers()
 
