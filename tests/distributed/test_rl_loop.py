@@ -133,15 +133,17 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
 
 
 
-def test_a_frozen_worker_stops_the_run_in_bounded_time_and_a_restart_resumes(setup):
-    """Step 1 runs and is checkpointed; then a worker freezes (SIGSTOP): the restarted run fails at
-    its start-up weight sync within the control timeout, naming the worker, instead of hanging.
-    Once the worker runs again, a restart resumes from the step-1 checkpoint and finishes."""
+def test_a_frozen_worker_is_dropped_or_stops_the_run_in_bounded_time(setup):
+    """Step 1 runs and is checkpointed; then a worker freezes (SIGSTOP). With
+    rollout.min_live_workers = 2 the restarted run cannot go on with one worker: it fails at its
+    start-up weight sync in bounded time, naming the frozen worker, instead of hanging. With the
+    default (1) a restart drops the frozen worker (and takes it out of the router) and finishes the
+    run on the other; the step's metrics say one worker is live and one was lost."""
     import signal
     import time
 
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
-    from tests.rollout.processes import router
+    from tests.rollout.processes import _get_json, router
 
     servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120) for _ in range(2)]
     frozen = servers[1]
@@ -150,23 +152,27 @@ def test_a_frozen_worker_stops_the_run_in_bounded_time_and_a_restart_resumes(set
             save = os.path.join(setup["root"], "fault-run")
             args = _overrides(setup, save) + [
                 "rollout.engine=http", f"rollout.urls=[{router_url}]", "parallel.tp=1", "train.steps=2",
-                "rollout.control_timeout_s=3", "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=1",
+                "rollout.control_timeout_s=3", "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=3",
                 "rollout.health_failure_threshold=2",
             ]
             run_distributed(_run, 1, args, 1)  # stop after step 1 (checkpointed)
             os.kill(frozen._process.pid, signal.SIGSTOP)
             t0 = time.monotonic()
             with pytest.raises(RuntimeError, match=frozen.url.replace(".", r"\.")):
-                run_distributed(_run, 1, args)
+                run_distributed(_run, 1, args + ["rollout.min_live_workers=2"])
             assert time.monotonic() - t0 < 60
-            os.kill(frozen._process.pid, signal.SIGCONT)
-            run_distributed(_run, 1, args)
+            t0 = time.monotonic()
+            run_distributed(_run, 1, args)  # resumes from step 1 without the frozen worker
+            assert time.monotonic() - t0 < 120
+            listed = [w["url"] for w in _get_json(router_url + "/workers")["workers"]]
+            assert listed == [servers[0].url], listed
     finally:
         for s in servers:
             os.kill(s._process.pid, signal.SIGCONT)
             s.close()
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     assert [m["step"] for m in lines] == [1, 2]
+    assert lines[-1]["rollout/live_workers"] == 1 and lines[-1]["rollout/worker_failures"] >= 1, lines[-1]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
 

@@ -121,7 +121,7 @@ class Control:
     def check_context_length(self, needed: int, what: str = "") -> dict:
         """Fail unless every worker's context holds ``needed`` tokens (prompt + max_new_tokens);
         returns {worker: context length}."""
-        lengths = dict(zip(self.workers(), self._on_workers(self.context_length)))
+        lengths = self._on_workers(self.context_length, tolerate_loss=True)  # a worker gone is dropped
         short = {w: c for w, c in lengths.items() if c is not None and c < needed}
         if short:
             w, c = next(iter(short.items()))
