@@ -141,18 +141,21 @@ class RolloutManager:
         r = self.cfg.rollout
         fleet = self.weights.to_servers and getattr(self.engine, "fleet", None) is not None if is_rank0() else None
         fleet = broadcast_from_rank0(fleet)
+        # rank 0: the fleet's min_live check counts the push's rejoining workers until they are admitted
+        with self.engine.fleet.pushing() if fleet and is_rank0() else contextlib.nullcontext():
+            if fleet and is_rank0():
+                self.engine.recall_workers()
+            metrics = self.weights.push(version)
+            if self.weights.to_servers:
+                self.syncs += 1
+                due = verification_due(self.syncs, version, r.verify_interval)
+                rejoining = broadcast_from_rank0(bool(self.engine.fleet.rejoining()) if fleet and is_rank0() else False)
+                if due or rejoining:
+                    metrics.update(verify_servers(self.engine, self.actor, self.tokenizer, self.vocab_size, version,
+                                                  r.verify_tolerance, only_rejoining=not due))
+            if fleet and is_rank0():
+                self.engine.admit_workers(version)
         if fleet and is_rank0():
-            self.engine.recall_workers()
-        metrics = self.weights.push(version)
-        if self.weights.to_servers:
-            self.syncs += 1
-            due = verification_due(self.syncs, version, r.verify_interval)
-            rejoining = broadcast_from_rank0(bool(self.engine.fleet.rejoining()) if fleet and is_rank0() else False)
-            if due or rejoining:
-                metrics.update(verify_servers(self.engine, self.actor, self.tokenizer, self.vocab_size, version,
-                                              r.verify_tolerance, only_rejoining=not due))
-        if fleet and is_rank0():
-            self.engine.admit_workers(version)
             metrics.update(self._fleet_metrics(push=True))
         return metrics
 

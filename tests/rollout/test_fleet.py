@@ -53,6 +53,28 @@ def test_fleet_states_counters_and_the_min_live_bound():
         SGLangEngine(["http://127.0.0.1:9"], min_live_workers=0)
 
 
+def test_during_a_push_the_rejoining_workers_count_for_min_live_until_the_strict_check_after_it():
+    """A live worker lost in a push whose only other worker rejoins in it is not an error while the
+    push runs; once it ended, the check counts live workers only: admitted, the push ends well; not
+    admitted (or dropped), the end of the push raises FleetError."""
+    fleet = Fleet(["a", "b"])
+    fleet.lose("b", "killed")
+    fleet.recall("b")
+    with fleet.pushing():
+        assert fleet.lose("a", "killed mid-sync") and fleet.live() == []  # b is about to serve
+        assert fleet.admit("b")
+    assert fleet.live() == ["b"]
+    with pytest.raises(FleetError, match=r"0 rollout server\(s\) left.*Lost: b: killed mid-sync"):
+        with fleet.pushing():
+            fleet.recall("a")
+            fleet.lose("b", "killed mid-sync")  # a rejoins: no error yet
+    with pytest.raises(FleetError, match=r"0 rollout server\(s\) left"):
+        with fleet.pushing():
+            fleet.lose("a", "its weight load failed as it rejoined")  # the last candidate goes: at once
+    with pytest.raises(FleetError, match=r"0 rollout server\(s\) left"):
+        fleet.check()  # outside a push: live workers only
+
+
 def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
     """_on_workers(tolerate_loss=True): a worker that cannot be reached is dropped and the others'
     results come back as {worker: result}; an answer refusing the call still fails it and drops
@@ -179,7 +201,7 @@ def test_a_restarted_server_is_recalled_admitted_after_the_version_and_served_ag
             client.set_weight_version(3)  # the push (here only the version) reaches both
             assert recorded(rec_b2, "/update_weight_version") == [{"new_version": "3", "abort_all_requests": False}]
             assert client.admit_workers(3) == [b] and client.expected_version == "3"
-            assert client.fleet.live() == [a, b] and _listed(r) == sorted([a, b])
+            assert sorted(client.fleet.live()) == sorted([a, b]) and _listed(r) == sorted([a, b])  # router order
             client.generate(PROMPTS, PARAMS)
             assert recorded(rec_b2)  # served again, through the router
             metrics = client.fleet_metrics()

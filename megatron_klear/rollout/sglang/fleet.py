@@ -14,9 +14,16 @@ HTTP side (probing a lost worker, telling the router) is the engine's
 (:mod:`megatron_klear.rollout.sglang.transport`). Losing a worker is an event, not an error, while at
 least ``min_live`` workers remain live; below that, :class:`FleetError` names every lost worker and
 why it was lost.
+
+During a weight push (:meth:`Fleet.pushing`) the rejoining workers the push includes count as about
+to serve for that check: a live worker lost in a push whose only other worker rejoins in it is not
+an error yet. The check is made strictly (live workers only) once the push ended, after the
+rejoining workers that hold the pushed weights were admitted; a rejoining worker dropped during the
+push no longer counts.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -39,6 +46,7 @@ class Fleet:
         self.rejoins = 0  # lost workers made live again
         self.resent = 0  # /generate requests sent again because their worker was lost (or answered stale)
         self.stale = 0  # /generate answers discarded: made with other weights than the expected version
+        self._pushes = 0  # weight pushes under way (:meth:`pushing`)
         for w in workers:
             self._state[w] = LIVE
 
@@ -96,10 +104,25 @@ class Fleet:
             self.check()
             return was is not None
 
-    def check(self) -> None:
-        """Raise :class:`FleetError` unless at least ``min_live`` workers are live."""
+    @contextlib.contextmanager
+    def pushing(self):
+        """A weight push: meanwhile :meth:`check` counts the rejoining workers as about to serve (the
+        push gives them the weights, then they are admitted); on leaving without an error, the strict
+        check (live workers only)."""
         with self._lock:
-            live = self.live()
+            self._pushes += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._pushes -= 1
+        self.check()
+
+    def check(self) -> None:
+        """Raise :class:`FleetError` unless at least ``min_live`` workers are live (during a push:
+        live or rejoining, see :meth:`pushing`)."""
+        with self._lock:
+            live = self.live() if not self._pushes else self.serving()
             if len(live) >= self.min_live:
                 return
             lost = "; ".join(f"{w}: {why}" for w, why in self.lost().items()) or "none"

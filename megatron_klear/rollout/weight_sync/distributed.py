@@ -134,8 +134,9 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         (bytes, buckets, seconds, reforms) on rank 0.
 
         Up to ``max_attempts`` attempts. The groups are (re-)formed first whenever the servers that
-        take control calls (live and rejoining) are not the groups' members: a worker lost since the
-        last sync, or one rejoining. After a failed attempt rank 0 finds the members that are gone
+        take control calls (live and rejoining) are not the groups' members, or when a member is
+        rejoining (lost or demoted since the groups were formed: a server restarted at its URL has
+        none of them). After a failed attempt rank 0 finds the members that are gone
         (no answer to ``/model_info``, which a paused server still answers), drops them from the
         fleet, and, if any was dropped and at least ``rollout.min_live_workers`` remain, every rank
         re-forms the groups without them and sends every bucket again (a server that got part of
@@ -178,8 +179,11 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         if me == 0 and self.connected:
             members = set(self.workers)
             now = set(self.engine.workers())
-            if now != members:
-                reform = sorted(now ^ members)
+            # a member now rejoining was lost (or demoted) since the groups were formed: a server
+            # restarted at its URL keeps the URL but not the groups
+            back = members & set(self.engine.fleet.rejoining())
+            if now != members or back:
+                reform = sorted((now ^ members) | back)
         if broadcast_from_rank0(reform):  # membership changed since the groups were formed
             if me == 0:
                 self._leave_server_groups()

@@ -69,11 +69,15 @@ class BucketSchedule:
         without an answer): the process that took part in this attempt's group is gone, even if a
         restarted one answers at its URL by the time the failure is examined. (A post that timed
         out is not counted: a survivor waits for a bucket a broken broadcast never completed; the
-        liveness probe judges it.)"""
+        liveness probe judges it.) A server that answers that it does not know the group (SGLang
+        0.5.23's ``Group ... not in [...]. Please call init_weights_update_group first``) restarted
+        since the groups were formed: it is gone from them too."""
         from megatron_klear.rollout.sglang.transport import WorkerGone
 
         for w, e in errors.items():
             if isinstance(e, WorkerGone) and "did not answer within" not in str(e):
+                self._disconnected.add(w)
+            elif "init_weights_update_group" in str(e) and " not in " in str(e):
                 self._disconnected.add(w)
 
     def _coordinate(self, stage: int, totals: dict):
