@@ -64,14 +64,20 @@ def trainer_build() -> tuple:
     return torch.__version__, nccl
 
 
+def _server_infos(engine) -> dict:
+    """``{worker: /server_info}`` of the workers that answer (one that is gone is dropped, as
+    everywhere in the fleet: the checks concern the servers that will serve)."""
+    return engine._on_workers(engine.server_info, tolerate_loss=True)
+
+
 def check_nccl_build(engine, *, trainer_torch: str | None = None, trainer_nccl: str | None = None) -> None:
     """Every worker's SGLang must pin the trainer's torch (and so its NCCL); fails naming both
     versions and the fix. A server whose SGLang version is not in :data:`SGLANG_TORCH` (or that does
     not report one) cannot be checked: a warning says what to make sure of."""
     if trainer_torch is None:
         trainer_torch, trainer_nccl = trainer_build()
-    for w in engine.workers():
-        version = (engine.server_info(w) or {}).get("version")
+    for w, info in _server_infos(engine).items():
+        version = (info or {}).get("version")
         pinned = SGLANG_TORCH.get(str(version))
         if pinned is None:
             warnings.warn(f"rollout: {w} reports SGLang version {version!r}, whose torch pin is unknown here: make "
@@ -91,8 +97,8 @@ def check_colocated_env(engine) -> None:
     """Colocated servers must run with health generation off and the CUDA-graph memory saver on,
     where they say so (``SGLANG_EXPOSE_OWN_ENV_VARS=true``); fails naming the variable."""
     unknown = []
-    for w in engine.workers():
-        states = (engine.server_info(w) or {}).get("internal_states") or []
+    for w, info in _server_infos(engine).items():
+        states = (info or {}).get("internal_states") or []
         listed = [s["env_vars"] for s in states if isinstance(s, dict) and isinstance(s.get("env_vars"), dict)]
         if not listed:
             unknown.append(w)
