@@ -217,14 +217,7 @@ class Server:
         return _tail(self.log_path)
 
 
-def _tail(path: str, chars: int = 3000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - chars))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return "(no log)"
+from megatron_klear.rollout.sglang_standin.launcher import _tail  # noqa: E402 -- the servers' log tail
 
 
 def router_flags() -> list:

@@ -107,9 +107,8 @@ def test_with_health_generation_off_a_released_server_answers_and_stays_correct(
         _stop(server)
 
 
-def test_a_probe_in_flight_trips_the_release(tiny_hf, monkeypatch):
-    """SGLang's release asserts an idle scheduler; a health generation running is not idle."""
-    engine, server, url = _serve(tiny_hf["tied"], enable_memory_saver=True)
+def _hold_forward(engine, monkeypatch):
+    """The engine's next forward waits for ``go``; ``started`` is set once it is under way."""
     started, go = threading.Event(), threading.Event()
     forward = engine._forward
 
@@ -119,6 +118,13 @@ def test_a_probe_in_flight_trips_the_release(tiny_hf, monkeypatch):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(engine, "_forward", held)
+    return started, go
+
+
+def test_a_probe_in_flight_trips_the_release(tiny_hf, monkeypatch):
+    """SGLang's release asserts an idle scheduler; a health generation running is not idle."""
+    engine, server, url = _serve(tiny_hf["tied"], enable_memory_saver=True)
+    started, go = _hold_forward(engine, monkeypatch)
     probe = {}
     t = threading.Thread(target=lambda: probe.update(r=httpx.get(url + "/health", timeout=30)))
     t.start()
@@ -358,15 +364,7 @@ def test_flush_cache_refuses_running_or_waiting_requests_unless_paused(tiny_hf, 
     """SGLang 0.5.23's Scheduler.flush_cache: only when fully idle (waiting requests ignored while
     paused); 400 ``Flush cache failed.``, or with ?timeout=S after waiting S seconds for idle."""
     engine, server, url = _serve(tiny_hf["tied"])
-    started, go = threading.Event(), threading.Event()
-    forward = engine._forward
-
-    def held(*args, **kwargs):
-        started.set()
-        go.wait(30)
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "_forward", held)
+    started, go = _hold_forward(engine, monkeypatch)
     body = {"input_ids": [5, 17], "sampling_params": {"max_new_tokens": 2}}
     done = {}
     t = threading.Thread(target=lambda: done.update(r=httpx.post(url + "/generate", json=body, timeout=60)))

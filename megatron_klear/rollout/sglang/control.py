@@ -26,7 +26,7 @@ import threading
 
 from megatron_klear.rollout.base import Completion
 from megatron_klear.rollout.sglang.generation import parse_completion
-from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone
+from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_parallel
 
 #: SGLang's memory types (``GPU_MEMORY_ALL_TYPES``) for /release_memory_occupation and /resume_memory_occupation
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -216,24 +216,18 @@ class Control:
         """Whether each of ``workers`` answers at all, in parallel: ``/model_info`` within
         ``rollout.health_check_timeout_s``, any answer counts. Not ``/health``: SGLang 0.5.23's blocks
         while generation is paused (a weight sync pauses it) and answers 503 after 20 s."""
-        out = [False] * len(workers)
         wait = min(self.timeout, self.health_check_timeout)
 
-        def ask(i, w):
+        def ask(w):
             try:
                 self._request("GET", "/model_info", timeout=wait, url=w)
-                out[i] = True
             except WorkerGone:
-                out[i] = False
+                return False
             except EngineError:
-                out[i] = True  # it answered (with an error status): it is there
+                return True  # it answered (with an error status): it is there
+            return True
 
-        threads = [threading.Thread(target=ask, args=(i, w), daemon=True) for i, w in enumerate(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
+        return in_parallel(ask, list(workers))[0]
 
     def weight_versions(self) -> dict:
         """``{worker: the weight_version it reports}`` of every worker that answers (a gone one is

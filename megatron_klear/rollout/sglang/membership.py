@@ -45,7 +45,7 @@ import time
 import httpx
 
 from megatron_klear.rollout.sglang.fleet import LIVE, REJOINING, Fleet, FleetError
-from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone
+from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_parallel
 
 #: longest wait for the router to show a worker added or removed (it queues both as jobs)
 ROUTER_SETTLE_S = 10.0
@@ -150,19 +150,7 @@ class Membership:
         ``rollout.min_live_workers`` live workers remain; any other failure (an answer refusing the
         call) is raised after all finish, as without it."""
         workers = self.workers()
-        results, errors = [None] * len(workers), [None] * len(workers)
-
-        def run(i, w):
-            try:
-                results[i] = fn(w)
-            except Exception as e:  # noqa: BLE001 -- collected and re-raised below
-                errors[i] = e
-
-        threads = [threading.Thread(target=run, args=(i, w), daemon=True) for i, w in enumerate(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results, errors = in_parallel(fn, workers)
         if not tolerate_loss:
             first = next((e for e in errors if e is not None), None)
             if first is not None:
@@ -199,21 +187,8 @@ class Membership:
         generation request until admitted, and the next push pauses it again."""
         fleet = self.fleet
         lost = list(fleet.lost())
-        answered = [None] * len(lost)
+        answered = self.alive(lost)  # /model_info: any answer counts
         wait = min(self.timeout, self.health_check_timeout)
-
-        def probe(i, w):
-            try:
-                self._request("GET", "/model_info", timeout=wait, url=w)
-                answered[i] = True
-            except EngineError:
-                answered[i] = False
-
-        threads = [threading.Thread(target=probe, args=(i, w), daemon=True) for i, w in enumerate(lost)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
         back = [w for w, ok in zip(lost, answered) if ok and fleet.recall(w)]
         for w in back:
             try:

@@ -75,6 +75,25 @@ def _said(resp: httpx.Response) -> str:
     return text.strip()[:500]
 
 
+def in_parallel(fn, items) -> tuple:
+    """``fn(item)`` for every item, each in its own thread (the calls to the workers block on the
+    network, not on this process); returns ``(results, errors)``, aligned with ``items``."""
+    results, errors = [None] * len(items), [None] * len(items)
+
+    def run(i, item):
+        try:
+            results[i] = fn(item)
+        except Exception as e:  # noqa: BLE001 -- handed back to the caller
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, x), daemon=True) for i, x in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors
+
+
 class Transport:
     def _init_transport(self) -> None:
         self._control = None  # the keep-alive client of the control calls (made on first use)
