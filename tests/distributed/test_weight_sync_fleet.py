@@ -3,7 +3,9 @@ mid-sync is left out -- the groups are re-formed without it and every bucket is 
 the survivor ends with the trainer's weights and generates; restarted at its URL, it rejoins at the
 next sync (the groups re-formed with it) and holds the trainer's weights. A server that refuses a
 bucket (alive: not a loss) is never broadcast to, and the sync ends naming it well within the
-bucket timeout (divergence 3). Fewer than rollout.min_live_workers left: see
+bucket timeout (divergence 3). A server restarted at its URL between syncs gets new groups: unnoticed,
+its refusal of a bucket ("Group ... not in []") drops it and the sync is redone; recalled, the
+groups are re-formed with it. Fewer than rollout.min_live_workers left: see
 test_weight_sync_distributed.py (FleetError naming the lost server)."""
 import os
 import signal
@@ -166,3 +168,78 @@ def test_a_bucket_a_server_refuses_is_not_broadcast_and_the_sync_ends_naming_it(
     finally:
         for s in servers:
             s.close()
+
+
+def _restarts_between_syncs(rank, world, models, urls, pid):
+    """Sync 1 with both servers; the second server killed and restarted at its URL, unnoticed; sync
+    2; recalled; sync 3; admitted. Then killed and restarted again, noticed (dropped) and recalled
+    before sync 4; admitted."""
+    import psutil
+
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync
+
+    state = _trainer(models["b"])
+    engine = SGLangEngine(urls, timeout=5, health_check_timeout=2)
+    sync = DistributedWeightSync(state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=30)
+    port = urllib.parse.urlsplit(urls[1]).port
+    server, out = None, {}
+
+    def restart(pid):  # SIGKILL, then a fresh server at the URL
+        old = psutil.Process(pid)
+        old.kill()
+        deadline = time.monotonic() + 30
+        while old.is_running() and old.status() != "zombie" and time.monotonic() < deadline:  # not our child
+            time.sleep(0.05)
+        return EmbeddedHTTPEngine.launch(models["a"], port=port, weight_sync_timeout=4, startup_timeout=120)
+
+    try:
+        sync.sync(version=1)
+        server = restart(pid)
+        t0 = time.monotonic()
+        out["second"] = sync.sync(version=2)  # its bucket post: "Group ... not in []": it restarted
+        out["second_s"] = time.monotonic() - t0
+        out["after_second"] = (engine.workers(), dict(engine.fleet.lost()))
+        out["recalled"] = engine.recall_workers()
+        out["third"] = sync.sync(version=3)
+        out["admitted"] = engine.admit_workers(3)
+        server = restart(server._process.pid)
+        engine.drop_worker(urls[1], "seen gone by the test")  # as the generation's watchdog would
+        out["recalled_again"] = engine.recall_workers()
+        out["fourth"] = sync.sync(version=4)  # the groups re-formed with it (same URL, a new process)
+        out["admitted_again"] = engine.admit_workers(4)
+        out["metrics"] = engine.fleet_metrics()
+        out["checksums"] = {u: _checksums(u) for u in urls}
+        out["versions"] = {u: _version(u) for u in urls}
+    finally:
+        sync.close()
+        if server is not None:
+            server.close()
+    return out
+
+
+def test_a_server_restarted_at_its_url_between_syncs_gets_new_groups(models):
+    """A server restarted at its URL keeps the URL but has none of the groups: unnoticed, its
+    refusal of the next bucket ("Group ... not in []. Please call init_weights_update_group first")
+    drops it and the sync is redone without it; recalled (rejoining), the next sync re-forms the
+    groups with it; lost, restarted and recalled between two syncs, the groups are re-formed with
+    it at once (no failed attempt). Both end with the trainer's weights."""
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+
+    servers = _launch(models["a"])
+    try:
+        urls = [s.url for s in servers]
+        out, = run_distributed(_restarts_between_syncs, 1, models, urls, servers[1]._process.pid, timeout=400)
+    finally:
+        for s in servers:
+            s.close()
+    assert out["second"]["reforms"] == 1 and out["second_s"] < 30, out
+    assert out["after_second"] == ([urls[0]], {urls[1]: out["after_second"][1][urls[1]]}), out["after_second"]
+    assert "not in" in out["after_second"][1][urls[1]], out["after_second"]
+    assert out["recalled"] == [urls[1]] and out["third"]["reforms"] == 0 and out["admitted"] == [urls[1]], out
+    assert out["recalled_again"] == [urls[1]] and out["fourth"]["reforms"] == 0, out
+    assert out["admitted_again"] == [urls[1]], out
+    assert out["metrics"]["rollout/worker_failures"] == 2 and out["metrics"]["rollout/worker_rejoins"] == 2, out
+    want = EmbeddedEngine.from_pretrained(models["b"]).checksums()
+    assert out["checksums"] == {u: want for u in urls} and out["versions"] == {u: "4" for u in urls}
