@@ -10,8 +10,10 @@ remains; the step's metrics count the failures and the rejoins; no step trains o
 stale weights (the engine's sampling log-probs equal the trainer's recompute, every trained
 step); a server restarted at its URL rejoins and ends with the trainer's final weights (its greedy
 log-probs equal the trainer's, computed here from the final weights in float64); with every server
-gone the step fails in bounded time with one error line naming them."""
+gone the step fails in bounded time with one error line naming them; a seeded chaos of kills and
+restarts over 10 steps loses no step and leaves every server at the final version."""
 import os
+import random
 import time
 
 import pytest
@@ -288,3 +290,60 @@ def test_distributed_sync_survives_a_kill_mid_sync_then_fails_naming_every_lost_
     assert tokens_a == tokens_b and max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-5, seen["probes"]
     start = probe_logprobs(fleet["model"], None, PROBE, tokens_b)
     assert max(abs(x - y) for x, y in zip(lp_b, start)) > 1e-3, "the run did not change the weights"
+
+
+def test_seeded_chaos_of_kills_and_restarts_loses_no_step(fleet):
+    """10 steps, rollout.weight_sync=distributed. A seeded RNG plans three kills: each waits until
+    both servers hold the current weights (one always remains), lets 0 or 1 more step pass, then
+    SIGKILLs one server (which one: seeded) mid-rollout, mid-sync or at once (whatever is running),
+    and restarts it at once or after the next step. No step is lost, the run ends in bounded time,
+    the three failures and three rejoins are counted, and both servers end at the final version."""
+    from tests.rollout.processes import router
+
+    rng = random.Random(2105)
+    plan = [(rng.choice(["rollout", "sync", "now"]), rng.choice("ab"), rng.choice([0, 1]), rng.choice([0, 1]))
+            for _ in range(3)]  # (when, whom, idle steps first, restart after the next step)
+    servers = _servers(fleet, "chaos", token_delay=0.01, route_delays={"/update_weights_from_distributed": 0.3})
+    by_name = {s.name: s for s in servers}
+    save = os.path.join(fleet["root"], "chaos", "run")
+    metrics_path = os.path.join(save, "metrics.jsonl")
+    steps, done = 10, []
+
+    def script(d: Director):
+        for when, name, idle, later in plan:
+            d.wait(lambda: all(_rejoined(d, s) for s in servers), 120, "both servers at the current version",
+                   poll_s=0.2)
+            t = d.wait_step(len(d.steps()) + idle)
+            k = len(d.steps())
+            assert k <= 6, f"the chaos reached step {k}: too few steps left to rejoin ({d.actions})"
+            who = by_name[name]
+            if when == "rollout":
+                d.mid_rollout(who, t)
+            elif when == "sync":
+                d.mid_sync(who, t, routes=("/update_weights_from_distributed",))
+            who.kill()
+            done.append((k + 1, when, name))
+            d.note(f"killed {name} ({when}) in step {k + 1}")
+            if later:
+                d.wait_step(k + 1)
+            who.start()
+            d.note(f"restarted {name} after step {len(d.steps())}")
+
+    t0 = time.monotonic()
+    try:
+        with router([s.url for s in servers], extra=router_flags()) as router_url:
+            director = Director(script, metrics_path)
+            director.during(run_distributed, run_rl, 1, _args(fleet, save, router_url, steps, "distributed"),
+                            timeout=300)
+            wall = time.monotonic() - t0
+            lines = read_metrics(metrics_path)
+            _check_steps_and_samples(lines, steps)
+            assert _total(lines, "rollout/worker_failures") == 3, (done, director.actions)
+            assert _total(lines, "rollout/worker_rejoins") == 3, (done, director.actions)
+            assert lines[-1]["rollout/live_workers"] == 2, lines[-1]
+            for s in servers:
+                assert s.running() and s.weight_version() == str(steps), (s.name, done, director.actions)
+            assert wall < 180, (wall, director.actions)
+    finally:
+        for s in servers:
+            s.close()
