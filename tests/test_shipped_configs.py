@@ -96,6 +96,8 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
         server.close()
     assert [m["step"] for m in lines] == [1, 2], lines
     assert os.path.isdir(os.path.join(rl_dir, "iter_0000002"))
-    # the verl parquet's four prompts make step 1's batch (rl.oversample_prompts=4): both tasks graded
+    # the verl parquet's four prompts make each generation batch (rl.oversample_prompts=4; dynamic
+    # sampling may add batches): 2 math and 2 code prompts x 4 responses each, both tasks graded
     first = lines[0]
-    assert first["rollout/task/math/responses"] == 8 and first["rollout/task/code/responses"] == 8, first
+    per_task = 8 * first["rollout/generation_batches"]
+    assert first["rollout/task/math/responses"] == per_task and first["rollout/task/code/responses"] == per_task, first
