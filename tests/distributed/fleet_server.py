@@ -26,6 +26,7 @@ its servers and ends when its parent does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import itertools
 import json
@@ -168,15 +169,17 @@ def zygote(control: str, model: str) -> int:
         time.sleep(0.02)
 
 
+def _signal_all(children: set, sig) -> None:
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.kill(pid, sig)
+
+
 def _stop_all(children: set, grace: float = 10.0) -> None:
     """SIGTERM every server (SIGCONT first: a frozen one would not act on it), SIGKILL those still
     there after ``grace`` seconds, and reap them."""
-    for sig in (signal.SIGCONT, signal.SIGTERM):
-        for pid in children:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+    _signal_all(children, signal.SIGCONT)
+    _signal_all(children, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while children:
         pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -184,12 +187,8 @@ def _stop_all(children: set, grace: float = 10.0) -> None:
             children.discard(pid)
             continue
         if time.monotonic() > deadline:
-            for pid in children:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            grace, deadline = 0.0, float("inf")
+            _signal_all(children, signal.SIGKILL)
+            deadline = float("inf")
         time.sleep(0.02)
 
 
