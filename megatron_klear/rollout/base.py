@@ -45,14 +45,36 @@ class SamplingParams:
 class Completion:
     token_ids: list  # the response, including the EOS/stop token when it ended on one
     logprobs: list  # one per token of token_ids, under the sampling distribution
-    finish_reason: str  # "stop" (EOS / stop token) | "length" (max_new_tokens)
+    # "stop" (EOS / stop token) | "length" (max_new_tokens) | "abort" (aborted on request: the
+    # tokens generated so far, a partial response to continue later)
+    finish_reason: str
     # MoE models, when the engine records routing: the experts each token fed to the model was routed
     # to, int [prompt + response - 1 tokens, MoE layers, top_k] (the last token is never fed)
     routed_experts: object = None
+    # per token of token_ids: the weight version that sampled it (an int once the trainer has pushed
+    # weights; None where the engine cannot tell). A request that ran across a weight update (SGLang:
+    # pause -> update -> continue) holds tokens of two versions (SGLang's meta_info["weight_versions"]).
+    versions: list | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason == "stop"
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+@dataclass
+class SampleRequest:
+    """One sample to generate, or to continue (:meth:`ServerEngine.stream`): the model is fed
+    ``input_ids`` (the prompt, followed by a partial response being continued) and samples at most
+    ``params.max_new_tokens`` more tokens with its own ``params.seed``. ``key``: the caller's handle,
+    handed back with the result."""
+
+    key: object
+    input_ids: list
+    params: SamplingParams
 
 
 class RolloutEngine(abc.ABC):
@@ -130,4 +152,31 @@ class ServerEngine(RolloutEngine):
 
     def check_context(self, needed: int, what: str, hint: str = "") -> None:
         self.check_context_length(needed, what)  # its message names SGLang's flags
+
+    def stream(self, requests: list) -> "RequestStream":
+        """Start every :class:`SampleRequest` (one sample each) concurrently on the workers; the
+        returned :class:`RequestStream` yields ``(key, Completion)`` as each ends, and can abort the
+        ones still running (partial rollouts, rl/partial_rollouts.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stream abortable requests")
+
+
+class RequestStream(abc.ABC):
+    """Requests running on rollout servers (:meth:`ServerEngine.stream`). Iterating yields
+    ``(key, Completion)`` once per request, in the order they end: finished (``stop``/``length``)
+    or, after :meth:`abort`, ``abort`` with the tokens generated so far (a request not sent yet ends
+    with no token). Requests run while the servers' weights change (pause -> update -> continue):
+    each token's version is in ``Completion.versions``."""
+
+    @abc.abstractmethod
+    def __iter__(self):
+        """``(key, Completion)`` per request, as each ends."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Ask the servers to end every request of this stream still running (SGLang's
+        ``/abort_request``); they answer with what they generated so far. Returns at once."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Abort what still runs and wait for the requests to end (idempotent)."""
 
