@@ -152,6 +152,16 @@ class JobConfig:
                 f"parallel.pp={p.pp} with the interleaved schedule (parallel.vpp={p.vpp})")
         if self.optim.schedule_unit == "rl_step" and not self.rl.prompts:
             raise ConfigError("optim.schedule_unit=rl_step is for RL jobs (rl.prompts); SFT schedules by optimizer_step")
+        asynchronous = [k for k, on in (("rl.async_steps", self.rl.async_steps), ("rollout.partial", self.rollout.partial))
+                        if on]
+        if asynchronous and self.rollout.engine != "http":
+            raise ConfigError(f"{' and '.join(asynchronous)} need rollout servers that abort and continue requests while "
+                              "the trainer runs: set rollout.engine=http (SGLang, or the stand-in server of "
+                              "megatron_klear.rollout.sglang_standin on CPU)")
+        if self.rl.async_steps and self.rollout.colocate:
+            raise ConfigError("rl.async_steps with rollout.colocate: colocated servers share the trainer's GPUs and "
+                              "release their memory while it trains, so nothing can generate meanwhile; give the "
+                              "servers their own GPUs (rollout.colocate=false) or set rl.async_steps=0")
         longest = self.rl.max_prompt_length + self.rollout.max_new_tokens
         if self.rl.prompts and self.rl.max_tokens_per_micro_batch < longest:
             raise ConfigError(

@@ -27,7 +27,20 @@ class RLConfig:
     mini_batch_prompts: int = 16  # 128/16 = 8 optimizer steps per rollout batch
     max_tokens_per_micro_batch: int = 32768  # packing budget per micro-batch (not a sample count)
     temperature: float = 1.0  # must equal the rollout engine's sampling temperature
-    tis_cap: float | None = None  # truncated importance sampling for rollout/train mismatch (off)
+    # Truncated importance sampling: each token's advantage is weighted by min(pi_prox / pi_behav,
+    # tis_cap), pi_behav = the engine's log-prob of the version that sampled it, pi_prox = the
+    # trainer's recomputed one (AReaL's decoupled objective; covers engine/trainer numerics and stale
+    # tokens of asynchronous or partial rollouts). None: off.
+    tis_cap: float | None = None
+    # Asynchronous GPPO (docs/async.md): the next batch generates while the actor trains on this one
+    # (0: today's synchronous loop; 1: one step ahead). Needs rollout servers (rollout.engine=http).
+    async_steps: int = 0
+    # A response holding a token more than this many weight versions older than the trainer's policy is
+    # regenerated from scratch (counted: rollout/stale_regenerated). Must be >= async_steps.
+    max_staleness: int = 1
+    # Drop tokens of an older weight version than the trainer's from the loss (slime's choice), instead
+    # of weighting them by tis_cap (AReaL's).
+    mask_stale_tokens: bool = False
     prompts: list = field(default_factory=list)  # RL prompt files (see data/prompts.py, docs/data.md)
     # how rl.prompts are read: auto (detected per file, logged) | project | verl | livecodebench | math
     prompts_format: str = "auto"
@@ -73,3 +86,12 @@ class RLConfig:
             raise ConfigError(f"rl.on_shortfall must be train or fail, got {self.on_shortfall!r}")
         if self.temperature <= 0:
             raise ConfigError("rl.temperature must be > 0")
+        if self.async_steps not in (0, 1):
+            raise ConfigError(f"rl.async_steps={self.async_steps}: 0 (synchronous) or 1 (the next batch generates "
+                              "while the actor trains) are supported")
+        if self.max_staleness < 0:
+            raise ConfigError(f"rl.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.async_steps > self.max_staleness:
+            raise ConfigError(f"rl.async_steps={self.async_steps} is larger than rl.max_staleness={self.max_staleness}: "
+                              "every asynchronous batch would be regenerated; set rl.max_staleness >= "
+                              f"{self.async_steps} (or rl.async_steps=0)")

@@ -41,6 +41,10 @@ class RolloutConfig:
     min_live_workers: int = 1
     api_key: str = ""  # http: the servers' (and router's) --api-key, sent as "Authorization: Bearer <key>"
     send_seed: bool = False  # send sampling_seed (SGLang honours it only with --enable-deterministic-inference)
+    # Partial rollouts (docs/async.md): once rl.prompts_per_step groups of the over-sampled prompts are
+    # complete and graded, the requests still running are aborted and their partial responses continued
+    # first at the next step (under the new weights). Needs rollout servers (engine=http).
+    partial: bool = False
     chunk_prompts: int = 0  # embedded engine: prompts per generate call, graded while the next runs (0: one call)
     # http: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
     # bucketed broadcast from each pipeline stage's leader over a process group with every server
