@@ -44,6 +44,17 @@ drawn from the training side only, so no problem is both trained on and evaluate
 seeds. The held-out problems use the same single-step facts: the evaluation measures whether a
 model composes what it learnt on new chains, not whether it memorised answers.
 
+The long-tailed variant
+-----------------------
+:class:`LongTailTask`: the same chains, with the number of terms drawn from a heavy-tailed law
+(``P(terms = k)`` proportional to ``(k - min_terms + 1) ** -tail`` for ``min_terms <= k <=
+max_terms``), so the teacher's responses are long-tailed the way long-CoT responses are: most
+short, a few many times longer, the longest capped (here by ``max_terms``, in RL by the response
+budget). The defaults (2-20 terms, tail 1.3) give, in tiny-tokenizer tokens, a median of 27, a
+p90 of ~100 and a longest of ~170 (max / median ~6.3; benchmarks/async_rl.py). Its space is too
+large to enumerate: :func:`sample_problems` draws problems i.i.d. (the split is the same hash of
+the question text) and :func:`problems` refuses it.
+
 Determinism: every writer draws from ``random.Random`` seeded by its ``seed`` only, so a seed gives
 byte-identical files on any machine; different seeds give different samples and orders.
 """
@@ -76,6 +87,43 @@ class ChainTask:
 
 
 DEFAULT_TASK = ChainTask()
+
+
+@dataclass(frozen=True)
+class LongTailTask:
+    """Digit chains with a long-tailed number of terms: ``P(terms = k)`` proportional to
+    ``(k - min_terms + 1) ** -tail`` for ``min_terms <= k <= max_terms`` (the cap is the budget
+    that caps a long-CoT batch); digits in 0..``max_digit`` joined by ``ops``."""
+
+    min_terms: int = 2
+    max_terms: int = 20
+    tail: float = 1.3
+    max_digit: int = 9
+    ops: str = "+"
+    heldout_every: int = 8
+
+    def __post_init__(self):
+        if not 2 <= self.min_terms <= self.max_terms:
+            raise ValueError(f"LongTailTask: need 2 <= min_terms <= max_terms (got {self})")
+        if not self.tail > 0:
+            raise ValueError(f"LongTailTask.tail must be > 0, got {self.tail}")
+        if not 1 <= self.max_digit <= 9 or not self.ops or set(self.ops) - set("+-"):
+            raise ValueError(f"LongTailTask: need 1 <= max_digit <= 9, ops from '+-' (got {self})")
+        if self.heldout_every < 2:
+            raise ValueError("LongTailTask.heldout_every must be >= 2")
+
+    def terms_probabilities(self) -> dict:
+        """``{terms: probability}`` of the law above (sums to 1)."""
+        weights = {k: (k - self.min_terms + 1) ** -self.tail for k in range(self.min_terms, self.max_terms + 1)}
+        total = sum(weights.values())
+        return {k: w / total for k, w in weights.items()}
+
+    def draw(self, rng: random.Random) -> "Problem":
+        """One problem: its number of terms from the law, then its digits and operators uniformly."""
+        probs = self.terms_probabilities()
+        terms = rng.choices(list(probs), weights=list(probs.values()))[0]
+        digits = tuple(rng.randint(0, self.max_digit) for _ in range(terms))
+        return Problem(digits, tuple(rng.choice(self.ops) for _ in range(terms - 1)))
 
 
 @dataclass(frozen=True)
@@ -143,6 +191,9 @@ def problems(split: str, task: ChainTask = DEFAULT_TASK) -> list:
     """Every problem of one side of the split, in a fixed order."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if isinstance(task, LongTailTask):
+        raise ValueError("problems(): a LongTailTask's space is too large to enumerate; draw problems with "
+                         "sample_problems(n, ...) (and give write_rl_prompts_jsonl an n)")
     out = []
     for digits in itertools.product(range(task.max_digit + 1), repeat=task.terms):
         for ops in itertools.product(task.ops, repeat=task.terms - 1):
@@ -154,7 +205,17 @@ def problems(split: str, task: ChainTask = DEFAULT_TASK) -> list:
 
 def sample_problems(n: int, seed: int = 0, split: str = "train", task: ChainTask = DEFAULT_TASK) -> list:
     """``n`` problems of ``split`` drawn with ``random.Random(seed)``: without replacement while
-    the side lasts, then another shuffled pass (so n may exceed the side's size)."""
+    the side lasts, then another shuffled pass (so n may exceed the side's size). A
+    :class:`LongTailTask` draws them i.i.d. from its law (rejecting those of the other side)."""
+    if isinstance(task, LongTailTask):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        rng, out = random.Random(f"long-tail-{seed}"), []
+        while len(out) < n:
+            p = task.draw(rng)
+            if is_heldout(p, task) == (split == "heldout"):
+                out.append(p)
+        return out
     pool = problems(split, task)
     rng = random.Random(seed)
     out = []
@@ -163,6 +224,16 @@ def sample_problems(n: int, seed: int = 0, split: str = "train", task: ChainTask
         rng.shuffle(order)
         out += order[: n - len(out)]
     return out
+
+
+def length_percentiles(lengths) -> dict:
+    """``{"p50", "p90", "max"}`` of ``lengths`` (nearest rank: the smallest value with at least that
+    share of the values at or below it)."""
+    values = sorted(lengths)
+    if not values:
+        raise ValueError("length_percentiles: no lengths")
+    rank = lambda q: values[max(0, -(-len(values) * q // 100) - 1)]  # noqa: E731 - ceil(n q / 100) - 1
+    return {"p50": rank(50), "p90": rank(90), "max": values[-1]}
 
 
 def example(problem: Problem) -> dict:
