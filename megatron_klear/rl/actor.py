@@ -5,6 +5,12 @@ Normalisation is exact and global: for each mini-batch the counts of the whole m
 (response tokens, sequences, and their positive-sample subsets) are computed from the rollout batch
 every rank holds, every micro-batch's loss is its share of the mini-batch loss under ``rl.agg``,
 and Megatron sums the gradients over micro-batches, pipeline stages and DP/CP ranks.
+
+Stale tokens (asynchronous / partial rollouts, :mod:`megatron_klear.rl.staleness`): the recomputed
+old log-probs are the proximal policy of the clipped objective; with ``rl.tis_cap`` each token's
+advantage is weighted by ``min(exp(old - behaviour), tis_cap)``, behaviour = the engine's log-prob
+under the version that sampled the token (AReaL's decoupled objective); with
+``rl.mask_stale_tokens`` stale tokens leave the loss mask and the global normalisers instead (slime).
 """
 from __future__ import annotations
 
@@ -15,23 +21,38 @@ import torch.distributed as dist
 
 from megatron_klear.rl.batch import RL_PER_TOKEN_KEYS, plan_mini_batch, split_mini_batches
 from megatron_klear.rl.losses import LossCounts, policy_loss
+from megatron_klear.rl.staleness import counted_tokens, stale_flags
 from megatron_klear.training.batches import row_multiple
 from megatron_klear.training.step import last_moe_aux_loss, reduce_metrics, run_micro_batches
 
 SUM_KEYS = (
     "loss", "pg_loss", "nll_loss", "tokens", "clip_frac_low", "clip_frac_high", "clip_frac_dual",
-    "ratio_mean", "approx_kl", "entropy", "mismatch_abs", "mismatch_tokens",
+    "ratio_mean", "approx_kl", "entropy", "mismatch_abs", "mismatch_tokens", "tis_weight", "tis_tokens",
 )
 
 
-def mini_batch_counts(samples: list, ids: list) -> LossCounts:
+def mini_batch_counts(samples: list, ids: list, *, policy_version: int | None = None,
+                      mask_stale: bool = False) -> LossCounts:
+    """The global normalisers of the mini-batch ``ids``: its counted response tokens, the sequences
+    with at least one counted token, and both among the positive samples. With ``mask_stale`` the
+    tokens older than ``policy_version`` are not counted (they are out of the loss mask too)."""
+    n = {i: counted_tokens(samples[i], policy_version, mask_stale, index=i) for i in ids}
     pos = [i for i in ids if samples[i].positive]
     return LossCounts(
-        num_tokens=float(sum(len(samples[i].response_ids) for i in ids)),
-        num_seqs=float(len(ids)),
-        num_positive_tokens=float(sum(len(samples[i].response_ids) for i in pos)),
-        num_positive_seqs=float(len(pos)),
+        num_tokens=float(sum(n.values())),
+        num_seqs=float(sum(1 for i in ids if n[i] > 0)),
+        num_positive_tokens=float(sum(n[i] for i in pos)),
+        num_positive_seqs=float(sum(1 for i in pos if n[i] > 0)),
     )
+
+
+def counted_mask(local: dict, mask_stale: bool) -> torch.Tensor:
+    """The loss mask of a (local) micro-batch: its response tokens, less the stale ones with
+    ``mask_stale`` (same dtype as ``loss_mask``; unchanged where no token is stale)."""
+    mask = local["loss_mask"]
+    if mask_stale and "stale" in local:
+        mask = torch.where(local["stale"] > 0, torch.zeros_like(mask), mask)
+    return mask
 
 
 class Actor:
@@ -44,8 +65,10 @@ class Actor:
         self.chunk_size = logprob_chunk_size
 
     # -- planning ------------------------------------------------------------------------------------
-    def plan(self, samples: list) -> list:
-        """[(counts, this rank's micro-batches)] per mini-batch."""
+    def plan(self, samples: list, policy_version: int | None = None) -> list:
+        """[(counts, this rank's micro-batches)] per mini-batch. A mini-batch with no counted token
+        (every token stale, with ``rl.mask_stale_tokens``) is left out: no forward, no optimizer step
+        (every rank decides the same from the same samples)."""
         from megatron.core import parallel_state
 
         cfg = self.state.config
@@ -59,9 +82,16 @@ class Actor:
                 max_tokens=self.rl.max_tokens_per_micro_batch, pad_id=self.pad_id, pad_to_multiple=multiple,
                 count_multiple=cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1,
                 segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
+                policy_version=policy_version,
             )
-            plans.append((mini_batch_counts(samples, ids), mbs))
+            counts = mini_batch_counts(samples, ids, policy_version=policy_version, mask_stale=self.mask_stale)
+            if counts.num_tokens > 0:
+                plans.append((counts, mbs))
         return plans
+
+    @property
+    def mask_stale(self) -> bool:
+        return bool(getattr(self.rl, "mask_stale_tokens", False))
 
     def _run(self, micro_batches, loss_fn, forward_only, before_forward=None):
         return run_micro_batches(
@@ -100,21 +130,32 @@ class Actor:
         rl = self.rl
 
         def loss_fn(local, logprobs, entropy):
-            mask = local["loss_mask"]
+            mask = counted_mask(local, self.mask_stale)
             old = local["old_logprobs_local"].to(logprobs.dtype)
             adv = local["advantages"].to(logprobs.dtype)
             m = mask.bool()
             mismatch = torch.zeros((), dtype=torch.float64)
             mismatch_max = 0.0
+            tis_weight = torch.zeros((), dtype=torch.float64)
+            n_fresh = n_tis = 0.0
             if local.get("has_rollout_logprobs"):
-                diff = (old - local["rollout_logprobs"]).abs() * mask
+                # engine vs trainer numerics: on the tokens of the trainer's own version only (a
+                # stale token's difference is mostly the policy's drift)
+                fresh = local["loss_mask"] * (1.0 - local["stale"]) if "stale" in local else local["loss_mask"]
+                diff = (old - local["rollout_logprobs"]).abs() * fresh
                 mismatch = diff.sum().double()
                 mismatch_max = float(diff.max()) if diff.numel() else 0.0
+                n_fresh = float(fresh.sum())
                 if rl.tis_cap:
-                    # Truncated importance sampling (rollout engine vs trainer numerics): scaling
-                    # A by w > 0 scales the token's gradient by w and keeps every clip region.
+                    # Truncated importance sampling, AReaL's decoupled objective: w = pi_prox /
+                    # pi_behav capped, pi_behav = the engine's log-prob under the version that
+                    # sampled the token (engine/trainer numerics, and the policy's drift for a stale
+                    # token). Scaling A by w > 0 scales the token's gradient by w and keeps every
+                    # clip region (they depend on the sign of A and on r = pi / pi_prox).
                     w = torch.exp(old - local["rollout_logprobs"]).clamp(max=rl.tis_cap)
                     adv = adv * w
+                    tis_weight = (w.detach() * mask).sum().double()
+                    n_tis = float(m.sum())
             loss, metrics = policy_loss(
                 logprobs, old, adv, mask, algo=rl.algo, eps_low=rl.eps_low, eps_high=rl.eps_high,
                 dual_clip=rl.dual_clip, beta1=rl.beta1, beta2=rl.beta2, agg=rl.agg,
@@ -129,7 +170,9 @@ class Actor:
                 "tokens": n,
                 "entropy": (entropy.detach() * mask).sum(),
                 "mismatch_abs": mismatch,
-                "mismatch_tokens": n if local.get("has_rollout_logprobs") else 0.0,
+                "mismatch_tokens": n_fresh,
+                "tis_weight": tis_weight,
+                "tis_tokens": n_tis,
                 "ratio_max": metrics["ratio_max"],
                 "mismatch_max": mismatch_max,
             }
@@ -139,15 +182,28 @@ class Actor:
 
         return loss_fn
 
-    def update(self, samples: list) -> dict:
+    def update(self, samples: list, policy_version: int | None = None) -> dict:
         """Recompute old log-probs, then one optimizer step per mini-batch. Returns metrics of the
-        whole rollout batch (token-weighted means over every mini-batch)."""
+        whole rollout batch (token-weighted means over every mini-batch).
+
+        ``policy_version``: the version of the weights before this update (RL step - 1), against
+        which each sample's ``versions`` tells its stale tokens; None: no token is stale. With
+        ``rl.mask_stale_tokens`` those leave the loss and the normalisers (``actor/stale_tokens_masked``);
+        a mini-batch left with no token makes no optimizer step (``actor/skipped_mini_batches``)."""
         if not samples:
             raise ValueError("actor.update: no samples (every group filtered out?)")
         state = self.state
         # the lr schedule advances per optimizer step, or once per RL step (optim.schedule_unit)
         per_rl_step = getattr(getattr(state.config, "optim", None), "schedule_unit", "optimizer_step") == "rl_step"
-        plans = self.plan(samples)
+        n_mini_batches = len(split_mini_batches(samples, self.rl.mini_batch_prompts))
+        plans = self.plan(samples, policy_version)
+        masked = (sum(int(stale_flags(s, policy_version, index=i).sum()) for i, s in enumerate(samples))
+                  if self.mask_stale else 0)
+        if not plans:  # every token stale and masked: nothing to train on
+            out = dict.fromkeys(("actor/loss", "actor/pg_loss", "actor/nll_loss", "actor/entropy"), 0.0)
+            out.update({"actor/optimizer_steps": 0, "actor/steps": [], "actor/skipped_mini_batches": n_mini_batches,
+                        "actor/stale_tokens_masked": float(masked)})
+            return out
         self.recompute_old_logprobs(plans)
         totals = dict.fromkeys(SUM_KEYS, 0.0)
         steps, grad_norms, ratio_max, mismatch_max = [], [], 0.0, 0.0
@@ -192,6 +248,12 @@ class Actor:
         if totals["mismatch_tokens"]:
             out["actor/logprob_mismatch_mean"] = totals["mismatch_abs"] / totals["mismatch_tokens"]
             out["actor/logprob_mismatch_max"] = mismatch_max
+        if totals["tis_tokens"]:  # the truncated importance weight, over the counted tokens
+            out["actor/tis_weight_mean"] = totals["tis_weight"] / totals["tis_tokens"]
+        if self.mask_stale:
+            out["actor/stale_tokens_masked"] = float(masked)
+        if len(plans) < n_mini_batches:
+            out["actor/skipped_mini_batches"] = n_mini_batches - len(plans)
         return out
 
 

@@ -6,7 +6,8 @@ positive tokens/sequences) are known on every rank without communication.
 
 Per-token values follow the label shift of :mod:`megatron_klear.data.packing`: position ``t`` of a
 row predicts token ``t+1``, so the advantage, the rollout log-prob and the positive flag of
-response token ``j`` sit at the position of the token before it.
+response token ``j`` sit at the position of the token before it. So does ``stale`` (1.0 where the
+token was sampled by an older weight version than the trainer's, see :mod:`megatron_klear.rl.staleness`).
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import numpy as np
 import torch
 
 from megatron_klear.data.packing import assign_bins_to_ranks, build_packed_micro_batch, pack_best_fit_decreasing
+from megatron_klear.rl.staleness import stale_flags
 
 RL_PER_TOKEN_KEYS = (
     "tokens", "labels", "loss_mask", "position_ids", "advantages", "positive", "seq_ids", "rollout_logprobs",
+    "stale",  # 1.0 on response tokens of an older weight version than the trainer's (0 in synchronous RL)
     "routed_experts",  # only in rows whose samples all carry the engine's experts (router replay)
 )
 
@@ -39,6 +42,10 @@ class RolloutSample:
     # MoE, rollout.router_replay: the engine's experts per token fed to it, int
     # [len(prompt) + len(response) - 1, MoE layers, top_k] (Completion.routed_experts)
     routed_experts: object = None
+    # per response token: the weight version that sampled it (an int RL step number; None where the
+    # engine could not tell). None: unknown for the whole response (synchronous rollouts: on-policy).
+    # A continued partial response concatenates its pieces' tokens, rollout log-probs and versions.
+    versions: list | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -50,8 +57,11 @@ def _shifted(values: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to_multiple: int) -> dict:
-    """One packed row of ``samples`` (may be empty: a filler row with no loss)."""
+def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to_multiple: int,
+                         policy_version: int | None = None) -> dict:
+    """One packed row of ``samples`` (may be empty: a filler row with no loss). ``policy_version``:
+    the version of the trainer's weights before this update; response tokens of an older version
+    get ``stale`` = 1 (none without it)."""
     tokens = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
     masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
     row = build_packed_micro_batch(tokens, masks, pad_token_id=pad_id, pad_to_multiple=pad_to_multiple)
@@ -60,6 +70,7 @@ def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to
     pos = np.zeros(size, dtype=np.float32)
     seq = np.full(size, -1.0, dtype=np.float32)
     rlp = np.zeros(size, dtype=np.float32)
+    stale = np.zeros(size, dtype=np.float32)
     off = 0
     for s, sid in zip(samples, sample_ids):
         n, p = len(s), len(s.prompt_ids)
@@ -69,6 +80,11 @@ def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to
         per_tok[p:] = 1.0 if s.positive else 0.0
         pos[off: off + n] = _shifted(per_tok, n)
         seq[off: off + n] = sid
+        flags = stale_flags(s, policy_version, index=sid)
+        if flags.any():
+            per_tok[:] = 0.0
+            per_tok[p:] = flags
+            stale[off: off + n] = _shifted(per_tok, n)
         if s.rollout_logprobs is not None:
             if len(s.rollout_logprobs) != len(s.response_ids):
                 raise ValueError(
@@ -83,6 +99,7 @@ def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to
         positive=torch.from_numpy(pos).unsqueeze(0),
         seq_ids=torch.from_numpy(seq).unsqueeze(0),
         rollout_logprobs=torch.from_numpy(rlp).unsqueeze(0),
+        stale=torch.from_numpy(stale).unsqueeze(0),
         has_rollout_logprobs=all(s.rollout_logprobs is not None for s in samples),
     )
     if samples and all(s.routed_experts is not None for s in samples):
@@ -124,10 +141,11 @@ def split_mini_batches(samples: list, mini_batch_prompts: int) -> list:
 
 
 def plan_mini_batch(samples: list, ids: list, *, dp_rank: int, dp_size: int, max_tokens: int,
-                    pad_id: int, pad_to_multiple: int, count_multiple: int = 1, segment_multiple: int = 1) -> list:
+                    pad_id: int, pad_to_multiple: int, count_multiple: int = 1, segment_multiple: int = 1,
+                    policy_version: int | None = None) -> list:
     """This DP rank's packed micro-batches of one mini-batch (same count on every rank, rounded up
     to ``count_multiple`` with filler rows: the interleaved pipeline schedule needs a multiple of
-    the pipeline size)."""
+    the pipeline size). ``policy_version``: see :func:`build_rl_micro_batch`."""
     # with CP every sample is later padded to a multiple of 2*CP: budget with that length
     lengths = [-(-len(samples[i]) // segment_multiple) * segment_multiple for i in ids]
     too_long = [ids[k] for k, n in enumerate(lengths) if n > max_tokens]
@@ -144,5 +162,5 @@ def plan_mini_batch(samples: list, ids: list, *, dp_rank: int, dp_size: int, max
     for b in slots[dp_rank]:
         members = [] if b is None else bins[b]
         mine.append(build_rl_micro_batch([samples[i] for i in members], members, pad_id=pad_id,
-                                         pad_to_multiple=pad_to_multiple))
+                                         pad_to_multiple=pad_to_multiple, policy_version=policy_version))
     return mine

@@ -92,3 +92,86 @@ def test_layouts_match_one_process(model_dir, reference, world, extra):
         assert math.isclose(metrics[k], ref_metrics[k], rel_tol=1e-4, abs_tol=1e-7), k
     for k, v in ref_delta.items():
         assert torch.allclose(delta[k], v, atol=2e-4, rtol=0), (k, (delta[k] - v).abs().max())
+
+
+# -- stale tokens (issue 22): per-token weight versions through the Megatron actor ---------------------
+def _update_with(rank, world, model_dir, overrides, samples, policy_version):
+    import torch
+
+    from megatron_klear.checkpoint.model_weights import iter_hf_tensors
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rl.actor import Actor
+    from megatron_klear.training.setup import build_training_state
+
+    cfg = load_config(None, [f"model.path={model_dir}", "optim.lr=1e-2", "optim.min_lr=1e-2",
+                             "optim.decay_style=constant", "optim.weight_decay=0.0",
+                             "rl.mini_batch_prompts=2", "rl.prompts_per_step=4",
+                             "rl.max_tokens_per_micro_batch=48", *overrides])
+    init_parallel(cfg.parallel, seed=1)
+    state = build_training_state(cfg, total_steps=10)
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    before = {k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=group)}
+    metrics = Actor(state, cfg.rl, logprob_chunk_size=7).update(samples, policy_version=policy_version)
+    after = {k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=group)}
+    return metrics, {k: (after[k] - before[k]) for k in after}
+
+
+def _as_continued(samples, version):
+    """Every sample as a partial response continued once (two pieces concatenated), all of ``version``."""
+    import dataclasses
+
+    out = []
+    for k, s in enumerate(samples):
+        cut = 1 + k % (len(s.response_ids) - 1)
+        versions = [version] * cut + [version] * (len(s.response_ids) - cut)
+        out.append(dataclasses.replace(s, response_ids=s.response_ids[:cut] + s.response_ids[cut:],
+                                       rollout_logprobs=s.rollout_logprobs[:cut] + s.rollout_logprobs[cut:],
+                                       versions=versions))
+    return out
+
+
+def test_fresh_partial_samples_update_as_the_synchronous_step_bit_for_bit(model_dir):
+    """Tokens all of the trainer's version: the update (losses, grad norms, every parameter change)
+    equals the synchronous one exactly, with rl.mask_stale_tokens and rl.tis_cap on."""
+    import torch
+
+    samples = make_samples()
+    ref_metrics, ref_delta = run_distributed(_update_with, 1, model_dir, ["rl.tis_cap=2.0"], samples, None)[0]
+    metrics, delta = run_distributed(_update_with, 1, model_dir, ["rl.tis_cap=2.0", "rl.mask_stale_tokens=true"],
+                                     _as_continued(samples, 3), 3)[0]
+    assert [s["loss"] for s in metrics["actor/steps"]] == [s["loss"] for s in ref_metrics["actor/steps"]]
+    assert [s["grad_norm"] for s in metrics["actor/steps"]] == [s["grad_norm"] for s in ref_metrics["actor/steps"]]
+    assert metrics["actor/tis_weight_mean"] == ref_metrics["actor/tis_weight_mean"] > 0
+    assert metrics["actor/stale_tokens_masked"] == 0.0
+    assert set(delta) == set(ref_delta)
+    for k, v in ref_delta.items():
+        assert torch.equal(delta[k], v), k
+    assert max(float(d.abs().max()) for d in delta.values()) > 1e-3
+
+
+def test_masked_stale_response_counts_as_absent(model_dir):
+    """With rl.mask_stale_tokens, a response whose tokens are all stale leaves the loss and every
+    normaliser: the update equals the one without that response (up to summation order)."""
+    import dataclasses
+
+    import torch
+
+    samples = make_samples()
+    stale_ids = {1, 7}  # one response of group 0 and one of group 2 (each mini-batch keeps the rest)
+    versioned = [dataclasses.replace(s, versions=[2 if i in stale_ids else 3] * len(s.response_ids))
+                 for i, s in enumerate(samples)]
+    kept = [s for i, s in enumerate(samples) if i not in stale_ids]
+    ref_metrics, ref_delta = run_distributed(_update_with, 1, model_dir, [], kept, None)[0]
+    metrics, delta = run_distributed(_update_with, 1, model_dir, ["rl.mask_stale_tokens=true"], versioned, 3)[0]
+    assert metrics["actor/stale_tokens_masked"] == sum(len(samples[i].response_ids) for i in stale_ids)
+    for a, b in zip(metrics["actor/steps"], ref_metrics["actor/steps"]):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7), (a, b)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a, b)
+    for k, v in ref_delta.items():
+        assert torch.allclose(delta[k], v, atol=2e-4, rtol=0), (k, (delta[k] - v).abs().max())  # Adam: ~lr * sign(g)
+    # not masked, the stale responses are trained on: the update differs
+    _, unmasked = run_distributed(_update_with, 1, model_dir, [], versioned, 3)[0]
+    assert max(float((unmasked[k] - v).abs().max()) for k, v in ref_delta.items()) > 2e-3
