@@ -162,9 +162,20 @@ def test_update_weights_switches_to_the_other_model(tiny_hf, other_hf):
     assert torch.equal(dict(eng.model.named_parameters())[name], _tensors(other_hf)[name].to(torch.bfloat16).float())
     eng.update_weights(_tensors(other_hf).items(), version=2)
     assert eng.weight_version == 2
-    assert eng.generate(PROMPTS, params, n=2) == want
+    got = eng.generate(PROMPTS, params, n=2)
+    # every token is tagged with the version that sampled it (the other engine never had one)
+    assert all(c.versions == [2] * len(c.token_ids) for row in got for c in row)
+    assert all(c.versions == [None] * len(c.token_ids) for row in want for c in row)
+    assert _untagged(got) == _untagged(want)
     eng.load_weights_from_dir(tiny_hf["untied"], version=3)
-    assert eng.generate(PROMPTS, params, n=2) == before and eng.weight_version == 3
+    again = eng.generate(PROMPTS, params, n=2)
+    assert _untagged(again) == _untagged(before) and eng.weight_version == 3
+    assert all(c.versions == [3] * len(c.token_ids) for row in again for c in row)
+
+
+def _untagged(rows):
+    """Completions without their weight versions (to compare samples of differently tagged engines)."""
+    return [[(c.token_ids, c.logprobs, c.finish_reason) for c in row] for row in rows]
 
 
 def test_update_weights_errors_name_the_tensor(tiny_hf):
@@ -273,7 +284,7 @@ def test_update_weights_of_a_moe_model_by_per_expert_names(tmp_path):
     assert eng.checksums() == want  # every expert's slice in place, as transformers' own loader puts it
     assert torch.equal(fused[7, 40:], tensors["model.layers.2.mlp.experts.7.up_proj.weight"])
     params = SamplingParams(top_k=1, max_new_tokens=6)
-    assert eng.generate(PROMPTS, params) == other.generate(PROMPTS, params)
+    assert _untagged(eng.generate(PROMPTS, params)) == _untagged(other.generate(PROMPTS, params))
     missing = {k: v for k, v in tensors.items() if k != "model.layers.0.mlp.experts.3.down_proj.weight"}
     with pytest.raises(WeightUpdateError, match=r"1 parameter\(s\) not given: model.layers.0.mlp.experts.3.down_proj"):
         eng.update_weights(missing.items())

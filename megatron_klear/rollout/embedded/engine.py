@@ -14,7 +14,13 @@ The engine decodes all the sequences of a call together with its own loop over t
 - A ``control`` object (the stand-in server's scheduler) may pause decoding between steps (the
   engine lock is released meanwhile, so weights can change; after a ``"retract"`` pause the running
   rows' KV cache is recomputed with the current weights, after ``"in_place"`` it is kept) and abort
-  requests (their rows end with finish_reason ``"abort"``).
+  requests (their rows end with finish_reason ``"abort"``, keeping the tokens sampled so far).
+- Every Completion carries ``versions``: per token, the engine's ``weight_version`` when the logits it
+  was sampled from were computed (the weights that produced it). A request that runs across a weight
+  update made while paused holds tokens of both versions: after ``"retract"`` the KV cache and the
+  next logits are recomputed with the new weights; after ``"in_place"`` the first token after the
+  pause still comes from logits of the old weights (as in SGLang, where a step samples what its own
+  forward computed) and the following ones from the new weights over the old KV cache.
 - Limits, acceptable at CPU scale: ``DynamicCache`` grows by concatenation (a copy per step), and a
   batch's left padding stays until the batch ends.
 
@@ -188,7 +194,8 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             for i, r in enumerate(requests):
                 if r.max_new_tokens == 0 or (control is not None and control.aborted(r.key)):
                     reason = "length" if r.max_new_tokens == 0 else "abort"
-                    done(i, [Completion(token_ids=[], logprobs=[], finish_reason=reason) for _ in r.seeds])
+                    done(i, [Completion(token_ids=[], logprobs=[], finish_reason=reason, versions=[])
+                             for _ in r.seeds])
                 else:
                     todo.append(i)
             with torch.inference_mode():
@@ -272,6 +279,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         counts = [len(r.seeds) for r in requests]
         prompt_of = [p for p, c in enumerate(counts) for _ in range(c)]  # row -> request (rows prompt-major)
         logits, mask, last_pos, cache = self._prefill([r.prompt for r in requests])
+        logits_version = self.weight_version  # the weights that computed ``logits``
         recording = self.record_routing and bool(self._routers)
         # per row: the experts of each token fed to the model so far ([tokens, MoE layers, top_k] pieces)
         routes = [[self.last_routing[p]] for p in prompt_of] if recording else None
@@ -297,6 +305,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         active = list(range(rows))  # which row each batch entry holds
         tokens = [[] for _ in range(rows)]
         logprobs = [[] for _ in range(rows)]
+        versions = [[] for _ in range(rows)]  # per token: the weight version that produced it
         reasons = [None] * rows
 
         def finish(r, reason):
@@ -305,7 +314,8 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             remaining[p] -= 1
             if remaining[p] == 0:
                 done(indices[p], [Completion(token_ids=tokens[q], logprobs=logprobs[q], finish_reason=reasons[q],
-                                             routed_experts=torch.cat(routes[q]).to(torch.int16) if recording else None)
+                                             routed_experts=torch.cat(routes[q]).to(torch.int16) if recording else None,
+                                             versions=versions[q])
                                   for q in range(first_row[p], first_row[p] + counts[p])])
 
         def keep_only(keep):  # drop finished rows from the batch and the cache
@@ -339,6 +349,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
                 if retract:  # recompute the KV cache of the running rows with the current weights
                     logits, mask, last_pos, cache = self._prefill(
                         [requests[prompt_of[r]].prompt + tokens[r] for r in active])
+                    logits_version = self.weight_version
                     if recording:  # routed again, with the current weights
                         for b, r in enumerate(active):
                             routes[r] = [self.last_routing[b]]
@@ -356,6 +367,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             for b, (r, t, l) in enumerate(zip(active, tok, lp)):
                 tokens[r].append(t)
                 logprobs[r].append(l)
+                versions[r].append(logits_version)
                 if t in stops[prompt_of[r]]:
                     finish(r, "stop")
                 elif len(tokens[r]) >= requests[prompt_of[r]].max_new_tokens:
@@ -369,6 +381,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             mask = torch.cat([mask, mask.new_ones(len(keep), 1)], dim=1)
             last_pos = last_pos + 1
             logits = self._forward(fed, mask, last_pos, cache)
+            logits_version = self.weight_version
             if recording:
                 for b, r in enumerate(active):
                     routes[r].append(self.last_routing[b])

@@ -410,6 +410,33 @@ def finish_reason_json(c: Completion, max_new_tokens: int, abort_message: str | 
     return {"type": "length", "length": max_new_tokens}
 
 
+def version_name(version) -> str:
+    """A weight version as SGLang reports it: its string, ``"default"`` before any was set."""
+    return DEFAULT_WEIGHT_VERSION if version is None else str(version)
+
+
+def weight_version_spans(versions, current, num_tokens: int) -> list:
+    """``meta_info["weight_versions"]`` as SGLang 0.5.23 reports it (``srt/utils/weight_versions.py``:
+    ``compute_weight_version_spans`` in the scheduler, then ``add_weight_versions_to_meta_info``):
+    the output tokens as spans ``{"version", "start", "end"}`` of consecutive tokens of one version.
+    SGLang records, at each version change, how many tokens each live request holds, so its spans
+    are the runs of the per-token versions; an output with no token is one empty span of the current
+    version. ``versions``: one per token (engine values; None = SGLang's default name), or None when
+    unknown (every token then counts as ``current``)."""
+    if versions is None:
+        versions = [current] * num_tokens
+    if len(versions) != num_tokens:
+        raise ValueError(f"weight_version_spans: {len(versions)} versions for {num_tokens} tokens")
+    spans = []
+    for k, v in enumerate(versions):
+        name = version_name(v)
+        if spans and spans[-1]["version"] == name:
+            spans[-1]["end"] = k + 1
+        else:
+            spans.append({"version": name, "start": k, "end": k + 1})
+    return spans or [{"version": version_name(current), "start": 0, "end": 0}]
+
+
 def completion_to_sglang(c: Completion, *, prompt: list, max_new_tokens: int, return_logprob: bool, rid: str,
                          weight_version, tokenizer=None, sampling: dict | None = None, e2e_latency: float | None = None,
                          return_text_in_logprobs: bool = False, return_prompt_token_ids: bool = False,
@@ -418,11 +445,14 @@ def completion_to_sglang(c: Completion, *, prompt: list, max_new_tokens: int, re
     the layer index of each recorded MoE layer): ``meta_info["routed_experts"]`` as SGLang 0.5.23
     returns it (``--enable-return-routed-experts``): int32 [tokens, layers, top_k] for the positions
     ``[start, prompt + response - 1)``, base64; a dense layer's rows are zeros, as in SGLang's
-    zero-initialised capture buffer."""
+    zero-initialised capture buffer. ``weight_version``: the engine's version now (the version of an
+    output with no token); ``meta_info["weight_versions"]`` holds the spans of ``c.versions``
+    (:func:`weight_version_spans`) and ``meta_info["weight_version"]`` the last span's version."""
     sampling = sampling or {}
     reason = finish_reason_json(c, max_new_tokens, abort_message)
+    spans = weight_version_spans(c.versions, weight_version, len(c.token_ids))
     meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt), "completion_tokens": len(c.token_ids),
-            "cached_tokens": 0, "weight_version": DEFAULT_WEIGHT_VERSION if weight_version is None else str(weight_version)}
+            "cached_tokens": 0, "weight_version": spans[-1]["version"], "weight_versions": spans}
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
     if return_logprob:

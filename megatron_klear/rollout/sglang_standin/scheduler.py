@@ -40,7 +40,8 @@ class Job:
         self.aborted, self.abort_message = True, message
         for k, r in enumerate(self.requests):
             if self.results[k] is None:
-                self.results[k] = [Completion(token_ids=[], logprobs=[], finish_reason="abort") for _ in r.seeds]
+                self.results[k] = [Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[])
+                                   for _ in r.seeds]
         self.finish()
 
 
