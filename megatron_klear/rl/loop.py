@@ -12,6 +12,10 @@
 4. **push weights**: the new weights reach the engine as weight version = the step, and the
    servers are checked against the trainer when due;
 
+(with ``rl.async_steps=1`` the next step's batch generates while 2-4 run, and with
+``rollout.partial`` a step's unfinished responses are continued at the next: both behind the
+rollout manager's ``generate``, docs/async.md)
+
 then metrics (console, JSONL, wandb/TensorBoard) and checkpoints on the configured cadence or on
 SIGTERM. Everything on the rollout side lives behind :class:`~megatron_klear.rl.rollout_manager.RolloutManager`.
 """
@@ -68,7 +72,7 @@ class RLLoop:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.actor = Actor(self.state, rl, pad_id=pad, logprob_chunk_size=train.logprob_chunk_size,
                            router_replay=cfg.rollout.router_replay)
-        self.rl_step = 0
+        self.rl_step, common = 0, {}
         if resume_from:
             common = self.ckpt.load(self.state, resume_from)
             self.prompts.load_state_dict(common["prompts"])
@@ -80,6 +84,7 @@ class RLLoop:
         self.rollout.start(state=self.state, actor=self.actor, arch=self.arch, tokenizer=self.tokenizer,
                            tokenizer_dir=tok_dir, stop_token_ids=generation_stop_ids(self.tokenizer, hf_dir),
                            needs_sandbox=any(p.task == "code" for p in self.prompts.prompts))
+        self.rollout.load_state_dict(common.get("rollout") or {})  # the partial buffer, the batch generated ahead
         if cfg.rollout.engine == "http" or self.rl_step > 0:  # the engine starts from the trainer's weights
             self.rollout.push_weights(self.rl_step)
         self.logger = self._logger(resumed=bool(resume_from))
@@ -101,24 +106,29 @@ class RLLoop:
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> dict:
         t0 = time.time()
-        samples, metrics = self.rollout.generate(self.prompts, self.rl_step)
+        policy = self.rl_step  # the weight version the update starts from (the proximal policy)
+        samples, metrics = self.rollout.generate(self.prompts, policy, prefetch_next=policy + 1 < self.steps)
         self.rl_step += 1
+        t1 = time.time()
         if samples:
-            t1 = time.time()
             with self.rollout.make_room():
-                actor = self.actor.update(samples)
+                actor = self.actor.update(samples, policy_version=policy)
             metrics.update({k: v for k, v in actor.items() if k != "actor/steps"})
             t2 = time.time()
             metrics.update(self.rollout.push_weights(self.rl_step))
             metrics.update({"time/train_s": t2 - t1, "time/weight_sync_s": time.time() - t2})
         else:
             metrics["actor/skipped"] = 1  # every group filtered: no update, the engine keeps its weights
-        metrics["time/step_s"] = time.time() - t0
+        step_s = time.time() - t0
+        metrics.update({"time/step_s": step_s, "perf/step_s": step_s, "perf/train_s": time.time() - t1,
+                        "perf/samples_per_s": len(samples or []) / max(step_s, 1e-9)})
         metrics["lr"] = self.state.optimizer.param_groups[0]["lr"]
         return metrics
 
     def save(self) -> None:
-        self.ckpt.save(self.state, self.rl_step, {"prompts": self.prompts.state_dict(), "config": self.cfg.to_dict()})
+        rollout = self.rollout.state_dict()  # (first: one step ahead, it waits for the batch in flight)
+        common = {"prompts": self.prompts.state_dict(), "config": self.cfg.to_dict()}
+        self.ckpt.save(self.state, self.rl_step, {**common, "rollout": rollout} if rollout else common)
 
     def run(self, stop_after: int | None = None) -> dict:
         from megatron_klear.training.signals import TerminationFlag

@@ -19,7 +19,7 @@ import os
 
 from megatron_klear.platform import broadcast_from_rank0, is_rank0
 from megatron_klear.rl.colocation import Colocated, Dedicated
-from megatron_klear.rl.sampling import ShortfallError, dynamic_sampling, generate_and_grade, sampling_params
+from megatron_klear.rl.sampling import ShortfallError
 
 
 class RolloutManager:
@@ -29,7 +29,7 @@ class RolloutManager:
         self.cfg = cfg
         r = cfg.rollout
         self.placement = Colocated(r.offload_trainer) if r.colocate else Dedicated()
-        self.engine = self.pool = self.weights = None
+        self.engine = self.pool = self.weights = self.batches = None
         self.state = self.actor = self.tokenizer = None
         self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
         self.generated = 0  # generate() calls by this process (the first one's metrics count the skipped lines)
@@ -70,34 +70,32 @@ class RolloutManager:
             self.pool = GradingPool(cfg.reward)
             if needs_sandbox:
                 self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
+            self.batches = self._batches()
         self.weights = make_weight_push(r, state, arch, self.engine, sync_dir, tokenizer_dir, self.placement)
 
     # -- the verbs ----------------------------------------------------------------------------------
-    def generate(self, prompts, step: int):
-        """Collective: the samples of RL step ``step + 1`` and the rollout metrics. Every rank takes
-        the same prompts from ``prompts`` (its position is checkpointed); rank 0 generates and grades
-        them, and further batches while fewer than ``rl.prompts_per_step`` groups survive the
-        filters (``rl.max_generation_batches``); the samples are broadcast to every rank. The first
-        call's metrics also hold ``data/skipped_prompt_lines``, the prompt lines that
-        ``rl.on_bad_line=skip`` dropped (the same on every rank: each reads every file)."""
-        rl = self.cfg.rl
-        n = rl.oversample_prompts or rl.prompts_per_step
-        first = prompts.take(n)
+    def generate(self, prompts, step: int, *, prefetch_next: bool = False):
+        """Collective: the samples of RL step ``step + 1`` (its update runs at weight version
+        ``step``) and the rollout metrics. Rank 0 takes prompts from ``prompts``, generates and grades
+        them -- whole batches with dynamic sampling (:class:`~megatron_klear.rl.sampling.FullBatches`)
+        or partial rollouts (``rollout.partial``, :mod:`.partial_rollouts`), at the step or one step
+        ahead (``rl.async_steps``, :mod:`.async_rollouts`; ``prefetch_next``: the loop has a next
+        step, start its batch now) -- and the samples, the metrics and its prompt position go to
+        every rank. The first call's metrics also hold ``data/skipped_prompt_lines``, the prompt
+        lines that ``rl.on_bad_line=skip`` dropped (the same on every rank: each reads every file)."""
         result = None
         if is_rank0():
-            def batch(b):
-                return self.generate_batch(first if b == 0 else prompts.take(n), step, b)
-
             try:
-                result = (*dynamic_sampling(batch, rl), None)
+                samples, metrics = self.batches.next(prompts, step, prefetch_next=prefetch_next)
+                result = (samples, metrics, None)
             except ShortfallError as e:
-                result = (None, {"rollout/generation_batches": rl.max_generation_batches}, str(e))
+                result = (None, {"rollout/generation_batches": self.cfg.rl.max_generation_batches}, str(e))
             if getattr(self.engine, "fleet", None) is not None:  # SGLang servers (not the embedded engine)
                 result[1].update(self._fleet_metrics(push=False))
-        samples, metrics, error = broadcast_from_rank0(result)
+            result = (*result, prompts.state_dict())
+        samples, metrics, error, position = broadcast_from_rank0(result)
         if not is_rank0():
-            for _ in range(metrics["rollout/generation_batches"] - 1):
-                prompts.take(n)
+            prompts.load_state_dict(position)
         if error:
             raise ShortfallError(error)
         if self.generated == 0:
@@ -105,11 +103,15 @@ class RolloutManager:
         self.generated += 1
         return samples, metrics
 
-    def generate_batch(self, prompts, step: int, batch: int):
-        """Rank 0: one generation batch, generated and graded -> (samples, metrics)."""
-        params = sampling_params(self.cfg, self.stop_token_ids, step=step, batch=batch)
-        return generate_and_grade(self.engine, self.pool, self.tokenizer, prompts, params, self.cfg,
-                                  self.stop_token_ids)
+    def state_dict(self) -> dict:
+        """Collective: what a checkpoint keeps of the rollout side, rank 0's on every rank (a
+        checkpoint's common state is the same everywhere): the partial buffer; one step ahead, the
+        batch generated for the next step, waited for. {} when there is nothing to keep."""
+        return broadcast_from_rank0(self.batches.state_dict() if is_rank0() else None)
+
+    def load_state_dict(self, state: dict) -> None:
+        if is_rank0() and state:
+            self.batches.load_state_dict(state)
 
     @contextlib.contextmanager
     def make_room(self):
@@ -159,6 +161,22 @@ class RolloutManager:
             metrics.update(self._fleet_metrics(push=True))
         return metrics
 
+    def _batches(self):
+        """Rank 0: how each step's batch is produced (whole batches or partial rollouts) and when
+        (at the step, or one step ahead while the actor trains)."""
+        from megatron_klear.rl.async_rollouts import OneStepAhead, Synchronous
+        from megatron_klear.rl.partial_rollouts import PartialRollouts
+        from megatron_klear.rl.sampling import FullBatches
+
+        make = PartialRollouts if self.cfg.rollout.partial else FullBatches
+        producer = make(self.cfg, self.engine, self.pool, self.tokenizer, self.stop_token_ids)
+        if not self.cfg.rl.async_steps:
+            return Synchronous(producer)
+        # weights pushed mid-generation: requests in flight survive (retract: KV recomputed with the
+        # new weights, later tokens tagged with the new version), rather than being aborted
+        self.engine.sync_pause_mode = "retract"
+        return OneStepAhead(producer)
+
     def _fleet_metrics(self, push: bool) -> dict:
         """Rank 0: the fleet's metrics for the step's log. ``engine.fleet_metrics()`` counts since its
         last call, and a step logs its generation's metrics updated by its push's, so a push adds
@@ -181,6 +199,8 @@ class RolloutManager:
         """Servers released by a failed step get their weights back; the pool, the update groups and
         the engine are shut."""
         if is_rank0():
+            if self.batches is not None:
+                self.batches.close()
             self.placement.restore(self.engine)
         if self.pool is not None:
             self.pool.close(cancel_pending=True)

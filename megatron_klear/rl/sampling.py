@@ -27,9 +27,6 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
     each prompt's responses as they complete (an HTTP engine runs many requests concurrently; the
     in-process engine works through ``rollout.chunk_prompts`` at a time), and each is submitted to the
     grading pool at once, so grading overlaps generation. Returns (samples, metrics)."""
-    # the grader sees the text without the tokens that end it (EOS, end of turn, padding)
-    strip = [t for t in (tokenizer.eos_token, tokenizer.pad_token,
-                         *tokenizer.convert_ids_to_tokens(list(stop_token_ids))) if t]
     completions, futures = [None] * len(prompts), [None] * len(prompts)
     t0 = time.time()
     stream = engine.generate_iter([p.prompt_ids for p in prompts], params, n=cfg.rl.responses_per_prompt,
@@ -38,10 +35,7 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
         completions[i] = cs
         futures[i] = []
         for c in cs:
-            text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
-            for t in strip:
-                text = text.replace(t, "")
-            futures[i].append(pool.submit(prompts[i].grade_item(text)))
+            futures[i].append(pool.submit(prompts[i].grade_item(grading_text(tokenizer, c.token_ids, stop_token_ids))))
     t_gen = time.time() - t0
     grades = [[f.result() for f in row] for row in futures]
     t_grade = time.time() - t0 - t_gen  # grading left after the last response arrived
@@ -50,6 +44,16 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
     metrics.update({"time/generate_s": t_gen, "time/grade_tail_s": t_grade,
                     "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)})
     return samples, metrics
+
+
+def grading_text(tokenizer, token_ids, stop_token_ids) -> str:
+    """What the grader sees of a response: its text without the tokens that end it (EOS, end of
+    turn, padding)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    for t in (tokenizer.eos_token, tokenizer.pad_token, *tokenizer.convert_ids_to_tokens(list(stop_token_ids))):
+        if t:
+            text = text.replace(t, "")
+    return text
 
 
 def build_samples(prompts, completions, grades, cfg):
@@ -80,7 +84,7 @@ def build_samples(prompts, completions, grades, cfg):
             prompt_ids=prompts[g].prompt_ids, response_ids=c.token_ids, advantage=float(adv[i]),
             group=kept_groups.index(g), positive=r.solved,
             rollout_logprobs=c.logprobs, reward=r.reward, finished=c.finished,
-            routed_experts=getattr(c, "routed_experts", None),
+            routed_experts=getattr(c, "routed_experts", None), versions=getattr(c, "versions", None),
         ))
     lengths = [len(c.token_ids) for _, c, _ in flat]
     metrics = {
@@ -167,3 +171,38 @@ def dynamic_sampling(generate, rl) -> tuple:
                                  "or set rl.on_shortfall=train")
         warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
     return samples, metrics
+
+
+class FullBatches:
+    """Rank 0: each step's samples from whole generation batches (the synchronous recipe): every
+    response of ``rl.oversample_prompts`` (or ``rl.prompts_per_step``) prompts is generated to its
+    end, graded, filtered, with DAPO's dynamic sampling over further batches. (Partial rollouts:
+    :class:`megatron_klear.rl.partial_rollouts.PartialRollouts`.)"""
+
+    def __init__(self, cfg, engine, pool, tokenizer, stop_token_ids):
+        self.cfg, self.engine, self.pool, self.tokenizer = cfg, engine, pool, tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+
+    def produce(self, prompts, version: int) -> tuple:
+        """The samples of the step whose update runs at weight version ``version``, and metrics."""
+        from megatron_klear.rl.staleness import staleness_metrics
+
+        n = self.cfg.rl.oversample_prompts or self.cfg.rl.prompts_per_step
+        samples, metrics = dynamic_sampling(lambda b: self.generate_batch(prompts.take(n), version, b), self.cfg.rl)
+        metrics.update(staleness_metrics(samples, version))
+        return samples, metrics
+
+    def generate_batch(self, prompts: list, version: int, batch: int) -> tuple:
+        """One generation batch of ``prompts``, generated and graded -> (samples, metrics)."""
+        params = sampling_params(self.cfg, self.stop_token_ids, step=version, batch=batch)
+        return generate_and_grade(self.engine, self.pool, self.tokenizer, prompts, params, self.cfg,
+                                  self.stop_token_ids)
+
+    def cancel(self) -> None:
+        """Nothing to abort here: a batch in flight runs to its end (asynchronous runs only)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """No state: every batch starts from new prompts."""

@@ -3,7 +3,7 @@
 When fewer than rl.prompts_per_step groups survive the zero-spread filter, the step generates
 further batches (up to rl.max_generation_batches), then trains on what there is (logged) or fails,
 per rl.on_shortfall. The step runs here with a scripted rollout (what
-``RolloutManager.generate_batch`` returns for each generation batch) and a recording actor: the
+``FullBatches.generate_batch`` returns for each generation batch) and a recording actor: the
 loop's and the rollout manager's own logic, no model.
 """
 from types import SimpleNamespace
@@ -14,7 +14,8 @@ from megatron_klear.config import ConfigError, JobConfig, load_config
 from megatron_klear.rl.batch import RolloutSample
 from megatron_klear.rl.loop import RLLoop
 from megatron_klear.rl.rollout_manager import RolloutManager
-from megatron_klear.rl.sampling import ShortfallError, dynamic_sampling, merge_rollout_metrics
+from megatron_klear.rl.async_rollouts import Synchronous
+from megatron_klear.rl.sampling import FullBatches, ShortfallError, dynamic_sampling, merge_rollout_metrics
 
 
 def _batch(groups_kept: int, generated: int, reward: float, tag: str, n: int = 2):
@@ -31,6 +32,12 @@ def _batch(groups_kept: int, generated: int, reward: float, tag: str, n: int = 2
 class _Prompts:
     def __init__(self):
         self.taken = []
+
+    def state_dict(self):
+        return {"taken": list(self.taken)}
+
+    def load_state_dict(self, state):
+        self.taken = list(state["taken"])
 
     def take(self, n):
         start = sum(self.taken)
@@ -51,7 +58,8 @@ def _manager(script, calls, **rl):
         calls.append((batch, prompts[0].id, len(prompts)))
         return script[batch]
 
-    manager.generate_batch = generate_batch
+    manager.batches = Synchronous(FullBatches(cfg, None, None, None, []))
+    manager.batches.producer.generate_batch = generate_batch
     manager.pushed = []
     manager.weights = SimpleNamespace(push=lambda v: manager.pushed.append(v) or {}, to_servers=False)
     return manager
@@ -62,8 +70,9 @@ def _loop(script, **rl):
     loop = object.__new__(RLLoop)
     loop.calls, loop.trained = [], []
     loop.rollout = _manager(script, loop.calls, **rl)
-    loop.cfg, loop.rl_step, loop.prompts = loop.rollout.cfg, 0, _Prompts()
-    loop.actor = SimpleNamespace(update=lambda samples: loop.trained.append(samples) or {"actor/loss": 0.5})
+    loop.cfg, loop.rl_step, loop.steps, loop.prompts = loop.rollout.cfg, 0, 10, _Prompts()
+    loop.actor = SimpleNamespace(update=lambda samples, policy_version: loop.trained.append(samples)
+                                 or {"actor/loss": 0.5})
     loop.state = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 1e-6}]))
     return loop
 
@@ -117,8 +126,9 @@ def test_the_manager_generates_the_seeds_of_each_batch_from_the_step():
 
     calls, steps = [], []
     manager = _manager([_batch(1, 8, 0.5, "a"), _batch(3, 8, 0.5, "b")], calls, max_generation_batches=2)
-    script = manager.generate_batch
-    manager.generate_batch = lambda prompts, step, batch: steps.append(step) or script(prompts, step, batch)
+    producer = manager.batches.producer
+    script = producer.generate_batch
+    producer.generate_batch = lambda prompts, step, batch: steps.append(step) or script(prompts, step, batch)
     samples, m = manager.generate(_Prompts(), 7)
     assert steps == [7, 7] and [c[0] for c in calls] == [0, 1] and m["rollout/groups_kept"] == 4
     seeds = {sampling_params(manager.cfg, [2], step=s, batch=b).seed for s in (7, 8) for b in (0, 1)}

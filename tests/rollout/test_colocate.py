@@ -168,14 +168,18 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     assert all(_info(u)["released_memory_tags"] == [] for u in urls)
     sums = [e.checksums() for e, _ in served]
     loop = object.__new__(RLLoop)
-    loop.cfg, loop.rl_step, loop.rollout = cfg, 1, manager
-    loop.prompts = SimpleNamespace(take=lambda n: [SimpleNamespace(id="p0")])
+    loop.cfg, loop.rl_step, loop.steps, loop.rollout = cfg, 1, 10, manager
+    loop.prompts = SimpleNamespace(take=lambda n: [SimpleNamespace(id="p0")], state_dict=dict)
     sample = RolloutSample(prompt_ids=[1], response_ids=[2, 3], advantage=1.0, group=0, meta={})
-    manager.generate_batch = lambda prompts, step, batch: ([sample], {"rollout/groups_generated": 1,
-                                                                      "rollout/groups_kept": 1})
+    from megatron_klear.rl.async_rollouts import Synchronous
+    from megatron_klear.rl.sampling import FullBatches
+
+    manager.batches = Synchronous(FullBatches(cfg, manager.engine, None, None, []))
+    manager.batches.producer.generate_batch = lambda prompts, step, batch: (
+        [sample], {"rollout/groups_generated": 1, "rollout/groups_kept": 1})
     seen = []
 
-    def update(samples):
+    def update(samples, policy_version):
         seen.append([e.weights_released for e, _ in served])
         raise RuntimeError("out of memory in the actor")
 

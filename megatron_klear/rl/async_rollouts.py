@@ -1,0 +1,141 @@
+"""When a step's batch is generated: at the step (:class:`Synchronous`, ``rl.async_steps=0``), or
+one step ahead while the actor trains (:class:`OneStepAhead`, ``rl.async_steps=1``).
+
+Asynchronous GPPO: the batch that step ``s+1`` trains on is generated on the rollout servers while
+the actor trains step ``s``. It starts under the weights of step ``s-1``; the weights of step ``s``
+reach the servers mid-generation with SGLang's pause (``retract``) -> update -> continue, so the
+requests in flight survive: their KV cache is recomputed with the new weights, and their later tokens
+are tagged with the new version (``Completion.versions``). Step ``s+1``'s update runs at version ``s``:
+the batch's tokens are at most one version old (``rl.max_staleness`` >= 1), and the trainer's
+recomputed log-probs stay the proximal policy of the clipped objective, the behaviour log-probs of
+the engine entering as truncated importance weights (``rl.tis_cap``) or masking the older tokens
+(``rl.mask_stale_tokens``).
+
+Either schedule wraps a *producer* -- :class:`~megatron_klear.rl.sampling.FullBatches` or
+:class:`~megatron_klear.rl.partial_rollouts.PartialRollouts` -- with ``produce(prompts, version) ->
+(samples, metrics)``, ``cancel()``, ``state_dict()`` / ``load_state_dict()``. Metrics added here:
+``perf/generate_s`` (the batch's generation, grading included), ``perf/overlap_s`` (the part of it
+that ran while the trainer was busy) and ``perf/generate_wait_s`` (what the step waited for it).
+
+Exact resume: a checkpoint holds the producer's state (the partial buffer) and, one step ahead,
+the batch generated for the next step -- :meth:`OneStepAhead.state_dict` waits for it -- so a resumed
+run trains on what the uninterrupted run trains on. Runs on rank 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from megatron_klear.rl.batch import RolloutSample
+
+
+class Synchronous:
+    """Each step's batch generated when the step asks for it."""
+
+    def __init__(self, producer):
+        self.producer = producer
+
+    def next(self, prompts, version: int, prefetch_next: bool = False) -> tuple:
+        t0 = time.time()
+        samples, metrics = self.producer.produce(prompts, version)
+        spent = time.time() - t0
+        metrics.update({"perf/generate_s": spent, "perf/overlap_s": 0.0, "perf/generate_wait_s": spent})
+        return samples, metrics
+
+    def state_dict(self) -> dict:
+        state = self.producer.state_dict()
+        return {"producer": state} if state else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("producer"):
+            self.producer.load_state_dict(state["producer"])
+
+    def close(self) -> None:
+        """Nothing runs between steps."""
+
+
+class _Batch:
+    """One batch being generated in a thread (or loaded from a checkpoint, ``done`` at once)."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.started = self.ended = time.time()
+        self.result = self.error = None
+        self.done = threading.Event()
+        self.thread = None
+
+    def run(self, produce, prompts) -> "_Batch":
+        def work():
+            try:
+                self.result = produce(prompts, self.version)
+            except BaseException as e:  # noqa: BLE001 -- raised where the step asks for the batch
+                self.error = e
+            finally:
+                self.ended = time.time()
+                self.done.set()
+
+        self.started = time.time()
+        self.thread = threading.Thread(target=work, name=f"rollout-step-{self.version + 1}", daemon=True)
+        self.thread.start()
+        return self
+
+    def wait(self) -> tuple:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class OneStepAhead:
+    """The next step's batch generated while this one trains (see the module docstring)."""
+
+    def __init__(self, producer):
+        self.producer = producer
+        self.pending = None  # the _Batch of the next step
+
+    def next(self, prompts, version: int, prefetch_next: bool = True) -> tuple:
+        asked = time.time()
+        batch, self.pending = self.pending, None
+        if batch is None:  # the first step of a run: nothing was generated ahead
+            batch = _Batch(version).run(self.producer.produce, prompts)
+        if batch.version != version:
+            raise RuntimeError(f"rl.async_steps: the batch generated ahead is for weight version {batch.version}, "
+                               f"the step trains at {version}")
+        samples, metrics = batch.wait()
+        spent = batch.ended - batch.started
+        metrics = dict(metrics)
+        metrics.update({"perf/generate_s": spent, "perf/overlap_s": max(0.0, min(batch.ended, asked) - batch.started),
+                        "perf/generate_wait_s": max(0.0, batch.ended - max(asked, batch.started))})
+        if prefetch_next:
+            self.pending = _Batch(version + 1).run(self.producer.produce, prompts)
+        return samples, metrics
+
+    def state_dict(self) -> dict:
+        """Waits for the batch generated ahead (it is part of the state: the resumed run trains on it)."""
+        state = {"producer": self.producer.state_dict()}
+        if self.pending is not None:
+            samples, metrics = self.pending.wait()
+            state["producer"] = self.producer.state_dict()  # (after the batch: its leftovers are buffered)
+            state["ahead"] = {"version": self.pending.version, "metrics": metrics,
+                              "generate_s": self.pending.ended - self.pending.started,
+                              "samples": [dataclasses.asdict(s) for s in samples]}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("producer"):
+            self.producer.load_state_dict(state["producer"])
+        ahead = state.get("ahead")
+        if ahead:
+            batch = _Batch(int(ahead["version"]))
+            batch.result = ([RolloutSample(**s) for s in ahead["samples"]], dict(ahead["metrics"]))
+            batch.started, batch.ended = batch.ended - float(ahead["generate_s"]), batch.ended
+            batch.done.set()
+            self.pending = batch
+
+    def close(self) -> None:
+        """Abort the batch generated ahead (the run ends) and let its thread finish."""
+        batch, self.pending = self.pending, None
+        if batch is not None and batch.thread is not None:
+            self.producer.cancel()
+            batch.thread.join(timeout=60)

@@ -1,0 +1,339 @@
+"""Partial rollouts (``rollout.partial=true``): a step no longer waits for its longest responses.
+
+Generation is launched for the over-sampled prompts (``rl.oversample_prompts``, every response its
+own request). As soon as ``rl.prompts_per_step`` groups are complete, graded and keep reward spread
+(or nothing is left running), the requests still running are aborted: SGLang answers each with what
+it generated so far, and those partial responses wait in the :class:`PartialBuffer`. The next step
+continues them first -- the prompt and the partial response are the input, the budget left is the
+limit -- under the weights of that step. A group is trained only once all its responses have ended
+(EOS or the length limit); its responses may then hold tokens of several weight versions (each
+token's version and behaviour log-prob travel with it, ``RolloutSample.versions``).
+
+Staleness: a response holding a token more than ``rl.max_staleness`` versions older than the
+policy it will be trained at is regenerated from scratch (``rollout/stale_regenerated``).
+
+Groups that complete beyond the step's quota wait in the buffer too (trained at the next step);
+groups that complete without reward spread are dropped, as in the synchronous loop. The buffer is
+saved with the checkpoint (:meth:`PartialBuffer.state_dict`).
+
+Runs on rank 0 (the rollout manager, :mod:`megatron_klear.rl.rollout_manager`); pure of the
+trainer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+
+from megatron_klear.rl.sampling import ShortfallError, build_samples, grading_text, sampling_params
+from megatron_klear.rl.staleness import staleness_metrics
+from megatron_klear.rollout.base import Completion, SampleRequest
+
+
+@dataclass
+class Slot:
+    """One response of a group, as far as it got: its tokens, the engine's log-prob of each
+    (behaviour policy) and the weight version that sampled each; ``finish_reason`` once it ended
+    (``stop``/``length``), None while it is empty or partial; ``pieces``: the requests it took."""
+
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    finish_reason: str | None = None
+    pieces: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def reset(self) -> None:
+        self.tokens, self.logprobs, self.versions, self.finish_reason, self.pieces = [], [], [], None, 0
+
+    def completion(self) -> Completion:
+        return Completion(token_ids=list(self.tokens), logprobs=list(self.logprobs),
+                          finish_reason=self.finish_reason, versions=list(self.versions))
+
+
+@dataclass
+class Group:
+    """One prompt and its ``rl.responses_per_prompt`` responses; ``uid`` numbers the groups of a
+    run (their requests' seeds derive from it)."""
+
+    uid: int
+    prompt: object  # megatron_klear.data.prompts.Prompt
+    slots: list
+
+    @property
+    def complete(self) -> bool:
+        return all(s.done for s in self.slots)
+
+
+class PartialBuffer:
+    """The groups carried from one step to the next (partial responses, or complete groups beyond
+    a step's quota), oldest first; saved with the checkpoint."""
+
+    def __init__(self):
+        self.groups: list = []
+        self.next_uid = 0
+
+    def new_group(self, prompt, n: int) -> Group:
+        group = Group(uid=self.next_uid, prompt=prompt, slots=[Slot() for _ in range(n)])
+        self.next_uid += 1
+        return group
+
+    def state_dict(self) -> dict:
+        return {"next_uid": self.next_uid,
+                "groups": [{"uid": g.uid, "prompt": dataclasses.asdict(g.prompt),
+                            "slots": [dataclasses.asdict(s) for s in g.slots]} for g in self.groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        from megatron_klear.data.prompts import Prompt
+
+        self.next_uid = int(state["next_uid"])
+        self.groups = [Group(uid=int(g["uid"]), prompt=Prompt(**g["prompt"]), slots=[Slot(**s) for s in g["slots"]])
+                       for g in state["groups"]]
+
+
+def request_seed(base: int, uid: int, slot: int, piece: int) -> int:
+    """The seed of piece ``piece`` of response ``slot`` of group ``uid`` (reproducible, distinct)."""
+    return ((base * 1_000_003 + uid) * 1_000_033 + slot * 7919 + piece) % (1 << 63)
+
+
+class PartialRollouts:
+    """Rank 0: produces each step's samples with partial rollouts (see the module docstring).
+
+    ``engine``: a :class:`~megatron_klear.rollout.base.ServerEngine` (``stream``); ``pool``: the
+    grading pool; ``params``: the step's :class:`~megatron_klear.rollout.base.SamplingParams`
+    (``max_new_tokens`` = the whole response budget)."""
+
+    def __init__(self, cfg, engine, pool, tokenizer, stop_token_ids):
+        self.cfg, self.engine, self.pool, self.tokenizer = cfg, engine, pool, tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+        self.buffer = PartialBuffer()
+        self._kept = {}  # id(group) -> whether it keeps reward spread (its grades are final)
+        self._stream = None  # the stream running now
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """(From another thread.) End the step being produced: its running requests are aborted
+        and no further batch is started; :meth:`produce` returns what it has."""
+        self._cancelled = True
+        stream = self._stream
+        if stream is not None:
+            stream.abort()
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def produce(self, prompts, version: int) -> tuple:
+        """The samples of the step whose update runs at weight version ``version`` (the trainer's
+        policy; staleness counts from it) and the rollout metrics. Takes new prompts from
+        ``prompts`` (a PromptDataset) to fill ``rl.oversample_prompts`` (or ``rl.prompts_per_step``)
+        groups beside the buffered ones; further batches while too few groups survive
+        (``rl.max_generation_batches``, then ``rl.on_shortfall``)."""
+        rl = self.cfg.rl
+        params = sampling_params(self.cfg, self.stop_token_ids, step=version)
+        width = rl.oversample_prompts or rl.prompts_per_step
+        self._cancelled = False
+        carried, self.buffer.groups = self.buffer.groups, []
+        counts = {"stale_regenerated": 0, "aborted": 0, "resumed_groups": sum(
+            any(s.pieces for s in g.slots) for g in carried)}
+        for g in carried:
+            counts["stale_regenerated"] += self._regenerate_stale(g, version)
+        groups = carried + [self.buffer.new_group(p, rl.responses_per_prompt)
+                            for p in prompts.take(max(0, width - len(carried)))]
+        t0, batches, done, tokens = time.time(), 1, [], 0
+        while True:
+            got, aborted, n_tok = self._run(groups, params, len(done), done)
+            counts["aborted"] += aborted
+            tokens += n_tok
+            survivors = self._survivors(done)
+            if len(survivors) >= rl.prompts_per_step or batches >= rl.max_generation_batches:
+                break
+            if self._cancelled or any(not g.complete for g in groups):
+                break  # cancelled (the run ends), or aborted short of the quota
+            groups = [self.buffer.new_group(p, rl.responses_per_prompt) for p in prompts.take(width)]
+            batches += 1
+        t_gen = time.time() - t0
+        self._kept = {}
+        if self._cancelled:  # the run is ending: nothing is trained from this
+            self.buffer.groups = _unique([g for g in groups + [g for g, _ in done]])
+            return [], {}
+        # unfinished groups, and complete survivors beyond the quota, wait for the next step
+        trained = survivors[: rl.prompts_per_step]
+        chosen = {id(g) for g, _ in trained}
+        self.buffer.groups = [g for g in groups + [g for g, _ in done] if not g.complete] \
+            + [g for g, _ in survivors[rl.prompts_per_step:]]
+        self.buffer.groups = _unique(self.buffer.groups)
+        finished = [(g, grades) for g, grades in done if id(g) in chosen or not _in(g, survivors)]
+        samples, metrics = self._samples(finished, trained)
+        resumed = sum(1 for g, _ in trained for s in g.slots if s.pieces > 1)
+        metrics.update({
+            "rollout/generation_batches": batches,
+            "rollout/groups_kept": len(trained),
+            "rollout/samples_trained": len(samples),
+            "rollout/shortfall_groups": rl.prompts_per_step - len(trained),
+            "rollout/resumed_samples": resumed,
+            "rollout/aborted_samples": counts["aborted"],
+            "rollout/stale_regenerated": counts["stale_regenerated"],
+            "rollout/buffered_groups": len(self.buffer.groups),
+            "rollout/resumed_groups": counts["resumed_groups"],
+            "time/generate_s": t_gen,
+            "rollout/tokens_per_s": tokens / max(t_gen, 1e-9),
+        })
+        metrics.update(staleness_metrics(samples, version))
+        if len(trained) < rl.prompts_per_step:
+            msg = (f"only {len(trained)} of rl.prompts_per_step={rl.prompts_per_step} prompt groups have reward "
+                   f"spread after {batches} generation batch(es) (rl.max_generation_batches={rl.max_generation_batches})")
+            if rl.on_shortfall == "fail":
+                raise ShortfallError(msg + "; raise rl.max_generation_batches or rl.oversample_prompts, "
+                                     "or set rl.on_shortfall=train")
+            warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
+        return samples, metrics
+
+    def _regenerate_stale(self, group: Group, version: int) -> int:
+        """Responses of ``group`` holding a token older than ``version - rl.max_staleness`` start
+        again from nothing; returns how many."""
+        oldest_allowed = version - self.cfg.rl.max_staleness
+        stale = [s for s in group.slots if s.versions and min(s.versions) < oldest_allowed]
+        for s in stale:
+            s.reset()
+        return len(stale)
+
+    def _requests(self, groups, params) -> list:
+        budget = params.max_new_tokens
+        out = []
+        for g in groups:
+            for j, s in enumerate(g.slots):
+                if s.done:
+                    continue
+                left = budget - len(s.tokens)
+                if left <= 0:  # (an abort that came with the last token)
+                    s.finish_reason = "length"
+                    continue
+                seed = request_seed(self.cfg.train.seed, g.uid, j, s.pieces)
+                out.append(SampleRequest(key=(g.uid, j), input_ids=list(g.prompt.prompt_ids) + list(s.tokens),
+                                         params=replace(params, max_new_tokens=left, seed=seed)))
+        return out
+
+    def _run(self, groups, params, first_done: int, done: list) -> tuple:
+        """Stream the unfinished responses of ``groups``; grade each group as it completes
+        (appending ``(group, grade futures)`` to ``done``); abort the rest once enough groups
+        survive. Returns (the groups completed, requests aborted, tokens generated)."""
+        quota = self.cfg.rl.prompts_per_step
+        for g in groups:  # complete groups carried over are graded at once
+            if g.complete:
+                done.append((g, self._grade(g)))
+        requests = self._requests(groups, params)
+        if not requests:
+            return 0, 0, 0
+        by_uid = {g.uid: g for g in groups}
+        stream = self._stream = self.engine.stream(requests)
+        events: queue.Queue = queue.Queue()
+
+        def pump():
+            try:
+                for key, completion in stream:
+                    events.put(("ok", key, completion))
+                events.put(("end", None, None))
+            except BaseException as e:  # noqa: BLE001 -- raised by the consumer
+                events.put(("error", e, None))
+
+        reader = threading.Thread(target=pump, name="partial-rollouts", daemon=True)
+        reader.start()
+        aborted = tokens = 0
+        asked_abort = False
+        try:
+            while True:
+                try:
+                    kind, key, c = events.get(timeout=0.05)
+                except queue.Empty:
+                    kind = None
+                if kind == "error":
+                    raise key
+                if kind == "end":
+                    break
+                if kind == "ok":
+                    g, j = by_uid[key[0]], key[1]
+                    tokens += len(c.token_ids)
+                    self._extend(g.slots[j], c, params.max_new_tokens)
+                    if c.aborted:
+                        aborted += 1
+                    elif g.complete:
+                        done.append((g, self._grade(g)))
+                if not asked_abort and (self._cancelled or len(self._survivors(done, wait=False)) >= quota):
+                    stream.abort()  # SGLang answers every running request with what it has so far
+                    asked_abort = True
+        finally:
+            stream.close()
+            reader.join()
+            self._stream = None
+        return len(done) - first_done, aborted, tokens
+
+    @staticmethod
+    def _extend(slot: Slot, c: Completion, budget: int) -> None:
+        if c.versions is None or len(c.versions) != len(c.token_ids) or any(v is None for v in c.versions):
+            raise ValueError("partial rollouts need the weight version of every token (SGLang's "
+                             "meta_info.weight_versions); a server answered without them, or with a version that "
+                             "is not a step number (was the trainer's first weight push skipped?)")
+        slot.tokens += list(c.token_ids)
+        slot.logprobs += list(c.logprobs)
+        slot.versions += [int(v) for v in c.versions]
+        slot.pieces += 1
+        if not c.aborted:
+            slot.finish_reason = c.finish_reason
+        elif len(slot.tokens) >= budget:
+            slot.finish_reason = "length"
+
+    def _grade(self, group: Group) -> list:
+        """Submit the group's responses to the grading pool; their futures."""
+        return [self.pool.submit(group.prompt.grade_item(grading_text(self.tokenizer, s.tokens, self.stop_token_ids)))
+                for s in group.slots]
+
+    def _survivors(self, done: list, wait: bool = True) -> list:
+        """The graded groups of ``done`` (all, waiting for their grades, with ``wait``) that keep
+        reward spread, in the order they completed: ``[(group, grades)]``."""
+        out = []
+        for g, futures in done:
+            if not wait and not all(f.done() for f in futures):
+                continue
+            grades = [f.result() for f in futures]
+            if id(g) not in self._kept:
+                _, m = build_samples([g.prompt], [[s.completion() for s in g.slots]], [grades], self.cfg)
+                self._kept[id(g)] = bool(m["rollout/groups_kept"])
+            if self._kept[id(g)]:
+                out.append((g, grades))
+        return out
+
+    def _samples(self, finished: list, trained: list) -> tuple:
+        """Samples of the ``trained`` groups; metrics of every group graded this step."""
+        order = trained + [(g, [f.result() for f in futs]) for g, futs in finished
+                           if not any(g is t for t, _ in trained)]
+        if not order:
+            return [], {"rollout/groups_generated": 0}
+        prompts = [g.prompt for g, _ in order]
+        completions = [[s.completion() for s in g.slots] for g, _ in order]
+        grades = [gr for _, gr in order]
+        samples, metrics = build_samples(prompts, completions, grades, self.cfg)
+        return samples, metrics
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state)
+
+
+def _unique(groups: list) -> list:
+    seen, out = set(), []
+    for g in groups:
+        if id(g) not in seen:
+            seen.add(id(g))
+            out.append(g)
+    return out
+
+
+def _in(group, pairs) -> bool:
+    return any(group is g for g, _ in pairs)

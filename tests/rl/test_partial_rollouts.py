@@ -1,0 +1,213 @@
+"""Partial rollouts (rl/partial_rollouts.py) and the one-step-ahead schedule (rl/async_rollouts.py)
+against a scripted rollout engine: which responses are aborted, buffered, continued (input = prompt +
+partial, budget left), regenerated when too stale; when a group is trained; what the checkpoint keeps.
+The servers' own side of abort and continue is tested against the stand-in server and the real
+sglang-router in tests/rollout/ and tests/distributed/test_rl_loop.py."""
+import concurrent.futures
+import json
+import threading
+
+import pytest
+
+from megatron_klear.config import JobConfig
+from megatron_klear.data.prompts import Prompt
+from megatron_klear.rewards.result import GradeResult
+from megatron_klear.rl.async_rollouts import OneStepAhead, Synchronous
+from megatron_klear.rl.partial_rollouts import PartialRollouts
+from megatron_klear.rollout.base import Completion
+
+BUDGET = 40
+
+
+class Tokenizer:
+    eos_token, pad_token = None, None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(t) for t in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [None for _ in ids]
+
+
+class Pool:
+    """Grades at once: reward 1 when the response's length is even (spread within a group)."""
+
+    def submit(self, item):
+        f = concurrent.futures.Future()
+        n = len(item["response"].split())
+        f.set_result(GradeResult(reward=float(n % 2 == 0), passed=int(n % 2 == 0), total=1))
+        return f
+
+
+class Stream:
+    """Ends the continued requests first, then the shortest. A request's full response has ``length(key)`` tokens; each
+    token is ``1000 * slot + position`` (its position in the whole response, so a continuation is
+    checkable) and carries the engine's version. After abort() the rest end with half of what they
+    would still generate."""
+
+    def __init__(self, engine, requests):
+        self.engine, self.requests = engine, requests
+        self.abort_asked = threading.Event()
+
+    def __iter__(self):
+        # continued responses first, then the shortest
+        order = sorted(self.requests, key=lambda r: (self.engine.done_so_far(r) == 0,
+                                                     self.engine.length(r.key) - self.engine.done_so_far(r)))
+        for r in order:
+            start = self.engine.done_so_far(r)
+            left = min(self.engine.length(r.key) - start, r.params.max_new_tokens)
+            if left > 10:  # a long response: it runs until the caller aborts (or 2 s)
+                self.abort_asked.wait(2)
+            aborted = self.abort_asked.is_set()
+            n = left // 2 if aborted else left
+            ids = [1000 * r.key[1] + start + k for k in range(n)]
+            reason = "abort" if aborted else ("stop" if start + n == self.engine.length(r.key) else "length")
+            self.engine.seen.append((r.key, list(r.input_ids), r.params.max_new_tokens))
+            yield r.key, Completion(token_ids=ids, logprobs=[-0.5] * n, finish_reason=reason,
+                                    versions=[self.engine.version] * n)
+            self.engine.after_each(self)
+
+    def abort(self):
+        self.abort_asked.set()
+
+    def close(self):
+        self.abort()
+
+
+class Engine:
+    """Responses of group uid g, slot j are ``lengths[(g, j)]`` tokens long (default 4 + j); the
+    prompt of group g is [g] (so the continuation's input shows what was generated before)."""
+
+    def __init__(self, lengths=None):
+        self.lengths, self.version, self.seen = dict(lengths or {}), 0, []
+        self.after_each = lambda stream: None
+
+    def length(self, key):
+        return self.lengths.get(key, 4 + key[1])
+
+    def done_so_far(self, r):
+        return len(r.input_ids) - 1  # the prompt is one token
+
+    def stream(self, requests):
+        return Stream(self, requests)
+
+
+class Prompts:
+    def __init__(self):
+        self.next = 0
+
+    def take(self, n):
+        out = [Prompt(id=f"p{self.next + i}", task="math", prompt_ids=[self.next + i], answer="1") for i in range(n)]
+        self.next += n
+        return out
+
+
+def _cfg(**rl):
+    cfg = JobConfig()
+    for k, v in {"prompts_per_step": 2, "mini_batch_prompts": 1, "responses_per_prompt": 2, "oversample_prompts": 4,
+                 "max_staleness": 1, **rl}.items():
+        setattr(cfg.rl, k, v)
+    cfg.rollout.max_new_tokens = BUDGET
+    return cfg
+
+
+def test_the_quota_aborts_the_rest_and_the_next_step_continues_them_under_new_weights():
+    # groups 0 and 1 are short; 2 and 3 have one long response each: once 0 and 1 are graded with
+    # spread (lengths 4 and 5), the long ones are aborted half way and wait in the buffer
+    engine = Engine({(2, 1): 19, (3, 1): 21})
+    producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
+    prompts = Prompts()
+    samples, m = producer.produce(prompts, 0)
+    assert sorted({s.prompt_ids[0] for s in samples}) == [0, 1] and len(samples) == 4
+    assert m["rollout/groups_kept"] == 2 and m["rollout/aborted_samples"] > 0 and m["rollout/resumed_samples"] == 0
+    buffered = {g.uid: g for g in producer.buffer.groups}
+    assert set(buffered) == {2, 3}
+    partial = buffered[2].slots[1]
+    assert 0 < len(partial.tokens) < 19 and partial.finish_reason is None and partial.versions == [0] * len(partial.tokens)
+    prefix = list(partial.tokens)
+    cut = len(prefix)
+
+    engine.version, engine.seen = 1, []  # the weights of step 1 reach the servers
+    samples, m = producer.produce(prompts, 1)
+    # the continuation's input is the prompt and the partial response, its budget what is left
+    cont = next(s for s in engine.seen if s[0] == (2, 1))
+    assert cont[1] == [2] + prefix and cont[2] == BUDGET - cut
+    (s,) = [s for s in samples if s.prompt_ids[0] == 2 and len(s.response_ids) == 19]
+    assert s.response_ids == [1000 + k for k in range(19)]  # one response, whole, in order
+    assert s.versions == [0] * cut + [1] * (19 - cut) and len(s.rollout_logprobs) == 19
+    assert m["rollout/resumed_samples"] >= 1 and m["rollout/staleness_max"] == 1
+    assert 0 < m["rollout/offpolicy_token_frac"] < 1
+
+
+def test_a_group_is_trained_only_when_every_response_has_ended():
+    engine = Engine({(0, 1): 30, (1, 1): 30, (2, 1): 30, (3, 1): 30})
+    engine.after_each = lambda stream: stream.abort() if len(engine.seen) == 4 else None
+    producer = PartialRollouts(_cfg(max_generation_batches=1, on_shortfall="train"), engine, Pool(), Tokenizer(), [])
+    with pytest.warns(UserWarning, match="only 0 of rl.prompts_per_step=2"):
+        samples, m = producer.produce(Prompts(), 0)
+    assert samples == [] and m["rollout/groups_kept"] == 0
+    assert all(not g.complete for g in producer.buffer.groups) and len(producer.buffer.groups) == 4
+
+
+def test_too_stale_partials_are_regenerated_from_scratch():
+    engine = Engine({(2, 1): 30, (3, 1): 20})
+    producer = PartialRollouts(_cfg(max_staleness=1), engine, Pool(), Tokenizer(), [])
+    prompts = Prompts()
+    producer.produce(prompts, 0)
+    assert any(s.tokens for g in producer.buffer.groups for s in g.slots if s.finish_reason is None)
+    engine.seen = []
+    engine.version = 2
+    _, m = producer.produce(prompts, 2)  # version-0 tokens are 2 versions old: over rl.max_staleness=1
+    assert m["rollout/stale_regenerated"] >= 1
+    restarted = [s for s in engine.seen if s[0] in ((2, 1), (3, 1))]
+    assert restarted and all(len(inp) == 1 and budget == BUDGET for _, inp, budget in restarted)
+
+
+def test_the_buffer_survives_a_checkpoint_and_continues_identically():
+    def run(resume: bool):
+        engine = Engine({(2, 1): 30, (3, 1): 20})
+        producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
+        prompts = Prompts()
+        producer.produce(prompts, 0)
+        if resume:
+            state = json.loads(json.dumps(producer.state_dict()))  # JSON-able, as checkpoints need
+            producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
+            producer.load_state_dict(state)
+        engine.version = 1
+        samples, _ = producer.produce(prompts, 1)
+        return [(s.prompt_ids, s.response_ids, s.versions, s.advantage) for s in samples]
+
+    assert run(resume=True) == run(resume=False)
+
+
+def test_one_step_ahead_generates_the_next_batch_while_the_step_trains_and_saves_it():
+    engine = Engine()
+    started = threading.Event()
+
+    class Recording(PartialRollouts):
+        def produce(self, prompts, version):
+            started.set()
+            return super().produce(prompts, version)
+
+    ahead = OneStepAhead(Recording(_cfg(), engine, Pool(), Tokenizer(), []))
+    prompts = Prompts()
+    samples, m = ahead.next(prompts, 0, prefetch_next=True)
+    assert samples and m["perf/overlap_s"] == 0.0
+    assert started.wait(5) and ahead.pending.version == 1  # the next batch is under way
+    state = json.loads(json.dumps(ahead.state_dict()))  # waits for it; it travels with the checkpoint
+    assert state["ahead"]["version"] == 1 and state["ahead"]["samples"]
+    resumed = OneStepAhead(PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), []))
+    resumed.load_state_dict(state)
+    a, _ = ahead.next(prompts, 1, prefetch_next=False)
+    b, _ = resumed.next(Prompts(), 1, prefetch_next=False)
+    assert [(s.prompt_ids, s.response_ids) for s in a] == [(s.prompt_ids, s.response_ids) for s in b]
+    with pytest.raises(RuntimeError, match="generated ahead is for weight version 2"):
+        resumed.pending = ahead.pending = None
+        ahead.next(prompts, 1, prefetch_next=True)
+        ahead.next(prompts, 3)
+
+
+def test_synchronous_schedule_has_no_overlap():
+    sync = Synchronous(PartialRollouts(_cfg(), Engine(), Pool(), Tokenizer(), []))
+    _, m = sync.next(Prompts(), 0)
+    assert m["perf/overlap_s"] == 0.0 and m["perf/generate_s"] == m["perf/generate_wait_s"] > 0
