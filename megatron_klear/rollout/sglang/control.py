@@ -3,7 +3,7 @@
 
 - weights from disk: SGLang's ``/pause_generation`` -> ``/update_weights_from_disk`` (with
   ``weight_version``) -> ``/continue_generation``, then each worker must report the new version
-  (``/model_info``);
+  (``/model_info``); the pause's mode is the engine's ``sync_pause_mode`` (:data:`PAUSE_MODES`);
 - the calls of SGLang's distributed weight update (``/init_weights_update_group``,
   ``/begin_weight_update``, ``/update_weights_from_distributed``, ``/end_weight_update``,
   ``/update_weight_version``, ``/destroy_weights_update_group``), which
@@ -27,6 +27,13 @@ import threading
 from megatron_klear.rollout.base import Completion
 from megatron_klear.rollout.sglang.generation import parse_completion
 from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_parallel
+
+#: the pause modes of a weight push (``sync_pause_mode``): ``abort`` ends the requests in flight (the
+#: client sends them again); ``retract`` keeps them (SGLang 0.5.23 ``Scheduler.pause_generation``
+#: moves them back to the waiting queue, a paused server's ``/flush_cache`` ignores that queue, and
+#: after ``/continue_generation`` their KV cache is recomputed with the new weights). SGLang's third
+#: mode, ``in_place``, leaves the running batch in place, which ``/flush_cache`` refuses.
+PAUSE_MODES = ("abort", "retract")
 
 #: SGLang's memory types (``GPU_MEMORY_ALL_TYPES``) for /release_memory_occupation and /resume_memory_occupation
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -169,11 +176,12 @@ class Control:
         it must be seen -- while a rejoining one is only dropped again (it keeps its old weights and
         gets no request)."""
         version = None if version is None else str(version)
+        mode = self.push_pause_mode()
         refused = {}
 
         def update(w):
             try:
-                self._request("POST", "/pause_generation", {"mode": "abort"}, url=w)
+                self._request("POST", "/pause_generation", {"mode": mode}, url=w)
                 try:
                     self.flush_cache(w)
                     body = {"model_path": model_dir, "flush_cache": False}
@@ -292,7 +300,16 @@ class Control:
 
         self._on_workers(drop)
 
-    def pause_generation(self, mode: str = "abort") -> None:
+    def push_pause_mode(self) -> str:
+        """The engine's ``sync_pause_mode``, checked against :data:`PAUSE_MODES`."""
+        mode = getattr(self, "sync_pause_mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"rollout: sync_pause_mode must be one of {PAUSE_MODES}, got {mode!r}")
+        return mode
+
+    def pause_generation(self, mode: str | None = None) -> None:
+        """``/pause_generation`` on every worker; ``mode`` None: :meth:`push_pause_mode`."""
+        mode = self.push_pause_mode() if mode is None else mode
         self._on_workers(lambda w: self._request("POST", "/pause_generation", {"mode": mode}, url=w))
 
     def continue_generation(self) -> None:

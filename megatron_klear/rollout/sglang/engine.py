@@ -10,10 +10,11 @@ from megatron_klear.rollout.base import ServerEngine
 from megatron_klear.rollout.sglang.control import Control
 from megatron_klear.rollout.sglang.generation import GRANULARITIES, Generation
 from megatron_klear.rollout.sglang.membership import Membership
+from megatron_klear.rollout.sglang.streams import Streams
 from megatron_klear.rollout.sglang.transport import EngineError, Transport
 
 
-class SGLangEngine(Generation, Control, Membership, Transport, ServerEngine):
+class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEngine):
     """SGLang servers as the rollout engine (see :mod:`megatron_klear.rollout.sglang`).
 
     ``urls``: where ``/generate`` goes (one router, or the servers); ``workers``: the servers
@@ -28,6 +29,12 @@ class SGLangEngine(Generation, Control, Membership, Transport, ServerEngine):
     ``record_routing``, ``routing_layers``, ``routing_topk``). ``check``: every URL must answer
     ``/health`` now. ``min_live_workers``: the fewest live workers a step goes on with
     (:mod:`.fleet`; fewer fail the call with :class:`~.fleet.FleetError`). ``api_key``: the servers' ``--api-key``.
+
+    ``sync_pause_mode``: how a weight push pauses the servers (``/pause_generation``'s mode, disk and
+    distributed pushes alike): ``"abort"`` (the requests in flight end and are sent again, with the
+    new weights) or ``"retract"`` (they survive the push: SGLang updates the weights at once while
+    paused and recomputes their KV cache with them; their later tokens carry the new version --
+    asynchronous RL sets it). ``stream`` (:mod:`.streams`): abortable requests.
     """
 
     loads_from_disk = True
@@ -37,6 +44,7 @@ class SGLangEngine(Generation, Control, Membership, Transport, ServerEngine):
     record_routing = False
     routing_layers: list = []
     routing_topk: int = 0
+    sync_pause_mode = "abort"
 
     def __init__(self, urls, *, workers=None, timeout: float = 60.0, generate_timeout: float = 3600.0,
                  weight_update_timeout: float = 1800.0, max_concurrent_requests: int = 256,

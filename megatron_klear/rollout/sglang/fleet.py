@@ -47,6 +47,7 @@ class Fleet:
         self.resent = 0  # /generate requests sent again because their worker was lost (or answered stale)
         self.stale = 0  # /generate answers discarded: made with other weights than the expected version
         self._pushes = 0  # weight pushes under way (:meth:`pushing`)
+        self.pushes_started = 0  # every push ever entered (the watchdog discards probes that overlapped one)
         for w in workers:
             self._state[w] = LIVE
 
@@ -111,12 +112,18 @@ class Fleet:
         check (live workers only)."""
         with self._lock:
             self._pushes += 1
+            self.pushes_started += 1
         try:
             yield self
         finally:
             with self._lock:
                 self._pushes -= 1
         self.check()
+
+    def is_pushing(self) -> bool:
+        """A weight push is under way (the servers are paused: their ``/health`` blocks, then 503s)."""
+        with self._lock:
+            return self._pushes > 0
 
     def check(self) -> None:
         """Raise :class:`FleetError` unless at least ``min_live`` workers are live (during a push:

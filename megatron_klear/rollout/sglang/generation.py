@@ -50,6 +50,7 @@ and :class:`.transport.Transport`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import threading
@@ -61,6 +62,7 @@ from megatron_klear.rollout.base import Completion, SamplingParams
 from megatron_klear.rollout.sglang.fleet import LIVE, FleetError
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts
 from megatron_klear.rollout.sglang.transport import GONE, EngineError, _message_of, _Retryable
+from megatron_klear.rollout.sglang.versions import stale_version, token_versions
 
 GRANULARITIES = ("prompt", "sample")
 
@@ -75,10 +77,16 @@ class _Request:
         self.hedge = False
 
 
+def aborted_empty(n: int = 1) -> list:
+    """``n`` aborted Completions without a token (a request ended by an abort before it produced any)."""
+    return [Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[]) for _ in range(n)]
+
+
 class _Call:
-    """What one generate call's requests share on its event loop: the HTTP clients (requests,
-    probes), the requests in flight per URL, the attempts in flight (to cancel or hedge them when a
-    worker is dropped)."""
+    """What one generate call's (or stream's) requests share on its event loop: the HTTP clients
+    (requests, probes), the requests in flight per URL, the attempts in flight (to cancel or hedge
+    them when a worker is dropped). ``aborting``: the stream was asked to abort (:mod:`.streams`):
+    an ``abort`` answer is then the partial result, and nothing is sent or sent again."""
 
     def __init__(self, client: httpx.AsyncClient, probe_client: httpx.AsyncClient):
         self.client = client
@@ -88,6 +96,7 @@ class _Call:
         self.probes: dict = {}  # worker -> the running quick /health probe (shared)
         self.audit = asyncio.Lock()  # one version audit at a time
         self.audited_at = 0.0
+        self.aborting = False
 
 
 class Generation:
@@ -99,6 +108,14 @@ class Generation:
         ``return_routed_experts`` / ``routed_experts_start_len``, so the servers would never be
         asked for the experts (tests/rollout/test_routed_experts.py sends one through it)."""
         return self.fleet.live() if self.record_routing else self.generation_targets()
+
+    def _request_body(self, input_ids, params: SamplingParams, n: int, seed) -> dict:
+        """One /generate body: token ids in, ``n`` samples, the sampled tokens' log-probs back."""
+        body = {"input_ids": [int(t) for t in input_ids], "return_logprob": True,
+                "sampling_params": self._sampling_params(params, n, seed)}
+        if self.record_routing:  # SGLang >= 0.5.x with --enable-return-routed-experts
+            body["return_routed_experts"] = True
+        return body
 
     def _sampling_params(self, params: SamplingParams, n: int, seed) -> dict:
         sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
@@ -124,9 +141,8 @@ class Generation:
         self.fleet  # noqa: B018 -- discovers the workers here, so that a router that is down fails now
         results: queue.Queue = queue.Queue()
         stop = threading.Event()
-        thread = threading.Thread(target=self._run_loop, args=(prompts, params, int(n), results, stop),
-                                  name="sglang-client", daemon=True)
-        thread.start()
+        thread = self._in_thread(lambda: self._generate_all(prompts, params, int(n), results, stop), results,
+                                 "sglang-client")
         done = 0
         try:
             while done < len(prompts):
@@ -139,19 +155,24 @@ class Generation:
             stop.set()
             thread.join()
 
-    def _run_loop(self, prompts, params, n, results, stop):
-        try:
-            asyncio.run(self._generate_all(prompts, params, n, results, stop))
-        except BaseException as e:  # noqa: BLE001 -- handed to the consumer
-            keep = isinstance(e, (EngineError, FleetError))
-            results.put(("error", e if keep else EngineError(f"rollout: {type(e).__name__}: {e}"), None))
+    @staticmethod
+    def _in_thread(make_coro, results: queue.Queue, name: str) -> threading.Thread:
+        """Run the coroutine ``make_coro()`` on an event loop of its own in a daemon thread (started);
+        an exception it raises reaches ``results`` as ``("error", exception, None)``."""
+        def run():
+            try:
+                asyncio.run(make_coro())
+            except BaseException as e:  # noqa: BLE001 -- handed to the consumer
+                keep = isinstance(e, (EngineError, FleetError))
+                results.put(("error", e if keep else EngineError(f"rollout: {type(e).__name__}: {e}"), None))
 
-    async def _generate_all(self, prompts, params, n, results, stop):
-        base_seed = params.seed
-        per_sample = self.request_granularity == "sample" and n > 1
-        units = [(i, j) for i in range(len(prompts)) for j in range(n)] if per_sample else [(i, None) for i in range(len(prompts))]
-        sem = asyncio.Semaphore(self.max_concurrent_requests)
-        partial = {i: [None] * n for i in range(len(prompts))} if per_sample else None
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    @contextlib.asynccontextmanager
+    async def _open_call(self):
+        """The :class:`_Call` of one generate call or stream: its HTTP clients, closed on leaving."""
         # room for a hedge of every request in flight; the probes have their own connections, so
         # that requests filling the pool never make a worker look dead
         limits = httpx.Limits(max_connections=2 * self.max_concurrent_requests + 8,
@@ -159,8 +180,15 @@ class Generation:
         timeout = httpx.Timeout(self.generate_timeout, connect=self.timeout)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._auth_headers()) as client, \
                 httpx.AsyncClient(headers=self._auth_headers()) as probes:
-            call = _Call(client, probes)
+            yield _Call(client, probes)
 
+    async def _generate_all(self, prompts, params, n, results, stop):
+        base_seed = params.seed
+        per_sample = self.request_granularity == "sample" and n > 1
+        units = [(i, j) for i in range(len(prompts)) for j in range(n)] if per_sample else [(i, None) for i in range(len(prompts))]
+        sem = asyncio.Semaphore(self.max_concurrent_requests)
+        partial = {i: [None] * n for i in range(len(prompts))} if per_sample else None
+        async with self._open_call() as call:
             async def run(unit):
                 i, j = unit
                 if base_seed is None:
@@ -169,10 +197,7 @@ class Generation:
                     seed = (base_seed * 1_000_003 + i) % (1 << 63)
                 else:
                     seed = ((base_seed * 1_000_003 + i) * 1_000_033 + j) % (1 << 63)
-                body = {"input_ids": [int(t) for t in prompts[i]], "return_logprob": True,
-                        "sampling_params": self._sampling_params(params, 1 if per_sample else n, seed)}
-                if self.record_routing:  # SGLang >= 0.5.x with --enable-return-routed-experts
-                    body["return_routed_experts"] = True
+                body = self._request_body(prompts[i], params, 1 if per_sample else n, seed)
                 async with sem:
                     return unit, await self._post_generate(call, body, 1 if per_sample else n)
 
@@ -217,7 +242,7 @@ class Generation:
     def _start(self, call: _Call, me: _Request, url: str, body: dict, n: int) -> asyncio.Task:
         call.in_flight[url] = call.in_flight.get(url, 0) + 1
         self.requests_sent += 1
-        task = asyncio.ensure_future(self._post_once(call.client, url, body, n))
+        task = asyncio.ensure_future(self._post_once(call, url, body, n))
         call.attempts[task] = (url, me)
         return task
 
@@ -229,16 +254,25 @@ class Generation:
     async def _post_generate(self, call: _Call, body: dict, n: int) -> list:
         """One request, until an answer made with the expected weights: retried after a failure
         (``max_retries``), sent again without consuming a retry when its worker is dropped or it
-        answered with stale weights, hedged through a router (see the module's docstring)."""
+        answered with stale weights, hedged through a router (see the module's docstring). Once
+        ``call.aborting``: nothing is sent or sent again, an ``abort`` answer is the result (the
+        output so far), and a request left with no attempt ends as an empty abort."""
         me, mine = _Request(), set()
         last, retries, stale = None, 0, 0
+        sent_at = {}  # attempt -> the version the client expected when it was sent
         try:
             while True:
+                if call.aborting and (not mine or me.hedge):
+                    if not mine:
+                        return aborted_empty(n)
+                    me.hedge = False  # no hedge once aborting: the running attempt answers
                 if not mine or me.hedge:
                     if me.hedge:
                         self.fleet.count(resent=1)
                     me.hedge = False
-                    mine.add(self._start(call, me, self._pick(call, last.url if last else None), body, n))
+                    task = self._start(call, me, self._pick(call, last.url if last else None), body, n)
+                    sent_at[task] = self.expected_version
+                    mine.add(task)
                 waiter = asyncio.ensure_future(me.wake.wait())
                 try:
                     done, _ = await asyncio.wait(mine | {waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -249,16 +283,19 @@ class Generation:
                     mine.discard(task)
                     url = self._finish(call, task)
                     if task.cancelled():  # its worker was dropped: sent again, no retry consumed
-                        self.fleet.count(resent=1)
+                        if not call.aborting:
+                            self.fleet.count(resent=1)
                         continue
                     e = task.exception()
                     if e is None:
                         completions, versions = task.result()
-                        wrong = self._stale(versions)
+                        wrong = self._stale(versions, sent_at.get(task))
                         if wrong is None:
                             return completions
                         stale += 1
                         self.fleet.count(stale=1, resent=1)
+                        if call.aborting:
+                            continue  # not sent again: ends as an empty abort
                         if stale > self.max_retries + 1:
                             raise EngineError(
                                 f"rollout: POST {url}/generate answered with weight_version {wrong!r} {stale} times, "
@@ -268,6 +305,8 @@ class Generation:
                         continue
                     if not isinstance(e, _Retryable):
                         raise e
+                    if call.aborting:
+                        continue  # not retried once aborting
                     if e.gone and await self._worker_is_gone(call, url, e.message):
                         self.fleet.count(resent=1)  # its worker was dropped: sent again, no retry consumed
                         continue
@@ -285,11 +324,11 @@ class Generation:
                 task.cancel()
                 self._finish(call, task)
 
-    def _stale(self, versions: list):
-        """The first ``weight_version`` that is not the expected one (None: none, or no push yet)."""
-        if self.expected_version is None:
-            return None
-        return next((v for v in versions if v is not None and str(v) != self.expected_version), None)
+    def _stale(self, versions: list, sent=None):
+        """The first final ``weight_version`` of an answer that is stale for a request sent while the
+        client expected ``sent`` (:func:`.versions.stale_version`); None: none."""
+        pushing = self.fleet.is_pushing()
+        return next((v for v in versions if stale_version(v, sent, self.expected_version, pushing)), None)
 
     async def _demote_stale(self, call: _Call, url: str, version) -> None:
         """An answer made with other weights: its worker (``url``, or through a router the live
@@ -309,8 +348,8 @@ class Generation:
         requests that failed alike) decides whether it is dropped now. True when it was dropped
         (now or before); False for a router, or a worker that answers (the failure is retried)."""
         state = self.fleet.state(url)
-        if state is None:
-            return False  # a router: its own failure, retried as before
+        if state is None or (state == LIVE and self.fleet.is_pushing()):
+            return False  # a router: its own failure; or paused by a push (/health blocks): retried
         if state != LIVE:
             return True
         probe = call.probes.get(url)
@@ -341,10 +380,11 @@ class Generation:
                 continue
             req.wake.set()
 
-    async def _post_once(self, client: httpx.AsyncClient, url: str, body: dict, n: int):
-        """One POST; ``(completions, each sample's weight_version)``."""
+    async def _post_once(self, call: _Call, url: str, body: dict, n: int):
+        """One POST; ``(completions, each sample's weight_version)``. An ``abort`` answer is retried
+        unless the call is aborting (then it is the output so far)."""
         try:
-            resp = await client.post(url + "/generate", json=body)
+            resp = await call.client.post(url + "/generate", json=body)
         except httpx.TimeoutException:
             raise EngineError(f"rollout: POST {url}/generate did not answer within rollout.generate_timeout_s = "
                               f"{self.generate_timeout:g} s") from None
@@ -363,12 +403,14 @@ class Generation:
         if not isinstance(outs, list) or len(outs) != n:
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise EngineError(f"rollout: {url}/generate answered {got} samples, expected {n}")
+        allow_abort = call.aborting
         for k, o in enumerate(outs):
             reason = (o.get("meta_info") or {}).get("finish_reason") if isinstance(o, dict) else None
-            if isinstance(reason, dict) and reason.get("type") == "abort":
+            if isinstance(reason, dict) and reason.get("type") == "abort" and not allow_abort:
                 raise _Retryable(url, f"sample {k} aborted by the server: {reason.get('message') or reason}")
         routing = (len(body["input_ids"]), self.routing_layers, self.routing_topk) if self.record_routing else None
-        completions = [parse_completion(o, k, url=url, routing=routing) for k, o in enumerate(outs)]
+        completions = [parse_completion(o, k, url=url, routing=routing, allow_abort=allow_abort)
+                       for k, o in enumerate(outs)]
         return completions, [(o.get("meta_info") or {}).get("weight_version") for o in outs]
 
     # -- the watchdog ----------------------------------------------------------------------------------
@@ -383,12 +425,19 @@ class Generation:
 
     async def _watch_workers(self, call: _Call, stop: threading.Event):
         """Probe every live worker's /health while requests run; drop one that misses
-        ``health_failure_threshold`` probes in a row (FleetError when too few remain)."""
+        ``health_failure_threshold`` probes in a row (FleetError when too few remain). No probe while
+        a weight push is under way (``Fleet.pushing``: a paused server's /health blocks, then 503s),
+        and a round of probes that overlapped a push counts for nothing."""
         misses, first_miss = {}, {}
         while not stop.is_set():
             await asyncio.sleep(self.health_check_interval)
+            pushes = self.fleet.pushes_started
+            if self.fleet.is_pushing():
+                continue
             workers = self.fleet.live()
             probed = await asyncio.gather(*(self._probe(call.probe_client, w) for w in workers))
+            if self.fleet.is_pushing() or self.fleet.pushes_started != pushes:
+                continue
             for w, (ok, why) in zip(workers, probed):
                 if ok:
                     misses.pop(w, None)
@@ -402,9 +451,13 @@ class Generation:
                     await self._lose(call, w, why)
 
 
-def parse_completion(out: dict, k: int = 0, url: str = "", routing: tuple | None = None) -> Completion:
-    """One element of a /generate response -> Completion (validated). ``routing``: (prompt length,
-    MoE layer indices, top_k) to read the routed experts too (rollout.router_replay)."""
+def parse_completion(out: dict, k: int = 0, url: str = "", routing: tuple | None = None,
+                     allow_abort: bool = False) -> Completion:
+    """One element of a /generate response -> Completion (validated), with each token's weight
+    version (:func:`.versions.token_versions`). ``routing``: (prompt length, MoE layer indices,
+    top_k) to read the routed experts too (rollout.router_replay). ``allow_abort``: an ``abort``
+    finish reason is a partial result (the tokens and log-probs so far; a stream that was asked to
+    abort) instead of an error."""
     where = f"{url}/generate" if url else "/generate"
     try:
         meta = out["meta_info"]
@@ -422,11 +475,13 @@ def parse_completion(out: dict, k: int = 0, url: str = "", routing: tuple | None
         raise EngineError(f"rollout: {where} sample {k}: malformed output_ids / output_token_logprobs ({e})") from None
     if pair_ids != ids:
         raise EngineError(f"rollout: {where} sample {k}: output_token_logprobs do not match output_ids")
-    if reason not in ("stop", "length"):
+    if reason not in ("stop", "length") and not (allow_abort and reason == "abort"):
         raise EngineError(f"rollout: {where} sample {k} finished with {reason!r}")
+    versions = token_versions(meta, len(ids), f"{where} sample {k}")
     routes = None
     if routing is not None:
         prompt_len, layers, top_k = routing
         routes = decode_routed_experts(meta.get("routed_experts"), rows=prompt_len + len(ids) - 1, layers=layers,
                                        top_k=top_k, where=f"{where} sample {k}")
-    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, routed_experts=routes)
+    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, routed_experts=routes,
+                      versions=versions)

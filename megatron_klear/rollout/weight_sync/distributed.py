@@ -25,7 +25,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
     leader, every server joined (:mod:`.distributed_groups`).
 
     **A sync** (:meth:`sync`, version ``v``): rank 0 pauses generation (``/pause_generation``
-    ``abort``), flushes every server's cache once (``/flush_cache``, retried while a request is
+    in the engine's ``sync_pause_mode``: ``abort``, or ``retract`` in asynchronous RL), flushes every server's cache once (``/flush_cache``, retried while a request is
     still leaving: SGLang 0.5.23 fails a bucket sent with ``flush_cache=True`` if one is queued, so
     buckets go with ``flush_cache=False``) and opens a session (``/begin_weight_update``) while the
     first bucket is gathered; then, stage after stage, the leader streams its buckets
@@ -200,7 +200,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         if me == 0:  # pause, flush once, begin on the servers while the first bucket is gathered
             def start():
                 try:
-                    self.engine.pause_generation("abort")
+                    self.engine.pause_generation(getattr(self.engine, "sync_pause_mode", "abort"))
                     self.engine.flush_caches()
                     self.engine.begin_weight_update()
                     return None

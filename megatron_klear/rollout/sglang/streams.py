@@ -1,0 +1,206 @@
+"""Abortable streams of requests on SGLang servers (:meth:`Streams.stream`, partial rollouts).
+
+A stream sends one ``/generate`` per :class:`~megatron_klear.rollout.base.SampleRequest` (``n=1``,
+its ``input_ids``, its own sampling parameters and budget ``max_new_tokens``; ``sampling_seed`` only
+with ``send_seed``), through the same machinery as :meth:`.generation.Generation.generate_iter`:
+an event loop in a helper thread, at most ``max_concurrent_requests`` in flight, retries, the
+health watchdog, lost workers dropped and their requests sent again or hedged, the stale-answer
+check (:mod:`.versions`). Iterating yields ``(key, Completion)`` as each request ends; each
+Completion carries its tokens' weight versions (``Completion.versions``).
+
+**Abort** (:meth:`SGLangStream.abort`, returns at once). The stream stops sending (a request not
+sent yet ends as an empty ``abort`` Completion, never sent) and POSTs ``/abort_request``
+``{"rid": "", "abort_all": true}`` to every worker, live and rejoining (never to a router:
+sglang-router 0.3.2 has no ``/abort_request`` route), again every ``ABORT_RESEND_S`` seconds while
+requests remain (one sent just before the abort may reach its server after it). Every request in
+flight then answers with what it generated so far (SGLang's ``abort`` finish reason: its tokens and
+log-probs); a request whose worker has not answered within ``rollout.control_timeout_s`` after the
+abort is cancelled and ends as an empty ``abort``. ``abort_all`` ends *every* request on those
+servers: run one stream at a time. Before :meth:`~SGLangStream.abort`, a server-side abort (a weight
+push in ``abort`` mode) is retried as in ``generate``.
+
+Counts: the engine's ``aborted_requests`` and the stream's ``aborted`` (requests that ended as
+``abort``, with or without tokens).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+
+from megatron_klear.rollout.base import RequestStream, SampleRequest, SamplingParams
+from megatron_klear.rollout.sglang.generation import _Call, aborted_empty
+
+#: seconds between two rounds of /abort_request while an aborted stream still has requests running
+ABORT_RESEND_S = 0.5
+
+
+class Streams:
+    """Mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine`: :meth:`stream`."""
+
+    aborted_requests = 0  # requests of streams that ended as "abort" (this engine's lifetime)
+
+    def stream(self, requests: list) -> "SGLangStream":
+        """Start every :class:`SampleRequest` now; see the module's docstring."""
+        requests = list(requests)
+        keys = set()
+        for i, r in enumerate(requests):
+            if not isinstance(r, SampleRequest):
+                raise TypeError(f"rollout: stream request {i} is a {type(r).__name__}, not a SampleRequest")
+            if not isinstance(r.params, SamplingParams):
+                raise TypeError(f"rollout: stream request {r.key!r}: params must be SamplingParams")
+            if not r.input_ids or not all(isinstance(t, int) and t >= 0 for t in r.input_ids):
+                raise ValueError(f"rollout: stream request {r.key!r}: input_ids must be a non-empty list of token ids")
+            r.params.validate()
+            try:
+                if r.key in keys:
+                    raise ValueError(f"rollout: stream request key {r.key!r} appears twice")
+                keys.add(r.key)
+            except TypeError:
+                raise TypeError(f"rollout: stream request key {r.key!r} is not hashable") from None
+        self.fleet  # noqa: B018 -- discovers the workers here, so that a router that is down fails now
+        return SGLangStream(self, requests)
+
+
+class SGLangStream(RequestStream):
+    """The requests of one :meth:`Streams.stream` call (see the module's docstring). Iterate it from
+    one thread; :meth:`abort` may be called from any thread."""
+
+    def __init__(self, engine, requests: list):
+        self.engine = engine
+        self.requests = requests
+        self.ended = 0  # requests handed out by the iteration
+        self.aborted = 0  # of them, ended as "abort"
+        self._results: queue.Queue = queue.Queue()
+        self._stop = threading.Event()  # the consumer is gone: end the loop
+        self._abort = threading.Event()
+        self._lock = threading.Lock()
+        self._loop = self._wake = None
+        self._closed = False
+        self._thread = engine._in_thread(self._run, self._results, "sglang-stream") if requests else None
+
+    # -- the consumer's side ---------------------------------------------------------------------------
+    def __iter__(self):
+        while self.ended < len(self.requests):
+            kind, key, completion = self._results.get()
+            if kind == "error":
+                self._stop.set()
+                self.ended = len(self.requests)  # nothing more comes
+                raise key
+            self.ended += 1
+            if completion.aborted:
+                self.aborted += 1
+            yield key, completion
+
+    def abort(self) -> None:
+        self._abort.set()
+        self._poke()
+
+    def close(self) -> None:
+        """Abort, then wait for every request to end (their results are dropped; an error the
+        stream met is not raised here). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.abort()
+        try:
+            for _ in self:
+                pass
+        except Exception:  # noqa: BLE001 -- the stream failed: nothing more to wait for
+            self._stop.set()
+        self._stop.set()
+        self._poke()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _poke(self) -> None:
+        """Wake the loop (it re-reads the abort and stop flags)."""
+        with self._lock:
+            loop, wake = self._loop, self._wake
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop already ended
+                pass
+
+    # -- the event loop's side -------------------------------------------------------------------------
+    async def _run(self):
+        eng = self.engine
+        async with eng._open_call() as call:
+            wake = asyncio.Event()
+            with self._lock:
+                self._loop, self._wake = asyncio.get_running_loop(), wake
+            sem = asyncio.Semaphore(eng.max_concurrent_requests)
+
+            async def run(req: SampleRequest):
+                body = eng._request_body(req.input_ids, req.params, 1, req.params.seed)
+                async with sem:
+                    if call.aborting:
+                        return aborted_empty()[0]  # never sent
+                    return (await eng._post_generate(call, body, 1))[0]
+
+            tasks = {asyncio.ensure_future(run(r)): r.key for r in self.requests}
+            watchdog = asyncio.ensure_future(eng._watch_workers(call, self._stop))
+            deadline = resend = None
+            posts, cancelled = set(), []  # the rounds of /abort_request; requests cancelled at the deadline
+            try:
+                while tasks and not self._stop.is_set():
+                    now = time.monotonic()
+                    if self._abort.is_set() and not call.aborting:
+                        call.aborting = True
+                        deadline, resend = now + eng.timeout, now
+                    if resend is not None and now >= resend:
+                        posts.add(asyncio.ensure_future(self._abort_servers(call)))
+                        resend = now + ABORT_RESEND_S
+                    waiter = asyncio.ensure_future(wake.wait())
+                    timeout = None if resend is None else max(0.0, min(resend, deadline) - now)
+                    try:
+                        done, _ = await asyncio.wait(set(tasks) | {watchdog, waiter}, timeout=timeout,
+                                                     return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
+                    wake.clear()
+                    if watchdog in done:  # it only ends by failing (too few workers left)
+                        raise watchdog.exception() or RuntimeError("the health watchdog ended")
+                    for t in done & set(tasks):
+                        key = tasks.pop(t)
+                        self._put(key, t.result())  # (a request's failure is raised here)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        for t, key in tasks.items():  # no answer since the abort: cancelled
+                            t.cancel()
+                            cancelled.append(t)
+                            self._put(key, aborted_empty()[0])
+                        tasks.clear()
+            finally:
+                pending = set(tasks) | {watchdog} | set(cancelled) | posts
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                with self._lock:
+                    self._loop = None
+
+    def _put(self, key, completion) -> None:
+        if completion.aborted:
+            self.engine.aborted_requests += 1
+        self._results.put(("ok", key, completion))
+
+    async def _abort_servers(self, call: _Call) -> None:
+        """``/abort_request`` ``{"rid": "", "abort_all": true}`` to every live and rejoining worker;
+        a worker that fails it is left to the deadline (and the watchdog)."""
+        eng = self.engine
+
+        async def one(w):
+            try:
+                await call.probe_client.post(w + "/abort_request", json={"rid": "", "abort_all": True},
+                                             timeout=eng.timeout)
+            except Exception:  # noqa: BLE001 -- its requests end at the deadline
+                return
+
+        await asyncio.gather(*(one(w) for w in eng.fleet.serving()))

@@ -1,0 +1,272 @@
+"""Issue 22, the client side of partial rollouts: ``SGLangEngine.stream`` (abortable requests, one
+sample each), per-token weight versions read from SGLang's answers, the stale-answer rule for
+weights that change while requests run, and the ``retract`` pause of a weight push. Against the
+stand-in server (in-thread, the tiny model, each forward slowed so that an abort lands mid-way),
+the real sglang-router, and the scriptable fake worker (request bodies validated against SGLang
+0.5.23's contract)."""
+import time
+
+import pytest
+
+from megatron_klear.rollout.base import SampleRequest, SamplingParams
+from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
+from megatron_klear.rollout.sglang.versions import stale_version, token_versions
+from tests.rollout.processes import fake_worker, recorded, router
+from tests.rollout.sglang_contract import CONTROL_ROUTES, control_contract_errors, validate_generate_request
+
+BUDGET = 48
+PROMPTS = [[5, 17, 33, 60, 7], [40, 41], [300, 8, 250, 3], [9, 9, 120], [77, 1], [200, 13, 6]]
+
+
+def _requests(seed0: int = 11, budget: int = BUDGET, prompts=PROMPTS):
+    return [SampleRequest(key=("p", i), input_ids=list(p),
+                          params=SamplingParams(temperature=1.0, max_new_tokens=budget, seed=seed0 + i))
+            for i, p in enumerate(prompts)]
+
+
+def _serve(model_dir, delay: float = 0.0):
+    """An in-thread stand-in server whose every forward sleeps ``delay`` s; ``(engine, server, url)``."""
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.sglang_standin import serve_in_thread
+
+    engine = EmbeddedEngine.from_pretrained(model_dir)
+    if delay:
+        forward = engine._forward
+
+        def slow(*args, **kwargs):
+            time.sleep(delay)
+            return forward(*args, **kwargs)
+
+        engine._forward = slow
+    server, url = serve_in_thread(engine, batch_window=0.2)
+    return engine, server, url
+
+
+def _stop(*servers):
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def _wait_steps(engines, steps: int, within: float = 30.0):
+    """Until every engine has run ``steps`` more forwards."""
+    start = [e.decode_steps for e in engines]
+    deadline = time.monotonic() + within
+    while any(e.decode_steps - s < steps for e, s in zip(engines, start)):
+        assert time.monotonic() < deadline, "the servers did not decode"
+        time.sleep(0.01)
+
+
+def _collect(stream):
+    return dict(iter(stream))
+
+
+# -- unit: versions and the stale rule ----------------------------------------------------------------
+def _answer(ids, reason="length", version="3", spans=None):
+    """An output as SGLang 0.5.23's /generate answers it."""
+    meta = {"id": "r", "finish_reason": ({"type": "abort", "message": "Abort", "status_code": None, "err_type": None}
+                                         if reason == "abort" else {"type": reason, "length": len(ids)}),
+            "prompt_tokens": 2, "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": version,
+            "output_token_logprobs": [[-0.25 * (t + 1), t, None] for t in range(len(ids))]}
+    if spans is not None:
+        meta["weight_versions"] = spans
+    return {"text": "", "output_ids": list(range(len(ids))), "meta_info": meta}
+
+
+def test_per_token_versions_from_spans_or_the_single_version():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    c = parse_completion(_answer([0] * 5, version="4", spans=spans), url="http://w")
+    assert c.versions == [3, 3, 4, 4, 4] and c.logprobs == [-0.25, -0.5, -0.75, -1.0, -1.25]
+    assert parse_completion(_answer([0] * 3, version="7")).versions == [7, 7, 7]
+    assert parse_completion(_answer([0] * 2, version="default")).versions == [None, None]
+    # an abort with no token yet: one empty span, as SGLang's add_weight_versions_to_meta_info writes it
+    empty = parse_completion(_answer([], reason="abort", spans=[{"version": "2", "start": 0, "end": 0}]),
+                             allow_abort=True)
+    assert empty.aborted and empty.token_ids == [] and empty.versions == []
+
+
+@pytest.mark.parametrize("spans, said", [
+    ([{"version": "3", "start": 1, "end": 5}], "span 0 covers [1, 5)"),
+    ([{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}], "span 1 covers [3, 5)"),
+    ([{"version": "3", "start": 0, "end": 4}], "cover 4 tokens, but the output has 5"),
+    ([{"version": "3", "start": 0}], "span 0 is not an object with version, start and end"),
+    ([], "is not a non-empty list"),
+    ([{"version": "3", "start": 0, "end": "5"}], "start and end must be integers"),
+])
+def test_malformed_spans_are_named(spans, said):
+    with pytest.raises(EngineError) as e:
+        parse_completion(_answer([0] * 5, spans=spans), k=2, url="http://w:1")
+    assert "http://w:1/generate sample 2" in str(e.value) and said in str(e.value), str(e.value)
+
+
+def test_an_abort_is_a_partial_result_only_when_allowed():
+    out = _answer([0] * 4, reason="abort", version="5")
+    with pytest.raises(EngineError, match="finished with 'abort'"):
+        parse_completion(out, url="http://w")
+    c = parse_completion(out, url="http://w", allow_abort=True)
+    assert c.aborted and c.token_ids == [0, 1, 2, 3] and len(c.logprobs) == 4 and c.versions == [5] * 4
+
+
+def test_the_stale_rule_for_weights_that_change_while_requests_run():
+    # sent at 4, finished at 5 after the push to 5: fine (async RL); a request sent at 5 answered by a
+    # worker still at 4 is stale; a version ahead of the client is stale, except during a push
+    assert not stale_version("5", "4", "5") and not stale_version("4", "4", "5")
+    assert stale_version("4", "5", "5") and stale_version("3", "4", "5")
+    assert stale_version("6", "5", "5") and not stale_version("6", "5", "5", pushing=True)
+    assert not stale_version("default", None, None) and not stale_version("9", "1", None)  # no push yet
+    assert not stale_version("7", None, "7") and stale_version("8", None, "7")  # sent before any push
+    # not integers: equality with the version expected now
+    assert stale_version("b", "a", "c") and not stale_version("c", "a", "c")
+    assert token_versions({"weight_version": "12"}, 2, "x") == [12, 12]
+
+
+def test_the_engine_applies_the_rule_to_each_answer():
+    client = SGLangEngine(["http://127.0.0.1:9"], workers=["http://127.0.0.1:9"])
+    client.set_expected_version(5)
+    spans = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 3}]
+    answer = _answer([0] * 3, version="5", spans=spans)  # sent at 4, ran across the push to 5
+    assert client._stale([answer["meta_info"]["weight_version"]], sent="4") is None
+    assert client._stale(["4"], sent="5") == "4"
+    assert client._stale(["6"], sent="5") == "6"
+    with client.fleet.pushing():
+        assert client._stale(["6"], sent="5") is None  # the servers already hold what comes next
+    client.close()
+
+
+def test_the_pause_mode_of_a_push_is_checked(tmp_path):
+    with fake_worker(tmp_path) as (url, record, _):
+        client = SGLangEngine([url], timeout=5)
+        client.sync_pause_mode = "retract"
+        client.load_from_disk("/w", version=2)
+        client.sync_pause_mode = "in_place"
+        with pytest.raises(ValueError, match="sync_pause_mode must be one of"):
+            client.load_from_disk("/w", version=3)
+    assert recorded(record, "/pause_generation") == [{"mode": "retract"}]
+    for body in recorded(record, "/pause_generation"):
+        assert not control_contract_errors("/pause_generation", body)
+
+
+# -- the fake worker: bodies, the deadline ------------------------------------------------------------
+def test_stream_bodies_follow_sglangs_contract_and_an_unanswered_abort_ends_at_the_deadline(tmp_path, monkeypatch):
+    monkeypatch.setitem(CONTROL_ROUTES, "/abort_request", "AbortReq")
+    reqs = [SampleRequest(key=k, input_ids=[k + 1, 2], params=SamplingParams(max_new_tokens=3 + k, seed=40 + k,
+                                                                                 top_k=5, stop_token_ids=[2]))
+            for k in range(3)]
+    with fake_worker(tmp_path) as (url, record, _):
+        client = SGLangEngine([url], timeout=5, send_seed=True)
+        got = _collect(client.stream(reqs))
+        assert {k: c.token_ids for k, c in got.items()} == {0: [7, 8, 9], 1: [7, 8, 9], 2: [7, 8, 9]}
+        assert all(c.versions == [0, 0, 0] for c in got.values())
+        bodies = sorted(recorded(record), key=lambda b: b["input_ids"])
+        assert [b["input_ids"] for b in bodies] == [[1, 2], [2, 2], [3, 2]]
+        for k, body in enumerate(bodies):
+            validate_generate_request(body)
+            sp = body["sampling_params"]
+            assert sp["n"] == 1 and sp["max_new_tokens"] == 3 + k and sp["sampling_seed"] == 40 + k
+            assert sp["top_k"] == 5 and sp["stop_token_ids"] == [2] and body["return_logprob"] is True
+    # a worker that never answers the abort (this one has no /abort_request and sleeps 30 s per request):
+    # every request ends as an empty abort once rollout.control_timeout_s has passed
+    with fake_worker(tmp_path, "slow", generate_delay=30) as (url, record, _):
+        client = SGLangEngine([url], timeout=0.5, max_concurrent_requests=2)
+        stream = client.stream(reqs)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        stream.abort()
+        got = _collect(stream)
+        assert time.monotonic() - t0 < 3.0
+        assert all(c.aborted and c.token_ids == [] and c.versions == [] for c in got.values()) and len(got) == 3
+        assert stream.aborted == 3 and client.aborted_requests == 3
+        assert len(recorded(record)) == 2  # the third was never sent
+        aborts = recorded(record, "/abort_request")
+        assert aborts and all(b == {"rid": "", "abort_all": True} for b in aborts)
+        assert all(not control_contract_errors("/abort_request", b) for b in aborts)
+        stream.close()
+
+
+def test_bad_stream_requests_are_named():
+    client = SGLangEngine(["http://127.0.0.1:9"], workers=["http://127.0.0.1:9"])
+    with pytest.raises(ValueError, match=r"request 'a': input_ids must be"):
+        client.stream([SampleRequest("a", [], SamplingParams())])
+    with pytest.raises(ValueError, match=r"key 'a' appears twice"):
+        client.stream([SampleRequest("a", [1], SamplingParams()), SampleRequest("a", [2], SamplingParams())])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        client.stream([SampleRequest("a", [1], SamplingParams(max_new_tokens=0))])
+    assert list(client.stream([])) == []
+
+
+# -- the stand-in: abort mid-way, continue ------------------------------------------------------------
+@pytest.mark.parametrize("via_router", [False, True], ids=["direct", "router"])
+def test_abort_mid_way_answers_the_output_so_far_and_continuing_finishes(tiny_hf, via_router):
+    (ea, sa, a), (eb, sb, b) = _serve(tiny_hf["untied"], delay=0.01), _serve(tiny_hf["untied"], delay=0.01)
+    try:
+        with (router([a, b]) if via_router else _nothing()) as r:
+            client = SGLangEngine([r] if via_router else [a, b], timeout=10, send_seed=True)
+            reference = _collect(client.stream(_requests()))  # the same requests, run to the end
+            assert all(not c.aborted and len(c.versions) == len(c.token_ids) for c in reference.values())
+            long = [req for req in _requests() if len(reference[req.key].token_ids) >= 24]
+            assert len(long) >= 3, {k: len(c.token_ids) for k, c in reference.items()}
+            stream = client.stream(long)
+            _wait_steps([ea, eb], 6)
+            stream.abort()
+            got = _collect(stream)
+            assert set(got) == {req.key for req in long}
+            for req in long:
+                c, full = got[req.key], reference[req.key]
+                assert c.aborted and 0 < len(c.token_ids) < len(full.token_ids) <= BUDGET, (req.key, c)
+                assert len(c.logprobs) == len(c.token_ids) == len(c.versions)
+                # the stand-in's seeded sampling is per sample: the partial response is a prefix of the full one
+                assert c.token_ids == full.token_ids[:len(c.token_ids)]
+                assert c.logprobs == pytest.approx(full.logprobs[:len(c.token_ids)], abs=1e-5)
+            assert stream.aborted == len(long) and client.retries == 0
+            # continue each: the prompt and its partial response as the input, the budget left
+            cont = [SampleRequest(req.key, req.input_ids + got[req.key].token_ids,
+                                  SamplingParams(max_new_tokens=BUDGET - len(got[req.key].token_ids), seed=99))
+                    for req in long]
+            rest = _collect(client.stream(cont))
+            for req in cont:
+                c = rest[req.key]
+                assert c.finish_reason in ("stop", "length") and 0 < len(c.token_ids) <= req.params.max_new_tokens
+                assert c.finish_reason == "stop" or len(c.token_ids) == req.params.max_new_tokens
+            client.close()
+    finally:
+        _stop(sa, sb)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# -- a push during a stream -----------------------------------------------------------------------------
+def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the_new_version(tiny_hf, other_hf):
+    (ea, sa, a), (eb, sb, b) = _serve(tiny_hf["untied"], delay=0.01), _serve(tiny_hf["untied"], delay=0.01)
+    try:
+        client = SGLangEngine([a, b], timeout=10, send_seed=True, health_check_interval=0.1,
+                              health_check_timeout=0.3, health_failure_threshold=1)
+        client.sync_pause_mode = "retract"
+        with client.fleet.pushing():  # version 1 everywhere, as the RL loop's first push
+            client.load_from_disk(tiny_hf["untied"], version=1)
+            client.admit_workers(1)
+        stream = client.stream(_requests(budget=40))
+        _wait_steps([ea, eb], 6)
+        sent = client.requests_sent
+        with client.fleet.pushing():  # the rollout manager's push: the watchdog keeps off the paused servers
+            client.load_from_disk(other_hf, version=2)
+            client.admit_workers(2)
+        got = _collect(stream)
+        assert len(got) == len(PROMPTS) and all(not c.aborted for c in got.values())
+        assert client.requests_sent == sent and client.retries == 0  # nothing lost, retried or sent again
+        metrics = client.fleet_metrics()
+        assert metrics["rollout/resent_requests"] == 0 and metrics["rollout/stale_responses"] == 0, metrics
+        assert metrics["rollout/worker_failures"] == 0 and metrics["rollout/live_workers"] == 2, metrics
+        spanning = [c for c in got.values() if set(c.versions) == {1, 2}]
+        assert spanning, {k: c.versions for k, c in got.items()}
+        for c in got.values():
+            assert len(c.versions) == len(c.token_ids) and c.versions == sorted(c.versions)
+        assert client.weight_versions() == {a: "2", b: "2"}
+        client.close()
+    finally:
+        _stop(sa, sb)
