@@ -5,6 +5,8 @@ same API).
 - :mod:`.engine`: :class:`SGLangEngine`, composed of the parts below;
 - :mod:`.transport`: the HTTP client, :class:`EngineError`, worker discovery from a router;
 - :mod:`.generation`: ``/generate`` as concurrent requests, retries, the health watchdog;
+- :mod:`.streams`: abortable streams of one-sample requests (partial rollouts), ``/abort_request``;
+- :mod:`.versions`: each token's weight version from SGLang's answers, the stale-answer rule;
 - :mod:`.control`: weights from disk and over a process group, versions, pause/continue, the
   probe, memory release/resume, context length (every worker, never the router);
 - :mod:`.routed_experts`: the experts of each token (``rollout.router_replay``).

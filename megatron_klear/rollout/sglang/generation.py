@@ -33,7 +33,9 @@ not retried.
   ``health_check_timeout``), plus the routers' update).
 - **Stale weights**: after a weight push the client expects ``meta_info.weight_version`` (SGLang
   0.5.23 returns it with every output, ``srt/managers/tokenizer_manager.py``) to be
-  :attr:`~.membership.Membership.expected_version`. An answer with another version is discarded and
+  :attr:`~.membership.Membership.expected_version`; a request may run across a push (``retract``
+  pause), so an answer is stale only when its version is older than the one expected when the
+  request was sent, or newer than the one expected now (:mod:`.versions`). A stale answer is discarded and
   the request sent again (no retry consumed; at most ``max_retries + 1`` such answers per request);
   its worker -- the URL itself, or through a router the live workers whose ``/model_info``
   reports another version -- leaves the live set to get the weights at the next push. Before the
