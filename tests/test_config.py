@@ -61,7 +61,7 @@ def test_bad_overrides():
         (["rl.async_steps=1"], r"rl.async_steps need rollout servers .* set rollout.engine=http"),
         (["rollout.partial=true"], r"rollout.partial need rollout servers"),
         (["rl.async_steps=1", "rollout.engine=http", "rollout.urls=[http://h:1]", "rollout.colocate=true"],
-         r"rl.async_steps with rollout.colocate: .* rollout.colocate=false\) or set rl.async_steps=0"),
+         r"rl.async_steps with rollout.colocate: .*rollout.colocate=false\) or set rl.async_steps=0"),
         (["rl.async_steps=1", "rl.max_staleness=0"], r"larger than rl.max_staleness=0: .* set rl.max_staleness >= 1"),
         (["rl.async_steps=2", "rl.max_staleness=2"], r"rl.async_steps=2: 0 \(synchronous\) or 1"),
     ],
