@@ -611,22 +611,40 @@ def test_pause_holds_running_requests_and_continue_resumes_them(control_server, 
     assert got == pytest.approx(want.logprobs, abs=1e-5)
 
 
-def test_abort_while_paused_answers_at_once(control_server):
+def test_abort_while_paused_in_place_answers_after_continue_retracted_at_once(control_server):
+    """SGLang 0.5.23: a request held in_place stays in the running batch, whose abort takes effect at
+    its next decode step (after continue); a retracted one waits in the waiting queue, where an abort
+    answers at once with the output the tokenizer manager received (every 50 tokens: none of a
+    request that does not stream and made fewer)."""
     engine, url, server = control_server
     start = engine.decode_steps
     running = _start(url, {"input_ids": PROMPTS[0], "sampling_params": LONG, "rid": "held"})
-    other = _start(url, {"input_ids": PROMPTS[1], "sampling_params": LONG, "rid": "kept"})
+    other = _start(url, {"input_ids": PROMPTS[1], "sampling_params": LONG, "rid": "kept", "return_logprob": True})
     _wait_steps(engine, start + 5)
     assert _post(url + "/pause_generation", {"mode": "in_place"})[0] == 200
     held = engine.decode_steps
     assert _post(url + "/abort_request", {"rid": "held"})[0] == 200
-    status, out = running.result(timeout=30)  # answered while the server stays paused
-    assert out["meta_info"]["finish_reason"]["type"] == "abort" and server.state.scheduler.paused == "in_place"
-    time.sleep(0.2)
-    assert engine.decode_steps == held and not other.done()  # the other request is still held
+    time.sleep(0.3)
+    assert engine.decode_steps == held and not running.done() and not other.done()
+    assert _post(url + "/continue_generation", {})[0] == 200
+    status, out = running.result(timeout=30)
+    assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted",
+                                                                   "status_code": None, "err_type": None}
+    n = len(out["output_ids"])
+    assert 0 < n < LONG["max_new_tokens"] and out["meta_info"]["weight_versions"] == [
+        {"version": "default", "start": 0, "end": n}]
+    _wait_steps(engine, held + 120)
+    assert _post(url + "/pause_generation", {"mode": "retract"})[0] == 200
+    tokens = engine.decode_steps - start  # at least the other request's tokens so far
     assert _post(url + "/update_weight_version", {"new_version": "w2"})[0] == 200  # aborts all by default
-    status, out = other.result(timeout=30)
-    assert out["meta_info"]["finish_reason"]["type"] == "abort" and engine.decode_steps == held
+    status, out = other.result(timeout=30)  # answered while the server stays paused
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert server.state.scheduler.paused == "retract" and "prompt_tokens" not in meta
+    kept = len(out["output_ids"])
+    assert kept % 50 == 0 and kept >= 50 and kept <= tokens and len(meta["output_token_logprobs"]) == kept
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": kept}]
+    assert meta["weight_version"] == "default" and meta["completion_tokens"] == kept
 
 
 def test_weights_update_while_paused_in_place(control_server, other_hf, monkeypatch):

@@ -403,11 +403,52 @@ def assign_ids(call: GenerateCall) -> list:
 
 
 def finish_reason_json(c: Completion, max_new_tokens: int, abort_message: str | None = None) -> dict:
+    """SGLang's ``finish_reason`` of a finished sample: ``FINISH_MATCHED_TOKEN``, ``FINISH_LENGTH`` or,
+    aborted while running, ``FINISH_ABORT().to_json()`` (SGLang 0.5.23 ``schedule_batch.py``; every
+    abort the HTTP API sends carries no message: "Aborted")."""
     if c.finish_reason == "stop":
         return {"type": "stop", "matched": c.token_ids[-1]}
     if c.finish_reason == "abort":
         return {"type": "abort", "message": abort_message or "Aborted", "status_code": None, "err_type": None}
     return {"type": "length", "length": max_new_tokens}
+
+
+def visible_spans(spans: list, num_tokens: int) -> list:
+    """SGLang 0.5.23's ``add_weight_versions_to_meta_info``: the spans cut to the ``num_tokens``
+    output tokens the answer holds (an empty first span stays)."""
+    return [{**s, "end": min(s["end"], num_tokens)} for s in spans if s["start"] < num_tokens or s["start"] == 0]
+
+
+def waiting_abort_to_sglang(c: Completion, *, prompt: list, rid: str, weight_version, interval: int,
+                            return_logprob: bool, tokenizer=None, e2e_latency: float | None = None,
+                            return_text_in_logprobs: bool = False, return_prompt_token_ids: bool = False,
+                            abort_message: str | None = None) -> dict:
+    """A sample aborted in SGLang's waiting queue -- before it ran, or retracted by a pause --, in
+    the shape SGLang 0.5.23's ``TokenizerManager._handle_abort_req`` answers: finish_reason
+    ``{"type": "abort", "message": "Abort in waiting queue"}``, no ``prompt_tokens``/``cached_tokens``,
+    and only the output the tokenizer manager had received: a request that does not stream is sent
+    its tokens every ``SGLANG_FORCE_STREAM_INTERVAL`` (``interval``) tokens, so the answer holds the
+    first ``interval * (len // interval)`` tokens, their log-probs, and the scheduler's spans
+    (``_make_abort_req``: over every token) cut to them."""
+    kept = interval * (len(c.token_ids) // interval) if interval > 0 else 0
+    spans = visible_spans(weight_version_spans(c.versions, weight_version, len(c.token_ids)), kept)
+    meta = {"id": rid, "finish_reason": {"type": "abort", "message": abort_message or "Abort in waiting queue"},
+            "weight_version": spans[-1]["version"], "weight_versions": spans}
+    if e2e_latency is not None:
+        meta["e2e_latency"] = e2e_latency
+    tokens = list(c.token_ids[:kept])
+    if return_logprob:
+        texts = [None] * kept
+        if return_text_in_logprobs and tokenizer is not None:
+            texts = [tokenizer.decode([t]) for t in tokens]
+        meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x in zip(c.logprobs[:kept], tokens, texts)]
+    meta["completion_tokens"] = kept
+    out = {"output_ids": tokens, "meta_info": meta}
+    if tokenizer is not None:
+        out = {"text": tokenizer.decode(tokens), **out}
+    if return_prompt_token_ids:
+        out["prompt_token_ids"] = list(prompt)
+    return out
 
 
 def version_name(version) -> str:
@@ -440,14 +481,23 @@ def weight_version_spans(versions, current, num_tokens: int) -> list:
 def completion_to_sglang(c: Completion, *, prompt: list, max_new_tokens: int, return_logprob: bool, rid: str,
                          weight_version, tokenizer=None, sampling: dict | None = None, e2e_latency: float | None = None,
                          return_text_in_logprobs: bool = False, return_prompt_token_ids: bool = False,
-                         abort_message: str | None = None, routing: tuple | None = None) -> dict:
+                         abort_message: str | None = None, routing: tuple | None = None,
+                         waiting_interval: int | None = None) -> dict:
     """One sample in SGLang's /generate response shape. ``routing`` = (start, the model's layer count,
     the layer index of each recorded MoE layer): ``meta_info["routed_experts"]`` as SGLang 0.5.23
     returns it (``--enable-return-routed-experts``): int32 [tokens, layers, top_k] for the positions
     ``[start, prompt + response - 1)``, base64; a dense layer's rows are zeros, as in SGLang's
     zero-initialised capture buffer. ``weight_version``: the engine's version now (the version of an
     output with no token); ``meta_info["weight_versions"]`` holds the spans of ``c.versions``
-    (:func:`weight_version_spans`) and ``meta_info["weight_version"]`` the last span's version."""
+    (:func:`weight_version_spans`) and ``meta_info["weight_version"]`` the last span's version.
+    ``waiting_interval`` (an aborted sample SGLang would find in its waiting queue): the answer is
+    :func:`waiting_abort_to_sglang`'s with that stream interval."""
+    if waiting_interval is not None and c.finish_reason == "abort":
+        return waiting_abort_to_sglang(
+            c, prompt=prompt, rid=rid, weight_version=weight_version, interval=waiting_interval,
+            return_logprob=return_logprob, tokenizer=tokenizer, e2e_latency=e2e_latency,
+            return_text_in_logprobs=return_text_in_logprobs, return_prompt_token_ids=return_prompt_token_ids,
+            abort_message=abort_message)
     sampling = sampling or {}
     reason = finish_reason_json(c, max_new_tokens, abort_message)
     spans = weight_version_spans(c.versions, weight_version, len(c.token_ids))

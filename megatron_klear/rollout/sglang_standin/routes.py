@@ -258,6 +258,10 @@ def _prepare(state, raw: bytes):
 
 
 def _answer(state, call, job, limits, routing, latency):
+    # aborted in SGLang's waiting queue (before it ran, or retracted by a pause): the tokens SGLang's
+    # tokenizer manager received, whole multiples of SGLANG_FORCE_STREAM_INTERVAL for a request that
+    # does not stream
+    waiting_interval = state.force_stream_interval if job.abort_where == "waiting" else None
     outs = []
     for i, completions in enumerate(job.results):
         for j, comp in enumerate(completions):
@@ -266,7 +270,7 @@ def _answer(state, call, job, limits, routing, latency):
                 rid=job.ids[i * call.n + j], weight_version=state.engine.weight_version, tokenizer=state.tokenizer,
                 sampling=call.sampling[i], e2e_latency=latency, return_text_in_logprobs=call.return_text_in_logprobs,
                 return_prompt_token_ids=call.return_prompt_token_ids, abort_message=job.abort_message,
-                routing=routing))
+                routing=routing, waiting_interval=waiting_interval))
     return reply(200, outs[0] if call.single and call.n == 1 else outs)
 
 
@@ -291,9 +295,10 @@ async def continue_generation(request: Request):
 
 @router.post("/abort_request")
 async def abort_request(request: Request):
+    """SGLang 0.5.23: 200 always; an empty rid without abort_all, or a rid no live request has, is
+    ignored; else every request whose id starts with rid ends (:meth:`Scheduler.abort_request`)."""
     f = control_fields(await read_json(request), {"rid": (_str, ""), "abort_all": (_bool, False)})
-    if f["abort_all"] or f["rid"]:  # an empty rid without abort_all is ignored, as in SGLang
-        server_state(request).scheduler.abort(f["rid"], f["abort_all"], message="Aborted by /abort_request")
+    server_state(request).scheduler.abort_request(f["rid"], f["abort_all"])
     return reply(200)
 
 

@@ -26,7 +26,11 @@ class Job:
         self.future = concurrent.futures.Future()
         self.error = None
         self.aborted = False
-        self.abort_message = None
+        self.abort_message = None  # the finish message of its aborted samples (None: SGLang's)
+        # where SGLang would find it when aborted: "running" (in the running batch: FINISH_ABORT, the
+        # tokens so far) or "waiting" (in the waiting queue: not started, or retracted by a pause --
+        # answered from what the tokenizer manager received)
+        self.abort_where = None
 
     def finish(self) -> None:
         """Resolve :attr:`future` (once; a no-op if it is done or its waiter was cancelled)."""
@@ -34,10 +38,12 @@ class Job:
             self.future.set_result(self)
 
     def matches(self, rid: str) -> bool:
+        """SGLang's scheduler matches a request to abort by prefix: ``req.rid.startswith(rid)``."""
         return any(isinstance(i, str) and i.startswith(rid) for i in [self.rid, *self.ids])
 
-    def finish_aborted(self, message: str) -> None:
-        self.aborted, self.abort_message = True, message
+    def finish_aborted(self, message: str | None = None) -> None:
+        """Aborted before it ran (SGLang's waiting queue): every sample answers with no token."""
+        self.aborted, self.abort_message, self.abort_where = True, message, "waiting"
         for k, r in enumerate(self.requests):
             if self.results[k] is None:
                 self.results[k] = [Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[])
@@ -79,13 +85,17 @@ class Scheduler:
             return self.paused if self.paused in ("in_place", "retract") and not self.closed else None
 
     def wait_while_paused(self) -> None:
-        """Hold the engine until continue, or until an abort is to be served (the engine then ends
-        the aborted rows and comes back while still paused)."""
+        """Hold the engine until continue or, paused with ``retract``, until an abort is to be served
+        (the engine then ends the aborted rows and comes back while still paused). SGLang 0.5.23:
+        retracted requests wait in the waiting queue, where an abort ends them at once; a request
+        held ``in_place`` stays in the running batch, whose aborts take effect at its next decode
+        step, after continue."""
         with self.cond:
             self.parked = True
             self.cond.notify_all()
             epoch = self.abort_epoch
-            while self.paused in ("in_place", "retract") and not self.closed and self.abort_epoch == epoch:
+            while self.paused in ("in_place", "retract") and not self.closed and \
+                    not (self.paused == "retract" and self.abort_epoch != epoch):
                 self.cond.wait()
             self.parked = False
 
@@ -164,8 +174,22 @@ class Scheduler:
                     self.running = []
                     self.cond.notify_all()
 
-    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted") -> int:
-        """Abort the queued and running requests matching ``rid`` (a prefix of their ids) or all."""
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
+        """SGLang 0.5.23's ``/abort_request`` (``TokenizerManager.abort_request`` with one tokenizer
+        worker): an empty ``rid`` without ``abort_all`` is ignored (it would prefix-match every
+        request), and so is a ``rid`` that is not the id of a live request; else the scheduler aborts
+        every request whose id starts with ``rid`` (:meth:`abort`)."""
+        if not abort_all:
+            if not rid:
+                return 0
+            with self.cond:
+                if not any(rid in job.ids for job in [*self.queue, *self.running] if not job.aborted):
+                    return 0
+        return self.abort(rid, abort_all)
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str | None = None) -> int:
+        """Abort the queued and running requests matching ``rid`` (a prefix of their ids) or all.
+        ``message``: their finish message (None: SGLang's, "Aborted" / "Abort in waiting queue")."""
         count = 0
         with self.cond:
             for job in list(self.queue):
@@ -174,8 +198,9 @@ class Scheduler:
                     job.finish_aborted(message)
                     count += 1
             for job in self.running:
-                if abort_all or job.matches(rid):
+                if not job.aborted and (abort_all or job.matches(rid)):
                     job.aborted, job.abort_message = True, message
+                    job.abort_where = "waiting" if self.paused == "retract" else "running"
                     count += 1
                     self.abort_epoch += 1
             self.cond.notify_all()
@@ -185,7 +210,7 @@ class Scheduler:
         with self.cond:
             self.paused = mode
             if mode == "abort":  # what runs or waits now ends; later requests wait for continue
-                self.abort(abort_all=True, message="Aborted by /pause_generation (mode abort)")
+                self.abort(abort_all=True)
             self.cond.notify_all()
         with self.cond:  # answer once nothing decodes: the running requests ended, or the engine holds
             while self.running and not self.closed and not (mode != "abort" and self.parked):

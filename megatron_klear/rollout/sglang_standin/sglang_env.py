@@ -11,7 +11,10 @@ Environment variables (read when SGLang reads them):
   read at start-up, when SGLang captures its CUDA graphs): releasing ``cuda_graph`` frees their
   memory only with it;
 - ``SGLANG_EXPOSE_OWN_ENV_VARS`` (default false, ``EnvBool``, read at every ``/server_info``): the
-  server lists the SGLang variables set in its environment under ``internal_states[i].env_vars``.
+  server lists the SGLang variables set in its environment under ``internal_states[i].env_vars``;
+- ``SGLANG_FORCE_STREAM_INTERVAL`` (tokens, default 50, ``EnvInt``, read at start-up): a request that
+  does not stream sends its output to the tokenizer manager every that many tokens; one aborted in
+  the waiting queue (retracted by a pause) answers with what was sent.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from megatron_klear.rollout.sglang import compat
 HEALTH_GENERATION, MEMORY_SAVER_CUDA_GRAPH, EXPOSE_ENV_VARS = (compat.HEALTH_GENERATION, compat.MEMORY_SAVER_CUDA_GRAPH,
                                                               compat.EXPOSE_ENV_VARS)
 HEALTH_CHECK_TIMEOUT = "SGLANG_HEALTH_CHECK_TIMEOUT"
+FORCE_STREAM_INTERVAL = "SGLANG_FORCE_STREAM_INTERVAL"
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -53,6 +57,18 @@ def health_check_timeout() -> int:
     except ValueError:
         raise ValueError(f"{HEALTH_CHECK_TIMEOUT}={raw!r} is not an integer number of seconds (SGLang reads it "
                          "with int())") from None
+
+
+def force_stream_interval() -> int:
+    """``SGLANG_FORCE_STREAM_INTERVAL`` (SGLang's ``EnvInt(50)``), a positive number of tokens."""
+    raw = os.environ.get(FORCE_STREAM_INTERVAL, "50")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{FORCE_STREAM_INTERVAL}={raw!r} is not a positive integer number of tokens")
+    return value
 
 
 def own_env_vars() -> dict:

@@ -36,6 +36,7 @@ class ServerState:
         self.num_generate_requests = 0
         self.lock = threading.Lock()
         self.health_check_timeout = sglang_env.health_check_timeout()
+        self.force_stream_interval = sglang_env.force_stream_interval()
         # when the scheduler last answered something (a decode step, a control call it serves): SGLang's
         # last_receive_tstamp, which a health probe waits to see move
         self.last_receive = time.monotonic()

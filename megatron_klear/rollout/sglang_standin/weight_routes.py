@@ -30,7 +30,7 @@ async def update_weight_version(request: Request):
                        required=("new_version",))
     state = server_state(request)
     if f["abort_all_requests"]:
-        state.scheduler.abort(abort_all=True, message="Aborted by /update_weight_version")
+        state.scheduler.abort(abort_all=True)
     state.engine.weight_version = f["new_version"]
     return reply(200, {"success": True, "message": f"Weight version updated to {f['new_version']}",
                        "new_version": f["new_version"]})
@@ -56,7 +56,7 @@ def _update_from_disk(state, f):
     if "weights" in state.offload_tags:
         return reply(400, {"success": False, "num_paused_requests": 0, "message": _RELEASED_WEIGHTS})
     if f["abort_all_requests"]:
-        state.scheduler.abort(abort_all=True, message="Aborted by /update_weights_from_disk")
+        state.scheduler.abort(abort_all=True)
     version = f["weight_version"] if f["weight_version"] is not None else state.engine.weight_version
     try:
         _, held = state.scheduler.run_update(lambda: state.engine.load_weights_from_dir(f["model_path"], version=version))
@@ -175,7 +175,7 @@ def _update_from_distributed(state, f):
     from megatron_klear.rollout.weight_sync.update_group import destroy_update_group
 
     if f["abort_all_requests"]:
-        state.scheduler.abort(abort_all=True, message="Aborted by /update_weights_from_distributed")
+        state.scheduler.abort(abort_all=True)
     with state.weight_lock:
         session = state.weight_session
         if session is None:
