@@ -66,8 +66,8 @@ class Actor:
 
     # -- planning ------------------------------------------------------------------------------------
     def plan(self, samples: list, policy_version: int | None = None) -> list:
-        """[(counts, this rank's micro-batches)] per mini-batch. A mini-batch with no counted token
-        (every token stale, with ``rl.mask_stale_tokens``) is left out: no forward, no optimizer step
+        """[(counts, this rank's micro-batches)] per mini-batch. ``counts.num_tokens`` is 0 for a
+        mini-batch whose tokens are all stale with ``rl.mask_stale_tokens``: :meth:`update` skips it
         (every rank decides the same from the same samples)."""
         from megatron.core import parallel_state
 
@@ -85,8 +85,7 @@ class Actor:
                 policy_version=policy_version,
             )
             counts = mini_batch_counts(samples, ids, policy_version=policy_version, mask_stale=self.mask_stale)
-            if counts.num_tokens > 0:
-                plans.append((counts, mbs))
+            plans.append((counts, mbs))
         return plans
 
     @property
@@ -195,8 +194,9 @@ class Actor:
         state = self.state
         # the lr schedule advances per optimizer step, or once per RL step (optim.schedule_unit)
         per_rl_step = getattr(getattr(state.config, "optim", None), "schedule_unit", "optimizer_step") == "rl_step"
-        n_mini_batches = len(split_mini_batches(samples, self.rl.mini_batch_prompts))
         plans = self.plan(samples, policy_version)
+        n_mini_batches = len(plans)
+        plans = [(counts, mbs) for counts, mbs in plans if counts.num_tokens > 0]  # no forward, no step
         masked = (sum(int(stale_flags(s, policy_version, index=i).sum()) for i, s in enumerate(samples))
                   if self.mask_stale else 0)
         if not plans:  # every token stale and masked: nothing to train on

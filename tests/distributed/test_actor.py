@@ -175,3 +175,43 @@ def test_masked_stale_response_counts_as_absent(model_dir):
     # not masked, the stale responses are trained on: the update differs
     _, unmasked = run_distributed(_update_with, 1, model_dir, [], versioned, 3)[0]
     assert max(float((unmasked[k] - v).abs().max()) for k, v in ref_delta.items()) > 2e-3
+
+
+def _partly_stale(samples):
+    """Versions 2 then 3 (the trainer's) within responses, some responses entirely of version 2."""
+    import dataclasses
+
+    out = []
+    for k, s in enumerate(samples):
+        n = len(s.response_ids)
+        cut = n if k % 4 == 0 else (k * 3) % n
+        out.append(dataclasses.replace(s, versions=[2] * cut + [3] * (n - cut)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stale_reference(model_dir):
+    return run_distributed(_update_with, 1, model_dir, ["rl.mask_stale_tokens=true", "rl.tis_cap=2.0"],
+                           _partly_stale(make_samples()), 3)[0]
+
+
+@pytest.mark.parametrize("extra", [["parallel.cp=2"], ["parallel.pp=2"]], ids=["cp2", "pp2"])
+def test_masked_stale_tokens_match_one_process(model_dir, stale_reference, extra):
+    """The stale flag travels with the other per-token values (CP padding and slicing, the last
+    pipeline stage): masked updates at CP=2 and PP=2 equal the single-process one."""
+    import torch
+
+    ref_metrics, ref_delta = stale_reference
+    assert 0 < ref_metrics["actor/stale_tokens_masked"]
+    results = run_distributed(_update_with, 2, model_dir, ["rl.mask_stale_tokens=true", "rl.tis_cap=2.0", *extra],
+                              _partly_stale(make_samples()), 3)
+    metrics, delta = results[0][0], {}
+    for _, d in results:
+        delta.update(d)
+    for a, b in zip(metrics["actor/steps"], ref_metrics["actor/steps"]):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-7), (a, b)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a, b)
+    for k in ("actor/tis_weight_mean", "actor/stale_tokens_masked", "actor/logprob_mismatch_mean"):
+        assert math.isclose(metrics[k], ref_metrics[k], rel_tol=1e-5), k
+    for k, v in ref_delta.items():
+        assert torch.allclose(delta[k], v, atol=2e-4, rtol=0), (k, (delta[k] - v).abs().max())

@@ -276,3 +276,46 @@ def test_staleness_metrics_by_hand():
     assert staleness_metrics([], 3)["rollout/offpolicy_token_frac"] == 0.0
     assert oldest_version([None, 4, 2, 5]) == 2
     assert oldest_version([None]) is None and oldest_version(None) is None
+
+
+def test_a_mini_batch_left_without_tokens_makes_no_step():
+    """rl.mask_stale_tokens: a mini-batch whose tokens are all stale has no forward and no optimizer
+    step (every rank sees the same counts); the other mini-batches train as usual."""
+    from types import SimpleNamespace
+
+    class Optimizer:
+        param_groups = [{"lr": 0.1}]
+        steps = 0
+
+        def zero_grad(self):
+            """Nothing to clear: the model is stubbed."""
+
+        def step(self):
+            Optimizer.steps += 1
+            return True, 1.0, None
+
+    samples = _samples(seed=2, prompts=4, versions=lambda rng, n: [POLICY] * n)
+    for s in samples:
+        if s.group in (0, 1):  # the first mini-batch: every token of an older version
+            s.versions = [POLICY - 1] * len(s.response_ids)
+    rl = RLConfig(mask_stale_tokens=True, mini_batch_prompts=2, prompts_per_step=4)
+    state = SimpleNamespace(model=[], optimizer=Optimizer(), config=SimpleNamespace(),
+                            scheduler=SimpleNamespace(step=lambda increment: None))
+    actor = Actor(state, rl)
+    ran = []
+    actor.plan = lambda samples, policy_version=None: [
+        (mini_batch_counts(samples, ids, policy_version=policy_version, mask_stale=True), ids)
+        for ids in split_mini_batches(samples, rl.mini_batch_prompts)]
+    actor.recompute_old_logprobs = lambda plans: ran.append(("old", [ids for _, ids in plans]))
+    actor._run = lambda ids, loss_fn, forward_only: ran.append(("train", ids)) or []
+    out = actor.update(samples, policy_version=POLICY)
+    second = [i for i, s in enumerate(samples) if s.group in (2, 3)]
+    assert ran == [("old", [second]), ("train", second)]
+    assert Optimizer.steps == 1 and out["actor/optimizer_steps"] == 1 and out["actor/skipped_mini_batches"] == 1
+    assert out["actor/stale_tokens_masked"] == sum(len(s.response_ids) for s in samples if s.group in (0, 1))
+    for s in samples:
+        s.versions = [POLICY - 1] * len(s.response_ids)
+    ran.clear()
+    out = actor.update(samples, policy_version=POLICY)  # nothing left at all
+    assert ran == [] and Optimizer.steps == 1
+    assert out["actor/optimizer_steps"] == 0 and out["actor/skipped_mini_batches"] == 2
