@@ -245,7 +245,7 @@ def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the
     (ea, sa, a), (eb, sb, b) = _serve(tiny_hf["untied"], delay=0.01), _serve(tiny_hf["untied"], delay=0.01)
     try:
         client = SGLangEngine([a, b], timeout=10, send_seed=True, health_check_interval=0.1,
-                              health_check_timeout=0.3, health_failure_threshold=1)
+                              health_check_timeout=1.0, health_failure_threshold=2)
         client.sync_pause_mode = "retract"
         with client.fleet.pushing():  # version 1 everywhere, as the RL loop's first push
             client.load_from_disk(tiny_hf["untied"], version=1)
@@ -270,3 +270,40 @@ def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the
         client.close()
     finally:
         _stop(sa, sb)
+
+
+@pytest.mark.parametrize("in_push", [True, False], ids=["in-a-push", "outside-a-push"])
+def test_the_watchdog_leaves_servers_paused_by_a_push_alone(tiny_hf, in_push):
+    """A paused server's /health blocks: within ``Fleet.pushing()`` the watchdog does not probe and
+    the stream goes on; the same pause outside a push looks like a frozen server and drops it."""
+    from megatron_klear.rollout.sglang.fleet import FleetError
+
+    engine, server, url = _serve(tiny_hf["untied"], delay=0.01)
+    try:
+        client = SGLangEngine([url], timeout=10, health_check_interval=0.1, health_check_timeout=1.0,
+                              health_failure_threshold=2)
+        stream = client.stream(_requests(budget=24, prompts=PROMPTS[:3]))
+        _wait_steps([engine], 3)
+        with client.fleet.pushing() if in_push else _nothing():
+            client.pause_generation("retract")
+            time.sleep(3.0)  # outside a push: two probes that get no answer within 1 s
+            client.continue_generation()
+        if in_push:
+            got = _collect(stream)
+            assert len(got) == 3 and all(c.finish_reason in ("stop", "length") for c in got.values())
+            assert client.fleet.live() == [url] and client.fleet_metrics()["rollout/worker_failures"] == 0
+        else:
+            with pytest.raises(FleetError, match="stopped answering /health"):
+                _collect(stream)
+        stream.close()
+        client.close()
+    finally:
+        _stop(server)
+
+
+def test_a_server_side_abort_before_abort_is_asked_is_retried(tmp_path):
+    with fake_worker(tmp_path, abort_first=1) as (url, record, _):
+        client = SGLangEngine([url], timeout=5, retry_backoff=0.01)
+        got = _collect(client.stream([SampleRequest("k", [1, 2], SamplingParams(max_new_tokens=3))]))
+    assert got["k"].finish_reason == "stop" and got["k"].token_ids == [7, 8, 9]
+    assert client.retries == 1 and len(recorded(record)) == 2 and client.aborted_requests == 0
