@@ -25,6 +25,7 @@ Counts: the engine's ``aborted_requests`` and the stream's ``aborted`` (requests
 from __future__ import annotations
 
 import asyncio
+import numbers
 import queue
 import threading
 import time
@@ -50,7 +51,7 @@ class Streams:
                 raise TypeError(f"rollout: stream request {i} is a {type(r).__name__}, not a SampleRequest")
             if not isinstance(r.params, SamplingParams):
                 raise TypeError(f"rollout: stream request {r.key!r}: params must be SamplingParams")
-            if not r.input_ids or not all(isinstance(t, int) and t >= 0 for t in r.input_ids):
+            if not r.input_ids or not all(isinstance(t, numbers.Integral) and t >= 0 for t in r.input_ids):
                 raise ValueError(f"rollout: stream request {r.key!r}: input_ids must be a non-empty list of token ids")
             r.params.validate()
             try:
