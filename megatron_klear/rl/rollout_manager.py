@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 from megatron_klear.platform import broadcast_from_rank0, is_rank0
 from megatron_klear.rl.colocation import Colocated, Dedicated
@@ -172,6 +173,11 @@ class RolloutManager:
         producer = make(self.cfg, self.engine, self.pool, self.tokenizer, self.stop_token_ids)
         if not self.cfg.rl.async_steps:
             return Synchronous(producer)
+        if self.cfg.rollout.partial and self.cfg.rl.max_staleness < 2:
+            warnings.warn("rl.async_steps=1 with rollout.partial: a partial response is continued one step after the "
+                          "batch it started in, so its first tokens are 2 versions old at training; with "
+                          f"rl.max_staleness={self.cfg.rl.max_staleness} every one is regenerated from scratch "
+                          "(set rl.max_staleness=2 to keep them)")
         # weights pushed mid-generation: requests in flight survive (retract: KV recomputed with the
         # new weights, later tokens tagged with the new version), rather than being aborted
         self.engine.sync_pause_mode = "retract"

@@ -1,0 +1,113 @@
+"""The RL loop with ``rl.async_steps=1 rollout.partial=true`` through the real sglang-router in front
+of two stand-in servers (docs/async.md): the next batch generates while the actor trains, weights
+reach the servers mid-generation with pause(retract) -> update -> continue, a step aborts its
+longest responses once it has its groups and continues them at the next. The run is stopped with a
+non-empty partial buffer and a batch generated ahead, resumed, and must train on exactly what was
+saved; at the end every server holds the trainer's final weights."""
+import json
+import os
+
+import pytest
+
+from tests.distributed.helper import run_distributed
+
+
+def _run(rank, world, overrides, stop_after=None):
+    from megatron_klear.config import load_config
+    from megatron_klear.rl.loop import RLLoop
+    from megatron_klear.rollout.weight_sync import iter_model_hf_weights
+
+    loop = RLLoop(load_config(None, overrides))
+    trained = []
+    update = loop.actor.update
+
+    def recording(samples, policy_version=None):
+        trained.append((policy_version, [(list(s.prompt_ids), list(s.response_ids), list(s.versions or []))
+                                         for s in samples]))
+        return update(samples, policy_version=policy_version)
+
+    loop.actor.update = recording
+    loop.run(stop_after=stop_after)
+    return trained, {k: v.clone() for k, v in iter_model_hf_weights(loop.state.model)}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("async-rl")
+    model = make_tiny_qwen3(str(root / "m"), num_layers=2, seed=21)
+    prompts = write_rl_prompts_jsonl(str(root / "prompts.jsonl"), 64, seed=3)
+    return {"model": model, "prompts": prompts, "root": str(root)}
+
+
+def _common(save: str, step: int) -> dict:
+    import torch
+
+    path = os.path.join(save, f"iter_{step:07d}", "common.pt")
+    return torch.load(path, map_location="cpu", weights_only=True)["common"]
+
+
+def test_async_partial_run_through_the_router_resumes_exactly(setup):
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+    from tests.distributed.test_rl_loop import _probe_logprobs_of_trainer
+    from megatron_klear.rollout.base import SamplingParams
+    from tests.rollout.processes import router
+
+    # 4 sequences at a time per server: a step's groups run in waves, so the step has its quota while
+    # later groups are still running (a random model's responses all run to the length limit)
+    servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120, max_batch_size=4) for _ in range(2)]
+    save = os.path.join(setup["root"], "run")
+    args = [
+        f"model.path={setup['model']}", f"rl.prompts=[{setup['prompts']}]", f"train.save_dir={save}",
+        "train.steps=4", "train.save_interval=1", "rl.prompts_per_step=2", "rl.oversample_prompts=6",
+        "rl.responses_per_prompt=4", "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=256",
+        "rl.max_prompt_length=64", "rollout.max_new_tokens=48", "optim.lr=5e-3", "optim.min_lr=5e-3",
+        "optim.decay_style=constant", "reward.workers=1", "parallel.tp=1", "rl.filter_zero_spread=false",
+        "rl.async_steps=1", "rollout.partial=true", "rl.max_staleness=2", "rl.tis_cap=2.0", "rollout.engine=http",
+        "rollout.weight_sync=disk", "rollout.max_concurrent_requests=32",
+    ]
+    try:
+        with router([s.url for s in servers]) as router_url:
+            args.append(f"rollout.urls=[{router_url}]")
+            first, _ = run_distributed(_run, 1, args, 2)[0]  # stops after step 2: a checkpoint, not the end
+            saved = _common(save, 2)["rollout"]
+            second, trainer_w = run_distributed(_run, 1, args)[0]  # resumes: steps 3 and 4
+            lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
+            probe = [5, 17, 33, 60, 7]
+            for s in servers:  # every server holds the trainer's final weights
+                client = SGLangEngine([s.url])
+                assert client.model_info()["weight_version"] == "4"
+                out = client.generate([probe], SamplingParams(top_k=1, max_new_tokens=6))[0][0]
+                want = _probe_logprobs_of_trainer(setup["model"], trainer_w, probe, out.token_ids)
+                assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4, (s.url, out.logprobs, want)
+    finally:
+        for s in servers:
+            s.close()
+
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert [v for v, _ in first] == [0, 1] and [v for v, _ in second] == [2, 3]
+    # the checkpoint kept the batch generated ahead for step 3 and the partial responses
+    ahead = saved["ahead"]
+    assert ahead["version"] == 2 and ahead["samples"]
+    partials = [(g["prompt"]["prompt_ids"], s) for g in saved["producer"]["groups"] for s in g["slots"]
+                if s["tokens"] and s["finish_reason"] is None]
+    assert partials, "no partial response was buffered at the checkpoint"
+    # the resumed step 3 trains on exactly the saved batch
+    assert second[0][1] == [(s["prompt_ids"], s["response_ids"], s["versions"]) for s in ahead["samples"]]
+    # tokens are at most rl.max_staleness=2 versions older than the policy they train
+    for policy, samples in first + second:
+        for _, response, versions in samples:
+            assert len(versions) == len(response) and all(policy - 2 <= v <= policy for v in versions)
+    # the buffered partials are continued: every one trained later starts with its saved prefix
+    later = [(p, r) for _, samples in second for p, r, _ in samples]
+    continued = [any(p == prompt and r[:len(s["tokens"])] == s["tokens"] for p, r in later) for prompt, s in partials]
+    assert any(continued), "no buffered partial response was continued after the resume"
+    m = {k: sum(x.get(k, 0) for x in lines) for k in ("rollout/aborted_samples", "rollout/resumed_samples")}
+    assert m["rollout/aborted_samples"] > 0 and m["rollout/resumed_samples"] > 0, m
+    assert max(x["rollout/staleness_max"] for x in lines) <= 2
+    assert max(x["rollout/staleness_max"] for x in lines) >= 1  # weights changed under running requests
+    assert all(x["perf/overlap_s"] >= 0 and x["perf/samples_per_s"] > 0 for x in lines)
+    assert any(x["perf/overlap_s"] > 0 for x in lines[1:])  # generation ran while the actor trained
