@@ -1,6 +1,7 @@
 """The RL loop with ``rl.async_steps=1 rollout.partial=true`` through the real sglang-router in front
 of two stand-in servers (docs/async.md): the next batch generates while the actor trains, weights
-reach the servers mid-generation with pause(retract) -> update -> continue, a step aborts its
+reach the servers mid-generation with pause(retract) -> update -> continue (distributed sync, the
+default for servers on their own GPUs: the update groups run over gloo here), a step aborts its
 longest responses once it has its groups and continues them at the next. The run is stopped with a
 non-empty partial buffer and a batch generated ahead, resumed, and must train on exactly what was
 saved; at the end every server holds the trainer's final weights."""
@@ -67,7 +68,7 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
         "rl.max_prompt_length=64", "rollout.max_new_tokens=48", "optim.lr=5e-3", "optim.min_lr=5e-3",
         "optim.decay_style=constant", "reward.workers=1", "parallel.tp=1", "rl.filter_zero_spread=false",
         "rl.async_steps=1", "rollout.partial=true", "rl.max_staleness=2", "rl.tis_cap=2.0", "rollout.engine=http",
-        "rollout.weight_sync=disk", "rollout.max_concurrent_requests=32",
+        "rollout.max_concurrent_requests=32",  # weights: distributed (the default for dedicated servers)
     ]
     try:
         with router([s.url for s in servers]) as router_url:
