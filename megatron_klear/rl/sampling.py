@@ -190,6 +190,8 @@ class FullBatches:
         n = self.cfg.rl.oversample_prompts or self.cfg.rl.prompts_per_step
         samples, metrics = dynamic_sampling(lambda b: self.generate_batch(prompts.take(n), version, b), self.cfg.rl)
         metrics.update(staleness_metrics(samples, version))
+        # the partial-rollout counts, none here (one set of metrics whatever the mode)
+        metrics.update({"rollout/resumed_samples": 0, "rollout/aborted_samples": 0, "rollout/stale_regenerated": 0})
         return samples, metrics
 
     def generate_batch(self, prompts: list, version: int, batch: int) -> tuple:
