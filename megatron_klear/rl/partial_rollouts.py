@@ -25,10 +25,9 @@ import dataclasses
 import queue
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 
-from megatron_klear.rl.sampling import ShortfallError, build_samples, grading_text, sampling_params
+from megatron_klear.rl.sampling import build_samples, check_shortfall, grading_text, sampling_params
 from megatron_klear.rl.staleness import staleness_metrics
 from megatron_klear.rollout.base import Completion, SampleRequest
 
@@ -183,13 +182,7 @@ class PartialRollouts:
             "rollout/tokens_per_s": tokens / max(t_gen, 1e-9),
         })
         metrics.update(staleness_metrics(samples, version))
-        if len(trained) < rl.prompts_per_step:
-            msg = (f"only {len(trained)} of rl.prompts_per_step={rl.prompts_per_step} prompt groups have reward "
-                   f"spread after {batches} generation batch(es) (rl.max_generation_batches={rl.max_generation_batches})")
-            if rl.on_shortfall == "fail":
-                raise ShortfallError(msg + "; raise rl.max_generation_batches or rl.oversample_prompts, "
-                                     "or set rl.on_shortfall=train")
-            warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
+        check_shortfall(len(trained), batches, rl)
         return samples, metrics
 
     def _regenerate_stale(self, group: Group, version: int) -> int:

@@ -163,14 +163,23 @@ def dynamic_sampling(generate, rl) -> tuple:
     metrics = merge_rollout_metrics(per_batch)
     metrics.update({"rollout/generation_batches": len(per_batch), "rollout/groups_kept": kept,
                     "rollout/samples_trained": len(samples), "rollout/shortfall_groups": need - kept})
-    if kept < need:
-        msg = (f"only {kept} of rl.prompts_per_step={need} prompt groups have reward spread after "
-               f"{len(per_batch)} generation batch(es) (rl.max_generation_batches={rl.max_generation_batches})")
-        if rl.on_shortfall == "fail":
-            raise ShortfallError(msg + "; raise rl.max_generation_batches or rl.oversample_prompts, "
-                                 "or set rl.on_shortfall=train")
-        warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
+    check_shortfall(kept, len(per_batch), rl)
     return samples, metrics
+
+
+def check_shortfall(kept: int, batches: int, rl) -> None:
+    """``rl.on_shortfall`` when fewer than ``rl.prompts_per_step`` groups were kept after ``batches``
+    generation batches: "fail" raises :class:`ShortfallError`, "train" warns (and the step trains on
+    what there is)."""
+    need = rl.prompts_per_step
+    if kept >= need:
+        return
+    msg = (f"only {kept} of rl.prompts_per_step={need} prompt groups have reward spread after "
+           f"{batches} generation batch(es) (rl.max_generation_batches={rl.max_generation_batches})")
+    if rl.on_shortfall == "fail":
+        raise ShortfallError(msg + "; raise rl.max_generation_batches or rl.oversample_prompts, "
+                             "or set rl.on_shortfall=train")
+    warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
 
 
 class FullBatches:
