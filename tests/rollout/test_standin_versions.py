@@ -290,6 +290,36 @@ def test_abort_then_continue_under_new_weights(server, refs, other_hf, monkeypat
     assert _logprobs(part) + _logprobs(rest) == pytest.approx(_teacher_forced(refs, prompt, tokens, spans), abs=2e-4)
 
 
+def test_abort_request_matches_ids_by_prefix_once_one_is_exact(server, monkeypatch):
+    """SGLang's scheduler aborts every request whose id starts with the rid (once the tokenizer
+    manager found the rid itself among its requests): "q1" ends "q1" and "q10", not "z"."""
+    engine, srv, url = server
+    gate, sched = threading.Event(), srv.state.scheduler
+    abort_request = sched.abort_request
+
+    def aborting(rid="", abort_all=False):
+        count = abort_request(rid, abort_all)
+        if count:
+            gate.set()
+        return count
+
+    monkeypatch.setattr(sched, "abort_request", aborting)
+    start = engine.decode_steps
+    _hold(monkeypatch, engine, start + K, gate)
+    started = [_start(url, _body(PROMPTS[i], N, i, rid)) for i, rid in enumerate(["q1", "q10", "z"])]
+    _wait_steps(engine, start + K)
+    assert _control(url, "/abort_request", {"rid": "q"}) == 200  # not an id: ignored
+    assert not gate.is_set() and all(t.is_alive() for t, _ in started)
+    assert _control(url, "/abort_request", {"rid": "q1"}) == 200
+    outs = []
+    for thread, results in started:
+        thread.join(60)
+        assert results["out"].status_code == 200
+        outs.append(results["out"].json())
+    reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+    assert reasons == ["abort", "abort", "length"] and len(outs[2]["output_ids"]) == N
+
+
 class _nothing:
     """``with _nothing(url) as front``: no router, the worker itself."""
 
