@@ -1,0 +1,382 @@
+"""Asynchronous GPPO and partial rollouts against the synchronous loop, on a long-tailed task:
+
+* ``sync``           ``rl.async_steps=0 rollout.partial=false`` (generate, then train, in turn);
+* ``partial``        ``rollout.partial=true``: once ``rl.prompts_per_step`` of the over-sampled groups
+  are complete, the requests still running are aborted and continued first at the next step;
+* ``async``          ``rl.async_steps=1``: the next batch generates on the servers while the actor trains;
+* ``async_partial``  both.
+
+    python benchmarks/async_rl.py --json out.json        # 4 variants x 2 seeds, under 30 min on 2 idle cores
+    python benchmarks/async_rl.py --quick --json q.json  # smoke run (the test suite): tiny sizes, 1 seed, 2 steps
+
+The task is :class:`megatron_klear.data.synthetic.LongTailTask`: digit chains whose number of terms
+is heavy-tailed, so the responses are too (most short, a few up to ~6x the median, capped by the
+response budget as a long-CoT batch is capped at 32K). The SFT model is the demo's recipe
+(examples/demo.py: a tiny Qwen3, converted to Megatron, SFT at TP=2 on an imperfect teacher's chats,
+exported to HF) trained here on that task. Each RL run is ``python -m megatron_klear.rl`` (actor at
+TP=1, one CPU thread) with ``rollout.engine=http`` to stand-in SGLang servers
+(``megatron_klear.rollout.sglang_standin``, one CPU thread each) behind the real sglang-router, the
+way the RL loop uses rollout servers; with ``--servers 1`` (the default) one core generates and the
+other trains, the smallest version of the paper's layout (rollout GPUs apart from the actor's). The
+servers are started once and reused: every run first pushes its trainer's (the SFT model's) weights.
+Every variant trains the same number of samples (``rl.filter_zero_spread=false``: every kept group
+trains, so a step is ``prompts_per_step x 8`` samples), and after each run its final model (the
+servers hold the trainer's final weights, checked) is evaluated on held-out problems
+(``megatron_klear.evaluation.evaluate``: avg@8 at temperature 1.0).
+
+Reported per variant (mean over seeds): ``samples_per_s`` (samples trained over the seconds of the
+steps, step 1 left out: it has nothing to overlap with and carries start-up costs), the median
+step time, held-out avg@8, the mean token staleness and the fraction of off-policy tokens; and
+``lengths``: p50 / p90 / max (tokens) of the SFT model's responses on the held-out problems, the
+length distribution the runs start from. ``--json OUT`` writes exactly
+``{"variants": {name: {"samples_per_s", "step_s_median", "heldout_avg@8", "staleness_mean",
+"offpolicy_token_frac"}}, "lengths": {"p50", "p90", "max"}}``; per-run details go to
+``<out>/details.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+VARIANTS = {
+    "sync": ["rl.async_steps=0", "rollout.partial=false"],
+    "partial": ["rl.async_steps=0", "rollout.partial=true"],
+    "async": ["rl.async_steps=1", "rollout.partial=false"],
+    "async_partial": ["rl.async_steps=1", "rollout.partial=true"],
+}
+FIELDS = ("samples_per_s", "step_s_median", "heldout_avg@8", "staleness_mean", "offpolicy_token_frac")
+
+
+@dataclasses.dataclass
+class Bench:
+    """The benchmark's sizes (the demo's Settings cover the model and the SFT)."""
+
+    seeds: int = 2
+    rl_steps: int = 12
+    prompts_per_step: int = 32
+    oversample: int = 40
+    mini_batch_prompts: int = 32
+    max_new_tokens: int = 184  # the response budget: ~1.1x the longest teacher response, < 8x the median
+    max_staleness: int = 4  # a continued response may span several versions (AReaL's bound)
+    tis_cap: float = 2.0
+    eval_prompts: int = 128
+    servers: int = 1
+    quick: bool = False
+
+
+QUICK = dict(seeds=1, rl_steps=2, prompts_per_step=2, oversample=4, mini_batch_prompts=2, max_new_tokens=48,
+             eval_prompts=6)
+
+
+# -- the SFT model (the demo's stages, on the long-tailed task) -------------------------------------
+def prompt_files(out: str, settings, bench: Bench) -> dict:
+    """The RL prompts (training side; enough for every step of a run) and the held-out prompts."""
+    from megatron_klear.data.synthetic import LongTailTask, write_rl_prompts_jsonl
+
+    task = LongTailTask()
+    return {"prompts": write_rl_prompts_jsonl(f"{out}/rl-prompts.jsonl", max(bench.rl_steps * bench.oversample * 4, 64),
+                                              seed=settings.seed + 1, task=task),
+            "heldout": write_rl_prompts_jsonl(f"{out}/heldout.jsonl", bench.eval_prompts, seed=settings.seed,
+                                              split="heldout", task=task)}
+
+
+def build_sft(out: str, settings, bench: Bench) -> dict:
+    """The demo's SFT model (examples/demo.py's stages: tiny model, conversion, SFT at TP=2, export)
+    trained on LongTailTask chats, and the prompt files. ``--quick``: a random tiny model stands in
+    for it (the demo's own --quick covers those stages)."""
+    from examples.demo import Demo
+    from megatron_klear.data.synthetic import LongTailTask, write_sft_jsonl
+
+    t0 = time.time()
+    os.makedirs(out, exist_ok=True)
+    if bench.quick:
+        from megatron_klear.models.tiny import make_tiny_qwen3
+
+        model = make_tiny_qwen3(os.path.join(out, "hf-sft"), num_layers=2, hidden_size=settings.hidden,
+                                seed=settings.seed, flavor="base")
+        return {"sft": model, **prompt_files(out, settings, bench), "sft_seconds": time.time() - t0}
+
+    class LongTailDemo(Demo):
+        def sft_data(self) -> None:
+            s = self.s
+            write_sft_jsonl(f"{self.out}/sft.jsonl", s.sft_examples, seed=s.seed, task=self.task, slip_rate=s.slip_rate)
+            self.sh(sys.executable, "tools/preprocess_sft.py", "--input", f"{self.out}/sft.jsonl", "--tokenizer",
+                    f"{self.out}/hf-base", "--output-prefix", f"{self.out}/sft-data", "--max-length", "512")
+
+    demo = LongTailDemo(settings, out)
+    demo.task = LongTailTask()
+    model = demo.build_sft_model()
+    return {"sft": model, **prompt_files(out, settings, bench), "sft_seconds": time.time() - t0}
+
+
+# -- servers ------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def rollout_servers(model: str, n: int, env: dict):
+    """``n`` stand-in SGLang servers for ``model`` behind the real sglang-router; yields
+    ``(router_url, servers)`` once the router lists every server healthy."""
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+
+    servers = []
+    try:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            for fut in [pool.submit(EmbeddedHTTPEngine.launch, model, startup_timeout=300, env=env) for _ in range(n)]:
+                servers.append(fut.result())
+        port = _free_port()
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *[s.url for s in servers], "--policy", "round_robin", "--log-level", "warn",
+               "--prometheus-port", str(_free_port())]
+        router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if router.poll() is not None:
+                    raise RuntimeError(f"sglang-router exited with code {router.returncode}: {' '.join(cmd)}")
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    with urllib.request.urlopen(url + "/workers", timeout=2) as r:
+                        listed = json.loads(r.read()).get("workers", [])
+                    if len(listed) == n and all(w.get("is_healthy") for w in listed):
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"sglang-router did not register {[s.url for s in servers]} within 60 s")
+                time.sleep(0.2)
+            yield url, servers
+        finally:
+            router.terminate()
+            try:
+                router.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
+    finally:
+        for s in servers:
+            s.close()
+
+
+# -- one RL run -----------------------------------------------------------------------------------------
+def rl_overrides(bench: Bench, settings, files: dict, router_url: str, save_dir: str, variant: str, seed: int) -> list:
+    return [f"model.path={files['sft']}", "model.dtype=fp32", "parallel.tp=1", f"rl.prompts=[{files['prompts']}]",
+            "rl.algo=gppo", f"rl.nll_coef={settings.rl_nll_coef}", f"rl.prompts_per_step={bench.prompts_per_step}",
+            f"rl.oversample_prompts={bench.oversample}", "rl.responses_per_prompt=8",
+            f"rl.mini_batch_prompts={bench.mini_batch_prompts}", "rl.max_tokens_per_micro_batch=4096",
+            "rl.max_prompt_length=96", f"rl.temperature={settings.temperature}", "rl.filter_zero_spread=false",
+            f"rl.max_staleness={bench.max_staleness}", f"rl.tis_cap={bench.tis_cap}",
+            f"rollout.max_new_tokens={bench.max_new_tokens}", "rollout.engine=http", f"rollout.urls=[{router_url}]",
+            f"optim.lr={settings.rl_lr}", f"optim.min_lr={settings.rl_lr}", "optim.decay_style=constant",
+            "optim.weight_decay=0.0", "optim.adam_beta2=0.999", f"train.steps={bench.rl_steps}", f"train.seed={seed}",
+            f"train.save_dir={save_dir}", "train.save_interval=0", "train.overwrite=true", "train.resume=false",
+            "reward.workers=1", *VARIANTS[variant]]
+
+
+def run_variant(bench: Bench, settings, files: dict, router_url: str, servers: list, out: str, variant: str,
+                seed: int, env: dict, pool, heldout: list, tokenizer) -> dict:
+    """One RL run (a subprocess), its final model's held-out evaluation through the same servers."""
+    name = f"{variant}-s{seed}"
+    save_dir = os.path.join(out, "rl", name)
+    log_path = os.path.join(out, "logs", f"{name}.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    cmd = [sys.executable, "-m", "megatron_klear.rl",
+           *rl_overrides(bench, settings, files, router_url, save_dir, variant, seed)]
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        raise RuntimeError(f"run {name} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+    metrics = _read_jsonl(os.path.join(save_dir, "metrics.jsonl"))
+    if [m["step"] for m in metrics] != list(range(1, bench.rl_steps + 1)):
+        raise RuntimeError(f"run {name}: metrics.jsonl has steps {[m['step'] for m in metrics]}")
+    last = max((m["step"] for m in metrics if not m.get("actor/skipped")), default=0)
+    versions = [s.model_info().get("weight_version") for s in servers]
+    if versions != [str(last)] * len(servers):
+        raise RuntimeError(f"run {name}: the servers hold weight versions {versions}, not the trainer's final {last}")
+    heldout_avg = evaluate(router_url, heldout, tokenizer, pool, settings, bench, seed)["avg@8"]
+    summary = summarize_run(metrics)
+    print(f"  {name}: {summary['samples_per_s']:.1f} samples/s, step {summary['step_s_median']:.2f} s (median), "
+          f"staleness {summary['staleness_mean']:.3f}, off-policy tokens {summary['offpolicy_token_frac']:.3f}, "
+          f"held-out avg@8 {heldout_avg:.1f}%  ({wall:.0f} s)", flush=True)
+    return {"variant": variant, "seed": seed, **summary, "heldout_avg@8": heldout_avg, "wall_s": wall,
+            "metrics": metrics}
+
+
+def summarize_run(metrics: list) -> dict:
+    """Throughput over steps 2.. (step 1 has nothing to overlap with, and the start-up costs; a
+    1-step run uses step 1), the median step time, and the token staleness of the samples trained."""
+    required = ("rollout/samples_trained", "perf/step_s", "rollout/staleness_mean", "rollout/offpolicy_token_frac")
+    for m in metrics:
+        missing = [k for k in (required[1:2] if m.get("actor/skipped") else required) if k not in m]
+        if missing:
+            raise RuntimeError(f"metrics.jsonl step {m.get('step')} lacks {missing}")
+    steady = metrics[1:] or metrics
+    samples = sum(m.get("rollout/samples_trained", 0) for m in steady)  # (absent: a step with nothing to train)
+    seconds = sum(m["perf/step_s"] for m in steady)
+    trained = [m for m in metrics if m.get("rollout/samples_trained")]
+    weight = lambda m: m["rollout/samples_trained"]  # noqa: E731 - per-step means weighted by the samples
+    mean = lambda key: (sum(m[key] * weight(m) for m in trained) / sum(weight(m) for m in trained)  # noqa: E731
+                        if trained else 0.0)
+    return {"samples_per_s": samples / seconds if seconds > 0 else 0.0,
+            "step_s_median": statistics.median(m["perf/step_s"] for m in metrics),
+            "staleness_mean": mean("rollout/staleness_mean"), "offpolicy_token_frac": mean("rollout/offpolicy_token_frac"),
+            "staleness_max": max((m.get("rollout/staleness_max", 0) for m in metrics), default=0),
+            "samples_trained": sum(m.get("rollout/samples_trained", 0) for m in metrics),
+            "steps": len(metrics), "seconds": sum(m["perf/step_s"] for m in metrics),
+            **{k: sum(m.get(k, 0) for m in metrics) for k in ("rollout/resumed_samples", "rollout/aborted_samples",
+                                                             "rollout/stale_regenerated")},
+            **{k: statistics.fmean(m.get(k, 0.0) for m in metrics) for k in ("perf/generate_s", "perf/train_s",
+                                                                            "perf/overlap_s")}}
+
+
+def evaluate(url: str, heldout: list, tokenizer, pool, settings, bench: Bench, seed: int, records=None) -> dict:
+    """avg@8 at the RL temperature on the held-out problems, generated by the servers behind ``url``."""
+    from megatron_klear.evaluation import evaluate as evaluate_engine
+    from megatron_klear.rollout.base import SamplingParams
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    engine = SGLangEngine([url], send_seed=True)
+    try:
+        summary, recs = evaluate_engine(engine, {"heldout": heldout}, tokenizer, pool, k=8, progress=lambda line: None,
+                                        params=SamplingParams(temperature=settings.temperature, seed=1000 + seed,
+                                                              max_new_tokens=bench.max_new_tokens))
+    finally:
+        engine.close()
+    if records is not None:
+        records.extend(recs)
+    return summary["heldout"]
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+def aggregate(runs: list) -> dict:
+    """variant -> the JSON's fields, means over seeds."""
+    out = {}
+    for v in VARIANTS:
+        mine = [r for r in runs if r["variant"] == v]
+        if mine:
+            out[v] = {k: statistics.fmean(r[k] for r in mine) for k in FIELDS}
+    return out
+
+
+def table(variants: dict, runs: list) -> str:
+    sync = variants.get("sync", {}).get("samples_per_s")
+    lines = ["| variant | seeds | samples/s | vs sync | step s (median) | held-out avg@8 | vs sync (points) | "
+             "staleness (mean) | off-policy tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for v, r in variants.items():
+        n = sum(x["variant"] == v for x in runs)
+        ratio = f"{r['samples_per_s'] / sync:.2f}x" if sync else "n/a"
+        points = r["heldout_avg@8"] - variants["sync"]["heldout_avg@8"] if "sync" in variants else float("nan")
+        lines.append(f"| {v} | {n} | {r['samples_per_s']:.2f} | {ratio} | {r['step_s_median']:.2f} | "
+                     f"{r['heldout_avg@8']:.1f} | {points:+.1f} | {r['staleness_mean']:.3f} | "
+                     f"{r['offpolicy_token_frac']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-async-rl"))
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 seed, 2 steps per variant")
+    p.add_argument("--seeds", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run")
+    p.add_argument("--servers", type=int, default=None, help="stand-in servers behind the router (default 1)")
+    p.add_argument("--sft", default=None, help="an HF SFT model to start from (default: build the demo's on the task)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    args = p.parse_args(argv)
+    from examples.demo import Settings
+
+    bench = Bench(**(QUICK if args.quick else {}), quick=args.quick)
+    for key, value in (("seeds", args.seeds), ("rl_steps", args.steps), ("servers", args.servers)):
+        if value is not None:
+            if value < 1:
+                p.error(f"--{key.replace('rl_', '')} must be >= 1, got {value}")
+            setattr(bench, key, value)
+    variants = [v for v in args.variants.split(",") if v]
+    if set(variants) - set(VARIANTS) or not variants:
+        p.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
+    settings = Settings(quick=args.quick)
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    t0, load_start = time.time(), os.getloadavg()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    server_env = {"OMP_NUM_THREADS": "1"}  # (the launcher adds the rest of this environment)
+    print(f"SFT model: {args.sft}" if args.sft else "a random tiny model (--quick)" if args.quick else
+          "building the SFT model on the long-tailed task (the demo's recipe) ...", flush=True)
+    if args.sft:
+        files = {"sft": os.path.abspath(args.sft), **prompt_files(os.path.join(out, "sft"), settings, bench),
+                 "sft_seconds": 0.0}
+    else:
+        files = build_sft(os.path.join(out, "sft"), settings, bench)
+
+    from megatron_klear.data.chat import load_tokenizer
+    from megatron_klear.data.prompts import PromptDataset
+    from megatron_klear.data.synthetic import length_percentiles
+    from megatron_klear.evaluation import evaluation_reward_config
+    from megatron_klear.rewards import GradingPool, RewardConfig
+
+    tokenizer = load_tokenizer(files["sft"])
+    heldout = PromptDataset([files["heldout"]], tokenizer, max_prompt_length=96).prompts
+    runs, records = [], []
+    print(f"RL: {len(variants)} variants x {bench.seeds} seeds, {bench.rl_steps} steps of {bench.prompts_per_step} "
+          f"prompts x 8 (of {bench.oversample}), {bench.servers} stand-in server(s) behind sglang-router", flush=True)
+    with GradingPool(evaluation_reward_config(RewardConfig(workers=1))) as pool, \
+            rollout_servers(files["sft"], bench.servers, server_env) as (router_url, servers):
+        sft_eval = evaluate(router_url, heldout, tokenizer, pool, settings, bench, 0, records)
+        lengths = length_percentiles(r["length"] for r in records)
+        print(f"  SFT model: held-out avg@8 {sft_eval['avg@8']:.1f}%, response lengths {lengths} "
+              f"(max/median {lengths['max'] / max(lengths['p50'], 1):.1f})", flush=True)
+        for seed in range(1, bench.seeds + 1):
+            for v in variants:  # interleaved: load drifts hit every variant alike
+                runs.append(run_variant(bench, settings, files, router_url, servers, out, v, seed, env, pool,
+                                        heldout, tokenizer))
+    results = {"variants": aggregate(runs), "lengths": lengths}
+    minutes = (time.time() - t0) / 60
+    text = table(results["variants"], runs)
+    print("\n" + text)
+    sync = results["variants"].get("sync")
+    if sync:
+        for v, r in results["variants"].items():
+            print(f"{v}: {r['samples_per_s'] / sync['samples_per_s']:.2f}x sync's samples/s, held-out avg@8 "
+                  f"{r['heldout_avg@8'] - sync['heldout_avg@8']:+.1f} points")
+    print(f"lengths (SFT model, held-out, tokens): p50 {lengths['p50']}, p90 {lengths['p90']}, max {lengths['max']}; "
+          f"total {minutes:.1f} min (SFT {files['sft_seconds'] / 60:.1f} min)")
+    details = {"results": results, "bench": dataclasses.asdict(bench), "settings": dataclasses.asdict(settings),
+               "sft_heldout": sft_eval, "runs": runs, "minutes": minutes, "table": text,
+               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                           "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
+               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    with open(os.path.join(out, "details.json"), "w") as f:
+        json.dump(details, f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _read_jsonl(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
