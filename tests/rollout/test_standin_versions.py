@@ -320,6 +320,39 @@ def test_abort_request_matches_ids_by_prefix_once_one_is_exact(server, monkeypat
     assert reasons == ["abort", "abort", "length"] and len(outs[2]["output_ids"]) == N
 
 
+def test_a_request_held_by_a_retract_pause_aborts_from_the_waiting_queue(server, monkeypatch):
+    """SGLang puts retracted requests back in its waiting queue: aborted there (here by
+    pause(mode=abort)), a request that does not stream answers only the tokens sent to the tokenizer
+    manager (every 50): none of its K, with finish_reason "Abort in waiting queue" and the scheduler's
+    span cut to them (its version stays the version of its tokens)."""
+    engine, srv, url = server
+    gate, sched = threading.Event(), srv.state.scheduler
+    pause = sched.pause
+
+    def pausing(mode):
+        if mode == "retract":
+            with sched.cond:
+                sched.paused = mode
+            gate.set()
+        return pause(mode)
+
+    monkeypatch.setattr(sched, "pause", pausing)
+    start = engine.decode_steps
+    _hold(monkeypatch, engine, start + K, gate)
+    thread, results = _start(url, _body(PROMPTS[0], N, 1, "held-1"))
+    _wait_steps(engine, start + K)
+    assert _control(url, "/pause_generation", {"mode": "retract"}) == 200
+    assert _control(url, "/update_weight_version", {"new_version": "1", "abort_all_requests": False}) == 200
+    assert _control(url, "/pause_generation", {"mode": "abort"}) == 200
+    thread.join(60)
+    out = results["out"].json()
+    validate_generate_response(out)
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and meta["output_token_logprobs"] == [] and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 0}] and meta["weight_version"] == "0"
+
+
 class _nothing:
     """``with _nothing(url) as front``: no router, the worker itself."""
 

@@ -208,9 +208,9 @@ class Scheduler:
 
     def pause(self, mode: str) -> None:
         with self.cond:
+            if mode == "abort":  # what runs or waits now ends (requests a retract pause holds are in
+                self.abort(abort_all=True)  # SGLang's waiting queue); later requests wait for continue
             self.paused = mode
-            if mode == "abort":  # what runs or waits now ends; later requests wait for continue
-                self.abort(abort_all=True)
             self.cond.notify_all()
         with self.cond:  # answer once nothing decodes: the running requests ended, or the engine holds
             while self.running and not self.closed and not (mode != "abort" and self.parked):
