@@ -67,7 +67,7 @@ class Bench:
     """The benchmark's sizes (the demo's Settings cover the model and the SFT)."""
 
     seeds: int = 2
-    rl_steps: int = 12
+    rl_steps: int = 6
     prompts_per_step: int = 32
     oversample: int = 40
     mini_batch_prompts: int = 32
@@ -267,6 +267,52 @@ def evaluate(url: str, heldout: list, tokenizer, pool, settings, bench: Bench, s
     return summary["heldout"]
 
 
+def batching_probe(model: str, heldout: list, bench: Bench) -> dict:
+    """The same responses (``oversample`` held-out prompts x 8, the budget of a step) from one
+    in-process stand-in, as one request per prompt (``n=8``: how the synchronous loop asks) and as
+    one request per sample (how partial rollouts ask): seconds and the engine batches the
+    stand-in's scheduler formed, ``[(requests, sequences), ...]``. The stand-in batches statically
+    (a batch admits nothing while it decodes; SGLang admits new requests between decode steps), so
+    requests that arrive spread out are decoded in several batches, one after the other."""
+    from dataclasses import replace
+
+    import torch
+
+    from megatron_klear.data.chat import generation_stop_ids, load_tokenizer
+    from megatron_klear.rollout.base import SampleRequest, SamplingParams
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang_standin import serve_in_thread
+
+    torch.set_num_threads(1)
+    tok = load_tokenizer(model)
+    server, url = serve_in_thread(EmbeddedEngine.from_pretrained(model, dtype="float32"), tokenizer=tok)
+    client = SGLangEngine([url])
+    try:
+        ids = [list(p.prompt_ids) for p in (heldout * bench.oversample)[:bench.oversample]]
+        params = SamplingParams(temperature=1.0, max_new_tokens=bench.max_new_tokens,
+                                stop_token_ids=generation_stop_ids(tok))
+        history, out = server.state.scheduler.history, {}
+        history.clear()
+        t = time.time()
+        client.generate(ids, params, n=8)
+        out["per_prompt"] = {"seconds": time.time() - t, "batches": list(history)}
+        history.clear()
+        requests = [SampleRequest((i, j), x, replace(params, seed=8 * i + j)) for i, x in enumerate(ids) for j in range(8)]
+        t = time.time()
+        stream = client.stream(requests)
+        try:
+            done = sum(1 for _ in stream)
+        finally:
+            stream.close()
+        out["per_sample"] = {"seconds": time.time() - t, "batches": list(history), "responses": done}
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+    return out
+
+
 # -- the driver ---------------------------------------------------------------------------------------
 def aggregate(runs: list) -> dict:
     """variant -> the JSON's fields, means over seeds."""
@@ -349,6 +395,12 @@ def main(argv=None) -> int:
             for v in variants:  # interleaved: load drifts hit every variant alike
                 runs.append(run_variant(bench, settings, files, router_url, servers, out, v, seed, env, pool,
                                         heldout, tokenizer))
+    probe = None
+    if not bench.quick:
+        probe = batching_probe(files["sft"], heldout, bench)
+        print(f"  batching probe ({bench.oversample} prompts x 8 on one stand-in): one request per prompt "
+              f"{probe['per_prompt']['seconds']:.1f} s in engine batches {probe['per_prompt']['batches']}; one per "
+              f"sample {probe['per_sample']['seconds']:.1f} s in {probe['per_sample']['batches']}", flush=True)
     results = {"variants": aggregate(runs), "lengths": lengths}
     minutes = (time.time() - t0) / 60
     text = table(results["variants"], runs)
@@ -361,7 +413,7 @@ def main(argv=None) -> int:
     print(f"lengths (SFT model, held-out, tokens): p50 {lengths['p50']}, p90 {lengths['p90']}, max {lengths['max']}; "
           f"total {minutes:.1f} min (SFT {files['sft_seconds'] / 60:.1f} min)")
     details = {"results": results, "bench": dataclasses.asdict(bench), "settings": dataclasses.asdict(settings),
-               "sft_heldout": sft_eval, "runs": runs, "minutes": minutes, "table": text,
+               "sft_heldout": sft_eval, "batching_probe": probe, "runs": runs, "minutes": minutes, "table": text,
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                            "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
                "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
