@@ -210,9 +210,12 @@ def test_abort_mid_way_answers_the_output_so_far_and_continuing_finishes(tiny_hf
             stream.abort()
             got = _collect(stream)
             assert set(got) == {req.key for req in long}
+            # a request still waiting in a server's queue when the abort comes ends with no token (the
+            # stand-in batches without continuous batching): at least one was decoding
+            assert any(got[req.key].token_ids for req in long), got
             for req in long:
                 c, full = got[req.key], reference[req.key]
-                assert c.aborted and 0 < len(c.token_ids) < len(full.token_ids) <= BUDGET, (req.key, c)
+                assert c.aborted and 0 <= len(c.token_ids) < len(full.token_ids) <= BUDGET, (req.key, c)
                 assert len(c.logprobs) == len(c.token_ids) == len(c.versions)
                 # the stand-in's seeded sampling is per sample: the partial response is a prefix of the full one
                 assert c.token_ids == full.token_ids[:len(c.token_ids)]
