@@ -53,3 +53,64 @@ def test_async_rl_benchmark_quick(tmp_path):
     for name, r in results["variants"].items():
         m = re.search(rf"^{name}: ([0-9.]+)x sync's samples/s", proc.stdout, re.M)
         assert m and float(m.group(1)) == round(r["samples_per_s"] / sync, 2), (name, proc.stdout[-2000:])
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_async_rl", os.path.join(REPO, "benchmarks", "async_rl.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_long_cot_decode_model_against_hand_and_a_token_by_token_reference():
+    """The Qwen3-8B arithmetic of benchmarks/RESULTS.md: the KV cache per token, the pool, one decode
+    step, by hand; a server's finish times against a token-by-token loop (no multi-step jumps)."""
+    import numpy as np
+
+    bench = _bench_module()
+    cfg = bench.LongCoT()
+    assert cfg.kv_bytes_per_token == 36 * 8 * 128 * 2 * 2 == 147456
+    assert abs(cfg.kv_pool_tokens - (80e9 * 0.85 - 2 * 8.19e9 - 4e9) / 147456) < 1e-6
+    assert abs(cfg.step_s(0) - (2 * 8.19e9 / (3.35e12 * 0.7) + 0.002)) < 1e-12
+    assert abs(cfg.step_s(100000) - cfg.step_s(0) - 100000 * 147456 / (3.35e12 * 0.7)) < 1e-12
+
+    # a small pool (admission and retraction both happen) and short responses
+    small = bench.LongCoT(hbm=(2 * 8.19e9 + 4e9 + 9000 * 147456) / 0.85, prompt_tokens=50)
+    lengths = np.array([700, 30, 2000, 450, 1200, 90, 1600, 300])
+
+    def reference(cfg, lengths):
+        n, gen, live, fin = len(lengths), [0] * len(lengths), [False] * len(lengths), [None] * len(lengths)
+        queue, t, cap = list(range(n)), 0.0, cfg.kv_pool_tokens
+        while any(f is None for f in fin):
+            used = lambda: sum(cfg.prompt_tokens + gen[i] for i in range(n) if live[i])  # noqa: E731
+            while queue and (not any(live) or used() + cfg.prompt_tokens + gen[queue[0]] + 1000 * (sum(live) + 1) < cap):
+                live[queue.pop(0)] = True
+            while used() > cap and sum(live) > 1:
+                i = max(i for i in range(n) if live[i])
+                live[i] = False
+                queue.insert(0, i)
+            running = [i for i in range(n) if live[i]]
+            t += cfg.step_s(used() + len(running) / 2)  # one token each, midway
+            for i in running:
+                gen[i] += 1
+                if gen[i] >= lengths[i]:
+                    fin[i], live[i] = t, False
+        return np.array(fin)
+
+    got, want = small.server_finish_s(lengths), reference(small, lengths)
+    assert np.allclose(got, want, rtol=2e-3), (got, want)
+    assert got.argmax() == lengths.argmax()  # the longest response ends the step
+
+    # the estimate's steps: each mode as RESULTS.md states it
+    est = bench.long_cot_estimate(0)
+    assert est["lengths"]["max"] == 32768 and 10000 < est["lengths"]["p50"] < 14000 < est["lengths"]["p90"]
+    s = est["step_s"]
+    assert abs(s["sync"] - (est["generate_sync_s"] + est["train_s"])) < 1e-6
+    assert abs(s["async"] - max(est["generate_sync_s"], est["train_s"])) < 1e-6
+    assert abs(s["partial"] - (est["generate_partial_s"] + est["train_s"])) < 1e-6
+    assert abs(est["generate_partial_s"] - est["tokens"] / (32 * est["full_pool_tokens_per_s"])) < 1e-6
+    # the tail: the synchronous fleet runs well below its full-pool rate, most tokens done by mid-step
+    assert est["sync_tokens_per_s"] < 0.75 * est["full_pool_tokens_per_s"] and est["finished_by_half_step"] > 0.8
