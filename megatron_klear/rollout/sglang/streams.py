@@ -25,6 +25,8 @@ Counts: the engine's ``aborted_requests`` and the stream's ``aborted`` (requests
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import numbers
 import queue
 import threading
@@ -106,8 +108,7 @@ class SGLangStream(RequestStream):
         self._closed = True
         self.abort()
         try:
-            for _ in self:
-                pass
+            collections.deque(self, maxlen=0)  # drain: every request ends (results dropped)
         except Exception:  # noqa: BLE001 -- the stream failed: nothing more to wait for
             self._stop.set()
         self._stop.set()
@@ -126,10 +127,8 @@ class SGLangStream(RequestStream):
         with self._lock:
             loop, wake = self._loop, self._wake
         if loop is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
                 loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # the loop already ended
-                pass
 
     # -- the event loop's side -------------------------------------------------------------------------
     async def _run(self):
