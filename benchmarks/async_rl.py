@@ -8,6 +8,11 @@
 
     python benchmarks/async_rl.py --json out.json        # 4 variants x 2 seeds, under 30 min on 2 idle cores
     python benchmarks/async_rl.py --quick --json q.json  # smoke run (the test suite): tiny sizes, 1 seed, 2 steps
+    python benchmarks/async_rl.py --sft runs/x/hf-sft    # start from an existing SFT model
+    python benchmarks/async_rl.py --long-cot             # the Qwen3-8B-at-32K decode-time model (RESULTS.md)
+
+The default run measured 20.2 min on 2 cores (benchmarks/RESULTS.md); it also runs a batching
+probe (the same responses from one stand-in as one request per prompt and as one per sample).
 
 The task is :class:`megatron_klear.data.synthetic.LongTailTask`: digit chains whose number of terms
 is heavy-tailed, so the responses are too (most short, a few up to ~6x the median, capped by the
