@@ -87,20 +87,24 @@ def test_json_errors_name_their_real_column(tmp_path, tokenizer, line, where):
 
 def test_the_first_steps_metrics_count_the_skipped_lines(monkeypatch):
     from megatron_klear.config import JobConfig
-    from megatron_klear.rl import rollout_manager
+    from megatron_klear.rl import sampling
+    from megatron_klear.rl.async_rollouts import Synchronous
     from megatron_klear.rl.rollout_manager import RolloutManager
 
     cfg = JobConfig()
     cfg.rl.prompts = ["p.jsonl"]
     manager = RolloutManager(cfg)
-    monkeypatch.setattr(rollout_manager, "dynamic_sampling",
-                        lambda batch, rl: ([], {"rollout/generation_batches": 1}))
+    manager.batches = Synchronous(sampling.FullBatches(cfg, None, None, None, []))
+    monkeypatch.setattr(sampling, "dynamic_sampling", lambda batch, rl: ([], {"rollout/generation_batches": 1}))
 
     class Prompts:
         skipped = 7
 
         def take(self, n):
             return []
+
+        def state_dict(self):
+            return {}
 
     first = manager.generate(Prompts(), 0)[1]
     second = manager.generate(Prompts(), 1)[1]
