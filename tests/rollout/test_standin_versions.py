@@ -144,6 +144,22 @@ def _start(url, body):
     return t, results
 
 
+def _gate_on_pause(monkeypatch, sched, modes=("retract", "in_place", "abort")) -> threading.Event:
+    """A gate opened by the scheduler's pause in one of ``modes``: the scheduler is marked paused
+    first, so the held forward the gate releases is the engine's last before it stops."""
+    gate, pause = threading.Event(), sched.pause
+
+    def pausing(mode):
+        if mode in modes:
+            with sched.cond:
+                sched.paused = mode
+            gate.set()
+        return pause(mode)
+
+    monkeypatch.setattr(sched, "pause", pausing)
+    return gate
+
+
 def _hold(monkeypatch, engine, after: int, gate: threading.Event):
     """The engine waits for ``gate`` before every forward from number ``after`` on (so a request
     holds exactly ``after - start`` tokens then)."""
@@ -194,16 +210,7 @@ def test_retract_pause_and_disk_update_mid_request(server, refs, tiny_hf, other_
     its version's float64 forward, and the version-0 part is what version 0 alone samples."""
     engine, srv, url = server
     prompt = PROMPTS[0]
-    gate, sched = threading.Event(), srv.state.scheduler
-    pause = sched.pause
-
-    def pausing(mode):
-        with sched.cond:
-            sched.paused = mode  # paused before the held forward goes on: the engine stops right after it
-        gate.set()
-        return pause(mode)
-
-    monkeypatch.setattr(sched, "pause", pausing)
+    gate = _gate_on_pause(monkeypatch, srv.state.scheduler)
     start = engine.decode_steps
     _hold(monkeypatch, engine, start + K, gate)
     thread, results = _start(url, _body(prompt, N, 7, "long-1"))
@@ -326,17 +333,7 @@ def test_a_request_held_by_a_retract_pause_aborts_from_the_waiting_queue(server,
     manager (every 50): none of its K, with finish_reason "Abort in waiting queue" and the scheduler's
     span cut to them (its version stays the version of its tokens)."""
     engine, srv, url = server
-    gate, sched = threading.Event(), srv.state.scheduler
-    pause = sched.pause
-
-    def pausing(mode):
-        if mode == "retract":
-            with sched.cond:
-                sched.paused = mode
-            gate.set()
-        return pause(mode)
-
-    monkeypatch.setattr(sched, "pause", pausing)
+    gate = _gate_on_pause(monkeypatch, srv.state.scheduler, modes=("retract",))
     start = engine.decode_steps
     _hold(monkeypatch, engine, start + K, gate)
     thread, results = _start(url, _body(PROMPTS[0], N, 1, "held-1"))
@@ -372,16 +369,7 @@ def test_in_place_pause_tags_from_the_next_forward(server, refs, other_hf, monke
     the later ones from the new weights (version 1)."""
     engine, srv, url = server
     prompt = PROMPTS[1]
-    gate, sched = threading.Event(), srv.state.scheduler
-    pause = sched.pause
-
-    def pausing(mode):
-        with sched.cond:
-            sched.paused = mode
-        gate.set()
-        return pause(mode)
-
-    monkeypatch.setattr(sched, "pause", pausing)
+    gate = _gate_on_pause(monkeypatch, srv.state.scheduler)
     start = engine.decode_steps
     _hold(monkeypatch, engine, start + K, gate)
     thread, results = _start(url, _body(prompt, N, 5, "inplace-1"))
