@@ -153,11 +153,11 @@ class ServerEngine(RolloutEngine):
     def check_context(self, needed: int, what: str, hint: str = "") -> None:
         self.check_context_length(needed, what)  # its message names SGLang's flags
 
+    @abc.abstractmethod
     def stream(self, requests: list) -> "RequestStream":
         """Start every :class:`SampleRequest` (one sample each) concurrently on the workers; the
         returned :class:`RequestStream` yields ``(key, Completion)`` as each ends, and can abort the
         ones still running (partial rollouts, rl/partial_rollouts.py)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot stream abortable requests")
 
 
 class RequestStream(abc.ABC):
