@@ -27,27 +27,7 @@ def make_samples(seed=0, prompts=4, per_prompt=3, vocab=300):
 
 
 def _update(rank, world, model_dir, overrides):
-    import torch
-
-    from megatron_klear.checkpoint.model_weights import iter_hf_tensors
-    from megatron_klear.config import load_config
-    from megatron_klear.platform import init_parallel
-    from megatron_klear.rl.actor import Actor
-    from megatron_klear.training.setup import build_training_state
-
-    cfg = load_config(None, [f"model.path={model_dir}", "optim.lr=1e-2", "optim.min_lr=1e-2",
-                             "optim.decay_style=constant", "optim.weight_decay=0.0",
-                             "rl.mini_batch_prompts=2", "rl.prompts_per_step=4",
-                             "rl.max_tokens_per_micro_batch=48", *overrides])
-    init_parallel(cfg.parallel, seed=1)
-    state = build_training_state(cfg, total_steps=10)
-    from megatron.core import parallel_state
-
-    before = {k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=parallel_state.get_tensor_model_parallel_group())}
-    metrics = Actor(state, cfg.rl, logprob_chunk_size=7).update(make_samples())
-    after = {k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=parallel_state.get_tensor_model_parallel_group())}
-    delta = {k: (after[k] - before[k]) for k in after}
-    return metrics, delta
+    return _update_with(rank, world, model_dir, overrides, make_samples(), None)
 
 
 @pytest.fixture(scope="module")
