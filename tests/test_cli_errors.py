@@ -292,30 +292,6 @@ def _start(script, *args, **kw):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_the_checkpoint_writer_manager_dies_with_its_rank():
-    """Megatron's writer queue lives in a Manager server process (~276 MB) that outlived a killed
-    rank by up to 18 minutes."""
-    p, info = _start("""
-        import json, multiprocessing, time
-        from megatron_klear.platform.process import start_checkpoint_writer_manager
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-        q = start_checkpoint_writer_manager()
-        assert fa._results_queue is q
-        q.put(1); assert q.get() == 1
-        print(json.dumps([c.pid for c in multiprocessing.active_children()]), flush=True)
-        time.sleep(120)
-    """)
-    try:
-        (manager,) = info
-        assert not _gone(manager, timeout=0.5)
-        p.kill()
-        p.wait()
-        assert _gone(manager), "the Manager outlived its rank"
-    finally:
-        _kill_if_alive(p.pid, *info)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_grading_worker_stuck_in_c_code_dies_with_the_trainer():
     p, info = _start("""
         import json, time

@@ -103,8 +103,6 @@ def hf_to_megatron(
     progress: bool = True,
 ) -> str:
     """Convert an HF checkpoint into a megatron-klear torch_dist model directory."""
-    from megatron.core import dist_checkpointing
-
     arch = load_arch(hf_dir)
     if arch.num_kv_heads % tp:
         raise ValueError(f"--tp {tp} must divide num_key_value_heads={arch.num_kv_heads}")
@@ -148,9 +146,7 @@ def hf_to_megatron(
         if dupes:
             raise MappingError(f"source tensors consumed more than once: {sorted(dupes)}")
         reader.close()
-        dist_checkpointing.save(
-            {"model": model.sharded_state_dict()}, tmp, sharded_strategy=dist_ckpt.save_strategy()
-        )
+        dist_ckpt.save({"model": model.sharded_state_dict()}, tmp)
         import json
 
         with open(os.path.join(tmp, dist_ckpt.HF_CONFIG), "w") as f:

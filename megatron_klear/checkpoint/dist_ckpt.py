@@ -64,6 +64,31 @@ def save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
+def save(sharded: dict, directory: str) -> None:
+    """``dist_checkpointing.save`` of ``sharded`` into ``directory`` (torch_dist, synchronous): the
+    one way the package writes a distributed checkpoint (training checkpoints, conversion).
+
+    Megatron's torch_dist writer (``FileSystemWriterAsync``) hands each rank's write results to that
+    same rank through a module-level queue, which it creates on first use as a spawn-context
+    ``multiprocessing.Manager``: a server process per rank that imports torch to unpickle the
+    results (seconds of CPU and ~250 MB each), which outlived killed ranks, and which torchrun's
+    ``killpg`` or Slurm's ``--signal`` ended before the save a stop signal asks for
+    (``BrokenPipeError``, every step since the last interval save lost). A synchronous save puts
+    and takes those results in the saving process, so an in-process queue is all it needs: set
+    here, no process is started. (A Megatron without that queue is left as it is.)"""
+    import queue
+
+    from megatron.core import dist_checkpointing
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        filesystem_async = None
+    if getattr(filesystem_async, "_results_queue", queue.Queue()) is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(sharded, directory, sharded_strategy=save_strategy())
+
+
 # -- which checkpoint keys matter ----------------------------------------------------------------
 # The one rule, used by every reader of a checkpoint's model (loading weights into a model, the
 # training-checkpoint resume, the Megatron -> HF export):

@@ -6,19 +6,12 @@
 * :func:`die_with_launcher`: a rank started by ``torchrun`` runs in its own session, so killing
   torchrun (or its process group) used to leave the ranks training on; called first by the SFT
   and RL entry points, it makes them die with torchrun.
-* :func:`start_checkpoint_writer_manager`: Megatron's torch_dist writer starts a
-  ``multiprocessing.Manager`` server (a spawned process, with a resource tracker) on the first
-  save and never stops it; started here instead, it dies with the rank, and only with it: it
-  leaves the rank's process group and ignores the stop signals, so that the checkpoint a rank
-  writes when told to stop (torchrun's ``killpg(SIGTERM)``, Slurm's ``--signal``) can still use it.
 * :class:`RunLock`: a lock file (pid, host, start time) that a second run on the same directory
   sees; a lock whose owner is gone on this host is taken over, with a message.
 
 Standard library only (no torch): spawned helper processes import this module.
 """
 from __future__ import annotations
-
-import contextlib
 
 import atexit
 import ctypes
@@ -73,53 +66,6 @@ def die_with_launcher() -> bool:
     if not launched_by_torchrun():
         return False
     return die_with_parent(signal.SIGKILL)
-
-
-# -- Megatron's checkpoint writer ------------------------------------------------------------------
-# What the ranks take as "save a checkpoint and stop" (training/signals.py), plus what torchrun
-# forwards by default: the manager must outlive all of them, since the rank's last save needs it.
-WRITER_IGNORES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
-
-
-def _manager_init(parent: int) -> None:
-    """In the manager process, before it serves. torchrun stops a rank with ``killpg`` on the
-    rank's process group, and Slurm's ``--signal`` (proctrack/cgroup) signals every process of the
-    job step: neither may end the manager before the rank has written its last checkpoint (its
-    queue then fails with ``BrokenPipeError`` inside ``dist_checkpointing.save``). It leaves the
-    group and ignores those signals; it still dies with the rank (``PR_SET_PDEATHSIG``)."""
-    for name in WRITER_IGNORES:
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-    with contextlib.suppress(OSError):  # already a group leader: nothing to leave
-        os.setpgid(0, 0)
-    die_with_parent(signal.SIGKILL, expected_parent=parent)
-
-
-def start_checkpoint_writer_manager():
-    """Start the ``multiprocessing.Manager`` whose queue Megatron's ``FileSystemWriterAsync``
-    collects write results through (``filesystem_async._results_queue``), as a server process
-    that dies with this one, unless Megatron started one already. Returns the queue (or None when
-    this Megatron has no such queue)."""
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-    except ImportError:
-        return None
-    if not hasattr(fa, "_results_queue"):
-        return None
-    if fa._results_queue is None:
-        fa._results_queue = start_writer_manager().Queue()  # the proxy keeps the manager alive
-    return fa._results_queue
-
-
-def start_writer_manager():
-    """A started spawn-context ``SyncManager`` whose server process dies with this one and only
-    with it (see :func:`_manager_init`)."""
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_manager_init, initargs=(os.getpid(),))
-    return manager
 
 
 # -- one run per directory -------------------------------------------------------------------------

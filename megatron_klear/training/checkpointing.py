@@ -479,8 +479,6 @@ class CheckpointManager:
         when the checkpoint does not fit (before writing when the free space is known to be short,
         or when a write runs out of space): the partial checkpoint is removed and the latest one
         stays the latest."""
-        from megatron.core import dist_checkpointing
-
         from megatron_klear.checkpoint import dist_ckpt
 
         final = os.path.join(self.save_dir, f"iter_{step:07d}")
@@ -505,14 +503,11 @@ class CheckpointManager:
             os.makedirs(tmp)
 
         self._on_rank0(prepare, step, tmp, needed)
-        from megatron_klear.platform.process import start_checkpoint_writer_manager
-
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-        start_checkpoint_writer_manager()  # Megatron's writer queue, in a process that dies with this one
         try:
             with _quiet_writer_errors():
-                dist_checkpointing.save(sharded, tmp, sharded_strategy=dist_ckpt.save_strategy())
+                dist_ckpt.save(sharded, tmp)
             failure = None
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - sorted out with the other ranks' outcomes below
             failure = e

@@ -1,32 +1,86 @@
 """Run a function in N fresh processes that form a gloo process group.
 
 Megatron's parallel state is process-global, so every distributed test runs in its own processes.
-They are forked from one fork server per test session that has already imported torch,
-Megatron-Core and transformers (``_PRELOAD``): a spawned process would spend 5-10 s of CPU on those
-imports, for every rank of every test. The fork server only imports (it never runs an operator, so
-no thread pool is copied into the children), and each rank gets the caller's environment and working
-directory at the time of the call, as a spawned process would.
+They are forked from a fork server of this module's own (``_FORK_SERVER``) that has already
+imported what the ranks use (``_PRELOAD``: torch, Megatron-Core, transformers, the package's
+training, RL and rollout modules): a spawned process would spend 5-10 s of CPU on those imports,
+for every rank of every test. The server is this module's, not multiprocessing's process-wide
+one, because whoever starts that one first fixes its preload list for the whole process: the
+grading pool (megatron_klear/rewards/pool.py) starts it with math-verify alone, and ranks forked
+from it then imported everything afresh. The fork server only imports (it never runs an
+operator, so no thread pool is copied into the children), and each rank gets the caller's
+environment and working directory at the time of the call, as a spawned process would.
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import sys
 import traceback
+from multiprocessing import context, forkserver, popen_forkserver, spawn, util
 
 import torch.multiprocessing as mp
 
 
-# imported once by the fork server; the ranks are forked from it with these modules loaded
-_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "transformers",
-            "megatron_klear.models.builder", "megatron_klear.training.step", "tests.distributed.helper"]
+# imported once by the fork server; the ranks are forked from it with these modules loaded. What a
+# rank imports beyond them costs every rank of every test (KLEAR_TEST_IMPORTS=1 prints it).
+_PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.checkpoint", "transformers",
+    "transformers.models.qwen2.tokenization_qwen2", "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.auto.tokenization_auto",
+    "transformers.models.auto.modeling_auto",
+    "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+    "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer", "megatron.core.post_training",
+    "multiprocessing.managers", "multiprocessing.popen_spawn_posix", "torch.utils.serialization",
+    "math_verify", "httpx", "fastapi", "uvicorn",
+    "megatron_klear.models.builder", "megatron_klear.training.step", "megatron_klear.platform.cpu_compat",
+    "megatron_klear.training.setup", "megatron_klear.training.checkpointing",
+    "megatron_klear.sft.trainer", "megatron_klear.rl.loop", "megatron_klear.checkpoint.convert",
+    "megatron_klear.rollout.embedded", "megatron_klear.rollout.sglang", "megatron_klear.rollout.weight_sync",
+    "megatron_klear.rollout.sglang_standin", "megatron_klear.rewards.math",
+    "tests.distributed.helper",
+]
+
+
+class _Popen(popen_forkserver.Popen):
+    """multiprocessing's forkserver Popen, asking ``_FORK_SERVER`` for the child."""
+
+    def _launch(self, process_obj):
+        data = io.BytesIO()
+        context.set_spawning_popen(self)  # the pickled pipes and locks are sent as fds to the child
+        try:
+            context.reduction.dump(spawn.get_preparation_data(process_obj._name), data)
+            context.reduction.dump(process_obj, data)
+        finally:
+            context.set_spawning_popen(None)
+        self.sentinel, w = _FORK_SERVER.connect_to_new_process(self._fds)
+        keep_alive = os.dup(w)  # the child's sign that this process still lives
+        self.finalizer = util.Finalize(self, util.close_fds, (keep_alive, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(data.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _Process(context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
+
+
+class _Context(context.ForkServerContext):
+    Process = _Process
+
+
+_FORK_SERVER = forkserver.ForkServer()
+_FORK_SERVER.set_forkserver_preload(_PRELOAD)
 
 
 def _context():
     if os.environ.get("KLEAR_TEST_START_METHOD") == "spawn":  # the plain way, for comparison
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (the first call)
-    return ctx
+    return _Context()
 
 
 def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None, cwd=None):
@@ -53,7 +107,12 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None, c
         # the rendezvous store is the parent's (see run_distributed): connect to it as a client
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        before = set(sys.modules)
         result = fn(rank, world_size, *args)
+        if os.environ.get("KLEAR_TEST_IMPORTS") == "1":
+            print(f"rank {rank} of {fn.__module__}.{fn.__name__} imported: "
+                  f"{sorted(m for m in set(sys.modules) - before if '.' not in m or m.count('.') < 3)}",
+                  file=sys.stderr, flush=True)
         # Pickled here, with plain pickle: an unpicklable result fails in this rank with its
         # traceback (not silently in the queue's feeder thread), and tensors travel as bytes
         # rather than as shared-memory handles that die with this process.

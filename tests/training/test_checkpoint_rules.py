@@ -56,7 +56,6 @@ def _iters(save_dir):
 def no_torch_dist_save(monkeypatch, tmp_path):
     """CheckpointManager.save with Megatron's writer replaced by a marker file: the directory
     handling (temporary name, rename, pointer, rotation) is what runs."""
-    import importlib
 
     import megatron.core.dist_checkpointing as mdc
 
@@ -65,11 +64,6 @@ def no_torch_dist_save(monkeypatch, tmp_path):
             json.dump({"step": sharded["common"]["step"]}, f)
 
     monkeypatch.setattr(mdc, "save", fake_save)
-    try:  # no Manager process for a marker file
-        process = importlib.import_module("megatron_klear.platform.process")
-        monkeypatch.setattr(process, "start_checkpoint_writer_manager", lambda: None)
-    except ImportError:  # before issue 13
-        pass
     monkeypatch.setattr(CheckpointManager, "_sharded_state", lambda self, state, **kw: {})
     monkeypatch.chdir(tmp_path)
     return types.SimpleNamespace(scheduler=types.SimpleNamespace(state_dict=lambda: {}),

@@ -53,7 +53,6 @@ def fake_writer(monkeypatch, tmp_path):
     file): the directory handling, the estimate and the error handling are what runs."""
     import megatron.core.dist_checkpointing as mdc
 
-    from megatron_klear.platform import process
 
     writer = types.SimpleNamespace(fn=None)
 
@@ -64,7 +63,6 @@ def fake_writer(monkeypatch, tmp_path):
             writer.fn(path)
 
     monkeypatch.setattr(mdc, "save", fake_save)
-    monkeypatch.setattr(process, "start_checkpoint_writer_manager", lambda: None)
     # a state of 4000 bytes of tensors (the estimate of what the checkpoint needs)
     monkeypatch.setattr(CheckpointManager, "_sharded_state", lambda self, state, **kw: {"model": {"w": torch.zeros(1000)}})
     monkeypatch.chdir(tmp_path)
