@@ -16,7 +16,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import queue as _q
 import sys
+import time
 import traceback
 from multiprocessing import context, forkserver, popen_forkserver, spawn, util
 
@@ -151,10 +153,6 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend:
         p.start()
     results, errors = {}, {}
     try:
-        import queue as _q
-
-        import time
-
         deadline = time.time() + timeout
         while len(results) + len(errors) < world_size:
             try:
@@ -179,8 +177,13 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend:
             if errors:
                 break
     finally:
+        t0 = time.monotonic()
         for p in procs:
             p.join(timeout=5 if errors else 30)
+        if os.environ.get("KLEAR_TEST_EXITS") == "1" and time.monotonic() - t0 > 1.0:
+            print(f"\n[exit] {fn.__module__}.{fn.__name__}: ranks took {time.monotonic() - t0:.1f} s to exit "
+                  f"after reporting (alive: {[r for r, p in enumerate(procs) if p.is_alive()]})", file=sys.stderr,
+                  flush=True)
         for p in procs:
             if p.is_alive():
                 p.kill()

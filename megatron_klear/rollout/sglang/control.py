@@ -26,7 +26,7 @@ import threading
 
 from megatron_klear.rollout.base import Completion
 from megatron_klear.rollout.sglang.generation import parse_completion
-from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_parallel
+from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_background, in_parallel
 
 #: the pause modes of a weight push (``sync_pause_mode``): ``abort`` ends the requests in flight (the
 #: client sends them again); ``retract`` keeps them (SGLang 0.5.23 ``Scheduler.pause_generation``
@@ -273,9 +273,8 @@ class Control:
                                         rank_offsets: dict, group_name: str, backend: str, timeout: float) -> dict:
         """Start ``/init_weights_update_group`` on every worker (each first drops a stale group of that
         name, left by a trainer that died); returns ``{worker: concurrent.futures.Future}`` (the
-        call blocks on the server until the whole group has joined)."""
-        import concurrent.futures
-
+        call blocks on the server until the whole group has joined; one left waiting on a server
+        that never joins does not hold the trainer's exit)."""
         def join(w):
             try:
                 self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name})
@@ -286,10 +285,7 @@ class Control:
                 "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offsets[w]),
                 "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout=timeout)
 
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(rank_offsets), thread_name_prefix="weights-init")
-        futures = {w: pool.submit(join, w) for w in rank_offsets}
-        pool.shutdown(wait=False)
-        return futures
+        return in_background(join, list(rank_offsets), "weights-init")
 
     def destroy_weights_update_group(self, group_name: str, timeout: float | None = None) -> None:
         """Drop the group on every worker (best effort: a worker without it, or gone, is skipped);

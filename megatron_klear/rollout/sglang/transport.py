@@ -94,6 +94,26 @@ def in_parallel(fn, items) -> tuple:
     return results, errors
 
 
+def in_background(fn, items, name: str) -> dict:
+    """``{item: Future of fn(item)}``, each call in a daemon thread of its own, started now. A call
+    that its caller gives up on (a server that never answers, past the point where its answer
+    matters) does not hold the process's exit, as a ``ThreadPoolExecutor``'s worker would until the
+    call's own timeout."""
+    import concurrent.futures
+
+    def run(future, item):
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(item))
+            except BaseException as e:  # noqa: BLE001 -- handed back to the caller
+                future.set_exception(e)
+
+    futures = {item: concurrent.futures.Future() for item in items}
+    for i, (item, future) in enumerate(futures.items()):
+        threading.Thread(target=run, args=(future, item), name=f"{name}_{i}", daemon=True).start()
+    return futures
+
+
 class Transport:
     def _init_transport(self) -> None:
         self._control = None  # the keep-alive client of the control calls (made on first use)
