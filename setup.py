@@ -29,7 +29,9 @@ setup(
     extras_require={
         # the real sglang-router runs in front of the embedded servers in the tests; msgspec loads
         # SGLang's own request contract (tools/fetch_sglang_contract.py)
-        "dev": ["pytest>=8", "pytest-timeout", "sglang-router==0.3.2", "msgspec>=0.18", "pyarrow>=14"],
+        # (pytest-xdist: `make test` runs most tests two at a time, see the Makefile)
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "sglang-router==0.3.2", "msgspec>=0.18",
+                "pyarrow>=14"],
         # reading the published datasets' parquet files (Klear's RL sets, verl layout; docs/data.md)
         "data": ["pyarrow>=14"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],

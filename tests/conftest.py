@@ -11,14 +11,51 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*Apex.*")
 
 
+# Modules whose tests race a deadline or a server's timing (watchdog thresholds, kills and freezes
+# mid-request, abort quotas, wall-clock limits, "within N s" bounds): `make test` runs them alone,
+# after the other tests have run two at a time (pytest-xdist), so that no other test's load moves
+# their timings. A new module of that kind goes here.
+SERIAL_MODULES = {
+    "tests/distributed/test_async_rl_loop.py", "tests/distributed/test_fleet_runs.py",
+    "tests/distributed/test_preemption.py", "tests/distributed/test_rl_loop.py",
+    "tests/distributed/test_weight_sync_distributed.py", "tests/distributed/test_weight_sync_fleet.py",
+    "tests/rewards/test_pool.py", "tests/rewards/test_sandbox.py", "tests/rollout/test_fleet.py",
+    "tests/rollout/test_sglang_client.py", "tests/rollout/test_sglang_divergences.py", "tests/rollout/test_streams.py",
+}
+# Modules that start torchrun, the CLIs or server processes, tens of seconds each on 2 cores: the
+# parallel pass hands them out first (xdist's loadfile hands out modules in collection order: last,
+# they would end the pass with one worker running them while the other idles), and
+# `make test-fast` leaves them out, with tests/distributed and SERIAL_MODULES.
+HEAVY_MODULES = ["tests/test_demo.py", "tests/test_journey.py", "tests/test_shipped_configs.py",
+                 "tests/test_bench_async_rl.py", "tests/test_bench_weight_sync.py",
+                 "tests/distributed/test_bad_lines_and_foreign_runs.py", "tests/rollout/test_colocate.py",
+                 "tests/rollout/test_routed_experts.py", "tests/rewards/test_sandbox_hostile.py",
+                 "tests/test_bench_moe.py", "tests/test_cli_errors.py", "tests/rollout/test_embedded_http.py",
+                 "tests/rollout/test_weight_update_protocol.py", "tests/rollout/test_standin_versions.py"]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
     config.addinivalue_line("markers", "slow: takes more than ~20 s on 2 CPU cores")
+    config.addinivalue_line("markers", "serial: races a deadline or a server's timing; run alone (SERIAL_MODULES)")
+    config.addinivalue_line("markers", "processes: starts ranks, CLIs or servers (tests/distributed, HEAVY_MODULES)")
+
+
+def _module(item) -> str:
+    return os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")
 
 
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    rank = {m: i for i, m in enumerate(HEAVY_MODULES)}
+    for item in items:
+        module = _module(item)
+        if module in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+        if module in rank or module.startswith("tests/distributed/"):
+            item.add_marker(pytest.mark.processes)
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
