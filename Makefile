@@ -16,20 +16,21 @@ $(STAMP): setup.py requirements/cpu-constraints.txt tools/fetch_sglang_contract.
 	$(BIN)/python tools/fetch_sglang_contract.py --out $(VENV)/sglang-contract
 	touch $(STAMP)
 
-# The whole suite, in two passes: the tests that race deadlines or server timings
-# (tests/conftest.py SERIAL_MODULES) alone, the others two at a time (one process per CPU core of
-# CI's two). Each pass prints its 15 slowest tests; the exit status is the worse of the two.
+# The whole suite, in two passes, each two modules at a time (pytest-xdist, one worker per core of
+# CI's two): the CPU-heavy tests, then the tests that race deadlines or server timings
+# (tests/conftest.py TIMING_MODULES), which then share the machine only with each other. Each pass
+# prints its 15 slowest tests; the exit status is the worse of the two.
 PYTEST := $(BIN)/python -m pytest -q -rfE -p no:cacheprovider --durations=15
 test: venv
-	@$(PYTEST) -n 2 --dist loadfile -m "not serial" tests; parallel=$$?; \
-	echo "== the serial pass (tests/conftest.py SERIAL_MODULES) =="; \
-	$(PYTEST) -m serial tests; serial=$$?; \
-	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
+	@$(PYTEST) -n 2 --dist loadfile -m "not timing" tests; heavy=$$?; \
+	echo "== the timing-bound tests (tests/conftest.py TIMING_MODULES) =="; \
+	$(PYTEST) -n 2 --dist loadfile -m timing tests; timing=$$?; \
+	[ $$heavy -eq 0 ] && [ $$timing -eq 0 ]
 
 # The development loop (a few minutes): the in-process tests, none that starts torchrun, servers or
 # rank processes. `make test` stays the whole suite and the contract.
 test-fast: venv
-	$(PYTEST) -n 2 -m "not slow and not serial and not processes" tests
+	$(PYTEST) -n 2 -m "not slow and not timing and not processes" tests
 
 demo: venv
 	$(BIN)/python examples/demo.py

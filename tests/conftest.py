@@ -12,10 +12,11 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 
 
 # Modules whose tests race a deadline or a server's timing (watchdog thresholds, kills and freezes
-# mid-request, abort quotas, wall-clock limits, "within N s" bounds): `make test` runs them alone,
-# after the other tests have run two at a time (pytest-xdist), so that no other test's load moves
-# their timings. A new module of that kind goes here.
-SERIAL_MODULES = {
+# mid-request, abort quotas, wall-clock limits, "within N s" bounds): `make test` runs them in a
+# pass of their own, two at a time, after the CPU-heavy tests (also two at a time: pytest-xdist),
+# so that no CPU-heavy test's load moves their timings (they mostly wait: two of them keep the
+# machine about half busy). A new module of that kind goes here.
+TIMING_MODULES = {
     "tests/distributed/test_async_rl_loop.py", "tests/distributed/test_fleet_runs.py",
     "tests/distributed/test_preemption.py", "tests/distributed/test_rl_loop.py",
     "tests/distributed/test_weight_sync_distributed.py", "tests/distributed/test_weight_sync_fleet.py",
@@ -25,7 +26,7 @@ SERIAL_MODULES = {
 # Modules that start torchrun, the CLIs or server processes, tens of seconds each on 2 cores: the
 # parallel pass hands them out first (xdist's loadfile hands out modules in collection order: last,
 # they would end the pass with one worker running them while the other idles), and
-# `make test-fast` leaves them out, with tests/distributed and SERIAL_MODULES.
+# `make test-fast` leaves them out, with tests/distributed and TIMING_MODULES.
 HEAVY_MODULES = ["tests/test_demo.py", "tests/test_journey.py", "tests/test_shipped_configs.py",
                  "tests/test_bench_async_rl.py", "tests/test_bench_weight_sync.py",
                  "tests/distributed/test_bad_lines_and_foreign_runs.py", "tests/rollout/test_colocate.py",
@@ -37,7 +38,7 @@ HEAVY_MODULES = ["tests/test_demo.py", "tests/test_journey.py", "tests/test_ship
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped on CPU machines)")
     config.addinivalue_line("markers", "slow: takes more than ~20 s on 2 CPU cores")
-    config.addinivalue_line("markers", "serial: races a deadline or a server's timing; run alone (SERIAL_MODULES)")
+    config.addinivalue_line("markers", "timing: races a deadline or a server's timing (TIMING_MODULES)")
     config.addinivalue_line("markers", "processes: starts ranks, CLIs or servers (tests/distributed, HEAVY_MODULES)")
 
 
@@ -51,8 +52,8 @@ def pytest_collection_modifyitems(config, items):
     rank = {m: i for i, m in enumerate(HEAVY_MODULES)}
     for item in items:
         module = _module(item)
-        if module in SERIAL_MODULES:
-            item.add_marker(pytest.mark.serial)
+        if module in TIMING_MODULES:
+            item.add_marker(pytest.mark.timing)
         if module in rank or module.startswith("tests/distributed/"):
             item.add_marker(pytest.mark.processes)
     items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order

@@ -57,9 +57,11 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
     from megatron_klear.rollout.base import SamplingParams
     from tests.rollout.processes import router
 
-    # 4 sequences at a time per server: a step's groups run in waves, so the step has its quota while
-    # later groups are still running (a random model's responses all run to the length limit)
-    servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120, max_batch_size=4) for _ in range(2)]
+    # 4 and 3 sequences at a time: a step's groups run in waves, so the step has its quota while
+    # later groups are still running (a random model's responses all run to the length limit). With
+    # the same wave size on both servers (the stand-in batches statically) their waves ended
+    # together and the abort raced the next waves' first tokens: no partial had tokens, now and then
+    servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120, max_batch_size=n) for n in (4, 3)]
     save = os.path.join(setup["root"], "run")
     args = [
         f"model.path={setup['model']}", f"rl.prompts=[{setup['prompts']}]", f"train.save_dir={save}",

@@ -32,6 +32,19 @@ def _later(seconds, fn):
     return t
 
 
+def _once(ready, fn, timeout: float = 30.0):
+    """``fn()`` in a thread as soon as ``ready()`` holds (checked every 20 ms; at ``timeout`` anyway)."""
+    def wait_then_call():
+        deadline = time.monotonic() + timeout
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fn()
+
+    t = threading.Thread(target=wait_then_call, daemon=True)
+    t.start()
+    return t
+
+
 # -- the fleet's bookkeeping -----------------------------------------------------------------------------
 def test_fleet_states_counters_and_the_min_live_bound():
     fleet = Fleet(["a", "b", "c"], min_live=2)
@@ -111,7 +124,8 @@ def test_a_worker_killed_mid_generation_is_dropped_and_the_call_completes(tmp_pa
             fake_worker(tmp_path, "b", generate_delay=1.5) as (b, rec_b, _), router([a, b], extra=router_flags) as r:
         client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         assert sorted(client.workers()) == sorted([a, b])
-        _later(0.5, proc_a.kill)
+        # killed once it holds a request (a fixed delay raced the router's first forward to it)
+        _once(lambda: recorded(rec_a), proc_a.kill)
         t0 = time.monotonic()
         out = client.generate(PROMPTS, PARAMS, n=2)
         elapsed = time.monotonic() - t0
@@ -141,7 +155,7 @@ def test_a_worker_frozen_mid_generation_is_dropped_within_the_watchdogs_bound(tm
         client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         client.workers()
         try:
-            _later(0.3, lambda: os.kill(proc_a.pid, signal.SIGSTOP))
+            _once(lambda: recorded(rec_a), lambda: os.kill(proc_a.pid, signal.SIGSTOP))  # frozen holding requests
             t0 = time.monotonic()
             out = client.generate(PROMPTS, PARAMS)
             elapsed = time.monotonic() - t0
