@@ -23,6 +23,7 @@ from __future__ import annotations
 import warnings
 
 from megatron_klear.platform import barrier, is_rank0
+from megatron_klear.rollout.base import ServerEngine
 
 
 class Dedicated:
@@ -60,7 +61,7 @@ class Colocated:
 
         released_on = engine.release_memory(list(MEMORY_TAGS))
         # with a fleet, the workers that released: one that rejoins later (restarted) holds its memory
-        self.released_on = released_on if getattr(engine, "fleet", None) is not None else None
+        self.released_on = released_on if isinstance(engine, ServerEngine) else None
         self.released = set(MEMORY_TAGS)
 
     def make_room(self, engine, state) -> None:

@@ -21,6 +21,7 @@ import warnings
 from megatron_klear.platform import broadcast_from_rank0, is_rank0
 from megatron_klear.rl.colocation import Colocated, Dedicated
 from megatron_klear.rl.sampling import ShortfallError
+from megatron_klear.rollout.base import ServerEngine
 
 
 class RolloutManager:
@@ -91,7 +92,7 @@ class RolloutManager:
                 result = (samples, metrics, None)
             except ShortfallError as e:
                 result = (None, {"rollout/generation_batches": self.cfg.rl.max_generation_batches}, str(e))
-            if getattr(self.engine, "fleet", None) is not None:  # SGLang servers (not the embedded engine)
+            if isinstance(self.engine, ServerEngine):  # servers (not the in-process engine)
                 result[1].update(self._fleet_metrics(push=False))
             result = (*result, prompts.state_dict())
         samples, metrics, error, position = broadcast_from_rank0(result)
@@ -133,7 +134,7 @@ class RolloutManager:
         process and every ``rollout.verify_interval`` steps. Returns metrics.
 
         With SGLang servers (a fleet), lost workers that answer again are recalled first (rejoining,
-        :meth:`~megatron_klear.rollout.sglang.SGLangEngine.recall_workers`) and the push includes
+        :meth:`~megatron_klear.rollout.base.ServerEngine.recall_workers`) and the push includes
         them (disk: they load the same directory; distributed: the groups are re-formed with them).
         After it, every rejoining worker is checked -- its version, and the probe whatever
         ``rollout.verify_interval`` says -- before it is admitted (live: it gets requests again); one
@@ -142,17 +143,17 @@ class RolloutManager:
         from megatron_klear.rl.verify import verification_due, verify_servers
 
         r = self.cfg.rollout
-        fleet = self.weights.to_servers and getattr(self.engine, "fleet", None) is not None if is_rank0() else None
+        fleet = self.weights.to_servers and isinstance(self.engine, ServerEngine) if is_rank0() else None
         fleet = broadcast_from_rank0(fleet)
         # rank 0: the fleet's min_live check counts the push's rejoining workers until they are admitted
-        with self.engine.fleet.pushing() if fleet and is_rank0() else contextlib.nullcontext():
+        with self.engine.pushing() if fleet and is_rank0() else contextlib.nullcontext():
             if fleet and is_rank0():
                 self.engine.recall_workers()
             metrics = self.weights.push(version)
             if self.weights.to_servers:
                 self.syncs += 1
                 due = verification_due(self.syncs, version, r.verify_interval)
-                rejoining = broadcast_from_rank0(bool(self.engine.fleet.rejoining()) if fleet and is_rank0() else False)
+                rejoining = broadcast_from_rank0(bool(self.engine.rejoining_workers()) if fleet and is_rank0() else False)
                 if due or rejoining:
                     metrics.update(verify_servers(self.engine, self.actor, self.tokenizer, self.vocab_size, version,
                                                   r.verify_tolerance, only_rejoining=not due))

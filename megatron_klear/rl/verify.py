@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_klear.platform.dtypes import canonical_name
+from megatron_klear.rollout.base import WorkerGone
 
 PROBE_TEXT = "Weight sync probe: the quick brown fox jumps over the lazy dog. 1, 2, 3, 5, 8, 13, 21"
 PROBE_NEW_TOKENS = 16
@@ -112,12 +113,9 @@ def verification_due(syncs: int, step: int, interval: int) -> bool:
 def _probe_workers(engine, prompt, only_rejoining: bool):
     """Rank 0: ``(workers, [(token ids, log-probs)], {worker: dtype}, rejoining)`` of the workers
     probed -- every serving one, or only the rejoining ones -- leaving out (and dropping from the
-    fleet) those that are gone by now; :class:`~megatron_klear.rollout.sglang.fleet.FleetError`
+    fleet) those that are gone by now; an error naming the lost workers
     when too few live ones remain."""
-    from megatron_klear.rollout.sglang.transport import WorkerGone
-
-    fleet = getattr(engine, "fleet", None)
-    rejoining = list(fleet.rejoining()) if fleet is not None else []
+    rejoining = engine.rejoining_workers()
     candidates = rejoining if only_rejoining else list(engine.workers())
     workers, outs, dtypes = [], [], {}
     for w in candidates:
@@ -125,8 +123,6 @@ def _probe_workers(engine, prompt, only_rejoining: bool):
             out = engine.probe(w, prompt, PROBE_NEW_TOKENS)
             dtype = str((engine.server_info(w) or {}).get("dtype") or "auto")
         except WorkerGone as e:
-            if fleet is None:
-                raise
             engine.drop_worker(w, f"gone at the weight check: {e}")
             continue
         workers.append(w)

@@ -21,6 +21,16 @@ import abc
 from dataclasses import dataclass, field
 
 
+class EngineError(RuntimeError):
+    """A rollout server or router failed a call; the message names the URL and its answer."""
+
+
+class WorkerGone(EngineError):
+    """The call could not reach its server or got no answer in time (connection refused or reset,
+    the connection closed without an answer, a timeout): the server is gone or frozen. An answer,
+    whatever its status, is a plain :class:`EngineError` (the server is there and refused)."""
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -152,6 +162,33 @@ class ServerEngine(RolloutEngine):
 
     def check_context(self, needed: int, what: str, hint: str = "") -> None:
         self.check_context_length(needed, what)  # its message names SGLang's flags
+
+    # -- the fleet: workers lost, recalled and admitted again (docs/sglang.md) ----------------------
+    @abc.abstractmethod
+    def drop_worker(self, worker: str, why: str) -> bool:
+        """``worker`` is lost: nothing more is sent to it. Raises when too few live workers remain."""
+
+    @abc.abstractmethod
+    def recall_workers(self) -> list:
+        """Lost workers that answer again become rejoining (they take the next push); returns them."""
+
+    @abc.abstractmethod
+    def rejoining_workers(self) -> list:
+        """The workers recalled and not yet admitted."""
+
+    @abc.abstractmethod
+    def admit_workers(self, version) -> list:
+        """Rejoining workers that hold weight version ``version`` serve again; returns them."""
+
+    @abc.abstractmethod
+    def pushing(self):
+        """A context manager around a weight push: rejoining workers count toward the live minimum
+        until they are admitted."""
+
+    @abc.abstractmethod
+    def fleet_metrics(self) -> dict:
+        """``rollout/live_workers``, ``rollout/worker_failures``, ``rollout/worker_rejoins`` ...
+        (counts since the previous call)."""
 
     @abc.abstractmethod
     def stream(self, requests: list) -> "RequestStream":

@@ -8,6 +8,7 @@ from megatron_klear.config import JobConfig
 from megatron_klear.rl.colocation import Colocated, Dedicated
 from megatron_klear.rl.rollout_manager import RolloutManager
 from megatron_klear.rl.verify import verification_due
+from megatron_klear.rollout.base import ServerEngine
 
 
 class RecordingServers:
@@ -132,14 +133,29 @@ def test_push_weights_checks_only_servers(monkeypatch):
     assert checked == [1, 2, 4] and metrics[0] == {"weights/verify_mean_diff_max": 0.0} and metrics[2] == {}
 
 
-class FleetServers:
-    """A stand-in for an SGLang engine with a fleet: records the rejoin calls around a push."""
+class FleetServers(ServerEngine):
+    """A stand-in for a server engine with a fleet: records the rejoin calls around a push."""
 
     def __init__(self, calls):
         from megatron_klear.rollout.sglang.fleet import Fleet
 
         self.calls, self.fleet = calls, Fleet(["a", "b"])
         self.fleet.lose("b", "killed")
+
+    def _not_in_a_push(self, *args, **kwargs):
+        raise AssertionError("a push does not call this")
+
+    generate = update_weights = workers = worker_dtypes = probe = load_from_disk = _not_in_a_push
+    check_context_length = check_memory_saver = stream = _not_in_a_push
+
+    def drop_worker(self, worker, why):
+        return self.fleet.lose(worker, why)
+
+    def rejoining_workers(self):
+        return list(self.fleet.rejoining())
+
+    def pushing(self):
+        return self.fleet.pushing()
 
     def recall_workers(self):
         self.calls.append(("recall",))

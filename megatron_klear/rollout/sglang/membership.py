@@ -176,6 +176,12 @@ class Membership:
             self._router_remove(worker)
         return changed
 
+    def rejoining_workers(self) -> list:
+        return list(self.fleet.rejoining())
+
+    def pushing(self):
+        return self.fleet.pushing()
+
     def recall_workers(self) -> list:
         """Lost workers that answer ``/model_info`` again (each probe bounded by
         ``rollout.health_check_timeout_s``) and workers a router lists that this client did not know

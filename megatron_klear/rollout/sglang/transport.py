@@ -12,15 +12,8 @@ import threading
 
 import httpx
 
+from megatron_klear.rollout.base import EngineError, WorkerGone  # noqa: F401 -- re-exported for the client
 
-class EngineError(RuntimeError):
-    """A rollout server or router failed a call; the message names the URL and its answer."""
-
-
-class WorkerGone(EngineError):
-    """The call could not reach its server or got no answer in time (connection refused or reset,
-    the connection closed without an answer, a timeout): the server is gone or frozen. An answer,
-    whatever its status, is a plain :class:`EngineError` (the server is there and refused)."""
 
 
 #: transport failures that mean the server is gone (not an answer that refuses the call)
