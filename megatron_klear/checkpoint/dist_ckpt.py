@@ -84,7 +84,7 @@ def save(sharded: dict, directory: str) -> None:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         filesystem_async = None
-    if getattr(filesystem_async, "_results_queue", queue.Queue()) is None:
+    if filesystem_async is not None and getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
     dist_checkpointing.save(sharded, directory, sharded_strategy=save_strategy())
 
