@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv lint format test test-fast demo bench clean
 
 venv: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): setup.py requirements/cpu-constraints.txt tools/fetch_sglang_contract.
 # (tests/conftest.py TIMING_MODULES), which then share the machine only with each other. Each pass
 # prints its 15 slowest tests; the exit status is the worse of the two.
 PYTEST := $(BIN)/python -m pytest -q -rfE -p no:cacheprovider --durations=15
-test: venv
+test: venv lint
 	@$(PYTEST) -n 2 --dist loadfile -m "not timing" tests; heavy=$$?; \
 	echo "== the timing-bound tests (tests/conftest.py TIMING_MODULES) =="; \
 	$(PYTEST) -n 2 --dist loadfile -m timing tests; timing=$$?; \
@@ -31,6 +31,16 @@ test: venv
 # rank processes. `make test` stays the whole suite and the contract.
 test-fast: venv
 	$(PYTEST) -n 2 -m "not slow and not timing and not processes" tests
+
+# The formatter and linter (ruff, pinned in setup.py's [dev], settings in pyproject.toml): `make test`
+# fails on code that `make format` would change or that the linter flags.
+lint: venv
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 demo: venv
 	$(BIN)/python examples/demo.py

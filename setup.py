@@ -1,4 +1,5 @@
 """megatron-klear: the Klear-Reasoner recipe (long-CoT SFT + GPPO RL) on Megatron-Core."""
+
 from setuptools import find_packages, setup
 
 setup(
@@ -30,8 +31,15 @@ setup(
         # the real sglang-router runs in front of the embedded servers in the tests; msgspec loads
         # SGLang's own request contract (tools/fetch_sglang_contract.py)
         # (pytest-xdist: `make test` runs most tests two at a time, see the Makefile)
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "sglang-router==0.3.2", "msgspec>=0.18",
-                "pyarrow>=14"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "pytest-xdist>=3.5",
+            "ruff==0.17.6",
+            "sglang-router==0.3.2",
+            "msgspec>=0.18",
+            "pyarrow>=14",
+        ],
         # reading the published datasets' parquet files (Klear's RL sets, verl layout; docs/data.md)
         "data": ["pyarrow>=14"],
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
@@ -39,6 +47,10 @@ setup(
         # torch==2.14.1 and needs Python >= 3.11: for weight_sync=distributed over NCCL the trainer
         # must run that torch too (rollout/sglang/compat.py checks it; docs/sglang.md)
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
-        "logging": ["wandb", "tensorboard", "matplotlib"],  # matplotlib: tools/plot_run.py, the demo's and benchmarks' plots
+        "logging": [
+            "wandb",
+            "tensorboard",
+            "matplotlib",
+        ],  # matplotlib: tools/plot_run.py, the demo's and benchmarks' plots
     },
 )

@@ -5,7 +5,8 @@
 
     python benchmarks/algos.py                  # 4 variants x 3 seeds, ~45 min on 2 idle cores
     python benchmarks/algos.py --quick          # smoke run (the test suite): tiny sizes, 1 seed, 2 variants
-    python benchmarks/algos.py --sft runs/demo/hf-sft --heldout runs/demo/heldout.jsonl --prompts runs/demo/rl-prompts.jsonl
+    python benchmarks/algos.py --sft runs/demo/hf-sft --heldout runs/demo/heldout.jsonl \
+        --prompts runs/demo/rl-prompts.jsonl
 
 Each run is the RL loop itself (``megatron_klear.rl.loop.RLLoop``: embedded engine, grading pool,
 Megatron actor), driven step by step in one process (TP=1, one CPU thread; ``--parallel`` runs
@@ -15,6 +16,7 @@ RL steps. Results: per-run curves in ``<out>/runs/*.json``, PNG plots in ``<out>
 markdown table in ``<out>/results.md`` (``--results-md`` also appends it to benchmarks/RESULTS.md).
 The SFT model is built with the demo's settings unless ``--sft`` names one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +63,15 @@ def run_one(args) -> dict:
     save_dir = os.path.join(args.out, "rl", name)
     demo = Demo(s, args.out)
     overrides = [o for o in demo.rl_overrides(args.sft, save_dir) if not o.startswith(("parallel.tp=", "rl.prompts="))]
-    overrides += [f"rl.prompts=[{args.prompts}]", "parallel.tp=1", f"train.seed={args.seed}", "train.overwrite=true",
-                  "train.resume=false", "train.save_interval=0", *VARIANTS[args.variant]]
+    overrides += [
+        f"rl.prompts=[{args.prompts}]",
+        "parallel.tp=1",
+        f"train.seed={args.seed}",
+        "train.overwrite=true",
+        "train.resume=false",
+        "train.save_interval=0",
+        *VARIANTS[args.variant],
+    ]
     if not s.quick:
         overrides += [f"rl.mini_batch_prompts={MINI_BATCH_PROMPTS}", f"optim.lr={LR}", f"optim.min_lr={LR}"]
     loop = RLLoop(load_config(None, overrides))
@@ -70,8 +79,15 @@ def run_one(args) -> dict:
     params = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens, seed=1000 + args.seed)
 
     def heldout() -> float:
-        summary, _ = evaluate(loop.rollout.engine, bench, loop.tokenizer, loop.rollout.pool, k=s.eval_k, params=params,
-                              progress=lambda line: None)
+        summary, _ = evaluate(
+            loop.rollout.engine,
+            bench,
+            loop.tokenizer,
+            loop.rollout.pool,
+            k=s.eval_k,
+            params=params,
+            progress=lambda line: None,
+        )
         return summary["heldout"][f"avg@{s.eval_k}"]
 
     curve, metrics = [(0, heldout())], []
@@ -84,8 +100,13 @@ def run_one(args) -> dict:
             curve.append((loop.rl_step, heldout()))
             print(f"[{name}] step {loop.rl_step}: held-out avg@{s.eval_k} {curve[-1][1]:.1f}%", flush=True)
     loop.close()
-    result = {"variant": args.variant, "seed": args.seed, "heldout_curve": curve, "metrics": metrics,
-              "seconds": time.time() - t0}
+    result = {
+        "variant": args.variant,
+        "seed": args.seed,
+        "heldout_curve": curve,
+        "metrics": metrics,
+        "seconds": time.time() - t0,
+    }
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     path = os.path.join(args.out, "runs", f"{name}.json")
     with open(path + ".tmp", "w") as f:
@@ -101,7 +122,11 @@ def build_sft(out: str, settings) -> dict:
 
     demo = Demo(settings, out)
     demo.build_sft_model()
-    return {"sft": f"{demo.out}/hf-sft", "heldout": f"{demo.out}/heldout.jsonl", "prompts": f"{demo.out}/rl-prompts.jsonl"}
+    return {
+        "sft": f"{demo.out}/hf-sft",
+        "heldout": f"{demo.out}/heldout.jsonl",
+        "prompts": f"{demo.out}/rl-prompts.jsonl",
+    }
 
 
 def run_all(args, settings, files) -> list:
@@ -114,11 +139,31 @@ def run_all(args, settings, files) -> list:
     while jobs or running:
         while jobs and len(running) < args.parallel:
             v, seed = jobs.pop(0)
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", v, "--seed", str(seed),
-                   "--out", args.out, "--sft", files["sft"], "--heldout", files["heldout"], "--prompts", files["prompts"],
-                   "--eval-every", str(args.eval_every), "--settings", json.dumps(settings.__dict__)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                "--variant",
+                v,
+                "--seed",
+                str(seed),
+                "--out",
+                args.out,
+                "--sft",
+                files["sft"],
+                "--heldout",
+                files["heldout"],
+                "--prompts",
+                files["prompts"],
+                "--eval-every",
+                str(args.eval_every),
+                "--settings",
+                json.dumps(settings.__dict__),
+            ]
             log = open(os.path.join(logs, f"{v}-s{seed}.log"), "w")
-            running.append(((v, seed), subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            running.append(
+                ((v, seed), subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+            )
         time.sleep(1.0)
         for item in list(running):
             (v, seed), proc, log = item
@@ -134,9 +179,11 @@ def run_all(args, settings, files) -> list:
             from megatron_klear.utils.progress import format_seconds
 
             eta = (total - done) * (time.time() - t0) / done  # runs finish at this rate, side by side
-            print(f"  {v} seed {seed}: held-out avg@8 {results[-1]['heldout_curve'][0][1]:.1f}% -> "
-                  f"{results[-1]['heldout_curve'][-1][1]:.1f}%  [{done}/{total} runs, ETA {format_seconds(eta)}]",
-                  flush=True)
+            print(
+                f"  {v} seed {seed}: held-out avg@8 {results[-1]['heldout_curve'][0][1]:.1f}% -> "
+                f"{results[-1]['heldout_curve'][-1][1]:.1f}%  [{done}/{total} runs, ETA {format_seconds(eta)}]",
+                flush=True,
+            )
     return results
 
 
@@ -148,8 +195,14 @@ def aggregate(results: list) -> dict:
         steps = [s for s, _ in runs[0]["heldout_curve"]]
         per_step = [[dict(r["heldout_curve"])[s] for r in runs if s in dict(r["heldout_curve"])] for s in steps]
         curves = {}
-        for key in ("actor/entropy", "actor/clip_frac_low", "actor/clip_frac_high", "actor/clip_frac_dual",
-                    "rollout/accuracy", "rollout/response_length_mean"):
+        for key in (
+            "actor/entropy",
+            "actor/clip_frac_low",
+            "actor/clip_frac_high",
+            "actor/clip_frac_dual",
+            "rollout/accuracy",
+            "rollout/response_length_mean",
+        ):
             by_step = {}
             for r in runs:
                 for m in r["metrics"]:
@@ -160,13 +213,17 @@ def aggregate(results: list) -> dict:
         finals = [r["heldout_curve"][-1][1] for r in runs]
         best = [max(x for _, x in r["heldout_curve"]) for r in runs]
         out[v] = {
-            "seeds": len(runs), "steps": steps,
-            "mean": [statistics.fmean(x) for x in per_step], "min": [min(x) for x in per_step],
+            "seeds": len(runs),
+            "steps": steps,
+            "mean": [statistics.fmean(x) for x in per_step],
+            "min": [min(x) for x in per_step],
             "max": [max(x) for x in per_step],
             "start": statistics.fmean(r["heldout_curve"][0][1] for r in runs),
-            "final_mean": statistics.fmean(finals), "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "final_mean": statistics.fmean(finals),
+            "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
             "best_mean": statistics.fmean(best),
-            "finals": finals, "curves": curves,
+            "finals": finals,
+            "curves": curves,
             "minutes": statistics.fmean(r["seconds"] for r in runs) / 60,
         }
     return out
@@ -177,22 +234,29 @@ def write_outputs(out: str, agg: dict, meta: dict) -> str:
 
     plots = os.path.join(out, "plots")
     label = lambda v: f"{LABELS.get(v, v)} ({agg[v]['seeds']} seeds)"  # noqa: E731
-    groups = {"algos": [v for v in ("gppo", "clip_higher", "cispo") if v in agg],
-              "nll": [v for v in ("gppo", "gppo_no_nll") if v in agg]}
+    groups = {
+        "algos": [v for v in ("gppo", "clip_higher", "cispo") if v in agg],
+        "nll": [v for v in ("gppo", "gppo_no_nll") if v in agg],
+    }
     written = []
     for g, variants in groups.items():
         if not variants:
             continue
-        band_chart(os.path.join(plots, f"heldout_{g}.png"),
-                   {label(v): (agg[v]["steps"], agg[v]["mean"], agg[v]["min"], agg[v]["max"]) for v in variants},
-                   title="Held-out avg@8 (T=1.0) over RL steps: mean, min-max band over seeds",
-                   xlabel="RL step", ylabel="avg@8 (%)")
+        band_chart(
+            os.path.join(plots, f"heldout_{g}.png"),
+            {label(v): (agg[v]["steps"], agg[v]["mean"], agg[v]["min"], agg[v]["max"]) for v in variants},
+            title="Held-out avg@8 (T=1.0) over RL steps: mean, min-max band over seeds",
+            xlabel="RL step",
+            ylabel="avg@8 (%)",
+        )
         written.append(f"plots/heldout_{g}.png")
     everything = list(agg)
-    for key, title in (("actor/entropy", "Policy entropy (nats/token), mean over seeds"),
-                       ("actor/clip_frac_high", "Fraction of tokens clipped above (r > 1 + eps_high, A > 0)"),
-                       ("actor/clip_frac_low", "Fraction of tokens clipped below (r < 1 - eps_low, A < 0)"),
-                       ("rollout/accuracy", "Rollout accuracy on training problems (T=1.0), mean over seeds")):
+    for key, title in (
+        ("actor/entropy", "Policy entropy (nats/token), mean over seeds"),
+        ("actor/clip_frac_high", "Fraction of tokens clipped above (r > 1 + eps_high, A > 0)"),
+        ("actor/clip_frac_low", "Fraction of tokens clipped below (r < 1 - eps_low, A < 0)"),
+        ("rollout/accuracy", "Rollout accuracy on training problems (T=1.0), mean over seeds"),
+    ):
         series = {label(v): sorted(agg[v]["curves"][key].items()) for v in everything if key in agg[v]["curves"]}
         if series:
             name = key.split("/")[-1]
@@ -210,8 +274,10 @@ def write_outputs(out: str, agg: dict, meta: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for v, a in agg.items():
-        lines.append(f"| {LABELS.get(v, v)} | {a['seeds']} | {a['final_mean']:.1f} ± {a['final_std']:.1f} | "
-                     f"{a['best_mean']:.1f} | {', '.join(f'{x:.1f}' for x in a['finals'])} |")
+        lines.append(
+            f"| {LABELS.get(v, v)} | {a['seeds']} | {a['final_mean']:.1f} ± {a['final_std']:.1f} | "
+            f"{a['best_mean']:.1f} | {', '.join(f'{x:.1f}' for x in a['finals'])} |"
+        )
     lines += ["", "Plots: " + ", ".join(f"`{os.path.relpath(os.path.join(out, w), ROOT)}`" for w in written), ""]
     text = "\n".join(lines)
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -259,23 +325,36 @@ def main(argv=None) -> int:
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     if args.sft:
-        files = {"sft": os.path.abspath(args.sft), "heldout": os.path.abspath(args.heldout),
-                 "prompts": os.path.abspath(args.prompts)}
+        files = {
+            "sft": os.path.abspath(args.sft),
+            "heldout": os.path.abspath(args.heldout),
+            "prompts": os.path.abspath(args.prompts),
+        }
     else:
         print("building the SFT model (the demo's settings) ...", flush=True)
         files = build_sft(os.path.join(args.out, "sft"), settings)
-    print(f"RL: {len(args.variants)} variants x {args.seeds} seeds, {settings.rl_steps} steps each, "
-          f"{args.parallel} at a time", flush=True)
+    print(
+        f"RL: {len(args.variants)} variants x {args.seeds} seeds, {settings.rl_steps} steps each, "
+        f"{args.parallel} at a time",
+        flush=True,
+    )
     results = run_all(args, settings, files)
     agg = aggregate(results)
     import platform
 
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-            f"load average {os.getloadavg()[0]:.1f} at the end", "quick": args.quick,
-            "minutes": (time.time() - t0) / 60, "steps": settings.rl_steps, "prompts_per_step": settings.rl_prompts_per_step,
-            "lr": settings.rl_lr if args.quick else LR,
-            "mini_batch_prompts": settings.rl_mini_batch_prompts if args.quick else MINI_BATCH_PROMPTS, "heldout": sum(1 for _ in open(files["heldout"])),
-            "start": statistics.fmean(a["start"] for a in agg.values())}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+        f"load average {os.getloadavg()[0]:.1f} at the end",
+        "quick": args.quick,
+        "minutes": (time.time() - t0) / 60,
+        "steps": settings.rl_steps,
+        "prompts_per_step": settings.rl_prompts_per_step,
+        "lr": settings.rl_lr if args.quick else LR,
+        "mini_batch_prompts": settings.rl_mini_batch_prompts if args.quick else MINI_BATCH_PROMPTS,
+        "heldout": sum(1 for _ in open(files["heldout"])),
+        "start": statistics.fmean(a["start"] for a in agg.values()),
+    }
     text = write_outputs(args.out, agg, meta)
     print("\n" + text)
     if args.results_md:

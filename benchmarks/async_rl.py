@@ -38,6 +38,7 @@ length distribution the runs start from. ``--json OUT`` writes exactly
 "offpolicy_token_frac"}}, "lengths": {"p50", "p90", "max"}}``; per-run details go to
 ``<out>/details.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,9 @@ class Bench:
     quick: bool = False
 
 
-QUICK = dict(seeds=1, rl_steps=2, prompts_per_step=2, oversample=4, mini_batch_prompts=2, max_new_tokens=48,
-             eval_prompts=6)
+QUICK = dict(
+    seeds=1, rl_steps=2, prompts_per_step=2, oversample=4, mini_batch_prompts=2, max_new_tokens=48, eval_prompts=6
+)
 
 
 # -- the SFT model (the demo's stages, on the long-tailed task) -------------------------------------
@@ -94,10 +96,14 @@ def prompt_files(out: str, settings, bench: Bench) -> dict:
     from megatron_klear.data.synthetic import LongTailTask, write_rl_prompts_jsonl
 
     task = LongTailTask()
-    return {"prompts": write_rl_prompts_jsonl(f"{out}/rl-prompts.jsonl", max(bench.rl_steps * bench.oversample * 4, 64),
-                                              seed=settings.seed + 1, task=task),
-            "heldout": write_rl_prompts_jsonl(f"{out}/heldout.jsonl", bench.eval_prompts, seed=settings.seed,
-                                              split="heldout", task=task)}
+    return {
+        "prompts": write_rl_prompts_jsonl(
+            f"{out}/rl-prompts.jsonl", max(bench.rl_steps * bench.oversample * 4, 64), seed=settings.seed + 1, task=task
+        ),
+        "heldout": write_rl_prompts_jsonl(
+            f"{out}/heldout.jsonl", bench.eval_prompts, seed=settings.seed, split="heldout", task=task
+        ),
+    }
 
 
 def build_sft(out: str, settings, bench: Bench) -> dict:
@@ -112,16 +118,27 @@ def build_sft(out: str, settings, bench: Bench) -> dict:
     if bench.quick:
         from megatron_klear.models.tiny import make_tiny_qwen3
 
-        model = make_tiny_qwen3(os.path.join(out, "hf-sft"), num_layers=2, hidden_size=settings.hidden,
-                                seed=settings.seed, flavor="base")
+        model = make_tiny_qwen3(
+            os.path.join(out, "hf-sft"), num_layers=2, hidden_size=settings.hidden, seed=settings.seed, flavor="base"
+        )
         return {"sft": model, **prompt_files(out, settings, bench), "sft_seconds": time.time() - t0}
 
     class LongTailDemo(Demo):
         def sft_data(self) -> None:
             s = self.s
             write_sft_jsonl(f"{self.out}/sft.jsonl", s.sft_examples, seed=s.seed, task=self.task, slip_rate=s.slip_rate)
-            self.sh(sys.executable, "tools/preprocess_sft.py", "--input", f"{self.out}/sft.jsonl", "--tokenizer",
-                    f"{self.out}/hf-base", "--output-prefix", f"{self.out}/sft-data", "--max-length", "512")
+            self.sh(
+                sys.executable,
+                "tools/preprocess_sft.py",
+                "--input",
+                f"{self.out}/sft.jsonl",
+                "--tokenizer",
+                f"{self.out}/hf-base",
+                "--output-prefix",
+                f"{self.out}/sft-data",
+                "--max-length",
+                "512",
+            )
 
     demo = LongTailDemo(settings, out)
     demo.task = LongTailTask()
@@ -148,9 +165,23 @@ def rollout_servers(model: str, n: int, env: dict):
             for fut in [pool.submit(EmbeddedHTTPEngine.launch, model, startup_timeout=300, env=env) for _ in range(n)]:
                 servers.append(fut.result())
         port = _free_port()
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-               "--worker-urls", *[s.url for s in servers], "--policy", "round_robin", "--log-level", "warn",
-               "--prometheus-port", str(_free_port())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *[s.url for s in servers],
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+            "--prometheus-port",
+            str(_free_port()),
+        ]
         router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -181,28 +212,67 @@ def rollout_servers(model: str, n: int, env: dict):
 
 # -- one RL run -----------------------------------------------------------------------------------------
 def rl_overrides(bench: Bench, settings, files: dict, router_url: str, save_dir: str, variant: str, seed: int) -> list:
-    return [f"model.path={files['sft']}", "model.dtype=fp32", "parallel.tp=1", f"rl.prompts=[{files['prompts']}]",
-            "rl.algo=gppo", f"rl.nll_coef={settings.rl_nll_coef}", f"rl.prompts_per_step={bench.prompts_per_step}",
-            f"rl.oversample_prompts={bench.oversample}", "rl.responses_per_prompt=8",
-            f"rl.mini_batch_prompts={bench.mini_batch_prompts}", "rl.max_tokens_per_micro_batch=4096",
-            "rl.max_prompt_length=96", f"rl.temperature={settings.temperature}", "rl.filter_zero_spread=false",
-            f"rl.max_staleness={bench.max_staleness}", f"rl.tis_cap={bench.tis_cap}",
-            f"rollout.max_new_tokens={bench.max_new_tokens}", "rollout.engine=http", f"rollout.urls=[{router_url}]",
-            f"optim.lr={settings.rl_lr}", f"optim.min_lr={settings.rl_lr}", "optim.decay_style=constant",
-            "optim.weight_decay=0.0", "optim.adam_beta2=0.999", f"train.steps={bench.rl_steps}", f"train.seed={seed}",
-            f"train.save_dir={save_dir}", "train.save_interval=0", "train.overwrite=true", "train.resume=false",
-            "reward.workers=1", *VARIANTS[variant]]
+    return [
+        f"model.path={files['sft']}",
+        "model.dtype=fp32",
+        "parallel.tp=1",
+        f"rl.prompts=[{files['prompts']}]",
+        "rl.algo=gppo",
+        f"rl.nll_coef={settings.rl_nll_coef}",
+        f"rl.prompts_per_step={bench.prompts_per_step}",
+        f"rl.oversample_prompts={bench.oversample}",
+        "rl.responses_per_prompt=8",
+        f"rl.mini_batch_prompts={bench.mini_batch_prompts}",
+        "rl.max_tokens_per_micro_batch=4096",
+        "rl.max_prompt_length=96",
+        f"rl.temperature={settings.temperature}",
+        "rl.filter_zero_spread=false",
+        f"rl.max_staleness={bench.max_staleness}",
+        f"rl.tis_cap={bench.tis_cap}",
+        f"rollout.max_new_tokens={bench.max_new_tokens}",
+        "rollout.engine=http",
+        f"rollout.urls=[{router_url}]",
+        f"optim.lr={settings.rl_lr}",
+        f"optim.min_lr={settings.rl_lr}",
+        "optim.decay_style=constant",
+        "optim.weight_decay=0.0",
+        "optim.adam_beta2=0.999",
+        f"train.steps={bench.rl_steps}",
+        f"train.seed={seed}",
+        f"train.save_dir={save_dir}",
+        "train.save_interval=0",
+        "train.overwrite=true",
+        "train.resume=false",
+        "reward.workers=1",
+        *VARIANTS[variant],
+    ]
 
 
-def run_variant(bench: Bench, settings, files: dict, router_url: str, servers: list, out: str, variant: str,
-                seed: int, env: dict, pool, heldout: list, tokenizer) -> dict:
+def run_variant(
+    bench: Bench,
+    settings,
+    files: dict,
+    router_url: str,
+    servers: list,
+    out: str,
+    variant: str,
+    seed: int,
+    env: dict,
+    pool,
+    heldout: list,
+    tokenizer,
+) -> dict:
     """One RL run (a subprocess), its final model's held-out evaluation through the same servers."""
     name = f"{variant}-s{seed}"
     save_dir = os.path.join(out, "rl", name)
     log_path = os.path.join(out, "logs", f"{name}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    cmd = [sys.executable, "-m", "megatron_klear.rl",
-           *rl_overrides(bench, settings, files, router_url, save_dir, variant, seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_klear.rl",
+        *rl_overrides(bench, settings, files, router_url, save_dir, variant, seed),
+    ]
     t0 = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -220,11 +290,20 @@ def run_variant(bench: Bench, settings, files: dict, router_url: str, servers: l
         raise RuntimeError(f"run {name}: the servers hold weight versions {versions}, not the trainer's final {last}")
     heldout_avg = evaluate(router_url, heldout, tokenizer, pool, settings, bench, seed)["avg@8"]
     summary = summarize_run(metrics)
-    print(f"  {name}: {summary['samples_per_s']:.1f} samples/s, step {summary['step_s_median']:.2f} s (median), "
-          f"staleness {summary['staleness_mean']:.3f}, off-policy tokens {summary['offpolicy_token_frac']:.3f}, "
-          f"held-out avg@8 {heldout_avg:.1f}%  ({wall:.0f} s)", flush=True)
-    return {"variant": variant, "seed": seed, **summary, "heldout_avg@8": heldout_avg, "wall_s": wall,
-            "metrics": metrics}
+    print(
+        f"  {name}: {summary['samples_per_s']:.1f} samples/s, step {summary['step_s_median']:.2f} s (median), "
+        f"staleness {summary['staleness_mean']:.3f}, off-policy tokens {summary['offpolicy_token_frac']:.3f}, "
+        f"held-out avg@8 {heldout_avg:.1f}%  ({wall:.0f} s)",
+        flush=True,
+    )
+    return {
+        "variant": variant,
+        "seed": seed,
+        **summary,
+        "heldout_avg@8": heldout_avg,
+        "wall_s": wall,
+        "metrics": metrics,
+    }
 
 
 def summarize_run(metrics: list) -> dict:
@@ -239,19 +318,29 @@ def summarize_run(metrics: list) -> dict:
     samples = sum(m.get("rollout/samples_trained", 0) for m in steady)  # (absent: a step with nothing to train)
     seconds = sum(m["perf/step_s"] for m in steady)
     trained = [m for m in metrics if m.get("rollout/samples_trained")]
-    weight = lambda m: m["rollout/samples_trained"]  # noqa: E731 - per-step means weighted by the samples
-    mean = lambda key: (sum(m[key] * weight(m) for m in trained) / sum(weight(m) for m in trained)  # noqa: E731
-                        if trained else 0.0)
-    return {"samples_per_s": samples / seconds if seconds > 0 else 0.0,
-            "step_s_median": statistics.median(m["perf/step_s"] for m in metrics),
-            "staleness_mean": mean("rollout/staleness_mean"), "offpolicy_token_frac": mean("rollout/offpolicy_token_frac"),
-            "staleness_max": max((m.get("rollout/staleness_max", 0) for m in metrics), default=0),
-            "samples_trained": sum(m.get("rollout/samples_trained", 0) for m in metrics),
-            "steps": len(metrics), "seconds": sum(m["perf/step_s"] for m in metrics),
-            **{k: sum(m.get(k, 0) for m in metrics) for k in ("rollout/resumed_samples", "rollout/aborted_samples",
-                                                             "rollout/stale_regenerated")},
-            **{k: statistics.fmean(m.get(k, 0.0) for m in metrics) for k in ("perf/generate_s", "perf/train_s",
-                                                                            "perf/overlap_s")}}
+
+    def mean(key):  # per-step means weighted by the samples
+        total = sum(m["rollout/samples_trained"] for m in trained)
+        return sum(m[key] * m["rollout/samples_trained"] for m in trained) / total if trained else 0.0
+
+    return {
+        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "step_s_median": statistics.median(m["perf/step_s"] for m in metrics),
+        "staleness_mean": mean("rollout/staleness_mean"),
+        "offpolicy_token_frac": mean("rollout/offpolicy_token_frac"),
+        "staleness_max": max((m.get("rollout/staleness_max", 0) for m in metrics), default=0),
+        "samples_trained": sum(m.get("rollout/samples_trained", 0) for m in metrics),
+        "steps": len(metrics),
+        "seconds": sum(m["perf/step_s"] for m in metrics),
+        **{
+            k: sum(m.get(k, 0) for m in metrics)
+            for k in ("rollout/resumed_samples", "rollout/aborted_samples", "rollout/stale_regenerated")
+        },
+        **{
+            k: statistics.fmean(m.get(k, 0.0) for m in metrics)
+            for k in ("perf/generate_s", "perf/train_s", "perf/overlap_s")
+        },
+    }
 
 
 def evaluate(url: str, heldout: list, tokenizer, pool, settings, bench: Bench, seed: int, records=None) -> dict:
@@ -262,9 +351,17 @@ def evaluate(url: str, heldout: list, tokenizer, pool, settings, bench: Bench, s
 
     engine = SGLangEngine([url], send_seed=True)
     try:
-        summary, recs = evaluate_engine(engine, {"heldout": heldout}, tokenizer, pool, k=8, progress=lambda line: None,
-                                        params=SamplingParams(temperature=settings.temperature, seed=1000 + seed,
-                                                              max_new_tokens=bench.max_new_tokens))
+        summary, recs = evaluate_engine(
+            engine,
+            {"heldout": heldout},
+            tokenizer,
+            pool,
+            k=8,
+            progress=lambda line: None,
+            params=SamplingParams(
+                temperature=settings.temperature, seed=1000 + seed, max_new_tokens=bench.max_new_tokens
+            ),
+        )
     finally:
         engine.close()
     if records is not None:
@@ -294,16 +391,19 @@ def batching_probe(model: str, heldout: list, bench: Bench) -> dict:
     server, url = serve_in_thread(EmbeddedEngine.from_pretrained(model, dtype="float32"), tokenizer=tok)
     client = SGLangEngine([url])
     try:
-        ids = [list(p.prompt_ids) for p in (heldout * bench.oversample)[:bench.oversample]]
-        params = SamplingParams(temperature=1.0, max_new_tokens=bench.max_new_tokens,
-                                stop_token_ids=generation_stop_ids(tok))
+        ids = [list(p.prompt_ids) for p in (heldout * bench.oversample)[: bench.oversample]]
+        params = SamplingParams(
+            temperature=1.0, max_new_tokens=bench.max_new_tokens, stop_token_ids=generation_stop_ids(tok)
+        )
         history, out = server.state.scheduler.history, {}
         history.clear()
         t = time.time()
         client.generate(ids, params, n=8)
         out["per_prompt"] = {"seconds": time.time() - t, "batches": list(history)}
         history.clear()
-        requests = [SampleRequest((i, j), x, replace(params, seed=8 * i + j)) for i, x in enumerate(ids) for j in range(8)]
+        requests = [
+            SampleRequest((i, j), x, replace(params, seed=8 * i + j)) for i, x in enumerate(ids) for j in range(8)
+        ]
         t = time.time()
         stream = client.stream(requests)
         try:
@@ -351,14 +451,17 @@ class LongCoT:
 
     def step_s(self, live_tokens: float) -> float:
         """One decode step: read the weights and the live KV cache."""
-        return (2 * self.params + live_tokens * self.kv_bytes_per_token) / (self.bandwidth * self.efficiency) + \
-            self.step_overhead_s
+        return (2 * self.params + live_tokens * self.kv_bytes_per_token) / (
+            self.bandwidth * self.efficiency
+        ) + self.step_overhead_s
 
     def lengths(self, rng, prompts: int, n: int):
         import numpy as np
 
         med = np.exp(rng.normal(np.log(self.median), self.prompt_sigma, prompts))
-        return np.minimum(med[:, None] * np.exp(rng.normal(0.0, self.sample_sigma, (prompts, n))), self.budget).astype(int)
+        return np.minimum(med[:, None] * np.exp(rng.normal(0.0, self.sample_sigma, (prompts, n))), self.budget).astype(
+            int
+        )
 
     def server_finish_s(self, lengths, trace: list | None = None):
         """Finish time of each response on one server: requests admitted in order while the KV pool
@@ -370,8 +473,11 @@ class LongCoT:
         n, gen, live = len(lengths), np.zeros(len(lengths)), np.zeros(len(lengths), bool)
         fin, t, queue, cap = np.full(n, np.nan), 0.0, list(range(n)), self.kv_pool_tokens
         while np.isnan(fin).any():
-            while queue and (not live.any() or (self.prompt_tokens + gen[live]).sum() + self.prompt_tokens
-                             + gen[queue[0]] + 1000 * (live.sum() + 1) < cap):
+            while queue and (
+                not live.any()
+                or (self.prompt_tokens + gen[live]).sum() + self.prompt_tokens + gen[queue[0]] + 1000 * (live.sum() + 1)
+                < cap
+            ):
                 live[queue.pop(0)] = True
             ctx = (self.prompt_tokens + gen[live]).sum()
             while ctx > cap and live.sum() > 1:
@@ -389,9 +495,19 @@ class LongCoT:
         return fin
 
 
-def long_cot_estimate(seed: int = 0, cfg: LongCoT | None = None, *, servers: int = 32, prompts: int = 256, n: int = 8,
-                      trained_prompts: int = 128, train_gpus: int = 32, peak_flops: float = 989e12, mfu: float = 0.4,
-                      sync_s: float = 5.0) -> dict:
+def long_cot_estimate(
+    seed: int = 0,
+    cfg: LongCoT | None = None,
+    *,
+    servers: int = 32,
+    prompts: int = 256,
+    n: int = 8,
+    trained_prompts: int = 128,
+    train_gpus: int = 32,
+    peak_flops: float = 989e12,
+    mfu: float = 0.4,
+    sync_s: float = 5.0,
+) -> dict:
     """One step of Klear's math RL on Qwen3-8B at 32K (prompts x n generated, trained_prompts x n
     trained), on ``servers`` rollout GPUs and ``train_gpus`` training GPUs: the synchronous step's
     generation (until its last response), the full-pool rate the servers reach when kept busy
@@ -417,15 +533,32 @@ def long_cot_estimate(seed: int = 0, cfg: LongCoT | None = None, *, servers: int
     # x the mean context, over the five forward-equivalents
     flops = trained * (10 * cfg.params + 5 * 4 * cfg.layers * cfg.q_dim * (cfg.prompt_tokens + flat.mean() / 2))
     train = flops / (train_gpus * peak_flops * mfu) + sync_s
-    steps = {"sync": generate_sync + train, "partial": generate_partial + train, "async": max(generate_sync, train),
-             "async_partial": max(generate_partial, train)}
-    return {"lengths": {"p50": float(np.percentile(flat, 50)), "p90": float(np.percentile(flat, 90)),
-                        "max": int(flat.max()), "mean": float(flat.mean()), "capped": float((flat >= cfg.budget).mean())},
-            "tokens": tokens, "kv_pool_tokens": cfg.kv_pool_tokens, "full_pool_live_context": live_ctx,
-            "full_pool_tokens_per_s": full_rate,
-            "sync_tokens_per_s": tokens / generate_sync / servers, "finished_by_half_step": done_by_half,
-            "generate_sync_s": generate_sync, "generate_partial_s": generate_partial, "train_s": train,
-            "step_s": steps, "speedup": {k: steps["sync"] / v for k, v in steps.items()}}
+    steps = {
+        "sync": generate_sync + train,
+        "partial": generate_partial + train,
+        "async": max(generate_sync, train),
+        "async_partial": max(generate_partial, train),
+    }
+    return {
+        "lengths": {
+            "p50": float(np.percentile(flat, 50)),
+            "p90": float(np.percentile(flat, 90)),
+            "max": int(flat.max()),
+            "mean": float(flat.mean()),
+            "capped": float((flat >= cfg.budget).mean()),
+        },
+        "tokens": tokens,
+        "kv_pool_tokens": cfg.kv_pool_tokens,
+        "full_pool_live_context": live_ctx,
+        "full_pool_tokens_per_s": full_rate,
+        "sync_tokens_per_s": tokens / generate_sync / servers,
+        "finished_by_half_step": done_by_half,
+        "generate_sync_s": generate_sync,
+        "generate_partial_s": generate_partial,
+        "train_s": train,
+        "step_s": steps,
+        "speedup": {k: steps["sync"] / v for k, v in steps.items()},
+    }
 
 
 # -- the driver ---------------------------------------------------------------------------------------
@@ -441,15 +574,20 @@ def aggregate(runs: list) -> dict:
 
 def table(variants: dict, runs: list) -> str:
     sync = variants.get("sync", {}).get("samples_per_s")
-    lines = ["| variant | seeds | samples/s | vs sync | step s (median) | held-out avg@8 | vs sync (points) | "
-             "staleness (mean) | off-policy tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | seeds | samples/s | vs sync | step s (median) | held-out avg@8 | vs sync (points) | "
+        "staleness (mean) | off-policy tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for v, r in variants.items():
         n = sum(x["variant"] == v for x in runs)
         ratio = f"{r['samples_per_s'] / sync:.2f}x" if sync else "n/a"
         points = r["heldout_avg@8"] - variants["sync"]["heldout_avg@8"] if "sync" in variants else float("nan")
-        lines.append(f"| {v} | {n} | {r['samples_per_s']:.2f} | {ratio} | {r['step_s_median']:.2f} | "
-                     f"{r['heldout_avg@8']:.1f} | {points:+.1f} | {r['staleness_mean']:.3f} | "
-                     f"{r['offpolicy_token_frac']:.3f} |")
+        lines.append(
+            f"| {v} | {n} | {r['samples_per_s']:.2f} | {ratio} | {r['step_s_median']:.2f} | "
+            f"{r['heldout_avg@8']:.1f} | {points:+.1f} | {r['staleness_mean']:.3f} | "
+            f"{r['offpolicy_token_frac']:.3f} |"
+        )
     return "\n".join(lines)
 
 
@@ -462,8 +600,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="RL steps per run")
     p.add_argument("--servers", type=int, default=None, help="stand-in servers behind the router (default 1)")
     p.add_argument("--sft", default=None, help="an HF SFT model to start from (default: build the demo's on the task)")
-    p.add_argument("--long-cot", action="store_true",
-                   help="print the decode-time model of a Qwen3-8B step at 32K (benchmarks/RESULTS.md) and exit")
+    p.add_argument(
+        "--long-cot",
+        action="store_true",
+        help="print the decode-time model of a Qwen3-8B step at 32K (benchmarks/RESULTS.md) and exit",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
     args = p.parse_args(argv)
     if args.long_cot:
@@ -485,13 +626,24 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     t0, load_start = time.time(), os.getloadavg()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    )
     server_env = {"OMP_NUM_THREADS": "1"}  # (the launcher adds the rest of this environment)
-    print(f"SFT model: {args.sft}" if args.sft else "a random tiny model (--quick)" if args.quick else
-          "building the SFT model on the long-tailed task (the demo's recipe) ...", flush=True)
+    print(
+        f"SFT model: {args.sft}"
+        if args.sft
+        else "a random tiny model (--quick)"
+        if args.quick
+        else "building the SFT model on the long-tailed task (the demo's recipe) ...",
+        flush=True,
+    )
     if args.sft:
-        files = {"sft": os.path.abspath(args.sft), **prompt_files(os.path.join(out, "sft"), settings, bench),
-                 "sft_seconds": 0.0}
+        files = {
+            "sft": os.path.abspath(args.sft),
+            **prompt_files(os.path.join(out, "sft"), settings, bench),
+            "sft_seconds": 0.0,
+        }
     else:
         files = build_sft(os.path.join(out, "sft"), settings, bench)
 
@@ -504,24 +656,38 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(files["sft"])
     heldout = PromptDataset([files["heldout"]], tokenizer, max_prompt_length=96).prompts
     runs, records = [], []
-    print(f"RL: {len(variants)} variants x {bench.seeds} seeds, {bench.rl_steps} steps of {bench.prompts_per_step} "
-          f"prompts x 8 (of {bench.oversample}), {bench.servers} stand-in server(s) behind sglang-router", flush=True)
-    with GradingPool(evaluation_reward_config(RewardConfig(workers=1))) as pool, \
-            rollout_servers(files["sft"], bench.servers, server_env) as (router_url, servers):
+    print(
+        f"RL: {len(variants)} variants x {bench.seeds} seeds, {bench.rl_steps} steps of {bench.prompts_per_step} "
+        f"prompts x 8 (of {bench.oversample}), {bench.servers} stand-in server(s) behind sglang-router",
+        flush=True,
+    )
+    with (
+        GradingPool(evaluation_reward_config(RewardConfig(workers=1))) as pool,
+        rollout_servers(files["sft"], bench.servers, server_env) as (router_url, servers),
+    ):
         sft_eval = evaluate(router_url, heldout, tokenizer, pool, settings, bench, 0, records)
         lengths = length_percentiles(r["length"] for r in records)
-        print(f"  SFT model: held-out avg@8 {sft_eval['avg@8']:.1f}%, response lengths {lengths} "
-              f"(max/median {lengths['max'] / max(lengths['p50'], 1):.1f})", flush=True)
+        print(
+            f"  SFT model: held-out avg@8 {sft_eval['avg@8']:.1f}%, response lengths {lengths} "
+            f"(max/median {lengths['max'] / max(lengths['p50'], 1):.1f})",
+            flush=True,
+        )
         for seed in range(1, bench.seeds + 1):
             for v in variants:  # interleaved: load drifts hit every variant alike
-                runs.append(run_variant(bench, settings, files, router_url, servers, out, v, seed, env, pool,
-                                        heldout, tokenizer))
+                runs.append(
+                    run_variant(
+                        bench, settings, files, router_url, servers, out, v, seed, env, pool, heldout, tokenizer
+                    )
+                )
     probe = None
     if not bench.quick:
         probe = batching_probe(files["sft"], heldout, bench)
-        print(f"  batching probe ({bench.oversample} prompts x 8 on one stand-in): one request per prompt "
-              f"{probe['per_prompt']['seconds']:.1f} s in engine batches {probe['per_prompt']['batches']}; one per "
-              f"sample {probe['per_sample']['seconds']:.1f} s in {probe['per_sample']['batches']}", flush=True)
+        print(
+            f"  batching probe ({bench.oversample} prompts x 8 on one stand-in): one request per prompt "
+            f"{probe['per_prompt']['seconds']:.1f} s in engine batches {probe['per_prompt']['batches']}; one per "
+            f"sample {probe['per_sample']['seconds']:.1f} s in {probe['per_sample']['batches']}",
+            flush=True,
+        )
     results = {"variants": aggregate(runs), "lengths": lengths}
     minutes = (time.time() - t0) / 60
     text = table(results["variants"], runs)
@@ -529,15 +695,32 @@ def main(argv=None) -> int:
     sync = results["variants"].get("sync")
     if sync:
         for v, r in results["variants"].items():
-            print(f"{v}: {r['samples_per_s'] / sync['samples_per_s']:.2f}x sync's samples/s, held-out avg@8 "
-                  f"{r['heldout_avg@8'] - sync['heldout_avg@8']:+.1f} points")
-    print(f"lengths (SFT model, held-out, tokens): p50 {lengths['p50']}, p90 {lengths['p90']}, max {lengths['max']}; "
-          f"total {minutes:.1f} min (SFT {files['sft_seconds'] / 60:.1f} min)")
-    details = {"results": results, "bench": dataclasses.asdict(bench), "settings": dataclasses.asdict(settings),
-               "sft_heldout": sft_eval, "batching_probe": probe, "runs": runs, "minutes": minutes, "table": text,
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                           "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
-               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            print(
+                f"{v}: {r['samples_per_s'] / sync['samples_per_s']:.2f}x sync's samples/s, held-out avg@8 "
+                f"{r['heldout_avg@8'] - sync['heldout_avg@8']:+.1f} points"
+            )
+    print(
+        f"lengths (SFT model, held-out, tokens): p50 {lengths['p50']}, p90 {lengths['p90']}, max {lengths['max']}; "
+        f"total {minutes:.1f} min (SFT {files['sft_seconds'] / 60:.1f} min)"
+    )
+    details = {
+        "results": results,
+        "bench": dataclasses.asdict(bench),
+        "settings": dataclasses.asdict(settings),
+        "sft_heldout": sft_eval,
+        "batching_probe": probe,
+        "runs": runs,
+        "minutes": minutes,
+        "table": text,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
     with open(os.path.join(out, "details.json"), "w") as f:
         json.dump(details, f, indent=1)
     if args.json:

@@ -10,6 +10,7 @@ kept-alive async client and are not measured here. Reported: the median millisec
 ``GET /model_info`` each way (``fresh_ms``, ``kept_alive_ms``, ``fresh_vs_kept_alive``) and of the
 control sequence of one sync around no buckets on both servers at once (``sync_control_ms``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,15 +70,24 @@ def main() -> int:
             s.close()
         shutil.rmtree(work, ignore_errors=True)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-           "calls": args.calls, "fresh_ms": med["fresh"], "kept_alive_ms": med["kept_alive"],
-           "fresh_vs_kept_alive": med["fresh"] / med["kept_alive"], "sync_control_ms": med["sync_control"],
-           "all_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()}}
-    print(f"GET /model_info, median of {args.calls}: fresh client {med['fresh']:.2f} ms, kept-alive "
-          f"{med['kept_alive']:.2f} ms ({out['fresh_vs_kept_alive']:.1f}x)")
-    print(f"a sync's control calls on 2 servers (pause, begin, end, version, continue, check): "
-          f"{med['sync_control']:.1f} ms")
+    out = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "calls": args.calls,
+        "fresh_ms": med["fresh"],
+        "kept_alive_ms": med["kept_alive"],
+        "fresh_vs_kept_alive": med["fresh"] / med["kept_alive"],
+        "sync_control_ms": med["sync_control"],
+        "all_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()},
+    }
+    print(
+        f"GET /model_info, median of {args.calls}: fresh client {med['fresh']:.2f} ms, kept-alive "
+        f"{med['kept_alive']:.2f} ms ({out['fresh_vs_kept_alive']:.1f}x)"
+    )
+    print(
+        f"a sync's control calls on 2 servers (pause, begin, end, version, continue, check): "
+        f"{med['sync_control']:.1f} ms"
+    )
     print("RESULTS " + json.dumps({k: v for k, v in out.items() if k != "all_ms"}))
     if args.json:
         with open(args.json, "w") as f:

@@ -45,6 +45,7 @@ Memory, per phase:
 - ``peak PSS``: all resident memory of the process tree (anonymous + mapped file pages), shared
   pages divided among the processes that map them; polled the same way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -216,8 +217,9 @@ def phase_baseline_fsync(args) -> dict:
 
 def phase_to_megatron(args) -> dict:
     sys.path.insert(0, REPO)
-    from megatron_klear.checkpoint.convert import hf_to_megatron
     import megatron.core  # noqa: F401  (import cost outside the timed region)
+
+    from megatron_klear.checkpoint.convert import hf_to_megatron
 
     floor = _own_kib("RssAnon") * 1024
     t0 = time.perf_counter()
@@ -227,8 +229,9 @@ def phase_to_megatron(args) -> dict:
 
 def phase_to_hf(args) -> dict:
     sys.path.insert(0, REPO)
-    from megatron_klear.checkpoint.convert import megatron_to_hf
     import megatron.core  # noqa: F401
+
+    from megatron_klear.checkpoint.convert import megatron_to_hf
 
     floor = _own_kib("RssAnon") * 1024
     t0 = time.perf_counter()
@@ -268,8 +271,12 @@ def phase_verify(args) -> dict:
                     mismatches.append(f"{key}: values differ")
     extra = sorted(out.keys() - seen)
     mismatches += [f"{k}: not in the source" for k in extra]
-    return {"bit_exact": not mismatches, "mismatches": mismatches[:10], "bytes_compared": compared,
-            "tensors": len(seen)}
+    return {
+        "bit_exact": not mismatches,
+        "mismatches": mismatches[:10],
+        "bytes_compared": compared,
+        "tensors": len(seen),
+    }
 
 
 PHASES = {
@@ -325,8 +332,16 @@ def _own_kib(field: str) -> int:
 
 
 def run_phase(phase: str, src: str | None, dst: str, max_shard_bytes: int, interval: float = 0.01) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--dst", dst,
-           "--max-shard-bytes", str(max_shard_bytes)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--phase",
+        phase,
+        "--dst",
+        dst,
+        "--max-shard-bytes",
+        str(max_shard_bytes),
+    ]
     if src:
         cmd += ["--src", src]
     t0 = time.perf_counter()
@@ -360,9 +375,10 @@ def run_phase(phase: str, src: str | None, dst: str, max_shard_bytes: int, inter
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         raise SystemExit(f"phase {phase} printed no RESULT line; output:\n{stdout[-2000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
-    result.update(wall=wall, peak_rss=usage.ru_maxrss * 1024, peak_anon=peak["anon"], peak_pss=peak["pss"],
-                  procs=peak["procs"])
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result.update(
+        wall=wall, peak_rss=usage.ru_maxrss * 1024, peak_anon=peak["anon"], peak_pss=peak["pss"], procs=peak["procs"]
+    )
     return result
 
 
@@ -389,22 +405,35 @@ def bench_layout(work: str, shard_mb: int, keep: bool) -> dict:
     d = {k: os.path.join(work, f"{k}-{shard_mb}") for k in ("src", "base", "mg", "back")}
     try:
         made = run_phase("make", None, d["src"], cap)
-        print(f"[{label}] checkpoint: {made['params'] / 1e6:.1f} M params, {made['bytes'] / GiB:.3f} GiB, "
-              f"{made['shards']} shard(s) (written in {made['wall']:.1f} s)", flush=True)
+        print(
+            f"[{label}] checkpoint: {made['params'] / 1e6:.1f} M params, {made['bytes'] / GiB:.3f} GiB, "
+            f"{made['shards']} shard(s) (written in {made['wall']:.1f} s)",
+            flush=True,
+        )
         rows = {}
-        for phase, src, dst in (("baseline", d["src"], d["base"]), ("baseline_fsync", d["src"], d["base"]),
-                                ("to_megatron", d["src"], d["mg"]), ("to_hf", d["mg"], d["back"])):
+        for phase, src, dst in (
+            ("baseline", d["src"], d["base"]),
+            ("baseline_fsync", d["src"], d["base"]),
+            ("to_megatron", d["src"], d["mg"]),
+            ("to_hf", d["mg"], d["back"]),
+        ):
             shutil.rmtree(dst, ignore_errors=True)
             warm(src)
             rows[phase] = r = run_phase(phase, src, dst, cap)
-            print(f"[{label}] {phase:14s} {r['seconds']:7.2f} s (process {r['wall']:6.2f} s)  "
-                  f"peak RSS {r['peak_rss'] / GiB:6.3f} GiB  anon {r['peak_anon'] / GiB:6.3f} GiB "
-                  f"(floor {r['anon_floor'] / GiB:.3f})  PSS {r['peak_pss'] / GiB:6.3f} GiB  "
-                  f"processes {r['procs']}", flush=True)
+            print(
+                f"[{label}] {phase:14s} {r['seconds']:7.2f} s (process {r['wall']:6.2f} s)  "
+                f"peak RSS {r['peak_rss'] / GiB:6.3f} GiB  anon {r['peak_anon'] / GiB:6.3f} GiB "
+                f"(floor {r['anon_floor'] / GiB:.3f})  PSS {r['peak_pss'] / GiB:6.3f} GiB  "
+                f"processes {r['procs']}",
+                flush=True,
+            )
         check = run_phase("verify", d["src"], d["back"], cap)
-        print(f"[{label}] round trip bit-exact: {check['bit_exact']} ({check['tensors']} tensors, "
-              f"{check['bytes_compared'] / GiB:.3f} GiB compared)"
-              + ("" if check["bit_exact"] else f"; first mismatches: {check['mismatches']}"), flush=True)
+        print(
+            f"[{label}] round trip bit-exact: {check['bit_exact']} ({check['tensors']} tensors, "
+            f"{check['bytes_compared'] / GiB:.3f} GiB compared)"
+            + ("" if check["bit_exact"] else f"; first mismatches: {check['mismatches']}"),
+            flush=True,
+        )
         sizes = {k: dir_bytes(d[k]) for k in ("src", "mg", "back")}
         return {"label": label, "made": made, "rows": rows, "verify": check, "sizes": sizes}
     finally:
@@ -418,26 +447,34 @@ def report(results: list) -> None:
     for res in results:
         rows = res["rows"]
         base = rows["baseline"]
-        print(f"### {res['label']}: {res['made']['params'] / 1e6:.1f} M params; HF checkpoint "
-              f"{res['sizes']['src'] / GiB:.3f} GiB in {res['made']['shards']} file(s); torch_dist "
-              f"{res['sizes']['mg'] / GiB:.3f} GiB; round trip {res['sizes']['back'] / GiB:.3f} GiB; "
-              f"bit-exact: {res['verify']['bit_exact']}")
-        print("| phase | call s | process s | peak RSS GiB | peak anon GiB | anon above floor GiB | peak PSS GiB "
-              "| call / base | process / base | RSS / base | anon / base |")
+        print(
+            f"### {res['label']}: {res['made']['params'] / 1e6:.1f} M params; HF checkpoint "
+            f"{res['sizes']['src'] / GiB:.3f} GiB in {res['made']['shards']} file(s); torch_dist "
+            f"{res['sizes']['mg'] / GiB:.3f} GiB; round trip {res['sizes']['back'] / GiB:.3f} GiB; "
+            f"bit-exact: {res['verify']['bit_exact']}"
+        )
+        print(
+            "| phase | call s | process s | peak RSS GiB | peak anon GiB | anon above floor GiB | peak PSS GiB "
+            "| call / base | process / base | RSS / base | anon / base |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for phase, r in rows.items():
-            print(f"| {phase} | {r['seconds']:.2f} | {r['wall']:.2f} | {r['peak_rss'] / GiB:.3f} | "
-                  f"{r['peak_anon'] / GiB:.3f} | {(r['peak_anon'] - r['anon_floor']) / GiB:.3f} | "
-                  f"{r['peak_pss'] / GiB:.3f} | {r['seconds'] / base['seconds']:.2f} | "
-                  f"{r['wall'] / base['wall']:.2f} | {r['peak_rss'] / base['peak_rss']:.2f} | "
-                  f"{r['peak_anon'] / base['peak_anon']:.2f} |")
+            print(
+                f"| {phase} | {r['seconds']:.2f} | {r['wall']:.2f} | {r['peak_rss'] / GiB:.3f} | "
+                f"{r['peak_anon'] / GiB:.3f} | {(r['peak_anon'] - r['anon_floor']) / GiB:.3f} | "
+                f"{r['peak_pss'] / GiB:.3f} | {r['seconds'] / base['seconds']:.2f} | "
+                f"{r['wall'] / base['wall']:.2f} | {r['peak_rss'] / base['peak_rss']:.2f} | "
+                f"{r['peak_anon'] / base['peak_anon']:.2f} |"
+            )
         h2m, m2h = rows["to_megatron"], rows["to_hf"]
         call, wall = h2m["seconds"] + m2h["seconds"], h2m["wall"] + m2h["wall"]
-        print(f"HF -> Megatron -> HF: {call:.2f} s in the calls = {call / base['seconds']:.1f} x baseline "
-              f"({call / rows['baseline_fsync']['seconds']:.1f} x the fsync'ed baseline); {wall:.2f} s of "
-              f"process wall = {wall / base['wall']:.1f} x; peak RSS "
-              f"{max(h2m['peak_rss'], m2h['peak_rss']) / base['peak_rss']:.2f} x baseline; peak anon "
-              f"{max(h2m['peak_anon'], m2h['peak_anon']) / base['peak_anon']:.2f} x baseline")
+        print(
+            f"HF -> Megatron -> HF: {call:.2f} s in the calls = {call / base['seconds']:.1f} x baseline "
+            f"({call / rows['baseline_fsync']['seconds']:.1f} x the fsync'ed baseline); {wall:.2f} s of "
+            f"process wall = {wall / base['wall']:.1f} x; peak RSS "
+            f"{max(h2m['peak_rss'], m2h['peak_rss']) / base['peak_rss']:.2f} x baseline; peak anon "
+            f"{max(h2m['peak_anon'], m2h['peak_anon']) / base['peak_anon']:.2f} x baseline"
+        )
         print()
 
 
@@ -447,8 +484,13 @@ def main():
     ap.add_argument("--src", help=argparse.SUPPRESS)
     ap.add_argument("--dst", help=argparse.SUPPRESS)
     ap.add_argument("--max-shard-bytes", type=int, default=UNLIMITED_SHARD, help=argparse.SUPPRESS)
-    ap.add_argument("--shard-mb", type=int, nargs="+", default=[0, 256],
-                    help="source shard caps in MiB to benchmark (0: one model.safetensors); default 0 256")
+    ap.add_argument(
+        "--shard-mb",
+        type=int,
+        nargs="+",
+        default=[0, 256],
+        help="source shard caps in MiB to benchmark (0: one model.safetensors); default 0 256",
+    )
     ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the temporary checkpoints go")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints (under --workdir)")
     ap.add_argument("--json", help="also write the raw figures to this file")

@@ -17,6 +17,7 @@ Target: hidden_chunked's peak at most a quarter of naive's.
 
     python benchmarks/logprobs.py [--tokens 2048] [--hidden 256] [--vocab 151936] [--chunk 256]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -24,6 +24,7 @@ One torch thread per process. Reported: tokens/s (all ranks together), ``moe_vs_
 world size (the MoE layer's overhead at equal active parameters), and ``ep2_vs_ep1`` (aggregate
 MoE throughput of two processes over one: 2.0 would be perfect scaling).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,19 +42,31 @@ sys.path.insert(0, REPO)
 
 def hf_config(kind: str, a) -> dict:
     """A Qwen3(-MoE) config.json of the toy sizes: the dense one has the MoE's active MLP width."""
-    cfg = {"model_type": "qwen3", "hidden_size": a.hidden, "num_hidden_layers": a.layers, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": a.hidden // 4, "vocab_size": 1024,
-           "intermediate_size": a.topk * a.moe_intermediate}
+    cfg = {
+        "model_type": "qwen3",
+        "hidden_size": a.hidden,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": a.hidden // 4,
+        "vocab_size": 1024,
+        "intermediate_size": a.topk * a.moe_intermediate,
+    }
     if kind == "moe":
-        cfg.update(model_type="qwen3_moe", num_experts=a.experts, num_experts_per_tok=a.topk,
-                   moe_intermediate_size=a.moe_intermediate, norm_topk_prob=True, router_aux_loss_coef=0.0)
+        cfg.update(
+            model_type="qwen3_moe",
+            num_experts=a.experts,
+            num_experts_per_tok=a.topk,
+            moe_intermediate_size=a.moe_intermediate,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.0,
+        )
     return cfg
 
 
 def build_stack(kind: str, a, ep: int):
     """[(norm, mlp)] * layers, through the project's layer spec and TransformerConfig."""
     import torch
-
     from megatron.core import parallel_state
     from megatron.core.transformer.spec_utils import build_module
 
@@ -63,7 +76,9 @@ def build_stack(kind: str, a, ep: int):
     from megatron_klear.platform.distributed import ParallelConfig
 
     arch = arch_from_dict(hf_config(kind, a), "benchmark")
-    config = transformer_config(arch, ModelOptions(backend="local", dtype="fp32"), ParallelConfig(ep=ep if kind == "moe" else 1))
+    config = transformer_config(
+        arch, ModelOptions(backend="local", dtype="fp32"), ParallelConfig(ep=ep if kind == "moe" else 1)
+    )
     spec = layer_spec(arch, "local", moe=kind == "moe").submodules.mlp
     if kind == "moe":
         _patch_moe_without_te()
@@ -121,8 +136,13 @@ def measure(a, world: int) -> dict:
     res = {}
     for kind, ts in out["times"].items():
         med, best = statistics.median(ts), min(ts)
-        res[kind] = {"step_s": med, "best_step_s": best, "tokens_per_s": world * a.tokens / med,
-                     "best_tokens_per_s": world * a.tokens / best, "params_per_rank": out["params"][kind]}
+        res[kind] = {
+            "step_s": med,
+            "best_step_s": best,
+            "tokens_per_s": world * a.tokens / med,
+            "best_tokens_per_s": world * a.tokens / best,
+            "params_per_rank": out["params"][kind],
+        }
     res["moe_vs_dense"] = res["moe"]["tokens_per_s"] / res["dense"]["tokens_per_s"]
     res["moe_vs_dense_best"] = res["moe"]["best_tokens_per_s"] / res["dense"]["best_tokens_per_s"]
     return res
@@ -148,19 +168,33 @@ def main(argv=None) -> dict:
     results = {"ep1": measure(a, 1), "ep2": measure(a, 2)}
     results["ep2_vs_ep1"] = results["ep2"]["moe"]["tokens_per_s"] / results["ep1"]["moe"]["tokens_per_s"]
     results["dense2_vs_dense1"] = results["ep2"]["dense"]["tokens_per_s"] / results["ep1"]["dense"]["tokens_per_s"]
-    results["setup"] = {k: getattr(a, k) for k in ("hidden", "experts", "topk", "moe_intermediate", "layers", "tokens",
-                                                   "warmup", "repeats", "quick")}
-    results["machine"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "platform": platform.platform(),
-                          "seconds": round(time.time() - started, 1)}
-    print(f"MoE layer stack vs dense, same active parameters (hidden {a.hidden}, {a.experts} experts of "
-          f"{a.moe_intermediate}, top-{a.topk}, {a.layers} layers, {a.tokens} tokens/rank, fwd+bwd, fp32, 1 thread/process)")
+    results["setup"] = {
+        k: getattr(a, k)
+        for k in ("hidden", "experts", "topk", "moe_intermediate", "layers", "tokens", "warmup", "repeats", "quick")
+    }
+    results["machine"] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "platform": platform.platform(),
+        "seconds": round(time.time() - started, 1),
+    }
+    print(
+        f"MoE layer stack vs dense, same active parameters (hidden {a.hidden}, {a.experts} experts of "
+        f"{a.moe_intermediate}, top-{a.topk}, {a.layers} layers, {a.tokens} tokens/rank, fwd+bwd, fp32, "
+        "1 thread/process)"
+    )
     print(f"{'run':<24}{'dense tok/s':>14}{'MoE tok/s':>14}{'MoE/dense':>11}{'(best)':>9}")
     for key, label in (("ep1", "1 process, EP=1"), ("ep2", "2 processes, EP=2")):
         r = results[key]
-        print(f"{label:<24}{r['dense']['tokens_per_s']:>14.0f}{r['moe']['tokens_per_s']:>14.0f}"
-              f"{r['moe_vs_dense']:>11.3f}{r['moe_vs_dense_best']:>9.3f}")
-    print(f"MoE EP=2 / EP=1 (aggregate): {results['ep2_vs_ep1']:.3f}; dense 2 processes / 1: {results['dense2_vs_dense1']:.3f}")
+        print(
+            f"{label:<24}{r['dense']['tokens_per_s']:>14.0f}{r['moe']['tokens_per_s']:>14.0f}"
+            f"{r['moe_vs_dense']:>11.3f}{r['moe_vs_dense_best']:>9.3f}"
+        )
+    print(
+        f"MoE EP=2 / EP=1 (aggregate): {results['ep2_vs_ep1']:.3f}; "
+        f"dense 2 processes / 1: {results['dense2_vs_dense1']:.3f}"
+    )
     print("RESULTS " + json.dumps(results))
     if a.json:
         with open(a.json, "w") as f:

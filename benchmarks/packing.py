@@ -16,6 +16,7 @@
    tokenizer is the tiny 320-token test BPE (no real one can be downloaded here), so absolute
    tokens/s differ from Qwen3's; the ratio to the raw tokenizer is the figure that carries over.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,11 @@ def bench_packing(n: int) -> dict:
     order = np.random.default_rng(1).permutation(n)
     shuffled = lengths[order]
     real = int(lengths.sum())
-    print(f"\n== Packing: {n:,} examples, median {np.median(raw):,.0f}, mean {raw.mean():,.0f}, "
-          f"p99 {np.percentile(raw, 99):,.0f}, {100 * (raw > CAPACITY).mean():.2f}% over {CAPACITY} "
-          f"(truncated), capacity {CAPACITY}")
+    print(
+        f"\n== Packing: {n:,} examples, median {np.median(raw):,.0f}, mean {raw.mean():,.0f}, "
+        f"p99 {np.percentile(raw, 99):,.0f}, {100 * (raw > CAPACITY).mean():.2f}% over {CAPACITY} "
+        f"(truncated), capacity {CAPACITY}"
+    )
     batch = max(1, round(CAPACITY / lengths.mean()))
     base = pad_to_longest_efficiency(shuffled, batch)
     nf = real / (next_fit_rows(shuffled) * CAPACITY)
@@ -77,13 +80,17 @@ def bench_packing(n: int) -> dict:
         # rows are padded only to a multiple (128 here), not to 32K: tokens actually computed
         computed = sum(round_up(int(lengths[b].sum()), 128) for b in bins)
         name = f"best-fit decreasing, window {window or 'all'}"
-        print(f"{name:42s} {len(bins):8,d} {100 * eff:10.2f}% {dt:7.2f}s   "
-              f"(vs computed tokens at pad_to_multiple=128: {100 * real / computed:.2f}%; "
-              f"{n / dt:,.0f} examples/s)")
+        print(
+            f"{name:42s} {len(bins):8,d} {100 * eff:10.2f}% {dt:7.2f}s   "
+            f"(vs computed tokens at pad_to_multiple=128: {100 * real / computed:.2f}%; "
+            f"{n / dt:,.0f} examples/s)"
+        )
         out["bfd"][str(window or "all")] = {"rows": len(bins), "efficiency": eff, "seconds": dt}
     eff16 = out["bfd"]["16384"]["efficiency"]
-    print(f"ratio best-fit decreasing (window 16384, the default) / pad-to-longest baseline: "
-          f"{eff16 / base:.2f}x  (target efficiency >= 97%: {'MET' if eff16 >= 0.97 else 'NOT MET'})")
+    print(
+        f"ratio best-fit decreasing (window 16384, the default) / pad-to-longest baseline: "
+        f"{eff16 / base:.2f}x  (target efficiency >= 97%: {'MET' if eff16 >= 0.97 else 'NOT MET'})"
+    )
     return out
 
 
@@ -112,14 +119,26 @@ def bench_tokenization(n: int, median_chars: int) -> dict:
     sizes = np.clip(nprng.lognormal(np.log(median_chars), 0.8, size=n), 200, 8 * median_chars).astype(int)
     with open(path, "w") as f:
         for size in sizes:
-            f.write(json.dumps({"prompt": _words(rng, 300), "response": "<think>\n" + _words(rng, int(size)) + "\n</think>\n\nThe answer is 42."}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": _words(rng, 300),
+                        "response": "<think>\n" + _words(rng, int(size)) + "\n</think>\n\nThe answer is 42.",
+                    }
+                )
+                + "\n"
+            )
     tokenizer = load_tokenizer(tok_dir)
     texts = []
     with open(path) as f:
         for line in f:
             o = json.loads(line)
-            texts.append(tokenizer.apply_chat_template(
-                [{"role": "user", "content": o["prompt"]}, {"role": "assistant", "content": o["response"]}], tokenize=False))
+            texts.append(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": o["prompt"]}, {"role": "assistant", "content": o["response"]}],
+                    tokenize=False,
+                )
+            )
     raw_dt = float("inf")
     for _ in range(2):  # best of two: the first pass also warms caches
         t0 = time.perf_counter()
@@ -127,8 +146,10 @@ def bench_tokenization(n: int, median_chars: int) -> dict:
         raw_dt = min(raw_dt, time.perf_counter() - t0)
     raw = tokens / raw_dt
     mb = os.path.getsize(path) / 1e6
-    print(f"\n== Preprocessing: {n} examples, {mb:.1f} MB JSONL, {tokens:,} tokens "
-          f"(tiny 320-token BPE: ~{sum(map(len, texts)) / tokens:.1f} chars/token)")
+    print(
+        f"\n== Preprocessing: {n} examples, {mb:.1f} MB JSONL, {tokens:,} tokens "
+        f"(tiny 320-token BPE: ~{sum(map(len, texts)) / tokens:.1f} chars/token)"
+    )
     print(f"{'raw tokenizer, 1 process (baseline)':42s} {raw / 1e6:8.2f} M tokens/s")
     out = {"examples": n, "tokens": tokens, "raw_tokens_per_s": raw, "preprocess": {}}
     one = os.path.join(tmp, "one.jsonl")
@@ -137,8 +158,14 @@ def bench_tokenization(n: int, median_chars: int) -> dict:
     devnull = open(os.devnull, "w")
 
     def run(inp, workers, name):
-        cfg = PreprocessConfig(inputs=[inp], tokenizer=tok_dir, output_prefix=os.path.join(tmp, name, "ds"),
-                               max_length=1 << 20, workers=workers, progress_every_s=1e9)
+        cfg = PreprocessConfig(
+            inputs=[inp],
+            tokenizer=tok_dir,
+            output_prefix=os.path.join(tmp, name, "ds"),
+            max_length=1 << 20,
+            workers=workers,
+            progress_every_s=1e9,
+        )
         t0 = time.perf_counter()
         meta = preprocess(cfg, stream=devnull)
         return time.perf_counter() - t0, meta
@@ -149,12 +176,17 @@ def bench_tokenization(n: int, median_chars: int) -> dict:
         dt, meta = run(path, workers, f"w{workers}")
         assert meta["tokens"]["total"] == tokens, (meta["tokens"], tokens)
         rate, steady = tokens / dt, tokens / max(dt - fixed, 1e-9)
-        print(f"{f'preprocess_sft, {workers} worker(s)':42s} {rate / 1e6:8.2f} M tokens/s end to end "
-              f"({n / dt:,.0f} examples/s, {mb / dt:.1f} MB/s; {rate / raw:.2f}x raw); "
-              f"{steady / 1e6:.2f} M tokens/s without the {fixed:.1f} s start-up ({steady / raw:.2f}x raw)")
+        print(
+            f"{f'preprocess_sft, {workers} worker(s)':42s} {rate / 1e6:8.2f} M tokens/s end to end "
+            f"({n / dt:,.0f} examples/s, {mb / dt:.1f} MB/s; {rate / raw:.2f}x raw); "
+            f"{steady / 1e6:.2f} M tokens/s without the {fixed:.1f} s start-up ({steady / raw:.2f}x raw)"
+        )
         out["preprocess"][str(workers)] = {
-            "tokens_per_s": rate, "seconds": dt, "startup_seconds": fixed,
-            "ratio_to_raw": rate / raw, "steady_ratio_to_raw": steady / raw,
+            "tokens_per_s": rate,
+            "seconds": dt,
+            "startup_seconds": fixed,
+            "ratio_to_raw": rate / raw,
+            "steady_ratio_to_raw": steady / raw,
         }
     return out
 

@@ -10,6 +10,7 @@ isolation level available) vs a plain runner: one `python solution.py` subproces
 isolation, the same number of tests in flight. The ratio plain/sandboxed is the cost of isolation
 (target: under 2x).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,10 @@ def math_items(n: int, seed: int = 0) -> list[dict]:
         if kind == 0:
             gold, resp = str(a * b), str(a * b if rng.random() < 0.6 else a * b + 1)
         elif kind == 1:
-            gold, resp = rf"\frac{{{a}}}{{{b}}}", rf"\dfrac{{{2 * a}}}{{{2 * b}}}" if rng.random() < 0.6 else f"{a / b + 0.01:.4f}"
+            gold, resp = (
+                rf"\frac{{{a}}}{{{b}}}",
+                rf"\dfrac{{{2 * a}}}{{{2 * b}}}" if rng.random() < 0.6 else f"{a / b + 0.01:.4f}",
+            )
         elif kind == 2:
             gold, resp = f"x^2 + {a}x + {b}", f"{b} + {a}x + x^2" if rng.random() < 0.6 else f"x^2 + {b}x + {a}"
         elif kind == 3:
@@ -51,9 +55,13 @@ def math_items(n: int, seed: int = 0) -> list[dict]:
         elif kind == 4:
             gold, resp = rf"[{a}, {a + b})", rf"[{a},{a + b})" if rng.random() < 0.6 else rf"({a}, {a + b}]"
         else:
-            gold, resp = rf"{a}\sqrt{{{b}}}", rf"\sqrt{{{a * a * b}}}" if rng.random() < 0.6 else rf"{a + 1}\sqrt{{{b}}}"
-        items.append({"id": i, "task": "math", "response": THINK + rf"The answer is $\boxed{{{resp}}}$.",
-                      "answer": gold})
+            gold, resp = (
+                rf"{a}\sqrt{{{b}}}",
+                rf"\sqrt{{{a * a * b}}}" if rng.random() < 0.6 else rf"{a + 1}\sqrt{{{b}}}",
+            )
+        items.append(
+            {"id": i, "task": "math", "response": THINK + rf"The answer is $\boxed{{{resp}}}$.", "answer": gold}
+        )
     return items
 
 
@@ -116,15 +124,21 @@ def bench_pool(pool, items) -> tuple[float, float, list]:
 
 PROGRAMS = [
     # (solution, input generator, expected function)
-    ("import sys\nnums = list(map(int, sys.stdin.read().split()))\nprint(sum(nums))",
-     lambda r: " ".join(str(r.randint(-10**6, 10**6)) for _ in range(200)),
-     lambda s: str(sum(map(int, s.split())))),
-    ("n = int(input())\ntotal = 0\nfor i in range(n):\n    total += i * i % 7\nprint(total)",
-     lambda r: str(r.randint(10**5, 3 * 10**5)),
-     lambda s: str(sum(i * i % 7 for i in range(int(s))))),
-    ("s = input().strip()\nprint(s[::-1])",
-     lambda r: "".join(r.choice("abcdef") for _ in range(1000)),
-     lambda s: s[::-1]),
+    (
+        "import sys\nnums = list(map(int, sys.stdin.read().split()))\nprint(sum(nums))",
+        lambda r: " ".join(str(r.randint(-(10**6), 10**6)) for _ in range(200)),
+        lambda s: str(sum(map(int, s.split()))),
+    ),
+    (
+        "n = int(input())\ntotal = 0\nfor i in range(n):\n    total += i * i % 7\nprint(total)",
+        lambda r: str(r.randint(10**5, 3 * 10**5)),
+        lambda s: str(sum(i * i % 7 for i in range(int(s)))),
+    ),
+    (
+        "s = input().strip()\nprint(s[::-1])",
+        lambda r: "".join(r.choice("abcdef") for _ in range(1000)),
+        lambda s: s[::-1],
+    ),
 ]
 
 
@@ -134,9 +148,14 @@ def code_items(n: int, tests: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         code, gen, want = PROGRAMS[i % len(PROGRAMS)]
         ins = [gen(rng) for _ in range(tests)]
-        items.append({"id": i, "task": "code",
-                      "response": THINK + "```python\n" + code + "\n```",
-                      "tests": {"inputs": [x + "\n" for x in ins], "outputs": [want(x) for x in ins]}})
+        items.append(
+            {
+                "id": i,
+                "task": "code",
+                "response": THINK + "```python\n" + code + "\n```",
+                "tests": {"inputs": [x + "\n" for x in ins], "outputs": [want(x) for x in ins]},
+            }
+        )
     return items
 
 
@@ -172,13 +191,19 @@ def main(argv=None) -> int:
     ap.add_argument("--math-items", type=int, default=400)
     ap.add_argument("--code-items", type=int, default=48)
     ap.add_argument("--tests", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=4,
-                    help="baseline and measured runs alternate, round by round: on a shared machine "
-                         "both see the same background load; medians are reported")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="baseline and measured runs alternate, round by round: on a shared machine "
+        "both see the same background load; medians are reported",
+    )
     args = ap.parse_args(argv)
     w, rounds = args.workers, args.rounds
-    print(f"reward benchmarks: {os.cpu_count()} CPUs, {w} workers, python {sys.version.split()[0]}, "
-          f"{rounds} alternating rounds (medians)")
+    print(
+        f"reward benchmarks: {os.cpu_count()} CPUs, {w} workers, python {sys.version.split()[0]}, "
+        f"{rounds} alternating rounds (medians)"
+    )
 
     # ---- math
     items = math_items(args.math_items)
@@ -193,12 +218,16 @@ def main(argv=None) -> int:
     med = lambda rows, k: _median([r[k] for r in rows])  # noqa: E731
     d = med(direct, 0)
     print(f"math  math-verify direct, 1 process  : {d:7.1f} grades/s  {med(direct, 1):6.2f} CPU ms/grade")
-    print(f"math  grade_math in-process, no pool : {med(inproc, 0):7.1f} grades/s  {med(inproc, 1):6.2f} CPU ms/grade"
-          f"   CPU {med(inproc, 1) / med(direct, 1):.2f}x of direct")
+    print(
+        f"math  grade_math in-process, no pool : {med(inproc, 0):7.1f} grades/s  {med(inproc, 1):6.2f} CPU ms/grade"
+        f"   CPU {med(inproc, 1) / med(direct, 1):.2f}x of direct"
+    )
     ratios = [b[0] / a[0] for a, b in zip(direct, pooled)]
-    print(f"math  GradingPool, {w} workers         : {med(pooled, 0):7.1f} grades/s  {med(pooled, 1):6.2f} CPU ms/grade"
-          f"   CPU {med(pooled, 1) / med(direct, 1):.2f}x of direct; grades/s {_median(ratios):.2f}x of direct "
-          f"(rounds {', '.join(f'{r:.2f}' for r in ratios)})")
+    print(
+        f"math  GradingPool, {w} workers         : {med(pooled, 0):7.1f} grades/s  {med(pooled, 1):6.2f} CPU ms/grade"
+        f"   CPU {med(pooled, 1) / med(direct, 1):.2f}x of direct; grades/s {_median(ratios):.2f}x of direct "
+        f"(rounds {', '.join(f'{r:.2f}' for r in ratios)})"
+    )
 
     # ---- code
     citems = code_items(args.code_items, args.tests)
@@ -206,8 +235,10 @@ def main(argv=None) -> int:
     python = _default_python(SandboxConfig())
     rep = probe_isolation(SandboxConfig(allow_fallback=True))
     pools = {}
-    for level, ok, why in (("bwrap", rep.bwrap_ok, rep.bwrap_problems),
-                           ("fallback", rep.fallback_ok, rep.fallback_problems)):
+    for level, ok, why in (
+        ("bwrap", rep.bwrap_ok, rep.bwrap_problems),
+        ("fallback", rep.fallback_ok, rep.fallback_problems),
+    ):
         if not ok:
             print(f"code  sandbox {level}: unavailable ({'; '.join(why)})")
             continue
@@ -227,14 +258,18 @@ def main(argv=None) -> int:
         for pool in pools.values():
             pool.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"code  plain subprocess per test      : {med(plain, 0):7.1f} tests/s   {med(plain, 1):6.2f} CPU ms/test "
-          f"({w} in flight, no isolation)")
+    print(
+        f"code  plain subprocess per test      : {med(plain, 0):7.1f} tests/s   {med(plain, 1):6.2f} CPU ms/test "
+        f"({w} in flight, no isolation)"
+    )
     for lv, rows in sandboxed.items():
         wall = [a[0] / b[0] for a, b in zip(plain, rows)]
         cpu = med(rows, 1) / med(plain, 1)
-        print(f"code  GradingPool sandbox={lv:8s}  : {med(rows, 0):7.1f} tests/s   {med(rows, 1):6.2f} CPU ms/test "
-              f"  isolation cost: CPU {cpu:.2f}x, tests/s {_median(wall):.2f}x (target < 2x; "
-              f"rounds {', '.join(f'{c:.2f}' for c in wall)})")
+        print(
+            f"code  GradingPool sandbox={lv:8s}  : {med(rows, 0):7.1f} tests/s   {med(rows, 1):6.2f} CPU ms/test "
+            f"  isolation cost: CPU {cpu:.2f}x, tests/s {_median(wall):.2f}x (target < 2x; "
+            f"rounds {', '.join(f'{c:.2f}' for c in wall)})"
+        )
     return 0
 
 

@@ -39,6 +39,7 @@ distributed_s), ``speedup_vs_disk_flushed``, ``speedup_vs_disk_sequential``, ``e
 collective's), ``distributed_stats`` (bytes, buckets, streamed stages, seconds of each timed sync),
 plus sizes and the machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,8 +66,16 @@ def _free_port() -> int:
 
 
 # --quick: a small model of the same structure (seconds; what the test runs)
-QUICK = dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=64, bos_token_id=1, eos_token_id=2)
+QUICK = dict(
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=768,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def make_checkpoint(path: str, layers: int, quick: bool = False) -> dict:
@@ -104,8 +113,15 @@ def raw_receiver(rank: int, port: int, world: int) -> None:
     from megatron_klear.rollout.weight_sync.update_group import join_update_group
 
     torch.set_num_threads(1)
-    pg = join_update_group(backend="gloo", master_address="127.0.0.1", master_port=port, rank=rank,
-                           world_size=world, group_name="raw_bench", timeout=600)
+    pg = join_update_group(
+        backend="gloo",
+        master_address="127.0.0.1",
+        master_port=port,
+        rank=rank,
+        world_size=world,
+        group_name="raw_bench",
+        timeout=600,
+    )
     buf = None
     while True:
         n = torch.zeros(1, dtype=torch.int64)
@@ -125,8 +141,14 @@ def raw_receiver(rank: int, port: int, world: int) -> None:
 # the trainer (TP=2)
 # ------------------------------------------------------------------------------------------------
 def trainer(rank: int, world: int, port: int, ckpt: str, urls: list, args, raw_port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     import torch
     import torch.distributed as dist
 
@@ -150,8 +172,8 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     from megatron_klear.models.builder import build_model_chunks
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
-    from megatron_klear.rollout.weight_sync.update_group import join_update_group, open_master_store
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, export_hf_for_engine, iter_buckets
+    from megatron_klear.rollout.weight_sync.update_group import join_update_group, open_master_store
     from megatron_klear.training.setup import load_initial_weights, model_arch
 
     cfg = load_config(None, [f"model.path={ckpt}", "parallel.tp=2", "model.dtype=bf16"])
@@ -164,19 +186,30 @@ def _trainer(rank, ckpt, urls, args, raw_port):
         dist.barrier(group=control_group())
 
     engine = SGLangEngine(urls, timeout=120, weight_update_timeout=1800) if rank == 0 else None
-    sync = DistributedWeightSync(chunks, engine, bucket_mb=args.bucket_mb, group_timeout=600, bucket_timeout=600,
-                                 control_timeout=120)
+    sync = DistributedWeightSync(
+        chunks, engine, bucket_mb=args.bucket_mb, group_timeout=600, bucket_timeout=600, control_timeout=120
+    )
     tp_group = __import__("megatron.core.parallel_state", fromlist=["x"]).get_tensor_model_parallel_group()
     from megatron_klear.checkpoint.model_weights import iter_hf_tensors
 
     # the bucket sizes of this model (what the distributed sync sends): the raw broadcast repeats them
-    sizes = [sum(t.numel() * t.element_size() for _, t in b)
-             for b in iter_buckets(iter_hf_tensors(chunks, tp_group=tp_group), sync.bucket_bytes)]
+    sizes = [
+        sum(t.numel() * t.element_size() for _, t in b)
+        for b in iter_buckets(iter_hf_tensors(chunks, tp_group=tp_group), sync.bucket_bytes)
+    ]
     raw_pg = None
     if rank == 0:
         store = open_master_store("127.0.0.1", raw_port, 3, 600)
-        raw_pg = join_update_group(backend="gloo", master_address="127.0.0.1", master_port=raw_port, rank=0,
-                                   world_size=3, group_name="raw_bench", timeout=600, store=store)
+        raw_pg = join_update_group(
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=raw_port,
+            rank=0,
+            world_size=3,
+            group_name="raw_bench",
+            timeout=600,
+            store=store,
+        )
     barrier()
     times = {v: [] for v in VARIANTS}
     stats = []
@@ -205,7 +238,9 @@ def _trainer(rank, ckpt, urls, args, raw_port):
                         flush_to_disk(path)
                     if variant == "disk_sequential":
                         for u in urls:
-                            SGLangEngine([u], timeout=120, weight_update_timeout=1800).load_from_disk(path, version=version)
+                            SGLangEngine([u], timeout=120, weight_update_timeout=1800).load_from_disk(
+                                path, version=version
+                            )
                     else:
                         engine.load_from_disk(path, version=version)
             elif variant == "distributed":
@@ -233,13 +268,23 @@ def _trainer(rank, ckpt, urls, args, raw_port):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8, help="layers of Qwen3-0.6B's 28 (default 8: a few minutes on 2 cores)")
-    ap.add_argument("--bucket-mb", type=float, default=256.0, help="rollout.sync_bucket_mb (default 256: several buckets)")
+    ap.add_argument(
+        "--layers", type=int, default=8, help="layers of Qwen3-0.6B's 28 (default 8: a few minutes on 2 cores)"
+    )
+    ap.add_argument(
+        "--bucket-mb", type=float, default=256.0, help="rollout.sync_bucket_mb (default 256: several buckets)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true",
-                    help="a small model (vocabulary 8192, hidden 256), 2 layers, 1 MB buckets, 1 repeat: seconds")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="comma-separated subset of " + ", ".join(VARIANTS) + " (a ratio needs both of its variants)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small model (vocabulary 8192, hidden 256), 2 layers, 1 MB buckets, 1 repeat: seconds",
+    )
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated subset of " + ", ".join(VARIANTS) + " (a ratio needs both of its variants)",
+    )
     ap.add_argument("--sync-dir", default="", help="where the disk variants write (default: the temporary directory)")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--workdir", default="")
@@ -262,21 +307,28 @@ def main() -> int:
     ckpt = os.path.join(work, "qwen3-0.6b-shape")
     if not os.path.isdir(ckpt):
         made = make_checkpoint(ckpt, args.layers, args.quick)
-        print(f"checkpoint: {made['params'] / 1e6:.0f} M params, {made['bytes'] / 1e9:.3f} GB bf16, {args.layers} layers",
-              flush=True)
+        print(
+            f"checkpoint: {made['params'] / 1e6:.0f} M params, {made['bytes'] / 1e9:.3f} GB bf16, {args.layers} layers",
+            flush=True,
+        )
     servers = []
     procs = []
     try:
         for _ in range(2):
-            servers.append(EmbeddedHTTPEngine.launch(ckpt, dtype="bfloat16", weight_sync_timeout=600,
-                                                     startup_timeout=600, timeout=120))
+            servers.append(
+                EmbeddedHTTPEngine.launch(
+                    ckpt, dtype="bfloat16", weight_sync_timeout=600, startup_timeout=600, timeout=120
+                )
+            )
         print("servers:", [s.url for s in servers], flush=True)
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         raw_port, port = _free_port(), _free_port()
         procs = [ctx.Process(target=raw_receiver, args=(r, raw_port, 3)) for r in (1, 2)]
-        procs += [ctx.Process(target=trainer, args=(r, 2, port, ckpt, [s.url for s in servers], args, raw_port, queue))
-                  for r in range(2)]
+        procs += [
+            ctx.Process(target=trainer, args=(r, 2, port, ckpt, [s.url for s in servers], args, raw_port, queue))
+            for r in range(2)
+        ]
         for p in procs:
             p.start()
         results = {}
@@ -304,40 +356,60 @@ def main() -> int:
         def q(a, b):
             return t[a] / t[b] if a in t and b in t else None
 
-        return {"speedup_vs_disk": q("disk_parallel", "distributed"),
-                "speedup_vs_disk_sequential": q("disk_sequential", "distributed"),
-                "speedup_vs_disk_flushed": q("disk_flushed", "distributed"),
-                "efficiency_vs_raw": q("raw_broadcast", "distributed")}
+        return {
+            "speedup_vs_disk": q("disk_parallel", "distributed"),
+            "speedup_vs_disk_sequential": q("disk_sequential", "distributed"),
+            "speedup_vs_disk_flushed": q("disk_flushed", "distributed"),
+            "efficiency_vs_raw": q("raw_broadcast", "distributed"),
+        }
 
     out = {
         "date": started.isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-                    "load_average_before": [round(x, 1) for x in load_before],
-                    "load_average_after": [round(x, 1) for x in os.getloadavg()]},
-        "layers": args.layers, "model_bytes": total, "buckets": len(r["sizes"]), "bucket_mb": args.bucket_mb,
-        "servers": 2, "trainer_tp": 2, "repeats": args.repeats,
-        **{f"{k}_s": v for k, v in med.items()}, "disk_s": med.get("disk_parallel"),
-        "first_distributed_s": r["first_distributed_s"], **ratios(med),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "load_average_before": [round(x, 1) for x in load_before],
+            "load_average_after": [round(x, 1) for x in os.getloadavg()],
+        },
+        "layers": args.layers,
+        "model_bytes": total,
+        "buckets": len(r["sizes"]),
+        "bucket_mb": args.bucket_mb,
+        "servers": 2,
+        "trainer_tp": 2,
+        "repeats": args.repeats,
+        **{f"{k}_s": v for k, v in med.items()},
+        "disk_s": med.get("disk_parallel"),
+        "first_distributed_s": r["first_distributed_s"],
+        **ratios(med),
         "distributed_gb_per_s": total / med["distributed"] / 1e9 if "distributed" in med else None,
         "raw_gb_per_s": total / med["raw_broadcast"] / 1e9 if "raw_broadcast" in med else None,
         # the fastest of the repeats (a shared machine adds delays, never removes them)
         "best": {**{f"{k}_s": v for k, v in best.items()}, **ratios(best)},
-        "all_times": r["times"], "distributed_stats": r["stats"],
+        "all_times": r["times"],
+        "distributed_stats": r["stats"],
     }
-    print(f"\n{total / 1e9:.3f} GB in {len(r['sizes'])} buckets of <= {args.bucket_mb:g} MB to 2 servers, trainer TP=2 "
-          f"(median of {args.repeats})")
+    print(
+        f"\n{total / 1e9:.3f} GB in {len(r['sizes'])} buckets of <= {args.bucket_mb:g} MB to 2 servers, trainer TP=2 "
+        f"(median of {args.repeats})"
+    )
     print(f"{'variant':<20}{'median s':>10}{'GB/s':>8}{'best s':>10}")
     for k in med:
         print(f"{k:<20}{med[k]:>10.3f}{total / med[k] / 1e9:>8.2f}{best[k]:>10.3f}")
     b = out["best"]
-    for key, what in (("speedup_vs_disk", "speedup vs disk (parallel, page cache)"),
-                      ("speedup_vs_disk_flushed", "speedup vs disk (parallel, flushed to the disk)"),
-                      ("speedup_vs_disk_sequential", "speedup vs disk (sequential, page cache)"),
-                      ("efficiency_vs_raw", "efficiency vs raw broadcast")):
+    for key, what in (
+        ("speedup_vs_disk", "speedup vs disk (parallel, page cache)"),
+        ("speedup_vs_disk_flushed", "speedup vs disk (parallel, flushed to the disk)"),
+        ("speedup_vs_disk_sequential", "speedup vs disk (sequential, page cache)"),
+        ("efficiency_vs_raw", "efficiency vs raw broadcast"),
+    ):
         if out[key] is not None:
             print(f"{what}: {out[key]:.2f} (best {b[key]:.2f})")
-    print(f"load average before / after: {out['machine']['load_average_before']} / {out['machine']['load_average_after']}")
+    print(
+        f"load average before / after: {out['machine']['load_average_before']} / {out['machine']['load_average_after']}"
+    )
     print(f"first distributed sync (group creation included): {r['first_distributed_s']:.3f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -21,6 +21,7 @@ slips at temperature 1; GPPO, rewarded by the grader, learns to stop slipping. `
 non-zero when a check fails (runs/demo/report.md lists them). ``--quick``: tiny sizes, every stage
 and output, no learning targets (the test suite's smoke run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,12 +80,20 @@ class Settings:
     quick: bool = False
 
 
-QUICK = dict(sft_examples=96, sft_steps=3, sft_seq_length=512, rl_steps=2, rl_prompts_per_step=2, rl_oversample=4,
-             rl_mini_batch_prompts=2, eval_prompts=6, quick=True)
+QUICK = dict(
+    sft_examples=96,
+    sft_steps=3,
+    sft_seq_length=512,
+    rl_steps=2,
+    rl_prompts_per_step=2,
+    rl_oversample=4,
+    rl_mini_batch_prompts=2,
+    eval_prompts=6,
+    quick=True,
+)
 
 # seconds per stage of the full run on 2 idle cores (for the ETA; scaled by the speed observed so far)
-NOMINAL = {"model": 6, "convert": 30, "sft": 120, "export": 20, "eval_sft": 20, "rl": 150, "eval_rl": 25,
-           "report": 10}
+NOMINAL = {"model": 6, "convert": 30, "sft": 120, "export": 20, "eval_sft": 20, "rl": 150, "eval_rl": 25, "report": 10}
 
 
 class Demo:
@@ -117,8 +126,9 @@ class Demo:
         shown = " ".join(os.path.relpath(a, ROOT) if os.path.isabs(a) and a.startswith(ROOT) else a for a in args)
         self.commands.append(shown)
         print(f"  $ {shown}", flush=True)
-        proc = subprocess.Popen(args, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
+        proc = subprocess.Popen(
+            args, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         lines = []
         for line in proc.stdout:
             lines.append(line)
@@ -137,13 +147,21 @@ class Demo:
         with socket.socket() as sock:  # a port the OS says is free, not a fixed one another job may hold
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        return self.sh(PY, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(port),
-                       *args, capture=capture)
+        return self.sh(
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(n),
+            "--master-port",
+            str(port),
+            *args,
+            capture=capture,
+        )
 
     def check(self, name: str, ok: bool | None, value, target: str) -> None:
         """ok=None: not checked (a --quick run)."""
-        self.checks.append({"check": name, "value": value, "target": target,
-                            "held": ok if ok is None else bool(ok)})
+        self.checks.append({"check": name, "value": value, "target": target, "held": ok if ok is None else bool(ok)})
         mark = {True: "OK  ", False: "FAIL", None: "n/a "}[ok if ok is None else bool(ok)]
         print(f"  check {mark} {name}: {value} (target: {target})", flush=True)
 
@@ -159,8 +177,12 @@ class Demo:
         self.export_sft()
         with self.stage("eval_sft", "held-out evaluation of the SFT model"):
             before = self.evaluate(f"{out}/hf-sft", "sft")
-            self.check("SFT reaches partial held-out accuracy", None if s.quick else 5 <= before["heldout_avg@8"] <= 70,
-                       f"avg@{s.eval_k} {before['heldout_avg@8']:.1f}%", "5-70% (room for RL)")
+            self.check(
+                "SFT reaches partial held-out accuracy",
+                None if s.quick else 5 <= before["heldout_avg@8"] <= 70,
+                f"avg@{s.eval_k} {before['heldout_avg@8']:.1f}%",
+                "5-70% (room for RL)",
+            )
 
         with self.stage("rl", f"GPPO from the SFT model ({s.rl_steps} steps, embedded engine, TP=2)"):
             self.torchrun(2, "-m", "megatron_klear.rl", *self.rl_overrides(f"{out}/hf-sft", f"{out}/rl-run"))
@@ -168,15 +190,24 @@ class Demo:
             mismatch = max((m.get("actor/logprob_mismatch_max", 0.0) for m in rl), default=float("nan"))
             self.check("engine vs trainer log-probs agree (weight sync)", mismatch < 1e-3, f"{mismatch:.1e}", "< 1e-3")
             step = int(open(f"{out}/rl-run/latest_checkpointed_iteration.txt").read())
-            self.sh(PY, "tools/convert_megatron_to_hf.py", "--ckpt", f"{out}/rl-run/iter_{step:07d}", "--out",
-                    f"{out}/hf-rl")
+            self.sh(
+                PY,
+                "tools/convert_megatron_to_hf.py",
+                "--ckpt",
+                f"{out}/rl-run/iter_{step:07d}",
+                "--out",
+                f"{out}/hf-rl",
+            )
 
         with self.stage("eval_rl", "the same held-out evaluation of the GPPO model"):
             after = self.evaluate(f"{out}/hf-rl", "rl")
             gain = after["heldout_avg@8"] - before["heldout_avg@8"]
-            self.check(f"GPPO raises held-out avg@{s.eval_k}", None if s.quick else gain >= s.min_gain_points,
-                       f"{before['heldout_avg@8']:.1f}% -> {after['heldout_avg@8']:.1f}% ({gain:+.1f} points)",
-                       f">= +{s.min_gain_points:.0f} points")
+            self.check(
+                f"GPPO raises held-out avg@{s.eval_k}",
+                None if s.quick else gain >= s.min_gain_points,
+                f"{before['heldout_avg@8']:.1f}% -> {after['heldout_avg@8']:.1f}% ({gain:+.1f} points)",
+                f">= +{s.min_gain_points:.0f} points",
+            )
 
         with self.stage("report", "report, plots, summary"):
             total = time.time() - self.t0
@@ -199,22 +230,51 @@ class Demo:
     def make_model(self) -> None:
         s = self.s
         with self.stage("model", "tiny Qwen3-Base-shaped HF checkpoint"):
-            self.sh(PY, "tools/make_tiny_model.py", "--out", f"{self.out}/hf-base", "--layers", str(s.layers),
-                    "--hidden", str(s.hidden), "--seed", str(s.seed))
+            self.sh(
+                PY,
+                "tools/make_tiny_model.py",
+                "--out",
+                f"{self.out}/hf-base",
+                "--layers",
+                str(s.layers),
+                "--hidden",
+                str(s.hidden),
+                "--seed",
+                str(s.seed),
+            )
 
     def convert(self, parity: bool = True) -> tuple:
         s, out = self.s, self.out
         hf_base, mg_base = f"{out}/hf-base", f"{out}/mg-base"
         with self.stage("convert", "HF -> Megatron, logits parity at TP=2 x PP=2, round trip"):
-            self.sh(PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf_base, "--out", mg_base, "--tp", "2", "--pp", "2")
+            self.sh(
+                PY, "tools/convert_hf_to_megatron.py", "--hf-dir", hf_base, "--out", mg_base, "--tp", "2", "--pp", "2"
+            )
             if not parity:
                 return None, None
-            text = self.torchrun(4, "tools/check_parity.py", "--hf-dir", hf_base, "--ckpt", mg_base, "--tp", "2",
-                                 "--pp", "2", "--tol", str(s.parity_tol), capture=True)
+            text = self.torchrun(
+                4,
+                "tools/check_parity.py",
+                "--hf-dir",
+                hf_base,
+                "--ckpt",
+                mg_base,
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--tol",
+                str(s.parity_tol),
+                capture=True,
+            )
             m = re.search(r"max \|logits diff\| = ([0-9.eE+-]+)", text)
             diff = float(m.group(1)) if m else float("nan")
-            self.check("HF vs Megatron logits at TP=2 x PP=2, max abs difference", diff <= s.parity_tol, f"{diff:.2e}",
-                       f"<= {s.parity_tol:.0e}")
+            self.check(
+                "HF vs Megatron logits at TP=2 x PP=2, max abs difference",
+                diff <= s.parity_tol,
+                f"{diff:.2e}",
+                f"<= {s.parity_tol:.0e}",
+            )
             self.sh(PY, "tools/convert_megatron_to_hf.py", "--ckpt", mg_base, "--out", f"{out}/hf-roundtrip")
             exact = _bit_exact(hf_base, f"{out}/hf-roundtrip")
             self.check("HF -> Megatron -> HF round trip bit-exact", exact, exact, "True")
@@ -224,10 +284,22 @@ class Demo:
         s, out = self.s, self.out
         with self.stage("sft", f"SFT on digit chains at TP=2 ({s.sft_steps} steps)"):
             self.sft_data()
-            self.torchrun(2, "-m", "megatron_klear.sft", "--config", "examples/configs/sft_tiny_cpu.yaml",
-                          f"model.path={out}/mg-base", f"data.prefix={out}/sft-data", f"train.save_dir={out}/sft-run",
-                          f"train.steps={s.sft_steps}", f"data.seq_length={s.sft_seq_length}", f"optim.lr={s.sft_lr}",
-                          f"optim.min_lr={s.sft_lr / 10}", f"train.seed={s.seed}", "train.save_interval=0")
+            self.torchrun(
+                2,
+                "-m",
+                "megatron_klear.sft",
+                "--config",
+                "examples/configs/sft_tiny_cpu.yaml",
+                f"model.path={out}/mg-base",
+                f"data.prefix={out}/sft-data",
+                f"train.save_dir={out}/sft-run",
+                f"train.steps={s.sft_steps}",
+                f"data.seq_length={s.sft_seq_length}",
+                f"optim.lr={s.sft_lr}",
+                f"optim.min_lr={s.sft_lr / 10}",
+                f"train.seed={s.seed}",
+                "train.save_interval=0",
+            )
             sft = _read_jsonl(f"{out}/sft-run/metrics.jsonl")
             first, last = sft[0]["loss"], sft[-1]["loss"]
             self.check("SFT loss falls", last < first, f"{first:.3f} -> {last:.3f}", "last < first")
@@ -237,8 +309,14 @@ class Demo:
         out = self.out
         with self.stage("export", "export the SFT checkpoint to HF"):
             step = int(open(f"{out}/sft-run/latest_checkpointed_iteration.txt").read())
-            self.sh(PY, "tools/convert_megatron_to_hf.py", "--ckpt", f"{out}/sft-run/iter_{step:07d}", "--out",
-                    f"{out}/hf-sft")
+            self.sh(
+                PY,
+                "tools/convert_megatron_to_hf.py",
+                "--ckpt",
+                f"{out}/sft-run/iter_{step:07d}",
+                "--out",
+                f"{out}/hf-sft",
+            )
 
     def sft_data(self) -> None:
         """SFT chats of training problems, checked disjoint from the held-out problems."""
@@ -246,29 +324,61 @@ class Demo:
 
         s, out = self.s, self.out
         write_sft_jsonl(f"{out}/sft.jsonl", s.sft_examples, seed=s.seed, task=self.task, slip_rate=s.slip_rate)
-        write_rl_prompts_jsonl(f"{out}/rl-prompts.jsonl", max(s.rl_steps * s.rl_oversample * 3, 64), seed=s.seed + 1,
-                               task=self.task)
+        write_rl_prompts_jsonl(
+            f"{out}/rl-prompts.jsonl", max(s.rl_steps * s.rl_oversample * 3, 64), seed=s.seed + 1, task=self.task
+        )
         n_held = None if s.eval_prompts is None else s.eval_prompts
         write_rl_prompts_jsonl(f"{out}/heldout.jsonl", n_held, seed=s.seed, split="heldout", task=self.task)
         held = {p.question for p in problems("heldout", self.task)}
         seen = {json.loads(x)["messages"][0]["content"] for x in open(f"{out}/sft.jsonl")}
         seen |= {json.loads(x)["prompt"] for x in open(f"{out}/rl-prompts.jsonl")}
         evaluated = {json.loads(x)["prompt"] for x in open(f"{out}/heldout.jsonl")}
-        self.check("held-out problems in no SFT chat and no RL prompt", not (seen & held) and evaluated <= held,
-                   f"{len(seen)} training questions, {len(evaluated)} held-out, {len(seen & evaluated)} shared", "0 shared")
-        self.sh(PY, "tools/preprocess_sft.py", "--input", f"{out}/sft.jsonl", "--tokenizer", f"{out}/hf-base",
-                "--output-prefix", f"{out}/sft-data", "--max-length", "256")
+        self.check(
+            "held-out problems in no SFT chat and no RL prompt",
+            not (seen & held) and evaluated <= held,
+            f"{len(seen)} training questions, {len(evaluated)} held-out, {len(seen & evaluated)} shared",
+            "0 shared",
+        )
+        self.sh(
+            PY,
+            "tools/preprocess_sft.py",
+            "--input",
+            f"{out}/sft.jsonl",
+            "--tokenizer",
+            f"{out}/hf-base",
+            "--output-prefix",
+            f"{out}/sft-data",
+            "--max-length",
+            "256",
+        )
 
     def rl_overrides(self, model: str, save_dir: str) -> list:
         s = self.s
-        return [f"model.path={model}", "model.dtype=fp32", "parallel.tp=2", f"rl.prompts=[{self.out}/rl-prompts.jsonl]",
-                f"rl.algo={s.rl_algo}", f"rl.nll_coef={s.rl_nll_coef}", f"rl.prompts_per_step={s.rl_prompts_per_step}",
-                f"rl.oversample_prompts={s.rl_oversample}", "rl.responses_per_prompt=8",
-                f"rl.mini_batch_prompts={s.rl_mini_batch_prompts}", "rl.max_tokens_per_micro_batch=4096",
-                "rl.max_prompt_length=64", f"rl.temperature={s.temperature}", f"rollout.max_new_tokens={s.max_new_tokens}",
-                f"optim.lr={s.rl_lr}", f"optim.min_lr={s.rl_lr}", "optim.decay_style=constant", "optim.weight_decay=0.0",
-                "optim.adam_beta2=0.999", f"train.steps={s.rl_steps}", f"train.seed={s.seed}", f"train.save_dir={save_dir}",
-                "reward.workers=1"]
+        return [
+            f"model.path={model}",
+            "model.dtype=fp32",
+            "parallel.tp=2",
+            f"rl.prompts=[{self.out}/rl-prompts.jsonl]",
+            f"rl.algo={s.rl_algo}",
+            f"rl.nll_coef={s.rl_nll_coef}",
+            f"rl.prompts_per_step={s.rl_prompts_per_step}",
+            f"rl.oversample_prompts={s.rl_oversample}",
+            "rl.responses_per_prompt=8",
+            f"rl.mini_batch_prompts={s.rl_mini_batch_prompts}",
+            "rl.max_tokens_per_micro_batch=4096",
+            "rl.max_prompt_length=64",
+            f"rl.temperature={s.temperature}",
+            f"rollout.max_new_tokens={s.max_new_tokens}",
+            f"optim.lr={s.rl_lr}",
+            f"optim.min_lr={s.rl_lr}",
+            "optim.decay_style=constant",
+            "optim.weight_decay=0.0",
+            "optim.adam_beta2=0.999",
+            f"train.steps={s.rl_steps}",
+            f"train.seed={s.seed}",
+            f"train.save_dir={save_dir}",
+            "reward.workers=1",
+        ]
 
     def evaluate(self, model_dir: str, name: str) -> dict:
         """avg@k at the RL temperature and greedy (top-k 1) on the held-out problems, with the
@@ -284,30 +394,61 @@ class Demo:
         tok = load_tokenizer(model_dir)
         bench = {"heldout": PromptDataset([f"{self.out}/heldout.jsonl"], tok, max_prompt_length=64).prompts}
         engine = EmbeddedEngine.from_pretrained(model_dir, dtype="float32")
-        self.commands.append(f"megatron_klear.evaluation.evaluate({os.path.relpath(model_dir, ROOT)}, heldout, "
-                             f"k={s.eval_k}, temperature={s.temperature}) and k=1 greedy")
+        self.commands.append(
+            f"megatron_klear.evaluation.evaluate({os.path.relpath(model_dir, ROOT)}, heldout, "
+            f"k={s.eval_k}, temperature={s.temperature}) and k=1 greedy"
+        )
         say = lambda line: print(f"    {line}", flush=True)  # noqa: E731
         with GradingPool(evaluation_reward_config(RewardConfig(workers=1))) as pool:
-            sampled, records = evaluate(engine, bench, tok, pool, k=s.eval_k, progress=say, params=SamplingParams(
-                temperature=s.temperature, max_new_tokens=s.max_new_tokens, seed=s.seed))
-            greedy, g_records = evaluate(engine, bench, tok, pool, k=1, progress=lambda line: say("greedy " + line),
-                                         params=SamplingParams(temperature=1.0, top_k=1, max_new_tokens=s.max_new_tokens))
+            sampled, records = evaluate(
+                engine,
+                bench,
+                tok,
+                pool,
+                k=s.eval_k,
+                progress=say,
+                params=SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens, seed=s.seed),
+            )
+            greedy, g_records = evaluate(
+                engine,
+                bench,
+                tok,
+                pool,
+                k=1,
+                progress=lambda line: say("greedy " + line),
+                params=SamplingParams(temperature=1.0, top_k=1, max_new_tokens=s.max_new_tokens),
+            )
         engine.close()
         a, g = sampled["heldout"], greedy["heldout"]
-        write_results(f"{self.out}/eval-{name}.json", {"sampled": a, "greedy": g}, records + g_records,
-                      meta={"model": model_dir, "k": s.eval_k, "temperature": s.temperature})
-        return {"heldout_avg@8": a[f"avg@{s.eval_k}"], "heldout_pass@8": a[f"pass@{s.eval_k}"],
-                "heldout_greedy": g["avg@1"], "response_length_mean": a["response_length_mean"],
-                "truncated_frac": a["truncated_frac"], "prompts": a["prompts"], "k": s.eval_k,
-                "examples": [r for r in g_records[:3]]}
+        write_results(
+            f"{self.out}/eval-{name}.json",
+            {"sampled": a, "greedy": g},
+            records + g_records,
+            meta={"model": model_dir, "k": s.eval_k, "temperature": s.temperature},
+        )
+        return {
+            "heldout_avg@8": a[f"avg@{s.eval_k}"],
+            "heldout_pass@8": a[f"pass@{s.eval_k}"],
+            "heldout_greedy": g["avg@1"],
+            "response_length_mean": a["response_length_mean"],
+            "truncated_frac": a["truncated_frac"],
+            "prompts": a["prompts"],
+            "k": s.eval_k,
+            "examples": [r for r in g_records[:3]],
+        }
 
     def summary(self, before, after, parity, exact, sft, rl, total, load_before) -> dict:
         s = self.s
         strip = lambda d: {k: v for k, v in d.items() if k != "examples"}  # noqa: E731
         return {
             "sft": {**strip(before), "steps": s.sft_steps, "loss_first": sft[0]["loss"], "loss_last": sft[-1]["loss"]},
-            "rl": {**strip(after), "steps": s.rl_steps, "algo": s.rl_algo,
-                   "train_accuracy_first": rl[0].get("rollout/accuracy"), "train_accuracy_last": rl[-1].get("rollout/accuracy")},
+            "rl": {
+                **strip(after),
+                "steps": s.rl_steps,
+                "algo": s.rl_algo,
+                "train_accuracy_first": rl[0].get("rollout/accuracy"),
+                "train_accuracy_last": rl[-1].get("rollout/accuracy"),
+            },
             "gain_avg@8_points": after["heldout_avg@8"] - before["heldout_avg@8"],
             "gain_greedy_points": after["heldout_greedy"] - before["heldout_greedy"],
             "parity_max_abs_diff": parity,
@@ -318,8 +459,13 @@ class Demo:
             "timings_s": {k: round(v, 1) for k, v in self.timings.items()},
             "total_s": round(total, 1),
             "settings": dataclasses.asdict(s),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                        "loadavg_start": load_before, "loadavg_end": _loadavg()},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "loadavg_start": load_before,
+                "loadavg_end": _loadavg(),
+            },
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }
 
@@ -335,12 +481,16 @@ class Demo:
             print(f"{name:22}{r['heldout_avg@8']:>9.1f}%{r['heldout_pass@8']:>9.1f}%{r['heldout_greedy']:>9.1f}%")
         print(f"{'gain':22}{summary['gain_avg@8_points']:>+9.1f} {'':>10}{summary['gain_greedy_points']:>+9.1f}")
         failed = [c for c in self.checks if c["held"] is False]
-        print(f"checks: {sum(c['held'] is True for c in self.checks)} held, {len(failed)} failed"
-              + (f", {sum(c['held'] is None for c in self.checks)} not checked (--quick)" if self.s.quick else ""))
+        print(
+            f"checks: {sum(c['held'] is True for c in self.checks)} held, {len(failed)} failed"
+            + (f", {sum(c['held'] is None for c in self.checks)} not checked (--quick)" if self.s.quick else "")
+        )
         for c in failed:
             print(f"  FAILED: {c['check']}: {c['value']} (target {c['target']})")
-        print(f"report: {os.path.relpath(self.out, ROOT)}/report.md, plots in {os.path.relpath(self.out, ROOT)}/plots/, "
-              f"summary.json  (total {format_seconds(summary['total_s'])})")
+        print(
+            f"report: {os.path.relpath(self.out, ROOT)}/report.md, plots in {os.path.relpath(self.out, ROOT)}/plots/, "
+            f"summary.json  (total {format_seconds(summary['total_s'])})"
+        )
         if failed:
             print("demo FAILED", file=sys.stderr)
 
@@ -384,8 +534,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "demo"))
     p.add_argument("--quick", action="store_true", help="tiny sizes: every stage and output, no learning targets")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a setting (e.g. --set rl_steps=40); see Settings in this file")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting (e.g. --set rl_steps=40); see Settings in this file",
+    )
     args = p.parse_args(argv)
     values = dict(QUICK) if args.quick else {}
     values["seed"] = args.seed
@@ -394,8 +549,11 @@ def main(argv=None) -> int:
         key, _, raw = item.partition("=")
         if key not in fields:
             p.error(f"--set {item}: unknown setting {key!r} (one of {', '.join(fields)})")
-        values[key] = type(getattr(Settings(), key) if getattr(Settings(), key) is not None else 0)(raw) \
-            if raw.lower() not in ("none", "null") else None
+        values[key] = (
+            type(getattr(Settings(), key) if getattr(Settings(), key) is not None else 0)(raw)
+            if raw.lower() not in ("none", "null")
+            else None
+        )
     return Demo(Settings(**values), args.out).run()
 
 

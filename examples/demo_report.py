@@ -1,16 +1,21 @@
 """The demo's outputs: runs/demo/summary.json, runs/demo/report.md and PNG plots in runs/demo/plots/."""
+
 from __future__ import annotations
 
 import json
 import os
 
 RL_CHARTS = {  # file -> (title, metrics)
-    "rl_reward_accuracy": ("GPPO: reward and accuracy of the rollouts (training problems)",
-                           ["rollout/reward_mean", "rollout/accuracy"]),
+    "rl_reward_accuracy": (
+        "GPPO: reward and accuracy of the rollouts (training problems)",
+        ["rollout/reward_mean", "rollout/accuracy"],
+    ),
     "rl_entropy": ("GPPO: policy entropy (nats per token)", ["actor/entropy"]),
     "rl_response_length": ("GPPO: mean response length (tokens)", ["rollout/response_length_mean"]),
-    "rl_clip_fractions": ("GPPO: clipped token fractions",
-                          ["actor/clip_frac_low", "actor/clip_frac_high", "actor/clip_frac_dual"]),
+    "rl_clip_fractions": (
+        "GPPO: clipped token fractions",
+        ["actor/clip_frac_low", "actor/clip_frac_high", "actor/clip_frac_dual"],
+    ),
 }
 
 
@@ -20,16 +25,26 @@ def write_plots(out: str, summary: dict, sft: list, rl: list) -> dict:
 
     plots = os.path.join(out, "plots")
     written = {}
-    line_chart(os.path.join(plots, "sft_loss.png"), {"loss": [(m["step"], m["loss"]) for m in sft if "loss" in m]},
-               title="SFT: training loss (assistant tokens)", ylabel="loss", markers=False)
+    line_chart(
+        os.path.join(plots, "sft_loss.png"),
+        {"loss": [(m["step"], m["loss"]) for m in sft if "loss" in m]},
+        title="SFT: training loss (assistant tokens)",
+        ylabel="loss",
+        markers=False,
+    )
     written["sft_loss"] = "plots/sft_loss.png"
     for name, (title, metrics) in RL_CHARTS.items():
-        series = {m.split("/")[-1]: [(r["step"], r[m]) for r in rl if isinstance(r.get(m), (int, float))]
-                  for m in metrics}
+        series = {
+            m.split("/")[-1]: [(r["step"], r[m]) for r in rl if isinstance(r.get(m), (int, float))] for m in metrics
+        }
         series = {k: v for k, v in series.items() if v}
         if series:
-            line_chart(os.path.join(plots, f"{name}.png"), series, title=title, ylabel=None if len(series) > 1 else
-                       metrics[0].split("/")[-1])
+            line_chart(
+                os.path.join(plots, f"{name}.png"),
+                series,
+                title=title,
+                ylabel=None if len(series) > 1 else metrics[0].split("/")[-1],
+            )
             written[name] = f"plots/{name}.png"
     k = summary["sft"].get("k", 8)
     groups = {f"avg@{k} (T={summary['settings']['temperature']:g})": {}, f"pass@{k}": {}, "greedy": {}}
@@ -38,8 +53,13 @@ def write_plots(out: str, summary: dict, sft: list, rl: list) -> dict:
         groups[f"avg@{k} (T={summary['settings']['temperature']:g})"][label] = r["heldout_avg@8"]
         groups[f"pass@{k}"][label] = r["heldout_pass@8"]
         groups["greedy"][label] = r["heldout_greedy"]
-    bar_chart(os.path.join(plots, "heldout_before_after.png"), groups, ylabel="% of held-out problems solved",
-              title=f"Held-out accuracy before / after GPPO ({summary['sft']['prompts']} problems)", ylim=(0, 105))
+    bar_chart(
+        os.path.join(plots, "heldout_before_after.png"),
+        groups,
+        ylabel="% of held-out problems solved",
+        title=f"Held-out accuracy before / after GPPO ({summary['sft']['prompts']} problems)",
+        ylim=(0, 105),
+    )
     written["heldout_before_after"] = "plots/heldout_before_after.png"
     return written
 
@@ -59,7 +79,8 @@ def write_report(out: str, summary: dict, plots: dict, commands: list) -> str:
         "",
         f"{summary['date']} · {summary['machine']['cpus']} CPUs · load average at start "
         f"{summary['machine']['loadavg_start']}, at end {summary['machine']['loadavg_end']} · "
-        f"total {summary['total_s']:.0f} s · **{status}**" + (" · `--quick` (no learning targets)" if s["quick"] else ""),
+        f"total {summary['total_s']:.0f} s · **{status}**"
+        + (" · `--quick` (no learning targets)" if s["quick"] else ""),
         "",
         "## Held-out result",
         "",
@@ -105,10 +126,13 @@ def write_report(out: str, summary: dict, plots: dict, commands: list) -> str:
         f"{s['rl_mini_batch_prompts']} prompts, lr {s['rl_lr']:g} constant (a tiny model moves far less per step "
         f"than the paper's 8B at 1e-6), alpha = {s['rl_nll_coef']:g} NLL on correct rollouts, eps 0.2 / 0.28, dual "
         "clip 10, embedded rollout engine at temperature 1.0, TP=2."
-        + (" One optimizer step per RL step on all the responses: the update is on-policy, the importance ratio "
-           "is 1 and no token is clipped (the clip fractions are 0 by construction); `benchmarks/algos.py` "
-           "compares the clipping rules with off-policy mini-batches." if s["rl_mini_batch_prompts"] >= s["rl_prompts_per_step"]
-           else ""),
+        + (
+            " One optimizer step per RL step on all the responses: the update is on-policy, the importance ratio "
+            "is 1 and no token is clipped (the clip fractions are 0 by construction); `benchmarks/algos.py` "
+            "compares the clipping rules with off-policy mini-batches."
+            if s["rl_mini_batch_prompts"] >= s["rl_prompts_per_step"]
+            else ""
+        ),
         "",
         "Commands:",
         "",

@@ -1,4 +1,5 @@
 """megatron-klear: Klear-Reasoner SFT + GPPO on Megatron-Core."""
+
 __version__ = "0.1.0"
 
 # third-party console noise (Apex/TE fallback notes, GPU tuning hints on CPU, ...): filtered in

@@ -9,6 +9,7 @@ and, for YAML, the file and line::
 Overrides on the command line use dotted keys: ``optim.lr=1e-5 parallel.tp=2 data.paths=[a,b]``
 (values are parsed as YAML scalars / flow lists).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -144,29 +145,40 @@ class JobConfig:
         p = self.parallel
         if p.cp > 1 and self.rl.agg == "seq_mean_token_mean":
             # each CP rank sees only part of every sequence, so per-sequence means are not local
-            raise ConfigError("rl.agg=seq_mean_token_mean is not supported with parallel.cp > 1 "
-                              "(use token_mean or seq_mean_token_sum_norm)")
+            raise ConfigError(
+                "rl.agg=seq_mean_token_mean is not supported with parallel.cp > 1 "
+                "(use token_mean or seq_mean_token_sum_norm)"
+            )
         if p.vpp and p.vpp > 1 and self.data.micro_batches_per_step % p.pp:
             raise ConfigError(
                 f"data.micro_batches_per_step={self.data.micro_batches_per_step} must be a multiple of "
-                f"parallel.pp={p.pp} with the interleaved schedule (parallel.vpp={p.vpp})")
+                f"parallel.pp={p.pp} with the interleaved schedule (parallel.vpp={p.vpp})"
+            )
         if self.optim.schedule_unit == "rl_step" and not self.rl.prompts:
-            raise ConfigError("optim.schedule_unit=rl_step is for RL jobs (rl.prompts); SFT schedules by optimizer_step")
-        asynchronous = [k for k, on in (("rl.async_steps", self.rl.async_steps), ("rollout.partial", self.rollout.partial))
-                        if on]
+            raise ConfigError(
+                "optim.schedule_unit=rl_step is for RL jobs (rl.prompts); SFT schedules by optimizer_step"
+            )
+        asynchronous = [
+            k for k, on in (("rl.async_steps", self.rl.async_steps), ("rollout.partial", self.rollout.partial)) if on
+        ]
         if asynchronous and self.rollout.engine != "http":
-            raise ConfigError(f"{' and '.join(asynchronous)} need rollout servers that abort and continue requests while "
-                              "the trainer runs: set rollout.engine=http (SGLang, or the stand-in server of "
-                              "megatron_klear.rollout.sglang_standin on CPU)")
+            raise ConfigError(
+                f"{' and '.join(asynchronous)} need rollout servers that abort and continue requests while "
+                "the trainer runs: set rollout.engine=http (SGLang, or the stand-in server of "
+                "megatron_klear.rollout.sglang_standin on CPU)"
+            )
         if self.rl.async_steps and self.rollout.colocate:
-            raise ConfigError("rl.async_steps with rollout.colocate: colocated servers share the trainer's GPUs and "
-                              "release their memory while it trains, so nothing can generate meanwhile; give the "
-                              "servers their own GPUs (rollout.colocate=false) or set rl.async_steps=0")
+            raise ConfigError(
+                "rl.async_steps with rollout.colocate: colocated servers share the trainer's GPUs and "
+                "release their memory while it trains, so nothing can generate meanwhile; give the "
+                "servers their own GPUs (rollout.colocate=false) or set rl.async_steps=0"
+            )
         longest = self.rl.max_prompt_length + self.rollout.max_new_tokens
         if self.rl.prompts and self.rl.max_tokens_per_micro_batch < longest:
             raise ConfigError(
                 f"rl.max_tokens_per_micro_batch={self.rl.max_tokens_per_micro_batch} cannot hold the longest "
-                f"sample: rl.max_prompt_length + rollout.max_new_tokens = {longest}")
+                f"sample: rl.max_prompt_length + rollout.max_new_tokens = {longest}"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -236,7 +248,7 @@ def _suggest(obj, parts: list, i: int, names: list) -> str | None:
     if i < len(parts) - 1:  # a section name
         for name in difflib.get_close_matches(parts[i], names, n=3, cutoff=0.6):
             section = ".".join(parts[:i] + [name])
-            candidate = ".".join([section] + parts[i + 1:])
+            candidate = ".".join([section] + parts[i + 1 :])
             if candidate in everything:
                 return candidate
             inside = difflib.get_close_matches(candidate, [k for k in everything if k.startswith(section + ".")], n=1)
@@ -260,9 +272,7 @@ def _set(obj, dotted: str, value, where: str) -> None:
         names = [f.name for f in dataclasses.fields(target)]
         if name not in names:
             hint = _suggest(obj, parts, i, names)
-            raise ConfigError(
-                f"{where}: unknown key '{dotted}'" + (f" (did you mean '{hint}'?)" if hint else "")
-            )
+            raise ConfigError(f"{where}: unknown key '{dotted}'" + (f" (did you mean '{hint}'?)" if hint else ""))
         if i == len(parts) - 1:
             tp = _resolve_hints(type(target))[name]
             ok, coerced = _type_ok(value, tp)

@@ -15,6 +15,7 @@ templates that open ``<think>`` inside the prompt (the response continues the th
 writes ``<think>`` itself) need ``think_in_prompt``, else every response would score the missing
 ``<think>`` format penalty; :func:`prompts_open_think` detects them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,9 @@ def evaluation_reward_config(base=None, *, think_in_prompt: bool = False):
     from megatron_klear.rewards import RewardConfig
 
     base = base or RewardConfig()
-    return dataclasses.replace(base, code_max_tests=None, code_test_sampling="fixed",
-                               require_think_open=not think_in_prompt)
+    return dataclasses.replace(
+        base, code_max_tests=None, code_test_sampling="fixed", require_think_open=not think_in_prompt
+    )
 
 
 def prompts_open_think(tokenizer, prompts, tail_tokens: int = 32) -> bool:
@@ -57,8 +59,10 @@ def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progr
     cfg = getattr(pool, "cfg", None)
     has_code = any(p.task == "code" for ps in benchmarks.values() for p in ps)
     if has_code and cfg is not None and cfg.code_max_tests is not None:
-        raise ValueError(f"evaluation grades every test of a code problem, but the grading pool samples "
-                         f"code_max_tests={cfg.code_max_tests}: build it with evaluation_reward_config()")
+        raise ValueError(
+            f"evaluation grades every test of a code problem, but the grading pool samples "
+            f"code_max_tests={cfg.code_max_tests}: build it with evaluation_reward_config()"
+        )
     summary, records = {}, []
     # responses end at EOS or at the chat template's end-of-turn token (a base model's EOS differs)
     stop_ids = sorted(set(params.stop_token_ids) | set(generation_stop_ids(tokenizer)))
@@ -81,9 +85,20 @@ def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progr
             g = fut.result()
             errors += g.error is not None
             per_prompt.setdefault(p.id, []).append(g.solved)
-            records.append({"benchmark": name, "id": p.id, "sample": j, "solved": g.solved, "reward": g.reward,
-                            "error": g.error, "detail": g.detail, "length": len(c.token_ids),
-                            "finish_reason": c.finish_reason, "response": text})
+            records.append(
+                {
+                    "benchmark": name,
+                    "id": p.id,
+                    "sample": j,
+                    "solved": g.solved,
+                    "reward": g.reward,
+                    "error": g.error,
+                    "detail": g.detail,
+                    "length": len(c.token_ids),
+                    "finish_reason": c.finish_reason,
+                    "response": text,
+                }
+            )
         flat = [c for cs in completions for c in cs]
         summary[name] = {
             "prompts": len(prompts),
@@ -95,8 +110,10 @@ def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progr
             "grader_errors": errors,
             "seconds": time.time() - t0,
         }
-        progress(f"{name}: avg@{k} {summary[name][f'avg@{k}']:.1f}  pass@{k} {summary[name][f'pass@{k}']:.1f}  "
-                 f"({len(prompts)} prompts, {summary[name]['seconds']:.0f}s)")
+        progress(
+            f"{name}: avg@{k} {summary[name][f'avg@{k}']:.1f}  pass@{k} {summary[name][f'pass@{k}']:.1f}  "
+            f"({len(prompts)} prompts, {summary[name]['seconds']:.0f}s)"
+        )
     return summary, records
 
 
@@ -104,8 +121,10 @@ def write_results(out_path: str, summary: dict, records: list, meta: dict) -> No
     """``out_path`` (JSON summary) and ``out_path`` with .samples.jsonl, both atomically."""
     os.makedirs(os.path.dirname(os.path.abspath(out_path)) or ".", exist_ok=True)
     samples = os.path.splitext(out_path)[0] + ".samples.jsonl"
-    for path, write in ((samples, lambda f: [f.write(json.dumps(r) + "\n") for r in records]),
-                        (out_path, lambda f: json.dump({"meta": meta, "results": summary}, f, indent=2))):
+    for path, write in (
+        (samples, lambda f: [f.write(json.dumps(r) + "\n") for r in records]),
+        (out_path, lambda f: json.dump({"meta": meta, "results": summary}, f, indent=2)),
+    ):
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             write(f)

@@ -17,22 +17,39 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 # so that no CPU-heavy test's load moves their timings (they mostly wait: two of them keep the
 # machine about half busy). A new module of that kind goes here.
 TIMING_MODULES = {
-    "tests/distributed/test_async_rl_loop.py", "tests/distributed/test_fleet_runs.py",
-    "tests/distributed/test_preemption.py", "tests/distributed/test_rl_loop.py",
-    "tests/distributed/test_weight_sync_distributed.py", "tests/distributed/test_weight_sync_fleet.py",
-    "tests/rewards/test_pool.py", "tests/rewards/test_sandbox.py", "tests/rollout/test_fleet.py",
-    "tests/rollout/test_sglang_client.py", "tests/rollout/test_sglang_divergences.py", "tests/rollout/test_streams.py",
+    "tests/distributed/test_async_rl_loop.py",
+    "tests/distributed/test_fleet_runs.py",
+    "tests/distributed/test_preemption.py",
+    "tests/distributed/test_rl_loop.py",
+    "tests/distributed/test_weight_sync_distributed.py",
+    "tests/distributed/test_weight_sync_fleet.py",
+    "tests/rewards/test_pool.py",
+    "tests/rewards/test_sandbox.py",
+    "tests/rollout/test_fleet.py",
+    "tests/rollout/test_sglang_client.py",
+    "tests/rollout/test_sglang_divergences.py",
+    "tests/rollout/test_streams.py",
 }
 # Modules that start torchrun, the CLIs or server processes, tens of seconds each on 2 cores: the
 # parallel pass hands them out first (xdist's loadfile hands out modules in collection order: last,
 # they would end the pass with one worker running them while the other idles), and
 # `make test-fast` leaves them out, with tests/distributed and TIMING_MODULES.
-HEAVY_MODULES = ["tests/test_demo.py", "tests/test_journey.py", "tests/test_shipped_configs.py",
-                 "tests/test_bench_async_rl.py", "tests/test_bench_weight_sync.py",
-                 "tests/distributed/test_bad_lines_and_foreign_runs.py", "tests/rollout/test_colocate.py",
-                 "tests/rollout/test_routed_experts.py", "tests/rewards/test_sandbox_hostile.py",
-                 "tests/test_bench_moe.py", "tests/test_cli_errors.py", "tests/rollout/test_embedded_http.py",
-                 "tests/rollout/test_weight_update_protocol.py", "tests/rollout/test_standin_versions.py"]
+HEAVY_MODULES = [
+    "tests/test_demo.py",
+    "tests/test_journey.py",
+    "tests/test_shipped_configs.py",
+    "tests/test_bench_async_rl.py",
+    "tests/test_bench_weight_sync.py",
+    "tests/distributed/test_bad_lines_and_foreign_runs.py",
+    "tests/rollout/test_colocate.py",
+    "tests/rollout/test_routed_experts.py",
+    "tests/rewards/test_sandbox_hostile.py",
+    "tests/test_bench_moe.py",
+    "tests/test_cli_errors.py",
+    "tests/rollout/test_embedded_http.py",
+    "tests/rollout/test_weight_update_protocol.py",
+    "tests/rollout/test_standin_versions.py",
+]
 
 
 def pytest_configure(config):

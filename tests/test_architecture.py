@@ -3,6 +3,7 @@ no module imports itself back through others, the engines never import the serve
 for SGLang, and no module grows past what a reader can hold. Read from the source (every
 ``import`` statement, those inside functions included), so a lazy import counts as much as a
 top-level one."""
+
 import ast
 import os
 
@@ -13,11 +14,27 @@ PACKAGE = os.path.join(ROOT, "megatron_klear")
 MAX_LINES = 800
 
 # package -> the lowest layer it is in; a module may import its own layer and those below
-LAYERS = {"platform": 0, "utils": 0, "models": 1, "data": 1, "rewards": 1, "checkpoint": 1, "training": 2,
-          "evaluation": 3, "rollout": 3, "rl": 4, "sft": 4, "config": 5}
+LAYERS = {
+    "platform": 0,
+    "utils": 0,
+    "models": 1,
+    "data": 1,
+    "rewards": 1,
+    "checkpoint": 1,
+    "training": 2,
+    "evaluation": 3,
+    "rollout": 3,
+    "rl": 4,
+    "sft": 4,
+    "config": 5,
+}
 # modules above their package's layer: the entry points, which read the whole job config
-ENTRY_POINTS = {"megatron_klear.rl.loop": 6, "megatron_klear.rl.__main__": 6, "megatron_klear.sft.trainer": 6,
-                "megatron_klear.sft.__main__": 6}
+ENTRY_POINTS = {
+    "megatron_klear.rl.loop": 6,
+    "megatron_klear.rl.__main__": 6,
+    "megatron_klear.sft.trainer": 6,
+    "megatron_klear.sft.__main__": 6,
+}
 # (importer prefix, imported prefix) that must never exist whatever the layers say
 FORBIDDEN = [
     ("megatron_klear.rollout.embedded", "megatron_klear.rollout.sglang_standin"),  # an engine and its server
@@ -86,8 +103,12 @@ def test_every_package_has_a_layer():
 
 
 def test_imports_only_run_down_the_layers():
-    upward = [(a, b) for a, bs in GRAPH.items() for b in bs
-              if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)]
+    upward = [
+        (a, b)
+        for a, bs in GRAPH.items()
+        for b in bs
+        if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a)
+    ]
     assert not upward, "imports running up the layers: " + ", ".join(f"{a} -> {b}" for a, b in sorted(upward))
 
 
@@ -125,8 +146,12 @@ def test_no_import_circle():
 
 @pytest.mark.parametrize("importer,imported", FORBIDDEN)
 def test_arrows_that_must_never_exist(importer, imported):
-    bad = [(a, b) for a, bs in GRAPH.items() for b in bs
-           if (a == importer or a.startswith(importer + ".")) and (b == imported or b.startswith(imported + "."))]
+    bad = [
+        (a, b)
+        for a, bs in GRAPH.items()
+        for b in bs
+        if (a == importer or a.startswith(importer + ".")) and (b == imported or b.startswith(imported + "."))
+    ]
     assert not bad, f"{bad}"
 
 
@@ -144,8 +169,7 @@ def _third_party(name: str) -> set:
 def test_leaves_stay_leaves(leaf, allowed, banned):
     members = [m for m in MODULES if m == leaf or m.startswith(leaf + ".")]
     assert members
-    inward = [(m, t) for m in members for t in GRAPH[m]
-              if not any(t == a or t.startswith(a + ".") for a in allowed)]
+    inward = [(m, t) for m in members for t in GRAPH[m] if not any(t == a or t.startswith(a + ".") for a in allowed)]
     assert not inward, f"{leaf} imports the package beyond {allowed}: {inward}"
     outward = [(m, r) for m in members for r in _third_party(m) if r in banned]
     assert not outward, f"{leaf} imports {banned}: {outward}"

@@ -2,6 +2,7 @@
 a stand-in server behind the real sglang-router, and the JSON has the issue's shape with sane
 values: every variant trains the same samples, sync has no stale token, the throughput is the
 samples over the seconds of the steps as logged, the ratios printed are the JSON's."""
+
 import json
 import os
 import re
@@ -16,8 +17,13 @@ VARIANTS = ("sync", "partial", "async", "async_partial")
 
 def test_async_rl_benchmark_quick(tmp_path):
     out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, "benchmarks/async_rl.py", "--quick", "--json", str(out), "--out",
-                           str(tmp_path / "run")], cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/async_rl.py", "--quick", "--json", str(out), "--out", str(tmp_path / "run")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert set(results) == {"variants", "lengths"}
@@ -26,7 +32,9 @@ def test_async_rl_benchmark_quick(tmp_path):
         assert set(r) == FIELDS, (name, r)
         assert r["samples_per_s"] > 0 and r["step_s_median"] > 0, (name, r)
         assert 0 <= r["heldout_avg@8"] <= 100 and r["staleness_mean"] >= 0 and 0 <= r["offpolicy_token_frac"] <= 1
-    assert results["variants"]["sync"]["staleness_mean"] == 0 and results["variants"]["sync"]["offpolicy_token_frac"] == 0
+    assert (
+        results["variants"]["sync"]["staleness_mean"] == 0 and results["variants"]["sync"]["offpolicy_token_frac"] == 0
+    )
     lengths = results["lengths"]
     assert set(lengths) == {"p50", "p90", "max"} and 1 <= lengths["p50"] <= lengths["p90"] <= lengths["max"] <= 48
 
@@ -86,7 +94,9 @@ def test_long_cot_decode_model_against_hand_and_a_token_by_token_reference():
         queue, t, cap = list(range(n)), 0.0, cfg.kv_pool_tokens
         while any(f is None for f in fin):
             used = lambda: sum(cfg.prompt_tokens + gen[i] for i in range(n) if live[i])  # noqa: E731
-            while queue and (not any(live) or used() + cfg.prompt_tokens + gen[queue[0]] + 1000 * (sum(live) + 1) < cap):
+            while queue and (
+                not any(live) or used() + cfg.prompt_tokens + gen[queue[0]] + 1000 * (sum(live) + 1) < cap
+            ):
                 live[queue.pop(0)] = True
             while used() > cap and sum(live) > 1:
                 i = max(i for i in range(n) if live[i])

@@ -1,6 +1,7 @@
 """benchmarks/weight_sync.py --quick: every variant runs against two real embedded servers, the bytes
 and buckets reported match the checkpoint's tensors (counted here from the file), each timed
 distributed sync took the streamed schedule, and the ratios are the ones of the reported times."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_weight_sync_benchmark_quick(tmp_path):
     out = tmp_path / "ws.json"
     work = tmp_path / "work"
-    proc = subprocess.run([sys.executable, "benchmarks/weight_sync.py", "--quick", "--json", str(out),
-                           "--workdir", str(work)], cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/weight_sync.py", "--quick", "--json", str(out), "--workdir", str(work)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     from megatron_klear.checkpoint.hf_io import HFReader

@@ -1,4 +1,5 @@
 """Errors at the end of the output, named inputs, launch hints, no orphans (issue 13, items 4-6, 8)."""
+
 import json
 import os
 import shutil
@@ -18,8 +19,12 @@ PY = sys.executable
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
     return env
 
@@ -31,12 +36,15 @@ def _free_port():
 
 
 # -- item 4: config errors ------------------------------------------------------------------------
-@pytest.mark.parametrize("override,hint", [
-    ("trian.steps=3", "train.steps"),         # a misspelt section
-    ("paralel.tp=2", "parallel.tp"),
-    ("reward.sandbx.isolation=bwrap", "reward.sandbox.isolation"),
-    ("train.stpes=3", "train.steps"),         # a misspelt key (as before)
-])
+@pytest.mark.parametrize(
+    "override,hint",
+    [
+        ("trian.steps=3", "train.steps"),  # a misspelt section
+        ("paralel.tp=2", "parallel.tp"),
+        ("reward.sandbx.isolation=bwrap", "reward.sandbox.isolation"),
+        ("train.stpes=3", "train.steps"),  # a misspelt key (as before)
+    ],
+)
 def test_misspelt_sections_get_a_suggestion(override, hint):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -48,13 +56,16 @@ def test_the_head_count_is_reported_before_the_padding_it_causes(tiny_hf):
     pad_to_multiple 3`; the cause is the head split."""
     from megatron_klear.sft.trainer import preflight
 
-    cfg = load_config(None, [f"model.path={tiny_hf['untied']}", "parallel.tp=3", "data.seq_length=512",
-                             "data.prefix=unused"])
+    cfg = load_config(
+        None, [f"model.path={tiny_hf['untied']}", "parallel.tp=3", "data.seq_length=512", "data.prefix=unused"]
+    )
     with pytest.raises(ValueError) as e:
         preflight(cfg)
-    assert str(e.value) == (f"parallel.tp=3 does not divide model.path={tiny_hf['untied']}'s num_attention_heads=4 "
-                            "and num_key_value_heads=2: each tensor-parallel rank must hold whole attention heads "
-                            "and KV groups; parallel.tp can be 1, 2")
+    assert str(e.value) == (
+        f"parallel.tp=3 does not divide model.path={tiny_hf['untied']}'s num_attention_heads=4 "
+        "and num_key_value_heads=2: each tensor-parallel rank must hold whole attention heads "
+        "and KV groups; parallel.tp can be 1, 2"
+    )
 
 
 def test_a_derived_number_says_where_it_comes_from(tiny_hf, tmp_path):
@@ -68,8 +79,11 @@ def test_a_derived_number_says_where_it_comes_from(tiny_hf, tmp_path):
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(config, f)
     cfg = load_config(None, [f"model.path={model}", "parallel.tp=3", "data.seq_length=512", "data.prefix=unused"])
-    with pytest.raises(ConfigError, match=r"^data.seq_length=512 must be a multiple of 3 \(the padding every rank "
-                                          r"needs with parallel.tp=3, parallel.cp=1, training/batches.py"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.seq_length=512 must be a multiple of 3 \(the padding every rank "
+        r"needs with parallel.tp=3, parallel.cp=1, training/batches.py",
+    ):
         preflight(cfg)
     cfg.data.pad_to_multiple = 6
     with pytest.raises(ConfigError, match=r"a multiple of 6 \(data.pad_to_multiple=6, "):
@@ -77,8 +91,14 @@ def test_a_derived_number_says_where_it_comes_from(tiny_hf, tmp_path):
 
 
 def test_one_process_prints_one_line_and_no_traceback():
-    r = subprocess.run([PY, "-m", "megatron_klear.sft", "trian.steps=3"], capture_output=True, text=True,
-                       env=_env(), cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [PY, "-m", "megatron_klear.sft", "trian.steps=3"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 2
     out = (r.stdout + r.stderr).strip()
     assert "Traceback" not in out, out
@@ -90,9 +110,27 @@ def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary()
     own failure summary (its ChildFailedError, which no child can suppress) ends with the message
     from the ranks' error files instead of "To enable traceback see ..."."""
     message = "command line: unknown key 'trian.steps' (did you mean 'train.steps'?)"
-    r = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                        "--master-port", str(_free_port()), "-m", "megatron_klear.sft", "trian.steps=3"],
-                       capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "megatron_klear.sft",
+            "trian.steps=3",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0
     assert out.count(f"error: {message}") == 1, out
@@ -106,9 +144,26 @@ def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary()
 
 def _launch(*args, timeout=300):
     """``python -m megatron_klear.platform.launch`` (torchrun's arguments) at 2 ranks; (status, output lines)."""
-    r = subprocess.run([PY, "-m", "megatron_klear.platform.launch", "--nproc-per-node", "2", "--master-addr",
-                        "127.0.0.1", "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, timeout=timeout)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "megatron_klear.platform.launch",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
     return r.returncode, r.stdout.strip().splitlines()
 
 
@@ -119,9 +174,10 @@ def test_under_the_launcher_a_user_error_is_the_last_line_and_status_2(case, tin
     overrides, message = {
         "key": (["trian.steps=3"], "command line: unknown key 'trian.steps' (did you mean 'train.steps'?)"),
         "type": (["train.steps=abc"], "command line: key 'train.steps' expects int, got 'abc'"),
-        "data": ([f"model.path={tiny_hf['untied']}", f"data.prefix={tmp_path}/nodata",
-                  f"train.save_dir={tmp_path}/run"],
-                 f"{tmp_path}/nodata.meta.json not found: '{tmp_path}/nodata' is not a preprocessed SFT dataset"),
+        "data": (
+            [f"model.path={tiny_hf['untied']}", f"data.prefix={tmp_path}/nodata", f"train.save_dir={tmp_path}/run"],
+            f"{tmp_path}/nodata.meta.json not found: '{tmp_path}/nodata' is not a preprocessed SFT dataset",
+        ),
     }[case]
     rc, lines = _launch("-m", "megatron_klear.sft", "--config", "examples/configs/sft_tiny_cpu.yaml", *overrides)
     out = "\n".join(lines)
@@ -134,12 +190,13 @@ def test_a_rank_that_saw_another_rank_fail_says_so_in_one_line(tmp_path, monkeyp
     a cause; the launcher (and torchrun's summary) must take rank 0's failure as the root cause."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from megatron_klear.platform.launch import report
     from megatron_klear.platform.entry import run_entry_point
+    from megatron_klear.platform.launch import report
 
     def gloo_fails():
-        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
-                           "[127.0.0.1]:29500")
+        raise RuntimeError(
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
+        )
 
     def server_fails():
         raise RuntimeError("rollout: POST http://127.0.0.1:1/generate failed: ConnectError")
@@ -155,7 +212,8 @@ def test_a_rank_that_saw_another_rank_fail_says_so_in_one_line(tmp_path, monkeyp
             assert capsys.readouterr().err.strip().splitlines() == [
                 "rank 1 stopped: a collective operation failed (RuntimeError: [../third_party/gloo/gloo/transport/"
                 "tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500), most likely because another rank "
-                "failed first; see that rank's error"]
+                "failed first; see that rank's error"
+            ]
         else:
             with pytest.raises(RuntimeError, match="rollout: POST"):
                 run_entry_point(fn)
@@ -174,13 +232,15 @@ def test_a_rank_that_saw_another_rank_fail_says_so_in_one_line(tmp_path, monkeyp
 # -- item 5: launch hints ---------------------------------------------------------------------------
 def test_check_parity_without_torchrun_says_how_to_launch_it():
     args = ["--hf-dir", "/models/x", "--tp", "2", "--pp", "2"]
-    r = subprocess.run([PY, "tools/check_parity.py", *args], capture_output=True, text=True, env=_env(),
-                       cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [PY, "tools/check_parity.py", *args], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120
+    )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "error: --tp 2 --pp 2 needs 4 processes, one per rank; launch them with",
-        "  torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir /models/x --tp 2 --pp 2"]
+        "  torchrun --nproc-per-node 4 tools/check_parity.py --hf-dir /models/x --tp 2 --pp 2",
+    ]
 
 
 # -- item 6: unreadable input files are named -------------------------------------------------------
@@ -211,8 +271,11 @@ def test_a_truncated_safetensors_file_is_named(tiny_hf, tmp_path):
 
     hf = _single_file_copy(tiny_hf["untied"], str(tmp_path / "hf"))
     _truncate(os.path.join(hf, "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"^{hf}/model.safetensors: cannot read this safetensors file "
-                                         r"\(.*incomplete metadata.*\); it is probably truncated"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{hf}/model.safetensors: cannot read this safetensors file "
+        r"\(.*incomplete metadata.*\); it is probably truncated",
+    ):
         HFReader(hf)
 
 
@@ -222,7 +285,7 @@ def test_a_truncated_shard_is_named_when_read(tiny_hf, tmp_path):
     hf = str(tmp_path / "sharded")
     shutil.copytree(tiny_hf["untied"], hf)
     reader = HFReader(hf)
-    (first, first_keys), (last, last_keys) = reader.files()[0], reader.files()[-1]
+    (_, first_keys), (last, last_keys) = reader.files()[0], reader.files()[-1]
     _truncate(os.path.join(hf, last))
     reader.get(first_keys[0])
     with pytest.raises(ValueError, match=rf"^{hf}/{last}: cannot read this safetensors file"):
@@ -286,8 +349,9 @@ def _kill_if_alive(*pids):
 
 
 def _start(script, *args, **kw):
-    p = subprocess.Popen([PY, "-c", textwrap.dedent(script), *args], stdout=subprocess.PIPE, text=True,
-                         env=_env(), cwd=ROOT, **kw)
+    p = subprocess.Popen(
+        [PY, "-c", textwrap.dedent(script), *args], stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, **kw
+    )
     return p, json.loads(p.stdout.readline())
 
 
@@ -321,7 +385,8 @@ def test_ranks_die_with_torchrun(tmp_path):
     """torchrun starts each rank in its own session: killing torchrun (or its process group) used
     to leave the ranks training on and writing checkpoints."""
     script = tmp_path / "rank.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys, time
         from megatron_klear.platform.entry import run_entry_point
 
@@ -331,17 +396,37 @@ def test_ranks_die_with_torchrun(tmp_path):
             time.sleep(120)
 
         sys.exit(run_entry_point(main))
-    """))
+    """)
+    )
     pids = str(tmp_path / "pid")
-    p = subprocess.Popen([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                          "--master-port", str(_free_port()), str(script), pids],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=ROOT)
+    p = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+            pids,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+        cwd=ROOT,
+    )
     ranks = []
     try:
         deadline = time.monotonic() + 120
         while len(ranks) < 2 and time.monotonic() < deadline:
-            ranks = [int(open(f"{pids}.{r}").read()) for r in (0, 1) if os.path.exists(f"{pids}.{r}")
-                     and open(f"{pids}.{r}").read()]
+            ranks = [
+                int(open(f"{pids}.{r}").read())
+                for r in (0, 1)
+                if os.path.exists(f"{pids}.{r}") and open(f"{pids}.{r}").read()
+            ]
             time.sleep(0.2)
         assert len(ranks) == 2, "the ranks did not start"
         assert not any(_gone(pid, timeout=1.0) for pid in ranks)  # alive while torchrun is
@@ -363,8 +448,11 @@ def test_a_tensor_that_does_not_fit_the_config_names_its_file(tiny_hf, tmp_path)
     config["hidden_size"] *= 2
     with open(os.path.join(hf, "config.json"), "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match=rf"^{hf}/model-\d+-of-\d+\.safetensors: tensor 'model\.embed_tokens\.weight' "
-                                         rf"has shape .* from the config \({hf}/config\.json\)$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{hf}/model-\d+-of-\d+\.safetensors: tensor 'model\.embed_tokens\.weight' "
+        rf"has shape .* from the config \({hf}/config\.json\)$",
+    ):
         hf_to_megatron(hf, str(tmp_path / "out"), progress=False)
     assert not os.path.exists(tmp_path / "out")
 
@@ -375,8 +463,10 @@ def test_a_code_item_whose_tests_do_not_match_is_a_bad_line_not_a_zero(tmp_path,
 
     inp, out = str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")
     with open(inp, "w") as f:
-        f.write(json.dumps({"id": "c", "task": "code", "response": "print(1)",
-                            "tests": {"inputs": [], "outputs": ["1"]}}) + "\n")
+        f.write(
+            json.dumps({"id": "c", "task": "code", "response": "print(1)", "tests": {"inputs": [], "outputs": ["1"]}})
+            + "\n"
+        )
     assert grade_main(["--input", inp, "--output", out, "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert f"{inp}:1: tests: 0 inputs but 1 outputs" in err, err

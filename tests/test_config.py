@@ -1,4 +1,5 @@
 """The job config: defaults, YAML with file:line errors, CLI overrides, validation."""
+
 import pytest
 
 from megatron_klear.config import ConfigError, dump_config, load_config
@@ -16,7 +17,12 @@ def test_yaml_then_overrides(tmp_path):
     path.write_text("model:\n  path: /m\nparallel:\n  tp: 2\noptim:\n  lr: 1e-4\n")
     cfg = load_config(str(path), ["parallel.tp=4", "optim.warmup_steps=10", "rl.eps_high=0.3"])
     assert (cfg.model.path, cfg.parallel.tp, cfg.optim.lr, cfg.optim.warmup_steps, cfg.rl.eps_high) == (
-        "/m", 4, 1e-4, 10, 0.3)
+        "/m",
+        4,
+        1e-4,
+        10,
+        0.3,
+    )
     again = tmp_path / "again.yaml"
     again.write_text(dump_config(cfg))
     assert load_config(str(again)) == cfg  # a dumped config loads back to the same thing
@@ -25,7 +31,10 @@ def test_yaml_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     "yaml_text, message",
     [
-        ("optim:\n  lr: 1e-4\n  warmpu_steps: 3\n", r"c.yaml:3: unknown key 'optim.warmpu_steps' \(did you mean 'optim.warmup_steps'\?\)"),
+        (
+            "optim:\n  lr: 1e-4\n  warmpu_steps: 3\n",
+            r"c.yaml:3: unknown key 'optim.warmpu_steps' \(did you mean 'optim.warmup_steps'\?\)",
+        ),
         ("parallel:\n  tp: two\n", r"c.yaml:2: key 'parallel.tp' expects int, got 'two'"),
         ("bogus:\n  x: 1\n", r"c.yaml:2: unknown key 'bogus.x'"),
         ("optim: [1, 2\n", r"c.yaml:\d+: invalid YAML"),
@@ -60,8 +69,10 @@ def test_bad_overrides():
         # asynchronous and partial rollouts: servers that abort and continue, on their own GPUs
         (["rl.async_steps=1"], r"rl.async_steps need rollout servers .* set rollout.engine=http"),
         (["rollout.partial=true"], r"rollout.partial need rollout servers"),
-        (["rl.async_steps=1", "rollout.engine=http", "rollout.urls=[http://h:1]", "rollout.colocate=true"],
-         r"rl.async_steps with rollout.colocate: .*rollout.colocate=false\) or set rl.async_steps=0"),
+        (
+            ["rl.async_steps=1", "rollout.engine=http", "rollout.urls=[http://h:1]", "rollout.colocate=true"],
+            r"rl.async_steps with rollout.colocate: .*rollout.colocate=false\) or set rl.async_steps=0",
+        ),
         (["rl.async_steps=1", "rl.max_staleness=0"], r"larger than rl.max_staleness=0: .* set rl.max_staleness >= 1"),
         (["rl.async_steps=2", "rl.max_staleness=2"], r"rl.async_steps=2: 0 \(synchronous\) or 1"),
     ],
@@ -73,6 +84,15 @@ def test_checks_across_sections(overrides, message):
 
 def test_router_replay_takes_every_layout():
     assert load_config(None, ["rollout.router_replay=true"]).rollout.router_replay is True
-    assert load_config(None, ["rollout.router_replay=true", "parallel.tp=2",  # SP: each rank replays its slice
-                              "parallel.sequence_parallel=true"]).parallel.sequence_parallel is True
+    assert (
+        load_config(
+            None,
+            [
+                "rollout.router_replay=true",
+                "parallel.tp=2",  # SP: each rank replays its slice
+                "parallel.sequence_parallel=true",
+            ],
+        ).parallel.sequence_parallel
+        is True
+    )
     assert load_config(None, ["rollout.router_replay=true", "parallel.cp=2"]).parallel.cp == 2  # CP: its chunks

@@ -1,6 +1,7 @@
 """Nothing in the job config is silently ignored (issue 11, item 6): every key is read by the code
 that runs a job (not only by the schema's own validation), or is refused when set to anything but
 its default."""
+
 import ast
 import dataclasses
 import os
@@ -53,7 +54,8 @@ def test_every_config_key_is_read_somewhere():
     read = _names_read()
     unread = [k for k in _keys(JobConfig()) if k.rsplit(".", 1)[-1] not in read]
     assert sorted(unread) == sorted(REFUSED_UNLESS_DEFAULT), (
-        f"config keys no code reads (silently ignored): {sorted(set(unread) - set(REFUSED_UNLESS_DEFAULT))}")
+        f"config keys no code reads (silently ignored): {sorted(set(unread) - set(REFUSED_UNLESS_DEFAULT))}"
+    )
 
 
 @pytest.mark.parametrize("key,value", sorted(REFUSED_UNLESS_DEFAULT.items()))
@@ -65,6 +67,7 @@ def test_unread_keys_are_refused_unless_default(key, value):
 
 def test_the_scan_sees_an_unread_key(monkeypatch):
     """The check itself: a key nobody reads is reported."""
+
     @dataclasses.dataclass
     class Extra:
         a_key_that_nothing_reads_xyz: int = 0
@@ -74,5 +77,6 @@ def test_the_scan_sees_an_unread_key(monkeypatch):
         extra: Extra = dataclasses.field(default_factory=Extra)
 
     read = _names_read()
-    assert [k for k in _keys(Job()) if k.rsplit(".", 1)[-1] not in read
-            and k not in REFUSED_UNLESS_DEFAULT] == ["extra.a_key_that_nothing_reads_xyz"]
+    assert [k for k in _keys(Job()) if k.rsplit(".", 1)[-1] not in read and k not in REFUSED_UNLESS_DEFAULT] == [
+        "extra.a_key_that_nothing_reads_xyz"
+    ]

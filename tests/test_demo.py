@@ -1,5 +1,6 @@
 """`make demo` and benchmarks/algos.py at tiny sizes: every stage runs and the report, the plots and
 summary.json come out well formed (the learning targets are checked only by the full runs)."""
+
 import json
 import os
 import subprocess
@@ -10,8 +11,14 @@ import pytest
 pytest.importorskip("matplotlib")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLOTS = ("sft_loss", "rl_reward_accuracy", "rl_entropy", "rl_response_length", "rl_clip_fractions",
-         "heldout_before_after")
+PLOTS = (
+    "sft_loss",
+    "rl_reward_accuracy",
+    "rl_entropy",
+    "rl_response_length",
+    "rl_clip_fractions",
+    "heldout_before_after",
+)
 
 
 def _png(path):
@@ -40,7 +47,14 @@ def _check_outputs(out, quick=True):
         _png(os.path.join(out, "plots", f"{name}.png"))
     report = open(os.path.join(out, "report.md"), encoding="utf-8").read()
     assert report.startswith("# megatron-klear demo")
-    for needle in ("## Held-out result", "## Checks", "| SFT |", "| SFT + GPPO", "## Plots", "plots/heldout_before_after.png"):
+    for needle in (
+        "## Held-out result",
+        "## Checks",
+        "| SFT |",
+        "| SFT + GPPO",
+        "## Plots",
+        "plots/heldout_before_after.png",
+    ):
         assert needle in report, needle
     for c in summary["checks"]:
         assert c["check"] in report
@@ -53,24 +67,59 @@ def test_report_from_recorded_metrics(tmp_path):
     from examples.demo_report import write_outputs
 
     sft = [{"step": i, "loss": 3.0 / i} for i in range(1, 21)]
-    rl = [{"step": i, "rollout/reward_mean": -0.5 + 0.05 * i, "rollout/accuracy": 0.25 + 0.02 * i,
-           "actor/entropy": 0.12 - 0.002 * i, "rollout/response_length_mean": 26.0, "actor/clip_frac_low": 0.001,
-           "actor/clip_frac_high": 0.002 * (i % 3), "actor/clip_frac_dual": 0.0} for i in range(1, 11)]
-    side = lambda avg, greedy: {"heldout_avg@8": avg, "heldout_pass@8": 90.0, "heldout_greedy": greedy,  # noqa: E731
-                                "response_length_mean": 26.0, "truncated_frac": 0.0, "prompts": 126, "k": 8}
-    checks = [{"check": "HF vs Megatron logits at TP=2 x PP=2, max abs difference", "value": "2.6e-06", "target": "<= 1e-4",
-               "held": True},
-              {"check": "GPPO raises held-out avg@8", "value": "30.0% -> 45.0%", "target": ">= +10 points", "held": True}]
-    summary = {"sft": side(30.0, 60.0), "rl": {**side(45.0, 70.0), "steps": 10}, "gain_avg@8_points": 15.0,
-               "gain_greedy_points": 10.0, "parity_max_abs_diff": 2.6e-6, "round_trip_bit_exact": True,
-               "checks": checks, "all_checks_held": True,
-               "examples": {"sft": [{"id": "chain-1p2p3", "response": "<think>1+2=3\n3+3=6</think>\n\\boxed{6}",
-                                     "solved": True}],
-                            "rl": [{"id": "chain-1p2p3", "response": "<think>1+2=3\n3+3=6</think>\n\\boxed{6}",
-                                    "solved": True}]},
-               "timings_s": {"sft": 100.0, "rl": 150.0}, "total_s": 300.0,
-               "settings": {**Settings().__dict__}, "machine": {"cpus": 2, "loadavg_start": [1, 1, 1], "loadavg_end": [2, 2, 2]},
-               "date": "2026-01-01"}
+    rl = [
+        {
+            "step": i,
+            "rollout/reward_mean": -0.5 + 0.05 * i,
+            "rollout/accuracy": 0.25 + 0.02 * i,
+            "actor/entropy": 0.12 - 0.002 * i,
+            "rollout/response_length_mean": 26.0,
+            "actor/clip_frac_low": 0.001,
+            "actor/clip_frac_high": 0.002 * (i % 3),
+            "actor/clip_frac_dual": 0.0,
+        }
+        for i in range(1, 11)
+    ]
+
+    def side(avg, greedy):
+        return {
+            "heldout_avg@8": avg,
+            "heldout_pass@8": 90.0,
+            "heldout_greedy": greedy,
+            "response_length_mean": 26.0,
+            "truncated_frac": 0.0,
+            "prompts": 126,
+            "k": 8,
+        }
+
+    checks = [
+        {
+            "check": "HF vs Megatron logits at TP=2 x PP=2, max abs difference",
+            "value": "2.6e-06",
+            "target": "<= 1e-4",
+            "held": True,
+        },
+        {"check": "GPPO raises held-out avg@8", "value": "30.0% -> 45.0%", "target": ">= +10 points", "held": True},
+    ]
+    summary = {
+        "sft": side(30.0, 60.0),
+        "rl": {**side(45.0, 70.0), "steps": 10},
+        "gain_avg@8_points": 15.0,
+        "gain_greedy_points": 10.0,
+        "parity_max_abs_diff": 2.6e-6,
+        "round_trip_bit_exact": True,
+        "checks": checks,
+        "all_checks_held": True,
+        "examples": {
+            "sft": [{"id": "chain-1p2p3", "response": "<think>1+2=3\n3+3=6</think>\n\\boxed{6}", "solved": True}],
+            "rl": [{"id": "chain-1p2p3", "response": "<think>1+2=3\n3+3=6</think>\n\\boxed{6}", "solved": True}],
+        },
+        "timings_s": {"sft": 100.0, "rl": 150.0},
+        "total_s": 300.0,
+        "settings": {**Settings().__dict__},
+        "machine": {"cpus": 2, "loadavg_start": [1, 1, 1], "loadavg_end": [2, 2, 2]},
+        "date": "2026-01-01",
+    }
     write_outputs(str(tmp_path), summary, sft, rl, ["python tools/make_tiny_model.py ..."])
     _check_outputs(str(tmp_path), quick=False)
     assert "+15.0 points" in open(tmp_path / "report.md").read()
@@ -79,8 +128,13 @@ def test_report_from_recorded_metrics(tmp_path):
 @pytest.fixture(scope="module")
 def quick_demo(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("demo") / "demo")
-    proc = subprocess.run([sys.executable, "examples/demo.py", "--quick", "--out", out], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [sys.executable, "examples/demo.py", "--quick", "--out", out],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out, proc.stdout + proc.stderr
 
@@ -99,10 +153,25 @@ def test_algos_benchmark_quick(quick_demo, tmp_path):
     """benchmarks/algos.py --quick on the quick demo's SFT model: curves, table, plots."""
     demo, _ = quick_demo
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "benchmarks/algos.py", "--quick", "--out", str(out),
-                           "--sft", f"{demo}/hf-sft", "--heldout", f"{demo}/heldout.jsonl",
-                           "--prompts", f"{demo}/rl-prompts.jsonl"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1500)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/algos.py",
+            "--quick",
+            "--out",
+            str(out),
+            "--sft",
+            f"{demo}/hf-sft",
+            "--heldout",
+            f"{demo}/heldout.jsonl",
+            "--prompts",
+            f"{demo}/rl-prompts.jsonl",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     agg = json.load(open(out / "aggregate.json"))
     assert set(agg["variants"]) == {"gppo", "cispo"}

@@ -1,13 +1,16 @@
 """Every reference a user can follow points at something that exists: links (and their #anchors) in
 README.md and docs/, repository paths they name in backticks, and the docs/ files that code,
 configs and scripts cite."""
+
 import os
 import re
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+DOCS = ["README.md"] + sorted(
+    os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")
+)
 REPO_DIRS = ("megatron_klear/", "tools/", "examples/", "benchmarks/", "tests/", "docs/", "requirements/", ".ci/")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE_PATH = re.compile(r"`([A-Za-z0-9_./-]+)`")

@@ -1,4 +1,5 @@
 """avg@k / pass@k aggregation on known outcomes, and the eval CLI end to end on a tiny model."""
+
 import json
 
 import pytest
@@ -17,9 +18,16 @@ class ScriptedEngine(RolloutEngine):
         for i, _ in enumerate(prompts):
             texts = self.script[i]
             assert len(texts) == n
-            out.append([Completion(self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id],
-                                   [-0.1] * (len(self.tok(t, add_special_tokens=False)["input_ids"]) + 1), "stop")
-                        for t in texts])
+            out.append(
+                [
+                    Completion(
+                        self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id],
+                        [-0.1] * (len(self.tok(t, add_special_tokens=False)["input_ids"]) + 1),
+                        "stop",
+                    )
+                    for t in texts
+                ]
+            )
         return out
 
     def update_weights(self, named_tensors, *, version=None):
@@ -40,13 +48,24 @@ def test_avg_and_pass_at_k(tokenizer):
     from megatron_klear.rollout.base import SamplingParams
 
     right = "<think>ok</think> The answer is \\boxed{{{}}}."
-    prompts = [Prompt(id="a", task="math", prompt_ids=[5, 6], answer="12"),
-               Prompt(id="b", task="math", prompt_ids=[7], answer="7")]
-    script = [[right.format(12), right.format(12), right.format(13), "no think"],   # 2/4 solved
-              [right.format(8), right.format(9), right.format(6), right.format(5)]]  # 0/4
+    prompts = [
+        Prompt(id="a", task="math", prompt_ids=[5, 6], answer="12"),
+        Prompt(id="b", task="math", prompt_ids=[7], answer="7"),
+    ]
+    script = [
+        [right.format(12), right.format(12), right.format(13), "no think"],  # 2/4 solved
+        [right.format(8), right.format(9), right.format(6), right.format(5)],
+    ]  # 0/4
     with GradingPool(RewardConfig(workers=1)) as pool:
-        summary, records = evaluate(ScriptedEngine(tokenizer, script), {"toy": prompts}, tokenizer, pool, k=4,
-                                    params=SamplingParams(), progress=lambda s: None)
+        summary, records = evaluate(
+            ScriptedEngine(tokenizer, script),
+            {"toy": prompts},
+            tokenizer,
+            pool,
+            k=4,
+            params=SamplingParams(),
+            progress=lambda s: None,
+        )
     s = summary["toy"]
     assert s["avg@4"] == pytest.approx(100 * (0.5 + 0.0) / 2)
     assert s["pass@4"] == pytest.approx(50.0)
@@ -62,8 +81,27 @@ def test_eval_cli_on_a_tiny_model(tmp_path):
     model = make_tiny_qwen3(str(tmp_path / "m"), seed=4)
     bench = write_rl_prompts_jsonl(str(tmp_path / "b.jsonl"), 3)
     out = tmp_path / "r" / "res.json"
-    assert main(["--model", model, "--bench", f"arith={bench}", "--k", "2", "--max-new-tokens", "8",
-                 "--dtype", "float32", "--workers", "1", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                model,
+                "--bench",
+                f"arith={bench}",
+                "--k",
+                "2",
+                "--max-new-tokens",
+                "8",
+                "--dtype",
+                "float32",
+                "--workers",
+                "1",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.load(open(out))["results"]["arith"]
     assert res["prompts"] == 3 and res["k"] == 2 and 0 <= res["avg@2"] <= 100
     assert res["truncated_frac"] > 0  # 8 new tokens: a random tiny model rarely stops
@@ -78,20 +116,30 @@ def _authors_output_lines():
 
     from tests.data.format_fixtures import lcb_rows
 
-    aime = {"messages": [{"role": "user", "content": "AIME question"}],
-            "meta": {"unique_id": "2024-II-1", "solution": "73", "answer": "73"}}
-    hmmt = {"id": 0, "messages": [{"role": "user", "content": "HMMT question"}], "solution": "\\boxed{103}",
-            "answer": "103"}
+    aime = {
+        "messages": [{"role": "user", "content": "AIME question"}],
+        "meta": {"unique_id": "2024-II-1", "solution": "73", "answer": "73"},
+    }
+    hmmt = {
+        "id": 0,
+        "messages": [{"role": "user", "content": "HMMT question"}],
+        "solution": "\\boxed{103}",
+        "answer": "103",
+    }
     lcb = lcb_rows()[1]
     lcb_q = [{"role": "user", "content": "LCB question"}]
-    honest = ("<think>min ops</think>\n```python\nclass Solution:\n    def minOperations(self, nums, k):\n"
-              "        seen = set()\n        for i in range(len(nums) - 1, -1, -1):\n            if nums[i] <= k:\n"
-              "                seen.add(nums[i])\n            if len(seen) == k:\n                return len(nums) - i\n```")
+    honest = (
+        "<think>min ops</think>\n```python\nclass Solution:\n    def minOperations(self, nums, k):\n"
+        "        seen = set()\n        for i in range(len(nums) - 1, -1, -1):\n            if nums[i] <= k:\n"
+        "                seen.add(nums[i])\n            if len(seen) == k:\n                return len(nums) - i\n```"
+    )
     rows = []
     for sample in range(2):
-        for item, response in ((aime, "<think>x</think> so \\boxed{73}" if sample == 0 else "<think>x</think> \\boxed{72}"),
-                               (hmmt, "<think>x</think> \\boxed{103}"),
-                               (dict(lcb, messages=lcb_q), honest if sample == 1 else "<think>x</think> no code")):
+        for item, response in (
+            (aime, "<think>x</think> so \\boxed{73}" if sample == 0 else "<think>x</think> \\boxed{72}"),
+            (hmmt, "<think>x</think> \\boxed{103}"),
+            (dict(lcb, messages=lcb_q), honest if sample == 1 else "<think>x</think> no code"),
+        ):
             msgs = list(item["messages"]) + [{"role": "assistant", "content": response}]
             rows.append({"id": len(rows), "meta": item, "messages": msgs})
     return [_json.dumps(r) for r in rows]
@@ -131,10 +179,17 @@ def test_klear_preset_and_the_missing_repetition_penalty(capsys):
 
     from tools.eval import KLEAR_PRESET, _apply_klear_preset, main
 
-    args = argparse.Namespace(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=32768, yarn_factor=None,
-                              yarn_original=32768, model="m")
+    args = argparse.Namespace(
+        temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=32768, yarn_factor=None, yarn_original=32768, model="m"
+    )
     _apply_klear_preset(args, ["--model", "m", "--top-k", "50"])
-    assert (args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.yarn_factor) == (0.6, 0.95, -1, 65536, 2.5)
+    assert (args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.yarn_factor) == (
+        0.6,
+        0.95,
+        -1,
+        65536,
+        2.5,
+    )
     assert "NOT applied: the authors' repetition_penalty 1.05" in capsys.readouterr().err
     assert KLEAR_PRESET["repetition_penalty"] == 1.05
     with pytest.raises(SystemExit):
@@ -150,9 +205,29 @@ def test_eval_cli_on_a_livecodebench_release_reports_every_problem(tmp_path):
     model = make_tiny_qwen3(str(tmp_path / "m"), seed=4)
     bench = write(tmp_path / "test6.parquet", lcb_rows())
     out = tmp_path / "res.json"
-    assert main(["--model", model, "--bench", f"lcb={bench}", "--bench-window", "lcb=2024-08-01..2025-05-01",
-                 "--k", "1", "--max-new-tokens", "4", "--dtype", "float32", "--workers", "1",
-                 "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                model,
+                "--bench",
+                f"lcb={bench}",
+                "--bench-window",
+                "lcb=2024-08-01..2025-05-01",
+                "--k",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--dtype",
+                "float32",
+                "--workers",
+                "1",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.load(open(out))["results"]["lcb"]
     assert res["prompts"] == 2 and sorted(res["per_problem"]) == ["3044", "abc1_a"]  # the 2023 one is outside
     ids = sorted(json.loads(x)["id"] for x in (tmp_path / "res.samples.jsonl").read_text().splitlines())

@@ -8,6 +8,7 @@ the real sglang-router -> GPPO starting from the SFT ``iter_`` directory -> expo
 The model is shaped like Qwen3-8B-Base: its EOS is ``<|endoftext|>`` while turns end with
 ``<|im_end|>``. SFT teaches ``<|im_end|>``, so rollouts must stop there (they would run to the
 token limit if engines stopped only at EOS)."""
+
 import json
 import os
 import subprocess
@@ -25,22 +26,29 @@ pytestmark = pytest.mark.slow
 
 
 def _run(*args, env=None, timeout=900):
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
 
 
 def _torchrun(n, *args, env=None):
-    return _run("-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port()),
-                *args, env=env)
+    return _run(
+        "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port()), *args, env=env
+    )
 
 
 def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl, write_sft_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
-    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
     hf_base, mg_base = str(tmp_path / "hf-base"), str(tmp_path / "mg-base")
@@ -49,20 +57,48 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
 
     tok = AutoTokenizer.from_pretrained(hf_base)
     eos, im_end = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
-    assert tok.eos_token == "<|endoftext|>" and json.load(open(os.path.join(hf_base, "config.json")))["eos_token_id"] == eos
+    assert (
+        tok.eos_token == "<|endoftext|>"
+        and json.load(open(os.path.join(hf_base, "config.json")))["eos_token_id"] == eos
+    )
 
     # 1. conversion and SFT data, as the README says
     _run("tools/convert_hf_to_megatron.py", "--hf-dir", hf_base, "--out", mg_base, "--tp", "2")
     write_sft_jsonl(str(tmp_path / "sft.jsonl"), 512, seed=0)
-    _run("tools/preprocess_sft.py", "--input", str(tmp_path / "sft.jsonl"), "--tokenizer", hf_base,
-         "--output-prefix", str(tmp_path / "sft-data"), "--max-length", "512")
+    _run(
+        "tools/preprocess_sft.py",
+        "--input",
+        str(tmp_path / "sft.jsonl"),
+        "--tokenizer",
+        hf_base,
+        "--output-prefix",
+        str(tmp_path / "sft-data"),
+        "--max-length",
+        "512",
+    )
 
     # 2. SFT with the shipped 8B config
     sft_dir = str(tmp_path / "sft-run")
-    _torchrun(2, "-m", "megatron_klear.sft", "--config", SFT_CONFIG, f"model.path={mg_base}",
-              f"data.prefix={tmp_path / 'sft-data'}", "data.seq_length=512", "data.micro_batches_per_step=2",
-              "parallel.cp=1", "train.epochs=0", "train.steps=60", "train.save_interval=30",
-              f"train.save_dir={sft_dir}", "optim.warmup_steps=5", "optim.lr=3e-3", "optim.min_lr=3e-4", env=env)
+    _torchrun(
+        2,
+        "-m",
+        "megatron_klear.sft",
+        "--config",
+        SFT_CONFIG,
+        f"model.path={mg_base}",
+        f"data.prefix={tmp_path / 'sft-data'}",
+        "data.seq_length=512",
+        "data.micro_batches_per_step=2",
+        "parallel.cp=1",
+        "train.epochs=0",
+        "train.steps=60",
+        "train.save_interval=30",
+        f"train.save_dir={sft_dir}",
+        "optim.warmup_steps=5",
+        "optim.lr=3e-3",
+        "optim.min_lr=3e-4",
+        env=env,
+    )
     sft_ckpt = os.path.join(sft_dir, "iter_0000060")
     assert os.path.isdir(sft_ckpt)
 
@@ -78,13 +114,30 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
     servers = [EmbeddedHTTPEngine.launch(hf_sft, startup_timeout=120) for _ in range(2)]
     try:
         with router([s.url for s in servers]) as router_url:
-            _torchrun(2, "-m", "megatron_klear.rl", "--config", GPPO_CONFIG, f"model.path={sft_ckpt}",
-                      "parallel.cp=1", f"rl.prompts=[{tmp_path / 'rl.jsonl'}]", "rl.prompts_per_step=4",
-                      "rl.oversample_prompts=8", "rl.responses_per_prompt=4", "rl.mini_batch_prompts=2",
-                      "rl.max_tokens_per_micro_batch=512", "rl.max_prompt_length=128", "rollout.max_new_tokens=64",
-                      f"rollout.urls=[{router_url}]", f"rollout.sync_dir={tmp_path / 'weights'}",
-                      "reward.workers=1", "train.steps=2", "train.save_interval=1", f"train.save_dir={rl_dir}",
-                      env=env)
+            _torchrun(
+                2,
+                "-m",
+                "megatron_klear.rl",
+                "--config",
+                GPPO_CONFIG,
+                f"model.path={sft_ckpt}",
+                "parallel.cp=1",
+                f"rl.prompts=[{tmp_path / 'rl.jsonl'}]",
+                "rl.prompts_per_step=4",
+                "rl.oversample_prompts=8",
+                "rl.responses_per_prompt=4",
+                "rl.mini_batch_prompts=2",
+                "rl.max_tokens_per_micro_batch=512",
+                "rl.max_prompt_length=128",
+                "rollout.max_new_tokens=64",
+                f"rollout.urls=[{router_url}]",
+                f"rollout.sync_dir={tmp_path / 'weights'}",
+                "reward.workers=1",
+                "train.steps=2",
+                "train.save_interval=1",
+                f"train.save_dir={rl_dir}",
+                env=env,
+            )
             lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
             last = max((m["step"] for m in lines if m.get("actor/optimizer_steps")), default=0)
             for s in servers:
@@ -102,6 +155,11 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
         assert m["rollout/response_length_mean"] < 64, m
 
     # 5. the RL checkpoint exports to HF like any other
-    _run("tools/convert_megatron_to_hf.py", "--ckpt", os.path.join(rl_dir, "iter_0000002"), "--out",
-         str(tmp_path / "hf-rl"))
+    _run(
+        "tools/convert_megatron_to_hf.py",
+        "--ckpt",
+        os.path.join(rl_dir, "iter_0000002"),
+        "--out",
+        str(tmp_path / "hf-rl"),
+    )
     assert os.path.isfile(os.path.join(tmp_path, "hf-rl", "model.safetensors.index.json"))

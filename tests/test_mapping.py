@@ -1,4 +1,5 @@
 """The HF <-> Megatron mapping on full tensors: layouts written out by hand, TP slicing, errors."""
+
 import pytest
 import torch
 
@@ -17,9 +18,17 @@ from megatron_klear.models.arch import ConfigError, arch_from_dict
 
 def _cfg(**kw):
     cfg = dict(
-        model_type="qwen3", vocab_size=389, hidden_size=8, intermediate_size=6, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=3, rms_norm_eps=1e-6,
-        rope_theta=1e6, tie_word_embeddings=False,
+        model_type="qwen3",
+        vocab_size=389,
+        hidden_size=8,
+        intermediate_size=6,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=3,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
     )
     cfg.update(kw)
     return cfg
@@ -35,8 +44,12 @@ def test_qkv_is_fused_per_query_group():
     v = torch.arange(2 * d).float().unsqueeze(1).expand(-1, h) + 3000
     fused = to_megatron(rule, [q, k, v], arch, 512)[:, 0].tolist()
     expected = (
-        [1000 + r for r in range(0, 6)] + [2000 + r for r in range(0, 3)] + [3000 + r for r in range(0, 3)]
-        + [1000 + r for r in range(6, 12)] + [2000 + r for r in range(3, 6)] + [3000 + r for r in range(3, 6)]
+        [1000 + r for r in range(0, 6)]
+        + [2000 + r for r in range(0, 3)]
+        + [3000 + r for r in range(0, 3)]
+        + [1000 + r for r in range(6, 12)]
+        + [2000 + r for r in range(3, 6)]
+        + [3000 + r for r in range(3, 6)]
     )
     assert fused == expected
     back = to_hf(rule, to_megatron(rule, [q, k, v], arch, 512), arch)
@@ -115,9 +128,17 @@ def test_bad_configs(change, message):
 
 # ---- Qwen3-MoE (issue 12) ----------------------------------------------------------------------------
 def _moe_cfg(**kw):
-    cfg = _cfg(model_type="qwen3_moe", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
-               moe_intermediate_size=5, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
-               router_aux_loss_coef=0.001)
+    cfg = _cfg(
+        model_type="qwen3_moe",
+        num_hidden_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=5,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        decoder_sparse_step=1,
+        router_aux_loss_coef=0.001,
+    )
     cfg.update(kw)
     return cfg
 
@@ -150,26 +171,41 @@ def test_moe_rules_experts_router_and_norms():
         to_megatron(rules["decoder.layers.2.mlp.experts.3.linear_fc2.weight"], [torch.zeros(8, 6)], arch, 512)
     # mixed dense/MoE layers: per-layer checkpoint keys; all-MoE: stacked [layer, expert, ...]
     assert checkpoint_location("decoder.layers.2.mlp.experts.3.linear_fc1.weight", arch) == (
-        "decoder.layers.2.mlp.experts.experts.linear_fc1.weight", (3,))
+        "decoder.layers.2.mlp.experts.experts.linear_fc1.weight",
+        (3,),
+    )
     stacked = arch_from_dict(_moe_cfg(mlp_only_layers=[]))
     assert checkpoint_location("decoder.layers.2.mlp.experts.3.linear_fc1.weight", stacked) == (
-        "decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 3))
-    assert checkpoint_location("decoder.layers.1.mlp.router.weight", stacked) == ("decoder.layers.mlp.router.weight", (1,))
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+        (2, 3),
+    )
+    assert checkpoint_location("decoder.layers.1.mlp.router.weight", stacked) == (
+        "decoder.layers.mlp.router.weight",
+        (1,),
+    )
 
 
 def test_moe_canonical_names_of_live_modules():
     moe = frozenset({0, 2})
     # SequentialMLP (local spec) and TEGroupedMLP name local experts; EP rank 1 of 2 holds 2..3
-    assert canonical_name("module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 2,
-                          expert_offset=2, moe_layers=moe) == "decoder.layers.2.mlp.experts.3.linear_fc2.weight"
+    assert (
+        canonical_name(
+            "module.decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 2, expert_offset=2, moe_layers=moe
+        )
+        == "decoder.layers.2.mlp.experts.3.linear_fc2.weight"
+    )
     assert canonical_name("decoder.layers.2.mlp.experts.linear_fc1.weight1", expert_offset=2, moe_layers=moe) == (
-        "decoder.layers.2.mlp.experts.3.linear_fc1.weight")
+        "decoder.layers.2.mlp.experts.3.linear_fc1.weight"
+    )
     assert canonical_name("decoder.layers.2.pre_mlp_layernorm.weight", moe_layers=moe) == (
-        "decoder.layers.2.pre_mlp_layernorm.weight")
+        "decoder.layers.2.pre_mlp_layernorm.weight"
+    )
     assert canonical_name("decoder.layers.1.pre_mlp_layernorm.weight", moe_layers=moe) == (
-        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight")
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
+    )
     assert canonical_name("decoder.layers.2.input_layernorm.weight", moe_layers=moe) == (
-        "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight")
+        "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight"
+    )
 
 
 def test_moe_router_settings_match_transformers():
@@ -182,8 +218,11 @@ def test_moe_router_settings_match_transformers():
     assert kw["moe_aux_loss_coeff"] == 0.001 and kw["moe_router_load_balancing_type"] == "aux_loss"
     assert kw["moe_layer_freq"] == [1, 0, 1] and kw["expert_model_parallel_size"] == 2
     assert kw["moe_grouped_gemm"] is False and kw["moe_ffn_hidden_size"] == 5
-    kw = moe_kwargs(arch_from_dict(_moe_cfg(norm_topk_prob=False, mlp_only_layers=[])),
-                    ModelOptions(backend="local", moe_aux_loss_coeff=0.0), ParallelConfig())
+    kw = moe_kwargs(
+        arch_from_dict(_moe_cfg(norm_topk_prob=False, mlp_only_layers=[])),
+        ModelOptions(backend="local", moe_aux_loss_coeff=0.0),
+        ParallelConfig(),
+    )
     assert kw["moe_router_pre_softmax"] is True and kw["moe_layer_freq"] == 1
     assert kw["moe_router_load_balancing_type"] == "none" and kw["moe_aux_loss_coeff"] == 0.0
 
@@ -198,7 +237,9 @@ def test_expert_parallel_is_validated():
         check_parallel_fits(arch_from_dict(_moe_cfg()), ParallelConfig(etp=2))
     with pytest.raises(ValueError, match=r"parallel.ep=2 .*has no experts"):
         check_parallel_fits(arch_from_dict(_cfg()), ParallelConfig(ep=2))
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by parallel.etp\*parallel.ep\*parallel.pp = 1\*4\*1"):
+    with pytest.raises(
+        ValueError, match=r"world size 6 is not divisible by parallel.etp\*parallel.ep\*parallel.pp = 1\*4\*1"
+    ):
         ParallelConfig(ep=4).validate(6)
     with pytest.raises(ValueError, match=r"parallel.ep must be a positive integer"):
         ParallelConfig(ep=0).validate()

@@ -1,4 +1,5 @@
 """tools/plot_run.py: one readable PNG per chart (matplotlib), several runs in one chart, bad lines named."""
+
 import json
 
 import pytest
@@ -9,8 +10,10 @@ pytest.importorskip("matplotlib")
 def _write_run(root, name, scale):
     run = root / name
     run.mkdir()
-    rows = [{"step": i, "loss": scale * 5.0 / i, "actor/clip_frac_low": 0.01 * i, "actor/clip_frac_high": 0.02 * i}
-            for i in range(1, 11)]
+    rows = [
+        {"step": i, "loss": scale * 5.0 / i, "actor/clip_frac_low": 0.01 * i, "actor/clip_frac_high": 0.02 * i}
+        for i in range(1, 11)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(run / "metrics.jsonl")
 
@@ -31,16 +34,20 @@ def test_two_runs_as_png(tmp_path):
 
     a, b = _write_run(tmp_path, "a", 1.0), _write_run(tmp_path, "b", 2.0)
     out = tmp_path / "plots"
-    assert main([a, b, "--out", str(out), "--metric", "loss",
-                 "--group", "clip=actor/clip_frac_low,actor/clip_frac_high"]) == 0
+    assert (
+        main([a, b, "--out", str(out), "--metric", "loss", "--group", "clip=actor/clip_frac_low,actor/clip_frac_high"])
+        == 0
+    )
     assert sorted(p.name for p in out.iterdir()) == ["clip.png", "loss.png"]
     _image(out / "loss.png")
     _image(out / "clip.png")
     # one run draws less than two runs (different pixels): both runs are on the chart
     single = tmp_path / "single"
     assert main([a, "--out", str(single), "--metric", "loss"]) == 0
-    assert (_image(single / "loss.png").shape != _image(out / "loss.png").shape
-            or (_image(single / "loss.png") != _image(out / "loss.png")).any())
+    assert (
+        _image(single / "loss.png").shape != _image(out / "loss.png").shape
+        or (_image(single / "loss.png") != _image(out / "loss.png")).any()
+    )
 
 
 def test_svg_on_request(tmp_path):
@@ -69,18 +76,33 @@ def _write_async_run(root, name, rows):
 
 
 def _async_rows(staleness):
-    return [{"step": i, "rollout/staleness_mean": staleness * i / 10, "rollout/staleness_max": staleness,
-             "rollout/offpolicy_token_frac": staleness * 0.1 * i, "rollout/resumed_samples": 3 * i,
-             "rollout/aborted_samples": 2 * i, "rollout/stale_regenerated": i % 2, "perf/generate_s": 1.0 + i,
-             "perf/train_s": 0.5 * i, "perf/overlap_s": 0.25 * i, "perf/step_s": 1.5 + i, "perf/samples_per_s": 10.0 / i}
-            for i in range(1, 8)]
+    return [
+        {
+            "step": i,
+            "rollout/staleness_mean": staleness * i / 10,
+            "rollout/staleness_max": staleness,
+            "rollout/offpolicy_token_frac": staleness * 0.1 * i,
+            "rollout/resumed_samples": 3 * i,
+            "rollout/aborted_samples": 2 * i,
+            "rollout/stale_regenerated": i % 2,
+            "perf/generate_s": 1.0 + i,
+            "perf/train_s": 0.5 * i,
+            "perf/overlap_s": 0.25 * i,
+            "perf/step_s": 1.5 + i,
+            "perf/samples_per_s": 10.0 / i,
+        }
+        for i in range(1, 8)
+    ]
 
 
 def test_async_preset_draws_the_new_metrics(tmp_path):
     from tools.plot_run import PRESETS, collect_series, main
 
-    sync = _write_async_run(tmp_path, "sync", [{k: (0 if k.startswith("rollout/") and k != "step" else v)
-                                                for k, v in r.items()} for r in _async_rows(0)])
+    sync = _write_async_run(
+        tmp_path,
+        "sync",
+        [{k: (0 if k.startswith("rollout/") and k != "step" else v) for k, v in r.items()} for r in _async_rows(0)],
+    )
     async_ = _write_async_run(tmp_path, "async", _async_rows(1))
     out = tmp_path / "plots"
     assert main([sync, async_, "--out", str(out), "--preset", "async"]) == 0
@@ -92,13 +114,17 @@ def test_async_preset_draws_the_new_metrics(tmp_path):
 
     runs = {"sync": read_metrics(sync), "async": read_metrics(async_)}
     times = collect_series(runs, PRESETS["async"]["async_times"])
-    assert sorted(times) == sorted(f"{r}: perf/{m}_s" for r in ("sync", "async") for m in ("generate", "train",
-                                                                                              "overlap", "step"))
+    assert sorted(times) == sorted(
+        f"{r}: perf/{m}_s" for r in ("sync", "async") for m in ("generate", "train", "overlap", "step")
+    )
     assert times["async: perf/overlap_s"] == [(i, 0.25 * i) for i in range(1, 8)]
-    assert collect_series(runs, ["rollout/staleness_max"])["async: rollout/staleness_max"] == [(i, 1) for i in range(1, 8)]
+    assert collect_series(runs, ["rollout/staleness_max"])["async: rollout/staleness_max"] == [
+        (i, 1) for i in range(1, 8)
+    ]
     # one run: labelled by the metric alone; a metric no run logged is left out
     assert collect_series({"sync": runs["sync"]}, ["perf/samples_per_s", "nope"]) == {
-        "perf/samples_per_s": [(i, 10.0 / i) for i in range(1, 8)]}
+        "perf/samples_per_s": [(i, 10.0 / i) for i in range(1, 8)]
+    }
 
 
 def test_async_preset_on_a_run_without_the_metrics(tmp_path, capsys):

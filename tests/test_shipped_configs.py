@@ -9,6 +9,7 @@ tiny models, with overrides only for sizes, paths and the parallel layout (two C
 
 An example that drifts from what the code accepts (a renamed key, a default that no longer
 validates) fails here before a user copies it."""
+
 import json
 import math
 import os
@@ -34,8 +35,17 @@ def data(tmp_path_factory):
     make_tiny_qwen3(dense, flavor="base", num_layers=2, seed=0)
     make_tiny_qwen3_moe(moe, flavor="base", num_layers=2, seed=1)
     write_sft_jsonl(str(d / "sft.jsonl"), 64, seed=0)
-    _run("tools/preprocess_sft.py", "--input", str(d / "sft.jsonl"), "--tokenizer", dense,
-         "--output-prefix", str(d / "sft-data"), "--max-length", "256")
+    _run(
+        "tools/preprocess_sft.py",
+        "--input",
+        str(d / "sft.jsonl"),
+        "--tokenizer",
+        dense,
+        "--output-prefix",
+        str(d / "sft-data"),
+        "--max-length",
+        "256",
+    )
     write_rl_prompts_jsonl(str(d / "rl.jsonl"), 16, seed=1)
     # the authors' RL data layout (verl parquet): two math rows and two code rows (Code-R1 check
     # code, a Codeforces stdin problem), read by rl.prompts as published
@@ -43,16 +53,37 @@ def data(tmp_path_factory):
 
     write(d / "verl-math-code.parquet", [verl_rows()[i] for i in (0, 1, 3, 6)])
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(d), "WANDB_SILENT": "true"}
-    return {"dir": d, "dense": dense, "moe": moe, "prefix": str(d / "sft-data"), "rl": str(d / "rl.jsonl"),
-            "verl": str(d / "verl-math-code.parquet"), "env": env}
+    return {
+        "dir": d,
+        "dense": dense,
+        "moe": moe,
+        "prefix": str(d / "sft-data"),
+        "rl": str(d / "rl.jsonl"),
+        "verl": str(d / "verl-math-code.parquet"),
+        "env": env,
+    }
 
 
 def _sft(data, config, model, layout, name):
     save = str(data["dir"] / name)
-    _torchrun(2, "-m", "megatron_klear.sft", "--config", os.path.join(CONFIGS, config), f"model.path={model}",
-              f"data.prefix={data['prefix']}", "data.seq_length=256", "data.micro_batches_per_step=2",
-              *layout, "train.epochs=0", "train.steps=2", "train.save_interval=2", f"train.save_dir={save}",
-              "optim.warmup_steps=1", env=data["env"])
+    _torchrun(
+        2,
+        "-m",
+        "megatron_klear.sft",
+        "--config",
+        os.path.join(CONFIGS, config),
+        f"model.path={model}",
+        f"data.prefix={data['prefix']}",
+        "data.seq_length=256",
+        "data.micro_batches_per_step=2",
+        *layout,
+        "train.epochs=0",
+        "train.steps=2",
+        "train.save_interval=2",
+        f"train.save_dir={save}",
+        "optim.warmup_steps=1",
+        env=data["env"],
+    )
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     steps = [m for m in lines if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2], lines
@@ -71,8 +102,8 @@ def test_sft_qwen3_32b_at_tp2_with_sequence_parallelism(data):
 
 
 def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
-    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     layout = ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.cp=1", "parallel.ep=2"]
     ckpt, steps = _sft(data, "sft_qwen3_30b_a3b.yaml", data["moe"], layout, "sft-30b")
@@ -81,13 +112,31 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
     rl_dir = str(data["dir"] / "rl-30b")
     server = EmbeddedHTTPEngine.launch(data["moe"], startup_timeout=120)
     try:
-        _torchrun(2, "-m", "megatron_klear.rl", "--config", os.path.join(CONFIGS, "gppo_qwen3_30b_a3b_math.yaml"),
-                  f"model.path={ckpt}", *layout, f"rl.prompts=[{data['verl']}]", "rl.prompts_per_step=2",
-                  "rl.oversample_prompts=4", "rl.responses_per_prompt=4", "rl.mini_batch_prompts=1",
-                  "rl.max_tokens_per_micro_batch=512", "rl.max_prompt_length=128", "rollout.max_new_tokens=32",
-                  f"rollout.urls=[{server.url}]", f"rollout.sync_dir={data['dir'] / 'weights'}",
-                  "rollout.max_concurrent_requests=8", "reward.workers=1", "train.steps=2", "train.save_interval=2",
-                  f"train.save_dir={rl_dir}", env=data["env"])
+        _torchrun(
+            2,
+            "-m",
+            "megatron_klear.rl",
+            "--config",
+            os.path.join(CONFIGS, "gppo_qwen3_30b_a3b_math.yaml"),
+            f"model.path={ckpt}",
+            *layout,
+            f"rl.prompts=[{data['verl']}]",
+            "rl.prompts_per_step=2",
+            "rl.oversample_prompts=4",
+            "rl.responses_per_prompt=4",
+            "rl.mini_batch_prompts=1",
+            "rl.max_tokens_per_micro_batch=512",
+            "rl.max_prompt_length=128",
+            "rollout.max_new_tokens=32",
+            f"rollout.urls=[{server.url}]",
+            f"rollout.sync_dir={data['dir'] / 'weights'}",
+            "rollout.max_concurrent_requests=8",
+            "reward.workers=1",
+            "train.steps=2",
+            "train.save_interval=2",
+            f"train.save_dir={rl_dir}",
+            env=data["env"],
+        )
         lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
         last = max((m["step"] for m in lines if m.get("actor/optimizer_steps")), default=0)
         # the server took the trainer's weights of the last RL step that changed them (0: the start-up sync)

@@ -1,5 +1,6 @@
 """Tiny SFT data for the tests: synthetic conversations tokenized with a model directory's tokenizer
 into an indexed dataset, as tools/preprocess_sft.py writes it."""
+
 import io
 import os
 
@@ -12,6 +13,8 @@ def sft_data(root, tokenizer_dir, examples: int, seed: int = 1, max_length: int 
 
     jsonl = write_sft_jsonl(os.path.join(str(root), "train.jsonl"), examples, seed=seed)
     prefix = os.path.join(str(root), "data")
-    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=tokenizer_dir, output_prefix=prefix, max_length=max_length),
-               stream=io.StringIO())
+    preprocess(
+        PreprocessConfig(inputs=[jsonl], tokenizer=tokenizer_dir, output_prefix=prefix, max_length=max_length),
+        stream=io.StringIO(),
+    )
     return prefix

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """HF checkpoint -> megatron-klear torch_dist model directory (loads at any TP/PP).
 
-    python tools/convert_hf_to_megatron.py --hf-dir Qwen3-8B --out ckpt/qwen3-8b --tp 2 --pp 1
+python tools/convert_hf_to_megatron.py --hf-dir Qwen3-8B --out ckpt/qwen3-8b --tp 2 --pp 1
 """
+
 import argparse
 import sys
 
@@ -20,7 +21,11 @@ def main(argv=None):
 
     try:
         out = hf_to_megatron(
-            args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            args.hf_dir,
+            args.out,
+            tp=args.tp,
+            pp=args.pp,
+            dtype=args.dtype,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         )
     except (ValueError, FileNotFoundError, KeyError) as e:

@@ -8,6 +8,7 @@ config.json, tokenizer files) that ``transformers`` loads directly.
 --ckpt may be any training checkpoint (its optimizer state, RNG and common state are skipped),
 written at any TP/PP with either layer backend (Transformer Engine's _extra_state is skipped).
 """
+
 import argparse
 import sys
 
@@ -17,7 +18,9 @@ def main(argv=None):
     p.add_argument("--ckpt", required=True, help="converted model or a training checkpoint's iter_* directory")
     p.add_argument("--out", required=True, help="output HF directory (written atomically)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's dtype")
-    p.add_argument("--max-shard-size-gb", type=float, default=2.0, help="output shard size; one shard is buffered in memory")
+    p.add_argument(
+        "--max-shard-size-gb", type=float, default=2.0, help="output shard size; one shard is buffered in memory"
+    )
     args = p.parse_args(argv)
     from megatron_klear.checkpoint.convert import megatron_to_hf
 

@@ -8,6 +8,7 @@ Each input line: {"prompt_id", "prompt", "response"} plus either "correct" (true
 megatron_klear.rewards.code). Easy prompts (pass rate >= --hard-below) keep only correct
 responses; hard prompts keep all; exact duplicates are removed. See megatron_klear/data/curate.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,16 +22,26 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="teacher-response JSONL files")
     p.add_argument("--output", required=True, help="curated JSONL (prompt/response records)")
-    p.add_argument("--hard-below", type=float, default=0.5,
-                   help="a prompt is hard when its pass rate is below this (default 0.5)")
+    p.add_argument(
+        "--hard-below", type=float, default=0.5, help="a prompt is hard when its pass rate is below this (default 0.5)"
+    )
     p.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail")
     p.add_argument("--report", help="also write the summary as JSON here")
-    p.add_argument("--grading-workers", type=int, default=None,
-                   help="grading processes for records without a 'correct' flag (default: one per core)")
+    p.add_argument(
+        "--grading-workers",
+        type=int,
+        default=None,
+        help="grading processes for records without a 'correct' flag (default: one per core)",
+    )
     args = p.parse_args(argv)
-    cfg = CurateConfig(inputs=args.input, output=args.output, hard_below=args.hard_below,
-                       on_bad_line=args.on_bad_line, report=args.report,
-                       grading_workers=args.grading_workers)
+    cfg = CurateConfig(
+        inputs=args.input,
+        output=args.output,
+        hard_below=args.hard_below,
+        on_bad_line=args.on_bad_line,
+        report=args.report,
+        grading_workers=args.grading_workers,
+    )
     try:
         summary = curate(cfg)
     except (BadLineError, ValueError, FileNotFoundError) as e:

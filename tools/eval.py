@@ -22,6 +22,7 @@ output ({"id", "meta", "messages"} lines) with this project's graders, no model 
 
     python tools/eval.py --regrade aime24=inference_results_105.jsonl --output results/authors_aime24.json
 """
+
 import argparse
 import sys
 
@@ -33,17 +34,35 @@ def main(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF checkpoint directory (embedded engine, in this process)")
     src.add_argument("--url", action="append", help="SGLang server / router URL (repeatable)")
-    src.add_argument("--regrade", action="append", metavar="NAME=FILE.jsonl",
-                     help="grade the authors' inference output file (no model; repeatable)")
+    src.add_argument(
+        "--regrade",
+        action="append",
+        metavar="NAME=FILE.jsonl",
+        help="grade the authors' inference output file (no model; repeatable)",
+    )
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
     p.add_argument("--bench", action="append", default=[], metavar="NAME=FILE")
-    p.add_argument("--bench-format", action="append", default=[], metavar="NAME=FORMAT",
-                   help="the format of a --bench file (auto: detected; project, verl, livecodebench, math)")
-    p.add_argument("--bench-window", action="append", default=[], metavar="NAME=v5|v6|SINCE..UNTIL",
-                   help="LiveCodeBench contest-date window of a --bench file")
+    p.add_argument(
+        "--bench-format",
+        action="append",
+        default=[],
+        metavar="NAME=FORMAT",
+        help="the format of a --bench file (auto: detected; project, verl, livecodebench, math)",
+    )
+    p.add_argument(
+        "--bench-window",
+        action="append",
+        default=[],
+        metavar="NAME=v5|v6|SINCE..UNTIL",
+        help="LiveCodeBench contest-date window of a --bench file",
+    )
     p.add_argument("--preset", choices=("klear",), help="the authors' sampling and 64K/YaRN setting (docs/data.md)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="only 1.0: this project's engines have no repetition penalty (refused otherwise)")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="only 1.0: this project's engines have no repetition penalty (refused otherwise)",
+    )
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--temperature", type=float, default=PAPER_SAMPLING["temperature"])
     p.add_argument("--top-p", type=float, default=PAPER_SAMPLING["top_p"])
@@ -57,14 +76,20 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=0, help="grading workers (0: one per core)")
     p.add_argument("--max-concurrent-requests", type=int, default=512, help="--url: /generate requests in flight")
     p.add_argument("--generate-timeout", type=float, default=3600.0, help="--url: seconds for one prompt's samples")
-    p.add_argument("--think-in-prompt", choices=("auto", "yes", "no"), default="auto",
-                   help="the chat template opens <think> in the prompt, so responses need not write it "
-                        "(auto: when every rendered prompt ends inside an open <think>)")
+    p.add_argument(
+        "--think-in-prompt",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="the chat template opens <think> in the prompt, so responses need not write it "
+        "(auto: when every rendered prompt ends inside an open <think>)",
+    )
     p.add_argument("--output", required=True, help="summary JSON (samples go to <output>.samples.jsonl)")
     args = p.parse_args(argv)
     if args.repetition_penalty != 1.0:
-        p.error(f"--repetition-penalty {args.repetition_penalty:g}: this project's engines have no repetition "
-                f"penalty (rollout SamplingParams); refused rather than ignored (docs/data.md)")
+        p.error(
+            f"--repetition-penalty {args.repetition_penalty:g}: this project's engines have no repetition "
+            f"penalty (rollout SamplingParams); refused rather than ignored (docs/data.md)"
+        )
     if args.preset == "klear":
         _apply_klear_preset(args, sys.argv[1:] if argv is None else argv)
     if args.regrade:
@@ -82,50 +107,85 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     benchmarks = _read_benchmarks(p, args, tokenizer)
     think_in_prompt = args.think_in_prompt == "yes" or (
-        args.think_in_prompt == "auto" and prompts_open_think(tokenizer, [q for ps in benchmarks.values() for q in ps]))
+        args.think_in_prompt == "auto" and prompts_open_think(tokenizer, [q for ps in benchmarks.values() for q in ps])
+    )
     if think_in_prompt and args.think_in_prompt == "auto":
-        print("the prompts open <think>: responses are not required to contain it (--think-in-prompt)",
-              file=sys.stderr)
+        print("the prompts open <think>: responses are not required to contain it (--think-in-prompt)", file=sys.stderr)
     import torch
 
     from megatron_klear.rollout.config import RolloutConfig
     from megatron_klear.rollout.factory import make_engine
 
-    rollout = RolloutConfig(engine="embedded" if args.model else "http", urls=args.url or [], dtype=args.dtype,
-                            max_concurrent_requests=args.max_concurrent_requests,
-                            generate_timeout_s=args.generate_timeout)
+    rollout = RolloutConfig(
+        engine="embedded" if args.model else "http",
+        urls=args.url or [],
+        dtype=args.dtype,
+        max_concurrent_requests=args.max_concurrent_requests,
+        generate_timeout_s=args.generate_timeout,
+    )
     rollout.validate()
     hf_config = None
     if args.model and args.yarn_factor:
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(args.model)
-        theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", getattr(hf_config, "rope_theta", 1e6))
-        hf_config.rope_parameters = {"rope_type": "yarn", "factor": args.yarn_factor, "rope_theta": theta,
-                                     "original_max_position_embeddings": args.yarn_original}
+        theta = (getattr(hf_config, "rope_parameters", None) or {}).get(
+            "rope_theta", getattr(hf_config, "rope_theta", 1e6)
+        )
+        hf_config.rope_parameters = {
+            "rope_type": "yarn",
+            "factor": args.yarn_factor,
+            "rope_theta": theta,
+            "original_max_position_embeddings": args.yarn_original,
+        }
         hf_config.max_position_embeddings = int(args.yarn_original * args.yarn_factor)
-    engine = make_engine(rollout, args.model or "", device="cuda" if torch.cuda.is_available() else "cpu",
-                         hf_config=hf_config, weight_sync=False)  # evaluation pushes no weights
+    engine = make_engine(
+        rollout,
+        args.model or "",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        hf_config=hf_config,
+        weight_sync=False,
+    )  # evaluation pushes no weights
 
     longest = max(len(p.prompt_ids) for prompts in benchmarks.values() for p in prompts)
-    engine.check_context(longest + args.max_new_tokens, f"the longest prompt ({longest}) + --max-new-tokens",
-                         hint="; --yarn-factor extends the embedded engine's context")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    engine.check_context(
+        longest + args.max_new_tokens,
+        f"the longest prompt ({longest}) + --max-new-tokens",
+        hint="; --yarn-factor extends the embedded engine's context",
+    )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    )
     reward_cfg = evaluation_reward_config(RewardConfig(workers=args.workers), think_in_prompt=think_in_prompt)
     with GradingPool(reward_cfg) as pool:
-        summary, records = evaluate(engine, benchmarks, tokenizer, pool, k=args.k, params=params,
-                                    progress=lambda s: print(s, file=sys.stderr))
+        summary, records = evaluate(
+            engine, benchmarks, tokenizer, pool, k=args.k, params=params, progress=lambda s: print(s, file=sys.stderr)
+        )
     _per_problem(summary, records)
-    write_results(args.output, summary, records,
-                  meta={**vars(args), "think_in_prompt_resolved": think_in_prompt, "code_tests": "all"})
+    write_results(
+        args.output,
+        summary,
+        records,
+        meta={**vars(args), "think_in_prompt_resolved": think_in_prompt, "code_tests": "all"},
+    )
     print(f"wrote {args.output}")
     return 0
 
 
 #: The authors' evaluation setting (KlearReasoner benchmarks/inference.py, README "Evaluation").
-KLEAR_PRESET = dict(temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=65536, yarn_factor=2.5,
-                    yarn_original=32768, repetition_penalty=1.05)
+KLEAR_PRESET = dict(
+    temperature=0.6,
+    top_p=0.95,
+    top_k=20,
+    max_new_tokens=65536,
+    yarn_factor=2.5,
+    yarn_original=32768,
+    repetition_penalty=1.05,
+)
 
 
 def _apply_klear_preset(args, argv) -> None:
@@ -135,10 +195,13 @@ def _apply_klear_preset(args, argv) -> None:
     for key in ("temperature", "top_p", "top_k", "max_new_tokens", "yarn_factor", "yarn_original"):
         if "--" + key.replace("_", "-") not in given:
             setattr(args, key, KLEAR_PRESET[key])
-    print("--preset klear: temperature 0.6, top_p 0.95, top_k 20, 65536 new tokens, YaRN 2.5 over 32768 "
-          "positions. NOT applied: the authors' repetition_penalty 1.05 (this project's engines have none); "
-          "scores can differ from theirs by that." + (
-              "" if args.model else " With --url, serve the model with YaRN (docs/data.md)."), file=sys.stderr)
+    print(
+        "--preset klear: temperature 0.6, top_p 0.95, top_k 20, 65536 new tokens, YaRN 2.5 over 32768 "
+        "positions. NOT applied: the authors' repetition_penalty 1.05 (this project's engines have none); "
+        "scores can differ from theirs by that."
+        + ("" if args.model else " With --url, serve the model with YaRN (docs/data.md)."),
+        file=sys.stderr,
+    )
 
 
 def _read_benchmarks(p, args, tokenizer) -> dict:
@@ -170,8 +233,14 @@ def _read_benchmarks(p, args, tokenizer) -> dict:
                 since, until = (x or None for x in w.split("..", 1))
             else:
                 p.error(f"--bench-window {name}={w}: expected v5, v6 or SINCE..UNTIL")
-        benchmarks[name] = PromptDataset([path], tokenizer, max_prompt_length=args.max_prompt_length,
-                                         format=formats.get(name, "auto"), since=since, until=until).prompts
+        benchmarks[name] = PromptDataset(
+            [path],
+            tokenizer,
+            max_prompt_length=args.max_prompt_length,
+            format=formats.get(name, "auto"),
+            since=since,
+            until=until,
+        ).prompts
     return benchmarks
 
 
@@ -212,13 +281,26 @@ def _regrade(args) -> int:
             for pid, sid, fut in futs:
                 g = fut.result()
                 solved.setdefault(pid, []).append(g.solved)
-                records.append({"benchmark": name, "id": pid, "sample": sid, "solved": g.solved, "reward": g.reward,
-                                "error": g.error, "detail": g.detail})
+                records.append(
+                    {
+                        "benchmark": name,
+                        "id": pid,
+                        "sample": sid,
+                        "solved": g.solved,
+                        "reward": g.reward,
+                        "error": g.error,
+                        "detail": g.detail,
+                    }
+                )
             ns = sorted({len(v) for v in solved.values()})
-            summary[name] = {"problems": len(solved), "samples": len(samples), "samples_per_problem": ns,
-                             f"avg@{ns[-1]}": 100.0 * sum(sum(v) / len(v) for v in solved.values()) / len(solved),
-                             f"pass@{ns[-1]}": 100.0 * sum(any(v) for v in solved.values()) / len(solved),
-                             "grader_errors": sum(r["error"] is not None for r in records if r["benchmark"] == name)}
+            summary[name] = {
+                "problems": len(solved),
+                "samples": len(samples),
+                "samples_per_problem": ns,
+                f"avg@{ns[-1]}": 100.0 * sum(sum(v) / len(v) for v in solved.values()) / len(solved),
+                f"pass@{ns[-1]}": 100.0 * sum(any(v) for v in solved.values()) / len(solved),
+                "grader_errors": sum(r["error"] is not None for r in records if r["benchmark"] == name),
+            }
             print(f"{name}: {summary[name]}", file=sys.stderr)
     _per_problem(summary, records)
     write_results(args.output, summary, records, meta={**vars(args), "regraded": True})

@@ -14,6 +14,7 @@ both files::
 Afterwards ``<out>/sglang/api/v1/api_types.py`` and ``<out>/sglang/srt/managers/io_struct.py``
 exist (``make venv`` runs this; a later run extracts only what is missing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,22 @@ def fetch(out: str) -> str:
         return target
     os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sglang-wheel-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION}", "--no-deps",
-               "--only-binary=:all:", "--platform", "manylinux_2_34_x86_64", "--python-version", "3.11",
-               "-d", tmp, "-q"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"sglang=={SGLANG_VERSION}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--platform",
+            "manylinux_2_34_x86_64",
+            "--python-version",
+            "3.11",
+            "-d",
+            tmp,
+            "-q",
+        ]
         subprocess.run(cmd, check=True)
         wheel = os.path.join(tmp, WHEEL)
         if not os.path.isfile(wheel):

@@ -5,6 +5,7 @@ math prompts are kept when most reference samples pass (pass rate >= 0.5).
 
 See megatron_klear/rewards/filters.py for the line format and the options.
 """
+
 import os
 import sys
 

@@ -9,6 +9,7 @@ match included) is named on stderr as FILE:LINE and gets reward null, and the ex
 when there are more of them than --max-bad-lines (default 0). See
 megatron_klear/rewards/cli.py.
 """
+
 import os
 import sys
 

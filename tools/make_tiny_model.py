@@ -1,5 +1,6 @@
 #!/usr/bin/env python
 """Write a tiny random Qwen3-shaped HF checkpoint (with tokenizer) for CPU runs and tests."""
+
 import argparse
 
 from megatron_klear.models.tiny import make_tiny_qwen3
@@ -11,8 +12,12 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--flavor", choices=("base", "instruct"), default="base",
-                   help="base (default): EOS <|endoftext|> while turns end with <|im_end|>, like Qwen3-8B-Base; "
-                        "instruct: EOS <|im_end|>")
+    p.add_argument(
+        "--flavor",
+        choices=("base", "instruct"),
+        default="base",
+        help="base (default): EOS <|endoftext|> while turns end with <|im_end|>, like Qwen3-8B-Base; "
+        "instruct: EOS <|im_end|>",
+    )
     a = p.parse_args()
     print(make_tiny_qwen3(a.out, tied=a.tied, num_layers=a.layers, hidden_size=a.hidden, seed=a.seed, flavor=a.flavor))

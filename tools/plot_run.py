@@ -13,6 +13,7 @@ the step's times (generate, train, overlap, step) and samples/s; each chart is n
 ``async_<name>``. Runs are named by their directory (runs/a/metrics.jsonl -> "a"). Needs matplotlib
 (pip install 'megatron-klear[logging]').
 """
+
 import argparse
 import json
 import os
@@ -70,8 +71,13 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="metrics.jsonl files")
     p.add_argument("--metric", action="append", default=[], help="one chart per metric (repeatable)")
     p.add_argument("--group", action="append", default=[], metavar="NAME=m1,m2", help="several metrics in one chart")
-    p.add_argument("--preset", action="append", default=[], choices=sorted(PRESETS),
-                   help="a set of charts (async: staleness, off-policy tokens, partial samples, step times, samples/s)")
+    p.add_argument(
+        "--preset",
+        action="append",
+        default=[],
+        choices=sorted(PRESETS),
+        help="a set of charts (async: staleness, off-policy tokens, partial samples, step times, samples/s)",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--format", choices=("png", "svg", "pdf"), default="png")
     args = p.parse_args(argv)

@@ -12,6 +12,7 @@ Every bad row is named with file, row and column; --on-bad-row skip counts them 
 <output>.rejected.jsonl) instead of stopping. A summary of what was read is printed (and written
 to <output>.summary.json).
 """
+
 import argparse
 import json
 import os
@@ -31,8 +32,11 @@ def main(argv=None):
     p.add_argument("--since", help="livecodebench: first contest date (YYYY-MM-DD, inclusive)")
     p.add_argument("--until", help="livecodebench: last contest date (YYYY-MM-DD, inclusive, as LiveCodeBench)")
     p.add_argument("--window", choices=sorted(WINDOWS), help="livecodebench: the paper's window (v5, v6)")
-    p.add_argument("--math-template", default=DEFAULT_TEMPLATE,
-                   help="math rows with a problem column: the user turn ({problem} is replaced)")
+    p.add_argument(
+        "--math-template",
+        default=DEFAULT_TEMPLATE,
+        help="math rows with a problem column: the user turn ({problem} is replaced)",
+    )
     p.add_argument("--on-bad-row", choices=("fail", "skip"), default="fail")
     args = p.parse_args(argv)
     if args.window:
@@ -42,21 +46,28 @@ def main(argv=None):
     if "{problem}" not in args.math_template:
         p.error("--math-template must contain {problem}")
     rejected = []
-    policy = BadLinePolicy(on_bad_line=args.on_bad_row, report=type("R", (), {"write": lambda s, x: rejected.append(x)})(),
-                           stream=sys.stderr, report_name=args.output + ".rejected.jsonl")
+    policy = BadLinePolicy(
+        on_bad_line=args.on_bad_row,
+        report=type("R", (), {"write": lambda s, x: rejected.append(x)})(),
+        stream=sys.stderr,
+        report_name=args.output + ".rejected.jsonl",
+    )
     out, summaries = [], []
     for path in args.input:
-        problems, summary = read_problems(path, args.format, policy=policy, since=args.since, until=args.until,
-                                          math_template=args.math_template)
+        problems, summary = read_problems(
+            path, args.format, policy=policy, since=args.since, until=args.until, math_template=args.math_template
+        )
         print(summary.line(), file=sys.stderr)
         summaries.append(summary.as_dict())
         out += problems
     if not out:
         raise ValueError(f"no problems read from {args.input}")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)) or ".", exist_ok=True)
-    for path, lines in ((args.output, [json.dumps(q, ensure_ascii=False) + "\n" for q in out]),
-                        (args.output + ".rejected.jsonl", rejected),
-                        (os.path.splitext(args.output)[0] + ".summary.json", [json.dumps(summaries, indent=2)])):
+    for path, lines in (
+        (args.output, [json.dumps(q, ensure_ascii=False) + "\n" for q in out]),
+        (args.output + ".rejected.jsonl", rejected),
+        (os.path.splitext(args.output)[0] + ".summary.json", [json.dumps(summaries, indent=2)]),
+    ):
         if not lines and path.endswith(".rejected.jsonl"):
             if os.path.exists(path):
                 os.remove(path)

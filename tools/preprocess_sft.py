@@ -7,6 +7,7 @@ Writes OUT.bin/.idx (tokens), OUT_loss_spans.bin/.idx, OUT.meta.json and OUT.rej
 megatron_klear/data/indexed.py for the format and megatron_klear/data/preprocess.py for the
 policies.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,19 +20,35 @@ def main(argv=None) -> int:
     from megatron_klear.data.preprocess import OVERLONG_CHOICES, PreprocessConfig, preprocess
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="JSONL files ({'messages': [...]} or {'prompt', 'response'})")
-    p.add_argument("--tokenizer", required=True, help="HF checkpoint or tokenizer directory (its chat template is used)")
+    p.add_argument(
+        "--input", nargs="+", required=True, help="JSONL files ({'messages': [...]} or {'prompt', 'response'})"
+    )
+    p.add_argument(
+        "--tokenizer", required=True, help="HF checkpoint or tokenizer directory (its chat template is used)"
+    )
     p.add_argument("--output-prefix", required=True, help="output path prefix (OUT.bin, OUT.idx, OUT.meta.json, ...)")
     p.add_argument("--max-length", type=int, required=True, help="longest example in tokens (the SFT seq length)")
-    p.add_argument("--overlong", choices=OVERLONG_CHOICES, default="fail",
-                   help="what to do with longer examples (default: fail)")
-    p.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail",
-                   help="skip-and-count invalid lines, or stop at the first (default: fail)")
+    p.add_argument(
+        "--overlong", choices=OVERLONG_CHOICES, default="fail", help="what to do with longer examples (default: fail)"
+    )
+    p.add_argument(
+        "--on-bad-line",
+        choices=("skip", "fail"),
+        default="fail",
+        help="skip-and-count invalid lines, or stop at the first (default: fail)",
+    )
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    p.add_argument("--loss-on", choices=("all", "last"), default="all",
-                   help="train every assistant turn, or only the last one (default: all)")
-    p.add_argument("--template-kwargs", default="{}",
-                   help='JSON object passed to the chat template, e.g. \'{"enable_thinking": true}\'')
+    p.add_argument(
+        "--loss-on",
+        choices=("all", "last"),
+        default="all",
+        help="train every assistant turn, or only the last one (default: all)",
+    )
+    p.add_argument(
+        "--template-kwargs",
+        default="{}",
+        help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": true}'",
+    )
     p.add_argument("--chunk-lines", type=int, default=32, help="lines per work item")
     args = p.parse_args(argv)
     try:

@@ -13,6 +13,7 @@ memory) only to learn the checkpoint's keys and sharding from Megatron-Core itse
 Every source tensor is consumed exactly once; unknown or missing keys and wrong shapes are errors
 naming the tensor; outputs go to a temporary directory renamed into place at the end.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ from megatron_klear.checkpoint.mapping import (
 from megatron_klear.models.arch import ModelArch, load_arch
 from megatron_klear.platform import dtypes
 from megatron_klear.utils.progress import Progress
+
 
 def _hf_dtype(cfg: dict) -> torch.dtype:
     """The checkpoint's half-precision dtype when config.json names one, else float32."""
@@ -203,9 +205,7 @@ def megatron_to_hf(
     # Only the model's weights: a training checkpoint also holds optimizer state and RNG, a
     # Transformer Engine one _extra_state (the rule is dist_ckpt.is_model_weight_key).
     meta = {
-        k: v
-        for k, v in dist_checkpointing.load_tensors_metadata(ckpt_dir).items()
-        if dist_ckpt.is_model_weight_key(k)
+        k: v for k, v in dist_checkpointing.load_tensors_metadata(ckpt_dir).items() if dist_ckpt.is_model_weight_key(k)
     }
     if arch.tie_word_embeddings:
         meta.pop("output_layer.weight", None)
@@ -257,7 +257,7 @@ def megatron_to_hf(
             for i, (cname, layer) in enumerate(step):
                 key, index = where[cname]
                 info = meta[key]
-                data = torch.empty((1,) * len(index) + tuple(info.global_shape[len(index):]), dtype=info.dtype)
+                data = torch.empty((1,) * len(index) + tuple(info.global_shape[len(index) :]), dtype=info.dtype)
                 offsets = [(d, index[d], info.global_shape[d]) for d in range(len(index))]
                 request[str(i)] = ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=0)
             loaded = dist_checkpointing.load(
@@ -265,7 +265,7 @@ def megatron_to_hf(
             )
             for i, (cname, layer) in enumerate(step):
                 rule = rules[cname]
-                tensor = loaded[str(i)].reshape(loaded[str(i)].shape[len(where[cname][1]):])
+                tensor = loaded[str(i)].reshape(loaded[str(i)].shape[len(where[cname][1]) :])
                 for hf_name, t in zip(rule.hf, to_hf(rule, tensor, arch)):
                     writer.add(hf_name, t)  # no copy: a view holds only this step's tensors
             del loaded, request, data

@@ -6,6 +6,7 @@ A converted model directory holds the torch_dist checkpoint of ``{"model": shard
 ``tokenizer/`` (the source tokenizer files) and ``manifest.json``. A torch_dist checkpoint does not
 depend on TP/PP: it loads into a model built with any other split (resharding on load).
 """
+
 from __future__ import annotations
 
 import errno
@@ -141,7 +142,9 @@ def raise_on_weight_mismatch(model_only, ckpt_only, ckpt_dir: str) -> None:
         parts.append(f"weights the model needs but the checkpoint lacks: {_show(missing)}")
     if unexpected:
         parts.append(f"weights in the checkpoint that the model does not have: {_show(unexpected)}")
-    raise CheckpointMismatchError(f"{ckpt_dir}: the checkpoint's model weights do not match the model: {'; '.join(parts)}")
+    raise CheckpointMismatchError(
+        f"{ckpt_dir}: the checkpoint's model weights do not match the model: {'; '.join(parts)}"
+    )
 
 
 def _union_over_ranks(keys: set) -> set:
@@ -204,8 +207,10 @@ def finalize_dir(tmp_dir: str, out_dir: str) -> None:
 # EDQUOT), or, from torch.save's zip writer in Megatron's writer process, a short write reported as
 # "[enforce fail at inline_container.cc:NNN] . unexpected pos 704 vs 598" (the OSError is not kept).
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|\[?enforce fail at inline_container\.cc:\d+\]"
-                             r"[^\n]*?unexpected pos \d+ vs \d+")
+_DISK_FULL_TEXT = re.compile(
+    r"No space left on device|Disk quota exceeded|\[?enforce fail at inline_container\.cc:\d+\]"
+    r"[^\n]*?unexpected pos \d+ vs \d+"
+)
 
 
 def sharded_state_bytes(sharded) -> int:

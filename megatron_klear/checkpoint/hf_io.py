@@ -4,6 +4,7 @@ Nothing here holds a whole model: the reader opens shards lazily and hands out s
 the writer buffers tensors up to ``max_shard_bytes`` and flushes each shard to disk. Output goes
 to a temporary directory that is renamed into place when complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,8 @@ def open_safetensors(path: str):
     except (_safetensors_error(), OSError) as e:
         raise UnreadableFileError(
             f"{path}: cannot read this safetensors file ({e}); it is probably truncated or corrupt "
-            "(an interrupted download or copy): fetch it again") from None
+            "(an interrupted download or copy): fetch it again"
+        ) from None
 
 
 class HFReader:
@@ -228,4 +230,3 @@ def write_manifest(directory: str, info: dict) -> None:
     data = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "megatron_klear": __version__, **info}
     with open(os.path.join(directory, "manifest.json"), "w") as f:
         json.dump(data, f, indent=2, default=str)
-

@@ -24,6 +24,7 @@ with an expert dimension: ``decoder.layers.mlp.experts.experts.linear_fc1.weight
 ``[layers, experts, ...]`` when every layer is an MoE layer, per-layer keys
 (``decoder.layers.{i}.*``, experts ``[experts, ...]``) when dense and MoE layers mix.
 """
+
 from __future__ import annotations
 
 import re
@@ -146,8 +147,9 @@ _LOCAL_TO_TE = {
 }
 
 
-def canonical_name(name: str, layer_offset: int = 0, *, expert_offset: int = 0,
-                   moe_layers: frozenset = frozenset()) -> str:
+def canonical_name(
+    name: str, layer_offset: int = 0, *, expert_offset: int = 0, moe_layers: frozenset = frozenset()
+) -> str:
     """Name of a parameter of any rank's model -> canonical Megatron name.
 
     Strips DDP/Float16 wrappers (``module.``), maps local-spec norm names to TE-style ones and adds
@@ -158,7 +160,7 @@ def canonical_name(name: str, layer_offset: int = 0, *, expert_offset: int = 0,
     added.
     """
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
     if m:
         layer = int(m.group(1)) + layer_offset

@@ -4,6 +4,7 @@ Used to load an HF checkpoint straight into a model (parity checks, a quick star
 conversion) and, in reverse, to produce HF-named full tensors from the model (export, RL weight
 sync).
 """
+
 from __future__ import annotations
 
 import torch
@@ -155,8 +156,9 @@ def _default_expert_groups(m):
     return parallel_state.get_expert_model_parallel_group(), parallel_state.get_expert_tensor_parallel_group()
 
 
-def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_group="auto", tp_to=None,
-                    experts_only: bool = False):
+def iter_hf_tensors(
+    model_chunks, *, tp_group=None, ep_group="auto", expert_tp_group="auto", tp_to=None, experts_only: bool = False
+):
     """Yield (hf_name, full tensor) for this pipeline stage's parameters (in :func:`_streaming_order`).
 
     Every TP rank of the stage must call it (TP shards are all-gathered); the tied output layer of
@@ -174,8 +176,9 @@ def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_g
 
     import torch.distributed as dist
 
-    yields = not experts_only and (tp_to is None or tp_group is None or _group_size(tp_group) == 1
-                                   or dist.get_rank(tp_group) == tp_to)
+    yields = not experts_only and (
+        tp_to is None or tp_group is None or _group_size(tp_group) == 1 or dist.get_rank(tp_group) == tp_to
+    )
     for chunk in model_chunks:
         m = unwrap(chunk)
         rules = rules_by_megatron(m.arch)
@@ -202,7 +205,7 @@ def iter_hf_tensors(model_chunks, *, tp_group=None, ep_group="auto", expert_tp_g
             local = int(e.group(1)) - offset
 
             def name_of(r, cname=cname, e=e, local=local):
-                return f"{cname[:e.start()]}.experts.{r * n_local + local}.{cname[e.end():]}"
+                return f"{cname[: e.start()]}.experts.{r * n_local + local}.{cname[e.end() :]}"
 
             experts = gather_experts(rule, full, ep_g, name_of)
             if not yields:

@@ -1,4 +1,5 @@
 """HF (transformers) vs Megatron logits on the same random tokens, float32, any TP/PP."""
+
 from __future__ import annotations
 
 import torch

@@ -25,6 +25,7 @@ Template glue after the end-of-turn token (Qwen's ``"\\n"`` after ``<|im_end|>``
 by the model (generation stops at the end-of-turn token), so it carries no loss: a span ends at its
 last special token when only whitespace tokens follow it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -83,9 +84,7 @@ def messages_from_example(obj: dict) -> list[dict]:
             role = _require_str(m["role"], f"messages[{i}].role")
             _require_str(m["content"], f"messages[{i}].content")
             if role not in KNOWN_ROLES:
-                raise ExampleError(
-                    UNKNOWN_ROLE, f"messages[{i}].role is {role!r}; expected one of {KNOWN_ROLES}"
-                )
+                raise ExampleError(UNKNOWN_ROLE, f"messages[{i}].role is {role!r}; expected one of {KNOWN_ROLES}")
             out.append(m)
     elif "prompt" in obj or "response" in obj:
         for key in ("prompt", "response"):
@@ -97,9 +96,7 @@ def messages_from_example(obj: dict) -> list[dict]:
         out.append({"role": "user", "content": _require_str(obj["prompt"], "'prompt'")})
         out.append({"role": "assistant", "content": _require_str(obj["response"], "'response'")})
     else:
-        raise ExampleError(
-            MISSING_FIELD, "expected a 'messages' list or 'prompt' and 'response' fields"
-        )
+        raise ExampleError(MISSING_FIELD, "expected a 'messages' list or 'prompt' and 'response' fields")
 
     assistant = [i for i, m in enumerate(out) if m["role"] == "assistant"]
     if not assistant:
@@ -111,9 +108,7 @@ def messages_from_example(obj: dict) -> list[dict]:
             where = "'response'" if "messages" not in obj else f"messages[{i}].content"
             raise ExampleError(EMPTY_ASSISTANT, f"{where} is empty")
     if assistant[0] == 0:
-        raise ExampleError(
-            INVALID_FIELD, "messages[0] is an assistant turn: there is no prompt to condition on"
-        )
+        raise ExampleError(INVALID_FIELD, "messages[0] is an assistant turn: there is no prompt to condition on")
     if out[-1]["role"] != "assistant":
         raise ExampleError(
             INVALID_FIELD,
@@ -201,7 +196,7 @@ class ChatRenderer:
             raise ExampleError(
                 NOT_PREFIX_STABLE,
                 f"{what} is not a prefix of the rendered conversation (differs at character {at}: "
-                f"{text[at:at + 30]!r} vs {full_text[at:at + 30]!r}); the template rewrites "
+                f"{text[at : at + 30]!r} vs {full_text[at : at + 30]!r}); the template rewrites "
                 "earlier turns, so this turn cannot be trained as inference would see it"
                 + (
                     ""
@@ -281,7 +276,7 @@ def end_of_turn_ids(tokenizer) -> list:
         # assistant turn without it, so they are not prefix-stable; the turn still ends with the
         # first special token after the assistant's content.
         text = renderer._render(messages, add_generation_prompt=False)
-        for t in renderer.encode(text[text.rfind("2") + 1:]):
+        for t in renderer.encode(text[text.rfind("2") + 1 :]):
             if t in renderer.special_ids:
                 return [int(t)]
             if tokenizer.decode([t]).strip():

@@ -29,6 +29,7 @@ Output: the kept input records, in input order, each with ``correct``, ``pass_ra
 read twice (grading and pass rates first, then selection) so that files larger than memory work;
 only one verdict per line and one hash per kept response are held.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,13 +41,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
 from megatron_klear.data.jsonl import (
-    check_input_files,
     INVALID_FIELD,
     MISSING_FIELD,
     BadLineError,
     BadLinePolicy,
     ExampleError,
     HashingLineReader,
+    check_input_files,
     parse_json_object,
 )
 
@@ -229,8 +230,14 @@ def curate(
             if st is None:
                 st = prompts[pid] = _PromptStats(psha, f"{path}:{lineno}")
             elif st.prompt_sha != psha:
-                bad.handle(BadLineError(path, lineno, INCONSISTENT_PROMPT,
-                                        f"prompt_id {pid!r} has a different prompt text than at {st.where}"))
+                bad.handle(
+                    BadLineError(
+                        path,
+                        lineno,
+                        INCONSISTENT_PROMPT,
+                        f"prompt_id {pid!r} has a different prompt text than at {st.where}",
+                    )
+                )
                 verdicts.append("bad")
                 pids.append(pid)
                 continue
@@ -286,8 +293,10 @@ def curate(
                 difficulty = "hard" if hard else "easy"
                 kept_by[(difficulty, "correct" if ok else "incorrect")] += 1
                 st.kept[ok] += 1
-                out.write(json.dumps({**rec, "correct": ok, "pass_rate": pr, "difficulty": difficulty},
-                                     ensure_ascii=False) + "\n")
+                out.write(
+                    json.dumps({**rec, "correct": ok, "pass_rate": pr, "difficulty": difficulty}, ensure_ascii=False)
+                    + "\n"
+                )
         if [r.sha256 for r in readers2] != shas:
             raise RuntimeError(f"an input file changed while curating {cfg.inputs}; nothing written")
         os.replace(tmp, cfg.output)

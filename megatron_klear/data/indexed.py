@@ -15,6 +15,7 @@ For an output prefix ``P`` the preprocessing command writes:
 
 Everything is written under a temporary prefix and renamed into place at the end.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,9 +45,7 @@ def _megatron_indexed_dataset():
         try:
             from megatron.core.datasets import indexed_dataset
         except ImportError as e:
-            raise ImportError(
-                "the SFT dataset format needs megatron-core (pip install megatron-core)"
-            ) from e
+            raise ImportError("the SFT dataset format needs megatron-core (pip install megatron-core)") from e
     return indexed_dataset
 
 
@@ -94,9 +93,7 @@ class SFTIndexedWriter:
         self.tmp_prefix = f"{prefix}.tmp-{os.getpid()}"
         self.token_dtype = DType.optimal_dtype(vocab_size)
         self._tokens = IndexedDatasetBuilder(self.tmp_prefix + ".bin", dtype=self.token_dtype)
-        self._spans = IndexedDatasetBuilder(
-            spans_prefix(self.tmp_prefix) + ".bin", dtype=np.int32
-        )
+        self._spans = IndexedDatasetBuilder(spans_prefix(self.tmp_prefix) + ".bin", dtype=np.int32)
         self.rejected_tmp = rejected_path(self.tmp_prefix)
         self.rejected = open(self.rejected_tmp, "w", encoding="utf-8")
         self.num_examples = 0
@@ -174,8 +171,10 @@ def _open_indexed(IndexedDataset, prefix: str):
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001 - struct/numpy/assertion errors that name no file
-        raise ValueError(f"{prefix}.idx / {prefix}.bin: cannot read this indexed dataset ({type(e).__name__}: {e}); "
-                         "it is probably truncated or corrupt: re-run tools/preprocess_sft.py") from None
+        raise ValueError(
+            f"{prefix}.idx / {prefix}.bin: cannot read this indexed dataset ({type(e).__name__}: {e}); "
+            "it is probably truncated or corrupt: re-run tools/preprocess_sft.py"
+        ) from None
 
 
 class SFTIndexedReader:

@@ -6,6 +6,7 @@ the 1-based line number, a short machine-readable ``reason`` (used for per-reaso
 metadata) and a human-readable detail. What happens to a bad line is one explicit policy
 (:class:`BadLinePolicy`): fail on the first one, or skip it and count it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -83,9 +84,7 @@ class BadLinePolicy:
 
     def __post_init__(self):
         if self.on_bad_line not in ON_BAD_LINE_CHOICES:
-            raise ValueError(
-                f"on_bad_line must be one of {ON_BAD_LINE_CHOICES}, got {self.on_bad_line!r}"
-            )
+            raise ValueError(f"on_bad_line must be one of {ON_BAD_LINE_CHOICES}, got {self.on_bad_line!r}")
 
     @property
     def total(self) -> int:
@@ -106,8 +105,12 @@ class BadLinePolicy:
         if n <= self.echo_first and self.stream is not None:
             print(f"rejected {err}", file=self.stream)
             if n == self.echo_first:
-                print(f"(further rejected lines go only to {self.report_name or 'the report'})" if self.report is not None
-                      else "(further rejected lines are counted, not shown)", file=self.stream)
+                print(
+                    f"(further rejected lines go only to {self.report_name or 'the report'})"
+                    if self.report is not None
+                    else "(further rejected lines are counted, not shown)",
+                    file=self.stream,
+                )
 
     def reasons(self) -> str:
         """``invalid_json: 1, missing_field: 2``: the count of each reason."""
@@ -121,8 +124,11 @@ def parse_json_object(text: str) -> dict:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        where = (f"column {e.pos + 1}, the end of the line (an unclosed object, array or string?)"
-                 if e.pos >= len(line.rstrip()) else f"column {e.pos + 1}")
+        where = (
+            f"column {e.pos + 1}, the end of the line (an unclosed object, array or string?)"
+            if e.pos >= len(line.rstrip())
+            else f"column {e.pos + 1}"
+        )
         raise ExampleError(INVALID_JSON, f"{e.msg.removesuffix(' at')} at {where}") from None
     if not isinstance(obj, dict):
         raise ExampleError(NOT_AN_OBJECT, f"expected a JSON object, got {type(obj).__name__}")

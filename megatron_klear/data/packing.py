@@ -26,6 +26,7 @@ Layout. One bin becomes one micro-batch of a single packed row (``thd`` format).
   of ``pad_to_multiple``, one more entry for the padding segment; attention never crosses these
   boundaries. Padding tokens are the pad id, with restarting positions and mask 0.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -161,9 +162,7 @@ def build_packed_micro_batch(
     real = sum(lens)
     size = max(round_up(real, pad_to_multiple), pad_to_multiple)
     if capacity is not None and size > capacity:
-        raise ValueError(
-            f"packed row of {real} tokens (padded to {size}) exceeds capacity {capacity}"
-        )
+        raise ValueError(f"packed row of {real} tokens (padded to {size}) exceeds capacity {capacity}")
     tokens = np.full(size, pad_token_id, dtype=np.int64)
     labels = np.full(size, pad_token_id, dtype=np.int64)
     loss_mask = np.zeros(size, dtype=np.float32)

@@ -17,6 +17,7 @@ Policies, all explicit:
 Every rejected line, whatever the policy, is written to ``PREFIX.rejected.jsonl`` with its file and
 line number; the first few are also printed.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,13 +32,13 @@ from typing import Optional, TextIO
 import numpy as np
 
 from megatron_klear.data.jsonl import (
-    check_input_files,
     NO_LOSS_AFTER_TRUNCATION,
     TOO_LONG,
     BadLineError,
     BadLinePolicy,
     ExampleError,
     HashingLineReader,
+    check_input_files,
     parse_json_object,
 )
 

@@ -20,6 +20,7 @@ are read by :mod:`megatron_klear.data.formats` into problems of this layout firs
 detected per file (``format="auto"``, ``rl.prompts_format``) or given, and the format and a
 summary of what was read are printed; their bad rows follow ``on_bad_line`` like bad lines.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,7 +76,11 @@ def parse_prompt(obj: dict, tokenizer, max_prompt_length: int, index: int) -> Pr
         raise ExampleError("missing_field", "a math problem needs an 'answer'")
     if task == "code":
         tests = obj.get("tests")
-        if not isinstance(tests, dict) or not isinstance(tests.get("inputs"), list) or not isinstance(tests.get("outputs"), list):
+        if (
+            not isinstance(tests, dict)
+            or not isinstance(tests.get("inputs"), list)
+            or not isinstance(tests.get("outputs"), list)
+        ):
             raise ExampleError("missing_field", "a code problem needs 'tests' with 'inputs' and 'outputs' lists")
         if len(tests["inputs"]) != len(tests["outputs"]) or not tests["inputs"]:
             raise ExampleError("bad_tests", "'tests.inputs' and 'tests.outputs' must be non-empty and equally long")
@@ -84,8 +89,14 @@ def parse_prompt(obj: dict, tokenizer, max_prompt_length: int, index: int) -> Pr
     truncated = len(ids) > max_prompt_length
     if truncated:
         ids = ids[-max_prompt_length:]
-    return Prompt(id=str(obj.get("id", index)), task=task, prompt_ids=ids, answer=obj.get("answer"),
-                  tests=obj.get("tests"), truncated=truncated)
+    return Prompt(
+        id=str(obj.get("id", index)),
+        task=task,
+        prompt_ids=ids,
+        answer=obj.get("answer"),
+        tests=obj.get("tests"),
+        truncated=truncated,
+    )
 
 
 class _Rejected(list):
@@ -102,15 +113,30 @@ class PromptDataset:
     it, replacing an earlier one). ``stream``: where rejected lines and their total are printed
     (default: stderr on global rank 0, nowhere on the other ranks)."""
 
-    def __init__(self, paths: list, tokenizer, *, max_prompt_length: int = 4096, seed: int = 0,
-                 on_bad_line: str = "fail", report_dir: str | None = None, stream=None,
-                 format: str = "auto", since: str | None = None, until: str | None = None):
+    def __init__(
+        self,
+        paths: list,
+        tokenizer,
+        *,
+        max_prompt_length: int = 4096,
+        seed: int = 0,
+        on_bad_line: str = "fail",
+        report_dir: str | None = None,
+        stream=None,
+        format: str = "auto",
+        since: str | None = None,
+        until: str | None = None,
+    ):
         self.report_path = os.path.join(report_dir, REPORT_NAME) if report_dir else None
         if stream is None and is_rank0():
             stream = sys.stderr
         rejected = _Rejected()
-        self.policy = BadLinePolicy(on_bad_line=on_bad_line, report=rejected if self.report_path else None,
-                                    stream=stream, report_name=self.report_path)
+        self.policy = BadLinePolicy(
+            on_bad_line=on_bad_line,
+            report=rejected if self.report_path else None,
+            stream=stream,
+            report_name=self.report_path,
+        )
         self.prompts = []
         self.summaries = []
         for path in paths:
@@ -121,7 +147,9 @@ class PromptDataset:
                     self.policy.handle(BadLineError.from_example_error(path, lineno, e))
         self._report(rejected, stream)
         if not self.prompts:
-            raise ValueError(f"no usable prompts in {paths}" + (f" ({self.skipped} lines skipped)" if self.skipped else ""))
+            raise ValueError(
+                f"no usable prompts in {paths}" + (f" ({self.skipped} lines skipped)" if self.skipped else "")
+            )
         self.seed = seed
         self.epoch, self.position = 0, 0
 
@@ -139,8 +167,11 @@ class PromptDataset:
         problems, summary = read_problems(path, chosen, policy=self.policy, since=since, until=until)
         self.summaries.append(summary)
         if stream is not None:
-            print(f"prompt data ({'detected' if fmt == 'auto' else 'given'} format): {summary.line()}",
-                  file=stream, flush=True)
+            print(
+                f"prompt data ({'detected' if fmt == 'auto' else 'given'} format): {summary.line()}",
+                file=stream,
+                flush=True,
+            )
         yield from zip(summary.problem_rows, problems)
 
     @property
@@ -160,10 +191,16 @@ class PromptDataset:
             elif os.path.isfile(self.report_path):  # an earlier run's, about other data
                 os.remove(self.report_path)
         if self.skipped and stream is not None:
-            where = (f"each listed in {self.report_path}" if self.report_path
-                     else "set train.save_dir to get each listed in a report")
-            print(f"on_bad_line=skip: skipped {self.skipped} bad prompt lines ({self.policy.reasons()}); {where}",
-                  file=stream, flush=True)
+            where = (
+                f"each listed in {self.report_path}"
+                if self.report_path
+                else "set train.save_dir to get each listed in a report"
+            )
+            print(
+                f"on_bad_line=skip: skipped {self.skipped} bad prompt lines ({self.policy.reasons()}); {where}",
+                file=stream,
+                flush=True,
+            )
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -177,7 +214,7 @@ class PromptDataset:
         while len(out) < n:
             order = self._order(self.epoch)
             k = min(n - len(out), len(order) - self.position)
-            out += [self.prompts[i] for i in order[self.position: self.position + k]]
+            out += [self.prompts[i] for i in order[self.position : self.position + k]]
             self.position += k
             if self.position == len(order):
                 self.epoch, self.position = self.epoch + 1, 0

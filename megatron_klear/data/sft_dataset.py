@@ -44,6 +44,7 @@ micro-batch); after :meth:`load_state_dict` the iterator returns exactly what th
 would have. A state saved at a step boundary can also be loaded with another ``dp_size`` or
 ``micro_batches_per_step``: the rest of the epoch's bins are then dealt out in the new step size.
 """
+
 from __future__ import annotations
 
 import logging
@@ -84,9 +85,7 @@ class PackedSFTDataset:
         if micro_batches_per_step < 1:
             raise ValueError(f"micro_batches_per_step must be >= 1, got {micro_batches_per_step}")
         if pad_to_multiple < 1 or seq_length % pad_to_multiple:
-            raise ValueError(
-                f"seq_length {seq_length} must be a multiple of pad_to_multiple {pad_to_multiple}"
-            )
+            raise ValueError(f"seq_length {seq_length} must be a multiple of pad_to_multiple {pad_to_multiple}")
         if remainder not in REMAINDER_CHOICES:
             raise ValueError(f"remainder must be one of {REMAINDER_CHOICES}, got {remainder!r}")
         self.reader = SFTIndexedReader(prefix, expected_tokenizer_sha256)
@@ -109,7 +108,8 @@ class PackedSFTDataset:
         # rounded lengths so that rows stay within seq_length after that padding.
         self.segment_multiple = max(1, segment_multiple)
         self.pack_lengths = (
-            lengths if self.segment_multiple == 1
+            lengths
+            if self.segment_multiple == 1
             else ((lengths + self.segment_multiple - 1) // self.segment_multiple) * self.segment_multiple
         )
         if self.pack_lengths.size and int(self.pack_lengths.max()) > seq_length:
@@ -172,7 +172,7 @@ class PackedSFTDataset:
         return {
             "epoch": epoch,
             "examples": int(sum(len(b) for b in bins[: len(used)])),
-            "dropped_examples": int(sum(len(b) for b in bins[len(used):])),
+            "dropped_examples": int(sum(len(b) for b in bins[len(used) :])),
             "bins": len(bins),
             "steps": steps,
             "filler_micro_batches": fillers,
@@ -221,9 +221,15 @@ class PackedSFTDataset:
                 "SFT data epoch %d: %d examples in %d packed rows of <= %d tokens, %d steps; packing "
                 "efficiency %.2f%% (real / rows x seq_length), %.2f%% of computed tokens are real; "
                 "%d filler rows, %d examples dropped",
-                st["epoch"], st["examples"], st["bins"], self.seq_length, st["steps"],
-                100 * st["packing_efficiency"], 100 * st["compute_efficiency"],
-                st["filler_micro_batches"], st["dropped_examples"],
+                st["epoch"],
+                st["examples"],
+                st["bins"],
+                self.seq_length,
+                st["steps"],
+                100 * st["packing_efficiency"],
+                100 * st["compute_efficiency"],
+                st["filler_micro_batches"],
+                st["dropped_examples"],
             )
         step = self._current_step(bins)
         examples = step["mine"][self._micro]

@@ -58,6 +58,7 @@ the question text) and :func:`problems` refuses it.
 Determinism: every writer draws from ``random.Random`` seeded by its ``seed`` only, so a seed gives
 byte-identical files on any machine; different seeds give different samples and orders.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -192,8 +193,10 @@ def problems(split: str, task: ChainTask = DEFAULT_TASK) -> list:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if isinstance(task, LongTailTask):
-        raise ValueError("problems(): a LongTailTask's space is too large to enumerate; draw problems with "
-                         "sample_problems(n, ...) (and give write_rl_prompts_jsonl an n)")
+        raise ValueError(
+            "problems(): a LongTailTask's space is too large to enumerate; draw problems with "
+            "sample_problems(n, ...) (and give write_rl_prompts_jsonl an n)"
+        )
     out = []
     for digits in itertools.product(range(task.max_digit + 1), repeat=task.terms):
         for ops in itertools.product(task.ops, repeat=task.terms - 1):
@@ -251,8 +254,9 @@ def _write_lines(path: str, rows) -> str:
     return path
 
 
-def write_sft_jsonl(path: str, n: int, seed: int = 0, chat_format: bool = True,
-                    task: ChainTask = DEFAULT_TASK, slip_rate: float = 0.0) -> str:
+def write_sft_jsonl(
+    path: str, n: int, seed: int = 0, chat_format: bool = True, task: ChainTask = DEFAULT_TASK, slip_rate: float = 0.0
+) -> str:
     """``n`` SFT examples of training problems, as ``{"messages": [...]}`` lines (or
     ``{"prompt", "response"}``). ``slip_rate``: the fraction of responses with one slip (see
     :meth:`Problem.teacher_response`; 0: every response is correct)."""
@@ -263,19 +267,28 @@ def write_sft_jsonl(path: str, n: int, seed: int = 0, chat_format: bool = True,
     for p in sample_problems(n, seed, "train", task):
         question, response = p.question, p.teacher_response(slips, slip_rate)
         if chat_format:
-            rows.append({"messages": [{"role": "user", "content": question},
-                                      {"role": "assistant", "content": response}]})
+            rows.append(
+                {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": response}]}
+            )
         else:
             rows.append({"prompt": question, "response": response})
     return _write_lines(path, rows)
 
 
-def write_rl_prompts_jsonl(path: str, n: int | None, seed: int = 0, split: str = "train",
-                           task: ChainTask = DEFAULT_TASK) -> str:
+def write_rl_prompts_jsonl(
+    path: str, n: int | None, seed: int = 0, split: str = "train", task: ChainTask = DEFAULT_TASK
+) -> str:
     """Math prompts ``{"id", "task": "math", "prompt", "answer"}`` of ``split``: RL prompts
     (``"train"``) or evaluation prompts (``"heldout"``). ``n=None``: every problem of the side, in
     a seeded order."""
     chosen = sample_problems(len(problems(split, task)) if n is None else n, seed, split, task)
-    rows = [{"id": f"{p.id}-{i}" if n is not None and n > len(set(chosen)) else p.id, "task": "math",
-             "prompt": p.question, "answer": str(p.answer)} for i, p in enumerate(chosen)]
+    rows = [
+        {
+            "id": f"{p.id}-{i}" if n is not None and n > len(set(chosen)) else p.id,
+            "task": "math",
+            "prompt": p.question,
+            "answer": str(p.answer),
+        }
+        for i, p in enumerate(chosen)
+    ]
     return _write_lines(path, rows)

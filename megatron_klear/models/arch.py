@@ -7,6 +7,7 @@ where ``mlp_only_layers`` / ``decoder_sparse_step`` say), Qwen2 / Qwen2.5 (q/k/v
 norm) and Llama 3 (no biases, optional ``llama3`` RoPE scaling). YaRN RoPE scaling (Qwen's
 recommendation for 64K contexts) is carried through to Megatron-Core.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,24 +85,20 @@ def arch_from_dict(cfg: dict, where: str = "config.json") -> ModelArch:
     if model_type not in SUPPORTED:
         archs = cfg.get("architectures")
         raise ConfigError(
-            f"{where}: unsupported model_type {model_type!r} (architectures={archs}); "
-            f"supported: {sorted(SUPPORTED)}"
+            f"{where}: unsupported model_type {model_type!r} (architectures={archs}); supported: {sorted(SUPPORTED)}"
         )
     family = SUPPORTED[model_type]
     hidden = _require(cfg, "hidden_size", where)
     heads = _require(cfg, "num_attention_heads", where)
     kv_heads = cfg.get("num_key_value_heads") or heads
     if heads % kv_heads:
-        raise ConfigError(
-            f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}"
-        )
+        raise ConfigError(f"{where}: num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}")
     head_dim = cfg.get("head_dim") or hidden // heads
     if cfg.get("use_sliding_window"):
         raise ConfigError(f"{where}: key 'use_sliding_window' is true; sliding-window attention is not supported")
     if model_type != "qwen3_moe" and (cfg.get("num_experts") or cfg.get("num_local_experts")):
         raise ConfigError(
-            f"{where}: mixture-of-experts configs of model_type {model_type!r} are not supported "
-            "(only qwen3_moe)"
+            f"{where}: mixture-of-experts configs of model_type {model_type!r} are not supported (only qwen3_moe)"
         )
     moe = _moe_fields(cfg, where) if model_type == "qwen3_moe" else {}
     rope = cfg.get("rope_parameters") or {}
@@ -152,7 +149,11 @@ def _moe_fields(cfg: dict, where: str) -> dict:
     decoder_sparse_step; every other layer has a dense MLP of intermediate_size."""
     layers = _require(cfg, "num_hidden_layers", where)
     # The Hub's config.json says num_experts; transformers 5.x saves it as num_local_experts.
-    key = "num_experts" if cfg.get("num_experts") is not None or cfg.get("num_local_experts") is None else "num_local_experts"
+    key = (
+        "num_experts"
+        if cfg.get("num_experts") is not None or cfg.get("num_local_experts") is None
+        else "num_local_experts"
+    )
     experts = _require(cfg, key, where)
     topk = _require(cfg, "num_experts_per_tok", where)
     if topk > experts:

@@ -14,6 +14,7 @@ Layouts follow Megatron-Core:
   ``2*cp`` chunks and CP rank ``r`` holds chunks ``r`` and ``2*cp-1-r`` (Megatron's load-balanced
   split, the same one its RoPE code assumes).
 """
+
 from __future__ import annotations
 
 import math
@@ -86,14 +87,10 @@ class TorchCoreAttention(torch.nn.Module):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [h, s, d]
         dropout = self.dropout if self.training else 0.0
         if q_pos is None:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale
-            )
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale)
         else:
             mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale
-            )
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale)
         return out.transpose(0, 1).reshape(out.shape[1], -1)
 
     def _gather_cp(self, x):
@@ -106,9 +103,7 @@ class TorchCoreAttention(torch.nn.Module):
             return self._attend(q[start:end], k_all[start:end], v_all[start:end])
         local_len = end - start
         q_pos = _cp_positions(local_len, self.cp_size, self.cp_group.rank(), q.device)
-        k_pos = torch.cat(
-            [_cp_positions(local_len, self.cp_size, r, q.device) for r in range(self.cp_size)]
-        )
+        k_pos = torch.cat([_cp_positions(local_len, self.cp_size, r, q.device) for r in range(self.cp_size)])
         k = k_all[:, start:end].flatten(0, 1)
         v = v_all[:, start:end].flatten(0, 1)
         return self._attend(q[start:end], k, v, q_pos, k_pos)
@@ -134,11 +129,7 @@ class TorchCoreAttention(torch.nn.Module):
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
             bounds = (cu // self.cp_size).tolist()
-            outs = [
-                self._attend_sequence(query, key, value, s, e)
-                for s, e in zip(bounds[:-1], bounds[1:])
-                if e > s
-            ]
+            outs = [self._attend_sequence(query, key, value, s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
             return torch.cat(outs, dim=0)  # [t, h*d]
         # sbhd: one sequence per batch row (right padding: causal masking is exact for real tokens)
         seq = query.shape[0]

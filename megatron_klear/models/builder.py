@@ -9,6 +9,7 @@ Two layer-spec backends:
   sequences, context parallelism) and :class:`~megatron_klear.models.norm.RMSNorm` (sequence
   parallelism). This is the CPU path and the GPU fallback without TE.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,7 @@ class ModelOptions:
             raise ValueError(f"model.fp8_recipe must be one of {FP8_RECIPES}, got {self.fp8_recipe!r}")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ValueError(
-                f"model.recompute_granularity must be null, full or selective, "
-                f"got {self.recompute_granularity!r}"
+                f"model.recompute_granularity must be null, full or selective, got {self.recompute_granularity!r}"
             )
 
 
@@ -96,8 +96,11 @@ def check_parallel_fits(arch: ModelArch, parallel, where: str = "the model") -> 
     heads and whole KV groups. Cheap (no model is built): the trainers call it before anything
     else that depends on ``parallel.tp``, so that this, the real cause, is what they report."""
     tp = parallel.tp
-    bad = [f"{name}={n}" for name, n in (("num_attention_heads", arch.num_heads),
-                                         ("num_key_value_heads", arch.num_kv_heads)) if n % tp]
+    bad = [
+        f"{name}={n}"
+        for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads))
+        if n % tp
+    ]
     if bad:
         fits = [t for t in range(1, arch.num_kv_heads + 1) if arch.num_kv_heads % t == 0 and arch.num_heads % t == 0]
         raise ValueError(
@@ -255,8 +258,12 @@ def _patch_moe_without_te() -> None:
     routed token). Without TE the name is None, which selects its own torch.mm path."""
     from megatron.core.transformer.moe import moe_utils
 
-    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
-                 "fused_moe_aux_loss"):
+    for name in (
+        "te_general_gemm",
+        "fused_topk_with_score_function",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+    ):
         if not hasattr(moe_utils, name):
             setattr(moe_utils, name, None)
 
@@ -296,7 +303,6 @@ def block_spec(arch: ModelArch, backend: str, config, vp_stage: int | None = Non
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
-
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
@@ -318,8 +324,9 @@ def block_spec(arch: ModelArch, backend: str, config, vp_stage: int | None = Non
     )
 
 
-def build_model(arch: ModelArch, options: ModelOptions, parallel, *, vp_stage: int | None = None,
-                cpu_init: bool | None = None):
+def build_model(
+    arch: ModelArch, options: ModelOptions, parallel, *, vp_stage: int | None = None, cpu_init: bool | None = None
+):
     """Build this rank's ``GPTModel`` (one pipeline stage, or one virtual stage with ``vp_stage``).
 
     Parallel state must be initialised (:func:`megatron_klear.platform.init_parallel`).
@@ -341,9 +348,7 @@ def build_model(arch: ModelArch, options: ModelOptions, parallel, *, vp_stage: i
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(arch, backend, config, vp_stage),
-        vocab_size=padded_vocab_size(
-            arch.vocab_size, options.make_vocab_size_divisible_by, parallel.tp
-        ),
+        vocab_size=padded_vocab_size(arch.vocab_size, options.make_vocab_size_divisible_by, parallel.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -3,6 +3,7 @@
 Used by the parity check and by anything that needs full logits on small inputs (tests, debugging);
 training and RL log-probs never gather the vocabulary.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ Megatron-Core's local spec builds ``torch.nn.RMSNorm`` through ``WrappedTorchNor
 sequence parallelism needs is that the weight's gradient is summed over the TP group, which
 Megatron's ``finalize_model_grads`` does for every parameter tagged ``sequence_parallel``.
 """
+
 from __future__ import annotations
 
 import torch

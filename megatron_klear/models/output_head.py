@@ -8,6 +8,7 @@ remembers the weight it would have used; the loss then computes logits chunk by 
 backward (peak: one chunk). Parameter names, checkpoints and the weight's gradient path are
 unchanged: the weight's gradient comes back through autograd into Megatron's DDP hooks as usual.
 """
+
 from __future__ import annotations
 
 import types

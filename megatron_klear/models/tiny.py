@@ -15,6 +15,7 @@ Two flavors of special tokens (``flavor=``), as the Qwen3 releases have them:
   so an engine that stops only at the checkpoint's EOS runs past the end of an assistant turn
   unless ``<|im_end|>`` is sent as a stop token.
 """
+
 from __future__ import annotations
 
 import os
@@ -145,10 +146,15 @@ def make_tiny_model(
         rope = {**rope_scaling, "rope_theta": rope_theta}
     extra = {"attention_bias": True} if model_type == "qwen2" else {}
     if model_type == "qwen3_moe":
-        extra = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
-                     moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
-                     mlp_only_layers=list(mlp_only_layers), decoder_sparse_step=decoder_sparse_step,
-                     router_aux_loss_coef=router_aux_loss_coef)
+        extra = dict(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            mlp_only_layers=list(mlp_only_layers),
+            decoder_sparse_step=decoder_sparse_step,
+            router_aux_loss_coef=router_aux_loss_coef,
+        )
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -181,7 +187,8 @@ def make_tiny_model(
     try:
         if flavor == "base":  # Qwen3-8B-Base's generation_config.json, ids of the tiny vocabulary
             model.generation_config = transformers.GenerationConfig(
-                bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID, do_sample=False, max_new_tokens=2048)
+                bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID, do_sample=False, max_new_tokens=2048
+            )
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if with_tokenizer:
             tok = build_tokenizer(tmp, flavor=flavor)

@@ -2,8 +2,21 @@
 
 The names below are imported on first use, so that ``megatron_klear.platform.process`` (standard
 library only) loads without torch in helper processes."""
-_DISTRIBUTED = ("ParallelConfig", "barrier", "broadcast_from_rank0", "comm_device", "control_group",
-                "destroy_parallel", "device", "init_parallel", "is_rank0", "rank", "recv_object", "send_object")
+
+_DISTRIBUTED = (
+    "ParallelConfig",
+    "barrier",
+    "broadcast_from_rank0",
+    "comm_device",
+    "control_group",
+    "destroy_parallel",
+    "device",
+    "init_parallel",
+    "is_rank0",
+    "rank",
+    "recv_object",
+    "send_object",
+)
 
 __all__ = list(_DISTRIBUTED)
 

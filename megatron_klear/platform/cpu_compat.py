@@ -20,6 +20,7 @@ It is activated by :func:`megatron_klear.platform.init_parallel` only when CUDA 
 and is never active on a GPU machine. ``torch.cuda.is_available()`` keeps returning False, so code
 that branches on it still sees the truth.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@
 environment) and in a plain ``python`` process (a world of one). NCCL on GPU, gloo on CPU; on CPU
 it also activates :mod:`megatron_klear.platform.cpu_compat`.
 """
+
 from __future__ import annotations
 
 import datetime

@@ -1,13 +1,25 @@
 """Dtype names, in one place: the config's short names (``fp32``, ``bf16``, ``fp16``), torch's names
 (``float32``, ``bfloat16``, ...) as SGLang and HF ``config.json`` write them, and torch dtypes."""
+
 from __future__ import annotations
 
 import torch
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float64": torch.float64}
-ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-           "fp64": "float64", "double": "float64"}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp64": "float64",
+    "double": "float64",
+}
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # the config's names
 
 

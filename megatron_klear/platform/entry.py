@@ -14,6 +14,7 @@ torchrun's ``@record`` would), except on a rank other than 0 whose collective op
 failure, so it prints one line saying so (nothing under the launcher), exits 1 and is marked as a
 consequence in the error file, never shown as a cause.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,15 @@ from megatron_klear.platform.process import RunLockedError, die_with_launcher
 
 # The project's convention (as in tools/*.py): ValueError is a bad value or input, with a message
 # that names it; ConfigError is one.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
-               FileExistsError, RunLockedError)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    FileExistsError,
+    RunLockedError,
+)
 EXIT_USER_ERROR = 2
 EXIT_CONSEQUENCE = 1
 # extraInfo["klear"] in torchrun's error file: what megatron_klear.platform.launch reads
@@ -35,9 +43,20 @@ USER_ERROR, CONSEQUENCE, CRASH = "user_error", "consequence", "crash"
 LAUNCHER_ENV = "KLEAR_LAUNCHER"  # set by megatron_klear.platform.launch: it prints the user error itself
 
 # what gloo / NCCL / the c10d store say when the peer on the other side is gone
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
-              "ProcessGroupGloo", "gloo/transport", "ProcessGroupNCCL", "NCCL communicator was aborted",
-              "Socket Timeout", "TCPStore", "recvValue failed", "recvVector failed")
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "ProcessGroupGloo",
+    "gloo/transport",
+    "ProcessGroupNCCL",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+    "TCPStore",
+    "recvValue failed",
+    "recvVector failed",
+)
 
 
 def _global_rank() -> int:
@@ -56,8 +75,19 @@ def write_error_file(message: str, kind: str, callstack: str | None = None) -> b
         return False
     try:
         with open(error_file, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {
-                "py_callstack": callstack or message, "timestamp": str(int(time.time())), "klear": kind}}}, f)
+            json.dump(
+                {
+                    "message": {
+                        "message": message,
+                        "extraInfo": {
+                            "py_callstack": callstack or message,
+                            "timestamp": str(int(time.time())),
+                            "klear": kind,
+                        },
+                    }
+                },
+                f,
+            )
         return True
     except OSError:
         return False
@@ -86,8 +116,10 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 def report_consequence(exc: BaseException, rank: int, stream=None) -> None:
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    message = (f"rank {rank} stopped: a collective operation failed ({type(exc).__name__}: {first}), most "
-               "likely because another rank failed first; see that rank's error")
+    message = (
+        f"rank {rank} stopped: a collective operation failed ({type(exc).__name__}: {first}), most "
+        "likely because another rank failed first; see that rank's error"
+    )
     written = write_error_file(message, CONSEQUENCE)
     if not (written and _launcher_reports()):
         print(message, file=stream or sys.stderr, flush=True)

@@ -17,6 +17,7 @@ exit status 128 + the signal's number (143 for SIGTERM, the shell's "terminated 
 instead of torchrun's traceback and status 1. Success and everything else are torchrun's.
 ``KLEAR_TRACEBACK=1``: ranks raise their errors, tracebacks included, as under plain torchrun.
 """
+
 from __future__ import annotations
 
 import os
@@ -69,8 +70,9 @@ def report(error, stream=None) -> int:
     print(summary(error.name, error.failures).format_msg(), file=stream, flush=True)
     if failure.exitcode == EXIT_USER_ERROR and not isinstance(failure.message, dict):
         # a program that says what is wrong itself (argparse's usage error ...), above
-        print(f"error: rank {rank} exited with status {EXIT_USER_ERROR} (its message is above)", file=stream,
-              flush=True)
+        print(
+            f"error: rank {rank} exited with status {EXIT_USER_ERROR} (its message is above)", file=stream, flush=True
+        )
         return EXIT_USER_ERROR
     return EXIT_FAILURE
 
@@ -78,8 +80,12 @@ def report(error, stream=None) -> int:
 def stopped_by_signal(sigval, stream=None) -> int:
     """The end of a job torchrun stopped on a signal: one line, status 128 + the signal's number."""
     sig = signal.Signals(int(sigval))
-    print(f"stopped on {sig.name}: the ranks were asked to save the current step and stop (their "
-          f"'stopped on {sig.name}' line names the checkpoint)", file=stream or sys.stderr, flush=True)
+    print(
+        f"stopped on {sig.name}: the ranks were asked to save the current step and stop (their "
+        f"'stopped on {sig.name}' line names the checkpoint)",
+        file=stream or sys.stderr,
+        flush=True,
+    )
     return 128 + int(sig)
 
 

@@ -11,6 +11,7 @@
 
 Standard library only (no torch): spawned helper processes import this module.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,8 +35,12 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
     before = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(int(sig)), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                      ctypes.c_ulong(0)) != 0:
+        if (
+            libc.prctl(
+                PR_SET_PDEATHSIG, ctypes.c_ulong(int(sig)), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)
+            )
+            != 0
+        ):
             return False
     except (OSError, AttributeError):
         return False
@@ -78,7 +83,7 @@ def _start_time(pid: int) -> str | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
-        return stat[stat.rindex(")") + 2:].split()[19]
+        return stat[stat.rindex(")") + 2 :].split()[19]
     except (OSError, ValueError, IndexError):
         return None
 
@@ -108,8 +113,13 @@ class RunLock:
 
     def _mine(self) -> dict:
         pid = os.getpid()
-        return {"pid": pid, "host": socket.gethostname(), "start_time": _start_time(pid),
-                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
+        return {
+            "pid": pid,
+            "host": socket.gethostname(),
+            "start_time": _start_time(pid),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "argv": sys.argv,
+        }
 
     def _read(self) -> dict | None:
         try:
@@ -179,8 +189,10 @@ class RunLock:
         pid, host = owner.get("pid", "?"), owner.get("host", "?")
         since = f", started {owner['started']}" if owner.get("started") else ""
         what = os.path.dirname(os.path.abspath(self.path))
-        msg = (f"{what} is in use by another run (pid {pid} on host {host}{since}; lock file {self.path}): "
-               "stop that run first, or choose another train.save_dir")
+        msg = (
+            f"{what} is in use by another run (pid {pid} on host {host}{since}; lock file {self.path}): "
+            "stop that run first, or choose another train.save_dir"
+        )
         if host != socket.gethostname():
             msg += f"; if that run is no longer running, delete {self.path}"
         return msg

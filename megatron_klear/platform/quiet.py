@@ -13,6 +13,7 @@ those (by message, so that every other warning still shows) and is installed by
 chosen, FP8 without Transformer Engine, ...) is its own message or error, never one of these.
 Standard library only.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,11 @@ WARNINGS = (
     (r"Transformer Engine and Apex are not installed", UserWarning),
     (r"Apex is not installed", UserWarning),
     # a GPU tuning hint (communication overlap), printed on CPU runs as well
-    (r"When using async grad allreduce it is recommended to set the environment variable "
-     r"CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
+    (
+        r"When using async grad allreduce it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS",
+        UserWarning,
+    ),
     # Megatron-Core's own defaults and its calls into torch's deprecated APIs
     (r"full scope is deprecated", UserWarning),
     (r"`load_state_dict` is deprecated", FutureWarning),

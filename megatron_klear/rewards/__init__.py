@@ -8,16 +8,32 @@ load on first use; `from megatron_klear.rewards import RewardConfig` stays cheap
     grade_code(response, tests, cfg, sb)   -> GradeResult        (code.py, sandbox.py)
     GradingPool(cfg).submit(item)          -> Future[GradeResult] (pool.py)
 """
+
 from .config import RewardConfig, SandboxConfig
 from .result import GradeResult
 
-__all__ = ["RewardConfig", "SandboxConfig", "GradeResult", "grade_math", "grade_code",
-           "GradingPool", "Sandbox", "SandboxUnavailable", "probe_isolation", "GradeItem",
-           "parse_item"]
+__all__ = [
+    "RewardConfig",
+    "SandboxConfig",
+    "GradeResult",
+    "grade_math",
+    "grade_code",
+    "GradingPool",
+    "Sandbox",
+    "SandboxUnavailable",
+    "probe_isolation",
+    "GradeItem",
+    "parse_item",
+]
 
 _LAZY = {
-    "grade_math": ".math", "grade_code": ".code", "GradingPool": ".pool", "Sandbox": ".sandbox",
-    "SandboxUnavailable": ".sandbox", "probe_isolation": ".sandbox", "GradeItem": ".items",
+    "grade_math": ".math",
+    "grade_code": ".code",
+    "GradingPool": ".pool",
+    "Sandbox": ".sandbox",
+    "SandboxUnavailable": ".processes",
+    "probe_isolation": ".sandbox",
+    "GradeItem": ".items",
     "parse_item": ".items",
 }
 

@@ -13,6 +13,7 @@ after writing everything; the last line of stderr then says so. Progress (items/
 goes to stderr. The output is written under a temporary name and renamed when complete, next to a
 manifest.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -105,26 +106,38 @@ def grade_file(inp: str, out: str, cfg: RewardConfig, progress_every: float = 1.
     for task, rs in rewards.items():
         summary[f"mean_reward_{task}"] = round(sum(rs) / len(rs), 6)
         summary[f"items_{task}"] = len(rs)
-    write_manifest(out, "tools/grade.py", {"input": os.path.abspath(inp)},
-                   {"summary": dict(summary), "isolation": isolation, "config": dataclasses.asdict(cfg)})
+    write_manifest(
+        out,
+        "tools/grade.py",
+        {"input": os.path.abspath(inp)},
+        {"summary": dict(summary), "isolation": isolation, "config": dataclasses.asdict(cfg)},
+    )
     return dict(summary)
 
 
 def grade_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="tools/grade.py", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="tools/grade.py", description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--input", required=True, help="JSONL of items to grade")
     ap.add_argument("--output", required=True, help="JSONL of grades (written atomically)")
     ap.add_argument("--workers", type=int, default=None, help="grading processes (default: one per core)")
     ap.add_argument("--config", default=None, help="YAML with RewardConfig fields (or a 'reward:' section)")
     ap.add_argument("--isolation", choices=ISOLATION_LEVELS, default=None)
-    ap.add_argument("--allow-fallback", action="store_true",
-                    help="run code without bubblewrap (rlimits + separate uid + seccomp) if it cannot isolate")
+    ap.add_argument(
+        "--allow-fallback",
+        action="store_true",
+        help="run code without bubblewrap (rlimits + separate uid + seccomp) if it cannot isolate",
+    )
     ap.add_argument("--code-max-tests", type=int, default=None, help="tests sampled per code item (0: all)")
     ap.add_argument("--seed", type=int, default=None, help="seed of the test sampling")
-    ap.add_argument("--max-bad-lines", type=int, default=0,
-                    help="malformed input lines tolerated before the exit status is 2 (default 0); they are "
-                         "written with reward null either way")
+    ap.add_argument(
+        "--max-bad-lines",
+        type=int,
+        default=0,
+        help="malformed input lines tolerated before the exit status is 2 (default 0); they are "
+        "written with reward null either way",
+    )
     args = ap.parse_args(argv)
     cfg = _load_config(args)
     from .sandbox import SandboxUnavailable
@@ -137,14 +150,24 @@ def grade_main(argv=None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    means = ", ".join(f"mean reward {t} {summary[f'mean_reward_{t}']:.4f} over {summary[f'items_{t}']} graded"
-                      for t in ("math", "code") if f"mean_reward_{t}" in summary)
-    print(f"graded {summary.get('items', 0)} items ({summary.get('errors', 0)} errors, "
-          f"{summary.get('bad_lines', 0)} bad lines) in {summary['seconds']:.1f} s"
-          + (f"; {means}" if means else "") + f" -> {args.output}", file=sys.stderr)
+    means = ", ".join(
+        f"mean reward {t} {summary[f'mean_reward_{t}']:.4f} over {summary[f'items_{t}']} graded"
+        for t in ("math", "code")
+        if f"mean_reward_{t}" in summary
+    )
+    print(
+        f"graded {summary.get('items', 0)} items ({summary.get('errors', 0)} errors, "
+        f"{summary.get('bad_lines', 0)} bad lines) in {summary['seconds']:.1f} s"
+        + (f"; {means}" if means else "")
+        + f" -> {args.output}",
+        file=sys.stderr,
+    )
     bad = summary.get("bad_lines", 0)
     if bad > args.max_bad_lines:
-        print(f"error: {bad} malformed input line(s) in {args.input} (more than --max-bad-lines {args.max_bad_lines}); "
-              "their records have reward null and the reason in 'error'", file=sys.stderr)
+        print(
+            f"error: {bad} malformed input line(s) in {args.input} (more than --max-bad-lines {args.max_bad_lines}); "
+            "their records have reward null and the reason in 'error'",
+            file=sys.stderr,
+        )
         return 2
     return 0

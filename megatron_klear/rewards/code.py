@@ -23,6 +23,7 @@ Every test runs in a fresh sandboxed process. Verdicts come from comparing the b
 handed over with the expected output, here in the grader; the expected outputs never enter the
 sandbox, and neither the program's exit code nor anything it prints about itself can make it pass.
 """
+
 from __future__ import annotations
 
 import ast
@@ -63,17 +64,17 @@ def extract_code(section: str) -> str | None:
 
 @dataclass
 class Case:
-    stdin: bytes               # stdio: the input; call: the JSON list of arguments
-    expected: object           # stdio: expected stdout (str); call: list of acceptable values
-    size: int                  # rough size of the expected output in bytes (for the output cap)
+    stdin: bytes  # stdio: the input; call: the JSON list of arguments
+    expected: object  # stdio: expected stdout (str); call: list of acceptable values
+    size: int  # rough size of the expected output in bytes (for the output cap)
 
 
 @dataclass
 class CodeTests:
     cases: list[Case]
     fn_name: str | None
-    key: str                   # stable digest of the tests: seeds the per-problem test sample
-    kind: str = "stdio"        # "stdio" | "call" (fn_name) | "expr"
+    key: str  # stable digest of the tests: seeds the per-problem test sample
+    kind: str = "stdio"  # "stdio" | "call" (fn_name) | "expr"
 
 
 def _call_args(x, where: str) -> bytes:
@@ -87,8 +88,7 @@ def _call_args(x, where: str) -> bytes:
         return json.dumps(args).encode()
     if isinstance(x, list):
         return json.dumps(x).encode()
-    raise BadTests(f"{where}: expected a list of arguments or a string of JSON lines, "
-                        f"got {type(x).__name__}")
+    raise BadTests(f"{where}: expected a list of arguments or a string of JSON lines, got {type(x).__name__}")
 
 
 def _call_expected(y) -> list:
@@ -125,8 +125,7 @@ def parse_tests(tests) -> CodeTests:
     if not inputs:
         raise BadTests("tests: no test cases")
     fn_name = tests.get("fn_name")
-    if fn_name is not None and (not isinstance(fn_name, str)
-                                or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", fn_name)):
+    if fn_name is not None and (not isinstance(fn_name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", fn_name)):
         raise BadTests(f"tests.fn_name: {fn_name!r} is not a Python identifier")
     fn_name = fn_name or None
     if kind == "expr" and fn_name:
@@ -147,8 +146,7 @@ def parse_tests(tests) -> CodeTests:
             cases.append(Case(x.encode("utf-8"), [y], len(json.dumps(y))))
             continue
         if fn_name:
-            cases.append(Case(_call_args(x, f"tests.inputs[{i}]"), _call_expected(y),
-                                  len(json.dumps(y))))
+            cases.append(Case(_call_args(x, f"tests.inputs[{i}]"), _call_expected(y), len(json.dumps(y))))
             continue
         if not isinstance(x, str):
             raise BadTests(f"tests.inputs[{i}]: stdin must be a string, got {type(x).__name__}")
@@ -157,13 +155,12 @@ def parse_tests(tests) -> CodeTests:
         if not isinstance(y, str):
             raise BadTests(f"tests.outputs[{i}]: expected stdout must be a string, got {type(y).__name__}")
         cases.append(Case(x.encode("utf-8", "surrogatepass"), y, len(y.encode("utf-8", "replace"))))
-    digest = hashlib.sha256(json.dumps([inputs, outputs, fn_name], sort_keys=True,
-                                       default=str).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps([inputs, outputs, fn_name], sort_keys=True, default=str).encode()).hexdigest()
     if kind == "expr":
-        digest = hashlib.sha256(json.dumps([inputs, outputs, "expr"], sort_keys=True,
-                                           default=str).encode()).hexdigest()
-    return CodeTests(cases=cases, fn_name=fn_name, key=digest,
-                     kind="expr" if kind == "expr" else "call" if fn_name else "stdio")
+        digest = hashlib.sha256(json.dumps([inputs, outputs, "expr"], sort_keys=True, default=str).encode()).hexdigest()
+    return CodeTests(
+        cases=cases, fn_name=fn_name, key=digest, kind="expr" if kind == "expr" else "call" if fn_name else "stdio"
+    )
 
 
 def select_tests(n: int, k: int | None, seed: int, key: str, fresh: bool = False) -> list[int]:
@@ -193,7 +190,7 @@ def _judge(res, case: Case, kind: str, limits, tol: float) -> str:
     if i < 0:
         return "no result (the program exited without returning)"
     try:
-        value = parse_json_output(out[i + len(RESULT_MARKER):].strip())
+        value = parse_json_output(out[i + len(RESULT_MARKER) :].strip())
     except ValueError:
         return "unreadable result"
     ok = any(values_match(value, e, tol) for e in case.expected)
@@ -210,8 +207,9 @@ def grade_code(response: str, tests, cfg: RewardConfig | None = None, sandbox=No
         spec = parse_tests(tests)
     except BadTests as e:
         return GradeResult.failure(fail, str(e))
-    picked = select_tests(len(spec.cases), cfg.code_max_tests, cfg.code_seed, spec.key,
-                          fresh=cfg.code_test_sampling == "per_call")
+    picked = select_tests(
+        len(spec.cases), cfg.code_max_tests, cfg.code_seed, spec.key, fresh=cfg.code_test_sampling == "per_call"
+    )
     total = len(picked)
     if cfg.code_think_format:
         fmt = think_format_score(response, cfg)
@@ -255,5 +253,6 @@ def grade_code(response: str, tests, cfg: RewardConfig | None = None, sandbox=No
     error = None
     if failures:
         error = f"{len(failures)} of {total} runs could not start: {failures[0]}"
-    return GradeResult(reward=code_reward(passed, total, cfg), passed=passed, total=total, error=error,
-                       detail=detail, tests=verdicts)
+    return GradeResult(
+        reward=code_reward(passed, total, cfg), passed=passed, total=total, error=error, detail=detail, tests=verdicts
+    )

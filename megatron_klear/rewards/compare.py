@@ -12,6 +12,7 @@ LiveCodeBench's own rule), else within a *relative* tolerance ``tol`` (1e-6: 0.3
 0.333333333). There is no absolute tolerance: it would make every small number equal (1e-9 and
 2e-9, or 1e-7 and 0).
 """
+
 from __future__ import annotations
 
 import decimal
@@ -94,11 +95,9 @@ def values_match(actual, expected, tol: float = 1e-6) -> bool:
     if type(actual) is not type(expected):
         return False
     if isinstance(actual, list):
-        return len(actual) == len(expected) and all(
-            values_match(a, e, tol) for a, e in zip(actual, expected))
+        return len(actual) == len(expected) and all(values_match(a, e, tol) for a, e in zip(actual, expected))
     if isinstance(actual, dict):
-        return actual.keys() == expected.keys() and all(
-            values_match(actual[k], expected[k], tol) for k in actual)
+        return actual.keys() == expected.keys() and all(values_match(actual[k], expected[k], tol) for k in actual)
     return actual == expected  # str, bool, None
 
 

@@ -19,6 +19,7 @@ test (all of them, not a sample) for code. The pass metric is the unbiased pass@
 the n references (k=1: the plain pass rate; fewer than k references: dropped, saying so). Kept
 lines are copied verbatim; dropped ones are listed with their line number and reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,7 @@ from dataclasses import dataclass
 from .config import RewardConfig
 from .jsonl_io import Progress, atomic_writer, count_lines, decode_line, numbered_lines, write_manifest
 
-__all__ = ["FilterConfig", "pass_at_k", "structural_drop_reason", "pass_drop_reason", "filter_file",
-           "filter_main"]
+__all__ = ["FilterConfig", "pass_at_k", "structural_drop_reason", "pass_drop_reason", "filter_file", "filter_main"]
 
 REFERENCE_FIELDS = ("reference_passed", "reference_responses", "reference_solutions")
 
@@ -45,14 +45,16 @@ class FilterConfig:
     code_min_pass: float = 0.5
     math_min_pass: float = 0.5
     code_k: int = 16  # code: pass@16 of the references >= code_min_pass
-    math_k: int = 1   # math: the plain pass rate >= math_min_pass
+    math_k: int = 1  # math: the plain pass rate >= math_min_pass
     #: False: apply only the structural filters (test counts), keep lines without references.
     pass_filter: bool = True
 
     def __post_init__(self):
         if self.min_tests < 0 or self.code_k < 1 or self.math_k < 1:
-            raise ValueError(f"FilterConfig: need min_tests >= 0 and code_k, math_k >= 1 "
-                             f"(got {self.min_tests}, {self.code_k}, {self.math_k})")
+            raise ValueError(
+                f"FilterConfig: need min_tests >= 0 and code_k, math_k >= 1 "
+                f"(got {self.min_tests}, {self.code_k}, {self.math_k})"
+            )
         for name in ("code_min_pass", "math_min_pass"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"FilterConfig.{name}={getattr(self, name)}: expected a fraction in [0, 1]")
@@ -139,8 +141,7 @@ def _passed(task: str, res, rcfg: RewardConfig) -> bool:
     return res.reward == rcfg.correct if task == "math" else (res.total > 0 and res.passed == res.total)
 
 
-def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig,
-                rcfg: RewardConfig) -> dict:
+def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig, rcfg: RewardConfig) -> dict:
     """Filter `inp` into `out` (kept lines, verbatim) and `dropped_path` (line, id, reason)."""
     from .pool import GradingPool
 
@@ -158,7 +159,8 @@ def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig
         if reason is None and refs is not None:
             flags = [r if isinstance(r, bool) else _passed(task, r.result(), rcfg) for r in refs]
             summary["reference_grading_errors"] += sum(
-                1 for r in refs if not isinstance(r, bool) and r.result().error is not None)
+                1 for r in refs if not isinstance(r, bool) and r.result().error is not None
+            )
             reason = pass_drop_reason(task, flags, fcfg)
         if reason is None:
             kept_f.write(text if text.endswith("\n") else text + "\n")
@@ -167,13 +169,16 @@ def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig
             summary["dropped"] += 1
             reasons[reason.split(" (")[0].split(":")[0]] += 1
             if dropped_f is not None:
-                dropped_f.write(json.dumps({"line": lineno, "id": obj.get("id") if obj else None,
-                                            "reason": reason}, ensure_ascii=False) + "\n")
+                dropped_f.write(
+                    json.dumps(
+                        {"line": lineno, "id": obj.get("id") if obj else None, "reason": reason}, ensure_ascii=False
+                    )
+                    + "\n"
+                )
         prog.step(error=reason is not None and reason.startswith(f"{inp}:"))
 
     try:
-        with atomic_writer(out) as kept_f, (atomic_writer(dropped_path) if dropped_path
-                                            else _nullcontext()) as dropped_f:
+        with atomic_writer(out) as kept_f, atomic_writer(dropped_path) if dropped_path else _nullcontext() as dropped_f:
             for lineno, text in numbered_lines(inp):
                 obj, task, reason, refs = None, None, None, None
                 try:
@@ -183,8 +188,10 @@ def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig
                     if reason is None and fcfg.pass_filter:
                         items = _reference_items(obj)
                         if items is None:
-                            reason = ("no reference results (give reference_passed, reference_responses "
-                                      "or reference_solutions, or disable the pass filter)")
+                            reason = (
+                                "no reference results (give reference_passed, reference_responses "
+                                "or reference_solutions, or disable the pass filter)"
+                            )
                         elif items and isinstance(items[0], dict):
                             if pool is None:
                                 pool = GradingPool(rcfg)
@@ -205,9 +212,17 @@ def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig
         if pool is not None:
             pool.close(cancel_pending=True)
     summary["seconds"] = round(time.monotonic() - t0, 3)
-    write_manifest(out, "tools/filter_rl_data.py", {"input": os.path.abspath(inp)},
-                   {"summary": dict(summary), "drop_reasons": dict(reasons),
-                    "filter": dataclasses.asdict(fcfg), "reward_config": dataclasses.asdict(rcfg)})
+    write_manifest(
+        out,
+        "tools/filter_rl_data.py",
+        {"input": os.path.abspath(inp)},
+        {
+            "summary": dict(summary),
+            "drop_reasons": dict(reasons),
+            "filter": dataclasses.asdict(fcfg),
+            "reward_config": dataclasses.asdict(rcfg),
+        },
+    )
     return {**summary, "drop_reasons": dict(reasons)}
 
 
@@ -220,29 +235,49 @@ class _nullcontext:
 
 
 def filter_main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="tools/filter_rl_data.py", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="tools/filter_rl_data.py",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True, help="kept problems, lines copied verbatim")
     ap.add_argument("--dropped", default=None, help="JSONL of dropped problems: line, id, reason")
     ap.add_argument("--min-tests", type=int, default=16)
     ap.add_argument("--code-min-pass", type=float, default=0.5)
     ap.add_argument("--math-min-pass", type=float, default=0.5)
-    ap.add_argument("--code-k", type=int, default=16,
-                    help="code: pass@k over the references (default 16: pass@16 >= --code-min-pass)")
-    ap.add_argument("--math-k", type=int, default=1,
-                    help="math: pass@k over the references (default 1: the pass rate >= --math-min-pass)")
+    ap.add_argument(
+        "--code-k",
+        type=int,
+        default=16,
+        help="code: pass@k over the references (default 16: pass@16 >= --code-min-pass)",
+    )
+    ap.add_argument(
+        "--math-k",
+        type=int,
+        default=1,
+        help="math: pass@k over the references (default 1: the pass rate >= --math-min-pass)",
+    )
     ap.add_argument("--k", type=int, default=None, help="set --code-k and --math-k together")
-    ap.add_argument("--no-pass-filter", action="store_true",
-                    help="only the test-count filter; keep problems without reference results")
+    ap.add_argument(
+        "--no-pass-filter",
+        action="store_true",
+        help="only the test-count filter; keep problems without reference results",
+    )
     ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--allow-fallback", action="store_true",
-                    help="grade code references without bubblewrap if it cannot isolate")
+    ap.add_argument(
+        "--allow-fallback", action="store_true", help="grade code references without bubblewrap if it cannot isolate"
+    )
     args = ap.parse_args(argv)
     try:
-        fcfg = FilterConfig(min_tests=args.min_tests, code_min_pass=args.code_min_pass,
-                            math_min_pass=args.math_min_pass, code_k=args.k or args.code_k,
-                            math_k=args.k or args.math_k, pass_filter=not args.no_pass_filter)
+        fcfg = FilterConfig(
+            min_tests=args.min_tests,
+            code_min_pass=args.code_min_pass,
+            math_min_pass=args.math_min_pass,
+            code_k=args.k or args.code_k,
+            math_k=args.k or args.math_k,
+            pass_filter=not args.no_pass_filter,
+        )
         rcfg = RewardConfig(workers=args.workers or 0)
         rcfg.sandbox.allow_fallback = args.allow_fallback
     except ValueError as e:
@@ -258,6 +293,9 @@ def filter_main(argv=None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"kept {s.get('kept', 0)}, dropped {s.get('dropped', 0)} ({s.get('bad_lines', 0)} bad lines) "
-          f"in {s['seconds']:.1f} s; reasons: {s['drop_reasons']} -> {args.output}", file=sys.stderr)
+    print(
+        f"kept {s.get('kept', 0)}, dropped {s.get('dropped', 0)} ({s.get('bad_lines', 0)} bad lines) "
+        f"in {s['seconds']:.1f} s; reasons: {s['drop_reasons']} -> {args.output}",
+        file=sys.stderr,
+    )
     return 0

@@ -11,7 +11,9 @@ must live as long as the pool, as the main thread does).
 It also pays math-verify's one-time costs here (``worker._warm_up``), once: every worker forked
 from this process, the replacement of a killed one included, grades its first item as fast as
 its next ones."""
+
 from megatron_klear.platform.process import die_with_parent
+
 from .worker import _warm_up
 
 die_with_parent()

@@ -20,14 +20,28 @@ the grader compares those bytes itself.
 
 The seccomp filter (`seccomp_filter`) is also imported by the grader, which hands it to bubblewrap.
 """
+
 import os
 import sys
 
 RESULT_MARKER = b"\n@@klear-result@@"
 
 # Arguments, positionally (no json import on the stdin/stdout path: startup time is the cost of a test).
-_ARGS = ("mode", "status_fd", "code_path", "workdir", "uid", "gid", "cpu_s", "memory_bytes",
-         "file_bytes", "open_files", "processes", "fallback", "fn_name")
+_ARGS = (
+    "mode",
+    "status_fd",
+    "code_path",
+    "workdir",
+    "uid",
+    "gid",
+    "cpu_s",
+    "memory_bytes",
+    "file_bytes",
+    "open_files",
+    "processes",
+    "fallback",
+    "fn_name",
+)
 
 # ----------------------------------------------------------------------------- seccomp (BPF)
 
@@ -35,18 +49,52 @@ _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 # Denied outright (EPERM): namespace and mount tricks, tracing other processes, io_uring (it can
 # open sockets behind the socket() check), kernel keyrings, eBPF, perf, userfaultfd.
 _DENY = {
-    "x86_64": {"unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155,
-               "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-               "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-               "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "keyctl": 250,
-               "add_key": 248, "request_key": 249, "chroot": 161, "acct": 163,
-               "open_by_handle_at": 304, "kexec_load": 246},
-    "aarch64": {"unshare": 97, "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41,
-                "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-                "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-                "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "keyctl": 219,
-                "add_key": 217, "request_key": 218, "chroot": 51, "acct": 89,
-                "open_by_handle_at": 265, "kexec_load": 104},
+    "x86_64": {
+        "unshare": 272,
+        "setns": 308,
+        "mount": 165,
+        "umount2": 166,
+        "pivot_root": 155,
+        "ptrace": 101,
+        "process_vm_readv": 310,
+        "process_vm_writev": 311,
+        "io_uring_setup": 425,
+        "io_uring_enter": 426,
+        "io_uring_register": 427,
+        "bpf": 321,
+        "perf_event_open": 298,
+        "userfaultfd": 323,
+        "keyctl": 250,
+        "add_key": 248,
+        "request_key": 249,
+        "chroot": 161,
+        "acct": 163,
+        "open_by_handle_at": 304,
+        "kexec_load": 246,
+    },
+    "aarch64": {
+        "unshare": 97,
+        "setns": 268,
+        "mount": 40,
+        "umount2": 39,
+        "pivot_root": 41,
+        "ptrace": 117,
+        "process_vm_readv": 270,
+        "process_vm_writev": 271,
+        "io_uring_setup": 425,
+        "io_uring_enter": 426,
+        "io_uring_register": 427,
+        "bpf": 280,
+        "perf_event_open": 241,
+        "userfaultfd": 282,
+        "keyctl": 219,
+        "add_key": 217,
+        "request_key": 218,
+        "chroot": 51,
+        "acct": 89,
+        "open_by_handle_at": 265,
+        "kexec_load": 104,
+    },
 }
 _SOCKET = {"x86_64": 41, "aarch64": 198}
 _CLONE = {"x86_64": 56, "aarch64": 220}
@@ -78,25 +126,29 @@ def seccomp_filter(machine=None):
     def emit(code, k, jt=None, jf=None):
         prog.append([code, jt, jf, k])
 
-    emit(ld, 4)                                            # seccomp_data.arch
+    emit(ld, 4)  # seccomp_data.arch
     emit(jeq, _AUDIT_ARCH[machine], None, "kill")
-    emit(ld, 0)                                            # seccomp_data.nr
+    emit(ld, 0)  # seccomp_data.nr
     if machine == "x86_64":
-        emit(jge, 0x40000000, "kill", None)                # x32 ABI
+        emit(jge, 0x40000000, "kill", None)  # x32 ABI
     for nr in sorted(_DENY[machine].values()):
         emit(jeq, nr, "eperm", None)
     emit(jeq, _CLONE3, "enosys", None)
     emit(jeq, _CLONE[machine], "clone", None)
     emit(jeq, _SOCKET[machine], "socket", "allow")
     labels = {"clone": len(prog)}
-    emit(ld, 16)                                           # args[0], low 32 bits
+    emit(ld, 16)  # args[0], low 32 bits
     emit(jset, _CLONE_NAMESPACES, "eperm", "allow")
     labels["socket"] = len(prog)
     emit(ld, 16)
     emit(jeq, _AF_UNIX, "allow", "eacces")
-    for name, value in (("allow", _RET_ALLOW), ("eperm", _RET_ERRNO | _EPERM),
-                        ("eacces", _RET_ERRNO | _EACCES), ("enosys", _RET_ERRNO | _ENOSYS),
-                        ("kill", _RET_KILL_PROCESS)):
+    for name, value in (
+        ("allow", _RET_ALLOW),
+        ("eperm", _RET_ERRNO | _EPERM),
+        ("eacces", _RET_ERRNO | _EACCES),
+        ("enosys", _RET_ERRNO | _ENOSYS),
+        ("kill", _RET_KILL_PROCESS),
+    ):
         labels[name] = len(prog)
         emit(ret, value)
     out = []
@@ -126,6 +178,7 @@ def _install_seccomp(prog):
 
 
 # ----------------------------------------------------------------------------- setup
+
 
 def _setup(a):
     import resource
@@ -199,8 +252,7 @@ def _compile_expr_test(source):
     if not tree.body or not isinstance(tree.body[-1], ast.Expr):
         raise ValueError("an expression test must end with an expression")
     setup = ast.Module(body=tree.body[:-1], type_ignores=[])
-    return (compile(setup, "<test>", "exec"),
-            compile(ast.Expression(body=tree.body[-1].value), "<test>", "eval"))
+    return (compile(setup, "<test>", "exec"), compile(ast.Expression(body=tree.body[-1].value), "<test>", "eval"))
 
 
 def _write_all(fd, data):

@@ -1,9 +1,10 @@
 """One unit of grading work, as it arrives from the RL loop or a JSONL line, and its dispatch.
 
-    {"id": ..., "task": "math", "response": "...", "answer": "..."}
-    {"id": ..., "task": "code", "response": "...", "tests": {"inputs": [...], "outputs": [...],
-                                                             "fn_name": optional}}
+{"id": ..., "task": "math", "response": "...", "answer": "..."}
+{"id": ..., "task": "code", "response": "...", "tests": {"inputs": [...], "outputs": [...],
+                                                         "fn_name": optional}}
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,8 @@ class GradeItem:
     id: object
     task: str
     response: str
-    answer: object = None       # math: str or list of str
-    tests: dict | None = None   # code
+    answer: object = None  # math: str or list of str
+    tests: dict | None = None  # code
 
 
 def parse_item(obj, where: str = "item") -> GradeItem:
@@ -48,11 +49,13 @@ def parse_item(obj, where: str = "item") -> GradeItem:
         raise BadItem(f"{where}: field {other!r} does not belong to a {task} item")
     if task == "math":
         ans = obj.get("answer")
-        ok = isinstance(ans, (str, int, float)) and not isinstance(ans, bool) or (
-            isinstance(ans, list) and ans and all(isinstance(a, str) for a in ans))
+        ok = (
+            isinstance(ans, (str, int, float))
+            and not isinstance(ans, bool)
+            or (isinstance(ans, list) and ans and all(isinstance(a, str) for a in ans))
+        )
         if not ok:
-            raise BadItem(f"{where}: field 'answer' must be a string or a non-empty list of strings, "
-                          f"got {ans!r:.60}")
+            raise BadItem(f"{where}: field 'answer' must be a string or a non-empty list of strings, got {ans!r:.60}")
         return GradeItem(id=obj["id"], task=task, response=response, answer=ans)
     tests = obj.get("tests")
     if not isinstance(tests, dict):

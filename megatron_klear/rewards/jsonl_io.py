@@ -3,6 +3,7 @@
 Kept inside rewards/ (rather than shared with data/) because rewards/ is a leaf that must run as a
 separate service without the rest of megatron_klear.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,9 +71,19 @@ def write_manifest(output: str, tool: str, inputs: dict, extra: dict) -> str:
     """`<output>.manifest.json`: what made the output, from what, when."""
     path = output + ".manifest.json"
     with atomic_writer(path) as f:
-        json.dump({"tool": tool, "output": os.path.abspath(output), "inputs": inputs,
-                   "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), **extra},
-                  f, indent=2, sort_keys=True, default=str)
+        json.dump(
+            {
+                "tool": tool,
+                "output": os.path.abspath(output),
+                "inputs": inputs,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                **extra,
+            },
+            f,
+            indent=2,
+            sort_keys=True,
+            default=str,
+        )
         f.write("\n")
     return path
 

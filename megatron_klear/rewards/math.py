@@ -34,6 +34,7 @@ raises off the main thread (frameworks that call it from threads have scored eve
 The worker pool (pool.py) runs `grade_math` in worker processes under a deadline and a memory
 limit, and reports a timeout or a crash as an error with its reason.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,9 +62,38 @@ _SCIENTIFIC = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d+)")
 
 _HEDGE = re.compile(r"(\bor\b|\\lor\b|\\vee\b|\beither\b)", re.IGNORECASE)
 _WORDS = re.compile(r"[A-Za-z]{2,}(?:[ ,'-]+[A-Za-z]+)*")
-_NOT_WORDS = {"pi", "inf", "infty", "oo", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln",
-              "exp", "sqrt", "max", "min", "mod", "gcd", "lcm", "det", "arcsin", "arccos",
-              "arctan", "sinh", "cosh", "tanh", "none", "nan", "i", "e"}
+_NOT_WORDS = {
+    "pi",
+    "inf",
+    "infty",
+    "oo",
+    "sin",
+    "cos",
+    "tan",
+    "cot",
+    "sec",
+    "csc",
+    "log",
+    "ln",
+    "exp",
+    "sqrt",
+    "max",
+    "min",
+    "mod",
+    "gcd",
+    "lcm",
+    "det",
+    "arcsin",
+    "arccos",
+    "arctan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "none",
+    "nan",
+    "i",
+    "e",
+}
 _CHOICE = re.compile(r"\(?\s*([A-J])\s*\)?\.?")
 _TEXT_WRAP = re.compile(r"^\\(?:text|textbf|mathrm|mathbf|textit)\{(.*)\}$", re.DOTALL)
 
@@ -83,8 +113,11 @@ def _mv():
     if version != MATH_VERIFY_VERSION:
         logging.getLogger(__name__).warning(
             "math-verify %s is installed but rewards are validated against %s: parsing differs "
-            "between releases; pin math-verify==%s", version, MATH_VERIFY_VERSION,
-            MATH_VERIFY_VERSION)
+            "between releases; pin math-verify==%s",
+            version,
+            MATH_VERIFY_VERSION,
+            MATH_VERIFY_VERSION,
+        )
     # We disable math-verify's signal-based timeouts (the pool enforces deadlines); silence its
     # one-time warning about that.
     for name in ("math_verify", "math_verify.parser", "math_verify.grader"):
@@ -94,6 +127,7 @@ def _mv():
 
 
 # --------------------------------------------------------------------------- number equality
+
 
 class _Tolerance:
     """The relative tolerance of the grading in progress (set by grade_math; workers are
@@ -192,13 +226,13 @@ def _scientific(s: str) -> str:
 @lru_cache(maxsize=1)
 def _configs():
     mv = _mv()
-    boxed_only = [mv.LatexExtractionConfig(boxed_match_priority=0,
-                                           try_extract_without_anchor=False)]
+    boxed_only = [mv.LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
     anywhere = [mv.LatexExtractionConfig(boxed_match_priority=0), mv.ExprExtractionConfig()]
     return boxed_only, anywhere
 
 
 # --------------------------------------------------------------------------- boxed extraction
+
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
     """Content of the brace group opening at text[start] == '{', and the index after it."""
@@ -214,7 +248,7 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                return text[start + 1:i], i + 1
+                return text[start + 1 : i], i + 1
         i += 1
     return None
 
@@ -246,11 +280,12 @@ def _squash(s: str) -> str:
 
 # --------------------------------------------------------------------------- answer forms
 
+
 def _strip_math_delims(s: str) -> str:
     s = s.strip()
     for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
-            s = s[len(left):len(s) - len(right)].strip()
+            s = s[len(left) : len(s) - len(right)].strip()
     return s
 
 
@@ -279,6 +314,7 @@ def _is_hedged(s: str) -> bool:
 
 # --------------------------------------------------------------------------- magnitude guard
 
+
 def _log10_bound(expr) -> float | None:
     """Upper bound on log10|expr| for a numeric sympy expression; None when unknown.
 
@@ -305,7 +341,7 @@ def _log10_bound(expr) -> float | None:
             return 0.0 if lb > -_m.inf else -_m.inf
         if le > 300:
             return _m.inf
-        return (10.0 ** le) * lb
+        return (10.0**le) * lb
     if isinstance(expr, sympy.Mul):
         parts = [_log10_bound(a) for a in expr.args]
         return None if any(p is None for p in parts) else sum(parts)
@@ -318,7 +354,7 @@ def _log10_bound(expr) -> float | None:
             return None
         if ln > 300:
             return _m.inf
-        n = 10.0 ** ln
+        n = 10.0**ln
         return n * _m.log10(n + 1.0)
     return None
 
@@ -339,6 +375,7 @@ def _is_huge(expr) -> bool:
 
 # --------------------------------------------------------------------------- grading
 
+
 def _parse_gold(gold: str):
     g = _strip_math_delims(str(gold))
     boxes = boxed_contents(g)
@@ -351,14 +388,12 @@ def _parse_gold(gold: str):
 
 
 def _verdict(cfg: RewardConfig, ok: bool, why: str) -> GradeResult:
-    return GradeResult(reward=cfg.correct if ok else cfg.wrong, passed=int(ok), total=1,
-                       detail=why)
+    return GradeResult(reward=cfg.correct if ok else cfg.wrong, passed=int(ok), total=1, detail=why)
 
 
 def _parse_boxed(text: str):
     boxed_only, _ = _configs()
-    return _mv().parse("\\boxed{" + _scientific(text) + "}", extraction_config=boxed_only,
-                       parsing_timeout=None)
+    return _mv().parse("\\boxed{" + _scientific(text) + "}", extraction_config=boxed_only, parsing_timeout=None)
 
 
 def _match(answer_text: str, pred, g_text: str, g_parsed, g_words) -> str | None:
@@ -381,8 +416,7 @@ def _match(answer_text: str, pred, g_text: str, g_parsed, g_words) -> str | None
     if not pred:
         return None
     if any(_is_huge(x) for x in g_parsed) or any(_is_huge(x) for x in pred):
-        same = any(isinstance(a, type(b)) and a == b for a in g_parsed for b in pred
-                   if not isinstance(a, str))
+        same = any(isinstance(a, type(b)) and a == b for a in g_parsed for b in pred if not isinstance(a, str))
         return "correct (structurally identical huge number)" if same else None
     return "correct" if _mv().verify(g_parsed, pred, timeout_seconds=None) else None
 

@@ -15,6 +15,7 @@ set, never a silent 0), cleans up after the worker's sandbox, and starts a repla
 Sizing: one worker per core by default (`RewardConfig.workers`). Code tests are subprocesses that
 spend most of their time in the program, so the worker count is the number of programs running.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,8 +39,12 @@ __all__ = ["GradingPool"]
 
 log = logging.getLogger(__name__)
 # forkserver_preload first: the forkserver (and through it every worker) dies with this process
-_PRELOAD = ["megatron_klear.rewards.forkserver_preload", "megatron_klear.rewards.worker",
-            "megatron_klear.rewards.math", "math_verify"]
+_PRELOAD = [
+    "megatron_klear.rewards.forkserver_preload",
+    "megatron_klear.rewards.worker",
+    "megatron_klear.rewards.math",
+    "math_verify",
+]
 
 
 class _Worker:
@@ -49,11 +54,10 @@ class _Worker:
         self.slot = slot
         parent, child = ctx.Pipe(duplex=True)
         self.conn = parent
-        self.proc = ctx.Process(target=worker_main, args=(child, slot, cfg), daemon=True,
-                                name=f"klear-grader-{slot}")
+        self.proc = ctx.Process(target=worker_main, args=(child, slot, cfg), daemon=True, name=f"klear-grader-{slot}")
         self.proc.start()
         child.close()
-        self.task = None          # (task_id, future, item_dict, deadline, attempt)
+        self.task = None  # (task_id, future, item_dict, deadline, attempt)
 
     def kill(self) -> None:
         try:
@@ -83,7 +87,7 @@ class GradingPool:
     """
 
     def __init__(self, config: RewardConfig | None = None, workers: int | None = None):
-        from .sandbox import SlotLease
+        from .processes import SlotLease
 
         self.cfg = config or RewardConfig()
         n = workers or self.cfg.workers or os.cpu_count() or 1
@@ -199,7 +203,7 @@ class GradingPool:
 
     def _cleanup_slot(self, slot: int) -> None:
         """After a worker was killed: kill what its sandbox left running, remove its files."""
-        from .sandbox import _base_dir, kill_uid
+        from .processes import _base_dir, kill_uid
 
         if os.getuid() == 0:
             kill_uid(self.cfg.sandbox.base_uid + slot)
@@ -281,8 +285,11 @@ class GradingPool:
                     try:
                         w.conn.send((task_id, raw, self._level))
                     except OSError:
-                        self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
-                                         "before the item was sent", retry=True)
+                        self._replace(
+                            w,
+                            f"grader crashed: worker {_signal_name(w.proc.exitcode)} before the item was sent",
+                            retry=True,
+                        )
                         break
             busy = [w for w in self._workers if w.task is not None]
             with self._lock:
@@ -303,16 +310,23 @@ class GradingPool:
                         task_id, res = w.conn.recv()
                     except (EOFError, OSError):
                         w.proc.join(1)
-                        self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
-                                         "while grading this item", retry=True)
+                        self._replace(
+                            w,
+                            f"grader crashed: worker {_signal_name(w.proc.exitcode)} while grading this item",
+                            retry=True,
+                        )
                         continue
                     if task_id == w.task[0]:
                         self._finish(w, res)
                 elif w.proc.sentinel in ready and not w.proc.is_alive():
-                    self._replace(w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} "
-                                     "while grading this item", retry=True)
+                    self._replace(
+                        w, f"grader crashed: worker {_signal_name(w.proc.exitcode)} while grading this item", retry=True
+                    )
             now = time.monotonic()
             for w in list(self._workers):
                 if w.task is not None and now > w.task[3]:
-                    self._replace(w, f"timeout: no verdict within the hard deadline of "
-                                     f"{self._hard_deadline(w.task[2]):g} s; worker killed")
+                    self._replace(
+                        w,
+                        f"timeout: no verdict within the hard deadline of "
+                        f"{self._hard_deadline(w.task[2]):g} s; worker killed",
+                    )

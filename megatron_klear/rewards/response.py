@@ -4,6 +4,7 @@ Klear-Reasoner grades only the text after the *last* `</think>` (the answer sect
 the think format first: a response without `</think>` (usually truncated) gets `no_think_close`,
 one without `<think>` gets `no_think_open`, in that order (as in the authors' reward code).
 """
+
 from __future__ import annotations
 
 from .config import RewardConfig
@@ -19,7 +20,7 @@ def answer_section(response: str) -> str | None:
     i = response.rfind(THINK_CLOSE)
     if i < 0:
         return None
-    return response[i + len(THINK_CLOSE):]
+    return response[i + len(THINK_CLOSE) :]
 
 
 def think_format_score(response: str, cfg: RewardConfig) -> tuple[float, str] | None:

@@ -5,6 +5,7 @@ the input was malformed, the sandbox failed. A wrong answer, a missing `</think>
 that fails its tests are verdicts (error None; `detail` says what happened). The RL loop can then
 drop samples with an error instead of teaching the policy from an infrastructure failure.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -15,10 +16,10 @@ __all__ = ["GradeResult"]
 @dataclass
 class GradeResult:
     reward: float
-    passed: int          # math: 1 if correct; code: tests passed
-    total: int           # math: 1; code: tests run (after sampling)
+    passed: int  # math: 1 if correct; code: tests passed
+    total: int  # math: 1; code: tests run (after sampling)
     error: str | None = None
-    detail: str = ""     # e.g. "correct", "missing </think>", "wrong answer: parsed 7"
+    detail: str = ""  # e.g. "correct", "missing </think>", "wrong answer: parsed 7"
     #: Code only: one verdict per test run, e.g. "pass", "wrong answer", "timeout (wall 6s)".
     tests: list[str] = field(default_factory=list)
 

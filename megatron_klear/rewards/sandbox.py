@@ -24,10 +24,9 @@ Each concurrent sandbox uses its own uid (`base_uid + slot`, slots leased with a
 programs of different samples cannot signal each other, and a leftover process of one run can be
 identified by its uid alone.
 """
+
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import logging
 import math
 import os
@@ -46,9 +45,9 @@ from dataclasses import dataclass, field
 
 from . import harness as _harness
 from .config import SandboxConfig
+from .processes import SandboxUnavailable, SlotLease, _base_dir, _is_subreaper, _reap_orphans, kill_uid
 
-__all__ = ["Sandbox", "RunResult", "IsolationReport", "SandboxUnavailable", "probe_isolation",
-           "resolve_isolation", "SlotLease", "become_subreaper"]
+__all__ = ["Sandbox", "RunResult", "IsolationReport", "probe_isolation", "resolve_isolation"]
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +61,14 @@ _STDERR_TAIL = 4096
 _WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
 
 
-class SandboxUnavailable(RuntimeError):
-    """The requested isolation cannot be provided on this machine."""
-
-
 @dataclass
 class RunResult:
     """How one run ended. Only `started` is trustworthy about the program's behaviour; everything
     else (exit code, output) is the program's word and is interpreted as such."""
 
-    started: bool                 # the harness reached the program (else: a sandbox failure)
-    status: str                   # "exited" | "timeout" | "output_limit"
-    exit_code: int | None         # signals as 128+N (bubblewrap's convention, applied to both levels)
+    started: bool  # the harness reached the program (else: a sandbox failure)
+    status: str  # "exited" | "timeout" | "output_limit"
+    exit_code: int | None  # signals as 128+N (bubblewrap's convention, applied to both levels)
     stdout: bytes
     stderr_tail: bytes
     wall_s: float
@@ -109,7 +104,7 @@ class RunResult:
 class IsolationReport:
     """What the start-up probe found."""
 
-    level: str | None                                   # what runs will use; None: refused
+    level: str | None  # what runs will use; None: refused
     bwrap_ok: bool = False
     bwrap_problems: list[str] = field(default_factory=list)
     fallback_ok: bool = False
@@ -124,120 +119,6 @@ class IsolationReport:
             parts.append("fallback limitations: " + "; ".join(self.limitations))
         return " | ".join(parts)
 
-
-# ----------------------------------------------------------------------------- process helpers
-
-def become_subreaper() -> bool:
-    """Make this process the reaper of its orphaned descendants (Linux), so that grandchildren a
-    program leaves behind come back to us to be reaped. Only for dedicated worker processes."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                          ctypes.c_ulong(0)) == 0  # PR_SET_CHILD_SUBREAPER
-    except OSError:
-        return False
-
-
-def _is_subreaper() -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        out = ctypes.c_int(0)
-        return libc.prctl(37, ctypes.byref(out), 0, 0, 0) == 0 and out.value == 1
-    except OSError:
-        return False
-
-
-def _reap_orphans(timeout_s: float = 0.5) -> None:
-    """Reap dead children that are not ours by Popen (orphans handed to us as subreaper)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            if time.monotonic() > end:
-                log.warning("sandbox: children still alive %.1f s after being killed", timeout_s)
-                return
-            time.sleep(0.001)
-
-
-def processes_of_uid(uid: int) -> list[int]:
-    """PIDs whose real uid is `uid` (tests and diagnostics)."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status", "rb") as f:
-                for line in f:
-                    if line.startswith(b"Uid:"):
-                        if int(line.split()[1]) == uid:
-                            out.append(int(name))
-                        break
-        except OSError:
-            continue
-    return out
-
-
-def kill_uid(uid: int) -> None:
-    """SIGKILL every process whose real or saved uid is `uid` (root only; `uid` must be private
-    to the caller, e.g. a sandbox slot uid)."""
-    kill = shutil.which("kill", path="/usr/bin:/bin")
-    cmd = [kill, "-KILL", "-1"] if kill else [sys.executable, "-I", "-S", "-c",
-                                               "import os, signal; os.kill(-1, signal.SIGKILL)"]
-    subprocess.run(cmd, user=uid, group=uid, extra_groups=[], env={}, stdin=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-
-
-def _base_dir() -> str:
-    """The grader's private directory; refuses one that another user could have planted."""
-    path = os.path.join(tempfile.gettempdir(), f"megatron-klear-sandbox-{os.getuid()}")
-    try:
-        os.mkdir(path, 0o711)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise SandboxUnavailable(f"{path} exists but is not a private directory of uid {os.getuid()}")
-    os.chmod(path, 0o711)
-    for sub, mode in (("slots", 0o700), ("runs", 0o711)):
-        p = os.path.join(path, sub)
-        os.makedirs(p, mode=mode, exist_ok=True)
-        os.chmod(p, mode)
-    return path
-
-
-class SlotLease:
-    """Exclusive use of one sandbox uid slot, across processes (flock on a lock file).
-
-    The lock dies with its holder, so a crashed grader never leaks a slot.
-    """
-
-    def __init__(self, max_slots: int, prefer: int | None = None):
-        d = os.path.join(_base_dir(), "slots")
-        order = list(range(max_slots))
-        if prefer is not None and 0 <= prefer < max_slots:
-            order.remove(prefer)
-            order.insert(0, prefer)
-        for slot in order:
-            fd = os.open(os.path.join(d, f"{slot}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self.slot, self._fd = slot, fd
-            return
-        raise SandboxUnavailable(f"all {max_slots} sandbox slots are in use")
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-# ----------------------------------------------------------------------------- the sandbox
 
 def _default_python(cfg: SandboxConfig) -> str:
     if cfg.python:
@@ -264,8 +145,9 @@ class Program:
         with open(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(code)
 
-    def run(self, stdin: bytes = b"", call: str | None = None,
-            output_limit: int | None = None, expr: bool = False) -> RunResult:
+    def run(
+        self, stdin: bytes = b"", call: str | None = None, output_limit: int | None = None, expr: bool = False
+    ) -> RunResult:
         return self.sandbox.run(self, stdin, call=call, output_limit=output_limit, expr=expr)
 
     def close(self) -> None:
@@ -285,8 +167,7 @@ class Sandbox:
     slot: use this uid slot (the caller holds its lease); None leases one.
     """
 
-    def __init__(self, config: SandboxConfig | None = None, level: str | None = None,
-                 slot: int | None = None):
+    def __init__(self, config: SandboxConfig | None = None, level: str | None = None, slot: int | None = None):
         self.cfg = config or SandboxConfig()
         self.level = level or resolve_isolation(self.cfg).level
         if self.level not in ("bwrap", "fallback"):
@@ -306,8 +187,7 @@ class Sandbox:
         self._reap = _is_subreaper()
         self._seccomp = _harness.seccomp_filter()
         if self._seccomp is None:
-            log.warning("sandbox: no seccomp filter for %s; network isolation relies on namespaces",
-                        os.uname().machine)
+            log.warning("sandbox: no seccomp filter for %s; network isolation relies on namespaces", os.uname().machine)
             if self.level == "fallback":
                 raise SandboxUnavailable(f"fallback sandbox needs seccomp, unsupported on {os.uname().machine}")
         self._runs = 0
@@ -334,18 +214,37 @@ class Sandbox:
 
     # -- one run
 
-    def _limits_args(self, mode: str, status_fd: int, code_path: str, workdir: str,
-                     fn_name: str | None) -> list[str]:
+    def _limits_args(self, mode: str, status_fd: int, code_path: str, workdir: str, fn_name: str | None) -> list[str]:
         c = self.cfg
-        return [mode, str(status_fd), code_path, workdir, str(self.uid), str(self.gid),
-                str(math.ceil(c.cpu_s)), str(c.memory_mb << 20), str(c.file_size_mb << 20),
-                str(c.open_files), str(c.processes), "1" if self.level == "fallback" else "0",
-                fn_name or "-"]
+        return [
+            mode,
+            str(status_fd),
+            code_path,
+            workdir,
+            str(self.uid),
+            str(self.gid),
+            str(math.ceil(c.cpu_s)),
+            str(c.memory_mb << 20),
+            str(c.file_size_mb << 20),
+            str(c.open_files),
+            str(c.processes),
+            "1" if self.level == "fallback" else "0",
+            fn_name or "-",
+        ]
 
     def _bwrap_command(self, program: Program, seccomp_fd: int | None) -> list[str]:
         c = self.cfg
-        cmd = [self._bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-               "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv"]
+        cmd = [
+            self._bwrap,
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+        ]
         for k, v in self._env(_IN_SANDBOX_WORKDIR).items():
             cmd += ["--setenv", k, v]
         cmd += ["--ro-bind", "/usr", "/usr"]
@@ -362,25 +261,53 @@ class Sandbox:
         cmd += ["--perms", "0755", "--dir", "/dev"]
         for dev in ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"):
             cmd += ["--dev-bind", dev, dev]
-        for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                             ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        for name, target in (
+            ("fd", "/proc/self/fd"),
+            ("stdin", "/proc/self/fd/0"),
+            ("stdout", "/proc/self/fd/1"),
+            ("stderr", "/proc/self/fd/2"),
+        ):
             cmd += ["--symlink", target, f"/dev/{name}"]
-        cmd += ["--proc", "/proc",
-                "--size", str(c.tmpfs_mb << 20), "--perms", "0700", "--tmpfs", _IN_SANDBOX_WORKDIR,
-                "--ro-bind", program.dir, _IN_SANDBOX_CODE_DIR,
-                "--ro-bind", _HARNESS_PATH, _IN_SANDBOX_HARNESS,
-                "--chdir", _IN_SANDBOX_WORKDIR]
+        cmd += [
+            "--proc",
+            "/proc",
+            "--size",
+            str(c.tmpfs_mb << 20),
+            "--perms",
+            "0700",
+            "--tmpfs",
+            _IN_SANDBOX_WORKDIR,
+            "--ro-bind",
+            program.dir,
+            _IN_SANDBOX_CODE_DIR,
+            "--ro-bind",
+            _HARNESS_PATH,
+            _IN_SANDBOX_HARNESS,
+            "--chdir",
+            _IN_SANDBOX_WORKDIR,
+        ]
         if seccomp_fd is not None:
             cmd += ["--seccomp", str(seccomp_fd)]
         return cmd
 
     @staticmethod
     def _env(home: str) -> dict[str, str]:
-        return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home,
-                "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+        return {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": home,
+            "TMPDIR": home,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+        }
 
-    def run(self, program: Program, stdin: bytes = b"", call: str | None = None,
-            output_limit: int | None = None, expr: bool = False) -> RunResult:
+    def run(
+        self,
+        program: Program,
+        stdin: bytes = b"",
+        call: str | None = None,
+        output_limit: int | None = None,
+        expr: bool = False,
+    ) -> RunResult:
         """Run `program` once: stdin/stdout mode, `call`ing the named function (JSON args on stdin),
         or (`expr`) evaluating the expression test on stdin after the program's code."""
         limit = output_limit or self.cfg.output_limit_bytes
@@ -397,9 +324,13 @@ class Sandbox:
                     os.write(sw, self._seccomp)
                     os.close(sw)
                     to_close.append(seccomp_r)
-                cmd = self._bwrap_command(program, seccomp_r) + [
-                    self.python, "-I", _IN_SANDBOX_HARNESS] + self._limits_args(
-                    mode, status_w, f"{_IN_SANDBOX_CODE_DIR}/solution.py", _IN_SANDBOX_WORKDIR, call)
+                cmd = (
+                    self._bwrap_command(program, seccomp_r)
+                    + [self.python, "-I", _IN_SANDBOX_HARNESS]
+                    + self._limits_args(
+                        mode, status_w, f"{_IN_SANDBOX_CODE_DIR}/solution.py", _IN_SANDBOX_WORKDIR, call
+                    )
+                )
                 env, cwd = {}, "/"
                 fds = (status_w,) + ((seccomp_r,) if seccomp_r is not None else ())
             else:
@@ -408,17 +339,32 @@ class Sandbox:
                 os.chown(workdir, self.uid, self.gid)
                 os.chmod(program.dir, 0o711)  # traversable by the uid, code file stays 0600 root
                 cmd = [self.python, "-I", _HARNESS_PATH] + self._limits_args(
-                    mode, status_w, program.code_path, workdir, call)
+                    mode, status_w, program.code_path, workdir, call
+                )
                 env, cwd = self._env(workdir), workdir
                 fds = (status_w,)
             t0 = time.monotonic()
             try:
-                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, env=env, cwd=cwd, pass_fds=fds,
-                                        start_new_session=True, close_fds=True)
+                proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=env,
+                    cwd=cwd,
+                    pass_fds=fds,
+                    start_new_session=True,
+                    close_fds=True,
+                )
             except OSError as e:  # no interpreter / no bwrap: the sandbox, not the program
-                return RunResult(started=False, status="exited", exit_code=None, stdout=b"",
-                                 stderr_tail=f"cannot start {cmd[0]}: {e}".encode(), wall_s=0.0)
+                return RunResult(
+                    started=False,
+                    status="exited",
+                    exit_code=None,
+                    stdout=b"",
+                    stderr_tail=f"cannot start {cmd[0]}: {e}".encode(),
+                    wall_s=0.0,
+                )
             os.close(status_w)
             to_close.remove(status_w)
             if seccomp_r is not None:
@@ -432,8 +378,14 @@ class Sandbox:
             rc = proc.returncode
             if rc is not None and rc < 0:
                 rc = 128 - rc
-            return RunResult(started=started, status=status, exit_code=rc, stdout=bytes(out),
-                             stderr_tail=bytes(err[-_STDERR_TAIL:]), wall_s=wall)
+            return RunResult(
+                started=started,
+                status=status,
+                exit_code=rc,
+                stdout=bytes(out),
+                stderr_tail=bytes(err[-_STDERR_TAIL:]),
+                wall_s=wall,
+            )
         finally:
             for fd in to_close:
                 try:
@@ -488,7 +440,7 @@ class Sandbox:
                     fd = key.fd
                     if fd == in_fd:
                         try:
-                            view = view[os.write(in_fd, view[:1 << 16]):]
+                            view = view[os.write(in_fd, view[: 1 << 16]) :]
                         except BlockingIOError:
                             continue
                         except OSError:  # the program closed stdin or exited
@@ -594,7 +546,7 @@ class Sandbox:
 
 # ----------------------------------------------------------------------------- the probe
 
-_PROBE = r'''
+_PROBE = r"""
 import json, os, socket, sys
 r = {"uid": os.getuid(), "euid": os.geteuid(), "groups": os.getgroups(), "pid": os.getpid(),
      "env": sorted(os.environ)}
@@ -623,7 +575,7 @@ try:
 except Exception:
     r["stdlib"] = False
 print(json.dumps(r))
-'''
+"""
 
 
 def _probe_level(cfg: SandboxConfig, level: str) -> tuple[list[str], list[str]]:
@@ -649,9 +601,14 @@ def _probe_level(cfg: SandboxConfig, level: str) -> tuple[list[str], list[str]]:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         port = listener.getsockname()[1]
-        probe_cfg = SandboxConfig(**{**cfg.__dict__, "wall_s": max(10.0, cfg.wall_s),
-                                     "cpu_s": max(5.0, cfg.cpu_s),
-                                     "memory_mb": max(256, cfg.memory_mb)})
+        probe_cfg = SandboxConfig(
+            **{
+                **cfg.__dict__,
+                "wall_s": max(10.0, cfg.wall_s),
+                "cpu_s": max(5.0, cfg.cpu_s),
+                "memory_mb": max(256, cfg.memory_mb),
+            }
+        )
         try:
             with Sandbox(probe_cfg, level=level) as sb:
                 res = sb.run_code(_PROBE, f"{secret}\n{visible}\n{host_tmp}\n{port}\n".encode())
@@ -659,8 +616,10 @@ def _probe_level(cfg: SandboxConfig, level: str) -> tuple[list[str], list[str]]:
         finally:
             os.unlink(host_tmp)
         if not res.started or res.exit_code != 0:
-            problems.append("probe program did not run: " + (res.failure_reason(probe_cfg) or
-                            res.stderr_tail.decode("utf-8", "replace")[-300:]))
+            problems.append(
+                "probe program did not run: "
+                + (res.failure_reason(probe_cfg) or res.stderr_tail.decode("utf-8", "replace")[-300:])
+            )
             return problems, limitations
         import json
 
@@ -676,8 +635,10 @@ def _probe_level(cfg: SandboxConfig, level: str) -> tuple[list[str], list[str]]:
         if set(r["env"]) - set(_ENV_KEYS):
             problems.append(f"environment not clean: {sorted(set(r['env']) - set(_ENV_KEYS))}")
         if not r["stdlib"]:
-            problems.append(f"the interpreter {_default_python(cfg)} cannot import its standard "
-                            "library as an unprivileged uid (set sandbox.python)")
+            problems.append(
+                f"the interpreter {_default_python(cfg)} cannot import its standard "
+                "library as an unprivileged uid (set sandbox.python)"
+            )
         if level == "bwrap":
             if r["host_file_visible"]:
                 problems.append("host files outside /usr are visible")
@@ -743,22 +704,28 @@ def resolve_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
         elif cfg.isolation == "fallback" or (cfg.isolation == "auto" and cfg.allow_fallback):
             if not rep.fallback_ok:
                 raise SandboxUnavailable(
-                    "no usable sandbox: bubblewrap: " + ("; ".join(rep.bwrap_problems) or "not requested")
-                    + " | fallback: " + "; ".join(rep.fallback_problems))
+                    "no usable sandbox: bubblewrap: "
+                    + ("; ".join(rep.bwrap_problems) or "not requested")
+                    + " | fallback: "
+                    + "; ".join(rep.fallback_problems)
+                )
             rep.level = "fallback"
-            msg = ("SANDBOX DEGRADED: bubblewrap isolation unavailable ("
-                   + ("; ".join(rep.bwrap_problems) or "fallback requested")
-                   + "); running untrusted programs with rlimits + separate uid + seccomp only. "
-                   "Limitations: " + "; ".join(rep.limitations))
+            msg = (
+                "SANDBOX DEGRADED: bubblewrap isolation unavailable ("
+                + ("; ".join(rep.bwrap_problems) or "fallback requested")
+                + "); running untrusted programs with rlimits + separate uid + seccomp only. "
+                "Limitations: " + "; ".join(rep.limitations)
+            )
             log.error(msg)  # without logging configured, Python's last-resort handler prints it
             if log.hasHandlers():  # configured handlers may write elsewhere: stderr as well
                 print(f"megatron_klear.rewards: {msg}", file=sys.stderr, flush=True)
         else:
             raise SandboxUnavailable(
-                "bubblewrap isolation does not work here: " + "; ".join(rep.bwrap_problems)
+                "bubblewrap isolation does not work here: "
+                + "; ".join(rep.bwrap_problems)
                 + ". Refusing to run untrusted code; set sandbox.allow_fallback=true to accept "
                 "the weaker rlimits + separate-uid fallback"
-                + ("" if rep.fallback_ok else " (which does not work either: "
-                   + "; ".join(rep.fallback_problems) + ")"))
+                + ("" if rep.fallback_ok else " (which does not work either: " + "; ".join(rep.fallback_problems) + ")")
+            )
         _resolved[key] = rep
         return rep

@@ -10,6 +10,7 @@ swallow an ordinary exception, turning a timeout into a silent "wrong". Code in 
 arithmetic) cannot be interrupted by a signal; that is what the parent's hard deadline, which
 kills the whole worker, is for.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,6 +34,7 @@ class GradeTimeout(BaseException):
 @contextmanager
 def deadline(seconds: float):
     """Raise GradeTimeout in the main thread after `seconds` (wall clock)."""
+
     def _fire(signum, frame):
         raise GradeTimeout()
 
@@ -49,8 +51,13 @@ def deadline(seconds: float):
 # submodules imported on first use and the LaTeX parser's (ANTLR) prediction caches, ~0.4 s of CPU
 # against ~5 ms for the same item afterwards. Charged to a worker's first item they could exceed
 # its math_timeout_s on a loaded machine: a correct answer scored as a timeout.
-_WARM_UP_ITEMS = ((r"(x+1)^2", "x^2+2x+1"), (r"\frac{1}{2}", "0.5"), (r"\sqrt{2}\pi", r"\sqrt{2} \cdot \pi"),
-                  (r"(2, 1)", r"(1, 2)"), (r"(-\infty, 3)", r"(-\infty, 3]"))
+_WARM_UP_ITEMS = (
+    (r"(x+1)^2", "x^2+2x+1"),
+    (r"\frac{1}{2}", "0.5"),
+    (r"\sqrt{2}\pi", r"\sqrt{2} \cdot \pi"),
+    (r"(2, 1)", r"(1, 2)"),
+    (r"(-\infty, 3)", r"(-\infty, 3]"),
+)
 _warm = False
 
 
@@ -84,7 +91,8 @@ def worker_main(conn, slot: int, cfg: RewardConfig) -> None:
     """Serve (task_id, item_dict, isolation_level) messages until None or EOF."""
     from megatron_klear.platform.process import die_with_parent
 
-    from .sandbox import Sandbox, become_subreaper
+    from .processes import become_subreaper
+    from .sandbox import Sandbox
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     die_with_parent()  # the forkserver we were forked from exits with the trainer: so do we
@@ -114,15 +122,19 @@ def worker_main(conn, slot: int, cfg: RewardConfig) -> None:
                         sandbox = Sandbox(cfg.sandbox, level=level, slot=slot)
                     res = grade_item(item, cfg, sandbox=sandbox)
             except GradeTimeout:
-                res = GradeResult.failure(failure_reward(task, cfg),
-                                          f"timeout: grading took more than {cfg.math_timeout_s:g} s")
+                res = GradeResult.failure(
+                    failure_reward(task, cfg), f"timeout: grading took more than {cfg.math_timeout_s:g} s"
+                )
             except MemoryError:
-                res = GradeResult.failure(failure_reward(task, cfg),
-                                          f"memory limit: grading needed more than {cfg.math_memory_mb} MB")
+                res = GradeResult.failure(
+                    failure_reward(task, cfg), f"memory limit: grading needed more than {cfg.math_memory_mb} MB"
+                )
             except Exception as e:  # a grader bug must not take the pool down, nor hide
                 tb = traceback.format_exc(limit=3).strip().splitlines()
-                res = GradeResult.failure(failure_reward(task, cfg),
-                                          f"grader error: {type(e).__name__}: {e} ({tb[-2].strip() if len(tb) > 1 else ''})")
+                res = GradeResult.failure(
+                    failure_reward(task, cfg),
+                    f"grader error: {type(e).__name__}: {e} ({tb[-2].strip() if len(tb) > 1 else ''})",
+                )
             try:
                 conn.send((task_id, res))
             except (BrokenPipeError, OSError):
@@ -131,4 +143,3 @@ def worker_main(conn, slot: int, cfg: RewardConfig) -> None:
         if sandbox is not None:
             sandbox.close()
         os._exit(0)
-

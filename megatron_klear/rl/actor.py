@@ -12,6 +12,7 @@ advantage is weighted by ``min(exp(old - behaviour), tis_cap)``, behaviour = the
 under the version that sampled the token (AReaL's decoupled objective); with
 ``rl.mask_stale_tokens`` stale tokens leave the loss mask and the global normalisers instead (slime).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,13 +27,26 @@ from megatron_klear.training.batches import row_multiple
 from megatron_klear.training.step import last_moe_aux_loss, reduce_metrics, run_micro_batches
 
 SUM_KEYS = (
-    "loss", "pg_loss", "nll_loss", "tokens", "clip_frac_low", "clip_frac_high", "clip_frac_dual",
-    "ratio_mean", "approx_kl", "entropy", "mismatch_abs", "mismatch_tokens", "tis_weight", "tis_tokens",
+    "loss",
+    "pg_loss",
+    "nll_loss",
+    "tokens",
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac_dual",
+    "ratio_mean",
+    "approx_kl",
+    "entropy",
+    "mismatch_abs",
+    "mismatch_tokens",
+    "tis_weight",
+    "tis_tokens",
 )
 
 
-def mini_batch_counts(samples: list, ids: list, *, policy_version: int | None = None,
-                      mask_stale: bool = False) -> LossCounts:
+def mini_batch_counts(
+    samples: list, ids: list, *, policy_version: int | None = None, mask_stale: bool = False
+) -> LossCounts:
     """The global normalisers of the mini-batch ``ids``: its counted response tokens, the sequences
     with at least one counted token, and both among the positive samples. With ``mask_stale`` the
     tokens older than ``policy_version`` are not counted (they are out of the loss mask too)."""
@@ -56,8 +70,9 @@ def counted_mask(local: dict, mask_stale: bool) -> torch.Tensor:
 
 
 class Actor:
-    def __init__(self, state, rl_cfg, *, pad_id: int = 0, logprob_chunk_size: int | None = 4096,
-                 router_replay: bool = False):
+    def __init__(
+        self, state, rl_cfg, *, pad_id: int = 0, logprob_chunk_size: int | None = 4096, router_replay: bool = False
+    ):
         self.state = state
         self.router_replay = router_replay  # MoE: old log-probs with the engine's expert choices
         self.rl = rl_cfg
@@ -76,10 +91,13 @@ class Actor:
         plans = []
         for ids in split_mini_batches(samples, self.rl.mini_batch_prompts):
             mbs = plan_mini_batch(
-                samples, ids,
+                samples,
+                ids,
                 dp_rank=parallel_state.get_data_parallel_rank(),
                 dp_size=parallel_state.get_data_parallel_world_size(),
-                max_tokens=self.rl.max_tokens_per_micro_batch, pad_id=self.pad_id, pad_to_multiple=multiple,
+                max_tokens=self.rl.max_tokens_per_micro_batch,
+                pad_id=self.pad_id,
+                pad_to_multiple=multiple,
                 count_multiple=cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1,
                 segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
                 policy_version=policy_version,
@@ -94,9 +112,15 @@ class Actor:
 
     def _run(self, micro_batches, loss_fn, forward_only, before_forward=None):
         return run_micro_batches(
-            self.state.model, micro_batches, loss_fn, forward_only=forward_only,
-            temperature=self.rl.temperature, chunk_size=self.chunk_size,
-            per_token_keys=RL_PER_TOKEN_KEYS, pad_id=self.pad_id, before_forward=before_forward,
+            self.state.model,
+            micro_batches,
+            loss_fn,
+            forward_only=forward_only,
+            temperature=self.rl.temperature,
+            chunk_size=self.chunk_size,
+            per_token_keys=RL_PER_TOKEN_KEYS,
+            pad_id=self.pad_id,
+            before_forward=before_forward,
         )
 
     # -- old log-probs ----------------------------------------------------------------------------
@@ -117,7 +141,9 @@ class Actor:
         replay = self.router_replay and any("routed_experts" in mb for mb in all_mbs)
         self.replayed_micro_batches = sum("routed_experts" in mb for mb in all_mbs) if replay else 0
         try:
-            for res in self._run(all_mbs, collect, forward_only=True, before_forward=replay_routing if replay else None):
+            for res in self._run(
+                all_mbs, collect, forward_only=True, before_forward=replay_routing if replay else None
+            ):
                 all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
         finally:
             if replay:
@@ -156,10 +182,22 @@ class Actor:
                     tis_weight = (w.detach() * mask).sum().double()
                     n_tis = float(m.sum())
             loss, metrics = policy_loss(
-                logprobs, old, adv, mask, algo=rl.algo, eps_low=rl.eps_low, eps_high=rl.eps_high,
-                dual_clip=rl.dual_clip, beta1=rl.beta1, beta2=rl.beta2, agg=rl.agg,
-                seq_ids=local["seq_ids"], norm_constant=rl.norm_constant, counts=counts,
-                positive=local["positive"], nll_coef=rl.nll_coef,
+                logprobs,
+                old,
+                adv,
+                mask,
+                algo=rl.algo,
+                eps_low=rl.eps_low,
+                eps_high=rl.eps_high,
+                dual_clip=rl.dual_clip,
+                beta1=rl.beta1,
+                beta2=rl.beta2,
+                agg=rl.agg,
+                seq_ids=local["seq_ids"],
+                norm_constant=rl.norm_constant,
+                counts=counts,
+                positive=local["positive"],
+                nll_coef=rl.nll_coef,
             )
             n = float(m.sum())
             out = {
@@ -197,12 +235,21 @@ class Actor:
         plans = self.plan(samples, policy_version)
         n_mini_batches = len(plans)
         plans = [(counts, mbs) for counts, mbs in plans if counts.num_tokens > 0]  # no forward, no step
-        masked = (sum(int(stale_flags(s, policy_version, index=i).sum()) for i, s in enumerate(samples))
-                  if self.mask_stale else 0)
+        masked = (
+            sum(int(stale_flags(s, policy_version, index=i).sum()) for i, s in enumerate(samples))
+            if self.mask_stale
+            else 0
+        )
         if not plans:  # every token stale and masked: nothing to train on
             out = dict.fromkeys(("actor/loss", "actor/pg_loss", "actor/nll_loss", "actor/entropy"), 0.0)
-            out.update({"actor/optimizer_steps": 0, "actor/steps": [], "actor/skipped_mini_batches": n_mini_batches,
-                        "actor/stale_tokens_masked": float(masked)})
+            out.update(
+                {
+                    "actor/optimizer_steps": 0,
+                    "actor/steps": [],
+                    "actor/skipped_mini_batches": n_mini_batches,
+                    "actor/stale_tokens_masked": float(masked),
+                }
+            )
             return out
         self.recompute_old_logprobs(plans)
         totals = dict.fromkeys(SUM_KEYS, 0.0)
@@ -305,7 +352,7 @@ def replay_indices(routed: torch.Tensor, size: int, *, sp_rank: int = 0, sp_size
             idx = torch.where(padding.unsqueeze(-1), distinct, idx)
     if size % sp_size:
         raise ValueError(f"router replay: a row of {size} tokens does not split over {sp_size} sequence-parallel ranks")
-    return idx[sp_rank * (size // sp_size):(sp_rank + 1) * (size // sp_size)]
+    return idx[sp_rank * (size // sp_size) : (sp_rank + 1) * (size // sp_size)]
 
 
 def _all_max(x: float) -> float:

@@ -11,6 +11,7 @@ take and return per-response tensors; broadcasting over tokens is the packer's j
 - ``overlong_keep_mask``: the overlong filter (drop responses that did not end with EOS), optional.
 - ``correct_samples``: responses whose reward is exactly the correct score (the SFT term's samples).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
@@ -37,7 +38,9 @@ def _group_index(
         return torch.arange(n, device=rewards.device) // group_size, n // group_size
     ids = torch.as_tensor(group_ids, device=rewards.device)
     if ids.shape != rewards.shape:
-        raise ValueError(f"advantages: group_ids has shape {tuple(ids.shape)}, expected the rewards' {tuple(rewards.shape)}")
+        raise ValueError(
+            f"advantages: group_ids has shape {tuple(ids.shape)}, expected the rewards' {tuple(rewards.shape)}"
+        )
     uniq, inverse = torch.unique(ids, return_inverse=True)
     return inverse, int(uniq.shape[0])
 

@@ -21,6 +21,7 @@ Exact resume: a checkpoint holds the producer's state (the partial buffer) and, 
 the batch generated for the next step -- :meth:`OneStepAhead.state_dict` waits for it -- so a resumed
 run trains on what the uninterrupted run trains on. Runs on rank 0.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,13 +101,20 @@ class OneStepAhead:
         if batch is None:  # the first step of a run: nothing was generated ahead
             batch = _Batch(version).run(self.producer.produce, prompts)
         if batch.version != version:
-            raise RuntimeError(f"rl.async_steps: the batch generated ahead is for weight version {batch.version}, "
-                               f"the step trains at {version}")
+            raise RuntimeError(
+                f"rl.async_steps: the batch generated ahead is for weight version {batch.version}, "
+                f"the step trains at {version}"
+            )
         samples, metrics = batch.wait()
         spent = batch.ended - batch.started
         metrics = dict(metrics)
-        metrics.update({"perf/generate_s": spent, "perf/overlap_s": max(0.0, min(batch.ended, asked) - batch.started),
-                        "perf/generate_wait_s": max(0.0, batch.ended - max(asked, batch.started))})
+        metrics.update(
+            {
+                "perf/generate_s": spent,
+                "perf/overlap_s": max(0.0, min(batch.ended, asked) - batch.started),
+                "perf/generate_wait_s": max(0.0, batch.ended - max(asked, batch.started)),
+            }
+        )
         if prefetch_next:
             self.pending = _Batch(version + 1).run(self.producer.produce, prompts)
         return samples, metrics
@@ -117,9 +125,12 @@ class OneStepAhead:
         if self.pending is not None:
             samples, metrics = self.pending.wait()
             state["producer"] = self.producer.state_dict()  # (after the batch: its leftovers are buffered)
-            state["ahead"] = {"version": self.pending.version, "metrics": metrics,
-                              "generate_s": self.pending.ended - self.pending.started,
-                              "samples": [dataclasses.asdict(s) for s in samples]}
+            state["ahead"] = {
+                "version": self.pending.version,
+                "metrics": metrics,
+                "generate_s": self.pending.ended - self.pending.started,
+                "samples": [dataclasses.asdict(s) for s in samples],
+            }
         return state
 
     def load_state_dict(self, state: dict) -> None:

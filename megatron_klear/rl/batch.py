@@ -9,6 +9,7 @@ row predicts token ``t+1``, so the advantage, the rollout log-prob and the posit
 response token ``j`` sit at the position of the token before it. So does ``stale`` (1.0 where the
 token was sampled by an older weight version than the trainer's, see :mod:`megatron_klear.rl.staleness`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,7 +21,14 @@ from megatron_klear.data.packing import assign_bins_to_ranks, build_packed_micro
 from megatron_klear.rl.staleness import stale_flags
 
 RL_PER_TOKEN_KEYS = (
-    "tokens", "labels", "loss_mask", "position_ids", "advantages", "positive", "seq_ids", "rollout_logprobs",
+    "tokens",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "advantages",
+    "positive",
+    "seq_ids",
+    "rollout_logprobs",
     "stale",  # 1.0 on response tokens of an older weight version than the trainer's (0 in synchronous RL)
     "routed_experts",  # only in rows whose samples all carry the engine's experts (router replay)
 )
@@ -57,8 +65,9 @@ def _shifted(values: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to_multiple: int,
-                         policy_version: int | None = None) -> dict:
+def build_rl_micro_batch(
+    samples: list, sample_ids: list, *, pad_id: int, pad_to_multiple: int, policy_version: int | None = None
+) -> dict:
     """One packed row of ``samples`` (may be empty: a filler row with no loss). ``policy_version``:
     the version of the trainer's weights before this update; response tokens of an older version
     get ``stale`` = 1 (none without it)."""
@@ -76,23 +85,24 @@ def build_rl_micro_batch(samples: list, sample_ids: list, *, pad_id: int, pad_to
         n, p = len(s), len(s.prompt_ids)
         per_tok = np.zeros(n, dtype=np.float32)
         per_tok[p:] = s.advantage
-        adv[off: off + n] = _shifted(per_tok, n)
+        adv[off : off + n] = _shifted(per_tok, n)
         per_tok[p:] = 1.0 if s.positive else 0.0
-        pos[off: off + n] = _shifted(per_tok, n)
-        seq[off: off + n] = sid
+        pos[off : off + n] = _shifted(per_tok, n)
+        seq[off : off + n] = sid
         flags = stale_flags(s, policy_version, index=sid)
         if flags.any():
             per_tok[:] = 0.0
             per_tok[p:] = flags
-            stale[off: off + n] = _shifted(per_tok, n)
+            stale[off : off + n] = _shifted(per_tok, n)
         if s.rollout_logprobs is not None:
             if len(s.rollout_logprobs) != len(s.response_ids):
                 raise ValueError(
-                    f"sample {sid}: {len(s.rollout_logprobs)} rollout log-probs for {len(s.response_ids)} response tokens"
+                    f"sample {sid}: {len(s.rollout_logprobs)} rollout log-probs for "
+                    f"{len(s.response_ids)} response tokens"
                 )
             per_tok[:] = 0.0
             per_tok[p:] = s.rollout_logprobs
-            rlp[off: off + n] = _shifted(per_tok, n)
+            rlp[off : off + n] = _shifted(per_tok, n)
         off += n
     row.update(
         advantages=torch.from_numpy(adv).unsqueeze(0),
@@ -123,9 +133,11 @@ def routed_experts_row(samples: list, size: int) -> torch.Tensor:
         if r.numel() and (int(r.min()) < 0 or int(r.max()) > torch.iinfo(torch.int16).max):
             raise ValueError(f"routed_experts holds expert ids outside [0, 32767]: {int(r.min())}..{int(r.max())}")
         if tuple(r.shape) != (len(s) - 1, layers, topk):
-            raise ValueError(f"routed_experts of shape {tuple(r.shape)} for a sample of {len(s)} tokens "
-                             f"(expected {(len(s) - 1, layers, topk)})")
-        out[off: off + len(s) - 1] = r
+            raise ValueError(
+                f"routed_experts of shape {tuple(r.shape)} for a sample of {len(s)} tokens "
+                f"(expected {(len(s) - 1, layers, topk)})"
+            )
+        out[off : off + len(s) - 1] = r
         off += len(s)
     return out.unsqueeze(0)
 
@@ -135,14 +147,24 @@ def split_mini_batches(samples: list, mini_batch_prompts: int) -> list:
     groups = sorted({s.group for s in samples})
     out = []
     for g0 in range(0, len(groups), mini_batch_prompts):
-        chosen = set(groups[g0: g0 + mini_batch_prompts])
+        chosen = set(groups[g0 : g0 + mini_batch_prompts])
         out.append([i for i, s in enumerate(samples) if s.group in chosen])
     return out
 
 
-def plan_mini_batch(samples: list, ids: list, *, dp_rank: int, dp_size: int, max_tokens: int,
-                    pad_id: int, pad_to_multiple: int, count_multiple: int = 1, segment_multiple: int = 1,
-                    policy_version: int | None = None) -> list:
+def plan_mini_batch(
+    samples: list,
+    ids: list,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    max_tokens: int,
+    pad_id: int,
+    pad_to_multiple: int,
+    count_multiple: int = 1,
+    segment_multiple: int = 1,
+    policy_version: int | None = None,
+) -> list:
     """This DP rank's packed micro-batches of one mini-batch (same count on every rank, rounded up
     to ``count_multiple`` with filler rows: the interleaved pipeline schedule needs a multiple of
     the pipeline size). ``policy_version``: see :func:`build_rl_micro_batch`."""
@@ -161,6 +183,13 @@ def plan_mini_batch(samples: list, ids: list, *, dp_rank: int, dp_size: int, max
     mine = []
     for b in slots[dp_rank]:
         members = [] if b is None else bins[b]
-        mine.append(build_rl_micro_batch([samples[i] for i in members], members, pad_id=pad_id,
-                                         pad_to_multiple=pad_to_multiple, policy_version=policy_version))
+        mine.append(
+            build_rl_micro_batch(
+                [samples[i] for i in members],
+                members,
+                pad_id=pad_id,
+                pad_to_multiple=pad_to_multiple,
+                policy_version=policy_version,
+            )
+        )
     return mine

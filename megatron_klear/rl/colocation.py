@@ -18,6 +18,7 @@ never hold their memory at once:
 The SGLang protocol (0.5.23): ``/release_memory_occupation`` needs an idle server; resuming a tag
 that was not released breaks its scheduler, so only released tags are resumed.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -118,6 +119,8 @@ class Colocated:
         try:
             self.load(engine, *self.last_sync)
         except Exception as e:  # noqa: BLE001 -- the original failure is the one raised
-            warnings.warn(f"rollout.colocate: the servers could not be given back their memory and weight version "
-                          f"{self.last_sync[1]} ({self.last_sync[0]}): {e}; they stay released (tags "
-                          f"{sorted(self.released)}) until resume_memory_occupation and a weight update")
+            warnings.warn(
+                f"rollout.colocate: the servers could not be given back their memory and weight version "
+                f"{self.last_sync[1]} ({self.last_sync[0]}): {e}; they stay released (tags "
+                f"{sorted(self.released)}) until resume_memory_occupation and a weight update"
+            )

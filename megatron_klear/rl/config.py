@@ -1,5 +1,6 @@
 """The ``rl`` section of a job config: the GPPO objective, the batch shape of an RL step, dynamic
 sampling and the prompt data (validated at start; errors name the key)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,7 +46,9 @@ class RLConfig:
     # how rl.prompts are read: auto (detected per file, logged) | project | verl | livecodebench | math
     prompts_format: str = "auto"
     max_prompt_length: int = 4096  # longer prompts are left-truncated
-    oversample_prompts: int = 0  # generate for this many prompts, keep prompts_per_step after filtering (0: no oversampling)
+    oversample_prompts: int = (
+        0  # generate for this many prompts, keep prompts_per_step after filtering (0: no oversampling)
+    )
     # Dynamic sampling (DAPO): while fewer than prompts_per_step groups survive the filters, generate
     # another batch (of oversample_prompts or prompts_per_step prompts), up to this many batches per
     # step; then on_shortfall decides: train (on the groups there are, logged) or fail. The authors'
@@ -75,11 +78,15 @@ class RLConfig:
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError("rl.tis_cap must be > 0 (or null)")
         if self.kl_coef != 0:
-            raise ConfigError(f"rl.kl_coef={self.kl_coef}: a reference-model KL term is not implemented (the "
-                              "Klear recipe uses none: no KL, no reference model); set rl.kl_coef=0")
+            raise ConfigError(
+                f"rl.kl_coef={self.kl_coef}: a reference-model KL term is not implemented (the "
+                "Klear recipe uses none: no KL, no reference model); set rl.kl_coef=0"
+            )
         if self.oversample_prompts and self.oversample_prompts < self.prompts_per_step:
-            raise ConfigError(f"rl.oversample_prompts={self.oversample_prompts} must be >= rl.prompts_per_step="
-                              f"{self.prompts_per_step} (or 0: no oversampling)")
+            raise ConfigError(
+                f"rl.oversample_prompts={self.oversample_prompts} must be >= rl.prompts_per_step="
+                f"{self.prompts_per_step} (or 0: no oversampling)"
+            )
         if self.max_generation_batches < 1:
             raise ConfigError(f"rl.max_generation_batches must be >= 1, got {self.max_generation_batches}")
         if self.on_shortfall not in ("train", "fail"):
@@ -87,11 +94,15 @@ class RLConfig:
         if self.temperature <= 0:
             raise ConfigError("rl.temperature must be > 0")
         if self.async_steps not in (0, 1):
-            raise ConfigError(f"rl.async_steps={self.async_steps}: 0 (synchronous) or 1 (the next batch generates "
-                              "while the actor trains) are supported")
+            raise ConfigError(
+                f"rl.async_steps={self.async_steps}: 0 (synchronous) or 1 (the next batch generates "
+                "while the actor trains) are supported"
+            )
         if self.max_staleness < 0:
             raise ConfigError(f"rl.max_staleness must be >= 0, got {self.max_staleness}")
         if self.async_steps > self.max_staleness:
-            raise ConfigError(f"rl.async_steps={self.async_steps} is larger than rl.max_staleness={self.max_staleness}: "
-                              "every asynchronous batch would be regenerated; set rl.max_staleness >= "
-                              f"{self.async_steps} (or rl.async_steps=0)")
+            raise ConfigError(
+                f"rl.async_steps={self.async_steps} is larger than rl.max_staleness={self.max_staleness}: "
+                "every asynchronous batch would be regenerated; set rl.max_staleness >= "
+                f"{self.async_steps} (or rl.async_steps=0)"
+            )

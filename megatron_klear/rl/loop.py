@@ -19,6 +19,7 @@ rollout manager's ``generate``, docs/async.md)
 then metrics (console, JSONL, wandb/TensorBoard) and checkpoints on the configured cadence or on
 SIGTERM. Everything on the rollout side lives behind :class:`~megatron_klear.rl.rollout_manager.RolloutManager`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,10 @@ class RLLoop:
         if not rl.prompts:
             raise ValueError("rl.prompts is empty: give one or more prompt JSONL files")
         if cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0:
-            warnings.warn("rollout.top_p/top_k filter the sampling distribution; the trainer's "
-                          "importance ratios use the unfiltered one (the recipe samples with neither)")
+            warnings.warn(
+                "rollout.top_p/top_k filter the sampling distribution; the trainer's "
+                "importance ratios use the unfiltered one (the recipe samples with neither)"
+            )
         init_parallel(cfg.parallel, seed=train.seed)
         self.rollout = RolloutManager(cfg)  # colocated servers give way before the trainer allocates its state
         self.ckpt, resume_from = None, None
@@ -63,15 +66,27 @@ class RLLoop:
         hf_dir = cfg.model.path if os.path.isfile(os.path.join(cfg.model.path, "config.json")) else None
         tok_dir = hf_dir or os.path.join(cfg.model.path, "tokenizer")
         self.tokenizer = load_tokenizer(tok_dir)
-        self.prompts = PromptDataset(rl.prompts, self.tokenizer, max_prompt_length=rl.max_prompt_length,
-                                     seed=train.seed, on_bad_line=rl.on_bad_line, report_dir=train.save_dir,
-                                     format=rl.prompts_format)
+        self.prompts = PromptDataset(
+            rl.prompts,
+            self.tokenizer,
+            max_prompt_length=rl.max_prompt_length,
+            seed=train.seed,
+            on_bad_line=rl.on_bad_line,
+            report_dir=train.save_dir,
+            format=rl.prompts_format,
+        )
         if cfg.rollout.router_replay and not self.arch.is_moe:
-            raise ConfigError(f"rollout.router_replay is for mixture-of-experts models; {cfg.model.path} is "
-                              f"{self.arch.model_type}")
+            raise ConfigError(
+                f"rollout.router_replay is for mixture-of-experts models; {cfg.model.path} is {self.arch.model_type}"
+            )
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.actor = Actor(self.state, rl, pad_id=pad, logprob_chunk_size=train.logprob_chunk_size,
-                           router_replay=cfg.rollout.router_replay)
+        self.actor = Actor(
+            self.state,
+            rl,
+            pad_id=pad,
+            logprob_chunk_size=train.logprob_chunk_size,
+            router_replay=cfg.rollout.router_replay,
+        )
         self.rl_step, common = 0, {}
         if resume_from:
             common = self.ckpt.load(self.state, resume_from)
@@ -81,9 +96,15 @@ class RLLoop:
                 print(f"resumed from {resume_from} at step {self.rl_step}", flush=True)
         # EOS ids plus the chat template's end-of-turn token (Qwen3-Base: EOS <|endoftext|>, turns
         # end with <|im_end|>): sent with every request, since engines stop only at EOS by themselves
-        self.rollout.start(state=self.state, actor=self.actor, arch=self.arch, tokenizer=self.tokenizer,
-                           tokenizer_dir=tok_dir, stop_token_ids=generation_stop_ids(self.tokenizer, hf_dir),
-                           needs_sandbox=any(p.task == "code" for p in self.prompts.prompts))
+        self.rollout.start(
+            state=self.state,
+            actor=self.actor,
+            arch=self.arch,
+            tokenizer=self.tokenizer,
+            tokenizer_dir=tok_dir,
+            stop_token_ids=generation_stop_ids(self.tokenizer, hf_dir),
+            needs_sandbox=any(p.task == "code" for p in self.prompts.prompts),
+        )
         self.rollout.load_state_dict(common.get("rollout") or {})  # the partial buffer, the batch generated ahead
         if cfg.rollout.engine == "http" or self.rl_step > 0:  # the engine starts from the trainer's weights
             self.rollout.push_weights(self.rl_step)
@@ -98,10 +119,15 @@ class RLLoop:
         cfg, save_dir = self.cfg, self.cfg.train.save_dir
         return MetricsLogger(
             jsonl_path=cfg.logging.jsonl or (os.path.join(save_dir, "metrics.jsonl") if save_dir else ""),
-            total_steps=self.steps, config=cfg.to_dict(), wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
+            total_steps=self.steps,
+            config=cfg.to_dict(),
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            run_name=cfg.logging.run_name,
             tensorboard_dir=os.path.join(save_dir or ".", "tensorboard") if cfg.logging.tensorboard else None,
-            enabled=is_rank0(), resume_step=self.rl_step if resumed else None)
+            enabled=is_rank0(),
+            resume_step=self.rl_step if resumed else None,
+        )
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -120,8 +146,14 @@ class RLLoop:
         else:
             metrics["actor/skipped"] = 1  # every group filtered: no update, the engine keeps its weights
         step_s = time.time() - t0
-        metrics.update({"time/step_s": step_s, "perf/step_s": step_s, "perf/train_s": time.time() - t1,
-                        "perf/samples_per_s": len(samples or []) / max(step_s, 1e-9)})
+        metrics.update(
+            {
+                "time/step_s": step_s,
+                "perf/step_s": step_s,
+                "perf/train_s": time.time() - t1,
+                "perf/samples_per_s": len(samples or []) / max(step_s, 1e-9),
+            }
+        )
         metrics["lr"] = self.state.optimizer.param_groups[0]["lr"]
         return metrics
 
@@ -144,8 +176,11 @@ class RLLoop:
                 self.save()
             if stopping:
                 if is_rank0():
-                    where = (f"checkpoint of step {self.rl_step} saved in {self.cfg.train.save_dir}" if self.ckpt
-                             else "no train.save_dir")
+                    where = (
+                        f"checkpoint of step {self.rl_step} saved in {self.cfg.train.save_dir}"
+                        if self.ckpt
+                        else "no train.save_dir"
+                    )
                     print(f"stopped on {term.signal_name} after step {self.rl_step}/{self.steps}: {where}", flush=True)
                 break
             if stop_after is not None and self.rl_step >= stop_after:

@@ -31,6 +31,7 @@ Numerics: the log-ratio is clamped to [-20, 20] in value only (straight-through)
 old log-prob cannot overflow ``exp`` while GPPO still gets its bounded gradient on such a token.
 Inputs of a lower precision are upcast to float32; float64 stays float64 (the tests use it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -220,7 +221,9 @@ def _check_mask(loss_tokens: torch.Tensor, mask: torch.Tensor, seq_ids: Optional
             f"aggregate: mask has shape {tuple(mask.shape)}, expected the loss's shape {tuple(loss_tokens.shape)}"
         )
     if seq_ids is not None and seq_ids.shape != mask.shape:
-        raise ValueError(f"aggregate: seq_ids has shape {tuple(seq_ids.shape)}, expected the mask's {tuple(mask.shape)}")
+        raise ValueError(
+            f"aggregate: seq_ids has shape {tuple(seq_ids.shape)}, expected the mask's {tuple(mask.shape)}"
+        )
     return mask.bool()
 
 
@@ -419,8 +422,15 @@ def policy_loss(
     agg_kwargs = dict(seq_ids=seq_ids, constant=norm_constant)
 
     loss_tokens, metrics_tokens = per_token_policy_loss(
-        logprobs, old_logprobs, advantages, algo=algo, eps_low=eps_low, eps_high=eps_high,
-        dual_clip=dual_clip, beta1=beta1, beta2=beta2,
+        logprobs,
+        old_logprobs,
+        advantages,
+        algo=algo,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual_clip,
+        beta1=beta1,
+        beta2=beta2,
     )
     pg = aggregate(
         loss_tokens, m, agg, global_num_tokens=counts.num_tokens, global_num_seqs=counts.num_seqs, **agg_kwargs
@@ -438,16 +448,24 @@ def policy_loss(
             )
         nll_tokens = -logprobs.to(loss_tokens.dtype)
         nll = aggregate(
-            nll_tokens, pos_mask, agg, global_num_tokens=max(counts.num_positive_tokens, 1.0),
-            global_num_seqs=max(counts.num_positive_seqs, 1.0), **agg_kwargs,
+            nll_tokens,
+            pos_mask,
+            agg,
+            global_num_tokens=max(counts.num_positive_tokens, 1.0),
+            global_num_seqs=max(counts.num_positive_seqs, 1.0),
+            **agg_kwargs,
         )
         total = total + nll_coef * nll
 
     kl = zero
     if kl_coef > 0:
         kl = aggregate(
-            kl_penalty_tokens(logprobs, ref_logprobs), m, agg, global_num_tokens=counts.num_tokens,
-            global_num_seqs=counts.num_seqs, **agg_kwargs,
+            kl_penalty_tokens(logprobs, ref_logprobs),
+            m,
+            agg,
+            global_num_tokens=counts.num_tokens,
+            global_num_seqs=counts.num_seqs,
+            **agg_kwargs,
         )
         total = total + kl_coef * kl
 

@@ -19,6 +19,7 @@ saved with the checkpoint (:meth:`PartialBuffer.state_dict`).
 Runs on rank 0 (the rollout manager, :mod:`megatron_klear.rl.rollout_manager`); pure of the
 trainer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,12 @@ class Slot:
         self.tokens, self.logprobs, self.versions, self.finish_reason, self.pieces = [], [], [], None, 0
 
     def completion(self) -> Completion:
-        return Completion(token_ids=list(self.tokens), logprobs=list(self.logprobs),
-                          finish_reason=self.finish_reason, versions=list(self.versions))
+        return Completion(
+            token_ids=list(self.tokens),
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason,
+            versions=list(self.versions),
+        )
 
 
 @dataclass
@@ -84,16 +89,26 @@ class PartialBuffer:
         return group
 
     def state_dict(self) -> dict:
-        return {"next_uid": self.next_uid,
-                "groups": [{"uid": g.uid, "prompt": dataclasses.asdict(g.prompt),
-                            "slots": [dataclasses.asdict(s) for s in g.slots]} for g in self.groups]}
+        return {
+            "next_uid": self.next_uid,
+            "groups": [
+                {
+                    "uid": g.uid,
+                    "prompt": dataclasses.asdict(g.prompt),
+                    "slots": [dataclasses.asdict(s) for s in g.slots],
+                }
+                for g in self.groups
+            ],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         from megatron_klear.data.prompts import Prompt
 
         self.next_uid = int(state["next_uid"])
-        self.groups = [Group(uid=int(g["uid"]), prompt=Prompt(**g["prompt"]), slots=[Slot(**s) for s in g["slots"]])
-                       for g in state["groups"]]
+        self.groups = [
+            Group(uid=int(g["uid"]), prompt=Prompt(**g["prompt"]), slots=[Slot(**s) for s in g["slots"]])
+            for g in state["groups"]
+        ]
 
 
 def request_seed(base: int, uid: int, slot: int, piece: int) -> int:
@@ -136,12 +151,16 @@ class PartialRollouts:
         width = rl.oversample_prompts or rl.prompts_per_step
         self._cancelled = False
         carried, self.buffer.groups = self.buffer.groups, []
-        counts = {"stale_regenerated": 0, "aborted": 0, "resumed_groups": sum(
-            any(s.pieces for s in g.slots) for g in carried)}
+        counts = {
+            "stale_regenerated": 0,
+            "aborted": 0,
+            "resumed_groups": sum(any(s.pieces for s in g.slots) for g in carried),
+        }
         for g in carried:
             counts["stale_regenerated"] += self._regenerate_stale(g, version)
-        groups = carried + [self.buffer.new_group(p, rl.responses_per_prompt)
-                            for p in prompts.take(max(0, width - len(carried)))]
+        groups = carried + [
+            self.buffer.new_group(p, rl.responses_per_prompt) for p in prompts.take(max(0, width - len(carried)))
+        ]
         t0, batches, done, tokens = time.time(), 1, [], 0
         while True:
             got, aborted, n_tok = self._run(groups, params, len(done), done)
@@ -162,25 +181,28 @@ class PartialRollouts:
         # unfinished groups, and complete survivors beyond the quota, wait for the next step
         trained = survivors[: rl.prompts_per_step]
         chosen = {id(g) for g, _ in trained}
-        self.buffer.groups = [g for g in groups + [g for g, _ in done] if not g.complete] \
-            + [g for g, _ in survivors[rl.prompts_per_step:]]
+        self.buffer.groups = [g for g in groups + [g for g, _ in done] if not g.complete] + [
+            g for g, _ in survivors[rl.prompts_per_step :]
+        ]
         self.buffer.groups = _unique(self.buffer.groups)
         finished = [(g, grades) for g, grades in done if id(g) in chosen or not _in(g, survivors)]
         samples, metrics = self._samples(finished, trained)
         resumed = sum(1 for g, _ in trained for s in g.slots if s.pieces > 1)
-        metrics.update({
-            "rollout/generation_batches": batches,
-            "rollout/groups_kept": len(trained),
-            "rollout/samples_trained": len(samples),
-            "rollout/shortfall_groups": rl.prompts_per_step - len(trained),
-            "rollout/resumed_samples": resumed,
-            "rollout/aborted_samples": counts["aborted"],
-            "rollout/stale_regenerated": counts["stale_regenerated"],
-            "rollout/buffered_groups": len(self.buffer.groups),
-            "rollout/resumed_groups": counts["resumed_groups"],
-            "time/generate_s": t_gen,
-            "rollout/tokens_per_s": tokens / max(t_gen, 1e-9),
-        })
+        metrics.update(
+            {
+                "rollout/generation_batches": batches,
+                "rollout/groups_kept": len(trained),
+                "rollout/samples_trained": len(samples),
+                "rollout/shortfall_groups": rl.prompts_per_step - len(trained),
+                "rollout/resumed_samples": resumed,
+                "rollout/aborted_samples": counts["aborted"],
+                "rollout/stale_regenerated": counts["stale_regenerated"],
+                "rollout/buffered_groups": len(self.buffer.groups),
+                "rollout/resumed_groups": counts["resumed_groups"],
+                "time/generate_s": t_gen,
+                "rollout/tokens_per_s": tokens / max(t_gen, 1e-9),
+            }
+        )
         metrics.update(staleness_metrics(samples, version))
         check_shortfall(len(trained), batches, rl)
         return samples, metrics
@@ -206,8 +228,13 @@ class PartialRollouts:
                     s.finish_reason = "length"
                     continue
                 seed = request_seed(self.cfg.train.seed, g.uid, j, s.pieces)
-                out.append(SampleRequest(key=(g.uid, j), input_ids=list(g.prompt.prompt_ids) + list(s.tokens),
-                                         params=replace(params, max_new_tokens=left, seed=seed)))
+                out.append(
+                    SampleRequest(
+                        key=(g.uid, j),
+                        input_ids=list(g.prompt.prompt_ids) + list(s.tokens),
+                        params=replace(params, max_new_tokens=left, seed=seed),
+                    )
+                )
         return out
 
     def _run(self, groups, params, first_done: int, done: list) -> tuple:
@@ -267,9 +294,11 @@ class PartialRollouts:
     @staticmethod
     def _extend(slot: Slot, c: Completion, budget: int) -> None:
         if c.versions is None or len(c.versions) != len(c.token_ids) or any(v is None for v in c.versions):
-            raise ValueError("partial rollouts need the weight version of every token (SGLang's "
-                             "meta_info.weight_versions); a server answered without them, or with a version that "
-                             "is not a step number (was the trainer's first weight push skipped?)")
+            raise ValueError(
+                "partial rollouts need the weight version of every token (SGLang's "
+                "meta_info.weight_versions); a server answered without them, or with a version that "
+                "is not a step number (was the trainer's first weight push skipped?)"
+            )
         slot.tokens += list(c.token_ids)
         slot.logprobs += list(c.logprobs)
         slot.versions += [int(v) for v in c.versions]
@@ -281,8 +310,10 @@ class PartialRollouts:
 
     def _grade(self, group: Group) -> list:
         """Submit the group's responses to the grading pool; their futures."""
-        return [self.pool.submit(group.prompt.grade_item(grading_text(self.tokenizer, s.tokens, self.stop_token_ids)))
-                for s in group.slots]
+        return [
+            self.pool.submit(group.prompt.grade_item(grading_text(self.tokenizer, s.tokens, self.stop_token_ids)))
+            for s in group.slots
+        ]
 
     def _survivors(self, done: list, wait: bool = True) -> list:
         """The graded groups of ``done`` (all, waiting for their grades, with ``wait``) that keep
@@ -301,8 +332,9 @@ class PartialRollouts:
 
     def _samples(self, finished: list, trained: list) -> tuple:
         """Samples of the ``trained`` groups; metrics of every group graded this step."""
-        order = trained + [(g, [f.result() for f in futs]) for g, futs in finished
-                           if not any(g is t for t, _ in trained)]
+        order = trained + [
+            (g, [f.result() for f in futs]) for g, futs in finished if not any(g is t for t, _ in trained)
+        ]
         if not order:
             return [], {"rollout/groups_generated": 0}
         prompts = [g.prompt for g, _ in order]

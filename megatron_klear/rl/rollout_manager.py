@@ -12,6 +12,7 @@ It owns the engine and the grading pool (rank 0), the weight-push path (every ra
 the servers (:mod:`.colocation`) and the weight check (:mod:`.verify`). Each feature lives in its own
 module; this class only wires them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,16 +60,20 @@ class RolloutManager:
         in_process = r.engine == "embedded"
         if is_rank0() and (in_process or r.weight_sync == "disk"):
             os.makedirs(sync_dir, exist_ok=True)
-        model_dir = export_hf_for_engine(state.model, arch, os.path.join(sync_dir, "current"),
-                                         tokenizer_dir=tokenizer_dir) if in_process else cfg.model.path
+        model_dir = (
+            export_hf_for_engine(state.model, arch, os.path.join(sync_dir, "current"), tokenizer_dir=tokenizer_dir)
+            if in_process
+            else cfg.model.path
+        )
         if is_rank0():
             from megatron_klear.rewards import GradingPool
 
             if self.engine is None:
                 routed = (sorted(arch.moe_layers), arch.moe_topk) if r.router_replay and arch.is_moe else None
                 self.engine = make_engine(r, model_dir, routed_experts=routed)
-            self.engine.check_context(cfg.rl.max_prompt_length + r.max_new_tokens,
-                                      "rl.max_prompt_length + rollout.max_new_tokens")
+            self.engine.check_context(
+                cfg.rl.max_prompt_length + r.max_new_tokens, "rl.max_prompt_length + rollout.max_new_tokens"
+            )
             self.pool = GradingPool(cfg.reward)
             if needs_sandbox:
                 self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
@@ -153,10 +158,21 @@ class RolloutManager:
             if self.weights.to_servers:
                 self.syncs += 1
                 due = verification_due(self.syncs, version, r.verify_interval)
-                rejoining = broadcast_from_rank0(bool(self.engine.rejoining_workers()) if fleet and is_rank0() else False)
+                rejoining = broadcast_from_rank0(
+                    bool(self.engine.rejoining_workers()) if fleet and is_rank0() else False
+                )
                 if due or rejoining:
-                    metrics.update(verify_servers(self.engine, self.actor, self.tokenizer, self.vocab_size, version,
-                                                  r.verify_tolerance, only_rejoining=not due))
+                    metrics.update(
+                        verify_servers(
+                            self.engine,
+                            self.actor,
+                            self.tokenizer,
+                            self.vocab_size,
+                            version,
+                            r.verify_tolerance,
+                            only_rejoining=not due,
+                        )
+                    )
             if fleet and is_rank0():
                 self.engine.admit_workers(version)
         if fleet and is_rank0():
@@ -175,10 +191,12 @@ class RolloutManager:
         if not self.cfg.rl.async_steps:
             return Synchronous(producer)
         if self.cfg.rollout.partial and self.cfg.rl.max_staleness < 2:
-            warnings.warn("rl.async_steps=1 with rollout.partial: a partial response is continued one step after the "
-                          "batch it started in, so its first tokens are 2 versions old at training; with "
-                          f"rl.max_staleness={self.cfg.rl.max_staleness} every one is regenerated from scratch "
-                          "(set rl.max_staleness=2 to keep them)")
+            warnings.warn(
+                "rl.async_steps=1 with rollout.partial: a partial response is continued one step after the "
+                "batch it started in, so its first tokens are 2 versions old at training; with "
+                f"rl.max_staleness={self.cfg.rl.max_staleness} every one is regenerated from scratch "
+                "(set rl.max_staleness=2 to keep them)"
+            )
         # weights pushed mid-generation: requests in flight survive (retract: KV recomputed with the
         # new weights, later tokens tagged with the new version), rather than being aborted
         self.engine.sync_pause_mode = "retract"
@@ -189,6 +207,7 @@ class RolloutManager:
         last call, and a step logs its generation's metrics updated by its push's, so a push adds
         its counts to its step's generation's; the start-up push (before any step) carries over to
         the first step."""
+
         def add(now, base):
             return {k: v if k == "rollout/live_workers" else v + base.get(k, 0) for k, v in now.items()}
 
@@ -215,4 +234,3 @@ class RolloutManager:
             self.weights.close()
         if self.engine is not None:
             self.engine.close()
-

@@ -2,6 +2,7 @@
 (group advantages, the zero-spread and overlong filters), and DAPO's dynamic sampling over further
 batches until a step has its quota of prompt groups. Pure functions of their inputs: the rollout
 manager (:mod:`megatron_klear.rl.rollout_manager`) runs them on rank 0."""
+
 from __future__ import annotations
 
 import time
@@ -17,9 +18,14 @@ from megatron_klear.rollout.base import SamplingParams
 
 def sampling_params(cfg, stop_token_ids, *, step: int, batch: int = 0) -> SamplingParams:
     """The sampling parameters of generation batch ``batch`` of RL step ``step`` (its own seed)."""
-    return SamplingParams(temperature=cfg.rl.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                          max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=list(stop_token_ids),
-                          seed=cfg.train.seed * 100003 + step + 1_000_003 * batch)
+    return SamplingParams(
+        temperature=cfg.rl.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=list(stop_token_ids),
+        seed=cfg.train.seed * 100003 + step + 1_000_003 * batch,
+    )
 
 
 def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams, cfg, stop_token_ids):
@@ -29,8 +35,12 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
     grading pool at once, so grading overlaps generation. Returns (samples, metrics)."""
     completions, futures = [None] * len(prompts), [None] * len(prompts)
     t0 = time.time()
-    stream = engine.generate_iter([p.prompt_ids for p in prompts], params, n=cfg.rl.responses_per_prompt,
-                                  chunk_size=cfg.rollout.chunk_prompts or None)
+    stream = engine.generate_iter(
+        [p.prompt_ids for p in prompts],
+        params,
+        n=cfg.rl.responses_per_prompt,
+        chunk_size=cfg.rollout.chunk_prompts or None,
+    )
     for i, cs in stream:
         completions[i] = cs
         futures[i] = []
@@ -41,8 +51,9 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
     t_grade = time.time() - t0 - t_gen  # grading left after the last response arrived
     samples, metrics = build_samples(prompts, completions, grades, cfg)
     n_tokens = sum(len(c.token_ids) for cs in completions for c in cs)
-    metrics.update({"time/generate_s": t_gen, "time/grade_tail_s": t_grade,
-                    "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)})
+    metrics.update(
+        {"time/generate_s": t_gen, "time/grade_tail_s": t_grade, "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)}
+    )
     return samples, metrics
 
 
@@ -64,7 +75,9 @@ def build_samples(prompts, completions, grades, cfg):
     errored = {g for g, _, r in flat if r.error is not None}  # grader failures: never train on them
     # two independent filters: groups without reward spread, and (optionally) responses that hit
     # the length limit (advantages still use the whole group as the baseline)
-    keep = nonzero_spread_mask(rewards, groups) if cfg.rl.filter_zero_spread else torch.ones(len(flat), dtype=torch.bool)
+    keep = (
+        nonzero_spread_mask(rewards, groups) if cfg.rl.filter_zero_spread else torch.ones(len(flat), dtype=torch.bool)
+    )
     if cfg.rl.overlong_filter:
         keep &= torch.tensor([c.finished for _, c, _ in flat])
     adv = group_advantages(rewards, groups, normalize_by_std=cfg.rl.std_normalize)
@@ -80,12 +93,20 @@ def build_samples(prompts, completions, grades, cfg):
     for i, (g, c, r) in enumerate(flat):
         if g not in chosen or not keep[i]:
             continue
-        samples.append(RolloutSample(
-            prompt_ids=prompts[g].prompt_ids, response_ids=c.token_ids, advantage=float(adv[i]),
-            group=kept_groups.index(g), positive=r.solved,
-            rollout_logprobs=c.logprobs, reward=r.reward, finished=c.finished,
-            routed_experts=getattr(c, "routed_experts", None), versions=getattr(c, "versions", None),
-        ))
+        samples.append(
+            RolloutSample(
+                prompt_ids=prompts[g].prompt_ids,
+                response_ids=c.token_ids,
+                advantage=float(adv[i]),
+                group=kept_groups.index(g),
+                positive=r.solved,
+                rollout_logprobs=c.logprobs,
+                reward=r.reward,
+                finished=c.finished,
+                routed_experts=getattr(c, "routed_experts", None),
+                versions=getattr(c, "versions", None),
+            )
+        )
     lengths = [len(c.token_ids) for _, c, _ in flat]
     metrics = {
         "rollout/reward_mean": float(rewards.mean()),
@@ -161,8 +182,14 @@ def dynamic_sampling(generate, rl) -> tuple:
         samples += [replace(s, group=renumber[s.group]) for s in got if s.group in renumber]
         kept += len(groups)
     metrics = merge_rollout_metrics(per_batch)
-    metrics.update({"rollout/generation_batches": len(per_batch), "rollout/groups_kept": kept,
-                    "rollout/samples_trained": len(samples), "rollout/shortfall_groups": need - kept})
+    metrics.update(
+        {
+            "rollout/generation_batches": len(per_batch),
+            "rollout/groups_kept": kept,
+            "rollout/samples_trained": len(samples),
+            "rollout/shortfall_groups": need - kept,
+        }
+    )
     check_shortfall(kept, len(per_batch), rl)
     return samples, metrics
 
@@ -174,11 +201,14 @@ def check_shortfall(kept: int, batches: int, rl) -> None:
     need = rl.prompts_per_step
     if kept >= need:
         return
-    msg = (f"only {kept} of rl.prompts_per_step={need} prompt groups have reward spread after "
-           f"{batches} generation batch(es) (rl.max_generation_batches={rl.max_generation_batches})")
+    msg = (
+        f"only {kept} of rl.prompts_per_step={need} prompt groups have reward spread after "
+        f"{batches} generation batch(es) (rl.max_generation_batches={rl.max_generation_batches})"
+    )
     if rl.on_shortfall == "fail":
-        raise ShortfallError(msg + "; raise rl.max_generation_batches or rl.oversample_prompts, "
-                             "or set rl.on_shortfall=train")
+        raise ShortfallError(
+            msg + "; raise rl.max_generation_batches or rl.oversample_prompts, or set rl.on_shortfall=train"
+        )
     warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
 
 
@@ -206,8 +236,9 @@ class FullBatches:
     def generate_batch(self, prompts: list, version: int, batch: int) -> tuple:
         """One generation batch of ``prompts``, generated and graded -> (samples, metrics)."""
         params = sampling_params(self.cfg, self.stop_token_ids, step=version, batch=batch)
-        return generate_and_grade(self.engine, self.pool, self.tokenizer, prompts, params, self.cfg,
-                                  self.stop_token_ids)
+        return generate_and_grade(
+            self.engine, self.pool, self.tokenizer, prompts, params, self.cfg, self.stop_token_ids
+        )
 
     def cancel(self) -> None:
         """Nothing to abort here: a batch in flight runs to its end (asynchronous runs only)."""

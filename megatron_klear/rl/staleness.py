@@ -12,6 +12,7 @@ How the actor treats stale tokens (docs/gppo.md, "Stale tokens"): with ``rl.tis_
 advantage is weighted by ``min(pi_prox / pi_behav, tis_cap)`` (AReaL's decoupled objective);
 with ``rl.mask_stale_tokens`` stale tokens leave the loss and its normalisers (slime's choice).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -45,16 +46,20 @@ def _ages(index, sample, policy_version: Optional[int]):
     if versions is None:
         return None
     if len(versions) != len(sample.response_ids):
-        raise ValueError(f"sample {index}: versions holds {len(versions)} entries for "
-                         f"{len(sample.response_ids)} response tokens (one weight version per response token)")
+        raise ValueError(
+            f"sample {index}: versions holds {len(versions)} entries for "
+            f"{len(sample.response_ids)} response tokens (one weight version per response token)"
+        )
     arr, known = version_array(versions, where=f"sample {index}: versions")
     if policy_version is None:
         return None
     newer = known & (arr > policy_version)
     if newer.any():
         j = int(np.argmax(newer))
-        raise ValueError(f"sample {index}: versions[{j}]={int(arr[j])} is newer than the trainer's policy version "
-                         f"{policy_version} (policy_version is the version of the weights before this update)")
+        raise ValueError(
+            f"sample {index}: versions[{j}]={int(arr[j])} is newer than the trainer's policy version "
+            f"{policy_version} (policy_version is the version of the weights before this update)"
+        )
     return np.where(known, policy_version - arr, 0)
 
 

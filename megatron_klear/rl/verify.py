@@ -13,6 +13,7 @@ agree to ~1e-6), float16 2e-2, bfloat16 5e-2 (SGLang and Megatron in bf16 differ
 reduction order; a wrong tensor moves log-probs by far more). A server reporting SGLang's ``auto``
 dtype is taken as bfloat16. ``rollout.verify_tolerance`` overrides them.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,6 +27,7 @@ from megatron_klear.rollout.base import WorkerGone
 PROBE_TEXT = "Weight sync probe: the quick brown fox jumps over the lazy dog. 1, 2, 3, 5, 8, 13, 21"
 PROBE_NEW_TOKENS = 16
 TOLERANCES = {"float64": 1e-3, "float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+
 
 class WeightVerificationError(RuntimeError):
     pass
@@ -60,15 +62,23 @@ def trainer_logprob_diffs(actor, probes: list) -> list:
     from megatron_klear.training.step import run_micro_batches
 
     n = len(probes)
-    samples = [RolloutSample(prompt_ids=list(p), response_ids=list(r), advantage=0.0, group=0,
-                             rollout_logprobs=[float(x) for x in lp]) for p, r, lp in probes]
-    (_, mbs), = actor.plan(samples)  # one mini-batch (one group), this DP rank's micro-batches
+    samples = [
+        RolloutSample(
+            prompt_ids=list(p), response_ids=list(r), advantage=0.0, group=0, rollout_logprobs=[float(x) for x in lp]
+        )
+        for p, r, lp in probes
+    ]
+    ((_, mbs),) = actor.plan(samples)  # one mini-batch (one group), this DP rank's micro-batches
 
     def loss_fn(local, logprobs, entropy):
         mask = local["loss_mask"].bool()
         diff = torch.nan_to_num((logprobs.double() - local["rollout_logprobs"].double()).abs(), nan=math.inf)
         seq = local["seq_ids"].round().long()
-        sums, counts, maxs = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        sums, counts, maxs = (
+            torch.zeros(n, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.float64),
+            torch.zeros(n, dtype=torch.float64),
+        )
         for i in range(n):
             sel = mask & (seq == i)
             if bool(sel.any()):
@@ -76,8 +86,16 @@ def trainer_logprob_diffs(actor, probes: list) -> list:
                 sums[i], counts[i], maxs[i] = d.sum(), d.numel(), d.max()
         return logprobs.sum() * 0.0, {"sums": sums, "counts": counts, "maxs": maxs}
 
-    results = run_micro_batches(actor.state.model, mbs, loss_fn, forward_only=True, temperature=1.0,
-                                chunk_size=actor.chunk_size, per_token_keys=RL_PER_TOKEN_KEYS, pad_id=actor.pad_id)
+    results = run_micro_batches(
+        actor.state.model,
+        mbs,
+        loss_fn,
+        forward_only=True,
+        temperature=1.0,
+        chunk_size=actor.chunk_size,
+        per_token_keys=RL_PER_TOKEN_KEYS,
+        pad_id=actor.pad_id,
+    )
     sums, counts, maxs = (torch.zeros(n, dtype=torch.float64) for _ in range(3))
     for r in results:
         sums += r["sums"]
@@ -131,8 +149,9 @@ def _probe_workers(engine, prompt, only_rejoining: bool):
     return workers, outs, dtypes, rejoining
 
 
-def verify_servers(engine, actor, tokenizer, vocab_size: int, version: int, tolerance: float = 0.0, *,
-                   only_rejoining: bool = False) -> dict:
+def verify_servers(
+    engine, actor, tokenizer, vocab_size: int, version: int, tolerance: float = 0.0, *, only_rejoining: bool = False
+) -> dict:
     """Collective: every server's log-probs of the probe must equal the trainer's within the
     dtype-aware tolerance (``tolerance`` > 0 overrides it); else :class:`WeightVerificationError`
     naming the first server that differs, on every rank. ``engine``: rank 0's (None elsewhere).
@@ -164,8 +183,11 @@ def verify_servers(engine, actor, tokenizer, vocab_size: int, version: int, tole
     tols = [tolerance or dtype_tolerance(dtypes.get(w), trainer_dtype) for w in workers]
     for w, (mean, top, _), tol in zip(workers, diffs, tols):
         if w in rejoining and not mean <= tol and is_rank0():
-            engine.drop_worker(w, f"rejoined without the trainer's weights (weight version {version}): its "
-                                  f"log-probs of the probe differ by {mean:.3g} on average, above {tol:g}")
+            engine.drop_worker(
+                w,
+                f"rejoined without the trainer's weights (weight version {version}): its "
+                f"log-probs of the probe differ by {mean:.3g} on average, above {tol:g}",
+            )
     live = [i for i, w in enumerate(workers) if w not in rejoining]
     bad = first_mismatch([workers[i] for i in live], [diffs[i] for i in live], [tols[i] for i in live])
     if bad is not None:
@@ -175,5 +197,6 @@ def verify_servers(engine, actor, tokenizer, vocab_size: int, version: int, tole
             f"log-probs of the probe differ from the trainer's by {mean:.3g} on average (max {top:.3g}) over "
             f"{PROBE_NEW_TOKENS} tokens, above the tolerance {tol:g} (dtypes: server {dtypes.get(w)}, trainer "
             f"{canonical_name(trainer_dtype)}; rollout.verify_tolerance). A corrupted or incomplete "
-            "transfer, or a server loading other weights: stopping")
+            "transfer, or a server loading other weights: stopping"
+        )
     return {"weights/verify_mean_diff_max": max(d[0] for d in diffs)}

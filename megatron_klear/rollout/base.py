@@ -15,6 +15,7 @@ steps. Two kinds:
 
 :func:`megatron_klear.rollout.factory.make_engine` builds either from a ``rollout`` config section.
 """
+
 from __future__ import annotations
 
 import abc
@@ -101,7 +102,7 @@ class RolloutEngine(abc.ABC):
         for start in range(0, len(prompts), size):
             seed = None if params.seed is None else params.seed * 7919 + start
             chunk_params = SamplingParams(**{**params.__dict__, "seed": seed})
-            for k, row in enumerate(self.generate(prompts[start:start + size], chunk_params, n)):
+            for k, row in enumerate(self.generate(prompts[start : start + size], chunk_params, n)):
                 yield start + k, row
 
     @abc.abstractmethod
@@ -127,9 +128,11 @@ class RolloutEngine(abc.ABC):
         surface mid-run. Here: against ``self.context_length`` (tokens) when the engine has one."""
         limit = getattr(self, "context_length", None)
         if isinstance(limit, int) and limit < needed:
-            raise ValueError(f"rollout: the embedded engine's context length is {limit} tokens (the model's "
-                             f"max_position_embeddings), but {what} = {needed}: lower them, or give the model a "
-                             f"longer context (RoPE scaling such as YaRN){hint}")
+            raise ValueError(
+                f"rollout: the embedded engine's context length is {limit} tokens (the model's "
+                f"max_position_embeddings), but {what} = {needed}: lower them, or give the model a "
+                f"longer context (RoPE scaling such as YaRN){hint}"
+            )
 
 
 class ServerEngine(RolloutEngine):
@@ -216,4 +219,3 @@ class RequestStream(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Abort what still runs and wait for the requests to end (idempotent)."""
-

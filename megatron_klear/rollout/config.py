@@ -1,6 +1,7 @@
 """The ``rollout`` section of a job config: which engine generates, how requests reach SGLang
 servers, how weights reach them, and whether they share the trainer's GPUs (validated at start;
 errors name the key)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ class RolloutConfig:
     weight_sync: str = "auto"  # auto | distributed | disk
     sync_bucket_mb: float = 1024.0  # distributed: tensors per broadcast (one dtype per bucket)
     sync_backend: str = "auto"  # distributed: auto (nccl on GPU, gloo on CPU) | nccl | gloo
-    sync_master_addr: str = ""  # distributed: the address servers reach the stage leaders at ("": the interface routing to the first server)
+    # distributed: the address servers reach the stage leaders at ("": the interface routing to the first server)
+    sync_master_addr: str = ""
     sync_master_port: int = 0  # distributed: stage s hosts its group's TCP store at this port + s (0: a free port)
     sync_group_timeout_s: float = 120.0  # distributed: creating the group with every server
     sync_bucket_timeout_s: float = 300.0  # distributed: one bucket's broadcast (and the servers' answer)
@@ -88,27 +90,42 @@ class RolloutConfig:
         if self.min_live_workers < 1:
             raise ConfigError(f"rollout.min_live_workers must be >= 1, got {self.min_live_workers}")
         if self.max_concurrent_requests < 1 or self.health_failure_threshold < 1 or self.max_retries < 0:
-            raise ConfigError("rollout: max_concurrent_requests and health_failure_threshold must be >= 1, "
-                              "max_retries >= 0")
-        for key in ("generate_timeout_s", "control_timeout_s", "weight_update_timeout_s", "health_check_interval_s",
-                    "health_check_timeout_s", "sync_bucket_mb", "sync_group_timeout_s", "sync_bucket_timeout_s"):
+            raise ConfigError(
+                "rollout: max_concurrent_requests and health_failure_threshold must be >= 1, max_retries >= 0"
+            )
+        for key in (
+            "generate_timeout_s",
+            "control_timeout_s",
+            "weight_update_timeout_s",
+            "health_check_interval_s",
+            "health_check_timeout_s",
+            "sync_bucket_mb",
+            "sync_group_timeout_s",
+            "sync_bucket_timeout_s",
+        ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"rollout.{key} must be > 0, got {getattr(self, key)}")
         if self.weight_sync not in ("auto", "distributed", "disk"):
             raise ConfigError(f"rollout.weight_sync must be auto, distributed or disk, got {self.weight_sync!r}")
         if self.colocate and self.engine != "http":
-            raise ConfigError("rollout.colocate is for SGLang servers on the trainer's GPUs (rollout.engine=http); the "
-                              "embedded engine already runs inside the trainer's driver process")
+            raise ConfigError(
+                "rollout.colocate is for SGLang servers on the trainer's GPUs (rollout.engine=http); the "
+                "embedded engine already runs inside the trainer's driver process"
+            )
         if self.colocate and self.weight_sync == "distributed":
-            raise ConfigError("rollout.colocate with rollout.weight_sync=distributed: a server on the trainer's own GPU "
-                              "cannot join the trainer's NCCL group (NCCL refuses two ranks of one group on one "
-                              "device); use rollout.weight_sync=disk (or auto)")
+            raise ConfigError(
+                "rollout.colocate with rollout.weight_sync=distributed: a server on the trainer's own GPU "
+                "cannot join the trainer's NCCL group (NCCL refuses two ranks of one group on one "
+                "device); use rollout.weight_sync=disk (or auto)"
+            )
         if self.weight_sync == "auto":
             self.weight_sync = "disk" if self.colocate else "distributed"
         if self.sync_backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"rollout.sync_backend must be auto, nccl or gloo, got {self.sync_backend!r}")
         if not 0 <= self.sync_master_port < 65536:
-            raise ConfigError(f"rollout.sync_master_port must be a port number (0: a free one), got {self.sync_master_port}")
+            raise ConfigError(
+                f"rollout.sync_master_port must be a port number (0: a free one), got {self.sync_master_port}"
+            )
 
         if self.verify_interval < -1 or self.verify_tolerance < 0:
             raise ConfigError("rollout.verify_interval must be >= -1 and rollout.verify_tolerance >= 0")

@@ -1,12 +1,20 @@
 """One place that turns a ``rollout`` config section into an engine (the RL loop and tools/eval.py)."""
+
 from __future__ import annotations
 
 from megatron_klear.rollout.base import RolloutEngine
 from megatron_klear.rollout.config import RolloutConfig
 
 
-def make_engine(r: RolloutConfig, model_dir: str = "", *, device: str = "cpu", hf_config=None,
-                routed_experts: tuple | None = None, weight_sync: bool = True) -> RolloutEngine:
+def make_engine(
+    r: RolloutConfig,
+    model_dir: str = "",
+    *,
+    device: str = "cpu",
+    hf_config=None,
+    routed_experts: tuple | None = None,
+    weight_sync: bool = True,
+) -> RolloutEngine:
     """``engine=embedded``: the torch engine on ``model_dir`` (an HF directory) in this process, on
     ``device``, in ``r.dtype`` (``hf_config``: a transformers config overriding the directory's, e.g.
     with RoPE scaling). ``engine=http``: the SGLang client of ``r.urls`` / ``r.workers``, with every
@@ -19,18 +27,29 @@ def make_engine(r: RolloutConfig, model_dir: str = "", *, device: str = "cpu", h
         from megatron_klear.rollout.embedded import EmbeddedEngine
 
         extra = {"config": hf_config} if hf_config is not None else {}
-        return EmbeddedEngine.from_pretrained(model_dir, dtype=r.dtype, device=device,
-                                              record_routing=r.router_replay, **extra)
+        return EmbeddedEngine.from_pretrained(
+            model_dir, dtype=r.dtype, device=device, record_routing=r.router_replay, **extra
+        )
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.sglang.compat import check_servers
 
     engine = SGLangEngine(
-        r.urls, workers=r.workers or None, timeout=r.control_timeout_s, generate_timeout=r.generate_timeout_s,
-        weight_update_timeout=r.weight_update_timeout_s, max_concurrent_requests=r.max_concurrent_requests,
-        request_granularity=r.request_granularity, max_retries=r.max_retries,
-        health_check_interval=r.health_check_interval_s, health_check_timeout=r.health_check_timeout_s,
-        health_failure_threshold=r.health_failure_threshold, send_seed=r.send_seed, check=True,
-        min_live_workers=r.min_live_workers, api_key=r.api_key or None,
-        routed_experts=routed_experts if r.router_replay else None)
+        r.urls,
+        workers=r.workers or None,
+        timeout=r.control_timeout_s,
+        generate_timeout=r.generate_timeout_s,
+        weight_update_timeout=r.weight_update_timeout_s,
+        max_concurrent_requests=r.max_concurrent_requests,
+        request_granularity=r.request_granularity,
+        max_retries=r.max_retries,
+        health_check_interval=r.health_check_interval_s,
+        health_check_timeout=r.health_check_timeout_s,
+        health_failure_threshold=r.health_failure_threshold,
+        send_seed=r.send_seed,
+        check=True,
+        min_live_workers=r.min_live_workers,
+        api_key=r.api_key or None,
+        routed_experts=routed_experts if r.router_replay else None,
+    )
     check_servers(engine, r, weight_sync=weight_sync)  # colocated servers' environment; the NCCL build
     return engine

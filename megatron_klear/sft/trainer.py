@@ -5,6 +5,7 @@ micro-batch of every data-parallel rank): each micro-batch contributes ``sum(nll
 ``N_step`` is the global count the data loader computes, and gradients are summed across
 micro-batches and ranks. This is not the mean of per-micro-batch means.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,13 +39,21 @@ def row_padding(cfg: JobConfig) -> int:
     multiple = row_multiple(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe, explicit=cfg.data.pad_to_multiple)
     if cfg.data.seq_length % multiple:
         rule = rule_for(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe)
-        layout = (f"parallel.tp={rule.tp}" + (" with parallel.sequence_parallel" if rule.sequence_parallel else "")
-                  + f", parallel.cp={rule.cp}"
-                  + (f", model.fp8={rule.fp8} with model.fp8_recipe={rule.fp8_recipe}" if rule.fp8 else ""))
-        source = (f"data.pad_to_multiple={cfg.data.pad_to_multiple}" if cfg.data.pad_to_multiple
-                  else f"the padding every rank needs with {layout}")
-        raise ConfigError(f"data.seq_length={cfg.data.seq_length} must be a multiple of {multiple} ({source}, "
-                          f"training/batches.py padding_rule): rows are padded to multiples of {multiple}")
+        layout = (
+            f"parallel.tp={rule.tp}"
+            + (" with parallel.sequence_parallel" if rule.sequence_parallel else "")
+            + f", parallel.cp={rule.cp}"
+            + (f", model.fp8={rule.fp8} with model.fp8_recipe={rule.fp8_recipe}" if rule.fp8 else "")
+        )
+        source = (
+            f"data.pad_to_multiple={cfg.data.pad_to_multiple}"
+            if cfg.data.pad_to_multiple
+            else f"the padding every rank needs with {layout}"
+        )
+        raise ConfigError(
+            f"data.seq_length={cfg.data.seq_length} must be a multiple of {multiple} ({source}, "
+            f"training/batches.py padding_rule): rows are padded to multiples of {multiple}"
+        )
     return multiple
 
 
@@ -95,8 +104,14 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
     init_parallel(cfg.parallel, seed=cfg.train.seed)
     dataset = build_dataset(cfg)
     total_steps = cfg.train.steps or dataset.total_steps(cfg.train.epochs)
-    ckpt = CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path) if cfg.train.save_dir else None
-    resume_from = ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite, job=("sft", cfg)) if ckpt else None
+    ckpt = (
+        CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path)
+        if cfg.train.save_dir
+        else None
+    )
+    resume_from = (
+        ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite, job=("sft", cfg)) if ckpt else None
+    )
     state = build_training_state(cfg, total_steps=total_steps)
     if resume_from:
         common = ckpt.load(state, resume_from)
@@ -104,7 +119,8 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
         if is_rank0():
             print(f"resumed from {resume_from} at step {state.step}", flush=True)
     logger = MetricsLogger(
-        jsonl_path=cfg.logging.jsonl or (os.path.join(cfg.train.save_dir, "metrics.jsonl") if cfg.train.save_dir else ""),
+        jsonl_path=cfg.logging.jsonl
+        or (os.path.join(cfg.train.save_dir, "metrics.jsonl") if cfg.train.save_dir else ""),
         total_steps=total_steps,
         config=cfg.to_dict(),
         wandb=cfg.logging.wandb,
@@ -133,8 +149,11 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
             m.zero_grad_buffer()
         state.optimizer.zero_grad()
         results = run_micro_batches(
-            state.model, micro_batches, sft_loss_fn(n_step),
-            chunk_size=cfg.train.logprob_chunk_size, pad_id=pad_id,
+            state.model,
+            micro_batches,
+            sft_loss_fn(n_step),
+            chunk_size=cfg.train.logprob_chunk_size,
+            pad_id=pad_id,
         )
         lr = state.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
         ok, grad_norm, _ = state.optimizer.step()
@@ -144,8 +163,9 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
         sums = reduce_metrics(results, ("nll_sum", "loss_tokens", "entropy_sum"))
         from megatron_klear.platform import comm_device
 
-        real = torch.tensor([sum(int(b["num_real_tokens"]) for b in micro_batches)], dtype=torch.float64,
-                            device=comm_device())
+        real = torch.tensor(
+            [sum(int(b["num_real_tokens"]) for b in micro_batches)], dtype=torch.float64, device=comm_device()
+        )
         if torch.distributed.is_initialized():
             from megatron.core import parallel_state
 
@@ -170,13 +190,17 @@ def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
         if state.step % cfg.train.log_interval == 0 or state.step == total_steps:
             logger.log(state.step, metrics)
         stopping = term.should_stop()  # SIGTERM, SIGINT or SIGUSR1: save this step and stop
-        if ckpt and (stopping or state.step == total_steps
-                     or (cfg.train.save_interval and state.step % cfg.train.save_interval == 0)):
+        if ckpt and (
+            stopping
+            or state.step == total_steps
+            or (cfg.train.save_interval and state.step % cfg.train.save_interval == 0)
+        ):
             save()
         if stopping:
             if is_rank0():
-                where = (f"checkpoint of step {state.step} saved in {cfg.train.save_dir}" if ckpt
-                         else "no train.save_dir")
+                where = (
+                    f"checkpoint of step {state.step} saved in {cfg.train.save_dir}" if ckpt else "no train.save_dir"
+                )
                 print(f"stopped on {term.signal_name} after step {state.step}/{total_steps}: {where}", flush=True)
             break
         if stop_after is not None and state.step >= stop_after:

@@ -68,6 +68,7 @@ to ``2*cp`` and the row to ``row_multiple``, *resizing* the packer's trailing pa
 rather than padding on top of it, so a row grows by less than ``2*cp`` per segment plus one
 ``row_multiple``.
 """
+
 from __future__ import annotations
 
 import math
@@ -123,8 +124,13 @@ def _lcm(*values: int) -> int:
     return out
 
 
-def padding_rule(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, fp8: str | None = None,
-                 fp8_recipe: str | None = "delayed") -> PaddingRule:
+def padding_rule(
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    fp8: str | None = None,
+    fp8_recipe: str | None = "delayed",
+) -> PaddingRule:
     """The padding that gives every rank a token count Transformer Engine accepts (module docstring).
 
     ``fp8``: None | "hybrid" | "e4m3"; ``fp8_recipe``: delayed | tensorwise | blockwise | mxfp8
@@ -153,20 +159,25 @@ def padding_rule(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, fp8:
     row = _lcm(conventional, min_row)
     local = row // cp
     return PaddingRule(
-        tp=tp, cp=cp, sequence_parallel=sp, fp8=fp8, fp8_recipe=fp8_recipe if fp8 else None,
-        segment_multiple=segment, row_multiple=row, min_row_multiple=min_row,
-        local_multiple=local, shard_multiple=local // tp if sp else local,
+        tp=tp,
+        cp=cp,
+        sequence_parallel=sp,
+        fp8=fp8,
+        fp8_recipe=fp8_recipe if fp8 else None,
+        segment_multiple=segment,
+        row_multiple=row,
+        min_row_multiple=min_row,
+        local_multiple=local,
+        shard_multiple=local // tp if sp else local,
     )
 
 
 def rule_for(parallel, fp8: str | None = None, fp8_recipe: str | None = "delayed") -> PaddingRule:
     """:func:`padding_rule` for a ``ParallelConfig`` (``tp``, ``cp``, ``sequence_parallel``)."""
-    return padding_rule(parallel.tp, parallel.cp, bool(getattr(parallel, "sequence_parallel", False)),
-                        fp8, fp8_recipe)
+    return padding_rule(parallel.tp, parallel.cp, bool(getattr(parallel, "sequence_parallel", False)), fp8, fp8_recipe)
 
 
-def row_multiple(parallel, fp8: str | None = None, fp8_recipe: str | None = "delayed",
-                 explicit: int = 0) -> int:
+def row_multiple(parallel, fp8: str | None = None, fp8_recipe: str | None = "delayed", explicit: int = 0) -> int:
     """The multiple the packers pad rows to: ``explicit`` (``data.pad_to_multiple``) when set,
     after checking it satisfies the rule, else :func:`padding_rule`'s ``row_multiple``."""
     rule = rule_for(parallel, fp8, fp8_recipe)
@@ -185,8 +196,13 @@ def row_multiple(parallel, fp8: str | None = None, fp8_recipe: str | None = "del
 
 def model_padding_rule(model_config, tp: int, cp: int) -> PaddingRule:
     """:func:`padding_rule` from a Megatron ``TransformerConfig`` (fp8, fp8_recipe, sequence_parallel)."""
-    return padding_rule(tp, cp, bool(getattr(model_config, "sequence_parallel", False)),
-                        getattr(model_config, "fp8", None), getattr(model_config, "fp8_recipe", "delayed"))
+    return padding_rule(
+        tp,
+        cp,
+        bool(getattr(model_config, "sequence_parallel", False)),
+        getattr(model_config, "fp8", None),
+        getattr(model_config, "fp8_recipe", "delayed"),
+    )
 
 
 def _trailing_padding(batch: dict, cu: list) -> bool:
@@ -212,7 +228,7 @@ def pad_segments(batch: dict, multiple: int, per_token_keys, pad_id: int = 0, to
     total_multiple = _lcm(max(1, int(multiple)), max(1, int(total_multiple)))
     cu = batch["cu_seqlens"].tolist()
     n_seg = len(cu) - 1 - (1 if _trailing_padding(batch, cu) else 0)
-    lengths = [e - s for s, e in zip(cu[:n_seg], cu[1:n_seg + 1])]
+    lengths = [e - s for s, e in zip(cu[:n_seg], cu[1 : n_seg + 1])]
     pads = [(-n) % multiple for n in lengths]
     padded_total = sum(lengths) + sum(pads)
     extra = (-padded_total) % total_multiple or (0 if padded_total else total_multiple)
@@ -226,7 +242,7 @@ def pad_segments(batch: dict, multiple: int, per_token_keys, pad_id: int = 0, to
         fill = pad_id if key in ("tokens", "labels") else 0
         pieces = []
         for s, n, p in zip(cu[:n_seg], lengths, pads):
-            pieces.append(t[:, s:s + n])
+            pieces.append(t[:, s : s + n])
             if p:
                 pieces.append(torch.full((t.shape[0], p, *t.shape[2:]), fill, dtype=t.dtype))
         if extra:
@@ -259,8 +275,16 @@ def cp_slice(batch: dict, cp_rank: int, cp_size: int, per_token_keys) -> dict:
     return out
 
 
-def prepare_packed(batch: dict, *, cp_rank: int = 0, cp_size: int = 1, per_token_keys=PER_TOKEN_KEYS_DEFAULT,
-                   pad_id: int = 0, device=None, total_multiple: int = 1):
+def prepare_packed(
+    batch: dict,
+    *,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+    per_token_keys=PER_TOKEN_KEYS_DEFAULT,
+    pad_id: int = 0,
+    device=None,
+    total_multiple: int = 1,
+):
     """-> (local batch dict, PackedSeqParams). cu_seqlens in the params are global (pre-CP) and
     padded, as Megatron's RoPE and attention expect. Tensors are moved to ``device``.
 

@@ -29,6 +29,7 @@ The rules of a save directory (:meth:`CheckpointManager.start_run`, called befor
   the run with :class:`DiskFullError` naming the path, the bytes needed and free; the previous
   checkpoint stays the latest, the partial one is removed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,7 +74,7 @@ def _print(message: str) -> None:
 
 
 def _step(name: str) -> int:
-    return int(name[len("iter_"):])
+    return int(name[len("iter_") :])
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -172,9 +173,23 @@ def _gather(obj) -> list:
 # -- whose run: what a checkpoint records of the job that wrote it ---------------------------------
 JOB_KINDS = ("sft", "rl")
 # the model's fields that decide the shapes of its weights (and so of the optimizer state)
-SHAPE_FIELDS = ("model_type", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "vocab_size", "tie_word_embeddings", "qk_norm", "qkv_bias", "num_experts",
-                "moe_topk", "moe_ffn_hidden_size", "moe_layer_pattern")
+SHAPE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "qk_norm",
+    "qkv_bias",
+    "num_experts",
+    "moe_topk",
+    "moe_ffn_hidden_size",
+    "moe_layer_pattern",
+)
 
 
 def _model_shape(arch) -> dict:
@@ -221,10 +236,13 @@ def job_identity(kind: str, cfg) -> dict:
     if kind not in JOB_KINDS:
         raise ValueError(f"job kind must be one of {JOB_KINDS}, got {kind!r}")
     if kind == "sft":
-        data = _known(lambda: {"source": f"data.prefix={cfg.data.prefix}",
-                               "fingerprint": _sft_data_fingerprint(cfg.data.prefix)})
+        data = _known(
+            lambda: {"source": f"data.prefix={cfg.data.prefix}", "fingerprint": _sft_data_fingerprint(cfg.data.prefix)}
+        )
     else:
-        data = _known(lambda: {"source": f"rl.prompts={list(cfg.rl.prompts)}", "fingerprint": _files_sha256(cfg.rl.prompts)})
+        data = _known(
+            lambda: {"source": f"rl.prompts={list(cfg.rl.prompts)}", "fingerprint": _files_sha256(cfg.rl.prompts)}
+        )
     return {"kind": kind, "model": _known(lambda: _model_shape(model_arch(cfg.model.path))), "data": data}
 
 
@@ -233,6 +251,7 @@ def recorded_job(ckpt_dir: str) -> dict:
     before there was one, what the checkpoint shows (the model's shape from hf_config.json; the
     kind, and SFT's data fingerprint, from the common state: an RL checkpoint holds its prompt
     position, an SFT one its data position). Unknown parts are None."""
+
     def manifest_job():
         with open(os.path.join(ckpt_dir, "manifest.json"), encoding="utf-8") as f:
             return json.load(f).get("job")
@@ -243,8 +262,9 @@ def recorded_job(ckpt_dir: str) -> dict:
     from megatron_klear.checkpoint.dist_ckpt import checkpoint_arch
 
     job = {"kind": None, "model": _known(lambda: _model_shape(checkpoint_arch(ckpt_dir))), "data": None}
-    common = _known(lambda: torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu",
-                                       weights_only=True)["common"])
+    common = _known(
+        lambda: torch.load(os.path.join(ckpt_dir, "common.pt"), map_location="cpu", weights_only=True)["common"]
+    )
     if isinstance(common, dict) and "prompts" in common:
         job["kind"] = "rl"
     elif isinstance(common, dict) and isinstance(common.get("data"), dict):
@@ -263,13 +283,23 @@ def job_differences(saved: dict, job: dict) -> dict:
     there, here = saved.get("model") or {}, job.get("model") or {}
     fields = [k for k in SHAPE_FIELDS if k in there and k in here and there[k] != here[k]]
     if fields:
-        diffs["model"] = (", ".join(f"{k} {there[k]}" for k in fields) + " in its checkpoints, "
-                          + ", ".join(f"{k} {here[k]}" for k in fields) + " in this job's model.path")
+        diffs["model"] = (
+            ", ".join(f"{k} {there[k]}" for k in fields)
+            + " in its checkpoints, "
+            + ", ".join(f"{k} {here[k]}" for k in fields)
+            + " in this job's model.path"
+        )
     there, here = saved.get("data") or {}, job.get("data") or {}
-    if ("job" not in diffs and there.get("fingerprint") and here.get("fingerprint")
-            and there["fingerprint"] != here["fingerprint"]):
-        diffs["data"] = (f"its checkpoints were trained on {there.get('source')} (content {there['fingerprint'][:12]}), "
-                         f"this job reads {here.get('source')} (content {here['fingerprint'][:12]})")
+    if (
+        "job" not in diffs
+        and there.get("fingerprint")
+        and here.get("fingerprint")
+        and there["fingerprint"] != here["fingerprint"]
+    ):
+        diffs["data"] = (
+            f"its checkpoints were trained on {there.get('source')} (content {there['fingerprint'][:12]}), "
+            f"this job reads {here.get('source')} (content {here['fingerprint'][:12]})"
+        )
     return diffs
 
 
@@ -302,7 +332,8 @@ class CheckpointManager:
             raise RunDirError(
                 f"{path} points at step {step} but {ckpt} is missing: write the step of a checkpoint that "
                 f"exists into {path} to resume from it, or start afresh with train.overwrite=true (moves "
-                f"this run to {os.path.join(self.save_dir, REPLACED)}/) or another train.save_dir")
+                f"this run to {os.path.join(self.save_dir, REPLACED)}/) or another train.save_dir"
+            )
         return ckpt
 
     def checkpoints(self) -> list:
@@ -382,7 +413,8 @@ class CheckpointManager:
         raise RunDirError(
             f"train.save_dir={self.save_dir} holds checkpoints of an earlier run ({listed}) and this run would "
             f"start afresh ({why}). Choose one: {choice}, write to a new directory (train.save_dir=...), or "
-            f"replace it (train.overwrite=true moves it to {os.path.join(self.save_dir, REPLACED)}/<time>/)")
+            f"replace it (train.overwrite=true moves it to {os.path.join(self.save_dir, REPLACED)}/<time>/)"
+        )
 
     def _check_same_run(self, ckpt: str) -> None:
         """Refuse to resume another run's checkpoint (see :meth:`start_run`), naming what differs
@@ -393,18 +425,21 @@ class CheckpointManager:
         if not diffs:
             return
         parts = list(diffs)
-        what = (parts[0] + " differs" if len(parts) == 1
-                else ", ".join(parts[:-1]) + f" and {parts[-1]} differ")
+        what = parts[0] + " differs" if len(parts) == 1 else ", ".join(parts[:-1]) + f" and {parts[-1]} differ"
         config = os.path.join(self.save_dir, "config.yaml")
         resume = f"resume it (with its own settings{': ' + config if os.path.isfile(config) else ''})"
         replaced = os.path.join(self.save_dir, REPLACED)
         if self.model_path and _inside(self.model_path, self.save_dir):
-            others = (f"choose another train.save_dir (model.path={self.model_path} is inside this one, so "
-                      f"train.overwrite=true would move it to {replaced}/<time>/ too)")
+            others = (
+                f"choose another train.save_dir (model.path={self.model_path} is inside this one, so "
+                f"train.overwrite=true would move it to {replaced}/<time>/ too)"
+            )
         else:
             others = f"choose another train.save_dir, or train.overwrite=true (moves it to {replaced}/<time>/)"
-        raise RunDirError(f"train.save_dir={self.save_dir} holds another run ({what}: {'; '.join(diffs.values())}): "
-                          f"{resume}, {others}")
+        raise RunDirError(
+            f"train.save_dir={self.save_dir} holds another run ({what}: {'; '.join(diffs.values())}): "
+            f"{resume}, {others}"
+        )
 
     def _check_model_stays(self, found: list) -> None:
         """train.overwrite moves the earlier run's checkpoints aside: not the one this job starts from."""
@@ -415,7 +450,8 @@ class CheckpointManager:
                 raise RunDirError(
                     f"train.overwrite=true would move model.path={self.model_path} (a checkpoint of the run in "
                     f"train.save_dir={self.save_dir}) to {os.path.join(self.save_dir, REPLACED)}/<time>/ before "
-                    f"this job reads it: choose another train.save_dir for this job")
+                    f"this job reads it: choose another train.save_dir for this job"
+                )
 
     def _clean_partial(self, log) -> None:
         """Remove what interrupted saves leave: ``.tmp-iter_*`` (a checkpoint being written),
@@ -448,7 +484,10 @@ class CheckpointManager:
         for name in sorted(os.listdir(self.save_dir)):
             if ITER_RE.match(name) or name in RUN_FILES:
                 os.replace(os.path.join(self.save_dir, name), os.path.join(dest, name))
-        log(f"train.overwrite=true: moved the earlier run in {self.save_dir} to {dest} (delete it when no longer needed)")
+        log(
+            f"train.overwrite=true: moved the earlier run in {self.save_dir} to {dest} "
+            "(delete it when no longer needed)"
+        )
 
     def finish(self) -> None:
         """End of the run: release the save directory."""
@@ -468,9 +507,7 @@ class CheckpointManager:
             sharded["optimizer"] = state.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, **_optimizer_sharding_kwargs(state.optimizer)
             )
-        sharded["rng"] = ShardedObject(
-            "rng_state", _rng_state(), (world,), (rank(),), replica_id=0
-        )
+        sharded["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank(),), replica_id=0)
         return sharded
 
     def save(self, state, step: int, common: dict) -> str:
@@ -526,12 +563,18 @@ class CheckpointManager:
         tok_dst = os.path.join(tmp, dist_ckpt.TOKENIZER_DIR)
         os.makedirs(tok_dst, exist_ok=True)
         src = self.model_source or ""
-        tok_src = src if os.path.isfile(os.path.join(src, "config.json")) else os.path.join(src, dist_ckpt.TOKENIZER_DIR)
+        tok_src = (
+            src if os.path.isfile(os.path.join(src, "config.json")) else os.path.join(src, dist_ckpt.TOKENIZER_DIR)
+        )
         if os.path.isdir(tok_src):
             copy_tokenizer_files(tok_src, tok_dst)
-        info = {"kind": "megatron_klear.training_checkpoint", "step": step, "model_source": src,
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "optimizer_state": has_optimizer_state}
+        info = {
+            "kind": "megatron_klear.training_checkpoint",
+            "step": step,
+            "model_source": src,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "optimizer_state": has_optimizer_state,
+        }
         if self.job is not None:
             info["job"] = self.job
         write_manifest(tmp, info)
@@ -567,7 +610,9 @@ class CheckpointManager:
         """Collective, after Megatron's save: if any rank's write failed, every rank raises; a write
         that ran out of space (on any rank) as :class:`DiskFullError`, on every rank, with the
         partial checkpoint removed by rank 0."""
-        outcomes = _gather(None if failure is None else (disk_full_cause(failure), f"{type(failure).__name__}: {failure}"))
+        outcomes = _gather(
+            None if failure is None else (disk_full_cause(failure), f"{type(failure).__name__}: {failure}")
+        )
         failed = [(r, o) for r, o in enumerate(outcomes) if o is not None]
         if not failed:
             return
@@ -595,12 +640,17 @@ class CheckpointManager:
             previous = self.latest()
         except RunDirError:
             previous = None
-        kept = (f"the previous checkpoint {previous} is intact and a restart resumes from it" if previous
-                else "there is no earlier checkpoint of this run")
-        return (f"not enough disk space for the checkpoint of step {step}: {tmp} needs about {format_bytes(needed)}, "
-                + (f"{format_bytes(free)} free" if free is not None else "free space unknown")
-                + (f" (the write failed: {cause}; the partial checkpoint was removed)" if cause else "")
-                + f"; {kept}. Free some space or choose another train.save_dir")
+        kept = (
+            f"the previous checkpoint {previous} is intact and a restart resumes from it"
+            if previous
+            else "there is no earlier checkpoint of this run"
+        )
+        return (
+            f"not enough disk space for the checkpoint of step {step}: {tmp} needs about {format_bytes(needed)}, "
+            + (f"{format_bytes(free)} free" if free is not None else "free space unknown")
+            + (f" (the write failed: {cause}; the partial checkpoint was removed)" if cause else "")
+            + f"; {kept}. Free some space or choose another train.save_dir"
+        )
 
     def _rotate(self, step: int) -> None:
         """Keep the last ``keep_last`` of this run's checkpoints: those at or below ``step`` (a

@@ -23,6 +23,7 @@ part in the softmax and get zero gradient. ``targets`` are global vocabulary ids
 ``group=None`` means the vocabulary is not split (one process, no communication) -- unlike
 torch.distributed, where None is the world group. Outputs are float32 (float64 inputs stay float64).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -57,7 +58,9 @@ def _valid_columns(v_local: int, vocab_start_index: int, vocab_size: Optional[in
     if vocab_start_index < 0:
         raise ValueError(f"logprobs: vocab_start_index={vocab_start_index} must be >= 0")
     if group is None and vocab_start_index != 0:
-        raise ValueError(f"logprobs: vocab_start_index={vocab_start_index} with group=None (unsplit vocabulary) must be 0")
+        raise ValueError(
+            f"logprobs: vocab_start_index={vocab_start_index} with group=None (unsplit vocabulary) must be 0"
+        )
     if vocab_size is None:
         return v_local, v_local * _world(group)
     if vocab_size < 1:
@@ -167,8 +170,12 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             logprob[s:e], entropy[s:e], lse[s:e] = _forward_chunk(
-                logits[s:e], targets[s:e], n_valid=n_valid, vocab_start_index=vocab_start_index,
-                temperature=temperature, group=group,
+                logits[s:e],
+                targets[s:e],
+                n_valid=n_valid,
+                vocab_start_index=vocab_start_index,
+                temperature=temperature,
+                group=group,
             )
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.cfg = (vocab_start_index, n_valid, temperature, chunk)
@@ -186,10 +193,15 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             grad[s:e, :n_valid] = _grad_chunk(
-                logits[s:e], targets[s:e], lse[s:e], entropy[s:e],
+                logits[s:e],
+                targets[s:e],
+                lse[s:e],
+                entropy[s:e],
                 None if g_logprob is None else g_logprob[s:e],
                 None if g_entropy is None else g_entropy[s:e],
-                n_valid=n_valid, vocab_start_index=vocab_start_index, temperature=temperature,
+                n_valid=n_valid,
+                vocab_start_index=vocab_start_index,
+                temperature=temperature,
             )
         return grad, None, None, None, None, None, None
 
@@ -232,7 +244,9 @@ def vocab_parallel_logprobs_and_entropy(
 
 class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, group, vocab_start_index, n_valid, temperature, chunk, reduce_grad_hidden):
+    def forward(
+        ctx, hidden, weight, targets, group, vocab_start_index, n_valid, temperature, chunk, reduce_grad_hidden
+    ):
         n = hidden.shape[0]
         out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logprob = torch.empty(n, dtype=out_dtype, device=hidden.device)
@@ -242,8 +256,13 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             logprob[s:e], entropy[s:e], lse[s:e] = _forward_chunk(
-                hidden[s:e] @ w.t(), targets[s:e], n_valid=n_valid, vocab_start_index=vocab_start_index,
-                temperature=temperature, group=group, owned=True,
+                hidden[s:e] @ w.t(),
+                targets[s:e],
+                n_valid=n_valid,
+                vocab_start_index=vocab_start_index,
+                temperature=temperature,
+                group=group,
+                owned=True,
             )
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.cfg = (group, vocab_start_index, n_valid, temperature, chunk, reduce_grad_hidden)
@@ -264,18 +283,27 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         # product is computed in that precision (rounded once, as one micro-batch's gradient is
         # before it reaches Megatron's fp32 main_grad) into a buffer of the weight's size.
         if need_weight:
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32 if weight.dtype != torch.float64 else weight.dtype,
-                                 device=weight.device)
+            grad_w = torch.zeros(
+                weight.shape,
+                dtype=torch.float32 if weight.dtype != torch.float64 else weight.dtype,
+                device=weight.device,
+            )
             product = None if weight.dtype == grad_w.dtype else torch.empty_like(w)
         n = hidden.shape[0]
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h = hidden[s:e]
             g = _grad_chunk(
-                h @ w.t(), targets[s:e], lse[s:e], entropy[s:e],
+                h @ w.t(),
+                targets[s:e],
+                lse[s:e],
+                entropy[s:e],
                 None if g_logprob is None else g_logprob[s:e],
                 None if g_entropy is None else g_entropy[s:e],
-                n_valid=n_valid, vocab_start_index=vocab_start_index, temperature=temperature, owned=True,
+                n_valid=n_valid,
+                vocab_start_index=vocab_start_index,
+                temperature=temperature,
+                owned=True,
             )
             g = g.to(hidden.dtype)
             if need_hidden:
@@ -337,7 +365,14 @@ def chunked_logprobs_from_hidden(
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     chunk = _chunk_rows(chunk_size, hidden2d.shape[0], v_local)
     logprob, entropy = _ChunkedLinearLogprobEntropy.apply(
-        hidden2d, weight_shard, targets.reshape(-1), group, vocab_start_index, n_valid, float(temperature), chunk,
+        hidden2d,
+        weight_shard,
+        targets.reshape(-1),
+        group,
+        vocab_start_index,
+        n_valid,
+        float(temperature),
+        chunk,
         bool(reduce_grad_hidden),
     )
     return logprob.view(targets.shape), entropy.view(targets.shape)

@@ -1,5 +1,6 @@
 """Run metrics: a JSONL file always (rank 0), wandb (offline unless WANDB_API_KEY is set) and
 TensorBoard when enabled, and a console line with step, loss, lr, tokens/s and ETA."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,20 @@ from megatron_klear.utils.progress import format_seconds
 
 
 class MetricsLogger:
-    def __init__(self, *, jsonl_path: str, total_steps: int, config: dict | None = None,
-                 wandb: bool = False, wandb_project: str = "megatron-klear", run_name: str = "",
-                 tensorboard_dir: str | None = None, enabled: bool = True, stream=None,
-                 resume_step: int | None = None):
+    def __init__(
+        self,
+        *,
+        jsonl_path: str,
+        total_steps: int,
+        config: dict | None = None,
+        wandb: bool = False,
+        wandb_project: str = "megatron-klear",
+        run_name: str = "",
+        tensorboard_dir: str | None = None,
+        enabled: bool = True,
+        stream=None,
+        resume_step: int | None = None,
+    ):
         """``resume_step``: the step a resumed run continues from; the JSONL file keeps the records
         up to it (the steps after it, logged before a crash, are run again) and is appended to.
         None (a fresh run): the JSONL file starts empty."""
@@ -47,7 +58,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ImportError("logging.tensorboard=true needs tensorboard: pip install 'megatron-klear[logging]'") from None
+                raise ImportError(
+                    "logging.tensorboard=true needs tensorboard: pip install 'megatron-klear[logging]'"
+                ) from None
             self._tb = SummaryWriter(tensorboard_dir)
 
     def log(self, step: int, metrics: dict, console_keys=("loss", "lr", "grad_norm")) -> None:

@@ -11,14 +11,18 @@ that updates the model's fp32 weights in place, without a separate copy, its sta
 
 A Megatron-Core without these hooks (older than 0.16) keeps the memory, with one warning.
 """
+
 from __future__ import annotations
 
 import warnings
 
 
 def _grad_buffers(chunk) -> list:
-    return [b for b in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
-            if getattr(b, "grad_data", None) is not None]
+    return [
+        b
+        for b in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+        if getattr(b, "grad_data", None) is not None
+    ]
 
 
 def grad_buffer_bytes(model) -> int:
@@ -39,7 +43,9 @@ def optimizer_holds_model_weights(state) -> bool:
 
 
 def _hooks_missing(state) -> list:
-    missing = [f"{type(c).__name__}.offload_grad_buffers" for c in state.model if not hasattr(c, "offload_grad_buffers")]
+    missing = [
+        f"{type(c).__name__}.offload_grad_buffers" for c in state.model if not hasattr(c, "offload_grad_buffers")
+    ]
     if not hasattr(state.optimizer, "offload_to_cpu"):
         missing.append(f"{type(state.optimizer).__name__}.offload_to_cpu")
     return missing
@@ -50,8 +56,10 @@ def offload_trainer(state) -> int:
     gradient buffer freed. Undo with :func:`restore_trainer` before the next update."""
     missing = _hooks_missing(state)
     if missing:
-        warnings.warn(f"rollout.colocate: this Megatron-Core lacks {', '.join(missing)} (0.16 has them): the trainer "
-                      "keeps its gradient buffers and optimizer state on the device while the servers generate")
+        warnings.warn(
+            f"rollout.colocate: this Megatron-Core lacks {', '.join(missing)} (0.16 has them): the trainer "
+            "keeps its gradient buffers and optimizer state on the device while the servers generate"
+        )
         return 0
     on_gpu = _on_gpu(state)
     freed = grad_buffer_bytes(state.model)

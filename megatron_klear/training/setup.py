@@ -1,4 +1,5 @@
 """Model, DDP, optimizer and learning-rate schedule, built the same way for SFT and RL."""
+
 from __future__ import annotations
 
 import os

@@ -16,10 +16,10 @@ The signal only sets a flag; :meth:`TerminationFlag.should_stop`, called once pe
 collective, so every rank stops and saves at the same step. A second SIGINT in a run without
 torchrun interrupts at once (KeyboardInterrupt), as Ctrl-C twice is meant to.
 """
+
 from __future__ import annotations
 
 import contextlib
-
 import os
 import signal
 import sys
@@ -84,6 +84,10 @@ def _warn_if_torchrun_ends_on(signals) -> None:
         return
     caught = _caught_by(os.getppid())
     if caught is not None and not caught & (1 << (signal.SIGUSR1 - 1)):
-        print("warning: torchrun does not handle SIGUSR1: Slurm's --signal=USR1 would end it and every rank "
-              "without a checkpoint; start it with --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "
-              "(docs/checkpoints.md#preemption)", file=sys.stderr, flush=True)
+        print(
+            "warning: torchrun does not handle SIGUSR1: Slurm's --signal=USR1 would end it and every rank "
+            "without a checkpoint; start it with --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "
+            "(docs/checkpoints.md#preemption)",
+            file=sys.stderr,
+            flush=True,
+        )

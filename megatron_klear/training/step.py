@@ -7,6 +7,7 @@ into a scalar. Normalisation is the caller's: ``loss_fn`` divides by counts of t
 batch, and Megatron is configured to sum (not average) over micro-batches and data-parallel ranks,
 so the gradient is exactly that of the global loss, however the batch is split.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -73,8 +74,13 @@ def run_micro_batches(
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
         local, packed = prepare_packed(
-            batch, cp_rank=cp_rank, cp_size=cp_size, per_token_keys=per_token_keys, pad_id=pad_id,
-            device=dev, total_multiple=total_multiple,
+            batch,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
+            per_token_keys=per_token_keys,
+            pad_id=pad_id,
+            device=dev,
+            total_multiple=total_multiple,
         )
         if before_forward is not None:
             before_forward(local, unwrap(chunk))
@@ -82,12 +88,20 @@ def run_micro_batches(
         head = deferred_head(unwrap(chunk))
 
         def loss_func(output):
-            common = dict(group=group, vocab_start_index=vocab_start, vocab_size=vocab_size,
-                          temperature=temperature, chunk_size=chunk_size)
+            common = dict(
+                group=group,
+                vocab_start_index=vocab_start,
+                vocab_size=vocab_size,
+                temperature=temperature,
+                chunk_size=chunk_size,
+            )
             if head is not None:  # output = final hidden states: logits one chunk at a time
                 logprobs, entropy = chunked_logprobs_from_hidden(
-                    output, head.deferred_weight, local["labels"],
-                    reduce_grad_hidden=not head.sequence_parallel, **common,
+                    output,
+                    head.deferred_weight,
+                    local["labels"],
+                    reduce_grad_hidden=not head.sequence_parallel,
+                    **common,
                 )
             else:  # output = vocab-parallel logits
                 logprobs, entropy = vocab_parallel_logprobs_and_entropy(output, local["labels"], **common)

@@ -2,6 +2,7 @@
 mean-and-spread bands over seeds, and grouped bars. PNG by default (the format follows the file
 name: ``.png``, ``.svg``, ``.pdf``), written atomically; the Agg backend, so no display is needed.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,14 +48,21 @@ def _figure(title: str, xlabel: str, ylabel: str | None):
     return fig, ax
 
 
-def line_chart(path: str, series: dict, *, title: str, xlabel: str = "step", ylabel: str | None = None,
-               markers: bool | None = None) -> str:
+def line_chart(
+    path: str, series: dict, *, title: str, xlabel: str = "step", ylabel: str | None = None, markers: bool | None = None
+) -> str:
     """``series``: label -> [(x, y), ...], one line each."""
     fig, ax = _figure(title, xlabel, ylabel)
     for label, points in series.items():
         xs, ys = zip(*points) if points else ((), ())
-        ax.plot(xs, ys, label=label, marker="o" if (markers if markers is not None else len(xs) <= 30) else None,
-                markersize=3, linewidth=1.5)
+        ax.plot(
+            xs,
+            ys,
+            label=label,
+            marker="o" if (markers if markers is not None else len(xs) <= 30) else None,
+            markersize=3,
+            linewidth=1.5,
+        )
     if len(series) > 1 or (series and ylabel is None):
         ax.legend(fontsize=8)
     return _save(fig, path)
@@ -72,8 +80,15 @@ def band_chart(path: str, series: dict, *, title: str, xlabel: str = "step", yla
     return _save(fig, path)
 
 
-def bar_chart(path: str, groups: dict, *, title: str, ylabel: str | None = None, value_format: str = "{:.1f}",
-              ylim: tuple | None = None) -> str:
+def bar_chart(
+    path: str,
+    groups: dict,
+    *,
+    title: str,
+    ylabel: str | None = None,
+    value_format: str = "{:.1f}",
+    ylim: tuple | None = None,
+) -> str:
     """``groups``: group label -> {bar label -> value}: bars side by side per group, values written
     on the bars (e.g. {"avg@8": {"SFT": 31.2, "SFT + GPPO": 52.0}, "greedy": {...}})."""
     plt = _pyplot()
@@ -89,8 +104,15 @@ def bar_chart(path: str, groups: dict, *, title: str, ylabel: str | None = None,
         ys = [g.get(bar, 0.0) for g in groups.values()]
         rects = ax.bar(xs, ys, width=width * 0.95, label=bar)
         for r, y in zip(rects, ys):
-            ax.annotate(value_format.format(y), (r.get_x() + r.get_width() / 2, r.get_height()), ha="center",
-                        va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                value_format.format(y),
+                (r.get_x() + r.get_width() / 2, r.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(list(groups))
     if ylim is not None:

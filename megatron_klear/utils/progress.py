@@ -1,4 +1,5 @@
 """Progress on stderr for long work: count, rate, ETA; throttled so logs stay readable."""
+
 from __future__ import annotations
 
 import sys

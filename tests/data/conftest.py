@@ -1,4 +1,5 @@
 """Session fixtures for the data tests: one tiny tokenizer (a byte-level BPE + Qwen-style template)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,4 +19,3 @@ def tokenizer(tokenizer_dir):
     from megatron_klear.data.chat import load_tokenizer
 
     return load_tokenizer(tokenizer_dir)
-

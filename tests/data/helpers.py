@@ -1,4 +1,5 @@
 """Helpers for the data tests: JSONL writing and synthetic conversations."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Chat rendering: tokens equal apply_chat_template's, prompt tokens carry no loss, bad examples
 are rejected with a reason."""
+
 from __future__ import annotations
 
 import copy
@@ -102,7 +103,7 @@ def test_template_not_prefix_stable_is_rejected(tokenizer):
     assert e.value.reason == J.NOT_PREFIX_STABLE and "messages[:2]" in e.value.detail
     # Only the final turn is still faithful to inference: loss_on="last" accepts it.
     rendered = ChatRenderer(tok, loss_on="last").render(messages)
-    (s, e2), = rendered.loss_spans
+    ((s, e2),) = rendered.loss_spans
     assert tok.decode(rendered.token_ids[s:e2]) == "<think>hm</think>a2<|im_end|>"
 
 
@@ -122,7 +123,13 @@ def test_token_straddling_prompt_and_response_is_rejected(tokenizer):
 def test_template_exception_is_an_example_error(tokenizer):
     # The tiny template raises on roles it does not know ('tool' is a known role to us).
     msgs = messages_from_example(
-        {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}, {"role": "assistant", "content": "a"}]}
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "tool", "content": "x"},
+                {"role": "assistant", "content": "a"},
+            ]
+        }
     )
     with pytest.raises(ExampleError) as e:
         ChatRenderer(tokenizer).render(msgs)
@@ -148,7 +155,13 @@ def test_template_exception_is_an_example_error(tokenizer):
         ),
         ({"messages": [{"role": "assistant", "content": "a"}]}, J.INVALID_FIELD, "no prompt"),
         (
-            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]},
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "q"},
+                ]
+            },
             J.INVALID_FIELD,
             "messages[2], role 'user') is not an assistant turn",
         ),

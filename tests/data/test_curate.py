@@ -1,4 +1,5 @@
 """The SFT data policy: pass rates, easy/hard selection, exact dedup, bad lines, grading path."""
+
 from __future__ import annotations
 
 import json
@@ -29,16 +30,16 @@ ROWS = [
     R("A", "a1", True),
     R("B", "b1", True),
     R("A", "a2", True),
-    R("A", "a2", True),    # exact duplicate of the line above
-    R("A", "a3", False),   # A: 3/4 correct -> easy: a3 dropped
+    R("A", "a2", True),  # exact duplicate of the line above
+    R("A", "a3", False),  # A: 3/4 correct -> easy: a3 dropped
     R("B", "b2", False),
     R("B", "b3", False),
-    R("B", "b4", False),   # B: 1/4 -> hard: all kept
+    R("B", "b4", False),  # B: 1/4 -> hard: all kept
     R("C", "c1", False),
-    R("C", "c2", False),   # C: 0/2 -> hard, never solved: both kept
+    R("C", "c2", False),  # C: 0/2 -> hard, never solved: both kept
     R("D", "d1", False),
-    R("D", "d2", True),    # D: 1/2 = threshold -> easy (hard means strictly below)
-    R(7, "x", True),       # integer ids are fine: 1/1 easy
+    R("D", "d2", True),  # D: 1/2 = threshold -> easy (hard means strictly below)
+    R(7, "x", True),  # integer ids are fine: 1/1 easy
 ]
 
 
@@ -52,8 +53,16 @@ def test_policy_selection_and_counts(tmp_path):
     s = curate(CurateConfig(inputs=[src], output=out, hard_below=0.5, report=str(tmp_path / "r.json")))
     kept = _out(out)
     assert [(r["prompt_id"], r["response"]) for r in kept] == [
-        ("A", "a1"), ("B", "b1"), ("A", "a2"), ("B", "b2"), ("B", "b3"), ("B", "b4"),
-        ("C", "c1"), ("C", "c2"), ("D", "d2"), (7, "x"),
+        ("A", "a1"),
+        ("B", "b1"),
+        ("A", "a2"),
+        ("B", "b2"),
+        ("B", "b3"),
+        ("B", "b4"),
+        ("C", "c1"),
+        ("C", "c2"),
+        ("D", "d2"),
+        (7, "x"),
     ]
     by = {(r["prompt_id"], r["response"]): r for r in kept}
     assert by[("A", "a1")]["pass_rate"] == 0.75 and by[("A", "a1")]["difficulty"] == "easy"
@@ -65,7 +74,12 @@ def test_policy_selection_and_counts(tmp_path):
     assert r["dropped"] == {DROP_DUPLICATE: 1, DROP_INCORRECT_EASY: 2}
     assert r["kept_by"] == {"easy/correct": 4, "hard/correct": 1, "hard/incorrect": 5}
     assert s["prompts"] == {
-        "total": 5, "easy": 3, "hard": 2, "hard_unsolved": 1, "no_graded_response": 0, "with_kept_responses": 5
+        "total": 5,
+        "easy": 3,
+        "hard": 2,
+        "hard_unsolved": 1,
+        "no_graded_response": 0,
+        "with_kept_responses": 5,
     }
     assert json.load(open(tmp_path / "r.json")) == s
     text = format_summary(s)
@@ -105,7 +119,10 @@ def test_bad_lines_skipped_and_counted(tmp_path, capsys):
     out = str(tmp_path / "o.jsonl")
     s = curate(CurateConfig(inputs=[src], output=out, on_bad_line="skip"))
     assert s["responses"]["bad_lines"] == {
-        J.INVALID_JSON: 1, J.MISSING_FIELD: 2, J.INVALID_FIELD: 1, INCONSISTENT_PROMPT: 1
+        J.INVALID_JSON: 1,
+        J.MISSING_FIELD: 2,
+        J.INVALID_FIELD: 1,
+        INCONSISTENT_PROMPT: 1,
     }
     err = capsys.readouterr().err
     assert f"{src}:3: missing_field: 'prompt_id' is missing" in err
@@ -126,8 +143,9 @@ def test_grading_path_uses_the_adapter_and_drops_errors(tmp_path):
 
     def grader(records):
         calls.append([r["response"] for r in records])
-        return [(None, "grader crashed") if r["response"] == "??" else (r["response"] == r["answer"], "ok")
-                for r in records]
+        return [
+            (None, "grader crashed") if r["response"] == "??" else (r["response"] == r["answer"], "ok") for r in records
+        ]
 
     out = str(tmp_path / "o.jsonl")
     cfg = CurateConfig(inputs=[write_jsonl(tmp_path / "t.jsonl", rows)], output=out, grading_batch=2)
@@ -146,7 +164,12 @@ def test_verdict_from_grade_result():
     assert verdict_from_grade(G(reward=0.5, passed=8, total=16, detail="8/16")) == (False, "8/16")  # not all tests
     assert verdict_from_grade(G(reward=1.0, passed=16, total=16, detail="16/16")) == (True, "16/16")
     assert verdict_from_grade(G.failure(0.0, "sandbox failed")) == (None, "sandbox failed")
-    assert grading_item(3, {"response": "r", "answer": "4"}) == {"id": 3, "task": "math", "response": "r", "answer": "4"}
+    assert grading_item(3, {"response": "r", "answer": "4"}) == {
+        "id": 3,
+        "task": "math",
+        "response": "r",
+        "answer": "4",
+    }
     assert grading_item(0, {"response": "r", "tests": {"inputs": []}})["task"] == "code"
 
 

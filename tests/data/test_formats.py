@@ -1,6 +1,7 @@
 """The published layouts (verl, LiveCodeBench, math sets) read from small fixtures in JSONL and
 parquet: every problem, answer and test; bad rows named with file, row and column; a malicious
 pickle refused without running."""
+
 import base64
 import io
 import json
@@ -19,10 +20,14 @@ from megatron_klear.data.prompts import PromptDataset
 from .format_fixtures import LEETCODE_CHECK, lcb_rows, math_rows, verl_rows, write
 
 EXTS = ("jsonl", "parquet")
-LEETCODE_TESTS = {"kind": "expr",
-                  "inputs": ["candidate = Solution().minOperations\ncandidate(nums=[3, 1, 5, 4, 2], k=2)",
-                             "candidate = Solution().minOperations\ncandidate(nums=[3, 1, 5, 4, 2], k=5)"],
-                  "outputs": [4, 5]}
+LEETCODE_TESTS = {
+    "kind": "expr",
+    "inputs": [
+        "candidate = Solution().minOperations\ncandidate(nums=[3, 1, 5, 4, 2], k=2)",
+        "candidate = Solution().minOperations\ncandidate(nums=[3, 1, 5, 4, 2], k=5)",
+    ],
+    "outputs": [4, 5],
+}
 VERL_EXPECTED = {
     "math_longcot_math_verify-0": ("math", "204"),
     "aime2024-1": ("math", "73"),
@@ -34,9 +39,14 @@ VERL_EXPECTED = {
     "livecodebench-7": ("code", {"inputs": ["1\n2"], "outputs": ["3"], "fn_name": "add"}),
     "primeintellect-8": ("code", {"inputs": ["4 4\n"], "outputs": ["8\n"]}),
     "leetcode-9": ("code", LEETCODE_TESTS),
-    "kodcode_longcot-10": ("code", {"kind": "expr", "inputs": ["from solution import add\nadd(1, 2)",
-                                                                "from solution import add\nadd(1, -2)"],
-                                    "outputs": [3, -1]}),
+    "kodcode_longcot-10": (
+        "code",
+        {
+            "kind": "expr",
+            "inputs": ["from solution import add\nadd(1, 2)", "from solution import add\nadd(1, -2)"],
+            "outputs": [3, -1],
+        },
+    ),
     "humanevalplus-11": ("code", {"inputs": [[1, 2], [10, 20], [0, 0]], "outputs": [3, 30, 0], "fn_name": "add"}),
 }
 
@@ -48,8 +58,10 @@ def test_verl_rows_of_every_data_source_family(tmp_path, ext):
     problems, summary = read_problems(path)
     got = {p["id"]: (p["task"], p.get("answer") if p["task"] == "math" else p["tests"]) for p in problems}
     assert got == VERL_EXPECTED
-    assert all(p["messages"] == [{"role": "user", "content": f"problem {i} ({p['data_source']})"}]
-               for i, p in enumerate(problems))
+    assert all(
+        p["messages"] == [{"role": "user", "content": f"problem {i} ({p['data_source']})"}]
+        for i, p in enumerate(problems)
+    )
     d = summary.as_dict()
     assert d["rows"] == 12 and d["problems"] == 12 and d["tasks"] == {"math": 2, "code": 10}
     assert d["tests_per_problem"] == {"min": 1, "mean": 1.7, "max": 3} and d["skipped_rows"] == {}
@@ -71,8 +83,15 @@ def test_verl_unknown_data_source_is_an_error_naming_it(tmp_path):
 def test_bad_rows_are_named_counted_and_never_dropped_silently(tmp_path, ext):
     good = verl_rows()
     bad_prompt = dict(good[0], prompt=[{"role": "assistant", "content": "no question"}])
-    bad_check = dict(good[9], reward_model={"style": "rule", "ground_truth": json.dumps(
-        {"functional": "def test_x():\n    with pytest.raises(ValueError):\n        f(1)\n"})})
+    bad_check = dict(
+        good[9],
+        reward_model={
+            "style": "rule",
+            "ground_truth": json.dumps(
+                {"functional": "def test_x():\n    with pytest.raises(ValueError):\n        f(1)\n"}
+            ),
+        },
+    )
     bad_answer = dict(good[1], reward_model={"style": "rule", "ground_truth": ""})
     path = write(tmp_path / f"rl.{ext}", [good[0], bad_prompt, bad_check, bad_answer, good[2]])
     seen = []
@@ -82,7 +101,10 @@ def test_bad_rows_are_named_counted_and_never_dropped_silently(tmp_path, ext):
     assert [p["id"] for p in problems] == ["math_longcot_math_verify-0", "coder1_longcot-2"]
     assert summary.rows == 5 and summary.skipped == {"bad_messages": 1, "unsupported_tests": 1, "bad_answer": 1}
     assert [(r["file"], r["line"], r["reason"]) for r in seen] == [
-        (path, 2, "bad_messages"), (path, 3, "unsupported_tests"), (path, 4, "bad_answer")]
+        (path, 2, "bad_messages"),
+        (path, 3, "unsupported_tests"),
+        (path, 4, "bad_answer"),
+    ]
     assert seen[0]["detail"].startswith("column prompt:")
     assert "column reward_model.ground_truth.functional:" in seen[1]["detail"] and "line 2: a With" in seen[1]["detail"]
     assert seen[2]["detail"].startswith("column reward_model.ground_truth:")
@@ -98,14 +120,19 @@ def test_livecodebench_rows_windows_prompts_and_every_test(tmp_path, ext):
     assert [p["id"] for p in problems] == ["abc1_a", "3044"] and summary.outside_window == 1
     stdin, fn = problems
     assert stdin["tests"] == {"inputs": ["1 2\n", "2 3\n", "10 20\n"], "outputs": ["3\n", "5\n", "30\n"]}
-    assert fn["tests"] == {"inputs": ["[3,1,5,4,2]\n2", "[3,1,5,4,2]\n5"], "outputs": ["4", "5"],
-                           "fn_name": "minOperations"}
+    assert fn["tests"] == {
+        "inputs": ["[3,1,5,4,2]\n2", "[3,1,5,4,2]\n5"],
+        "outputs": ["4", "5"],
+        "fn_name": "minOperations",
+    }
     assert stdin["messages"][0] == {"role": "system", "content": SYSTEM_MESSAGE}
     user = stdin["messages"][1]["content"]
     assert user.startswith("### Question:\nAdd two numbers.\n\n") and WITHOUT_STARTER in user
     assert "```python\n# YOUR CODE HERE\n```" in user
     user = fn["messages"][1]["content"]
-    assert WITH_STARTER in user and "class Solution:\n    def minOperations(self" in user and WITHOUT_STARTER not in user
+    assert (
+        WITH_STARTER in user and "class Solution:\n    def minOperations(self" in user and WITHOUT_STARTER not in user
+    )
     d = summary.as_dict()
     assert d["window"] == {"since": "2024-08-01", "until": "2025-05-01", "outside": 1}
     assert d["contest_dates"] == ["2024-09-01", "2025-03-01"] and d["with_starter_code"] == 1
@@ -150,8 +177,11 @@ def test_a_malicious_pickle_is_refused_naming_the_row_and_never_runs(tmp_path, e
     rows = lcb_rows()
     rows[1]["private_test_cases"] = blob
     path = write(tmp_path / "lcb.jsonl", rows)
-    with pytest.raises(BadLineError, match=r"lcb\.jsonl:2: unsafe_pickle: column private_test_cases: refused: "
-                                           r"opcode \w+ at byte \d+"):
+    with pytest.raises(
+        BadLineError,
+        match=r"lcb\.jsonl:2: unsafe_pickle: column private_test_cases: refused: "
+        r"opcode \w+ at byte \d+",
+    ):
         read_problems(path)
     policy = BadLinePolicy(on_bad_line="skip", stream=None)
     problems, summary = read_problems(path, policy=policy)
@@ -173,11 +203,14 @@ def test_the_unpickler_accepts_nothing_but_a_string(value):
 
 
 @pytest.mark.parametrize("ext", EXTS)
-@pytest.mark.parametrize("name,want,col", [
-    ("aime", [("2024-I-1", "204"), ("2024-I-2", "25")], "answer"),
-    ("nemo", [("n1", "2"), ("n2", "5")], "expected_answer"),
-    ("math", [("1", "\\frac{1}{2}")], "solution"),
-])
+@pytest.mark.parametrize(
+    "name,want,col",
+    [
+        ("aime", [("2024-I-1", "204"), ("2024-I-2", "25")], "answer"),
+        ("nemo", [("n1", "2"), ("n2", "5")], "expected_answer"),
+        ("math", [("1", "\\frac{1}{2}")], "solution"),
+    ],
+)
 def test_math_sets(tmp_path, ext, name, want, col):
     path = write(tmp_path / f"{name}.{ext}", math_rows()[name])
     assert detect(path) == "math"
@@ -274,11 +307,16 @@ def test_leetcode_check_code_becomes_call_expected_pairs():
 
     assert convert(LEETCODE_CHECK) == LEETCODE_TESTS
     # an expected value bound to a name stays with the grader: it is not in what the sandbox gets
-    t = convert("from solution import f\ndef test_a():\n    data = [1, 2]\n    want = 'SECRET'\n    assert f(data) == want\n")
+    t = convert(
+        "from solution import f\ndef test_a():\n    data = [1, 2]\n    want = 'SECRET'\n    assert f(data) == want\n"
+    )
     assert t["outputs"] == ["SECRET"] and "SECRET" not in t["inputs"][0] and "data = [1, 2]" in t["inputs"][0]
     assert convert("assert not f(1)\nassert f(2) is None\nassert g(3)")["outputs"] == [False, None, True]
-    for bad, line in (("assert f(1) != 2", 1), ("def test_a():\n    for i in range(3):\n        assert f(i) == i", 2),
-                      ("assert f(1) == g(2)", 1)):
+    for bad, line in (
+        ("assert f(1) != 2", 1),
+        ("def test_a():\n    for i in range(3):\n        assert f(i) == i", 2),
+        ("assert f(1) == g(2)", 1),
+    ):
         with pytest.raises(NotConvertible, match=f"line {line}"):
             convert(bad)
 
@@ -289,15 +327,24 @@ def test_prepare_data_writes_the_project_jsonl_a_summary_and_the_rejected_rows(t
     rows = verl_rows() + [dict(verl_rows()[0], data_source="ifeval")]
     src = write(tmp_path / "rl.parquet", rows)
     out = tmp_path / "out" / "rl.jsonl"
-    with pytest.raises(BadLineError, match=r"rl\.parquet:13: unknown_data_source: column data_source: data_source 'ifeval' has no verifier"):
+    with pytest.raises(
+        BadLineError,
+        match=r"rl\.parquet:13: unknown_data_source: column data_source: data_source 'ifeval' has no verifier",
+    ):
         main(["--input", src, "--output", str(out)])
     assert main(["--input", src, "--output", str(out), "--on-bad-row", "skip"]) == 0
     written = [json.loads(x) for x in out.read_text().splitlines()]
-    assert {w["id"]: (w["task"], w.get("answer") if w["task"] == "math" else w["tests"]) for w in written} == VERL_EXPECTED
+    assert {
+        w["id"]: (w["task"], w.get("answer") if w["task"] == "math" else w["tests"]) for w in written
+    } == VERL_EXPECTED
     rejected = [json.loads(x) for x in (tmp_path / "out" / "rl.jsonl.rejected.jsonl").read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rejected] == [(13, "unknown_data_source")]
     summary = json.load(open(tmp_path / "out" / "rl.summary.json"))
-    assert summary[0]["rows"] == 13 and summary[0]["problems"] == 12 and summary[0]["skipped_rows"] == {"unknown_data_source": 1}
+    assert (
+        summary[0]["rows"] == 13
+        and summary[0]["problems"] == 12
+        and summary[0]["skipped_rows"] == {"unknown_data_source": 1}
+    )
     # what it wrote is the project's own layout: read back as it is
     ds = PromptDataset([str(out)], tokenizer, stream=io.StringIO())
     assert sorted(p.id for p in ds.prompts) == sorted(VERL_EXPECTED)

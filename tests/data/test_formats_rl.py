@@ -6,6 +6,7 @@ generate and grade: rl.prompts read by PromptDataset (format detected), rl/sampl
 ``generate_and_grade`` with the embedded engine on a tiny model, the reward pool; then the same
 path with scripted responses (right and wrong for each problem), so the rewards, groups and
 advantages the actor would train on are known."""
+
 import io
 
 import pytest
@@ -40,9 +41,17 @@ class _Scripted(RolloutEngine):
         self.tok, self.texts = tok, texts
 
     def generate(self, prompts, params, n=1):
-        return [[Completion(self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id],
-                            [-0.1] * (len(self.tok(t, add_special_tokens=False)["input_ids"]) + 1), "stop")
-                 for t in self.texts[i]] for i in range(len(prompts))]
+        return [
+            [
+                Completion(
+                    self.tok(t, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id],
+                    [-0.1] * (len(self.tok(t, add_special_tokens=False)["input_ids"]) + 1),
+                    "stop",
+                )
+                for t in self.texts[i]
+            ]
+            for i in range(len(prompts))
+        ]
 
     def update_weights(self, named_tensors, *, version=None):
         raise AssertionError("not here")
@@ -62,8 +71,7 @@ def setup(tmp_path_factory):
     cfg = JobConfig()
     cfg.rl.responses_per_prompt = 2
     cfg.rl.prompts_per_step = len(ROWS)
-    return {"model": model, "tok": tok, "ds": ds, "log": log.getvalue(), "cfg": cfg,
-            "stop": generation_stop_ids(tok)}
+    return {"model": model, "tok": tok, "ds": ds, "log": log.getvalue(), "cfg": cfg, "stop": generation_stop_ids(tok)}
 
 
 def test_the_embedded_engine_batch_is_graded_by_each_task(setup):
@@ -93,8 +101,11 @@ def test_scripted_right_and_wrong_responses_give_the_rewards_and_groups(setup):
     prompts = sorted(ds.prompts, key=lambda p: p.id)
     answers = {"math_longcot_math_verify-0": "204", "aime2024-1": "73"}
     fence = "<think>ok</think>\n```python\n{}\n```"
-    honest = {"coder1-3": HONEST["coder1"], "codeforces-6": HONEST["codeforces"],
-              "livecodebench-7": HONEST["livecodebench"]}
+    honest = {
+        "coder1-3": HONEST["coder1"],
+        "codeforces-6": HONEST["codeforces"],
+        "livecodebench-7": HONEST["livecodebench"],
+    }
     texts = []
     for p in prompts:
         if p.task == "math":
@@ -104,8 +115,9 @@ def test_scripted_right_and_wrong_responses_give_the_rewards_and_groups(setup):
     params = SamplingParams(max_new_tokens=64, stop_token_ids=list(setup["stop"]))
     with GradingPool(RewardConfig(workers=1)) as pool:
         rec = _Recording(pool)
-        samples, metrics = generate_and_grade(_Scripted(tok, texts), rec, tok, prompts, params, setup["cfg"],
-                                              setup["stop"])
+        samples, metrics = generate_and_grade(
+            _Scripted(tok, texts), rec, tok, prompts, params, setup["cfg"], setup["stop"]
+        )
         grades = [f.result() for f in rec.futures]
     assert [g.solved for g in grades] == [True, False] * 5
     assert all(right.reward == 1.0 and wrong.reward < 1.0 for right, wrong in zip(grades[::2], grades[1::2]))

@@ -1,4 +1,5 @@
 """Packer and packed-row layout, against hand-computed values and a naive reference packer."""
+
 from __future__ import annotations
 
 import numpy as np

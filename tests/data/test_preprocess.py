@@ -1,5 +1,6 @@
 """Preprocessing: bad lines by file + line, skip-and-count vs fail, over-long policies, the indexed
 dataset and its metadata, atomic output, identical output for any worker count."""
+
 from __future__ import annotations
 
 import glob
@@ -36,14 +37,14 @@ def _sha256(path):
 @pytest.fixture
 def mixed_file(tmp_path):
     rows = [
-        GOOD_A,                                                   # 1
-        "{not json",                                              # 2
-        {"prompt": "only a prompt"},                              # 3
-        "",                                                       # 4 (blank: ignored)
+        GOOD_A,  # 1
+        "{not json",  # 2
+        {"prompt": "only a prompt"},  # 3
+        "",  # 4 (blank: ignored)
         {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},  # 5
-        {"prompt": "p", "response": ""},                          # 6
-        GOOD_B,                                                   # 7
-        "[1, 2]",                                                 # 8
+        {"prompt": "p", "response": ""},  # 6
+        GOOD_B,  # 7
+        "[1, 2]",  # 8
     ]
     return write_jsonl(tmp_path / "mixed.jsonl", rows)
 
@@ -82,7 +83,12 @@ def test_skip_counts_and_reports_every_bad_line(tmp_path, tokenizer_dir, tokeniz
 
     # Metadata: sources + sha256, tokenizer hash, token counts, histogram.
     assert meta["sources"] == [
-        {"path": os.path.abspath(mixed_file), "sha256": _sha256(mixed_file), "bytes": os.path.getsize(mixed_file), "lines": 8}
+        {
+            "path": os.path.abspath(mixed_file),
+            "sha256": _sha256(mixed_file),
+            "bytes": os.path.getsize(mixed_file),
+            "lines": 8,
+        }
     ]
     assert meta["tokenizer"]["sha256"] == tokenizer_fingerprint(tokenizer_dir)["sha256"]
     assert meta["tokenizer"]["pad_token_id"] == tokenizer.pad_token_id
@@ -139,14 +145,10 @@ def test_overlong_policies(tmp_path, tokenizer_dir, tokenizer):
 
     # "fail" is fatal even when bad lines are skipped.
     with pytest.raises(BadLineError, match=rf"long\.jsonl:2: too_long: {len(full)} tokens"):
-        preprocess(
-            _config(tmp_path, [path], tokenizer_dir, max_length=max_length, overlong="fail", on_bad_line="skip")
-        )
+        preprocess(_config(tmp_path, [path], tokenizer_dir, max_length=max_length, overlong="fail", on_bad_line="skip"))
 
     # Truncating before the response starts leaves nothing to learn: dropped, and said so.
-    meta = preprocess(
-        _config(tmp_path, [path], tokenizer_dir, max_length=full.loss_spans[0][0], overlong="truncate")
-    )
+    meta = preprocess(_config(tmp_path, [path], tokenizer_dir, max_length=full.loss_spans[0][0], overlong="truncate"))
     assert full.loss_spans[0][0] > 50  # the short examples fit whole
     assert meta["counts"]["dropped"] == {J.NO_LOSS_AFTER_TRUNCATION: 1} and meta["counts"]["kept"] == 2
 
@@ -174,7 +176,12 @@ def test_rerun_replaces_previous_output(tmp_path, tokenizer_dir):
     reader = SFTIndexedReader(str(tmp_path / "out" / "ds"))
     assert len(reader) == 3 and reader.meta["sources"][0]["path"] == os.path.abspath(b)
     assert sorted(os.listdir(tmp_path / "out")) == [
-        "ds.bin", "ds.idx", "ds.meta.json", "ds.rejected.jsonl", "ds_loss_spans.bin", "ds_loss_spans.idx"
+        "ds.bin",
+        "ds.idx",
+        "ds.meta.json",
+        "ds.rejected.jsonl",
+        "ds_loss_spans.bin",
+        "ds_loss_spans.idx",
     ]
 
 
@@ -194,7 +201,18 @@ def test_cli(tmp_path, tokenizer_dir, capsys):
 
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD_A, "nope"])
     out = str(tmp_path / "cli" / "ds")
-    args = ["--input", bad, "--tokenizer", tokenizer_dir, "--output-prefix", out, "--max-length", "64", "--workers", "1"]
+    args = [
+        "--input",
+        bad,
+        "--tokenizer",
+        tokenizer_dir,
+        "--output-prefix",
+        out,
+        "--max-length",
+        "64",
+        "--workers",
+        "1",
+    ]
     assert main(args) == 1
     assert f"error: {bad}:2: invalid_json" in capsys.readouterr().err
     assert main(args + ["--on-bad-line", "skip"]) == 0

@@ -3,6 +3,7 @@ total follows with a count per reason, every skipped line is in <save_dir>/skipp
 (the note after the first 20 names it), the first step's metrics carry data/skipped_prompt_lines, and
 a JSON error names its real column. In process; the same through torchrun in
 tests/distributed/test_bad_lines_and_foreign_runs.py."""
+
 import io
 import json
 
@@ -22,8 +23,11 @@ def _rows(n_bad=25):
     rows, bad = [], []
     for i in range(40):
         if i % 3 == 1 and len(bad) < n_bad:
-            rows.append(f'{{"id": "b{i}", "prompt": "q{i}", "answer": "1"' if len(bad) % 2 else
-                        {"id": f"b{i}", "task": "math", "prompt": f"q{i}"})  # a missing } or a missing answer
+            rows.append(
+                f'{{"id": "b{i}", "prompt": "q{i}", "answer": "1"'
+                if len(bad) % 2
+                else {"id": f"b{i}", "task": "math", "prompt": f"q{i}"}
+            )  # a missing } or a missing answer
             bad.append(i + 1)
         else:
             rows.append({"id": f"ok{i}", "prompt": f"q{i}", "answer": "1"})
@@ -43,13 +47,19 @@ def test_each_skipped_line_is_named_once_counted_and_reported(tmp_path, tokenize
     assert len(named) == 20 and len(set(named)) == 20  # each once
     assert f"(further rejected lines go only to {report})" in printed
     assert ds.skipped == 25 and len(ds) == 40 - 13
-    assert printed[-1] == (f"on_bad_line=skip: skipped 25 bad prompt lines (invalid_json: 18, missing_field: 7); "
-                           f"each listed in {report}")
+    assert printed[-1] == (
+        f"on_bad_line=skip: skipped 25 bad prompt lines (invalid_json: 18, missing_field: 7); each listed in {report}"
+    )
     records = [json.loads(line) for line in open(report)]
     assert [r["line"] for r in records] == bad and all(r["file"] == path for r in records)
     # a fresh read without bad lines leaves no stale report behind
-    PromptDataset([_write(tmp_path / "good.jsonl", [{"prompt": "q", "answer": "1"}])], tokenizer,
-                  on_bad_line="skip", report_dir=str(tmp_path / "run"), stream=io.StringIO())
+    PromptDataset(
+        [_write(tmp_path / "good.jsonl", [{"prompt": "q", "answer": "1"}])],
+        tokenizer,
+        on_bad_line="skip",
+        report_dir=str(tmp_path / "run"),
+        stream=io.StringIO(),
+    )
     assert not (tmp_path / "run" / REPORT_NAME).exists()
 
 
@@ -73,11 +83,14 @@ def test_without_a_save_dir_the_note_does_not_promise_a_report(tmp_path, tokeniz
     assert "set train.save_dir to get each listed in a report" in out.getvalue()
 
 
-@pytest.mark.parametrize("line, where", [
-    ('{"id": "x", "prompt": "q", "answer": "1"', "Expecting ',' delimiter at column 41, the end of the line"),
-    ('{"id": "x" "prompt": "q"}', "Expecting ',' delimiter at column 12"),
-    ('{"id": "x", "prompt": "q", "answer": tru}', "Expecting value at column 38"),
-])
+@pytest.mark.parametrize(
+    "line, where",
+    [
+        ('{"id": "x", "prompt": "q", "answer": "1"', "Expecting ',' delimiter at column 41, the end of the line"),
+        ('{"id": "x" "prompt": "q"}', "Expecting ',' delimiter at column 12"),
+        ('{"id": "x", "prompt": "q", "answer": tru}', "Expecting value at column 38"),
+    ],
+)
 def test_json_errors_name_their_real_column(tmp_path, tokenizer, line, where):
     path = _write(tmp_path / "p.jsonl", [line])
     with pytest.raises(BadLineError) as e:

@@ -1,5 +1,6 @@
 """The training-side reader: every example once per epoch, equal micro-batch counts per DP rank,
 row contents equal the stored examples, determinism, exact resume (also across a DP resize)."""
+
 from __future__ import annotations
 
 import itertools
@@ -20,7 +21,11 @@ def prefix(tmp_path_factory, tokenizer_dir):
     d = tmp_path_factory.mktemp("sft")
     path = write_jsonl(d / "train.jsonl", synthetic_rows(90, seed=3, max_sentences=10))
     cfg = PreprocessConfig(
-        inputs=[path], tokenizer=tokenizer_dir, output_prefix=str(d / "ds"), max_length=SEQ, overlong="truncate",
+        inputs=[path],
+        tokenizer=tokenizer_dir,
+        output_prefix=str(d / "ds"),
+        max_length=SEQ,
+        overlong="truncate",
         progress_every_s=1e9,
     )
     preprocess(cfg)
@@ -37,8 +42,10 @@ def make(prefix, **kw):
 
 def rank_batches(prefix, dp_size, m, epochs=1, **kw):
     """Every rank's micro-batches for ``epochs`` epochs, as lists."""
-    return [list(make(prefix, dp_rank=r, dp_size=dp_size, micro_batches_per_step=m, num_epochs=epochs, **kw))
-            for r in range(dp_size)]
+    return [
+        list(make(prefix, dp_rank=r, dp_size=dp_size, micro_batches_per_step=m, num_epochs=epochs, **kw))
+        for r in range(dp_size)
+    ]
 
 
 def test_epoch_covers_every_example_once_with_equal_counts_per_rank(prefix):
@@ -153,9 +160,13 @@ def test_remainder_drop_skips_the_partial_step(prefix):
     assert bins % 8  # there is a partial step
     assert pad.steps_in_epoch(0) == bins // 8 + 1 and drop.steps_in_epoch(0) == bins // 8
     assert pad.epoch_stats(0)["filler_micro_batches"] == 8 - bins % 8
-    assert drop.epoch_stats(0)["dropped_examples"] == sum(len(b) for b in drop.epoch_bins(0)[bins // 8 * 8:])
-    fillers = [b for r in range(2) for b in make(prefix, dp_rank=r, dp_size=2, micro_batches_per_step=4, num_epochs=1)
-               if b["num_examples"] == 0]
+    assert drop.epoch_stats(0)["dropped_examples"] == sum(len(b) for b in drop.epoch_bins(0)[bins // 8 * 8 :])
+    fillers = [
+        b
+        for r in range(2)
+        for b in make(prefix, dp_rank=r, dp_size=2, micro_batches_per_step=4, num_epochs=1)
+        if b["num_examples"] == 0
+    ]
     assert len(fillers) == 8 - bins % 8
     assert all(f["num_loss_tokens"] == 0 and f["tokens"].shape == (1, PAD) for f in fillers)
 

@@ -1,6 +1,7 @@
 """Which tokens end a response: EOS ids plus the chat template's end-of-turn token. Qwen3-8B-Base
 names <|endoftext|> as EOS (config.json, generation_config.json, tokenizer_config.json) while its
 chat template closes turns with <|im_end|>; SFT teaches <|im_end|>."""
+
 import json
 import os
 
@@ -12,8 +13,10 @@ def base_and_instruct(tmp_path_factory):
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     root = tmp_path_factory.mktemp("stop")
-    return (make_tiny_qwen3(str(root / "base"), flavor="base", seed=4),
-            make_tiny_qwen3(str(root / "instruct"), flavor="instruct", seed=4))
+    return (
+        make_tiny_qwen3(str(root / "base"), flavor="base", seed=4),
+        make_tiny_qwen3(str(root / "instruct"), flavor="instruct", seed=4),
+    )
 
 
 def test_base_flavor_is_shaped_like_qwen3_base(base_and_instruct):
@@ -25,8 +28,9 @@ def test_base_flavor_is_shaped_like_qwen3_base(base_and_instruct):
     assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<|endoftext|>"
     assert json.load(open(os.path.join(base, "config.json")))["eos_token_id"] == eos
     assert json.load(open(os.path.join(base, "generation_config.json")))["eos_token_id"] == eos
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], tokenize=False
+    )
     assert "yo<|im_end|>" in text
 
 

@@ -1,5 +1,6 @@
 """The synthetic digit-chain task (data/synthetic.py): answers the real math grader accepts,
 train / held-out problems disjoint, files identical for a seed."""
+
 import hashlib
 import json
 
@@ -39,7 +40,9 @@ def test_the_imperfect_teachers_slips_are_wrong_answers_one_per_response(tmp_pat
         p = by_question[user["content"]]
         lines = assistant["content"].split("</think>")[0].removeprefix("<think>").split("\n")
         # a slip changes one partial result and everything after it: the first wrong line is off by 1 or 2
-        first = next((i for i, (line, ok) in enumerate(zip(lines, p.steps())) if int(line.split("=")[1]) != ok[3]), None)
+        first = next(
+            (i for i, (line, ok) in enumerate(zip(lines, p.steps())) if int(line.split("=")[1]) != ok[3]), None
+        )
         if first is None:
             assert assistant["content"] == p.response
             assert grade_math(assistant["content"], str(p.answer)).solved
@@ -47,7 +50,7 @@ def test_the_imperfect_teachers_slips_are_wrong_answers_one_per_response(tmp_pat
         slipped += 1
         left, _, result = lines[first].partition("=")
         assert abs(int(result) - eval(left)) in (1, 2)  # noqa: S307
-        for line in lines[first + 1:]:  # no second slip: the chain goes on correctly from the slipped value
+        for line in lines[first + 1 :]:  # no second slip: the chain goes on correctly from the slipped value
             left, _, result = line.partition("=")
             assert int(result) == eval(left)  # noqa: S307
         assert not grade_math(assistant["content"], str(p.answer)).solved  # a slip is always a wrong answer
@@ -104,16 +107,24 @@ def test_bad_task_and_split_are_refused():
 # -- the long-tailed variant (benchmarks/async_rl.py) ----------------------------------------------------
 def test_chain_task_files_are_unchanged_by_the_long_tailed_variant(tmp_path):
     """The digit-chain task's files, pinned (sha256 of what the task wrote before LongTailTask existed)."""
+
     def digest(path):
         return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
-    assert digest(syn.write_sft_jsonl(str(tmp_path / "a.jsonl"), 64, seed=7, slip_rate=0.6)) == \
-        "f3e6529ffc29877598f50673ab4127cc2e9701ebdfa5c37b679751838285d7f6"
-    assert digest(syn.write_rl_prompts_jsonl(str(tmp_path / "b.jsonl"), 100, seed=3)) == \
-        "17aeaebb0f15fa22e0f3c7a5f1ae8b5b2e5bb4a724e0d9233a7fe13dd1f5db15"
-    assert digest(syn.write_rl_prompts_jsonl(str(tmp_path / "c.jsonl"), None, split="heldout",
-                                             task=syn.ChainTask(ops="+-"))) == \
-        "78bc30752d78b4c584ab8ad4aea74dd77dfe1bb2190afece18baf177491768c7"
+    assert (
+        digest(syn.write_sft_jsonl(str(tmp_path / "a.jsonl"), 64, seed=7, slip_rate=0.6))
+        == "f3e6529ffc29877598f50673ab4127cc2e9701ebdfa5c37b679751838285d7f6"
+    )
+    assert (
+        digest(syn.write_rl_prompts_jsonl(str(tmp_path / "b.jsonl"), 100, seed=3))
+        == "17aeaebb0f15fa22e0f3c7a5f1ae8b5b2e5bb4a724e0d9233a7fe13dd1f5db15"
+    )
+    assert (
+        digest(
+            syn.write_rl_prompts_jsonl(str(tmp_path / "c.jsonl"), None, split="heldout", task=syn.ChainTask(ops="+-"))
+        )
+        == "78bc30752d78b4c584ab8ad4aea74dd77dfe1bb2190afece18baf177491768c7"
+    )
 
 
 def test_length_percentiles_are_nearest_rank():
@@ -137,7 +148,7 @@ def test_long_tailed_terms_follow_the_law():
     task = syn.LongTailTask()
     law = task.terms_probabilities()
     assert list(law) == list(range(2, 21)) and sum(law.values()) == pytest.approx(1.0)
-    assert law[2] / law[3] == pytest.approx(2 ** 1.3) and law[2] / law[20] == pytest.approx(19 ** 1.3)
+    assert law[2] / law[3] == pytest.approx(2**1.3) and law[2] / law[20] == pytest.approx(19**1.3)
     drawn = syn.sample_problems(20000, seed=1, task=task)
     for k in (2, 3, 5, 10, 20):
         freq = sum(p.terms == k for p in drawn) / len(drawn)
@@ -159,7 +170,8 @@ def test_long_tailed_teacher_lengths(tokenizer):
     assert q["max"] <= 8 * q["p50"]  # capped
     longest = syn.Problem((9,) * task.max_terms, ("+",) * (task.max_terms - 1))  # the longest trace possible
     assert q["max"] <= len(tokenizer(longest.response)["input_ids"]) and q["max"] >= 0.8 * len(
-        tokenizer(longest.response)["input_ids"])
+        tokenizer(longest.response)["input_ids"]
+    )
 
 
 def test_long_tailed_split_files_and_refusals(tmp_path):
@@ -175,8 +187,10 @@ def test_long_tailed_split_files_and_refusals(tmp_path):
     a = syn.write_sft_jsonl(str(tmp_path / "a.jsonl"), 50, seed=2, task=task, slip_rate=0.5)
     b = syn.write_sft_jsonl(str(tmp_path / "b.jsonl"), 50, seed=2, task=task, slip_rate=0.5)
     assert open(a).read() == open(b).read()
-    rows = [json.loads(x) for x in open(syn.write_rl_prompts_jsonl(str(tmp_path / "h.jsonl"), 64, seed=1,
-                                                                   split="heldout", task=task))]
+    rows = [
+        json.loads(x)
+        for x in open(syn.write_rl_prompts_jsonl(str(tmp_path / "h.jsonl"), 64, seed=1, split="heldout", task=task))
+    ]
     assert len({r["id"] for r in rows}) == 64 and all(r["task"] == "math" for r in rows)
     with pytest.raises(ValueError, match="too large to enumerate"):
         syn.problems("train", task)

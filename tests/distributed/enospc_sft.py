@@ -2,6 +2,7 @@
 fills up during the save of step ``KLEAR_TEST_ENOSPC_STEP`` (a simulated ENOSPC: each tensor file of
 that checkpoint gets a partial write, then "No space left on device", in Megatron's writer process).
 Used by tests/distributed/test_bad_lines_and_foreign_runs.py."""
+
 import errno
 import functools
 import os

@@ -9,6 +9,7 @@ which it has not answered yet. "Mid-rollout of step k" is: after step k-1's line
 that the server has not answered; "mid-sync" is a weight-update call it has not answered (the
 server holds such calls for a moment, ``--route-delay``, so that the sync is under way for sure).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,17 +60,23 @@ class Zygote:
         self.log_path = os.path.join(workdir, "zygote.log")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.distributed.fleet_server", self.control, model],
-                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                         cwd=ROOT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.distributed.fleet_server", self.control, model],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=ROOT,
+            )
         self._tokens = itertools.count()
 
     def wait_ready(self, timeout: float = 180.0) -> "Zygote":
         deadline = time.monotonic() + timeout
         while not os.path.exists(os.path.join(self.control, "ready")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server zygote is not ready (exit code {self.proc.poll()}):\n"
-                                   f"{_tail(self.log_path)}")
+                raise RuntimeError(
+                    f"the server zygote is not ready (exit code {self.proc.poll()}):\n{_tail(self.log_path)}"
+                )
             time.sleep(0.05)
         return self
 
@@ -84,8 +91,9 @@ class Zygote:
         deadline = time.monotonic() + 30
         while not os.path.exists(answer):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server zygote did not fork (exit code {self.proc.poll()}):\n"
-                                   f"{_tail(self.log_path)}")
+                raise RuntimeError(
+                    f"the server zygote did not fork (exit code {self.proc.poll()}):\n{_tail(self.log_path)}"
+                )
             time.sleep(0.01)
         with open(answer) as f:
             return int(f.read())
@@ -116,8 +124,16 @@ class Server:
     :meth:`kill` (SIGKILL), :meth:`freeze` / :meth:`thaw` (SIGSTOP / SIGCONT), :meth:`start` again
     at the same URL (a new process with the checkpoint's weights)."""
 
-    def __init__(self, zygote: Zygote, workdir: str, name: str, *, token_delay: float = 0.0, route_delays=None,
-                 port: int | None = None):
+    def __init__(
+        self,
+        zygote: Zygote,
+        workdir: str,
+        name: str,
+        *,
+        token_delay: float = 0.0,
+        route_delays=None,
+        port: int | None = None,
+    ):
         self.zygote, self.name = zygote, name
         self.port = port or fixed_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -131,8 +147,15 @@ class Server:
         """Start a new server process (returns at once; :meth:`wait_healthy` waits for it)."""
         if self.running():
             raise RuntimeError(f"{self.name} ({self.url}) is already running")
-        self.pid = self.zygote.fork({"port": self.port, "events": self.events_path, "log": self.log_path,
-                                     "token_delay": self.token_delay, "route_delays": self.route_delays})
+        self.pid = self.zygote.fork(
+            {
+                "port": self.port,
+                "events": self.events_path,
+                "log": self.log_path,
+                "token_delay": self.token_delay,
+                "route_delays": self.route_delays,
+            }
+        )
         self.starts += 1
         return self
 
@@ -149,8 +172,9 @@ class Server:
             if not self.running():
                 raise RuntimeError(f"server {self.name} ({self.url}) exited; log {self.log_path}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server {self.name} ({self.url}) not healthy within {timeout:g} s:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"server {self.name} ({self.url}) not healthy within {timeout:g} s:\n{self.log_tail()}"
+                )
             time.sleep(0.05)
         return self
 
@@ -204,8 +228,9 @@ class Server:
         pid = self.pid
         evs = [e for e in self.events() if e["pid"] == pid]
         answered = {e["id"] for e in evs if e["ev"] == "answer"}
-        return [e for e in evs
-                if e["ev"] == "start" and e["path"] in paths and e["t"] > since and e["id"] not in answered]
+        return [
+            e for e in evs if e["ev"] == "start" and e["path"] in paths and e["t"] > since and e["id"] not in answered
+        ]
 
     def received(self, path: str, since: float = 0.0) -> int:
         return sum(1 for e in self.events() if e["ev"] == "start" and e["path"] == path and e["t"] > since)
@@ -283,14 +308,20 @@ class Director(threading.Thread):
 
     def mid_rollout(self, server: Server, after: float, timeout: float = 120.0) -> None:
         """Wait until ``server`` holds an unanswered ``/generate`` received after ``after``."""
-        self.wait(lambda: server.unanswered(("/generate",), since=after), timeout,
-                  f"a /generate in flight on {server.name} ({server.url})")
+        self.wait(
+            lambda: server.unanswered(("/generate",), since=after),
+            timeout,
+            f"a /generate in flight on {server.name} ({server.url})",
+        )
 
     def mid_sync(self, server: Server, after: float, timeout: float = 120.0, routes=SYNC_ROUTES) -> str:
         """Wait until ``server`` holds an unanswered weight-update call received after ``after``;
         returns its path."""
-        found = self.wait(lambda: server.unanswered(routes, since=after), timeout,
-                          f"a weight update in flight on {server.name} ({server.url})")
+        found = self.wait(
+            lambda: server.unanswered(routes, since=after),
+            timeout,
+            f"a weight update in flight on {server.name} ({server.url})",
+        )
         return found[0]["path"]
 
     def finish(self, run_error: BaseException | None = None, timeout: float = 60.0) -> None:
@@ -301,8 +332,10 @@ class Director(threading.Thread):
         self.join(timeout)
         if self.error or not self.done:
             tail = f"\nthe run's error (end):\n{str(run_error)[-4000:]}" if run_error is not None else ""
-            raise AssertionError(f"the director's script did not finish; its actions: {self.actions}\n"
-                                 f"{self.error or 'still running'}{tail}")
+            raise AssertionError(
+                f"the director's script did not finish; its actions: {self.actions}\n"
+                f"{self.error or 'still running'}{tail}"
+            )
 
     def during(self, run, *args, **kwargs):
         """``run(*args, **kwargs)`` with this director acting meanwhile; returns what ``run`` returns,
@@ -353,10 +386,14 @@ def probe_logprobs(model_dir: str, weights, prompt, response):
 
 def greedy_probe(url: str, prompt, max_new_tokens: int = 6):
     """The server's greedy tokens and their log-probs for ``prompt`` (sent to the server directly)."""
-    body = {"input_ids": list(prompt), "return_logprob": True,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens}}
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "input_ids": list(prompt),
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
+    }
+    req = urllib.request.Request(
+        url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         out = json.loads(r.read())
     lps = out["meta_info"]["output_token_logprobs"]

@@ -23,6 +23,7 @@ its servers and ends when its parent does.
 
     python -m tests.distributed.fleet_server CONTROL_DIR MODEL_DIR
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -95,7 +96,8 @@ def _serve(model: str, spec: dict) -> None:
     os.dup2(fd, 2)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from megatron_klear.rollout.embedded.engine import EmbeddedEngine
-    from megatron_klear.rollout.sglang_standin import app as app_module, launcher
+    from megatron_klear.rollout.sglang_standin import app as app_module
+    from megatron_klear.rollout.sglang_standin import launcher
 
     events, delays = _Events(spec.get("events")), dict(spec.get("route_delays") or {})
     build_app = app_module.build_app
@@ -111,8 +113,9 @@ def _serve(model: str, spec: dict) -> None:
         EmbeddedEngine._forward = slow_forward
     tokenizer, engine = _load(model)
     kwargs = {"weight_sync_timeout": float(spec["weight_sync_timeout"])} if spec.get("weight_sync_timeout") else {}
-    server = launcher.make_server(engine, int(spec["port"]), tokenizer=tokenizer,
-                                  tokenizer_path=model if tokenizer else None, **kwargs)
+    server = launcher.make_server(
+        engine, int(spec["port"]), tokenizer=tokenizer, tokenizer_path=model if tokenizer else None, **kwargs
+    )
     print(f"fleet server pid {os.getpid()} serving {model} on http://127.0.0.1:{spec['port']}", flush=True)
     try:
         server.serve_forever()
@@ -140,7 +143,7 @@ def zygote(control: str, model: str) -> int:
     _write(os.path.join(control, "ready"), str(os.getpid()))
     while True:
         for req in sorted(glob.glob(os.path.join(control, "req-*.json"))):
-            token = os.path.basename(req)[len("req-"):-len(".json")]
+            token = os.path.basename(req)[len("req-") : -len(".json")]
             with open(req) as f:
                 spec = json.load(f)
             os.remove(req)

@@ -11,6 +11,7 @@ from it then imported everything afresh. The fork server only imports (it never 
 operator, so no thread pool is copied into the children), and each rank gets the caller's
 environment and working directory at the time of the call, as a spawned process would.
 """
+
 from __future__ import annotations
 
 import io
@@ -24,24 +25,47 @@ from multiprocessing import context, forkserver, popen_forkserver, spawn, util
 
 import torch.multiprocessing as mp
 
-
 # imported once by the fork server; the ranks are forked from it with these modules loaded. What a
 # rank imports beyond them costs every rank of every test (KLEAR_TEST_IMPORTS=1 prints it).
 _PRELOAD = [
-    "torch", "torch.distributed", "torch.distributed.checkpoint", "transformers",
-    "transformers.models.qwen2.tokenization_qwen2", "transformers.models.qwen3.modeling_qwen3",
-    "transformers.models.qwen3_moe.modeling_qwen3_moe", "transformers.models.auto.tokenization_auto",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.models.qwen2.tokenization_qwen2",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.auto.tokenization_auto",
     "transformers.models.auto.modeling_auto",
-    "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-    "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.torch",
-    "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer", "megatron.core.post_training",
-    "multiprocessing.managers", "multiprocessing.popen_spawn_posix", "torch.utils.serialization",
-    "math_verify", "httpx", "fastapi", "uvicorn",
-    "megatron_klear.models.builder", "megatron_klear.training.step", "megatron_klear.platform.cpu_compat",
-    "megatron_klear.training.setup", "megatron_klear.training.checkpointing",
-    "megatron_klear.sft.trainer", "megatron_klear.rl.loop", "megatron_klear.checkpoint.convert",
-    "megatron_klear.rollout.embedded", "megatron_klear.rollout.sglang", "megatron_klear.rollout.weight_sync",
-    "megatron_klear.rollout.sglang_standin", "megatron_klear.rewards.math",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.post_training",
+    "multiprocessing.managers",
+    "multiprocessing.popen_spawn_posix",
+    "torch.utils.serialization",
+    "math_verify",
+    "httpx",
+    "fastapi",
+    "uvicorn",
+    "megatron_klear.models.builder",
+    "megatron_klear.training.step",
+    "megatron_klear.platform.cpu_compat",
+    "megatron_klear.training.setup",
+    "megatron_klear.training.checkpointing",
+    "megatron_klear.sft.trainer",
+    "megatron_klear.rl.loop",
+    "megatron_klear.checkpoint.convert",
+    "megatron_klear.rollout.embedded",
+    "megatron_klear.rollout.sglang",
+    "megatron_klear.rollout.weight_sync",
+    "megatron_klear.rollout.sglang_standin",
+    "megatron_klear.rewards.math",
     "tests.distributed.helper",
 ]
 
@@ -112,9 +136,12 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None, c
         before = set(sys.modules)
         result = fn(rank, world_size, *args)
         if os.environ.get("KLEAR_TEST_IMPORTS") == "1":
-            print(f"rank {rank} of {fn.__module__}.{fn.__name__} imported: "
-                  f"{sorted(m for m in set(sys.modules) - before if '.' not in m or m.count('.') < 3)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rank {rank} of {fn.__module__}.{fn.__name__} imported: "
+                f"{sorted(m for m in set(sys.modules) - before if '.' not in m or m.count('.') < 3)}",
+                file=sys.stderr,
+                flush=True,
+            )
         # Pickled here, with plain pickle: an unpicklable result fails in this rank with its
         # traceback (not silently in the queue's feeder thread), and tensors travel as bytes
         # rather than as shared-memory handles that die with this process.
@@ -145,8 +172,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend:
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
     port = store.port
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend, dict(os.environ), os.getcwd()),
-                    daemon=False)
+        ctx.Process(
+            target=_worker,
+            args=(r, world_size, port, fn, args, queue, backend, dict(os.environ), os.getcwd()),
+            daemon=False,
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -181,9 +211,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend:
         for p in procs:
             p.join(timeout=5 if errors else 30)
         if os.environ.get("KLEAR_TEST_EXITS") == "1" and time.monotonic() - t0 > 1.0:
-            print(f"\n[exit] {fn.__module__}.{fn.__name__}: ranks took {time.monotonic() - t0:.1f} s to exit "
-                  f"after reporting (alive: {[r for r, p in enumerate(procs) if p.is_alive()]})", file=sys.stderr,
-                  flush=True)
+            print(
+                f"\n[exit] {fn.__module__}.{fn.__name__}: ranks took {time.monotonic() - t0:.1f} s to exit "
+                f"after reporting (alive: {[r for r, p in enumerate(procs) if p.is_alive()]})",
+                file=sys.stderr,
+                flush=True,
+            )
         for p in procs:
             if p.is_alive():
                 p.kill()

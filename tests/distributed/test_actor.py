@@ -1,5 +1,6 @@
 """One GPPO actor update (old log-prob recompute + two mini-batch optimizer steps) at TP=2, PP=2
 and DP=2 equals the single-process update: same losses, grad norms and parameter changes."""
+
 import math
 
 import pytest
@@ -18,11 +19,16 @@ def make_samples(seed=0, prompts=4, per_prompt=3, vocab=300):
         prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(3, 9))]
         for _ in range(per_prompt):
             resp = [rng.randrange(5, vocab) for _ in range(rng.randint(2, 14))]
-            samples.append(RolloutSample(
-                prompt_ids=prompt, response_ids=resp, advantage=rng.uniform(-1.5, 1.5), group=g,
-                positive=rng.random() < 0.4,
-                rollout_logprobs=[-rng.uniform(3.0, 8.0) for _ in resp],
-            ))
+            samples.append(
+                RolloutSample(
+                    prompt_ids=prompt,
+                    response_ids=resp,
+                    advantage=rng.uniform(-1.5, 1.5),
+                    group=g,
+                    positive=rng.random() < 0.4,
+                    rollout_logprobs=[-rng.uniform(3.0, 8.0) for _ in resp],
+                )
+            )
     return samples
 
 
@@ -48,13 +54,19 @@ def test_reference_update_is_sane(reference):
     # First mini-batch: old log-probs were recomputed with the same weights, so ratio == 1 there;
     # after one optimizer step the second mini-batch sees ratios != 1.
     assert metrics["actor/ratio_max"] > 1.0
-    assert metrics["actor/logprob_mismatch_mean"] > 0 and metrics["actor/logprob_mismatch_max"] >= metrics["actor/logprob_mismatch_mean"]
+    assert (
+        metrics["actor/logprob_mismatch_mean"] > 0
+        and metrics["actor/logprob_mismatch_max"] >= metrics["actor/logprob_mismatch_mean"]
+    )
     assert all(s["update_ok"] for s in metrics["actor/steps"])
     assert max(float(d.abs().max()) for d in delta.values()) > 1e-3  # the weights moved
 
 
-@pytest.mark.parametrize("world,extra", [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (2, ["parallel.cp=2"]), (2, [])],
-                         ids=["tp2", "pp2", "cp2", "dp2"])
+@pytest.mark.parametrize(
+    "world,extra",
+    [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (2, ["parallel.cp=2"]), (2, [])],
+    ids=["tp2", "pp2", "cp2", "dp2"],
+)
 def test_layouts_match_one_process(model_dir, reference, world, extra):
     import torch
 
@@ -76,7 +88,6 @@ def test_layouts_match_one_process(model_dir, reference, world, extra):
 
 # -- stale tokens (issue 22): per-token weight versions through the Megatron actor ---------------------
 def _update_with(rank, world, model_dir, overrides, samples, policy_version):
-    import torch
 
     from megatron_klear.checkpoint.model_weights import iter_hf_tensors
     from megatron_klear.config import load_config
@@ -84,10 +95,20 @@ def _update_with(rank, world, model_dir, overrides, samples, policy_version):
     from megatron_klear.rl.actor import Actor
     from megatron_klear.training.setup import build_training_state
 
-    cfg = load_config(None, [f"model.path={model_dir}", "optim.lr=1e-2", "optim.min_lr=1e-2",
-                             "optim.decay_style=constant", "optim.weight_decay=0.0",
-                             "rl.mini_batch_prompts=2", "rl.prompts_per_step=4",
-                             "rl.max_tokens_per_micro_batch=48", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "optim.lr=1e-2",
+            "optim.min_lr=1e-2",
+            "optim.decay_style=constant",
+            "optim.weight_decay=0.0",
+            "rl.mini_batch_prompts=2",
+            "rl.prompts_per_step=4",
+            "rl.max_tokens_per_micro_batch=48",
+            *overrides,
+        ],
+    )
     init_parallel(cfg.parallel, seed=1)
     state = build_training_state(cfg, total_steps=10)
     from megatron.core import parallel_state
@@ -107,9 +128,14 @@ def _as_continued(samples, version):
     for k, s in enumerate(samples):
         cut = 1 + k % (len(s.response_ids) - 1)
         versions = [version] * cut + [version] * (len(s.response_ids) - cut)
-        out.append(dataclasses.replace(s, response_ids=s.response_ids[:cut] + s.response_ids[cut:],
-                                       rollout_logprobs=s.rollout_logprobs[:cut] + s.rollout_logprobs[cut:],
-                                       versions=versions))
+        out.append(
+            dataclasses.replace(
+                s,
+                response_ids=s.response_ids[:cut] + s.response_ids[cut:],
+                rollout_logprobs=s.rollout_logprobs[:cut] + s.rollout_logprobs[cut:],
+                versions=versions,
+            )
+        )
     return out
 
 
@@ -120,8 +146,9 @@ def test_fresh_partial_samples_update_as_the_synchronous_step_bit_for_bit(model_
 
     samples = make_samples()
     ref_metrics, ref_delta = run_distributed(_update_with, 1, model_dir, ["rl.tis_cap=2.0"], samples, None)[0]
-    metrics, delta = run_distributed(_update_with, 1, model_dir, ["rl.tis_cap=2.0", "rl.mask_stale_tokens=true"],
-                                     _as_continued(samples, 3), 3)[0]
+    metrics, delta = run_distributed(
+        _update_with, 1, model_dir, ["rl.tis_cap=2.0", "rl.mask_stale_tokens=true"], _as_continued(samples, 3), 3
+    )[0]
     assert [s["loss"] for s in metrics["actor/steps"]] == [s["loss"] for s in ref_metrics["actor/steps"]]
     assert [s["grad_norm"] for s in metrics["actor/steps"]] == [s["grad_norm"] for s in ref_metrics["actor/steps"]]
     assert metrics["actor/tis_weight_mean"] == ref_metrics["actor/tis_weight_mean"] > 0
@@ -141,8 +168,10 @@ def test_masked_stale_response_counts_as_absent(model_dir):
 
     samples = make_samples()
     stale_ids = {1, 7}  # one response of group 0 and one of group 2 (each mini-batch keeps the rest)
-    versioned = [dataclasses.replace(s, versions=[2 if i in stale_ids else 3] * len(s.response_ids))
-                 for i, s in enumerate(samples)]
+    versioned = [
+        dataclasses.replace(s, versions=[2 if i in stale_ids else 3] * len(s.response_ids))
+        for i, s in enumerate(samples)
+    ]
     kept = [s for i, s in enumerate(samples) if i not in stale_ids]
     ref_metrics, ref_delta = run_distributed(_update_with, 1, model_dir, [], kept, None)[0]
     metrics, delta = run_distributed(_update_with, 1, model_dir, ["rl.mask_stale_tokens=true"], versioned, 3)[0]
@@ -171,8 +200,9 @@ def _partly_stale(samples):
 
 @pytest.fixture(scope="module")
 def stale_reference(model_dir):
-    return run_distributed(_update_with, 1, model_dir, ["rl.mask_stale_tokens=true", "rl.tis_cap=2.0"],
-                           _partly_stale(make_samples()), 3)[0]
+    return run_distributed(
+        _update_with, 1, model_dir, ["rl.mask_stale_tokens=true", "rl.tis_cap=2.0"], _partly_stale(make_samples()), 3
+    )[0]
 
 
 @pytest.mark.parametrize("extra", [["parallel.cp=2"], ["parallel.pp=2"]], ids=["cp2", "pp2"])
@@ -183,8 +213,14 @@ def test_masked_stale_tokens_match_one_process(model_dir, stale_reference, extra
 
     ref_metrics, ref_delta = stale_reference
     assert 0 < ref_metrics["actor/stale_tokens_masked"]
-    results = run_distributed(_update_with, 2, model_dir, ["rl.mask_stale_tokens=true", "rl.tis_cap=2.0", *extra],
-                              _partly_stale(make_samples()), 3)
+    results = run_distributed(
+        _update_with,
+        2,
+        model_dir,
+        ["rl.mask_stale_tokens=true", "rl.tis_cap=2.0", *extra],
+        _partly_stale(make_samples()),
+        3,
+    )
     metrics, delta = results[0][0], {}
     for _, d in results:
         delta.update(d)

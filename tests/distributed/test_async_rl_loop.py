@@ -5,6 +5,7 @@ default for servers on their own GPUs: the update groups run over gloo here), a 
 longest responses once it has its groups and continues them at the next. The run is stopped with a
 non-empty partial buffer and a batch generated ahead, resumed, and must train on exactly what was
 saved; at the end every server holds the trainer's final weights."""
+
 import json
 import os
 
@@ -23,8 +24,9 @@ def _run(rank, world, overrides, stop_after=None):
     update = loop.actor.update
 
     def recording(samples, policy_version=None):
-        trained.append((policy_version, [(list(s.prompt_ids), list(s.response_ids), list(s.versions or []))
-                                         for s in samples]))
+        trained.append(
+            (policy_version, [(list(s.prompt_ids), list(s.response_ids), list(s.versions or [])) for s in samples])
+        )
         return update(samples, policy_version=policy_version)
 
     loop.actor.update = recording
@@ -51,10 +53,10 @@ def _common(save: str, step: int) -> dict:
 
 
 def test_async_partial_run_through_the_router_resumes_exactly(setup):
+    from megatron_klear.rollout.base import SamplingParams
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from tests.distributed.test_rl_loop import _probe_logprobs_of_trainer
-    from megatron_klear.rollout.base import SamplingParams
     from tests.rollout.processes import router
 
     # 4 and 3 sequences at a time: a step's groups run in waves, so the step has its quota while
@@ -64,12 +66,29 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
     servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120, max_batch_size=n) for n in (4, 3)]
     save = os.path.join(setup["root"], "run")
     args = [
-        f"model.path={setup['model']}", f"rl.prompts=[{setup['prompts']}]", f"train.save_dir={save}",
-        "train.steps=4", "train.save_interval=1", "rl.prompts_per_step=2", "rl.oversample_prompts=6",
-        "rl.responses_per_prompt=4", "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=256",
-        "rl.max_prompt_length=64", "rollout.max_new_tokens=48", "optim.lr=5e-3", "optim.min_lr=5e-3",
-        "optim.decay_style=constant", "reward.workers=1", "parallel.tp=1", "rl.filter_zero_spread=false",
-        "rl.async_steps=1", "rollout.partial=true", "rl.max_staleness=2", "rl.tis_cap=2.0", "rollout.engine=http",
+        f"model.path={setup['model']}",
+        f"rl.prompts=[{setup['prompts']}]",
+        f"train.save_dir={save}",
+        "train.steps=4",
+        "train.save_interval=1",
+        "rl.prompts_per_step=2",
+        "rl.oversample_prompts=6",
+        "rl.responses_per_prompt=4",
+        "rl.mini_batch_prompts=2",
+        "rl.max_tokens_per_micro_batch=256",
+        "rl.max_prompt_length=64",
+        "rollout.max_new_tokens=48",
+        "optim.lr=5e-3",
+        "optim.min_lr=5e-3",
+        "optim.decay_style=constant",
+        "reward.workers=1",
+        "parallel.tp=1",
+        "rl.filter_zero_spread=false",
+        "rl.async_steps=1",
+        "rollout.partial=true",
+        "rl.max_staleness=2",
+        "rl.tis_cap=2.0",
+        "rollout.engine=http",
         "rollout.max_concurrent_requests=32",  # weights: distributed (the default for dedicated servers)
     ]
     try:
@@ -95,8 +114,12 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
     # the checkpoint kept the batch generated ahead for step 3 and the partial responses
     ahead = saved["ahead"]
     assert ahead["version"] == 2 and ahead["samples"]
-    partials = [(g["prompt"]["prompt_ids"], s) for g in saved["producer"]["groups"] for s in g["slots"]
-                if s["tokens"] and s["finish_reason"] is None]
+    partials = [
+        (g["prompt"]["prompt_ids"], s)
+        for g in saved["producer"]["groups"]
+        for s in g["slots"]
+        if s["tokens"] and s["finish_reason"] is None
+    ]
     assert partials, "no partial response was buffered at the checkpoint"
     # the resumed step 3 trains on exactly the saved batch
     assert second[0][1] == [(s["prompt_ids"], s["response_ids"], s["versions"]) for s in ahead["samples"]]
@@ -106,7 +129,7 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
             assert len(versions) == len(response) and all(policy - 2 <= v <= policy for v in versions)
     # the buffered partials are continued: every one trained later starts with its saved prefix
     later = [(p, r) for _, samples in second for p, r, _ in samples]
-    continued = [any(p == prompt and r[:len(s["tokens"])] == s["tokens"] for p, r in later) for prompt, s in partials]
+    continued = [any(p == prompt and r[: len(s["tokens"])] == s["tokens"] for p, r in later) for prompt, s in partials]
     assert any(continued), "no buffered partial response was continued after the resume"
     m = {k: sum(x.get(k, 0) for x in lines) for k in ("rollout/aborted_samples", "rollout/resumed_samples")}
     assert m["rollout/aborted_samples"] > 0 and m["rollout/resumed_samples"] > 0, m

@@ -9,6 +9,7 @@ tests/training/test_save_dir_owner_and_disk_full.py and tests/data/test_prompt_s
   the same CheckpointManager.start_run);
 * ``rl.on_bad_line=skip`` on an RL run started from that checkpoint: each rejected line printed once,
   the total on the console and in metrics.jsonl, every line in the report, real JSON columns."""
+
 import json
 import os
 import re
@@ -23,8 +24,16 @@ from tests.tiny_sft import sft_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
-RL = ["train.steps=1", "rl.prompts_per_step=2", "rl.responses_per_prompt=2", "rl.mini_batch_prompts=2",
-      "rl.max_tokens_per_micro_batch=256", "rl.max_prompt_length=64", "rollout.max_new_tokens=8", "reward.workers=1"]
+RL = [
+    "train.steps=1",
+    "rl.prompts_per_step=2",
+    "rl.responses_per_prompt=2",
+    "rl.mini_batch_prompts=2",
+    "rl.max_tokens_per_micro_batch=256",
+    "rl.max_prompt_length=64",
+    "rollout.max_new_tokens=8",
+    "reward.workers=1",
+]
 
 
 def _free_port():
@@ -35,12 +44,33 @@ def _free_port():
 
 def _torchrun(*args, timeout=300, **env):
     """``torchrun --nproc-per-node 2 <args>``: (status, output)."""
-    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")}
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+    }
     environ.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env)
-    r = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                        "--master-port", str(_free_port()), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, env=environ, cwd=ROOT, timeout=timeout)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environ,
+        cwd=ROOT,
+        timeout=timeout,
+    )
     return r.returncode, r.stdout
 
 
@@ -62,20 +92,32 @@ def sft_run(tmp_path_factory):
     model = make_tiny_qwen3(str(root / "model"), num_layers=2, seed=5)
     sft_data(root, model, 24, seed=1)
     save = str(root / "sft")
-    rc, out = _torchrun("tests/distributed/enospc_sft.py", f"model.path={model}", f"data.prefix={root}/data",
-                        "data.seq_length=128", f"train.save_dir={save}", "train.steps=2", "train.save_interval=1",
-                        KLEAR_TEST_ENOSPC_STEP="2")
+    rc, out = _torchrun(
+        "tests/distributed/enospc_sft.py",
+        f"model.path={model}",
+        f"data.prefix={root}/data",
+        "data.seq_length=128",
+        f"train.save_dir={save}",
+        "train.steps=2",
+        "train.save_interval=1",
+        KLEAR_TEST_ENOSPC_STEP="2",
+    )
     return {"root": str(root), "model": model, "save": save, "rc": rc, "out": out}
 
 
 def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_stays(sft_run):
     save, out = sft_run["save"], sft_run["out"]
     line = next((ln for ln in out.splitlines() if ln.startswith("error: ")), out)
-    assert line.startswith(f"error: not enough disk space for the checkpoint of step 2: {save}/.tmp-iter_0000002 "
-                           f"needs about "), out
-    assert " bytes), " in line and " free (the write failed: No space left on device; the partial checkpoint was " \
-        f"removed); the previous checkpoint {save}/iter_0000001 is intact and a restart resumes from it" in line, out
-    _user_error(sft_run["rc"], out, line[len("error: "):])
+    assert line.startswith(
+        f"error: not enough disk space for the checkpoint of step 2: {save}/.tmp-iter_0000002 needs about "
+    ), out
+    assert (
+        " bytes), " in line
+        and " free (the write failed: No space left on device; the partial checkpoint was "
+        f"removed); the previous checkpoint {save}/iter_0000001 is intact and a restart resumes from it"
+        in line
+    ), out
+    _user_error(sft_run["rc"], out, line[len("error: ") :])
     assert "CheckpointException" not in out and "unexpected pos" not in out, out
     assert sorted(n for n in os.listdir(save) if "iter_" in n) == ["iter_0000001"]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "1"
@@ -86,12 +128,22 @@ def test_an_rl_job_on_the_sft_save_dir_is_refused_before_any_load(sft_run):
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
 
     prompts = write_rl_prompts_jsonl(os.path.join(sft_run["root"], "prompts.jsonl"), 8, seed=3)
-    rc, out = _torchrun("-m", "megatron_klear.rl", f"model.path={save}/iter_0000001", f"rl.prompts=[{prompts}]",
-                        f"train.save_dir={save}", *RL)
-    _user_error(rc, out, f"train.save_dir={save} holds another run (job differs: its checkpoints are of an SFT job, "
-                         f"this is an RL job): resume it (with its own settings: {save}/config.yaml), choose another "
-                         f"train.save_dir (model.path={save}/iter_0000001 is inside this one, so train.overwrite=true "
-                         f"would move it to {save}/replaced/<time>/ too)")
+    rc, out = _torchrun(
+        "-m",
+        "megatron_klear.rl",
+        f"model.path={save}/iter_0000001",
+        f"rl.prompts=[{prompts}]",
+        f"train.save_dir={save}",
+        *RL,
+    )
+    _user_error(
+        rc,
+        out,
+        f"train.save_dir={save} holds another run (job differs: its checkpoints are of an SFT job, "
+        f"this is an RL job): resume it (with its own settings: {save}/config.yaml), choose another "
+        f"train.save_dir (model.path={save}/iter_0000001 is inside this one, so train.overwrite=true "
+        f"would move it to {save}/replaced/<time>/ too)",
+    )
     assert "KeyError" not in out and "resumed from" not in out, out
 
 
@@ -105,18 +157,32 @@ def test_skipped_prompt_lines_are_named_once_counted_and_reported(sft_run):
     with open(prompts, "w") as f:
         f.write("\n".join(good + bad) + "\n")
     run = os.path.join(root, "rl")
-    rc, out = _torchrun("-m", "megatron_klear.rl", f"model.path={sft_run['save']}/iter_0000001",
-                        f"rl.prompts=[{prompts}]", f"train.save_dir={run}", "rl.on_bad_line=skip", *RL)
+    rc, out = _torchrun(
+        "-m",
+        "megatron_klear.rl",
+        f"model.path={sft_run['save']}/iter_0000001",
+        f"rl.prompts=[{prompts}]",
+        f"train.save_dir={run}",
+        "rl.on_bad_line=skip",
+        *RL,
+    )
     assert rc == 0, out
     report = os.path.join(run, "skipped_prompt_lines.jsonl")
     named = [ln for ln in out.splitlines() if ln.startswith("rejected ")]
     assert len(named) == 20 and len(set(named)) == 20, out  # once each: rank 0 only
     col = len(good[0])  # the line lacks its last character: the error is at the end of the line
-    assert named[0] == (f"rejected {prompts}:9: invalid_json: Expecting ',' delimiter at column {col}, the end of "
-                        f"the line (an unclosed object, array or string?)"), out
+    assert named[0] == (
+        f"rejected {prompts}:9: invalid_json: Expecting ',' delimiter at column {col}, the end of "
+        f"the line (an unclosed object, array or string?)"
+    ), out
     assert out.count(f"(further rejected lines go only to {report})") == 1, out
-    assert out.count(f"on_bad_line=skip: skipped 25 bad prompt lines (invalid_json: 22, missing_field: 3); "
-                     f"each listed in {report}") == 1, out
+    assert (
+        out.count(
+            f"on_bad_line=skip: skipped 25 bad prompt lines (invalid_json: 22, missing_field: 3); "
+            f"each listed in {report}"
+        )
+        == 1
+    ), out
     assert [r["line"] for r in map(json.loads, open(report))] == list(range(9, 34))
     first = json.loads(open(os.path.join(run, "metrics.jsonl")).readline())
     assert first["step"] == 1 and first["data/skipped_prompt_lines"] == 25

@@ -6,6 +6,7 @@ checkpoints too.
 
 Three spawns: write the checkpoints at TP=2, load them at PP=2, load at TP=1 and export.
 """
+
 import os
 import shutil
 
@@ -27,12 +28,20 @@ BOGUS = "decoder.layers.self_attention.bogus_proj.weight"
 def _config(model_path, root, **parallel):
     from megatron_klear.config import load_config
 
-    return load_config(None, [
-        f"model.path={model_path}", f"train.save_dir={root}/run", "train.steps=1",
-        "optim.lr=1e-2", "optim.min_lr=1e-2", "optim.warmup_steps=0", "optim.weight_decay=0.0",
-        "optim.decay_style=constant",
-        *[f"parallel.{k}={v}" for k, v in parallel.items()],
-    ])
+    return load_config(
+        None,
+        [
+            f"model.path={model_path}",
+            f"train.save_dir={root}/run",
+            "train.steps=1",
+            "optim.lr=1e-2",
+            "optim.min_lr=1e-2",
+            "optim.warmup_steps=0",
+            "optim.weight_decay=0.0",
+            "optim.decay_style=constant",
+            *[f"parallel.{k}={v}" for k, v in parallel.items()],
+        ],
+    )
 
 
 def _hf_tensors(chunks):
@@ -127,10 +136,18 @@ def _write(rank, world, hf_dir, root):
         "missing": _save_model_only(raw, f"{root}/missing", hf_dir, drop),
         "unexpected": _save_model_only(raw, f"{root}/unexpected", hf_dir, bogus),
     }
-    te_keys = sorted(v.key for v in dist_checkpointing.serialization.load_sharded_metadata(variants["te_like"]).values())
+    te_keys = sorted(
+        v.key for v in dist_checkpointing.serialization.load_sharded_metadata(variants["te_like"]).values()
+    )
     return {
-        "initial": initial, "saved": saved, "iter_dir": iter_dir, "keys": keys, "te_keys": te_keys,
-        "variants": variants, "fresh_before": fresh_before, "fresh_after": _optimizer_is_fresh(state.optimizer),
+        "initial": initial,
+        "saved": saved,
+        "iter_dir": iter_dir,
+        "keys": keys,
+        "te_keys": te_keys,
+        "variants": variants,
+        "fresh_before": fresh_before,
+        "fresh_after": _optimizer_is_fresh(state.optimizer),
     }
 
 
@@ -228,7 +245,9 @@ def pp2(written):
 
 @pytest.fixture(scope="module")
 def tp1(written):
-    return run_distributed(_load_tp1_and_export, 1, written["iter_dir"], written["variants"], written["root"] + "/tp1")[0]
+    return run_distributed(_load_tp1_and_export, 1, written["iter_dir"], written["variants"], written["root"] + "/tp1")[
+        0
+    ]
 
 
 def _assert_equal(got: dict, want: dict, what: str):

@@ -12,22 +12,35 @@ step); a server restarted at its URL rejoins and ends with the trainer's final w
 log-probs equal the trainer's, computed here from the final weights in float64); with every server
 gone the step fails in bounded time with one error line naming them; a seeded chaos of kills and
 restarts over 10 steps loses no step and leaves every server at the final version."""
+
 import os
 import random
 import time
 
 import pytest
 
-from tests.distributed.fleet_harness import (Director, Server, Zygote, get_json, greedy_probe, probe_logprobs,
-                                             read_metrics, router_flags, run_rl)
+from tests.distributed.fleet_harness import (
+    Director,
+    Server,
+    Zygote,
+    get_json,
+    greedy_probe,
+    probe_logprobs,
+    read_metrics,
+    router_flags,
+    run_rl,
+)
 from tests.distributed.helper import run_distributed
 
 PROBE = [5, 17, 33, 60, 7]
 # the watchdog at test pace: a frozen server is dropped within 2 x (0.5 + 3) s. (A /health probe of a
 # busy server waits for its next decode step, SGLang's health generation: over 1 s on a loaded 2-core
 # machine now and then, so 3 s, not 1, keeps a healthy server from being dropped.)
-HEALTH = ["rollout.health_check_interval_s=0.5", "rollout.health_check_timeout_s=3",
-          "rollout.health_failure_threshold=2"]
+HEALTH = [
+    "rollout.health_check_interval_s=0.5",
+    "rollout.health_check_timeout_s=3",
+    "rollout.health_failure_threshold=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +76,33 @@ def _args(fleet, save, router_url, steps, weight_sync):
     request in flight at once, the watchdog at test pace, the servers checked against the trainer
     after every push (rollout.verify_interval=1)."""
     return [
-        f"model.path={fleet['model']}", f"rl.prompts=[{fleet['prompts']}]", f"train.save_dir={save}",
-        f"train.steps={steps}", "train.save_interval=0", "rl.prompts_per_step=4", "rl.filter_zero_spread=false",
-        "rl.responses_per_prompt=8", "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=512",
-        "rl.max_prompt_length=64", "rollout.max_new_tokens=32", "optim.lr=5e-3", "optim.min_lr=5e-3",
-        "optim.decay_style=constant", "reward.workers=1", "parallel.tp=1", "rollout.engine=http",
-        f"rollout.urls=[{router_url}]", "rollout.max_concurrent_requests=8", f"rollout.weight_sync={weight_sync}",
-        "rollout.control_timeout_s=3", "rollout.generate_timeout_s=120", "rollout.weight_update_timeout_s=20",
-        "rollout.sync_group_timeout_s=10", "rollout.sync_bucket_timeout_s=5", "rollout.verify_interval=1",
+        f"model.path={fleet['model']}",
+        f"rl.prompts=[{fleet['prompts']}]",
+        f"train.save_dir={save}",
+        f"train.steps={steps}",
+        "train.save_interval=0",
+        "rl.prompts_per_step=4",
+        "rl.filter_zero_spread=false",
+        "rl.responses_per_prompt=8",
+        "rl.mini_batch_prompts=2",
+        "rl.max_tokens_per_micro_batch=512",
+        "rl.max_prompt_length=64",
+        "rollout.max_new_tokens=32",
+        "optim.lr=5e-3",
+        "optim.min_lr=5e-3",
+        "optim.decay_style=constant",
+        "reward.workers=1",
+        "parallel.tp=1",
+        "rollout.engine=http",
+        f"rollout.urls=[{router_url}]",
+        "rollout.max_concurrent_requests=8",
+        f"rollout.weight_sync={weight_sync}",
+        "rollout.control_timeout_s=3",
+        "rollout.generate_timeout_s=120",
+        "rollout.weight_update_timeout_s=20",
+        "rollout.sync_group_timeout_s=10",
+        "rollout.sync_bucket_timeout_s=5",
+        "rollout.verify_interval=1",
         *HEALTH,
     ]
 
@@ -157,8 +189,10 @@ def test_the_harness_kills_freezes_and_restarts_a_server_at_its_url_and_sees_its
         server.start().wait_healthy(10)
         assert server.pid != first_pid and get_json(server.url + "/model_info")["weight_version"] == "default"
         tokens, logprobs = greedy_probe(server.url, PROBE)
-        assert len(tokens) == 6 and max(abs(a - b) for a, b in zip(
-            logprobs, probe_logprobs(fleet["model"], None, PROBE, tokens))) < 1e-4
+        assert (
+            len(tokens) == 6
+            and max(abs(a - b) for a, b in zip(logprobs, probe_logprobs(fleet["model"], None, PROBE, tokens))) < 1e-4
+        )
         server.freeze()
         assert server.running() and not server.healthy()  # (2 s without an answer)
         server.thaw()
@@ -210,8 +244,9 @@ def test_disk_sync_fleet_survives_kills_a_freeze_and_a_kill_mid_sync_and_the_ser
     try:
         with router([s.url for s in servers], extra=router_flags()) as router_url:
             director = Director(script, metrics_path)
-            _, trainer_w = director.during(run_distributed, run_rl, 1, _args(fleet, save, router_url, steps, "disk"),
-                                           timeout=240)[0]
+            _, trainer_w = director.during(
+                run_distributed, run_rl, 1, _args(fleet, save, router_url, steps, "disk"), timeout=240
+            )[0]
             lines = read_metrics(metrics_path)
             _check_steps_and_samples(lines, steps)
             assert _total(lines, "rollout/worker_failures") == 3, (director.actions, lines)
@@ -266,8 +301,9 @@ def test_distributed_sync_survives_a_kill_mid_sync_then_fails_naming_every_lost_
         with router([s.url for s in servers], extra=router_flags()) as router_url:
             director = Director(script, metrics_path)
             with pytest.raises(RuntimeError) as failure:
-                director.during(run_distributed, run_rl, 1, _args(fleet, save, router_url, 8, "distributed"),
-                                timeout=240)
+                director.during(
+                    run_distributed, run_rl, 1, _args(fleet, save, router_url, 8, "distributed"), timeout=240
+                )
             failed_at = time.monotonic()
     finally:
         for s in servers:
@@ -275,8 +311,7 @@ def test_distributed_sync_survives_a_kill_mid_sync_then_fails_naming_every_lost_
     assert "gone_at" in seen, (director.actions, str(failure.value)[-3000:])
     # the watchdog: 2 missed probes 0.5 s apart, each up to 3 s, plus the control timeout (3 s) and the
     # process teardown; a hang would last rollout.generate_timeout_s (120 s)
-    assert failed_at - seen["gone_at"] < 20, (failed_at - seen["gone_at"], director.actions,
-                                              str(failure.value)[-2000:])
+    assert failed_at - seen["gone_at"] < 20, (failed_at - seen["gone_at"], director.actions, str(failure.value)[-2000:])
     error_line = [ln for ln in str(failure.value).strip().splitlines() if ln.strip()][-1]
     assert a.url in error_line and b.url in error_line, str(failure.value)[-3000:]
     lines = read_metrics(metrics_path)
@@ -301,8 +336,10 @@ def test_seeded_chaos_of_kills_and_restarts_loses_no_step(fleet):
     from tests.rollout.processes import router
 
     rng = random.Random(2105)
-    plan = [(rng.choice(["rollout", "sync", "now"]), rng.choice("ab"), rng.choice([0, 1]), rng.choice([0, 1]))
-            for _ in range(3)]  # (when, whom, idle steps first, restart after the next step)
+    plan = [
+        (rng.choice(["rollout", "sync", "now"]), rng.choice("ab"), rng.choice([0, 1]), rng.choice([0, 1]))
+        for _ in range(3)
+    ]  # (when, whom, idle steps first, restart after the next step)
     servers = _servers(fleet, "chaos", token_delay=0.01, route_delays={"/update_weights_from_distributed": 0.3})
     by_name = {s.name: s for s in servers}
     save = os.path.join(fleet["root"], "chaos", "run")
@@ -311,8 +348,9 @@ def test_seeded_chaos_of_kills_and_restarts_loses_no_step(fleet):
 
     def script(d: Director):
         for when, name, idle, later in plan:
-            d.wait(lambda: all(_rejoined(d, s) for s in servers), 120, "both servers at the current version",
-                   poll_s=0.2)
+            d.wait(
+                lambda: all(_rejoined(d, s) for s in servers), 120, "both servers at the current version", poll_s=0.2
+            )
             t = d.wait_step(len(d.steps()) + idle)
             k = len(d.steps())
             assert k <= 6, f"the chaos reached step {k}: too few steps left to rejoin ({d.actions})"
@@ -333,8 +371,9 @@ def test_seeded_chaos_of_kills_and_restarts_loses_no_step(fleet):
     try:
         with router([s.url for s in servers], extra=router_flags()) as router_url:
             director = Director(script, metrics_path)
-            director.during(run_distributed, run_rl, 1, _args(fleet, save, router_url, steps, "distributed"),
-                            timeout=300)
+            director.during(
+                run_distributed, run_rl, 1, _args(fleet, save, router_url, steps, "distributed"), timeout=300
+            )
             wall = time.monotonic() - t0
             lines = read_metrics(metrics_path)
             _check_steps_and_samples(lines, steps)

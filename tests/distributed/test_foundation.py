@@ -2,6 +2,7 @@
 
 Each test spawns fresh gloo processes (Megatron's parallel state is process-global).
 """
+
 import json
 import os
 import shutil
@@ -75,13 +76,16 @@ def _conversion_errors(rank, world, root, good_hf):
             hf_to_megatron, variant("unknown", lambda t: t.update(extra=torch.zeros(2))), out, progress=False
         ),
         "missing_key": attempt(
-            hf_to_megatron, variant("missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), out,
+            hf_to_megatron,
+            variant("missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+            out,
             progress=False,
         ),
         "bad_shape": attempt(
             hf_to_megatron,
             variant("shape", lambda t: t.update({"model.layers.0.self_attn.k_norm.weight": torch.ones(5)})),
-            out, progress=False,
+            out,
+            progress=False,
         ),
         "bad_arch": attempt(
             hf_to_megatron, variant("arch", edit_config=lambda c: c.update(model_type="mamba")), out, progress=False
@@ -151,7 +155,9 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(tiny_hf, converted):
         with torch.no_grad():
             assert torch.equal(m1(tokens).logits, m2(tokens).logits)
         tok = AutoTokenizer.from_pretrained(back)
-        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>user")
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith(
+            "<|im_start|>user"
+        )
         manifest = json.load(open(os.path.join(mg, "manifest.json")))
         assert manifest["suggested_parallel"] == {"tp": 2, "pp": 2}
         assert not [n for n in os.listdir(os.path.dirname(mg)) if n.startswith(".")]
@@ -205,16 +211,26 @@ def other_families(tmp_path_factory):
     from megatron_klear.models.tiny import make_tiny_model
 
     base = tmp_path_factory.mktemp("families")
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     return {
         "qwen2": make_tiny_model(str(base / "qwen2"), model_type="qwen2", seed=4),
-        "llama3": make_tiny_model(str(base / "llama3"), model_type="llama", rope_scaling=llama3,
-                                  max_position_embeddings=65536, seed=5),
+        "llama3": make_tiny_model(
+            str(base / "llama3"), model_type="llama", rope_scaling=llama3, max_position_embeddings=65536, seed=5
+        ),
         # Klear's 64K evaluation: YaRN factor 2.5 over the original positions (scaled down here)
-        "qwen3_yarn": make_tiny_model(str(base / "yarn"), model_type="qwen3", max_position_embeddings=640, seed=6,
-                                      rope_scaling={"rope_type": "yarn", "factor": 2.5,
-                                                    "original_max_position_embeddings": 256}),
+        "qwen3_yarn": make_tiny_model(
+            str(base / "yarn"),
+            model_type="qwen3",
+            max_position_embeddings=640,
+            seed=6,
+            rope_scaling={"rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 256},
+        ),
     }
 
 
@@ -249,7 +265,8 @@ def test_a_world_of_one_leaves_the_environment_to_its_children(tmp_path):
         "import os, subprocess, sys\n"
         "from megatron_klear.platform.distributed import init_parallel\n"
         "init_parallel()\n"
-        "leaked = sorted(k for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT') if k in os.environ)\n"
+        "keys = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')\n"
+        "leaked = sorted(k for k in keys if k in os.environ)\n"
         "assert not leaked, leaked\n"
         "if len(sys.argv) == 1:\n"
         "    subprocess.run([sys.executable, __file__, 'child'], check=True)\n"
@@ -257,8 +274,13 @@ def test_a_world_of_one_leaves_the_environment_to_its_children(tmp_path):
         "t = torch.ones(3)\n"
         "dist.all_reduce(t)\n"
         "assert t.tolist() == [1.0, 1.0, 1.0] and dist.get_world_size() == 1\n"
-        "print('ok', sys.argv[1:])\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        "print('ok', sys.argv[1:])\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split("\n")[:2] == ["ok ['child']", "ok []"]

@@ -6,6 +6,7 @@ both checkpoint layouts (stacked and per-layer keys) are checked.
 Spawns: one process (convert, round trip, parity at EP=1), four processes (EP=2, TP=2 x EP=2,
 PP=2 x EP=2 in one spawn: init_parallel rebuilds the parallel state for each layout).
 """
+
 import os
 
 import pytest
@@ -23,8 +24,9 @@ def moe_hf(tmp_path_factory):
     base = tmp_path_factory.mktemp("moe_hf")
     return {
         "all_moe": make_tiny_qwen3_moe(str(base / "all_moe"), seed=11),
-        "mixed": make_tiny_qwen3_moe(str(base / "mixed"), seed=12, num_layers=4, mlp_only_layers=(1,),
-                                     norm_topk_prob=False),
+        "mixed": make_tiny_qwen3_moe(
+            str(base / "mixed"), seed=12, num_layers=4, mlp_only_layers=(1,), norm_topk_prob=False
+        ),
     }
 
 
@@ -41,15 +43,22 @@ def _convert_and_parity(rank, world, hf_dirs, out_root):
         back = megatron_to_hf(mg, os.path.join(out_root, f"hf-{name}"), max_shard_bytes=50_000, progress=False)
         a, b = HFReader(hf), HFReader(back)
         exact = a.keys() == b.keys() and all(
-            a.get(k).dtype == b.get(k).dtype and torch.equal(a.get(k), b.get(k)) for k in a.keys())
+            a.get(k).dtype == b.get(k).dtype and torch.equal(a.get(k), b.get(k)) for k in a.keys()
+        )
         from megatron.core import dist_checkpointing
 
         keys = sorted(k for k in dist_checkpointing.load_tensors_metadata(mg) if "experts" in k or "router" in k)
-        shapes = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(mg).items()
-                  if k in keys}
-        out[name] = dict(mg=mg, exact=exact, n_keys=len(a.keys()), shapes=shapes,
-                         parity_ckpt=check_parity(hf, ckpt_dir=mg, seq_len=19),
-                         parity_direct=check_parity(hf, seq_len=19))
+        shapes = {
+            k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(mg).items() if k in keys
+        }
+        out[name] = dict(
+            mg=mg,
+            exact=exact,
+            n_keys=len(a.keys()),
+            shapes=shapes,
+            parity_ckpt=check_parity(hf, ckpt_dir=mg, seq_len=19),
+            parity_direct=check_parity(hf, seq_len=19),
+        )
     return out
 
 
@@ -105,10 +114,13 @@ def _sft_run(setup, name, world, *extra):
     from tests.distributed.test_sft import STEPS, _final_params, _overrides, _read_metrics, _train
 
     save = os.path.join(setup["root"], name)
-    run_distributed(_train, world, _overrides(setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2",
-                                              *extra))
-    return {"metrics": _read_metrics(os.path.join(save, "metrics.jsonl")),
-            "params": run_distributed(_final_params, 1, os.path.join(save, f"iter_{STEPS:07d}"))[0]}
+    run_distributed(
+        _train, world, _overrides(setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2", *extra)
+    )
+    return {
+        "metrics": _read_metrics(os.path.join(save, "metrics.jsonl")),
+        "params": run_distributed(_final_params, 1, os.path.join(save, f"iter_{STEPS:07d}"))[0],
+    }
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The GPPO actor update of a Qwen3-MoE model at EP=2 (issue 12) equals the one-process update: the
 old-log-prob pass, losses, grad norms, the load-balancing loss (logged) and every parameter's change,
 experts included (each EP rank updates its own half of them; the deltas are gathered over EP)."""
+
 import math
 
 import pytest
@@ -13,8 +14,13 @@ from tests.distributed.test_actor import _update
 def moe_dir(tmp_path_factory):
     from megatron_klear.models.tiny import make_tiny_qwen3_moe
 
-    return make_tiny_qwen3_moe(str(tmp_path_factory.mktemp("moe_actor") / "m"), num_layers=3, mlp_only_layers=(1,),
-                               seed=41, router_aux_loss_coef=0.1)
+    return make_tiny_qwen3_moe(
+        str(tmp_path_factory.mktemp("moe_actor") / "m"),
+        num_layers=3,
+        mlp_only_layers=(1,),
+        seed=41,
+        router_aux_loss_coef=0.1,
+    )
 
 
 @pytest.mark.slow
@@ -33,8 +39,13 @@ def test_moe_actor_update_at_ep2_matches_one_process(moe_dir):
         # logged per mini-batch: ~1 for a balanced router (num_experts * sum f_e P_e / top-k)
         assert b["moe_aux_loss"] > 0.5
         assert math.isclose(a["moe_aux_loss"], b["moe_aux_loss"], rel_tol=1e-5), (a, b)
-    for k in ("actor/moe_aux_loss", "actor/clip_frac_high", "actor/clip_frac_low", "actor/entropy",
-              "actor/logprob_mismatch_mean"):
+    for k in (
+        "actor/moe_aux_loss",
+        "actor/clip_frac_high",
+        "actor/clip_frac_low",
+        "actor/entropy",
+        "actor/logprob_mismatch_mean",
+    ):
         assert math.isclose(metrics[k], ref_metrics[k], rel_tol=1e-4, abs_tol=1e-7), k
     moved = 0
     for k, v in ref_delta.items():
@@ -77,7 +88,7 @@ def _hf_logprobs(model, samples, forced=None):
             for router, f in originals:
                 router.forward = f
         p = len(s.prompt_ids)
-        lp = torch.log_softmax(logits[p - 1:], dim=-1)
+        lp = torch.log_softmax(logits[p - 1 :], dim=-1)
         out.append(lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1))[:, 0])
     return out
 
@@ -92,8 +103,9 @@ def _trainer_old_logprobs(actor, samples):
     from megatron_klear.training.batches import model_padding_rule, prepare_packed
 
     cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
-    multiple = model_padding_rule(unwrap(actor.state.model[0]).config,
-                                  parallel_state.get_tensor_model_parallel_world_size(), cp).row_multiple
+    multiple = model_padding_rule(
+        unwrap(actor.state.model[0]).config, parallel_state.get_tensor_model_parallel_world_size(), cp
+    ).row_multiple
     plans = actor.plan(samples)
     actor.recompute_old_logprobs(plans)
     got = {}
@@ -101,8 +113,13 @@ def _trainer_old_logprobs(actor, samples):
         for mb in mbs:
             if "old_logprobs_local" not in mb:  # not the last pipeline stage
                 continue
-            local, _ = prepare_packed(mb, cp_rank=cp_rank, cp_size=cp, total_multiple=multiple,
-                                      per_token_keys=("seq_ids", "loss_mask", "position_ids"))
+            local, _ = prepare_packed(
+                mb,
+                cp_rank=cp_rank,
+                cp_size=cp,
+                total_multiple=multiple,
+                per_token_keys=("seq_ids", "loss_mask", "position_ids"),
+            )
             seq, mask, pos = local["seq_ids"][0], local["loss_mask"][0], local["position_ids"][0]
             old = mb["old_logprobs_local"][0].double()
             for i in torch.nonzero(mask > 0).flatten().tolist():
@@ -122,16 +139,26 @@ def _replay(rank, world, model_dir, overrides=()):
     from megatron_klear.training.setup import build_training_state
     from tests.distributed.test_actor import make_samples
 
-    cfg = load_config(None, [f"model.path={model_dir}", "rl.mini_batch_prompts=2", "rl.prompts_per_step=4",
-                             "rl.max_tokens_per_micro_batch=48", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "rl.mini_batch_prompts=2",
+            "rl.prompts_per_step=4",
+            "rl.max_tokens_per_micro_batch=48",
+            *overrides,
+        ],
+    )
     init_parallel(cfg.parallel, seed=1)
     state = build_training_state(cfg, total_steps=1)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     samples = make_samples()
     n_layers, topk, experts = sum(state.arch.moe_layer_pattern), 2, 8
     gen = torch.Generator().manual_seed(0)
-    forced = [torch.rand(len(s) - 1, n_layers, experts, generator=gen).argsort(-1)[..., :topk].to(torch.int16)
-              for s in samples]
+    forced = [
+        torch.rand(len(s) - 1, n_layers, experts, generator=gen).argsort(-1)[..., :topk].to(torch.int16)
+        for s in samples
+    ]
     replayed = [dataclasses.replace(s, routed_experts=f) for s, f in zip(samples, forced)]
     return {
         "own": _trainer_old_logprobs(Actor(state, cfg.rl, logprob_chunk_size=7), samples),
@@ -149,16 +176,22 @@ def _replay(rank, world, model_dir, overrides=()):
 def moe4_dir(tmp_path_factory):
     from megatron_klear.models.tiny import make_tiny_qwen3_moe
 
-    return make_tiny_qwen3_moe(str(tmp_path_factory.mktemp("moe_replay") / "m"), num_layers=4, mlp_only_layers=(1,),
-                               seed=42)
+    return make_tiny_qwen3_moe(
+        str(tmp_path_factory.mktemp("moe_replay") / "m"), num_layers=4, mlp_only_layers=(1,), seed=42
+    )
 
 
-@pytest.mark.parametrize("world,overrides", [
-    (1, []), pytest.param(2, ["parallel.pp=2"], marks=pytest.mark.slow),
-    pytest.param(2, ["parallel.ep=2"], marks=pytest.mark.slow),
-    pytest.param(2, ["parallel.tp=2", "parallel.sequence_parallel=true"], marks=pytest.mark.slow),
-    pytest.param(2, ["parallel.cp=2"], marks=pytest.mark.slow)],
-    ids=["one", "pp2", "ep2", "tp2-sp", "cp2"])
+@pytest.mark.parametrize(
+    "world,overrides",
+    [
+        (1, []),
+        pytest.param(2, ["parallel.pp=2"], marks=pytest.mark.slow),
+        pytest.param(2, ["parallel.ep=2"], marks=pytest.mark.slow),
+        pytest.param(2, ["parallel.tp=2", "parallel.sequence_parallel=true"], marks=pytest.mark.slow),
+        pytest.param(2, ["parallel.cp=2"], marks=pytest.mark.slow),
+    ],
+    ids=["one", "pp2", "ep2", "tp2-sp", "cp2"],
+)
 def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe4_dir, world, overrides):
     import torch
 
@@ -173,8 +206,10 @@ def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe4_dir
                     r[k].setdefault(sid, {}).update(x)
                 else:
                     r[k][sid] = x
-    r = {k: [torch.stack([v[i][p] for p in sorted(v[i])]) if isinstance(v[i], dict) else v[i] for i in sorted(v)]
-         for k, v in r.items()}
+    r = {
+        k: [torch.stack([v[i][p] for p in sorted(v[i])]) if isinstance(v[i], dict) else v[i] for i in sorted(v)]
+        for k, v in r.items()
+    }
 
     def close(a, b, tol=1e-4):
         return all(x.shape == y.shape and float((x - y).abs().max()) < tol for x, y in zip(a, b))

@@ -5,6 +5,7 @@ written for ``rollout.weight_sync=disk`` and SGLang's distributed update into an
 must deliver every expert, bit-identical to the checkpoint the trainer loaded (the one-process
 model's tensors); the server then holds what transformers' own loader makes of that checkpoint. At
 PP=2 x EP=2 (4 processes, slow) the second stage's leader sends to rank 0 while its EP peer helps."""
+
 import pytest
 
 from tests.distributed.helper import run_distributed
@@ -14,13 +15,13 @@ LAYERS, EXPERTS = 4, 8  # layer 1 dense (mlp_only_layers)
 
 
 def _sync_at_ep2(rank, world, model_dir, overrides, out_dir, url):
+    from megatron.core import parallel_state as ps
+
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, export_hf_for_engine, sync_weights
     from megatron_klear.training.setup import build_training_state
-
-    from megatron.core import parallel_state as ps
 
     cfg = load_config(None, [f"model.path={model_dir}", *overrides])
     init_parallel(cfg.parallel)
@@ -29,8 +30,13 @@ def _sync_at_ep2(rank, world, model_dir, overrides, out_dir, url):
     engine = RecordingEngine()
     sync_weights(state.model, engine)
     written = export_hf_for_engine(state.model, state.arch, out_dir, tokenizer_dir=model_dir)
-    sync = DistributedWeightSync(state.model, SGLangEngine([url], timeout=10) if rank == 0 else None,
-                                 bucket_mb=0.05, group_timeout=60, bucket_timeout=60)
+    sync = DistributedWeightSync(
+        state.model,
+        SGLangEngine([url], timeout=10) if rank == 0 else None,
+        bucket_mb=0.05,
+        group_timeout=60,
+        bucket_timeout=60,
+    )
     try:
         stats = sync.sync(version=7)
     finally:
@@ -44,24 +50,29 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("moe_sync")
     kw = dict(num_layers=LAYERS, num_experts=EXPERTS, mlp_only_layers=(1,))
-    return {"a": make_tiny_qwen3_moe(str(root / "a"), seed=31, **kw),  # what the server starts with
-            "b": make_tiny_qwen3_moe(str(root / "b"), seed=32, **kw)}  # the trainer's weights
+    return {
+        "a": make_tiny_qwen3_moe(str(root / "a"), seed=31, **kw),  # what the server starts with
+        "b": make_tiny_qwen3_moe(str(root / "b"), seed=32, **kw),
+    }  # the trainer's weights
 
 
-@pytest.mark.parametrize("world,overrides", [
-    (2, ["parallel.ep=2"]),
-    pytest.param(4, ["parallel.pp=2", "parallel.ep=2"], marks=pytest.mark.slow)], ids=["ep2", "pp2xep2"])
+@pytest.mark.parametrize(
+    "world,overrides",
+    [(2, ["parallel.ep=2"]), pytest.param(4, ["parallel.pp=2", "parallel.ep=2"], marks=pytest.mark.slow)],
+    ids=["ep2", "pp2xep2"],
+)
 def test_every_expert_reaches_the_engines_at_ep2(models, tmp_path, world, overrides):
     import httpx
     import torch
 
     from megatron_klear.checkpoint.hf_io import HFReader
     from megatron_klear.rollout.embedded import EmbeddedEngine
-    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     server = EmbeddedHTTPEngine.launch(models["a"], weight_sync_timeout=30, startup_timeout=120)
     try:
+
         def checksums():
             return httpx.get(server.url + "/weights_checker", timeout=60).json()["ranks"][0]["checksums"]
 

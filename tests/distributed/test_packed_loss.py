@@ -1,23 +1,28 @@
 """A packed row (thd, attention restarted per example) gives every example exactly the log-probs
 it gets alone, checked against the HF model run on each example separately; with CP=2 too."""
+
 import pytest
 
 from tests.distributed.helper import run_distributed
 
 
 def _packed_logprobs(rank, world, model_dir, examples, cp, from_hidden=True):
-    import torch
 
-    from megatron_klear.checkpoint.hf_io import HFReader
-    from megatron_klear.checkpoint.model_weights import load_hf_weights
     from megatron_klear.config import load_config
     from megatron_klear.data.packing import build_packed_micro_batch
     from megatron_klear.platform import init_parallel
     from megatron_klear.training.setup import build_training_state
     from megatron_klear.training.step import reduce_metrics, run_micro_batches
 
-    cfg = load_config(None, [f"model.path={model_dir}", f"parallel.cp={cp}", "train.steps=1",
-                             f"train.logprobs_from_hidden={str(from_hidden).lower()}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"parallel.cp={cp}",
+            "train.steps=1",
+            f"train.logprobs_from_hidden={str(from_hidden).lower()}",
+        ],
+    )
     init_parallel(cfg.parallel)
     state = build_training_state(cfg, total_steps=1)
     masks = [[0] * 3 + [1] * (len(e) - 3) for e in examples]
@@ -32,6 +37,7 @@ def _packed_logprobs(rank, world, model_dir, examples, cp, from_hidden=True):
     # Megatron's own loss path gives per-token log-probs too (CP=1 only): the full-row list
     per_token = None
     if cp == 1:
+
         def collect(local, logprobs, entropy):
             return logprobs.sum() * 0, {"lp": logprobs.detach()}
 
@@ -73,10 +79,10 @@ def test_packed_equals_each_example_alone(setup, from_hidden):
     ref = _hf_reference(model, examples)
     sums, per_token, mask, cu = run_distributed(_packed_logprobs, 1, model, examples, 1, from_hidden)[0]
     for i, e in enumerate(examples):
-        got = per_token[cu[i]: cu[i] + len(e) - 1]
+        got = per_token[cu[i] : cu[i] + len(e) - 1]
         assert torch.allclose(got.double(), ref[i], atol=1e-4), (i, (got.double() - ref[i]).abs().max())
         # the loss covers response tokens only (labels at positions >= 2 predict tokens >= 3)
-        assert mask[cu[i]: cu[i] + 2].sum() == 0 and mask[cu[i] + 2: cu[i] + len(e) - 1].all()
+        assert mask[cu[i] : cu[i] + 2].sum() == 0 and mask[cu[i] + 2 : cu[i] + len(e) - 1].all()
         assert mask[cu[i] + len(e) - 1] == 0  # the last token predicts nothing
     expected = sum(float(r[2:].sum()) for r in ref)
     assert abs(sums["lp_sum"] - expected) < 1e-3 and sums["n"] == sum(len(e) - 3 for e in examples)

@@ -7,6 +7,7 @@ Megatron's checkpoint writer collected its results through a ``multiprocessing``
 ``.tmp-iter_*``. Saves now start no such process (checkpoint/dist_ckpt.py ``save``). See
 docs/checkpoints.md#preemption.
 """
+
 import contextlib
 import json
 import os
@@ -44,22 +45,46 @@ def _free_port():
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
-                                                            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return env
 
 
 def _torchrun(setup, save, steps, *torchrun_args, launcher="torch.distributed.run"):
-    cmd = [PY, "-m", launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), *torchrun_args, "-m", "megatron_klear.sft",
-           f"model.path={setup['model']}", f"data.prefix={setup['data']}", "data.seq_length=128",
-           "data.micro_batches_per_step=1", "optim.lr=2e-3", "optim.min_lr=2e-4", "optim.warmup_steps=1",
-           "optim.decay_steps=100",  # the schedule does not depend on train.steps
-           f"train.steps={steps}", f"train.save_interval={SAVE_INTERVAL}", "train.keep_last=2",
-           f"train.save_dir={save}"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
-                            start_new_session=True)
+    cmd = [
+        PY,
+        "-m",
+        launcher,
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        *torchrun_args,
+        "-m",
+        "megatron_klear.sft",
+        f"model.path={setup['model']}",
+        f"data.prefix={setup['data']}",
+        "data.seq_length=128",
+        "data.micro_batches_per_step=1",
+        "optim.lr=2e-3",
+        "optim.min_lr=2e-4",
+        "optim.warmup_steps=1",
+        "optim.decay_steps=100",  # the schedule does not depend on train.steps
+        f"train.steps={steps}",
+        f"train.save_interval={SAVE_INTERVAL}",
+        "train.keep_last=2",
+        f"train.save_dir={save}",
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True
+    )
 
 
 def _descendants(pid):
@@ -142,8 +167,11 @@ def _save_twice(rank, world, root):
         dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(i)), replica_id=0)}, path)
         template = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4), replica_id=0)}
         loaded.append(dist_checkpointing.load(template, path)["w"].tolist())
-    return {"children": [c.name for c in multiprocessing.active_children()],
-            "queue": type(filesystem_async._results_queue).__module__, "loaded": loaded}
+    return {
+        "children": [c.name for c in multiprocessing.active_children()],
+        "queue": type(filesystem_async._results_queue).__module__,
+        "loaded": loaded,
+    }
 
 
 def test_a_save_starts_no_writer_process_that_a_stop_signal_could_kill():
@@ -156,7 +184,7 @@ def test_a_save_starts_no_writer_process_that_a_stop_signal_could_kill():
     from tests.distributed.helper import run_distributed
 
     with tempfile.TemporaryDirectory() as root:
-        out, = run_distributed(_save_twice, 1, root)
+        (out,) = run_distributed(_save_twice, 1, root)
     assert out == {"children": [], "queue": "queue", "loaded": [[0.0] * 4, [1.0] * 4]}, out
 
 
@@ -181,8 +209,14 @@ def test_sigterm_then_sigusr1_save_the_current_step_and_the_run_resumes_from_it(
     before = _logged_steps(save)
 
     # the resumed run through the project's launcher (the example scripts' way)
-    proc = _torchrun(setup, save, 1000, "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                     launcher="megatron_klear.platform.launch")
+    proc = _torchrun(
+        setup,
+        save,
+        1000,
+        "--signals-to-handle",
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        launcher="megatron_klear.platform.launch",
+    )
 
     def usr1_everywhere(p):
         for pid in [p.pid, *_descendants(p.pid)]:

@@ -3,6 +3,7 @@ or a SIGTERM right at the start) has no Adam moments. Resuming from it must not 
 load used to fail: "optimizer.state.exp_avg... not in state dict"), and the resumed optimizer must
 step like a fresh one (asking Megatron for a loading state dict creates moments without a step
 count, which torch's Adam cannot step)."""
+
 import torch
 
 from tests.distributed.helper import run_distributed
@@ -14,8 +15,18 @@ def _check(rank, world, hf_dir, root):
     from megatron_klear.training.checkpointing import CheckpointManager
     from megatron_klear.training.setup import build_training_state
 
-    cfg = load_config(None, [f"model.path={hf_dir}", f"train.save_dir={root}/run", "train.steps=2",
-                             "optim.lr=1e-2", "optim.min_lr=1e-2", "optim.decay_style=constant", "parallel.tp=2"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={hf_dir}",
+            f"train.save_dir={root}/run",
+            "train.steps=2",
+            "optim.lr=1e-2",
+            "optim.min_lr=1e-2",
+            "optim.decay_style=constant",
+            "parallel.tp=2",
+        ],
+    )
     init_parallel(cfg.parallel, seed=0)
 
     def step(state):

@@ -1,6 +1,7 @@
 """The whole RL loop on a tiny model: embedded engine -> grading pool -> actor at TP=2 -> weight
 sync, checkpoints and resume. The engine's sampling log-probs must agree with the trainer's
 recompute (same weights, same temperature): that checks weight sync and the temperature path."""
+
 import json
 import os
 
@@ -17,7 +18,11 @@ def _run(rank, world, overrides, stop_after=None):
     metrics = loop.run(stop_after=stop_after)
     engine_weights = None
     if rank == 0:
-        engine_weights = {k: v.clone() for k, v in loop.rollout.engine.model.state_dict().items()} if hasattr(loop.rollout.engine, "model") else None
+        engine_weights = (
+            {k: v.clone() for k, v in loop.rollout.engine.model.state_dict().items()}
+            if hasattr(loop.rollout.engine, "model")
+            else None
+        )
     from megatron_klear.rollout.weight_sync import iter_model_hf_weights
 
     trainer = {k: v.clone() for k, v in iter_model_hf_weights(loop.state.model)}
@@ -37,11 +42,24 @@ def setup(tmp_path_factory):
 
 def _overrides(setup, save):
     return [
-        f"model.path={setup['model']}", f"rl.prompts=[{setup['prompts']}]", f"train.save_dir={save}",
-        "train.steps=3", "train.save_interval=1", "rl.prompts_per_step=4", "rl.oversample_prompts=6",
-        "rl.responses_per_prompt=6", "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=256", "rl.max_prompt_length=64",
-        "rollout.max_new_tokens=24", "optim.lr=1e-3", "optim.min_lr=1e-3", "optim.decay_style=constant",
-        "reward.workers=1", "parallel.tp=2", "rollout.chunk_prompts=4",
+        f"model.path={setup['model']}",
+        f"rl.prompts=[{setup['prompts']}]",
+        f"train.save_dir={save}",
+        "train.steps=3",
+        "train.save_interval=1",
+        "rl.prompts_per_step=4",
+        "rl.oversample_prompts=6",
+        "rl.responses_per_prompt=6",
+        "rl.mini_batch_prompts=2",
+        "rl.max_tokens_per_micro_batch=256",
+        "rl.max_prompt_length=64",
+        "rollout.max_new_tokens=24",
+        "optim.lr=1e-3",
+        "optim.min_lr=1e-3",
+        "optim.decay_style=constant",
+        "reward.workers=1",
+        "parallel.tp=2",
+        "rollout.chunk_prompts=4",
     ]
 
 
@@ -94,8 +112,8 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
     the trainer's. If a reload were skipped, step 2's sampling log-probs would disagree with the
     trainer's recompute and the probe would too."""
     from megatron_klear.rollout.base import SamplingParams
-    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from tests.rollout.processes import router
 
     servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120) for _ in range(2)]
@@ -103,11 +121,19 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
         with router([s.url for s in servers]) as router_url:
             save = os.path.join(setup["root"], "router-run")
             args = _overrides(setup, save) + [
-                "rollout.engine=http", f"rollout.urls=[{router_url}]", "parallel.tp=1", "train.steps=2",
-                "optim.lr=5e-3", "optim.min_lr=5e-3", "rollout.max_concurrent_requests=4", "rollout.weight_sync=disk",
+                "rollout.engine=http",
+                f"rollout.urls=[{router_url}]",
+                "parallel.tp=1",
+                "train.steps=2",
+                "optim.lr=5e-3",
+                "optim.min_lr=5e-3",
+                "rollout.max_concurrent_requests=4",
+                "rollout.weight_sync=disk",
                 # a random model ends ~9% of 48-token responses with </think> (reward -1 instead of
                 # -0.5): enough reward spread that both steps train
-                "rl.oversample_prompts=8", "rl.responses_per_prompt=8", "rollout.max_new_tokens=48",
+                "rl.oversample_prompts=8",
+                "rl.responses_per_prompt=8",
+                "rollout.max_new_tokens=48",
             ]
             _, _, trainer_w = run_distributed(_run, 1, args)[0]
             lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
@@ -132,7 +158,6 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
     assert os.listdir(os.path.join(save, "weights")) == [f"step_{last:07d}"]
 
 
-
 def test_a_frozen_worker_is_dropped_or_stops_the_run_in_bounded_time(setup):
     """Step 1 runs and is checkpointed; then a worker freezes (SIGSTOP). With
     rollout.min_live_workers = 2 the restarted run cannot go on with one worker: it fails at its
@@ -151,8 +176,13 @@ def test_a_frozen_worker_is_dropped_or_stops_the_run_in_bounded_time(setup):
         with router([s.url for s in servers]) as router_url:
             save = os.path.join(setup["root"], "fault-run")
             args = _overrides(setup, save) + [
-                "rollout.engine=http", f"rollout.urls=[{router_url}]", "parallel.tp=1", "train.steps=2",
-                "rollout.control_timeout_s=3", "rollout.health_check_interval_s=1", "rollout.health_check_timeout_s=3",
+                "rollout.engine=http",
+                f"rollout.urls=[{router_url}]",
+                "parallel.tp=1",
+                "train.steps=2",
+                "rollout.control_timeout_s=3",
+                "rollout.health_check_interval_s=1",
+                "rollout.health_check_timeout_s=3",
                 "rollout.health_failure_threshold=2",
             ]
             run_distributed(_run, 1, args, 1)  # stop after step 1 (checkpointed)

@@ -2,6 +2,7 @@
 real sglang-router over two embedded servers, weights to each server over the update group (no
 file), a probe check after the first sync, every verify_interval steps and after a resume; a
 tensor corrupted in transit stops the run at the check, naming the server."""
+
 import json
 import os
 
@@ -42,9 +43,17 @@ def test_rl_loop_with_distributed_weights_through_the_router_verifies_and_resume
     with router([s.url for s in servers]) as router_url:
         save = os.path.join(setup["root"], "run")
         args = _overrides(setup, save) + [
-            "rollout.engine=http", f"rollout.urls=[{router_url}]", "parallel.tp=1", "train.steps=2",
-            "optim.lr=5e-3", "optim.min_lr=5e-3", "rollout.max_concurrent_requests=4", "rl.oversample_prompts=8",
-            "rl.responses_per_prompt=8", "rollout.max_new_tokens=48", "rollout.verify_interval=1",
+            "rollout.engine=http",
+            f"rollout.urls=[{router_url}]",
+            "parallel.tp=1",
+            "train.steps=2",
+            "optim.lr=5e-3",
+            "optim.min_lr=5e-3",
+            "rollout.max_concurrent_requests=4",
+            "rl.oversample_prompts=8",
+            "rl.responses_per_prompt=8",
+            "rollout.max_new_tokens=48",
+            "rollout.verify_interval=1",
             "rollout.sync_bucket_mb=0.05",
         ]
         run_distributed(_run, 1, args)
@@ -80,7 +89,9 @@ def _run_corrupted(rank, world, overrides, tensor):
 
     from megatron_klear.config import load_config
     from megatron_klear.rl.loop import RLLoop
-    from megatron_klear.rollout.weight_sync import distributed_buckets as weight_sync  # where the sync reads iter_buckets
+    from megatron_klear.rollout.weight_sync import (
+        distributed_buckets as weight_sync,
+    )  # where the sync reads iter_buckets
 
     buckets = weight_sync.iter_buckets
 

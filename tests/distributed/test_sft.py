@@ -1,5 +1,6 @@
 """SFT end to end on tiny models: packing exactness, parallel layouts vs one process, resume,
 overfitting. Every case trains in freshly spawned gloo processes."""
+
 import json
 import math
 import os
@@ -25,9 +26,15 @@ def sft_setup(tmp_path_factory):
 
 def _overrides(setup, save_dir, *extra):
     return [
-        f"model.path={setup['model']}", f"data.prefix={setup['data']}", "data.seq_length=128",
-        "optim.lr=2e-3", "optim.min_lr=2e-4", "optim.warmup_steps=1", "optim.weight_decay=0.0",
-        f"train.save_dir={save_dir}", "train.keep_last=2",
+        f"model.path={setup['model']}",
+        f"data.prefix={setup['data']}",
+        "data.seq_length=128",
+        "optim.lr=2e-3",
+        "optim.min_lr=2e-4",
+        "optim.warmup_steps=1",
+        "optim.weight_decay=0.0",
+        f"train.save_dir={save_dir}",
+        "train.keep_last=2",
         "data.segment_multiple=4",  # what CP=2 packs with: every layout sees the same batches
         *extra,
     ]
@@ -50,9 +57,6 @@ def _final_params(rank, world, ckpt_dir):
     """Read a saved checkpoint's model as HF-named tensors (one process)."""
     import tempfile
 
-    import torch
-    from safetensors.torch import load_file
-
     from megatron_klear.checkpoint.convert import megatron_to_hf
     from megatron_klear.checkpoint.hf_io import HFReader
 
@@ -74,10 +78,17 @@ def reference(sft_setup):
     directory, so agreeing also shows the two starting points are the same weights."""
     save = os.path.join(sft_setup["root"], "ref")
     converted = run_distributed(_convert, 1, sft_setup["model"], os.path.join(sft_setup["root"], "converted"))[0]
-    run_distributed(_train, 1, _overrides(sft_setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2")
-                    + [f"model.path={converted}"])
-    return {"metrics": _read_metrics(os.path.join(save, "metrics.jsonl")), "save": save,
-            "params": run_distributed(_final_params, 1, os.path.join(save, f"iter_{STEPS:07d}"))[0]}
+    run_distributed(
+        _train,
+        1,
+        _overrides(sft_setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2")
+        + [f"model.path={converted}"],
+    )
+    return {
+        "metrics": _read_metrics(os.path.join(save, "metrics.jsonl")),
+        "save": save,
+        "params": run_distributed(_final_params, 1, os.path.join(save, f"iter_{STEPS:07d}"))[0],
+    }
 
 
 @pytest.mark.parametrize(
@@ -124,8 +135,13 @@ def test_resume_continues_exactly(sft_setup, reference):
 
 def test_tiny_model_overfits(sft_setup):
     save = os.path.join(sft_setup["root"], "overfit")
-    run_distributed(_train, 1, _overrides(sft_setup, save, "train.steps=40", "optim.lr=5e-3", "optim.min_lr=1e-3",
-                                          "data.micro_batches_per_step=1"))
+    run_distributed(
+        _train,
+        1,
+        _overrides(
+            sft_setup, save, "train.steps=40", "optim.lr=5e-3", "optim.min_lr=1e-3", "data.micro_batches_per_step=1"
+        ),
+    )
     m = _read_metrics(os.path.join(save, "metrics.jsonl"))
     first, last = m[0]["loss"], min(x["loss"] for x in m[-5:])
     assert last < 0.5 * first, (first, last)
@@ -139,10 +155,19 @@ def test_sigterm_saves_and_exits_through_the_cli(sft_setup):
     import time
 
     save = os.path.join(sft_setup["root"], "sigterm")
-    cmd = [sys.executable, "-m", "megatron_klear.sft", *_overrides(sft_setup, save, "train.steps=100000",
-                                                                    "optim.decay_steps=100")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_klear.sft",
+        *_overrides(sft_setup, save, "train.steps=100000", "optim.decay_steps=100"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     lines = []
     deadline = time.time() + 240
     for line in proc.stdout:

@@ -2,6 +2,7 @@
 gradient buffers are freed (Megatron-Core 0.16's DistributedDataParallel.offload_grad_buffers) and
 given back zeroed before the next update, which must then be exactly the update without offloading.
 The optimizer-state half (MegatronOptimizer.offload_to_cpu) moves CUDA tensors only: tests/gpu."""
+
 import pytest
 import torch
 
@@ -19,9 +20,19 @@ def _two_updates(rank, world, model_dir, offload):
     from megatron_klear.training.offload import grad_buffer_bytes, offload_trainer, restore_trainer
     from megatron_klear.training.setup import build_training_state
 
-    cfg = load_config(None, [f"model.path={model_dir}", "optim.lr=1e-2", "optim.min_lr=1e-2",
-                             "optim.decay_style=constant", "rl.mini_batch_prompts=2", "rl.prompts_per_step=4",
-                             "rl.max_tokens_per_micro_batch=48", "optim.distributed_optimizer=true"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "optim.lr=1e-2",
+            "optim.min_lr=1e-2",
+            "optim.decay_style=constant",
+            "rl.mini_batch_prompts=2",
+            "rl.prompts_per_step=4",
+            "rl.max_tokens_per_micro_batch=48",
+            "optim.distributed_optimizer=true",
+        ],
+    )
     init_parallel(cfg.parallel, seed=1)
     state = build_training_state(cfg, total_steps=10)
     actor = Actor(state, cfg.rl, logprob_chunk_size=7)
@@ -39,8 +50,10 @@ def _two_updates(rank, world, model_dir, offload):
         zero = all(not g.any() for g in grads)  # the views into the buffer are valid again, zeroed
         seen += (back, zero, device_freed)
     metrics = actor.update(make_samples(seed=1))
-    weights = {k: v.detach().cpu().clone() for k, v in iter_hf_tensors(
-        state.model, tp_group=parallel_state.get_tensor_model_parallel_group())}
+    weights = {
+        k: v.detach().cpu().clone()
+        for k, v in iter_hf_tensors(state.model, tp_group=parallel_state.get_tensor_model_parallel_group())
+    }
     return seen, metrics, weights
 
 

@@ -1,5 +1,6 @@
 """Trainer -> engine weight sync through the mapping: at TP=2 and PP=2 (and TP=2 x PP=2) rank 0
 receives every HF tensor exactly once, bit-identical to the checkpoint the trainer loaded."""
+
 import pytest
 
 from tests.distributed.helper import run_distributed
@@ -37,8 +38,11 @@ def model_dir(tmp_path_factory):
     return make_tiny_qwen3(str(tmp_path_factory.mktemp("sync") / "m"), num_layers=4, tied=True, seed=9)
 
 
-@pytest.mark.parametrize("world,extra", [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])],
-                         ids=["tp2", "pp2", "tp2pp2"])
+@pytest.mark.parametrize(
+    "world,extra",
+    [(2, ["parallel.tp=2"]), (2, ["parallel.pp=2"]), (4, ["parallel.tp=2", "parallel.pp=2"])],
+    ids=["tp2", "pp2", "tp2pp2"],
+)
 def test_sync_delivers_the_checkpoint(model_dir, tmp_path, world, extra):
     import torch
 

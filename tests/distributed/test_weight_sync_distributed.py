@@ -4,6 +4,7 @@ protocol over gloo), which then hold exactly the trainer's weights under the new
 in a clear error in bounded time with nothing half-applied served: a server killed mid-broadcast, a
 port already taken, a server that never joins. Every control body follows SGLang 0.5.23's request
 structs (``io_struct.py``)."""
+
 import os
 import signal
 import socket
@@ -34,7 +35,9 @@ def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(
     kwargs = dict(kwargs)
     min_live = kwargs.pop("min_live_workers", 1)
     if kill is not None:
-        from megatron_klear.rollout.weight_sync import distributed_buckets as weight_sync  # where the sync reads iter_buckets
+        from megatron_klear.rollout.weight_sync import (
+            distributed_buckets as weight_sync,
+        )  # where the sync reads iter_buckets
 
         pid, at, buckets = *kill, weight_sync.iter_buckets
 
@@ -71,8 +74,10 @@ def models(tmp_path_factory):
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     root = tmp_path_factory.mktemp("dsync")
-    return {"a": make_tiny_qwen3(str(root / "a"), num_layers=4, seed=5),  # what the servers start with
-            "b": make_tiny_qwen3(str(root / "b"), num_layers=4, seed=6)}  # the trainer's weights
+    return {
+        "a": make_tiny_qwen3(str(root / "a"), num_layers=4, seed=5),  # what the servers start with
+        "b": make_tiny_qwen3(str(root / "b"), num_layers=4, seed=6),
+    }  # the trainer's weights
 
 
 def _launch(model, n=2):
@@ -106,14 +111,17 @@ def _version(url):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra,load_format", [(["parallel.tp=2"], "flattened_bucket"), (["parallel.pp=2"], "auto")],
-                         ids=["tp2-flattened", "pp2-per-tensor"])
+@pytest.mark.parametrize(
+    "extra,load_format",
+    [(["parallel.tp=2"], "flattened_bucket"), (["parallel.pp=2"], "auto")],
+    ids=["tp2-flattened", "pp2-per-tensor"],
+)
 def test_every_server_gets_every_weight(models, servers, extra, load_format):
+    import torch
+
     from megatron_klear.checkpoint.hf_io import HFReader
     from megatron_klear.rollout.embedded import EmbeddedEngine
     from megatron_klear.rollout.sglang import SGLangEngine
-
-    import torch
 
     urls = [s.url for s in servers]
     SGLangEngine(urls).load_from_disk(models["a"], version="a")
@@ -125,9 +133,17 @@ def test_every_server_gets_every_weight(models, servers, extra, load_format):
     assert _checksums(urls[0]) != want
     # small buckets: many of them, each gathered while the previous one is on the wire; the second
     # sync (per tensor) announces each bucket before gathering it and streams its tensors
-    out = run_distributed(_sync, 2, models["b"], extra, urls, {"bucket_mb": 0.02, "group_timeout": 30,
-                                                               "bucket_timeout": 30, "load_format": load_format},
-                          None, (3, 4), True)
+    out = run_distributed(
+        _sync,
+        2,
+        models["b"],
+        extra,
+        urls,
+        {"bucket_mb": 0.02, "group_timeout": 30, "bucket_timeout": 30, "load_format": load_format},
+        None,
+        (3, 4),
+        True,
+    )
     assert out[0][0] == "ok", out[0]
     reader = HFReader(models["b"])
     total = sum(reader.get(k).numel() * reader.get(k).element_size() for k in reader.keys())
@@ -154,9 +170,15 @@ def test_a_server_killed_mid_broadcast_below_min_live_fails_the_sync_and_the_oth
         urls = [s.url for s in servers]
         before = _checksums(urls[0])
         t0 = time.monotonic()
-        out = run_distributed(_sync, 1, models["b"], [], urls, {"bucket_mb": 0.02, "group_timeout": 30,
-                                                                "bucket_timeout": 30, "min_live_workers": 2},
-                              (servers[1]._process.pid, 3))
+        out = run_distributed(
+            _sync,
+            1,
+            models["b"],
+            [],
+            urls,
+            {"bucket_mb": 0.02, "group_timeout": 30, "bucket_timeout": 30, "min_live_workers": 2},
+            (servers[1]._process.pid, 3),
+        )
         assert time.monotonic() - t0 < 120
         status, message, seconds = out[0]
         assert status == "error" and urls[1] in message and "stays paused" in message, out[0]
@@ -181,8 +203,9 @@ def test_a_port_already_taken_is_named(models, servers):
         taken.listen()
         port = taken.getsockname()[1]
         t0 = time.monotonic()
-        out = run_distributed(_sync, 1, models["b"], [], [s.url for s in servers],
-                              {"master_port": port, "group_timeout": 30})
+        out = run_distributed(
+            _sync, 1, models["b"], [], [s.url for s in servers], {"master_port": port, "group_timeout": 30}
+        )
         assert time.monotonic() - t0 < 90
     status, message, seconds = out[0]
     assert status == "error" and f"port {port} is already in use" in message and "rollout.sync_master_port" in message
@@ -192,8 +215,10 @@ def test_a_port_already_taken_is_named(models, servers):
 def test_a_server_that_never_joins_is_named_within_the_group_timeout(models, tmp_path):
     from tests.rollout.sglang_contract import control_contract_errors
 
-    with fake_worker(tmp_path, "tp2", tp_size=2) as (joins, rec_joins, _), \
-            fake_worker(tmp_path, "hangs", hang_init=True) as (hangs, rec_hangs, _):
+    with (
+        fake_worker(tmp_path, "tp2", tp_size=2) as (joins, rec_joins, _),
+        fake_worker(tmp_path, "hangs", hang_init=True) as (hangs, rec_hangs, _),
+    ):
         out = run_distributed(_sync, 1, models["b"], [], [joins, hangs], {"group_timeout": 3})
     status, message, seconds = out[0]
     assert status == "error" and f"{hangs} never joined" in message and joins not in message.split("never joined")[0]
@@ -219,8 +244,14 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
         e = SGLangEngine([url], timeout=5)
         e.pause_generation("abort")
         e.begin_weight_update()
-        e.update_weights_from_distributed(["a.weight", "b.weight"], ["bfloat16", "bfloat16"], [[2, 3], [4]],
-                                          group_name="g", load_format="flattened_bucket", timeout=5)
+        e.update_weights_from_distributed(
+            ["a.weight", "b.weight"],
+            ["bfloat16", "bfloat16"],
+            [[2, 3], [4]],
+            group_name="g",
+            load_format="flattened_bucket",
+            timeout=5,
+        )
         e.end_weight_update()
         e.set_weight_version(7)
         e.continue_generation()
@@ -232,8 +263,14 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
         e.release_memory()
         calls = [json.loads(line) for line in open(record)]
     posts = [(c["path"], c["body"]) for c in calls if c["method"] == "POST"]
-    assert [p for p, _ in posts[:6]] == ["/pause_generation", "/begin_weight_update", "/update_weights_from_distributed",
-                                         "/end_weight_update", "/update_weight_version", "/continue_generation"]
+    assert [p for p, _ in posts[:6]] == [
+        "/pause_generation",
+        "/begin_weight_update",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+        "/update_weight_version",
+        "/continue_generation",
+    ]
     for path, body in posts:
         if path == "/flush_cache":  # once before the disk load; SGLang's route takes no body
             assert body is None
@@ -243,10 +280,12 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
     assert posts[2][1]["names"] == ["a.weight", "b.weight"] and posts[2][1]["shapes"] == [[2, 3], [4]]
     assert posts[4][1] == {"new_version": "7", "abort_all_requests": False}
     memory = [(p, b) for p, b in posts if p.endswith("_memory_occupation")]
-    assert memory == [("/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]}),
-                      ("/resume_memory_occupation", {"tags": ["weights"]}),
-                      ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
-                      ("/release_memory_occupation", {})], memory
+    assert memory == [
+        ("/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]}),
+        ("/resume_memory_occupation", {"tags": ["weights"]}),
+        ("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}),
+        ("/release_memory_occupation", {}),
+    ], memory
     # one kept-alive connection for every control call (a fresh client per call cost ~20 ms each)
     assert len({tuple(c["client"]) for c in calls}) == 1, {tuple(c["client"]) for c in calls}
 
@@ -292,7 +331,7 @@ def test_a_stale_layout_fails_the_sync_cleanly_and_the_next_one_gathers_again(mo
     from megatron_klear.rollout.embedded import EmbeddedEngine
 
     urls = [s.url for s in servers]
-    (error, seconds, served, stats), = run_distributed(_sync_with_a_stale_layout, 1, models["b"], urls)
+    ((error, seconds, served, stats),) = run_distributed(_sync_with_a_stale_layout, 1, models["b"], urls)
     assert error is not None and "no longer follow the layout of the last sync: tensor 0" in error, error
     assert seconds < 20, seconds  # not the 30 s bucket timeout
     assert set(served.values()) == {"1"}  # version 2 was never applied

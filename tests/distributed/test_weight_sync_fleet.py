@@ -7,6 +7,7 @@ bucket timeout (divergence 3). A server restarted at its URL between syncs gets 
 its refusal of a bucket ("Group ... not in []") drops it and the sync is redone; recalled, the
 groups are re-formed with it. Fewer than rollout.min_live_workers left: see
 test_weight_sync_distributed.py (FleetError naming the lost server)."""
+
 import os
 import signal
 import time
@@ -26,8 +27,10 @@ def models(tmp_path_factory):
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     root = tmp_path_factory.mktemp("dsync_fleet")
-    return {"a": make_tiny_qwen3(str(root / "a"), num_layers=2, seed=5),  # what the servers start with
-            "b": make_tiny_qwen3(str(root / "b"), num_layers=2, seed=6)}  # the trainer's weights
+    return {
+        "a": make_tiny_qwen3(str(root / "a"), num_layers=2, seed=5),  # what the servers start with
+        "b": make_tiny_qwen3(str(root / "b"), num_layers=2, seed=6),
+    }  # the trainer's weights
 
 
 def _at_bucket(k, action):
@@ -104,7 +107,7 @@ def test_a_server_killed_mid_sync_is_left_out_and_rejoins_at_the_next_sync(model
     servers = _launch(models["a"])
     try:
         urls = [s.url for s in servers]
-        out, = run_distributed(_kill_then_rejoin, 1, models, urls, servers[1]._process.pid, timeout=400)
+        (out,) = run_distributed(_kill_then_rejoin, 1, models, urls, servers[1]._process.pid, timeout=400)
     finally:
         for s in servers:
             s.close()
@@ -115,7 +118,9 @@ def test_a_server_killed_mid_sync_is_left_out_and_rejoins_at_the_next_sync(model
     assert workers == [urls[0]] and list(lost) == [urls[1]], out["after_first"]
     assert metrics["rollout/live_workers"] == 1 and metrics["rollout/worker_failures"] == 1, metrics
     # ... and generates with the trainer's weights
-    assert out["generated"] == trainer.generate([[5, 17, 33]], SamplingParams(top_k=1, max_new_tokens=6))[0][0].token_ids
+    assert (
+        out["generated"] == trainer.generate([[5, 17, 33]], SamplingParams(top_k=1, max_new_tokens=6))[0][0].token_ids
+    )
     # restarted at its URL, the server rejoined: the groups were re-formed with it, it got every weight
     assert out["recalled"] == [urls[1]] and out["second"]["reforms"] == 0 and out["admitted"] == [urls[1]]
     live, metrics = out["after_second"]
@@ -135,12 +140,15 @@ def _refused_bucket(rank, world, model_dir, urls):
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, WeightSyncError
 
     state = _trainer(model_dir)
-    _at_bucket(2, lambda: httpx.post(urls[1] + "/destroy_weights_update_group", json={"group_name": "klear_weights"},
-                                     timeout=10))
+    _at_bucket(
+        2,
+        lambda: httpx.post(urls[1] + "/destroy_weights_update_group", json={"group_name": "klear_weights"}, timeout=10),
+    )
     engine = SGLangEngine(urls, timeout=5, health_check_timeout=2)
     # post_grace 2 s: the stand-in's refusal (a thread hop on a busy CPU) always arrives within it
-    sync = DistributedWeightSync(state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=60,
-                                 post_grace=2.0)
+    sync = DistributedWeightSync(
+        state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=60, post_grace=2.0
+    )
     t0 = time.monotonic()
     try:
         sync.sync(version=1)
@@ -230,7 +238,7 @@ def test_a_server_restarted_at_its_url_between_syncs_gets_new_groups(models):
     servers = _launch(models["a"])
     try:
         urls = [s.url for s in servers]
-        out, = run_distributed(_restarts_between_syncs, 1, models, urls, servers[1]._process.pid, timeout=400)
+        (out,) = run_distributed(_restarts_between_syncs, 1, models, urls, servers[1]._process.pid, timeout=400)
     finally:
         for s in servers:
             s.close()

@@ -1,5 +1,6 @@
 """GPU-only paths: Transformer Engine layer specs, FP8, NCCL. Skipped on machines without CUDA
 (marked ``gpu``); run them on a GPU machine with ``pytest -m gpu tests/gpu``."""
+
 import math
 
 import pytest
@@ -14,8 +15,16 @@ def model_dir(tmp_path_factory):
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     # TE's fused attention wants head_dim % 8 == 0 and FP8 wants dims % 16 == 0
-    return make_tiny_qwen3(str(tmp_path_factory.mktemp("gpu") / "m"), num_layers=2, hidden_size=128,
-                           num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256, seed=7)
+    return make_tiny_qwen3(
+        str(tmp_path_factory.mktemp("gpu") / "m"),
+        num_layers=2,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        seed=7,
+    )
 
 
 def _parity(rank, world, model_dir, backend):
@@ -48,8 +57,10 @@ def _fp8_forward(rank, world, model_dir):
     init_parallel()
     arch = load_arch(model_dir)
     out = {}
-    for name, opts in (("bf16", ModelOptions(dtype="bf16", backend="te")),
-                       ("fp8", ModelOptions(dtype="bf16", backend="te", fp8="hybrid", fp8_recipe="delayed"))):
+    for name, opts in (
+        ("bf16", ModelOptions(dtype="bf16", backend="te")),
+        ("fp8", ModelOptions(dtype="bf16", backend="te", fp8="hybrid", fp8_recipe="delayed")),
+    ):
         model = build_model(arch, opts, ParallelConfig()).eval()
         load_hf_weights([model], HFReader(model_dir))
         tokens = torch.randint(0, arch.vocab_size, (2, 64), device="cuda")
@@ -93,13 +104,23 @@ def test_sft_with_te_packed_attention_matches_local_spec(model_dir, tmp_path):
     from megatron_klear.data.synthetic import write_sft_jsonl
 
     jsonl = write_sft_jsonl(str(tmp_path / "t.jsonl"), 64)
-    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model_dir, output_prefix=str(tmp_path / "d"), max_length=128),
-               stream=io.StringIO())
+    preprocess(
+        PreprocessConfig(inputs=[jsonl], tokenizer=model_dir, output_prefix=str(tmp_path / "d"), max_length=128),
+        stream=io.StringIO(),
+    )
     losses = {}
     for backend in ("te", "local"):
-        args = [f"model.path={model_dir}", f"data.prefix={tmp_path / 'd'}", "data.seq_length=256", "model.dtype=fp32",
-                f"model.backend={backend}", "train.steps=3", "optim.lr=1e-3", "optim.min_lr=1e-3",
-                f"train.save_dir={tmp_path / backend}"]
+        args = [
+            f"model.path={model_dir}",
+            f"data.prefix={tmp_path / 'd'}",
+            "data.seq_length=256",
+            "model.dtype=fp32",
+            f"model.backend={backend}",
+            "train.steps=3",
+            "optim.lr=1e-3",
+            "optim.min_lr=1e-3",
+            f"train.save_dir={tmp_path / backend}",
+        ]
         losses[backend] = run_distributed(_sft_steps, 1, args, backend="nccl")[0]
     for a, b in zip(losses["te"], losses["local"]):
         assert abs(a - b) < 2e-3 * abs(b), losses
@@ -113,10 +134,21 @@ def test_sft_on_the_gpu_with_the_local_spec(model_dir, tmp_path):
     from megatron_klear.data.synthetic import write_sft_jsonl
 
     jsonl = write_sft_jsonl(str(tmp_path / "t.jsonl"), 64)
-    preprocess(PreprocessConfig(inputs=[jsonl], tokenizer=model_dir, output_prefix=str(tmp_path / "d"), max_length=128),
-               stream=io.StringIO())
-    args = [f"model.path={model_dir}", f"data.prefix={tmp_path / 'd'}", "data.seq_length=256", "model.dtype=bf16",
-            "model.backend=local", "train.steps=8", "optim.lr=3e-3", "optim.min_lr=3e-3", f"train.save_dir={tmp_path / 'run'}"]
+    preprocess(
+        PreprocessConfig(inputs=[jsonl], tokenizer=model_dir, output_prefix=str(tmp_path / "d"), max_length=128),
+        stream=io.StringIO(),
+    )
+    args = [
+        f"model.path={model_dir}",
+        f"data.prefix={tmp_path / 'd'}",
+        "data.seq_length=256",
+        "model.dtype=bf16",
+        "model.backend=local",
+        "train.steps=8",
+        "optim.lr=3e-3",
+        "optim.min_lr=3e-3",
+        f"train.save_dir={tmp_path / 'run'}",
+    ]
     losses = run_distributed(_sft_steps, 1, args, backend="nccl")[0]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 

@@ -4,6 +4,7 @@ A test that needs real namespaces runs only where the start-up probe says bubble
 skipped with the probe's reason otherwise; the fallback level (rlimits + separate uid + seccomp)
 runs wherever the grader is root. The hostile suite runs on every level available.
 """
+
 import pytest
 
 from megatron_klear.rewards import RewardConfig, SandboxConfig
@@ -14,8 +15,17 @@ T = "<think>thinking</think>\n"
 
 def small_limits(level: str, **over) -> SandboxConfig:
     """1 s of CPU, 2 s of wall clock: hostile programs die fast, honest ones finish in ms."""
-    kw = dict(isolation=level, allow_fallback=True, cpu_s=1, wall_s=2, memory_mb=256,
-              processes=16, output_limit_bytes=1 << 20, file_size_mb=4, tmpfs_mb=16)
+    kw = dict(
+        isolation=level,
+        allow_fallback=True,
+        cpu_s=1,
+        wall_s=2,
+        memory_mb=256,
+        processes=16,
+        output_limit_bytes=1 << 20,
+        file_size_mb=4,
+        tmpfs_mb=16,
+    )
     kw.update(over)
     return SandboxConfig(**kw)
 

@@ -1,4 +1,5 @@
 """tools/grade.py and tools/filter_rl_data.py: JSONL in, JSONL out, bad lines by number."""
+
 import json
 import math
 import os
@@ -9,8 +10,8 @@ import pytest
 
 from megatron_klear.rewards import sandbox as sandbox_mod
 from megatron_klear.rewards.cli import grade_main
-from megatron_klear.rewards.filters import FilterConfig, filter_file, filter_main, pass_at_k, pass_drop_reason
 from megatron_klear.rewards.config import RewardConfig
+from megatron_klear.rewards.filters import FilterConfig, filter_file, filter_main, pass_at_k, pass_drop_reason
 
 from .conftest import T, code_response
 
@@ -34,8 +35,12 @@ GRADE_LINES = [
     {"id": "m2", "task": "math", "response": T + r"\boxed{41}", "answer": "42"},
     "this is not json",
     "",
-    {"id": "c1", "task": "code", "response": code_response("print(int(input()) * 2)"),
-     "tests": {"inputs": ["1\n", "2\n", "3\n", "4\n"], "outputs": ["2", "4", "7", "8"]}},
+    {
+        "id": "c1",
+        "task": "code",
+        "response": code_response("print(int(input()) * 2)"),
+        "tests": {"inputs": ["1\n", "2\n", "3\n", "4\n"], "outputs": ["2", "4", "7", "8"]},
+    },
     {"id": "m3", "task": "math", "response": T + r"\boxed{1}"},
     [1, 2],
     {"id": "x", "task": "poetry", "response": "roses"},
@@ -45,12 +50,17 @@ GRADE_LINES = [
 def test_grade_cli_end_to_end(tmp_path, capfd):
     inp = _write_lines(tmp_path / "in.jsonl", GRADE_LINES)
     out = str(tmp_path / "out.jsonl")
-    rc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "grade.py"), "--input", inp,
-                         "--output", out, "--workers", "2"], capture_output=True, text=True, timeout=300)
+    rc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "grade.py"), "--input", inp, "--output", out, "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rc.returncode == 2, rc.stderr  # malformed lines: graded the rest, but not a success (a user error)
     assert rc.stderr.strip().splitlines()[-1] == (
         f"error: 4 malformed input line(s) in {inp} (more than --max-bad-lines 0); "
-        "their records have reward null and the reason in 'error'")
+        "their records have reward null and the reason in 'error'"
+    )
     recs = _read_jsonl(out)
     assert [r["id"] for r in recs] == ["m1", "m2", None, "c1", "m3", None, "x"]  # one per non-blank line
     by_id = {r["id"]: r for r in recs if r["id"]}
@@ -97,6 +107,7 @@ def test_grade_cli_refuses_without_a_sandbox_and_writes_nothing(tmp_path, monkey
 
 # --------------------------------------------------------------------------- filters
 
+
 @pytest.mark.parametrize("n,c,k", [(16, 4, 1), (16, 8, 1), (16, 1, 4), (10, 3, 5), (16, 0, 16), (5, 5, 2)])
 def test_pass_at_k_matches_the_combinatorial_formula(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
@@ -114,9 +125,9 @@ def test_filter_defaults_are_the_documented_rule(tmp_path, capsys):
     The defaults used to be a pass rate (k=1) for code too."""
     f = FilterConfig()
     assert (f.min_tests, f.code_k, f.code_min_pass, f.math_k, f.math_min_pass) == (16, 16, 0.5, 1, 0.5)
-    assert pass_drop_reason("code", [True] + [False] * 15, f) is None            # pass@16 = 1
+    assert pass_drop_reason("code", [True] + [False] * 15, f) is None  # pass@16 = 1
     assert pass_drop_reason("code", [False] * 16, f) == "reference pass@16 0.000 < 0.5 (0/16 passed)"
-    assert pass_drop_reason("code", [True] + [False] * 31, f) is None            # pass@16 = 16/32
+    assert pass_drop_reason("code", [True] + [False] * 31, f) is None  # pass@16 = 16/32
     assert pass_drop_reason("code", [True] * 4 + [False] * 4, f) == "only 8 reference results, fewer than k=16"
     assert pass_drop_reason("math", [True] * 8 + [False] * 8, f) is None
     assert pass_drop_reason("math", [True] * 6 + [False] * 10, f) == "reference pass@1 0.375 < 0.5 (6/16 passed)"
@@ -133,15 +144,20 @@ def test_filter_defaults_are_the_documented_rule(tmp_path, capsys):
     assert [json.loads(x)["id"] for x in open(out).read().splitlines()] == ["rare-but-solvable", "math-most"]
     assert {r["id"]: r["reason"] for r in _read_jsonl(dropped)} == {
         "never-solved": "reference pass@16 0.000 < 0.5 (0/16 passed)",
-        "math-few": "reference pass@1 0.125 < 0.5 (2/16 passed)"}
-    assert filter_main(["--input", inp, "--output", out, "--k", "1"]) == 0       # both pass rates
+        "math-few": "reference pass@1 0.125 < 0.5 (2/16 passed)",
+    }
+    assert filter_main(["--input", inp, "--output", out, "--k", "1"]) == 0  # both pass rates
     assert [json.loads(x)["id"] for x in open(out).read().splitlines()] == ["math-most"]
 
 
 def _code_problem(pid, n_tests, **refs):
-    return {"id": pid, "task": "code", "prompt": "double it",
-            "tests": {"inputs": [f"{i}\n" for i in range(n_tests)], "outputs": [str(2 * i) for i in range(n_tests)]},
-            **refs}
+    return {
+        "id": pid,
+        "task": "code",
+        "prompt": "double it",
+        "tests": {"inputs": [f"{i}\n" for i in range(n_tests)], "outputs": [str(2 * i) for i in range(n_tests)]},
+        **refs,
+    }
 
 
 def test_filter_tool(tmp_path, capsys):
@@ -151,8 +167,12 @@ def test_filter_tool(tmp_path, capsys):
         _code_problem("few-tests", 10, reference_solutions=[good]),
         _code_problem("faulty-tests", 16, reference_solutions=[wrong, wrong, wrong, good]),
         {"id": "keep-math", "task": "math", "answer": "7", "reference_passed": [True, True, False, False]},
-        {"id": "hard-math", "task": "math", "answer": "7",
-         "reference_responses": [T + r"\boxed{7}", T + r"\boxed{8}", T + r"\boxed{9}", "<think>cut off"]},
+        {
+            "id": "hard-math",
+            "task": "math",
+            "answer": "7",
+            "reference_responses": [T + r"\boxed{7}", T + r"\boxed{8}", T + r"\boxed{9}", "<think>cut off"],
+        },
         {"id": "no-refs", "task": "math", "answer": "7"},
         "{broken",
     ]
@@ -173,7 +193,12 @@ def test_filter_tool(tmp_path, capsys):
     # only the structural filter
     s2 = filter_file(inp, out, None, FilterConfig(pass_filter=False), RewardConfig(workers=1))
     assert [json.loads(x)["id"] for x in open(out).read().splitlines()] == [
-        "keep-code", "faulty-tests", "keep-math", "hard-math", "no-refs"]
+        "keep-code",
+        "faulty-tests",
+        "keep-math",
+        "hard-math",
+        "no-refs",
+    ]
     assert s2["kept"] == 5
 
 

@@ -1,4 +1,5 @@
 """The code grader: extraction, test formats, soft reward, sampling, verdict reasons."""
+
 import json
 import uuid
 
@@ -31,13 +32,14 @@ def stdio_tests(pairs):
 
 # --------------------------------------------------------------------------- extraction
 
+
 def test_extract_code_takes_the_last_python_block():
     text = "```python\nprint(1)\n```\nthen\n```cpp\nint main(){}\n```\n```py\nprint(2)\n```\n"
     assert extract_code(text) == "print(2)\n"
-    assert extract_code("```\nprint(3)\n```") == "print(3)\n"           # untagged fallback
+    assert extract_code("```\nprint(3)\n```") == "print(3)\n"  # untagged fallback
     assert extract_code("```python\nprint(1)\n```\n```\nprint(3)\n```") == "print(1)\n"
     assert extract_code("```cpp\nint main(){}\n```") is None
-    assert extract_code("```python\nprint(1)") is None                   # unclosed (truncated)
+    assert extract_code("```python\nprint(1)") is None  # unclosed (truncated)
 
 
 def test_code_inside_think_does_not_count(sandbox, cfg):
@@ -59,9 +61,9 @@ def test_missing_think_close_gives_zero_or_the_format_score(sandbox, cfg):
 
 # --------------------------------------------------------------------------- soft reward
 
+
 def test_honest_solution_scores_one(sandbox, cfg):
-    res = grade_code(code_response(SUM), stdio_tests([("1 2\n", "3"), ("-4 4\n", "0"), ("10 5\n", "15")]),
-                     cfg, sandbox)
+    res = grade_code(code_response(SUM), stdio_tests([("1 2\n", "3"), ("-4 4\n", "0"), ("10 5\n", "15")]), cfg, sandbox)
     assert (res.reward, res.passed, res.total, res.error) == (1.0, 3, 3, None) and res.solved
     assert res.tests == ["pass"] * 3
 
@@ -87,8 +89,7 @@ def test_runtime_error_reason_names_the_exception(sandbox, cfg):
 
 
 def test_float_output_within_tolerance(sandbox, cfg):
-    res = grade_code(code_response("print(1/3)"), stdio_tests([("", "0.333333"), ("", "0.3334")]),
-                     cfg, sandbox)
+    res = grade_code(code_response("print(1/3)"), stdio_tests([("", "0.333333"), ("", "0.3334")]), cfg, sandbox)
     assert res.tests == ["pass", "wrong answer"]
 
 
@@ -104,6 +105,7 @@ def test_large_input_and_output_pass_through(sandbox, cfg):
 
 # --------------------------------------------------------------------------- function calls
 
+
 def test_function_call_tests(sandbox, cfg):
     code = "def add(a, b):\n    print('debug output is ignored')\n    return a + b"
     tests = {"inputs": [[1, 2], "3\n4", [[1], [2]]], "outputs": [3, "7", [[1, 2]]], "fn_name": "add"}
@@ -112,32 +114,39 @@ def test_function_call_tests(sandbox, cfg):
 
 
 def test_leetcode_class_solution_with_typing_hints(sandbox, cfg):
-    code = ("class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
-            "        seen = {}\n        for i, x in enumerate(nums):\n"
-            "            if target - x in seen:\n                return [seen[target - x], i]\n"
-            "            seen[x] = i\n")
-    tests = {"inputs": ["[2,7,11,15]\n9", "[3,2,4]\n6", "[3,3]\n6"], "outputs": ["[0,1]", "[1,2]", "[1,0]"],
-             "fn_name": "twoSum"}
+    code = (
+        "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+        "        seen = {}\n        for i, x in enumerate(nums):\n"
+        "            if target - x in seen:\n                return [seen[target - x], i]\n"
+        "            seen[x] = i\n"
+    )
+    tests = {
+        "inputs": ["[2,7,11,15]\n9", "[3,2,4]\n6", "[3,3]\n6"],
+        "outputs": ["[0,1]", "[1,2]", "[1,0]"],
+        "fn_name": "twoSum",
+    }
     res = grade_code(code_response(code), tests, cfg, sandbox)
     assert res.tests == ["pass", "pass", "wrong answer"] and res.reward == pytest.approx(2 / 3)
 
 
 def test_function_returning_tuple_set_and_float(sandbox, cfg):
     code = "def f(x):\n    return (x, 0.1 + 0.2, sorted({3, 1}))"
-    res = grade_code(code_response(code), {"inputs": [[5]], "outputs": [[5, 0.3, [1, 3]]], "fn_name": "f"},
-                     cfg, sandbox)
+    res = grade_code(
+        code_response(code), {"inputs": [[5]], "outputs": [[5, 0.3, [1, 3]]], "fn_name": "f"}, cfg, sandbox
+    )
     assert res.reward == 1.0
 
 
 def test_missing_function_is_a_runtime_error(sandbox, cfg):
-    res = grade_code(code_response("def g(x):\n    return x"), {"inputs": [[1]], "outputs": [1], "fn_name": "f"},
-                     cfg, sandbox)
+    res = grade_code(
+        code_response("def g(x):\n    return x"), {"inputs": [[1]], "outputs": [1], "fn_name": "f"}, cfg, sandbox
+    )
     assert res.reward == 0.0 and "NameError" in res.tests[0]
 
 
 def test_expected_outputs_never_enter_the_sandbox(sandbox, cfg):
     secret = "EXPECTED-" + uuid.uuid4().hex
-    spy = r'''
+    spy = r"""
 import os, sys
 seen = [repr(sys.argv), repr(dict(os.environ)), sys.stdin.read()]
 harness_dir = os.path.dirname(os.path.abspath(sys.modules["__main__"].__file__))
@@ -154,7 +163,7 @@ for d in (os.getcwd(), "/tmp", "/", "/sandbox", harness_dir, os.environ.get("HOM
     except OSError:
         pass
 print("\n".join(seen))
-'''
+"""
     res = grade_code(code_response(spy), stdio_tests([("the input\n", secret)]), cfg, sandbox)
     assert res.reward == 0.0 and res.tests == ["wrong answer"]
     # the same program, shown its own output: it did run and saw its input, but never the answer
@@ -164,6 +173,7 @@ print("\n".join(seen))
 
 
 # --------------------------------------------------------------------------- sampling
+
 
 def test_sampling_is_seeded_per_problem():
     assert select_tests(10, 16, 0, "k") == list(range(10))
@@ -215,6 +225,7 @@ def test_per_call_sampling_draws_a_fresh_sample_on_every_call(sandbox, cfg, monk
 
 # --------------------------------------------------------------------------- format scores
 
+
 def test_think_format_scores_share_the_soft_reward_scale(sandbox, cfg):
     """code_think_format=True: the authors' scale, mean of +1 per passed / -1 per failed test, with
     -0.5 (no </think>, usually truncated) and -2 (no <think>) on it: a truncated response ranks
@@ -229,19 +240,19 @@ def test_think_format_scores_share_the_soft_reward_scale(sandbox, cfg):
         "no_think_open": "reasoning</think>\n```python\nprint(2 * int(input()))\n```",
         "all_fail": code_response("print(-1)"),
         "truncated": "<think>still thinking about print(2 * int(input())) when the budget ran out",
-        "partial": code_response("n = int(input())\nprint(2 * n if n < 3 else 0)"),   # 3 of 4
+        "partial": code_response("n = int(input())\nprint(2 * n if n < 3 else 0)"),  # 3 of 4
         "all_pass": code_response("print(2 * int(input()))"),
     }
     got = {k: grade_code(r, tests, fmt, sandbox) for k, r in responses.items()}
     rewards = {k: g.reward for k, g in got.items()}
-    assert rewards == {"no_think_open": -2.0, "all_fail": -1.0, "truncated": -0.5, "partial": 0.5,
-                       "all_pass": 1.0}
+    assert rewards == {"no_think_open": -2.0, "all_fail": -1.0, "truncated": -0.5, "partial": 0.5, "all_pass": 1.0}
     assert all(g.error is None for g in got.values()) and got["all_pass"].solved
     # the authors' reward for a graded program: mean of +-1 per test
     assert rewards["partial"] == (3 * 1 + 1 * -1) / 4
     order = ["no_think_open", "all_fail", "truncated", "partial", "all_pass"]
-    adv = group_advantages(torch.tensor([rewards[k] for k in order], dtype=torch.float64),
-                           torch.zeros(len(order), dtype=torch.long))
+    adv = group_advantages(
+        torch.tensor([rewards[k] for k in order], dtype=torch.float64), torch.zeros(len(order), dtype=torch.long)
+    )
     assert all(adv[i] < adv[i + 1] for i in range(len(order) - 1)), adv
     # off (the default): the paper's pass fraction, no format score; truncated = all-fail = 0
     plain = {k: grade_code(r, tests, cfg, sandbox).reward for k, r in responses.items()}
@@ -250,16 +261,20 @@ def test_think_format_scores_share_the_soft_reward_scale(sandbox, cfg):
 
 # --------------------------------------------------------------------------- bad tests
 
-@pytest.mark.parametrize("tests,msg", [
-    ({"inputs": ["1"], "outputs": []}, "1 inputs but 0 outputs"),
-    ({"inputs": [], "outputs": []}, "no test cases"),
-    ({"inputs": [1], "outputs": ["1"]}, "tests.inputs[0]: stdin must be a string"),
-    ({"inputs": ["1"], "outputs": [1]}, "tests.outputs[0]"),
-    ({"inputs": ["x y"], "outputs": [1], "fn_name": "f"}, "tests.inputs[0]: line 1 is not JSON"),
-    ({"inputs": ["1"], "outputs": ["1"], "fn_name": "not valid"}, "tests.fn_name"),
-    ({"inputs": ["1"], "outputs": ["1"], "extra": 1}, "unknown key(s) ['extra']"),
-    ("not a dict", "expected an object"),
-])
+
+@pytest.mark.parametrize(
+    "tests,msg",
+    [
+        ({"inputs": ["1"], "outputs": []}, "1 inputs but 0 outputs"),
+        ({"inputs": [], "outputs": []}, "no test cases"),
+        ({"inputs": [1], "outputs": ["1"]}, "tests.inputs[0]: stdin must be a string"),
+        ({"inputs": ["1"], "outputs": [1]}, "tests.outputs[0]"),
+        ({"inputs": ["x y"], "outputs": [1], "fn_name": "f"}, "tests.inputs[0]: line 1 is not JSON"),
+        ({"inputs": ["1"], "outputs": ["1"], "fn_name": "not valid"}, "tests.fn_name"),
+        ({"inputs": ["1"], "outputs": ["1"], "extra": 1}, "unknown key(s) ['extra']"),
+        ("not a dict", "expected an object"),
+    ],
+)
 def test_bad_tests_are_errors_naming_the_field(tests, msg):
     with pytest.raises(BadTests, match=None) as e:
         parse_tests(tests)

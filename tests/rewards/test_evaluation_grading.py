@@ -5,6 +5,7 @@ The engine is a scripted stand-in (behind --url) and grading runs in this proces
 level this machine supports, so the tool's own wiring (its RewardConfig, its prompt detection) is
 what is tested.
 """
+
 import json
 from concurrent.futures import Future
 from dataclasses import replace
@@ -85,8 +86,26 @@ def eval_main(monkeypatch, tmp_path, level):
         bench.write_text("".join(json.dumps(x) + "\n" for x in bench_lines))
         out = tmp_path / "res.json"
         _Engine.text = response
-        assert main(["--url", "http://scripted:1", "--tokenizer", _Engine.tokenizer_dir, "--bench", f"b={bench}",
-                     "--k", "2", "--workers", "1", "--output", str(out), *extra]) == 0
+        assert (
+            main(
+                [
+                    "--url",
+                    "http://scripted:1",
+                    "--tokenizer",
+                    _Engine.tokenizer_dir,
+                    "--bench",
+                    f"b={bench}",
+                    "--k",
+                    "2",
+                    "--workers",
+                    "1",
+                    "--output",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
         recs = [json.loads(x) for x in (tmp_path / "res.samples.jsonl").read_text().splitlines()]
         return json.load(open(out))["results"]["b"], recs
 
@@ -141,12 +160,12 @@ def test_think_opened_in_the_prompt(eval_main):
     the option (or the detection) every such response scored the missing-<think> penalty."""
     math = [{"id": "m", "task": "math", "prompt": "What is 3 * 4?", "answer": "12"}]
     response = "3 * 4 = 12.</think>\n" + RIGHT_MATH
-    summary, recs = eval_main(math, response)                        # plain template, auto: off
+    summary, recs = eval_main(math, response)  # plain template, auto: off
     assert summary["avg@2"] == 0.0 and recs[0]["detail"] == "missing <think>"
     summary, _ = eval_main(math, response, "--think-in-prompt", "yes")
     assert summary["avg@2"] == 100.0
     _think_template(_Engine.tokenizer_dir)
-    summary, recs = eval_main(math, response)                        # auto: detected
+    summary, recs = eval_main(math, response)  # auto: detected
     assert summary["avg@2"] == 100.0 and not _Pool.configs[-1].require_think_open
     summary, recs = eval_main(math, response, "--think-in-prompt", "no")
     assert summary["avg@2"] == 0.0

@@ -4,6 +4,7 @@ Each verdict is what a careful human grader would say, not what the library happ
 the set covers the traps named in the issue: leading zeros, several boxed / hedged answers, comma
 lists vs ordered tuples, percent, degrees, units, intervals, text answers, huge exponents.
 """
+
 import time
 
 import pytest
@@ -175,18 +176,23 @@ def test_labelled_case(case_id, text, gold, verdict):
 def test_huge_answers_are_decided_without_expanding_them():
     grade_math(T + r"\boxed{2^{10}}", "1024")  # the first grading's one-time imports are not timed
     t = time.thread_time()  # CPU of this thread, which grades: what expanding burns, whatever the load
-    for text, gold in [(r"\boxed{10^{10^{10}}}", "3"), (r"\boxed{(10^{10})!}", "5"),
-                       (r"\boxed{2^{2^{2^{100}}}}", "7"), (r"\boxed{2^{2^{101}}}", "2^{2^{100}}")]:
+    for text, gold in [
+        (r"\boxed{10^{10^{10}}}", "3"),
+        (r"\boxed{(10^{10})!}", "5"),
+        (r"\boxed{2^{2^{2^{100}}}}", "7"),
+        (r"\boxed{2^{2^{101}}}", "2^{2^{100}}"),
+    ]:
         assert grade_math(T + text, gold).reward == -1.0
     assert time.thread_time() - t < 2.0  # sympy expanding any of these takes minutes or OOMs
 
 
 # --------------------------------------------------------------------------- format scores
 
+
 def test_think_format_scores_default_and_configurable():
-    assert grade_math(r"<think>so \boxed{5}", "5").reward == -0.5           # truncated
-    assert grade_math(r"reasoning</think>\boxed{5}", "5").reward == -2.0     # no <think>
-    assert grade_math(r"\boxed{5}", "5").reward == -0.5                     # </think> first
+    assert grade_math(r"<think>so \boxed{5}", "5").reward == -0.5  # truncated
+    assert grade_math(r"reasoning</think>\boxed{5}", "5").reward == -2.0  # no <think>
+    assert grade_math(r"\boxed{5}", "5").reward == -0.5  # </think> first
     assert grade_math(r"<think>a</think>\boxed{5}", "5").reward == 1.0
     assert grade_math(r"<think>a</think>\boxed{6}", "5").reward == -1.0
     cfg = RewardConfig(correct=2.0, wrong=0.0, no_think_close=-1.0, no_think_open=-3.0)

@@ -1,4 +1,5 @@
 """The grading pool: futures, asyncio, and timeouts and crashes reported with their reason."""
+
 import array
 import asyncio
 import fcntl
@@ -15,8 +16,12 @@ from .conftest import T, code_response, small_limits
 
 MATH_OK = {"id": "ok", "task": "math", "response": T + r"\boxed{(x+1)^2}", "answer": "x^2+2x+1"}
 # ~0.1 s of sympy (trigonometric simplification) however warm the worker: 20x a 5 ms deadline
-MATH_SLOW = {"id": "slow", "task": "math", "response": T + r"\boxed{\sin^{4}(x)\cos^{4}(x)}",
-             "answer": r"\frac{3-4\cos(4x)+\cos(8x)}{128}"}
+MATH_SLOW = {
+    "id": "slow",
+    "task": "math",
+    "response": T + r"\boxed{\sin^{4}(x)\cos^{4}(x)}",
+    "answer": r"\frac{3-4\cos(4x)+\cos(8x)}{128}",
+}
 
 
 def _worker_pid(pool):
@@ -130,11 +135,13 @@ def test_idle_worker_death_is_repaired(pool1):
 
 
 def test_bad_items_are_errors_and_do_not_stop_others(pool1):
-    items = [{"id": 1, "task": "math", "response": T + r"\boxed{1}"},           # no answer
-             {"id": 2, "task": "poetry", "response": "x"},
-             {"id": 3, "task": "math", "response": "x", "answer": "1", "tests": {}},
-             "not an object",
-             MATH_OK]
+    items = [
+        {"id": 1, "task": "math", "response": T + r"\boxed{1}"},  # no answer
+        {"id": 2, "task": "poetry", "response": "x"},
+        {"id": 3, "task": "math", "response": "x", "answer": "1", "tests": {}},
+        "not an object",
+        MATH_OK,
+    ]
     res = pool1.grade_many(items)
     assert "field 'answer'" in res[0].error
     assert "field 'task'" in res[1].error
@@ -153,19 +160,29 @@ def test_prepare_sandbox_reports_the_level(pool1, isolation_report):
 
 def test_code_timeout_and_crash_reasons_through_the_pool(pool1):
     tests = {"inputs": ["", ""], "outputs": ["1", "1"]}
-    r_sleep, r_segv = pool1.grade_many([
-        {"id": 1, "task": "code", "response": code_response("import time\ntime.sleep(30)"), "tests": tests},
-        {"id": 2, "task": "code", "response": code_response("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"),
-         "tests": tests},
-    ])
+    r_sleep, r_segv = pool1.grade_many(
+        [
+            {"id": 1, "task": "code", "response": code_response("import time\ntime.sleep(30)"), "tests": tests},
+            {
+                "id": 2,
+                "task": "code",
+                "response": code_response("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"),
+                "tests": tests,
+            },
+        ]
+    )
     assert r_sleep.tests == ["timeout (wall 2 s)"] * 2 and r_sleep.reward == 0.0
     assert r_segv.tests == ["killed by signal 11"] * 2 and r_segv.reward == 0.0
     assert r_sleep.error is None and r_segv.error is None  # the program failed, not the grader
 
 
 def test_asyncio_api_does_not_block_the_loop(pool1):
-    slow = {"id": "slow", "task": "code", "response": code_response("import time\ntime.sleep(0.6)\nprint(1)"),
-            "tests": {"inputs": [""], "outputs": ["1"]}}
+    slow = {
+        "id": "slow",
+        "task": "code",
+        "response": code_response("import time\ntime.sleep(0.6)\nprint(1)"),
+        "tests": {"inputs": [""], "outputs": ["1"]},
+    }
 
     async def main():
         ticks = 0
@@ -189,15 +206,19 @@ def test_asyncio_api_does_not_block_the_loop(pool1):
 def test_close_cancels_pending():
     cfg = RewardConfig(sandbox=small_limits("auto"))
     p = GradingPool(cfg, workers=1)
-    slow = {"id": 0, "task": "code", "response": code_response("import time\ntime.sleep(0.5)\nprint(1)"),
-            "tests": {"inputs": [""], "outputs": ["1"]}}
+    slow = {
+        "id": 0,
+        "task": "code",
+        "response": code_response("import time\ntime.sleep(0.5)\nprint(1)"),
+        "tests": {"inputs": [""], "outputs": ["1"]},
+    }
     futs = [p.submit(slow) for _ in range(5)]
     deadline = time.monotonic() + 30
     while not (futs[0].running() or futs[0].done()):  # the worker took it (a fixed sleep could lose that race)
         assert time.monotonic() < deadline, "the dispatcher did not start the first item"
         time.sleep(0.005)
     p.close(cancel_pending=True)
-    assert futs[0].result().reward == 1.0           # the running one finishes
+    assert futs[0].result().reward == 1.0  # the running one finishes
     assert sum(f.cancelled() for f in futs) >= 3
     with pytest.raises(RuntimeError, match="closed"):
         p.submit(MATH_OK)

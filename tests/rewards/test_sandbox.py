@@ -1,4 +1,5 @@
 """The sandbox directly: start-up probe and refusal, limits and their reasons, kill and reap."""
+
 import os
 import stat
 import textwrap
@@ -11,8 +12,8 @@ from megatron_klear.rewards import sandbox as sandbox_mod
 from megatron_klear.rewards.code import grade_code
 from megatron_klear.rewards.config import RewardConfig
 from megatron_klear.rewards.harness import seccomp_filter
-from megatron_klear.rewards.sandbox import (Sandbox, SandboxUnavailable, SlotLease, probe_isolation,
-                                            processes_of_uid, resolve_isolation)
+from megatron_klear.rewards.processes import SandboxUnavailable, SlotLease, processes_of_uid
+from megatron_klear.rewards.sandbox import Sandbox, probe_isolation, resolve_isolation
 
 from .conftest import code_response, small_limits
 
@@ -40,6 +41,7 @@ def _fake_bwrap(tmp_path, body: str) -> str:
 
 # --------------------------------------------------------------------------- probe and refusal
 
+
 def test_probe_on_this_machine_is_truthful(isolation_report):
     rep = isolation_report
     if os.path.exists("/usr/bin/bwrap") or os.path.exists("/bin/bwrap"):
@@ -56,13 +58,16 @@ def test_a_bwrap_that_does_not_isolate_is_refused(tmp_path, monkeypatch, fresh_r
     if not isolation_report.bwrap_ok:
         pytest.skip("needs a working bubblewrap to wrap: " + "; ".join(isolation_report.bwrap_problems))
     # looks like bubblewrap, runs the program, silently skips the PID and network namespaces
-    fake = _fake_bwrap(tmp_path, """
+    fake = _fake_bwrap(
+        tmp_path,
+        """
         args=()
         for a in "$@"; do
           case "$a" in --unshare-pid|--unshare-net) ;; *) args+=("$a");; esac
         done
         exec /usr/bin/bwrap "${args[@]}"
-    """)
+    """,
+    )
     monkeypatch.setenv("PATH", fake + ":" + os.environ["PATH"])
     rep = probe_isolation(small_limits("auto"))
     assert not rep.bwrap_ok
@@ -73,10 +78,14 @@ def test_a_bwrap_that_does_not_isolate_is_refused(tmp_path, monkeypatch, fresh_r
 
 def test_no_namespaces_refuses_or_falls_back_loudly(tmp_path, monkeypatch, fresh_resolution, capfd):
     # what bubblewrap says in a container that forbids namespaces
-    fake = _fake_bwrap(tmp_path, """
-        echo "bwrap: No permissions to creating new namespace, likely because the kernel does not allow non-privileged user namespaces." >&2
+    fake = _fake_bwrap(
+        tmp_path,
+        """
+        echo "bwrap: No permissions to creating new namespace, likely because the kernel does not allow \
+non-privileged user namespaces." >&2
         exit 1
-    """)
+    """,
+    )
     monkeypatch.setenv("PATH", fake + ":" + os.environ["PATH"])
     with pytest.raises(SandboxUnavailable, match="No permissions to creat"):
         resolve_isolation(small_limits("auto", allow_fallback=False))
@@ -97,6 +106,7 @@ def test_missing_bwrap_is_named(monkeypatch, fresh_resolution):
 
 
 # --------------------------------------------------------------------------- identity and limits
+
 
 def test_program_runs_as_the_slot_uid_without_groups(sb):
     res = sb.run_code("import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())")
@@ -180,13 +190,22 @@ def test_disk_writes_are_capped_and_cleaned(sb, level):
         assert written_mb <= sb.cfg.tmpfs_mb, written_mb
     else:
         assert written_mb > 0  # no namespaces: only the per-file cap and the wall clock bound it
-    left = [os.path.join(d, n) for d in ("/tmp", "/var/tmp", "/dev/shm") for n in os.listdir(d)
-            if n.startswith("fill-")]
+    left = [
+        os.path.join(d, n) for d in ("/tmp", "/var/tmp", "/dev/shm") for n in os.listdir(d) if n.startswith("fill-")
+    ]
     assert left == []
 
 
-@pytest.mark.parametrize("idiom", ["sys.stdin.read()", "open(0).read()", "open('/dev/stdin').read()",
-                                   "sys.stdin.buffer.read().decode()", "' '.join(iter(input, 'END'))"])
+@pytest.mark.parametrize(
+    "idiom",
+    [
+        "sys.stdin.read()",
+        "open(0).read()",
+        "open('/dev/stdin').read()",
+        "sys.stdin.buffer.read().decode()",
+        "' '.join(iter(input, 'END'))",
+    ],
+)
 def test_common_stdin_idioms_work(sb, idiom):
     res = sb.run_code(f"import sys\nprint({idiom}.split()[-1].upper())", b"a b\nhello\nEND\n")
     assert res.stdout.decode().strip() in ("HELLO", "END"), res
@@ -237,6 +256,7 @@ def test_program_files_are_removed(sb):
 
 
 # --------------------------------------------------------------------------- plumbing
+
 
 def test_slot_leases_are_exclusive():
     a, b = SlotLease(64), SlotLease(64)

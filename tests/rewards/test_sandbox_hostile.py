@@ -10,6 +10,7 @@ failed, not merely that the program printed something else.
 Afterwards: honest programs still score 1 (also while an attack runs next to them), no worker was
 killed or crashed, no process of the sandbox uids survives, nothing is left in /tmp.
 """
+
 import hashlib
 import os
 import socket
@@ -22,7 +23,7 @@ import pytest
 
 from megatron_klear.rewards import GradingPool, RewardConfig
 from megatron_klear.rewards import harness as harness_mod
-from megatron_klear.rewards.sandbox import _base_dir, processes_of_uid
+from megatron_klear.rewards.processes import _base_dir, processes_of_uid
 
 from .conftest import code_response, small_limits
 
@@ -31,7 +32,7 @@ EXPECTED = "EXPECTED-" + uuid.uuid4().hex
 NONCE = uuid.uuid4().hex
 ENV_NAME = "KLEAR_TEST_SECRET"
 
-STACK_AND_MEMORY = r'''
+STACK_AND_MEMORY = r"""
 import gc, os, re, sys, ctypes
 found = set()
 PAT = re.compile("EXPECTED" + "-[0-9a-f]{32}")
@@ -74,9 +75,9 @@ for pid in [ppid, 1] + [int(p) for p in os.listdir("/proc") if p.isdigit()]:
 libc = ctypes.CDLL(None, use_errno=True)
 libc.ptrace(16, ppid, 0, 0)  # PTRACE_ATTACH: must be refused
 print(sorted(found)[0] if found else "nothing found")
-'''
+"""
 
-MONKEYPATCH = r'''
+MONKEYPATCH = r"""
 import sys, os, json, builtins
 h = sys.modules["__main__"]
 h.RESULT_MARKER = b""
@@ -90,9 +91,9 @@ for fd in range(3, 20):
         pass
 def f(x):
     return True
-'''
+"""
 
-READ_SECRETS = r'''
+READ_SECRETS = r"""
 import os, glob
 cands = [os.environ.get("%(env)s", "")]
 for p in ["%(path)s"] + glob.glob("/proc/*/environ"):
@@ -103,9 +104,9 @@ for p in ["%(path)s"] + glob.glob("/proc/*/environ"):
 import re
 hit = [m for c in cands for m in re.findall("SECRET" + "-[0-9a-f]{32}", c)]
 print(hit[0] if hit else "no secret")
-'''
+"""
 
-NETWORK = r'''
+NETWORK = r"""
 import socket
 got = "no network"
 for fam, addr in ((socket.AF_INET, ("127.0.0.1", %(port)d)), (socket.AF_INET6, ("::1", %(port)d)),
@@ -122,9 +123,9 @@ for fam, typ in ((socket.AF_INET, socket.SOCK_DGRAM), (socket.AF_NETLINK, socket
     except OSError:
         pass
 print(got)
-'''
+"""
 
-KILL_PARENT = r'''
+KILL_PARENT = r"""
 import os, signal
 for target in (os.getppid(), 1):
     try: os.kill(target, signal.SIGKILL)
@@ -136,9 +137,9 @@ for p in os.listdir("/proc"):
         try: os.kill(int(p), signal.SIGKILL)
         except OSError: pass
 os.kill(-1, signal.SIGKILL)
-'''
+"""
 
-ORPHAN = r'''
+ORPHAN = r"""
 import os, sys, time
 if os.fork() == 0:
     os.setsid()
@@ -149,9 +150,9 @@ if os.fork() == 0:
             time.sleep(0.01)
     os._exit(0)
 os._exit(0)
-'''
+"""
 
-FILL_DISK = r'''
+FILL_DISK = r"""
 import errno, os
 block = b"x" * (1 << 20)
 written = 0
@@ -175,9 +176,9 @@ for k, d in enumerate((".", os.environ.get("TMPDIR", "."), "/tmp", "/var/tmp", "
             except OSError:
                 pass
 print(written)
-'''
+"""
 
-WRITE_OUTSIDE = r'''
+WRITE_OUTSIDE = r"""
 import os
 for p in %(paths)r:
     try:
@@ -191,48 +192,90 @@ for p in ("/harness.py", %(harness)r):
             f.write("\nRESULT_MARKER = b''\n")
     except OSError:
         pass
-'''
+"""
 
 ATTACKS = {
     # name: (code, tests, acceptable verdict prefixes)
-    "exit-0-early-stdio": ("import sys\nsys.exit(0)\nprint(int(input()) * 2)",
-                           {"inputs": ["1\n"], "outputs": ["2"]}, ("wrong answer",)),
+    "exit-0-early-stdio": (
+        "import sys\nsys.exit(0)\nprint(int(input()) * 2)",
+        {"inputs": ["1\n"], "outputs": ["2"]},
+        ("wrong answer",),
+    ),
     "exit-0-early-os": ("import os\nos._exit(0)", {"inputs": ["1\n"], "outputs": ["2"]}, ("wrong answer",)),
-    "exit-0-early-call": ("import os\nos._exit(0)\ndef f(x):\n    return 2 * x",
-                          {"inputs": [[1]], "outputs": [2], "fn_name": "f"}, ("no result",)),
-    "always-equal-object": ("class E:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
-                            "def f(x):\n    return E()",
-                            {"inputs": [[1]], "outputs": [[1, 2, 3]], "fn_name": "f"}, ("runtime error",)),
-    "always-equal-list": ("class L(list):\n    def __eq__(self, o): return True\ndef f(x):\n    return L()",
-                          {"inputs": [[1]], "outputs": [[1, 2, 3]], "fn_name": "f"}, ("wrong answer",)),
-    "always-equal-str": ("class S(str):\n    def __eq__(self, o): return True\n    __hash__ = str.__hash__\n"
-                         "print(S('nope'))", {"inputs": [""], "outputs": [EXPECTED]}, ("wrong answer",)),
+    "exit-0-early-call": (
+        "import os\nos._exit(0)\ndef f(x):\n    return 2 * x",
+        {"inputs": [[1]], "outputs": [2], "fn_name": "f"},
+        ("no result",),
+    ),
+    "always-equal-object": (
+        "class E:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
+        "def f(x):\n    return E()",
+        {"inputs": [[1]], "outputs": [[1, 2, 3]], "fn_name": "f"},
+        ("runtime error",),
+    ),
+    "always-equal-list": (
+        "class L(list):\n    def __eq__(self, o): return True\ndef f(x):\n    return L()",
+        {"inputs": [[1]], "outputs": [[1, 2, 3]], "fn_name": "f"},
+        ("wrong answer",),
+    ),
+    "always-equal-str": (
+        "class S(str):\n    def __eq__(self, o): return True\n    __hash__ = str.__hash__\nprint(S('nope'))",
+        {"inputs": [""], "outputs": [EXPECTED]},
+        ("wrong answer",),
+    ),
     "stack-inspection-stdio": (STACK_AND_MEMORY, {"inputs": [""], "outputs": [EXPECTED]}, ("wrong answer",)),
-    "stack-inspection-call": (STACK_AND_MEMORY.replace("print(", "RESULT = (") + "\ndef f(x):\n    return RESULT",
-                              {"inputs": [[0]], "outputs": [EXPECTED], "fn_name": "f"}, ("wrong answer",)),
-    "monkeypatch-harness": (MONKEYPATCH, {"inputs": [[0]], "outputs": [EXPECTED], "fn_name": "f"},
-                            ("wrong answer", "unreadable result", "no result")),
+    "stack-inspection-call": (
+        STACK_AND_MEMORY.replace("print(", "RESULT = (") + "\ndef f(x):\n    return RESULT",
+        {"inputs": [[0]], "outputs": [EXPECTED], "fn_name": "f"},
+        ("wrong answer",),
+    ),
+    "monkeypatch-harness": (
+        MONKEYPATCH,
+        {"inputs": [[0]], "outputs": [EXPECTED], "fn_name": "f"},
+        ("wrong answer", "unreadable result", "no result"),
+    ),
     # on a loaded machine 1 s of CPU can take more than the 2 s wall limit: either reason is right
     "infinite-loop": ("while True:\n    pass", {"inputs": [""], "outputs": ["1"]}, ("cpu time limit", "timeout")),
-    "ignore-sigxcpu": ("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
-                       {"inputs": [""], "outputs": ["1"]}, ("cpu time limit", "timeout")),
+    "ignore-sigxcpu": (
+        "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass",
+        {"inputs": [""], "outputs": ["1"]},
+        ("cpu time limit", "timeout"),
+    ),
     "sleep": ("import time\ntime.sleep(1000)", {"inputs": [""], "outputs": ["1"]}, ("timeout",)),
-    "infinite-stdout": ("while True:\n    print('x' * 10000)", {"inputs": [""], "outputs": ["1"]},
-                        ("output limit",)),
-    "infinite-stderr": ("import sys\nwhile True:\n    sys.stderr.write('y' * 10000)",
-                        {"inputs": [""], "outputs": ["1"]}, ("output limit",)),
-    "memory-bomb-once": ("x = bytearray(16 * 1024 ** 3)\nprint(1)", {"inputs": [""], "outputs": ["1"]},
-                         ("memory limit",)),
-    "memory-bomb-growing": ("l = []\nwhile True:\n    l.append(bytearray(10 ** 7))",
-                            {"inputs": [""], "outputs": ["1"]}, ("memory limit",)),
-    "fork-bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                  {"inputs": [""], "outputs": ["1"]}, ("cpu time limit", "timeout", "killed by signal")),
+    "infinite-stdout": ("while True:\n    print('x' * 10000)", {"inputs": [""], "outputs": ["1"]}, ("output limit",)),
+    "infinite-stderr": (
+        "import sys\nwhile True:\n    sys.stderr.write('y' * 10000)",
+        {"inputs": [""], "outputs": ["1"]},
+        ("output limit",),
+    ),
+    "memory-bomb-once": (
+        "x = bytearray(16 * 1024 ** 3)\nprint(1)",
+        {"inputs": [""], "outputs": ["1"]},
+        ("memory limit",),
+    ),
+    "memory-bomb-growing": (
+        "l = []\nwhile True:\n    l.append(bytearray(10 ** 7))",
+        {"inputs": [""], "outputs": ["1"]},
+        ("memory limit",),
+    ),
+    "fork-bomb": (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        {"inputs": [""], "outputs": ["1"]},
+        ("cpu time limit", "timeout", "killed by signal"),
+    ),
     "orphaned-grandchildren": (ORPHAN, {"inputs": [""], "outputs": ["1"]}, ("wrong answer",)),
-    "fill-the-disk": (FILL_DISK, {"inputs": [""], "outputs": ["1"]},
-                      ("wrong answer", "timeout", "file size limit", "cpu time limit")),
+    "fill-the-disk": (
+        FILL_DISK,
+        {"inputs": [""], "outputs": ["1"]},
+        ("wrong answer", "timeout", "file size limit", "cpu time limit"),
+    ),
     "read-secrets": (None, {"inputs": [""], "outputs": [SECRET]}, ("wrong answer",)),
     "network": (None, {"inputs": [""], "outputs": [SECRET]}, ("wrong answer",)),
-    "kill-the-parent": (KILL_PARENT, {"inputs": [""], "outputs": ["1"]}, ("killed by signal 9", "wrong answer", "runtime error")),
+    "kill-the-parent": (
+        KILL_PARENT,
+        {"inputs": [""], "outputs": ["1"]},
+        ("killed by signal 9", "wrong answer", "runtime error"),
+    ),
     "write-outside-tempdir": (None, {"inputs": [""], "outputs": ["1"]}, ("wrong answer",)),
 }
 
@@ -242,42 +285,75 @@ ATTACKS = {
 # would have to know. The check code goes through the same converter the readers use.
 from megatron_klear.data.formats.functional import convert as _convert_check  # noqa: E402
 
-FUNCTIONAL = _convert_check(f"def check(candidate):\n    want = {EXPECTED!r}\n    assert candidate(1) == want\n"
-                            f"    assert candidate(2) == {EXPECTED!r}\n\n\ncheck(Solution().f)")
+FUNCTIONAL = _convert_check(
+    f"def check(candidate):\n    want = {EXPECTED!r}\n    assert candidate(1) == want\n"
+    f"    assert candidate(2) == {EXPECTED!r}\n\n\ncheck(Solution().f)"
+)
 PYTEST_STYLE = _convert_check(f"from solution import f\n\ndef test_f():\n    assert f(1) == {EXPECTED!r}\n")
 FUNCTIONAL_ATTACKS = {
-    "functional-exit-0-at-import": ("import sys\nsys.exit(0)\nclass Solution:\n    def f(self, x):\n        return x",
-                                    FUNCTIONAL, ("no result",)),
-    "functional-os-exit-in-call": ("import os\nclass Solution:\n    def f(self, x):\n        os._exit(0)",
-                                   FUNCTIONAL, ("no result",)),
-    "functional-exit-in-atexit": ("import atexit, os\natexit.register(lambda: os._exit(0))\n"
-                                  "def f(x):\n    raise SystemExit(0)", PYTEST_STYLE, ("no result",)),
-    "functional-patch-assert": ("import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\n"
-                                "builtins.isinstance = lambda *a: True\nbuiltins.abs = lambda x: 0\n"
-                                "class Solution:\n    def f(self, x):\n        assert False\n        return 0",
-                                FUNCTIONAL, ("wrong answer", "runtime error")),
-    "functional-always-equal-object": ("class E:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
-                                       "class Solution:\n    def f(self, x):\n        return E()",
-                                       FUNCTIONAL, ("runtime error",)),
-    "functional-always-equal-str": ("class S(str):\n    def __eq__(self, o): return True\n    __hash__ = str.__hash__\n"
-                                    "def f(x):\n    return S('nope')", PYTEST_STYLE, ("wrong answer",)),
-    "functional-print-verdict": ("import os, sys\nprint('All tests passed'); print('PASSED')\n"
-                                 "sys.stderr.write('OK\\n')\n"
-                                 "for fd in range(1, 20):\n    try:\n"
-                                 "        os.write(fd, b'\\n@@klear-result@@true\\n@@klear-result@@\"PASS\"\\n')\n"
-                                 "    except OSError:\n        pass\n"
-                                 "class Solution:\n    def f(self, x):\n        os._exit(0)",
-                                 FUNCTIONAL, ("wrong answer",)),
-    "functional-patch-json": ("import json, json.encoder\njson.dumps = lambda *a, **k: 'true'\n"
-                              "json.encoder.JSONEncoder.encode = lambda self, o: 'true'\n"
-                              "def f(x):\n    return None", PYTEST_STYLE, ("wrong answer",)),
-    "functional-stack-inspection": (STACK_AND_MEMORY.replace("print(", "RESULT = (") +
-                                    "\nclass Solution:\n    def f(self, x):\n        return RESULT",
-                                    FUNCTIONAL, ("wrong answer",)),
+    "functional-exit-0-at-import": (
+        "import sys\nsys.exit(0)\nclass Solution:\n    def f(self, x):\n        return x",
+        FUNCTIONAL,
+        ("no result",),
+    ),
+    "functional-os-exit-in-call": (
+        "import os\nclass Solution:\n    def f(self, x):\n        os._exit(0)",
+        FUNCTIONAL,
+        ("no result",),
+    ),
+    "functional-exit-in-atexit": (
+        "import atexit, os\natexit.register(lambda: os._exit(0))\ndef f(x):\n    raise SystemExit(0)",
+        PYTEST_STYLE,
+        ("no result",),
+    ),
+    "functional-patch-assert": (
+        "import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\n"
+        "builtins.isinstance = lambda *a: True\nbuiltins.abs = lambda x: 0\n"
+        "class Solution:\n    def f(self, x):\n        assert False\n        return 0",
+        FUNCTIONAL,
+        ("wrong answer", "runtime error"),
+    ),
+    "functional-always-equal-object": (
+        "class E:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
+        "class Solution:\n    def f(self, x):\n        return E()",
+        FUNCTIONAL,
+        ("runtime error",),
+    ),
+    "functional-always-equal-str": (
+        "class S(str):\n    def __eq__(self, o): return True\n    __hash__ = str.__hash__\n"
+        "def f(x):\n    return S('nope')",
+        PYTEST_STYLE,
+        ("wrong answer",),
+    ),
+    "functional-print-verdict": (
+        "import os, sys\nprint('All tests passed'); print('PASSED')\n"
+        "sys.stderr.write('OK\\n')\n"
+        "for fd in range(1, 20):\n    try:\n"
+        "        os.write(fd, b'\\n@@klear-result@@true\\n@@klear-result@@\"PASS\"\\n')\n"
+        "    except OSError:\n        pass\n"
+        "class Solution:\n    def f(self, x):\n        os._exit(0)",
+        FUNCTIONAL,
+        ("wrong answer",),
+    ),
+    "functional-patch-json": (
+        "import json, json.encoder\njson.dumps = lambda *a, **k: 'true'\n"
+        "json.encoder.JSONEncoder.encode = lambda self, o: 'true'\n"
+        "def f(x):\n    return None",
+        PYTEST_STYLE,
+        ("wrong answer",),
+    ),
+    "functional-stack-inspection": (
+        STACK_AND_MEMORY.replace("print(", "RESULT = (")
+        + "\nclass Solution:\n    def f(self, x):\n        return RESULT",
+        FUNCTIONAL,
+        ("wrong answer",),
+    ),
 }
 
-HONEST = ("import sys\nfor line in sys.stdin:\n    a, b = map(int, line.split())\n    print(a + b)",
-          {"inputs": ["1 2\n", "10 20\n", "-5 5\n"], "outputs": ["3", "30", "0"]})
+HONEST = (
+    "import sys\nfor line in sys.stdin:\n    a, b = map(int, line.split())\n    print(a + b)",
+    {"inputs": ["1 2\n", "10 20\n", "-5 5\n"], "outputs": ["3", "30", "0"]},
+)
 
 
 ATTACKS.update(FUNCTIONAL_ATTACKS)
@@ -326,10 +402,17 @@ def loopback_server():
 
 
 def _outside_paths():
-    return [f"/tmp/klear-pwned-{NONCE}", f"/var/tmp/klear-pwned-{NONCE}", f"/dev/shm/klear-pwned-{NONCE}",
-            os.path.join(_base_dir(), f"pwned-{NONCE}"), os.path.join(_base_dir(), "runs", f"pwned-{NONCE}"),
-            os.path.join(os.path.dirname(os.path.abspath(__file__)), f"pwned-{NONCE}"),
-            f"/root/pwned-{NONCE}", f"/usr/pwned-{NONCE}", f"/etc/pwned-{NONCE}"]
+    return [
+        f"/tmp/klear-pwned-{NONCE}",
+        f"/var/tmp/klear-pwned-{NONCE}",
+        f"/dev/shm/klear-pwned-{NONCE}",
+        os.path.join(_base_dir(), f"pwned-{NONCE}"),
+        os.path.join(_base_dir(), "runs", f"pwned-{NONCE}"),
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), f"pwned-{NONCE}"),
+        f"/root/pwned-{NONCE}",
+        f"/usr/pwned-{NONCE}",
+        f"/etc/pwned-{NONCE}",
+    ]
 
 
 def _sha(path):
@@ -348,8 +431,9 @@ def graded(level, secret_file, loopback_server):
     attacks = dict(ATTACKS)
     attacks["read-secrets"] = (READ_SECRETS % {"env": ENV_NAME, "path": secret_file},) + ATTACKS["read-secrets"][1:]
     attacks["network"] = (NETWORK % {"port": loopback_server},) + ATTACKS["network"][1:]
-    attacks["write-outside-tempdir"] = (WRITE_OUTSIDE % {"paths": _outside_paths(),
-                                                         "harness": harness_mod.__file__},) + ATTACKS["write-outside-tempdir"][1:]
+    attacks["write-outside-tempdir"] = (
+        WRITE_OUTSIDE % {"paths": _outside_paths(), "harness": harness_mod.__file__},
+    ) + ATTACKS["write-outside-tempdir"][1:]
     pool = GradingPool(cfg, workers=2)
     try:
         futs = {}
@@ -358,11 +442,13 @@ def graded(level, secret_file, loopback_server):
             futs[name] = pool.submit({"id": name, "task": "code", "response": code_response(code), "tests": tests})
             # an honest program next to each attack: attacks must not hurt their neighbours
             futs["honest-next-to-" + name] = pool.submit(
-                {"id": "h", "task": "code", "response": code_response(HONEST[0]), "tests": HONEST[1]})
+                {"id": "h", "task": "code", "response": code_response(HONEST[0]), "tests": HONEST[1]}
+            )
         results = {name: f.result(timeout=120) for name, f in futs.items()}
         elapsed = time.monotonic() - t0
-        after = pool.grade_many([{"id": i, "task": "code", "response": code_response(HONEST[0]),
-                                  "tests": HONEST[1]} for i in range(4)])
+        after = pool.grade_many(
+            [{"id": i, "task": "code", "response": code_response(HONEST[0]), "tests": HONEST[1]} for i in range(4)]
+        )
         uids = [cfg.sandbox.base_uid + lease.slot for lease in pool._leases]
         leftovers = {uid: processes_of_uid(uid) for uid in uids}
         stats = dict(pool.stats)
@@ -370,11 +456,23 @@ def graded(level, secret_file, loopback_server):
     finally:
         pool.close()
         os.environ.pop(ENV_NAME, None)
-    tmp_left = [os.path.join(d, n) for d in ("/tmp", "/var/tmp", "/dev/shm") for n in os.listdir(d)
-                if os.lstat(os.path.join(d, n)).st_uid in uids]
-    return {"results": results, "after": after, "leftovers": leftovers, "stats": stats,
-            "workers_alive": workers_alive, "tmp_left": tmp_left, "elapsed": elapsed, "cfg": cfg,
-            "harness_changed": _sha(harness_mod.__file__) != harness_sha}
+    tmp_left = [
+        os.path.join(d, n)
+        for d in ("/tmp", "/var/tmp", "/dev/shm")
+        for n in os.listdir(d)
+        if os.lstat(os.path.join(d, n)).st_uid in uids
+    ]
+    return {
+        "results": results,
+        "after": after,
+        "leftovers": leftovers,
+        "stats": stats,
+        "workers_alive": workers_alive,
+        "tmp_left": tmp_left,
+        "elapsed": elapsed,
+        "cfg": cfg,
+        "harness_changed": _sha(harness_mod.__file__) != harness_sha,
+    }
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
@@ -438,19 +536,21 @@ def test_secret_file_is_root_only(secret_file):
 # The attacks are real: without the sandbox they do steal the secret. (Otherwise a reward of 0
 # above could just mean a broken attack.)
 
+
 def _run_plain(code: str, env=None) -> str:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
-                         env=env, stdin=subprocess.DEVNULL)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env, stdin=subprocess.DEVNULL
+    )
     return out.stdout.strip()
 
 
 def test_control_read_secrets_works_unsandboxed(secret_file):
     code = READ_SECRETS % {"env": ENV_NAME, "path": secret_file}
     assert _run_plain(code, env={**os.environ, ENV_NAME: SECRET}) == SECRET  # from the environment
-    assert _run_plain(code, env={"PATH": "/usr/bin"}) == SECRET            # from the root-only file
+    assert _run_plain(code, env={"PATH": "/usr/bin"}) == SECRET  # from the root-only file
 
 
 def test_control_network_works_unsandboxed(loopback_server):
@@ -461,7 +561,8 @@ def test_control_stack_inspection_finds_a_local_of_its_caller():
     # In a fresh interpreter: scanning every object of the (large) test process would touch
     # whatever other tests imported (lazy modules raise on attribute access).
     code = STACK_AND_MEMORY.replace("libc.ptrace(16, ppid, 0, 0)", "pass").replace(
-        'for pid in [ppid, 1] + [int(p) for p in os.listdir("/proc") if p.isdigit()]:', "for pid in []:")
+        'for pid in [ppid, 1] + [int(p) for p in os.listdir("/proc") if p.isdigit()]:', "for pid in []:"
+    )
     driver = (
         "def harness_like(code):\n"
         f"    expected = {EXPECTED!r}  # a local of the frame that runs the program\n"
@@ -490,8 +591,10 @@ def test_control_the_authors_exit_status_grading_passes_the_functional_attacks()
 
     check = f"\n\ndef check(candidate):\n    assert candidate(1) == {EXPECTED!r}\n\n\ncheck(Solution().f)\n"
     wrong = "class Solution:\n    def f(self, x):\n        return 0\n"
-    for code in (FUNCTIONAL_ATTACKS["functional-exit-0-at-import"][0],
-                 "import atexit, os\natexit.register(lambda: os._exit(0))\n" + wrong):
+    for code in (
+        FUNCTIONAL_ATTACKS["functional-exit-0-at-import"][0],
+        "import atexit, os\natexit.register(lambda: os._exit(0))\n" + wrong,
+    ):
         done = subprocess.run([sys.executable, "-c", code + check], capture_output=True, timeout=30)
         assert done.returncode == 0, done.stderr
     assert subprocess.run([sys.executable, "-c", wrong + check], capture_output=True, timeout=30).returncode == 1

@@ -1,4 +1,5 @@
 """GRPO advantages and the sample filters, against hand values and a float64 per-group reference."""
+
 import math
 
 import pytest
@@ -91,16 +92,24 @@ def test_rl_loop_filters_compose():
     from megatron_klear.rl.sampling import build_samples
     from megatron_klear.rollout.base import Completion
 
-    prompts = [Prompt(id="a", task="math", prompt_ids=[1, 2], answer="1"),
-               Prompt(id="b", task="math", prompt_ids=[3], answer="2")]
+    prompts = [
+        Prompt(id="a", task="math", prompt_ids=[1, 2], answer="1"),
+        Prompt(id="b", task="math", prompt_ids=[3], answer="2"),
+    ]
     c = lambda finished: Completion([5, 6], [-1.0, -1.0], "stop" if finished else "length")  # noqa: E731
     completions = [[c(True), c(False), c(True)], [c(True), c(True), c(True)]]
-    grades = [[_grade(1.0, True), _grade(-0.5, False), _grade(-1.0, False)],
-              [_grade(-1.0, False)] * 3]  # group b has no reward spread
-    for spread, overlong, expect in [(True, True, [(0, True), (0, True)]),
-                                     (False, True, [(0, True), (0, True), (1, True), (1, True), (1, True)]),
-                                     (True, False, [(0, True), (0, False), (0, True)])]:
-        cfg = load_config(None, [f"rl.filter_zero_spread={str(spread).lower()}", f"rl.overlong_filter={str(overlong).lower()}"])
+    grades = [
+        [_grade(1.0, True), _grade(-0.5, False), _grade(-1.0, False)],
+        [_grade(-1.0, False)] * 3,
+    ]  # group b has no reward spread
+    for spread, overlong, expect in [
+        (True, True, [(0, True), (0, True)]),
+        (False, True, [(0, True), (0, True), (1, True), (1, True), (1, True)]),
+        (True, False, [(0, True), (0, False), (0, True)]),
+    ]:
+        cfg = load_config(
+            None, [f"rl.filter_zero_spread={str(spread).lower()}", f"rl.overlong_filter={str(overlong).lower()}"]
+        )
         samples, metrics = build_samples(prompts, completions, grades, cfg)
         assert [(s.group, s.finished) for s in samples] == expect, (spread, overlong)
         assert [s.positive for s in samples][:1] == [True]
@@ -115,8 +124,10 @@ def test_per_task_metrics_of_a_mixed_batch_and_their_merge():
     from megatron_klear.rollout.base import Completion
 
     cfg = load_config(None, [])
-    prompts = [Prompt(id="m", task="math", prompt_ids=[1], answer="1"),
-               Prompt(id="c", task="code", prompt_ids=[2], tests={"inputs": [""], "outputs": [""]})]
+    prompts = [
+        Prompt(id="m", task="math", prompt_ids=[1], answer="1"),
+        Prompt(id="c", task="code", prompt_ids=[2], tests={"inputs": [""], "outputs": [""]}),
+    ]
     done = Completion([5], [-1.0], "stop")
     grades = [[_grade(1.0, True), _grade(-1.0, False)], [_grade(0.5, True), _grade(0.5, True)]]
     _, m = build_samples(prompts, [[done, done], [done, done]], grades, cfg)

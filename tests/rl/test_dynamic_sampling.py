@@ -6,26 +6,36 @@ per rl.on_shortfall. The step runs here with a scripted rollout (what
 ``FullBatches.generate_batch`` returns for each generation batch) and a recording actor: the
 loop's and the rollout manager's own logic, no model.
 """
+
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_klear.config import ConfigError, JobConfig, load_config
+from megatron_klear.rl.async_rollouts import Synchronous
 from megatron_klear.rl.batch import RolloutSample
 from megatron_klear.rl.loop import RLLoop
 from megatron_klear.rl.rollout_manager import RolloutManager
-from megatron_klear.rl.async_rollouts import Synchronous
 from megatron_klear.rl.sampling import FullBatches, ShortfallError, dynamic_sampling, merge_rollout_metrics
 
 
 def _batch(groups_kept: int, generated: int, reward: float, tag: str, n: int = 2):
     """What rollout() returns for one generation batch: ``groups_kept`` groups of ``n`` samples."""
-    samples = [RolloutSample(prompt_ids=[1], response_ids=[2, 3], advantage=1.0 if j == 0 else -1.0,
-                             group=g, meta={"from": f"{tag}{g}"})
-               for g in range(groups_kept) for j in range(n)]
-    metrics = {"rollout/reward_mean": reward, "rollout/groups_generated": generated,
-               "rollout/groups_kept": groups_kept, "rollout/samples_trained": len(samples),
-               "rollout/response_length_max": 10 * (groups_kept + 1), "time/generate_s": 1.0}
+    samples = [
+        RolloutSample(
+            prompt_ids=[1], response_ids=[2, 3], advantage=1.0 if j == 0 else -1.0, group=g, meta={"from": f"{tag}{g}"}
+        )
+        for g in range(groups_kept)
+        for j in range(n)
+    ]
+    metrics = {
+        "rollout/reward_mean": reward,
+        "rollout/groups_generated": generated,
+        "rollout/groups_kept": groups_kept,
+        "rollout/samples_trained": len(samples),
+        "rollout/response_length_max": 10 * (groups_kept + 1),
+        "time/generate_s": 1.0,
+    }
     return samples, metrics
 
 
@@ -71,8 +81,9 @@ def _loop(script, **rl):
     loop.calls, loop.trained = [], []
     loop.rollout = _manager(script, loop.calls, **rl)
     loop.cfg, loop.rl_step, loop.steps, loop.prompts = loop.rollout.cfg, 0, 10, _Prompts()
-    loop.actor = SimpleNamespace(update=lambda samples, policy_version: loop.trained.append(samples)
-                                 or {"actor/loss": 0.5})
+    loop.actor = SimpleNamespace(
+        update=lambda samples, policy_version: loop.trained.append(samples) or {"actor/loss": 0.5}
+    )
     loop.state = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 1e-6}]))
     return loop
 
@@ -80,8 +91,7 @@ def _loop(script, **rl):
 def test_further_batches_until_the_quota_is_met():
     # 3 groups survive of the first 8 prompts, 2 of the next 8: the step trains on 4 (3 + the first
     # of the second batch), numbered 0..3, and does not generate a third batch
-    loop = _loop([_batch(3, 8, 0.5, "a"), _batch(2, 8, 0.0, "b"), _batch(4, 8, 0.0, "c")],
-                 max_generation_batches=3)
+    loop = _loop([_batch(3, 8, 0.5, "a"), _batch(2, 8, 0.0, "b"), _batch(4, 8, 0.0, "c")], max_generation_batches=3)
     m = loop.step()
     assert loop.calls == [(0, "p0", 8), (1, "p8", 8)] and loop.prompts.taken == [8, 8]
     (samples,) = loop.trained
@@ -148,18 +158,30 @@ def test_dynamic_sampling_and_metric_merging_directly():
     script = iter([_batch(0, 4, 0.0, "a"), _batch(0, 4, 1.0, "b"), _batch(5, 4, 0.0, "c")])
     samples, m = dynamic_sampling(lambda b: next(script), rl)
     assert m["rollout/generation_batches"] == 3 and {s.meta["from"] for s in samples} == {"c0", "c1"}
-    merged = merge_rollout_metrics([{"rollout/groups_generated": 1, "rollout/accuracy": 1.0},
-                                    {"rollout/groups_generated": 3, "rollout/accuracy": 0.0}])
+    merged = merge_rollout_metrics(
+        [
+            {"rollout/groups_generated": 1, "rollout/accuracy": 1.0},
+            {"rollout/groups_generated": 3, "rollout/accuracy": 0.0},
+        ]
+    )
     assert merged == {"rollout/groups_generated": 4, "rollout/accuracy": 0.25}
 
 
-@pytest.mark.parametrize("overrides,msg", [
-    (["rl.prompts_per_step=128", "rl.oversample_prompts=64"], "oversample_prompts=64 must be >= rl.prompts_per_step=128"),
-    (["rl.max_generation_batches=0"], "max_generation_batches must be >= 1"),
-    (["rl.on_shortfall=skip"], "on_shortfall must be train or fail"),
-])
+@pytest.mark.parametrize(
+    "overrides,msg",
+    [
+        (
+            ["rl.prompts_per_step=128", "rl.oversample_prompts=64"],
+            "oversample_prompts=64 must be >= rl.prompts_per_step=128",
+        ),
+        (["rl.max_generation_batches=0"], "max_generation_batches must be >= 1"),
+        (["rl.on_shortfall=skip"], "on_shortfall must be train or fail"),
+    ],
+)
 def test_config_validation(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(None, overrides)
-    load_config(None, ["rl.prompts_per_step=128", "rl.oversample_prompts=256", "rl.max_generation_batches=3",
-                       "rl.on_shortfall=fail"])
+    load_config(
+        None,
+        ["rl.prompts_per_step=128", "rl.oversample_prompts=256", "rl.max_generation_batches=3", "rl.on_shortfall=fail"],
+    )

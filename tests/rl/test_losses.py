@@ -1,5 +1,6 @@
 """Policy losses: the gradient table of docs/gppo.md ("Worked gradients"), independent float64 gradient
 formulas, the aggregation weights, global normalisation across micro-batches, the SFT term."""
+
 import math
 
 import numpy as np
@@ -343,8 +344,14 @@ def test_packed_policy_loss_equals_padded():
     for agg in sorted(HAND):
         padded, _ = policy_loss(logp, old, adv, mask, agg=agg, norm_constant=16, positive=positive)
         packed, _ = policy_loss(
-            pick(logp), pick(old), pick(adv), torch.ones_like(ids, dtype=torch.bool), agg=agg, norm_constant=16,
-            positive=pick(positive), seq_ids=ids,
+            pick(logp),
+            pick(old),
+            pick(adv),
+            torch.ones_like(ids, dtype=torch.bool),
+            agg=agg,
+            norm_constant=16,
+            positive=pick(positive),
+            seq_ids=ids,
         )
         assert packed.item() == pytest.approx(padded.item(), rel=1e-12), agg
 

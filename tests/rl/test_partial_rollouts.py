@@ -3,6 +3,7 @@ against a scripted rollout engine: which responses are aborted, buffered, contin
 partial, budget left), regenerated when too stale; when a group is trained; what the checkpoint keeps.
 The servers' own side of abort and continue is tested against the stand-in server and the real
 sglang-router in tests/rollout/ and tests/distributed/test_rl_loop.py."""
+
 import concurrent.futures
 import json
 import threading
@@ -51,8 +52,10 @@ class Stream:
 
     def __iter__(self):
         # continued responses first, then the shortest
-        order = sorted(self.requests, key=lambda r: (self.engine.done_so_far(r) == 0,
-                                                     self.engine.length(r.key) - self.engine.done_so_far(r)))
+        order = sorted(
+            self.requests,
+            key=lambda r: (self.engine.done_so_far(r) == 0, self.engine.length(r.key) - self.engine.done_so_far(r)),
+        )
         for r in order:
             start = self.engine.done_so_far(r)
             left = min(self.engine.length(r.key) - start, r.params.max_new_tokens)
@@ -63,8 +66,12 @@ class Stream:
             ids = [1000 * r.key[1] + start + k for k in range(n)]
             reason = "abort" if aborted else ("stop" if start + n == self.engine.length(r.key) else "length")
             self.engine.seen.append((r.key, list(r.input_ids), r.params.max_new_tokens))
-            yield r.key, Completion(token_ids=ids, logprobs=[-0.5] * n, finish_reason=reason,
-                                    versions=[self.engine.version] * n)
+            yield (
+                r.key,
+                Completion(
+                    token_ids=ids, logprobs=[-0.5] * n, finish_reason=reason, versions=[self.engine.version] * n
+                ),
+            )
             self.engine.after_each(self)
 
     def abort(self):
@@ -104,8 +111,14 @@ class Prompts:
 
 def _cfg(**rl):
     cfg = JobConfig()
-    for k, v in {"prompts_per_step": 2, "mini_batch_prompts": 1, "responses_per_prompt": 2, "oversample_prompts": 4,
-                 "max_staleness": 1, **rl}.items():
+    for k, v in {
+        "prompts_per_step": 2,
+        "mini_batch_prompts": 1,
+        "responses_per_prompt": 2,
+        "oversample_prompts": 4,
+        "max_staleness": 1,
+        **rl,
+    }.items():
         setattr(cfg.rl, k, v)
     cfg.rollout.max_new_tokens = BUDGET
     return cfg
@@ -123,7 +136,9 @@ def test_the_quota_aborts_the_rest_and_the_next_step_continues_them_under_new_we
     buffered = {g.uid: g for g in producer.buffer.groups}
     assert set(buffered) == {2, 3}
     partial = buffered[2].slots[1]
-    assert 0 < len(partial.tokens) < 19 and partial.finish_reason is None and partial.versions == [0] * len(partial.tokens)
+    assert (
+        0 < len(partial.tokens) < 19 and partial.finish_reason is None and partial.versions == [0] * len(partial.tokens)
+    )
     prefix = list(partial.tokens)
     cut = len(prefix)
 

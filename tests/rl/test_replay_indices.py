@@ -1,4 +1,5 @@
 """rl.actor.replay_indices: which experts a rank's routers replay for a row (router replay)."""
+
 import pytest
 import torch
 

@@ -2,6 +2,7 @@
 around an update (colocated or not), what a failed update leaves them with, and when the weight
 check runs. The servers' own side of these calls (memory really freed, NaN weights after a resume,
 SGLang's refusals) is tested against the stand-in server in tests/rollout/test_colocate.py."""
+
 import pytest
 
 from megatron_klear.config import JobConfig
@@ -43,8 +44,11 @@ def test_colocated_servers_release_everything_and_a_load_resumes_the_weights_fir
     assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph"))]
     place.load(servers, "/w/step_0000001", 1)
     # weights' memory first (SGLang gives it back empty), the load, then the KV cache and CUDA graphs
-    assert servers.calls[1:] == [("resume", ("weights",)), ("load", "/w/step_0000001", 1),
-                                 ("resume", ("cuda_graph", "kv_cache"))]
+    assert servers.calls[1:] == [
+        ("resume", ("weights",)),
+        ("load", "/w/step_0000001", 1),
+        ("resume", ("cuda_graph", "kv_cache")),
+    ]
     assert not place.released and not place.weights_lost and place.last_sync == ("/w/step_0000001", 1)
     place.load(servers, "/w/step_0000002", 2)  # nothing released: a plain load, no resume of unreleased tags
     assert servers.calls[4:] == [("load", "/w/step_0000002", 2)]
@@ -63,8 +67,12 @@ def test_a_failed_update_reloads_the_last_pushed_weights_and_a_good_one_leaves_t
     with pytest.raises(ValueError, match="boom"):
         with manager.make_room():
             raise ValueError("boom")
-    assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph")), ("resume", ("weights",)),
-                             ("load", "/w/step_0000003", 3), ("resume", ("cuda_graph", "kv_cache"))]
+    assert servers.calls == [
+        ("release", ("weights", "kv_cache", "cuda_graph")),
+        ("resume", ("weights",)),
+        ("load", "/w/step_0000003", 3),
+        ("resume", ("cuda_graph", "kv_cache")),
+    ]
     assert not place.released and not place.weights_lost
 
 
@@ -100,12 +108,15 @@ def test_dedicated_servers_are_never_released():
     assert servers.calls == [("load", "/w/step_0000002", 2)] and Dedicated().before_load(None) == {}
 
 
-@pytest.mark.parametrize("interval,checked", [
-    (10, [1, 10, 20]),  # the first push of the process, then every 10 steps
-    (0, [1]),           # only the first
-    (-1, []),           # never
-    (1, list(range(1, 21))),
-])
+@pytest.mark.parametrize(
+    "interval,checked",
+    [
+        (10, [1, 10, 20]),  # the first push of the process, then every 10 steps
+        (0, [1]),  # only the first
+        (-1, []),  # never
+        (1, list(range(1, 21))),
+    ],
+)
 def test_the_weight_check_runs_after_the_first_push_and_every_interval(interval, checked):
     # push number k of this process carries weight version k (a fresh run)
     assert [v for v in range(1, 21) if verification_due(v, v, interval)] == checked
@@ -122,7 +133,9 @@ def test_push_weights_checks_only_servers(monkeypatch):
     import megatron_klear.rl.verify as verify
 
     checked = []
-    monkeypatch.setattr(verify, "verify_servers", lambda *a, **k: checked.append(a[4]) or {"weights/verify_mean_diff_max": 0.0})
+    monkeypatch.setattr(
+        verify, "verify_servers", lambda *a, **k: checked.append(a[4]) or {"weights/verify_mean_diff_max": 0.0}
+    )
     manager = _manager(Dedicated(), None)
     manager.actor = manager.tokenizer = manager.vocab_size = None
     manager.weights = SimpleNamespace(push=lambda v: {"weights/sync_bytes": v}, to_servers=False)
@@ -180,8 +193,9 @@ def test_a_push_recalls_lost_workers_includes_them_probes_them_whatever_the_inte
     manager.actor = manager.tokenizer = manager.vocab_size = None
     manager.cfg.rollout.verify_interval = -1  # never due: the rejoining worker is still probed
     monkeypatch.setattr(verify, "verify_servers", lambda *a, **k: calls.append(("verify", a[4], k)) or {})
-    manager.weights = SimpleNamespace(push=lambda v: calls.append(("push", v, engine.fleet.serving())) or {},
-                                      to_servers=True)
+    manager.weights = SimpleNamespace(
+        push=lambda v: calls.append(("push", v, engine.fleet.serving())) or {}, to_servers=True
+    )
     metrics = manager.push_weights(5)
     assert calls == [("recall",), ("push", 5, ["a", "b"]), ("verify", 5, {"only_rejoining": True}), ("admit", 5)]
     assert engine.fleet.live() == ["a", "b"]

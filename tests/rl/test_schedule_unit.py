@@ -6,6 +6,7 @@ steps" are 10 RL steps (80 optimizer steps at 8 mini-batches per step), with Ada
 The actor's update runs here with the real schedule (training/setup.py's build_scheduler) and the
 real Actor.update bookkeeping, with the model's forward/backward stubbed out.
 """
+
 import os
 from types import SimpleNamespace
 
@@ -59,8 +60,8 @@ def _lrs_over_rl_steps(unit: str, rl_steps: int, mini_batches: int, warmup: int 
 def test_rl_step_unit_warms_up_over_rl_steps():
     steps = _lrs_over_rl_steps("rl_step", rl_steps=12, mini_batches=8)
     for s, lrs in enumerate(steps, start=1):
-        assert len(lrs) == 8 and len(set(lrs)) == 1, lrs          # one lr for the whole RL step
-        assert lrs[0] == pytest.approx(1e-6 * min(s, 10) / 10)    # linear from 0 over 10 RL steps
+        assert len(lrs) == 8 and len(set(lrs)) == 1, lrs  # one lr for the whole RL step
+        assert lrs[0] == pytest.approx(1e-6 * min(s, 10) / 10)  # linear from 0 over 10 RL steps
     assert steps[9][0] == pytest.approx(1e-6) and steps[8][0] < 1e-6
 
 
@@ -82,5 +83,7 @@ def test_schedule_unit_is_validated_and_rl_only():
         load_config(None, ["optim.schedule_unit=epoch"])
     with pytest.raises(ConfigError, match="schedule_unit=rl_step is for RL jobs"):
         load_config(None, ["optim.schedule_unit=rl_step"])
-    ok = load_config(None, ["optim.schedule_unit=rl_step", "rl.prompts=[p.jsonl]", "rl.max_tokens_per_micro_batch=36864"])
+    ok = load_config(
+        None, ["optim.schedule_unit=rl_step", "rl.prompts=[p.jsonl]", "rl.max_tokens_per_micro_batch=36864"]
+    )
     assert ok.optim.schedule_unit == "rl_step"

@@ -8,6 +8,7 @@ truncated importance weight of AReaL's decoupled objective and slime's stale-tok
   (importance weight times the GPPO factor, 0 for a masked stale token, over the counted tokens).
 - ``staleness_metrics`` on hand-made samples.
 """
+
 import math
 import random
 
@@ -30,12 +31,17 @@ def _samples(seed=0, prompts=3, per_prompt=3, versions=None):
         prompt = [rng.randrange(5, 200) for _ in range(rng.randint(2, 6))]
         for _ in range(per_prompt):
             n = rng.randint(3, 12)
-            out.append(RolloutSample(
-                prompt_ids=prompt, response_ids=[rng.randrange(5, 200) for _ in range(n)],
-                advantage=rng.uniform(-1.5, 1.5), group=g, positive=rng.random() < 0.4,
-                rollout_logprobs=[-rng.uniform(0.5, 4.0) for _ in range(n)],
-                versions=None if versions is None else versions(rng, n),
-            ))
+            out.append(
+                RolloutSample(
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(5, 200) for _ in range(n)],
+                    advantage=rng.uniform(-1.5, 1.5),
+                    group=g,
+                    positive=rng.random() < 0.4,
+                    rollout_logprobs=[-rng.uniform(0.5, 4.0) for _ in range(n)],
+                    versions=None if versions is None else versions(rng, n),
+                )
+            )
     return out
 
 
@@ -45,15 +51,27 @@ def _continued(sample, version, cut):
     r, lp = sample.response_ids, sample.rollout_logprobs
     pieces = [(r[:cut], lp[:cut], [version] * cut), (r[cut:], lp[cut:], [version] * (len(r) - cut))]
     return RolloutSample(
-        prompt_ids=list(sample.prompt_ids), response_ids=[t for p in pieces for t in p[0]],
-        advantage=sample.advantage, group=sample.group, positive=sample.positive,
-        rollout_logprobs=[x for p in pieces for x in p[1]], versions=[v for p in pieces for v in p[2]],
+        prompt_ids=list(sample.prompt_ids),
+        response_ids=[t for p in pieces for t in p[0]],
+        advantage=sample.advantage,
+        group=sample.group,
+        positive=sample.positive,
+        rollout_logprobs=[x for p in pieces for x in p[1]],
+        versions=[v for p in pieces for v in p[2]],
     )
 
 
 def _plan(samples, ids, policy_version, max_tokens=24):
-    return plan_mini_batch(samples, ids, dp_rank=0, dp_size=1, max_tokens=max_tokens, pad_id=0,
-                           pad_to_multiple=4, policy_version=policy_version)
+    return plan_mini_batch(
+        samples,
+        ids,
+        dp_rank=0,
+        dp_size=1,
+        max_tokens=max_tokens,
+        pad_id=0,
+        pad_to_multiple=4,
+        policy_version=policy_version,
+    )
 
 
 def _run_loss(rl, samples, ids, policy_version, dtype, seed=1):
@@ -67,10 +85,14 @@ def _run_loss(rl, samples, ids, policy_version, dtype, seed=1):
     for mb in mbs:
         size = mb["tokens"].shape[1]
         # old close to the behaviour log-probs (so that the weights straddle the cap), new around old
-        mb["old_logprobs_local"] = (mb["rollout_logprobs"].double()
-                                    + (torch.rand(1, size, generator=gen, dtype=torch.float64) - 0.5) * 1.6).to(dtype)
-        lp = (mb["old_logprobs_local"].double()
-              + (torch.rand(1, size, generator=gen, dtype=torch.float64) - 0.5) * 0.9).to(dtype).requires_grad_(True)
+        mb["old_logprobs_local"] = (
+            mb["rollout_logprobs"].double() + (torch.rand(1, size, generator=gen, dtype=torch.float64) - 0.5) * 1.6
+        ).to(dtype)
+        lp = (
+            (mb["old_logprobs_local"].double() + (torch.rand(1, size, generator=gen, dtype=torch.float64) - 0.5) * 0.9)
+            .to(dtype)
+            .requires_grad_(True)
+        )
         loss, out = loss_fn(mb, lp, torch.zeros(1, size, dtype=dtype))
         loss.backward()
         total = total + loss.detach()
@@ -98,9 +120,11 @@ def test_fresh_partial_samples_give_the_synchronous_micro_batches():
         assert mini_batch_counts(sync, ids) == mini_batch_counts(cont, ids, policy_version=POLICY, mask_stale=True)
 
 
-@pytest.mark.parametrize("options", [dict(), dict(mask_stale_tokens=True), dict(tis_cap=1.5),
-                                     dict(tis_cap=1.5, mask_stale_tokens=True)],
-                         ids=["plain", "mask", "tis", "tis+mask"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(mask_stale_tokens=True), dict(tis_cap=1.5), dict(tis_cap=1.5, mask_stale_tokens=True)],
+    ids=["plain", "mask", "tis", "tis+mask"],
+)
 def test_fresh_partial_samples_give_the_synchronous_loss_bit_for_bit(options):
     sync = _samples(seed=4)
     cont = [_continued(s, POLICY, cut=1 + k % 3) for k, s in enumerate(sync)]
@@ -134,6 +158,7 @@ def _gppo_factor(r, a, eps_low=0.2, eps_high=0.28, dual=10.0):
 def _reference_grads(samples, ids, mbs, *, tis_cap, mask_stale, agg, nll_coef, policy_version):
     """float64 by hand: per packed position of each micro-batch, d(total loss)/d(logp), and the
     importance weights of the counted tokens."""
+
     def counted(s):
         fl = [v is not None and v < policy_version for v in (s.versions or [None] * len(s.response_ids))]
         return [not (mask_stale and f) for f in fl]
@@ -187,8 +212,11 @@ def _stale_versions(rng, n):
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
-@pytest.mark.parametrize("options", [dict(tis_cap=1.3), dict(mask_stale_tokens=True),
-                                     dict(tis_cap=1.3, mask_stale_tokens=True)], ids=["tis", "mask", "tis+mask"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(tis_cap=1.3), dict(mask_stale_tokens=True), dict(tis_cap=1.3, mask_stale_tokens=True)],
+    ids=["tis", "mask", "tis+mask"],
+)
 def test_stale_token_gradients_equal_a_float64_reference(options, agg):
     samples = _samples(seed=7, prompts=4, versions=_stale_versions)
     flags = [stale_flags(s, POLICY) for s in samples]
@@ -196,8 +224,16 @@ def test_stale_token_gradients_equal_a_float64_reference(options, agg):
     rl = RLConfig(agg=agg, **options)
     ids = list(range(len(samples)))
     _, grads, mbs, outs = _run_loss(rl, samples, ids, POLICY, torch.float64)
-    ref, weights = _reference_grads(samples, ids, mbs, tis_cap=rl.tis_cap, mask_stale=rl.mask_stale_tokens,
-                                    agg=agg, nll_coef=rl.nll_coef, policy_version=POLICY)
+    ref, weights = _reference_grads(
+        samples,
+        ids,
+        mbs,
+        tis_cap=rl.tis_cap,
+        mask_stale=rl.mask_stale_tokens,
+        agg=agg,
+        nll_coef=rl.nll_coef,
+        policy_version=POLICY,
+    )
     assert len(mbs) > 1
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g[0], r, rtol=1e-12, atol=1e-15)
@@ -226,8 +262,9 @@ def test_float32_loss_matches_float64_with_stale_tokens():
 
 
 def test_stale_flags_sit_with_the_label_shift():
-    s = RolloutSample(prompt_ids=[7, 8, 9], response_ids=[10, 11, 12, 13], advantage=1.0, group=0,
-                      versions=[3, None, 4, 5])
+    s = RolloutSample(
+        prompt_ids=[7, 8, 9], response_ids=[10, 11, 12, 13], advantage=1.0, group=0, versions=[3, None, 4, 5]
+    )
     mb = build_rl_micro_batch([s], [0], pad_id=0, pad_to_multiple=8, policy_version=5)
     # response token j is predicted at position len(prompt) + j - 1
     assert mb["stale"][0].tolist() == [0, 0, 1, 0, 1, 0, 0, 0]
@@ -250,8 +287,9 @@ def test_bad_versions_are_errors_naming_the_sample():
 
 def test_mini_batch_counts_leave_out_masked_tokens_and_emptied_sequences():
     def mk(n, versions, positive):
-        return RolloutSample(prompt_ids=[1], response_ids=[2] * n, advantage=1.0, group=0, positive=positive,
-                             versions=versions)
+        return RolloutSample(
+            prompt_ids=[1], response_ids=[2] * n, advantage=1.0, group=0, positive=positive, versions=versions
+        )
 
     samples = [mk(3, [1, 1, 1], True), mk(4, [1, 2, 2, 2], True), mk(2, None, False), mk(2, [2, 2], False)]
     ids = [0, 1, 2, 3]
@@ -271,8 +309,11 @@ def test_staleness_metrics_by_hand():
     m = staleness_metrics(samples, 5)
     # ages: 1 1 0 0 | 3 0 0 | 0 0 0  -> 10 tokens, 3 stale, sum 5, max 3
     assert m == {"rollout/staleness_mean": 0.5, "rollout/staleness_max": 3.0, "rollout/offpolicy_token_frac": 0.3}
-    assert staleness_metrics(samples, None) == {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0,
-                                                "rollout/offpolicy_token_frac": 0.0}
+    assert staleness_metrics(samples, None) == {
+        "rollout/staleness_mean": 0.0,
+        "rollout/staleness_max": 0.0,
+        "rollout/offpolicy_token_frac": 0.0,
+    }
     assert staleness_metrics([], 3)["rollout/offpolicy_token_frac"] == 0.0
     assert oldest_version([None, 4, 2, 5]) == 2
     assert oldest_version([None]) is None and oldest_version(None) is None
@@ -299,13 +340,18 @@ def test_a_mini_batch_left_without_tokens_makes_no_step():
         if s.group in (0, 1):  # the first mini-batch: every token of an older version
             s.versions = [POLICY - 1] * len(s.response_ids)
     rl = RLConfig(mask_stale_tokens=True, mini_batch_prompts=2, prompts_per_step=4)
-    state = SimpleNamespace(model=[], optimizer=Optimizer(), config=SimpleNamespace(),
-                            scheduler=SimpleNamespace(step=lambda increment: None))
+    state = SimpleNamespace(
+        model=[],
+        optimizer=Optimizer(),
+        config=SimpleNamespace(),
+        scheduler=SimpleNamespace(step=lambda increment: None),
+    )
     actor = Actor(state, rl)
     ran = []
     actor.plan = lambda samples, policy_version=None: [
         (mini_batch_counts(samples, ids, policy_version=policy_version, mask_stale=True), ids)
-        for ids in split_mini_batches(samples, rl.mini_batch_prompts)]
+        for ids in split_mini_batches(samples, rl.mini_batch_prompts)
+    ]
     actor.recompute_old_logprobs = lambda plans: ran.append(("old", [ids for _, ids in plans]))
     actor._run = lambda ids, loss_fn, forward_only: ran.append(("train", ids)) or []
     out = actor.update(samples, policy_version=POLICY)

@@ -1,5 +1,6 @@
 """Fixtures for the rollout tests: tiny Qwen3 checkpoints, float64 reference models, and the
 independent references (full no-cache forwards, step by step) the engine is checked against."""
+
 import pytest
 import torch
 
@@ -30,7 +31,7 @@ def full_logits(ref, prompt, response):
     cache, no padding. Row t is the distribution the t-th response token was drawn from."""
     ids = torch.tensor([list(prompt) + list(response)])
     logits = ref(input_ids=ids).logits[0].double()
-    return logits[len(prompt) - 1:len(prompt) - 1 + len(response)]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
 
 
 @torch.no_grad()

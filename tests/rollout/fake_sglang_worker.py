@@ -17,6 +17,7 @@ process group (``/update_weight_version`` sets the version); with ``--hang-init`
 SGLang's text; with ``--refuse-flush K`` its first K calls answer 400 ``Flush cache failed.`` (SGLang
 0.5.23 while a request is still running or queued).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,11 +73,20 @@ class Handler(BaseHTTPRequestHandler):
             if a.non_json:
                 self._send(200, raw=b"<html>502 Bad Gateway</html>", ctype="text/html")
             else:
-                self._send(200, {"object": "list", "data": [{"id": "fake", "object": "model",
-                                                             "max_model_len": a.context_length}]})
+                self._send(
+                    200,
+                    {"object": "list", "data": [{"id": "fake", "object": "model", "max_model_len": a.context_length}]},
+                )
         elif self.path in ("/server_info", "/get_server_info"):
-            self._send(200, {"context_length": a.context_length, "generate_calls": st.generate_calls,
-                             "tp_size": a.tp_size, "dtype": "bfloat16"})
+            self._send(
+                200,
+                {
+                    "context_length": a.context_length,
+                    "generate_calls": st.generate_calls,
+                    "tp_size": a.tp_size,
+                    "dtype": "bfloat16",
+                },
+            )
         elif self.path in ("/model_info", "/get_model_info"):
             self._send(200, {"model_path": "fake", "is_generation": True, "weight_version": st.weight_version})
         else:
@@ -106,10 +116,22 @@ class Handler(BaseHTTPRequestHandler):
             reason = {"type": "stop", "matched": ids[-1]} if k == len(TOKENS) else {"type": "length", "length": k}
             if call <= a.abort_first:
                 reason = {"type": "abort", "message": "injected abort"}
-            outs = [{"text": "", "output_ids": ids, "meta_info": {
-                "id": f"r{call}-{j}", "finish_reason": reason, "prompt_tokens": len(body["input_ids"]),
-                "completion_tokens": k, "cached_tokens": 0, "weight_version": st.weight_version,
-                "output_token_logprobs": [[-0.5, t, None] for t in ids]}} for j in range(n)]
+            outs = [
+                {
+                    "text": "",
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": f"r{call}-{j}",
+                        "finish_reason": reason,
+                        "prompt_tokens": len(body["input_ids"]),
+                        "completion_tokens": k,
+                        "cached_tokens": 0,
+                        "weight_version": st.weight_version,
+                        "output_token_logprobs": [[-0.5, t, None] for t in ids],
+                    },
+                }
+                for j in range(n)
+            ]
             return self._send(200, outs[0] if n == 1 else outs)
         if self.path == "/flush_cache":
             with st.lock:
@@ -129,8 +151,13 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/update_weight_version":
             st.weight_version = str(body["new_version"])
             return self._send(200, {"success": True, "message": "ok", "new_version": st.weight_version})
-        if self.path in ("/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update",
-                         "/end_weight_update", "/update_weights_from_distributed"):
+        if self.path in (
+            "/init_weights_update_group",
+            "/destroy_weights_update_group",
+            "/begin_weight_update",
+            "/end_weight_update",
+            "/update_weights_from_distributed",
+        ):
             return self._send(200, {"success": True, "message": "ok"})
         if self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
             return self._send(200, raw=b"null")  # SGLang's handlers return None: FastAPI answers null

@@ -1,6 +1,7 @@
 """Processes the rollout tests run for real: the sglang-router (pinned, installed by ``make venv``)
 and the scriptable fake worker used for fault injection. Ports are chosen by the OS; every
 process is stopped by the context managers, whatever the test does."""
+
 from __future__ import annotations
 
 import contextlib
@@ -58,15 +59,32 @@ def recorded(record_path: str, path: str = "/generate") -> list:
 
 
 @contextlib.contextmanager
-def router(worker_urls, *, policy: str = "round_robin", startup_timeout: float = 60.0, extra=(),
-           api_key: str | None = None):
+def router(
+    worker_urls, *, policy: str = "round_robin", startup_timeout: float = 60.0, extra=(), api_key: str | None = None
+):
     """The real sglang-router in front of ``worker_urls``; yields its URL once every worker is
     registered and healthy (``GET /workers``). ``api_key``: the router's ``--api-key`` (it then
     refuses clients without it and sends it to the workers)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-           "--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn",
-           "--prometheus-port", str(free_port()), *extra, *(("--api-key", api_key) if api_key else ())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        policy,
+        "--log-level",
+        "warn",
+        "--prometheus-port",
+        str(free_port()),
+        *extra,
+        *(("--api-key", api_key) if api_key else ()),
+    ]
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

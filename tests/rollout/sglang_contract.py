@@ -2,6 +2,7 @@
 gate enforces) for the tests, loaded from ``.venv/sglang-contract`` (``make venv`` runs
 ``tools/fetch_sglang_contract.py``) under its own module name, without importing the ``sglang``
 package (which needs CUDA)."""
+
 from __future__ import annotations
 
 import functools
@@ -24,13 +25,15 @@ def load_contract():
     """The contract module (``GenerateRequest``, ``GenerateResponse``, ``SamplingParams``,
     ``JsonContractError``...)."""
     if not os.path.isfile(CONTRACT_FILE):
-        raise ContractMissing(f"SGLang's API contract is missing ({CONTRACT_FILE}): run make venv "
-                              "(tools/fetch_sglang_contract.py)")
+        raise ContractMissing(
+            f"SGLang's API contract is missing ({CONTRACT_FILE}): run make venv (tools/fetch_sglang_contract.py)"
+        )
     try:
         import msgspec  # noqa: F401 -- the contract's only dependency
     except ImportError as e:
-        raise ContractMissing(f"SGLang's API contract needs msgspec ({e}): run make venv "
-                              "(tools/fetch_sglang_contract.py)") from None
+        raise ContractMissing(
+            f"SGLang's API contract needs msgspec ({e}): run make venv (tools/fetch_sglang_contract.py)"
+        ) from None
     spec = importlib.util.spec_from_file_location(MODULE_NAME, CONTRACT_FILE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[MODULE_NAME] = module  # msgspec / dataclass machinery looks the module up by name
@@ -93,8 +96,9 @@ def io_structs() -> dict:
     import ast
 
     if not os.path.isfile(IO_STRUCT_FILE):
-        raise ContractMissing(f"SGLang's io_struct.py is missing ({IO_STRUCT_FILE}): run make venv "
-                              "(tools/fetch_sglang_contract.py)")
+        raise ContractMissing(
+            f"SGLang's io_struct.py is missing ({IO_STRUCT_FILE}): run make venv (tools/fetch_sglang_contract.py)"
+        )
     tree = ast.parse(open(IO_STRUCT_FILE, encoding="utf-8").read())
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
 
@@ -140,5 +144,7 @@ def control_contract_errors(route: str, body) -> list:
         return [f"{route}: the body is {type(body).__name__}, not an object"]
     errors = [f"{route}: unknown field {k!r}" for k in body if k not in spec]
     errors += [f"{route}: missing required field {k!r}" for k, (_, req) in spec.items() if req and k not in body]
-    errors += [f"{route}: {k}={body[k]!r} is not {spec[k][0]}" for k in body if k in spec and not _matches(spec[k][0], body[k])]
+    errors += [
+        f"{route}: {k}={body[k]!r} is not {spec[k][0]}" for k in body if k in spec and not _matches(spec[k][0], body[k])
+    ]
     return errors

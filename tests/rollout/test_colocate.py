@@ -6,6 +6,7 @@ no tags = weights, kv_cache and cuda_graph; released weights come back with thei
 weight update must follow; resuming a tag that is not released fails its scheduler). SGLang needs
 CUDA: our embedded server, started with ``--enable-memory-saver``, stands in for it and frees its
 parameters for real."""
+
 import json
 import os
 import threading
@@ -25,8 +26,11 @@ def _params(engine):
 # what docs/sglang.md gives colocated servers: /health must not generate on released memory (SGLang's
 # default does, and the server dies of it: tests/rollout/test_sglang_divergences.py), CUDA graphs are
 # released with the rest, and the trainer can read both from /server_info
-COLOCATED_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false", "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
-                 "SGLANG_EXPOSE_OWN_ENV_VARS": "true"}
+COLOCATED_ENV = {
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
+    "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true",
+    "SGLANG_EXPOSE_OWN_ENV_VARS": "true",
+}
 
 
 @pytest.fixture
@@ -76,7 +80,9 @@ def test_release_frees_the_weights_and_a_reload_brings_them_back(served, tiny_hf
     assert all(torch.isnan(p).all() for p in _params(engine))
     with pytest.raises(EngineError, match="not released"):
         client.resume_memory(["weights"])
-    assert httpx.post(url + "/generate", json={"input_ids": [5]}, timeout=10).status_code == 503  # KV cache still released
+    assert (
+        httpx.post(url + "/generate", json={"input_ids": [5]}, timeout=10).status_code == 503
+    )  # KV cache still released
 
     client.load_from_disk(tiny_hf["tied"], version=5)
     client.resume_memory(["kv_cache", "cuda_graph"])
@@ -98,8 +104,14 @@ def test_refusals_name_the_cause(served):
     done = {}
 
     def long_request():
-        done["r"] = httpx.post(url + "/generate", json={"input_ids": [5, 17], "sampling_params": {
-            "max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0}}, timeout=120)
+        done["r"] = httpx.post(
+            url + "/generate",
+            json={
+                "input_ids": [5, 17],
+                "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 1.0},
+            },
+            timeout=120,
+        )
 
     t = threading.Thread(target=long_request)
     t.start()
@@ -137,7 +149,12 @@ def test_a_server_without_the_memory_saver_is_named(tiny_hf):
 def test_config_picks_disk_and_refuses_what_cannot_work():
     from megatron_klear.config import ConfigError, load_config
 
-    base = ["rollout.engine=http", "rollout.urls=[http://127.0.0.1:1]", "rl.prompts=[p.jsonl]", "rollout.max_new_tokens=64"]
+    base = [
+        "rollout.engine=http",
+        "rollout.urls=[http://127.0.0.1:1]",
+        "rl.prompts=[p.jsonl]",
+        "rollout.max_new_tokens=64",
+    ]
     assert load_config(None, base).rollout.weight_sync == "distributed"
     assert load_config(None, base + ["rollout.colocate=true"]).rollout.weight_sync == "disk"
     with pytest.raises(ConfigError, match="NCCL"):
@@ -157,10 +174,19 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     from megatron_klear.rl.rollout_manager import RolloutManager
 
     urls = [u for _, u in served]
-    cfg = load_config(None, ["rollout.engine=http", f"rollout.urls=[{','.join(urls)}]", "rollout.colocate=true",
-                             "rollout.offload_trainer=false",  # no trainer here: the servers' side only
-                             "rl.prompts=[p.jsonl]", "rl.prompts_per_step=1", "rl.mini_batch_prompts=1",
-                             "rollout.max_new_tokens=64"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=http",
+            f"rollout.urls=[{','.join(urls)}]",
+            "rollout.colocate=true",
+            "rollout.offload_trainer=false",  # no trainer here: the servers' side only
+            "rl.prompts=[p.jsonl]",
+            "rl.prompts_per_step=1",
+            "rl.mini_batch_prompts=1",
+            "rollout.max_new_tokens=64",
+        ],
+    )
     manager = RolloutManager(cfg)  # colocated: the servers release everything before the trainer exists
     assert [e.weights_released for e, _ in served] == [True, True]
     assert all(_info(u)["released_memory_tags"] == sorted(MEMORY_TAGS) for u in urls)
@@ -176,7 +202,9 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
 
     manager.batches = Synchronous(FullBatches(cfg, manager.engine, None, None, []))
     manager.batches.producer.generate_batch = lambda prompts, step, batch: (
-        [sample], {"rollout/groups_generated": 1, "rollout/groups_kept": 1})
+        [sample],
+        {"rollout/groups_generated": 1, "rollout/groups_kept": 1},
+    )
     seen = []
 
     def update(samples, policy_version):
@@ -210,16 +238,28 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
 
     model = make_tiny_qwen3(str(tmp_path / "m"), num_layers=2, seed=21)
     prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 12, seed=3)
-    servers = [EmbeddedHTTPEngine.launch(model, enable_memory_saver=True, startup_timeout=120, env=COLOCATED_ENV)
-               for _ in range(2)]
+    servers = [
+        EmbeddedHTTPEngine.launch(model, enable_memory_saver=True, startup_timeout=120, env=COLOCATED_ENV)
+        for _ in range(2)
+    ]
     save = str(tmp_path / "run")
     try:
         with router([s.url for s in servers], extra=("--disable-health-check",)) as url:  # the launch script's
-            args = [a for a in _overrides({"model": model, "prompts": prompts}, save)
-                    if not a.startswith(("parallel.tp", "train.steps"))]
-            args += ["parallel.tp=1", "train.steps=2", "rollout.engine=http", f"rollout.urls=[{url}]",
-                     "rollout.colocate=true", "rollout.verify_interval=1", "rl.filter_zero_spread=false",
-                     "rollout.max_concurrent_requests=4"]
+            args = [
+                a
+                for a in _overrides({"model": model, "prompts": prompts}, save)
+                if not a.startswith(("parallel.tp", "train.steps"))
+            ]
+            args += [
+                "parallel.tp=1",
+                "train.steps=2",
+                "rollout.engine=http",
+                f"rollout.urls=[{url}]",
+                "rollout.colocate=true",
+                "rollout.verify_interval=1",
+                "rl.filter_zero_spread=false",
+                "rollout.max_concurrent_requests=4",
+            ]
             run_distributed(_run, 1, args)
         lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
         assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 2, lines

@@ -1,6 +1,7 @@
 """The embedded engine against independent references: greedy decoding and log-probs from full
 no-cache float64 forwards of the same checkpoint, top-k/top-p support, batching invariance, stop
 conditions, and weight updates."""
+
 import pytest
 import torch
 
@@ -22,9 +23,11 @@ def test_loads_float32_eval_with_config_eos(engine):
     assert all(p.dtype == torch.float32 and not p.requires_grad for p in engine.model.parameters())
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=1, max_new_tokens=12, seed=0),
-                                    SamplingParams(temperature=1e-4, max_new_tokens=12, seed=1)],
-                         ids=["top_k=1", "T=1e-4"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(top_k=1, max_new_tokens=12, seed=0), SamplingParams(temperature=1e-4, max_new_tokens=12, seed=1)],
+    ids=["top_k=1", "T=1e-4"],
+)
 def test_greedy_equals_stepwise_full_forward(engine, ref_untied, params):
     out = engine.generate(PROMPTS, params, n=2)
     for prompt, samples in zip(PROMPTS, out):
@@ -110,7 +113,7 @@ def test_stop_token_and_max_new_tokens(engine, ref_untied):
     stop_tok = greedy[stop_at]
     first = greedy.index(stop_tok)
     out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=10, stop_token_ids=[stop_tok]))[0][0]
-    assert out.token_ids == greedy[:first + 1] and out.finish_reason == "stop" and out.finished
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop" and out.finished
     assert len(out.logprobs) == first + 1
     for m in (1, 3):
         out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=m))[0][0]
@@ -129,7 +132,7 @@ def test_eos_ids_from_config_and_generation_config(tiny_hf, ref_untied):
     assert eng.eos_token_ids == sorted({a, b, 2})
     out = eng.generate([PROMPTS[1]], SamplingParams(top_k=1, max_new_tokens=8))[0][0]
     first = min(k for k, t in enumerate(greedy) if t in {a, b, 2})
-    assert out.token_ids == greedy[:first + 1] and out.finish_reason == "stop"
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
 
 
 def test_bad_inputs_are_clear_errors(engine):
@@ -250,10 +253,12 @@ def test_eos_ids_include_the_tokenizers_as_sglang(tiny_hf, tmp_path):
 def test_generate_requests_mixes_parameters_and_reports_each_prompt(engine):
     from megatron_klear.rollout.embedded import PromptRequest
 
-    reqs = [PromptRequest(PROMPTS[0], SamplingParams(temperature=0.7, top_k=20, max_new_tokens=6), [11, 12]),
-            PromptRequest(PROMPTS[1], SamplingParams(top_p=0.8, max_new_tokens=9, stop_token_ids=[7]), [13]),
-            PromptRequest(PROMPTS[2], SamplingParams(top_k=1), [14], max_new_tokens=0),
-            PromptRequest(PROMPTS[2], SamplingParams(top_k=1, max_new_tokens=4), [15], ignore_eos=True)]
+    reqs = [
+        PromptRequest(PROMPTS[0], SamplingParams(temperature=0.7, top_k=20, max_new_tokens=6), [11, 12]),
+        PromptRequest(PROMPTS[1], SamplingParams(top_p=0.8, max_new_tokens=9, stop_token_ids=[7]), [13]),
+        PromptRequest(PROMPTS[2], SamplingParams(top_k=1), [14], max_new_tokens=0),
+        PromptRequest(PROMPTS[2], SamplingParams(top_k=1, max_new_tokens=4), [15], ignore_eos=True),
+    ]
     seen = []
     out = engine.generate_requests(reqs, on_prompt_done=lambda i, cs: seen.append(i))
     assert sorted(seen) == [0, 1, 2, 3] and seen[0] == 2  # the empty one first, then as each finishes
@@ -295,8 +300,10 @@ def test_update_weights_of_a_moe_model_by_per_expert_names(tmp_path):
     eng.load_named_weights({"model.layers.0.mlp.experts.5.gate_proj.weight": gate}, adopt=True)
     layer0 = dict(eng.model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(layer0[5, :40], gate)
-    assert torch.equal(layer0[4], dict(EmbeddedEngine.from_pretrained(a).model.named_parameters())[
-        "model.layers.0.mlp.experts.gate_up_proj"][4])
+    assert torch.equal(
+        layer0[4],
+        dict(EmbeddedEngine.from_pretrained(a).model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"][4],
+    )
 
 
 def test_moe_engine_records_the_experts_of_every_token_it_fed(tmp_path):

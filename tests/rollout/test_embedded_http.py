@@ -3,6 +3,7 @@ gives the in-process results; SGLang's response shapes, errors and context-lengt
 control routes (pause / continue / abort, weight updates, versions, info); concurrent requests
 batched into one engine call with the tokens they get alone; and the real sglang-router in front
 of two servers."""
+
 import concurrent.futures
 import http.client
 import json
@@ -78,8 +79,9 @@ def test_server_subprocess_matches_in_process(tiny_hf, other_hf):
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, stop_token_ids=[40, 41], seed=9)
     local = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
     want = local.generate(PROMPTS, params, n=2)
-    client = EmbeddedHTTPEngine.launch(tiny_hf["untied"], context_length=2048, served_model_name="tiny",
-                                       startup_timeout=120)
+    client = EmbeddedHTTPEngine.launch(
+        tiny_hf["untied"], context_length=2048, served_model_name="tiny", startup_timeout=120
+    )
     try:
         assert client.health()
         info = client.model_info()
@@ -88,9 +90,18 @@ def test_server_subprocess_matches_in_process(tiny_hf, other_hf):
         assert status == 200 and server_info["context_length"] == server_info["max_context_length"] == 2048
         assert _get(client.url + "/v1/models")[1]["data"][0]["max_model_len"] == 2048
         # one batch request with a sampling_seed: exactly the in-process engine's samples
-        sp = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 12, "stop_token_ids": [40, 41],
-              "n": 2, "sampling_seed": 9}
-        status, outs = _post(client.url + "/generate", {"input_ids": PROMPTS, "sampling_params": sp, "return_logprob": True})
+        sp = {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "max_new_tokens": 12,
+            "stop_token_ids": [40, 41],
+            "n": 2,
+            "sampling_seed": 9,
+        }
+        status, outs = _post(
+            client.url + "/generate", {"input_ids": PROMPTS, "sampling_params": sp, "return_logprob": True}
+        )
         assert status == 200 and len(outs) == len(PROMPTS) * 2
         for i, samples in enumerate(want):
             for j, c in enumerate(samples):
@@ -102,10 +113,18 @@ def test_server_subprocess_matches_in_process(tiny_hf, other_hf):
         validate_generate_response(outs)
         # the SGLang client against it: reproducible with a seed, greedy at temperature 0
         got = client.generate(PROMPTS, params, n=2)
-        assert [[c.token_ids for c in s] for s in client.generate(PROMPTS, params, n=2)] == [[c.token_ids for c in s] for s in got]
+        assert [[c.token_ids for c in s] for s in client.generate(PROMPTS, params, n=2)] == [
+            [c.token_ids for c in s] for s in got
+        ]
         greedy = local.generate(PROMPTS, SamplingParams(top_k=1, max_new_tokens=3), n=1)
-        status, one = _post(client.url + "/generate", {"input_ids": PROMPTS[0], "return_logprob": True,
-                                                       "sampling_params": {"temperature": 0, "max_new_tokens": 3}})
+        status, one = _post(
+            client.url + "/generate",
+            {
+                "input_ids": PROMPTS[0],
+                "return_logprob": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+            },
+        )
         assert status == 200 and isinstance(one, dict) and one["output_ids"] == greedy[0][0].token_ids
         # weights through a temporary safetensors directory and /update_weights_from_disk
         other = EmbeddedEngine.from_pretrained(other_hf)
@@ -135,8 +154,9 @@ def thread_server(tiny_hf):
 def test_response_shapes_and_order(thread_server):
     engine, url, _ = thread_server
     sp = {"temperature": 1.0, "max_new_tokens": 5, "n": 2, "sampling_seed": 3, "stop_token_ids": [7]}
-    status, outs = _post(url + "/generate", {"input_ids": PROMPTS, "sampling_params": sp, "return_logprob": True,
-                                             "rid": "req"})
+    status, outs = _post(
+        url + "/generate", {"input_ids": PROMPTS, "sampling_params": sp, "return_logprob": True, "rid": "req"}
+    )
     assert status == 200 and len(outs) == len(PROMPTS) * 2
     want = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, stop_token_ids=[7], seed=3), n=2)
     for i, samples in enumerate(want):  # prompt-major: sample j of prompt i at i * n + j
@@ -149,8 +169,11 @@ def test_response_shapes_and_order(thread_server):
             assert [p[0] for p in out["meta_info"]["output_token_logprobs"]] == c.logprobs
             assert out["meta_info"]["output_token_logprobs"][0][2] is None
             reason = out["meta_info"]["finish_reason"]
-            assert reason == ({"type": "stop", "matched": c.token_ids[-1]} if c.finish_reason == "stop"
-                              else {"type": "length", "length": 5})
+            assert reason == (
+                {"type": "stop", "matched": c.token_ids[-1]}
+                if c.finish_reason == "stop"
+                else {"type": "length", "length": 5}
+            )
     # without return_logprob there are no log-probs; a single prompt with n > 1 answers a list
     status, outs = _post(url + "/generate", {"input_ids": PROMPTS[1], "sampling_params": {"n": 2, "max_new_tokens": 2}})
     assert status == 200 and isinstance(outs, list) and len(outs) == 2
@@ -158,22 +181,34 @@ def test_response_shapes_and_order(thread_server):
     assert _get(url + "/health") == (200, None)
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"text": "hello"}, "field 'text'='hello' is not supported.*send token ids"),
-    ({"input_ids": [1, 2], "stream": True}, "field 'stream'=True"),
-    ({"input_ids": [1, 2], "logprob_start_len": 0}, "field 'logprob_start_len'=0"),
-    ({"input_ids": [1, 2], "return_entropy": True}, "field 'return_entropy'=True"),
-    ({"input_ids": [1, 2], "sampling_params": {"stop": ["</s>"]}}, r"sampling_params.stop=\['</s>'\]"),
-    ({"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.05}}, "sampling_params.repetition_penalty=1.05"),
-    ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 2}}, "sampling_params.min_new_tokens=2"),
-    ({"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}, r"top_p must be in \(0, 1\], got 1.5."),
-    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, r"top_k must be -1 \(disable\) or at least 1, got 0."),
-    ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "temperature must be a non-negative finite number"),
-    ({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 1}, {"n": 2}]}, "parallel_sample_num should be the same"),
-    ({"input_ids": [[1, 2], [3]], "rid": ["a"]}, "rids length mismatch"),
-    ({"input_ids": [1, 999]}, r"holds 999, not a token id of the model's vocabulary \[0, 389\)"),
-    ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"text": "hello"}, "field 'text'='hello' is not supported.*send token ids"),
+        ({"input_ids": [1, 2], "stream": True}, "field 'stream'=True"),
+        ({"input_ids": [1, 2], "logprob_start_len": 0}, "field 'logprob_start_len'=0"),
+        ({"input_ids": [1, 2], "return_entropy": True}, "field 'return_entropy'=True"),
+        ({"input_ids": [1, 2], "sampling_params": {"stop": ["</s>"]}}, r"sampling_params.stop=\['</s>'\]"),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.05}},
+            "sampling_params.repetition_penalty=1.05",
+        ),
+        ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 2}}, "sampling_params.min_new_tokens=2"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}, r"top_p must be in \(0, 1\], got 1.5."),
+        ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, r"top_k must be -1 \(disable\) or at least 1, got 0."),
+        (
+            {"input_ids": [1, 2], "sampling_params": {"temperature": -1}},
+            "temperature must be a non-negative finite number",
+        ),
+        (
+            {"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 1}, {"n": 2}]},
+            "parallel_sample_num should be the same",
+        ),
+        ({"input_ids": [[1, 2], [3]], "rid": ["a"]}, "rids length mismatch"),
+        ({"input_ids": [1, 999]}, r"holds 999, not a token id of the model's vocabulary \[0, 389\)"),
+        ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided"),
+    ],
+)
 def test_requests_we_cannot_honour_are_400_naming_the_field(thread_server, body, message):
     _, url, _ = thread_server
     status, payload = _post(url + "/generate", body)
@@ -183,13 +218,21 @@ def test_requests_we_cannot_honour_are_400_naming_the_field(thread_server, body,
 
 def test_per_prompt_sampling_params_and_rids(thread_server):
     engine, url, _ = thread_server
-    body = {"input_ids": PROMPTS[:2], "rid": ["a", "b"], "return_logprob": True,
-            "sampling_params": [{"max_new_tokens": 4, "sampling_seed": 1, "temperature": 0.5},
-                                {"max_new_tokens": 2, "sampling_seed": 2, "top_k": 3}]}
+    body = {
+        "input_ids": PROMPTS[:2],
+        "rid": ["a", "b"],
+        "return_logprob": True,
+        "sampling_params": [
+            {"max_new_tokens": 4, "sampling_seed": 1, "temperature": 0.5},
+            {"max_new_tokens": 2, "sampling_seed": 2, "top_k": 3},
+        ],
+    }
     status, outs = _post(url + "/generate", body)
     assert status == 200 and [o["meta_info"]["id"] for o in outs] == ["a", "b"]
     # each prompt as its own request: prompt i of the batch draws from sample_seed(seed_i, i, 0)
-    a = engine.generate_with_seeds([PROMPTS[0]], SamplingParams(temperature=0.5, max_new_tokens=4), [[sample_seed(1, 0, 0)]])
+    a = engine.generate_with_seeds(
+        [PROMPTS[0]], SamplingParams(temperature=0.5, max_new_tokens=4), [[sample_seed(1, 0, 0)]]
+    )
     b = engine.generate_with_seeds([PROMPTS[1]], SamplingParams(top_k=3, max_new_tokens=2), [[sample_seed(2, 1, 0)]])
     assert [o["output_ids"] for o in outs] == [a[0][0].token_ids, b[0][0].token_ids]
     assert len(outs[1]["output_ids"]) == 2
@@ -217,14 +260,22 @@ def test_update_weights_from_disk_is_all_or_nothing(tiny_hf, other_hf, tmp_path)
         assert f"tensor '{tensors[-1][0]}' has shape (3,)" in payload["message"]
         assert _post(url + "/generate", body)[1]["output_ids"] == before  # the old weights, whole
         assert _get(url + "/model_info")[1]["weight_version"] == "default"
-        status, payload = _post(url + "/update_weights_from_disk", {"model_path": other_hf, "weight_version": "7",
-                                                                    "flush_cache": True, "abort_all_requests": False})
+        status, payload = _post(
+            url + "/update_weights_from_disk",
+            {"model_path": other_hf, "weight_version": "7", "flush_cache": True, "abort_all_requests": False},
+        )
         assert status == 200 and payload["success"] is True and payload["num_paused_requests"] == 0
-        other = EmbeddedEngine.from_pretrained(other_hf).generate([PROMPTS[0]], SamplingParams(max_new_tokens=6, seed=4))
+        other = EmbeddedEngine.from_pretrained(other_hf).generate(
+            [PROMPTS[0]], SamplingParams(max_new_tokens=6, seed=4)
+        )
         out = _post(url + "/generate", body)[1]
         assert out["output_ids"] == other[0][0].token_ids and out["meta_info"]["weight_version"] == "7"
         status, payload = _post(url + "/update_weight_version", {"new_version": "v8"})
-        assert status == 200 and payload == {"success": True, "message": "Weight version updated to v8", "new_version": "v8"}
+        assert status == 200 and payload == {
+            "success": True,
+            "message": "Weight version updated to v8",
+            "new_version": "v8",
+        }
         assert _get(url + "/model_info")[1]["weight_version"] == "v8"
     finally:
         _stop(server)
@@ -300,8 +351,9 @@ def test_methods_and_unknown_routes_answer_as_sglangs_fastapi_server(thread_serv
     for path in ("/health/", "/docs", "/openapi.json", "/redoc"):  # no redirects, no docs routes
         assert _get(url + path) == (404, {"detail": "Not Found"}), path
     # bodies are decoded by the server (never FastAPI's 422): not JSON, or over the 1 GiB limit, is a 400
-    status, payload = _raw(url, "POST", "/generate", b"{nope", [("Content-Type", "application/json"),
-                                                                 ("Content-Length", "5")])
+    status, payload = _raw(
+        url, "POST", "/generate", b"{nope", [("Content-Type", "application/json"), ("Content-Length", "5")]
+    )
     assert status == 400 and payload["error"]["message"].startswith("the request body is not valid JSON")
     status, payload = _raw(url, "POST", "/pause_generation", headers=[("Content-Length", str((1 << 30) + 1))])
     assert status == 400 and "over the 1073741824-byte limit" in payload["error"]["message"], payload
@@ -313,8 +365,9 @@ def test_kept_alive_connections_have_tcp_nodelay_survive_errors_and_close_on_shu
     conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
 
     def ask(method, path, body=None):
-        conn.request(method, path, body=None if body is None else json.dumps(body),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            method, path, body=None if body is None else json.dumps(body), headers={"Content-Type": "application/json"}
+        )
         r = conn.getresponse()
         raw = r.read()
         return r.status, json.loads(raw) if raw else None
@@ -346,14 +399,19 @@ def test_kept_alive_connections_have_tcp_nodelay_survive_errors_and_close_on_shu
 # ------------------------------------------------------------------------------------------------
 def test_context_length_as_sglang(tiny_hf):
     model = EmbeddedEngine.from_pretrained(tiny_hf["untied"]).model
-    with pytest.raises(ValueError, match=r"User-specified context_length \(5000\) is greater than the derived "
-                                         r"context_length \(4096\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"User-specified context_length \(5000\) is greater than the derived "
+        r"context_length \(4096\)",
+    ):
         EmbeddedEngine(model, context_length=5000)
     engine = EmbeddedEngine(model, context_length=16)
-    too_long = (f"The input (16 tokens) is longer than the model's context length (16 tokens).")
-    over = ("Requested token count exceeds the model's maximum context length of 16 tokens. You requested a total "
-            "of 17 tokens: 10 tokens from the input messages and 7 tokens for the completion. Please reduce the "
-            "number of tokens in the input messages or the completion to fit within the limit.")
+    too_long = "The input (16 tokens) is longer than the model's context length (16 tokens)."
+    over = (
+        "Requested token count exceeds the model's maximum context length of 16 tokens. You requested a total "
+        "of 17 tokens: 10 tokens from the input messages and 7 tokens for the completion. Please reduce the "
+        "number of tokens in the input messages or the completion to fit within the limit."
+    )
     with pytest.raises(ValueError) as e:  # the in-process engine refuses with the same text
         engine.generate([[5] * 16], SamplingParams(max_new_tokens=1))
     assert str(e.value) == too_long
@@ -365,12 +423,19 @@ def test_context_length_as_sglang(tiny_hf):
     try:
         status, payload = _post(url + "/generate", {"input_ids": [5] * 16, "sampling_params": {"max_new_tokens": 1}})
         assert status == 400 and payload == {"error": {"message": too_long}}
-        status, payload = _post(url + "/generate", {"input_ids": [[1], [5] * 10], "sampling_params": {"max_new_tokens": 7}})
+        status, payload = _post(
+            url + "/generate", {"input_ids": [[1], [5] * 10], "sampling_params": {"max_new_tokens": 7}}
+        )
         assert status == 400 and payload == {"error": {"message": over}}
         # max_new_tokens null: up to the context (SGLang: context - 1 - prompt), never refused for length
-        status, out = _post(url + "/generate", {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": None,
-                                                                                          "ignore_eos": True}})
-        assert status == 200 and len(out["output_ids"]) == 5 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+        status, out = _post(
+            url + "/generate", {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": None, "ignore_eos": True}}
+        )
+        assert (
+            status == 200
+            and len(out["output_ids"]) == 5
+            and out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+        )
         assert _get(url + "/v1/models")[1]["data"][0]["max_model_len"] == 16
     finally:
         _stop(server)
@@ -400,9 +465,17 @@ def test_base_flavor_eos_stops_and_im_end_only_when_asked(base_hf):
     try:
         bias[IM_END_ID] = 100.0  # <|im_end|> every step: not an EOS of a base model
         status, out = _post(url + "/generate", {"input_ids": [5, 6], "sampling_params": greedy})
-        assert out["output_ids"] == [IM_END_ID] * 5 and out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
-        status, out = _post(url + "/generate", {"input_ids": [5, 6], "sampling_params": {**greedy, "stop_token_ids": [IM_END_ID]}})
-        assert out["output_ids"] == [IM_END_ID] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": IM_END_ID}
+        assert out["output_ids"] == [IM_END_ID] * 5 and out["meta_info"]["finish_reason"] == {
+            "type": "length",
+            "length": 5,
+        }
+        status, out = _post(
+            url + "/generate", {"input_ids": [5, 6], "sampling_params": {**greedy, "stop_token_ids": [IM_END_ID]}}
+        )
+        assert out["output_ids"] == [IM_END_ID] and out["meta_info"]["finish_reason"] == {
+            "type": "stop",
+            "matched": IM_END_ID,
+        }
         assert out["text"] == ""  # the matched stop token is trimmed from the text, as SGLang's detokenizer does
         bias[IM_END_ID], bias[ENDOFTEXT_ID] = 0.0, 100.0  # <|endoftext|>: the EOS
         status, out = _post(url + "/generate", {"input_ids": [5, 6], "sampling_params": greedy, "return_logprob": True})
@@ -423,13 +496,25 @@ def _bodies():
     """Requests with different prompts, samples, parameters and seeds (some equal, some not)."""
     out = []
     for k in range(10):
-        sp = {"max_new_tokens": 3 + k % 4, "n": 1 + k % 3, "sampling_seed": 100 + k,
-              "temperature": [1.0, 0.7, 0.0][k % 3], "top_k": [-1, 20][k % 2], "top_p": [1.0, 0.9][k // 5]}
+        sp = {
+            "max_new_tokens": 3 + k % 4,
+            "n": 1 + k % 3,
+            "sampling_seed": 100 + k,
+            "temperature": [1.0, 0.7, 0.0][k % 3],
+            "top_k": [-1, 20][k % 2],
+            "top_p": [1.0, 0.9][k // 5],
+        }
         if k % 4 == 1:
             sp["stop_token_ids"] = [7, 40]
         prompt = PROMPTS[k % 3] + [k + 1]
-        out.append({"input_ids": prompt if k % 2 else [prompt, PROMPTS[(k + 1) % 3]], "sampling_params": sp,
-                    "return_logprob": True, "rid": f"r{k}"})
+        out.append(
+            {
+                "input_ids": prompt if k % 2 else [prompt, PROMPTS[(k + 1) % 3]],
+                "sampling_params": sp,
+                "return_logprob": True,
+                "rid": f"r{k}",
+            }
+        )
     return out
 
 
@@ -459,8 +544,11 @@ def test_concurrent_requests_are_batched_with_the_tokens_they_get_alone(tiny_hf)
     for a, b in zip(alone, together):
         for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
             assert x["output_ids"] == y["output_ids"]
-            assert {**x["meta_info"], "e2e_latency": 0, "output_token_logprobs": 0} == \
-                {**y["meta_info"], "e2e_latency": 0, "output_token_logprobs": 0}
+            assert {**x["meta_info"], "e2e_latency": 0, "output_token_logprobs": 0} == {
+                **y["meta_info"],
+                "e2e_latency": 0,
+                "output_token_logprobs": 0,
+            }
             lx, ly = x["meta_info"]["output_token_logprobs"], y["meta_info"]["output_token_logprobs"]
             assert [p[1] for p in lx] == [p[1] for p in ly]
             assert [p[0] for p in lx] == pytest.approx([p[0] for p in ly], abs=1e-5)
@@ -490,7 +578,9 @@ def test_concurrent_requests_are_batched_with_the_tokens_they_get_alone(tiny_hf)
     finally:
         _stop(server)
     assert [_ids(r) for r in small] == [_ids(r) for r in alone]
-    rows = [(len(b["input_ids"]) if isinstance(b["input_ids"][0], list) else 1) * b["sampling_params"]["n"] for b in bodies]
+    rows = [
+        (len(b["input_ids"]) if isinstance(b["input_ids"][0], list) else 1) * b["sampling_params"]["n"] for b in bodies
+    ]
     assert sum(r for _, r in sizes) == sum(rows) and len(sizes) > 1
     assert all(r <= 4 or jobs == 1 for jobs, r in sizes) and max(jobs for jobs, _ in sizes) > 1, sizes
 
@@ -572,7 +662,9 @@ def test_pause_abort_ends_running_requests_and_holds_new_ones(control_server):
     running = _start(url, {"input_ids": PROMPTS[1], "sampling_params": LONG})
     _wait_steps(engine, start + 5)
     assert _post(url + "/pause_generation", {"mode": "abort"}) == (
-        200, {"message": "Generation paused successfully.", "status": "ok"})
+        200,
+        {"message": "Generation paused successfully.", "status": "ok"},
+    )
     assert server.state.scheduler.stats()["num_running_reqs"] == 0  # answered once nothing runs
     status, out = running.result(timeout=30)
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < LONG["max_new_tokens"]
@@ -590,10 +682,14 @@ def test_pause_abort_ends_running_requests_and_holds_new_ones(control_server):
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_pause_holds_running_requests_and_continue_resumes_them(control_server, other_hf, mode, monkeypatch):
     engine, url, server = control_server
-    body = {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "sampling_seed": 11},
-            "return_logprob": True}
-    want = engine.generate_requests([PromptRequest(PROMPTS[2], SamplingParams(max_new_tokens=200), [sample_seed(11, 0, 0)],
-                                                   ignore_eos=True)])[0][0]
+    body = {
+        "input_ids": PROMPTS[2],
+        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True, "sampling_seed": 11},
+        "return_logprob": True,
+    }
+    want = engine.generate_requests(
+        [PromptRequest(PROMPTS[2], SamplingParams(max_new_tokens=200), [sample_seed(11, 0, 0)], ignore_eos=True)]
+    )[0][0]
     start = engine.decode_steps
     _hold_until_paused(monkeypatch, engine, server, start + 3)
     running = _start(url, body)
@@ -628,11 +724,16 @@ def test_abort_while_paused_in_place_answers_after_continue_retracted_at_once(co
     assert engine.decode_steps == held and not running.done() and not other.done()
     assert _post(url + "/continue_generation", {})[0] == 200
     status, out = running.result(timeout=30)
-    assert status == 200 and out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted",
-                                                                   "status_code": None, "err_type": None}
+    assert status == 200 and out["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }
     n = len(out["output_ids"])
     assert 0 < n < LONG["max_new_tokens"] and out["meta_info"]["weight_versions"] == [
-        {"version": "default", "start": 0, "end": n}]
+        {"version": "default", "start": 0, "end": n}
+    ]
     _wait_steps(engine, held + 120)
     assert _post(url + "/pause_generation", {"mode": "retract"})[0] == 200
     tokens = engine.decode_steps - start  # at least the other request's tokens so far
@@ -677,9 +778,23 @@ def test_sglang_router_in_front_of_two_servers(tiny_hf):
     engine = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
     servers = [_serve(EmbeddedEngine(engine.model)) for _ in range(2)]
     port = _free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *[u for _, u in servers],
-           "--port", str(port), "--policy", "round_robin", "--log-level", "warn",
-           "--prometheus-port", str(_free_port()), "--prometheus-host", "127.0.0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *[u for _, u in servers],
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warn",
+        "--prometheus-port",
+        str(_free_port()),
+        "--prometheus-host",
+        "127.0.0.1",
+    ]
     router = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -693,10 +808,15 @@ def test_sglang_router_in_front_of_two_servers(tiny_hf):
                 break
             time.sleep(0.2)
         assert router.poll() is None, router.stdout.read().decode()[-3000:]
-        assert sorted(listed) == sorted(u for _, u in servers)  # registered after probing /health, /server_info, /model_info
+        assert sorted(listed) == sorted(
+            u for _, u in servers
+        )  # registered after probing /health, /server_info, /model_info
         assert _get(url + "/health") == (200, "OK")
-        body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4, "sampling_seed": 3, "n": 2},
-                "return_logprob": True}
+        body = {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 4, "sampling_seed": 3, "n": 2},
+            "return_logprob": True,
+        }
         want = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, seed=3), n=2)
         for _ in range(4):  # round robin: both workers serve, with the same answer
             status, outs = _post(url + "/generate", body)

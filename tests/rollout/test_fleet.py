@@ -3,6 +3,7 @@
 every worker gone; a server restarted at its URL recalled and admitted; answers made with stale
 weights. The servers are processes (the scriptable fake worker for faults, the stand-in server for
 a real restart), so the faults are real."""
+
 import os
 import signal
 import threading
@@ -16,8 +17,15 @@ from megatron_klear.rollout.sglang.fleet import LIVE, LOST, REJOINING, Fleet, Fl
 from tests.rollout.processes import _get_json, fake_worker, free_port, recorded, router
 
 # the watchdog's bound: 2 missed probes, 0.3 s apart, 0.5 s each -> a worker is dropped within ~2 s
-WATCH = dict(timeout=5, max_retries=2, retry_backoff=0.05, health_check_interval=0.3, health_check_timeout=0.5,
-             health_failure_threshold=2, generate_timeout=3600)
+WATCH = dict(
+    timeout=5,
+    max_retries=2,
+    retry_backoff=0.05,
+    health_check_interval=0.3,
+    health_check_timeout=0.5,
+    health_failure_threshold=2,
+    generate_timeout=3600,
+)
 PARAMS = SamplingParams(max_new_tokens=3)
 PROMPTS = [[i + 1, 2] for i in range(8)]
 
@@ -34,6 +42,7 @@ def _later(seconds, fn):
 
 def _once(ready, fn, timeout: float = 30.0):
     """``fn()`` in a thread as soon as ``ready()`` holds (checked every 20 ms; at ``timeout`` anyway)."""
+
     def wait_then_call():
         deadline = time.monotonic() + timeout
         while not ready() and time.monotonic() < deadline:
@@ -57,8 +66,13 @@ def test_fleet_states_counters_and_the_min_live_bound():
     assert fleet.add("d", REJOINING) and not fleet.add("d")
     assert fleet.admit("d")  # a new worker joins without counting as a rejoin
     fleet.count(resent=3, stale=1)
-    assert fleet.metrics() == {"rollout/live_workers": 3, "rollout/worker_failures": 2, "rollout/worker_rejoins": 1,
-                               "rollout/resent_requests": 3, "rollout/stale_responses": 1}
+    assert fleet.metrics() == {
+        "rollout/live_workers": 3,
+        "rollout/worker_failures": 2,
+        "rollout/worker_rejoins": 1,
+        "rollout/resent_requests": 3,
+        "rollout/stale_responses": 1,
+    }
     assert fleet.demote("c", "stale weights") and fleet.state("c") == REJOINING and fleet.failures == 3
     with pytest.raises(ValueError, match="rollout.min_live_workers must be >= 1"):
         Fleet(["a"], min_live=0)
@@ -93,8 +107,10 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
     results come back as {worker: result}; an answer refusing the call still fails it and drops
     nobody; without tolerate_loss a gone worker fails the call as before."""
     dead = f"http://127.0.0.1:{free_port()}"
-    with fake_worker(tmp_path, "a") as (a, _, _), \
-            fake_worker(tmp_path, "r", fail_post="/update_weight_version") as (r, _, _):
+    with (
+        fake_worker(tmp_path, "a") as (a, _, _),
+        fake_worker(tmp_path, "r", fail_post="/update_weight_version") as (r, _, _),
+    ):
         client = SGLangEngine([a], workers=[a, dead], timeout=2)
         with pytest.raises(EngineError, match=dead.replace(".", r"\.")):
             client._on_workers(client.model_info)
@@ -106,8 +122,9 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
         assert client.fleet_metrics()["rollout/worker_failures"] == 0  # counts since the previous call
         refusing = SGLangEngine([a], workers=[a, r], timeout=2)
         with pytest.raises(EngineError, match="injected failure of /update_weight_version"):
-            refusing._on_workers(lambda w: refusing._post_weights(w, "/update_weight_version", {"new_version": "1"}),
-                                 tolerate_loss=True)
+            refusing._on_workers(
+                lambda w: refusing._post_weights(w, "/update_weight_version", {"new_version": "1"}), tolerate_loss=True
+            )
         assert refusing.fleet.live() == [a, r]
         alone = SGLangEngine([dead], workers=[dead], timeout=2)
         with pytest.raises(FleetError, match=f"0 rollout server.*Lost: {dead}"):
@@ -115,13 +132,19 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
 
 
 # -- a worker lost mid-generation ----------------------------------------------------------------------------
-@pytest.mark.parametrize("via_router,router_flags", [(True, ()), (True, ("--disable-health-check",)), (False, ())],
-                         ids=["router", "router-without-health-checks", "direct"])
+@pytest.mark.parametrize(
+    "via_router,router_flags",
+    [(True, ()), (True, ("--disable-health-check",)), (False, ())],
+    ids=["router", "router-without-health-checks", "direct"],
+)
 def test_a_worker_killed_mid_generation_is_dropped_and_the_call_completes(tmp_path, via_router, router_flags):
     """Behind a router that checks its workers' health or not (the launch script disables it: the
     client keeps the router's list), or sent to directly."""
-    with fake_worker(tmp_path, "a", generate_delay=1.5) as (a, rec_a, proc_a), \
-            fake_worker(tmp_path, "b", generate_delay=1.5) as (b, rec_b, _), router([a, b], extra=router_flags) as r:
+    with (
+        fake_worker(tmp_path, "a", generate_delay=1.5) as (a, rec_a, proc_a),
+        fake_worker(tmp_path, "b", generate_delay=1.5) as (b, rec_b, _),
+        router([a, b], extra=router_flags) as r,
+    ):
         client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         assert sorted(client.workers()) == sorted([a, b])
         # killed once it holds a request (a fixed delay raced the router's first forward to it)
@@ -144,14 +167,20 @@ def test_a_worker_killed_mid_generation_is_dropped_and_the_call_completes(tmp_pa
         assert len(client.generate(PROMPTS[:2], PARAMS)) == 2
 
 
-@pytest.mark.parametrize("via_router,router_flags", [(True, ()), (True, ("--disable-health-check",)), (False, ())],
-                         ids=["router", "router-without-health-checks", "direct"])
+@pytest.mark.parametrize(
+    "via_router,router_flags",
+    [(True, ()), (True, ("--disable-health-check",)), (False, ())],
+    ids=["router", "router-without-health-checks", "direct"],
+)
 def test_a_worker_frozen_mid_generation_is_dropped_within_the_watchdogs_bound(tmp_path, via_router, router_flags):
     """SIGSTOP: the worker accepts connections but never answers; its requests would wait for the
     hour of generate_timeout. The watchdog drops it; its requests (direct) or every request in
     flight through the router (hedged) go to the live worker."""
-    with fake_worker(tmp_path, "a", generate_delay=1.0) as (a, rec_a, proc_a), \
-            fake_worker(tmp_path, "b", generate_delay=1.0) as (b, rec_b, _), router([a, b], extra=router_flags) as r:
+    with (
+        fake_worker(tmp_path, "a", generate_delay=1.0) as (a, rec_a, proc_a),
+        fake_worker(tmp_path, "b", generate_delay=1.0) as (b, rec_b, _),
+        router([a, b], extra=router_flags) as r,
+    ):
         client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         client.workers()
         try:
@@ -174,8 +203,11 @@ def test_a_worker_frozen_mid_generation_is_dropped_within_the_watchdogs_bound(tm
 
 
 def test_every_worker_gone_fails_naming_them_in_bounded_time(tmp_path):
-    with fake_worker(tmp_path, "a", generate_delay=30) as (a, _, proc_a), \
-            fake_worker(tmp_path, "b", generate_delay=30) as (b, _, proc_b), router([a, b]) as r:
+    with (
+        fake_worker(tmp_path, "a", generate_delay=30) as (a, _, proc_a),
+        fake_worker(tmp_path, "b", generate_delay=30) as (b, _, proc_b),
+        router([a, b]) as r,
+    ):
         client = SGLangEngine([r], **WATCH)
         client.workers()
         _later(0.3, proc_a.kill)
@@ -197,8 +229,11 @@ def test_a_restarted_server_is_recalled_admitted_after_the_version_and_served_ag
     weight_version "0"), recalled (rejoining: control calls but no generation), refused admission
     until it reports the pushed version, then admitted: the router lists it and it generates again."""
     port = free_port()
-    with fake_worker(tmp_path, "a", generate_delay=0.5) as (a, _, _), \
-            fake_worker(tmp_path, "b", generate_delay=0.5, port=port) as (b, _, proc_b), router([a, b]) as r:
+    with (
+        fake_worker(tmp_path, "a", generate_delay=0.5) as (a, _, _),
+        fake_worker(tmp_path, "b", generate_delay=0.5, port=port) as (b, _, proc_b),
+        router([a, b]) as r,
+    ):
         client = SGLangEngine([r], max_concurrent_requests=8, **WATCH)
         client.workers()
         _later(0.2, proc_b.kill)
@@ -251,8 +286,11 @@ def test_a_worker_the_router_lists_later_joins_only_with_the_current_weights(tmp
 def test_answers_made_with_stale_weights_are_never_returned(tmp_path, via_router):
     """b answers with weight_version "0" after the client expects "1": its answers are discarded and
     sent again; b leaves the live set (and the router); every answer returned is a's."""
-    with fake_worker(tmp_path, "a", generate_delay=0.2) as (a, rec_a, _), \
-            fake_worker(tmp_path, "b", generate_delay=0.2) as (b, rec_b, _), router([a, b]) as r:
+    with (
+        fake_worker(tmp_path, "a", generate_delay=0.2) as (a, rec_a, _),
+        fake_worker(tmp_path, "b", generate_delay=0.2) as (b, rec_b, _),
+        router([a, b]) as r,
+    ):
         client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         client._post_weights(a, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
         before = client.generate(PROMPTS[:4], PARAMS)  # no push yet: any version is accepted

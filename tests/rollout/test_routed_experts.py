@@ -6,6 +6,7 @@
 answers it with the experts a teacher-forced transformers forward
 of the whole sequence routes each token to; the client reads them into Completion.routed_experts,
 going around the real sglang-router 0.3.2, which drops the request fields."""
+
 import base64
 import os
 
@@ -64,9 +65,17 @@ def test_the_real_router_drops_the_request_fields(tmp_path):
 
     with fake_worker(tmp_path) as (worker, record, _):
         with router([worker]) as url:
-            httpx.post(url + "/generate", json={"input_ids": [5, 17], "return_routed_experts": True,
-                                                "routed_experts_start_len": 1, "return_logprob": True,
-                                                "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+            httpx.post(
+                url + "/generate",
+                json={
+                    "input_ids": [5, 17],
+                    "return_routed_experts": True,
+                    "routed_experts_start_len": 1,
+                    "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 2},
+                },
+                timeout=60,
+            )
         got = recorded(record)[-1]
     assert got["input_ids"] == [5, 17] and got["return_logprob"] is True  # the request itself arrived
     assert "return_routed_experts" not in got and "routed_experts_start_len" not in got
@@ -75,8 +84,12 @@ def test_the_real_router_drops_the_request_fields(tmp_path):
 def test_a_server_returns_every_tokens_experts(moe_dir, servers):
     on, _ = servers
     prompt = [5, 17, 33, 60, 7]
-    body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 4, "n": 2}}
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 4, "n": 2},
+    }
     assert contract_error(body) is None
     outs = httpx.post(on.url + "/generate", json=body, timeout=120).json()
     validate_generate_response(outs)
@@ -89,19 +102,24 @@ def test_a_server_returns_every_tokens_experts(moe_dir, servers):
         assert torch.all(got[:, 1] == 0)  # the dense layer
         assert torch.equal(got[:, [0, 2]].long().sort(-1).values, _teacher_forced(moe_dir, seq))
     # routed_experts_start_len skips the first rows; SGLang's checks refuse a start outside the prompt
-    start = httpx.post(on.url + "/generate", json={**body, "routed_experts_start_len": 3,
-                                                   "sampling_params": {**body["sampling_params"], "n": 1}},
-                       timeout=120).json()
+    start = httpx.post(
+        on.url + "/generate",
+        json={**body, "routed_experts_start_len": 3, "sampling_params": {**body["sampling_params"], "n": 1}},
+        timeout=120,
+    ).json()
     seq = prompt + start["output_ids"][:-1]
     rows = np.frombuffer(base64.b64decode(start["meta_info"]["routed_experts"]), dtype=np.int32).reshape(-1, 3, TOP_K)
     assert rows.shape[0] == len(seq) - 3
-    assert torch.equal(torch.from_numpy(rows[:, [0, 2]].copy()).long().sort(-1).values,
-                       _teacher_forced(moe_dir, seq)[3:])
+    assert torch.equal(
+        torch.from_numpy(rows[:, [0, 2]].copy()).long().sort(-1).values, _teacher_forced(moe_dir, seq)[3:]
+    )
     bad = httpx.post(on.url + "/generate", json={**body, "routed_experts_start_len": 6}, timeout=60)
     assert bad.status_code == 400
     assert "routed_experts_start_len=6 is higher than the number of input tokens" in bad.text
-    assert "is lower than 0" in httpx.post(on.url + "/generate", json={**body, "routed_experts_start_len": -1},
-                                           timeout=60).text
+    assert (
+        "is lower than 0"
+        in httpx.post(on.url + "/generate", json={**body, "routed_experts_start_len": -1}, timeout=60).text
+    )
 
 
 def test_the_client_reads_them_and_names_the_missing_server_flag(moe_dir, servers):
@@ -121,8 +139,11 @@ def test_the_client_reads_them_and_names_the_missing_server_flag(moe_dir, server
             assert c.routed_experts.dtype == torch.int16 and c.routed_experts.shape == (len(seq), 2, TOP_K)
             assert torch.equal(c.routed_experts.long().sort(-1).values, _teacher_forced(moe_dir, seq))
     # a server without --enable-return-routed-experts leaves the field out (as SGLang does)
-    plain = httpx.post(off.url + "/generate", json={"input_ids": [5, 17], "return_routed_experts": True,
-                                                    "sampling_params": {"max_new_tokens": 2}}, timeout=60).json()
+    plain = httpx.post(
+        off.url + "/generate",
+        json={"input_ids": [5, 17], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}},
+        timeout=60,
+    ).json()
     assert "routed_experts" not in plain["meta_info"]
     client = SGLangEngine([off.url], timeout=30, max_retries=0)
     client.record_routing, client.routing_layers, client.routing_topk = True, [0, 2], TOP_K
@@ -146,10 +167,20 @@ def test_the_rl_loop_replays_the_servers_experts(moe_dir, servers, tmp_path):
     prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 12, seed=3)
     save = str(tmp_path / "run")
     with router([on.url]) as url:
-        args = [a for a in _overrides({"model": moe_dir, "prompts": prompts}, save)
-                if not a.startswith(("parallel.tp", "train.steps"))]
-        args += ["parallel.tp=1", "train.steps=2", "rollout.engine=http", f"rollout.urls=[{url}]",
-                 "rollout.router_replay=true", "rl.filter_zero_spread=false", "rollout.max_concurrent_requests=4"]
+        args = [
+            a
+            for a in _overrides({"model": moe_dir, "prompts": prompts}, save)
+            if not a.startswith(("parallel.tp", "train.steps"))
+        ]
+        args += [
+            "parallel.tp=1",
+            "train.steps=2",
+            "rollout.engine=http",
+            f"rollout.urls=[{url}]",
+            "rollout.router_replay=true",
+            "rl.filter_zero_spread=false",
+            "rollout.max_concurrent_requests=4",
+        ]
         run_distributed(_run, 1, args)
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     stepped = [m for m in lines if m.get("actor/optimizer_steps")]

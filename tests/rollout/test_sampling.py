@@ -1,5 +1,6 @@
 """The sampler on hand-computed distributions: temperature, top-k, top-p (joint, mass measured on
 the full distribution), the inverse-CDF draw, the unfiltered log-prob, and per-sample seeds."""
+
 import math
 
 import pytest
@@ -30,8 +31,8 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     tok, lp = _draw([0.0, 0.6, 0.63, 0.999999], top_p=0.75)
     assert tok == [ORDER[0], ORDER[0], ORDER[1], ORDER[1]]
     # the log-prob is of the full (unfiltered) distribution, not of the renormalised one
-    for t, l in zip(tok, lp):
-        assert l == pytest.approx(math.log(P[ORDER.index(t)]), abs=1e-6)
+    for t, logprob in zip(tok, lp):
+        assert logprob == pytest.approx(math.log(P[ORDER.index(t)]), abs=1e-6)
 
 
 def test_top_k_then_full_support_inverse_cdf():

@@ -1,6 +1,7 @@
 """The SGLang-API client against real processes: our embedded servers, the real sglang-router, and
 a scriptable fake worker for faults. Every request body the client sends is validated against
 SGLang 0.5.23's own request contract (``sglang/api/v1/api_types.py``)."""
+
 import os
 import signal
 import threading
@@ -10,9 +11,9 @@ import pytest
 
 from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import EmbeddedEngine
-from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
 from megatron_klear.rollout.sglang.fleet import FleetError
+from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from tests.rollout.conftest import PROMPTS
 from tests.rollout.processes import fake_worker, recorded, router
 from tests.rollout.sglang_contract import validate_generate_request
@@ -94,8 +95,12 @@ def test_the_real_router_spreads_requests_and_weight_updates_reach_every_worker(
 
             paths = [json.loads(x)["path"] for x in open(rec)]
             i = paths.index("/pause_generation")
-            assert paths[i:i + 4] == ["/pause_generation", "/flush_cache", "/update_weights_from_disk",
-                                      "/continue_generation"]
+            assert paths[i : i + 4] == [
+                "/pause_generation",
+                "/flush_cache",
+                "/update_weights_from_disk",
+                "/continue_generation",
+            ]
 
 
 def test_failed_requests_are_retried_then_named(tmp_path):
@@ -167,8 +172,11 @@ def test_a_frozen_worker_behind_the_router_is_noticed(tmp_path):
     the client would wait for the whole generation timeout (an hour by default). With
     rollout.min_live_workers = 2 the call cannot go on with the other worker alone: it fails
     naming the frozen one (tests/rollout/test_fleet.py: with 1 it goes on)."""
-    with fake_worker(tmp_path, "a", generate_delay=60) as (a, _, proc_a), fake_worker(tmp_path, "b") as (b, _, _), \
-            router([a, b]) as r:
+    with (
+        fake_worker(tmp_path, "a", generate_delay=60) as (a, _, proc_a),
+        fake_worker(tmp_path, "b") as (b, _, _),
+        router([a, b]) as r,
+    ):
         client = SGLangEngine([r], generate_timeout=3600, min_live_workers=2, **WATCH)
         client.workers()
         os.kill(proc_a.pid, signal.SIGSTOP)
@@ -198,13 +206,31 @@ def test_malformed_responses_are_named():
     with pytest.raises(EngineError, match="return_logprob"):
         parse_completion({"output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"}}})
     with pytest.raises(EngineError, match="do not match output_ids"):
-        parse_completion({"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "stop"},
-                                                              "output_token_logprobs": [[-0.1, 1, None], [-0.2, 3, None]]}})
+        parse_completion(
+            {
+                "output_ids": [1, 2],
+                "meta_info": {
+                    "finish_reason": {"type": "stop"},
+                    "output_token_logprobs": [[-0.1, 1, None], [-0.2, 3, None]],
+                },
+            }
+        )
     with pytest.raises(EngineError, match="abort"):
-        parse_completion({"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort"},
-                                                           "output_token_logprobs": [[-0.1, 1, None]]}})
-    c = parse_completion({"output_ids": [5, 2], "meta_info": {"finish_reason": {"type": "stop", "matched": 2},
-                                                              "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]]}})
+        parse_completion(
+            {
+                "output_ids": [1],
+                "meta_info": {"finish_reason": {"type": "abort"}, "output_token_logprobs": [[-0.1, 1, None]]},
+            }
+        )
+    c = parse_completion(
+        {
+            "output_ids": [5, 2],
+            "meta_info": {
+                "finish_reason": {"type": "stop", "matched": 2},
+                "output_token_logprobs": [[-0.5, 5, None], [-0.25, 2, None]],
+            },
+        }
+    )
     assert (c.token_ids, c.logprobs, c.finish_reason) == ([5, 2], [-0.5, -0.25], "stop")
 
 
@@ -215,12 +241,24 @@ def test_rollout_config_reaches_the_client(tmp_path):
     from megatron_klear.rollout.factory import make_engine
 
     with fake_worker(tmp_path) as (url, _, _):
-        cfg = load_config(None, ["rollout.engine=http", f"rollout.urls=[{url}]", "rollout.generate_timeout_s=123",
-                                 "rollout.control_timeout_s=7", "rollout.weight_update_timeout_s=99",
-                                 "rollout.max_concurrent_requests=3", "rollout.request_granularity=sample",
-                                 "rollout.max_retries=4", "rollout.health_check_interval_s=2",
-                                 "rollout.health_check_timeout_s=3", "rollout.health_failure_threshold=5",
-                                 "rollout.send_seed=true", f"rollout.workers=[{url}]"])
+        cfg = load_config(
+            None,
+            [
+                "rollout.engine=http",
+                f"rollout.urls=[{url}]",
+                "rollout.generate_timeout_s=123",
+                "rollout.control_timeout_s=7",
+                "rollout.weight_update_timeout_s=99",
+                "rollout.max_concurrent_requests=3",
+                "rollout.request_granularity=sample",
+                "rollout.max_retries=4",
+                "rollout.health_check_interval_s=2",
+                "rollout.health_check_timeout_s=3",
+                "rollout.health_failure_threshold=5",
+                "rollout.send_seed=true",
+                f"rollout.workers=[{url}]",
+            ],
+        )
         engine = make_engine(cfg.rollout)
     assert (engine.generate_timeout, engine.timeout, engine.weight_update_timeout) == (123, 7, 99)
     assert (engine.max_concurrent_requests, engine.request_granularity, engine.max_retries) == (3, "sample", 4)

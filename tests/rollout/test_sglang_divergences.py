@@ -11,6 +11,7 @@ launch commands and the client do (issue 21's divergences 1, 2, 4, 5, 7, and 6's
 7. ``--api-key`` (``srt/utils/auth.py``): the client sends ``rollout.api_key``, also through the router;
 6. ``/flush_cache`` refuses a server with running requests, or waiting ones while not paused.
 """
+
 import os
 import re
 import threading
@@ -21,8 +22,7 @@ import pytest
 import torch
 
 from megatron_klear.rollout.base import SamplingParams
-from megatron_klear.rollout.sglang import EngineError, SGLangEngine
-from megatron_klear.rollout.sglang import compat
+from megatron_klear.rollout.sglang import EngineError, SGLangEngine, compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEALTH_OFF = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
@@ -35,8 +35,12 @@ SCRIPT_ROUTER_FLAGS = ("--disable-health-check",)
 @pytest.fixture(autouse=True)
 def _sglang_env(monkeypatch):
     """Every test starts from SGLang's defaults (in-thread servers read this process's environment)."""
-    for name in ("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "SGLANG_MEMORY_SAVER_CUDA_GRAPH",
-                 "SGLANG_EXPOSE_OWN_ENV_VARS", "SGLANG_HEALTH_CHECK_TIMEOUT"):
+    for name in (
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",
+        "SGLANG_MEMORY_SAVER_CUDA_GRAPH",
+        "SGLANG_EXPOSE_OWN_ENV_VARS",
+        "SGLANG_HEALTH_CHECK_TIMEOUT",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -166,8 +170,9 @@ def test_cuda_graph_is_freed_only_with_its_variable(tiny_hf, monkeypatch, graph_
         client.release_memory()
         info = _info(url)
         assert info["released_memory_tags"] == ["cuda_graph", "kv_cache", "weights"]
-        assert info["freed_memory_tags"] == (["cuda_graph", "kv_cache", "weights"] if graph_saver
-                                             else ["kv_cache", "weights"])
+        assert info["freed_memory_tags"] == (
+            ["cuda_graph", "kv_cache", "weights"] if graph_saver else ["kv_cache", "weights"]
+        )
         if graph_saver:
             compat.check_colocated_env(client)
         else:
@@ -204,8 +209,11 @@ def test_the_nccl_path_needs_the_torch_sglang_pins(tiny_hf):
     client = SGLangEngine([url], timeout=30)
     try:
         assert _info(url)["version"] == "0.5.23"
-        with pytest.raises(EngineError, match=r"SGLang 0\.5\.23, which pins torch 2\.14\.1.*torch 2\.4\.0\+cu121 "
-                                              r"\(NCCL 2\.20\.5\).*torch==2\.14\.1.*weight_sync=disk"):
+        with pytest.raises(
+            EngineError,
+            match=r"SGLang 0\.5\.23, which pins torch 2\.14\.1.*torch 2\.4\.0\+cu121 "
+            r"\(NCCL 2\.20\.5\).*torch==2\.14\.1.*weight_sync=disk",
+        ):
             compat.check_nccl_build(client, trainer_torch="2.4.0+cu121", trainer_nccl="2.20.5")
         compat.check_nccl_build(client, trainer_torch="2.14.1+cu130", trainer_nccl="2.27.7")
         base = ["rollout.engine=http", f"rollout.urls=[{url}]", "rl.prompts=[p.jsonl]", "rollout.max_new_tokens=8"]
@@ -215,8 +223,9 @@ def test_the_nccl_path_needs_the_torch_sglang_pins(tiny_hf):
                 compat.check_servers(client, r)
         compat.check_servers(client, r, weight_sync=False)  # evaluation: no weights pushed
         compat.check_servers(client, load_config(None, base + ["rollout.sync_backend=gloo"]).rollout)  # no NCCL
-        compat.check_servers(client, load_config(None, base + ["rollout.weight_sync=disk",
-                                                               "rollout.sync_backend=nccl"]).rollout)
+        compat.check_servers(
+            client, load_config(None, base + ["rollout.weight_sync=disk", "rollout.sync_backend=nccl"]).rollout
+        )
     finally:
         client.close()
         _stop(server)

@@ -12,6 +12,7 @@ sglang-router 0.3.2.
 
 A request is held at a chosen decode step until the control call under test has arrived (the
 engine waits before its next forward), so the split points are exact, however slow the machine."""
+
 import itertools
 import random
 import threading
@@ -28,8 +29,12 @@ from megatron_klear.rollout.sglang_standin import serve_in_thread
 from megatron_klear.rollout.sglang_standin.contract import completion_to_sglang, visible_spans, weight_version_spans
 from tests.rollout.conftest import PROMPTS, full_logits, load_reference
 from tests.rollout.processes import router
-from tests.rollout.sglang_contract import (control_contract_errors, io_structs, validate_generate_request,
-                                           validate_generate_response)
+from tests.rollout.sglang_contract import (
+    control_contract_errors,
+    io_structs,
+    validate_generate_request,
+    validate_generate_response,
+)
 
 TEMPERATURE = 0.8
 N = 24  # max_new_tokens of the long request
@@ -69,10 +74,14 @@ def test_spans_equal_sglangs_event_computation():
         assert weight_version_spans(versions, current, n) == _sglang_spans(versions, current)
     # by hand: runs merged; None is SGLang's default name; no token: one empty span of the current version
     assert weight_version_spans([0, 0, 1, 1, 1, 3], 3, 6) == [
-        {"version": "0", "start": 0, "end": 2}, {"version": "1", "start": 2, "end": 5},
-        {"version": "3", "start": 5, "end": 6}]
+        {"version": "0", "start": 0, "end": 2},
+        {"version": "1", "start": 2, "end": 5},
+        {"version": "3", "start": 5, "end": 6},
+    ]
     assert weight_version_spans([None, None, "7"], "7", 3) == [
-        {"version": "default", "start": 0, "end": 2}, {"version": "7", "start": 2, "end": 3}]
+        {"version": "default", "start": 0, "end": 2},
+        {"version": "7", "start": 2, "end": 3},
+    ]
     assert weight_version_spans([], 4, 0) == [{"version": "4", "start": 0, "end": 0}]
     assert weight_version_spans(None, None, 2) == [{"version": "default", "start": 0, "end": 2}]
     with pytest.raises(ValueError, match="2 versions for 3 tokens"):
@@ -88,15 +97,22 @@ def test_visible_spans_cut_to_the_tokens_sent():
 
 def test_answer_meta_info_versions():
     c = Completion(token_ids=[4, 5, 6], logprobs=[-1.0, -2.0, -3.0], finish_reason="length", versions=["0", "1", "1"])
-    meta = completion_to_sglang(c, prompt=[1], max_new_tokens=3, return_logprob=True, rid="a", weight_version="2")["meta_info"]
+    meta = completion_to_sglang(c, prompt=[1], max_new_tokens=3, return_logprob=True, rid="a", weight_version="2")[
+        "meta_info"
+    ]
     # the last span's version, not the engine's version at answer time
     assert meta["weight_version"] == "1" and meta["weight_versions"] == [
-        {"version": "0", "start": 0, "end": 1}, {"version": "1", "start": 1, "end": 3}]
+        {"version": "0", "start": 0, "end": 1},
+        {"version": "1", "start": 1, "end": 3},
+    ]
     queued = Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[])
-    out = completion_to_sglang(queued, prompt=[1], max_new_tokens=3, return_logprob=True, rid="b", weight_version="2",
-                               waiting_interval=50)
-    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "abort",
-                                                                             "message": "Abort in waiting queue"}
+    out = completion_to_sglang(
+        queued, prompt=[1], max_new_tokens=3, return_logprob=True, rid="b", weight_version="2", waiting_interval=50
+    )
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Abort in waiting queue",
+    }
     assert out["meta_info"]["weight_versions"] == [{"version": "2", "start": 0, "end": 0}]
     validate_generate_response(out)
 
@@ -126,7 +142,11 @@ def _control(url, route, body):
     """A control call whose body SGLang 0.5.23 would accept (its io_struct request types)."""
     if route == "/abort_request":  # http_server.py decodes it as AbortReq
         spec = io_structs()["AbortReq"]
-        assert set(body) <= set(spec) and isinstance(body.get("rid", ""), str) and isinstance(body.get("abort_all", False), bool)
+        assert (
+            set(body) <= set(spec)
+            and isinstance(body.get("rid", ""), str)
+            and isinstance(body.get("abort_all", False), bool)
+        )
     else:
         assert control_contract_errors(route, body) == []
     return httpx.post(url + route, json=body, timeout=60).status_code
@@ -181,9 +201,17 @@ def _wait_steps(engine, steps, timeout=60):
 
 
 def _body(prompt, max_new_tokens, seed, rid):
-    return {"input_ids": prompt, "rid": rid, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": TEMPERATURE, "ignore_eos": True,
-                                "sampling_seed": seed}}
+    return {
+        "input_ids": prompt,
+        "rid": rid,
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": TEMPERATURE,
+            "ignore_eos": True,
+            "sampling_seed": seed,
+        },
+    }
 
 
 @torch.no_grad()
@@ -193,8 +221,8 @@ def _teacher_forced(refs, prompt, tokens, spans):
     logits = {v: full_logits(refs[v], prompt, tokens) for v in {s["version"] for s in spans}}
     out = []
     for s in spans:
-        lp = torch.log_softmax(logits[s["version"]][s["start"]:s["end"]] / TEMPERATURE, dim=-1)
-        out += lp.gather(1, torch.tensor(tokens[s["start"]:s["end"]]).unsqueeze(1)).squeeze(1).tolist()
+        lp = torch.log_softmax(logits[s["version"]][s["start"] : s["end"]] / TEMPERATURE, dim=-1)
+        out += lp.gather(1, torch.tensor(tokens[s["start"] : s["end"]]).unsqueeze(1)).squeeze(1).tolist()
     return out
 
 
@@ -235,8 +263,16 @@ def test_retract_pause_and_disk_update_mid_request(server, refs, tiny_hf, other_
     assert max(abs(a - b) for a, b in zip(got[K:], wrong[K:])) > 1e-2
     # the stand-in draws token i of a sample from its seeded stream's i-th uniform: before the
     # update, the request is what version 0 alone samples with the same seed
-    alone = EmbeddedEngine.from_pretrained(tiny_hf["untied"]).generate_requests([PromptRequest(
-        prompt, SamplingParams(temperature=TEMPERATURE, max_new_tokens=N), [sample_seed(7, 0, 0)], ignore_eos=True)])[0][0]
+    alone = EmbeddedEngine.from_pretrained(tiny_hf["untied"]).generate_requests(
+        [
+            PromptRequest(
+                prompt,
+                SamplingParams(temperature=TEMPERATURE, max_new_tokens=N),
+                [sample_seed(7, 0, 0)],
+                ignore_eos=True,
+            )
+        ]
+    )[0][0]
     assert out["output_ids"][:K] == alone.token_ids[:K] and out["output_ids"] != alone.token_ids
 
 
@@ -261,7 +297,9 @@ def test_abort_then_continue_under_new_weights(server, refs, other_hf, monkeypat
     monkeypatch.setattr(sched, "abort_request", aborting)
     with router([url], extra=("--disable-health-check",)) if via == "router" else _nothing(url) as front:
         if via == "router":
-            assert httpx.post(front + "/abort_request", json={"rid": "", "abort_all": True}, timeout=10).status_code == 404
+            assert (
+                httpx.post(front + "/abort_request", json={"rid": "", "abort_all": True}, timeout=10).status_code == 404
+            )
             assert not gate.is_set()
         start = engine.decode_steps  # (after the router's health probes, which generate)
         _hold(monkeypatch, engine, start + K, gate)
@@ -281,8 +319,9 @@ def test_abort_then_continue_under_new_weights(server, refs, other_hf, monkeypat
         assert meta["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         assert len(part["output_ids"]) == K and meta["completion_tokens"] == K
         assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": K}] and meta["weight_version"] == "0"
-        assert _logprobs(part) == pytest.approx(_teacher_forced(refs, prompt, part["output_ids"], meta["weight_versions"]),
-                                               abs=2e-4)
+        assert _logprobs(part) == pytest.approx(
+            _teacher_forced(refs, prompt, part["output_ids"], meta["weight_versions"]), abs=2e-4
+        )
         # the next step: new weights, then the partial response continues with the budget left
         assert _control(url, "/update_weights_from_disk", {"model_path": other_hf, "weight_version": "1"}) == 200
         results = {}
@@ -376,16 +415,22 @@ def test_in_place_pause_tags_from_the_next_forward(server, refs, other_hf, monke
     _wait_steps(engine, start + K)  # held before its next forward: K tokens sampled
     assert _control(url, "/pause_generation", {"mode": "in_place"}) == 200
     assert httpx.post(url + "/flush_cache", timeout=10).status_code == 400  # KV cache of the old weights is held
-    assert _control(url, "/update_weights_from_disk", {"model_path": other_hf, "weight_version": "1",
-                                                       "flush_cache": False}) == 200
+    assert (
+        _control(
+            url, "/update_weights_from_disk", {"model_path": other_hf, "weight_version": "1", "flush_cache": False}
+        )
+        == 200
+    )
     assert _control(url, "/continue_generation", {}) == 200
     thread.join(60)
     out = results["out"].json()
-    assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": K + 1},
-                                                   {"version": "1", "start": K + 1, "end": N}]
+    assert out["meta_info"]["weight_versions"] == [
+        {"version": "0", "start": 0, "end": K + 1},
+        {"version": "1", "start": K + 1, "end": N},
+    ]
     got = _logprobs(out)
     want = _teacher_forced(refs, prompt, out["output_ids"], [{"version": "0", "start": 0, "end": K + 1}])
-    assert got[:K + 1] == pytest.approx(want, abs=2e-4)
+    assert got[: K + 1] == pytest.approx(want, abs=2e-4)
 
 
 def test_embedded_engine_tags_tokens_and_aborted_rows(tiny_hf):
@@ -406,9 +451,13 @@ def test_embedded_engine_tags_tokens_and_aborted_rows(tiny_hf):
             return key == "gone" or (key == "cut" and next(steps) >= 4)
 
     params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=10)
-    out = engine.generate_requests([PromptRequest(PROMPTS[0], params, [1], key="cut", ignore_eos=True),
-                                    PromptRequest(PROMPTS[1], params, [2], key="gone", ignore_eos=True)],
-                                   control=Control())
+    out = engine.generate_requests(
+        [
+            PromptRequest(PROMPTS[0], params, [1], key="cut", ignore_eos=True),
+            PromptRequest(PROMPTS[1], params, [2], key="gone", ignore_eos=True),
+        ],
+        control=Control(),
+    )
     cut, gone = out[0][0], out[1][0]
     assert cut.finish_reason == "abort" and 0 < len(cut.token_ids) < 10
     assert cut.versions == [5] * len(cut.token_ids) and len(cut.logprobs) == len(cut.token_ids)

@@ -4,6 +4,7 @@ weights that change while requests run, and the ``retract`` pause of a weight pu
 stand-in server (in-thread, the tiny model, each forward slowed so that an abort lands mid-way),
 the real sglang-router, and the scriptable fake worker (request bodies validated against SGLang
 0.5.23's contract)."""
+
 import time
 
 import pytest
@@ -19,9 +20,14 @@ PROMPTS = [[5, 17, 33, 60, 7], [40, 41], [300, 8, 250, 3], [9, 9, 120], [77, 1],
 
 
 def _requests(seed0: int = 11, budget: int = BUDGET, prompts=PROMPTS):
-    return [SampleRequest(key=("p", i), input_ids=list(p),
-                          params=SamplingParams(temperature=1.0, max_new_tokens=budget, seed=seed0 + i))
-            for i, p in enumerate(prompts)]
+    return [
+        SampleRequest(
+            key=("p", i),
+            input_ids=list(p),
+            params=SamplingParams(temperature=1.0, max_new_tokens=budget, seed=seed0 + i),
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _serve(model_dir, delay: float = 0.0):
@@ -64,10 +70,19 @@ def _collect(stream):
 # -- unit: versions and the stale rule ----------------------------------------------------------------
 def _answer(ids, reason="length", version="3", spans=None):
     """An output as SGLang 0.5.23's /generate answers it."""
-    meta = {"id": "r", "finish_reason": ({"type": "abort", "message": "Abort", "status_code": None, "err_type": None}
-                                         if reason == "abort" else {"type": reason, "length": len(ids)}),
-            "prompt_tokens": 2, "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": version,
-            "output_token_logprobs": [[-0.25 * (t + 1), t, None] for t in range(len(ids))]}
+    meta = {
+        "id": "r",
+        "finish_reason": (
+            {"type": "abort", "message": "Abort", "status_code": None, "err_type": None}
+            if reason == "abort"
+            else {"type": reason, "length": len(ids)}
+        ),
+        "prompt_tokens": 2,
+        "completion_tokens": len(ids),
+        "cached_tokens": 0,
+        "weight_version": version,
+        "output_token_logprobs": [[-0.25 * (t + 1), t, None] for t in range(len(ids))],
+    }
     if spans is not None:
         meta["weight_versions"] = spans
     return {"text": "", "output_ids": list(range(len(ids))), "meta_info": meta}
@@ -80,19 +95,23 @@ def test_per_token_versions_from_spans_or_the_single_version():
     assert parse_completion(_answer([0] * 3, version="7")).versions == [7, 7, 7]
     assert parse_completion(_answer([0] * 2, version="default")).versions == [None, None]
     # an abort with no token yet: one empty span, as SGLang's add_weight_versions_to_meta_info writes it
-    empty = parse_completion(_answer([], reason="abort", spans=[{"version": "2", "start": 0, "end": 0}]),
-                             allow_abort=True)
+    empty = parse_completion(
+        _answer([], reason="abort", spans=[{"version": "2", "start": 0, "end": 0}]), allow_abort=True
+    )
     assert empty.aborted and empty.token_ids == [] and empty.versions == []
 
 
-@pytest.mark.parametrize("spans, said", [
-    ([{"version": "3", "start": 1, "end": 5}], "span 0 covers [1, 5)"),
-    ([{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}], "span 1 covers [3, 5)"),
-    ([{"version": "3", "start": 0, "end": 4}], "cover 4 tokens, but the output has 5"),
-    ([{"version": "3", "start": 0}], "span 0 is not an object with version, start and end"),
-    ([], "is not a non-empty list"),
-    ([{"version": "3", "start": 0, "end": "5"}], "start and end must be integers"),
-])
+@pytest.mark.parametrize(
+    "spans, said",
+    [
+        ([{"version": "3", "start": 1, "end": 5}], "span 0 covers [1, 5)"),
+        ([{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}], "span 1 covers [3, 5)"),
+        ([{"version": "3", "start": 0, "end": 4}], "cover 4 tokens, but the output has 5"),
+        ([{"version": "3", "start": 0}], "span 0 is not an object with version, start and end"),
+        ([], "is not a non-empty list"),
+        ([{"version": "3", "start": 0, "end": "5"}], "start and end must be integers"),
+    ],
+)
 def test_malformed_spans_are_named(spans, said):
     with pytest.raises(EngineError) as e:
         parse_completion(_answer([0] * 5, spans=spans), k=2, url="http://w:1")
@@ -149,9 +168,14 @@ def test_the_pause_mode_of_a_push_is_checked(tmp_path):
 # -- the fake worker: bodies, the deadline ------------------------------------------------------------
 def test_stream_bodies_follow_sglangs_contract_and_an_unanswered_abort_ends_at_the_deadline(tmp_path, monkeypatch):
     monkeypatch.setitem(CONTROL_ROUTES, "/abort_request", "AbortReq")
-    reqs = [SampleRequest(key=k, input_ids=[k + 1, 2], params=SamplingParams(max_new_tokens=3 + k, seed=40 + k,
-                                                                                 top_k=5, stop_token_ids=[2]))
-            for k in range(3)]
+    reqs = [
+        SampleRequest(
+            key=k,
+            input_ids=[k + 1, 2],
+            params=SamplingParams(max_new_tokens=3 + k, seed=40 + k, top_k=5, stop_token_ids=[2]),
+        )
+        for k in range(3)
+    ]
     with fake_worker(tmp_path) as (url, record, _):
         client = SGLangEngine([url], timeout=5, send_seed=True)
         got = _collect(client.stream(reqs))
@@ -199,7 +223,7 @@ def test_bad_stream_requests_are_named():
 def test_abort_mid_way_answers_the_output_so_far_and_continuing_finishes(tiny_hf, via_router):
     (ea, sa, a), (eb, sb, b) = _serve(tiny_hf["untied"], delay=0.01), _serve(tiny_hf["untied"], delay=0.01)
     try:
-        with (router([a, b]) if via_router else _nothing()) as r:
+        with router([a, b]) if via_router else _nothing() as r:
             client = SGLangEngine([r] if via_router else [a, b], timeout=10, send_seed=True)
             reference = _collect(client.stream(_requests()))  # the same requests, run to the end
             assert all(not c.aborted and len(c.versions) == len(c.token_ids) for c in reference.values())
@@ -218,13 +242,18 @@ def test_abort_mid_way_answers_the_output_so_far_and_continuing_finishes(tiny_hf
                 assert c.aborted and 0 <= len(c.token_ids) < len(full.token_ids) <= BUDGET, (req.key, c)
                 assert len(c.logprobs) == len(c.token_ids) == len(c.versions)
                 # the stand-in's seeded sampling is per sample: the partial response is a prefix of the full one
-                assert c.token_ids == full.token_ids[:len(c.token_ids)]
-                assert c.logprobs == pytest.approx(full.logprobs[:len(c.token_ids)], abs=1e-5)
+                assert c.token_ids == full.token_ids[: len(c.token_ids)]
+                assert c.logprobs == pytest.approx(full.logprobs[: len(c.token_ids)], abs=1e-5)
             assert stream.aborted == len(long) and client.retries == 0
             # continue each: the prompt and its partial response as the input, the budget left
-            cont = [SampleRequest(req.key, req.input_ids + got[req.key].token_ids,
-                                  SamplingParams(max_new_tokens=BUDGET - len(got[req.key].token_ids), seed=99))
-                    for req in long]
+            cont = [
+                SampleRequest(
+                    req.key,
+                    req.input_ids + got[req.key].token_ids,
+                    SamplingParams(max_new_tokens=BUDGET - len(got[req.key].token_ids), seed=99),
+                )
+                for req in long
+            ]
             rest = _collect(client.stream(cont))
             for req in cont:
                 c = rest[req.key]
@@ -247,8 +276,14 @@ class _nothing:
 def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the_new_version(tiny_hf, other_hf):
     (ea, sa, a), (eb, sb, b) = _serve(tiny_hf["untied"], delay=0.01), _serve(tiny_hf["untied"], delay=0.01)
     try:
-        client = SGLangEngine([a, b], timeout=10, send_seed=True, health_check_interval=0.1,
-                              health_check_timeout=1.0, health_failure_threshold=2)
+        client = SGLangEngine(
+            [a, b],
+            timeout=10,
+            send_seed=True,
+            health_check_interval=0.1,
+            health_check_timeout=1.0,
+            health_failure_threshold=2,
+        )
         client.sync_pause_mode = "retract"
         with client.fleet.pushing():  # version 1 everywhere, as the RL loop's first push
             client.load_from_disk(tiny_hf["untied"], version=1)
@@ -283,8 +318,9 @@ def test_the_watchdog_leaves_servers_paused_by_a_push_alone(tiny_hf, in_push):
 
     engine, server, url = _serve(tiny_hf["untied"], delay=0.01)
     try:
-        client = SGLangEngine([url], timeout=10, health_check_interval=0.1, health_check_timeout=1.0,
-                              health_failure_threshold=2)
+        client = SGLangEngine(
+            [url], timeout=10, health_check_interval=0.1, health_check_timeout=1.0, health_failure_threshold=2
+        )
         stream = client.stream(_requests(budget=24, prompts=PROMPTS[:3]))
         _wait_steps([engine], 3)
         with client.fleet.pushing() if in_push else _nothing():

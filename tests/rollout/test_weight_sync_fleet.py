@@ -3,6 +3,7 @@ divergence 6), against fake workers (real processes, killed for real): a worker 
 load is dropped and the others load; too few left is a FleetError naming it; a worker that
 answers with a failure is an error for a live one and a drop for a rejoining one; SGLang's
 refusal to flush while a request is queued is retried, then named."""
+
 import time
 
 import pytest
@@ -66,8 +67,10 @@ def test_too_few_workers_left_by_a_disk_load_is_a_fleet_error_naming_them(tmp_pa
 
 
 def test_a_failed_load_is_an_error_for_a_live_worker_and_a_drop_for_a_rejoining_one(tmp_path):
-    with fake_worker(tmp_path, "a") as (a, _, _), \
-            fake_worker(tmp_path, "b", fail_post="/update_weights_from_disk") as (b, _, _):
+    with (
+        fake_worker(tmp_path, "a") as (a, _, _),
+        fake_worker(tmp_path, "b", fail_post="/update_weights_from_disk") as (b, _, _),
+    ):
         client = SGLangEngine([a, b], **FAST)
         with pytest.raises(EngineError, match=rf"{b}/update_weights_from_disk failed"):
             client.load_from_disk("/w/step_3", version=3)
@@ -81,8 +84,10 @@ def test_a_failed_load_is_an_error_for_a_live_worker_and_a_drop_for_a_rejoining_
 
 def test_a_bucket_is_not_broadcast_while_a_post_is_refused_within_the_grace(tmp_path):
     """BucketPost.refusals: the early answers decide whether the sender broadcasts (divergence 3)."""
-    with fake_worker(tmp_path, "ok") as (ok, _, _), \
-            fake_worker(tmp_path, "no", fail_post="/update_weights_from_distributed") as (no, _, _):
+    with (
+        fake_worker(tmp_path, "ok") as (ok, _, _),
+        fake_worker(tmp_path, "no", fail_post="/update_weights_from_distributed") as (no, _, _),
+    ):
         client = SGLangEngine([ok, no], **FAST)
         post = client.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", timeout=5)
         refused = post.refusals(5.0)
@@ -91,8 +96,9 @@ def test_a_bucket_is_not_broadcast_while_a_post_is_refused_within_the_grace(tmp_
         # a server that is not there at all refuses too (a connection refused, at once)
         t0 = time.monotonic()
         gone = "http://127.0.0.1:9"
-        assert list(client.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", workers=[ok, gone]).refusals(5.0)) \
-            == [gone]
+        assert list(
+            client.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", workers=[ok, gone]).refusals(5.0)
+        ) == [gone]
         assert time.monotonic() - t0 < 3
 
 

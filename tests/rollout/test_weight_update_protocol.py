@@ -3,6 +3,7 @@ process as the sender (group rank 0): the group joins through a TCP store laid o
 out, tensors arrive by broadcast (one per tensor, or one flattened bucket), a begin/end session is
 required, nothing is applied before ``/end_weight_update`` and a failed session applies nothing
 (the version the server reports says which weights it serves), the cache-flush rule, checksums."""
+
 import threading
 import uuid
 
@@ -14,8 +15,14 @@ import torch.distributed as dist
 from megatron_klear.checkpoint.hf_io import HFReader
 from megatron_klear.rollout.embedded import EmbeddedEngine
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
-from megatron_klear.rollout.weight_sync.update_group import (FLATTENED_BUCKET, destroy_update_group, dtype_name, flatten_bucket,
-                                                 join_update_group, open_master_store)
+from megatron_klear.rollout.weight_sync.update_group import (
+    FLATTENED_BUCKET,
+    destroy_update_group,
+    dtype_name,
+    flatten_bucket,
+    join_update_group,
+    open_master_store,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +50,44 @@ class Sender:
         self.url, self.name = url, f"test_{uuid.uuid4().hex[:8]}"
         store = open_master_store("127.0.0.1", 0, 2, 20)
         answer = {}
-        t = threading.Thread(target=lambda: answer.update(r=post(url, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1, "world_size": 2,
-            "group_name": self.name, "backend": "gloo"})))
+        t = threading.Thread(
+            target=lambda: answer.update(
+                r=post(
+                    url,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": "127.0.0.1",
+                        "master_port": store.port,
+                        "rank_offset": 1,
+                        "world_size": 2,
+                        "group_name": self.name,
+                        "backend": "gloo",
+                    },
+                )
+            )
+        )
         t.start()
-        self.pg = join_update_group(backend="gloo", master_address="127.0.0.1", master_port=store.port, rank=0,
-                                    world_size=2, group_name=self.name, timeout=20, store=store)
+        self.pg = join_update_group(
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=store.port,
+            rank=0,
+            world_size=2,
+            group_name=self.name,
+            timeout=20,
+            store=store,
+        )
         t.join()
         assert answer["r"] == (200, {"success": True, "message": "Succeeded to initialize custom process group."})
 
     def send(self, named, *, flattened=True, **extra):
-        body = {"names": [n for n, _ in named], "dtypes": [dtype_name(t.dtype) for _, t in named],
-                "shapes": [list(t.shape) for _, t in named], "group_name": self.name, **extra}
+        body = {
+            "names": [n for n, _ in named],
+            "dtypes": [dtype_name(t.dtype) for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "group_name": self.name,
+            **extra,
+        }
         if flattened:
             body["load_format"] = FLATTENED_BUCKET
         answer = {}
@@ -81,21 +114,33 @@ def _other_weights(tiny_hf_dir, other_dir):
 def test_session_rules_and_unknown_groups(server):
     url = server.url
     assert post(url, "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}) == (
-        400, {"success": False, "message": "update_weights_from_distributed must run between begin_weight_update() "
-                                           "and end_weight_update()"})
+        400,
+        {
+            "success": False,
+            "message": "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+        },
+    )
     assert post(url, "/end_weight_update")[0] == 400
     assert post(url, "/begin_weight_update") == (200, {"success": True, "message": "Success"})
     status, body = post(url, "/begin_weight_update")
     assert status == 400 and "already open" in body["message"]
-    status, body = post(url, "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
-                                                                  "group_name": "nope"})
+    status, body = post(
+        url,
+        "/update_weights_from_distributed",
+        {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"},
+    )
     assert status == 400 and "Group nope not in" in body["message"]
     status, body = post(url, "/end_weight_update")  # the failed session is discarded
     assert status == 400 and "nothing was applied" in body["message"]
     assert post(url, "/destroy_weights_update_group", {"group_name": "nope"}) == (
-        400, {"success": False, "message": "The group to be destroyed does not exist."})
-    status, body = post(url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
-                                                            "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+        400,
+        {"success": False, "message": "The group to be destroyed does not exist."},
+    )
+    status, body = post(
+        url,
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"},
+    )
     assert status == 400 and "nccl needs CUDA" in body["message"]
     info = httpx.get(url + "/server_info").json()
     assert (info["tp_size"], info["pp_size"], info["dp_size"]) == (1, 1, 1)
@@ -144,9 +189,18 @@ def test_cache_flush_refused_while_requests_hold_their_kv_cache(server, tiny_hf)
     url = server.url
     same = [(k, HFReader(tiny_hf["untied"]).get(k)) for k in ["model.norm.weight"]]
     gen = {}
-    long_request = threading.Thread(target=lambda: gen.update(r=httpx.post(url + "/generate", json={
-        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 1.0}},
-        timeout=120)))
+    long_request = threading.Thread(
+        target=lambda: gen.update(
+            r=httpx.post(
+                url + "/generate",
+                json={
+                    "input_ids": [5, 6, 7],
+                    "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 1.0},
+                },
+                timeout=120,
+            )
+        )
+    )
     sender = Sender(url)
     try:
         long_request.start()

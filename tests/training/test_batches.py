@@ -1,5 +1,6 @@
 """Packed rows for context parallelism: every segment padded to 2*CP, the row to TP*2*CP, each CP
 rank's slice splits over TP, and no token or loss position is lost or duplicated."""
+
 import random
 
 import pytest
@@ -36,8 +37,9 @@ def test_a_per_token_key_with_more_values_per_token_is_padded_and_split_with_the
     """router replay: ``routed_experts`` [1, row, layers, top_k] follows the tokens through the CP
     padding and slicing (zeros where padding was inserted); a key absent from the batch is skipped."""
     lengths = [5, 3]
-    row = build_packed_micro_batch([[10 + i for i in range(n)] for n in lengths], [[1] * n for n in lengths],
-                                   pad_token_id=0)
+    row = build_packed_micro_batch(
+        [[10 + i for i in range(n)] for n in lengths], [[1] * n for n in lengths], pad_token_id=0
+    )
     T = row["tokens"].shape[1]
     # each token's "experts" encode its token id, so that the two can be compared after slicing
     row["routed_experts"] = row["tokens"][..., None, None].expand(1, T, 3, 2).clone()

@@ -2,6 +2,7 @@
 run does not mix with an earlier one, partial checkpoints are cleaned at start-up, one run at a
 time (lock file), metrics.jsonl follows the resumed step. Unit level: no model, no processes,
 except the two end-to-end cases at the bottom (one spawned process each)."""
+
 import json
 import os
 import socket
@@ -11,10 +12,9 @@ import types
 
 import pytest
 
-from tests.tiny_sft import sft_data
-
 from megatron_klear.training import checkpointing
 from megatron_klear.training.checkpointing import LATEST, CheckpointManager
+from tests.tiny_sft import sft_data
 
 LOCK = "run.lock"
 
@@ -66,9 +66,11 @@ def no_torch_dist_save(monkeypatch, tmp_path):
     monkeypatch.setattr(mdc, "save", fake_save)
     monkeypatch.setattr(CheckpointManager, "_sharded_state", lambda self, state, **kw: {})
     monkeypatch.chdir(tmp_path)
-    return types.SimpleNamespace(scheduler=types.SimpleNamespace(state_dict=lambda: {}),
-                                 optimizer=types.SimpleNamespace(optimizer=types.SimpleNamespace(state={})),
-                                 arch=types.SimpleNamespace(hf_config={"model_type": "qwen3"}))
+    return types.SimpleNamespace(
+        scheduler=types.SimpleNamespace(state_dict=lambda: {}),
+        optimizer=types.SimpleNamespace(optimizer=types.SimpleNamespace(state={})),
+        arch=types.SimpleNamespace(hf_config={"model_type": "qwen3"}),
+    )
 
 
 # -- item 1: rotation and fresh runs --------------------------------------------------------------
@@ -167,8 +169,9 @@ def test_partial_checkpoints_are_removed_at_start_up(tmp_path):
     assert got == os.path.join(save, "iter_0000006")
     assert open(os.path.join(got, "note.txt")).read() == "old run"
     assert open(os.path.join(save, "iter_0000004", "note.txt")).read() == "new copy"
-    assert sorted(os.listdir(save)) == sorted(["iter_0000004", "iter_0000006", LATEST, "metrics.jsonl",
-                                               "config.yaml", LOCK])
+    assert sorted(os.listdir(save)) == sorted(
+        ["iter_0000004", "iter_0000006", LATEST, "metrics.jsonl", "config.yaml", LOCK]
+    )
     assert f"removed partial checkpoint {save}/.tmp-iter_0000008 (left by an interrupted save)" in said
     assert f"restored {save}/iter_0000006 from {save}/iter_0000006.old (its replacement was interrupted)" in said
 
@@ -190,8 +193,15 @@ def _write_lock(save, pid, host=None):
 
     os.makedirs(save, exist_ok=True)
     with open(os.path.join(save, LOCK), "w") as f:
-        json.dump({"pid": pid, "host": host or socket.gethostname(), "start_time": _start_time(pid),
-                   "started": "2025-01-01 00:00:00"}, f)
+        json.dump(
+            {
+                "pid": pid,
+                "host": host or socket.gethostname(),
+                "start_time": _start_time(pid),
+                "started": "2025-01-01 00:00:00",
+            },
+            f,
+        )
 
 
 def test_a_live_run_on_the_directory_is_refused(tmp_path):
@@ -200,8 +210,11 @@ def test_a_live_run_on_the_directory_is_refused(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         _write_lock(save, other.pid)
-        with pytest.raises(RunLockedError, match=rf"in use by another run \(pid {other.pid} on host "
-                                                 rf"{socket.gethostname()}, started 2025-01-01 00:00:00"):
+        with pytest.raises(
+            RunLockedError,
+            match=rf"in use by another run \(pid {other.pid} on host "
+            rf"{socket.gethostname()}, started 2025-01-01 00:00:00",
+        ):
             CheckpointManager(save).start_run()
         assert json.load(open(os.path.join(save, LOCK)))["pid"] == other.pid
     finally:
@@ -213,8 +226,9 @@ def test_a_lock_from_another_host_is_refused_and_says_how_to_clear_it(tmp_path):
     _, RunLockedError = _errors()
     save = str(tmp_path / "run")
     _write_lock(save, 1, host="node-elsewhere")
-    with pytest.raises(RunLockedError, match=f"pid 1 on host node-elsewhere.*if that run is no longer running, "
-                                             f"delete {save}/{LOCK}"):
+    with pytest.raises(
+        RunLockedError, match=f"pid 1 on host node-elsewhere.*if that run is no longer running, delete {save}/{LOCK}"
+    ):
         CheckpointManager(save).start_run()
 
 
@@ -227,8 +241,10 @@ def test_the_lock_of_a_dead_run_is_taken_over_with_a_message(tmp_path):
     mgr = CheckpointManager(save)
     mgr.start_run(log=said.append)
     assert json.load(open(os.path.join(save, LOCK)))["pid"] == os.getpid()
-    assert said == [f"{save}/{LOCK}: taking over the lock of a run that is no longer running "
-                    f"(pid {gone.pid} on {socket.gethostname()} has exited)"]
+    assert said == [
+        f"{save}/{LOCK}: taking over the lock of a run that is no longer running "
+        f"(pid {gone.pid} on {socket.gethostname()} has exited)"
+    ]
     mgr.finish()
 
 
@@ -288,9 +304,19 @@ def _sft_restarts(rank, world, setup, save):
     def run(*extra, stop_after=None):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            cfg = load_config(None, [f"model.path={setup['model']}", f"data.prefix={setup['data']}",
-                                     "data.seq_length=128", "optim.lr=1e-3", "optim.min_lr=1e-4",
-                                     f"train.save_dir={save}", "train.keep_last=2", *extra])
+            cfg = load_config(
+                None,
+                [
+                    f"model.path={setup['model']}",
+                    f"data.prefix={setup['data']}",
+                    "data.seq_length=128",
+                    "optim.lr=1e-3",
+                    "optim.min_lr=1e-4",
+                    f"train.save_dir={save}",
+                    "train.keep_last=2",
+                    *extra,
+                ],
+            )
             train(cfg, stop_after=stop_after)
         return out.getvalue()
 
@@ -335,11 +361,23 @@ def _rl_resume(rank, world, setup, save):
     from megatron_klear.config import load_config
     from megatron_klear.rl.loop import RLLoop
 
-    cfg = load_config(None, [
-        f"model.path={setup['model']}", f"rl.prompts=[{setup['prompts']}]", f"train.save_dir={save}",
-        "train.steps=2", "train.save_interval=1", "rl.prompts_per_step=2", "rl.responses_per_prompt=2",
-        "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=256", "rl.max_prompt_length=64",
-        "rollout.max_new_tokens=8", "reward.workers=1"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={setup['model']}",
+            f"rl.prompts=[{setup['prompts']}]",
+            f"train.save_dir={save}",
+            "train.steps=2",
+            "train.save_interval=1",
+            "rl.prompts_per_step=2",
+            "rl.responses_per_prompt=2",
+            "rl.mini_batch_prompts=2",
+            "rl.max_tokens_per_micro_batch=256",
+            "rl.max_prompt_length=64",
+            "rollout.max_new_tokens=8",
+            "reward.workers=1",
+        ],
+    )
     RLLoop(cfg).run(stop_after=1)
     with open(os.path.join(save, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({"step": 2}) + "\n")  # logged by a step whose checkpoint never came

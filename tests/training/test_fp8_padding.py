@@ -9,6 +9,7 @@ The requirements below are written out independently of ``padding_rule`` (see th
 - wgrad GEMM on the CP-local tokens: a multiple of 16 (32 for mxfp8);
 - quantized SP all-gather of a shard: a multiple of 32 (mxfp8) / 128 (blockwise).
 """
+
 import random
 from types import SimpleNamespace
 
@@ -81,8 +82,16 @@ def test_every_rank_meets_the_recipe_sft_rows(tp, cp, sp, recipe):
         masks = [[0] + [1] * (n - 1) for n in lengths]
         row = build_packed_micro_batch(tokens, masks, pad_token_id=0, pad_to_multiple=multiple)
         assert row["tokens"].shape[1] % multiple == 0
-        n = _check_rank_counts(row, tp=tp, cp=cp, sp=sp, fp8="hybrid", recipe=recipe,
-                               keys=PER_TOKEN_KEYS_DEFAULT, real_segments=len(lengths))
+        n = _check_rank_counts(
+            row,
+            tp=tp,
+            cp=cp,
+            sp=sp,
+            fp8="hybrid",
+            recipe=recipe,
+            keys=PER_TOKEN_KEYS_DEFAULT,
+            real_segments=len(lengths),
+        )
         if cp == 1:  # the packer's row is used as is
             assert n == row["tokens"].shape[1]
 
@@ -95,14 +104,18 @@ def test_every_rank_meets_the_recipe_rl_rows(tp, cp, sp, recipe):
     rng = random.Random(7 * tp + cp)
     for _ in range(8):
         samples = [
-            RolloutSample(prompt_ids=[rng.randint(1, 99) for _ in range(rng.randint(1, 40))],
-                          response_ids=[rng.randint(1, 99) for _ in range(rng.randint(1, 300))],
-                          advantage=rng.uniform(-1, 1), group=0)
+            RolloutSample(
+                prompt_ids=[rng.randint(1, 99) for _ in range(rng.randint(1, 40))],
+                response_ids=[rng.randint(1, 99) for _ in range(rng.randint(1, 300))],
+                advantage=rng.uniform(-1, 1),
+                group=0,
+            )
             for _ in range(rng.randint(0, 5))
         ]
         row = build_rl_micro_batch(samples, list(range(len(samples))), pad_id=0, pad_to_multiple=multiple)
-        _check_rank_counts(row, tp=tp, cp=cp, sp=sp, fp8="e4m3", recipe=recipe,
-                           keys=RL_PER_TOKEN_KEYS, real_segments=len(samples))
+        _check_rank_counts(
+            row, tp=tp, cp=cp, sp=sp, fp8="e4m3", recipe=recipe, keys=RL_PER_TOKEN_KEYS, real_segments=len(samples)
+        )
 
 
 @pytest.mark.parametrize("tp,cp,sp", LAYOUTS)
@@ -113,10 +126,22 @@ def test_without_fp8_the_rule_is_unchanged(tp, cp, sp):
     rng = random.Random(tp + 10 * cp)
     for _ in range(5):
         lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 4))]
-        row = build_packed_micro_batch([[5] * n for n in lengths], [[0] + [1] * (n - 1) for n in lengths],
-                                       pad_token_id=0, pad_to_multiple=row_multiple(parallel))
-        _check_rank_counts(row, tp=tp, cp=cp, sp=sp, fp8=None, recipe="delayed",
-                           keys=PER_TOKEN_KEYS_DEFAULT, real_segments=len(lengths))
+        row = build_packed_micro_batch(
+            [[5] * n for n in lengths],
+            [[0] + [1] * (n - 1) for n in lengths],
+            pad_token_id=0,
+            pad_to_multiple=row_multiple(parallel),
+        )
+        _check_rank_counts(
+            row,
+            tp=tp,
+            cp=cp,
+            sp=sp,
+            fp8=None,
+            recipe="delayed",
+            keys=PER_TOKEN_KEYS_DEFAULT,
+            real_segments=len(lengths),
+        )
 
 
 def test_rule_values():

@@ -1,5 +1,6 @@
 """Vocab-parallel log-probs and entropy against a float64 single-process reference: values and
 gradients, chunked vs unchunked, temperature, vocabulary padding, and TP=2 over gloo."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,7 +40,9 @@ def test_logits_path_matches_reference(chunk, temperature):
     logits, targets, _, _, w1, w2 = _inputs(0, (3, 5), 19, 17)
     logits[..., 17:] = 1e4  # padding columns: huge, must be ignored
     x = logits.clone().requires_grad_()
-    logp, ent = vocab_parallel_logprobs_and_entropy(x, targets, vocab_size=17, temperature=temperature, chunk_size=chunk)
+    logp, ent = vocab_parallel_logprobs_and_entropy(
+        x, targets, vocab_size=17, temperature=temperature, chunk_size=chunk
+    )
     assert logp.shape == ent.shape == targets.shape and logp.dtype == torch.float64
     xr = logits.clone().requires_grad_()
     rlogp, rent = reference(xr, targets, 17, temperature)
@@ -74,7 +77,9 @@ def test_hidden_path_matches_reference_and_chunking_changes_nothing(temperature)
     outs = {}
     for chunk in (3, 14):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        logp, ent = chunked_logprobs_from_hidden(hh, ww, targets, vocab_size=21, temperature=temperature, chunk_size=chunk)
+        logp, ent = chunked_logprobs_from_hidden(
+            hh, ww, targets, vocab_size=21, temperature=temperature, chunk_size=chunk
+        )
         gh, gw = torch.autograd.grad(objective(logp, ent, w1, w2), (hh, ww))
         outs[chunk] = (logp, ent, gh, gw)
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -146,27 +151,46 @@ def _tp_worker(rank, world_size, cases):
         start = rank * per_rank
         shard = logits[..., start : start + per_rank].clone().requires_grad_()
         logp, ent = vocab_parallel_logprobs_and_entropy(
-            shard, targets, group=group, vocab_start_index=start, vocab_size=vocab_size,
-            temperature=temperature, chunk_size=chunk,
+            shard,
+            targets,
+            group=group,
+            vocab_start_index=start,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            chunk_size=chunk,
         )
         (g_logits,) = torch.autograd.grad(objective(logp, ent, w1, w2), shard)
 
         hh = h.clone().requires_grad_()
         w_shard = w[start : start + per_rank].clone().requires_grad_()
         logp_h, ent_h = chunked_logprobs_from_hidden(
-            hh, w_shard, targets, group=group, vocab_start_index=start, vocab_size=vocab_size,
-            temperature=temperature, chunk_size=chunk,
+            hh,
+            w_shard,
+            targets,
+            group=group,
+            vocab_start_index=start,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            chunk_size=chunk,
         )
         g_h, g_w = torch.autograd.grad(objective(logp_h, ent_h, w1, w2), (hh, w_shard))
 
         hp = h.clone().requires_grad_()
         lp, en = chunked_logprobs_from_hidden(
-            hp, w[start : start + per_rank], targets, group=group, vocab_start_index=start,
-            vocab_size=vocab_size, temperature=temperature, chunk_size=chunk, reduce_grad_hidden=False,
+            hp,
+            w[start : start + per_rank],
+            targets,
+            group=group,
+            vocab_start_index=start,
+            vocab_size=vocab_size,
+            temperature=temperature,
+            chunk_size=chunk,
+            reduce_grad_hidden=False,
         )
         (g_h_partial,) = torch.autograd.grad(objective(lp, en, w1, w2), hp)
-        out = dict(logp=logp, ent=ent, g_logits=g_logits, logp_h=logp_h, ent_h=ent_h, g_h=g_h, g_w=g_w,
-                   g_h_partial=g_h_partial)
+        out = dict(
+            logp=logp, ent=ent, g_logits=g_logits, logp_h=logp_h, ent_h=ent_h, g_h=g_h, g_w=g_w, g_h_partial=g_h_partial
+        )
         results.append({k: v.detach().numpy().copy() for k, v in out.items()})  # plain arrays pickle safely
     return results
 

@@ -1,5 +1,6 @@
 """Run metrics: JSONL always; TensorBoard events and an offline wandb run when enabled; a console
 line with step, loss, lr, tokens/s and ETA."""
+
 import io
 import json
 import os
@@ -16,8 +17,15 @@ def test_jsonl_console_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     console = io.StringIO()
-    log = MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), total_steps=4, config={"x": 1}, wandb=True,
-                        run_name="t", tensorboard_dir=str(tmp_path / "tb"), stream=console)
+    log = MetricsLogger(
+        jsonl_path=str(tmp_path / "m.jsonl"),
+        total_steps=4,
+        config={"x": 1},
+        wandb=True,
+        run_name="t",
+        tensorboard_dir=str(tmp_path / "tb"),
+        stream=console,
+    )
     for step in (1, 2):
         log.log(step, {"loss": 3.0 / step, "lr": 1e-4, "tokens_per_s": 1000.0, "step_time_s": 0.5, "nan": float("nan")})
     log.close()

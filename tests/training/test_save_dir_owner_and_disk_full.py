@@ -4,6 +4,7 @@ one line naming what differs and the three choices; a checkpoint that does not f
 (known before writing, or a write that runs out of space) is one DiskFullError line naming the
 path, the bytes needed and free, with the previous checkpoint intact and the partial one gone.
 The same through the trainers and torchrun: tests/distributed/test_bad_lines_and_foreign_runs.py."""
+
 import errno
 import json
 import os
@@ -16,10 +17,21 @@ from megatron_klear.config import JobConfig
 from megatron_klear.training import checkpointing
 from megatron_klear.training.checkpointing import LATEST, CheckpointManager, RunDirError
 
-QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
-         "vocab_size": 389, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 4096,
-         "tie_word_embeddings": False}
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 24,
+    "vocab_size": 389,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
 
 
 def _model(root, name, **changes):
@@ -35,8 +47,14 @@ def _data(root, name, content):
 
     prefix = os.path.join(root, name)
     with open(prefix + ".meta.json", "w") as f:
-        json.dump({"format": FORMAT, "format_version": FORMAT_VERSION,
-                   "content_sha256": {"tokens_idx": content, "loss_spans_idx": content}}, f)
+        json.dump(
+            {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "content_sha256": {"tokens_idx": content, "loss_spans_idx": content},
+            },
+            f,
+        )
     return prefix
 
 
@@ -53,7 +71,6 @@ def fake_writer(monkeypatch, tmp_path):
     file): the directory handling, the estimate and the error handling are what runs."""
     import megatron.core.dist_checkpointing as mdc
 
-
     writer = types.SimpleNamespace(fn=None)
 
     def fake_save(sharded, path, sharded_strategy=None):
@@ -64,11 +81,15 @@ def fake_writer(monkeypatch, tmp_path):
 
     monkeypatch.setattr(mdc, "save", fake_save)
     # a state of 4000 bytes of tensors (the estimate of what the checkpoint needs)
-    monkeypatch.setattr(CheckpointManager, "_sharded_state", lambda self, state, **kw: {"model": {"w": torch.zeros(1000)}})
+    monkeypatch.setattr(
+        CheckpointManager, "_sharded_state", lambda self, state, **kw: {"model": {"w": torch.zeros(1000)}}
+    )
     monkeypatch.chdir(tmp_path)
-    writer.state = types.SimpleNamespace(scheduler=types.SimpleNamespace(state_dict=lambda: {}),
-                                         optimizer=types.SimpleNamespace(optimizer=types.SimpleNamespace(state={})),
-                                         arch=types.SimpleNamespace(hf_config=QWEN3))
+    writer.state = types.SimpleNamespace(
+        scheduler=types.SimpleNamespace(state_dict=lambda: {}),
+        optimizer=types.SimpleNamespace(optimizer=types.SimpleNamespace(state={})),
+        arch=types.SimpleNamespace(hf_config=QWEN3),
+    )
     return writer
 
 
@@ -102,8 +123,10 @@ def test_another_model_shape_is_refused_before_any_load(tmp_path, fake_writer, m
     wide = _model(root, "m128", hidden_size=128, num_attention_heads=8)
     msg = _refused(save, ("sft", _cfg(wide, data)))
     _choices(save, msg)
-    assert ("(model differs: hidden_size 64, num_heads 4 in its checkpoints, hidden_size 128, num_heads 8 in "
-            "this job's model.path)") in msg
+    assert (
+        "(model differs: hidden_size 64, num_heads 4 in its checkpoints, hidden_size 128, num_heads 8 in "
+        "this job's model.path)"
+    ) in msg
     assert "resume it (with its own settings" in msg and f"(moves it to {save}/replaced/<time>/)" in msg
     # the same job resumes
     mgr = CheckpointManager(save)
@@ -142,12 +165,16 @@ def test_checkpoints_without_a_job_record_are_judged_by_what_they_hold(tmp_path,
     root, save = str(tmp_path), str(tmp_path / "run")
     _earlier_run(save, None, fake_writer.state)
     for step in (1, 2):  # what an SFT checkpoint's common.pt holds
-        torch.save({"common": {"data": {"dataset": "f" * 64}, "config": {"data": {"prefix": "/old"}}}},
-                   os.path.join(save, f"iter_{step:07d}", "common.pt"))
+        torch.save(
+            {"common": {"data": {"dataset": "f" * 64}, "config": {"data": {"prefix": "/old"}}}},
+            os.path.join(save, f"iter_{step:07d}", "common.pt"),
+        )
     assert "job" not in json.load(open(os.path.join(save, "iter_0000002", "manifest.json")))
     msg = _refused(save, ("sft", _cfg(_model(root, "m", num_hidden_layers=4), _data(root, "d", "d" * 64))))
-    assert ("model and data differ: num_layers 2 in its checkpoints, num_layers 4 in this job's model.path; "
-            "its checkpoints were trained on data.prefix=/old") in msg
+    assert (
+        "model and data differ: num_layers 2 in its checkpoints, num_layers 4 in this job's model.path; "
+        "its checkpoints were trained on data.prefix=/old"
+    ) in msg
 
 
 # -- item 4 ----------------------------------------------------------------------------------------
@@ -166,14 +193,16 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_writing(tmp_path, fake_w
     assert str(e.value) == (
         f"not enough disk space for the checkpoint of step 2: {save}/.tmp-iter_0000002 needs about 3.9 KiB "
         f"(4000 bytes), 1.5 KiB (1500 bytes) free; the previous checkpoint {save}/iter_0000001 is intact and a "
-        f"restart resumes from it. Free some space or choose another train.save_dir")
+        f"restart resumes from it. Free some space or choose another train.save_dir"
+    )
     assert isinstance(e.value, ValueError) and e.value.errno == errno.ENOSPC  # a user error: exit 2, one line
     assert _iters(save) == ["iter_0000001", LATEST] and open(os.path.join(save, LATEST)).read() == "1"
 
 
 @pytest.mark.parametrize("failure", ["enforce", "enospc_in_checkpoint_exception", "enospc_on_rank0"])
 def test_a_write_that_runs_out_of_space_is_one_line_and_the_previous_checkpoint_stays(
-        tmp_path, fake_writer, monkeypatch, failure):
+    tmp_path, fake_writer, monkeypatch, failure
+):
     from torch.distributed.checkpoint.api import CheckpointException
 
     save = str(tmp_path / "run")
@@ -184,7 +213,9 @@ def test_a_write_that_runs_out_of_space_is_one_line_and_the_previous_checkpoint_
         with open(os.path.join(path, "__0_0.distcp"), "wb") as f:
             f.write(b"x" * 600)  # a partial write
         if failure == "enforce":  # what torch.save's zip writer says in Megatron's writer process
-            cause = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            cause = RuntimeError(
+                "Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+            )
         elif failure == "enospc_in_checkpoint_exception":
             cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(path, "__0_0.distcp"))
         else:
@@ -202,11 +233,19 @@ def test_a_write_that_runs_out_of_space_is_one_line_and_the_previous_checkpoint_
     with pytest.raises(checkpointing.DiskFullError) as e:
         mgr.save(fake_writer.state, 2, {})
     msg = str(e.value)
-    assert msg.startswith(f"not enough disk space for the checkpoint of step 2: {save}/.tmp-iter_0000002 needs "
-                          f"about 3.9 KiB (4000 bytes), ") and "\n" not in msg
+    assert (
+        msg.startswith(
+            f"not enough disk space for the checkpoint of step 2: {save}/.tmp-iter_0000002 needs "
+            f"about 3.9 KiB (4000 bytes), "
+        )
+        and "\n" not in msg
+    )
     cause = "unexpected pos 704 vs 598" if failure == "enforce" else "No space left on device"
-    assert ("free (the write failed: " in msg and cause in msg
-            and f"the partial checkpoint was removed); the previous checkpoint {save}/iter_0000001 is intact" in msg)
+    assert (
+        "free (the write failed: " in msg
+        and cause in msg
+        and f"the partial checkpoint was removed); the previous checkpoint {save}/iter_0000001 is intact" in msg
+    )
     assert _iters(save) == ["iter_0000001", LATEST] and open(os.path.join(save, LATEST)).read() == "1"
 
 

@@ -7,6 +7,7 @@ one :func:`detect` finds; every bad row goes to the :class:`~megatron_klear.data
 as ``file:row: reason: column C: detail`` (fail, or skip and count) and :class:`ReadSummary` says
 what was read: rows, problems per task, tests per problem, skipped rows by reason, the window.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -50,14 +51,27 @@ class ReadSummary:
     tests_per_problem: list = field(default_factory=list)
     test_kinds: Counter = field(default_factory=Counter)
     problem_rows: list = field(default_factory=list)  # the row of each problem
-    stats: dict = field(default_factory=lambda: {
-        "data_sources": Counter(), "question_columns": Counter(), "answer_columns": Counter(),
-        "platforms": Counter(), "dates": [], "with_starter_code": 0})
+    stats: dict = field(
+        default_factory=lambda: {
+            "data_sources": Counter(),
+            "question_columns": Counter(),
+            "answer_columns": Counter(),
+            "platforms": Counter(),
+            "dates": [],
+            "with_starter_code": 0,
+        }
+    )
 
     def as_dict(self) -> dict:
         t = self.tests_per_problem
-        out = {"file": self.path, "format": self.format, "rows": self.rows, "problems": self.problems,
-               "tasks": dict(self.tasks), "skipped_rows": dict(self.skipped)}
+        out = {
+            "file": self.path,
+            "format": self.format,
+            "rows": self.rows,
+            "problems": self.problems,
+            "tasks": dict(self.tasks),
+            "skipped_rows": dict(self.skipped),
+        }
         if self.window != (None, None):
             out["window"] = {"since": self.window[0], "until": self.window[1], "outside": self.outside_window}
         if t:
@@ -74,7 +88,11 @@ class ReadSummary:
 
     def line(self) -> str:
         d = self.as_dict()
-        parts = [f"{self.path}: format={self.format}", f"{self.rows} rows", f"{self.problems} problems {dict(self.tasks)}"]
+        parts = [
+            f"{self.path}: format={self.format}",
+            f"{self.rows} rows",
+            f"{self.problems} problems {dict(self.tasks)}",
+        ]
         if "tests_per_problem" in d:
             tp = d["tests_per_problem"]
             parts.append(f"tests/problem min {tp['min']} mean {tp['mean']} max {tp['max']} {d['test_kinds']}")
@@ -101,9 +119,15 @@ def _validate(problem: dict) -> None:
         raise RowError("bad_tests", "tests", str(e)) from None
 
 
-def read_problems(path: str, fmt: str = "auto", *, policy: BadLinePolicy | None = None,
-                  since: str | None = None, until: str | None = None,
-                  math_template: str = math_sets.DEFAULT_TEMPLATE) -> tuple[list, ReadSummary]:
+def read_problems(
+    path: str,
+    fmt: str = "auto",
+    *,
+    policy: BadLinePolicy | None = None,
+    since: str | None = None,
+    until: str | None = None,
+    math_template: str = math_sets.DEFAULT_TEMPLATE,
+) -> tuple[list, ReadSummary]:
     """``(problems, summary)`` of one file. ``since``/``until``: LiveCodeBench's date window."""
     policy = policy or BadLinePolicy(on_bad_line="fail")
     if fmt == "auto":

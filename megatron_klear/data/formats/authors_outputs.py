@@ -5,6 +5,7 @@ read from ``meta`` by the same readers as the inputs (math: the answer columns o
 as their ``judge_math.py`` reads ``meta.meta.solution``; code: a project, verl or LiveCodeBench
 row); samples of the same problem are grouped by its user turn.
 """
+
 from __future__ import annotations
 
 from megatron_klear.data.jsonl import BadLineError, BadLinePolicy, ExampleError
@@ -21,8 +22,12 @@ def problem_of(meta: dict, row_no: int) -> dict:
     elif "data_source" in meta:
         p = verl.convert(meta, row_no)
     elif meta.get("task") == "code" or "tests" in meta:
-        p = {"id": str(meta.get("id", row_no)), "task": "code", "tests": meta.get("tests"),
-             "messages": meta.get("messages") or [{"role": "user", "content": meta.get("prompt")}]}
+        p = {
+            "id": str(meta.get("id", row_no)),
+            "task": "code",
+            "tests": meta.get("tests"),
+            "messages": meta.get("messages") or [{"role": "user", "content": meta.get("prompt")}],
+        }
     else:
         p = math_sets.convert(meta, row_no)
     if p["task"] == "code":
@@ -44,10 +49,19 @@ def read_samples(path: str, policy: BadLinePolicy | None = None) -> tuple[dict, 
             if isinstance(row, ExampleError):
                 raise row
             msgs = row.get("messages")
-            if (not isinstance(msgs, list) or len(msgs) < 2 or not isinstance(msgs[-1], dict)
-                    or msgs[-1].get("role") != "assistant" or not isinstance(msgs[-1].get("content"), str)):
-                raise RowError("no_response", "messages", "the last message must be the assistant's response"
-                               + (f" (the line has an error: {row['error']})" if row.get("error") else ""))
+            if (
+                not isinstance(msgs, list)
+                or len(msgs) < 2
+                or not isinstance(msgs[-1], dict)
+                or msgs[-1].get("role") != "assistant"
+                or not isinstance(msgs[-1].get("content"), str)
+            ):
+                raise RowError(
+                    "no_response",
+                    "messages",
+                    "the last message must be the assistant's response"
+                    + (f" (the line has an error: {row['error']})" if row.get("error") else ""),
+                )
             p = problem_of(row.get("meta"), row_no)
             users = [m.get("content") for m in msgs[:-1] if isinstance(m, dict) and m.get("role") == "user"]
             key = users[-1] if users else p["id"]

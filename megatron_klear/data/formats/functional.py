@@ -18,6 +18,7 @@ files, HumanEval+; the layouts are listed in docs/data.md):
 Anything else (loops, ``with pytest.raises``, an expected value that is not a literal) is refused
 naming its line: such a row is reported as bad, never graded by a rule it does not follow.
 """
+
 from __future__ import annotations
 
 import ast
@@ -59,8 +60,12 @@ def _jsonable(value):
 
 def _is_approx(node) -> bool:
     f = node.func if isinstance(node, ast.Call) else None
-    return (f is not None and len(node.args) == 1 and not node.keywords and
-            ((isinstance(f, ast.Attribute) and f.attr == "approx") or (isinstance(f, ast.Name) and f.id == "approx")))
+    return (
+        f is not None
+        and len(node.args) == 1
+        and not node.keywords
+        and ((isinstance(f, ast.Attribute) and f.attr == "approx") or (isinstance(f, ast.Name) and f.id == "approx"))
+    )
 
 
 def _split_assert(node: ast.Assert, names: dict):
@@ -110,18 +115,25 @@ def _body_cases(body: list, prelude: list, cases: list) -> None:
             expr, expected = _split_assert(st, names)
             src = "\n".join([*(ast.unparse(s) for s in setup), ast.unparse(expr)])
             cases.append((src, expected))
-        elif (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
-              and st.targets[0].id in hidden and _literal(st.value, names) is not _MISSING):
+        elif (
+            isinstance(st, ast.Assign)
+            and len(st.targets) == 1
+            and isinstance(st.targets[0], ast.Name)
+            and st.targets[0].id in hidden
+            and _literal(st.value, names) is not _MISSING
+        ):
             names[st.targets[0].id] = _literal(st.value, names)  # an expected value: kept here
-        elif isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Import, ast.ImportFrom,
-                             ast.FunctionDef, ast.ClassDef)) or (
-                isinstance(st, ast.Expr) and not isinstance(st.value, ast.Constant)):
+        elif isinstance(
+            st, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)
+        ) or (isinstance(st, ast.Expr) and not isinstance(st.value, ast.Constant)):
             setup.append(st)
         elif isinstance(st, (ast.Pass,)) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):
             continue  # pass, docstrings
         else:
-            raise NotConvertible(f"line {st.lineno}: a {type(st).__name__} statement in a test: only "
-                                 f"assignments, imports and asserts are read")
+            raise NotConvertible(
+                f"line {st.lineno}: a {type(st).__name__} statement in a test: only "
+                f"assignments, imports and asserts are read"
+            )
 
 
 def _humaneval(check: ast.FunctionDef, entry: str):
@@ -135,8 +147,9 @@ def _humaneval(check: ast.FunctionDef, entry: str):
     if inputs is _MISSING or results is _MISSING or not isinstance(inputs, list) or not isinstance(results, list):
         raise NotConvertible(f"line {check.lineno}: check()'s inputs/results are not JSON literals")
     if len(inputs) != len(results) or not all(isinstance(x, list) for x in inputs):
-        raise NotConvertible(f"line {check.lineno}: check() has {len(inputs)} inputs (argument lists) "
-                             f"and {len(results)} results")
+        raise NotConvertible(
+            f"line {check.lineno}: check() has {len(inputs)} inputs (argument lists) and {len(results)} results"
+        )
     return {"inputs": inputs, "outputs": results, "fn_name": entry}
 
 
@@ -154,8 +167,13 @@ def convert(code: str) -> dict:
             checks[st.name] = st
         elif isinstance(st, ast.FunctionDef) and st.name.startswith("test"):
             tests_fns.append(st)
-        elif (isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Name)
-              and st.value.func.id == "check" and len(st.value.args) == 1):
+        elif (
+            isinstance(st, ast.Expr)
+            and isinstance(st.value, ast.Call)
+            and isinstance(st.value.func, ast.Name)
+            and st.value.func.id == "check"
+            and len(st.value.args) == 1
+        ):
             check_calls.append(st.value.args[0])
         elif isinstance(st, ast.If) and "__main__" in ast.unparse(st.test):
             continue  # `if __name__ == "__main__": pytest.main(...)`

@@ -13,6 +13,7 @@ The prompt is LiveCodeBench's generic one (``lcb_runner/prompts/code_generation.
 system message, then the question with the starter code (function-call problems) or the stdin
 instruction.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,12 +22,19 @@ from datetime import datetime
 from .rows import RowError
 from .safe_pickle import UnsafePickle, decode_private_tests
 
-SYSTEM_MESSAGE = ("You are an expert Python programmer. You will be given a question (problem specification) "
-                  "and will generate a correct Python program that matches the specification and passes all tests.")
-WITH_STARTER = "You will use the following starter code to write the solution to the problem and enclose your code within delimiters."
-WITHOUT_STARTER = ("Read the inputs from stdin solve the problem and write the answer to stdout (do not directly test "
-                   "on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python "
-                   "program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.")
+SYSTEM_MESSAGE = (
+    "You are an expert Python programmer. You will be given a question (problem specification) "
+    "and will generate a correct Python program that matches the specification and passes all tests."
+)
+WITH_STARTER = (
+    "You will use the following starter code to write the solution to the problem and enclose your code "
+    "within delimiters."
+)
+WITHOUT_STARTER = (
+    "Read the inputs from stdin solve the problem and write the answer to stdout (do not directly test "
+    "on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python "
+    "program runs, it reads the inputs, runs the algorithm and writes output to STDOUT."
+)
 #: The windows the paper reports (docs/data.md).
 WINDOWS = {"v5": ("2024-08-01", "2025-02-01"), "v6": ("2025-02-01", "2025-05-01")}
 
@@ -111,9 +119,18 @@ def convert(row: dict, row_no: int, *, since=None, until=None, stats=None) -> di
         stats["dates"].append(row["contest_date"][:10])
         stats["platforms"][row.get("platform") or "?"] += 1
         stats["with_starter_code"] += bool(starter)
-    return {"id": str(row.get("question_id") or row_no), "task": "code",
-            "messages": [{"role": "system", "content": SYSTEM_MESSAGE},
-                         {"role": "user", "content": prompt(row["question_content"], starter)}],
-            "tests": out,
-            "meta": {"platform": row.get("platform"), "contest_date": row["contest_date"],
-                     "difficulty": row.get("difficulty"), "title": row.get("question_title")}}
+    return {
+        "id": str(row.get("question_id") or row_no),
+        "task": "code",
+        "messages": [
+            {"role": "system", "content": SYSTEM_MESSAGE},
+            {"role": "user", "content": prompt(row["question_content"], starter)},
+        ],
+        "tests": out,
+        "meta": {
+            "platform": row.get("platform"),
+            "contest_date": row["contest_date"],
+            "difficulty": row.get("difficulty"),
+            "title": row.get("question_title"),
+        },
+    }

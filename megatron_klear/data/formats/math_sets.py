@@ -8,6 +8,7 @@ Columns read (case-insensitive; the first present wins, and the summary says whi
   ``meta.solution``; a solution holding ``\\boxed{...}`` gives its last boxed content;
 - the id: ``id`` | ``unique_id`` | ``meta.unique_id`` | ``problem_idx`` | ``idx``, else the row number.
 """
+
 from __future__ import annotations
 
 from .rows import RowError
@@ -40,7 +41,7 @@ def last_boxed(text: str) -> str | None:
     while j < len(text) and depth:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         j += 1
-    return text[i:j - 1].strip() if depth == 0 else None
+    return text[i : j - 1].strip() if depth == 0 else None
 
 
 def answer_of(row: dict) -> tuple[str, str]:
@@ -69,8 +70,12 @@ def answer_of(row: dict) -> tuple[str, str]:
 def messages_of(row: dict, template: str) -> tuple[list, str]:
     msgs = _get(row, "messages")
     if msgs is not None:
-        if (not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs)
-                or msgs[-1].get("role") != "user"):
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(isinstance(m, dict) for m in msgs)
+            or msgs[-1].get("role") != "user"
+        ):
             raise RowError("bad_messages", "messages", "must be a list of chat messages ending with a user turn")
         return [{"role": m.get("role"), "content": m.get("content")} for m in msgs], "messages"
     for col in QUESTION_COLUMNS:

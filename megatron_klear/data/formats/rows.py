@@ -4,6 +4,7 @@ Parquet needs pyarrow (``pip install 'megatron-klear[data]'``), imported only wh
 is read. A row that cannot be read is a :class:`RowError` naming the column; the reader that
 calls these turns it into a :class:`~megatron_klear.data.jsonl.BadLineError` with the file and row.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ def require_pyarrow():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError("reading parquet needs pyarrow: pip install 'megatron-klear[data]' "
-                          "(or convert the file to JSONL)") from None
+        raise ImportError(
+            "reading parquet needs pyarrow: pip install 'megatron-klear[data]' (or convert the file to JSONL)"
+        ) from None
     return pq
 
 

@@ -6,6 +6,7 @@ need a pickled ``str``, so :func:`loads_str` accepts exactly the opcodes that bu
 with an unpickler that refuses every global. A pickle that would import or call anything is
 refused with :class:`UnsafePickle`, naming the opcode; nothing it names ever runs.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,8 +18,21 @@ import zlib
 
 # Opcodes that push a str, frame the stream, memoize it, or end it: nothing that looks up a global,
 # builds an object, or calls.
-_ALLOWED = frozenset({"PROTO", "FRAME", "STOP", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT",
-                      "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"})
+_ALLOWED = frozenset(
+    {
+        "PROTO",
+        "FRAME",
+        "STOP",
+        "MEMOIZE",
+        "PUT",
+        "BINPUT",
+        "LONG_BINPUT",
+        "UNICODE",
+        "BINUNICODE",
+        "SHORT_BINUNICODE",
+        "BINUNICODE8",
+    }
+)
 MAX_DECOMPRESSED = 1 << 30
 
 
@@ -39,8 +53,10 @@ def loads_str(data: bytes) -> str:
     try:
         for op, _arg, pos in pickletools.genops(data):
             if op.name not in _ALLOWED:
-                raise UnsafePickle(f"opcode {op.name} at byte {pos}: only a plain string is accepted "
-                                   f"(this pickle would build or call something)")
+                raise UnsafePickle(
+                    f"opcode {op.name} at byte {pos}: only a plain string is accepted "
+                    f"(this pickle would build or call something)"
+                )
     except UnsafePickle:
         raise
     except Exception as e:  # truncated or not a pickle

@@ -18,6 +18,7 @@
 Check code becomes (call, expected) pairs (:mod:`.functional`). Any other ``data_source`` is an
 error naming it (``ifeval`` included: it has no tests this project runs).
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,17 @@ from .rows import RowError
 
 MATH_EXACT = {"lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "openai/gsm8k", "math_dapo", "math_stem"}
 MATH_PREFIXES = ("math_", "MATH##", "aime", "numina_")
-RLLM_SOURCES = ("apps", "taco", "code_contests", "codeforces", "livecodebench", "kodcode", "leetcode",
-                "primeintellect", "humanevalplus")
+RLLM_SOURCES = (
+    "apps",
+    "taco",
+    "code_contests",
+    "codeforces",
+    "livecodebench",
+    "kodcode",
+    "leetcode",
+    "primeintellect",
+    "humanevalplus",
+)
 
 
 def family(data_source) -> str:
@@ -40,11 +50,13 @@ def family(data_source) -> str:
         return "math"
     if data_source == "coder1" or "coder1_longcot" in data_source:
         return "coder1"
-    base = data_source[:-len("_longcot")] if data_source.endswith("_longcot") else data_source
+    base = data_source[: -len("_longcot")] if data_source.endswith("_longcot") else data_source
     if base in RLLM_SOURCES:
         return base
-    raise ValueError(f"data_source {data_source!r} has no verifier here (the authors' dispatch knows math_*, "
-                     f"MATH##*, aime*, coder1*, and rLLM's {', '.join(RLLM_SOURCES)}; see docs/data.md)")
+    raise ValueError(
+        f"data_source {data_source!r} has no verifier here (the authors' dispatch knows math_*, "
+        f"MATH##*, aime*, coder1*, and rLLM's {', '.join(RLLM_SOURCES)}; see docs/data.md)"
+    )
 
 
 def _json(gt, col):
@@ -141,8 +153,12 @@ def convert(row: dict, row_no: int, *, stats=None) -> dict:
     except ValueError as e:
         raise RowError("unknown_data_source", "data_source", str(e)) from None
     msgs = row.get("prompt")
-    if (not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs)
-            or msgs[-1].get("role") != "user"):
+    if (
+        not isinstance(msgs, list)
+        or not msgs
+        or not all(isinstance(m, dict) for m in msgs)
+        or msgs[-1].get("role") != "user"
+    ):
         raise RowError("bad_messages", "prompt", "must be a list of chat messages ending with a user turn")
     rm = row.get("reward_model")
     if not isinstance(rm, dict) or rm.get("ground_truth") is None:
@@ -150,9 +166,11 @@ def convert(row: dict, row_no: int, *, stats=None) -> dict:
     gt = rm["ground_truth"]
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     ident = extra.get("index")
-    out = {"id": f"{row['data_source']}-{ident if ident is not None else row_no}",
-           "messages": [{"role": m.get("role"), "content": m.get("content")} for m in msgs],
-           "data_source": row["data_source"]}
+    out = {
+        "id": f"{row['data_source']}-{ident if ident is not None else row_no}",
+        "messages": [{"role": m.get("role"), "content": m.get("content")} for m in msgs],
+        "data_source": row["data_source"],
+    }
     if fam == "math":
         if isinstance(gt, list) and len(gt) == 1:
             gt = gt[0]

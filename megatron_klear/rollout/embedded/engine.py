@@ -26,6 +26,7 @@ The engine decodes all the sequences of a call together with its own loop over t
 
 Weight loading (by HF name, from a directory, memory release) is :mod:`.weights`.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -41,8 +42,12 @@ import torch
 from megatron_klear.platform.dtypes import torch_dtype
 from megatron_klear.rollout.base import Completion, RolloutEngine, SamplingParams
 from megatron_klear.rollout.embedded.requests import PromptRequest, check_prompts, check_requests
-from megatron_klear.rollout.embedded.rules import (GREEDY_TEMPERATURE_EPS, eos_token_ids_of, resolve_context_length,
-                                                   token_id_list)
+from megatron_klear.rollout.embedded.rules import (
+    GREEDY_TEMPERATURE_EPS,
+    eos_token_ids_of,
+    resolve_context_length,
+    token_id_list,
+)
 from megatron_klear.rollout.embedded.sampling import SampleStreams, request_seeds, sample_tokens
 from megatron_klear.rollout.embedded.weights import EngineWeights
 
@@ -61,7 +66,9 @@ def _dtype_kwarg() -> str:
 
 def load_tokenizer(path: str):
     """The model directory's tokenizer, or None when it has none."""
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) and not os.path.isfile(
+        os.path.join(path, "tokenizer_config.json")
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -74,15 +81,27 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
     ``record_routing`` (MoE models, ``rollout.router_replay``): each Completion carries the experts
     every token was routed to (``routed_experts``); the attribute may also be set later."""
 
-    def __init__(self, model, *, eos_token_ids=None, max_batch_size: int | None = None, model_path: str | None = None,
-                 context_length: int | None = None, tokenizer=None, record_routing: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        eos_token_ids=None,
+        max_batch_size: int | None = None,
+        model_path: str | None = None,
+        context_length: int | None = None,
+        tokenizer=None,
+        record_routing: bool = False,
+    ):
         if max_batch_size is not None and int(max_batch_size) < 1:
             raise ValueError(f"rollout.embedded: max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.eos_token_ids = (token_id_list(eos_token_ids, "eos_token_ids") if eos_token_ids is not None
-                              else eos_token_ids_of(model, tokenizer))
+        self.eos_token_ids = (
+            token_id_list(eos_token_ids, "eos_token_ids")
+            if eos_token_ids is not None
+            else eos_token_ids_of(model, tokenizer)
+        )
         self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
         self.model_path = model_path
         self.context_length = resolve_context_length(model.config, context_length)
@@ -102,16 +121,27 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         self._routers = [m for _, m in routers]
         # the model's layer index of each router (Completion.routed_experts' second axis, in order)
         self.routed_layers = [int(re.search(r"layers\.(\d+)\.", n).group(1)) for n, _ in routers]
-        self.num_layers = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
-                                      "num_hidden_layers", 0) or 0)
+        self.num_layers = int(
+            getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "num_hidden_layers", 0) or 0
+        )
         for router in self._routers:
             router.register_forward_hook(self._record_route)
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype="float32", device="cpu", attn_implementation: str = "sdpa",
-                        max_batch_size: int | None = None, config=None, context_length: int | None = None,
-                        tokenizer="auto", record_routing: bool = False) -> "EmbeddedEngine":
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype="float32",
+        device="cpu",
+        attn_implementation: str = "sdpa",
+        max_batch_size: int | None = None,
+        config=None,
+        context_length: int | None = None,
+        tokenizer="auto",
+        record_routing: bool = False,
+    ) -> "EmbeddedEngine":
         """Load an HF checkpoint directory (config.json + safetensors); ``config`` overrides its
         config.json (e.g. YaRN RoPE scaling for long-context evaluation). ``tokenizer``: "auto" loads
         the directory's tokenizer when it has one (its EOS id is an EOS, as in SGLang), None skips it."""
@@ -125,13 +155,28 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         ).to(device)
         if isinstance(tokenizer, str) and tokenizer == "auto":
             tokenizer = load_tokenizer(path)
-        return cls(model, max_batch_size=max_batch_size, model_path=os.path.abspath(path),
-                   context_length=context_length, tokenizer=tokenizer, record_routing=record_routing)
+        return cls(
+            model,
+            max_batch_size=max_batch_size,
+            model_path=os.path.abspath(path),
+            context_length=context_length,
+            tokenizer=tokenizer,
+            record_routing=record_routing,
+        )
 
     @classmethod
-    def from_config(cls, config, *, dtype="float32", device="cpu", attn_implementation: str = "sdpa",
-                    seed: int = 0, max_batch_size: int | None = None, context_length: int | None = None,
-                    record_routing: bool = False) -> "EmbeddedEngine":
+    def from_config(
+        cls,
+        config,
+        *,
+        dtype="float32",
+        device="cpu",
+        attn_implementation: str = "sdpa",
+        seed: int = 0,
+        max_batch_size: int | None = None,
+        context_length: int | None = None,
+        record_routing: bool = False,
+    ) -> "EmbeddedEngine":
         """A randomly initialised model from an HF config (a dict, a config.json path or a checkpoint
         directory); load real weights with :meth:`update_weights` before generating anything useful."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -148,8 +193,12 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         hf_config = AutoConfig.for_model(**config)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
-        return cls(model.to(device=device, dtype=resolve_dtype(dtype)), max_batch_size=max_batch_size,
-                   context_length=context_length, record_routing=record_routing)
+        return cls(
+            model.to(device=device, dtype=resolve_dtype(dtype)),
+            max_batch_size=max_batch_size,
+            context_length=context_length,
+            record_routing=record_routing,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -172,7 +221,9 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         params.validate()
         prompts = check_prompts(prompts, self.vocab_size)
         if not isinstance(seeds, (list, tuple)) or len(seeds) != len(prompts):
-            raise ValueError(f"rollout.embedded: seeds must hold one list per prompt ({len(prompts)}), got {seeds!r:.200}")
+            raise ValueError(
+                f"rollout.embedded: seeds must hold one list per prompt ({len(prompts)}), got {seeds!r:.200}"
+            )
         return self.generate_requests([PromptRequest(p, params, s) for p, s in zip(prompts, seeds)])
 
     def generate_requests(self, requests: list, *, control=None, on_prompt_done=None) -> list:
@@ -194,8 +245,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             for i, r in enumerate(requests):
                 if r.max_new_tokens == 0 or (control is not None and control.aborted(r.key)):
                     reason = "length" if r.max_new_tokens == 0 else "abort"
-                    done(i, [Completion(token_ids=[], logprobs=[], finish_reason=reason, versions=[])
-                             for _ in r.seeds])
+                    done(i, [Completion(token_ids=[], logprobs=[], finish_reason=reason, versions=[]) for _ in r.seeds])
                 else:
                     todo.append(i)
             with torch.inference_mode():
@@ -234,8 +284,14 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         self.decode_steps += 1
         self._routed = [] if self.record_routing and self._routers else None
         try:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                             logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache})
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_kwarg: cache},
+            )
             if self._routed is not None:
                 self.last_routing = torch.stack(self._routed, dim=1).reshape(*ids.shape, len(self._routed), -1).cpu()
         finally:
@@ -249,14 +305,14 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
         for i, p in enumerate(seqs):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         positions = (mask.cumsum(1) - 1).clamp_(min=0)
         cache = self._new_cache()
         logits = self._forward(ids, mask, positions, cache, logits_to_keep=1)
         if self.record_routing and self._routers:
-            self.last_routing = [self.last_routing[i, width - len(p):] for i, p in enumerate(seqs)]
+            self.last_routing = [self.last_routing[i, width - len(p) :] for i, p in enumerate(seqs)]
         return logits, mask, positions[:, -1:], cache
 
     def _checkpoint(self, control):
@@ -290,8 +346,10 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
 
         rows = len(prompt_of)
         streams = SampleStreams([s for r in requests for s in r.seeds])
-        stops = [frozenset() if r.ignore_eos else frozenset(self.eos_token_ids) | frozenset(r.params.stop_token_ids)
-                 for r in requests]
+        stops = [
+            frozenset() if r.ignore_eos else frozenset(self.eos_token_ids) | frozenset(r.params.stop_token_ids)
+            for r in requests
+        ]
         sampling = []
         for r in requests:
             t, k = r.params.temperature, r.params.top_k
@@ -313,10 +371,19 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             p = prompt_of[r]
             remaining[p] -= 1
             if remaining[p] == 0:
-                done(indices[p], [Completion(token_ids=tokens[q], logprobs=logprobs[q], finish_reason=reasons[q],
-                                             routed_experts=torch.cat(routes[q]).to(torch.int16) if recording else None,
-                                             versions=versions[q])
-                                  for q in range(first_row[p], first_row[p] + counts[p])])
+                done(
+                    indices[p],
+                    [
+                        Completion(
+                            token_ids=tokens[q],
+                            logprobs=logprobs[q],
+                            finish_reason=reasons[q],
+                            routed_experts=torch.cat(routes[q]).to(torch.int16) if recording else None,
+                            versions=versions[q],
+                        )
+                        for q in range(first_row[p], first_row[p] + counts[p])
+                    ],
+                )
 
         def keep_only(keep):  # drop finished rows from the batch and the cache
             nonlocal active, mask, last_pos, logits
@@ -348,7 +415,8 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
                     break
                 if retract:  # recompute the KV cache of the running rows with the current weights
                     logits, mask, last_pos, cache = self._prefill(
-                        [requests[prompt_of[r]].prompt + tokens[r] for r in active])
+                        [requests[prompt_of[r]].prompt + tokens[r] for r in active]
+                    )
                     logits_version = self.weight_version
                     if recording:  # routed again, with the current weights
                         for b, r in enumerate(active):
@@ -364,9 +432,9 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
                 for b, a, c in zip(members, g_tok.tolist(), g_lp.tolist()):
                     tok[b], lp[b] = a, c
             keep = []
-            for b, (r, t, l) in enumerate(zip(active, tok, lp)):
+            for b, (r, t, logprob) in enumerate(zip(active, tok, lp)):
                 tokens[r].append(t)
-                logprobs[r].append(l)
+                logprobs[r].append(logprob)
                 versions[r].append(logits_version)
                 if t in stops[prompt_of[r]]:
                     finish(r, "stop")
@@ -398,4 +466,3 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
             "weight_version": self.weight_version,
         }
-

@@ -1,6 +1,7 @@
 """What the embedded engine decodes: :class:`PromptRequest`, and the checks every prompt and
 request passes before any forward (token ids in the vocabulary, sampling parameters, seeds,
 SGLang's context-length refusal)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,10 @@ def check_prompts(prompts, vocab_size: int) -> list:
             raise ValueError(f"rollout.embedded: prompts[{i}] must be a non-empty list of token ids, got {p!r:.100}")
         for k, t in enumerate(p):
             if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab_size:
-                raise ValueError(f"rollout.embedded: prompts[{i}][{k}] = {t!r} is not a token id of the model's "
-                                 f"vocabulary [0, {vocab_size})")
+                raise ValueError(
+                    f"rollout.embedded: prompts[{i}][{k}] = {t!r} is not a token id of the model's "
+                    f"vocabulary [0, {vocab_size})"
+                )
         out.append([int(t) for t in p])
     return out
 
@@ -61,16 +64,30 @@ def check_requests(requests, vocab_size: int, context_length: int) -> list:
     for i, (r, prompt) in enumerate(zip(requests, prompts)):
         max_new = r.params.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral) or max_new < 0:
-            raise ValueError(f"rollout.embedded: requests[{i}]: max_new_tokens must be an integer >= 0, got {max_new!r}")
+            raise ValueError(
+                f"rollout.embedded: requests[{i}]: max_new_tokens must be an integer >= 0, got {max_new!r}"
+            )
         dataclasses.replace(r.params, max_new_tokens=max(1, int(max_new))).validate()
-        if not isinstance(r.seeds, (list, tuple)) or not r.seeds or not all(
-                isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in r.seeds):
-            raise ValueError(f"rollout.embedded: requests[{i}]: seeds must list one integer seed per sample (at least "
-                             f"one), got {r.seeds!r:.200}")
+        if (
+            not isinstance(r.seeds, (list, tuple))
+            or not r.seeds
+            or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in r.seeds)
+        ):
+            raise ValueError(
+                f"rollout.embedded: requests[{i}]: seeds must list one integer seed per sample (at least "
+                f"one), got {r.seeds!r:.200}"
+            )
         err = context_length_error(len(prompt), int(max_new), context_length)
         if err is not None:
             raise ValueError(err)
         stop = token_id_list(r.params.stop_token_ids, "stop_token_ids")
-        out.append(dataclasses.replace(r, prompt=prompt, max_new_tokens=int(max_new), seeds=[int(s) for s in r.seeds],
-                                       params=dataclasses.replace(r.params, stop_token_ids=stop)))
+        out.append(
+            dataclasses.replace(
+                r,
+                prompt=prompt,
+                max_new_tokens=int(max_new),
+                seeds=[int(s) for s in r.seeds],
+                params=dataclasses.replace(r.params, stop_token_ids=stop),
+            )
+        )
     return out

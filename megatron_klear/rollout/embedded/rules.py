@@ -1,13 +1,20 @@
 """SGLang's rules that the embedded engine follows: the stop ids of a checkpoint, its context length
 and the refusal of a request that does not fit it, and the temperature below which sampling is
 greedy. Each function names the SGLang 0.5.23 code it mirrors."""
+
 from __future__ import annotations
 
 import numbers
 import os
 
 # SGLang's get_context_length (srt/utils/hf_transformers/common.py): the first of these config keys.
-CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
 # Turn-final markers SGLang treats as stop tokens when the tokenizer has them (attach_additional_stop_token_ids).
 ADDITIONAL_STOP_TOKEN_TEXTS = ("<|eom_id|>", "<|content_model_end_sampling|>", "<|ifm|im_end|>")
 GREEDY_TEMPERATURE_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a temperature below it is greedy (top-1 at temperature 1)
@@ -69,12 +76,16 @@ def resolve_context_length(config, context_length: int | None = None) -> int:
         return derived
     if isinstance(context_length, bool) or not isinstance(context_length, numbers.Integral) or context_length < 1:
         raise ValueError(f"rollout.embedded: context_length must be a positive integer, got {context_length!r}")
-    if context_length > derived and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() not in ("1", "true"):
+    if context_length > derived and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() not in (
+        "1",
+        "true",
+    ):
         raise ValueError(
             f"User-specified context_length ({context_length}) is greater than the derived context_length "
             f"({derived}). This may lead to incorrect model outputs or CUDA errors. Note that the derived "
             "context_length may differ from max_position_embeddings in the model's config. To allow overriding "
-            "this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+            "this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"
+        )
     return int(context_length)
 
 
@@ -83,11 +94,14 @@ def context_length_error(prompt_tokens: int, max_new_tokens, context_length: int
     not fit ``context_length``, or None. ``max_new_tokens`` None is not checked (SGLang then generates
     up to the context)."""
     if prompt_tokens >= context_length:
-        return (f"The input ({prompt_tokens} tokens) is longer than the model's context length "
-                f"({context_length} tokens).")
+        return (
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length ({context_length} tokens)."
+        )
     if max_new_tokens is not None and prompt_tokens + max_new_tokens > context_length:
-        return (f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
-                f"You requested a total of {prompt_tokens + max_new_tokens} tokens: {prompt_tokens} tokens from "
-                f"the input messages and {max_new_tokens} tokens for the completion. Please reduce the number "
-                "of tokens in the input messages or the completion to fit within the limit.")
+        return (
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {prompt_tokens + max_new_tokens} tokens: {prompt_tokens} tokens from "
+            f"the input messages and {max_new_tokens} tokens for the completion. Please reduce the number "
+            "of tokens in the input messages or the completion to fit within the limit."
+        )
     return None

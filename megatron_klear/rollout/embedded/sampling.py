@@ -39,6 +39,7 @@ Who picks ``s``, ``i`` and ``j``:
   ``[a, b]`` and one seed therefore equals the in-process ``generate([a, b], seed)``; the same
   prompts sent as two one-prompt requests get ``i = 0`` each.)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -87,9 +88,11 @@ class SampleStreams:
     def next(self, rows: torch.Tensor) -> torch.Tensor:
         """The next uniform of every sequence (all advance together); returns those of ``rows``."""
         if self._pos == self._block.shape[1]:
-            self._block = torch.stack(
-                [torch.rand(UNIFORM_BLOCK, generator=g, dtype=torch.float64) for g in self._gens]
-            ) if self._gens else torch.empty(0, UNIFORM_BLOCK, dtype=torch.float64)
+            self._block = (
+                torch.stack([torch.rand(UNIFORM_BLOCK, generator=g, dtype=torch.float64) for g in self._gens])
+                if self._gens
+                else torch.empty(0, UNIFORM_BLOCK, dtype=torch.float64)
+            )
             self._pos = 0
         u = self._block[:, self._pos]
         self._pos += 1
@@ -114,7 +117,9 @@ def _sample_chunk(logits, temperature, top_k, top_p, uniforms):
     total = cdf[:, -1:]
     # Strictly below the total (u * total may round up to it), so that the first position whose
     # cdf exceeds the target exists and is never a zero-probability (filtered) candidate.
-    target = torch.minimum(uniforms.to(cdf.device).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(
+        uniforms.to(cdf.device).unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     pos = torch.searchsorted(cdf, target, right=True)
     tokens = pos.squeeze(1) if cand_ids is None else cand_ids.gather(1, pos).squeeze(1)
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -128,7 +133,10 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     float32 (float64 for float64 logits). Rows go in chunks to bound the float64 temporaries.
     """
     if logits.dim() != 2 or uniforms.shape != logits.shape[:1]:
-        raise ValueError(f"sample_tokens: logits [rows, vocab] and uniforms [rows], got {tuple(logits.shape)} and {tuple(uniforms.shape)}")
+        raise ValueError(
+            "sample_tokens: logits [rows, vocab] and uniforms [rows], got "
+            f"{tuple(logits.shape)} and {tuple(uniforms.shape)}"
+        )
     rows_per_chunk = max(1, SAMPLER_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
     tokens, logprobs = [], []
     for start in range(0, logits.shape[0], rows_per_chunk):

@@ -5,6 +5,7 @@ nothing), an HF checkpoint directory, memory release/resume (SGLang's memory sav
 it uses the engine's ``model``, ``_lock``, ``weight_version`` and ``model_path``, and owns the
 weight state the decode loop checks (:meth:`EngineWeights._check_not_broken`).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,11 +24,15 @@ class EngineWeights:
 
     def _check_not_broken(self) -> None:
         if self._released is not None:
-            raise RuntimeError("rollout.embedded: the weights are released (release_memory_occupation); resume them "
-                               "and load weights before generating")
+            raise RuntimeError(
+                "rollout.embedded: the weights are released (release_memory_occupation); resume them "
+                "and load weights before generating"
+            )
         if self._broken:
-            raise RuntimeError(f"rollout.embedded: the weights are inconsistent {self._broken}; "
-                               "call update_weights again with every tensor before generating")
+            raise RuntimeError(
+                f"rollout.embedded: the weights are inconsistent {self._broken}; "
+                "call update_weights again with every tensor before generating"
+            )
 
     # ---------------------------------------------------------------- loading
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:
@@ -178,16 +183,20 @@ class EngineWeights:
         a tied ``lm_head.weight`` equal to the embedding, and with ``require_all`` every parameter. A
         failure after a copy marks the weights broken; a complete copy repairs them."""
         if self._released is not None:
-            raise WeightUpdateError("rollout.embedded: the weights are released (release_memory_occupation): "
-                                    "resume them (resume_memory_occupation) before loading new ones")
+            raise WeightUpdateError(
+                "rollout.embedded: the weights are released (release_memory_occupation): "
+                "resume them (resume_memory_occupation) before loading new ones"
+            )
         params = self._weight_targets()
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False)) and "lm_head.weight" not in params
         seen, tied_head, copied = set(), None, False
         try:
             for name, tensor in named_tensors:
                 if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                    raise TypeError(f"rollout.embedded: update_weights expects (str, torch.Tensor) pairs, got "
-                                    f"({type(name).__name__}, {type(tensor).__name__})")
+                    raise TypeError(
+                        f"rollout.embedded: update_weights expects (str, torch.Tensor) pairs, got "
+                        f"({type(name).__name__}, {type(tensor).__name__})"
+                    )
                 if name in seen:
                     raise WeightUpdateError(f"rollout.embedded: update_weights: tensor '{name}' given twice")
                 seen.add(name)
@@ -195,25 +204,37 @@ class EngineWeights:
                     tied_head = tensor
                     continue
                 if name not in params:
-                    raise WeightUpdateError(f"rollout.embedded: update_weights: unknown tensor '{name}' (the model has "
-                                            f"{len(params)} parameters, e.g. '{next(iter(params))}')")
+                    raise WeightUpdateError(
+                        f"rollout.embedded: update_weights: unknown tensor '{name}' (the model has "
+                        f"{len(params)} parameters, e.g. '{next(iter(params))}')"
+                    )
                 if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise WeightUpdateError(f"rollout.embedded: update_weights: tensor '{name}' has shape "
-                                            f"{tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}")
+                    raise WeightUpdateError(
+                        f"rollout.embedded: update_weights: tensor '{name}' has shape "
+                        f"{tuple(tensor.shape)}, the model expects {tuple(params[name].shape)}"
+                    )
                 if copy:
                     params[name].copy_(tensor)
                     copied = True
             missing = sorted(set(params) - seen) if require_all else []
             if missing:
-                raise WeightUpdateError(f"rollout.embedded: update_weights: {len(missing)} parameter(s) not given: "
-                                        f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+                raise WeightUpdateError(
+                    f"rollout.embedded: update_weights: {len(missing)} parameter(s) not given: "
+                    f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+                )
             if tied_head is not None:
                 embed = self.model.get_input_embeddings().weight
                 # after copying, the model's embedding is the new one; before, compare with the one given
-                new_embed = embed if copy else next((t for n, t in named_tensors if n == "model.embed_tokens.weight"), embed)
-                if tuple(tied_head.shape) != tuple(embed.shape) or not torch.equal(tied_head.to(embed), new_embed.to(embed)):
-                    raise WeightUpdateError("rollout.embedded: update_weights: 'lm_head.weight' differs from the embedding "
-                                            "of this tied-embedding model (tie_word_embeddings=true)")
+                new_embed = (
+                    embed if copy else next((t for n, t in named_tensors if n == "model.embed_tokens.weight"), embed)
+                )
+                if tuple(tied_head.shape) != tuple(embed.shape) or not torch.equal(
+                    tied_head.to(embed), new_embed.to(embed)
+                ):
+                    raise WeightUpdateError(
+                        "rollout.embedded: update_weights: 'lm_head.weight' differs from the embedding "
+                        "of this tied-embedding model (tie_word_embeddings=true)"
+                    )
         except BaseException as e:
             if copied:
                 self._broken = f"after a failed update ({e})"

@@ -17,11 +17,19 @@ API checked against SGLang 0.5.23 (``sglang/srt/entrypoints/http_server.py``,
 every ``/generate`` body against that contract file and every control body against the request
 structs of ``io_struct.py``.
 """
+
 from megatron_klear.rollout.sglang.control import MEMORY_TAGS
 from megatron_klear.rollout.sglang.engine import SGLangEngine
 from megatron_klear.rollout.sglang.generation import GRANULARITIES, parse_completion
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts, encode_routed_experts
 from megatron_klear.rollout.sglang.transport import EngineError
 
-__all__ = ["GRANULARITIES", "MEMORY_TAGS", "EngineError", "SGLangEngine", "decode_routed_experts",
-           "encode_routed_experts", "parse_completion"]
+__all__ = [
+    "GRANULARITIES",
+    "MEMORY_TAGS",
+    "EngineError",
+    "SGLangEngine",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "parse_completion",
+]

@@ -15,6 +15,7 @@ reports about itself (``GET /server_info``), before the first step:
 :func:`check_servers` runs those a config needs (``rollout.factory.make_engine``, ``engine=http``).
 Which SGLang behaviour each follows is in docs/sglang.md.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -80,9 +81,12 @@ def check_nccl_build(engine, *, trainer_torch: str | None = None, trainer_nccl: 
         version = (info or {}).get("version")
         pinned = SGLANG_TORCH.get(str(version))
         if pinned is None:
-            warnings.warn(f"rollout: {w} reports SGLang version {version!r}, whose torch pin is unknown here: make "
-                          f"sure the servers' torch and NCCL are the trainer's (torch {trainer_torch}, NCCL "
-                          f"{trainer_nccl or 'unknown'}) for rollout.weight_sync=distributed over NCCL", stacklevel=2)
+            warnings.warn(
+                f"rollout: {w} reports SGLang version {version!r}, whose torch pin is unknown here: make "
+                f"sure the servers' torch and NCCL are the trainer's (torch {trainer_torch}, NCCL "
+                f"{trainer_nccl or 'unknown'}) for rollout.weight_sync=distributed over NCCL",
+                stacklevel=2,
+            )
             continue
         if _base_version(trainer_torch) != pinned:
             raise EngineError(
@@ -90,7 +94,8 @@ def check_nccl_build(engine, *, trainer_torch: str | None = None, trainer_nccl: 
                 f"trainer runs torch {trainer_torch} (NCCL {trainer_nccl or 'unknown'}): rollout.weight_sync="
                 f"distributed puts both in one NCCL communicator, which needs one NCCL build. Install torch=={pinned} "
                 "in the trainer's environment (the same CUDA flavour as the servers'), or use "
-                "rollout.weight_sync=disk")
+                "rollout.weight_sync=disk"
+            )
 
 
 def check_colocated_env(engine) -> None:
@@ -109,16 +114,21 @@ def check_colocated_env(engine) -> None:
                 f"rollout.colocate: {w} runs with {HEALTH_GENERATION} "
                 f"{'unset (true by default)' if env.get(HEALTH_GENERATION) is None else '=' + env[HEALTH_GENERATION]}: "
                 "every /health probe (the router's, the client's) then generates a token, also while the server's "
-                f"memory is released, which crashes it. Restart it with {HEALTH_GENERATION}=false")
+                f"memory is released, which crashes it. Restart it with {HEALTH_GENERATION}=false"
+            )
         if not get_bool_env_var(env.get(MEMORY_SAVER_CUDA_GRAPH)):
             raise EngineError(
                 f"rollout.colocate: {w} runs without {MEMORY_SAVER_CUDA_GRAPH}=true, so releasing its cuda_graph "
                 "memory frees nothing (SGLang allocates CUDA graphs in the memory saver's region only with it) and "
-                f"the trainer meets the graphs on its GPU. Restart it with {MEMORY_SAVER_CUDA_GRAPH}=true")
+                f"the trainer meets the graphs on its GPU. Restart it with {MEMORY_SAVER_CUDA_GRAPH}=true"
+            )
     if unknown:
-        warnings.warn(f"rollout.colocate: {', '.join(unknown)} do not list their SGLang environment (start them with "
-                      f"{EXPOSE_ENV_VARS}=true): make sure they run with {HEALTH_GENERATION}=false and "
-                      f"{MEMORY_SAVER_CUDA_GRAPH}=true", stacklevel=2)
+        warnings.warn(
+            f"rollout.colocate: {', '.join(unknown)} do not list their SGLang environment (start them with "
+            f"{EXPOSE_ENV_VARS}=true): make sure they run with {HEALTH_GENERATION}=false and "
+            f"{MEMORY_SAVER_CUDA_GRAPH}=true",
+            stacklevel=2,
+        )
 
 
 def check_servers(engine, r, *, weight_sync: bool = True) -> None:

@@ -18,10 +18,10 @@ Bodies follow the request structs of SGLang 0.5.23's ``io_struct.py`` (the tests
 :class:`Control` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine` over
 :class:`.transport.Transport`.
 """
+
 from __future__ import annotations
 
 import contextlib
-
 import threading
 
 from megatron_klear.rollout.base import Completion
@@ -62,8 +62,10 @@ class BucketPost:
         self.workers = list(workers)
         self.errors: dict = {}
         self._done = {w: threading.Event() for w in self.workers}
-        self._threads = [threading.Thread(target=self._post, args=(engine, w, body, timeout), daemon=True,
-                                          name="weights-bucket") for w in self.workers]
+        self._threads = [
+            threading.Thread(target=self._post, args=(engine, w, body, timeout), daemon=True, name="weights-bucket")
+            for w in self.workers
+        ]
         for t in self._threads:
             t.start()
 
@@ -137,7 +139,8 @@ class Control:
                 f"{needed} (SGLang answers every such request with HTTP 400). Start the servers with "
                 f"`--context-length {needed}` (beyond the model's max_position_embeddings also set "
                 "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, or choose a RoPE scaling such as YaRN with "
-                "--json-model-override-args), or lower rl.max_prompt_length / rollout.max_new_tokens")
+                "--json-model-override-args), or lower rl.max_prompt_length / rollout.max_new_tokens"
+            )
         return lengths
 
     # -- weights -----------------------------------------------------------------------------------
@@ -159,9 +162,11 @@ class Control:
                 if "HTTP 400" not in str(e):  # gone, or another answer than SGLang's refusal
                     raise
                 last = e
-            time.sleep(min(2.0, 0.1 * 2 ** attempt))
-        raise EngineError(f"rollout: {worker} refused to flush its cache {self.flush_attempts} times (requests still "
-                          f"running or queued after /pause_generation); last: {last}")
+            time.sleep(min(2.0, 0.1 * 2**attempt))
+        raise EngineError(
+            f"rollout: {worker} refused to flush its cache {self.flush_attempts} times (requests still "
+            f"running or queued after /pause_generation); last: {last}"
+        )
 
     def load_from_disk(self, model_dir: str, *, version=None) -> None:
         """Every worker (live and rejoining) loads the HF checkpoint ``model_dir`` (a path the servers
@@ -187,8 +192,9 @@ class Control:
                     body = {"model_path": model_dir, "flush_cache": False}
                     if version is not None:
                         body["weight_version"] = version
-                    result = self._request("POST", "/update_weights_from_disk", body,
-                                           timeout=self.weight_update_timeout, url=w)
+                    result = self._request(
+                        "POST", "/update_weights_from_disk", body, timeout=self.weight_update_timeout, url=w
+                    )
                     if not isinstance(result, dict) or not result.get("success", False):
                         message = (result or {}).get("message")
                         raise EngineError(f"rollout: {w}/update_weights_from_disk failed: {message}")
@@ -204,8 +210,10 @@ class Control:
                 if version is not None:
                     reported = (self.model_info(w) or {}).get("weight_version")
                     if str(reported) != version:
-                        raise EngineError(f"rollout: {w} reports weight_version {reported!r} after loading "
-                                          f"{model_dir}, expected {version!r}")
+                        raise EngineError(
+                            f"rollout: {w} reports weight_version {reported!r} after loading "
+                            f"{model_dir}, expected {version!r}"
+                        )
             except EngineError as e:
                 if not answered(e):
                     raise  # gone: _on_workers drops it
@@ -255,41 +263,67 @@ class Control:
     def update_group_layout(self) -> list:
         """``[(worker, ranks)]``: each worker joins an update group with one rank per TP rank of its
         model (SGLang: ``rank_offset + tp_rank``). Refuses layouts SGLang cannot update this way."""
+
         def ask(w):
             info = self.server_info(w) or {}
             tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
             if dp > 1 and not info.get("enable_dp_attention"):
-                raise EngineError(f"rollout: {w} runs {dp} data-parallel replicas (dp_size); SGLang updates weights "
-                                  "from a process group only with dp_size 1: start one server per replica "
-                                  "(behind the router), or use rollout.weight_sync=disk")
+                raise EngineError(
+                    f"rollout: {w} runs {dp} data-parallel replicas (dp_size); SGLang updates weights "
+                    "from a process group only with dp_size 1: start one server per replica "
+                    "(behind the router), or use rollout.weight_sync=disk"
+                )
             if pp > 1:
-                raise EngineError(f"rollout: {w} runs pipeline parallelism (pp_size={pp}), which SGLang's "
-                                  "update_weights_from_distributed does not cover: use rollout.weight_sync=disk")
+                raise EngineError(
+                    f"rollout: {w} runs pipeline parallelism (pp_size={pp}), which SGLang's "
+                    "update_weights_from_distributed does not cover: use rollout.weight_sync=disk"
+                )
             return tp
 
         return list(zip(self.workers(), self._on_workers(ask)))
 
-    def init_weights_update_group_async(self, *, master_address: str, master_port: int, world_size: int,
-                                        rank_offsets: dict, group_name: str, backend: str, timeout: float) -> dict:
+    def init_weights_update_group_async(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offsets: dict,
+        group_name: str,
+        backend: str,
+        timeout: float,
+    ) -> dict:
         """Start ``/init_weights_update_group`` on every worker (each first drops a stale group of that
         name, left by a trainer that died); returns ``{worker: concurrent.futures.Future}`` (the
         call blocks on the server until the whole group has joined; one left waiting on a server
         that never joins does not hold the trainer's exit)."""
+
         def join(w):
             try:
                 self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name})
             except EngineError as e:
                 if "does not exist" not in str(e):
                     raise
-            return self._post_weights(w, "/init_weights_update_group", {
-                "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offsets[w]),
-                "world_size": int(world_size), "group_name": group_name, "backend": backend}, timeout=timeout)
+            return self._post_weights(
+                w,
+                "/init_weights_update_group",
+                {
+                    "master_address": master_address,
+                    "master_port": int(master_port),
+                    "rank_offset": int(rank_offsets[w]),
+                    "world_size": int(world_size),
+                    "group_name": group_name,
+                    "backend": backend,
+                },
+                timeout=timeout,
+            )
 
         return in_background(join, list(rank_offsets), "weights-init")
 
     def destroy_weights_update_group(self, group_name: str, timeout: float | None = None) -> None:
         """Drop the group on every worker (best effort: a worker without it, or gone, is skipped);
         ``timeout``: each call's (a server answers after the weight call it is still busy with)."""
+
         def drop(w):
             with contextlib.suppress(EngineError):
                 self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout)
@@ -314,6 +348,7 @@ class Control:
     def begin_weight_update(self) -> None:
         """Open a weight-update session on every worker (SGLang 0.5.23 refuses updates outside one).
         A session left open by a trainer that died is closed first."""
+
         def begin(w):
             try:
                 self._post_weights(w, "/begin_weight_update", {})
@@ -328,15 +363,31 @@ class Control:
 
         self._on_workers(begin)
 
-    def post_bucket(self, names: list, dtypes: list, shapes: list, *, group_name: str, workers=None,
-                    load_format: str | None = None, flush_cache: bool = False, weight_version: str | None = None,
-                    timeout: float | None = None) -> BucketPost:
+    def post_bucket(
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        *,
+        group_name: str,
+        workers=None,
+        load_format: str | None = None,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> BucketPost:
         """Post one bucket to every worker (``workers``: the update group's members), without waiting:
         the sender broadcasts it once :meth:`BucketPost.refusals` is empty. ``flush_cache`` stays
         False: the cache is flushed once before the first bucket (:meth:`flush_caches`); SGLang
         0.5.23 fails a bucket whose flush finds a request still queued."""
-        body = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-                "group_name": group_name, "flush_cache": bool(flush_cache), "abort_all_requests": False}
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": bool(flush_cache),
+            "abort_all_requests": False,
+        }
         if load_format is not None:
             body["load_format"] = load_format
         if weight_version is not None:
@@ -344,13 +395,30 @@ class Control:
         timeout = self.weight_update_timeout if timeout is None else timeout
         return BucketPost(self, self.workers() if workers is None else workers, body, timeout)
 
-    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, *, group_name: str,
-                                        load_format: str | None = None, flush_cache: bool = False,
-                                        weight_version: str | None = None, timeout: float | None = None) -> None:
+    def update_weights_from_distributed(
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        *,
+        group_name: str,
+        load_format: str | None = None,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
         """Every worker receives one bucket (the sender broadcasts it meanwhile); raises naming the
         workers that failed."""
-        errors = self.post_bucket(names, dtypes, shapes, group_name=group_name, load_format=load_format,
-                                  flush_cache=flush_cache, weight_version=weight_version, timeout=timeout).result()
+        errors = self.post_bucket(
+            names,
+            dtypes,
+            shapes,
+            group_name=group_name,
+            load_format=load_format,
+            flush_cache=flush_cache,
+            weight_version=weight_version,
+            timeout=timeout,
+        ).result()
         if errors:
             raise EngineError(bucket_error(errors))
 
@@ -384,9 +452,16 @@ class Control:
         ``max_new_tokens`` tokens (``ignore_eos``), with the log-prob of each token (greedy:
         ``log_softmax`` of the logits at temperature 1, in SGLang and in the embedded engine), within
         ``rollout.control_timeout_s``."""
-        body = {"input_ids": [int(t) for t in prompt_ids], "return_logprob": True,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens), "ignore_eos": True,
-                                    "skip_special_tokens": False}}
+        body = {
+            "input_ids": [int(t) for t in prompt_ids],
+            "return_logprob": True,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": int(max_new_tokens),
+                "ignore_eos": True,
+                "skip_special_tokens": False,
+            },
+        }
         # bounded by the control timeout, not the generation one: 16 greedy tokens on an idle server
         # (right after a push) take well under a second, and a frozen server must not hold the step
         out = self._request("POST", "/generate", body, timeout=self.timeout, url=worker)
@@ -426,11 +501,14 @@ class Control:
         """Every worker must run with ``--enable-memory-saver``: without it SGLang's
         ``/release_memory_occupation`` frees nothing (a no-op saver), and the trainer would meet the
         server's weights and KV cache on its GPU."""
+
         def ask(w):
             if not (self.server_info(w) or {}).get("enable_memory_saver"):
-                raise EngineError(f"rollout.colocate: {w} was not started with --enable-memory-saver, so releasing its "
-                                  "memory would free nothing: restart it with that flag (pip install "
-                                  "torch-memory-saver), or give the servers their own GPUs (rollout.colocate=false)")
+                raise EngineError(
+                    f"rollout.colocate: {w} was not started with --enable-memory-saver, so releasing its "
+                    "memory would free nothing: restart it with that flag (pip install "
+                    "torch-memory-saver), or give the servers their own GPUs (rollout.colocate=false)"
+                )
 
         self._on_workers(ask)
 
@@ -440,8 +518,9 @@ class Control:
         resume them, then load weights, before generating. A worker that is gone is dropped.
         Returns the workers that released."""
         body = {"tags": list(tags)} if tags else {}
-        done = self._on_workers(lambda w: self._request("POST", "/release_memory_occupation", body, url=w),
-                                tolerate_loss=True)
+        done = self._on_workers(
+            lambda w: self._request("POST", "/release_memory_occupation", body, url=w), tolerate_loss=True
+        )
         return list(done)
 
     def resume_memory(self, tags=None, workers=None) -> None:

@@ -4,6 +4,7 @@ HTTP API, directly or behind ``sglang-router``. One class composed of the client
 again when a worker is lost), :class:`.control.Control` (weights, versions, probe, memory, context
 length), :class:`.membership.Membership` (the workers: discovery, live / rejoining / lost, the
 router's list) and :class:`.transport.Transport` (the HTTP client, errors)."""
+
 from __future__ import annotations
 
 from megatron_klear.rollout.base import ServerEngine
@@ -46,19 +47,36 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
     routing_topk: int = 0
     sync_pause_mode = "abort"
 
-    def __init__(self, urls, *, workers=None, timeout: float = 60.0, generate_timeout: float = 3600.0,
-                 weight_update_timeout: float = 1800.0, max_concurrent_requests: int = 256,
-                 request_granularity: str = "prompt", max_retries: int = 2, retry_backoff: float = 1.0,
-                 health_check_interval: float = 10.0, health_check_timeout: float = 10.0,
-                 health_failure_threshold: int = 3, send_seed: bool | None = None, check: bool = False,
-                 routed_experts: tuple | None = None, min_live_workers: int = 1, api_key: str | None = None):
+    def __init__(
+        self,
+        urls,
+        *,
+        workers=None,
+        timeout: float = 60.0,
+        generate_timeout: float = 3600.0,
+        weight_update_timeout: float = 1800.0,
+        max_concurrent_requests: int = 256,
+        request_granularity: str = "prompt",
+        max_retries: int = 2,
+        retry_backoff: float = 1.0,
+        health_check_interval: float = 10.0,
+        health_check_timeout: float = 10.0,
+        health_failure_threshold: int = 3,
+        send_seed: bool | None = None,
+        check: bool = False,
+        routed_experts: tuple | None = None,
+        min_live_workers: int = 1,
+        api_key: str | None = None,
+    ):
         urls = [urls] if isinstance(urls, str) else list(urls or [])
         if not urls:
             raise ValueError("rollout: at least one server URL is needed")
         if request_granularity not in GRANULARITIES:
             raise ValueError(f"rollout.request_granularity must be one of {GRANULARITIES}, got {request_granularity!r}")
         if int(max_concurrent_requests) < 1 or int(max_retries) < 0 or int(health_failure_threshold) < 1:
-            raise ValueError("rollout: max_concurrent_requests and health_failure_threshold must be >= 1, max_retries >= 0")
+            raise ValueError(
+                "rollout: max_concurrent_requests and health_failure_threshold must be >= 1, max_retries >= 0"
+            )
         self.urls = [u.rstrip("/") for u in urls]
         self.url = self.urls[0]
         self._explicit_workers = [w.rstrip("/") for w in workers] if workers else None
@@ -77,7 +95,9 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
         if routed_experts is not None:
             layers, top_k = routed_experts
             if int(top_k) < 1:
-                raise ValueError(f"rollout: routed_experts needs (MoE layer indices, top_k >= 1), got {routed_experts!r}")
+                raise ValueError(
+                    f"rollout: routed_experts needs (MoE layer indices, top_k >= 1), got {routed_experts!r}"
+                )
             self.record_routing, self.routing_layers, self.routing_topk = True, [int(x) for x in layers], int(top_k)
         if int(min_live_workers) < 1:
             raise ValueError(f"rollout.min_live_workers must be >= 1, got {min_live_workers}")

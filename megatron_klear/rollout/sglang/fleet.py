@@ -21,6 +21,7 @@ an error yet. The check is made strictly (live workers only) once the push ended
 rejoining workers that hold the pushed weights were admitted; a rejoining worker dropped during the
 push no longer counts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -136,7 +137,8 @@ class Fleet:
             raise FleetError(
                 f"rollout: {len(live)} rollout server(s) left serving, fewer than rollout.min_live_workers = "
                 f"{self.min_live}. Lost: {lost}. Restart the lost servers (they rejoin at the next weight push) "
-                "or lower rollout.min_live_workers")
+                "or lower rollout.min_live_workers"
+            )
 
     def demote(self, worker: str, why: str) -> bool:
         """A live worker holds other weights than the current ones (it answered with another
@@ -180,6 +182,10 @@ class Fleet:
 
     def metrics(self) -> dict:
         with self._lock:
-            return {"rollout/live_workers": len(self.live()), "rollout/worker_failures": self.failures,
-                    "rollout/worker_rejoins": self.rejoins, "rollout/resent_requests": self.resent,
-                    "rollout/stale_responses": self.stale}
+            return {
+                "rollout/live_workers": len(self.live()),
+                "rollout/worker_failures": self.failures,
+                "rollout/worker_rejoins": self.rejoins,
+                "rollout/resent_requests": self.resent,
+                "rollout/stale_responses": self.stale,
+            }

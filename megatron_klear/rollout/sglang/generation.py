@@ -49,6 +49,7 @@ The counts of the step (workers lost and readmitted, requests sent again, stale 
 settings, ``record_routing`` / ``routing_layers`` / ``routing_topk``, :class:`.membership.Membership`
 and :class:`.transport.Transport`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -113,16 +114,25 @@ class Generation:
 
     def _request_body(self, input_ids, params: SamplingParams, n: int, seed) -> dict:
         """One /generate body: token ids in, ``n`` samples, the sampled tokens' log-probs back."""
-        body = {"input_ids": [int(t) for t in input_ids], "return_logprob": True,
-                "sampling_params": self._sampling_params(params, n, seed)}
+        body = {
+            "input_ids": [int(t) for t in input_ids],
+            "return_logprob": True,
+            "sampling_params": self._sampling_params(params, n, seed),
+        }
         if self.record_routing:  # SGLang >= 0.5.x with --enable-return-routed-experts
             body["return_routed_experts"] = True
         return body
 
     def _sampling_params(self, params: SamplingParams, n: int, seed) -> dict:
-        sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-              "max_new_tokens": params.max_new_tokens, "n": int(n), "stop_token_ids": list(params.stop_token_ids),
-              "skip_special_tokens": False}
+        sp = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "max_new_tokens": params.max_new_tokens,
+            "n": int(n),
+            "stop_token_ids": list(params.stop_token_ids),
+            "skip_special_tokens": False,
+        }
         if seed is not None and self.send_seed:
             sp["sampling_seed"] = int(seed)
         return sp
@@ -143,8 +153,9 @@ class Generation:
         self.fleet  # noqa: B018 -- discovers the workers here, so that a router that is down fails now
         results: queue.Queue = queue.Queue()
         stop = threading.Event()
-        thread = self._in_thread(lambda: self._generate_all(prompts, params, int(n), results, stop), results,
-                                 "sglang-client")
+        thread = self._in_thread(
+            lambda: self._generate_all(prompts, params, int(n), results, stop), results, "sglang-client"
+        )
         done = 0
         try:
             while done < len(prompts):
@@ -161,6 +172,7 @@ class Generation:
     def _in_thread(make_coro, results: queue.Queue, name: str) -> threading.Thread:
         """Run the coroutine ``make_coro()`` on an event loop of its own in a daemon thread (started);
         an exception it raises reaches ``results`` as ``("error", exception, None)``."""
+
         def run():
             try:
                 asyncio.run(make_coro())
@@ -177,20 +189,29 @@ class Generation:
         """The :class:`_Call` of one generate call or stream: its HTTP clients, closed on leaving."""
         # room for a hedge of every request in flight; the probes have their own connections, so
         # that requests filling the pool never make a worker look dead
-        limits = httpx.Limits(max_connections=2 * self.max_concurrent_requests + 8,
-                              max_keepalive_connections=self.max_concurrent_requests + 8)
+        limits = httpx.Limits(
+            max_connections=2 * self.max_concurrent_requests + 8,
+            max_keepalive_connections=self.max_concurrent_requests + 8,
+        )
         timeout = httpx.Timeout(self.generate_timeout, connect=self.timeout)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._auth_headers()) as client, \
-                httpx.AsyncClient(headers=self._auth_headers()) as probes:
+        async with (
+            httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._auth_headers()) as client,
+            httpx.AsyncClient(headers=self._auth_headers()) as probes,
+        ):
             yield _Call(client, probes)
 
     async def _generate_all(self, prompts, params, n, results, stop):
         base_seed = params.seed
         per_sample = self.request_granularity == "sample" and n > 1
-        units = [(i, j) for i in range(len(prompts)) for j in range(n)] if per_sample else [(i, None) for i in range(len(prompts))]
+        units = (
+            [(i, j) for i in range(len(prompts)) for j in range(n)]
+            if per_sample
+            else [(i, None) for i in range(len(prompts))]
+        )
         sem = asyncio.Semaphore(self.max_concurrent_requests)
         partial = {i: [None] * n for i in range(len(prompts))} if per_sample else None
         async with self._open_call() as call:
+
             async def run(unit):
                 i, j = unit
                 if base_seed is None:
@@ -302,7 +323,8 @@ class Generation:
                             raise EngineError(
                                 f"rollout: POST {url}/generate answered with weight_version {wrong!r} {stale} times, "
                                 f"expected {self.expected_version!r} (a worker the client cannot tell is serving "
-                                "other weights)")
+                                "other weights)"
+                            )
                         await self._demote_stale(call, url, wrong)
                         continue
                     if not isinstance(e, _Retryable):
@@ -316,8 +338,10 @@ class Generation:
                         continue  # a hedge of this request is still running
                     last = e
                     if retries >= self.max_retries:
-                        raise EngineError(f"rollout: POST {last.url}/generate failed {self.max_retries + 1} times; "
-                                          f"last: {last.message}")
+                        raise EngineError(
+                            f"rollout: POST {last.url}/generate failed {self.max_retries + 1} times; "
+                            f"last: {last.message}"
+                        )
                     retries += 1
                     self.retries += 1
                     await asyncio.sleep(self.retry_backoff * (2 ** (retries - 1)))
@@ -388,8 +412,10 @@ class Generation:
         try:
             resp = await call.client.post(url + "/generate", json=body)
         except httpx.TimeoutException:
-            raise EngineError(f"rollout: POST {url}/generate did not answer within rollout.generate_timeout_s = "
-                              f"{self.generate_timeout:g} s") from None
+            raise EngineError(
+                f"rollout: POST {url}/generate did not answer within rollout.generate_timeout_s = "
+                f"{self.generate_timeout:g} s"
+            ) from None
         except httpx.HTTPError as e:
             raise _Retryable(url, f"{type(e).__name__}: {e}", gone=isinstance(e, GONE)) from None
         if resp.status_code >= 500:
@@ -399,7 +425,9 @@ class Generation:
         try:
             outs = resp.json()
         except json.JSONDecodeError:
-            raise EngineError(f"rollout: POST {url}/generate answered a body that is not JSON: {resp.text[:200]!r}") from None
+            raise EngineError(
+                f"rollout: POST {url}/generate answered a body that is not JSON: {resp.text[:200]!r}"
+            ) from None
         if isinstance(outs, dict):
             outs = [outs]
         if not isinstance(outs, list) or len(outs) != n:
@@ -411,8 +439,9 @@ class Generation:
             if isinstance(reason, dict) and reason.get("type") == "abort" and not allow_abort:
                 raise _Retryable(url, f"sample {k} aborted by the server: {reason.get('message') or reason}")
         routing = (len(body["input_ids"]), self.routing_layers, self.routing_topk) if self.record_routing else None
-        completions = [parse_completion(o, k, url=url, routing=routing, allow_abort=allow_abort)
-                       for k, o in enumerate(outs)]
+        completions = [
+            parse_completion(o, k, url=url, routing=routing, allow_abort=allow_abort) for k, o in enumerate(outs)
+        ]
         return completions, [(o.get("meta_info") or {}).get("weight_version") for o in outs]
 
     # -- the watchdog ----------------------------------------------------------------------------------
@@ -448,13 +477,16 @@ class Generation:
                 misses[w] = misses.get(w, 0) + 1
                 first_miss.setdefault(w, time.monotonic())
                 if misses[w] >= self.health_failure_threshold:
-                    why = (f"stopped answering /health during generation ({misses.pop(w)} probes in a row over "
-                           f"{time.monotonic() - first_miss.pop(w):.0f} s; last: {why})")
+                    why = (
+                        f"stopped answering /health during generation ({misses.pop(w)} probes in a row over "
+                        f"{time.monotonic() - first_miss.pop(w):.0f} s; last: {why})"
+                    )
                     await self._lose(call, w, why)
 
 
-def parse_completion(out: dict, k: int = 0, url: str = "", routing: tuple | None = None,
-                     allow_abort: bool = False) -> Completion:
+def parse_completion(
+    out: dict, k: int = 0, url: str = "", routing: tuple | None = None, allow_abort: bool = False
+) -> Completion:
     """One element of a /generate response -> Completion (validated), with each token's weight
     version (:func:`.versions.token_versions`). ``routing``: (prompt length, MoE layer indices,
     top_k) to read the routed experts too (rollout.router_replay). ``allow_abort``: an ``abort``
@@ -467,8 +499,10 @@ def parse_completion(out: dict, k: int = 0, url: str = "", routing: tuple | None
         reason = meta["finish_reason"]
         reason = reason["type"] if isinstance(reason, dict) else reason
     except (KeyError, TypeError) as e:
-        raise EngineError(f"rollout: {where} sample {k} lacks {e} (meta_info.output_token_logprobs and "
-                          "meta_info.finish_reason are required; was return_logprob sent?)") from None
+        raise EngineError(
+            f"rollout: {where} sample {k} lacks {e} (meta_info.output_token_logprobs and "
+            "meta_info.finish_reason are required; was return_logprob sent?)"
+        ) from None
     try:
         ids = [int(t) for t in out.get("output_ids", [p[1] for p in pairs])]
         logprobs = [float(p[0]) for p in pairs]
@@ -483,7 +517,11 @@ def parse_completion(out: dict, k: int = 0, url: str = "", routing: tuple | None
     routes = None
     if routing is not None:
         prompt_len, layers, top_k = routing
-        routes = decode_routed_experts(meta.get("routed_experts"), rows=prompt_len + len(ids) - 1, layers=layers,
-                                       top_k=top_k, where=f"{where} sample {k}")
-    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, routed_experts=routes,
-                      versions=versions)
+        routes = decode_routed_experts(
+            meta.get("routed_experts"),
+            rows=prompt_len + len(ids) - 1,
+            layers=layers,
+            top_k=top_k,
+            where=f"{where} sample {k}",
+        )
+    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, routed_experts=routes, versions=versions)

@@ -35,6 +35,7 @@ closed without an answer, a timeout. An answer, whatever its status (4xx, 5xx, a
 :class:`.transport.Transport`; it uses ``urls``, ``timeout``, ``health_check_timeout``,
 ``min_live_workers``, ``api_key`` and ``_explicit_workers``.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,11 +82,15 @@ class Membership:
         try:
             resp = self._client().get(url + "/workers", timeout=self.timeout)
         except httpx.TimeoutException:
-            raise WorkerGone(f"rollout: {url} did not answer GET /workers within {self.timeout:g} s "
-                             "(rollout.control_timeout_s): is it hung?") from None
+            raise WorkerGone(
+                f"rollout: {url} did not answer GET /workers within {self.timeout:g} s "
+                "(rollout.control_timeout_s): is it hung?"
+            ) from None
         except httpx.HTTPError as e:
-            raise WorkerGone(f"rollout: cannot reach {url} ({type(e).__name__}: {e}); is the server or router "
-                             "running, and is rollout.urls right?") from None
+            raise WorkerGone(
+                f"rollout: cannot reach {url} ({type(e).__name__}: {e}); is the server or router "
+                "running, and is rollout.urls right?"
+            ) from None
         listed = None
         if resp.status_code == 200:
             try:
@@ -238,8 +243,10 @@ class Membership:
                 note(f"rollout: rejoining worker {w} not admitted: {e}")
                 continue
             if str(reported) != str(version):
-                note(f"rollout: rejoining worker {w} reports weight_version {reported!r}, not {str(version)!r}: "
-                     "not admitted")
+                note(
+                    f"rollout: rejoining worker {w} reports weight_version {reported!r}, not {str(version)!r}: "
+                    "not admitted"
+                )
                 continue
             if self.fleet.admit(w):
                 self._router_add(w)
@@ -332,8 +339,10 @@ class Membership:
             if (bool(entries) and all(e.get("is_healthy", True) for e in entries)) if listed else not entries:
                 return True
             if time.monotonic() > deadline:
-                note(f"rollout: the router {router} still {'lacks' if listed else 'lists'} {worker} after "
-                     f"{ROUTER_SETTLE_S:g} s")
+                note(
+                    f"rollout: the router {router} still {'lacks' if listed else 'lists'} {worker} after "
+                    f"{ROUTER_SETTLE_S:g} s"
+                )
                 return False
             time.sleep(0.05)
 

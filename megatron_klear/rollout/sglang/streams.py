@@ -22,6 +22,7 @@ push in ``abort`` mode) is retried as in ``generate``.
 Counts: the engine's ``aborted_requests`` and the stream's ``aborted`` (requests that ended as
 ``abort``, with or without tokens).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -162,8 +163,9 @@ class SGLangStream(RequestStream):
                     waiter = asyncio.ensure_future(wake.wait())
                     timeout = None if resend is None else max(0.0, min(resend, deadline) - now)
                     try:
-                        done, _ = await asyncio.wait(set(tasks) | {watchdog, waiter}, timeout=timeout,
-                                                     return_when=asyncio.FIRST_COMPLETED)
+                        done, _ = await asyncio.wait(
+                            set(tasks) | {watchdog, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                        )
                     finally:
                         waiter.cancel()
                     wake.clear()
@@ -198,8 +200,9 @@ class SGLangStream(RequestStream):
 
         async def one(w):
             try:
-                await call.probe_client.post(w + "/abort_request", json={"rid": "", "abort_all": True},
-                                             timeout=eng.timeout)
+                await call.probe_client.post(
+                    w + "/abort_request", json={"rid": "", "abort_all": True}, timeout=eng.timeout
+                )
             except Exception:  # noqa: BLE001 -- its requests end at the deadline
                 return
 

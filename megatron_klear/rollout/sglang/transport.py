@@ -5,6 +5,7 @@ could not be reached or did not answer). The workers behind the URLs are :mod:`.
 :class:`Transport` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine`; it uses the
 engine's ``url``, ``timeout`` and ``health_check_timeout``.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,6 @@ import threading
 import httpx
 
 from megatron_klear.rollout.base import EngineError, WorkerGone  # noqa: F401 -- re-exported for the client
-
-
 
 #: transport failures that mean the server is gone (not an answer that refuses the call)
 GONE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
@@ -39,8 +38,10 @@ def _message_of(resp: httpx.Response) -> str:
     a refused API key says which setting sends one."""
     said = _said(resp)
     if resp.status_code in UNAUTHORIZED:
-        said += (" -- the server or router was started with --api-key: set rollout.api_key to that key (sent as "
-                 "'Authorization: Bearer <key>')")
+        said += (
+            " -- the server or router was started with --api-key: set rollout.api_key to that key (sent as "
+            "'Authorization: Bearer <key>')"
+        )
     return said
 
 
@@ -117,8 +118,9 @@ class Transport:
         ~20 ms (its TLS context) and a TCP handshake, paid several times per weight sync."""
         with self._control_lock:
             if self._control is None:
-                self._control = httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
-                                             headers=self._auth_headers())
+                self._control = httpx.Client(
+                    limits=httpx.Limits(max_connections=64, max_keepalive_connections=32), headers=self._auth_headers()
+                )
             return self._control
 
     def _auth_headers(self) -> dict:
@@ -132,8 +134,15 @@ class Transport:
         if client is not None:
             client.close()
 
-    def _request(self, method: str, path: str, body=None, timeout: float | None = None, url: str | None = None,
-                 expect_json: bool = True):
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body=None,
+        timeout: float | None = None,
+        url: str | None = None,
+        expect_json: bool = True,
+    ):
         url = (url or self.url) + path
         timeout = self.timeout if timeout is None else float(timeout)
         try:
@@ -152,14 +161,17 @@ class Transport:
         try:
             return resp.json()
         except json.JSONDecodeError:
-            raise EngineError(f"rollout: {method} {url} answered HTTP {resp.status_code} with a body that is not JSON: "
-                              f"{resp.text[:200]!r}") from None
+            raise EngineError(
+                f"rollout: {method} {url} answered HTTP {resp.status_code} with a body that is not JSON: "
+                f"{resp.text[:200]!r}"
+            ) from None
 
     def health(self, url: str | None = None) -> bool:
         """``GET /health`` answers 2xx (SGLang: empty body; sglang-router: the text ``OK``)."""
         try:
-            self._request("GET", "/health", timeout=min(self.timeout, self.health_check_timeout), url=url,
-                          expect_json=False)
+            self._request(
+                "GET", "/health", timeout=min(self.timeout, self.health_check_timeout), url=url, expect_json=False
+            )
             return True
         except EngineError:
             return False

@@ -17,6 +17,7 @@ when the request was sent** (its worker missed a push) or **newer than the versi
 expected now. While a push is under way the upper bound is not applied: the servers already hold the
 version the client is about to expect.
 """
+
 from __future__ import annotations
 
 import re
@@ -57,8 +58,10 @@ def token_versions(meta: dict, n_tokens: int, where: str) -> list:
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)):
             raise EngineError(bad + f"span {i}: start and end must be integers")
         if start != at or end < start:
-            raise EngineError(bad + f"span {i} covers [{start}, {end}); expected contiguous spans from token 0 "
-                              f"(this one starting at {at})")
+            raise EngineError(
+                bad + f"span {i} covers [{start}, {end}); expected contiguous spans from token 0 "
+                f"(this one starting at {at})"
+            )
         out += [version_number(version)] * (end - start)
         at = end
     if at != n_tokens:

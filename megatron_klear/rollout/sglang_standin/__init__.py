@@ -12,13 +12,40 @@ one. What it serves, and where it is stricter than SGLang: ``docs/sglang-standin
 
 ``python -m megatron_klear.rollout.sglang_standin --model DIR --port P`` serves a checkpoint.
 """
-from megatron_klear.rollout.sglang_standin.contract import (SAMPLING_FIELDS, BadRequest, ContractError, GenerateCall,
-                                                            completion_to_sglang, decode_sampling_params,
-                                                            parse_generate_request)
-from megatron_klear.rollout.sglang_standin.launcher import (EmbeddedHTTPEngine, StandinServer, main, make_server,
-                                                            serve_in_thread, stop_process)
+
+from megatron_klear.rollout.sglang_standin.contract import (
+    SAMPLING_FIELDS,
+    BadRequest,
+    ContractError,
+    GenerateCall,
+    completion_to_sglang,
+    decode_sampling_params,
+    parse_generate_request,
+)
+from megatron_klear.rollout.sglang_standin.launcher import (
+    EmbeddedHTTPEngine,
+    StandinServer,
+    main,
+    make_server,
+    serve_in_thread,
+    stop_process,
+)
 from megatron_klear.rollout.sglang_standin.scheduler import Job, Scheduler
 
-__all__ = ["SAMPLING_FIELDS", "BadRequest", "ContractError", "EmbeddedHTTPEngine", "GenerateCall", "Job", "Scheduler",
-           "StandinServer", "completion_to_sglang", "decode_sampling_params", "main", "make_server",
-           "parse_generate_request", "serve_in_thread", "stop_process"]
+__all__ = [
+    "SAMPLING_FIELDS",
+    "BadRequest",
+    "ContractError",
+    "EmbeddedHTTPEngine",
+    "GenerateCall",
+    "Job",
+    "Scheduler",
+    "StandinServer",
+    "completion_to_sglang",
+    "decode_sampling_params",
+    "main",
+    "make_server",
+    "parse_generate_request",
+    "serve_in_thread",
+    "stop_process",
+]

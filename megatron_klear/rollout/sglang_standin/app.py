@@ -1,4 +1,5 @@
 """The stand-in's FastAPI app: the routers over one server's state."""
+
 from __future__ import annotations
 
 from fastapi import FastAPI
@@ -11,8 +12,9 @@ from megatron_klear.rollout.sglang_standin.state import ServerState
 def build_app(state: ServerState) -> FastAPI:
     """No docs or OpenAPI routes (any path outside SGLang's answers 404 ``{"detail": "Not Found"}``)
     and no slash redirects (``/health/`` answers 404, not a redirect)."""
-    app = FastAPI(title="megatron-klear SGLang stand-in", docs_url=None, redoc_url=None, openapi_url=None,
-                  redirect_slashes=False)
+    app = FastAPI(
+        title="megatron-klear SGLang stand-in", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
+    )
     app.state.standin = state
     app.include_router(routes.router)
     app.include_router(weight_routes.router)

@@ -1,6 +1,7 @@
 """SGLang's request contract, as the stand-in enforces it: /generate bodies decoded and checked
 against ``sglang/api/v1/api_types.py`` (serde-style messages) and ``sampling_params.py``, control
 bodies type-checked, and samples written in SGLang's /generate answer shape."""
+
 from __future__ import annotations
 
 import collections
@@ -100,10 +101,12 @@ def _map(v, where, expected="a map"):
 
 def _or_list(scalar):
     """A contract ``XOrList``: one value or an array of values."""
+
     def check(v, where, name):
         if isinstance(v, list):
             return [scalar(e, f"{where}[{k}]") for k, e in enumerate(v)]
         return scalar(v, where, f"a value or an array of values for {name}")
+
     return check
 
 
@@ -134,15 +137,33 @@ _optional_str_or_list = _or_list(_optional_str)
 
 # SamplingParams, in the contract's order (its unknown-field message lists them so); (kind, default).
 SAMPLING_FIELDS = {
-    "max_new_tokens": ("int", 128), "stop": ("str_or_list", None), "stop_token_ids": ("int_list", None),
-    "stop_regex": ("str_or_list", None), "temperature": ("float", 1.0), "top_p": ("float", 1.0),
-    "top_k": ("int", TOP_K_ALL), "min_p": ("float", 0.0), "frequency_penalty": ("float", 0.0),
-    "presence_penalty": ("float", 0.0), "repetition_penalty": ("float", 1.0), "min_new_tokens": ("int", 0),
-    "n": ("int", 1), "json_schema": ("str", None), "regex": ("str", None), "ebnf": ("str", None),
-    "structural_tag": ("str", None), "ignore_eos": ("bool", False), "skip_special_tokens": ("bool", True),
-    "spaces_between_special_tokens": ("bool", True), "no_stop_trim": ("bool", False),
-    "stream_interval": ("int", None), "logit_bias": ("map_float", {}), "sampling_seed": ("int", None),
-    "custom_params": ("any", None), "beam_width": ("int", None), "watermark": ("watermark", None),
+    "max_new_tokens": ("int", 128),
+    "stop": ("str_or_list", None),
+    "stop_token_ids": ("int_list", None),
+    "stop_regex": ("str_or_list", None),
+    "temperature": ("float", 1.0),
+    "top_p": ("float", 1.0),
+    "top_k": ("int", TOP_K_ALL),
+    "min_p": ("float", 0.0),
+    "frequency_penalty": ("float", 0.0),
+    "presence_penalty": ("float", 0.0),
+    "repetition_penalty": ("float", 1.0),
+    "min_new_tokens": ("int", 0),
+    "n": ("int", 1),
+    "json_schema": ("str", None),
+    "regex": ("str", None),
+    "ebnf": ("str", None),
+    "structural_tag": ("str", None),
+    "ignore_eos": ("bool", False),
+    "skip_special_tokens": ("bool", True),
+    "spaces_between_special_tokens": ("bool", True),
+    "no_stop_trim": ("bool", False),
+    "stream_interval": ("int", None),
+    "logit_bias": ("map_float", {}),
+    "sampling_seed": ("int", None),
+    "custom_params": ("any", None),
+    "beam_width": ("int", None),
+    "watermark": ("watermark", None),
     "choice": ("str_list", []),
 }
 _WATERMARK_FIELDS = {"enabled": _bool, "key": _str, "context_window": _int}
@@ -209,13 +230,16 @@ def _default_or(*allowed):
     def ok(v):
         values = v if isinstance(v, list) else [v]
         return all(any(x is a or (x == a and type(x) is type(a)) for a in allowed) for x in values)
+
     return ok
 
 
 _UNSUPPORTED = {
     "text": (_default_or(None), "send token ids in input_ids"),
     "input_embeds": (_default_or(None), ""),
-    "image_data": (_default_or(None), ""), "video_data": (_default_or(None), ""), "audio_data": (_default_or(None), ""),
+    "image_data": (_default_or(None), ""),
+    "video_data": (_default_or(None), ""),
+    "audio_data": (_default_or(None), ""),
     "stream": (_default_or(None, False), "only whole responses are served"),
     "logprob_start_len": (_default_or(None, -1), "only output-token log-probs are served"),
     "top_logprobs_num": (_default_or(None, 0), ""),
@@ -229,11 +253,15 @@ _UNSUPPORTED = {
     "return_flat_raw_top_logprobs": (_default_or(None, False), ""),
     "return_flat_raw_output_top_logprobs": (_default_or(None, False), ""),
     "return_flat_raw_top_logprobs_b64": (_default_or(None, False), ""),
-    "lora_path": (_default_or(None), ""), "lora_id": (_default_or(None), ""),
-    "session_params": (_default_or(None), ""), "custom_logit_processor": (_default_or(None), ""),
-    "positional_embed_overrides": (_default_or(None), ""), "max_thinking_tokens": (_default_or(None), ""),
+    "lora_path": (_default_or(None), ""),
+    "lora_id": (_default_or(None), ""),
+    "session_params": (_default_or(None), ""),
+    "custom_logit_processor": (_default_or(None), ""),
+    "positional_embed_overrides": (_default_or(None), ""),
+    "max_thinking_tokens": (_default_or(None), ""),
     "require_reasoning": (_default_or(None, False), ""),
-    "multi_item_delimiter_indices": (_default_or(None), ""), "token_indices_to_pool": (_default_or(None), ""),
+    "multi_item_delimiter_indices": (_default_or(None), ""),
+    "token_indices_to_pool": (_default_or(None), ""),
     "use_audio_in_video": (_default_or(None, False), ""),
 }
 # Contract types of the top-level fields read or refused here (others are ignored, as SGLang's
@@ -293,15 +321,24 @@ def _check_values(s: dict, where: str) -> None:
     if s["n"] < 1:
         raise BadRequest(f"{where}.n must be at least 1, got {s['n']}.")
     seed = s["sampling_seed"]
-    if seed is not None and not -(2 ** 63) <= seed <= 2 ** 63 - 1:
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
         raise BadRequest(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
     unsupported = {
-        "stop": lambda v: not v, "stop_regex": lambda v: not v, "min_p": lambda v: v == 0,
-        "frequency_penalty": lambda v: v == 0, "presence_penalty": lambda v: v == 0,
-        "repetition_penalty": lambda v: v == 1, "min_new_tokens": lambda v: v == 0,
-        "json_schema": lambda v: not v, "regex": lambda v: not v, "ebnf": lambda v: not v,
-        "structural_tag": lambda v: not v, "logit_bias": lambda v: not v, "custom_params": lambda v: not v,
-        "beam_width": lambda v: v in (None, 1), "choice": lambda v: not v,
+        "stop": lambda v: not v,
+        "stop_regex": lambda v: not v,
+        "min_p": lambda v: v == 0,
+        "frequency_penalty": lambda v: v == 0,
+        "presence_penalty": lambda v: v == 0,
+        "repetition_penalty": lambda v: v == 1,
+        "min_new_tokens": lambda v: v == 0,
+        "json_schema": lambda v: not v,
+        "regex": lambda v: not v,
+        "ebnf": lambda v: not v,
+        "structural_tag": lambda v: not v,
+        "logit_bias": lambda v: not v,
+        "custom_params": lambda v: not v,
+        "beam_width": lambda v: v in (None, 1),
+        "choice": lambda v: not v,
         "watermark": lambda v: not v or not v.get("enabled"),
     }
     for key, ok in unsupported.items():
@@ -324,7 +361,9 @@ def parse_generate_request(body) -> GenerateCall:
         _token_ids_or_list(body["input_ids"], "input_ids")
     raw_sp = body.get("sampling_params")
     if raw_sp is not None and isinstance(raw_sp, list):
-        decoded_sp = [decode_sampling_params(e, f"sampling_params[{k}]") for k, e in enumerate(_seq(raw_sp, "sampling_params"))]
+        decoded_sp = [
+            decode_sampling_params(e, f"sampling_params[{k}]") for k, e in enumerate(_seq(raw_sp, "sampling_params"))
+        ]
     elif raw_sp is not None:
         _map(raw_sp, "sampling_params", "a value or an array of values for SamplingParamsOrList")
         decoded_sp = decode_sampling_params(raw_sp)
@@ -333,8 +372,10 @@ def parse_generate_request(body) -> GenerateCall:
 
     for key, (ok, hint) in _UNSUPPORTED.items():
         if key in body and not ok(body[key]):
-            raise BadRequest(f"field '{key}'={body[key]!r:.200} is not supported by the embedded engine"
-                             + (f": {hint}" if hint else ""))
+            raise BadRequest(
+                f"field '{key}'={body[key]!r:.200} is not supported by the embedded engine"
+                + (f": {hint}" if hint else "")
+            )
     ids = body.get("input_ids")
     if ids is None:
         raise BadRequest("Either text, input_ids or input_embeds should be provided.")
@@ -359,32 +400,51 @@ def parse_generate_request(body) -> GenerateCall:
         temperature, top_k = s["temperature"], s["top_k"]
         if top_k == -1 or top_k >= TOP_K_ALL:
             top_k = -1
-        params.append(SamplingParams(temperature=temperature if temperature > 0 else 0.0, top_p=s["top_p"], top_k=top_k,
-                                     max_new_tokens=s["max_new_tokens"], stop_token_ids=list(s["stop_token_ids"] or []),
-                                     seed=s["sampling_seed"]))
+        params.append(
+            SamplingParams(
+                temperature=temperature if temperature > 0 else 0.0,
+                top_p=s["top_p"],
+                top_k=top_k,
+                max_new_tokens=s["max_new_tokens"],
+                stop_token_ids=list(s["stop_token_ids"] or []),
+                seed=s["sampling_seed"],
+            )
+        )
 
     rid = body.get("rid")
     if isinstance(rid, list):
         if len(rid) != len(prompts) or single:
             raise BadRequest("The specified rids length mismatch with the batch_size for batch processing.")
         if len(set(rid)) != len(rid):
-            raise BadRequest(f"Duplicate request IDs detected within the request: "
-                             f"{sorted(r for r, c in collections.Counter(rid).items() if c > 1)}")
+            raise BadRequest(
+                f"Duplicate request IDs detected within the request: "
+                f"{sorted(r for r, c in collections.Counter(rid).items() if c > 1)}"
+            )
         rids, single_rid = list(rid), None
     else:
         rids, single_rid = [rid] * len(prompts), rid
     return_logprob = body.get("return_logprob")
     if isinstance(return_logprob, list):
         if len(set(return_logprob)) > 1:
-            raise BadRequest("field 'return_logprob' as a per-prompt list of different values is not supported by the "
-                             "embedded engine")
+            raise BadRequest(
+                "field 'return_logprob' as a per-prompt list of different values is not supported by the "
+                "embedded engine"
+            )
         return_logprob = bool(return_logprob and return_logprob[0])
-    return GenerateCall(prompts=prompts, single=single, n=n, sampling=per_prompt, params=params,
-                        return_logprob=bool(return_logprob), rids=rids, rid=single_rid,
-                        return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),
-                        return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)),
-                        return_routed_experts=bool(body.get("return_routed_experts")),
-                        routed_experts_start_len=int(body.get("routed_experts_start_len", 0)))
+    return GenerateCall(
+        prompts=prompts,
+        single=single,
+        n=n,
+        sampling=per_prompt,
+        params=params,
+        return_logprob=bool(return_logprob),
+        rids=rids,
+        rid=single_rid,
+        return_text_in_logprobs=bool(body.get("return_text_in_logprobs")),
+        return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)),
+        return_routed_experts=bool(body.get("return_routed_experts")),
+        routed_experts_start_len=int(body.get("routed_experts_start_len", 0)),
+    )
 
 
 def assign_ids(call: GenerateCall) -> list:
@@ -419,10 +479,20 @@ def visible_spans(spans: list, num_tokens: int) -> list:
     return [{**s, "end": min(s["end"], num_tokens)} for s in spans if s["start"] < num_tokens or s["start"] == 0]
 
 
-def waiting_abort_to_sglang(c: Completion, *, prompt: list, rid: str, weight_version, interval: int,
-                            return_logprob: bool, tokenizer=None, e2e_latency: float | None = None,
-                            return_text_in_logprobs: bool = False, return_prompt_token_ids: bool = False,
-                            abort_message: str | None = None) -> dict:
+def waiting_abort_to_sglang(
+    c: Completion,
+    *,
+    prompt: list,
+    rid: str,
+    weight_version,
+    interval: int,
+    return_logprob: bool,
+    tokenizer=None,
+    e2e_latency: float | None = None,
+    return_text_in_logprobs: bool = False,
+    return_prompt_token_ids: bool = False,
+    abort_message: str | None = None,
+) -> dict:
     """A sample aborted in SGLang's waiting queue -- before it ran, or retracted by a pause --, in
     the shape SGLang 0.5.23's ``TokenizerManager._handle_abort_req`` answers: finish_reason
     ``{"type": "abort", "message": "Abort in waiting queue"}``, no ``prompt_tokens``/``cached_tokens``,
@@ -432,8 +502,12 @@ def waiting_abort_to_sglang(c: Completion, *, prompt: list, rid: str, weight_ver
     (``_make_abort_req``: over every token) cut to them."""
     kept = interval * (len(c.token_ids) // interval) if interval > 0 else 0
     spans = visible_spans(weight_version_spans(c.versions, weight_version, len(c.token_ids)), kept)
-    meta = {"id": rid, "finish_reason": {"type": "abort", "message": abort_message or "Abort in waiting queue"},
-            "weight_version": spans[-1]["version"], "weight_versions": spans}
+    meta = {
+        "id": rid,
+        "finish_reason": {"type": "abort", "message": abort_message or "Abort in waiting queue"},
+        "weight_version": spans[-1]["version"],
+        "weight_versions": spans,
+    }
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
     tokens = list(c.token_ids[:kept])
@@ -478,11 +552,23 @@ def weight_version_spans(versions, current, num_tokens: int) -> list:
     return spans or [{"version": version_name(current), "start": 0, "end": 0}]
 
 
-def completion_to_sglang(c: Completion, *, prompt: list, max_new_tokens: int, return_logprob: bool, rid: str,
-                         weight_version, tokenizer=None, sampling: dict | None = None, e2e_latency: float | None = None,
-                         return_text_in_logprobs: bool = False, return_prompt_token_ids: bool = False,
-                         abort_message: str | None = None, routing: tuple | None = None,
-                         waiting_interval: int | None = None) -> dict:
+def completion_to_sglang(
+    c: Completion,
+    *,
+    prompt: list,
+    max_new_tokens: int,
+    return_logprob: bool,
+    rid: str,
+    weight_version,
+    tokenizer=None,
+    sampling: dict | None = None,
+    e2e_latency: float | None = None,
+    return_text_in_logprobs: bool = False,
+    return_prompt_token_ids: bool = False,
+    abort_message: str | None = None,
+    routing: tuple | None = None,
+    waiting_interval: int | None = None,
+) -> dict:
     """One sample in SGLang's /generate response shape. ``routing`` = (start, the model's layer count,
     the layer index of each recorded MoE layer): ``meta_info["routed_experts"]`` as SGLang 0.5.23
     returns it (``--enable-return-routed-experts``): int32 [tokens, layers, top_k] for the positions
@@ -494,15 +580,30 @@ def completion_to_sglang(c: Completion, *, prompt: list, max_new_tokens: int, re
     :func:`waiting_abort_to_sglang`'s with that stream interval."""
     if waiting_interval is not None and c.finish_reason == "abort":
         return waiting_abort_to_sglang(
-            c, prompt=prompt, rid=rid, weight_version=weight_version, interval=waiting_interval,
-            return_logprob=return_logprob, tokenizer=tokenizer, e2e_latency=e2e_latency,
-            return_text_in_logprobs=return_text_in_logprobs, return_prompt_token_ids=return_prompt_token_ids,
-            abort_message=abort_message)
+            c,
+            prompt=prompt,
+            rid=rid,
+            weight_version=weight_version,
+            interval=waiting_interval,
+            return_logprob=return_logprob,
+            tokenizer=tokenizer,
+            e2e_latency=e2e_latency,
+            return_text_in_logprobs=return_text_in_logprobs,
+            return_prompt_token_ids=return_prompt_token_ids,
+            abort_message=abort_message,
+        )
     sampling = sampling or {}
     reason = finish_reason_json(c, max_new_tokens, abort_message)
     spans = weight_version_spans(c.versions, weight_version, len(c.token_ids))
-    meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt), "completion_tokens": len(c.token_ids),
-            "cached_tokens": 0, "weight_version": spans[-1]["version"], "weight_versions": spans}
+    meta = {
+        "id": rid,
+        "finish_reason": reason,
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(c.token_ids),
+        "cached_tokens": 0,
+        "weight_version": spans[-1]["version"],
+        "weight_versions": spans,
+    }
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
     if return_logprob:

@@ -1,6 +1,7 @@
 """Running the stand-in: :func:`make_server` and :func:`serve_in_thread` (uvicorn on 127.0.0.1),
 :func:`main` (``python -m megatron_klear.rollout.sglang_standin``), and the client
 :class:`EmbeddedHTTPEngine`, which can launch a server subprocess."""
+
 from __future__ import annotations
 
 import argparse
@@ -67,10 +68,20 @@ class StandinServer:
         self.socket.listen(2048)
         self.server_address = self.socket.getsockname()[:2]
         state.port = self.server_address[1]
-        config = uvicorn.Config(build_app(state), loop="asyncio", http="h11", lifespan="off", log_config=None,
-                                log_level="warning", access_log=False, proxy_headers=False, server_header=False,
-                                headers=[("server", SERVER_HEADER)], timeout_keep_alive=KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        config = uvicorn.Config(
+            build_app(state),
+            loop="asyncio",
+            http="h11",
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+            headers=[("server", SERVER_HEADER)],
+            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
         self.uvicorn = _Uvicorn(config, on_interrupt=self._stop)
         self._serving = False
         self._stopped = threading.Event()
@@ -111,11 +122,21 @@ class StandinServer:
         self.state.scheduler.join(SHUTDOWN_GRACE_S)
 
 
-def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | None = None,
-                served_model_name: str | None = None, max_batch_size: int | None = None,
-                batch_window: float = 0.05, weight_sync_timeout: float = 600.0,
-                return_routed_experts: bool = False, enable_memory_saver: bool = False,
-                api_key: str | None = None, admin_api_key: str | None = None) -> StandinServer:
+def make_server(
+    engine,
+    port: int = 0,
+    *,
+    tokenizer=None,
+    tokenizer_path: str | None = None,
+    served_model_name: str | None = None,
+    max_batch_size: int | None = None,
+    batch_window: float = 0.05,
+    weight_sync_timeout: float = 600.0,
+    return_routed_experts: bool = False,
+    enable_memory_saver: bool = False,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+) -> StandinServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
     ``max_batch_size``: most sequences per engine call (default: the engine's); ``batch_window``:
     the longest an idle engine waits for concurrent requests to gather (the scheduler);
@@ -123,8 +144,19 @@ def make_server(engine, port: int = 0, *, tokenizer=None, tokenizer_path: str | 
     ``return_routed_experts``: SGLang's ``--enable-return-routed-experts`` (MoE models);
     ``enable_memory_saver``: SGLang's ``--enable-memory-saver`` (releasing weights frees them);
     ``api_key`` / ``admin_api_key``: SGLang's ``--api-key`` / ``--admin-api-key``."""
-    state = ServerState(engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
-                        weight_sync_timeout, return_routed_experts, enable_memory_saver, api_key, admin_api_key)
+    state = ServerState(
+        engine,
+        tokenizer,
+        tokenizer_path,
+        served_model_name,
+        max_batch_size,
+        batch_window,
+        weight_sync_timeout,
+        return_routed_experts,
+        enable_memory_saver,
+        api_key,
+        admin_api_key,
+    )
     return StandinServer(state, port)
 
 
@@ -138,47 +170,84 @@ def serve_in_thread(engine, port: int = 0, **kwargs):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_klear.rollout.embedded",
-                                 description="Serve an HF checkpoint with the embedded rollout engine on 127.0.0.1 "
-                                             "(a subset of SGLang's native HTTP API).")
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_klear.rollout.embedded",
+        description="Serve an HF checkpoint with the embedded rollout engine on 127.0.0.1 "
+        "(a subset of SGLang's native HTTP API).",
+    )
     ap.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
     ap.add_argument("--port", type=int, default=30000, help="port on 127.0.0.1 (0: any free port)")
     ap.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | float64")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-batch-size", type=int, default=None, help="most sequences decoded together")
-    ap.add_argument("--context-length", type=int, default=None,
-                    help="longest prompt + response (default: the config's, as SGLang's --context-length)")
+    ap.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="longest prompt + response (default: the config's, as SGLang's --context-length)",
+    )
     ap.add_argument("--served-model-name", default=None, help="the model name in /v1/models (default: the path)")
-    ap.add_argument("--batch-window-ms", type=float, default=50.0,
-                    help="longest an idle engine waits for concurrent requests to gather into one batch")
-    ap.add_argument("--weight-sync-timeout", type=float, default=600.0,
-                    help="seconds for joining a weight-update group and for each broadcast received in it")
+    ap.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=50.0,
+        help="longest an idle engine waits for concurrent requests to gather into one batch",
+    )
+    ap.add_argument(
+        "--weight-sync-timeout",
+        type=float,
+        default=600.0,
+        help="seconds for joining a weight-update group and for each broadcast received in it",
+    )
     ap.add_argument("--port-file", default=None, help="write the bound port here (atomically) once serving")
-    ap.add_argument("--enable-return-routed-experts", action="store_true",
-                    help="record each token's experts (MoE models) and return them to requests with "
-                         "return_routed_experts (SGLang's flag of the same name)")
-    ap.add_argument("--enable-memory-saver", action="store_true",
-                    help="release_memory_occupation of 'weights' frees them (a server sharing the trainer's "
-                         "machine; SGLang's flag of the same name)")
-    ap.add_argument("--api-key", default=None,
-                    help="refuse requests without 'Authorization: Bearer <key>' (SGLang's flag and rules; /health "
-                         "stays open)")
-    ap.add_argument("--admin-api-key", default=None,
-                    help="the key of the admin routes (weights, memory, pause; SGLang's flag and rules)")
+    ap.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="record each token's experts (MoE models) and return them to requests with "
+        "return_routed_experts (SGLang's flag of the same name)",
+    )
+    ap.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="release_memory_occupation of 'weights' frees them (a server sharing the trainer's "
+        "machine; SGLang's flag of the same name)",
+    )
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="refuse requests without 'Authorization: Bearer <key>' (SGLang's flag and rules; /health stays open)",
+    )
+    ap.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="the key of the admin routes (weights, memory, pause; SGLang's flag and rules)",
+    )
     args = ap.parse_args(argv)
 
     from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
-    engine = EmbeddedEngine.from_pretrained(args.model, dtype=args.dtype, device=args.device,
-                                            max_batch_size=args.max_batch_size, context_length=args.context_length,
-                                            tokenizer=tokenizer)
-    server = make_server(engine, args.port, tokenizer=tokenizer, tokenizer_path=args.model if tokenizer else None,
-                         served_model_name=args.served_model_name, batch_window=args.batch_window_ms / 1000.0,
-                         weight_sync_timeout=args.weight_sync_timeout,
-                         return_routed_experts=args.enable_return_routed_experts,
-                         enable_memory_saver=args.enable_memory_saver, api_key=args.api_key,
-                         admin_api_key=args.admin_api_key)
+    engine = EmbeddedEngine.from_pretrained(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        context_length=args.context_length,
+        tokenizer=tokenizer,
+    )
+    server = make_server(
+        engine,
+        args.port,
+        tokenizer=tokenizer,
+        tokenizer_path=args.model if tokenizer else None,
+        served_model_name=args.served_model_name,
+        batch_window=args.batch_window_ms / 1000.0,
+        weight_sync_timeout=args.weight_sync_timeout,
+        return_routed_experts=args.enable_return_routed_experts,
+        enable_memory_saver=args.enable_memory_saver,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+    )
     server.exit_on_fault = True
     port = server.server_address[1]
     if args.port_file:
@@ -202,17 +271,31 @@ class EmbeddedHTTPEngine(SGLangEngine):
 
     send_seed = True  # the stand-in derives one seed per (prompt, sample) from it
 
-    def __init__(self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0, api_key: str | None = None):
+    def __init__(
+        self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0, api_key: str | None = None
+    ):
         super().__init__([url], timeout=timeout, generate_timeout=generate_timeout, api_key=api_key)
         self._process = None
         self._workdir = None
 
     @classmethod
-    def launch(cls, model_dir: str, *, port: int = 0, dtype: str = "float32", max_batch_size: int | None = None,
-               context_length: int | None = None, served_model_name: str | None = None,
-               weight_sync_timeout: float | None = None, startup_timeout: float = 300.0,
-               return_routed_experts: bool = False, enable_memory_saver: bool = False,
-               api_key: str | None = None, env: dict | None = None, **kwargs) -> "EmbeddedHTTPEngine":
+    def launch(
+        cls,
+        model_dir: str,
+        *,
+        port: int = 0,
+        dtype: str = "float32",
+        max_batch_size: int | None = None,
+        context_length: int | None = None,
+        served_model_name: str | None = None,
+        weight_sync_timeout: float | None = None,
+        startup_timeout: float = 300.0,
+        return_routed_experts: bool = False,
+        enable_memory_saver: bool = False,
+        api_key: str | None = None,
+        env: dict | None = None,
+        **kwargs,
+    ) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.sglang_standin`` for ``model_dir`` and wait until
         it is healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
         ``context_length`` / ``served_model_name`` / ``weight_sync_timeout`` /
@@ -221,8 +304,19 @@ class EmbeddedHTTPEngine(SGLangEngine):
         (e.g. ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``)."""
         workdir = tempfile.mkdtemp(prefix="klear-embedded-server-")
         port_file, log_path = os.path.join(workdir, "port"), os.path.join(workdir, "server.log")
-        cmd = [sys.executable, "-m", "megatron_klear.rollout.sglang_standin", "--model", model_dir, "--port", str(port),
-               "--dtype", dtype, "--port-file", port_file]
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_klear.rollout.sglang_standin",
+            "--model",
+            model_dir,
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--port-file",
+            port_file,
+        ]
         if max_batch_size is not None:
             cmd += ["--max-batch-size", str(max_batch_size)]
         if context_length is not None:
@@ -238,8 +332,9 @@ class EmbeddedHTTPEngine(SGLangEngine):
         if api_key:
             cmd += ["--api-key", api_key]
         root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_klear.__file__)))
-        env = dict(os.environ, **(env or {}),
-                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        )
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         engine = None
@@ -247,8 +342,10 @@ class EmbeddedHTTPEngine(SGLangEngine):
         try:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"rollout.sglang_standin: the server exited with code {proc.returncode} "
-                                       f"before serving; log {log_path}:\n{_tail(log_path)}")
+                    raise RuntimeError(
+                        f"rollout.sglang_standin: the server exited with code {proc.returncode} "
+                        f"before serving; log {log_path}:\n{_tail(log_path)}"
+                    )
                 if os.path.isfile(port_file):
                     if engine is None:
                         with open(port_file) as f:
@@ -256,8 +353,10 @@ class EmbeddedHTTPEngine(SGLangEngine):
                     if engine.health():
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"rollout.sglang_standin: the server was not healthy within "
-                                       f"{startup_timeout:g} s; log {log_path}:\n{_tail(log_path)}")
+                    raise RuntimeError(
+                        f"rollout.sglang_standin: the server was not healthy within "
+                        f"{startup_timeout:g} s; log {log_path}:\n{_tail(log_path)}"
+                    )
                 time.sleep(0.1)
         except BaseException:
             stop_process(proc)

@@ -1,6 +1,7 @@
 """What the routers share: the error gate every route runs behind, bodies read and decoded here
 (FastAPI never validates them: its 422 would replace SGLang's 400 messages), answers, and running
 blocking work off the event loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,12 +19,24 @@ MAX_BODY_BYTES = 1 << 30
 #: the routes SGLang answers through its scheduler: their answer moves the tokenizer manager's
 #: last_receive_tstamp, which a health probe counts as a sign of life (SGLang 0.5.23 tokenizer_manager.py
 #: handle_loop); so does every decode step
-SCHEDULER_ROUTES = frozenset({
-    "/server_info", "/get_server_info", "/flush_cache", "/update_weights_from_disk", "/init_weights_update_group",
-    "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
-    "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker",
-    "/continue_generation",
-})
+SCHEDULER_ROUTES = frozenset(
+    {
+        "/server_info",
+        "/get_server_info",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+        "/update_weight_version",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/weights_checker",
+        "/continue_generation",
+    }
+)
 
 
 def reply(status: int = 200, payload=None, *, text: str | None = None) -> Response:

@@ -2,6 +2,7 @@
 ``http_server.py`` names them. Blocking work never runs on the event loop: /generate awaits its
 job's future (the scheduler thread decodes), pause and memory calls run in threads of their own,
 so /health answers at once during a long generation."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,11 +19,29 @@ from megatron_klear.rollout.embedded import PromptRequest, context_length_error
 from megatron_klear.rollout.embedded.sampling import sample_seed
 from megatron_klear.rollout.sglang import MEMORY_TAGS
 from megatron_klear.rollout.sglang_standin import sglang_env
-from megatron_klear.rollout.sglang_standin.contract import (PAUSE_MODES, SGLANG_API_VERSION, TOP_K_ALL, BadRequest, _bool,
-                                                            _str, _str_list, assign_ids, completion_to_sglang,
-                                                            control_fields, parse_generate_request)
-from megatron_klear.rollout.sglang_standin.plumbing import (StandinRoute, decode_json, error, off_loop, read_body,
-                                                            read_json, reply, server_state)
+from megatron_klear.rollout.sglang_standin.contract import (
+    PAUSE_MODES,
+    SGLANG_API_VERSION,
+    TOP_K_ALL,
+    BadRequest,
+    _bool,
+    _str,
+    _str_list,
+    assign_ids,
+    completion_to_sglang,
+    control_fields,
+    parse_generate_request,
+)
+from megatron_klear.rollout.sglang_standin.plumbing import (
+    StandinRoute,
+    decode_json,
+    error,
+    off_loop,
+    read_body,
+    read_json,
+    reply,
+    server_state,
+)
 from megatron_klear.rollout.sglang_standin.scheduler import Job
 
 router = APIRouter(route_class=StandinRoute)
@@ -57,12 +76,14 @@ async def _health_generate(state):
     if not stats["paused"] and not stats["num_running_reqs"] and not stats["num_waiting_reqs"]:
         freed = state.freed_memory_tags()
         if freed:
-            return _fault(state, f"a health-check generation ran while {', '.join(sorted(freed))} memory was "
-                                 "released (release_memory_occupation): SGLang's scheduler reads unmapped memory "
-                                 "and dies; start colocated servers with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="
-                                 "false")
-        probe = PromptRequest(prompt=[0], params=SamplingParams(top_k=1, max_new_tokens=1), seeds=[0],
-                              max_new_tokens=1)
+            return _fault(
+                state,
+                f"a health-check generation ran while {', '.join(sorted(freed))} memory was "
+                "released (release_memory_occupation): SGLang's scheduler reads unmapped memory "
+                "and dies; start colocated servers with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION="
+                "false",
+            )
+        probe = PromptRequest(prompt=[0], params=SamplingParams(top_k=1, max_new_tokens=1), seeds=[0], max_new_tokens=1)
         job = Job([probe], ids=[f"HEALTH_CHECK_{uuid.uuid4().hex}"])
         probe.key = job
         state.scheduler.submit(job)
@@ -77,8 +98,12 @@ async def _health_generate(state):
         now = state.scheduler.stats()
         # a sign of life: a decode step, a control call answered, a batch started, or the batch that
         # ran when the probe came finished (its answers went out)
-        if state.engine.decode_steps > steps or state.last_receive > tic or now["num_batches"] > stats["num_batches"] \
-                or (stats["num_running_reqs"] and not now["num_running_reqs"] and not now["paused"]):
+        if (
+            state.engine.decode_steps > steps
+            or state.last_receive > tic
+            or now["num_batches"] > stats["num_batches"]
+            or (stats["num_running_reqs"] and not now["num_running_reqs"] and not now["paused"])
+        ):
             healthy = True
             break
     if job is not None:
@@ -104,13 +129,24 @@ async def ready(request: Request):
 @router.get("/get_model_info")
 async def model_info(request: Request):
     state = server_state(request)
-    return reply(200, {**state.engine.model_info(),
-                       "model_path": state.model_path, "served_model_name": state.model_name,
-                       "tokenizer_path": state.tokenizer_path or state.model_path, "is_generation": True,
-                       "preferred_sampling_params": None, "weight_version": state.weight_version,
-                       "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
-                       "disaggregation_mode": "null", "has_image_understanding": False,
-                       "has_audio_understanding": False})
+    return reply(
+        200,
+        {
+            **state.engine.model_info(),
+            "model_path": state.model_path,
+            "served_model_name": state.model_name,
+            "tokenizer_path": state.tokenizer_path or state.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": state.weight_version,
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        },
+    )
 
 
 @router.get("/server_info")
@@ -122,29 +158,53 @@ async def server_info(request: Request):
     internal = sched.stats()
     if sglang_env.env_bool(sglang_env.EXPOSE_ENV_VARS, False):  # SGLang's SGLANG_EXPOSE_OWN_ENV_VARS
         internal["env_vars"] = sglang_env.own_env_vars()
-    return reply(200, {
-        "model_path": state.model_path, "served_model_name": state.model_name,
-        "tokenizer_path": state.tokenizer_path or state.model_path,
-        "context_length": c, "max_context_length": c, "max_total_num_tokens": None,
-        "max_req_input_len": c - 1, "max_running_requests": sched.max_batch_size,
-        "max_batch_size": sched.max_batch_size, "dtype": engine.model_info().get("dtype"),
-        "device": str(engine.device), "host": state.host, "port": state.port,
-        "tp_size": 1, "pp_size": 1, "dp_size": 1,
-        "version": SGLANG_API_VERSION, "frontend": "megatron-klear-embedded",
-        "weight_version": state.weight_version, "num_generate_requests": state.num_generate_requests,
-        "internal_states": [internal], "incremental_streaming_output": False, "disaggregation_mode": "null",
-        "enable_memory_saver": state.enable_memory_saver,
-        # not SGLang's: what is released now, and how often memory was released (tests, operators)
-        "released_memory_tags": sorted(state.offload_tags), "memory_releases": state.memory_releases,
-        # not SGLang's: the released tags whose memory is really free (cuda_graph only with
-        # SGLANG_MEMORY_SAVER_CUDA_GRAPH; none without --enable-memory-saver)
-        "freed_memory_tags": sorted(state.freed_memory_tags()),
-    })
+    return reply(
+        200,
+        {
+            "model_path": state.model_path,
+            "served_model_name": state.model_name,
+            "tokenizer_path": state.tokenizer_path or state.model_path,
+            "context_length": c,
+            "max_context_length": c,
+            "max_total_num_tokens": None,
+            "max_req_input_len": c - 1,
+            "max_running_requests": sched.max_batch_size,
+            "max_batch_size": sched.max_batch_size,
+            "dtype": engine.model_info().get("dtype"),
+            "device": str(engine.device),
+            "host": state.host,
+            "port": state.port,
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
+            "version": SGLANG_API_VERSION,
+            "frontend": "megatron-klear-embedded",
+            "weight_version": state.weight_version,
+            "num_generate_requests": state.num_generate_requests,
+            "internal_states": [internal],
+            "incremental_streaming_output": False,
+            "disaggregation_mode": "null",
+            "enable_memory_saver": state.enable_memory_saver,
+            # not SGLang's: what is released now, and how often memory was released (tests, operators)
+            "released_memory_tags": sorted(state.offload_tags),
+            "memory_releases": state.memory_releases,
+            # not SGLang's: the released tags whose memory is really free (cuda_graph only with
+            # SGLANG_MEMORY_SAVER_CUDA_GRAPH; none without --enable-memory-saver)
+            "freed_memory_tags": sorted(state.freed_memory_tags()),
+        },
+    )
 
 
 def _card(state, name: str) -> dict:
-    return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
-            "parent": None, "max_model_len": state.engine.context_length}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "sglang",
+        "root": name,
+        "parent": None,
+        "max_model_len": state.engine.context_length,
+    }
 
 
 @router.get("/v1/models")
@@ -157,8 +217,17 @@ async def models(request: Request):
 async def model_card(name: str, request: Request):
     state = server_state(request)
     if name != state.model_name:
-        return reply(404, {"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
-                                     "param": "model", "code": "model_not_found"}})
+        return reply(
+            404,
+            {
+                "error": {
+                    "message": f"The model '{name}' does not exist",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            },
+        )
     return reply(200, _card(state, name))
 
 
@@ -182,8 +251,11 @@ async def flush_cache(request: Request):
         if time.monotonic() >= deadline:
             return reply(400, text="Timed out waiting for idle state." if timeout > 0 else "Flush cache failed.\n")
         await asyncio.sleep(0.02)
-    return reply(200, text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                           "waiting requests, the operation will not be performed.)\n")
+    return reply(
+        200,
+        text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+        "waiting requests, the operation will not be performed.)\n",
+    )
 
 
 # -- generation ----------------------------------------------------------------------------------
@@ -214,8 +286,11 @@ def _prepare(state, raw: bytes):
     call = parse_generate_request(decode_json(raw))
     released = sorted(state.offload_tags & {"weights", "kv_cache"})
     if released:
-        return error(503, f"the server's memory is released ({', '.join(released)}: release_memory_occupation); "
-                          "resume_memory_occupation and load weights before generating")
+        return error(
+            503,
+            f"the server's memory is released ({', '.join(released)}: release_memory_occupation); "
+            "resume_memory_occupation and load weights before generating",
+        )
     if call.return_text_in_logprobs and state.tokenizer is None:
         raise BadRequest("field 'return_text_in_logprobs'=True needs a tokenizer; this server has none")
     c = engine.context_length
@@ -223,30 +298,48 @@ def _prepare(state, raw: bytes):
     for i, (prompt, params) in enumerate(zip(call.prompts, call.params)):
         bad = next((t for t in prompt if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
-            raise BadRequest(f"input_ids{'' if call.single else f'[{i}]'} holds {bad}, not a token id of the "
-                             f"model's vocabulary [0, {engine.vocab_size})")
+            raise BadRequest(
+                f"input_ids{'' if call.single else f'[{i}]'} holds {bad}, not a token id of the "
+                f"model's vocabulary [0, {engine.vocab_size})"
+            )
         err = context_length_error(len(prompt), params.max_new_tokens, c)
         if err is not None:
             raise BadRequest(err)
-        limit = params.max_new_tokens if params.max_new_tokens is not None else max(0, min(TOP_K_ALL, c - 1 - len(prompt)))
+        limit = (
+            params.max_new_tokens if params.max_new_tokens is not None else max(0, min(TOP_K_ALL, c - 1 - len(prompt)))
+        )
         limits.append(limit)
         base = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        requests.append(PromptRequest(prompt=list(prompt), params=SamplingParams(
-            temperature=params.temperature if params.temperature > 0 else 1.0,
-            top_p=params.top_p, top_k=params.top_k if params.temperature > 0 else 1, max_new_tokens=max(1, limit),
-            stop_token_ids=params.stop_token_ids), seeds=[sample_seed(base, i, j) for j in range(call.n)],
-            max_new_tokens=limit, ignore_eos=bool(call.sampling[i]["ignore_eos"])))
+        requests.append(
+            PromptRequest(
+                prompt=list(prompt),
+                params=SamplingParams(
+                    temperature=params.temperature if params.temperature > 0 else 1.0,
+                    top_p=params.top_p,
+                    top_k=params.top_k if params.temperature > 0 else 1,
+                    max_new_tokens=max(1, limit),
+                    stop_token_ids=params.stop_token_ids,
+                ),
+                seeds=[sample_seed(base, i, j) for j in range(call.n)],
+                max_new_tokens=limit,
+                ignore_eos=bool(call.sampling[i]["ignore_eos"]),
+            )
+        )
     routing = None
     if call.return_routed_experts:
         start = call.routed_experts_start_len  # SGLang's scheduler checks (its texts)
         for prompt in call.prompts:
             if start < 0:
-                raise BadRequest(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a "
-                                 "non-negative routed_experts_start_len.")
+                raise BadRequest(
+                    f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a "
+                    "non-negative routed_experts_start_len."
+                )
             if start > len(prompt):
-                raise BadRequest(f"recv_req.routed_experts_start_len={start} is higher than the number of input "
-                                 f"tokens len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
-                                 "routed_experts_start_len.")
+                raise BadRequest(
+                    f"recv_req.routed_experts_start_len={start} is higher than the number of input "
+                    f"tokens len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
+                    "routed_experts_start_len."
+                )
         if state.return_routed_experts:  # else not captured: SGLang then leaves the field out
             routing = (start, engine.num_layers, engine.routed_layers)
     job = Job(requests, assign_ids(call), rid=call.rid)
@@ -265,12 +358,24 @@ def _answer(state, call, job, limits, routing, latency):
     outs = []
     for i, completions in enumerate(job.results):
         for j, comp in enumerate(completions):
-            outs.append(completion_to_sglang(
-                comp, prompt=call.prompts[i], max_new_tokens=limits[i], return_logprob=call.return_logprob,
-                rid=job.ids[i * call.n + j], weight_version=state.engine.weight_version, tokenizer=state.tokenizer,
-                sampling=call.sampling[i], e2e_latency=latency, return_text_in_logprobs=call.return_text_in_logprobs,
-                return_prompt_token_ids=call.return_prompt_token_ids, abort_message=job.abort_message,
-                routing=routing, waiting_interval=waiting_interval))
+            outs.append(
+                completion_to_sglang(
+                    comp,
+                    prompt=call.prompts[i],
+                    max_new_tokens=limits[i],
+                    return_logprob=call.return_logprob,
+                    rid=job.ids[i * call.n + j],
+                    weight_version=state.engine.weight_version,
+                    tokenizer=state.tokenizer,
+                    sampling=call.sampling[i],
+                    e2e_latency=latency,
+                    return_text_in_logprobs=call.return_text_in_logprobs,
+                    return_prompt_token_ids=call.return_prompt_token_ids,
+                    abort_message=job.abort_message,
+                    routing=routing,
+                    waiting_interval=waiting_interval,
+                )
+            )
     return reply(200, outs[0] if call.single and call.n == 1 else outs)
 
 
@@ -348,8 +453,9 @@ def _resume(state, tags) -> None:
     with state.weight_lock:
         not_released = [t for t in tags if t not in state.offload_tags]
         if not_released:
-            raise BadRequest(f"resume_memory_occupation: {not_released} not released (released: "
-                             f"{sorted(state.offload_tags)})")
+            raise BadRequest(
+                f"resume_memory_occupation: {not_released} not released (released: {sorted(state.offload_tags)})"
+            )
         state.offload_tags.difference_update(tags)
         if "weights" in tags and state.enable_memory_saver:
             state.engine.resume_weights()

@@ -1,12 +1,12 @@
 """The stand-in's scheduler: the only caller of the engine. A thread batches the /generate requests
 waiting when the engine is free into one engine call, and is the engine's ``control`` (pause
 between decode steps, aborts); weight updates run through it with no decoding under way."""
-from __future__ import annotations
 
-import contextlib
+from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import threading
 import time
 
@@ -46,8 +46,9 @@ class Job:
         self.aborted, self.abort_message, self.abort_where = True, message, "waiting"
         for k, r in enumerate(self.requests):
             if self.results[k] is None:
-                self.results[k] = [Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[])
-                                   for _ in r.seeds]
+                self.results[k] = [
+                    Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[]) for _ in r.seeds
+                ]
         self.finish()
 
 
@@ -94,8 +95,11 @@ class Scheduler:
             self.parked = True
             self.cond.notify_all()
             epoch = self.abort_epoch
-            while self.paused in ("in_place", "retract") and not self.closed and \
-                    not (self.paused == "retract" and self.abort_epoch != epoch):
+            while (
+                self.paused in ("in_place", "retract")
+                and not self.closed
+                and not (self.paused == "retract" and self.abort_epoch != epoch)
+            ):
                 self.cond.wait()
             self.parked = False
 
@@ -163,7 +167,9 @@ class Scheduler:
                     job.finish()
 
             try:
-                self.engine.generate_requests([job.requests[k] for job, k in owners], control=self, on_prompt_done=on_done)
+                self.engine.generate_requests(
+                    [job.requests[k] for job, k in owners], control=self, on_prompt_done=on_done
+                )
             except Exception as e:  # noqa: BLE001 -- handed to the requests, answered by their handlers
                 for job in batch:
                     if not job.future.done():
@@ -258,8 +264,12 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self.cond:
-            return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.queue),
-                    "paused": self.paused, "num_batches": self.batches}
+            return {
+                "num_running_reqs": len(self.running),
+                "num_waiting_reqs": len(self.queue),
+                "paused": self.paused,
+                "num_batches": self.batches,
+            }
 
     def close(self) -> None:
         with self.cond:

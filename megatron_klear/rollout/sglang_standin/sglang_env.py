@@ -16,6 +16,7 @@ Environment variables (read when SGLang reads them):
   does not stream sends its output to the tokenizer manager every that many tokens; one aborted in
   the waiting queue (retracted by a pause) answers with what was sent.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,11 @@ import warnings
 
 from megatron_klear.rollout.sglang import compat
 
-HEALTH_GENERATION, MEMORY_SAVER_CUDA_GRAPH, EXPOSE_ENV_VARS = (compat.HEALTH_GENERATION, compat.MEMORY_SAVER_CUDA_GRAPH,
-                                                              compat.EXPOSE_ENV_VARS)
+HEALTH_GENERATION, MEMORY_SAVER_CUDA_GRAPH, EXPOSE_ENV_VARS = (
+    compat.HEALTH_GENERATION,
+    compat.MEMORY_SAVER_CUDA_GRAPH,
+    compat.EXPOSE_ENV_VARS,
+)
 HEALTH_CHECK_TIMEOUT = "SGLANG_HEALTH_CHECK_TIMEOUT"
 FORCE_STREAM_INTERVAL = "SGLANG_FORCE_STREAM_INTERVAL"
 
@@ -37,8 +41,10 @@ def env_bool(name: str, default: bool) -> bool:
     parsed = compat.env_bool(value, None)
     if parsed is None:
         if value is not None:
-            warnings.warn(f'Invalid value for {name}: "{value.lower()}" is not a valid boolean value, using default '
-                          f'"{default}"', stacklevel=2)
+            warnings.warn(
+                f'Invalid value for {name}: "{value.lower()}" is not a valid boolean value, using default "{default}"',
+                stacklevel=2,
+            )
         return default
     return parsed
 
@@ -55,8 +61,9 @@ def health_check_timeout() -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{HEALTH_CHECK_TIMEOUT}={raw!r} is not an integer number of seconds (SGLang reads it "
-                         "with int())") from None
+        raise ValueError(
+            f"{HEALTH_CHECK_TIMEOUT}={raw!r} is not an integer number of seconds (SGLang reads it with int())"
+        ) from None
 
 
 def force_stream_interval() -> int:
@@ -79,12 +86,26 @@ def own_env_vars() -> dict:
 
 # -- --api-key / --admin-api-key (SGLang 0.5.23 srt/utils/auth.py) ----------------------------------
 #: routes SGLang marks ``AuthLevel.ADMIN_OPTIONAL``; every other route is ``NORMAL``
-ADMIN_OPTIONAL_ROUTES = frozenset({
-    "/flush_cache", "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
-    "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed", "/update_weight_version",
-    "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker", "/abort_request",
-    "/pause_generation", "/continue_generation", "/set_internal_state", "/get_weights_by_name",
-})
+ADMIN_OPTIONAL_ROUTES = frozenset(
+    {
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+        "/update_weight_version",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/weights_checker",
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/set_internal_state",
+        "/get_weights_by_name",
+    }
+)
 
 
 def _bearer(header: str | None, key: str) -> bool:
@@ -94,8 +115,9 @@ def _bearer(header: str | None, key: str) -> bool:
     return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], key)
 
 
-def auth_status(method: str, path: str, authorization: str | None, api_key: str | None,
-                admin_api_key: str | None) -> int:
+def auth_status(
+    method: str, path: str, authorization: str | None, api_key: str | None, admin_api_key: str | None
+) -> int:
     """0 when SGLang lets the request through, else the status it refuses it with (401). Health,
     readiness and metrics are always open; admin-optional routes need the admin key when one is set,
     else the API key; the others need the API key when one is set."""
@@ -125,13 +147,22 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         authorization = headers.get(b"authorization")
-        status = auth_status(scope["method"], scope["path"],
-                             authorization.decode("latin-1") if authorization is not None else None,
-                             self.api_key, self.admin_api_key)
+        status = auth_status(
+            scope["method"],
+            scope["path"],
+            authorization.decode("latin-1") if authorization is not None else None,
+            self.api_key,
+            self.admin_api_key,
+        )
         if not status:
             await self.app(scope, receive, send)
             return
         body = b'{"error":"Unauthorized"}'
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -1,5 +1,6 @@
 """What one stand-in server holds: the engine, its scheduler, and the state of the memory and
 weight-update routes. One per app (``app.state.standin``), so that a process can serve several."""
+
 from __future__ import annotations
 
 import threading
@@ -13,9 +14,20 @@ HOST = "127.0.0.1"
 
 
 class ServerState:
-    def __init__(self, engine, tokenizer, tokenizer_path, served_model_name, max_batch_size, batch_window,
-                 weight_sync_timeout: float = 600.0, return_routed_experts: bool = False,
-                 enable_memory_saver: bool = False, api_key: str | None = None, admin_api_key: str | None = None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        tokenizer_path,
+        served_model_name,
+        max_batch_size,
+        batch_window,
+        weight_sync_timeout: float = 600.0,
+        return_routed_experts: bool = False,
+        enable_memory_saver: bool = False,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+    ):
         self.engine, self.tokenizer = engine, tokenizer
         # --enable-memory-saver: releasing "weights" frees them (rollout.colocate); the tags released
         self.enable_memory_saver = bool(enable_memory_saver)

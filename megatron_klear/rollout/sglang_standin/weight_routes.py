@@ -2,21 +2,34 @@
 group (``update_weights_from_distributed`` inside a begin/end session, applied whole at its end),
 versions, and checksums. Each call's work runs in a thread of its own (reading a checkpoint,
 joining a group, receiving broadcasts), one at a time under the state's weight lock."""
+
 from __future__ import annotations
 
 import hashlib
 
 from fastapi import APIRouter, Request
 
-from megatron_klear.rollout.sglang_standin.contract import (DEFAULT_GROUP_NAME, BadRequest, _bool, _int, _map,
-                                                            _optional_str, _seq, _str, _str_list, _token_ids,
-                                                            control_fields)
+from megatron_klear.rollout.sglang_standin.contract import (
+    DEFAULT_GROUP_NAME,
+    BadRequest,
+    _bool,
+    _int,
+    _map,
+    _optional_str,
+    _seq,
+    _str,
+    _str_list,
+    _token_ids,
+    control_fields,
+)
 from megatron_klear.rollout.sglang_standin.plumbing import StandinRoute, off_loop, read_json, reply, server_state
 
 router = APIRouter(route_class=StandinRoute)
 
-_RELEASED_WEIGHTS = ("the weights are released (release_memory_occupation): resume_memory_occupation with tag "
-                     "'weights' before updating them")
+_RELEASED_WEIGHTS = (
+    "the weights are released (release_memory_occupation): resume_memory_occupation with tag "
+    "'weights' before updating them"
+)
 
 
 def _weights_reply(ok: bool, message: str, **extra):
@@ -26,43 +39,74 @@ def _weights_reply(ok: bool, message: str, **extra):
 # -- versions and disk ---------------------------------------------------------------------------
 @router.post("/update_weight_version")
 async def update_weight_version(request: Request):
-    f = control_fields(await read_json(request), {"new_version": (_str, None), "abort_all_requests": (_bool, True)},
-                       required=("new_version",))
+    f = control_fields(
+        await read_json(request),
+        {"new_version": (_str, None), "abort_all_requests": (_bool, True)},
+        required=("new_version",),
+    )
     state = server_state(request)
     if f["abort_all_requests"]:
         state.scheduler.abort(abort_all=True)
     state.engine.weight_version = f["new_version"]
-    return reply(200, {"success": True, "message": f"Weight version updated to {f['new_version']}",
-                       "new_version": f["new_version"]})
+    return reply(
+        200,
+        {"success": True, "message": f"Weight version updated to {f['new_version']}", "new_version": f["new_version"]},
+    )
 
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(request: Request):
     """Not paused: waits for the running requests and holds new ones (SGLang's writer lock); paused:
     at once. All or nothing: every tensor is read and checked before the first copy."""
-    f = control_fields(await read_json(request), {
-        "model_path": (_str, None), "load_format": (_optional_str, None), "abort_all_requests": (_bool, False),
-        "weight_version": (_str, None), "is_async": (_bool, False), "torch_empty_cache": (_bool, False),
-        "keep_pause": (_bool, False), "recapture_cuda_graph": (_bool, False), "token_step": (_int, 0),
-        "flush_cache": (_bool, True), "manifest": (_map, None)}, required=("model_path",))
+    f = control_fields(
+        await read_json(request),
+        {
+            "model_path": (_str, None),
+            "load_format": (_optional_str, None),
+            "abort_all_requests": (_bool, False),
+            "weight_version": (_str, None),
+            "is_async": (_bool, False),
+            "torch_empty_cache": (_bool, False),
+            "keep_pause": (_bool, False),
+            "recapture_cuda_graph": (_bool, False),
+            "token_step": (_int, 0),
+            "flush_cache": (_bool, True),
+            "manifest": (_map, None),
+        },
+        required=("model_path",),
+    )
     return await off_loop(_update_from_disk, server_state(request), f)
 
 
 def _update_from_disk(state, f):
     if f["load_format"] not in (None, "auto", "safetensors"):
-        return reply(400, {"success": False, "num_paused_requests": 0,
-                           "message": f"load_format {f['load_format']!r} is not supported by the embedded engine "
-                                      "(auto | safetensors)"})
+        return reply(
+            400,
+            {
+                "success": False,
+                "num_paused_requests": 0,
+                "message": f"load_format {f['load_format']!r} is not supported by the embedded engine "
+                "(auto | safetensors)",
+            },
+        )
     if "weights" in state.offload_tags:
         return reply(400, {"success": False, "num_paused_requests": 0, "message": _RELEASED_WEIGHTS})
     if f["abort_all_requests"]:
         state.scheduler.abort(abort_all=True)
     version = f["weight_version"] if f["weight_version"] is not None else state.engine.weight_version
     try:
-        _, held = state.scheduler.run_update(lambda: state.engine.load_weights_from_dir(f["model_path"], version=version))
+        _, held = state.scheduler.run_update(
+            lambda: state.engine.load_weights_from_dir(f["model_path"], version=version)
+        )
     except (OSError, ValueError) as e:
-        return reply(400, {"success": False, "num_paused_requests": 0,
-                           "message": f"Failed to update weights: {e}.\nRolling back to original weights."})
+        return reply(
+            400,
+            {
+                "success": False,
+                "num_paused_requests": 0,
+                "message": f"Failed to update weights: {e}.\nRolling back to original weights.",
+            },
+        )
     message = "Succeeded to update model weights."
     if f["weight_version"] is not None:
         message += f" Weight version updated to {f['weight_version']}."
@@ -74,10 +118,18 @@ def _update_from_disk(state, f):
 async def init_weights_update_group(request: Request):
     """Joins the group as rank ``rank_offset`` (this server is one TP rank) through the sender's TCP
     store; answers once the whole group has formed, or fails after --weight-sync-timeout."""
-    f = control_fields(await read_json(request), {
-        "master_address": (_str, None), "master_port": (_int, None), "rank_offset": (_int, None),
-        "world_size": (_int, None), "group_name": (_str, DEFAULT_GROUP_NAME), "backend": (_str, "nccl")},
-        required=("master_address", "master_port", "rank_offset", "world_size"))
+    f = control_fields(
+        await read_json(request),
+        {
+            "master_address": (_str, None),
+            "master_port": (_int, None),
+            "rank_offset": (_int, None),
+            "world_size": (_int, None),
+            "group_name": (_str, DEFAULT_GROUP_NAME),
+            "backend": (_str, "nccl"),
+        },
+        required=("master_address", "master_port", "rank_offset", "world_size"),
+    )
     return await off_loop(_init_group, server_state(request), f)
 
 
@@ -89,19 +141,32 @@ def _init_group(state, f):
     if backend not in ("gloo", "nccl"):
         return _weights_reply(False, f"{prefix}backend {backend!r} is not supported (gloo | nccl).")
     if backend == "nccl" and state.engine.device.type != "cuda":
-        return _weights_reply(False, f"{prefix}backend nccl needs CUDA; this embedded engine runs on "
-                                     f"{state.engine.device.type}: use backend gloo.")
+        return _weights_reply(
+            False,
+            f"{prefix}backend nccl needs CUDA; this embedded engine runs on "
+            f"{state.engine.device.type}: use backend gloo.",
+        )
     if not 0 < rank < f["world_size"]:
-        return _weights_reply(False, f"{prefix}rank_offset {rank} is not a receiver rank of a group of "
-                                     f"world_size {f['world_size']} (rank 0 is the sender).")
+        return _weights_reply(
+            False,
+            f"{prefix}rank_offset {rank} is not a receiver rank of a group of "
+            f"world_size {f['world_size']} (rank 0 is the sender).",
+        )
     with state.weight_lock:
         if name in state.update_groups:
-            return _weights_reply(False, f"{prefix}The specified group name has already been created, "
-                                         "please use a different group name.")
+            return _weights_reply(
+                False, f"{prefix}The specified group name has already been created, please use a different group name."
+            )
         try:
-            pg = join_update_group(backend=backend, master_address=f["master_address"],
-                                   master_port=f["master_port"], rank=rank, world_size=f["world_size"],
-                                   group_name=name, timeout=state.weight_sync_timeout)
+            pg = join_update_group(
+                backend=backend,
+                master_address=f["master_address"],
+                master_port=f["master_port"],
+                rank=rank,
+                world_size=f["world_size"],
+                group_name=name,
+                timeout=state.weight_sync_timeout,
+            )
             set_group_timeout(pg, state.weight_sync_timeout)
         except Exception as e:  # noqa: BLE001 -- answered
             return _weights_reply(False, f"{prefix}{type(e).__name__}: {e}.")
@@ -161,13 +226,22 @@ def _begin_update(state):
 async def update_weights_from_distributed(request: Request):
     """Receives the tensors group rank 0 broadcasts (one per tensor, or one ``uint8`` bucket for
     ``load_format="flattened_bucket"``), checks and stages them; /end_weight_update applies them."""
-    f = control_fields(await read_json(request), {
-        "names": (_str_list, None),
-        "dtypes": (_str_list, None),
-        "shapes": (lambda v, w: [_token_ids(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
-        "group_name": (_str, DEFAULT_GROUP_NAME), "flush_cache": (_bool, True), "abort_all_requests": (_bool, False),
-        "weight_version": (_str, None), "load_format": (_optional_str, None), "selector": (_str, "all"),
-        "torch_empty_cache": (_bool, False)}, required=("names", "dtypes", "shapes"))
+    f = control_fields(
+        await read_json(request),
+        {
+            "names": (_str_list, None),
+            "dtypes": (_str_list, None),
+            "shapes": (lambda v, w: [_token_ids(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
+            "group_name": (_str, DEFAULT_GROUP_NAME),
+            "flush_cache": (_bool, True),
+            "abort_all_requests": (_bool, False),
+            "weight_version": (_str, None),
+            "load_format": (_optional_str, None),
+            "selector": (_str, "all"),
+            "torch_empty_cache": (_bool, False),
+        },
+        required=("names", "dtypes", "shapes"),
+    )
     return await off_loop(_update_from_distributed, server_state(request), f)
 
 
@@ -179,20 +253,30 @@ def _update_from_distributed(state, f):
     with state.weight_lock:
         session = state.weight_session
         if session is None:
-            return _weights_reply(False, "update_weights_from_distributed must run between "
-                                         "begin_weight_update() and end_weight_update()")
+            return _weights_reply(
+                False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         name = f["group_name"]
         pg = state.update_groups.get(name)
         if pg is None:
-            session.error = (f"Failed to receive weights: Group {name} not in {sorted(state.update_groups)}. "
-                             "Please call `init_weights_update_group` first.")
+            session.error = (
+                f"Failed to receive weights: Group {name} not in {sorted(state.update_groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
             return _weights_reply(False, session.error)
         session.groups.add(name)
 
         def receive():  # with no decoding under way (SGLang: paused, or behind the model-update lock)
             try:
-                tensors = _receive_weights(pg, f["names"], f["dtypes"], f["shapes"], f["load_format"],
-                                           state.engine.device, state.receive_buffers)
+                tensors = _receive_weights(
+                    pg,
+                    f["names"],
+                    f["dtypes"],
+                    f["shapes"],
+                    f["load_format"],
+                    state.engine.device,
+                    state.receive_buffers,
+                )
             except Exception as e:  # noqa: BLE001 -- a broken group (sender or a peer gone, a timeout) is dropped
                 if not isinstance(e, ValueError):
                     state.update_groups.pop(name, None)
@@ -204,9 +288,11 @@ def _update_from_distributed(state, f):
                 return None, f"Failed to update parameter online: {e}. Nothing was applied."
             if f["flush_cache"] and not state.scheduler.cache_flushable():
                 # SGLang's answer when requests hold KV cache computed with the old weights
-                return None, ("Weights were updated, but the cache was not flushed because requests are still "
-                              "running or queued. Retract or finish them, then call /flush_cache. (Nothing "
-                              "was applied: the embedded engine commits a session whole.)")
+                return None, (
+                    "Weights were updated, but the cache was not flushed because requests are still "
+                    "running or queued. Retract or finish them, then call /flush_cache. (Nothing "
+                    "was applied: the embedded engine commits a session whole.)"
+                )
             return tensors, None
 
         (tensors, error), _ = state.scheduler.run_update(receive)
@@ -229,7 +315,12 @@ def _receive_weights(pg, names, dtypes, shapes, load_format, device, buffers=Non
     import torch
     import torch.distributed as dist
 
-    from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET, bucket_layout, dtype_of, unflatten_bucket
+    from megatron_klear.rollout.weight_sync.update_group import (
+        FLATTENED_BUCKET,
+        bucket_layout,
+        dtype_of,
+        unflatten_bucket,
+    )
 
     if load_format == FLATTENED_BUCKET:
         layout = bucket_layout(names, dtypes, shapes)
@@ -237,8 +328,9 @@ def _receive_weights(pg, names, dtypes, shapes, load_format, device, buffers=Non
         dist.broadcast(flat, src=0, group=pg)
         return unflatten_bucket(flat, layout)
     if load_format not in (None, "auto"):
-        raise ValueError(f"load_format {load_format!r} is not supported by the embedded engine "
-                         f"(auto | {FLATTENED_BUCKET})")
+        raise ValueError(
+            f"load_format {load_format!r} is not supported by the embedded engine (auto | {FLATTENED_BUCKET})"
+        )
     out, works = [], []
     for name, dt, shape in zip(names, dtypes, shapes):
         shape, dt = tuple(int(d) for d in shape), dtype_of(dt)
@@ -266,19 +358,26 @@ def _end_update(state):
         if session is None:
             return _weights_reply(False, "no weight-update session is open; call begin_weight_update() first")
         if session.error is not None:
-            return _weights_reply(False, f"the weight update failed ({session.error}); nothing was applied: "
-                                         f"weight version {state.weight_version} is still served")
+            return _weights_reply(
+                False,
+                f"the weight update failed ({session.error}); nothing was applied: "
+                f"weight version {state.weight_version} is still served",
+            )
         if session.staged:
             version = session.version if session.version is not None else state.engine.weight_version
             try:
                 # the received buffers become the parameters (no copy): the swap is the commit;
                 # the storages they replace receive the next update (no fresh allocation)
                 replaced, _ = state.scheduler.run_update(
-                    lambda: state.engine.load_named_weights(session.staged, version=version, adopt=True))
+                    lambda: state.engine.load_named_weights(session.staged, version=version, adopt=True)
+                )
                 state.receive_buffers = {}
                 for t in replaced:  # only buffers this server received into (not the loaded checkpoint's)
-                    if t.data_ptr() in state.adopted and t.storage_offset() == 0 and \
-                            t.untyped_storage().nbytes() == t.numel() * t.element_size():
+                    if (
+                        t.data_ptr() in state.adopted
+                        and t.storage_offset() == 0
+                        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                    ):
                         state.receive_buffers.setdefault((tuple(t.shape), t.dtype), []).append(t)
                 state.adopted = {t.data_ptr() for t in session.staged.values()}
             except (TypeError, ValueError) as e:
@@ -291,9 +390,15 @@ def _end_update(state):
 async def weights_checker(request: Request):
     """``{"action": "checksum"}``: per-parameter sha256 prefixes in SGLang's answer shape."""
     body = await read_json(request) if request.method != "GET" else None
-    f = control_fields(body or {}, {"action": (_str, "checksum"), "allow_quant_error": (_bool, False),
-                                    "skip_tensor_list": (lambda v, w: [_str(x, w) for x in _seq(v, w)], None),
-                                    "selector": (_str, "all")})
+    f = control_fields(
+        body or {},
+        {
+            "action": (_str, "checksum"),
+            "allow_quant_error": (_bool, False),
+            "skip_tensor_list": (lambda v, w: [_str(x, w) for x in _seq(v, w)], None),
+            "selector": (_str, "all"),
+        },
+    )
     if f["action"] != "checksum":
         return _weights_reply(False, f"action {f['action']!r} is not supported by the embedded engine (checksum)")
     engine = server_state(request).engine
@@ -303,8 +408,20 @@ async def weights_checker(request: Request):
         overall.update(name.encode())
         overall.update(checksums[name].encode())
     per_gpu = overall.hexdigest()
-    info = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
-            "rank": 0, "size": 1}
-    return _weights_reply(True, "Success", ranks=[{"checksums": checksums, "per_gpu_checksum": per_gpu,
-                                                   "parallelism_info": [info]}],
-                          per_engine_checksum=hashlib.sha256(per_gpu.encode()).hexdigest())
+    info = {
+        "role": "target",
+        "tp_rank": 0,
+        "tp_size": 1,
+        "dp_rank": 0,
+        "dp_size": 1,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "rank": 0,
+        "size": 1,
+    }
+    return _weights_reply(
+        True,
+        "Success",
+        ranks=[{"checksums": checksums, "per_gpu_checksum": per_gpu, "parallelism_info": [info]}],
+        per_engine_checksum=hashlib.sha256(per_gpu.encode()).hexdigest(),
+    )

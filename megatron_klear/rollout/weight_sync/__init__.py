@@ -15,14 +15,33 @@ Each path also has the rollout manager's face (``push(version) -> metrics``, ``c
 :func:`make_weight_push` (:mod:`.push`) picks one from the ``rollout`` config. A new path (e.g. CUDA
 IPC for colocated servers) is one new module beside these and one line in :mod:`.push`.
 """
+
 from megatron_klear.rollout.weight_sync.disk import DiskPush, export_hf_for_engine, remove_old_versions
 from megatron_klear.rollout.weight_sync.distributed import DistributedWeightSync
 from megatron_klear.rollout.weight_sync.distributed_groups import WeightSyncError, route_address
-from megatron_klear.rollout.weight_sync.gather import (StagePart, iter_buckets, iter_model_hf_weights,
-                                                       iter_stage_hf_tensors, stage_leaders)
+from megatron_klear.rollout.weight_sync.gather import (
+    StagePart,
+    iter_buckets,
+    iter_model_hf_weights,
+    iter_stage_hf_tensors,
+    stage_leaders,
+)
 from megatron_klear.rollout.weight_sync.in_process import InProcessPush, sync_weights
 from megatron_klear.rollout.weight_sync.push import make_weight_push
 
-__all__ = ["DiskPush", "DistributedWeightSync", "InProcessPush", "StagePart", "WeightSyncError", "export_hf_for_engine",
-           "iter_buckets", "iter_model_hf_weights", "iter_stage_hf_tensors", "make_weight_push", "remove_old_versions",
-           "route_address", "stage_leaders", "sync_weights"]
+__all__ = [
+    "DiskPush",
+    "DistributedWeightSync",
+    "InProcessPush",
+    "StagePart",
+    "WeightSyncError",
+    "export_hf_for_engine",
+    "iter_buckets",
+    "iter_model_hf_weights",
+    "iter_stage_hf_tensors",
+    "make_weight_push",
+    "remove_old_versions",
+    "route_address",
+    "stage_leaders",
+    "sync_weights",
+]

@@ -1,6 +1,7 @@
 """``rollout.weight_sync=disk``: the trainer's weights written as an HF checkpoint directory by
 rank 0, which the servers load with ``/update_weights_from_disk``
 (:meth:`~megatron_klear.rollout.sglang.SGLangEngine.load_from_disk`)."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ def export_hf_for_engine(model_chunks, arch, out_dir: str, *, tokenizer_dir: str
         writer.add(name, t)
     if writer is None:
         return None
-    return writer.finish(dict(arch.hf_config), tokenizer_dir=tokenizer_dir,
-                         manifest={"kind": "megatron_klear.weight_sync"})
+    return writer.finish(
+        dict(arch.hf_config), tokenizer_dir=tokenizer_dir, manifest={"kind": "megatron_klear.weight_sync"}
+    )
 
 
 def remove_old_versions(sync_dir: str, keep: str) -> list:
@@ -50,8 +52,9 @@ class DiskPush:
 
     def push(self, version: int) -> dict:
         name = f"step_{version:07d}"
-        path = export_hf_for_engine(self.state.model, self.arch, os.path.join(self.sync_dir, name),
-                                    tokenizer_dir=self.tokenizer_dir)
+        path = export_hf_for_engine(
+            self.state.model, self.arch, os.path.join(self.sync_dir, name), tokenizer_dir=self.tokenizer_dir
+        )
         metrics = self.placement.before_load(self.state)
         if is_rank0():
             self.placement.load(self.engine, path, version)

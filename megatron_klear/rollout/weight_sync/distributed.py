@@ -7,6 +7,7 @@ drives the servers over HTTP. No file, and no stage funnels through rank 0.
 bucket schedule :mod:`.distributed_buckets`, the wire format (shared with the stand-in server)
 :mod:`.update_group`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,8 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
     leader, every server joined (:mod:`.distributed_groups`).
 
     **A sync** (:meth:`sync`, version ``v``): rank 0 pauses generation (``/pause_generation``
-    in the engine's ``sync_pause_mode``: ``abort``, or ``retract`` in asynchronous RL), flushes every server's cache once (``/flush_cache``, retried while a request is
+    in the engine's ``sync_pause_mode``: ``abort``, or ``retract`` in asynchronous RL), flushes every
+    server's cache once (``/flush_cache``, retried while a request is
     still leaving: SGLang 0.5.23 fails a bucket sent with ``flush_cache=True`` if one is queued, so
     buckets go with ``flush_cache=False``) and opens a session (``/begin_weight_update``) while the
     first bucket is gathered; then, stage after stage, the leader streams its buckets
@@ -62,11 +64,23 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
     restarted run re-creates the groups and sends every weight before generating.
     """
 
-    def __init__(self, model_chunks, engine, *, bucket_mb: float = 1024.0, backend: str = "auto",
-                 master_addr: str = "", master_port: int = 0, group_timeout: float = 120.0,
-                 bucket_timeout: float = 300.0, control_timeout: float = 60.0,
-                 group_name: str = "klear_weights", load_format: str | None = None, post_grace: float = 0.05,
-                 max_attempts: int = 3):
+    def __init__(
+        self,
+        model_chunks,
+        engine,
+        *,
+        bucket_mb: float = 1024.0,
+        backend: str = "auto",
+        master_addr: str = "",
+        master_port: int = 0,
+        group_timeout: float = 120.0,
+        bucket_timeout: float = 300.0,
+        control_timeout: float = 60.0,
+        group_name: str = "klear_weights",
+        load_format: str | None = None,
+        post_grace: float = 0.05,
+        max_attempts: int = 3,
+    ):
         self.model_chunks = model_chunks
         self.engine = engine  # global rank 0 only
         self.bucket_bytes = max(1, int(float(bucket_mb) * (1 << 20)))
@@ -112,15 +126,25 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
     @classmethod
     def from_config(cls, model_chunks, engine, r) -> "DistributedWeightSync":
         """From a ``rollout`` config section (its ``sync_*`` keys and control timeout)."""
-        return cls(model_chunks, engine, bucket_mb=r.sync_bucket_mb, backend=r.sync_backend,
-                   master_addr=r.sync_master_addr, master_port=r.sync_master_port,
-                   group_timeout=r.sync_group_timeout_s, bucket_timeout=r.sync_bucket_timeout_s,
-                   control_timeout=r.control_timeout_s)
+        return cls(
+            model_chunks,
+            engine,
+            bucket_mb=r.sync_bucket_mb,
+            backend=r.sync_backend,
+            master_addr=r.sync_master_addr,
+            master_port=r.sync_master_port,
+            group_timeout=r.sync_group_timeout_s,
+            bucket_timeout=r.sync_bucket_timeout_s,
+            control_timeout=r.control_timeout_s,
+        )
 
     def push(self, version: int) -> dict:
         stats = self.sync(version=version)
-        return {"weights/sync_bytes": stats.get("bytes", 0), "weights/sync_buckets": stats.get("buckets", 0),
-                "weights/sync_reforms": stats.get("reforms", 0)}
+        return {
+            "weights/sync_bytes": stats.get("bytes", 0),
+            "weights/sync_buckets": stats.get("buckets", 0),
+            "weights/sync_reforms": stats.get("reforms", 0),
+        }
 
     def _device(self) -> torch.device:
         """Where a bucket's tensors are broadcast from: the GPU with NCCL, the CPU with gloo."""
@@ -198,6 +222,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         self._disconnected = set()  # rank 0: members whose bucket post lost its connection
         self._posts = []  # rank 0: the attempt's bucket posts (awaited before a retry)
         if me == 0:  # pause, flush once, begin on the servers while the first bucket is gathered
+
             def start():
                 try:
                     self.engine.pause_generation(getattr(self.engine, "sync_pause_mode", "abort"))
@@ -280,7 +305,9 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         if rank() == 0:
             self._leave_server_groups()
         self._drop_local()
-        message = (f"{error}. Generation on the servers stays paused: a server that received part of the buckets "
-                   "must not serve a mix of weights (restart the run: it re-creates the groups and sends every "
-                   "weight before generating)")
+        message = (
+            f"{error}. Generation on the servers stays paused: a server that received part of the buckets "
+            "must not serve a mix of weights (restart the run: it re-creates the groups and sends every "
+            "weight before generating)"
+        )
         raise (FleetError if fleet else WeightSyncError)(message)

@@ -15,6 +15,7 @@ layout the last sync recorded and broadcast each tensor as soon as it is gathere
 :class:`BucketSchedule` is a mixin of
 :class:`~megatron_klear.rollout.weight_sync.distributed.DistributedWeightSync`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,9 +41,15 @@ class BucketSchedule:
             return None, started
         try:
             post = self.engine.post_bucket(
-                names, dtypes, shapes, group_name=self._name(stage), workers=self.workers,
+                names,
+                dtypes,
+                shapes,
+                group_name=self._name(stage),
+                workers=self.workers,
                 load_format=self.load_format if self.load_format != "auto" else None,
-                flush_cache=False, timeout=self._bucket_wait() + self.control_timeout)
+                flush_cache=False,
+                timeout=self._bucket_wait() + self.control_timeout,
+            )
         except Exception as e:  # noqa: BLE001
             return None, self._bucket_failed(stage, names, e)
         self._posts.append(post)
@@ -166,8 +173,9 @@ class BucketSchedule:
             while not all(w.is_completed() for w in works):
                 if time.monotonic() > deadline:
                     abort_update_group(self.pg)
-                    raise TimeoutError(f"the broadcast did not complete within {seconds:g} s (NCCL communicator "
-                                       "aborted)")
+                    raise TimeoutError(
+                        f"the broadcast did not complete within {seconds:g} s (NCCL communicator aborted)"
+                    )
                 time.sleep(0.002)
         for w in works:
             w.wait()
@@ -186,10 +194,12 @@ class BucketSchedule:
             self._wait_works(flight["works"], self._bucket_wait())
         except Exception as e:  # noqa: BLE001 -- a dead peer, or the bucket timeout
             names = flight["meta"][0]
-            return (f"rollout: the broadcast of a bucket of stage {stage} ({flight['nbytes'] / 2**20:.0f} MiB, "
-                    f"{len(names)} tensors from {names[0]}) failed within {self._bucket_wait():g} s "
-                    f"(rollout.sync_bucket_timeout_s; a new group's first: rollout.sync_group_timeout_s): "
-                    f"{type(e).__name__}: {e}")
+            return (
+                f"rollout: the broadcast of a bucket of stage {stage} ({flight['nbytes'] / 2**20:.0f} MiB, "
+                f"{len(names)} tensors from {names[0]}) failed within {self._bucket_wait():g} s "
+                f"(rollout.sync_bucket_timeout_s; a new group's first: rollout.sync_group_timeout_s): "
+                f"{type(e).__name__}: {e}"
+            )
         self.warm = True
         return None
 
@@ -249,8 +259,10 @@ class BucketSchedule:
             got = (name, dtype_name(t.dtype), list(t.shape))
             if i >= len(expected) or got != expected[i][:3]:
                 want = expected[i][:3] if i < len(expected) else "the end of the stage"
-                error = (f"rollout: stage {stage}'s weights no longer follow the layout of the last sync: tensor {i} "
-                         f"is {got}, expected {want}")
+                error = (
+                    f"rollout: stage {stage}'s weights no longer follow the layout of the last sync: tensor {i} "
+                    f"is {got}, expected {want}"
+                )
                 continue
             x = t.detach().to(dev, non_blocking=True).contiguous()
             if expected[i][3] == b:
@@ -258,8 +270,12 @@ class BucketSchedule:
             else:  # the next bucket's: held until the servers have the current one
                 ahead.append(x)
             i += 1
-            while (error is None and len(flight["works"]) == counts[b] and b + 1 < len(layout)
-                   and (len(ahead) == counts[b + 1] or done_now(flight))):
+            while (
+                error is None
+                and len(flight["works"]) == counts[b]
+                and b + 1 < len(layout)
+                and (len(ahead) == counts[b + 1] or done_now(flight))
+            ):
                 error = self._finish_bucket(stage, flight)
                 if error is None:
                     b += 1
@@ -275,7 +291,7 @@ class BucketSchedule:
             # The servers wait for the rest of the announced bucket: send zeros in its place (the sync
             # fails, so nothing of it is served), then take their answer (rank 0's stay in step).
             start = sum(counts[:b])
-            for _, d, shape, _ in expected[start + len(flight["works"]):start + counts[b]]:
+            for _, d, shape, _ in expected[start + len(flight["works"]) : start + counts[b]]:
                 self._broadcast_into(flight, torch.zeros(shape, dtype=dtype_of(d), device=dev), totals)
             self._finish_bucket(stage, flight)
             return error

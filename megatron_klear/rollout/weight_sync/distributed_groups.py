@@ -13,14 +13,20 @@ posting concurrently could deadlock two servers against each other).
 :class:`~megatron_klear.rollout.weight_sync.distributed.DistributedWeightSync` (its settings,
 ``engine``, ``leaders``, ``part``, ``pg``, ``connected``).
 """
+
 from __future__ import annotations
 
 import contextlib
 
 from megatron_klear.platform import broadcast_from_rank0, rank, recv_object, send_object
 from megatron_klear.rollout.weight_sync.gather import stage_leaders
-from megatron_klear.rollout.weight_sync.update_group import (PortInUseError, destroy_update_group, join_update_group,
-                                                             open_master_store, set_group_timeout)
+from megatron_klear.rollout.weight_sync.update_group import (
+    PortInUseError,
+    destroy_update_group,
+    join_update_group,
+    open_master_store,
+    set_group_timeout,
+)
 
 
 class WeightSyncError(RuntimeError):
@@ -84,8 +90,10 @@ class UpdateGroups:
                     store = open_master_store(addr, port, self.world, self.group_timeout)
                     port = store.port
                 except PortInUseError as e:
-                    err = (f"rollout: cannot host the weight-update group {name} on rank {me}: {e} (set "
-                           f"rollout.sync_master_port to a free port, or 0 to let the OS choose)")
+                    err = (
+                        f"rollout: cannot host the weight-update group {name} on rank {me}: {e} (set "
+                        f"rollout.sync_master_port to a free port, or 0 to let the OS choose)"
+                    )
                 except Exception as e:  # noqa: BLE001
                     err = f"rollout: cannot host the weight-update group {name} on rank {me}: {type(e).__name__}: {e}"
                 if leader != 0:
@@ -96,18 +104,33 @@ class UpdateGroups:
                 futures = None
                 if err is None:
                     futures = self.engine.init_weights_update_group_async(
-                        master_address=addr, master_port=port, world_size=self.world, rank_offsets=self.offsets,
-                        group_name=name, backend=self.backend, timeout=self.group_timeout + self.control_timeout)
+                        master_address=addr,
+                        master_port=port,
+                        world_size=self.world,
+                        rank_offsets=self.offsets,
+                        group_name=name,
+                        backend=self.backend,
+                        timeout=self.group_timeout + self.control_timeout,
+                    )
             if me == leader and result[2] is None:
                 join_err = None
                 try:
-                    self.pg = join_update_group(backend=self.backend, master_address=result[0], master_port=result[1],
-                                                rank=0, world_size=self.world, group_name=name,
-                                                timeout=self.group_timeout, store=store)
+                    self.pg = join_update_group(
+                        backend=self.backend,
+                        master_address=result[0],
+                        master_port=result[1],
+                        rank=0,
+                        world_size=self.world,
+                        group_name=name,
+                        timeout=self.group_timeout,
+                        store=store,
+                    )
                     # gloo: each bucket's wait fails after this; NCCL: the watchdog's bound, never before
                     # the trainer's own deadline (a new group's first bucket: the group timeout)
-                    set_group_timeout(self.pg, self.bucket_timeout if self.backend != "nccl"
-                                      else max(self.bucket_timeout, self.group_timeout))
+                    set_group_timeout(
+                        self.pg,
+                        self.bucket_timeout if self.backend != "nccl" else max(self.bucket_timeout, self.group_timeout),
+                    )
                 except Exception as e:  # noqa: BLE001
                     join_err = f"{type(e).__name__}: {e}"
                     self.pg = None
@@ -148,11 +171,13 @@ class UpdateGroups:
             parts.append("every server answered, but the group did not form")
         tail = f"; the trainer's side: {join_err}" if join_err else ""
         self.engine.destroy_weights_update_group(name)
-        return (f"rollout: the weight-update group {name} (store at {where}, backend {self.backend}, "
-                f"rollout.sync_group_timeout_s={self.group_timeout:g}) could not be created: {'; '.join(parts)}{tail}. "
-                f"Each server must reach {where} ({'NCCL' if self.backend == 'nccl' else 'gloo'} connections to the "
-                "trainer's stage leaders: check rollout.sync_master_addr, firewalls, NCCL_SOCKET_IFNAME / "
-                "GLOO_SOCKET_IFNAME)")
+        return (
+            f"rollout: the weight-update group {name} (store at {where}, backend {self.backend}, "
+            f"rollout.sync_group_timeout_s={self.group_timeout:g}) could not be created: {'; '.join(parts)}{tail}. "
+            f"Each server must reach {where} ({'NCCL' if self.backend == 'nccl' else 'gloo'} connections to the "
+            "trainer's stage leaders: check rollout.sync_master_addr, firewalls, NCCL_SOCKET_IFNAME / "
+            "GLOO_SOCKET_IFNAME)"
+        )
 
     def _drop_local(self) -> None:
         if self.pg is not None:
@@ -173,4 +198,3 @@ class UpdateGroups:
         if self.connected and rank() == 0 and self.engine is not None:
             self._leave_server_groups()
         self._drop_local()
-

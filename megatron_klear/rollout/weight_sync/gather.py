@@ -9,10 +9,10 @@ MoE model with EP > 1 the experts are all-gathered over their expert groups, whi
 over the data-parallel ranks: the leader's EP peers in other replicas take part too
 (:func:`stage_leaders`), and only the leader yields.
 """
+
 from __future__ import annotations
 
 import collections
-
 from typing import NamedTuple
 
 import torch
@@ -129,7 +129,6 @@ def iter_model_hf_weights(model_chunks):
                 yield name, buf
 
 
-
 def iter_buckets(named_tensors, bucket_bytes: int):
     """Group ``(name, tensor)`` into lists of about ``bucket_bytes`` bytes, one dtype per list (a
     flattened bucket puts every tensor at a multiple of its item size); a tensor larger than the
@@ -144,4 +143,3 @@ def iter_buckets(named_tensors, bucket_bytes: int):
         size += nbytes
     if bucket:
         yield bucket
-

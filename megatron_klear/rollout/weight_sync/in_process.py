@@ -1,4 +1,5 @@
 """``rollout.engine=embedded``: the trainer's weights into the in-process engine held by global rank 0."""
+
 from __future__ import annotations
 
 from megatron_klear.platform import barrier, is_rank0

@@ -1,6 +1,7 @@
 """Which path carries the weights, from a ``rollout`` config section. Each path is an object with
 ``push(version) -> metrics`` (collective: every trainer rank calls it), ``close()`` and
 ``to_servers`` (whether rollout servers received them, which the probe check then verifies)."""
+
 from __future__ import annotations
 
 from megatron_klear.rollout.weight_sync.disk import DiskPush

@@ -16,6 +16,7 @@ one ``uint8`` broadcast of the tensors' bytes back to back (``srt/weight_sync/te
 ``FlattenedTensorBucket.empty``: each tensor at the running byte offset, which must be a multiple
 of its dtype's item size). Dtypes are named as ``torch`` attributes (``"bfloat16"``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,8 +90,15 @@ def open_master_store(host: str, port: int, world_size: int, timeout: float):
     """The TCP store the sender (group rank 0) hosts; ``port`` 0 lets the OS choose (``store.port``).
     A taken port raises :class:`PortInUseError`."""
     try:
-        return dist.TCPStore(host, int(port), int(world_size), is_master=True, timeout=_td(timeout),
-                             wait_for_workers=False, multi_tenant=True)
+        return dist.TCPStore(
+            host,
+            int(port),
+            int(world_size),
+            is_master=True,
+            timeout=_td(timeout),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
     except Exception as e:  # noqa: BLE001 -- torch raises RuntimeError / DistNetworkError
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower() or "errno: 98" in text:
@@ -98,8 +106,17 @@ def open_master_store(host: str, port: int, world_size: int, timeout: float):
         raise
 
 
-def join_update_group(*, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, timeout: float, store=None):
+def join_update_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: float,
+    store=None,
+):
     """Join (or, as rank 0 with ``store`` = :func:`open_master_store`, create) the update group;
     returns the process group. Blocks until every rank has joined or ``timeout`` seconds passed
     (then raises)."""
@@ -108,12 +125,14 @@ def join_update_group(*, backend: str, master_address: str, master_port: int, ra
     if not group_name:
         raise ValueError("Group name cannot be empty")
     if store is None:
-        store = dist.TCPStore(master_address, int(master_port), int(world_size), is_master=False,
-                              timeout=_td(timeout), multi_tenant=True)
+        store = dist.TCPStore(
+            master_address, int(master_port), int(world_size), is_master=False, timeout=_td(timeout), multi_tenant=True
+        )
     store = PrefixStore(group_name, store)
     with _nccl_errors_raised(backend):
-        pg, _ = _new_process_group_helper(int(world_size), int(rank), [], backend, store, group_name=group_name,
-                                          timeout=_td(timeout))
+        pg, _ = _new_process_group_helper(
+            int(world_size), int(rank), [], backend, store, group_name=group_name, timeout=_td(timeout)
+        )
     # as SGLang: global rank == group rank, so broadcast(src=0, group=pg) means the sender
     _world.pg_group_ranks[pg] = {i: i for i in range(int(world_size))}
     return pg
