@@ -182,6 +182,6 @@ def test_no_module_is_longer_than_a_reader_can_hold():
 
 def test_the_checker_sees_a_known_arrow_and_its_direction():
     # the graph is not empty by accident: the loop reads the rollout manager, never the reverse
-    assert "megatron_klear.rl.rollout_manager" in GRAPH["megatron_klear.rl.loop"]
-    assert "megatron_klear.rl.loop" not in GRAPH["megatron_klear.rl.rollout_manager"]
+    assert "megatron_klear.rl.rollout.manager" in GRAPH["megatron_klear.rl.loop"]
+    assert "megatron_klear.rl.loop" not in GRAPH["megatron_klear.rl.rollout.manager"]
     assert _layer("megatron_klear.rollout.factory") < _layer("megatron_klear.rl.loop")

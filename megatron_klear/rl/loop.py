@@ -17,7 +17,7 @@
 rollout manager's ``generate``, docs/async.md)
 
 then metrics (console, JSONL, wandb/TensorBoard) and checkpoints on the configured cadence or on
-SIGTERM. Everything on the rollout side lives behind :class:`~megatron_klear.rl.rollout_manager.RolloutManager`.
+SIGTERM. Everything on the rollout side lives behind :class:`~megatron_klear.rl.rollout.manager.RolloutManager`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class RLLoop:
         from megatron_klear.data.prompts import PromptDataset
         from megatron_klear.platform import init_parallel
         from megatron_klear.rl.actor import Actor
-        from megatron_klear.rl.rollout_manager import RolloutManager
+        from megatron_klear.rl.rollout.manager import RolloutManager
         from megatron_klear.training.checkpointing import CheckpointManager
         from megatron_klear.training.setup import build_training_state, model_arch
 

@@ -197,7 +197,7 @@ class ServerEngine(RolloutEngine):
     def stream(self, requests: list) -> "RequestStream":
         """Start every :class:`SampleRequest` (one sample each) concurrently on the workers; the
         returned :class:`RequestStream` yields ``(key, Completion)`` as each ends, and can abort the
-        ones still running (partial rollouts, rl/partial_rollouts.py)."""
+        ones still running (partial rollouts, rl/rollout/partial.py)."""
 
 
 class RequestStream(abc.ABC):

@@ -61,7 +61,7 @@ class RolloutConfig:
     sync_bucket_timeout_s: float = 300.0  # distributed: one bucket's broadcast (and the servers' answer)
     # Probe check: the servers' log-probs of a fixed greedy probe must equal the trainer's (within a
     # dtype-aware tolerance) after the first sync, after a resume, and every verify_interval steps
-    # (0: only those two; -1: never); verify_tolerance 0: by dtype (rl/verify.py).
+    # (0: only those two; -1: never); verify_tolerance 0: by dtype (rl/rollout/verify.py).
     verify_interval: int = 10
     verify_tolerance: float = 0.0
     # MoE models: the trainer's old-log-prob pass routes each token to the experts the engine chose

@@ -2,7 +2,7 @@
 
 A full RL step needs torchrun and a Megatron model (minutes on 2 CPU cores: tests/distributed runs
 those on the project's own JSONL). Here the batch goes through the code path the loop uses to
-generate and grade: rl.prompts read by PromptDataset (format detected), rl/sampling.py
+generate and grade: rl.prompts read by PromptDataset (format detected), rl/rollout/sampling.py
 ``generate_and_grade`` with the embedded engine on a tiny model, the reward pool; then the same
 path with scripted responses (right and wrong for each problem), so the rewards, groups and
 advantages the actor would train on are known."""
@@ -14,7 +14,7 @@ import pytest
 from megatron_klear.config import JobConfig
 from megatron_klear.data.prompts import PromptDataset
 from megatron_klear.rewards import GradingPool, RewardConfig
-from megatron_klear.rl.sampling import generate_and_grade
+from megatron_klear.rl.rollout.sampling import generate_and_grade
 from megatron_klear.rollout.base import Completion, RolloutEngine, SamplingParams
 
 from ..rewards.test_functional_grading import HONEST

@@ -100,9 +100,9 @@ def test_json_errors_name_their_real_column(tmp_path, tokenizer, line, where):
 
 def test_the_first_steps_metrics_count_the_skipped_lines(monkeypatch):
     from megatron_klear.config import JobConfig
-    from megatron_klear.rl import sampling
-    from megatron_klear.rl.async_rollouts import Synchronous
-    from megatron_klear.rl.rollout_manager import RolloutManager
+    from megatron_klear.rl.rollout import sampling
+    from megatron_klear.rl.rollout.manager import RolloutManager
+    from megatron_klear.rl.rollout.schedules import Synchronous
 
     cfg = JobConfig()
     cfg.rl.prompts = ["p.jsonl"]

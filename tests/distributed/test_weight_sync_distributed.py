@@ -160,7 +160,7 @@ def test_every_server_gets_every_weight(models, servers, extra, load_format):
 @pytest.mark.slow
 def test_a_server_killed_mid_broadcast_below_min_live_fails_the_sync_and_the_other_serves_the_old_weights(models):
     """With rollout.min_live_workers=2 the survivor alone is too few: the sync fails naming the
-    lost server (tests/distributed/test_weight_sync_fleet.py: with 1, it completes on the survivor)."""
+    lost server (tests/distributed/test_distributed_sync_fleet.py: with 1, it completes on the survivor)."""
     from megatron_klear.rollout.base import SamplingParams
     from megatron_klear.rollout.embedded import EmbeddedEngine
     from megatron_klear.rollout.sglang import SGLangEngine

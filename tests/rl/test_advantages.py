@@ -89,7 +89,7 @@ def test_rl_loop_filters_compose():
     """Zero-spread and overlong filters are independent: turning one off keeps the other."""
     from megatron_klear.config import load_config
     from megatron_klear.data.prompts import Prompt
-    from megatron_klear.rl.sampling import build_samples
+    from megatron_klear.rl.rollout.sampling import build_samples
     from megatron_klear.rollout.base import Completion
 
     prompts = [
@@ -120,7 +120,7 @@ def test_per_task_metrics_of_a_mixed_batch_and_their_merge():
     weighted by its own responses (a batch without code does not dilute code's accuracy)."""
     from megatron_klear.config import load_config
     from megatron_klear.data.prompts import Prompt
-    from megatron_klear.rl.sampling import build_samples, merge_rollout_metrics
+    from megatron_klear.rl.rollout.sampling import build_samples, merge_rollout_metrics
     from megatron_klear.rollout.base import Completion
 
     cfg = load_config(None, [])

@@ -171,7 +171,7 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     from megatron_klear.config import load_config
     from megatron_klear.rl.batch import RolloutSample
     from megatron_klear.rl.loop import RLLoop
-    from megatron_klear.rl.rollout_manager import RolloutManager
+    from megatron_klear.rl.rollout.manager import RolloutManager
 
     urls = [u for _, u in served]
     cfg = load_config(
@@ -197,8 +197,8 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     loop.cfg, loop.rl_step, loop.steps, loop.rollout = cfg, 1, 10, manager
     loop.prompts = SimpleNamespace(take=lambda n: [SimpleNamespace(id="p0")], state_dict=dict)
     sample = RolloutSample(prompt_ids=[1], response_ids=[2, 3], advantage=1.0, group=0, meta={})
-    from megatron_klear.rl.async_rollouts import Synchronous
-    from megatron_klear.rl.sampling import FullBatches
+    from megatron_klear.rl.rollout.sampling import FullBatches
+    from megatron_klear.rl.rollout.schedules import Synchronous
 
     manager.batches = Synchronous(FullBatches(cfg, manager.engine, None, None, []))
     manager.batches.producer.generate_batch = lambda prompts, step, batch: (

@@ -10,7 +10,7 @@
   :class:`megatron_klear.rollout.weight_sync.DistributedWeightSync` drives while the trainer
   broadcasts the tensors;
 - :meth:`Control.probe`: one worker's greedy continuation with log-probs (the weight check of
-  :mod:`megatron_klear.rl.verify`);
+  :mod:`megatron_klear.rl.rollout.verify`);
 - colocated servers: memory release / resume (``--enable-memory-saver``);
 - each worker's context length.
 

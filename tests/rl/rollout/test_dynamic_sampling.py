@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_klear.config import ConfigError, JobConfig, load_config
-from megatron_klear.rl.async_rollouts import Synchronous
 from megatron_klear.rl.batch import RolloutSample
 from megatron_klear.rl.loop import RLLoop
-from megatron_klear.rl.rollout_manager import RolloutManager
-from megatron_klear.rl.sampling import FullBatches, ShortfallError, dynamic_sampling, merge_rollout_metrics
+from megatron_klear.rl.rollout.manager import RolloutManager
+from megatron_klear.rl.rollout.sampling import FullBatches, ShortfallError, dynamic_sampling, merge_rollout_metrics
+from megatron_klear.rl.rollout.schedules import Synchronous
 
 
 def _batch(groups_kept: int, generated: int, reward: float, tag: str, n: int = 2):
@@ -131,8 +131,8 @@ def test_a_step_with_no_group_left_skips_the_update_and_the_push():
 
 def test_the_manager_generates_the_seeds_of_each_batch_from_the_step():
     """generate(prompts, step) hands the step number to every batch: batch b of step s samples with
-    its own seed (rl/sampling.py sampling_params), so a resumed run repeats the same draws."""
-    from megatron_klear.rl.sampling import sampling_params
+    its own seed (rl/rollout/sampling.py sampling_params), so a resumed run repeats the same draws."""
+    from megatron_klear.rl.rollout.sampling import sampling_params
 
     calls, steps = [], []
     manager = _manager([_batch(1, 8, 0.5, "a"), _batch(3, 8, 0.5, "b")], calls, max_generation_batches=2)

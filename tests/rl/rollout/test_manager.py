@@ -6,9 +6,9 @@ SGLang's refusals) is tested against the stand-in server in tests/rollout/test_c
 import pytest
 
 from megatron_klear.config import JobConfig
-from megatron_klear.rl.colocation import Colocated, Dedicated
-from megatron_klear.rl.rollout_manager import RolloutManager
-from megatron_klear.rl.verify import verification_due
+from megatron_klear.rl.rollout.manager import RolloutManager
+from megatron_klear.rl.rollout.placement import Colocated, Dedicated
+from megatron_klear.rl.rollout.verify import verification_due
 from megatron_klear.rollout.base import ServerEngine
 
 
@@ -130,7 +130,7 @@ def test_push_weights_checks_only_servers(monkeypatch):
     """The in-process engine is never probed; servers are after the first push and when due."""
     from types import SimpleNamespace
 
-    import megatron_klear.rl.verify as verify
+    import megatron_klear.rl.rollout.verify as verify
 
     checked = []
     monkeypatch.setattr(
@@ -185,7 +185,7 @@ class FleetServers(ServerEngine):
 def test_a_push_recalls_lost_workers_includes_them_probes_them_whatever_the_interval_then_admits(monkeypatch):
     from types import SimpleNamespace
 
-    import megatron_klear.rl.verify as verify
+    import megatron_klear.rl.rollout.verify as verify
 
     calls = []
     engine = FleetServers(calls)

@@ -1,7 +1,7 @@
 """From responses to training samples: one generation batch generated and graded, its samples built
 (group advantages, the zero-spread and overlong filters), and DAPO's dynamic sampling over further
 batches until a step has its quota of prompt groups. Pure functions of their inputs: the rollout
-manager (:mod:`megatron_klear.rl.rollout_manager`) runs them on rank 0."""
+manager (:mod:`megatron_klear.rl.rollout.manager`) runs them on rank 0."""
 
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ class FullBatches:
     """Rank 0: each step's samples from whole generation batches (the synchronous recipe): every
     response of ``rl.oversample_prompts`` (or ``rl.prompts_per_step``) prompts is generated to its
     end, graded, filtered, with DAPO's dynamic sampling over further batches. (Partial rollouts:
-    :class:`megatron_klear.rl.partial_rollouts.PartialRollouts`.)"""
+    :class:`megatron_klear.rl.rollout.partial.PartialRollouts`.)"""
 
     def __init__(self, cfg, engine, pool, tokenizer, stop_token_ids):
         self.cfg, self.engine, self.pool, self.tokenizer = cfg, engine, pool, tokenizer

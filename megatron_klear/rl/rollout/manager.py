@@ -20,8 +20,8 @@ import os
 import warnings
 
 from megatron_klear.platform import broadcast_from_rank0, is_rank0
-from megatron_klear.rl.colocation import Colocated, Dedicated
-from megatron_klear.rl.sampling import ShortfallError
+from megatron_klear.rl.rollout.placement import Colocated, Dedicated
+from megatron_klear.rl.rollout.sampling import ShortfallError
 from megatron_klear.rollout.base import ServerEngine
 
 
@@ -84,9 +84,9 @@ class RolloutManager:
     def generate(self, prompts, step: int, *, prefetch_next: bool = False):
         """Collective: the samples of RL step ``step + 1`` (its update runs at weight version
         ``step``) and the rollout metrics. Rank 0 takes prompts from ``prompts``, generates and grades
-        them -- whole batches with dynamic sampling (:class:`~megatron_klear.rl.sampling.FullBatches`)
+        them -- whole batches with dynamic sampling (:class:`~megatron_klear.rl.rollout.sampling.FullBatches`)
         or partial rollouts (``rollout.partial``, :mod:`.partial_rollouts`), at the step or one step
-        ahead (``rl.async_steps``, :mod:`.async_rollouts`; ``prefetch_next``: the loop has a next
+        ahead (``rl.async_steps``, :mod:`.schedules`; ``prefetch_next``: the loop has a next
         step, start its batch now) -- and the samples, the metrics and its prompt position go to
         every rank. The first call's metrics also hold ``data/skipped_prompt_lines``, the prompt
         lines that ``rl.on_bad_line=skip`` dropped (the same on every rank: each reads every file)."""
@@ -135,7 +135,7 @@ class RolloutManager:
 
     def push_weights(self, version: int) -> dict:
         """Collective: the trainer's weights to the engine as weight version ``version``; servers are
-        then checked against the trainer (:mod:`megatron_klear.rl.verify`) after the first push of this
+        then checked against the trainer (:mod:`megatron_klear.rl.rollout.verify`) after the first push of this
         process and every ``rollout.verify_interval`` steps. Returns metrics.
 
         With SGLang servers (a fleet), lost workers that answer again are recalled first (rejoining,
@@ -145,7 +145,7 @@ class RolloutManager:
         ``rollout.verify_interval`` says -- before it is admitted (live: it gets requests again); one
         that fails is dropped again, not an error of the run. The metrics carry the fleet's
         (``rollout/live_workers``, ``rollout/worker_failures``, ``rollout/worker_rejoins``)."""
-        from megatron_klear.rl.verify import verification_due, verify_servers
+        from megatron_klear.rl.rollout.verify import verification_due, verify_servers
 
         r = self.cfg.rollout
         fleet = self.weights.to_servers and isinstance(self.engine, ServerEngine) if is_rank0() else None
@@ -182,9 +182,9 @@ class RolloutManager:
     def _batches(self):
         """Rank 0: how each step's batch is produced (whole batches or partial rollouts) and when
         (at the step, or one step ahead while the actor trains)."""
-        from megatron_klear.rl.async_rollouts import OneStepAhead, Synchronous
-        from megatron_klear.rl.partial_rollouts import PartialRollouts
-        from megatron_klear.rl.sampling import FullBatches
+        from megatron_klear.rl.rollout.partial import PartialRollouts
+        from megatron_klear.rl.rollout.sampling import FullBatches
+        from megatron_klear.rl.rollout.schedules import OneStepAhead, Synchronous
 
         make = PartialRollouts if self.cfg.rollout.partial else FullBatches
         producer = make(self.cfg, self.engine, self.pool, self.tokenizer, self.stop_token_ids)

@@ -11,8 +11,8 @@ recomputed log-probs stay the proximal policy of the clipped objective, the beha
 the engine entering as truncated importance weights (``rl.tis_cap``) or masking the older tokens
 (``rl.mask_stale_tokens``).
 
-Either schedule wraps a *producer* -- :class:`~megatron_klear.rl.sampling.FullBatches` or
-:class:`~megatron_klear.rl.partial_rollouts.PartialRollouts` -- with ``produce(prompts, version) ->
+Either schedule wraps a *producer* -- :class:`~megatron_klear.rl.rollout.sampling.FullBatches` or
+:class:`~megatron_klear.rl.rollout.partial.PartialRollouts` -- with ``produce(prompts, version) ->
 (samples, metrics)``, ``cancel()``, ``state_dict()`` / ``load_state_dict()``. Metrics added here:
 ``perf/generate_s`` (the batch's generation, grading included), ``perf/overlap_s`` (the part of it
 that ran while the trainer was busy) and ``perf/generate_wait_s`` (what the step waited for it).

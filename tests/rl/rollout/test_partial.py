@@ -1,4 +1,4 @@
-"""Partial rollouts (rl/partial_rollouts.py) and the one-step-ahead schedule (rl/async_rollouts.py)
+"""Partial rollouts (rl/rollout/partial.py) and the one-step-ahead schedule (rl/rollout/schedules.py)
 against a scripted rollout engine: which responses are aborted, buffered, continued (input = prompt +
 partial, budget left), regenerated when too stale; when a group is trained; what the checkpoint keeps.
 The servers' own side of abort and continue is tested against the stand-in server and the real
@@ -13,8 +13,8 @@ import pytest
 from megatron_klear.config import JobConfig
 from megatron_klear.data.prompts import Prompt
 from megatron_klear.rewards.result import GradeResult
-from megatron_klear.rl.async_rollouts import OneStepAhead, Synchronous
-from megatron_klear.rl.partial_rollouts import PartialRollouts
+from megatron_klear.rl.rollout.partial import PartialRollouts
+from megatron_klear.rl.rollout.schedules import OneStepAhead, Synchronous
 from megatron_klear.rollout.base import Completion
 
 BUDGET = 40

@@ -16,7 +16,7 @@ Groups that complete beyond the step's quota wait in the buffer too (trained at 
 groups that complete without reward spread are dropped, as in the synchronous loop. The buffer is
 saved with the checkpoint (:meth:`PartialBuffer.state_dict`).
 
-Runs on rank 0 (the rollout manager, :mod:`megatron_klear.rl.rollout_manager`); pure of the
+Runs on rank 0 (the rollout manager, :mod:`megatron_klear.rl.rollout.manager`); pure of the
 trainer.
 """
 
@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from megatron_klear.rl.sampling import build_samples, check_shortfall, grading_text, sampling_params
+from megatron_klear.rl.rollout.sampling import build_samples, check_shortfall, grading_text, sampling_params
 from megatron_klear.rl.staleness import staleness_metrics
 from megatron_klear.rollout.base import Completion, SampleRequest
 
