@@ -23,6 +23,8 @@ import json
 import os
 import time
 
+from megatron_klear.utils import atomic
+
 PAPER_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
 
 
@@ -125,7 +127,5 @@ def write_results(out_path: str, summary: dict, records: list, meta: dict) -> No
         (samples, lambda f: [f.write(json.dumps(r) + "\n") for r in records]),
         (out_path, lambda f: json.dump({"meta": meta, "results": summary}, f, indent=2)),
     ):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
+        with atomic.atomic_file(path) as f:
             write(f)
-        os.replace(tmp, path)

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from megatron_klear.utils import atomic
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -216,10 +218,7 @@ def write_generation_config(model_dir: str, config: dict) -> dict | None:
     gen["eos_token_id"] = ids if len(ids) > 1 else ids[0]
     if config.get("bos_token_id") is not None and "bos_token_id" not in gen:
         gen["bos_token_id"] = config["bos_token_id"]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(gen, f, indent=2)
-    os.replace(tmp, path)
+    atomic.write_json(path, gen, indent=2)
     return gen
 
 
@@ -228,5 +227,4 @@ def write_manifest(directory: str, info: dict) -> None:
     from megatron_klear import __version__
 
     data = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "megatron_klear": __version__, **info}
-    with open(os.path.join(directory, "manifest.json"), "w") as f:
-        json.dump(data, f, indent=2, default=str)
+    atomic.write_json(os.path.join(directory, "manifest.json"), data, indent=2, default=str)

@@ -50,6 +50,7 @@ from megatron_klear.data.jsonl import (
     check_input_files,
     parse_json_object,
 )
+from megatron_klear.utils import atomic
 
 INCONSISTENT_PROMPT = "inconsistent_prompt"
 
@@ -268,9 +269,7 @@ def curate(
     kept_by: Counter = Counter()
     readers2: list = []
     quiet = BadLinePolicy("skip", echo_first=0)  # bad lines were reported in pass 1
-    tmp = f"{cfg.output}.tmp-{os.getpid()}"
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.output)), exist_ok=True)
-    try:
+    with atomic.atomic_path(cfg.output) as tmp:
         with open(tmp, "w", encoding="utf-8") as out:
             for k, (path, lineno, rec) in enumerate(_records(cfg.inputs, quiet, readers2)):
                 ok = verdicts[k]
@@ -299,11 +298,6 @@ def curate(
                 )
         if [r.sha256 for r in readers2] != shas:
             raise RuntimeError(f"an input file changed while curating {cfg.inputs}; nothing written")
-        os.replace(tmp, cfg.output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
     rated = [st for st in prompts.values() if st.graded]
     hard_prompts = [st for st in rated if rate(st) < cfg.hard_below]

@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 
 from megatron_klear.data.chat import spans_to_mask
+from megatron_klear.utils import atomic
 
 FORMAT = "megatron-klear-sft-indexed"
 FORMAT_VERSION = 1
@@ -74,11 +75,7 @@ def _sha256_file(path: str) -> str:
 
 
 def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic.write_json(path, obj, indent=2, ensure_ascii=False)
 
 
 class SFTIndexedWriter:

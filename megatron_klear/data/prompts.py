@@ -31,6 +31,7 @@ import numpy as np
 
 from megatron_klear.data.jsonl import BadLineError, BadLinePolicy, ExampleError, iter_jsonl_objects
 from megatron_klear.platform import is_rank0
+from megatron_klear.utils import atomic
 
 TASKS = ("math", "code")
 REPORT_NAME = "skipped_prompt_lines.jsonl"
@@ -183,11 +184,8 @@ class PromptDataset:
         """The report file (rank 0: every skipped line, or none when none was) and the total."""
         if self.report_path and is_rank0():
             if rejected:
-                os.makedirs(os.path.dirname(self.report_path), exist_ok=True)
-                tmp = f"{self.report_path}.tmp{os.getpid()}"
-                with open(tmp, "w", encoding="utf-8") as f:
+                with atomic.atomic_file(self.report_path) as f:
                     f.writelines(rejected)
-                os.replace(tmp, self.report_path)
             elif os.path.isfile(self.report_path):  # an earlier run's, about other data
                 os.remove(self.report_path)
         if self.skipped and stream is not None:

@@ -64,9 +64,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import random
 from dataclasses import dataclass
+
+from megatron_klear.utils import atomic
 
 SPLITS = ("train", "heldout")
 
@@ -245,12 +246,9 @@ def example(problem: Problem) -> dict:
 
 
 def _write_lines(path: str, rows) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic.atomic_file(path) as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
     return path
 
 

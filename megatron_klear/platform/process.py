@@ -23,6 +23,8 @@ import socket
 import sys
 import time
 
+from megatron_klear.utils import atomic
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -152,10 +154,7 @@ class RunLock:
             stale = self._stale_reason(owner)
             if stale is None:
                 raise RunLockedError(self._busy_message(owner))
-            tmp = f"{self.path}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(self._mine(), f)
-            os.replace(tmp, self.path)
+            atomic.write_json(self.path, self._mine())
             after = self._read()
             if not after or after.get("pid") != os.getpid():  # someone else took it over first
                 raise RunLockedError(self._busy_message(after or owner))

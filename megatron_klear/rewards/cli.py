@@ -23,9 +23,12 @@ import os
 import sys
 import time
 
+from megatron_klear.utils.atomic import atomic_file
+from megatron_klear.utils.progress import Progress
+
 from .config import ISOLATION_LEVELS, RewardConfig
 from .items import parse_item
-from .jsonl_io import Progress, atomic_writer, count_lines, decode_line, numbered_lines, write_manifest
+from .jsonl_io import count_lines, decode_line, numbered_lines, write_manifest
 from .result import GradeResult
 
 __all__ = ["grade_main", "grade_file"]
@@ -63,7 +66,7 @@ def grade_file(inp: str, out: str, cfg: RewardConfig, progress_every: float = 1.
     from .pool import GradingPool
 
     total = count_lines(inp)
-    prog = Progress(total, "grade", every=progress_every)
+    prog = Progress(total, "grade", every=progress_every, count_errors=True)
     summary = collections.Counter()
     rewards = collections.defaultdict(list)
     window = collections.deque()  # (lineno, id, task, future | record of a malformed line), in input order
@@ -84,7 +87,7 @@ def grade_file(inp: str, out: str, cfg: RewardConfig, progress_every: float = 1.
                 rewards[task].append(record["reward"])
             prog.step(error=error)
 
-    with GradingPool(cfg) as pool, atomic_writer(out) as f:
+    with GradingPool(cfg) as pool, atomic_file(out) as f:
         max_window = max(64, 16 * pool.n_workers)
         for lineno, text in numbered_lines(inp):
             item_id, task = None, None

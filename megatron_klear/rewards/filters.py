@@ -31,8 +31,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+from megatron_klear.utils.atomic import atomic_file
+from megatron_klear.utils.progress import Progress
+
 from .config import RewardConfig
-from .jsonl_io import Progress, atomic_writer, count_lines, decode_line, numbered_lines, write_manifest
+from .jsonl_io import count_lines, decode_line, numbered_lines, write_manifest
 
 __all__ = ["FilterConfig", "pass_at_k", "structural_drop_reason", "pass_drop_reason", "filter_file", "filter_main"]
 
@@ -149,7 +152,7 @@ def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig
     rcfg = dataclasses.replace(rcfg, code_max_tests=None)
     summary = collections.Counter()
     reasons = collections.Counter()
-    prog = Progress(count_lines(inp), "filter")
+    prog = Progress(count_lines(inp), "filter", every=1.0, count_errors=True)
     window = collections.deque()  # (lineno, text, obj, task, drop_reason | None, flags | futures)
     t0 = time.monotonic()
     pool = None
@@ -178,7 +181,7 @@ def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig
         prog.step(error=reason is not None and reason.startswith(f"{inp}:"))
 
     try:
-        with atomic_writer(out) as kept_f, atomic_writer(dropped_path) if dropped_path else _nullcontext() as dropped_f:
+        with atomic_file(out) as kept_f, atomic_file(dropped_path) if dropped_path else _nullcontext() as dropped_f:
             for lineno, text in numbered_lines(inp):
                 obj, task, reason, refs = None, None, None, None
                 try:

@@ -35,6 +35,7 @@ CONSOLE_KEYS = ("rollout/reward_mean", "rollout/accuracy", "actor/loss", "actor/
 
 class RLLoop:
     def __init__(self, cfg: JobConfig):
+        from megatron_klear.checkpoint.model_source import ModelSource
         from megatron_klear.data.chat import generation_stop_ids, load_tokenizer
         from megatron_klear.data.prompts import PromptDataset
         from megatron_klear.platform import init_parallel
@@ -63,9 +64,8 @@ class RLLoop:
         per_step = 1 if cfg.optim.schedule_unit == "rl_step" else rl.prompts_per_step // rl.mini_batch_prompts
         self.state = build_training_state(cfg, total_steps=self.steps * per_step)
         self.arch = model_arch(cfg.model.path)
-        hf_dir = cfg.model.path if os.path.isfile(os.path.join(cfg.model.path, "config.json")) else None
-        tok_dir = hf_dir or os.path.join(cfg.model.path, "tokenizer")
-        self.tokenizer = load_tokenizer(tok_dir)
+        source = ModelSource.at(cfg.model.path)
+        self.tokenizer = load_tokenizer(source.tokenizer_dir)
         self.prompts = PromptDataset(
             rl.prompts,
             self.tokenizer,
@@ -101,8 +101,8 @@ class RLLoop:
             actor=self.actor,
             arch=self.arch,
             tokenizer=self.tokenizer,
-            tokenizer_dir=tok_dir,
-            stop_token_ids=generation_stop_ids(self.tokenizer, hf_dir),
+            tokenizer_dir=source.tokenizer_dir,
+            stop_token_ids=generation_stop_ids(self.tokenizer, source.hf_dir),
             needs_sandbox=any(p.task == "code" for p in self.prompts.prompts),
         )
         self.rollout.load_state_dict(common.get("rollout") or {})  # the partial buffer, the batch generated ahead

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from megatron_klear.checkpoint.dist_ckpt import disk_full_cause, format_bytes
 from megatron_klear.platform.distributed import broadcast_from_rank0, is_rank0, rank
+from megatron_klear.utils import atomic
 
 LATEST = "latest_checkpointed_iteration.txt"
 ITER_RE = re.compile(r"^iter_(\d{7})$")
@@ -75,15 +76,6 @@ def _print(message: str) -> None:
 
 def _step(name: str) -> int:
     return int(name[len("iter_") :])
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _rng_state() -> dict:
@@ -470,7 +462,7 @@ class CheckpointManager:
                 else:
                     os.replace(path, final)
                     log(f"restored {final} from {path} (its replacement was interrupted)")
-            elif name.startswith(LATEST + ".tmp"):
+            elif name.startswith((LATEST + ".tmp", atomic.temporary_prefix(LATEST))):  # (the first: older versions)
                 os.remove(path)
 
     def _move_aside(self, log) -> None:
@@ -557,15 +549,14 @@ class CheckpointManager:
         the rotation."""
         from megatron_klear.checkpoint import dist_ckpt
         from megatron_klear.checkpoint.hf_io import copy_tokenizer_files, write_manifest
+        from megatron_klear.checkpoint.model_source import ModelSource
 
         with open(os.path.join(tmp, dist_ckpt.HF_CONFIG), "w") as f:
             json.dump(state.arch.hf_config, f, indent=2)
         tok_dst = os.path.join(tmp, dist_ckpt.TOKENIZER_DIR)
         os.makedirs(tok_dst, exist_ok=True)
         src = self.model_source or ""
-        tok_src = (
-            src if os.path.isfile(os.path.join(src, "config.json")) else os.path.join(src, dist_ckpt.TOKENIZER_DIR)
-        )
+        tok_src = ModelSource(src).tokenizer_dir
         if os.path.isdir(tok_src):
             copy_tokenizer_files(tok_src, tok_dst)
         info = {
@@ -579,7 +570,7 @@ class CheckpointManager:
             info["job"] = self.job
         write_manifest(tmp, info)
         dist_ckpt.finalize_dir(tmp, final)
-        _write_atomic(os.path.join(self.save_dir, LATEST), str(step))
+        atomic.write_text(os.path.join(self.save_dir, LATEST), str(step))
         self._rotate(step)
 
     def _on_rank0(self, work, step: int, tmp: str, needed: int) -> None:

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from megatron_klear.utils import atomic
 from megatron_klear.utils.progress import format_seconds
 
 
@@ -118,12 +119,8 @@ def truncate_jsonl(path: str, last_step: int) -> int:
             else:
                 dropped += 1
     if dropped:
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic.atomic_file(path) as f:
             f.writelines(kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
     return dropped
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from megatron_klear.checkpoint.model_source import ModelSource
 
 
 @dataclass
@@ -21,20 +22,9 @@ class TrainingState:
     optimizer_offloaded: bool = False  # its state in host memory (training/offload.py)
 
 
-def _is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json"))
-
-
 def model_arch(path: str):
     """Architecture of an HF directory or of a converted torch_dist directory."""
-    from megatron_klear.checkpoint import dist_ckpt
-    from megatron_klear.models.arch import load_arch
-
-    if not path:
-        raise ValueError("model.path is empty: point it at an HF checkpoint or a converted model directory")
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model.path: directory '{path}' does not exist")
-    return load_arch(path) if _is_hf_dir(path) else dist_ckpt.checkpoint_arch(path)
+    return ModelSource.at(path).arch()
 
 
 def load_initial_weights(model_chunks, path: str) -> None:
@@ -48,7 +38,7 @@ def load_initial_weights(model_chunks, path: str) -> None:
     from megatron_klear.checkpoint.model_weights import load_hf_weights, unwrap
 
     raw = [unwrap(c) for c in model_chunks]
-    if _is_hf_dir(path):
+    if ModelSource(path).is_hf:
         load_hf_weights(raw, HFReader(path))
     else:
         dist_ckpt.load_model(raw, path)

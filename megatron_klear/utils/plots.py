@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from megatron_klear.utils import atomic
+
 
 def _pyplot():
     try:
@@ -23,14 +25,11 @@ def _save(fig, path: str) -> str:
     plt = _pyplot()
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        fig.savefig(tmp, format=fmt, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic.atomic_path(path) as tmp:
+            fig.savefig(tmp, format=fmt, dpi=110, bbox_inches="tight")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 

@@ -1,4 +1,5 @@
-"""Progress on stderr for long work: count, rate, ETA; throttled so logs stay readable."""
+"""Progress on stderr for long work: count, rate, ETA (and errors, where items can fail); throttled
+so logs stay readable. Standard library only (the reward tools use it)."""
 
 from __future__ import annotations
 
@@ -14,29 +15,34 @@ def format_seconds(seconds: float) -> str:
 
 
 class Progress:
-    """``Progress(total, "what", unit="items")``; call ``step(n)``; prints at most every ``every`` s."""
+    """``Progress(total, "what", unit="items")``; call ``step(n)``; prints at most every ``every`` s.
+    ``count_errors``: ``step(error=True)`` counts a failed item, and each line says how many."""
 
-    def __init__(self, total: int, what: str, unit: str = "items", every: float = 2.0, stream=None):
+    def __init__(
+        self, total: int, what: str, unit: str = "items", every: float = 2.0, stream=None, count_errors: bool = False
+    ):
         self.total, self.what, self.unit, self.every = total, what, unit, every
         self.stream = stream or sys.stderr
-        self.start = self._last = time.time()
-        self.done = 0
+        self.start = self._last = time.monotonic()
+        self.done = self.errors = 0
+        self.count_errors = count_errors
 
-    def step(self, n: int = 1, note: str = "") -> None:
+    def step(self, n: int = 1, note: str = "", error: bool = False) -> None:
         self.done += n
-        now = time.time()
+        self.errors += int(error)
+        now = time.monotonic()
         finished = self.done >= self.total
         if not finished and now - self._last < self.every:
             return
         self._last = now
         elapsed = now - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
+        errors = f", {self.errors} errors" if self.count_errors else ""
+        head = f"{self.what}: {self.done}/{self.total} {self.unit}"
         if finished:
-            self.stream.write(f"{self.what}: {self.done}/{self.total} {self.unit} in {format_seconds(elapsed)}\n")
+            line = f"{head} in {format_seconds(elapsed)} ({rate:.1f} {self.unit}/s)"
         else:
             eta = (self.total - self.done) / rate if rate > 0 else 0.0
-            self.stream.write(
-                f"{self.what}: {self.done}/{self.total} {self.unit} ({rate:.1f} {self.unit}/s, "
-                f"ETA {format_seconds(eta)}) {note}\n"
-            )
+            line = f"{head} ({rate:.1f} {self.unit}/s, ETA {format_seconds(eta)})"
+        self.stream.write(line + errors + (f" {note}" if note else "") + "\n")
         self.stream.flush()

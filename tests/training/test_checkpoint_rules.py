@@ -14,6 +14,7 @@ import pytest
 
 from megatron_klear.training import checkpointing
 from megatron_klear.training.checkpointing import LATEST, CheckpointManager
+from megatron_klear.utils.atomic import temporary_prefix
 from tests.tiny_sft import sft_data
 
 LOCK = "run.lock"
@@ -163,7 +164,8 @@ def test_partial_checkpoints_are_removed_at_start_up(tmp_path):
     os.rename(os.path.join(save, "iter_0000004"), os.path.join(save, "iter_0000004.old"))
     _fake_checkpoint(save, 4, "new copy")  # the replacement arrived: the .old is garbage
     os.rename(os.path.join(save, "iter_0000006"), os.path.join(save, "iter_0000006.old"))  # it did not
-    open(os.path.join(save, LATEST + ".tmp123"), "w").close()
+    open(os.path.join(save, LATEST + ".tmp123"), "w").close()  # an older version's temporary name
+    open(os.path.join(save, temporary_prefix(LATEST) + "123"), "w").close()  # utils/atomic.py's
     said = []
     got = CheckpointManager(save).start_run(resume=True, log=said.append)
     assert got == os.path.join(save, "iter_0000006")

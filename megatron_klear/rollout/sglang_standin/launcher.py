@@ -22,6 +22,7 @@ import uvicorn
 import megatron_klear
 from megatron_klear.rollout.sglang import SGLangEngine
 from megatron_klear.rollout.sglang_standin.state import HOST, ServerState
+from megatron_klear.utils import atomic
 
 SERVER_HEADER = "megatron-klear-embedded"
 # idle kept-alive connections stay open (the clients expire theirs: httpx after 5 s, which would
@@ -251,10 +252,7 @@ def main(argv=None) -> int:
     server.exit_on_fault = True
     port = server.server_address[1]
     if args.port_file:
-        tmp = f"{args.port_file}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, args.port_file)
+        atomic.write_text(args.port_file, str(port))
     print(f"embedded rollout engine serving {args.model} on http://{HOST}:{port}", flush=True)
     try:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: a clean stop
