@@ -18,7 +18,7 @@ The task is :class:`megatron_klear.data.synthetic.LongTailTask`: digit chains wh
 is heavy-tailed, so the responses are too (most short, a few up to ~6x the median, capped by the
 response budget as a long-CoT batch is capped at 32K). The SFT model is the demo's recipe
 (examples/demo.py: a tiny Qwen3, converted to Megatron, SFT at TP=2 on an imperfect teacher's chats,
-exported to HF) trained here on that task. Each RL run is ``python -m megatron_klear.rl`` (actor at
+exported to HF) trained here on that task. Each RL run is ``python -m megatron_klear rl`` (actor at
 TP=1, one CPU thread) with ``rollout.engine=http`` to stand-in SGLang servers
 (``megatron_klear.rollout.sglang_standin``, one CPU thread each) behind the real sglang-router, the
 way the RL loop uses rollout servers; with ``--servers 1`` (the default) one core generates and the
@@ -270,7 +270,8 @@ def run_variant(
     cmd = [
         sys.executable,
         "-m",
-        "megatron_klear.rl",
+        "megatron_klear",
+        "rl",
         *rl_overrides(bench, settings, files, router_url, save_dir, variant, seed),
     ]
     t0 = time.time()

@@ -12,7 +12,7 @@ learns: held-out accuracy before and after RL.
    dataset, training at TP=2.
 4. Export to HF, and held-out evaluation with megatron_klear.evaluation (avg@8 at the RL
    temperature 1.0, and greedy) on problems that appear in no SFT chat and no RL prompt.
-5. GPPO (`python -m megatron_klear.rl`, embedded rollout engine, math grader, actor at TP=2,
+5. GPPO (`python -m megatron_klear rl`, embedded rollout engine, math grader, actor at TP=2,
    weight sync each step) from the SFT model on training problems.
 6. Export and the same held-out evaluation; report, plots and summary in runs/demo/.
 
@@ -185,7 +185,7 @@ class Demo:
             )
 
         with self.stage("rl", f"GPPO from the SFT model ({s.rl_steps} steps, embedded engine, TP=2)"):
-            self.torchrun(2, "-m", "megatron_klear.rl", *self.rl_overrides(f"{out}/hf-sft", f"{out}/rl-run"))
+            self.torchrun(2, "-m", "megatron_klear", "rl", *self.rl_overrides(f"{out}/hf-sft", f"{out}/rl-run"))
             rl = _read_jsonl(f"{out}/rl-run/metrics.jsonl")
             mismatch = max((m.get("actor/logprob_mismatch_max", 0.0) for m in rl), default=float("nan"))
             self.check("engine vs trainer log-probs agree (weight sync)", mismatch < 1e-3, f"{mismatch:.1e}", "< 1e-3")
@@ -287,7 +287,8 @@ class Demo:
             self.torchrun(
                 2,
                 "-m",
-                "megatron_klear.sft",
+                "megatron_klear",
+                "sft",
                 "--config",
                 "examples/configs/sft_tiny_cpu.yaml",
                 f"model.path={out}/mg-base",

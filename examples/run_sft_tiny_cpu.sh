@@ -12,7 +12,7 @@ $PY tools/make_tiny_model.py --out "$OUT/hf-base" --layers 4
 $PY -c "from megatron_klear.data.synthetic import write_sft_jsonl; write_sft_jsonl('$OUT/train.jsonl', 512)"
 $PY tools/preprocess_sft.py --input "$OUT/train.jsonl" --tokenizer "$OUT/hf-base" \
     --output-prefix "$OUT/data" --max-length 512
-$PY -m megatron_klear.platform.launch --nproc-per-node 2 -m megatron_klear.sft \
+$PY -m megatron_klear.platform.launch --nproc-per-node 2 -m megatron_klear sft \
     --config examples/configs/sft_tiny_cpu.yaml \
     model.path="$OUT/hf-base" data.prefix="$OUT/data" train.save_dir="$OUT/run" train.overwrite=true "$@"
 STEP=$(cat "$OUT/run/latest_checkpointed_iteration.txt")

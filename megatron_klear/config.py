@@ -180,6 +180,9 @@ class JobConfig:
                 f"sample: rl.max_prompt_length + rollout.max_new_tokens = {longest}"
             )
 
+    def to_yaml(self) -> str:
+        return dump_config(self)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -263,6 +266,13 @@ def _suggest(obj, parts: list, i: int, names: list) -> str | None:
     return hint[0] if hint else None
 
 
+#: Keys other RL stacks have that this one refuses by name (a "did you mean" would mislead), and why.
+REMOVED_KEYS = {
+    "rl.kl_coef": "there is no reference-model KL term (the Klear recipe trains with none and keeps no "
+    "reference model; docs/gppo.md#no-kl); remove the key",
+}
+
+
 def _set(obj, dotted: str, value, where: str) -> None:
     parts = dotted.split(".")
     target = obj
@@ -271,6 +281,8 @@ def _set(obj, dotted: str, value, where: str) -> None:
             raise ConfigError(f"{where}: '{'.'.join(parts[:i])}' is not a section")
         names = [f.name for f in dataclasses.fields(target)]
         if name not in names:
+            if dotted in REMOVED_KEYS:
+                raise ConfigError(f"{where}: '{dotted}' is not a key: {REMOVED_KEYS[dotted]}")
             hint = _suggest(obj, parts, i, names)
             raise ConfigError(f"{where}: unknown key '{dotted}'" + (f" (did you mean '{hint}'?)" if hint else ""))
         if i == len(parts) - 1:

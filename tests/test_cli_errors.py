@@ -92,7 +92,7 @@ def test_a_derived_number_says_where_it_comes_from(tiny_hf, tmp_path):
 
 def test_one_process_prints_one_line_and_no_traceback():
     r = subprocess.run(
-        [PY, "-m", "megatron_klear.sft", "trian.steps=3"],
+        [PY, "-m", "megatron_klear", "sft", "trian.steps=3"],
         capture_output=True,
         text=True,
         env=_env(),
@@ -122,7 +122,8 @@ def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary()
             "--master-port",
             str(_free_port()),
             "-m",
-            "megatron_klear.sft",
+            "megatron_klear",
+            "sft",
             "trian.steps=3",
         ],
         capture_output=True,
@@ -179,7 +180,7 @@ def test_under_the_launcher_a_user_error_is_the_last_line_and_status_2(case, tin
             f"{tmp_path}/nodata.meta.json not found: '{tmp_path}/nodata' is not a preprocessed SFT dataset",
         ),
     }[case]
-    rc, lines = _launch("-m", "megatron_klear.sft", "--config", "examples/configs/sft_tiny_cpu.yaml", *overrides)
+    rc, lines = _launch("-m", "megatron_klear", "sft", "--config", "examples/configs/sft_tiny_cpu.yaml", *overrides)
     out = "\n".join(lines)
     assert (rc, lines[-1]) == (2, f"error: {message}"), out
     assert out.count("error:") == 1 and "Traceback" not in out and "ChildFailedError" not in out, out

@@ -11,8 +11,9 @@ import pytest
 from megatron_klear.config import ConfigError, JobConfig, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: Keys no code reads, refused at validation unless left at the default (value to try).
-REFUSED_UNLESS_DEFAULT = {"rl.kl_coef": 0.01}
+#: Keys no code reads, refused at validation unless left at the default (value to try). None today:
+#: rl.kl_coef, the last, was removed with the KL path nothing could reach (REMOVED_KEYS).
+REFUSED_UNLESS_DEFAULT = {}
 _VALIDATION = {"validate", "_validate_across_sections", "__post_init__", "from_dict", "_require"}
 
 
@@ -56,6 +57,16 @@ def test_every_config_key_is_read_somewhere():
     assert sorted(unread) == sorted(REFUSED_UNLESS_DEFAULT), (
         f"config keys no code reads (silently ignored): {sorted(set(unread) - set(REFUSED_UNLESS_DEFAULT))}"
     )
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 0.01])
+def test_a_removed_key_is_refused_by_name_with_its_reason_whatever_its_value(value):
+    from megatron_klear.config import REMOVED_KEYS
+
+    with pytest.raises(ConfigError, match=r"'rl\.kl_coef' is not a key: there is no reference-model KL term") as e:
+        load_config(None, [f"rl.kl_coef={value}"])
+    assert "did you mean" not in str(e.value)
+    assert all(k not in {*_keys(JobConfig())} for k in REMOVED_KEYS)
 
 
 @pytest.mark.parametrize("key,value", sorted(REFUSED_UNLESS_DEFAULT.items()))

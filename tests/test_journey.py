@@ -82,7 +82,8 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
     _torchrun(
         2,
         "-m",
-        "megatron_klear.sft",
+        "megatron_klear",
+        "sft",
         "--config",
         SFT_CONFIG,
         f"model.path={mg_base}",
@@ -117,7 +118,8 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
             _torchrun(
                 2,
                 "-m",
-                "megatron_klear.rl",
+                "megatron_klear",
+                "rl",
                 "--config",
                 GPPO_CONFIG,
                 f"model.path={sft_ckpt}",

@@ -69,7 +69,8 @@ def _sft(data, config, model, layout, name):
     _torchrun(
         2,
         "-m",
-        "megatron_klear.sft",
+        "megatron_klear",
+        "sft",
         "--config",
         os.path.join(CONFIGS, config),
         f"model.path={model}",
@@ -115,7 +116,8 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
         _torchrun(
             2,
             "-m",
-            "megatron_klear.rl",
+            "megatron_klear",
+            "rl",
             "--config",
             os.path.join(CONFIGS, "gppo_qwen3_30b_a3b_math.yaml"),
             f"model.path={ckpt}",

@@ -1,7 +1,7 @@
 """torchrun, ending a user's mistake with one line: ``python -m megatron_klear.platform.launch``
 takes torchrun's arguments and runs torchrun's launcher in this process.
 
-    python -m megatron_klear.platform.launch --nproc-per-node 8 -m megatron_klear.sft --config c.yaml ...
+    python -m megatron_klear.platform.launch --nproc-per-node 8 -m megatron_klear sft --config c.yaml ...
 
 Plain torchrun ends every failed job with its own Python traceback (``ChildFailedError``), a
 summary of each rank's failure and exit status 1, whatever the cause. Here, when the first rank

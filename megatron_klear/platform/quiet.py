@@ -1,6 +1,6 @@
 """The one place where third-party console noise is filtered.
 
-A CPU run of any entry point (the demo, ``python -m megatron_klear.sft|rl``, ``tools/*.py``) used to
+A CPU run of any entry point (the demo, ``python -m megatron_klear sft|rl``, ``tools/*.py``) used to
 print pages of warnings that say nothing the user can act on: Megatron-Core's "Transformer Engine
 and Apex are not installed. Falling back to ..." notes (printed by every rank, at import), its
 CUDA_DEVICE_MAX_CONNECTIONS hint (a GPU tuning hint, printed on CPU too), deprecation notices of

@@ -22,7 +22,6 @@ class RLConfig:
     agg: str = "token_mean"  # token_mean (the paper's 1/sum T) | seq_mean_token_mean | seq_mean_token_sum_norm
     norm_constant: float | None = None  # seq_mean_token_sum_norm's fixed length
     nll_coef: float = 0.1  # alpha: NLL on solved rollouts (math answer right / every test passed)
-    kl_coef: float = 0.0  # must stay 0: no reference-model KL term (the recipe has none); non-zero is refused
     prompts_per_step: int = 128
     responses_per_prompt: int = 8
     mini_batch_prompts: int = 16  # 128/16 = 8 optimizer steps per rollout batch
@@ -77,11 +76,6 @@ class RLConfig:
             )
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError("rl.tis_cap must be > 0 (or null)")
-        if self.kl_coef != 0:
-            raise ConfigError(
-                f"rl.kl_coef={self.kl_coef}: a reference-model KL term is not implemented (the "
-                "Klear recipe uses none: no KL, no reference model); set rl.kl_coef=0"
-            )
         if self.oversample_prompts and self.oversample_prompts < self.prompts_per_step:
             raise ConfigError(
                 f"rl.oversample_prompts={self.oversample_prompts} must be >= rl.prompts_per_step="

@@ -22,26 +22,25 @@ SIGTERM. Everything on the rollout side lives behind :class:`~megatron_klear.rl.
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 import warnings
 
-from megatron_klear.config import ConfigError, JobConfig, dump_config, load_config
-from megatron_klear.platform import is_rank0
+from megatron_klear.platform.errors import ConfigError
 
 CONSOLE_KEYS = ("rollout/reward_mean", "rollout/accuracy", "actor/loss", "actor/entropy", "actor/clip_frac_high")
 
 
 class RLLoop:
-    def __init__(self, cfg: JobConfig):
+    """The loop over RL steps; ``cfg`` is the job config (megatron_klear/config.py)."""
+
+    def __init__(self, cfg):
         from megatron_klear.checkpoint.model_source import ModelSource
         from megatron_klear.data.chat import generation_stop_ids, load_tokenizer
         from megatron_klear.data.prompts import PromptDataset
         from megatron_klear.platform import init_parallel
         from megatron_klear.rl.actor import Actor
         from megatron_klear.rl.rollout.manager import RolloutManager
-        from megatron_klear.training.checkpointing import CheckpointManager
+        from megatron_klear.training.run import Run
         from megatron_klear.training.setup import build_training_state, model_arch
 
         self.cfg = cfg
@@ -55,10 +54,7 @@ class RLLoop:
             )
         init_parallel(cfg.parallel, seed=train.seed)
         self.rollout = RolloutManager(cfg)  # colocated servers give way before the trainer allocates its state
-        self.ckpt, resume_from = None, None
-        if train.save_dir:
-            self.ckpt = CheckpointManager(train.save_dir, train.keep_last, model_source=cfg.model.path)
-            resume_from = self.ckpt.start_run(resume=train.resume, overwrite=train.overwrite, job=("rl", cfg))
+        self.job_run = Run(cfg, job="rl")
         self.steps = train.steps or 100
         # the lr schedule's length in its own unit (optim.schedule_unit): RL steps or optimizer steps
         per_step = 1 if cfg.optim.schedule_unit == "rl_step" else rl.prompts_per_step // rl.mini_batch_prompts
@@ -87,13 +83,10 @@ class RLLoop:
             logprob_chunk_size=train.logprob_chunk_size,
             router_replay=cfg.rollout.router_replay,
         )
-        self.rl_step, common = 0, {}
-        if resume_from:
-            common = self.ckpt.load(self.state, resume_from)
+        common = self.job_run.resume(self.state)
+        self.rl_step = int(common.get("step", 0))
+        if common:
             self.prompts.load_state_dict(common["prompts"])
-            self.rl_step = int(common["step"])
-            if is_rank0():
-                print(f"resumed from {resume_from} at step {self.rl_step}", flush=True)
         # EOS ids plus the chat template's end-of-turn token (Qwen3-Base: EOS <|endoftext|>, turns
         # end with <|im_end|>): sent with every request, since engines stop only at EOS by themselves
         self.rollout.start(
@@ -108,26 +101,7 @@ class RLLoop:
         self.rollout.load_state_dict(common.get("rollout") or {})  # the partial buffer, the batch generated ahead
         if cfg.rollout.engine == "http" or self.rl_step > 0:  # the engine starts from the trainer's weights
             self.rollout.push_weights(self.rl_step)
-        self.logger = self._logger(resumed=bool(resume_from))
-        if is_rank0() and train.save_dir:
-            with open(os.path.join(train.save_dir, "config.yaml"), "w") as f:
-                f.write(dump_config(cfg))
-
-    def _logger(self, resumed: bool):
-        from megatron_klear.training.metrics import MetricsLogger
-
-        cfg, save_dir = self.cfg, self.cfg.train.save_dir
-        return MetricsLogger(
-            jsonl_path=cfg.logging.jsonl or (os.path.join(save_dir, "metrics.jsonl") if save_dir else ""),
-            total_steps=self.steps,
-            config=cfg.to_dict(),
-            wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project,
-            run_name=cfg.logging.run_name,
-            tensorboard_dir=os.path.join(save_dir or ".", "tensorboard") if cfg.logging.tensorboard else None,
-            enabled=is_rank0(),
-            resume_step=self.rl_step if resumed else None,
-        )
+        self.job_run.open_log(self.steps, position=self.rl_step)
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -160,46 +134,15 @@ class RLLoop:
     def save(self) -> None:
         rollout = self.rollout.state_dict()  # (first: one step ahead, it waits for the batch in flight)
         common = {"prompts": self.prompts.state_dict(), "config": self.cfg.to_dict()}
-        self.ckpt.save(self.state, self.rl_step, {**common, "rollout": rollout} if rollout else common)
+        self.job_run.ckpt.save(self.state, self.rl_step, {**common, "rollout": rollout} if rollout else common)
 
     def run(self, stop_after: int | None = None) -> dict:
-        from megatron_klear.training.signals import TerminationFlag
-
-        term = TerminationFlag().install()
-        metrics = {}
-        while self.rl_step < self.steps:
-            metrics = self.step()
-            self.logger.log(self.rl_step, metrics, console_keys=CONSOLE_KEYS)
-            stopping = term.should_stop()  # SIGTERM, SIGINT or SIGUSR1: save this step and stop
-            interval = self.cfg.train.save_interval
-            if self.ckpt and (stopping or self.rl_step == self.steps or (interval and self.rl_step % interval == 0)):
-                self.save()
-            if stopping:
-                if is_rank0():
-                    where = (
-                        f"checkpoint of step {self.rl_step} saved in {self.cfg.train.save_dir}"
-                        if self.ckpt
-                        else "no train.save_dir"
-                    )
-                    print(f"stopped on {term.signal_name} after step {self.rl_step}/{self.steps}: {where}", flush=True)
-                break
-            if stop_after is not None and self.rl_step >= stop_after:
-                break
+        metrics = self.job_run.drive(
+            self.step, self.save, lambda: self.rl_step, console_keys=CONSOLE_KEYS, stop_after=stop_after
+        )
         self.close()
         return metrics
 
     def close(self) -> None:
         self.rollout.close()
-        self.logger.close()
-        if self.ckpt:
-            self.ckpt.finish()
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="GPPO reinforcement learning on Megatron-Core (Klear-Reasoner)")
-    p.add_argument("--config", default=None)
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    args = p.parse_args(argv)
-    from megatron_klear.platform.entry import run_entry_point
-
-    return run_entry_point(lambda: RLLoop(load_config(args.config, args.overrides)).run())
+        self.job_run.close()

@@ -179,16 +179,6 @@ def per_token_policy_loss(
     return loss, metrics
 
 
-def kl_penalty_tokens(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k3 estimate of KL(pi || pi_ref) per token: ``exp(ref - logp) - (ref - logp) - 1`` (>= 0).
-
-    Klear-Reasoner uses no KL term; this exists for ablations and is off unless ``kl_coef > 0``.
-    """
-    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
-    diff = _straight_through_clamp(ref_logprobs.detach().to(dtype) - logprobs.to(dtype), LOG_RATIO_LIMIT)
-    return torch.exp(diff) - diff - 1.0
-
-
 # --------------------------------------------------------------------------------------------
 # Aggregation
 # --------------------------------------------------------------------------------------------
@@ -384,14 +374,13 @@ def policy_loss(
     counts: Optional[LossCounts] = None,
     positive: Optional[torch.Tensor] = None,
     nll_coef: float = DEFAULT_NLL_COEF,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    kl_coef: float = 0.0,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The Klear-Reasoner loss: policy loss + ``nll_coef`` * NLL on positive samples (+ optional KL).
+    """The Klear-Reasoner loss: policy loss + ``nll_coef`` * NLL on positive samples (no KL term: the
+    recipe has no reference model, docs/gppo.md).
 
     Tensors are [batch, tokens] (or packed [1, total] with ``seq_ids``); ``advantages`` is per token
     (already broadcast), ``mask`` is 1 on response tokens. Defaults are the paper's: gppo,
-    eps 0.2 / 0.28, dual clip 10, global token mean, alpha = 0.1, no KL.
+    eps 0.2 / 0.28, dual clip 10, global token mean, alpha = 0.1.
 
     ``positive`` (per token, like ``advantages``) marks rollouts whose reward is exactly the correct
     score (see ``rl.advantages.correct_samples``); the SFT term is the NLL of their response tokens,
@@ -401,7 +390,7 @@ def policy_loss(
     ``norm_constant`` is the fixed length of ``seq_mean_token_sum_norm``.
 
     Returns ``(loss, metrics)``: ``loss`` the scalar to minimise (this batch's share of the global
-    loss), ``metrics`` detached 0-d tensors: ``pg_loss``, ``nll_loss``, ``kl_loss``, clip fractions
+    loss), ``metrics`` detached 0-d tensors: ``pg_loss``, ``nll_loss``, clip fractions
     (low / high / dual), ``ratio_mean``, ``ratio_max``, ``approx_kl``, ``num_tokens``.
     """
     if mask.shape != logprobs.shape:
@@ -411,10 +400,8 @@ def policy_loss(
             f"policy_loss: positive has shape {tuple(positive.shape)}, expected the mask's {tuple(mask.shape)} "
             "(broadcast the per-sequence flag over its tokens)"
         )
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"policy_loss: kl_coef={kl_coef} > 0 needs ref_logprobs")
-    if nll_coef < 0 or kl_coef < 0:
-        raise ValueError(f"policy_loss: nll_coef={nll_coef} and kl_coef={kl_coef} must be >= 0")
+    if nll_coef < 0:
+        raise ValueError(f"policy_loss: nll_coef={nll_coef} must be >= 0")
 
     m = mask.bool()
     if counts is None:
@@ -457,18 +444,6 @@ def policy_loss(
         )
         total = total + nll_coef * nll
 
-    kl = zero
-    if kl_coef > 0:
-        kl = aggregate(
-            kl_penalty_tokens(logprobs, ref_logprobs),
-            m,
-            agg,
-            global_num_tokens=counts.num_tokens,
-            global_num_seqs=counts.num_seqs,
-            **agg_kwargs,
-        )
-        total = total + kl_coef * kl
-
     metrics = summarize_token_metrics(metrics_tokens, m)
-    metrics.update(pg_loss=pg.detach(), nll_loss=nll.detach(), kl_loss=kl.detach())
+    metrics.update(pg_loss=pg.detach(), nll_loss=nll.detach())
     return total, metrics

@@ -1,1 +1,1 @@
-"""Long chain-of-thought SFT: ``torchrun ... -m megatron_klear.sft --config CONFIG.yaml [key=value ...]``."""
+"""Long chain-of-thought SFT: ``torchrun ... -m megatron_klear sft --config CONFIG.yaml [key=value ...]``."""

@@ -8,13 +8,11 @@ micro-batches and ranks. This is not the mean of per-micro-batch means.
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 
 import torch
 
-from megatron_klear.config import ConfigError, JobConfig, dump_config, load_config
+from megatron_klear.platform.errors import ConfigError
 from megatron_klear.training.batches import row_multiple, rule_for
 
 
@@ -33,7 +31,7 @@ def sft_loss_fn(num_loss_tokens_in_step: int):
     return loss_fn
 
 
-def row_padding(cfg: JobConfig) -> int:
+def row_padding(cfg) -> int:
     """The multiple packed rows are padded to; ``data.seq_length`` must be one, and the error says
     where the number comes from."""
     multiple = row_multiple(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe, explicit=cfg.data.pad_to_multiple)
@@ -57,7 +55,7 @@ def row_padding(cfg: JobConfig) -> int:
     return multiple
 
 
-def preflight(cfg: JobConfig) -> None:
+def preflight(cfg) -> None:
     """The checks that need neither processes nor data, before anything else, in the order of
     their causes: the model against ``parallel.tp`` first (a TP size that splits no head also
     makes the row padding odd), then the data settings derived from the layout."""
@@ -70,7 +68,7 @@ def preflight(cfg: JobConfig) -> None:
     row_padding(cfg)
 
 
-def build_dataset(cfg: JobConfig):
+def build_dataset(cfg):
     from megatron.core import parallel_state
 
     from megatron_klear.data.sft_dataset import PackedSFTDataset
@@ -90,132 +88,84 @@ def build_dataset(cfg: JobConfig):
     )
 
 
-def train(cfg: JobConfig, *, stop_after: int | None = None) -> dict:
-    """Run (or resume) SFT. ``stop_after`` ends the run after that global step without touching
-    the schedule (used to test resume). Returns the last step's metrics."""
-    from megatron_klear.platform import init_parallel, is_rank0
-    from megatron_klear.training.checkpointing import CheckpointManager
-    from megatron_klear.training.metrics import MetricsLogger
+def train(cfg, *, stop_after: int | None = None) -> dict:
+    """Run (or resume) SFT (``cfg``: the job config). ``stop_after`` ends the run after that global
+    step without touching the schedule (used to test resume). Returns the last step's metrics."""
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.training.run import Run
     from megatron_klear.training.setup import build_training_state
-    from megatron_klear.training.signals import TerminationFlag
-    from megatron_klear.training.step import last_moe_aux_loss, reduce_metrics, run_micro_batches
 
     preflight(cfg)
     init_parallel(cfg.parallel, seed=cfg.train.seed)
     dataset = build_dataset(cfg)
     total_steps = cfg.train.steps or dataset.total_steps(cfg.train.epochs)
-    ckpt = (
-        CheckpointManager(cfg.train.save_dir, cfg.train.keep_last, model_source=cfg.model.path)
-        if cfg.train.save_dir
-        else None
-    )
-    resume_from = (
-        ckpt.start_run(resume=cfg.train.resume, overwrite=cfg.train.overwrite, job=("sft", cfg)) if ckpt else None
-    )
+    run = Run(cfg, job="sft")
     state = build_training_state(cfg, total_steps=total_steps)
-    if resume_from:
-        common = ckpt.load(state, resume_from)
+    common = run.resume(state)
+    if common:
         dataset.load_state_dict(common["data"])
-        if is_rank0():
-            print(f"resumed from {resume_from} at step {state.step}", flush=True)
-    logger = MetricsLogger(
-        jsonl_path=cfg.logging.jsonl
-        or (os.path.join(cfg.train.save_dir, "metrics.jsonl") if cfg.train.save_dir else ""),
-        total_steps=total_steps,
-        config=cfg.to_dict(),
-        wandb=cfg.logging.wandb,
-        wandb_project=cfg.logging.wandb_project,
-        run_name=cfg.logging.run_name,
-        tensorboard_dir=os.path.join(cfg.train.save_dir or ".", "tensorboard") if cfg.logging.tensorboard else None,
-        enabled=is_rank0(),
-        resume_step=state.step if resume_from else None,
-    )
-    if is_rank0() and cfg.train.save_dir:
-        os.makedirs(cfg.train.save_dir, exist_ok=True)
-        with open(os.path.join(cfg.train.save_dir, "config.yaml"), "w") as f:
-            f.write(dump_config(cfg))
-    term = TerminationFlag().install()
-    pad_id = dataset.pad_token_id  # what context parallelism pads segments with
-    metrics = {}
+    run.open_log(total_steps, position=state.step)
 
     def save():
-        ckpt.save(state, state.step, {"data": dataset.state_dict(), "config": cfg.to_dict()})
+        run.ckpt.save(state, state.step, {"data": dataset.state_dict(), "config": cfg.to_dict()})
 
-    while state.step < total_steps:
-        t0 = time.time()
-        micro_batches = [next(dataset) for _ in range(cfg.data.micro_batches_per_step)]
-        n_step = micro_batches[0]["num_loss_tokens_in_step"]
-        for m in state.model:
-            m.zero_grad_buffer()
-        state.optimizer.zero_grad()
-        results = run_micro_batches(
-            state.model,
-            micro_batches,
-            sft_loss_fn(n_step),
-            chunk_size=cfg.train.logprob_chunk_size,
-            pad_id=pad_id,
-        )
-        lr = state.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
-        ok, grad_norm, _ = state.optimizer.step()
-        if ok:  # fp16 overflow: skipped update, the schedule does not advance (as in Megatron)
-            state.scheduler.step(increment=1)
-        state.step += 1
-        sums = reduce_metrics(results, ("nll_sum", "loss_tokens", "entropy_sum"))
-        from megatron_klear.platform import comm_device
-
-        real = torch.tensor(
-            [sum(int(b["num_real_tokens"]) for b in micro_batches)], dtype=torch.float64, device=comm_device()
-        )
-        if torch.distributed.is_initialized():
-            from megatron.core import parallel_state
-
-            torch.distributed.all_reduce(real, group=parallel_state.get_data_parallel_group())
-        dt = time.time() - t0
-        metrics = {
-            "loss": sums["nll_sum"] / max(sums["loss_tokens"], 1),
-            "entropy": sums["entropy_sum"] / max(sums["loss_tokens"], 1),
-            "loss_tokens": sums["loss_tokens"],
-            "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "update_ok": bool(ok),
-            "tokens_per_s": float(real.item()) / dt,
-            "packing_efficiency": float(sum(int(b["num_real_tokens"]) for b in micro_batches))
-            / float(sum(int(b["tokens"].shape[1]) for b in micro_batches)),
-            "step_time_s": dt,
-            "epoch": int(micro_batches[-1]["epoch"]),
-        }
-        aux = last_moe_aux_loss()
-        if aux is not None:  # MoE: the load-balancing loss (its coefficient times it is in the gradient)
-            metrics["moe/aux_loss"] = aux
-        if state.step % cfg.train.log_interval == 0 or state.step == total_steps:
-            logger.log(state.step, metrics)
-        stopping = term.should_stop()  # SIGTERM, SIGINT or SIGUSR1: save this step and stop
-        if ckpt and (
-            stopping
-            or state.step == total_steps
-            or (cfg.train.save_interval and state.step % cfg.train.save_interval == 0)
-        ):
-            save()
-        if stopping:
-            if is_rank0():
-                where = (
-                    f"checkpoint of step {state.step} saved in {cfg.train.save_dir}" if ckpt else "no train.save_dir"
-                )
-                print(f"stopped on {term.signal_name} after step {state.step}/{total_steps}: {where}", flush=True)
-            break
-        if stop_after is not None and state.step >= stop_after:
-            break
-    logger.close()
-    if ckpt:
-        ckpt.finish()
+    metrics = run.drive(
+        lambda: sft_step(cfg, state, dataset),
+        save,
+        lambda: state.step,
+        log_interval=cfg.train.log_interval,
+        stop_after=stop_after,
+    )
+    run.close()
     return metrics
 
 
-def main(argv=None) -> int:
-    from megatron_klear.platform.entry import run_entry_point
+def sft_step(cfg, state, dataset) -> dict:
+    """One optimizer step on the next ``data.micro_batches_per_step`` packed rows; its metrics."""
+    from megatron_klear.platform import comm_device
+    from megatron_klear.training.step import last_moe_aux_loss, reduce_metrics, run_micro_batches
 
-    p = argparse.ArgumentParser(description="Long chain-of-thought SFT on Megatron-Core")
-    p.add_argument("--config", default=None, help="YAML config (see examples/)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    args = p.parse_args(argv)
-    return run_entry_point(lambda: train(load_config(args.config, args.overrides)))
+    t0 = time.time()
+    micro_batches = [next(dataset) for _ in range(cfg.data.micro_batches_per_step)]
+    n_step = micro_batches[0]["num_loss_tokens_in_step"]
+    for m in state.model:
+        m.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    results = run_micro_batches(
+        state.model,
+        micro_batches,
+        sft_loss_fn(n_step),
+        chunk_size=cfg.train.logprob_chunk_size,
+        pad_id=dataset.pad_token_id,  # what context parallelism pads segments with
+    )
+    lr = state.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
+    ok, grad_norm, _ = state.optimizer.step()
+    if ok:  # fp16 overflow: skipped update, the schedule does not advance (as in Megatron)
+        state.scheduler.step(increment=1)
+    state.step += 1
+    sums = reduce_metrics(results, ("nll_sum", "loss_tokens", "entropy_sum"))
+    real = torch.tensor(
+        [sum(int(b["num_real_tokens"]) for b in micro_batches)], dtype=torch.float64, device=comm_device()
+    )
+    if torch.distributed.is_initialized():
+        from megatron.core import parallel_state
+
+        torch.distributed.all_reduce(real, group=parallel_state.get_data_parallel_group())
+    dt = time.time() - t0
+    metrics = {
+        "loss": sums["nll_sum"] / max(sums["loss_tokens"], 1),
+        "entropy": sums["entropy_sum"] / max(sums["loss_tokens"], 1),
+        "loss_tokens": sums["loss_tokens"],
+        "lr": lr,
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "update_ok": bool(ok),
+        "tokens_per_s": float(real.item()) / dt,
+        "packing_efficiency": float(sum(int(b["num_real_tokens"]) for b in micro_batches))
+        / float(sum(int(b["tokens"].shape[1]) for b in micro_batches)),
+        "step_time_s": dt,
+        "epoch": int(micro_batches[-1]["epoch"]),
+    }
+    aux = last_moe_aux_loss()
+    if aux is not None:  # MoE: the load-balancing loss (its coefficient times it is in the gradient)
+        metrics["moe/aux_loss"] = aux
+    return metrics

@@ -26,6 +26,6 @@ def _full_disk(*args, **kwargs):
 filesystem_async._write_item = _full_disk
 
 if __name__ == "__main__":
-    from megatron_klear.sft.trainer import main
+    from megatron_klear.__main__ import main
 
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(["sft", *sys.argv[1:]]))

@@ -130,7 +130,8 @@ def test_an_rl_job_on_the_sft_save_dir_is_refused_before_any_load(sft_run):
     prompts = write_rl_prompts_jsonl(os.path.join(sft_run["root"], "prompts.jsonl"), 8, seed=3)
     rc, out = _torchrun(
         "-m",
-        "megatron_klear.rl",
+        "megatron_klear",
+        "rl",
         f"model.path={save}/iter_0000001",
         f"rl.prompts=[{prompts}]",
         f"train.save_dir={save}",
@@ -159,7 +160,8 @@ def test_skipped_prompt_lines_are_named_once_counted_and_reported(sft_run):
     run = os.path.join(root, "rl")
     rc, out = _torchrun(
         "-m",
-        "megatron_klear.rl",
+        "megatron_klear",
+        "rl",
         f"model.path={sft_run['save']}/iter_0000001",
         f"rl.prompts=[{prompts}]",
         f"train.save_dir={run}",

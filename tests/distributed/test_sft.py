@@ -158,7 +158,8 @@ def test_sigterm_saves_and_exits_through_the_cli(sft_setup):
     cmd = [
         sys.executable,
         "-m",
-        "megatron_klear.sft",
+        "megatron_klear",
+        "sft",
         *_overrides(sft_setup, save, "train.steps=100000", "optim.decay_steps=100"),
     ]
     proc = subprocess.Popen(

@@ -306,19 +306,6 @@ def test_no_positive_samples_gives_zero_nll():
     assert metrics["nll_loss"].item() == 0.0 and torch.isfinite(total)
 
 
-def test_kl_is_off_by_default_and_k3_when_on():
-    logp, old, adv, mask, _ = _batch()
-    ref = logp.detach() - 0.2
-    base, m = policy_loss(logp, old, adv, mask)
-    assert m["kl_loss"].item() == 0.0
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(logp, old, adv, mask, kl_coef=0.1)
-    with_kl, m = policy_loss(logp, old, adv, mask, kl_coef=0.1, ref_logprobs=ref)
-    k3 = math.exp(-0.2) + 0.2 - 1.0  # same for every token
-    assert m["kl_loss"].item() == pytest.approx(k3, rel=1e-9)
-    assert with_kl.item() == pytest.approx(base.item() + 0.1 * k3, rel=1e-9)
-
-
 @pytest.mark.parametrize("agg", sorted(HAND))
 def test_policy_loss_over_micro_batches_equals_full_batch(agg):
     logp, old, adv, mask, positive = _batch(seed=3)
