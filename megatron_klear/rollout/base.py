@@ -19,6 +19,7 @@ steps. Two kinds:
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass, field
 
 
@@ -137,7 +138,15 @@ class RolloutEngine(abc.ABC):
 
 class ServerEngine(RolloutEngine):
     """Rollout servers behind HTTP. Every verb below goes to every *worker* (a server), never to a
-    router; each raises naming the worker that failed."""
+    router; each raises naming the worker that failed.
+
+    Two settings are given at construction: ``sync_pause_mode``, how a weight push pauses the
+    servers (``"abort"``: requests in flight end and are sent again; ``"retract"``: they survive the
+    push and continue with the new weights -- asynchronous RL), and the ``memory_tags`` the servers
+    can release (colocated servers: every tag is released around an update)."""
+
+    sync_pause_mode: str = "abort"
+    memory_tags: tuple = ()
 
     @abc.abstractmethod
     def workers(self, refresh: bool = False) -> list:
@@ -187,6 +196,17 @@ class ServerEngine(RolloutEngine):
     def pushing(self):
         """A context manager around a weight push: rejoining workers count toward the live minimum
         until they are admitted."""
+
+    @contextlib.contextmanager
+    def push_session(self, version):
+        """Around one weight push (rank 0): lost workers that answer again are recalled first and take
+        the push with the others, counting toward the live minimum until admitted; when the block
+        ends without an error, the rejoining workers that hold ``version`` serve again (one the
+        weight check dropped meanwhile stays out). Yields this engine."""
+        with self.pushing():
+            self.recall_workers()
+            yield self
+            self.admit_workers(version)
 
     @abc.abstractmethod
     def fleet_metrics(self) -> dict:

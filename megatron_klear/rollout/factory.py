@@ -14,6 +14,7 @@ def make_engine(
     hf_config=None,
     routed_experts: tuple | None = None,
     weight_sync: bool = True,
+    pause_mode: str = "abort",
 ) -> RolloutEngine:
     """``engine=embedded``: the torch engine on ``model_dir`` (an HF directory) in this process, on
     ``device``, in ``r.dtype`` (``hf_config``: a transformers config overriding the directory's, e.g.
@@ -22,7 +23,8 @@ def make_engine(
     (colocated servers' environment, the NCCL build). ``routed_experts``: ``(MoE layer numbers,
     top_k)`` of the model when ``r.router_replay`` asks the engine for the experts of every token.
     ``weight_sync``: the engine will receive the trainer's weights by ``r.weight_sync`` (False for
-    evaluation, which pushes none: the NCCL build is then not checked)."""
+    evaluation, which pushes none: the NCCL build is then not checked). ``pause_mode``: how a push
+    pauses the servers (:attr:`~.base.ServerEngine.sync_pause_mode`; the in-process engine has none)."""
     if r.engine == "embedded":
         from megatron_klear.rollout.embedded import EmbeddedEngine
 
@@ -50,6 +52,7 @@ def make_engine(
         min_live_workers=r.min_live_workers,
         api_key=r.api_key or None,
         routed_experts=routed_experts if r.router_replay else None,
+        sync_pause_mode=pause_mode,
     )
     check_servers(engine, r, weight_sync=weight_sync)  # colocated servers' environment; the NCCL build
     return engine

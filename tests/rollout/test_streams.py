@@ -154,10 +154,11 @@ def test_the_engine_applies_the_rule_to_each_answer():
 
 def test_the_pause_mode_of_a_push_is_checked(tmp_path):
     with fake_worker(tmp_path) as (url, record, _):
-        client = SGLangEngine([url], timeout=5)
-        client.sync_pause_mode = "retract"
+        client = SGLangEngine([url], timeout=5, sync_pause_mode="retract")  # given at construction
         client.load_from_disk("/w", version=2)
-        client.sync_pause_mode = "in_place"
+        with pytest.raises(ValueError, match="sync_pause_mode must be one of"):
+            SGLangEngine([url], timeout=5, sync_pause_mode="in_place")
+        client.sync_pause_mode = "in_place"  # changed afterwards: checked again at the push
         with pytest.raises(ValueError, match="sync_pause_mode must be one of"):
             client.load_from_disk("/w", version=3)
     assert recorded(record, "/pause_generation") == [{"mode": "retract"}]

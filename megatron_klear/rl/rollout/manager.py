@@ -37,11 +37,14 @@ class RolloutManager:
         self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
         self.generated = 0  # generate() calls by this process (the first one's metrics count the skipped lines)
         self._fleet_step = self._fleet_carry = {}  # rank 0: fleet counts of this step / not yet logged
+        # one step ahead, weights are pushed mid-generation: requests in flight survive (retract: KV
+        # recomputed with the new weights, later tokens tagged with the new version), not aborted
+        self.pause_mode = "retract" if cfg.rl.async_steps else "abort"
         if r.colocate:
             if is_rank0():
                 from megatron_klear.rollout.factory import make_engine
 
-                self.engine = make_engine(r, cfg.model.path)
+                self.engine = make_engine(r, cfg.model.path, pause_mode=self.pause_mode)
                 self.engine.check_memory_saver()
             self.placement.make_room(self.engine, None)
 
@@ -70,7 +73,7 @@ class RolloutManager:
 
             if self.engine is None:
                 routed = (sorted(arch.moe_layers), arch.moe_topk) if r.router_replay and arch.is_moe else None
-                self.engine = make_engine(r, model_dir, routed_experts=routed)
+                self.engine = make_engine(r, model_dir, routed_experts=routed, pause_mode=self.pause_mode)
             self.engine.check_context(
                 cfg.rl.max_prompt_length + r.max_new_tokens, "rl.max_prompt_length + rollout.max_new_tokens"
             )
@@ -150,10 +153,8 @@ class RolloutManager:
         r = self.cfg.rollout
         fleet = self.weights.to_servers and isinstance(self.engine, ServerEngine) if is_rank0() else None
         fleet = broadcast_from_rank0(fleet)
-        # rank 0: the fleet's min_live check counts the push's rejoining workers until they are admitted
-        with self.engine.pushing() if fleet and is_rank0() else contextlib.nullcontext():
-            if fleet and is_rank0():
-                self.engine.recall_workers()
+        # rank 0: lost workers recalled, the push, then the rejoining ones admitted once checked
+        with self.engine.push_session(version) if fleet and is_rank0() else contextlib.nullcontext():
             metrics = self.weights.push(version)
             if self.weights.to_servers:
                 self.syncs += 1
@@ -173,8 +174,6 @@ class RolloutManager:
                             only_rejoining=not due,
                         )
                     )
-            if fleet and is_rank0():
-                self.engine.admit_workers(version)
         if fleet and is_rank0():
             metrics.update(self._fleet_metrics(push=True))
         return metrics
@@ -197,9 +196,6 @@ class RolloutManager:
                 f"rl.max_staleness={self.cfg.rl.max_staleness} every one is regenerated from scratch "
                 "(set rl.max_staleness=2 to keep them)"
             )
-        # weights pushed mid-generation: requests in flight survive (retract: KV recomputed with the
-        # new weights, later tokens tagged with the new version), rather than being aborted
-        self.engine.sync_pause_mode = "retract"
         return OneStepAhead(producer)
 
     def _fleet_metrics(self, push: bool) -> dict:

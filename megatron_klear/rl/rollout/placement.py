@@ -58,12 +58,10 @@ class Colocated:
 
     def release_servers(self, engine) -> None:
         """Rank 0: every server frees its KV cache, weights and CUDA graphs."""
-        from megatron_klear.rollout.sglang import MEMORY_TAGS
-
-        released_on = engine.release_memory(list(MEMORY_TAGS))
+        released_on = engine.release_memory(list(engine.memory_tags))
         # with a fleet, the workers that released: one that rejoins later (restarted) holds its memory
         self.released_on = released_on if isinstance(engine, ServerEngine) else None
-        self.released = set(MEMORY_TAGS)
+        self.released = set(engine.memory_tags)
 
     def make_room(self, engine, state) -> None:
         """Collective, before the trainer needs its memory: the servers release (rank 0), everyone

@@ -332,7 +332,7 @@ class Control:
 
     def push_pause_mode(self) -> str:
         """The engine's ``sync_pause_mode``, checked against :data:`PAUSE_MODES`."""
-        mode = getattr(self, "sync_pause_mode", "abort")
+        mode = self.sync_pause_mode
         if mode not in PAUSE_MODES:
             raise ValueError(f"rollout: sync_pause_mode must be one of {PAUSE_MODES}, got {mode!r}")
         return mode

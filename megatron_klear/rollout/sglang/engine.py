@@ -8,7 +8,7 @@ router's list) and :class:`.transport.Transport` (the HTTP client, errors)."""
 from __future__ import annotations
 
 from megatron_klear.rollout.base import ServerEngine
-from megatron_klear.rollout.sglang.control import Control
+from megatron_klear.rollout.sglang.control import MEMORY_TAGS, Control
 from megatron_klear.rollout.sglang.generation import GRANULARITIES, Generation
 from megatron_klear.rollout.sglang.membership import Membership
 from megatron_klear.rollout.sglang.streams import Streams
@@ -46,6 +46,7 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
     routing_layers: list = []
     routing_topk: int = 0
     sync_pause_mode = "abort"
+    memory_tags = MEMORY_TAGS
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
         routed_experts: tuple | None = None,
         min_live_workers: int = 1,
         api_key: str | None = None,
+        sync_pause_mode: str = "abort",
     ):
         urls = [urls] if isinstance(urls, str) else list(urls or [])
         if not urls:
@@ -102,6 +104,8 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
         if int(min_live_workers) < 1:
             raise ValueError(f"rollout.min_live_workers must be >= 1, got {min_live_workers}")
         self.min_live_workers = int(min_live_workers)
+        self.sync_pause_mode = sync_pause_mode
+        self.push_pause_mode()  # one of PAUSE_MODES, or a ValueError naming it now
         self.api_key = api_key or None  # sent as "Authorization: Bearer <key>" (servers started with --api-key)
         self.requests_sent = 0  # /generate requests, retries included
         self.retries = 0

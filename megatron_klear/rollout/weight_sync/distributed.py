@@ -225,7 +225,7 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
 
             def start():
                 try:
-                    self.engine.pause_generation(getattr(self.engine, "sync_pause_mode", "abort"))
+                    self.engine.pause_generation(self.engine.sync_pause_mode)
                     self.engine.flush_caches()
                     self.engine.begin_weight_update()
                     return None

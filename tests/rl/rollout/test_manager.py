@@ -15,6 +15,8 @@ from megatron_klear.rollout.base import ServerEngine
 class RecordingServers:
     """Records the calls a placement makes, in order; ``fail_load`` makes the next load raise."""
 
+    memory_tags = ("weights", "kv_cache", "cuda_graph")  # what the engine says its servers can release
+
     def __init__(self):
         self.calls, self.fail_load = [], False
 
@@ -180,6 +182,22 @@ class FleetServers(ServerEngine):
 
     def fleet_metrics(self):
         return self.fleet.metrics()
+
+
+@pytest.mark.parametrize("async_steps,mode", [(0, "abort"), (1, "retract")])
+def test_the_pause_mode_of_a_push_follows_the_schedule_and_is_given_to_the_engine_it_builds(
+    async_steps, mode, monkeypatch
+):
+    import megatron_klear.rollout.factory as factory
+
+    built = []
+    monkeypatch.setattr(factory, "make_engine", lambda r, path, **kw: built.append(kw) or RecordingServers())
+    cfg = JobConfig()
+    cfg.rl.prompts, cfg.rl.async_steps, cfg.rollout.colocate = ["p.jsonl"], async_steps, True
+    cfg.rollout.engine = "http"
+    monkeypatch.setattr(RecordingServers, "check_memory_saver", lambda self: None, raising=False)
+    manager = RolloutManager(cfg)  # colocated: the engine is built at once
+    assert manager.pause_mode == mode and built == [{"pause_mode": mode}]
 
 
 def test_a_push_recalls_lost_workers_includes_them_probes_them_whatever_the_interval_then_admits(monkeypatch):
