@@ -37,6 +37,9 @@ FORBIDDEN = [
     ("megatron_klear.rollout.sglang", "megatron_klear.rollout.sglang_standin"),  # the client and the stand-in
     ("megatron_klear.rollout.weight_sync", "megatron_klear.rollout.sglang_standin"),
     ("megatron_klear.rollout", "megatron_klear.training"),  # engines get weights by name, not trainer state
+    # the RL side talks to engines through rollout/base.py (and the factory), never a client's parts
+    ("megatron_klear.rl", "megatron_klear.rollout.sglang"),
+    ("megatron_klear.rl", "megatron_klear.rollout.embedded"),
 ]
 # leaves: (package or module, the megatron_klear modules it may import, third-party roots it must not)
 LEAVES = [

@@ -58,7 +58,7 @@ class RolloutManager:
         cfg, r = self.cfg, self.cfg.rollout
         self.state, self.actor, self.tokenizer, self.vocab_size = state, actor, tokenizer, arch.vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        # absolute: SGLang servers resolve model_path in their own working directory
+        # absolute: servers resolve model_path in their own working directory
         sync_dir = os.path.abspath(r.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
         in_process = r.engine == "embedded"
         if is_rank0() and (in_process or r.weight_sync == "disk"):
@@ -141,7 +141,7 @@ class RolloutManager:
         then checked against the trainer (:mod:`megatron_klear.rl.rollout.verify`) after the first push of this
         process and every ``rollout.verify_interval`` steps. Returns metrics.
 
-        With SGLang servers (a fleet), lost workers that answer again are recalled first (rejoining,
+        With servers (a fleet), lost workers that answer again are recalled first (rejoining,
         :meth:`~megatron_klear.rollout.base.ServerEngine.recall_workers`) and the push includes
         them (disk: they load the same directory; distributed: the groups are re-formed with them).
         After it, every rejoining worker is checked -- its version, and the probe whatever

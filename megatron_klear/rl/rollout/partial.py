@@ -2,7 +2,7 @@
 
 Generation is launched for the over-sampled prompts (``rl.oversample_prompts``, every response its
 own request). As soon as ``rl.prompts_per_step`` groups are complete, graded and keep reward spread
-(or nothing is left running), the requests still running are aborted: SGLang answers each with what
+(or nothing is left running), the requests still running are aborted: the servers answer each with what
 it generated so far, and those partial responses wait in the :class:`PartialBuffer`. The next step
 continues them first -- the prompt and the partial response are the input, the budget left is the
 limit -- under the weights of that step. A group is trained only once all its responses have ended
@@ -283,7 +283,7 @@ class PartialRollouts:
                     elif g.complete:
                         done.append((g, self._grade(g)))
                 if not asked_abort and (self._cancelled or len(self._survivors(done, wait=False)) >= quota):
-                    stream.abort()  # SGLang answers every running request with what it has so far
+                    stream.abort()  # the servers answer every running request with what it has so far
                     asked_abort = True
         finally:
             stream.close()

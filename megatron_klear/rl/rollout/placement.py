@@ -3,7 +3,7 @@
 :class:`Dedicated`: the servers have their own GPUs (or the engine runs in this process): nothing to
 give way, a weight load is just a load.
 
-:class:`Colocated` (``rollout.colocate``): SGLang servers share the trainer's GPUs, so the two sides
+:class:`Colocated` (``rollout.colocate``): rollout servers share the trainer's GPUs, so the two sides
 never hold their memory at once:
 
 1. before the trainer builds its state and before every update, the servers release their KV cache,

@@ -156,7 +156,7 @@ def verify_servers(
     dtype-aware tolerance (``tolerance`` > 0 overrides it); else :class:`WeightVerificationError`
     naming the first server that differs, on every rank. ``engine``: rank 0's (None elsewhere).
 
-    With a fleet (SGLang servers), the workers probed are the serving ones (live and rejoining), or
+    With a fleet (servers), the workers probed are the serving ones (live and rejoining), or
     with ``only_rejoining`` the rejoining ones alone (a push that is not due for the check still
     checks every worker that rejoins). A rejoining worker that differs is dropped again (it gets no
     request; rank 0 drops it), a live one that differs is the error above; a worker gone by the
