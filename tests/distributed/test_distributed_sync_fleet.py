@@ -125,7 +125,7 @@ def test_a_server_killed_mid_sync_is_left_out_and_rejoins_at_the_next_sync(model
     assert out["recalled"] == [urls[1]] and out["second"]["reforms"] == 0 and out["admitted"] == [urls[1]]
     live, metrics = out["after_second"]
     assert live == sorted(urls) and metrics["rollout/worker_rejoins"] == 1 and metrics["rollout/live_workers"] == 2
-    want = trainer.checksums()
+    want = trainer.weights.checksums()
     assert out["checksums"] == {u: want for u in urls} and out["versions"] == {u: "2" for u in urls}
     # lost between syncs: the start of the next one fails on it, the sync is redone without it
     workers, metrics, version = out["after_third"]
@@ -249,5 +249,5 @@ def test_a_server_restarted_at_its_url_between_syncs_gets_new_groups(models):
     assert out["recalled_again"] == [urls[1]] and out["fourth"]["reforms"] == 0, out
     assert out["admitted_again"] == [urls[1]], out
     assert out["metrics"]["rollout/worker_failures"] == 2 and out["metrics"]["rollout/worker_rejoins"] == 2, out
-    want = EmbeddedEngine.from_pretrained(models["b"]).checksums()
+    want = EmbeddedEngine.from_pretrained(models["b"]).weights.checksums()
     assert out["checksums"] == {u: want for u in urls} and out["versions"] == {u: "4" for u in urls}

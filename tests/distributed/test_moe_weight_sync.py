@@ -76,7 +76,7 @@ def test_every_expert_reaches_the_engines_at_ep2(models, tmp_path, world, overri
         def checksums():
             return httpx.get(server.url + "/weights_checker", timeout=60).json()["ranks"][0]["checksums"]
 
-        want = EmbeddedEngine.from_pretrained(models["b"]).checksums()  # transformers' loader, one process
+        want = EmbeddedEngine.from_pretrained(models["b"]).weights.checksums()  # transformers' loader, one process
         assert checksums() != want
         exported = str(tmp_path / "exported")
         out = run_distributed(_sync_at_ep2, world, models["b"], overrides, exported, server.url, timeout=300)

@@ -62,7 +62,7 @@ def test_release_frees_the_weights_and_a_reload_brings_them_back(served, tiny_hf
     client = SGLangEngine([url], timeout=30)
     client.check_memory_saver()
     before = client.probe(url, [5, 17, 3], 6)
-    sums = engine.checksums()
+    sums = engine.weights.checksums()
     nbytes = sum(p.numel() * p.element_size() for p in _params(engine))
     assert nbytes > 0
 
@@ -86,7 +86,7 @@ def test_release_frees_the_weights_and_a_reload_brings_them_back(served, tiny_hf
 
     client.load_from_disk(tiny_hf["tied"], version=5)
     client.resume_memory(["kv_cache", "cuda_graph"])
-    assert engine.checksums() == sums
+    assert engine.weights.checksums() == sums
     after = client.probe(url, [5, 17, 3], 6)
     # bit-identical weights (the checksums); float32 kernels may still differ in the last bits
     assert after.token_ids == before.token_ids and after.logprobs == pytest.approx(before.logprobs, abs=1e-5)
@@ -188,11 +188,11 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
         ],
     )
     manager = RolloutManager(cfg)  # colocated: the servers release everything before the trainer exists
-    assert [e.weights_released for e, _ in served] == [True, True]
+    assert [e.weights.released for e, _ in served] == [True, True]
     assert all(_info(u)["released_memory_tags"] == sorted(MEMORY_TAGS) for u in urls)
     manager.placement.load(manager.engine, tiny_hf["tied"], 1)  # the first push: weights, load, the rest
     assert all(_info(u)["released_memory_tags"] == [] for u in urls)
-    sums = [e.checksums() for e, _ in served]
+    sums = [e.weights.checksums() for e, _ in served]
     loop = object.__new__(RLLoop)
     loop.cfg, loop.rl_step, loop.steps, loop.rollout = cfg, 1, 10, manager
     loop.prompts = SimpleNamespace(take=lambda n: [SimpleNamespace(id="p0")], state_dict=dict)
@@ -208,7 +208,7 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     seen = []
 
     def update(samples, policy_version):
-        seen.append([e.weights_released for e, _ in served])
+        seen.append([e.weights.released for e, _ in served])
         raise RuntimeError("out of memory in the actor")
 
     loop.actor = SimpleNamespace(update=update)
@@ -218,7 +218,7 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     for (engine, url), s in zip(served, sums):
         info = _info(url)
         assert info["released_memory_tags"] == [] and info["weight_version"] == "1"
-        assert engine.checksums() == s
+        assert engine.weights.checksums() == s
     assert not manager.placement.released and not manager.placement.weights_lost
     manager.close()
 

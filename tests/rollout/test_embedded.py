@@ -280,13 +280,13 @@ def test_update_weights_of_a_moe_model_by_per_expert_names(tmp_path):
     a = make_tiny_qwen3_moe(str(tmp_path / "a"), seed=1, num_layers=3, mlp_only_layers=(1,))
     b = make_tiny_qwen3_moe(str(tmp_path / "b"), seed=2, num_layers=3, mlp_only_layers=(1,))
     eng, other = EmbeddedEngine.from_pretrained(a), EmbeddedEngine.from_pretrained(b)
-    want = other.checksums()
-    assert eng.checksums() != want
+    want = other.weights.checksums()
+    assert eng.weights.checksums() != want
     tensors = _tensors(b)
     assert "model.layers.2.mlp.experts.7.up_proj.weight" in tensors
     fused = dict(eng.model.named_parameters())["model.layers.2.mlp.experts.gate_up_proj"]
     eng.update_weights(tensors.items(), version=1)
-    assert eng.checksums() == want  # every expert's slice in place, as transformers' own loader puts it
+    assert eng.weights.checksums() == want  # every expert's slice in place, as transformers' own loader puts it
     assert torch.equal(fused[7, 40:], tensors["model.layers.2.mlp.experts.7.up_proj.weight"])
     params = SamplingParams(top_k=1, max_new_tokens=6)
     assert _untagged(eng.generate(PROMPTS, params)) == _untagged(other.generate(PROMPTS, params))
@@ -294,10 +294,10 @@ def test_update_weights_of_a_moe_model_by_per_expert_names(tmp_path):
     with pytest.raises(WeightUpdateError, match=r"1 parameter\(s\) not given: model.layers.0.mlp.experts.3.down_proj"):
         eng.update_weights(missing.items())
     eng.load_weights_from_dir(a)
-    assert eng.checksums() == EmbeddedEngine.from_pretrained(a).checksums()
+    assert eng.weights.checksums() == EmbeddedEngine.from_pretrained(a).weights.checksums()
     # a partial update by name (the HTTP server's session commit, adopting what it received)
     gate = tensors["model.layers.0.mlp.experts.5.gate_proj.weight"].clone()
-    eng.load_named_weights({"model.layers.0.mlp.experts.5.gate_proj.weight": gate}, adopt=True)
+    eng.weights.load_named_weights({"model.layers.0.mlp.experts.5.gate_proj.weight": gate}, adopt=True)
     layer0 = dict(eng.model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(layer0[5, :40], gate)
     assert torch.equal(

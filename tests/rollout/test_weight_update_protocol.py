@@ -162,7 +162,7 @@ def test_weights_apply_whole_at_end_of_session(server, tiny_hf, other_hf):
         assert status == 200 and body["success"], body
         assert checksums(url) == before and httpx.get(url + "/model_info").json()["weight_version"] == version
         assert post(url, "/end_weight_update") == (200, {"success": True, "message": "Success"})
-        assert checksums(url) == EmbeddedEngine.from_pretrained(other_hf).checksums()
+        assert checksums(url) == EmbeddedEngine.from_pretrained(other_hf).weights.checksums()
         assert httpx.get(url + "/model_info").json()["weight_version"] == "v-other"
         # a failed session applies nothing: one good bucket, then a tensor the model does not have
         back = [(k, HFReader(tiny_hf["untied"]).get(k)) for k, _ in new]
@@ -172,7 +172,7 @@ def test_weights_apply_whole_at_end_of_session(server, tiny_hf, other_hf):
         assert status == 400 and "model.layers.99" in body["message"], body
         status, body = post(url, "/end_weight_update")
         assert status == 400 and "nothing was applied" in body["message"] and "v-other" in body["message"]
-        assert checksums(url) == EmbeddedEngine.from_pretrained(other_hf).checksums()
+        assert checksums(url) == EmbeddedEngine.from_pretrained(other_hf).weights.checksums()
         assert httpx.get(url + "/model_info").json()["weight_version"] == "v-other"
         # and the original weights back, all of them
         assert post(url, "/begin_weight_update")[0] == 200
@@ -244,7 +244,7 @@ def test_weights_checker_answers_sglangs_shape(server, tiny_hf):
     r = httpx.post(server.url + "/weights_checker", json={"action": "checksum"}).json()
     assert r["success"] and len(r["per_engine_checksum"]) == 64
     (rank,) = r["ranks"]
-    assert rank["checksums"] == EmbeddedEngine.from_pretrained(tiny_hf["untied"]).checksums()
+    assert rank["checksums"] == EmbeddedEngine.from_pretrained(tiny_hf["untied"]).weights.checksums()
     assert rank["parallelism_info"][0]["tp_size"] == 1
     status, body = post(server.url, "/weights_checker", {"action": "snapshot"})
     assert status == 400 and "not supported" in body["message"]

@@ -49,7 +49,7 @@ from megatron_klear.rollout.embedded.rules import (
     token_id_list,
 )
 from megatron_klear.rollout.embedded.sampling import SampleStreams, request_seeds, sample_tokens
-from megatron_klear.rollout.embedded.weights import EngineWeights
+from megatron_klear.rollout.embedded.weights import ModelWeights
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -75,7 +75,7 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-class EmbeddedEngine(EngineWeights, RolloutEngine):
+class EmbeddedEngine(RolloutEngine):
     """In-process :class:`RolloutEngine` over a transformers causal LM (see the module docstring).
 
     ``record_routing`` (MoE models, ``rollout.router_replay``): each Completion carries the experts
@@ -105,13 +105,12 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
         self.model_path = model_path
         self.context_length = resolve_context_length(model.config, context_length)
-        self.weight_version = None
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.pad_token_id = 0  # any valid id: left-padding positions are masked out
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._lock = threading.RLock()
-        self._init_weight_state()
+        self.weights = ModelWeights(self.model, self._lock)  # loading by HF name, release/resume, checksums
         self.decode_steps = 0  # forwards run so far (the HTTP server's /health_generate watches it)
         # MoE models: record the experts each token was routed to (Completion.routed_experts, for
         # rollout.router_replay); the routers' top-k indices, one [tokens, top_k] per MoE layer
@@ -126,6 +125,24 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         )
         for router in self._routers:
             router.register_forward_hook(self._record_route)
+
+    @property
+    def weight_version(self):
+        """The version of the weights serving now (None: the checkpoint's own)."""
+        return self.weights.version
+
+    @weight_version.setter
+    def weight_version(self, version) -> None:  # SGLang's /update_weight_version: a new tag, same weights
+        self.weights.version = version
+
+    def update_weights(self, named_tensors, *, version: int | None = None) -> None:
+        self.weights.update_weights(named_tensors, version=version)
+
+    def load_weights_from_dir(self, path: str, *, version=None) -> None:
+        """Every weight from the HF checkpoint directory ``path`` (:meth:`ModelWeights.load_weights_from_dir`),
+        which becomes the engine's ``model_path``."""
+        self.weights.load_weights_from_dir(path, version=version)
+        self.model_path = os.path.abspath(path)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -240,7 +257,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
                 on_prompt_done(i, completions)
 
         with self._lock:
-            self._check_not_broken()
+            self.weights.check_usable()
             todo = []
             for i, r in enumerate(requests):
                 if r.max_new_tokens == 0 or (control is not None and control.aborted(r.key)):
@@ -327,7 +344,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             control.wait_while_paused()
         finally:
             self._lock.acquire()
-        self._check_not_broken()
+        self.weights.check_usable()
         return mode
 
     def _generate_chunk(self, requests: list, indices: list, control, done) -> None:
@@ -335,7 +352,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
         counts = [len(r.seeds) for r in requests]
         prompt_of = [p for p, c in enumerate(counts) for _ in range(c)]  # row -> request (rows prompt-major)
         logits, mask, last_pos, cache = self._prefill([r.prompt for r in requests])
-        logits_version = self.weight_version  # the weights that computed ``logits``
+        logits_version = self.weights.version  # the weights that computed ``logits``
         recording = self.record_routing and bool(self._routers)
         # per row: the experts of each token fed to the model so far ([tokens, MoE layers, top_k] pieces)
         routes = [[self.last_routing[p]] for p in prompt_of] if recording else None
@@ -417,7 +434,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
                     logits, mask, last_pos, cache = self._prefill(
                         [requests[prompt_of[r]].prompt + tokens[r] for r in active]
                     )
-                    logits_version = self.weight_version
+                    logits_version = self.weights.version
                     if recording:  # routed again, with the current weights
                         for b, r in enumerate(active):
                             routes[r] = [self.last_routing[b]]
@@ -449,7 +466,7 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             mask = torch.cat([mask, mask.new_ones(len(keep), 1)], dim=1)
             last_pos = last_pos + 1
             logits = self._forward(fed, mask, last_pos, cache)
-            logits_version = self.weight_version
+            logits_version = self.weights.version
             if recording:
                 for b, r in enumerate(active):
                     routes[r].append(self.last_routing[b])
@@ -464,5 +481,5 @@ class EmbeddedEngine(EngineWeights, RolloutEngine):
             "eos_token_ids": self.eos_token_ids,
             "context_length": self.context_length,
             "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
-            "weight_version": self.weight_version,
+            "weight_version": self.weights.version,
         }

@@ -1,14 +1,13 @@
 """Weight loading of the embedded engine, by HF name: a complete update, a checked subset (all or
 nothing), an HF checkpoint directory, memory release/resume (SGLang's memory saver) and checksums.
 
-:class:`EngineWeights` is a mixin of :class:`~megatron_klear.rollout.embedded.engine.EmbeddedEngine`;
-it uses the engine's ``model``, ``_lock``, ``weight_version`` and ``model_path``, and owns the
-weight state the decode loop checks (:meth:`EngineWeights._check_not_broken`).
+
+:class:`ModelWeights` is a part of :class:`~megatron_klear.rollout.embedded.engine.EmbeddedEngine`
+with its own state: the weight version, and whether the weights are released or inconsistent (which
+the decode loop checks, :meth:`ModelWeights.check_usable`). It shares the engine's model and lock.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -17,12 +16,18 @@ class WeightUpdateError(ValueError):
     """A weight update that does not fit the model; the message names the tensor."""
 
 
-class EngineWeights:
-    def _init_weight_state(self) -> None:
+class ModelWeights:
+    """The weights of ``model``, loaded by HF name under ``lock`` (the engine's: no decode step runs
+    while they change). ``version``: the weight version they are (None: the checkpoint's own)."""
+
+    def __init__(self, model, lock):
+        self.model, self._lock = model, lock
+        self.version = None
         self._broken = None  # why the weights are inconsistent (a failed update), else None
         self._released = None  # {parameter: shape} while the weights are released (release_weights)
 
-    def _check_not_broken(self) -> None:
+    def check_usable(self) -> None:
+        """Raises unless the weights can generate (not released, not left inconsistent)."""
         if self._released is not None:
             raise RuntimeError(
                 "rollout.embedded: the weights are released (release_memory_occupation); resume them "
@@ -51,7 +56,7 @@ class EngineWeights:
             if isinstance(named_tensors, (list, tuple)):
                 self._apply_weights(named_tensors, copy=False)  # all checks, nothing copied
             self._apply_weights(named_tensors, copy=True)
-            self.weight_version = version
+            self.version = version
 
     def load_named_weights(self, named_tensors, *, version=None, adopt: bool = False) -> list:
         """Copy some or all parameters, all or nothing: every ``(HF name, tensor)`` is checked (known
@@ -84,7 +89,7 @@ class EngineWeights:
                         param.copy_(tensor)
                 if not set(slices) - {n for n, _ in named_tensors}:  # every weight loaded
                     self._broken = None
-            self.weight_version = version
+            self.version = version
         return replaced
 
     def load_weights_from_dir(self, path: str, *, version=None) -> None:
@@ -102,7 +107,6 @@ class EngineWeights:
                 raise WeightUpdateError(f"{e} [checkpoint {path}]") from None
         finally:
             reader.close()
-        self.model_path = os.path.abspath(path)
 
     def check_named_weights(self, named_tensors) -> None:
         """The checks of :meth:`load_named_weights` without copying (raises :class:`WeightUpdateError`)."""
@@ -153,7 +157,7 @@ class EngineWeights:
             self._broken = "since their memory was released and resumed (their content is lost)"
 
     @property
-    def weights_released(self) -> bool:
+    def released(self) -> bool:
         return self._released is not None
 
     # ---------------------------------------------------------------- checks and copies

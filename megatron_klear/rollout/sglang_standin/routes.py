@@ -437,7 +437,7 @@ def _release(state, tags) -> None:
         state.offload_tags.update(tags)
         state.memory_releases += 1
         if "weights" in tags and state.enable_memory_saver:
-            state.scheduler.run_update(state.engine.release_weights)
+            state.scheduler.run_update(state.engine.weights.release_weights)
 
 
 @router.post("/resume_memory_occupation")
@@ -458,4 +458,4 @@ def _resume(state, tags) -> None:
             )
         state.offload_tags.difference_update(tags)
         if "weights" in tags and state.enable_memory_saver:
-            state.engine.resume_weights()
+            state.engine.weights.resume_weights()

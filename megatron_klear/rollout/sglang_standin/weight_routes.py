@@ -283,7 +283,7 @@ def _update_from_distributed(state, f):
                     destroy_update_group(pg)
                 return None, f"Failed to receive weights: {type(e).__name__}: {e}"
             try:
-                state.engine.check_named_weights(tensors)
+                state.engine.weights.check_named_weights(tensors)
             except (TypeError, ValueError) as e:
                 return None, f"Failed to update parameter online: {e}. Nothing was applied."
             if f["flush_cache"] and not state.scheduler.cache_flushable():
@@ -369,7 +369,7 @@ def _end_update(state):
                 # the received buffers become the parameters (no copy): the swap is the commit;
                 # the storages they replace receive the next update (no fresh allocation)
                 replaced, _ = state.scheduler.run_update(
-                    lambda: state.engine.load_named_weights(session.staged, version=version, adopt=True)
+                    lambda: state.engine.weights.load_named_weights(session.staged, version=version, adopt=True)
                 )
                 state.receive_buffers = {}
                 for t in replaced:  # only buffers this server received into (not the loaded checkpoint's)
@@ -402,7 +402,7 @@ async def weights_checker(request: Request):
     if f["action"] != "checksum":
         return _weights_reply(False, f"action {f['action']!r} is not supported by the embedded engine (checksum)")
     engine = server_state(request).engine
-    checksums = await off_loop(lambda: engine.checksums(skip=f["skip_tensor_list"] or ()))
+    checksums = await off_loop(lambda: engine.weights.checksums(skip=f["skip_tensor_list"] or ()))
     overall = hashlib.sha256()
     for name in sorted(checksums):
         overall.update(name.encode())
