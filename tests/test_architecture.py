@@ -209,3 +209,82 @@ def test_the_checker_sees_a_known_arrow_and_its_direction():
     assert _layer("megatron_klear.rollout.factory") < _layer("megatron_klear.rl.loop")
     assert ("rl", "config") not in {(_folder(a), _folder(b)) for a, bs in GRAPH.items() for b in bs}
     assert "megatron_klear.rl.config" in GRAPH["megatron_klear.config"]  # the arrow that stays: down
+
+
+# -- docs/architecture.md's table of rooms --------------------------------------------------------
+ARCHITECTURE_MD = os.path.join(ROOT, "docs", "architecture.md")
+
+
+def _rooms_table() -> dict:
+    """{room folder relative to the package ("" for its top): the files its row names}."""
+    import re
+
+    rooms = {}
+    for line in open(ARCHITECTURE_MD, encoding="utf-8"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("| `") else []
+        if len(cells) >= 3 and cells[0].startswith("`") and cells[0].endswith("/`"):
+            room = cells[0].strip("`").rstrip("/")
+            rooms["" if room == "megatron_klear" else room] = set(re.findall(r"`([^`]+\.py)`", cells[1]))
+    return rooms
+
+
+def _package_rooms() -> dict:
+    out = {}
+    for d, _, files in os.walk(PACKAGE):
+        mods = {f for f in files if f.endswith(".py") and f != "__init__.py"}
+        if mods:
+            out[os.path.relpath(d, PACKAGE).replace(os.sep, "/").replace(".", "")] = mods
+    return out
+
+
+def test_every_module_of_the_package_is_in_the_architecture_table():
+    table, package = _rooms_table(), _package_rooms()
+    assert table, f"no table of rooms found in {ARCHITECTURE_MD}"
+    missing = {room: sorted(files - table.get(room, set())) for room, files in package.items()}
+    missing = {room: files for room, files in missing.items() if files}
+    stale = {room: sorted(files - package.get(room, set())) for room, files in table.items()}
+    stale = {room: files for room, files in stale.items() if files}
+    assert not missing, f"modules missing from docs/architecture.md's table (room: files): {missing}"
+    assert not stale, f"docs/architecture.md's table names files that do not exist (room: files): {stale}"
+
+
+# -- composition: a class inherits from at most one concrete class of the package ------------------
+# The two that still combine mixins sharing their state (issue 29 item 2, not done yet); any other fails.
+MIXIN_CLASSES = {
+    "megatron_klear.rollout.sglang.engine.SGLangEngine",
+    "megatron_klear.rollout.weight_sync.distributed.DistributedWeightSync",
+}
+
+
+def _classes() -> dict:
+    """{module.Class: (is abstract, [base names as written])} for every class of the package."""
+    out = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                abstract = any(b in ("abc.ABC", "ABC") for b in bases) or any(
+                    isinstance(d, ast.Name)
+                    and d.id == "abstractmethod"
+                    or isinstance(d, ast.Attribute)
+                    and d.attr == "abstractmethod"
+                    for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for d in f.decorator_list
+                )
+                out[f"{name}.{node.name}"] = (abstract, bases)
+    return out
+
+
+def test_no_class_inherits_from_more_than_one_concrete_class_of_the_package():
+    classes = _classes()
+    by_short = {}
+    for full, (abstract, _) in classes.items():
+        by_short.setdefault(full.rsplit(".", 1)[1], []).append(abstract)
+    several = {}
+    for full, (_, bases) in classes.items():
+        concrete = [b for b in bases if b.split(".")[-1] in by_short and not all(by_short[b.split(".")[-1]])]
+        if len(concrete) > 1:
+            several[full] = concrete
+    assert set(several) <= MIXIN_CLASSES, f"classes built from several concrete classes of the package: {several}"
+    assert set(several) == MIXIN_CLASSES, f"composed since: drop from MIXIN_CLASSES {MIXIN_CLASSES - set(several)}"
