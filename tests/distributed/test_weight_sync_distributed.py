@@ -308,7 +308,7 @@ def _sync_with_a_stale_layout(rank, world, model_dir, urls):
     sync = DistributedWeightSync(state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=30)
     try:
         sync.sync(version=1)
-        sync._layouts[0][0][0][0] += ".stale"
+        sync.buckets.layouts[0][0][0][0] += ".stale"
         t0 = time.monotonic()
         try:
             sync.sync(version=2)

@@ -119,14 +119,14 @@ def test_nccl_waits_are_polled_to_a_deadline_and_a_new_groups_first_bucket_is_on
 
     sync = DistributedWeightSync([], None, backend="nccl", bucket_mb=1, group_timeout=7, bucket_timeout=3)
     tensors = [(n, torch.zeros(4)) for n in "abc"]
-    assert [[n for n, _ in b] for b in sync._buckets(iter(tensors))] == [["a"], ["b", "c"]]
-    assert sync._bucket_wait() == 7  # the first broadcast builds NCCL's communicator
-    sync.warm = True
-    assert [[n for n, _ in b] for b in sync._buckets(iter(tensors))] == [["a", "b", "c"]]
-    assert sync._bucket_wait() == 3
+    assert [[n for n, _ in b] for b in sync.buckets._buckets(iter(tensors))] == [["a"], ["b", "c"]]
+    assert sync.groups.bucket_wait() == 7  # the first broadcast builds NCCL's communicator
+    sync.groups.warm = True
+    assert [[n for n, _ in b] for b in sync.buckets._buckets(iter(tensors))] == [["a", "b", "c"]]
+    assert sync.groups.bucket_wait() == 3
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="did not complete within 0.2 s"):
-        sync._wait_works([_Hung()], 0.2)
+        sync.buckets._wait_works([_Hung()], 0.2)
     assert time.monotonic() - t0 < 2
     gloo = DistributedWeightSync([], None, backend="gloo", bucket_mb=1)
     assert len(list(gloo._buckets(iter(tensors)))) == 1  # gloo connects at creation: no warm-up bucket

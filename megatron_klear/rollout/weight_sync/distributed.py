@@ -19,11 +19,13 @@ from megatron_klear.rollout.weight_sync.gather import drain, iter_stage_hf_tenso
 from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET
 
 
-class DistributedWeightSync(UpdateGroups, BucketSchedule):
+class DistributedWeightSync:
     """The trainer side of SGLang's distributed weight update, for every server at once.
 
-    **Groups** (:meth:`connect`, on the first sync): one per pipeline stage, led by that stage's
-    leader, every server joined (:mod:`.distributed_groups`).
+    **Groups** (``self.groups``, :class:`.distributed_groups.UpdateGroups`, formed at the first
+    sync): one per pipeline stage, led by that stage's leader, every server joined. **Buckets**
+    (``self.buckets``, :class:`.distributed_buckets.BucketSchedule`): how each stage's tensors
+    travel over them.
 
     **A sync** (:meth:`sync`, version ``v``): rank 0 pauses generation (``/pause_generation``
     in the engine's ``sync_pause_mode``: ``abort``, or ``retract`` in asynchronous RL), flushes every
@@ -81,18 +83,12 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         post_grace: float = 0.05,
         max_attempts: int = 3,
     ):
-        self.model_chunks = model_chunks
         self.engine = engine  # global rank 0 only
         self.bucket_bytes = max(1, int(float(bucket_mb) * (1 << 20)))
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"rollout.sync_backend must be auto, nccl or gloo, got {backend!r}")
-        self.backend = backend
-        self.master_addr, self.master_port = master_addr, int(master_port)
-        self.group_timeout, self.bucket_timeout = float(group_timeout), float(bucket_timeout)
-        self.control_timeout = float(control_timeout)
-        self.group_name = group_name
         # How a bucket travels: "flattened_bucket" (one broadcast of its bytes back to back: fewer,
         # larger NCCL calls for one device copy) or "auto" (SGLang's default load_format: one
         # broadcast per tensor, no copy: cheaper with gloo, where the copy costs CPU time). None:
@@ -101,24 +97,32 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
             load_format = FLATTENED_BUCKET if backend == "nccl" else "auto"
         if load_format not in (FLATTENED_BUCKET, "auto"):
             raise ValueError(f"load_format must be {FLATTENED_BUCKET} or auto, got {load_format!r}")
-        self.load_format = load_format
-        self.pg = None  # on stage leaders, once connected
-        self.connected = False
-        self.leaders, self.part = None, None
-        self.stats = {}  # of the last sync: bytes, buckets, seconds, streamed_stages
-        self._started = None  # rank 0: the future of the servers' pause + flush + begin of the current sync
-        self._totals = {}
-        self._disconnected, self._posts = set(), []
-        # a bucket is broadcast once every server has had post_grace seconds to refuse its post
-        # (distributed_buckets.BucketSchedule._post_bucket)
-        self.post_grace = float(post_grace)
         if int(max_attempts) < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self.max_attempts = int(max_attempts)  # a sync tried again after losing a worker, re-formed
-        self.reforms = 0  # groups re-formed so far (their names carry it)
-        self.workers = None  # the groups' members (rank 0's engine workers when they were formed)
-        self.warm = False  # the groups' first broadcast has completed
-        self._layouts = {}  # stage -> [(names, dtypes, shapes) per bucket] of the last sync (per-tensor format)
+        self.control_timeout = float(control_timeout)
+        self.groups = UpdateGroups(
+            engine,
+            backend=backend,
+            master_addr=master_addr,
+            master_port=master_port,
+            group_timeout=group_timeout,
+            bucket_timeout=bucket_timeout,
+            control_timeout=control_timeout,
+            group_name=group_name,
+        )
+        # a bucket is broadcast once every server has had post_grace seconds to refuse its post
+        self.buckets = BucketSchedule(
+            self.groups,
+            model_chunks,
+            bucket_bytes=self.bucket_bytes,
+            load_format=load_format,
+            post_grace=post_grace,
+            control_timeout=control_timeout,
+        )
+        self.model_chunks = model_chunks
+        self.stats = {}  # of the last sync: bytes, buckets, seconds, streamed_stages
+        self._totals = {}
 
     # -- the rollout manager's path (push(version) -> metrics) ---------------------------------------
     to_servers = True
@@ -145,12 +149,6 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
             "weights/sync_buckets": stats.get("buckets", 0),
             "weights/sync_reforms": stats.get("reforms", 0),
         }
-
-    def _device(self) -> torch.device:
-        """Where a bucket's tensors are broadcast from: the GPU with NCCL, the CPU with gloo."""
-        if self.backend == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     # -- a sync -------------------------------------------------------------------------------------
     def sync(self, version) -> dict:
@@ -187,9 +185,9 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
             # bucket it waited for): wait as long as a bucket may take, so that nothing of the old
             # attempt reaches the next one's session.
             if rank() == 0:
-                self._leave_server_groups(timeout=self._bucket_wait() + self.control_timeout)
-            self._drop_local()
-            self.reforms += 1
+                self.groups.leave_server_groups(timeout=self.groups.bucket_wait() + self.control_timeout)
+            self.groups.drop_local()
+            self.groups.reforms += 1
             reforms += 1
         raise AssertionError("unreachable: the last attempt ends in _fail")
 
@@ -200,8 +198,8 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
 
         me = rank()
         reform = None
-        if me == 0 and self.connected:
-            members = set(self.workers)
+        if me == 0 and self.groups.connected:
+            members = set(self.groups.workers)
             now = set(self.engine.workers())
             # a member now rejoining was lost (or demoted) since the groups were formed: a server
             # restarted at its URL keeps the URL but not the groups
@@ -210,17 +208,16 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
                 reform = sorted((now ^ members) | back)
         if broadcast_from_rank0(reform):  # membership changed since the groups were formed
             if me == 0:
-                self._leave_server_groups()
-            self._drop_local()
-            self.reforms += 1
-        if not self.connected:
+                self.groups.leave_server_groups()
+            self.groups.drop_local()
+            self.groups.reforms += 1
+        if not self.groups.connected:
             try:
-                self.connect()
+                self.groups.connect()
             except WeightSyncError as e:
                 return str(e)
         self._totals = totals = {"bytes": 0, "buckets": 0, "streamed_stages": 0}
-        self._disconnected = set()  # rank 0: members whose bucket post lost its connection
-        self._posts = []  # rank 0: the attempt's bucket posts (awaited before a retry)
+        started = None  # rank 0: the servers' start calls, run while the first bucket is gathered
         if me == 0:  # pause, flush once, begin on the servers while the first bucket is gathered
 
             def start():
@@ -233,26 +230,27 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
                     return f"rollout: cannot start the weight update: {e}"
 
             starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-start")
-            self._started = starter.submit(start)
+            started = starter.submit(start)
             starter.shutdown(wait=False)
-        for stage in sorted(self.leaders):
-            leader, err = self.leaders[stage], None
+        self.buckets.begin_attempt(started)  # no posts, no member lost yet
+        for stage in sorted(self.groups.leaders):
+            leader, err = self.groups.leaders[stage], None
             if me == leader:
-                err = self._send_stage(stage, totals)
+                err = self.buckets.send_stage(stage, totals)
                 if leader != 0:
                     send_object(("end", (err, totals)), 0)
-            elif self.part is not None and self.part.stage == stage:  # the leader's TP and EP peers
-                drain(iter_stage_hf_tensors(self.model_chunks, self.part))
+            elif self.groups.part is not None and self.groups.part.stage == stage:  # the leader's TP and EP peers
+                drain(iter_stage_hf_tensors(self.model_chunks, self.groups.part))
             if me == 0 and leader != 0:
-                err = self._coordinate(stage, totals)
+                err = self.buckets.coordinate(stage, totals)
             err = broadcast_from_rank0(err)
             if err:
                 return err
         error = None
         if me == 0:
             try:
-                if self._started.result() is not None:
-                    raise WeightSyncError(self._started.result())
+                if self.buckets.started.result() is not None:
+                    raise WeightSyncError(self.buckets.started.result())
                 self.engine.end_weight_update()
                 self.engine.set_weight_version(version)
                 self.engine.continue_generation()
@@ -270,21 +268,21 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
             return None
         from megatron_klear.rollout.sglang.fleet import FleetError
 
-        if self._started is not None:
-            self._started.result()  # the servers' start calls have ended (they report to the fleet)
-        for post in self._posts:  # a bucket not broadcast still has posts in flight: let them end
+        if self.buckets.started is not None:
+            self.buckets.started.result()  # the servers' start calls have ended (they report to the fleet)
+        for post in self.buckets.posts:  # a bucket not broadcast still has posts in flight: let them end
             post.result()
         serving = self.engine.workers()
         # the groups' members, and the serving workers a group being formed was meant for (a worker
         # gone before the first sync fails the groups' creation)
-        members = list(dict.fromkeys([*(self.workers or []), *serving]))
+        members = list(dict.fromkeys([*(self.groups.workers or []), *serving]))
         serving = set(serving)
         alive = dict(zip(members, self.engine.alive(members)))
         rejoining = set(self.engine.fleet.rejoining())
         dropped = [w for w in members if w not in serving]  # dropped by a control call already
         try:
             for w in members:
-                if w in serving and (not alive[w] or w in self._disconnected):
+                if w in serving and (not alive[w] or w in self.buckets.disconnected):
                     self.engine.drop_worker(w, f"gone during the weight sync of version {version}: {error}")
                     dropped.append(w)
                 elif w in serving and w in rejoining and w in error:
@@ -303,11 +301,15 @@ class DistributedWeightSync(UpdateGroups, BucketSchedule):
         from megatron_klear.rollout.sglang.fleet import FleetError
 
         if rank() == 0:
-            self._leave_server_groups()
-        self._drop_local()
+            self.groups.leave_server_groups()
+        self.groups.drop_local()
         message = (
             f"{error}. Generation on the servers stays paused: a server that received part of the buckets "
             "must not serve a mix of weights (restart the run: it re-creates the groups and sends every "
             "weight before generating)"
         )
         raise (FleetError if fleet else WeightSyncError)(message)
+
+    def close(self) -> None:
+        """Drop the groups (servers and trainer side); not collective."""
+        self.groups.close()

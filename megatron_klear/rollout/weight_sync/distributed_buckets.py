@@ -7,13 +7,14 @@ The stage leader packs its HF tensors into buckets of ``bucket_bytes`` (one dtyp
 ``load_format="flattened_bucket"`` with NCCL) to every server while the leader broadcasts the bucket
 (``src=0``: its bytes back to back with NCCL, each tensor in order with gloo, SGLang's two receive
 paths). A leader other than rank 0 announces each bucket to rank 0, which posts it and sends the
-servers' answer back (:meth:`BucketSchedule._coordinate`). Two schedules
-(:meth:`BucketSchedule._send_stage`): the first sync gathers bucket ``k+1`` (the TP peers' shards)
+servers' answer back (:meth:`BucketSchedule.coordinate`). Two schedules
+(:meth:`BucketSchedule.send_stage`): the first sync gathers bucket ``k+1`` (the TP peers' shards)
 while bucket ``k`` is on the wire; later syncs (per-tensor format) announce each bucket from the
 layout the last sync recorded and broadcast each tensor as soon as it is gathered.
 
-:class:`BucketSchedule` is a mixin of
-:class:`~megatron_klear.rollout.weight_sync.distributed.DistributedWeightSync`.
+:class:`BucketSchedule` holds the schedule's own state (the layouts of the last sync, the attempt's
+posts and the servers they lost) and sends over the sync's
+:class:`~megatron_klear.rollout.weight_sync.distributed_groups.UpdateGroups`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,25 @@ from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET, dt
 
 
 class BucketSchedule:
+    """How ``model_chunks``' tensors reach the servers over ``groups``: buckets of ``bucket_bytes``,
+    in ``load_format`` (``flattened_bucket`` or ``auto``: per tensor); a bucket is broadcast once
+    every server has had ``post_grace`` seconds to refuse its post; ``control_timeout``: a post's
+    answer beyond the bucket's own wait."""
+
+    def __init__(
+        self, groups, model_chunks, *, bucket_bytes: int, load_format: str, post_grace: float, control_timeout: float
+    ):
+        self.groups, self.model_chunks = groups, model_chunks
+        self.bucket_bytes, self.load_format = int(bucket_bytes), load_format
+        self.post_grace, self.control_timeout = float(post_grace), float(control_timeout)
+        self.layouts = {}  # stage -> [(names, dtypes, shapes) per bucket] of the last sync (per-tensor format)
+        self.started = None  # rank 0: the future of the servers' pause + flush + begin of the attempt
+        self.disconnected, self.posts = set(), []  # rank 0: the attempt's lost members, its bucket posts
+
+    def begin_attempt(self, started) -> None:
+        """A new attempt of a sync: ``started`` (rank 0) is the future of the servers' start calls."""
+        self.started, self.disconnected, self.posts = started, set(), []
+
     def _post_bucket(self, stage: int, meta):
         """Rank 0: post one bucket's metadata to every member of the group (once they paused and
         opened the session) and wait until each post is under way: ``(post, None)``, or ``(None,
@@ -36,23 +56,23 @@ class BucketSchedule:
         from megatron_klear.rollout.sglang.control import bucket_error
 
         names, dtypes, shapes = meta
-        started = self._started.result()
+        started = self.started.result()
         if started is not None:
             return None, started
         try:
-            post = self.engine.post_bucket(
+            post = self.groups.engine.post_bucket(
                 names,
                 dtypes,
                 shapes,
-                group_name=self._name(stage),
-                workers=self.workers,
+                group_name=self.groups.name(stage),
+                workers=self.groups.workers,
                 load_format=self.load_format if self.load_format != "auto" else None,
                 flush_cache=False,
-                timeout=self._bucket_wait() + self.control_timeout,
+                timeout=self.groups.bucket_wait() + self.control_timeout,
             )
         except Exception as e:  # noqa: BLE001
             return None, self._bucket_failed(stage, names, e)
-        self._posts.append(post)
+        self.posts.append(post)
         refused = post.refusals(self.post_grace)
         self._note_disconnected(refused)
         if refused:
@@ -83,28 +103,28 @@ class BucketSchedule:
 
         for w, e in errors.items():
             if isinstance(e, WorkerGone) and "did not answer within" not in str(e):
-                self._disconnected.add(w)
+                self.disconnected.add(w)
             elif "init_weights_update_group" in str(e) and " not in " in str(e):
-                self._disconnected.add(w)
+                self.disconnected.add(w)
 
-    def _coordinate(self, stage: int, totals: dict):
+    def coordinate(self, stage: int, totals: dict):
         """Rank 0 for a stage led by another rank: post each bucket the leader announces, tell it
         whether to broadcast (every post under way) and then the servers' answer; returns the
         stage's error or None."""
         err = None
         while True:
-            kind, payload = recv_object(self.leaders[stage])
+            kind, payload = recv_object(self.groups.leaders[stage])
             if kind == "end":
                 stage_err, stage_totals = payload
                 for k, v in stage_totals.items():
                     totals[k] += v
                 return stage_err or err
             post, refused = self._post_bucket(stage, payload)
-            send_object(refused, self.leaders[stage])  # go (None) or not
+            send_object(refused, self.groups.leaders[stage])  # go (None) or not
             err = refused if post is None else self._post_answer(stage, payload, post)
-            send_object(err, self.leaders[stage])
+            send_object(err, self.groups.leaders[stage])
 
-    def _send_stage(self, stage: int, totals: dict):
+    def send_stage(self, stage: int, totals: dict):
         """The stage leader: stream the stage's buckets (see the module docstring); returns the first
         error or None. Drains the tensors after an error (the TP peers keep sending their shards).
 
@@ -116,20 +136,15 @@ class BucketSchedule:
         on the wire at once instead of after a whole bucket's gather, and the gathers overlap the
         broadcasts throughout."""
         flattened = self.load_format == FLATTENED_BUCKET
-        tensors = iter_stage_hf_tensors(self.model_chunks, self.part)
-        layout = None if flattened or not self.warm else self._layouts.get(stage)
+        tensors = iter_stage_hf_tensors(self.model_chunks, self.groups.part)
+        layout = None if flattened or not self.groups.warm else self.layouts.get(stage)
         if layout is None:
             error, layout = self._send_gathered_buckets(stage, tensors, totals)
             if error is None and not flattened:
-                self._layouts[stage] = layout
+                self.layouts[stage] = layout
             return error
         totals["streamed_stages"] += 1
         return self._send_streamed_buckets(stage, tensors, totals, layout)
-
-    def _bucket_wait(self) -> float:
-        """How long one bucket may take: the group timeout for the first broadcast of a new group
-        (NCCL builds its communicator then), the bucket timeout after."""
-        return max(self.bucket_timeout, self.group_timeout) if not self.warm else self.bucket_timeout
 
     # A bucket on the wire: {"meta": (names, dtypes, shapes), "post": rank 0's BucketPost or None,
     # "refused": the error that stopped its broadcast or None, "works": its broadcasts, "payload":
@@ -152,7 +167,7 @@ class BucketSchedule:
     def _broadcast_into(self, flight: dict, x: torch.Tensor, totals: dict) -> None:
         if flight["refused"] is not None:
             return
-        flight["works"].append(dist.broadcast(x, src=0, group=self.pg, async_op=True))
+        flight["works"].append(dist.broadcast(x, src=0, group=self.groups.pg, async_op=True))
         flight["payload"].append(x)
         nbytes = x.numel() * x.element_size()
         flight["nbytes"] += nbytes
@@ -168,11 +183,11 @@ class BucketSchedule:
 
         from megatron_klear.rollout.weight_sync.update_group import abort_update_group
 
-        if self.backend == "nccl":
+        if self.groups.backend == "nccl":
             deadline = time.monotonic() + seconds
             while not all(w.is_completed() for w in works):
                 if time.monotonic() > deadline:
-                    abort_update_group(self.pg)
+                    abort_update_group(self.groups.pg)
                     raise TimeoutError(
                         f"the broadcast did not complete within {seconds:g} s (NCCL communicator aborted)"
                     )
@@ -191,16 +206,16 @@ class BucketSchedule:
         if ack is not None:
             return ack
         try:
-            self._wait_works(flight["works"], self._bucket_wait())
+            self._wait_works(flight["works"], self.groups.bucket_wait())
         except Exception as e:  # noqa: BLE001 -- a dead peer, or the bucket timeout
             names = flight["meta"][0]
             return (
                 f"rollout: the broadcast of a bucket of stage {stage} ({flight['nbytes'] / 2**20:.0f} MiB, "
-                f"{len(names)} tensors from {names[0]}) failed within {self._bucket_wait():g} s "
+                f"{len(names)} tensors from {names[0]}) failed within {self.groups.bucket_wait():g} s "
                 f"(rollout.sync_bucket_timeout_s; a new group's first: rollout.sync_group_timeout_s): "
                 f"{type(e).__name__}: {e}"
             )
-        self.warm = True
+        self.groups.warm = True
         return None
 
     @staticmethod
@@ -209,16 +224,16 @@ class BucketSchedule:
 
     def _buckets(self, tensors):
         """The stage's buckets; on a new NCCL group the first one is its first tensor alone, a small
-        broadcast that builds NCCL's communicator under the group timeout (:meth:`_bucket_wait`)."""
+        broadcast that builds NCCL's communicator under the group timeout (``groups.bucket_wait``)."""
         for k, bucket in enumerate(iter_buckets(tensors, self.bucket_bytes)):
-            if k == 0 and not self.warm and self.backend == "nccl" and len(bucket) > 1:
+            if k == 0 and not self.groups.warm and self.groups.backend == "nccl" and len(bucket) > 1:
                 yield bucket[:1]
                 bucket = bucket[1:]
             yield bucket
 
     def _send_gathered_buckets(self, stage: int, tensors, totals: dict):
         """Gather a bucket whole, then send it while the next one is gathered. ``(error, layout)``."""
-        dev = self._device()
+        dev = self.groups.device()
         error, flight, layout = None, None, []
         for bucket in self._buckets(tensors):
             if error is not None:
@@ -243,7 +258,7 @@ class BucketSchedule:
         tensor broadcast as soon as it is gathered. The next bucket's tensors are gathered while the
         current one is on the wire (at most one bucket ahead) and go out once the servers answered
         it. The error text, or None."""
-        dev = self._device()
+        dev = self.groups.device()
         expected = [(n, d, list(s), b) for b, meta in enumerate(layout) for n, d, s in zip(*meta)]
         counts = [len(meta[0]) for meta in layout]
         b, ahead, i = 0, [], 0
@@ -284,7 +299,7 @@ class BucketSchedule:
         if error is None and i != len(expected):
             error = f"rollout: stage {stage} yielded {i} tensors, the layout of the last sync has {len(expected)}"
         if error is not None:
-            self._layouts.pop(stage, None)  # the next sync gathers whole buckets again
+            self.layouts.pop(stage, None)  # the next sync gathers whole buckets again
             if flight["refused"] is not None:  # never announced to every server: nothing to complete
                 self._finish_bucket(stage, flight)
                 return error

@@ -9,14 +9,17 @@ server joins with its TP ranks at ``rank_offset = 1 + sum of the TP sizes of the
 sees one stage's calls after another (an SGLang server handles them one at a time; two stages
 posting concurrently could deadlock two servers against each other).
 
-:class:`UpdateGroups` is a mixin of
-:class:`~megatron_klear.rollout.weight_sync.distributed.DistributedWeightSync` (its settings,
-``engine``, ``leaders``, ``part``, ``pg``, ``connected``).
+:class:`UpdateGroups` holds the groups' state (the stage leaders, this rank's part, its process group,
+the members and their rank offsets, whether the groups' first broadcast completed, how often they
+were re-formed); :class:`~megatron_klear.rollout.weight_sync.distributed.DistributedWeightSync` and
+its :class:`~megatron_klear.rollout.weight_sync.distributed_buckets.BucketSchedule` share one.
 """
 
 from __future__ import annotations
 
 import contextlib
+
+import torch
 
 from megatron_klear.platform import broadcast_from_rank0, rank, recv_object, send_object
 from megatron_klear.rollout.weight_sync.gather import stage_leaders
@@ -51,7 +54,49 @@ def route_address(url: str) -> str:
 
 
 class UpdateGroups:
-    def _name(self, stage: int) -> str:
+    """The update groups between this trainer's stage leaders and the servers of ``engine`` (global
+    rank 0's; None elsewhere). ``backend``: nccl or gloo; ``master_addr`` / ``master_port``: where
+    the stage leaders host their stores ("" / 0: the interface routing to the first server / a free
+    port); ``group_timeout``: to form a group (and a new group's first bucket); ``bucket_timeout``:
+    one bucket after that; ``control_timeout``: one control call."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        backend: str,
+        master_addr: str = "",
+        master_port: int = 0,
+        group_timeout: float = 120.0,
+        bucket_timeout: float = 300.0,
+        control_timeout: float = 60.0,
+        group_name: str = "klear_weights",
+    ):
+        self.engine, self.backend = engine, backend
+        self.master_addr, self.master_port = master_addr, int(master_port)
+        self.group_timeout, self.bucket_timeout = float(group_timeout), float(bucket_timeout)
+        self.control_timeout = float(control_timeout)
+        self.group_name = group_name
+        self.pg = None  # on stage leaders, once connected
+        self.connected = False
+        self.leaders, self.part = None, None
+        self.workers = None  # the groups' members (rank 0's engine workers when they were formed)
+        self.offsets, self.world = {}, 0
+        self.warm = False  # the groups' first broadcast has completed
+        self.reforms = 0  # groups re-formed so far (their names carry it)
+
+    def device(self) -> torch.device:
+        """Where a bucket's tensors are broadcast from: the GPU with NCCL, the CPU with gloo."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def bucket_wait(self) -> float:
+        """How long one bucket may take: the group timeout for the first broadcast of a new group
+        (NCCL builds its communicator then), the bucket timeout after."""
+        return max(self.bucket_timeout, self.group_timeout) if not self.warm else self.bucket_timeout
+
+    def name(self, stage: int) -> str:
         """Stage ``stage``'s group name; a group re-formed without a lost worker (or with a rejoining
         one) gets a fresh one (``..._r<n>``), so that no server confuses it with the old one."""
         name = self.group_name if len(self.leaders) == 1 else f"{self.group_name}_stage{stage}"
@@ -80,7 +125,7 @@ class UpdateGroups:
         self.warm = False  # the first broadcast of a new group builds NCCL's communicator
         error = None
         for stage in sorted(self.leaders):
-            leader, name = self.leaders[stage], self._name(stage)
+            leader, name = self.leaders[stage], self.name(stage)
             result = None
             if me == leader:  # host the store, then join as rank 0
                 store, addr, port, err = None, None, None, None
@@ -144,7 +189,7 @@ class UpdateGroups:
                     error = self._group_outcome(name, addr, port, futures, join_err)
             error = broadcast_from_rank0(error)
             if error:
-                self._drop_local()
+                self.drop_local()
                 raise WeightSyncError(error)
         self.connected = True
 
@@ -179,22 +224,22 @@ class UpdateGroups:
             "GLOO_SOCKET_IFNAME)"
         )
 
-    def _drop_local(self) -> None:
+    def drop_local(self) -> None:
         if self.pg is not None:
             destroy_update_group(self.pg)
         self.pg = None
         self.connected = False
 
-    def _leave_server_groups(self, timeout: float | None = None) -> None:
+    def leave_server_groups(self, timeout: float | None = None) -> None:
         """Rank 0: every server leaves every stage's group, best effort (a server that is gone or
         broken cannot answer, and the error being reported or the shutdown must not be masked);
         ``timeout``: each call's (None: the control timeout)."""
         for stage in sorted(self.leaders or {}):
             with contextlib.suppress(Exception):
-                self.engine.destroy_weights_update_group(self._name(stage), timeout=timeout)
+                self.engine.destroy_weights_update_group(self.name(stage), timeout=timeout)
 
     def close(self) -> None:
         """Drop the groups (servers and trainer side); not collective."""
         if self.connected and rank() == 0 and self.engine is not None:
-            self._leave_server_groups()
-        self._drop_local()
+            self.leave_server_groups()
+        self.drop_local()
