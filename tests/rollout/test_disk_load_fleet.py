@@ -129,4 +129,4 @@ def test_nccl_waits_are_polled_to_a_deadline_and_a_new_groups_first_bucket_is_on
         sync.buckets._wait_works([_Hung()], 0.2)
     assert time.monotonic() - t0 < 2
     gloo = DistributedWeightSync([], None, backend="gloo", bucket_mb=1)
-    assert len(list(gloo._buckets(iter(tensors)))) == 1  # gloo connects at creation: no warm-up bucket
+    assert len(list(gloo.buckets._buckets(iter(tensors)))) == 1  # gloo connects at creation: no warm-up bucket
