@@ -261,7 +261,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     if rank == 0:
         dist.broadcast(torch.tensor([-1], dtype=torch.int64), src=0, group=raw_pg)
         shutil.rmtree(workdir, ignore_errors=True)
-        engine.check_weight_versions(served)  # the last update reached both servers
+        engine.control.check_weight_versions(served)  # the last update reached both servers
     sync.close()
     return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats}
 

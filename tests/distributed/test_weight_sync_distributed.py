@@ -188,7 +188,7 @@ def test_a_server_killed_mid_broadcast_below_min_live_fails_the_sync_and_the_oth
         assert _checksums(urls[0]) == before and _version(urls[0]) == "default"
         assert httpx.get(urls[0] + "/ready").status_code == 503
         client = SGLangEngine([urls[0]], timeout=10)
-        client.continue_generation()
+        client.control.continue_generation()
         greedy = SamplingParams(top_k=1, max_new_tokens=6)
         got = client.generate([[5, 17, 33]], greedy)[0][0].token_ids
         assert got == EmbeddedEngine.from_pretrained(models["a"]).generate([[5, 17, 33]], greedy)[0][0].token_ids
@@ -242,9 +242,9 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
 
     with fake_worker(tmp_path) as (url, record, _):
         e = SGLangEngine([url], timeout=5)
-        e.pause_generation("abort")
-        e.begin_weight_update()
-        e.update_weights_from_distributed(
+        e.control.pause_generation("abort")
+        e.control.begin_weight_update()
+        e.control.update_weights_from_distributed(
             ["a.weight", "b.weight"],
             ["bfloat16", "bfloat16"],
             [[2, 3], [4]],
@@ -252,10 +252,10 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
             load_format="flattened_bucket",
             timeout=5,
         )
-        e.end_weight_update()
-        e.set_weight_version(7)
-        e.continue_generation()
-        e.check_weight_versions(7)
+        e.control.end_weight_update()
+        e.control.set_weight_version(7)
+        e.control.continue_generation()
+        e.control.check_weight_versions(7)
         e.load_from_disk("/some/dir", version=8)
         e.release_memory(["weights", "kv_cache", "cuda_graph"])  # rollout.colocate
         e.resume_memory(["weights"])
@@ -316,8 +316,8 @@ def _sync_with_a_stale_layout(rank, world, model_dir, urls):
         except WeightSyncError as e:
             error = str(e)
         seconds = time.monotonic() - t0
-        served = engine.weight_versions()
-        engine.continue_generation()  # (paused by the failed sync)
+        served = engine.control.weight_versions()
+        engine.control.continue_generation()  # (paused by the failed sync)
         return error, seconds, served, sync.sync(version=3)
     finally:
         sync.close()

@@ -301,7 +301,7 @@ def test_info_routes_have_sglang_shapes(thread_server, sglang_contract):
     assert status == 200 and text.startswith("Cache flushed")
     assert _get(url + "/nope") == (404, {"detail": "Not Found"})
     with pytest.raises(RuntimeError, match="HTTP 404"):
-        EmbeddedHTTPEngine(url, timeout=5)._request("GET", "/nope")
+        EmbeddedHTTPEngine(url, timeout=5).transport.request("GET", "/nope")
 
 
 def test_parse_generate_request_defaults():

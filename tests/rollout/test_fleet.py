@@ -113,22 +113,23 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
     ):
         client = SGLangEngine([a], workers=[a, dead], timeout=2)
         with pytest.raises(EngineError, match=dead.replace(".", r"\.")):
-            client._on_workers(client.model_info)
+            client.members.on_workers(client.model_info)
         assert client.fleet.state(dead) == LIVE
-        got = client._on_workers(lambda w: client.model_info(w)["weight_version"], tolerate_loss=True)
+        got = client.members.on_workers(lambda w: client.model_info(w)["weight_version"], tolerate_loss=True)
         assert got == {a: "0"}
         assert client.fleet.state(dead) == LOST and client.workers() == [a]
         assert client.fleet_metrics()["rollout/worker_failures"] == 1
         assert client.fleet_metrics()["rollout/worker_failures"] == 0  # counts since the previous call
         refusing = SGLangEngine([a], workers=[a, r], timeout=2)
         with pytest.raises(EngineError, match="injected failure of /update_weight_version"):
-            refusing._on_workers(
-                lambda w: refusing._post_weights(w, "/update_weight_version", {"new_version": "1"}), tolerate_loss=True
+            refusing.members.on_workers(
+                lambda w: refusing.control._post_weights(w, "/update_weight_version", {"new_version": "1"}),
+                tolerate_loss=True,
             )
         assert refusing.fleet.live() == [a, r]
         alone = SGLangEngine([dead], workers=[dead], timeout=2)
         with pytest.raises(FleetError, match=f"0 rollout server.*Lost: {dead}"):
-            alone._on_workers(alone.model_info, tolerate_loss=True)
+            alone.members.on_workers(alone.model_info, tolerate_loss=True)
 
 
 # -- a worker lost mid-generation ----------------------------------------------------------------------------
@@ -161,7 +162,7 @@ def test_a_worker_killed_mid_generation_is_dropped_and_the_call_completes(tmp_pa
         if via_router:
             assert _listed(r) == [b]  # the router no longer routes to it
         else:
-            assert client.retries == 0  # re-sent because the worker was dropped, no retry consumed
+            assert client.generation.retries == 0  # re-sent because the worker was dropped, no retry consumed
             assert metrics["rollout/resent_requests"] >= 1, metrics
         # the next call goes to b alone, at once
         assert len(client.generate(PROMPTS[:2], PARAMS)) == 2
@@ -197,7 +198,7 @@ def test_a_worker_frozen_mid_generation_is_dropped_within_the_watchdogs_bound(tm
         assert "stopped answering /health" in client.fleet.lost()[a]
         metrics = client.fleet_metrics()
         assert metrics["rollout/worker_failures"] == 1 and metrics["rollout/resent_requests"] >= 1, metrics
-        assert client.retries == 0
+        assert client.generation.retries == 0
         if via_router:
             assert _listed(r) == [b]
 
@@ -247,9 +248,9 @@ def test_a_restarted_server_is_recalled_admitted_after_the_version_and_served_ag
             client.generate(PROMPTS, PARAMS)
             assert recorded(rec_b2) == []  # but no generation
             assert client.admit_workers(3) == []  # it still reports "0"
-            client.set_weight_version(3)  # the push (here only the version) reaches both
+            client.control.set_weight_version(3)  # the push (here only the version) reaches both
             assert recorded(rec_b2, "/update_weight_version") == [{"new_version": "3", "abort_all_requests": False}]
-            assert client.admit_workers(3) == [b] and client.expected_version == "3"
+            assert client.admit_workers(3) == [b] and client.members.expected_version == "3"
             assert sorted(client.fleet.live()) == sorted([a, b]) and _listed(r) == sorted([a, b])  # router order
             client.generate(PROMPTS, PARAMS)
             assert recorded(rec_b2)  # served again, through the router
@@ -275,7 +276,7 @@ def test_a_worker_the_router_lists_later_joins_only_with_the_current_weights(tmp
         assert _listed(r) == [a] and client.workers() == [a, c]
         client.generate(PROMPTS, PARAMS)
         assert recorded(rec_c) == []
-        client.set_weight_version(5)
+        client.control.set_weight_version(5)
         assert client.admit_workers(5) == [c] and _listed(r) == sorted([a, c])
         assert client.fleet_metrics()["rollout/worker_rejoins"] == 0  # a new worker, not a rejoin
         client.generate(PROMPTS, PARAMS)
@@ -292,11 +293,11 @@ def test_answers_made_with_stale_weights_are_never_returned(tmp_path, via_router
         router([a, b]) as r,
     ):
         client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
-        client._post_weights(a, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
+        client.control._post_weights(a, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
         before = client.generate(PROMPTS[:4], PARAMS)  # no push yet: any version is accepted
         assert len(before) == 4 and recorded(rec_b)
         n_a, n_b = len(recorded(rec_a)), len(recorded(rec_b))
-        client.set_expected_version(1)
+        client.members.set_expected_version(1)
         out = client.generate(PROMPTS, PARAMS)
         assert len(out) == len(PROMPTS)
         stale = len(recorded(rec_b)) - n_b  # b's answers once "1" was expected

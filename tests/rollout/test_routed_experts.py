@@ -130,8 +130,12 @@ def test_the_client_reads_them_and_names_the_missing_server_flag(moe_dir, server
     prompts = [[5, 17, 33], [7, 8, 9, 10, 11]]
     with router([on.url]) as url:  # given the router, the client asks it for its workers and goes to them
         client = SGLangEngine([url], timeout=30)
-        client.record_routing, client.routing_layers, client.routing_topk = True, [0, 2], TOP_K
-        assert client.generation_urls() == [on.url]
+        client.generation.record_routing, client.generation.routing_layers, client.generation.routing_topk = (
+            True,
+            [0, 2],
+            TOP_K,
+        )
+        assert client.generation.generation_urls() == [on.url]
         outs = client.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=5, seed=2), n=2)
     for prompt, completions in zip(prompts, outs):
         for c in completions:
@@ -146,7 +150,11 @@ def test_the_client_reads_them_and_names_the_missing_server_flag(moe_dir, server
     ).json()
     assert "routed_experts" not in plain["meta_info"]
     client = SGLangEngine([off.url], timeout=30, max_retries=0)
-    client.record_routing, client.routing_layers, client.routing_topk = True, [0, 2], TOP_K
+    client.generation.record_routing, client.generation.routing_layers, client.generation.routing_topk = (
+        True,
+        [0, 2],
+        TOP_K,
+    )
     with pytest.raises(EngineError, match="--enable-return-routed-experts"):
         client.generate([[5, 17]], SamplingParams(max_new_tokens=2))
     assert os.path.isdir(moe_dir)

@@ -38,9 +38,9 @@ def test_two_servers_split_prompts_and_reload_weights(tiny_hf, other_hf):
             for a, b in zip(row_got, row_want):
                 assert a.finish_reason == b.finish_reason
                 assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
-        assert client.requests_sent == len(prompts)  # one request per prompt, n samples each
+        assert client.generation.requests_sent == len(prompts)  # one request per prompt, n samples each
         client.load_from_disk(other_hf, version=7)  # every server now runs the other model
-        assert set(client.weight_versions().values()) == {"7"}
+        assert set(client.control.weight_versions().values()) == {"7"}
         other = EmbeddedEngine.from_pretrained(other_hf).generate(prompts, GREEDY, n=1)
         assert _tokens(client.generate(prompts, GREEDY)) == _tokens(other)
     finally:
@@ -89,7 +89,7 @@ def test_the_real_router_spreads_requests_and_weight_updates_reach_every_worker(
         for body in gen_a + gen_b:  # what the router forwards (it adds keys) is still SGLang's contract
             validate_generate_request(body)
         client.load_from_disk("/weights/step_0000002", version=2)
-        assert client.weight_versions() == {a: "2", b: "2"}
+        assert client.control.weight_versions() == {a: "2", b: "2"}
         for rec in (rec_a, rec_b):  # SGLang's sequence on each worker, never through the router
             import json
 
@@ -107,11 +107,11 @@ def test_failed_requests_are_retried_then_named(tmp_path):
     with fake_worker(tmp_path, "flaky", fail_first=1) as (url, _, _):
         client = SGLangEngine([url], **FAST)
         assert _tokens(client.generate([[1]], SamplingParams(max_new_tokens=3))) == [[[7, 8, 9]]]
-        assert client.retries == 1
+        assert client.generation.retries == 1
     with fake_worker(tmp_path, "abort", abort_first=1) as (url, _, _):
         client = SGLangEngine([url], **FAST)
         client.generate([[1]], SamplingParams(max_new_tokens=3))
-        assert client.retries == 1
+        assert client.generation.retries == 1
     with fake_worker(tmp_path, "broken", status=503) as (url, _, _):
         client = SGLangEngine([url], **FAST)
         with pytest.raises(EngineError, match=f"{url}/generate failed 3 times.*injected HTTP 503"):
@@ -120,7 +120,7 @@ def test_failed_requests_are_retried_then_named(tmp_path):
         client = SGLangEngine([url], **FAST)
         with pytest.raises(EngineError, match="HTTP 400: injected HTTP 400"):
             client.generate([[1]], SamplingParams(max_new_tokens=3))
-        assert client.requests_sent == 1  # a bad request is not retried
+        assert client.generation.requests_sent == 1  # a bad request is not retried
 
 
 def test_a_server_that_answers_non_json_is_a_clear_error(tmp_path):
@@ -260,10 +260,22 @@ def test_rollout_config_reaches_the_client(tmp_path):
             ],
         )
         engine = make_engine(cfg.rollout)
-    assert (engine.generate_timeout, engine.timeout, engine.weight_update_timeout) == (123, 7, 99)
-    assert (engine.max_concurrent_requests, engine.request_granularity, engine.max_retries) == (3, "sample", 4)
-    assert (engine.health_check_interval, engine.health_check_timeout, engine.health_failure_threshold) == (2, 3, 5)
-    assert engine.send_seed and engine.workers() == [url]
+    assert (engine.generation.generate_timeout, engine.transport.timeout, engine.control.weight_update_timeout) == (
+        123,
+        7,
+        99,
+    )
+    assert (
+        engine.generation.max_concurrent_requests,
+        engine.generation.request_granularity,
+        engine.generation.max_retries,
+    ) == (3, "sample", 4)
+    assert (
+        engine.generation.health_check_interval,
+        engine.transport.health_check_timeout,
+        engine.generation.health_failure_threshold,
+    ) == (2, 3, 5)
+    assert engine.generation.send_seed and engine.workers() == [url]
 
 
 def test_a_failed_disk_update_is_reported_not_the_resume_after_it(tmp_path):

@@ -264,7 +264,7 @@ def _pause_then_generate(urls, router_flags, pause_s: float = 6.0):
         client = SGLangEngine([rurl], timeout=30, max_retries=0)
         try:
             t0 = time.monotonic()
-            client.pause_generation()
+            client.control.pause_generation()
             r = httpx.get(urls[0] + "/health", timeout=10)
             assert r.status_code == 503 and time.monotonic() - t0 >= 0.9  # blocked, then 503, as SGLang
             dropped = False
@@ -283,7 +283,7 @@ def _pause_then_generate(urls, router_flags, pause_s: float = 6.0):
             t = threading.Thread(target=generate)
             t.start()
             time.sleep(0.5)  # the request reaches the router (and a paused server holds it)
-            client.continue_generation()
+            client.control.continue_generation()
             t.join(60)
             return dropped, result["out"]
         finally:
@@ -319,7 +319,7 @@ def test_api_key_refusals_and_the_client_sending_the_key(tiny_hf):
             bare.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
         keyed.load_from_disk(tiny_hf["tied"], version=3)  # pause, load, continue, version: all admin routes
         out = keyed.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
-        assert len(out[0][0].token_ids) == 2 and keyed.weight_versions() == {url: "3"}
+        assert len(out[0][0].token_ids) == 2 and keyed.control.weight_versions() == {url: "3"}
     finally:
         keyed.close()
         bare.close()
@@ -359,7 +359,7 @@ def test_api_key_through_the_real_router(tiny_hf):
                 out = keyed.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
                 assert len(out[0][0].token_ids) == 2
                 keyed.load_from_disk(tiny_hf["tied"], version=4)  # the workers' admin routes, with the key
-                assert keyed.weight_versions() == {u: "4" for u in urls}
+                assert keyed.control.weight_versions() == {u: "4" for u in urls}
             finally:
                 bare.close()
                 keyed.close()

@@ -141,14 +141,14 @@ def test_the_stale_rule_for_weights_that_change_while_requests_run():
 
 def test_the_engine_applies_the_rule_to_each_answer():
     client = SGLangEngine(["http://127.0.0.1:9"], workers=["http://127.0.0.1:9"])
-    client.set_expected_version(5)
+    client.members.set_expected_version(5)
     spans = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 3}]
     answer = _answer([0] * 3, version="5", spans=spans)  # sent at 4, ran across the push to 5
-    assert client._stale([answer["meta_info"]["weight_version"]], sent="4") is None
-    assert client._stale(["4"], sent="5") == "4"
-    assert client._stale(["6"], sent="5") == "6"
+    assert client.generation._stale([answer["meta_info"]["weight_version"]], sent="4") is None
+    assert client.generation._stale(["4"], sent="5") == "4"
+    assert client.generation._stale(["6"], sent="5") == "6"
     with client.fleet.pushing():
-        assert client._stale(["6"], sent="5") is None  # the servers already hold what comes next
+        assert client.generation._stale(["6"], sent="5") is None  # the servers already hold what comes next
     client.close()
 
 
@@ -200,7 +200,7 @@ def test_stream_bodies_follow_sglangs_contract_and_an_unanswered_abort_ends_at_t
         got = _collect(stream)
         assert time.monotonic() - t0 < 3.0
         assert all(c.aborted and c.token_ids == [] and c.versions == [] for c in got.values()) and len(got) == 3
-        assert stream.aborted == 3 and client.aborted_requests == 3
+        assert stream.aborted == 3 and client.streams.aborted_requests == 3
         assert len(recorded(record)) == 2  # the third was never sent
         aborts = recorded(record, "/abort_request")
         assert aborts and all(b == {"rid": "", "abort_all": True} for b in aborts)
@@ -245,7 +245,7 @@ def test_abort_mid_way_answers_the_output_so_far_and_continuing_finishes(tiny_hf
                 # the stand-in's seeded sampling is per sample: the partial response is a prefix of the full one
                 assert c.token_ids == full.token_ids[: len(c.token_ids)]
                 assert c.logprobs == pytest.approx(full.logprobs[: len(c.token_ids)], abs=1e-5)
-            assert stream.aborted == len(long) and client.retries == 0
+            assert stream.aborted == len(long) and client.generation.retries == 0
             # continue each: the prompt and its partial response as the input, the budget left
             cont = [
                 SampleRequest(
@@ -291,13 +291,15 @@ def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the
             client.admit_workers(1)
         stream = client.stream(_requests(budget=40))
         _wait_steps([ea, eb], 6)
-        sent = client.requests_sent
+        sent = client.generation.requests_sent
         with client.fleet.pushing():  # the rollout manager's push: the watchdog keeps off the paused servers
             client.load_from_disk(other_hf, version=2)
             client.admit_workers(2)
         got = _collect(stream)
         assert len(got) == len(PROMPTS) and all(not c.aborted for c in got.values())
-        assert client.requests_sent == sent and client.retries == 0  # nothing lost, retried or sent again
+        assert (
+            client.generation.requests_sent == sent and client.generation.retries == 0
+        )  # nothing lost, retried or sent again
         metrics = client.fleet_metrics()
         assert metrics["rollout/resent_requests"] == 0 and metrics["rollout/stale_responses"] == 0, metrics
         assert metrics["rollout/worker_failures"] == 0 and metrics["rollout/live_workers"] == 2, metrics
@@ -305,7 +307,7 @@ def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the
         assert spanning, {k: c.versions for k, c in got.items()}
         for c in got.values():
             assert len(c.versions) == len(c.token_ids) and c.versions == sorted(c.versions)
-        assert client.weight_versions() == {a: "2", b: "2"}
+        assert client.control.weight_versions() == {a: "2", b: "2"}
         client.close()
     finally:
         _stop(sa, sb)
@@ -325,9 +327,9 @@ def test_the_watchdog_leaves_servers_paused_by_a_push_alone(tiny_hf, in_push):
         stream = client.stream(_requests(budget=24, prompts=PROMPTS[:3]))
         _wait_steps([engine], 3)
         with client.fleet.pushing() if in_push else _nothing():
-            client.pause_generation("retract")
+            client.control.pause_generation("retract")
             time.sleep(3.0)  # outside a push: two probes that get no answer within 1 s
-            client.continue_generation()
+            client.control.continue_generation()
         if in_push:
             got = _collect(stream)
             assert len(got) == 3 and all(c.finish_reason in ("stop", "length") for c in got.values())
@@ -346,4 +348,4 @@ def test_a_server_side_abort_before_abort_is_asked_is_retried(tmp_path):
         client = SGLangEngine([url], timeout=5, retry_backoff=0.01)
         got = _collect(client.stream([SampleRequest("k", [1, 2], SamplingParams(max_new_tokens=3))]))
     assert got["k"].finish_reason == "stop" and got["k"].token_ids == [7, 8, 9]
-    assert client.retries == 1 and len(recorded(record)) == 2 and client.aborted_requests == 0
+    assert client.generation.retries == 1 and len(recorded(record)) == 2 and client.streams.aborted_requests == 0

@@ -68,7 +68,7 @@ def trainer_build() -> tuple:
 def _server_infos(engine) -> dict:
     """``{worker: /server_info}`` of the workers that answer (one that is gone is dropped, as
     everywhere in the fleet: the checks concern the servers that will serve)."""
-    return engine._on_workers(engine.server_info, tolerate_loss=True)
+    return engine.members.on_workers(engine.server_info, tolerate_loss=True)
 
 
 def check_nccl_build(engine, *, trainer_torch: str | None = None, trainer_nccl: str | None = None) -> None:

@@ -15,8 +15,8 @@
 - each worker's context length.
 
 Bodies follow the request structs of SGLang 0.5.23's ``io_struct.py`` (the tests check them).
-:class:`Control` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine` over
-:class:`.transport.Transport`.
+:class:`Control` is a part of :class:`~megatron_klear.rollout.sglang.SGLangEngine`, over the client's
+:class:`.transport.Transport` and :class:`.membership.Membership`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import threading
 
 from megatron_klear.rollout.base import Completion
 from megatron_klear.rollout.sglang.generation import parse_completion
-from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_background, in_parallel
+from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_background
 
 #: the pause modes of a weight push (``sync_pause_mode``): ``abort`` ends the requests in flight (the
 #: client sends them again); ``retract`` keeps them (SGLang 0.5.23 ``Scheduler.pause_generation``
@@ -106,22 +106,32 @@ def bucket_error(errors: dict) -> str:
 
 
 class Control:
+    """The control calls over the client's ``transport`` to the workers ``members`` lists.
+    ``weight_update_timeout``: one worker's weight load; ``sync_pause_mode``: how a push pauses the
+    servers (:data:`PAUSE_MODES`, checked now and at each push)."""
+
     #: tries of /flush_cache before a weight load (see :meth:`Control.flush_cache`)
     flush_attempts = 8
+
+    def __init__(self, transport, members, *, weight_update_timeout: float = 1800.0, sync_pause_mode: str = "abort"):
+        self.transport, self.members = transport, members
+        self.weight_update_timeout = float(weight_update_timeout)
+        self.sync_pause_mode = sync_pause_mode
+        self.push_pause_mode()  # one of PAUSE_MODES, or a ValueError naming it now
 
     # -- context length ----------------------------------------------------------------------------
     def context_length(self, url: str) -> int | None:
         """The longest prompt + response a worker accepts: ``/v1/models``' ``max_model_len``
         (SGLang's model_config.context_len), else ``/server_info``'s context length."""
         try:
-            models = self._request("GET", "/v1/models", url=url)
+            models = self.transport.request("GET", "/v1/models", url=url)
             cards = models.get("data") if isinstance(models, dict) else None
             if cards and isinstance(cards[0], dict) and cards[0].get("max_model_len"):
                 return int(cards[0]["max_model_len"])
         except EngineError as e:
             if "HTTP 404" not in str(e):  # a server without the route falls back; anything else is an error
                 raise
-        info = self._request("GET", "/server_info", url=url)
+        info = self.transport.request("GET", "/server_info", url=url)
         for key in ("max_context_length", "context_length"):
             if isinstance(info, dict) and isinstance(info.get(key), int) and info[key] > 0:
                 return int(info[key])
@@ -130,7 +140,7 @@ class Control:
     def check_context_length(self, needed: int, what: str = "") -> dict:
         """Fail unless every worker's context holds ``needed`` tokens (prompt + max_new_tokens);
         returns {worker: context length}."""
-        lengths = self._on_workers(self.context_length, tolerate_loss=True)  # a worker gone is dropped
+        lengths = self.members.on_workers(self.context_length, tolerate_loss=True)  # a worker gone is dropped
         short = {w: c for w, c in lengths.items() if c is not None and c < needed}
         if short:
             w, c = next(iter(short.items()))
@@ -156,7 +166,7 @@ class Control:
         for attempt in range(max(1, int(self.flush_attempts))):
             try:
                 # no body: SGLang's route reads only an optional ``timeout`` query parameter
-                self._request("POST", "/flush_cache", None, url=worker, expect_json=False)
+                self.transport.request("POST", "/flush_cache", None, url=worker, expect_json=False)
                 return
             except EngineError as e:
                 if "HTTP 400" not in str(e):  # gone, or another answer than SGLang's refusal
@@ -186,13 +196,13 @@ class Control:
 
         def update(w):
             try:
-                self._request("POST", "/pause_generation", {"mode": mode}, url=w)
+                self.transport.request("POST", "/pause_generation", {"mode": mode}, url=w)
                 try:
                     self.flush_cache(w)
                     body = {"model_path": model_dir, "flush_cache": False}
                     if version is not None:
                         body["weight_version"] = version
-                    result = self._request(
+                    result = self.transport.request(
                         "POST", "/update_weights_from_disk", body, timeout=self.weight_update_timeout, url=w
                     )
                     if not isinstance(result, dict) or not result.get("success", False):
@@ -202,13 +212,13 @@ class Control:
                     # resume the worker, but the update's failure is the one reported (the resume's, if
                     # it fails too, rides along as a note)
                     try:
-                        self._request("POST", "/continue_generation", {}, url=w)
+                        self.transport.request("POST", "/continue_generation", {}, url=w)
                     except Exception as cleanup:  # noqa: BLE001
                         cause.add_note(f"(then {w}/continue_generation failed too: {cleanup})")
                     raise
-                self._request("POST", "/continue_generation", {}, url=w)
+                self.transport.request("POST", "/continue_generation", {}, url=w)
                 if version is not None:
-                    reported = (self.model_info(w) or {}).get("weight_version")
+                    reported = (self.transport.model_info(w) or {}).get("weight_version")
                     if str(reported) != version:
                         raise EngineError(
                             f"rollout: {w} reports weight_version {reported!r} after loading "
@@ -219,43 +229,28 @@ class Control:
                     raise  # gone: _on_workers drops it
                 refused[w] = e
 
-        rejoining = set(self.fleet.rejoining())
-        self._on_workers(update, tolerate_loss=True)
+        rejoining = set(self.members.fleet.rejoining())
+        self.members.on_workers(update, tolerate_loss=True)
         for w, e in refused.items():
             if w in rejoining:
-                self.drop_worker(w, f"its weight load as it rejoined failed: {e}")
+                self.members.drop_worker(w, f"its weight load as it rejoined failed: {e}")
         live_failures = [e for w, e in refused.items() if w not in rejoining]
         if live_failures:
             raise live_failures[0]
 
-    def alive(self, workers) -> list:
-        """Whether each of ``workers`` answers at all, in parallel: ``/model_info`` within
-        ``rollout.health_check_timeout_s``, any answer counts. Not ``/health``: SGLang 0.5.23's blocks
-        while generation is paused (a weight sync pauses it) and answers 503 after 20 s."""
-        wait = min(self.timeout, self.health_check_timeout)
-
-        def ask(w):
-            try:
-                self._request("GET", "/model_info", timeout=wait, url=w)
-            except WorkerGone:
-                return False
-            except EngineError:
-                return True  # it answered (with an error status): it is there
-            return True
-
-        return in_parallel(ask, list(workers))[0]
-
     def weight_versions(self) -> dict:
         """``{worker: the weight_version it reports}`` of every worker that answers (a gone one is
         dropped)."""
-        return self._on_workers(lambda w: (self.model_info(w) or {}).get("weight_version"), tolerate_loss=True)
+        return self.members.on_workers(
+            lambda w: (self.transport.model_info(w) or {}).get("weight_version"), tolerate_loss=True
+        )
 
     # -- weights over a process group (SGLang's update_weights_from_distributed) ---------------------
     # The trainer side (megatron_klear.rollout.weight_sync.DistributedWeightSync) drives these; each
     # runs on every worker in parallel and raises EngineError naming the first worker that failed.
     def _post_weights(self, worker: str, path: str, body: dict, timeout: float | None = None) -> dict:
         """POST a weight-control call; SGLang answers ``{"success", "message"}`` (400 on failure)."""
-        result = self._request("POST", path, body, timeout=timeout, url=worker)
+        result = self.transport.request("POST", path, body, timeout=timeout, url=worker)
         if isinstance(result, dict) and result.get("success") is False:
             raise EngineError(f"rollout: POST {worker}{path} failed: {result.get('message')}")
         return result if isinstance(result, dict) else {}
@@ -265,7 +260,7 @@ class Control:
         model (SGLang: ``rank_offset + tp_rank``). Refuses layouts SGLang cannot update this way."""
 
         def ask(w):
-            info = self.server_info(w) or {}
+            info = self.transport.server_info(w) or {}
             tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
             if dp > 1 and not info.get("enable_dp_attention"):
                 raise EngineError(
@@ -280,7 +275,7 @@ class Control:
                 )
             return tp
 
-        return list(zip(self.workers(), self._on_workers(ask)))
+        return list(zip(self.members.workers(), self.members.on_workers(ask)))
 
     def init_weights_update_group_async(
         self,
@@ -328,7 +323,7 @@ class Control:
             with contextlib.suppress(EngineError):
                 self._post_weights(w, "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout)
 
-        self._on_workers(drop)
+        self.members.on_workers(drop)
 
     def push_pause_mode(self) -> str:
         """The engine's ``sync_pause_mode``, checked against :data:`PAUSE_MODES`."""
@@ -340,10 +335,10 @@ class Control:
     def pause_generation(self, mode: str | None = None) -> None:
         """``/pause_generation`` on every worker; ``mode`` None: :meth:`push_pause_mode`."""
         mode = self.push_pause_mode() if mode is None else mode
-        self._on_workers(lambda w: self._request("POST", "/pause_generation", {"mode": mode}, url=w))
+        self.members.on_workers(lambda w: self.transport.request("POST", "/pause_generation", {"mode": mode}, url=w))
 
     def continue_generation(self) -> None:
-        self._on_workers(lambda w: self._request("POST", "/continue_generation", {}, url=w))
+        self.members.on_workers(lambda w: self.transport.request("POST", "/continue_generation", {}, url=w))
 
     def begin_weight_update(self) -> None:
         """Open a weight-update session on every worker (SGLang 0.5.23 refuses updates outside one).
@@ -361,7 +356,7 @@ class Control:
                     pass  # a failed stale session (ours: nothing applied) still closes
                 self._post_weights(w, "/begin_weight_update", {})
 
-        self._on_workers(begin)
+        self.members.on_workers(begin)
 
     def post_bucket(
         self,
@@ -393,7 +388,7 @@ class Control:
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         timeout = self.weight_update_timeout if timeout is None else timeout
-        return BucketPost(self, self.workers() if workers is None else workers, body, timeout)
+        return BucketPost(self, self.members.workers() if workers is None else workers, body, timeout)
 
     def update_weights_from_distributed(
         self,
@@ -424,27 +419,29 @@ class Control:
 
     def flush_caches(self) -> None:
         """:meth:`flush_cache` on every worker, in parallel; the first failure is raised."""
-        self._on_workers(self.flush_cache)
+        self.members.on_workers(self.flush_cache)
 
     def end_weight_update(self) -> None:
-        self._on_workers(lambda w: self._post_weights(w, "/end_weight_update", {}, timeout=self.weight_update_timeout))
+        self.members.on_workers(
+            lambda w: self._post_weights(w, "/end_weight_update", {}, timeout=self.weight_update_timeout)
+        )
 
     def set_weight_version(self, version) -> None:
         """``/update_weight_version`` on every worker, aborting nothing (generation is paused)."""
         body = {"new_version": str(version), "abort_all_requests": False}
-        self._on_workers(lambda w: self._post_weights(w, "/update_weight_version", body))
+        self.members.on_workers(lambda w: self._post_weights(w, "/update_weight_version", body))
 
     def check_weight_versions(self, version) -> None:
         """Every worker must report ``version`` (``/model_info``'s ``weight_version``): a live one that
         does not is an error, a rejoining one is dropped again (it gets no request)."""
-        rejoining = set(self.fleet.rejoining())
+        rejoining = set(self.members.fleet.rejoining())
         for w, reported in self.weight_versions().items():
             if str(reported) == str(version):
                 continue
             why = f"rollout: {w} reports weight_version {reported!r} after the update, expected {str(version)!r}"
             if w not in rejoining:
                 raise EngineError(why)
-            self.drop_worker(w, why)
+            self.members.drop_worker(w, why)
 
     # -- verification ------------------------------------------------------------------------------
     def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:
@@ -464,13 +461,13 @@ class Control:
         }
         # bounded by the control timeout, not the generation one: 16 greedy tokens on an idle server
         # (right after a push) take well under a second, and a frozen server must not hold the step
-        out = self._request("POST", "/generate", body, timeout=self.timeout, url=worker)
+        out = self.transport.request("POST", "/generate", body, timeout=self.transport.timeout, url=worker)
         return parse_completion(out[0] if isinstance(out, list) else out, url=worker)
 
     def worker_dtypes(self) -> dict:
         """{worker: the dtype its model runs in} from ``/server_info`` (``dtype``; SGLang's ``auto``
         is reported as is)."""
-        return {w: str((self.server_info(w) or {}).get("dtype") or "auto") for w in self.workers()}
+        return {w: str((self.transport.server_info(w) or {}).get("dtype") or "auto") for w in self.members.workers()}
 
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:
         """Write the tensors to a temporary HF directory and have every worker load it. Only for
@@ -503,14 +500,14 @@ class Control:
         server's weights and KV cache on its GPU."""
 
         def ask(w):
-            if not (self.server_info(w) or {}).get("enable_memory_saver"):
+            if not (self.transport.server_info(w) or {}).get("enable_memory_saver"):
                 raise EngineError(
                     f"rollout.colocate: {w} was not started with --enable-memory-saver, so releasing its "
                     "memory would free nothing: restart it with that flag (pip install "
                     "torch-memory-saver), or give the servers their own GPUs (rollout.colocate=false)"
                 )
 
-        self._on_workers(ask)
+        self.members.on_workers(ask)
 
     def release_memory(self, tags=None) -> list:
         """SGLang's ``/release_memory_occupation`` on every worker (they must be idle): ``tags`` of
@@ -518,8 +515,8 @@ class Control:
         resume them, then load weights, before generating. A worker that is gone is dropped.
         Returns the workers that released."""
         body = {"tags": list(tags)} if tags else {}
-        done = self._on_workers(
-            lambda w: self._request("POST", "/release_memory_occupation", body, url=w), tolerate_loss=True
+        done = self.members.on_workers(
+            lambda w: self.transport.request("POST", "/release_memory_occupation", body, url=w), tolerate_loss=True
         )
         return list(done)
 
@@ -533,6 +530,6 @@ class Control:
 
         def resume(w):
             if only is None or w in only:
-                self._request("POST", "/resume_memory_occupation", body, url=w)
+                self.transport.request("POST", "/resume_memory_occupation", body, url=w)
 
-        self._on_workers(resume, tolerate_loss=True)
+        self.members.on_workers(resume, tolerate_loss=True)

@@ -1,21 +1,25 @@
 """:class:`SGLangEngine`: the rollout engine made of SGLang servers, reached through their native
-HTTP API, directly or behind ``sglang-router``. One class composed of the client's parts:
-:class:`.generation.Generation` (``/generate`` with retries, the health watchdog, requests sent
-again when a worker is lost), :class:`.control.Control` (weights, versions, probe, memory, context
-length), :class:`.membership.Membership` (the workers: discovery, live / rejoining / lost, the
-router's list) and :class:`.transport.Transport` (the HTTP client, errors)."""
+HTTP API, directly or behind ``sglang-router``. It is composed of parts with their own state, built
+here and handed to each other: :class:`.transport.Transport` (the HTTP client, errors),
+:class:`.membership.Membership` (the workers: discovery, live / rejoining / lost, the router's list),
+:class:`.generation.Generation` (``/generate`` with retries, the health watchdog, requests sent again
+when a worker is lost), :class:`.streams.Streams` (abortable requests) and :class:`.control.Control`
+(weights, versions, probe, memory, context length). The engine answers the interface of
+:class:`~megatron_klear.rollout.base.ServerEngine` from them; the SGLang-only verbs (the distributed
+weight update's calls) are ``engine.control``'s. A second server engine reuses the
+engine-neutral parts (transport, membership and its fleet) rather than copying them."""
 
 from __future__ import annotations
 
 from megatron_klear.rollout.base import ServerEngine
 from megatron_klear.rollout.sglang.control import MEMORY_TAGS, Control
-from megatron_klear.rollout.sglang.generation import GRANULARITIES, Generation
+from megatron_klear.rollout.sglang.generation import Generation
 from megatron_klear.rollout.sglang.membership import Membership
 from megatron_klear.rollout.sglang.streams import Streams
 from megatron_klear.rollout.sglang.transport import EngineError, Transport
 
 
-class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEngine):
+class SGLangEngine(ServerEngine):
     """SGLang servers as the rollout engine (see :mod:`megatron_klear.rollout.sglang`).
 
     ``urls``: where ``/generate`` goes (one router, or the servers); ``workers``: the servers
@@ -27,7 +31,7 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
     each request carries its own seed derived from ``params.seed`` (the stand-in server derives one
     per sample from it: runs are reproducible). ``routed_experts``: ``(MoE layer indices, top_k)``
     to ask each server for the experts every token was routed to (``rollout.router_replay``; sets
-    ``record_routing``, ``routing_layers``, ``routing_topk``). ``check``: every URL must answer
+    the generation part's ``record_routing``, ``routing_layers``, ``routing_topk``). ``check``: every URL must answer
     ``/health`` now. ``min_live_workers``: the fewest live workers a step goes on with
     (:mod:`.fleet`; fewer fail the call with :class:`~.fleet.FleetError`). ``api_key``: the servers' ``--api-key``.
 
@@ -39,13 +43,6 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
     """
 
     loads_from_disk = True
-    send_seed = False
-    # rollout.router_replay (MoE): ask each server for the experts every token was routed to
-    # (``return_routed_experts``); the model's MoE layer indices and top_k to read them
-    record_routing = False
-    routing_layers: list = []
-    routing_topk: int = 0
-    sync_pause_mode = "abort"
     memory_tags = MEMORY_TAGS
 
     def __init__(
@@ -63,7 +60,7 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
         health_check_interval: float = 10.0,
         health_check_timeout: float = 10.0,
         health_failure_threshold: int = 3,
-        send_seed: bool | None = None,
+        send_seed: bool = False,
         check: bool = False,
         routed_experts: tuple | None = None,
         min_live_workers: int = 1,
@@ -73,43 +70,116 @@ class SGLangEngine(Streams, Generation, Control, Membership, Transport, ServerEn
         urls = [urls] if isinstance(urls, str) else list(urls or [])
         if not urls:
             raise ValueError("rollout: at least one server URL is needed")
-        if request_granularity not in GRANULARITIES:
-            raise ValueError(f"rollout.request_granularity must be one of {GRANULARITIES}, got {request_granularity!r}")
-        if int(max_concurrent_requests) < 1 or int(max_retries) < 0 or int(health_failure_threshold) < 1:
-            raise ValueError(
-                "rollout: max_concurrent_requests and health_failure_threshold must be >= 1, max_retries >= 0"
-            )
         self.urls = [u.rstrip("/") for u in urls]
-        self.url = self.urls[0]
-        self._explicit_workers = [w.rstrip("/") for w in workers] if workers else None
-        self._init_transport()
-        self._init_membership()
-        self.timeout, self.generate_timeout = float(timeout), float(generate_timeout)
-        self.weight_update_timeout = float(weight_update_timeout)
-        self.max_concurrent_requests = int(max_concurrent_requests)
-        self.request_granularity = request_granularity
-        self.max_retries, self.retry_backoff = int(max_retries), float(retry_backoff)
-        self.health_check_interval = float(health_check_interval)
-        self.health_check_timeout = float(health_check_timeout)
-        self.health_failure_threshold = int(health_failure_threshold)
-        if send_seed is not None:
-            self.send_seed = bool(send_seed)
-        if routed_experts is not None:
-            layers, top_k = routed_experts
-            if int(top_k) < 1:
-                raise ValueError(
-                    f"rollout: routed_experts needs (MoE layer indices, top_k >= 1), got {routed_experts!r}"
-                )
-            self.record_routing, self.routing_layers, self.routing_topk = True, [int(x) for x in layers], int(top_k)
-        if int(min_live_workers) < 1:
-            raise ValueError(f"rollout.min_live_workers must be >= 1, got {min_live_workers}")
-        self.min_live_workers = int(min_live_workers)
-        self.sync_pause_mode = sync_pause_mode
-        self.push_pause_mode()  # one of PAUSE_MODES, or a ValueError naming it now
-        self.api_key = api_key or None  # sent as "Authorization: Bearer <key>" (servers started with --api-key)
-        self.requests_sent = 0  # /generate requests, retries included
-        self.retries = 0
+        self.transport = Transport(
+            self.urls[0], timeout=timeout, health_check_timeout=health_check_timeout, api_key=api_key
+        )
+        self.members = Membership(self.transport, self.urls, workers=workers, min_live_workers=min_live_workers)
+        self.generation = Generation(
+            self.transport,
+            self.members,
+            generate_timeout=generate_timeout,
+            max_concurrent_requests=max_concurrent_requests,
+            request_granularity=request_granularity,
+            max_retries=max_retries,
+            retry_backoff=retry_backoff,
+            health_check_interval=health_check_interval,
+            health_failure_threshold=health_failure_threshold,
+            send_seed=send_seed,
+            routed_experts=routed_experts,
+        )
+        self.streams = Streams(self.generation)
+        self.control = Control(
+            self.transport, self.members, weight_update_timeout=weight_update_timeout, sync_pause_mode=sync_pause_mode
+        )
         if check:
             for u in self.urls:
-                if not self.health(u):
+                if not self.transport.health(u):
                     raise EngineError(f"rollout: {u}/health does not answer (is the server or router running?)")
+
+    # -- settings the rest of the package reads -----------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.transport.url
+
+    @property
+    def sync_pause_mode(self) -> str:
+        return self.control.sync_pause_mode
+
+    @sync_pause_mode.setter
+    def sync_pause_mode(self, mode: str) -> None:
+        self.control.sync_pause_mode = mode
+
+    @property
+    def fleet(self):
+        """The workers' states (:class:`~.fleet.Fleet`, :attr:`.membership.Membership.fleet`)."""
+        return self.members.fleet
+
+    # -- RolloutEngine -----------------------------------------------------------------------------
+    def generate(self, prompts: list, params, n: int = 1) -> list:
+        return self.generation.generate(prompts, params, n)
+
+    def generate_iter(self, prompts: list, params, n: int = 1, *, chunk_size: int | None = None):
+        return self.generation.generate_iter(prompts, params, n, chunk_size=chunk_size)
+
+    def update_weights(self, named_tensors, *, version: int | None = None) -> None:
+        self.control.update_weights(named_tensors, version=version)
+
+    def release_memory(self, tags=None) -> list:
+        return self.control.release_memory(tags)
+
+    def resume_memory(self, tags=None, workers=None) -> None:
+        self.control.resume_memory(tags, workers=workers)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    # -- ServerEngine ------------------------------------------------------------------------------
+    def workers(self, refresh: bool = False) -> list:
+        return self.members.workers(refresh=refresh)
+
+    def worker_dtypes(self) -> dict:
+        return self.control.worker_dtypes()
+
+    def probe(self, worker: str, prompt_ids: list, max_new_tokens: int):
+        return self.control.probe(worker, prompt_ids, max_new_tokens)
+
+    def load_from_disk(self, model_dir: str, *, version=None) -> None:
+        self.control.load_from_disk(model_dir, version=version)
+
+    def check_context_length(self, needed: int, what: str = "") -> dict:
+        return self.control.check_context_length(needed, what)
+
+    def check_memory_saver(self) -> None:
+        self.control.check_memory_saver()
+
+    def drop_worker(self, worker: str, why: str) -> bool:
+        return self.members.drop_worker(worker, why)
+
+    def recall_workers(self) -> list:
+        return self.members.recall_workers()
+
+    def rejoining_workers(self) -> list:
+        return self.members.rejoining_workers()
+
+    def admit_workers(self, version) -> list:
+        return self.members.admit_workers(version)
+
+    def pushing(self):
+        return self.members.pushing()
+
+    def fleet_metrics(self) -> dict:
+        return self.members.fleet_metrics()
+
+    def stream(self, requests: list):
+        return self.streams.stream(requests)
+
+    # -- what every engine of servers answers, used by tools and checks ----------------------------
+    def health(self, url: str | None = None) -> bool:
+        return self.transport.health(url)
+
+    def model_info(self, url: str | None = None) -> dict:
+        return self.transport.model_info(url)
+
+    def server_info(self, url: str | None = None) -> dict:
+        return self.transport.server_info(url)

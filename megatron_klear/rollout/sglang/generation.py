@@ -103,6 +103,54 @@ class _Call:
 
 
 class Generation:
+    """``/generate`` over the client's ``transport`` to the workers ``members`` lists: see the
+    module's docstring for the settings (``generate_timeout``: one request's seconds; the watchdog's
+    ``health_check_interval`` and ``health_failure_threshold``; ``send_seed``: each request carries
+    its own seed; ``routed_experts``: ``(MoE layer indices, top_k)`` to ask for the experts every
+    token was routed to)."""
+
+    def __init__(
+        self,
+        transport,
+        members,
+        *,
+        generate_timeout: float = 3600.0,
+        max_concurrent_requests: int = 256,
+        request_granularity: str = "prompt",
+        max_retries: int = 2,
+        retry_backoff: float = 1.0,
+        health_check_interval: float = 10.0,
+        health_failure_threshold: int = 3,
+        send_seed: bool = False,
+        routed_experts: tuple | None = None,
+    ):
+        if request_granularity not in GRANULARITIES:
+            raise ValueError(f"rollout.request_granularity must be one of {GRANULARITIES}, got {request_granularity!r}")
+        if int(max_concurrent_requests) < 1 or int(max_retries) < 0 or int(health_failure_threshold) < 1:
+            raise ValueError(
+                "rollout: max_concurrent_requests and health_failure_threshold must be >= 1, max_retries >= 0"
+            )
+        self.transport, self.members = transport, members
+        self.generate_timeout = float(generate_timeout)
+        self.max_concurrent_requests = int(max_concurrent_requests)
+        self.request_granularity = request_granularity
+        self.max_retries, self.retry_backoff = int(max_retries), float(retry_backoff)
+        self.health_check_interval = float(health_check_interval)
+        self.health_failure_threshold = int(health_failure_threshold)
+        self.send_seed = bool(send_seed)
+        # rollout.router_replay (MoE): ask each server for the experts every token was routed to
+        # (``return_routed_experts``); the model's MoE layer indices and top_k to read them
+        self.record_routing, self.routing_layers, self.routing_topk = False, [], 0
+        if routed_experts is not None:
+            layers, top_k = routed_experts
+            if int(top_k) < 1:
+                raise ValueError(
+                    f"rollout: routed_experts needs (MoE layer indices, top_k >= 1), got {routed_experts!r}"
+                )
+            self.record_routing, self.routing_layers, self.routing_topk = True, [int(x) for x in layers], int(top_k)
+        self.requests_sent = 0  # /generate requests, retries included
+        self.retries = 0
+
     def generation_urls(self) -> list:
         """Where /generate requests go now: the routers among ``urls`` and the live workers among
         them (:meth:`~.membership.Membership.generation_targets`), each request to the one with the
@@ -110,7 +158,7 @@ class Generation:
         sglang-router (0.3.2) rebuilds each request from its own struct, which has no
         ``return_routed_experts`` / ``routed_experts_start_len``, so the servers would never be
         asked for the experts (tests/rollout/test_routed_experts.py sends one through it)."""
-        return self.fleet.live() if self.record_routing else self.generation_targets()
+        return self.members.fleet.live() if self.record_routing else self.members.generation_targets()
 
     def _request_body(self, input_ids, params: SamplingParams, n: int, seed) -> dict:
         """One /generate body: token ids in, ``n`` samples, the sampled tokens' log-probs back."""
@@ -150,7 +198,7 @@ class Generation:
         params.validate()
         if not prompts:
             return
-        self.fleet  # noqa: B018 -- discovers the workers here, so that a router that is down fails now
+        self.members.fleet  # noqa: B018 -- discovers the workers here, so that a router that is down fails now
         results: queue.Queue = queue.Queue()
         stop = threading.Event()
         thread = self._in_thread(
@@ -193,10 +241,10 @@ class Generation:
             max_connections=2 * self.max_concurrent_requests + 8,
             max_keepalive_connections=self.max_concurrent_requests + 8,
         )
-        timeout = httpx.Timeout(self.generate_timeout, connect=self.timeout)
+        timeout = httpx.Timeout(self.generate_timeout, connect=self.transport.timeout)
         async with (
-            httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._auth_headers()) as client,
-            httpx.AsyncClient(headers=self._auth_headers()) as probes,
+            httpx.AsyncClient(timeout=timeout, limits=limits, headers=self.transport.auth_headers()) as client,
+            httpx.AsyncClient(headers=self.transport.auth_headers()) as probes,
         ):
             yield _Call(client, probes)
 
@@ -256,7 +304,7 @@ class Generation:
     def _pick(self, call: _Call, avoid: str | None) -> str:
         urls = self.generation_urls()
         if not urls:
-            self.fleet.check()  # FleetError naming the lost workers
+            self.members.fleet.check()  # FleetError naming the lost workers
             raise EngineError("rollout: no live rollout server to send /generate to")
         if avoid is not None and len(urls) > 1:
             urls = [u for u in urls if u != avoid] or urls
@@ -291,10 +339,10 @@ class Generation:
                     me.hedge = False  # no hedge once aborting: the running attempt answers
                 if not mine or me.hedge:
                     if me.hedge:
-                        self.fleet.count(resent=1)
+                        self.members.fleet.count(resent=1)
                     me.hedge = False
                     task = self._start(call, me, self._pick(call, last.url if last else None), body, n)
-                    sent_at[task] = self.expected_version
+                    sent_at[task] = self.members.expected_version
                     mine.add(task)
                 waiter = asyncio.ensure_future(me.wake.wait())
                 try:
@@ -307,7 +355,7 @@ class Generation:
                     url = self._finish(call, task)
                     if task.cancelled():  # its worker was dropped: sent again, no retry consumed
                         if not call.aborting:
-                            self.fleet.count(resent=1)
+                            self.members.fleet.count(resent=1)
                         continue
                     e = task.exception()
                     if e is None:
@@ -316,13 +364,14 @@ class Generation:
                         if wrong is None:
                             return completions
                         stale += 1
-                        self.fleet.count(stale=1, resent=1)
+                        self.members.fleet.count(stale=1, resent=1)
                         if call.aborting:
                             continue  # not sent again: ends as an empty abort
                         if stale > self.max_retries + 1:
                             raise EngineError(
                                 f"rollout: POST {url}/generate answered with weight_version {wrong!r} {stale} times, "
-                                f"expected {self.expected_version!r} (a worker the client cannot tell is serving "
+                                f"expected {self.members.expected_version!r} (a worker the client cannot tell is "
+                                "serving "
                                 "other weights)"
                             )
                         await self._demote_stale(call, url, wrong)
@@ -332,7 +381,7 @@ class Generation:
                     if call.aborting:
                         continue  # not retried once aborting
                     if e.gone and await self._worker_is_gone(call, url, e.message):
-                        self.fleet.count(resent=1)  # its worker was dropped: sent again, no retry consumed
+                        self.members.fleet.count(resent=1)  # its worker was dropped: sent again, no retry consumed
                         continue
                     if mine:
                         continue  # a hedge of this request is still running
@@ -353,28 +402,28 @@ class Generation:
     def _stale(self, versions: list, sent=None):
         """The first final ``weight_version`` of an answer that is stale for a request sent while the
         client expected ``sent`` (:func:`.versions.stale_version`); None: none."""
-        pushing = self.fleet.is_pushing()
-        return next((v for v in versions if stale_version(v, sent, self.expected_version, pushing)), None)
+        pushing = self.members.fleet.is_pushing()
+        return next((v for v in versions if stale_version(v, sent, self.members.expected_version, pushing)), None)
 
     async def _demote_stale(self, call: _Call, url: str, version) -> None:
         """An answer made with other weights: its worker (``url``, or through a router the live
         workers reporting another version) leaves the live set until the next push."""
-        why = f"answered /generate with weight_version {version!r}, expected {self.expected_version!r}"
-        if self.fleet.state(url) is not None:
-            await asyncio.to_thread(self.demote_worker, url, why)
+        why = f"answered /generate with weight_version {version!r}, expected {self.members.expected_version!r}"
+        if self.members.fleet.state(url) is not None:
+            await asyncio.to_thread(self.members.demote_worker, url, why)
             return
         asked = time.monotonic()
         async with call.audit:
             if call.audited_at < asked:  # (an audit that started after this answer came covers it)
-                await asyncio.to_thread(self.audit_versions)
+                await asyncio.to_thread(self.members.audit_versions)
                 call.audited_at = time.monotonic()
 
     async def _worker_is_gone(self, call: _Call, url: str, message: str) -> bool:
         """A request to the worker ``url`` could not reach it: one /health probe (shared by the
         requests that failed alike) decides whether it is dropped now. True when it was dropped
         (now or before); False for a router, or a worker that answers (the failure is retried)."""
-        state = self.fleet.state(url)
-        if state is None or (state == LIVE and self.fleet.is_pushing()):
+        state = self.members.fleet.state(url)
+        if state is None or (state == LIVE and self.members.fleet.is_pushing()):
             return False  # a router: its own failure; or paused by a push (/health blocks): retried
         if state != LIVE:
             return True
@@ -395,12 +444,12 @@ class Generation:
         """Drop ``worker`` (fleet and routers; FleetError below min_live), then send its requests
         again: those sent to it directly are cancelled (their requests pick another worker), those
         in flight through a router are hedged."""
-        if not await asyncio.to_thread(self.drop_worker, worker, why):
+        if not await asyncio.to_thread(self.members.drop_worker, worker, why):
             return
         for task, (url, req) in list(call.attempts.items()):
             if url == worker:
                 task.cancel()
-            elif self.fleet.state(url) is None:  # through a router: it may hold the request
+            elif self.members.fleet.state(url) is None:  # through a router: it may hold the request
                 req.hedge = True
             else:
                 continue
@@ -447,10 +496,10 @@ class Generation:
     # -- the watchdog ----------------------------------------------------------------------------------
     async def _probe(self, client: httpx.AsyncClient, w: str):
         try:
-            r = await client.get(w + "/health", timeout=self.health_check_timeout)
+            r = await client.get(w + "/health", timeout=self.transport.health_check_timeout)
             return r.status_code < 400, f"HTTP {r.status_code}"
         except httpx.TimeoutException:
-            return False, f"no answer within {self.health_check_timeout:g} s"
+            return False, f"no answer within {self.transport.health_check_timeout:g} s"
         except httpx.HTTPError as e:
             return False, f"{type(e).__name__}: {e}"
 
@@ -462,12 +511,12 @@ class Generation:
         misses, first_miss = {}, {}
         while not stop.is_set():
             await asyncio.sleep(self.health_check_interval)
-            pushes = self.fleet.pushes_started
-            if self.fleet.is_pushing():
+            pushes = self.members.fleet.pushes_started
+            if self.members.fleet.is_pushing():
                 continue
-            workers = self.fleet.live()
+            workers = self.members.fleet.live()
             probed = await asyncio.gather(*(self._probe(call.probe_client, w) for w in workers))
-            if self.fleet.is_pushing() or self.fleet.pushes_started != pushes:
+            if self.members.fleet.is_pushing() or self.members.fleet.pushes_started != pushes:
                 continue
             for w, (ok, why) in zip(workers, probed):
                 if ok:

@@ -31,9 +31,9 @@ it cannot be reached or does not answer in time -- connection refused or reset, 
 closed without an answer, a timeout. An answer, whatever its status (4xx, 5xx, a paused server's
 503), is a worker that is there and refused the call: that fails the call as before.
 
-:class:`Membership` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine` over
-:class:`.transport.Transport`; it uses ``urls``, ``timeout``, ``health_check_timeout``,
-``min_live_workers``, ``api_key`` and ``_explicit_workers``.
+:class:`Membership` is a part of :class:`~megatron_klear.rollout.sglang.SGLangEngine` with its own
+state (the fleet, the routers, the expected weight version), over the client's
+:class:`.transport.Transport`; generation and control are given it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,15 @@ def note(message: str) -> None:
 
 
 class Membership:
-    def _init_membership(self) -> None:
+    """The workers behind ``urls`` (``workers``: listed explicitly instead of asked from routers),
+    and the fewest live ones a step goes on with (``min_live_workers``)."""
+
+    def __init__(self, transport, urls: list, *, workers=None, min_live_workers: int = 1):
+        if int(min_live_workers) < 1:
+            raise ValueError(f"rollout.min_live_workers must be >= 1, got {min_live_workers}")
+        self.transport, self.urls = transport, list(urls)
+        self._explicit_workers = [w.rstrip("/") for w in workers] if workers else None
+        self.min_live_workers = int(min_live_workers)
         self._fleet = None  # made on first use (discovery asks the routers)
         self._routers = {}  # url -> whether it is a router (answers GET /workers with a list)
         self._membership_lock = threading.RLock()
@@ -80,10 +88,10 @@ class Membership:
         """The worker entries a router lists (``[{"id", "url", "is_healthy", ...}]``), or None when
         ``url`` is not a router (no ``GET /workers`` list). Raises EngineError when unreachable."""
         try:
-            resp = self._client().get(url + "/workers", timeout=self.timeout)
+            resp = self.transport.client().get(url + "/workers", timeout=self.transport.timeout)
         except httpx.TimeoutException:
             raise WorkerGone(
-                f"rollout: {url} did not answer GET /workers within {self.timeout:g} s "
+                f"rollout: {url} did not answer GET /workers within {self.transport.timeout:g} s "
                 "(rollout.control_timeout_s): is it hung?"
             ) from None
         except httpx.HTTPError as e:
@@ -144,7 +152,7 @@ class Membership:
         return [u for u in self.urls if fleet.state(u) in (None, LIVE)]
 
     # -- calls on every worker ---------------------------------------------------------------------
-    def _on_workers(self, fn, timeout_hint: str = "", tolerate_loss: bool = False):
+    def on_workers(self, fn, timeout_hint: str = "", tolerate_loss: bool = False):
         """Run ``fn(worker_url)`` on every worker of :meth:`workers` in parallel.
 
         ``tolerate_loss=False``: the results as a list aligned with ``workers()`` at the call; the
@@ -168,6 +176,23 @@ class Membership:
         if refused is not None:
             raise refused
         return {w: r for w, r, e in zip(workers, results, errors) if e is None}
+
+    def alive(self, workers) -> list:
+        """Whether each of ``workers`` answers at all, in parallel: ``/model_info`` within
+        ``rollout.health_check_timeout_s``, any answer counts. Not ``/health``: SGLang 0.5.23's blocks
+        while generation is paused (a weight sync pauses it) and answers 503 after 20 s."""
+        wait = min(self.transport.timeout, self.transport.health_check_timeout)
+
+        def ask(w):
+            try:
+                self.transport.request("GET", "/model_info", timeout=wait, url=w)
+            except WorkerGone:
+                return False
+            except EngineError:
+                return True  # it answered (with an error status): it is there
+            return True
+
+        return in_parallel(ask, list(workers))[0]
 
     # -- membership changes -------------------------------------------------------------------------
     def drop_worker(self, worker: str, why: str) -> bool:
@@ -199,11 +224,11 @@ class Membership:
         fleet = self.fleet
         lost = list(fleet.lost())
         answered = self.alive(lost)  # /model_info: any answer counts
-        wait = min(self.timeout, self.health_check_timeout)
+        wait = min(self.transport.timeout, self.transport.health_check_timeout)
         back = [w for w, ok in zip(lost, answered) if ok and fleet.recall(w)]
         for w in back:
             try:
-                self._request("POST", "/continue_generation", {}, timeout=wait, url=w)
+                self.transport.request("POST", "/continue_generation", {}, timeout=wait, url=w)
             except EngineError as e:
                 note(f"rollout: worker {w} answers again but refused /continue_generation: {e}")
             note(f"rollout: worker {w} answers again; it rejoins at the next weight push")
@@ -238,7 +263,7 @@ class Membership:
         admitted = []
         for w in self.fleet.rejoining():
             try:
-                reported = (self.model_info(w) or {}).get("weight_version")
+                reported = (self.transport.model_info(w) or {}).get("weight_version")
             except EngineError as e:
                 note(f"rollout: rejoining worker {w} not admitted: {e}")
                 continue
@@ -279,7 +304,7 @@ class Membership:
         demoted = []
         for w in self.fleet.live():
             try:
-                reported = (self.model_info(w) or {}).get("weight_version")
+                reported = (self.transport.model_info(w) or {}).get("weight_version")
             except EngineError:
                 continue
             if reported is not None and str(reported) != self.expected_version:
@@ -308,7 +333,7 @@ class Membership:
             try:
                 for entry in self._router_list(u) or []:
                     if entry["url"].rstrip("/") == worker and entry.get("id"):
-                        self._request("DELETE", f"/workers/{entry['id']}", url=u, expect_json=False)
+                        self.transport.request("DELETE", f"/workers/{entry['id']}", url=u, expect_json=False)
                 ok &= self._router_settle(u, worker, listed=False)
             except EngineError as e:
                 note(f"rollout: could not remove {worker} from the router {u}: {e}")
@@ -320,12 +345,12 @@ class Membership:
         most ``ROUTER_SETTLE_S``). Best effort: a failure is noted, not raised."""
         ok = True
         body = {"url": worker}
-        if getattr(self, "api_key", None):
-            body["api_key"] = self.api_key  # what the router sends the worker (its --api-key)
+        if self.transport.api_key:
+            body["api_key"] = self.transport.api_key  # what the router sends the worker (its --api-key)
         for u in self.routers():
             try:
                 if not any(e["url"].rstrip("/") == worker for e in self._router_list(u) or []):
-                    self._request("POST", "/workers", body, url=u, expect_json=False)
+                    self.transport.request("POST", "/workers", body, url=u, expect_json=False)
                 ok &= self._router_settle(u, worker, listed=True)
             except EngineError as e:
                 note(f"rollout: could not add {worker} to the router {u}: {e}")
@@ -333,7 +358,7 @@ class Membership:
         return ok
 
     def _router_settle(self, router: str, worker: str, listed: bool) -> bool:
-        deadline = time.monotonic() + min(ROUTER_SETTLE_S, max(self.timeout, 1.0))
+        deadline = time.monotonic() + min(ROUTER_SETTLE_S, max(self.transport.timeout, 1.0))
         while True:
             entries = [e for e in self._router_list(router) or [] if e["url"].rstrip("/") == worker]
             if (bool(entries) and all(e.get("is_healthy", True) for e in entries)) if listed else not entries:

@@ -41,9 +41,12 @@ ABORT_RESEND_S = 0.5
 
 
 class Streams:
-    """Mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine`: :meth:`stream`."""
+    """The abortable request streams of :class:`~megatron_klear.rollout.sglang.SGLangEngine`
+    (:meth:`stream`), sent through its ``generation``."""
 
-    aborted_requests = 0  # requests of streams that ended as "abort" (this engine's lifetime)
+    def __init__(self, generation):
+        self.generation = generation
+        self.aborted_requests = 0  # requests of streams that ended as "abort" (this engine's lifetime)
 
     def stream(self, requests: list) -> "SGLangStream":
         """Start every :class:`SampleRequest` now; see the module's docstring."""
@@ -63,7 +66,7 @@ class Streams:
                 keys.add(r.key)
             except TypeError:
                 raise TypeError(f"rollout: stream request key {r.key!r} is not hashable") from None
-        self.fleet  # noqa: B018 -- discovers the workers here, so that a router that is down fails now
+        self.generation.members.fleet  # noqa: B018 -- discovers the workers now: a router that is down fails here
         return SGLangStream(self, requests)
 
 
@@ -71,8 +74,8 @@ class SGLangStream(RequestStream):
     """The requests of one :meth:`Streams.stream` call (see the module's docstring). Iterate it from
     one thread; :meth:`abort` may be called from any thread."""
 
-    def __init__(self, engine, requests: list):
-        self.engine = engine
+    def __init__(self, streams: Streams, requests: list):
+        self.streams, self.generation = streams, streams.generation
         self.requests = requests
         self.ended = 0  # requests handed out by the iteration
         self.aborted = 0  # of them, ended as "abort"
@@ -82,7 +85,7 @@ class SGLangStream(RequestStream):
         self._lock = threading.Lock()
         self._loop = self._wake = None
         self._closed = False
-        self._thread = engine._in_thread(self._run, self._results, "sglang-stream") if requests else None
+        self._thread = self.generation._in_thread(self._run, self._results, "sglang-stream") if requests else None
 
     # -- the consumer's side ---------------------------------------------------------------------------
     def __iter__(self):
@@ -133,7 +136,7 @@ class SGLangStream(RequestStream):
 
     # -- the event loop's side -------------------------------------------------------------------------
     async def _run(self):
-        eng = self.engine
+        eng = self.generation
         async with eng._open_call() as call:
             wake = asyncio.Event()
             with self._lock:
@@ -156,7 +159,7 @@ class SGLangStream(RequestStream):
                     now = time.monotonic()
                     if self._abort.is_set() and not call.aborting:
                         call.aborting = True
-                        deadline, resend = now + eng.timeout, now
+                        deadline, resend = now + eng.transport.timeout, now
                     if resend is not None and now >= resend:
                         posts.add(asyncio.ensure_future(self._abort_servers(call)))
                         resend = now + ABORT_RESEND_S
@@ -190,20 +193,20 @@ class SGLangStream(RequestStream):
 
     def _put(self, key, completion) -> None:
         if completion.aborted:
-            self.engine.aborted_requests += 1
+            self.streams.aborted_requests += 1
         self._results.put(("ok", key, completion))
 
     async def _abort_servers(self, call: _Call) -> None:
         """``/abort_request`` ``{"rid": "", "abort_all": true}`` to every live and rejoining worker;
         a worker that fails it is left to the deadline (and the watchdog)."""
-        eng = self.engine
+        eng = self.generation
 
         async def one(w):
             try:
                 await call.probe_client.post(
-                    w + "/abort_request", json={"rid": "", "abort_all": True}, timeout=eng.timeout
+                    w + "/abort_request", json={"rid": "", "abort_all": True}, timeout=eng.transport.timeout
                 )
             except Exception:  # noqa: BLE001 -- its requests end at the deadline
                 return
 
-        await asyncio.gather(*(one(w) for w in eng.fleet.serving()))
+        await asyncio.gather(*(one(w) for w in eng.members.fleet.serving()))

@@ -2,8 +2,8 @@
 call, and errors that name the URL and the server's message (:class:`WorkerGone` when the server
 could not be reached or did not answer). The workers behind the URLs are :mod:`.membership`'s.
 
-:class:`Transport` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine`; it uses the
-engine's ``url``, ``timeout`` and ``health_check_timeout``.
+:class:`Transport` is the first part of :class:`~megatron_klear.rollout.sglang.SGLangEngine`; the
+others (:mod:`.membership`, :mod:`.generation`, :mod:`.control`) are given it.
 """
 
 from __future__ import annotations
@@ -109,24 +109,31 @@ def in_background(fn, items, name: str) -> dict:
 
 
 class Transport:
-    def _init_transport(self) -> None:
+    """HTTP to the servers: ``url`` (where a call without one goes: the first of ``rollout.urls``),
+    ``timeout`` (a control call's seconds), ``health_check_timeout`` (a probe's), ``api_key`` (the
+    servers' ``--api-key``, sent with every request)."""
+
+    def __init__(self, url: str, *, timeout: float = 60.0, health_check_timeout: float = 10.0, api_key=None):
+        self.url, self.timeout = url, float(timeout)
+        self.health_check_timeout = float(health_check_timeout)
+        self.api_key = api_key or None  # sent as "Authorization: Bearer <key>" (servers started with --api-key)
         self._control = None  # the keep-alive client of the control calls (made on first use)
         self._control_lock = threading.Lock()
 
-    def _client(self) -> httpx.Client:
+    def client(self) -> httpx.Client:
         """One keep-alive client for every control call (thread-safe): a fresh client per call costs
         ~20 ms (its TLS context) and a TCP handshake, paid several times per weight sync."""
         with self._control_lock:
             if self._control is None:
                 self._control = httpx.Client(
-                    limits=httpx.Limits(max_connections=64, max_keepalive_connections=32), headers=self._auth_headers()
+                    limits=httpx.Limits(max_connections=64, max_keepalive_connections=32), headers=self.auth_headers()
                 )
             return self._control
 
-    def _auth_headers(self) -> dict:
+    def auth_headers(self) -> dict:
         """``Authorization: Bearer <rollout.api_key>`` when a key is set (every request carries it:
         control calls, /generate, the watchdog's probes)."""
-        return auth_headers(getattr(self, "api_key", None))
+        return auth_headers(self.api_key)
 
     def close(self) -> None:
         with self._control_lock:
@@ -134,7 +141,7 @@ class Transport:
         if client is not None:
             client.close()
 
-    def _request(
+    def request(
         self,
         method: str,
         path: str,
@@ -146,7 +153,7 @@ class Transport:
         url = (url or self.url) + path
         timeout = self.timeout if timeout is None else float(timeout)
         try:
-            resp = self._client().request(method, url, json=body, timeout=timeout)
+            resp = self.client().request(method, url, json=body, timeout=timeout)
         except httpx.TimeoutException:
             raise WorkerGone(f"rollout: {method} {url} did not answer within {timeout:g} s") from None
         except httpx.HTTPError as e:
@@ -169,7 +176,7 @@ class Transport:
     def health(self, url: str | None = None) -> bool:
         """``GET /health`` answers 2xx (SGLang: empty body; sglang-router: the text ``OK``)."""
         try:
-            self._request(
+            self.request(
                 "GET", "/health", timeout=min(self.timeout, self.health_check_timeout), url=url, expect_json=False
             )
             return True
@@ -177,7 +184,7 @@ class Transport:
             return False
 
     def model_info(self, url: str | None = None) -> dict:
-        return self._request("GET", "/model_info", url=url)
+        return self.request("GET", "/model_info", url=url)
 
     def server_info(self, url: str | None = None) -> dict:
-        return self._request("GET", "/server_info", url=url)
+        return self.request("GET", "/server_info", url=url)

@@ -267,12 +267,11 @@ class EmbeddedHTTPEngine(SGLangEngine):
     stand-in server, plus :meth:`launch` to start one. Every request has a timeout: ``timeout``
     seconds, or ``generate_timeout`` for /generate."""
 
-    send_seed = True  # the stand-in derives one seed per (prompt, sample) from it
-
     def __init__(
         self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0, api_key: str | None = None
     ):
-        super().__init__([url], timeout=timeout, generate_timeout=generate_timeout, api_key=api_key)
+        # send_seed: the stand-in derives one seed per (prompt, sample) from it
+        super().__init__([url], timeout=timeout, generate_timeout=generate_timeout, api_key=api_key, send_seed=True)
         self._process = None
         self._workdir = None
 

@@ -222,9 +222,9 @@ class DistributedWeightSync:
 
             def start():
                 try:
-                    self.engine.pause_generation(self.engine.sync_pause_mode)
-                    self.engine.flush_caches()
-                    self.engine.begin_weight_update()
+                    self.engine.control.pause_generation(self.engine.sync_pause_mode)
+                    self.engine.control.flush_caches()
+                    self.engine.control.begin_weight_update()
                     return None
                 except Exception as e:  # noqa: BLE001 -- the first bucket's answer
                     return f"rollout: cannot start the weight update: {e}"
@@ -251,10 +251,10 @@ class DistributedWeightSync:
             try:
                 if self.buckets.started.result() is not None:
                     raise WeightSyncError(self.buckets.started.result())
-                self.engine.end_weight_update()
-                self.engine.set_weight_version(version)
-                self.engine.continue_generation()
-                self.engine.check_weight_versions(version)  # a rejoining worker that differs is dropped
+                self.engine.control.end_weight_update()
+                self.engine.control.set_weight_version(version)
+                self.engine.control.continue_generation()
+                self.engine.control.check_weight_versions(version)  # a rejoining worker that differs is dropped
             except Exception as e:  # noqa: BLE001
                 error = f"rollout: the weight update of version {version} did not complete: {e}"
         return broadcast_from_rank0(error)
@@ -277,7 +277,7 @@ class DistributedWeightSync:
         # gone before the first sync fails the groups' creation)
         members = list(dict.fromkeys([*(self.groups.workers or []), *serving]))
         serving = set(serving)
-        alive = dict(zip(members, self.engine.alive(members)))
+        alive = dict(zip(members, self.engine.members.alive(members)))
         rejoining = set(self.engine.fleet.rejoining())
         dropped = [w for w in members if w not in serving]  # dropped by a control call already
         try:

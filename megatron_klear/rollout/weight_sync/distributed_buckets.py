@@ -60,7 +60,7 @@ class BucketSchedule:
         if started is not None:
             return None, started
         try:
-            post = self.groups.engine.post_bucket(
+            post = self.groups.engine.control.post_bucket(
                 names,
                 dtypes,
                 shapes,
