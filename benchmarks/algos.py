@@ -94,7 +94,7 @@ def run_one(args) -> dict:
     t0 = time.time()
     while loop.rl_step < loop.steps:
         m = loop.step()
-        loop.logger.log(loop.rl_step, m, console_keys=("rollout/accuracy", "actor/entropy"))
+        loop.job_run.logger.log(loop.rl_step, m, console_keys=("rollout/accuracy", "actor/entropy"))
         metrics.append({"step": loop.rl_step, **{k: v for k, v in m.items() if isinstance(v, (int, float))}})
         if loop.rl_step % args.eval_every == 0 or loop.rl_step == loop.steps:
             curve.append((loop.rl_step, heldout()))

@@ -350,7 +350,7 @@ def evaluate(url: str, heldout: list, tokenizer, pool, settings, bench: Bench, s
     from megatron_klear.rollout.base import SamplingParams
     from megatron_klear.rollout.sglang import SGLangEngine
 
-    engine = SGLangEngine([url], send_seed=True)
+    engine = SGLangEngine.at([url], send_seed=True)
     try:
         summary, recs = evaluate_engine(
             engine,
@@ -390,7 +390,7 @@ def batching_probe(model: str, heldout: list, bench: Bench) -> dict:
     torch.set_num_threads(1)
     tok = load_tokenizer(model)
     server, url = serve_in_thread(EmbeddedEngine.from_pretrained(model, dtype="float32"), tokenizer=tok)
-    client = SGLangEngine([url])
+    client = SGLangEngine.at([url])
     try:
         ids = [list(p.prompt_ids) for p in (heldout * bench.oversample)[: bench.oversample]]
         params = SamplingParams(

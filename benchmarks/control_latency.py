@@ -46,7 +46,7 @@ def main() -> int:
         model = make_tiny_qwen3(os.path.join(work, "tiny"))
         servers = [EmbeddedHTTPEngine.launch(model, startup_timeout=300, timeout=60) for _ in range(2)]
         urls = [s.url for s in servers]
-        client = SGLangEngine(urls, timeout=60)
+        client = SGLangEngine.at(urls, control_timeout_s=60)
         times = {"fresh": [], "kept_alive": [], "sync_control": []}
         for k in range(args.calls):  # interleaved: background load hits both alike
             t = time.perf_counter()

@@ -185,7 +185,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     def barrier():
         dist.barrier(group=control_group())
 
-    engine = SGLangEngine(urls, timeout=120, weight_update_timeout=1800) if rank == 0 else None
+    engine = SGLangEngine.at(urls, control_timeout_s=120, weight_update_timeout_s=1800) if rank == 0 else None
     sync = DistributedWeightSync(
         chunks, engine, bucket_mb=args.bucket_mb, group_timeout=600, bucket_timeout=600, control_timeout=120
     )
@@ -238,7 +238,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
                         flush_to_disk(path)
                     if variant == "disk_sequential":
                         for u in urls:
-                            SGLangEngine([u], timeout=120, weight_update_timeout=1800).load_from_disk(
+                            SGLangEngine.at([u], control_timeout_s=120, weight_update_timeout_s=1800).load_from_disk(
                                 path, version=version
                             )
                     else:

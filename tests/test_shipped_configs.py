@@ -142,7 +142,7 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
         lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
         last = max((m["step"] for m in lines if m.get("actor/optimizer_steps")), default=0)
         # the server took the trainer's weights of the last RL step that changed them (0: the start-up sync)
-        assert SGLangEngine([server.url]).model_info()["weight_version"] == str(last)
+        assert SGLangEngine.at([server.url]).model_info()["weight_version"] == str(last)
     finally:
         server.close()
     assert [m["step"] for m in lines] == [1, 2], lines

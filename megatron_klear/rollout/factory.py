@@ -18,8 +18,8 @@ def make_engine(
 ) -> RolloutEngine:
     """``engine=embedded``: the torch engine on ``model_dir`` (an HF directory) in this process, on
     ``device``, in ``r.dtype`` (``hf_config``: a transformers config overriding the directory's, e.g.
-    with RoPE scaling). ``engine=http``: the SGLang client of ``r.urls`` / ``r.workers``, with every
-    timeout and limit of ``r``; it checks the servers answer, and what :mod:`.sglang.compat` checks
+    with RoPE scaling). ``engine=http``: the SGLang client of ``r.urls`` / ``r.workers``, taking the
+    section as it is (its timeouts and limits); it checks the servers answer, and what :mod:`.sglang.compat` checks
     (colocated servers' environment, the NCCL build). ``routed_experts``: ``(MoE layer numbers,
     top_k)`` of the model when ``r.router_replay`` asks the engine for the experts of every token.
     ``weight_sync``: the engine will receive the trainer's weights by ``r.weight_sync`` (False for
@@ -36,23 +36,7 @@ def make_engine(
     from megatron_klear.rollout.sglang.compat import check_servers
 
     engine = SGLangEngine(
-        r.urls,
-        workers=r.workers or None,
-        timeout=r.control_timeout_s,
-        generate_timeout=r.generate_timeout_s,
-        weight_update_timeout=r.weight_update_timeout_s,
-        max_concurrent_requests=r.max_concurrent_requests,
-        request_granularity=r.request_granularity,
-        max_retries=r.max_retries,
-        health_check_interval=r.health_check_interval_s,
-        health_check_timeout=r.health_check_timeout_s,
-        health_failure_threshold=r.health_failure_threshold,
-        send_seed=r.send_seed,
-        check=True,
-        min_live_workers=r.min_live_workers,
-        api_key=r.api_key or None,
-        routed_experts=routed_experts if r.router_replay else None,
-        sync_pause_mode=pause_mode,
+        r, routed_experts=routed_experts if r.router_replay else None, sync_pause_mode=pause_mode, check=True
     )
     check_servers(engine, r, weight_sync=weight_sync)  # colocated servers' environment; the NCCL build
     return engine

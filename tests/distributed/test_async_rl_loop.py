@@ -100,7 +100,7 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
             lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
             probe = [5, 17, 33, 60, 7]
             for s in servers:  # every server holds the trainer's final weights
-                client = SGLangEngine([s.url])
+                client = SGLangEngine.at([s.url])
                 assert client.model_info()["weight_version"] == "4"
                 out = client.generate([probe], SamplingParams(top_k=1, max_new_tokens=6))[0][0]
                 want = _probe_logprobs_of_trainer(setup["model"], trainer_w, probe, out.token_ids)

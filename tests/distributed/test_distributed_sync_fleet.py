@@ -69,7 +69,7 @@ def _kill_then_rejoin(rank, world, models, urls, pid):
 
     state = _trainer(models["b"])
     _at_bucket(3, lambda: os.kill(pid, signal.SIGKILL))
-    engine = SGLangEngine(urls, timeout=5, health_check_timeout=2)
+    engine = SGLangEngine.at(urls, control_timeout_s=5, health_check_timeout_s=2)
     sync = DistributedWeightSync(state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=30)
     restarted = None
     out = {}
@@ -144,7 +144,7 @@ def _refused_bucket(rank, world, model_dir, urls):
         2,
         lambda: httpx.post(urls[1] + "/destroy_weights_update_group", json={"group_name": "klear_weights"}, timeout=10),
     )
-    engine = SGLangEngine(urls, timeout=5, health_check_timeout=2)
+    engine = SGLangEngine.at(urls, control_timeout_s=5, health_check_timeout_s=2)
     # post_grace 2 s: the stand-in's refusal (a thread hop on a busy CPU) always arrives within it
     sync = DistributedWeightSync(
         state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=60, post_grace=2.0
@@ -189,7 +189,7 @@ def _restarts_between_syncs(rank, world, models, urls, pid):
     from megatron_klear.rollout.weight_sync import DistributedWeightSync
 
     state = _trainer(models["b"])
-    engine = SGLangEngine(urls, timeout=5, health_check_timeout=2)
+    engine = SGLangEngine.at(urls, control_timeout_s=5, health_check_timeout_s=2)
     sync = DistributedWeightSync(state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=30)
     port = urllib.parse.urlsplit(urls[1]).port
     server, out = None, {}

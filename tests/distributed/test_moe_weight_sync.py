@@ -32,7 +32,7 @@ def _sync_at_ep2(rank, world, model_dir, overrides, out_dir, url):
     written = export_hf_for_engine(state.model, state.arch, out_dir, tokenizer_dir=model_dir)
     sync = DistributedWeightSync(
         state.model,
-        SGLangEngine([url], timeout=10) if rank == 0 else None,
+        SGLangEngine.at([url], control_timeout_s=10) if rank == 0 else None,
         bucket_mb=0.05,
         group_timeout=60,
         bucket_timeout=60,
@@ -102,9 +102,9 @@ def test_every_expert_reaches_the_engines_at_ep2(models, tmp_path, world, overri
         assert out[0]["stats"]["bytes"] == total, out[0]["stats"]
         assert checksums() == want
         assert httpx.get(server.url + "/model_info", timeout=10).json()["weight_version"] == "7"
-        SGLangEngine([server.url]).load_from_disk(models["a"], version="a")
+        SGLangEngine.at([server.url]).load_from_disk(models["a"], version="a")
         assert checksums() != want
-        SGLangEngine([server.url]).load_from_disk(exported, version="disk")
+        SGLangEngine.at([server.url]).load_from_disk(exported, version="disk")
         assert checksums() == want
     finally:
         server.close()

@@ -138,11 +138,11 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
             _, _, trainer_w = run_distributed(_run, 1, args)[0]
             lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
             last = max((m["step"] for m in lines if m.get("actor/optimizer_steps")), default=0)
-            served = [SGLangEngine([s.url]).server_info().get("num_generate_requests", 0) for s in servers]
+            served = [SGLangEngine.at([s.url]).server_info().get("num_generate_requests", 0) for s in servers]
             assert all(n > 0 for n in served), served  # the router spread the prompts over both workers
             probe = [5, 17, 33, 60, 7]
             for s in servers:
-                client = SGLangEngine([s.url])
+                client = SGLangEngine.at([s.url])
                 assert client.model_info()["weight_version"] == str(last)  # the RL step of the weights
                 out = client.generate([probe], SamplingParams(top_k=1, max_new_tokens=6))[0][0]
                 want = _probe_logprobs_of_trainer(setup["model"], trainer_w, probe, out.token_ids)

@@ -75,7 +75,7 @@ def test_rl_loop_with_distributed_weights_through_the_router_verifies_and_resume
         version = "3" if any(m["step"] == 3 and m.get("actor/optimizer_steps") for m in lines) else "2"
         probe = [5, 17, 33, 60, 7]
         for s in servers:  # independently of the loop's own check
-            client = SGLangEngine([s.url])
+            client = SGLangEngine.at([s.url])
             assert client.model_info()["weight_version"] == version, (version, lines[-1])
             out = client.generate([probe], SamplingParams(top_k=1, max_new_tokens=6))[0][0]
             want = _probe_logprobs_of_trainer(setup["model"], trainer_w, probe, out.token_ids)

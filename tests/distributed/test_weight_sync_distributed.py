@@ -48,7 +48,7 @@ def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(
                 yield bucket
 
         weight_sync.iter_buckets = buckets_and_kill
-    engine = SGLangEngine(urls, timeout=5, min_live_workers=min_live) if rank == 0 else None
+    engine = SGLangEngine.at(urls, control_timeout_s=5, min_live_workers=min_live) if rank == 0 else None
     sync = DistributedWeightSync(state.model, engine, **kwargs)
     t0 = time.monotonic()
     try:
@@ -124,7 +124,7 @@ def test_every_server_gets_every_weight(models, servers, extra, load_format):
     from megatron_klear.rollout.sglang import SGLangEngine
 
     urls = [s.url for s in servers]
-    SGLangEngine(urls).load_from_disk(models["a"], version="a")
+    SGLangEngine.at(urls).load_from_disk(models["a"], version="a")
     engine = EmbeddedEngine.from_pretrained(models["b"])
     with torch.no_grad():  # what the second sync sends: the trainer doubles every weight in between
         for p in engine.model.parameters():
@@ -187,7 +187,7 @@ def test_a_server_killed_mid_broadcast_below_min_live_fails_the_sync_and_the_oth
         # the survivor applied nothing: old weights, old version; it is paused until told otherwise
         assert _checksums(urls[0]) == before and _version(urls[0]) == "default"
         assert httpx.get(urls[0] + "/ready").status_code == 503
-        client = SGLangEngine([urls[0]], timeout=10)
+        client = SGLangEngine.at([urls[0]], control_timeout_s=10)
         client.control.continue_generation()
         greedy = SamplingParams(top_k=1, max_new_tokens=6)
         got = client.generate([[5, 17, 33]], greedy)[0][0].token_ids
@@ -241,7 +241,7 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
     from tests.rollout.sglang_contract import CONTROL_ROUTES, control_contract_errors
 
     with fake_worker(tmp_path) as (url, record, _):
-        e = SGLangEngine([url], timeout=5)
+        e = SGLangEngine.at([url], control_timeout_s=5)
         e.control.pause_generation("abort")
         e.control.begin_weight_update()
         e.control.update_weights_from_distributed(
@@ -304,7 +304,7 @@ def _sync_with_a_stale_layout(rank, world, model_dir, urls):
     cfg = load_config(None, [f"model.path={model_dir}"])
     init_parallel(cfg.parallel)
     state = build_training_state(cfg, total_steps=1)
-    engine = SGLangEngine(urls, timeout=5)
+    engine = SGLangEngine.at(urls, control_timeout_s=5)
     sync = DistributedWeightSync(state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=30)
     try:
         sync.sync(version=1)

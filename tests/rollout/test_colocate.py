@@ -59,7 +59,7 @@ def _info(url):
 
 def test_release_frees_the_weights_and_a_reload_brings_them_back(served, tiny_hf):
     (engine, url), _ = served
-    client = SGLangEngine([url], timeout=30)
+    client = SGLangEngine.at([url], control_timeout_s=30)
     client.check_memory_saver()
     before = client.probe(url, [5, 17, 3], 6)
     sums = engine.weights.checksums()
@@ -135,7 +135,7 @@ def test_a_server_without_the_memory_saver_is_named(tiny_hf):
     engine = EmbeddedEngine.from_pretrained(tiny_hf["tied"])
     server, url = serve_in_thread(engine)
     try:
-        client = SGLangEngine([url], timeout=30)
+        client = SGLangEngine.at([url], control_timeout_s=30)
         with pytest.raises(EngineError, match="--enable-memory-saver"):
             client.check_memory_saver()
         client.release_memory(["weights"])  # only recorded: the weights stay

@@ -12,12 +12,12 @@ from megatron_klear.rollout.sglang import EngineError, SGLangEngine
 from megatron_klear.rollout.sglang.fleet import FleetError
 from tests.rollout.processes import fake_worker, recorded
 
-FAST = dict(timeout=3, max_retries=1, retry_backoff=0.05, health_check_timeout=1)
+FAST = dict(control_timeout_s=3, max_retries=1, retry_backoff=0.05, health_check_timeout_s=1)
 
 
 def test_a_refused_flush_is_retried_once_before_the_load_and_buckets_do_not_flush(tmp_path):
     with fake_worker(tmp_path, refuse_flush=2) as (url, record, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         client.load_from_disk("/w/step_1", version=1)
         flushes = recorded(record, "/flush_cache")
         loads = recorded(record, "/update_weights_from_disk")
@@ -30,7 +30,7 @@ def test_a_refused_flush_is_retried_once_before_the_load_and_buckets_do_not_flus
 
 def test_a_flush_refused_every_time_is_named(tmp_path):
     with fake_worker(tmp_path, refuse_flush=100) as (url, record, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         client.control.flush_attempts = 3
         with pytest.raises(EngineError, match=rf"{url} refused to flush its cache 3 times .*Flush cache failed"):
             client.load_from_disk("/w/step_1", version=1)
@@ -40,7 +40,7 @@ def test_a_flush_refused_every_time_is_named(tmp_path):
 
 def test_a_worker_gone_before_a_disk_load_is_dropped_and_the_other_loads(tmp_path):
     with fake_worker(tmp_path, "a") as (a, rec_a, _), fake_worker(tmp_path, "b") as (b, _, proc_b):
-        client = SGLangEngine([a, b], **FAST)
+        client = SGLangEngine.at([a, b], **FAST)
         assert client.fleet_metrics()["rollout/live_workers"] == 2
         proc_b.kill()
         proc_b.wait()
@@ -56,7 +56,7 @@ def test_a_worker_gone_before_a_disk_load_is_dropped_and_the_other_loads(tmp_pat
 
 def test_too_few_workers_left_by_a_disk_load_is_a_fleet_error_naming_them(tmp_path):
     with fake_worker(tmp_path, "a") as (a, _, _), fake_worker(tmp_path, "b") as (b, _, proc_b):
-        client = SGLangEngine([a, b], min_live_workers=2, **FAST)
+        client = SGLangEngine.at([a, b], min_live_workers=2, **FAST)
         client.workers()
         proc_b.kill()
         proc_b.wait()
@@ -71,7 +71,7 @@ def test_a_failed_load_is_an_error_for_a_live_worker_and_a_drop_for_a_rejoining_
         fake_worker(tmp_path, "a") as (a, _, _),
         fake_worker(tmp_path, "b", fail_post="/update_weights_from_disk") as (b, _, _),
     ):
-        client = SGLangEngine([a, b], **FAST)
+        client = SGLangEngine.at([a, b], **FAST)
         with pytest.raises(EngineError, match=rf"{b}/update_weights_from_disk failed"):
             client.load_from_disk("/w/step_3", version=3)
         assert sorted(client.fleet.live()) == sorted([a, b])  # a live worker that refuses is not dropped
@@ -88,7 +88,7 @@ def test_a_bucket_is_not_broadcast_while_a_post_is_refused_within_the_grace(tmp_
         fake_worker(tmp_path, "ok") as (ok, _, _),
         fake_worker(tmp_path, "no", fail_post="/update_weights_from_distributed") as (no, _, _),
     ):
-        client = SGLangEngine([ok, no], **FAST)
+        client = SGLangEngine.at([ok, no], **FAST)
         post = client.control.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", timeout=5)
         refused = post.refusals(5.0)
         assert list(refused) == [no] and "injected failure" in str(refused[no])

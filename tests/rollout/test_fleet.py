@@ -18,13 +18,13 @@ from tests.rollout.processes import _get_json, fake_worker, free_port, recorded,
 
 # the watchdog's bound: 2 missed probes, 0.3 s apart, 0.5 s each -> a worker is dropped within ~2 s
 WATCH = dict(
-    timeout=5,
+    control_timeout_s=5,
     max_retries=2,
     retry_backoff=0.05,
-    health_check_interval=0.3,
-    health_check_timeout=0.5,
+    health_check_interval_s=0.3,
+    health_check_timeout_s=0.5,
     health_failure_threshold=2,
-    generate_timeout=3600,
+    generate_timeout_s=3600,
 )
 PARAMS = SamplingParams(max_new_tokens=3)
 PROMPTS = [[i + 1, 2] for i in range(8)]
@@ -77,7 +77,7 @@ def test_fleet_states_counters_and_the_min_live_bound():
     with pytest.raises(ValueError, match="rollout.min_live_workers must be >= 1"):
         Fleet(["a"], min_live=0)
     with pytest.raises(ValueError, match="rollout.min_live_workers must be >= 1"):
-        SGLangEngine(["http://127.0.0.1:9"], min_live_workers=0)
+        SGLangEngine.at(["http://127.0.0.1:9"], min_live_workers=0)
 
 
 def test_during_a_push_the_rejoining_workers_count_for_min_live_until_the_strict_check_after_it():
@@ -111,7 +111,7 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
         fake_worker(tmp_path, "a") as (a, _, _),
         fake_worker(tmp_path, "r", fail_post="/update_weight_version") as (r, _, _),
     ):
-        client = SGLangEngine([a], workers=[a, dead], timeout=2)
+        client = SGLangEngine.at([a], workers=[a, dead], control_timeout_s=2)
         with pytest.raises(EngineError, match=dead.replace(".", r"\.")):
             client.members.on_workers(client.model_info)
         assert client.fleet.state(dead) == LIVE
@@ -120,14 +120,14 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
         assert client.fleet.state(dead) == LOST and client.workers() == [a]
         assert client.fleet_metrics()["rollout/worker_failures"] == 1
         assert client.fleet_metrics()["rollout/worker_failures"] == 0  # counts since the previous call
-        refusing = SGLangEngine([a], workers=[a, r], timeout=2)
+        refusing = SGLangEngine.at([a], workers=[a, r], control_timeout_s=2)
         with pytest.raises(EngineError, match="injected failure of /update_weight_version"):
             refusing.members.on_workers(
                 lambda w: refusing.control._post_weights(w, "/update_weight_version", {"new_version": "1"}),
                 tolerate_loss=True,
             )
         assert refusing.fleet.live() == [a, r]
-        alone = SGLangEngine([dead], workers=[dead], timeout=2)
+        alone = SGLangEngine.at([dead], workers=[dead], control_timeout_s=2)
         with pytest.raises(FleetError, match=f"0 rollout server.*Lost: {dead}"):
             alone.members.on_workers(alone.model_info, tolerate_loss=True)
 
@@ -146,7 +146,7 @@ def test_a_worker_killed_mid_generation_is_dropped_and_the_call_completes(tmp_pa
         fake_worker(tmp_path, "b", generate_delay=1.5) as (b, rec_b, _),
         router([a, b], extra=router_flags) as r,
     ):
-        client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
+        client = SGLangEngine.at([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         assert sorted(client.workers()) == sorted([a, b])
         # killed once it holds a request (a fixed delay raced the router's first forward to it)
         _once(lambda: recorded(rec_a), proc_a.kill)
@@ -182,7 +182,7 @@ def test_a_worker_frozen_mid_generation_is_dropped_within_the_watchdogs_bound(tm
         fake_worker(tmp_path, "b", generate_delay=1.0) as (b, rec_b, _),
         router([a, b], extra=router_flags) as r,
     ):
-        client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
+        client = SGLangEngine.at([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         client.workers()
         try:
             _once(lambda: recorded(rec_a), lambda: os.kill(proc_a.pid, signal.SIGSTOP))  # frozen holding requests
@@ -209,7 +209,7 @@ def test_every_worker_gone_fails_naming_them_in_bounded_time(tmp_path):
         fake_worker(tmp_path, "b", generate_delay=30) as (b, _, proc_b),
         router([a, b]) as r,
     ):
-        client = SGLangEngine([r], **WATCH)
+        client = SGLangEngine.at([r], **WATCH)
         client.workers()
         _later(0.3, proc_a.kill)
         _later(0.3, lambda: os.kill(proc_b.pid, signal.SIGSTOP))
@@ -235,7 +235,7 @@ def test_a_restarted_server_is_recalled_admitted_after_the_version_and_served_ag
         fake_worker(tmp_path, "b", generate_delay=0.5, port=port) as (b, _, proc_b),
         router([a, b]) as r,
     ):
-        client = SGLangEngine([r], max_concurrent_requests=8, **WATCH)
+        client = SGLangEngine.at([r], max_concurrent_requests=8, **WATCH)
         client.workers()
         _later(0.2, proc_b.kill)
         assert len(client.generate(PROMPTS, PARAMS)) == len(PROMPTS)
@@ -266,7 +266,7 @@ def test_a_worker_the_router_lists_later_joins_only_with_the_current_weights(tmp
     import httpx
 
     with fake_worker(tmp_path, "a") as (a, _, _), fake_worker(tmp_path, "c") as (c, rec_c, _), router([a]) as r:
-        client = SGLangEngine([r], **WATCH)
+        client = SGLangEngine.at([r], **WATCH)
         assert client.workers() == [a]
         httpx.post(r + "/workers", json={"url": c}, timeout=5).raise_for_status()
         deadline = time.monotonic() + 10
@@ -292,7 +292,7 @@ def test_answers_made_with_stale_weights_are_never_returned(tmp_path, via_router
         fake_worker(tmp_path, "b", generate_delay=0.2) as (b, rec_b, _),
         router([a, b]) as r,
     ):
-        client = SGLangEngine([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
+        client = SGLangEngine.at([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
         client.control._post_weights(a, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
         before = client.generate(PROMPTS[:4], PARAMS)  # no push yet: any version is accepted
         assert len(before) == 4 and recorded(rec_b)

@@ -129,7 +129,7 @@ def test_the_client_reads_them_and_names_the_missing_server_flag(moe_dir, server
     on, off = servers
     prompts = [[5, 17, 33], [7, 8, 9, 10, 11]]
     with router([on.url]) as url:  # given the router, the client asks it for its workers and goes to them
-        client = SGLangEngine([url], timeout=30)
+        client = SGLangEngine.at([url], control_timeout_s=30)
         client.generation.record_routing, client.generation.routing_layers, client.generation.routing_topk = (
             True,
             [0, 2],
@@ -149,7 +149,7 @@ def test_the_client_reads_them_and_names_the_missing_server_flag(moe_dir, server
         timeout=60,
     ).json()
     assert "routed_experts" not in plain["meta_info"]
-    client = SGLangEngine([off.url], timeout=30, max_retries=0)
+    client = SGLangEngine.at([off.url], control_timeout_s=30, max_retries=0)
     client.generation.record_routing, client.generation.routing_layers, client.generation.routing_topk = (
         True,
         [0, 2],

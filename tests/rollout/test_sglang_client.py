@@ -19,7 +19,7 @@ from tests.rollout.processes import fake_worker, recorded, router
 from tests.rollout.sglang_contract import validate_generate_request
 
 GREEDY = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=8)
-FAST = dict(timeout=5, max_retries=2, retry_backoff=0.05)
+FAST = dict(control_timeout_s=5, max_retries=2, retry_backoff=0.05)
 
 
 def _tokens(rows):
@@ -29,7 +29,7 @@ def _tokens(rows):
 def test_two_servers_split_prompts_and_reload_weights(tiny_hf, other_hf):
     servers = [EmbeddedHTTPEngine.launch(tiny_hf["untied"], startup_timeout=120) for _ in range(2)]
     try:
-        client = SGLangEngine([s.url for s in servers], check=True, send_seed=True)
+        client = SGLangEngine.at([s.url for s in servers], check=True, send_seed=True)
         prompts = PROMPTS * 2  # more prompts than servers
         got = client.generate(prompts, GREEDY, n=2)
         want = EmbeddedEngine.from_pretrained(tiny_hf["untied"]).generate(prompts, GREEDY, n=2)
@@ -52,7 +52,7 @@ def test_two_servers_split_prompts_and_reload_weights(tiny_hf, other_hf):
 def test_every_request_follows_sglangs_contract(tmp_path, granularity):
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=3, stop_token_ids=[2, 0], seed=5)
     with fake_worker(tmp_path) as (url, record, _):
-        client = SGLangEngine([url], request_granularity=granularity, send_seed=True, **FAST)
+        client = SGLangEngine.at([url], request_granularity=granularity, send_seed=True, **FAST)
         out = client.generate([[1, 2, 3], [4, 5], [6]], params, n=3)
         client.check_context_length(100)
         client.load_from_disk("/some/dir", version=3)
@@ -74,13 +74,13 @@ def test_every_request_follows_sglangs_contract(tmp_path, granularity):
 
 def test_no_seed_is_sent_to_sglang_by_default(tmp_path):
     with fake_worker(tmp_path) as (url, record, _):
-        SGLangEngine([url], **FAST).generate([[1, 2]], SamplingParams(seed=3, max_new_tokens=3), n=4)
+        SGLangEngine.at([url], **FAST).generate([[1, 2]], SamplingParams(seed=3, max_new_tokens=3), n=4)
     assert "sampling_seed" not in recorded(record)[0]["sampling_params"]
 
 
 def test_the_real_router_spreads_requests_and_weight_updates_reach_every_worker(tmp_path):
     with fake_worker(tmp_path, "a") as (a, rec_a, _), fake_worker(tmp_path, "b") as (b, rec_b, _), router([a, b]) as r:
-        client = SGLangEngine([r], check=True, **FAST)  # /health of the router answers "OK", not JSON
+        client = SGLangEngine.at([r], check=True, **FAST)  # /health of the router answers "OK", not JSON
         assert sorted(client.workers()) == sorted([a, b])  # discovered through GET /workers
         out = client.generate([[i + 1, 2] for i in range(8)], SamplingParams(max_new_tokens=3), n=2)
         assert all(len(row) == 2 for row in out)
@@ -105,19 +105,19 @@ def test_the_real_router_spreads_requests_and_weight_updates_reach_every_worker(
 
 def test_failed_requests_are_retried_then_named(tmp_path):
     with fake_worker(tmp_path, "flaky", fail_first=1) as (url, _, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         assert _tokens(client.generate([[1]], SamplingParams(max_new_tokens=3))) == [[[7, 8, 9]]]
         assert client.generation.retries == 1
     with fake_worker(tmp_path, "abort", abort_first=1) as (url, _, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         client.generate([[1]], SamplingParams(max_new_tokens=3))
         assert client.generation.retries == 1
     with fake_worker(tmp_path, "broken", status=503) as (url, _, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         with pytest.raises(EngineError, match=f"{url}/generate failed 3 times.*injected HTTP 503"):
             client.generate([[1]], SamplingParams(max_new_tokens=3))
     with fake_worker(tmp_path, "bad", status=400) as (url, _, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         with pytest.raises(EngineError, match="HTTP 400: injected HTTP 400"):
             client.generate([[1]], SamplingParams(max_new_tokens=3))
         assert client.generation.requests_sent == 1  # a bad request is not retried
@@ -125,7 +125,7 @@ def test_failed_requests_are_retried_then_named(tmp_path):
 
 def test_a_server_that_answers_non_json_is_a_clear_error(tmp_path):
     with fake_worker(tmp_path, non_json=True) as (url, _, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         with pytest.raises(EngineError, match="not JSON.*502 Bad Gateway"):
             client.generate([[1]], SamplingParams(max_new_tokens=3))
         with pytest.raises(EngineError, match="not JSON"):
@@ -134,7 +134,7 @@ def test_a_server_that_answers_non_json_is_a_clear_error(tmp_path):
 
 def test_context_too_short_names_the_fix(tmp_path):
     with fake_worker(tmp_path, context_length=4096) as (url, _, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         assert client.check_context_length(4096) == {url: 4096}
         with pytest.raises(EngineError, match="context length of 4096 tokens.*needs 36864.*--context-length 36864"):
             client.check_context_length(36864, "rl.max_prompt_length + rollout.max_new_tokens")
@@ -142,7 +142,7 @@ def test_context_too_short_names_the_fix(tmp_path):
 
 def test_generate_timeout_is_the_configured_one(tmp_path):
     with fake_worker(tmp_path, generate_delay=5) as (url, _, _):
-        client = SGLangEngine([url], generate_timeout=0.5, **FAST)
+        client = SGLangEngine.at([url], generate_timeout_s=0.5, **FAST)
         t0 = time.monotonic()
         with pytest.raises(EngineError, match="within rollout.generate_timeout_s = 0.5 s"):
             client.generate([[1]], SamplingParams(max_new_tokens=3))
@@ -151,12 +151,12 @@ def test_generate_timeout_is_the_configured_one(tmp_path):
 
 def test_router_down_at_start_is_a_clear_error():
     with pytest.raises(EngineError, match="127.0.0.1:9/health does not answer"):
-        SGLangEngine(["http://127.0.0.1:9"], timeout=2, check=True)
+        SGLangEngine.at(["http://127.0.0.1:9"], control_timeout_s=2, check=True)
     with pytest.raises(EngineError, match="cannot reach http://127.0.0.1:9"):
-        SGLangEngine(["http://127.0.0.1:9"], timeout=2).workers()
+        SGLangEngine.at(["http://127.0.0.1:9"], control_timeout_s=2).workers()
 
 
-WATCH = dict(health_check_interval=0.3, health_check_timeout=0.5, health_failure_threshold=2, **FAST)
+WATCH = dict(health_check_interval_s=0.3, health_check_timeout_s=0.5, health_failure_threshold=2, **FAST)
 
 
 def _fails_within(client, seconds, match):
@@ -177,7 +177,7 @@ def test_a_frozen_worker_behind_the_router_is_noticed(tmp_path):
         fake_worker(tmp_path, "b") as (b, _, _),
         router([a, b]) as r,
     ):
-        client = SGLangEngine([r], generate_timeout=3600, min_live_workers=2, **WATCH)
+        client = SGLangEngine.at([r], generate_timeout_s=3600, min_live_workers=2, **WATCH)
         client.workers()
         os.kill(proc_a.pid, signal.SIGSTOP)
         _fails_within(client, 20, f"{a}: stopped answering /health")
@@ -186,7 +186,7 @@ def test_a_frozen_worker_behind_the_router_is_noticed(tmp_path):
 def test_a_frozen_embedded_server_is_noticed(tiny_hf):
     server = EmbeddedHTTPEngine.launch(tiny_hf["untied"], startup_timeout=120)
     try:
-        client = SGLangEngine([server.url], generate_timeout=3600, **WATCH)
+        client = SGLangEngine.at([server.url], generate_timeout_s=3600, **WATCH)
         assert client.workers() == [server.url]  # a server, not a router: it has no /workers
         os.kill(server._process.pid, signal.SIGSTOP)
         _fails_within(client, 20, f"{server.url}: stopped answering /health")
@@ -197,7 +197,7 @@ def test_a_frozen_embedded_server_is_noticed(tiny_hf):
 
 def test_a_worker_killed_mid_rollout_is_a_clear_error(tmp_path):
     with fake_worker(tmp_path, generate_delay=60) as (url, _, proc):
-        client = SGLangEngine([url], generate_timeout=3600, **WATCH)
+        client = SGLangEngine.at([url], generate_timeout_s=3600, **WATCH)
         threading.Timer(1.0, proc.kill).start()
         _fails_within(client, 20, url.replace(".", r"\."))
 
@@ -281,7 +281,7 @@ def test_rollout_config_reaches_the_client(tmp_path):
 def test_a_failed_disk_update_is_reported_not_the_resume_after_it(tmp_path):
     """Issue 20 item 6: the /continue_generation of the cleanup used to replace the update's error."""
     with fake_worker(tmp_path, fail_post="/update_weights_from_disk,/continue_generation") as (url, record, _):
-        client = SGLangEngine([url], **FAST)
+        client = SGLangEngine.at([url], **FAST)
         with pytest.raises(EngineError, match=r"/update_weights_from_disk failed") as e:
             client.load_from_disk("/some/dir", version=3)
     assert "/continue_generation" in " ".join(getattr(e.value, "__notes__", [])), e.value

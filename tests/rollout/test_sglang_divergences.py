@@ -80,7 +80,7 @@ def test_health_generates_and_a_probe_on_released_memory_kills_the_server(tiny_h
         steps = engine.decode_steps
         assert httpx.get(url + "/health", timeout=30).status_code == 200
         assert engine.decode_steps > steps  # the probe generated a token, as SGLang's /health does
-        client = SGLangEngine([url], timeout=30)
+        client = SGLangEngine.at([url], control_timeout_s=30)
         client.release_memory()
         r = httpx.get(url + "/health", timeout=30)
         assert r.status_code == 503 and "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false" in r.text, r.text
@@ -93,7 +93,7 @@ def test_health_generates_and_a_probe_on_released_memory_kills_the_server(tiny_h
 def test_with_health_generation_off_a_released_server_answers_and_stays_correct(tiny_hf, monkeypatch):
     monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
     engine, server, url = _serve(tiny_hf["tied"], enable_memory_saver=True)
-    client = SGLangEngine([url], timeout=30)
+    client = SGLangEngine.at([url], control_timeout_s=30)
     try:
         before = client.probe(url, [5, 17, 3], 6)
         steps = engine.decode_steps
@@ -165,7 +165,7 @@ def test_cuda_graph_is_freed_only_with_its_variable(tiny_hf, monkeypatch, graph_
     monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
     monkeypatch.setenv("SGLANG_EXPOSE_OWN_ENV_VARS", "true")
     _, server, url = _serve(tiny_hf["tied"], enable_memory_saver=True)
-    client = SGLangEngine([url], timeout=30)
+    client = SGLangEngine.at([url], control_timeout_s=30)
     try:
         client.release_memory()
         info = _info(url)
@@ -186,7 +186,7 @@ def test_cuda_graph_is_freed_only_with_its_variable(tiny_hf, monkeypatch, graph_
 def test_the_colocated_check_names_health_generation_and_warns_when_it_cannot_tell(tiny_hf, monkeypatch):
     monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true")
     _, server, url = _serve(tiny_hf["tied"], enable_memory_saver=True)
-    client = SGLangEngine([url], timeout=30)
+    client = SGLangEngine.at([url], control_timeout_s=30)
     try:
         with pytest.warns(UserWarning, match="SGLANG_EXPOSE_OWN_ENV_VARS=true"):
             compat.check_colocated_env(client)  # the server does not list its environment
@@ -206,7 +206,7 @@ def test_the_nccl_path_needs_the_torch_sglang_pins(tiny_hf):
     from megatron_klear.config import load_config
 
     _, server, url = _serve(tiny_hf["tied"])
-    client = SGLangEngine([url], timeout=30)
+    client = SGLangEngine.at([url], control_timeout_s=30)
     try:
         assert _info(url)["version"] == "0.5.23"
         with pytest.raises(
@@ -261,7 +261,7 @@ def _pause_then_generate(urls, router_flags, pause_s: float = 6.0):
 
     scaled = ("--health-check-interval-secs", "1", "--health-check-timeout-secs", "1")
     with router(urls, extra=scaled + tuple(router_flags)) as rurl:
-        client = SGLangEngine([rurl], timeout=30, max_retries=0)
+        client = SGLangEngine.at([rurl], control_timeout_s=30, max_retries=0)
         try:
             t0 = time.monotonic()
             client.control.pause_generation()
@@ -305,7 +305,10 @@ def test_a_pause_behind_the_launch_scripts_router_keeps_the_workers(paused_pair)
 # -- 7. --api-key -----------------------------------------------------------------------------------
 def test_api_key_refusals_and_the_client_sending_the_key(tiny_hf):
     _, server, url = _serve(tiny_hf["tied"], api_key="sk-test")
-    keyed, bare = SGLangEngine([url], timeout=30, api_key="sk-test"), SGLangEngine([url], timeout=30)
+    keyed, bare = (
+        SGLangEngine.at([url], control_timeout_s=30, api_key="sk-test"),
+        SGLangEngine.at([url], control_timeout_s=30),
+    )
     try:
         r = httpx.post(url + "/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}, timeout=10)
         assert (r.status_code, r.json()) == (401, {"error": "Unauthorized"})
@@ -350,8 +353,8 @@ def test_api_key_through_the_real_router(tiny_hf):
     urls = [u for _, _, u in servers]
     try:
         with router(urls, extra=SCRIPT_ROUTER_FLAGS, api_key="sk-run") as rurl:
-            bare = SGLangEngine([rurl], timeout=30, max_retries=0, workers=urls)
-            keyed = SGLangEngine([rurl], timeout=30, api_key="sk-run")
+            bare = SGLangEngine.at([rurl], control_timeout_s=30, max_retries=0, workers=urls)
+            keyed = SGLangEngine.at([rurl], control_timeout_s=30, api_key="sk-run")
             try:
                 with pytest.raises(EngineError, match="HTTP 401.*rollout.api_key"):
                     bare.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)

@@ -140,7 +140,7 @@ def test_the_stale_rule_for_weights_that_change_while_requests_run():
 
 
 def test_the_engine_applies_the_rule_to_each_answer():
-    client = SGLangEngine(["http://127.0.0.1:9"], workers=["http://127.0.0.1:9"])
+    client = SGLangEngine.at(["http://127.0.0.1:9"], workers=["http://127.0.0.1:9"])
     client.members.set_expected_version(5)
     spans = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 3}]
     answer = _answer([0] * 3, version="5", spans=spans)  # sent at 4, ran across the push to 5
@@ -154,10 +154,10 @@ def test_the_engine_applies_the_rule_to_each_answer():
 
 def test_the_pause_mode_of_a_push_is_checked(tmp_path):
     with fake_worker(tmp_path) as (url, record, _):
-        client = SGLangEngine([url], timeout=5, sync_pause_mode="retract")  # given at construction
+        client = SGLangEngine.at([url], control_timeout_s=5, sync_pause_mode="retract")  # given at construction
         client.load_from_disk("/w", version=2)
         with pytest.raises(ValueError, match="sync_pause_mode must be one of"):
-            SGLangEngine([url], timeout=5, sync_pause_mode="in_place")
+            SGLangEngine.at([url], control_timeout_s=5, sync_pause_mode="in_place")
         client.sync_pause_mode = "in_place"  # changed afterwards: checked again at the push
         with pytest.raises(ValueError, match="sync_pause_mode must be one of"):
             client.load_from_disk("/w", version=3)
@@ -178,7 +178,7 @@ def test_stream_bodies_follow_sglangs_contract_and_an_unanswered_abort_ends_at_t
         for k in range(3)
     ]
     with fake_worker(tmp_path) as (url, record, _):
-        client = SGLangEngine([url], timeout=5, send_seed=True)
+        client = SGLangEngine.at([url], control_timeout_s=5, send_seed=True)
         got = _collect(client.stream(reqs))
         assert {k: c.token_ids for k, c in got.items()} == {0: [7, 8, 9], 1: [7, 8, 9], 2: [7, 8, 9]}
         assert all(c.versions == [0, 0, 0] for c in got.values())
@@ -192,7 +192,7 @@ def test_stream_bodies_follow_sglangs_contract_and_an_unanswered_abort_ends_at_t
     # a worker that never answers the abort (this one has no /abort_request and sleeps 30 s per request):
     # every request ends as an empty abort once rollout.control_timeout_s has passed
     with fake_worker(tmp_path, "slow", generate_delay=30) as (url, record, _):
-        client = SGLangEngine([url], timeout=0.5, max_concurrent_requests=2)
+        client = SGLangEngine.at([url], control_timeout_s=0.5, max_concurrent_requests=2)
         stream = client.stream(reqs)
         time.sleep(0.3)
         t0 = time.monotonic()
@@ -209,7 +209,7 @@ def test_stream_bodies_follow_sglangs_contract_and_an_unanswered_abort_ends_at_t
 
 
 def test_bad_stream_requests_are_named():
-    client = SGLangEngine(["http://127.0.0.1:9"], workers=["http://127.0.0.1:9"])
+    client = SGLangEngine.at(["http://127.0.0.1:9"], workers=["http://127.0.0.1:9"])
     with pytest.raises(ValueError, match=r"request 'a': input_ids must be"):
         client.stream([SampleRequest("a", [], SamplingParams())])
     with pytest.raises(ValueError, match=r"key 'a' appears twice"):
@@ -225,7 +225,7 @@ def test_abort_mid_way_answers_the_output_so_far_and_continuing_finishes(tiny_hf
     (ea, sa, a), (eb, sb, b) = _serve(tiny_hf["untied"], delay=0.01), _serve(tiny_hf["untied"], delay=0.01)
     try:
         with router([a, b]) if via_router else _nothing() as r:
-            client = SGLangEngine([r] if via_router else [a, b], timeout=10, send_seed=True)
+            client = SGLangEngine.at([r] if via_router else [a, b], control_timeout_s=10, send_seed=True)
             reference = _collect(client.stream(_requests()))  # the same requests, run to the end
             assert all(not c.aborted and len(c.versions) == len(c.token_ids) for c in reference.values())
             long = [req for req in _requests() if len(reference[req.key].token_ids) >= 24]
@@ -277,12 +277,12 @@ class _nothing:
 def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the_new_version(tiny_hf, other_hf):
     (ea, sa, a), (eb, sb, b) = _serve(tiny_hf["untied"], delay=0.01), _serve(tiny_hf["untied"], delay=0.01)
     try:
-        client = SGLangEngine(
+        client = SGLangEngine.at(
             [a, b],
-            timeout=10,
+            control_timeout_s=10,
             send_seed=True,
-            health_check_interval=0.1,
-            health_check_timeout=1.0,
+            health_check_interval_s=0.1,
+            health_check_timeout_s=1.0,
             health_failure_threshold=2,
         )
         client.sync_pause_mode = "retract"
@@ -321,8 +321,12 @@ def test_the_watchdog_leaves_servers_paused_by_a_push_alone(tiny_hf, in_push):
 
     engine, server, url = _serve(tiny_hf["untied"], delay=0.01)
     try:
-        client = SGLangEngine(
-            [url], timeout=10, health_check_interval=0.1, health_check_timeout=1.0, health_failure_threshold=2
+        client = SGLangEngine.at(
+            [url],
+            control_timeout_s=10,
+            health_check_interval_s=0.1,
+            health_check_timeout_s=1.0,
+            health_failure_threshold=2,
         )
         stream = client.stream(_requests(budget=24, prompts=PROMPTS[:3]))
         _wait_steps([engine], 3)
@@ -345,7 +349,7 @@ def test_the_watchdog_leaves_servers_paused_by_a_push_alone(tiny_hf, in_push):
 
 def test_a_server_side_abort_before_abort_is_asked_is_retried(tmp_path):
     with fake_worker(tmp_path, abort_first=1) as (url, record, _):
-        client = SGLangEngine([url], timeout=5, retry_backoff=0.01)
+        client = SGLangEngine.at([url], control_timeout_s=5, retry_backoff=0.01)
         got = _collect(client.stream([SampleRequest("k", [1, 2], SamplingParams(max_new_tokens=3))]))
     assert got["k"].finish_reason == "stop" and got["k"].token_ids == [7, 8, 9]
     assert client.generation.retries == 1 and len(recorded(record)) == 2 and client.streams.aborted_requests == 0

@@ -12,8 +12,8 @@ import types
 
 import pytest
 
-from megatron_klear.training import checkpointing
-from megatron_klear.training.checkpointing import LATEST, CheckpointManager
+from megatron_klear.training.checkpointing import CheckpointManager
+from megatron_klear.training.run_dir import LATEST
 from megatron_klear.utils.atomic import temporary_prefix
 from tests.tiny_sft import sft_data
 
@@ -24,7 +24,7 @@ def _errors():
     """(RunDirError, RunLockedError), imported when used: the tests of behaviour that existed before
     issue 13 (rotation, the metrics file) run against that code too."""
     from megatron_klear.platform.process import RunLockedError
-    from megatron_klear.training.checkpointing import RunDirError
+    from megatron_klear.training.run_dir import RunDirError
 
     return RunDirError, RunLockedError
 
@@ -401,6 +401,8 @@ def test_rl_says_where_it_resumed_and_truncates_its_metrics(tiny_run):
 
 
 def test_module_doc_states_the_rules():
-    doc = checkpointing.__doc__
+    from megatron_klear.training import run_dir
+
+    doc = run_dir.__doc__  # the run directory's rules live with their code
     for rule in ("one run at a time", ".tmp-iter_", "train.overwrite=true", "rotation"):
         assert rule in doc

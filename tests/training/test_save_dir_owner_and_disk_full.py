@@ -15,7 +15,8 @@ import torch
 
 from megatron_klear.config import JobConfig
 from megatron_klear.training import checkpointing
-from megatron_klear.training.checkpointing import LATEST, CheckpointManager, RunDirError
+from megatron_klear.training.checkpointing import CheckpointManager
+from megatron_klear.training.run_dir import LATEST, RunDirError
 
 QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],

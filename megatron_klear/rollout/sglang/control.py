@@ -107,15 +107,16 @@ def bucket_error(errors: dict) -> str:
 
 class Control:
     """The control calls over the client's ``transport`` to the workers ``members`` lists.
-    ``weight_update_timeout``: one worker's weight load; ``sync_pause_mode``: how a push pauses the
-    servers (:data:`PAUSE_MODES`, checked now and at each push)."""
+    ``weight_update_timeout``: one worker's weight load (``rollout.weight_update_timeout_s``);
+    ``sync_pause_mode``: how a push pauses the servers (:data:`PAUSE_MODES`, checked now and at each
+    push)."""
 
     #: tries of /flush_cache before a weight load (see :meth:`Control.flush_cache`)
     flush_attempts = 8
 
-    def __init__(self, transport, members, *, weight_update_timeout: float = 1800.0, sync_pause_mode: str = "abort"):
+    def __init__(self, transport, members, config, *, sync_pause_mode: str = "abort"):
         self.transport, self.members = transport, members
-        self.weight_update_timeout = float(weight_update_timeout)
+        self.weight_update_timeout = float(config.weight_update_timeout_s)
         self.sync_pause_mode = sync_pause_mode
         self.push_pause_mode()  # one of PAUSE_MODES, or a ValueError naming it now
 

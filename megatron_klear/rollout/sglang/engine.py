@@ -12,6 +12,7 @@ engine-neutral parts (transport, membership and its fleet) rather than copying t
 from __future__ import annotations
 
 from megatron_klear.rollout.base import ServerEngine
+from megatron_klear.rollout.config import RolloutConfig
 from megatron_klear.rollout.sglang.control import MEMORY_TAGS, Control
 from megatron_klear.rollout.sglang.generation import Generation
 from megatron_klear.rollout.sglang.membership import Membership
@@ -22,18 +23,16 @@ from megatron_klear.rollout.sglang.transport import EngineError, Transport
 class SGLangEngine(ServerEngine):
     """SGLang servers as the rollout engine (see :mod:`megatron_klear.rollout.sglang`).
 
-    ``urls``: where ``/generate`` goes (one router, or the servers); ``workers``: the servers
-    themselves when they cannot be asked from the router. ``timeout``: seconds for control calls
-    (health, info, pause/continue); ``generate_timeout``: for one ``/generate`` request;
-    ``weight_update_timeout``: for one worker's weight load. ``send_seed``: SGLang honours
-    ``sampling_seed`` only with ``--enable-deterministic-inference``, and then one seed for a
-    request's ``n`` samples makes them identical, so no seed is sent by default; with ``send_seed``
-    each request carries its own seed derived from ``params.seed`` (the stand-in server derives one
-    per sample from it: runs are reproducible). ``routed_experts``: ``(MoE layer indices, top_k)``
-    to ask each server for the experts every token was routed to (``rollout.router_replay``; sets
-    the generation part's ``record_routing``, ``routing_layers``, ``routing_topk``). ``check``: every URL must answer
-    ``/health`` now. ``min_live_workers``: the fewest live workers a step goes on with
-    (:mod:`.fleet`; fewer fail the call with :class:`~.fleet.FleetError`). ``api_key``: the servers' ``--api-key``.
+    ``config``: the ``rollout`` section (megatron_klear/rollout/config.py): ``urls`` (where
+    ``/generate`` goes: one router, or the servers), ``workers`` (the servers themselves when they
+    cannot be asked from the router), the timeouts, the concurrency and granularity of requests,
+    retries, the watchdog, ``min_live_workers`` (:mod:`.fleet`; fewer fail the call with
+    :class:`~.fleet.FleetError`), ``api_key``, ``send_seed`` (SGLang honours ``sampling_seed`` only
+    with ``--enable-deterministic-inference``, and then one seed for a request's ``n`` samples makes
+    them identical, so no seed is sent by default; with it each request carries its own seed derived
+    from ``params.seed``, and the stand-in server derives one per sample). ``routed_experts``:
+    ``(MoE layer indices, top_k)`` to ask each server for the experts every token was routed to
+    (``rollout.router_replay``). ``check``: every URL must answer ``/health`` now.
 
     ``sync_pause_mode``: how a weight push pauses the servers (``/pause_generation``'s mode, disk and
     distributed pushes alike): ``"abort"`` (the requests in flight end and are sent again, with the
@@ -47,55 +46,55 @@ class SGLangEngine(ServerEngine):
 
     def __init__(
         self,
-        urls,
+        config: RolloutConfig,
         *,
-        workers=None,
-        timeout: float = 60.0,
-        generate_timeout: float = 3600.0,
-        weight_update_timeout: float = 1800.0,
-        max_concurrent_requests: int = 256,
-        request_granularity: str = "prompt",
-        max_retries: int = 2,
-        retry_backoff: float = 1.0,
-        health_check_interval: float = 10.0,
-        health_check_timeout: float = 10.0,
-        health_failure_threshold: int = 3,
-        send_seed: bool = False,
-        check: bool = False,
         routed_experts: tuple | None = None,
-        min_live_workers: int = 1,
-        api_key: str | None = None,
         sync_pause_mode: str = "abort",
+        check: bool = False,
+        retry_backoff: float = 1.0,
     ):
-        urls = [urls] if isinstance(urls, str) else list(urls or [])
-        if not urls:
-            raise ValueError("rollout: at least one server URL is needed")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.transport = Transport(
-            self.urls[0], timeout=timeout, health_check_timeout=health_check_timeout, api_key=api_key
-        )
-        self.members = Membership(self.transport, self.urls, workers=workers, min_live_workers=min_live_workers)
+        """The engine of a ``rollout`` config section, taken as it is (validated once, by
+        :meth:`RolloutConfig.validate`, before it gets here: the factory's or :meth:`at`'s)."""
+        if not config.urls:
+            raise ValueError("rollout: at least one server URL is needed (rollout.urls)")
+        self.config = config
+        self.urls = [u.rstrip("/") for u in config.urls]
+        self.transport = Transport(config)
+        self.members = Membership(self.transport, config)
         self.generation = Generation(
-            self.transport,
-            self.members,
-            generate_timeout=generate_timeout,
-            max_concurrent_requests=max_concurrent_requests,
-            request_granularity=request_granularity,
-            max_retries=max_retries,
-            retry_backoff=retry_backoff,
-            health_check_interval=health_check_interval,
-            health_failure_threshold=health_failure_threshold,
-            send_seed=send_seed,
-            routed_experts=routed_experts,
+            self.transport, self.members, config, routed_experts=routed_experts, retry_backoff=retry_backoff
         )
         self.streams = Streams(self.generation)
-        self.control = Control(
-            self.transport, self.members, weight_update_timeout=weight_update_timeout, sync_pause_mode=sync_pause_mode
-        )
+        self.control = Control(self.transport, self.members, config, sync_pause_mode=sync_pause_mode)
         if check:
             for u in self.urls:
                 if not self.transport.health(u):
                     raise EngineError(f"rollout: {u}/health does not answer (is the server or router running?)")
+
+    @classmethod
+    def at(
+        cls,
+        urls,
+        *,
+        routed_experts: tuple | None = None,
+        sync_pause_mode: str = "abort",
+        check: bool = False,
+        retry_backoff: float = 1.0,
+        **keys,
+    ) -> SGLangEngine:
+        """For scripts and tests: the engine of the servers (or router) at ``urls``, ``keys`` being
+        ``rollout`` config keys (``control_timeout_s=5``, ``workers=[...]``, ``send_seed=True`` ...),
+        validated as a job's config is."""
+        urls = [urls] if isinstance(urls, str) else list(urls or [])
+        config = RolloutConfig(engine="http", urls=urls, **keys)
+        config.validate()
+        return cls(
+            config,
+            routed_experts=routed_experts,
+            sync_pause_mode=sync_pause_mode,
+            check=check,
+            retry_backoff=retry_backoff,
+        )
 
     # -- settings the rest of the package reads -----------------------------------------------------
     @property

@@ -103,41 +103,22 @@ class _Call:
 
 
 class Generation:
-    """``/generate`` over the client's ``transport`` to the workers ``members`` lists: see the
-    module's docstring for the settings (``generate_timeout``: one request's seconds; the watchdog's
-    ``health_check_interval`` and ``health_failure_threshold``; ``send_seed``: each request carries
-    its own seed; ``routed_experts``: ``(MoE layer indices, top_k)`` to ask for the experts every
-    token was routed to)."""
+    """``/generate`` over the client's ``transport`` to the workers ``members`` lists, with the
+    ``rollout`` section's settings (see the module's docstring: ``generate_timeout_s``, the
+    concurrency and granularity of requests, retries, the watchdog's ``health_check_interval_s`` and
+    ``health_failure_threshold``, ``send_seed``). ``routed_experts``: ``(MoE layer indices, top_k)``
+    to ask for the experts every token was routed to; ``retry_backoff``: seconds before a retry
+    (doubling)."""
 
-    def __init__(
-        self,
-        transport,
-        members,
-        *,
-        generate_timeout: float = 3600.0,
-        max_concurrent_requests: int = 256,
-        request_granularity: str = "prompt",
-        max_retries: int = 2,
-        retry_backoff: float = 1.0,
-        health_check_interval: float = 10.0,
-        health_failure_threshold: int = 3,
-        send_seed: bool = False,
-        routed_experts: tuple | None = None,
-    ):
-        if request_granularity not in GRANULARITIES:
-            raise ValueError(f"rollout.request_granularity must be one of {GRANULARITIES}, got {request_granularity!r}")
-        if int(max_concurrent_requests) < 1 or int(max_retries) < 0 or int(health_failure_threshold) < 1:
-            raise ValueError(
-                "rollout: max_concurrent_requests and health_failure_threshold must be >= 1, max_retries >= 0"
-            )
+    def __init__(self, transport, members, config, *, routed_experts: tuple | None = None, retry_backoff: float = 1.0):
         self.transport, self.members = transport, members
-        self.generate_timeout = float(generate_timeout)
-        self.max_concurrent_requests = int(max_concurrent_requests)
-        self.request_granularity = request_granularity
-        self.max_retries, self.retry_backoff = int(max_retries), float(retry_backoff)
-        self.health_check_interval = float(health_check_interval)
-        self.health_failure_threshold = int(health_failure_threshold)
-        self.send_seed = bool(send_seed)
+        self.generate_timeout = float(config.generate_timeout_s)
+        self.max_concurrent_requests = int(config.max_concurrent_requests)
+        self.request_granularity = config.request_granularity
+        self.max_retries, self.retry_backoff = int(config.max_retries), float(retry_backoff)
+        self.health_check_interval = float(config.health_check_interval_s)
+        self.health_failure_threshold = int(config.health_failure_threshold)
+        self.send_seed = bool(config.send_seed)
         # rollout.router_replay (MoE): ask each server for the experts every token was routed to
         # (``return_routed_experts``); the model's MoE layer indices and top_k to read them
         self.record_routing, self.routing_layers, self.routing_topk = False, [], 0

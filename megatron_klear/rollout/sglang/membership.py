@@ -58,15 +58,14 @@ def note(message: str) -> None:
 
 
 class Membership:
-    """The workers behind ``urls`` (``workers``: listed explicitly instead of asked from routers),
-    and the fewest live ones a step goes on with (``min_live_workers``)."""
+    """The workers behind a ``rollout`` section's ``urls`` (``workers``: listed explicitly instead of
+    asked from routers), and the fewest live ones a step goes on with (``min_live_workers``)."""
 
-    def __init__(self, transport, urls: list, *, workers=None, min_live_workers: int = 1):
-        if int(min_live_workers) < 1:
-            raise ValueError(f"rollout.min_live_workers must be >= 1, got {min_live_workers}")
-        self.transport, self.urls = transport, list(urls)
-        self._explicit_workers = [w.rstrip("/") for w in workers] if workers else None
-        self.min_live_workers = int(min_live_workers)
+    def __init__(self, transport, config):
+        self.transport = transport
+        self.urls = [u.rstrip("/") for u in config.urls]
+        self._explicit_workers = [w.rstrip("/") for w in config.workers] if config.workers else None
+        self.min_live_workers = int(config.min_live_workers)
         self._fleet = None  # made on first use (discovery asks the routers)
         self._routers = {}  # url -> whether it is a router (answers GET /workers with a list)
         self._membership_lock = threading.RLock()

@@ -109,14 +109,16 @@ def in_background(fn, items, name: str) -> dict:
 
 
 class Transport:
-    """HTTP to the servers: ``url`` (where a call without one goes: the first of ``rollout.urls``),
-    ``timeout`` (a control call's seconds), ``health_check_timeout`` (a probe's), ``api_key`` (the
-    servers' ``--api-key``, sent with every request)."""
+    """HTTP to the servers of a ``rollout`` config section: ``url`` is where a call without one goes
+    (the first of ``rollout.urls``); ``timeout`` a control call's seconds (``control_timeout_s``),
+    ``health_check_timeout`` a probe's, ``api_key`` the servers' ``--api-key`` (sent with every
+    request)."""
 
-    def __init__(self, url: str, *, timeout: float = 60.0, health_check_timeout: float = 10.0, api_key=None):
-        self.url, self.timeout = url, float(timeout)
-        self.health_check_timeout = float(health_check_timeout)
-        self.api_key = api_key or None  # sent as "Authorization: Bearer <key>" (servers started with --api-key)
+    def __init__(self, config):
+        self.url = config.urls[0].rstrip("/")
+        self.timeout = float(config.control_timeout_s)
+        self.health_check_timeout = float(config.health_check_timeout_s)
+        self.api_key = config.api_key or None  # "Authorization: Bearer <key>" (servers started with --api-key)
         self._control = None  # the keep-alive client of the control calls (made on first use)
         self._control_lock = threading.Lock()
 

@@ -270,8 +270,19 @@ class EmbeddedHTTPEngine(SGLangEngine):
     def __init__(
         self, url: str, *, timeout: float = 60.0, generate_timeout: float = 3600.0, api_key: str | None = None
     ):
+        from megatron_klear.rollout.config import RolloutConfig
+
         # send_seed: the stand-in derives one seed per (prompt, sample) from it
-        super().__init__([url], timeout=timeout, generate_timeout=generate_timeout, api_key=api_key, send_seed=True)
+        config = RolloutConfig(
+            engine="http",
+            urls=[url],
+            control_timeout_s=timeout,
+            generate_timeout_s=generate_timeout,
+            api_key=api_key or "",
+            send_seed=True,
+        )
+        config.validate()
+        super().__init__(config)
         self._process = None
         self._workdir = None
 
