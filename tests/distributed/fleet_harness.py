@@ -385,16 +385,22 @@ def probe_logprobs(model_dir: str, weights, prompt, response):
 
 
 def greedy_probe(url: str, prompt, max_new_tokens: int = 6):
-    """The server's greedy tokens and their log-probs for ``prompt`` (sent to the server directly)."""
+    """The server's greedy tokens and their log-probs for ``prompt`` (sent to the server directly).
+    An answer that a weight push's pause aborted part-way (``finish_reason`` abort: the loop goes on
+    while the test probes) is asked again, so that the probe is always a whole continuation."""
     body = {
         "input_ids": list(prompt),
         "return_logprob": True,
         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
     }
-    req = urllib.request.Request(
-        url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        out = json.loads(r.read())
+    for _ in range(50):
+        req = urllib.request.Request(
+            url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            out = json.loads(r.read())
+        if (out["meta_info"].get("finish_reason") or {}).get("type") != "abort":
+            break
+        time.sleep(0.1)
     lps = out["meta_info"]["output_token_logprobs"]
     return [t for _, t, _ in lps], [lp for lp, _, _ in lps]
