@@ -151,17 +151,15 @@ class RolloutManager:
         from megatron_klear.rl.rollout.verify import verification_due, verify_servers
 
         r = self.cfg.rollout
-        fleet = self.weights.to_servers and isinstance(self.engine, ServerEngine) if is_rank0() else None
-        fleet = broadcast_from_rank0(fleet)
-        # rank 0: lost workers recalled, the push, then the rejoining ones admitted once checked
-        with self.engine.push_session(version) if fleet and is_rank0() else contextlib.nullcontext():
+        # rank 0 holds the engine: with servers, the push runs in its session (lost workers recalled
+        # first, the rejoining ones admitted once checked)
+        servers = is_rank0() and self.weights.to_servers and isinstance(self.engine, ServerEngine)
+        with self.engine.push_session(version) if servers else contextlib.nullcontext():
             metrics = self.weights.push(version)
             if self.weights.to_servers:
                 self.syncs += 1
                 due = verification_due(self.syncs, version, r.verify_interval)
-                rejoining = broadcast_from_rank0(
-                    bool(self.engine.rejoining_workers()) if fleet and is_rank0() else False
-                )
+                rejoining = broadcast_from_rank0(bool(self.engine.rejoining_workers()) if servers else False)
                 if due or rejoining:
                     metrics.update(
                         verify_servers(
@@ -174,7 +172,7 @@ class RolloutManager:
                             only_rejoining=not due,
                         )
                     )
-        if fleet and is_rank0():
+        if servers:
             metrics.update(self._fleet_metrics(push=True))
         return metrics
 
