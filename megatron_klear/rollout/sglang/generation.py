@@ -45,9 +45,9 @@ not retried.
 The counts of the step (workers lost and readmitted, requests sent again, stale answers) are in
 :meth:`~.membership.Membership.fleet_metrics`.
 
-:class:`Generation` is a mixin of :class:`~megatron_klear.rollout.sglang.SGLangEngine` (its
-settings, ``record_routing`` / ``routing_layers`` / ``routing_topk``, :class:`.membership.Membership`
-and :class:`.transport.Transport`).
+:class:`Generation` is a part of :class:`~megatron_klear.rollout.sglang.SGLangEngine` with its own
+settings and counters (``requests_sent``, ``retries``; ``record_routing`` / ``routing_layers`` /
+``routing_topk``), over the client's :class:`.transport.Transport` and :class:`.membership.Membership`.
 """
 
 from __future__ import annotations
