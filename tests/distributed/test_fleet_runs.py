@@ -283,11 +283,17 @@ def test_distributed_sync_survives_a_kill_mid_sync_then_fails_naming_every_lost_
         d.note(f"killed b mid-sync ({path}) after step {len(d.steps())}")
         b.start()
         d.wait(lambda: _rejoined(d, b), 120, "b rejoined after its restart", poll_s=0.2)
-        k = len(d.steps())
-        seen["versions"] = (a.weight_version(), b.weight_version())
-        seen["probes"] = [greedy_probe(s.url, PROBE) for s in servers]
-        seen["versions_after"] = (a.weight_version(), b.weight_version())
-        seen["probed_after"] = k
+        # the probes must see one weight version on both servers: the loop goes on pushing meanwhile,
+        # so they are taken again when a push (or a step's end) fell between them
+        for _ in range(40):
+            k = len(d.steps())
+            seen["versions"] = (a.weight_version(), b.weight_version())
+            seen["probes"] = [greedy_probe(s.url, PROBE) for s in servers]
+            seen["versions_after"] = (a.weight_version(), b.weight_version())
+            seen["probed_after"] = k
+            if seen["versions"] == seen["versions_after"] == (str(k), str(k)) and len(d.steps()) == k:
+                break
+            time.sleep(0.05)
         d.note(f"b rejoined by step {k}; probed both")
         # the next step's rollout (the probes above may have outlasted this one's), before its push
         d.mid_rollout(a, d.wait_step(k + 1))
