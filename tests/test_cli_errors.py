@@ -474,3 +474,11 @@ def test_a_code_item_whose_tests_do_not_match_is_a_bad_line_not_a_zero(tmp_path,
     assert err.strip().splitlines()[-1].startswith("error: 1 malformed input line(s)"), err
     (record,) = [json.loads(line) for line in open(out)]
     assert record["reward"] is None and record["error"] == f"{inp}:1: tests: 0 inputs but 1 outputs"
+
+
+@pytest.mark.parametrize("job", ["sft", "rl"])
+def test_the_old_command_names_the_new_one(job):
+    rc = subprocess.run(
+        [PY, "-m", f"megatron_klear.{job}", "--config", "x.yaml"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert rc.returncode == 1 and f"python -m megatron_klear {job} --config" in rc.stderr, rc.stderr
