@@ -41,7 +41,7 @@ class RLLoop:
         from megatron_klear.rl.actor import Actor
         from megatron_klear.rl.rollout.manager import RolloutManager
         from megatron_klear.training.run import Run
-        from megatron_klear.training.setup import build_training_state, model_arch
+        from megatron_klear.training.setup import build_training_state
 
         self.cfg = cfg
         rl, train = cfg.rl, cfg.train
@@ -59,8 +59,8 @@ class RLLoop:
         # the lr schedule's length in its own unit (optim.schedule_unit): RL steps or optimizer steps
         per_step = 1 if cfg.optim.schedule_unit == "rl_step" else rl.prompts_per_step // rl.mini_batch_prompts
         self.state = build_training_state(cfg, total_steps=self.steps * per_step)
-        self.arch = model_arch(cfg.model.path)
-        source = ModelSource.at(cfg.model.path)
+        source = ModelSource.at(cfg.model.path)  # HF or converted: the architecture and the tokenizer
+        self.arch = source.arch()
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
         self.prompts = PromptDataset(
             rl.prompts,
