@@ -4,6 +4,7 @@ Used by :mod:`megatron_klear.rewards.sandbox` and the grading pool."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -101,10 +102,8 @@ def kill_uid(uid: int) -> None:
 def _base_dir() -> str:
     """The grader's private directory; refuses one that another user could have planted."""
     path = os.path.join(tempfile.gettempdir(), f"megatron-klear-sandbox-{os.getuid()}")
-    try:
+    with contextlib.suppress(FileExistsError):  # ours from an earlier run: checked below
         os.mkdir(path, 0o711)
-    except FileExistsError:
-        pass
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
         raise SandboxUnavailable(f"{path} exists but is not a private directory of uid {os.getuid()}")

@@ -91,12 +91,13 @@ class Run:
 
         term = TerminationFlag().install()
         interval, total = self.cfg.train.save_interval, self.total_steps
+        shown = {"console_keys": console_keys} if console_keys else {}  # else the logger's own (SFT's)
         metrics = {}
         while position() < total:
             metrics = step()
             at = position()
             if at % log_interval == 0 or at == total:
-                self.logger.log(at, metrics, **({"console_keys": console_keys} if console_keys else {}))
+                self.logger.log(at, metrics, **shown)
             stopping = term.should_stop()  # collective: every rank saves this step and stops
             if self.ckpt and (stopping or at == total or (interval and at % interval == 0)):
                 save()

@@ -57,7 +57,6 @@ class SGLangEngine(ServerEngine):
         :meth:`RolloutConfig.validate`, before it gets here: the factory's or :meth:`at`'s)."""
         if not config.urls:
             raise ValueError("rollout: at least one server URL is needed (rollout.urls)")
-        self.config = config
         self.urls = [u.rstrip("/") for u in config.urls]
         self.transport = Transport(config)
         self.members = Membership(self.transport, config)
