@@ -63,7 +63,7 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
     # later groups are still running (a random model's responses all run to the length limit). With
     # the same wave size on both servers (the stand-in batches statically) their waves ended
     # together and the abort raced the next waves' first tokens: no partial had tokens, now and then
-    servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120, max_batch_size=n) for n in (4, 3)]
+    servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120, max_running_requests=n) for n in (4, 3)]
     save = os.path.join(setup["root"], "run")
     args = [
         f"model.path={setup['model']}",

@@ -93,8 +93,8 @@ def test_batch_equals_each_prompt_alone(engine, tiny_hf):
         for a, b in zip(alone, batch[i]):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
-    # decoding in smaller batches (whole prompts at a time) changes nothing either
-    small = EmbeddedEngine(engine.model, max_batch_size=4)
+    # at most 4 rows at a time (rows join as others finish) changes nothing either
+    small = EmbeddedEngine(engine.model, max_running_requests=4)
     chunked = small.generate(PROMPTS, params, n=3)
     assert [[c.token_ids for c in s] for s in chunked] == [[c.token_ids for c in s] for s in batch]
     # same seed, same samples; another seed, other samples; samples of one prompt differ

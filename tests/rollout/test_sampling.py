@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megatron_klear.rollout.embedded.sampling import SampleStreams, sample_seed, sample_tokens
+from megatron_klear.rollout.embedded.sampling import SampleStream, next_uniforms, sample_seed, sample_tokens
 
 P = [0.5, 0.3, 0.15, 0.05]  # token order scrambled below so that sorting matters
 ORDER = [2, 0, 3, 1]  # vocabulary id of P[k]
@@ -65,10 +65,12 @@ def test_sample_seed_and_streams_are_deterministic_and_independent():
     assert sample_seed(7, 1, 2) == sample_seed(7, 1, 2)
     seeds = {sample_seed(s, i, j) for s in range(3) for i in range(3) for j in range(3)}
     assert len(seeds) == 27
-    a = SampleStreams([11, 12, 13])
-    b = SampleStreams([13])
-    ua = [a.next(torch.tensor([0, 2]))[1].item() for _ in range(130)]  # crosses two block refills
-    ub = [b.next(torch.tensor([0]))[0].item() for _ in range(130)]
+    a = [SampleStream(s) for s in (11, 12, 13)]
+    b = SampleStream(13)
+    ua = [next_uniforms(a)[2].item() for _ in range(130)]  # crosses two block refills
+    ub = [b.next() for _ in range(130)]
     assert ua == ub
+    late = SampleStream(13)  # a stream that starts later, beside streams far into theirs
+    assert [next_uniforms([a[0], late])[1].item() for _ in range(130)] == ub
     ref = torch.rand(130, generator=torch.Generator().manual_seed(13), dtype=torch.float64).tolist()
     assert ub == ref

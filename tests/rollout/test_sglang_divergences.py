@@ -114,14 +114,14 @@ def test_with_health_generation_off_a_released_server_answers_and_stays_correct(
 def _hold_forward(engine, monkeypatch):
     """The engine's next forward waits for ``go``; ``started`` is set once it is under way."""
     started, go = threading.Event(), threading.Event()
-    forward = engine._forward
+    forward = engine.forward
 
     def held(*args, **kwargs):
         started.set()
         go.wait(30)
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_forward", held)
+    monkeypatch.setattr(engine, "forward", held)
     return started, go
 
 

@@ -183,14 +183,14 @@ def _gate_on_pause(monkeypatch, sched, modes=("retract", "in_place", "abort")) -
 def _hold(monkeypatch, engine, after: int, gate: threading.Event):
     """The engine waits for ``gate`` before every forward from number ``after`` on (so a request
     holds exactly ``after - start`` tokens then)."""
-    forward = engine._forward
+    forward = engine.forward
 
     def held(*args, **kwargs):
         if engine.decode_steps >= after:
             assert gate.wait(60), "the control call under test never came"
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_forward", held)
+    monkeypatch.setattr(engine, "forward", held)
 
 
 def _wait_steps(engine, steps, timeout=60):
@@ -278,7 +278,8 @@ def test_retract_pause_and_disk_update_mid_request(server, refs, tiny_hf, other_
 
 @pytest.mark.parametrize("via", ["direct", "router"])
 def test_abort_then_continue_under_new_weights(server, refs, other_hf, monkeypatch, via):
-    """/abort_request abort_all mid-generation answers the K tokens so far (FINISH_ABORT, their
+    """/abort_request abort_all mid-generation answers the K tokens so far and the token of the step
+    that ran after it (SGLang sets ``to_finish``; the next step's token is kept: FINISH_ABORT, their
     log-probs, their span); continued as prompt + partial output with the budget left, after a
     weight update, the whole response matches, token by token, the forward of each token's
     version. ``router``: generation goes through the real sglang-router 0.3.2, which does not route
@@ -317,22 +318,23 @@ def test_abort_then_continue_under_new_weights(server, refs, other_hf, monkeypat
         validate_generate_response(part)
         meta = part["meta_info"]
         assert meta["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-        assert len(part["output_ids"]) == K and meta["completion_tokens"] == K
-        assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": K}] and meta["weight_version"] == "0"
+        cut = K + 1  # the K sampled before the abort, and the one of the step after it
+        assert len(part["output_ids"]) == cut and meta["completion_tokens"] == cut
+        assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": cut}] and meta["weight_version"] == "0"
         assert _logprobs(part) == pytest.approx(
             _teacher_forced(refs, prompt, part["output_ids"], meta["weight_versions"]), abs=2e-4
         )
         # the next step: new weights, then the partial response continues with the budget left
         assert _control(url, "/update_weights_from_disk", {"model_path": other_hf, "weight_version": "1"}) == 200
         results = {}
-        _generate(front, _body(prompt + part["output_ids"], N - K, 4, "part-2"), results)
+        _generate(front, _body(prompt + part["output_ids"], N - cut, 4, "part-2"), results)
         assert results["out"].status_code == 200, results["out"].text
         rest = results["out"].json()
         validate_generate_response(rest)
-    assert rest["meta_info"]["finish_reason"] == {"type": "length", "length": N - K}
-    assert rest["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": N - K}]
+    assert rest["meta_info"]["finish_reason"] == {"type": "length", "length": N - cut}
+    assert rest["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": N - cut}]
     tokens = part["output_ids"] + rest["output_ids"]
-    spans = [{"version": "0", "start": 0, "end": K}, {"version": "1", "start": K, "end": N}]
+    spans = [{"version": "0", "start": 0, "end": cut}, {"version": "1", "start": cut, "end": N}]
     assert _logprobs(part) + _logprobs(rest) == pytest.approx(_teacher_forced(refs, prompt, tokens, spans), abs=2e-4)
 
 
@@ -440,15 +442,8 @@ def test_embedded_engine_tags_tokens_and_aborted_rows(tiny_hf):
     engine.weight_version = 5
     steps = itertools.count()
 
-    class Control:
-        def pause_mode(self):
-            return None
-
-        def wait_while_paused(self):
-            """Never paused."""
-
-        def aborted(self, key):
-            return key == "gone" or (key == "cut" and next(steps) >= 4)
+    def aborted(key):
+        return key == "gone" or (key == "cut" and next(steps) >= 4)
 
     params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=10)
     out = engine.generate_requests(
@@ -456,7 +451,7 @@ def test_embedded_engine_tags_tokens_and_aborted_rows(tiny_hf):
             PromptRequest(PROMPTS[0], params, [1], key="cut", ignore_eos=True),
             PromptRequest(PROMPTS[1], params, [2], key="gone", ignore_eos=True),
         ],
-        control=Control(),
+        aborted=aborted,
     )
     cut, gone = out[0][0], out[1][0]
     assert cut.finish_reason == "abort" and 0 < len(cut.token_ids) < 10

@@ -37,13 +37,13 @@ def _serve(model_dir, delay: float = 0.0):
 
     engine = EmbeddedEngine.from_pretrained(model_dir)
     if delay:
-        forward = engine._forward
+        forward = engine.forward
 
         def slow(*args, **kwargs):
             time.sleep(delay)
             return forward(*args, **kwargs)
 
-        engine._forward = slow
+        engine.forward = slow
     server, url = serve_in_thread(engine, batch_window=0.2)
     return engine, server, url
 

@@ -1,28 +1,25 @@
 """The embedded rollout engine: KV-cache generation with a transformers causal LM in plain torch,
 for CPU runs, tests and small experiments (SGLang is the production engine).
 
-The engine decodes all the sequences of a call together with its own loop over the model's forward
-(``DynamicCache``, a left-padded attention mask, explicit position ids) instead of
-``model.generate``, so that sampling and log-probs are the ones the trainer expects
-(:mod:`.sampling`) and stop ids and context length are SGLang's (:mod:`.rules`).
+The engine runs its own loop over the model's forward (``DynamicCache``, a left-padded attention
+mask, explicit position ids) instead of ``model.generate``, so that sampling and log-probs are the
+ones the trainer expects (:mod:`.sampling`) and stop ids and context length are SGLang's
+(:mod:`.rules`). The rows are scheduled continuously (:mod:`.batcher`): requests join the running
+batch between decode steps and leave it as soon as they finish, within ``max_running_requests``
+rows and ``max_total_tokens`` KV tokens (SGLang's ``--max-running-requests`` and
+``--max-total-tokens``), retracting when the tokens run short.
 
-- Each prompt is prefilled once and its KV cache repeated for its samples; a row that finishes is
-  dropped from the batch (and its cache) at that step. ``max_batch_size`` bounds the rows decoded
-  together (whole prompts at a time, at least one).
 - Prompts of one batch may have different sampling parameters: the forward is shared and each group
   of equal ``(temperature, top_k, top_p)`` is sampled on its own.
-- A ``control`` object (the stand-in server's scheduler) may pause decoding between steps (the
-  engine lock is released meanwhile, so weights can change; after a ``"retract"`` pause the running
-  rows' KV cache is recomputed with the current weights, after ``"in_place"`` it is kept) and abort
-  requests (their rows end with finish_reason ``"abort"``, keeping the tokens sampled so far).
 - Every Completion carries ``versions``: per token, the engine's ``weight_version`` when the logits it
   was sampled from were computed (the weights that produced it). A request that runs across a weight
-  update made while paused holds tokens of both versions: after ``"retract"`` the KV cache and the
-  next logits are recomputed with the new weights; after ``"in_place"`` the first token after the
-  pause still comes from logits of the old weights (as in SGLang, where a step samples what its own
-  forward computed) and the following ones from the new weights over the old KV cache.
-- Limits, acceptable at CPU scale: ``DynamicCache`` grows by concatenation (a copy per step), and a
-  batch's left padding stays until the batch ends.
+  update made while paused holds tokens of both versions (the stand-in server's scheduler pauses
+  between steps): after a ``retract`` pause the KV cache and the next logits are recomputed with the
+  new weights; after ``in_place`` the first token after the pause still comes from logits of the old
+  weights (as in SGLang, where a step samples what its own forward computed) and the following ones
+  from the new weights over the old KV cache.
+- Limit, acceptable at CPU scale: ``DynamicCache`` grows by concatenation (a copy per step), and the
+  samples of one prompt hold copies of its KV cache (SGLang's radix cache shares them).
 
 Weight loading (by HF name, from a directory, memory release) is :mod:`.weights`.
 """
@@ -40,15 +37,11 @@ import threading
 import torch
 
 from megatron_klear.platform.dtypes import torch_dtype
-from megatron_klear.rollout.base import Completion, RolloutEngine, SamplingParams
+from megatron_klear.rollout.base import RolloutEngine, SamplingParams
+from megatron_klear.rollout.embedded.batcher import ContinuousBatcher
 from megatron_klear.rollout.embedded.requests import PromptRequest, check_prompts, check_requests
-from megatron_klear.rollout.embedded.rules import (
-    GREEDY_TEMPERATURE_EPS,
-    eos_token_ids_of,
-    resolve_context_length,
-    token_id_list,
-)
-from megatron_klear.rollout.embedded.sampling import SampleStreams, request_seeds, sample_tokens
+from megatron_klear.rollout.embedded.rules import eos_token_ids_of, resolve_context_length, token_id_list
+from megatron_klear.rollout.embedded.sampling import request_seeds
 from megatron_klear.rollout.embedded.weights import ModelWeights
 
 
@@ -86,14 +79,16 @@ class EmbeddedEngine(RolloutEngine):
         model,
         *,
         eos_token_ids=None,
-        max_batch_size: int | None = None,
+        max_running_requests: int | None = None,
+        max_total_tokens: int | None = None,
         model_path: str | None = None,
         context_length: int | None = None,
         tokenizer=None,
         record_routing: bool = False,
     ):
-        if max_batch_size is not None and int(max_batch_size) < 1:
-            raise ValueError(f"rollout.embedded: max_batch_size must be >= 1, got {max_batch_size}")
+        for name, value in (("max_running_requests", max_running_requests), ("max_total_tokens", max_total_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+                raise ValueError(f"rollout.embedded: {name} must be an integer >= 1, got {value!r}")
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -102,15 +97,16 @@ class EmbeddedEngine(RolloutEngine):
             if eos_token_ids is not None
             else eos_token_ids_of(model, tokenizer)
         )
-        self.max_batch_size = None if max_batch_size is None else int(max_batch_size)
+        self.max_running_requests = None if max_running_requests is None else int(max_running_requests)
+        self.max_total_tokens = None if max_total_tokens is None else int(max_total_tokens)
         self.model_path = model_path
         self.context_length = resolve_context_length(model.config, context_length)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.pad_token_id = 0  # any valid id: left-padding positions are masked out
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._lock = threading.RLock()
-        self.weights = ModelWeights(self.model, self._lock)  # loading by HF name, release/resume, checksums
+        self.lock = threading.RLock()  # forwards and weight changes
+        self.weights = ModelWeights(self.model, self.lock)  # loading by HF name, release/resume, checksums
         self.decode_steps = 0  # forwards run so far (the HTTP server's /health_generate watches it)
         # MoE models: record the experts each token was routed to (Completion.routed_experts, for
         # rollout.router_replay); the routers' top-k indices, one [tokens, top_k] per MoE layer
@@ -118,6 +114,7 @@ class EmbeddedEngine(RolloutEngine):
         self._routed = None  # the current forward's indices while recording
         routers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
         self._routers = [m for _, m in routers]
+        self.has_routers = bool(self._routers)
         # the model's layer index of each router (Completion.routed_experts' second axis, in order)
         self.routed_layers = [int(re.search(r"layers\.(\d+)\.", n).group(1)) for n, _ in routers]
         self.num_layers = int(
@@ -153,7 +150,8 @@ class EmbeddedEngine(RolloutEngine):
         dtype="float32",
         device="cpu",
         attn_implementation: str = "sdpa",
-        max_batch_size: int | None = None,
+        max_running_requests: int | None = None,
+        max_total_tokens: int | None = None,
         config=None,
         context_length: int | None = None,
         tokenizer="auto",
@@ -174,7 +172,8 @@ class EmbeddedEngine(RolloutEngine):
             tokenizer = load_tokenizer(path)
         return cls(
             model,
-            max_batch_size=max_batch_size,
+            max_running_requests=max_running_requests,
+            max_total_tokens=max_total_tokens,
             model_path=os.path.abspath(path),
             context_length=context_length,
             tokenizer=tokenizer,
@@ -190,7 +189,8 @@ class EmbeddedEngine(RolloutEngine):
         device="cpu",
         attn_implementation: str = "sdpa",
         seed: int = 0,
-        max_batch_size: int | None = None,
+        max_running_requests: int | None = None,
+        max_total_tokens: int | None = None,
         context_length: int | None = None,
         record_routing: bool = False,
     ) -> "EmbeddedEngine":
@@ -212,7 +212,8 @@ class EmbeddedEngine(RolloutEngine):
         model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
         return cls(
             model.to(device=device, dtype=resolve_dtype(dtype)),
-            max_batch_size=max_batch_size,
+            max_running_requests=max_running_requests,
+            max_total_tokens=max_total_tokens,
             context_length=context_length,
             record_routing=record_routing,
         )
@@ -243,11 +244,11 @@ class EmbeddedEngine(RolloutEngine):
             )
         return self.generate_requests([PromptRequest(p, params, s) for p, s in zip(prompts, seeds)])
 
-    def generate_requests(self, requests: list, *, control=None, on_prompt_done=None) -> list:
-        """Per :class:`PromptRequest`, its Completions (one per seed), all decoded together (in chunks
-        of at most ``max_batch_size`` rows). ``on_prompt_done(i, completions)`` is called as soon as
-        every sample of request ``i`` has finished. ``control`` (optional) has ``pause_mode()`` (None,
-        "in_place" or "retract"), ``wait_while_paused()`` and ``aborted(key)``, checked between steps."""
+    def generate_requests(self, requests: list, *, aborted=None, on_prompt_done=None) -> list:
+        """Per :class:`PromptRequest`, its Completions (one per seed), decoded with continuous batching
+        (:mod:`.batcher`). ``on_prompt_done(i, completions)`` is called as soon as every sample of
+        request ``i`` has finished; ``aborted(key)`` (optional) is asked at each step whether the
+        request with that ``key`` was aborted (it then ends with finish_reason ``"abort"``)."""
         requests = check_requests(requests, self.vocab_size, self.context_length)
         results = [None] * len(requests)
 
@@ -256,32 +257,23 @@ class EmbeddedEngine(RolloutEngine):
             if on_prompt_done is not None:
                 on_prompt_done(i, completions)
 
-        with self._lock:
+        batcher = self.batcher(aborted=aborted)
+        with self.lock:
             self.weights.check_usable()
-            todo = []
             for i, r in enumerate(requests):
-                if r.max_new_tokens == 0 or (control is not None and control.aborted(r.key)):
-                    reason = "length" if r.max_new_tokens == 0 else "abort"
-                    done(i, [Completion(token_ids=[], logprobs=[], finish_reason=reason, versions=[]) for _ in r.seeds])
-                else:
-                    todo.append(i)
-            with torch.inference_mode():
-                for chunk in self._chunks(todo, requests):
-                    self._generate_chunk([requests[i] for i in chunk], chunk, control, done)
+                batcher.submit(r, lambda completions, i=i: done(i, completions))
+            while batcher.busy:
+                batcher.step()
         return results
 
-    def _chunks(self, todo: list, requests: list) -> list:
-        if self.max_batch_size is None:
-            return [todo] if todo else []
-        chunks, cur, rows = [], [], 0
-        for i in todo:
-            n = len(requests[i].seeds)
-            if cur and rows + n > self.max_batch_size:
-                chunks.append(cur)
-                cur, rows = [], 0
-            cur.append(i)
-            rows += n
-        return chunks + ([cur] if cur else [])
+    def batcher(self, aborted=None) -> ContinuousBatcher:
+        """A :class:`ContinuousBatcher` over this engine with its bounds (the stand-in server holds one)."""
+        return ContinuousBatcher(
+            self,
+            max_running_requests=self.max_running_requests,
+            max_total_tokens=self.max_total_tokens,
+            aborted=aborted,
+        )
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -295,7 +287,7 @@ class EmbeddedEngine(RolloutEngine):
         if self._routed is not None:
             self._routed.append(output[2].detach())  # transformers' router: (logits, weights, indices)
 
-    def _forward(self, ids, mask, positions, cache, logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(self, ids, mask, positions, cache, logits_to_keep: int = 0) -> torch.Tensor:
         """Logits of the last position; with ``record_routing``, ``self.last_routing`` = the experts
         of every position, ``[batch, positions, MoE layers, top_k]``."""
         self.decode_steps += 1
@@ -315,7 +307,7 @@ class EmbeddedEngine(RolloutEngine):
             self._routed = None
         return out.logits[:, -1]
 
-    def _prefill(self, seqs: list):
+    def prefill(self, seqs: list):
         """Left-padded forward of ``seqs``: ``(logits of the last position, mask, last position, cache)``."""
         dev = self.device
         width = max(len(p) for p in seqs)
@@ -327,149 +319,10 @@ class EmbeddedEngine(RolloutEngine):
         ids, mask = ids.to(dev), mask.to(dev)
         positions = (mask.cumsum(1) - 1).clamp_(min=0)
         cache = self._new_cache()
-        logits = self._forward(ids, mask, positions, cache, logits_to_keep=1)
+        logits = self.forward(ids, mask, positions, cache, logits_to_keep=1)
         if self.record_routing and self._routers:
             self.last_routing = [self.last_routing[i, width - len(p) :] for i, p in enumerate(seqs)]
         return logits, mask, positions[:, -1:], cache
-
-    def _checkpoint(self, control):
-        """Between steps: block while the control is paused (with the engine lock released, so that
-        weights can change meanwhile) until it continues or has aborts to serve; returns the pause
-        mode waited in, or None."""
-        mode = control.pause_mode()
-        if mode is None:
-            return None
-        self._lock.release()
-        try:
-            control.wait_while_paused()
-        finally:
-            self._lock.acquire()
-        self.weights.check_usable()
-        return mode
-
-    def _generate_chunk(self, requests: list, indices: list, control, done) -> None:
-        dev = self.device
-        counts = [len(r.seeds) for r in requests]
-        prompt_of = [p for p, c in enumerate(counts) for _ in range(c)]  # row -> request (rows prompt-major)
-        logits, mask, last_pos, cache = self._prefill([r.prompt for r in requests])
-        logits_version = self.weights.version  # the weights that computed ``logits``
-        recording = self.record_routing and bool(self._routers)
-        # per row: the experts of each token fed to the model so far ([tokens, MoE layers, top_k] pieces)
-        routes = [[self.last_routing[p]] for p in prompt_of] if recording else None
-        if any(c != 1 for c in counts):  # repeat each prompt's cache for its samples
-            sel = torch.tensor(prompt_of, dtype=torch.long, device=dev)
-            cache.batch_select_indices(sel)
-            logits, mask, last_pos = logits[sel], mask[sel], last_pos[sel]
-
-        rows = len(prompt_of)
-        streams = SampleStreams([s for r in requests for s in r.seeds])
-        stops = [
-            frozenset() if r.ignore_eos else frozenset(self.eos_token_ids) | frozenset(r.params.stop_token_ids)
-            for r in requests
-        ]
-        sampling = []
-        for r in requests:
-            t, k = r.params.temperature, r.params.top_k
-            if t < GREEDY_TEMPERATURE_EPS:  # SGLang's greedy: top-1 at temperature 1
-                t, k = 1.0, 1
-            sampling.append((float(t), int(k), float(r.params.top_p)))
-        first_row = [0] * len(requests)
-        for p in range(1, len(requests)):
-            first_row[p] = first_row[p - 1] + counts[p - 1]
-        remaining = list(counts)
-        active = list(range(rows))  # which row each batch entry holds
-        tokens = [[] for _ in range(rows)]
-        logprobs = [[] for _ in range(rows)]
-        versions = [[] for _ in range(rows)]  # per token: the weight version that produced it
-        reasons = [None] * rows
-
-        def finish(r, reason):
-            reasons[r] = reason
-            p = prompt_of[r]
-            remaining[p] -= 1
-            if remaining[p] == 0:
-                done(
-                    indices[p],
-                    [
-                        Completion(
-                            token_ids=tokens[q],
-                            logprobs=logprobs[q],
-                            finish_reason=reasons[q],
-                            routed_experts=torch.cat(routes[q]).to(torch.int16) if recording else None,
-                            versions=versions[q],
-                        )
-                        for q in range(first_row[p], first_row[p] + counts[p])
-                    ],
-                )
-
-        def keep_only(keep):  # drop finished rows from the batch and the cache
-            nonlocal active, mask, last_pos, logits
-            if len(keep) == len(active):
-                return
-            sel = torch.tensor(keep, dtype=torch.long, device=dev)
-            cache.batch_select_indices(sel)
-            active = [active[b] for b in keep]
-            mask, last_pos, logits = mask[sel], last_pos[sel], logits[sel]
-
-        while active:
-            if control is not None:
-                retract = False
-                while True:  # held while paused; aborts are served meanwhile
-                    retract |= self._checkpoint(control) == "retract"
-                    keep = []
-                    for b, r in enumerate(active):
-                        if control.aborted(requests[prompt_of[r]].key):
-                            finish(r, "abort")
-                        else:
-                            keep.append(b)
-                    if keep:
-                        keep_only(keep)
-                    else:
-                        active = []
-                    if not active or control.pause_mode() is None:
-                        break
-                if not active:
-                    break
-                if retract:  # recompute the KV cache of the running rows with the current weights
-                    logits, mask, last_pos, cache = self._prefill(
-                        [requests[prompt_of[r]].prompt + tokens[r] for r in active]
-                    )
-                    logits_version = self.weights.version
-                    if recording:  # routed again, with the current weights
-                        for b, r in enumerate(active):
-                            routes[r] = [self.last_routing[b]]
-            uniforms = streams.next(torch.tensor(active, dtype=torch.long))
-            groups = {}
-            for b, r in enumerate(active):
-                groups.setdefault(sampling[prompt_of[r]], []).append(b)
-            tok, lp = [0] * len(active), [0.0] * len(active)
-            for (t, k, p), members in groups.items():
-                idx = torch.tensor(members, dtype=torch.long)
-                g_tok, g_lp = sample_tokens(logits[idx.to(logits.device)], t, k, p, uniforms[idx])
-                for b, a, c in zip(members, g_tok.tolist(), g_lp.tolist()):
-                    tok[b], lp[b] = a, c
-            keep = []
-            for b, (r, t, logprob) in enumerate(zip(active, tok, lp)):
-                tokens[r].append(t)
-                logprobs[r].append(logprob)
-                versions[r].append(logits_version)
-                if t in stops[prompt_of[r]]:
-                    finish(r, "stop")
-                elif len(tokens[r]) >= requests[prompt_of[r]].max_new_tokens:
-                    finish(r, "length")
-                else:
-                    keep.append(b)
-            if not keep:
-                break
-            keep_only(keep)
-            fed = torch.tensor([tok[b] for b in keep], dtype=torch.long, device=dev).unsqueeze(1)
-            mask = torch.cat([mask, mask.new_ones(len(keep), 1)], dim=1)
-            last_pos = last_pos + 1
-            logits = self._forward(fed, mask, last_pos, cache)
-            logits_version = self.weights.version
-            if recording:
-                for b, r in enumerate(active):
-                    routes[r].append(self.last_routing[b])
 
     def model_info(self) -> dict:
         cfg = self.model.config

@@ -12,7 +12,7 @@ At each step, for each sequence, with ``z`` the model's logits over its FULL voc
    whose mass reaches ``top_p`` (the most probable token always stays). The mass is measured on the
    full distribution ``p``, not renormalised after top-k (SGLang's joint top-k/top-p rule).
 4. The token is drawn from ``p`` restricted to the candidates (renormalised), by inverse CDF with
-   one uniform number per sequence and step (see :class:`SampleStreams`).
+   one uniform number per sequence and step (see :class:`SampleStream`).
 
 The log-prob returned for the sampled token is ``log_softmax(z / temperature)[token]`` over the
 full vocabulary, i.e. BEFORE the top-k/top-p filtering -- the quantity
@@ -68,35 +68,30 @@ def request_seeds(seed: int, num_prompts: int, n: int) -> list:
     return [[sample_seed(seed, i, j) for j in range(int(n))] for i in range(int(num_prompts))]
 
 
-class SampleStreams:
-    """One ``torch.Generator`` per sequence, handing out one float64 uniform in [0, 1) per step.
+class SampleStream:
+    """One sequence's ``torch.Generator``, handing out one float64 uniform in [0, 1) per step.
 
-    Uniforms are drawn in blocks of :data:`UNIFORM_BLOCK` per generator; the t-th uniform of a
-    sequence is the t-th number of its generator whatever the block size, so results do not depend
-    on it either.
-    """
+    Uniforms are drawn in blocks of :data:`UNIFORM_BLOCK`; the t-th uniform of a sequence is the
+    t-th number of its generator whatever the block size, the step at which the sequence joined a
+    batch or the other sequences decoded beside it."""
 
-    def __init__(self, seeds: list):
-        self._gens = []
-        for s in seeds:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(int(s))
-            self._gens.append(g)
-        self._block = torch.empty(len(seeds), 0, dtype=torch.float64)
+    def __init__(self, seed: int):
+        self._gen = torch.Generator(device="cpu")
+        self._gen.manual_seed(int(seed))
+        self._block: list = []
         self._pos = 0
 
-    def next(self, rows: torch.Tensor) -> torch.Tensor:
-        """The next uniform of every sequence (all advance together); returns those of ``rows``."""
-        if self._pos == self._block.shape[1]:
-            self._block = (
-                torch.stack([torch.rand(UNIFORM_BLOCK, generator=g, dtype=torch.float64) for g in self._gens])
-                if self._gens
-                else torch.empty(0, UNIFORM_BLOCK, dtype=torch.float64)
-            )
+    def next(self) -> float:
+        if self._pos == len(self._block):
+            self._block = torch.rand(UNIFORM_BLOCK, generator=self._gen, dtype=torch.float64).tolist()
             self._pos = 0
-        u = self._block[:, self._pos]
         self._pos += 1
-        return u[rows]
+        return self._block[self._pos - 1]
+
+
+def next_uniforms(streams) -> torch.Tensor:
+    """The next uniform of each of ``streams``, as a float64 tensor."""
+    return torch.tensor([s.next() for s in streams], dtype=torch.float64)
 
 
 def _sample_chunk(logits, temperature, top_k, top_p, uniforms):

@@ -130,7 +130,8 @@ def make_server(
     tokenizer=None,
     tokenizer_path: str | None = None,
     served_model_name: str | None = None,
-    max_batch_size: int | None = None,
+    max_running_requests: int | None = None,
+    max_total_tokens: int | None = None,
     batch_window: float = 0.05,
     weight_sync_timeout: float = 600.0,
     return_routed_experts: bool = False,
@@ -139,8 +140,9 @@ def make_server(
     admin_api_key: str | None = None,
 ) -> StandinServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
-    ``max_batch_size``: most sequences per engine call (default: the engine's); ``batch_window``:
-    the longest an idle engine waits for concurrent requests to gather (the scheduler);
+    ``max_running_requests`` / ``max_total_tokens``: the running batch's bounds, in sequences and KV
+    tokens (SGLang's flags; default: the engine's); ``batch_window``: the longest an idle engine waits
+    for concurrent requests to gather (the scheduler);
     ``weight_sync_timeout``: seconds for joining a weight-update group and for each broadcast;
     ``return_routed_experts``: SGLang's ``--enable-return-routed-experts`` (MoE models);
     ``enable_memory_saver``: SGLang's ``--enable-memory-saver`` (releasing weights frees them);
@@ -150,7 +152,8 @@ def make_server(
         tokenizer,
         tokenizer_path,
         served_model_name,
-        max_batch_size,
+        max_running_requests,
+        max_total_tokens,
         batch_window,
         weight_sync_timeout,
         return_routed_experts,
@@ -180,7 +183,16 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=30000, help="port on 127.0.0.1 (0: any free port)")
     ap.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | float64")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-batch-size", type=int, default=None, help="most sequences decoded together")
+    ap.add_argument(
+        "--max-running-requests", type=int, default=None, help="most sequences in the running batch (SGLang's flag)"
+    )
+    ap.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="most KV-cache tokens the running sequences hold; beyond it requests wait or are retracted "
+        "(SGLang's flag; default: unbounded)",
+    )
     ap.add_argument(
         "--context-length",
         type=int,
@@ -192,7 +204,7 @@ def main(argv=None) -> int:
         "--batch-window-ms",
         type=float,
         default=50.0,
-        help="longest an idle engine waits for concurrent requests to gather into one batch",
+        help="longest an idle engine waits for concurrent requests to gather into one prefill",
     )
     ap.add_argument(
         "--weight-sync-timeout",
@@ -232,7 +244,8 @@ def main(argv=None) -> int:
         args.model,
         dtype=args.dtype,
         device=args.device,
-        max_batch_size=args.max_batch_size,
+        max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
         context_length=args.context_length,
         tokenizer=tokenizer,
     )
@@ -293,7 +306,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
         *,
         port: int = 0,
         dtype: str = "float32",
-        max_batch_size: int | None = None,
+        max_running_requests: int | None = None,
+        max_total_tokens: int | None = None,
         context_length: int | None = None,
         served_model_name: str | None = None,
         weight_sync_timeout: float | None = None,
@@ -325,8 +339,10 @@ class EmbeddedHTTPEngine(SGLangEngine):
             "--port-file",
             port_file,
         ]
-        if max_batch_size is not None:
-            cmd += ["--max-batch-size", str(max_batch_size)]
+        if max_running_requests is not None:
+            cmd += ["--max-running-requests", str(max_running_requests)]
+        if max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(max_total_tokens)]
         if context_length is not None:
             cmd += ["--context-length", str(context_length)]
         if served_model_name is not None:

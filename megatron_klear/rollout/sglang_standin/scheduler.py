@@ -1,16 +1,18 @@
-"""The stand-in's scheduler: the only caller of the engine. A thread batches the /generate requests
-waiting when the engine is free into one engine call, and is the engine's ``control`` (pause
-between decode steps, aborts); weight updates run through it with no decoding under way."""
+"""The stand-in's scheduler: the only caller of the engine. A thread runs the engine's
+:class:`~megatron_klear.rollout.embedded.batcher.ContinuousBatcher` one step at a time, as SGLang's
+scheduler runs its event loop: /generate requests join the running batch between decode steps and
+leave it when they finish. Between steps it serves pauses (``in_place`` holds the batch,
+``retract`` sends it back to the queue, ``abort`` ends it) and weight updates (with no step under
+way)."""
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import threading
 import time
 
-from megatron_klear.rollout.base import Completion
+from megatron_klear.rollout.embedded.batcher import ContinuousBatcher
 
 
 class Job:
@@ -27,8 +29,8 @@ class Job:
         self.error = None
         self.aborted = False
         self.abort_message = None  # the finish message of its aborted samples (None: SGLang's)
-        # where SGLang would find it when aborted: "running" (in the running batch: FINISH_ABORT, the
-        # tokens so far) or "waiting" (in the waiting queue: not started, or retracted by a pause --
+        # where SGLang would find it when aborted: "running" (in the running batch: FINISH_ABORT after
+        # the step's token) or "waiting" (in the waiting queue: not started, or retracted by a pause --
         # answered from what the tokenizer manager received)
         self.abort_where = None
 
@@ -41,143 +43,134 @@ class Job:
         """SGLang's scheduler matches a request to abort by prefix: ``req.rid.startswith(rid)``."""
         return any(isinstance(i, str) and i.startswith(rid) for i in [self.rid, *self.ids])
 
-    def finish_aborted(self, message: str | None = None) -> None:
-        """Aborted before it ran (SGLang's waiting queue): every sample answers with no token."""
-        self.aborted, self.abort_message, self.abort_where = True, message, "waiting"
-        for k, r in enumerate(self.requests):
-            if self.results[k] is None:
-                self.results[k] = [
-                    Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[]) for _ in r.seeds
-                ]
-        self.finish()
-
 
 class Scheduler:
-    """The engine's only caller: a thread that takes the requests waiting when the engine is free
-    (in arrival order, at most ``max_batch_size`` sequences, at least one request) and decodes them
-    in one :meth:`EmbeddedEngine.generate_requests` call. It is also the engine's ``control``
-    (pause between steps, aborts).
+    """The engine's only caller (see the module docstring). ``max_running_requests`` and
+    ``max_total_tokens`` bound the batch as SGLang's flags do (default: the engine's).
 
-    A batch does not admit requests that arrive while it decodes, so when the engine is idle and
-    requests start arriving the scheduler lets them gather first: it takes them once no new one has
-    come for ``settle`` seconds, or after ``window`` seconds (a client sending hundreds of requests
-    at once then fills one batch instead of having its first request decoded alone)."""
+    When the engine is idle and requests start arriving, the scheduler lets them gather first: it
+    admits them once no new one has come for ``settle`` seconds, or after ``window`` seconds, so
+    that the samples of one prompt sent as separate requests share one prefill (the stand-in has no
+    prefix cache; SGLang's radix cache shares them)."""
 
-    def __init__(self, engine, max_batch_size: int | None = None, *, window: float = 0.05, settle: float = 0.005):
+    def __init__(
+        self,
+        engine,
+        max_running_requests: int | None = None,
+        max_total_tokens: int | None = None,
+        *,
+        window: float = 0.05,
+        settle: float = 0.005,
+    ):
         self.engine = engine
-        self.max_batch_size = max_batch_size if max_batch_size is not None else getattr(engine, "max_batch_size", None)
+        self.batcher = ContinuousBatcher(
+            engine,
+            max_running_requests=max_running_requests or engine.max_running_requests,
+            max_total_tokens=max_total_tokens or engine.max_total_tokens,
+            aborted=self.aborted,
+        )
+        self.max_running_requests = self.batcher.max_running_requests
+        self.max_total_tokens = self.batcher.max_total_tokens
         self.window, self.settle = float(window), float(settle)
         self.cond = threading.Condition()
-        self.queue = collections.deque()
-        self.running = []
+        self.jobs = {}  # id -> the jobs submitted and not yet answered
         self.paused = None  # None | "abort" | "retract" | "in_place"
-        self.parked = False  # the engine waits between two steps for continue
+        self.stepping = False  # a batcher step is under way
         self.updates = 0  # weight updates waiting for the running requests to finish
-        self.abort_epoch = 0  # bumped by every abort of a running request (wakes a held engine)
         self.closed = False
-        self.batches = 0
-        self.history = collections.deque(maxlen=1024)  # (requests, sequences) of the recent engine calls
         self._thread = threading.Thread(target=self._loop, name="standin-scheduler", daemon=True)
         self._thread.start()
 
-    # -- the engine's control ----------------------------------------------------------------------
-    def pause_mode(self):
-        with self.cond:
-            return self.paused if self.paused in ("in_place", "retract") and not self.closed else None
+    @property
+    def batches(self) -> int:
+        """Prefill waves so far (each admits the rows waiting at a step)."""
+        return self.batcher.waves
 
-    def wait_while_paused(self) -> None:
-        """Hold the engine until continue or, paused with ``retract``, until an abort is to be served
-        (the engine then ends the aborted rows and comes back while still paused). SGLang 0.5.23:
-        retracted requests wait in the waiting queue, where an abort ends them at once; a request
-        held ``in_place`` stays in the running batch, whose aborts take effect at its next decode
-        step, after continue."""
-        with self.cond:
-            self.parked = True
-            self.cond.notify_all()
-            epoch = self.abort_epoch
-            while (
-                self.paused in ("in_place", "retract")
-                and not self.closed
-                and not (self.paused == "retract" and self.abort_epoch != epoch)
-            ):
-                self.cond.wait()
-            self.parked = False
+    @property
+    def history(self):
+        """``(requests, rows)`` of the recent prefill waves."""
+        return self.batcher.history
 
     def aborted(self, job) -> bool:
         return job is not None and (job.aborted or self.closed)
 
     # -- requests -----------------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
-        """Queue ``job``; its :attr:`Job.future` says when it is done."""
+        """Queue ``job``; its :attr:`Job.future` says when it is done (with ``job.error`` set for a
+        request the server's bounds can never hold)."""
+        try:
+            for r in job.requests:
+                self.batcher.check(r)
+        except ValueError as e:
+            job.error = e
+            job.finish()
+            return job
         with self.cond:
             if self.closed:
                 raise RuntimeError("the server is shutting down")
-            self.queue.append(job)
+            self.jobs[id(job)] = job
+            for k, r in enumerate(job.requests):
+                self.batcher.submit(r, lambda completions, k=k: self._done(job, k, completions))
             self.cond.notify_all()
         return job
 
+    def _done(self, job: Job, k: int, completions: list) -> None:
+        job.results[k] = completions
+        job.pending -= 1
+        if job.pending == 0:
+            self.jobs.pop(id(job), None)
+            job.finish()
+
     def _gather(self) -> None:
-        """(Holding the lock, the engine idle.) Let concurrent arrivals join before a batch starts."""
+        """(Holding the lock, nothing running.) Let concurrent arrivals join before a wave starts."""
         end = time.monotonic() + self.window
-        seen = len(self.queue)
+        seen = len(self.batcher.waiting)
         while not self.closed and not self.paused and not self.updates:
-            if self.max_batch_size is not None and sum(job.rows for job in self.queue) >= self.max_batch_size:
+            if self.max_running_requests is not None and seen >= self.max_running_requests:
                 return
             left = end - time.monotonic()
             if left <= 0:
                 return
             self.cond.wait(min(self.settle, left))
-            if len(self.queue) == seen:
+            if len(self.batcher.waiting) == seen:
                 return
-            seen = len(self.queue)
+            seen = len(self.batcher.waiting)
 
-    def _take(self) -> list:
-        batch, rows = [], 0
-        while self.queue:
-            job = self.queue[0]
-            if batch and self.max_batch_size is not None and rows + job.rows > self.max_batch_size:
-                break
-            batch.append(self.queue.popleft())
-            rows += job.rows
-        return batch
+    def _admitting(self) -> bool:
+        return not self.paused and not self.updates and not self.closed
 
     def _loop(self) -> None:
+        b = self.batcher
         while True:
             with self.cond:
-                while not self.closed and (not self.queue or self.paused or self.updates):
+                while True:
+                    if self.closed and not b.running:
+                        return
+                    if self.paused == "retract" and b.running:
+                        b.retract_all()  # SGLang: the running requests go back to the waiting queue
+                    holding = self.paused in ("in_place", "retract") and not self.closed
+                    if not holding and (b.running or (self._admitting() and b.waiting)):
+                        break
+                    self.cond.notify_all()
                     self.cond.wait()
-                if self.closed:
-                    return
-                self._gather()
-                if self.closed:
-                    return
-                if not self.queue or self.paused or self.updates:
+                if not b.running:
+                    self._gather()
+                admit = self._admitting()
+                if not admit and not b.running:
                     continue
-                batch = self._take()
-                self.running = batch
-                self.batches += 1
-                self.history.append((len(batch), sum(job.rows for job in batch)))
-            owners = [(job, k) for job in batch for k in range(len(job.requests))]
-
-            def on_done(i, completions, owners=owners):
-                job, k = owners[i]
-                job.results[k] = completions
-                job.pending -= 1
-                if job.pending == 0:
-                    job.finish()
-
+                self.stepping = True
             try:
-                self.engine.generate_requests(
-                    [job.requests[k] for job, k in owners], control=self, on_prompt_done=on_done
-                )
+                b.step(admit=admit)
             except Exception as e:  # noqa: BLE001 -- handed to the requests, answered by their handlers
-                for job in batch:
+                for ticket in b.drop_running():
+                    job = ticket.key
                     if not job.future.done():
                         job.error = e
+                        self.jobs.pop(id(job), None)
                         job.finish()
             finally:
                 with self.cond:
-                    self.running = []
+                    self.stepping = False
                     self.cond.notify_all()
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
@@ -189,37 +182,36 @@ class Scheduler:
             if not rid:
                 return 0
             with self.cond:
-                if not any(rid in job.ids for job in [*self.queue, *self.running] if not job.aborted):
+                if not any(rid in job.ids for job in self.jobs.values() if not job.aborted):
                     return 0
         return self.abort(rid, abort_all)
 
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str | None = None) -> int:
-        """Abort the queued and running requests matching ``rid`` (a prefix of their ids) or all.
-        ``message``: their finish message (None: SGLang's, "Aborted" / "Abort in waiting queue")."""
+        """Abort the requests matching ``rid`` (a prefix of their ids) or all: waiting ones answer at
+        once, running ones after their next decode step (SGLang's ``to_finish``). ``message``: their
+        finish message (None: SGLang's, "Aborted" / "Abort in waiting queue")."""
         count = 0
         with self.cond:
-            for job in list(self.queue):
-                if abort_all or job.matches(rid):
-                    self.queue.remove(job)
-                    job.finish_aborted(message)
-                    count += 1
-            for job in self.running:
+            running = self.batcher.running_keys() if self.paused != "retract" else set()
+            for job in list(self.jobs.values()):
                 if not job.aborted and (abort_all or job.matches(rid)):
                     job.aborted, job.abort_message = True, message
-                    job.abort_where = "waiting" if self.paused == "retract" else "running"
+                    job.abort_where = "running" if id(job) in running else "waiting"
                     count += 1
-                    self.abort_epoch += 1
+            self.batcher.serve_waiting_aborts()
             self.cond.notify_all()
         return count
 
     def pause(self, mode: str) -> None:
+        """SGLang's three pauses; answers once nothing decodes: ``abort`` ends what runs or waits now
+        (the running rows after one more step) and holds later requests until continue; ``in_place``
+        holds the batch between two steps; ``retract`` sends its rows back to the queue."""
         with self.cond:
-            if mode == "abort":  # what runs or waits now ends (requests a retract pause holds are in
-                self.abort(abort_all=True)  # SGLang's waiting queue); later requests wait for continue
+            if mode == "abort":
+                self.abort(abort_all=True)
             self.paused = mode
             self.cond.notify_all()
-        with self.cond:  # answer once nothing decodes: the running requests ended, or the engine holds
-            while self.running and not self.closed and not (mode != "abort" and self.parked):
+            while not self.closed and (self.stepping or (mode != "in_place" and self.batcher.running)):
                 self.cond.wait()
 
     def resume(self) -> None:
@@ -227,17 +219,24 @@ class Scheduler:
             self.paused = None
             self.cond.notify_all()
 
+    def _held(self) -> int:
+        """Requests a pause holds: running, or retracted with tokens."""
+        b = self.batcher
+        with b.lock:
+            rows = [*b.running, *(r for r in b.waiting if r.logits_version is not None)]
+        return len({id(r.ticket.key) for r in rows})
+
     def run_update(self, fn):
         """Run ``fn`` (a weight update) with no decoding under way: paused, at once (the held
         requests continue with the new weights); else after the running requests, holding new ones.
         Returns ``(fn(), number of requests held paused)``."""
         with self.cond:
             paused = self.paused is not None
-            held = sum(1 for _ in self.running) if paused else 0
             if not paused:
                 self.updates += 1
-                while self.running and not self.closed:
-                    self.cond.wait()
+            while not self.closed and (self.stepping or (not paused and self.batcher.running)):
+                self.cond.wait()
+            held = self._held() if paused else 0
         try:
             return fn(), held
         finally:
@@ -252,7 +251,7 @@ class Scheduler:
         request holds KV cache computed with the old weights. Paused with ``retract``, the held
         requests recompute theirs on continue; paused ``in_place``, they keep it (not flushable)."""
         with self.cond:
-            return not self.running or self.paused == "retract"
+            return not self.batcher.running or self.paused == "retract"
 
     def idle_for_flush(self) -> bool:
         """SGLang's condition for ``/flush_cache`` (``Scheduler.flush_cache``: ``is_fully_idle(ignore_waiting=
@@ -260,26 +259,34 @@ class Scheduler:
         (a request waiting here while paused is one SGLang's tokenizer manager holds, or one its paused
         scheduler ignores)."""
         with self.cond:
-            return (not self.running or self.paused == "retract") and (not self.queue or self.paused is not None)
+            return self.cache_flushable() and (not self.batcher.waiting or self.paused is not None)
 
     def stats(self) -> dict:
-        with self.cond:
+        b = self.batcher
+        with self.cond, b.lock:
             return {
-                "num_running_reqs": len(self.running),
-                "num_waiting_reqs": len(self.queue),
+                "num_running_reqs": len(b.running),
+                "num_waiting_reqs": len(b.waiting),
+                "num_used_tokens": sum(r.held for r in b.running),
                 "paused": self.paused,
-                "num_batches": self.batches,
+                "num_batches": b.waves,
+                "num_retractions": b.retractions,
             }
 
     def close(self) -> None:
+        """Stop: the waiting requests fail ("the server shut down"), the running ones end at the
+        next step."""
         with self.cond:
             self.closed = True
-            pending = list(self.queue)
-            self.queue.clear()
+            b = self.batcher
+            with b.lock:
+                running = {id(r.ticket.key) for r in b.running}
+                pending = [j for j in self.jobs.values() if id(j) not in running]
+            for job in pending:
+                self.jobs.pop(id(job), None)
+                job.error = RuntimeError("the server shut down")
+                job.finish()
             self.cond.notify_all()
-        for job in pending:
-            job.error = RuntimeError("the server shut down")
-            job.finish()
 
     def join(self, timeout: float | None = None) -> None:
         """(After :meth:`close`.) Wait for the engine to stop: it ends the running rows at its next

@@ -20,7 +20,8 @@ class ServerState:
         tokenizer,
         tokenizer_path,
         served_model_name,
-        max_batch_size,
+        max_running_requests,
+        max_total_tokens,
         batch_window,
         weight_sync_timeout: float = 600.0,
         return_routed_experts: bool = False,
@@ -44,7 +45,7 @@ class ServerState:
             engine.record_routing = True
         self.tokenizer_path = tokenizer_path
         self.served_model_name = served_model_name
-        self.scheduler = Scheduler(engine, max_batch_size, window=batch_window)
+        self.scheduler = Scheduler(engine, max_running_requests, max_total_tokens, window=batch_window)
         self.num_generate_requests = 0
         self.lock = threading.Lock()
         self.health_check_timeout = sglang_env.health_check_timeout()

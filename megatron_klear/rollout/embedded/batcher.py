@@ -1,0 +1,332 @@
+"""Continuous batching for the embedded engine, scheduled the way SGLang 0.5.23 schedules a server.
+
+Every sample of a request is a row (SGLang expands ``n`` into that many requests). Rows wait in
+arrival order; at each :meth:`ContinuousBatcher.step`:
+
+1. aborts are served: a waiting row (never started, or retracted) ends at once with what it has; a
+   running row is marked and ends after this step's token, which it keeps even when that token is
+   EOS or a stop token (SGLang sets ``req.to_finish`` and ``update_finish_state`` checks it before
+   the stop tokens, ``managers/schedule_batch.py``);
+2. waiting rows are admitted while the bounds allow (``max_running_requests`` rows;
+   ``max_total_tokens`` KV tokens, counting what the running rows hold plus an estimate of what they
+   will add, SGLang's ``new_token_ratio`` rule, :func:`reserve`), prefilled together (rows with the
+   same context, such as the samples of one prompt, share one prefill) and joined to the batch;
+3. every running row samples its next token from its own seeded stream, so its tokens do not depend
+   on when it joined or on the rows beside it (up to float rounding of the batched forward);
+   finished rows leave the batch (and their KV cache) at once, and padding no row needs goes;
+4. if the rows' KV tokens exceed ``max_total_tokens``, rows are retracted (SGLang's order: fewest
+   output tokens first, then longest prompt) to the front of the queue, keeping their tokens and
+   stream; re-admitted later, they prefill prompt + tokens again;
+5. one decode forward of the running rows.
+
+Pauses are the caller's: not calling :meth:`step` holds the rows in place (their KV cache kept);
+:meth:`retract_all` is SGLang's ``retract`` pause. Weights may change between steps; every token
+records the weight version of the logits it was sampled from (``Completion.versions``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from megatron_klear.rollout.base import Completion
+from megatron_klear.rollout.embedded.kv_batch import KVBatch
+from megatron_klear.rollout.embedded.rules import GREEDY_TEMPERATURE_EPS
+from megatron_klear.rollout.embedded.sampling import SampleStream, next_uniforms, sample_tokens
+
+# SGLang 0.5.23's estimate of the tokens a running request will still add (managers/schedule_policy.py,
+# environ.py): its remaining max_new_tokens, clipped, times a ratio that starts high, decays with every
+# decode step and is raised again by a retraction.
+CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO
+MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
+RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS: the growth a retraction makes room for
+
+
+class Ticket:
+    """One :class:`~megatron_klear.rollout.embedded.requests.PromptRequest` in the batcher: its rows
+    and ``on_done(completions)``, called once every row has finished."""
+
+    def __init__(self, request, on_done, stops: frozenset, sampling: tuple):
+        self.request, self.on_done = request, on_done
+        self.key = request.key
+        self.stops, self.sampling = stops, sampling
+        self.rows = [Row(self, j, seed) for j, seed in enumerate(request.seeds)]
+        self.remaining = len(self.rows)
+
+    def row_finished(self, recording: bool) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.on_done([r.completion(recording) for r in self.rows])
+
+
+class Row:
+    """One sample: what it generated so far, its sampler stream, and the version of the logits it
+    samples next from."""
+
+    __slots__ = ("ticket", "index", "stream", "tokens", "logprobs", "versions", "routes", "reason", "to_finish")
+    __slots__ += ("logits_version",)
+
+    def __init__(self, ticket: Ticket, index: int, seed: int):
+        self.ticket, self.index = ticket, index
+        self.stream = SampleStream(seed)
+        self.tokens, self.logprobs, self.versions = [], [], []
+        self.routes = None  # MoE: the experts of every token fed so far, [tokens, MoE layers, top_k] pieces
+        self.reason = None
+        self.to_finish = False  # aborted while running: ends after its next token
+        self.logits_version = None
+
+    @property
+    def prompt(self) -> list:
+        return self.ticket.request.prompt
+
+    @property
+    def held(self) -> int:
+        """KV tokens the row holds once its last token is fed."""
+        return len(self.prompt) + len(self.tokens)
+
+    @property
+    def left(self) -> int:
+        return self.ticket.request.max_new_tokens - len(self.tokens)
+
+    def completion(self, recording: bool) -> Completion:
+        return Completion(
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            finish_reason=self.reason,
+            routed_experts=torch.cat(self.routes).to(torch.int16) if recording and self.routes else None,
+            versions=self.versions,
+        )
+
+
+def reserve(row: Row, ratio: float) -> float:
+    """KV tokens SGLang counts for a row when admitting others: what it holds, plus its remaining
+    budget (clipped) times the new-token ratio."""
+    return row.held + min(row.left, CLIP_MAX_NEW_TOKENS) * ratio
+
+
+class ContinuousBatcher:
+    """The waiting rows and the running batch of one engine (see the module docstring).
+
+    ``aborted(key)``: whether the request with that key was aborted (checked at each step and by
+    :meth:`serve_waiting_aborts`). :meth:`submit` and :meth:`serve_waiting_aborts` may be called from
+    any thread; :meth:`step` and :meth:`retract_all` from one thread at a time."""
+
+    def __init__(self, engine, *, max_running_requests=None, max_total_tokens=None, aborted=None):
+        self.engine = engine
+        self.max_running_requests = max_running_requests
+        self.max_total_tokens = max_total_tokens
+        self.aborted = aborted if aborted is not None else (lambda key: False)
+        self.lock = threading.Lock()  # the membership of ``waiting`` and ``running``
+        self.waiting = collections.deque()
+        self.running: list = []
+        self.batch: KVBatch | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.recording = bool(engine.record_routing and engine.has_routers)
+        self.waves = 0  # prefill forwards so far
+        self.retractions = 0  # rows retracted for memory so far
+        self.history = collections.deque(maxlen=1024)  # (requests, rows) of the recent prefill waves
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def submit(self, request, on_done) -> Ticket:
+        """Queue the (checked) ``request``; ``on_done(completions)`` once all its samples end."""
+        engine = self.engine
+        stops = (
+            frozenset()
+            if request.ignore_eos
+            else frozenset(engine.eos_token_ids) | frozenset(request.params.stop_token_ids)
+        )
+        t, k = request.params.temperature, request.params.top_k
+        if t < GREEDY_TEMPERATURE_EPS:  # SGLang's greedy: top-1 at temperature 1
+            t, k = 1.0, 1
+        ticket = Ticket(request, on_done, stops, (float(t), int(k), float(request.params.top_p)))
+        self.check(request)
+        if request.max_new_tokens == 0:
+            for row in ticket.rows:
+                self._finish(row, "length")
+            return ticket
+        with self.lock:
+            self.waiting.extend(ticket.rows)
+        return ticket
+
+    def check(self, request) -> None:
+        """A ValueError if ``request`` could never run within ``max_total_tokens``."""
+        need = len(request.prompt) + request.max_new_tokens
+        if self.max_total_tokens is not None and need > self.max_total_tokens:
+            raise ValueError(
+                f"rollout.embedded: a request needs {need} KV tokens ({len(request.prompt)} of prompt + "
+                f"{request.max_new_tokens} new), more than max_total_tokens={self.max_total_tokens}"
+            )
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def running_keys(self) -> set:
+        with self.lock:
+            return {id(r.ticket.key) for r in self.running}
+
+    def tokens_held(self) -> int:
+        with self.lock:
+            return sum(r.held for r in self.running)
+
+    def serve_waiting_aborts(self) -> int:
+        """End the aborted waiting rows now, with what they have; returns how many."""
+        with self.lock:
+            gone = [r for r in self.waiting if self.aborted(r.ticket.key)]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            self._finish(r, "abort")
+        return len(gone)
+
+    def _finish(self, row: Row, reason: str) -> None:
+        row.reason = reason
+        row.ticket.row_finished(self.recording)
+
+    # -- scheduling -------------------------------------------------------------------------------------
+    def step(self, admit: bool = True) -> bool:
+        """One scheduling round (the module docstring's 1-5); ``admit`` False starts no waiting row.
+        Returns whether any row was decoded."""
+        engine = self.engine
+        with engine.lock, torch.inference_mode():
+            engine.weights.check_usable()
+            self.serve_waiting_aborts()
+            for r in self.running:
+                r.to_finish = r.to_finish or self.aborted(r.ticket.key)
+            if admit:
+                self._admit()
+            if not self.running:
+                return False
+            self._sample()
+            if self.running:
+                self._fit_memory()
+                self._decode()
+            return True
+
+    def retract_all(self) -> int:
+        """SGLang's ``retract`` pause: every running row goes back to the front of the queue with its
+        tokens (its KV cache dropped, recomputed with the weights of the time it is re-admitted)."""
+        with self.lock:
+            rows, self.running, self.batch = self.running, [], None
+            self.waiting.extendleft(reversed(rows))
+        return len(rows)
+
+    def drop_running(self) -> list:
+        """(After a failed step.) Remove the running rows' requests, waiting rows included; their tickets."""
+        with self.lock:
+            tickets = list({id(r.ticket): r.ticket for r in self.running}.values())
+            ids = {id(t) for t in tickets}
+            self.waiting = collections.deque(r for r in self.waiting if id(r.ticket) not in ids)
+            self.running, self.batch = [], None
+        return tickets
+
+    def _admit(self) -> None:
+        with self.lock:
+            new = []
+            reserved = sum(reserve(r, self.new_token_ratio) for r in self.running)
+            while self.waiting:
+                row = self.waiting[0]
+                if self.max_running_requests is not None and len(self.running) + len(new) >= self.max_running_requests:
+                    break
+                if self.max_total_tokens is not None:
+                    need = reserve(row, self.new_token_ratio)
+                    if (self.running or new) and reserved + need > self.max_total_tokens:
+                        break
+                    reserved += need
+                new.append(self.waiting.popleft())
+            self.running += new  # (before the prefill: a failing one fails these rows too, drop_running)
+        if not new:
+            return
+        contexts = {}  # rows with the same context share one prefill
+        order = [contexts.setdefault(tuple(r.prompt + r.tokens), len(contexts)) for r in new]
+        engine = self.engine
+        logits, mask, last_pos, cache = engine.prefill([list(c) for c in contexts])
+        part = KVBatch(cache, mask, last_pos, logits)
+        if order != list(range(len(contexts))):
+            part.select(order)
+        version = engine.weights.version
+        for r, u in zip(new, order):
+            r.logits_version = version
+            if self.recording:  # (retracted rows: routed again, with the current weights)
+                r.routes = [engine.last_routing[u]]
+        if self.batch is None:
+            self.batch = part
+        else:
+            self.batch.join(part)
+        self.waves += 1
+        self.history.append((len({id(r.ticket) for r in new}), len(new)))
+
+    def _sample(self) -> None:
+        rows, logits = self.running, self.batch.logits
+        uniforms = next_uniforms([r.stream for r in rows])
+        groups = {}
+        for b, r in enumerate(rows):
+            groups.setdefault(r.ticket.sampling, []).append(b)
+        tok, lp = [0] * len(rows), [0.0] * len(rows)
+        for (t, k, p), members in groups.items():
+            idx = torch.tensor(members, dtype=torch.long)
+            g_tok, g_lp = sample_tokens(logits[idx.to(logits.device)], t, k, p, uniforms[idx])
+            for b, a, c in zip(members, g_tok.tolist(), g_lp.tolist()):
+                tok[b], lp[b] = a, c
+        keep, ended = [], []
+        for b, r in enumerate(rows):
+            r.tokens.append(tok[b])
+            r.logprobs.append(lp[b])
+            r.versions.append(r.logits_version)
+            if r.to_finish:  # SGLang: the abort, whatever the token (update_finish_state)
+                ended.append((r, "abort"))
+            elif tok[b] in r.ticket.stops:
+                ended.append((r, "stop"))
+            elif len(r.tokens) >= r.ticket.request.max_new_tokens:
+                ended.append((r, "length"))
+            else:
+                keep.append(b)
+        if ended:
+            self._keep(keep)
+            for r, reason in ended:
+                self._finish(r, reason)
+
+    def _keep(self, keep: list) -> None:
+        with self.lock:
+            self.running = [self.running[b] for b in keep]
+        if keep:
+            self.batch.select(keep)
+            self.batch.trim()
+        else:
+            self.batch = None
+
+    def _fit_memory(self) -> None:
+        """SGLang's ``retract_decode``: while the rows' KV tokens exceed the pool, retract (at least one
+        row stays); the new-token ratio then rises to what the remaining rows need."""
+        if self.max_total_tokens is None or sum(r.held for r in self.running) <= self.max_total_tokens:
+            return
+        order = sorted(
+            range(len(self.running)), key=lambda b: (len(self.running[b].tokens), -len(self.running[b].prompt))
+        )
+        out = []
+        while len(order) > 1 and sum(self.running[b].held for b in order) > self.max_total_tokens:
+            out.append(order.pop(0))
+        retracted = [self.running[b] for b in sorted(out)]
+        self._keep(sorted(order))
+        with self.lock:
+            self.waiting.extendleft(reversed(retracted))
+        self.retractions += len(retracted)
+        left = sum(min(r.left, CLIP_MAX_NEW_TOKENS) for r in self.running) or 1
+        room = self.max_total_tokens - sum(r.held for r in self.running) - RETRACT_DECODE_STEPS * len(self.running)
+        self.new_token_ratio = min(1.0, max(room / left, self.new_token_ratio))
+
+    def _decode(self) -> None:
+        engine, batch = self.engine, self.batch
+        fed = torch.tensor([[r.tokens[-1]] for r in self.running], dtype=torch.long, device=engine.device)
+        batch.advance()
+        batch.logits = engine.forward(fed, batch.mask, batch.last_pos, batch.cache)
+        version = engine.weights.version
+        for b, r in enumerate(self.running):
+            r.logits_version = version
+            if self.recording:
+                r.routes.append(engine.last_routing[b])
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
