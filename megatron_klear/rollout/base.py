@@ -76,6 +76,26 @@ class Completion:
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
 
+    def cut_at_stop(self, stop_token_ids) -> "Completion":
+        """An aborted answer that holds a stop token, cut after its first one and finished ("stop"):
+        SGLang ends an aborted request after its running decode step and keeps that step's token,
+        which may be EOS or a stop token (with speculative decoding, a run of tokens after it too);
+        such a response is complete and is never continued. Any other answer is returned as it is."""
+        if not self.aborted:
+            return self
+        stops = set(stop_token_ids)
+        end = next((i + 1 for i, t in enumerate(self.token_ids) if t in stops), None)
+        if end is None:
+            return self
+        routed = self.routed_experts
+        return Completion(
+            token_ids=list(self.token_ids[:end]),
+            logprobs=list(self.logprobs[:end]),
+            finish_reason="stop",
+            routed_experts=None if routed is None else routed[: len(routed) - (len(self.token_ids) - end)],
+            versions=None if self.versions is None else list(self.versions[:end]),
+        )
+
 
 @dataclass
 class SampleRequest:

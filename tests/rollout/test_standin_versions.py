@@ -338,6 +338,46 @@ def test_abort_then_continue_under_new_weights(server, refs, other_hf, monkeypat
     assert _logprobs(part) + _logprobs(rest) == pytest.approx(_teacher_forced(refs, prompt, tokens, spans), abs=2e-4)
 
 
+def test_an_abort_keeps_the_token_of_the_step_after_it_even_a_stop_token(server, monkeypatch):
+    """SGLang 0.5.23: an abort of a running request takes effect after the running decode step, whose
+    token is appended before ``update_finish_state`` returns on ``to_finish`` -- so an ``abort``
+    answer can end in a stop token. The client cuts it there and treats it as finished."""
+    engine, srv, url = server
+    prompt = PROMPTS[1]
+    for seed in range(3, 40):  # a seed whose token K+1 first appears there: the stop id of the test
+        alone = engine.generate_requests(
+            [
+                PromptRequest(
+                    prompt, SamplingParams(temperature=TEMPERATURE, max_new_tokens=N), [sample_seed(seed, 0, 0)]
+                )
+            ]
+        )[0][0]
+        if len(alone.token_ids) > K + 1 and alone.token_ids[K] not in alone.token_ids[:K]:
+            break
+    stop = alone.token_ids[K]
+    body = _body(prompt, N, seed, "ends-1")
+    body["sampling_params"] = {**body["sampling_params"], "ignore_eos": False, "stop_token_ids": [stop]}
+    gate = threading.Event()
+    start = engine.decode_steps
+    _hold(monkeypatch, engine, start + K, gate)  # held before the forward of token K+1's logits
+    thread, results = _start(url, body)
+    _wait_steps(engine, start + K)
+    assert _control(url, "/abort_request", {"rid": "ends-1"}) == 200
+    gate.set()
+    thread.join(60)
+    out = results["out"].json()
+    validate_generate_response(out)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["output_ids"] == alone.token_ids[: K + 1] and out["output_ids"][-1] == stop
+    answer = Completion(token_ids=out["output_ids"], logprobs=_logprobs(out), finish_reason="abort")
+    ended = answer.cut_at_stop([stop])
+    assert ended.finish_reason == "stop" and ended.token_ids == out["output_ids"] and ended.finished
+    # tokens after the stop (speculative decoding accepts a run): cut after the first stop token
+    longer = Completion(token_ids=[*out["output_ids"], 1, stop], logprobs=[0.0] * (K + 3), finish_reason="abort")
+    assert longer.cut_at_stop([stop]).token_ids == out["output_ids"]
+    assert answer.cut_at_stop([-1]) is answer  # no stop token: a partial answer, to continue
+
+
 def test_abort_request_matches_ids_by_prefix_once_one_is_exact(server, monkeypatch):
     """SGLang's scheduler aborts every request whose id starts with the rid (once the tokenizer
     manager found the rid itself among its requests): "q1" ends "q1" and "q10", not "z"."""

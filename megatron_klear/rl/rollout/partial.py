@@ -5,7 +5,9 @@ own request). As soon as ``rl.prompts_per_step`` groups are complete, graded and
 (or nothing is left running), the requests still running are aborted: the servers answer each with what
 it generated so far, and those partial responses wait in the :class:`PartialBuffer`. The next step
 continues them first -- the prompt and the partial response are the input, the budget left is the
-limit -- under the weights of that step. A group is trained only once all its responses have ended
+limit -- under the weights of that step. An aborted answer that already holds a stop token (SGLang
+keeps the token of the decode step that ran after the abort, which may be EOS) is cut after it and
+ends there (:meth:`Completion.cut_at_stop`): it is never continued. A group is trained only once all its responses have ended
 (EOS or the length limit); its responses may then hold tokens of several weight versions (each
 token's version and behaviour log-prob travel with it, ``RolloutSample.versions``).
 
@@ -277,6 +279,7 @@ class PartialRollouts:
                 if kind == "ok":
                     g, j = by_uid[key[0]], key[1]
                     tokens += len(c.token_ids)
+                    c = c.cut_at_stop([*params.stop_token_ids, *self.stop_token_ids])
                     self._extend(g.slots[j], c, params.max_new_tokens)
                     if c.aborted:
                         aborted += 1

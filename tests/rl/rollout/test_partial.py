@@ -64,6 +64,9 @@ class Stream:
             aborted = self.abort_asked.is_set()
             n = left // 2 if aborted else left
             ids = [1000 * r.key[1] + start + k for k in range(n)]
+            if aborted and self.engine.abort_tail:  # SGLang: the step after the abort sampled a stop token
+                ids += self.engine.abort_tail
+                n = len(ids)
             reason = "abort" if aborted else ("stop" if start + n == self.engine.length(r.key) else "length")
             self.engine.seen.append((r.key, list(r.input_ids), r.params.max_new_tokens))
             yield (
@@ -88,6 +91,7 @@ class Engine:
     def __init__(self, lengths=None):
         self.lengths, self.version, self.seen = dict(lengths or {}), 0, []
         self.after_each = lambda stream: None
+        self.abort_tail = []  # tokens every aborted answer ends with
 
     def length(self, key):
         return self.lengths.get(key, 4 + key[1])
@@ -152,6 +156,30 @@ def test_the_quota_aborts_the_rest_and_the_next_step_continues_them_under_new_we
     assert s.versions == [0] * cut + [1] * (19 - cut) and len(s.rollout_logprobs) == 19
     assert m["rollout/resumed_samples"] >= 1 and m["rollout/staleness_max"] == 1
     assert 0 < m["rollout/offpolicy_token_frac"] < 1
+
+
+STOP = 7777
+
+
+def test_an_aborted_answer_holding_a_stop_token_ends_there_and_is_never_continued():
+    # SGLang keeps the token of the decode step after the abort: here a stop token, and (speculative
+    # decoding) one more token after it
+    engine = Engine({(2, 1): 19, (3, 1): 21})
+    engine.abort_tail = [STOP, 5]
+    producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [STOP])
+    prompts = Prompts()
+    samples, m = producer.produce(prompts, 0)
+    assert m["rollout/aborted_samples"] == 0  # every answer ended: none waits to be continued
+    ended = [s for g in producer.buffer.groups for s in g.slots if s.tokens and s.tokens[-1] == STOP]
+    assert ended and all(s.finish_reason == "stop" and s.pieces == 1 for s in ended)
+    assert all(len(s.tokens) == len(s.logprobs) == len(s.versions) for s in ended)
+    assert all(5 not in s.tokens for g in producer.buffer.groups for s in g.slots)  # cut after the stop
+    engine.seen = []
+    samples, m = producer.produce(prompts, 1)
+    continued = {k for k, inputs, _ in engine.seen if len(inputs) > 1}
+    assert not continued, continued  # a finished response is not sent again
+    trained = [s for s in samples if s.response_ids and s.response_ids[-1] == STOP]
+    assert trained and all(STOP not in s.response_ids[:-1] for s in trained)
 
 
 def test_a_group_is_trained_only_when_every_response_has_ended():
