@@ -658,6 +658,21 @@ def test_health_answers_during_generation_and_abort_request_ends_it(control_serv
     validate_generate_response(out)
 
 
+def test_a_short_request_sent_while_a_long_one_decodes_joins_it_and_finishes_first(control_server):
+    engine, url, server = control_server
+    start = engine.decode_steps
+    long = _start(url, {"input_ids": PROMPTS[0], "sampling_params": LONG, "rid": "long-2"})
+    _wait_steps(engine, start + 5)
+    joined = engine.decode_steps
+    status, out = _post(url + "/generate", {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 4}})
+    assert status == 200 and len(out["output_ids"]) == 4
+    # answered after a few steps of the running batch (it joined it), while the long one still runs
+    assert not long.done() and engine.decode_steps - joined < 40
+    assert server.state.scheduler.stats()["num_running_reqs"] == 1
+    _post(url + "/abort_request", {"rid": "long-2"})
+    assert long.result(timeout=60)[1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_pause_abort_ends_running_requests_and_holds_new_ones(control_server):
     engine, url, server = control_server
     start = engine.decode_steps

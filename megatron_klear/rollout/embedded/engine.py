@@ -249,7 +249,7 @@ class EmbeddedEngine(RolloutEngine):
         (:mod:`.batcher`). ``on_prompt_done(i, completions)`` is called as soon as every sample of
         request ``i`` has finished; ``aborted(key)`` (optional) is asked at each step whether the
         request with that ``key`` was aborted (it then ends with finish_reason ``"abort"``)."""
-        requests = check_requests(requests, self.vocab_size, self.context_length)
+        requests = self.checked(requests)
         results = [None] * len(requests)
 
         def done(i, completions):
@@ -265,6 +265,11 @@ class EmbeddedEngine(RolloutEngine):
             while batcher.busy:
                 batcher.step()
         return results
+
+    def checked(self, requests: list) -> list:
+        """``requests`` checked and normalised for this engine (:func:`.requests.check_requests`), as
+        :meth:`ContinuousBatcher.submit` takes them."""
+        return check_requests(requests, self.vocab_size, self.context_length)
 
     def batcher(self, aborted=None) -> ContinuousBatcher:
         """A :class:`ContinuousBatcher` over this engine with its bounds (the stand-in server holds one)."""

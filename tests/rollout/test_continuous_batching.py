@@ -1,0 +1,107 @@
+"""Continuous batching in the embedded engine (rollout/embedded/batcher.py): a request that joins a
+running batch mid-way gets the tokens it gets alone; rows leave when they finish and their padding
+with them; the running-request and KV-token bounds hold at every step, with retraction when the
+tokens run short, and a retracted row resumes with the same tokens."""
+
+import pytest
+import torch
+
+from megatron_klear.rollout.base import SamplingParams
+from megatron_klear.rollout.embedded import EmbeddedEngine, PromptRequest
+from tests.rollout.conftest import PROMPTS
+
+LOGPROB_ATOL = 1e-5  # float rounding of the batched forward (the batch's rows and padding differ)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_hf):
+    return EmbeddedEngine.from_pretrained(tiny_hf["untied"]).model
+
+
+def _request(prompt, seed, new_tokens, key=None, temperature=1.0):
+    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
+    return PromptRequest(prompt, params, [seed], ignore_eos=True, key=key)
+
+
+def _submit(batcher, request, on_done):
+    (checked,) = batcher.engine.checked([request])
+    return batcher.submit(checked, on_done)
+
+
+def _alone(engine, request):
+    return engine.generate_requests([request])[0][0]
+
+
+def _drive(batcher, on_step=None, limit=10_000):
+    steps = 0
+    while batcher.busy:
+        batcher.step()
+        steps += 1
+        if on_step is not None:
+            on_step(batcher)
+        assert steps < limit
+    return steps
+
+
+def _same(got, want):
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
+
+
+def test_a_request_joining_mid_way_gets_its_tokens_alone_and_padding_leaves_with_rows(model):
+    engine = EmbeddedEngine(model)
+    long_prompt = PROMPTS[0] * 3  # 21 tokens: the widest row while it runs
+    first, late = _request(long_prompt, 7, 12, "first"), _request(PROMPTS[1], 8, 30, "late")
+    want = {"first": _alone(engine, first), "late": _alone(engine, late)}
+    got = {}
+    batcher = engine.batcher()
+    _submit(batcher, first, lambda cs: got.__setitem__("first", cs[0]))
+    for _ in range(5):
+        batcher.step()
+    _submit(batcher, late, lambda cs: got.__setitem__("late", cs[0]))
+    widths = []
+
+    def check(b):
+        if b.running:  # the cache is as wide as its longest row, not as the longest that ever ran
+            widths.append((b.batch.width, max(r.held for r in b.running), len(b.running)))
+
+    _drive(batcher, check)
+    assert list(batcher.history) == [(1, 1), (1, 1)] and len(widths) >= 25
+    _same(got["first"], want["first"])
+    _same(got["late"], want["late"])
+    assert widths[0][2] == 2 and widths[-1][2] == 1  # it joined while the first ran; the first left
+    assert all(width == held for width, held, _ in widths), widths  # no padding stays behind
+
+
+def test_the_running_bound_admits_rows_as_others_finish(model):
+    engine = EmbeddedEngine(model, max_running_requests=3)
+    requests = [_request(PROMPTS[i % 3], 20 + i, 4 + 3 * i) for i in range(6)]
+    seen = []
+    out = [None] * len(requests)
+    batcher = engine.batcher()
+    for i, r in enumerate(requests):
+        _submit(batcher, r, lambda cs, i=i: out.__setitem__(i, cs[0]))
+    _drive(batcher, lambda b: seen.append(len(b.running)))
+    assert max(seen) == 3 and len(batcher.history) > 2  # rows joined a running batch
+    assert any(rows < 3 for _, rows in list(batcher.history)[1:])
+    for r, c in zip(requests, out):
+        _same(c, _alone(EmbeddedEngine(model), r))
+
+
+def test_the_token_bound_retracts_and_the_retracted_row_resumes_with_the_same_tokens(model):
+    # each row: 4 prompt tokens + 40 new. Admission counts 4 + 0.7 * 40 = 32 tokens a row, so two
+    # rows start within 70; they grow to 88 together: one is retracted half way and resumes later
+    bound = 70
+    engine = EmbeddedEngine(model, max_total_tokens=bound)
+    requests = [_request(PROMPTS[2], 30 + i, 40) for i in range(3)]
+    out = [None] * len(requests)
+    batcher = engine.batcher()
+    for i, r in enumerate(requests):
+        _submit(batcher, r, lambda cs, i=i: out.__setitem__(i, cs[0]))
+    held = []
+    _drive(batcher, lambda b: held.append(sum(r.held for r in b.running)))
+    assert max(held) <= bound and batcher.retractions >= 1
+    for r, c in zip(requests, out):
+        _same(c, _alone(EmbeddedEngine(model), r))
+    with pytest.raises(ValueError, match="max_total_tokens=70"):
+        engine.generate_requests([_request(PROMPTS[0], 1, 64)])  # 7 + 64 tokens can never fit
