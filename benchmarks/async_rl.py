@@ -373,10 +373,9 @@ def evaluate(url: str, heldout: list, tokenizer, pool, settings, bench: Bench, s
 def batching_probe(model: str, heldout: list, bench: Bench) -> dict:
     """The same responses (``oversample`` held-out prompts x 8, the budget of a step) from one
     in-process stand-in, as one request per prompt (``n=8``: how the synchronous loop asks) and as
-    one request per sample (how partial rollouts ask): seconds and the engine batches the
-    stand-in's scheduler formed, ``[(requests, sequences), ...]``. The stand-in batches statically
-    (a batch admits nothing while it decodes; SGLang admits new requests between decode steps), so
-    requests that arrive spread out are decoded in several batches, one after the other."""
+    one request per sample (how partial rollouts ask): seconds and the prefill waves the stand-in's
+    scheduler formed, ``[(requests, sequences), ...]``. The stand-in batches continuously, as SGLang
+    (requests join the running batch between decode steps), so the two should take about as long."""
     from dataclasses import replace
 
     import torch
