@@ -59,10 +59,9 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
     from tests.distributed.test_rl_loop import _probe_logprobs_of_trainer
     from tests.rollout.processes import router
 
-    # 4 and 3 sequences at a time: a step's groups run in waves, so the step has its quota while
-    # later groups are still running (a random model's responses all run to the length limit). With
-    # the same wave size on both servers (the stand-in batches statically) their waves ended
-    # together and the abort raced the next waves' first tokens: no partial had tokens, now and then
+    # at most 4 and 3 sequences running: a step's samples wait for room and join the running batch
+    # as others finish (a random model's responses all run to the length limit), so the step has its
+    # quota while later samples are still running, with tokens
     servers = [EmbeddedHTTPEngine.launch(setup["model"], startup_timeout=120, max_running_requests=n) for n in (4, 3)]
     save = os.path.join(setup["root"], "run")
     args = [

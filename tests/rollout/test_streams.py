@@ -235,8 +235,8 @@ def test_abort_mid_way_answers_the_output_so_far_and_continuing_finishes(tiny_hf
             stream.abort()
             got = _collect(stream)
             assert set(got) == {req.key for req in long}
-            # a request still waiting in a server's queue when the abort comes ends with no token (the
-            # stand-in batches without continuous batching): at least one was decoding
+            # a request still waiting in a server's queue when the abort comes ends with no token: at
+            # least one was decoding
             assert any(got[req.key].token_ids for req in long), got
             for req in long:
                 c, full = got[req.key], reference[req.key]
