@@ -7,9 +7,10 @@ it generated so far, and those partial responses wait in the :class:`PartialBuff
 continues them first -- the prompt and the partial response are the input, the budget left is the
 limit -- under the weights of that step. An aborted answer that already holds a stop token (SGLang
 keeps the token of the decode step that ran after the abort, which may be EOS) is cut after it and
-ends there (:meth:`Completion.cut_at_stop`): it is never continued. A group is trained only once all its responses have ended
-(EOS or the length limit); its responses may then hold tokens of several weight versions (each
-token's version and behaviour log-prob travel with it, ``RolloutSample.versions``).
+ends there (:meth:`Completion.cut_at_stop`): it is never continued. A group is trained only once
+all its responses have ended (EOS or the length limit); its responses may then hold tokens of
+several weight versions (each token's version and behaviour log-prob travel with it,
+``RolloutSample.versions``).
 
 Staleness: a response holding a token more than ``rl.max_staleness`` versions older than the
 policy it will be trained at is regenerated from scratch (``rollout/stale_regenerated``).
