@@ -18,9 +18,9 @@ def model(tiny_hf):
     return EmbeddedEngine.from_pretrained(tiny_hf["untied"]).model
 
 
-def _request(prompt, seed, new_tokens, key=None, temperature=1.0):
-    params = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
-    return PromptRequest(prompt, params, [seed], ignore_eos=True, key=key)
+def _request(prompt, seed, new_tokens, key=None, ignore_eos=True):
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    return PromptRequest(prompt, params, [seed], ignore_eos=ignore_eos, key=key)
 
 
 def _submit(batcher, request, on_done):
@@ -89,11 +89,13 @@ def test_the_running_bound_admits_rows_as_others_finish(model):
 
 
 def test_the_token_bound_retracts_and_the_retracted_row_resumes_with_the_same_tokens(model):
-    # each row: 4 prompt tokens + 40 new. Admission counts 4 + 0.7 * 40 = 32 tokens a row, so two
-    # rows start within 70; they grow to 88 together: one is retracted half way and resumes later
-    bound = 70
+    # each row: 4 prompt tokens + 40 new (no EOS in this random model's first 40 tokens). SGLang's
+    # admission counts a running row as 4 + k + 0.7 * (40 - k) tokens and a new one as 44, so the
+    # second row starts beside the first within 80; together they grow to 88: one is retracted and
+    # resumes later
+    bound = 80
     engine = EmbeddedEngine(model, max_total_tokens=bound)
-    requests = [_request(PROMPTS[2], 30 + i, 40) for i in range(3)]
+    requests = [_request(PROMPTS[2], 31 + i, 40, ignore_eos=False) for i in range(3)]  # (seeds without EOS)
     out = [None] * len(requests)
     batcher = engine.batcher()
     for i, r in enumerate(requests):
@@ -103,5 +105,6 @@ def test_the_token_bound_retracts_and_the_retracted_row_resumes_with_the_same_to
     assert max(held) <= bound and batcher.retractions >= 1
     for r, c in zip(requests, out):
         _same(c, _alone(EmbeddedEngine(model), r))
-    with pytest.raises(ValueError, match="max_total_tokens=70"):
-        engine.generate_requests([_request(PROMPTS[0], 1, 64)])  # 7 + 64 tokens can never fit
+    assert all(c.finish_reason == "length" for c in out)
+    with pytest.raises(ValueError, match="max_total_tokens=80"):
+        engine.generate_requests([_request(PROMPTS[0], 1, 74)])  # 7 + 74 tokens can never fit

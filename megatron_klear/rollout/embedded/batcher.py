@@ -9,7 +9,7 @@ arrival order; at each :meth:`ContinuousBatcher.step`:
    the stop tokens, ``managers/schedule_batch.py``);
 2. waiting rows are admitted while the bounds allow (``max_running_requests`` rows;
    ``max_total_tokens`` KV tokens, counting what the running rows hold plus an estimate of what they
-   will add, SGLang's ``new_token_ratio`` rule, :func:`reserve`), prefilled together (rows with the
+   will add, SGLang's ``new_token_ratio`` rule, :func:`reserve` and :func:`need`), prefilled together (rows with the
    same context, such as the samples of one prompt, share one prefill) and joined to the batch;
 3. every running row samples its next token from its own seeded stream, so its tokens do not depend
    on when it joined or on the rows beside it (up to float rounding of the batched forward);
@@ -36,11 +36,12 @@ from megatron_klear.rollout.embedded.kv_batch import KVBatch
 from megatron_klear.rollout.embedded.rules import GREEDY_TEMPERATURE_EPS
 from megatron_klear.rollout.embedded.sampling import SampleStream, next_uniforms, sample_tokens
 
-# SGLang 0.5.23's estimate of the tokens a running request will still add (managers/schedule_policy.py,
-# environ.py): its remaining max_new_tokens, clipped, times a ratio that starts high, decays with every
-# decode step and is raised again by a retraction.
+# SGLang 0.5.23's admission estimate (managers/schedule_policy.py PrefillAdder, mem_cache/prefill_budget.py,
+# new_token_ratio_tracker.py, environ.py): a running request will still add its remaining max_new_tokens,
+# clipped, times a ratio (1 for ignore_eos) that starts at 0.7, decays over 600 decode steps to 0.7 * 0.14
+# and is raised by a retraction; a request being admitted counts its whole clipped budget.
 CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
-INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO
+INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO (times --schedule-conservativeness 1.0)
 MIN_NEW_TOKEN_RATIO = INIT_NEW_TOKEN_RATIO * 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS: the growth a retraction makes room for
@@ -103,9 +104,15 @@ class Row:
 
 
 def reserve(row: Row, ratio: float) -> float:
-    """KV tokens SGLang counts for a row when admitting others: what it holds, plus its remaining
-    budget (clipped) times the new-token ratio."""
-    return row.held + min(row.left, CLIP_MAX_NEW_TOKENS) * ratio
+    """KV tokens SGLang counts for a running row when admitting others: what it holds, plus its
+    remaining budget (clipped) times the new-token ratio (1 for ``ignore_eos``: it will use it all)."""
+    return row.held + min(row.left, CLIP_MAX_NEW_TOKENS) * (1.0 if row.ticket.request.ignore_eos else ratio)
+
+
+def need(row: Row) -> int:
+    """KV tokens SGLang asks free for a row it admits: its context and its whole remaining budget
+    (clipped)."""
+    return row.held + min(row.left, CLIP_MAX_NEW_TOKENS)
 
 
 class ContinuousBatcher:
@@ -233,10 +240,9 @@ class ContinuousBatcher:
                 if self.max_running_requests is not None and len(self.running) + len(new) >= self.max_running_requests:
                     break
                 if self.max_total_tokens is not None:
-                    need = reserve(row, self.new_token_ratio)
-                    if (self.running or new) and reserved + need > self.max_total_tokens:
-                        break
-                    reserved += need
+                    if (self.running or new) and reserved + need(row) >= self.max_total_tokens:
+                        break  # SGLang: admitted only while it fits strictly (head of line: none after)
+                    reserved += need(row)
                 new.append(self.waiting.popleft())
             self.running += new  # (before the prefill: a failing one fails these rows too, drop_running)
         if not new:
@@ -315,9 +321,9 @@ class ContinuousBatcher:
         with self.lock:
             self.waiting.extendleft(reversed(retracted))
         self.retractions += len(retracted)
-        left = sum(min(r.left, CLIP_MAX_NEW_TOKENS) for r in self.running) or 1
-        room = self.max_total_tokens - sum(r.held for r in self.running) - RETRACT_DECODE_STEPS * len(self.running)
-        self.new_token_ratio = min(1.0, max(room / left, self.new_token_ratio))
+        decoded = sum(len(r.tokens) for r in self.running)
+        budget = sum(r.ticket.request.max_new_tokens for r in self.running)
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (budget + 1))
 
     def _decode(self) -> None:
         engine, batch = self.engine, self.batch

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import queue
 import threading
@@ -85,13 +86,68 @@ def aborted_empty(n: int = 1) -> list:
     return [Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[]) for _ in range(n)]
 
 
+# Connections per httpx.AsyncClient of a call: httpcore 1.0's pool scans every connection for every
+# request it assigns (and again at every response's close), so one pool of hundreds of connections
+# costs the client ~15 ms of CPU a request at 320 in flight (measured, benchmarks/RESULTS.md); a
+# call spreads its requests over clients of this many connections each instead.
+CONNECTIONS_PER_CLIENT = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _ssl_context():
+    """One SSL context for every client of the process (httpx builds one per client otherwise: ~30 ms)."""
+    return httpx.create_ssl_context()
+
+
+class ShardedClient:
+    """``httpx.AsyncClient`` shards of :data:`CONNECTIONS_PER_CLIENT` connections each, used as one
+    (``post``): a request goes to the shard with the fewest requests in flight, and a new shard opens
+    when every one is full (at most enough for ``connections``), so assigning a connection costs what
+    it costs in a small pool however many requests run."""
+
+    def __init__(self, connections: int, **client_kwargs):
+        self.max_shards = max(1, -(-int(connections) // CONNECTIONS_PER_CLIENT))
+        self.client_kwargs = {
+            "limits": httpx.Limits(
+                max_connections=CONNECTIONS_PER_CLIENT, max_keepalive_connections=CONNECTIONS_PER_CLIENT
+            ),
+            "verify": _ssl_context(),
+            **client_kwargs,
+        }
+        self.clients, self.in_flight = [], []
+
+    async def __aenter__(self) -> "ShardedClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for c in self.clients:
+            await c.aclose()
+
+    def _shard(self) -> int:
+        if self.clients:
+            k = min(range(len(self.clients)), key=self.in_flight.__getitem__)
+            if self.in_flight[k] < CONNECTIONS_PER_CLIENT or len(self.clients) == self.max_shards:
+                return k
+        self.clients.append(httpx.AsyncClient(**self.client_kwargs))
+        self.in_flight.append(0)
+        return len(self.clients) - 1
+
+    async def post(self, url: str, **kwargs) -> httpx.Response:
+        k = self._shard()
+        self.in_flight[k] += 1
+        try:
+            return await self.clients[k].post(url, **kwargs)
+        finally:
+            self.in_flight[k] -= 1
+
+
 class _Call:
     """What one generate call's (or stream's) requests share on its event loop: the HTTP clients
     (requests, probes), the requests in flight per URL, the attempts in flight (to cancel or hedge
     them when a worker is dropped). ``aborting``: the stream was asked to abort (:mod:`.streams`):
     an ``abort`` answer is then the partial result, and nothing is sent or sent again."""
 
-    def __init__(self, client: httpx.AsyncClient, probe_client: httpx.AsyncClient):
+    def __init__(self, client: ShardedClient, probe_client: httpx.AsyncClient):
         self.client = client
         self.probe_client = probe_client
         self.in_flight: dict = {}  # url -> requests in flight there
@@ -218,13 +274,11 @@ class Generation:
         """The :class:`_Call` of one generate call or stream: its HTTP clients, closed on leaving."""
         # room for a hedge of every request in flight; the probes have their own connections, so
         # that requests filling the pool never make a worker look dead
-        limits = httpx.Limits(
-            max_connections=2 * self.max_concurrent_requests + 8,
-            max_keepalive_connections=self.max_concurrent_requests + 8,
-        )
         timeout = httpx.Timeout(self.generate_timeout, connect=self.transport.timeout)
         async with (
-            httpx.AsyncClient(timeout=timeout, limits=limits, headers=self.transport.auth_headers()) as client,
+            ShardedClient(
+                2 * self.max_concurrent_requests + 8, timeout=timeout, headers=self.transport.auth_headers()
+            ) as client,
             httpx.AsyncClient(headers=self.transport.auth_headers()) as probes,
         ):
             yield _Call(client, probes)
