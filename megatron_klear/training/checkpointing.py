@@ -170,10 +170,11 @@ class CheckpointManager:
 
         final = os.path.join(self.save_dir, f"iter_{step:07d}")
         tmp = os.path.join(self.save_dir, f".tmp-iter_{step:07d}")
-        sharded = self._sharded_state(state, is_loading=False)
         # before the first optimizer step (e.g. RL steps whose groups were all filtered) Adam has no
-        # moments yet and none are saved; the load must then not ask for them
+        # moments yet and none are saved (megatron-core's distributed optimizer cannot even give a
+        # state dict then: it asserts one step count); the load must then not ask for them
         has_optimizer_state = _optimizer_has_state(state.optimizer)
+        sharded = self._sharded_state(state, is_loading=False, optimizer=has_optimizer_state)
         sharded["common"] = {
             "step": step,
             "scheduler": state.scheduler.state_dict(),

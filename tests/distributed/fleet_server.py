@@ -104,13 +104,13 @@ def _serve(model: str, spec: dict) -> None:
     app_module.build_app = lambda state: _recorded(build_app(state), events, delays)  # read when the server is built
     delay = float(spec.get("token_delay") or 0.0)
     if delay > 0:
-        forward = EmbeddedEngine._forward
+        forward = EmbeddedEngine.forward
 
         def slow_forward(self, *a, **kw):
             time.sleep(delay)
             return forward(self, *a, **kw)
 
-        EmbeddedEngine._forward = slow_forward
+        EmbeddedEngine.forward = slow_forward
     tokenizer, engine = _load(model)
     kwargs = {"weight_sync_timeout": float(spec["weight_sync_timeout"])} if spec.get("weight_sync_timeout") else {}
     server = launcher.make_server(
