@@ -85,6 +85,7 @@ class Handler(BaseHTTPRequestHandler):
                     "generate_calls": st.generate_calls,
                     "tp_size": a.tp_size,
                     "dtype": "bfloat16",
+                    **json.loads(a.server_info or "{}"),
                 },
             )
         elif self.path in ("/model_info", "/get_model_info"):
@@ -179,6 +180,7 @@ def main():
     ap.add_argument("--non-json", action="store_true")
     ap.add_argument("--context-length", type=int, default=40960)
     ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--server-info", default="", help="JSON fields added to /server_info")
     ap.add_argument("--hang-init", action="store_true")
     ap.add_argument("--fail-post", type=lambda v: v.split(","), default=[])
     ap.add_argument("--refuse-flush", type=int, default=0)

@@ -2,6 +2,7 @@
 a scriptable fake worker for faults. Every request body the client sends is validated against
 SGLang 0.5.23's own request contract (``sglang/api/v1/api_types.py``)."""
 
+import json
 import os
 import signal
 import threading
@@ -138,6 +139,57 @@ def test_context_too_short_names_the_fix(tmp_path):
         assert client.check_context_length(4096) == {url: 4096}
         with pytest.raises(EngineError, match="context length of 4096 tokens.*needs 36864.*--context-length 36864"):
             client.check_context_length(36864, "rl.max_prompt_length + rollout.max_new_tokens")
+
+
+def test_the_context_check_counts_the_tokens_eagle_reserves(tmp_path):
+    # SGLang 0.5.23 adds max(topk * steps, draft tokens) to every prompt when it checks the context
+    # (managers/utils.py compute_num_reserved_tokens): here max(4 * 3, 8) = 12
+    spec = {
+        "speculative_algorithm": "EAGLE3",
+        "speculative_eagle_topk": 4,
+        "speculative_num_steps": 3,
+        "speculative_num_draft_tokens": 8,
+    }
+    with fake_worker(tmp_path, context_length=4096, server_info=json.dumps(spec)) as (url, _, _):
+        client = SGLangEngine.at([url], **FAST)
+        assert client.control.reserved_tokens(url) == 12
+        assert client.check_context_length(4084) == {url: 4096}
+        with pytest.raises(EngineError, match="needs 4085 and the 12 tokens its speculative decoding reserves"):
+            client.check_context_length(4085)
+    with fake_worker(
+        tmp_path, name="plain", context_length=4096, server_info=json.dumps({**spec, "speculative_algorithm": None})
+    ) as (url, _, _):
+        assert SGLangEngine.at([url], **FAST).check_context_length(4096) == {url: 4096}  # no speculation, no reserve
+
+
+def test_a_server_with_data_parallel_replicas_is_refused_at_start_up(tmp_path):
+    from megatron_klear.config import load_config
+    from megatron_klear.rollout.sglang import compat
+
+    SHORT = ["rl.max_prompt_length=64", "rollout.max_new_tokens=64"]
+
+    info = {"dp_size": 2, "attn_dp_size": 1}
+    with fake_worker(tmp_path, server_info=json.dumps(info)) as (url, _, _):
+        client = SGLangEngine.at([url], **FAST)
+        base = [
+            "rollout.engine=http",
+            f"rollout.urls=[{url}]",
+            "rl.prompts=[p.jsonl]",
+            "rollout.sync_backend=gloo",
+            *SHORT,
+        ]
+        with pytest.raises(EngineError, match=r"dp_size=2.*refuses weight update groups unless dp_size is 1"):
+            compat.check_servers(client, load_config(None, base).rollout)
+        compat.check_servers(client, load_config(None, base + ["rollout.weight_sync=disk"]).rollout)  # no group
+    with fake_worker(tmp_path, name="attn", server_info=json.dumps({"dp_size": 1, "attn_dp_size": 4})) as (url, _, _):
+        base = [
+            "rollout.engine=http",
+            f"rollout.urls=[{url}]",
+            "rl.prompts=[p.jsonl]",
+            "rollout.sync_backend=gloo",
+            *SHORT,
+        ]
+        compat.check_servers(SGLangEngine.at([url], **FAST), load_config(None, base).rollout)  # attention DP is fine
 
 
 def test_generate_timeout_is_the_configured_one(tmp_path):

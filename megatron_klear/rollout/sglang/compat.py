@@ -132,14 +132,16 @@ def check_colocated_env(engine) -> None:
 
 
 def check_servers(engine, r, *, weight_sync: bool = True) -> None:
-    """The checks a ``rollout`` config needs: colocated servers' environment; the NCCL build for
-    ``weight_sync=distributed`` over NCCL (``sync_backend`` auto: NCCL where CUDA is), unless the
-    engine receives no weights (``weight_sync=False``: evaluation)."""
+    """The checks a ``rollout`` config needs: colocated servers' environment; for
+    ``weight_sync=distributed`` (dedicated servers' default) a layout SGLang can update from a process
+    group (dp_size 1, no pipeline parallelism), and the NCCL build over NCCL (``sync_backend`` auto:
+    NCCL where CUDA is), unless the engine receives no weights (``weight_sync=False``: evaluation)."""
     if r.colocate:
         check_colocated_env(engine)
         return
     if not weight_sync or r.weight_sync not in ("distributed", "auto"):
         return
+    engine.control.update_group_layout()  # dp_size > 1 or pipeline parallelism: refused by name now
     backend = r.sync_backend
     if backend == "auto":
         import torch

@@ -46,10 +46,18 @@ def answered(e: BaseException) -> bool:
     return not isinstance(e, WorkerGone)
 
 
+# SGLang 0.5.23's speculative algorithms whose context check reserves draft tokens (spec_info.is_eagle)
+EAGLE_FAMILY = ("EAGLE", "EAGLE3", "FROZEN_KV_MTP", "NEXTN")
+
+
 class BucketPost:
     """One bucket's ``/update_weights_from_distributed``, posted to every member of the update group
-    at once; each post answers only once its server has received the broadcast (SGLang's handler
-    receives, then loads, then answers).
+    at once. What its answer says depends on the backend (SGLang 0.5.23's handler receives, loads,
+    then answers, with no host synchronisation): over gloo the receive blocks the server's host, so
+    the answer comes once the bytes arrived; over NCCL the receive is only enqueued on the server's
+    GPU stream, so the answer says the bucket was accepted, not that it arrived -- except the first
+    broadcast of a new group, whose communicator NCCL builds lazily, blocking the host until every
+    member joins. What a sync can know it checks afterwards (:meth:`Control.check_received`).
 
     What HTTP shows before the broadcast is an *early* answer: a server refuses a bucket at once
     when it has no open session, does not know the group, or is unreachable (SGLang checks these
@@ -138,17 +146,38 @@ class Control:
                 return int(info[key])
         return None
 
+    def reserved_tokens(self, url: str) -> int:
+        """The tokens SGLang 0.5.23 adds to every prompt in its context check for speculative decoding
+        (``managers/utils.py`` ``compute_num_reserved_tokens``): with an EAGLE-family algorithm
+        (EAGLE, EAGLE3, FROZEN_KV_MTP, NEXTN), ``max(speculative_eagle_topk * speculative_num_steps,
+        speculative_num_draft_tokens)``, from ``/server_info``; else 0."""
+        info = self.transport.server_info(url) or {}
+        if str(info.get("speculative_algorithm") or "").upper() not in EAGLE_FAMILY:
+            return 0
+        topk, steps, draft = (
+            int(info.get(k) or 0)
+            for k in ("speculative_eagle_topk", "speculative_num_steps", "speculative_num_draft_tokens")
+        )
+        return max(topk * steps, draft)
+
     def check_context_length(self, needed: int, what: str = "") -> dict:
-        """Fail unless every worker's context holds ``needed`` tokens (prompt + max_new_tokens);
-        returns {worker: context length}."""
-        lengths = self.members.on_workers(self.context_length, tolerate_loss=True)  # a worker gone is dropped
-        short = {w: c for w, c in lengths.items() if c is not None and c < needed}
+        """Fail unless every worker's context holds ``needed`` tokens (prompt + max_new_tokens) plus
+        the tokens its speculative decoding reserves (:meth:`reserved_tokens`); returns {worker:
+        context length}."""
+
+        def ask(w):
+            return self.context_length(w), self.reserved_tokens(w)
+
+        answers = self.members.on_workers(ask, tolerate_loss=True)  # a worker gone is dropped
+        lengths = {w: c for w, (c, _) in answers.items()}
+        short = {w: (c, r) for w, (c, r) in answers.items() if c is not None and c < needed + r}
         if short:
-            w, c = next(iter(short.items()))
+            w, (c, r) = next(iter(short.items()))
+            spec = f" and the {r} tokens its speculative decoding reserves (EAGLE)" if r else ""
             raise EngineError(
                 f"rollout: the server {w} has a context length of {c} tokens, but {what or 'a request'} needs "
-                f"{needed} (SGLang answers every such request with HTTP 400). Start the servers with "
-                f"`--context-length {needed}` (beyond the model's max_position_embeddings also set "
+                f"{needed}{spec} (SGLang answers every such request with HTTP 400). Start the servers with "
+                f"`--context-length {needed + r}` (beyond the model's max_position_embeddings also set "
                 "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, or choose a RoPE scaling such as YaRN with "
                 "--json-model-override-args), or lower rl.max_prompt_length / rollout.max_new_tokens"
             )
@@ -263,11 +292,11 @@ class Control:
         def ask(w):
             info = self.transport.server_info(w) or {}
             tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
-            if dp > 1 and not info.get("enable_dp_attention"):
+            if dp > 1:  # SGLang 0.5.23: assert dp_size == 1, answered as a bare HTTP 500
                 raise EngineError(
-                    f"rollout: {w} runs {dp} data-parallel replicas (dp_size); SGLang updates weights "
-                    "from a process group only with dp_size 1: start one server per replica "
-                    "(behind the router), or use rollout.weight_sync=disk"
+                    f"rollout: {w} runs {dp} data-parallel replicas (dp_size={dp}); SGLang refuses weight "
+                    "update groups unless dp_size is 1 (data-parallel attention, attn_dp_size, is fine): "
+                    "start one server per replica (behind the router), or use rollout.weight_sync=disk"
                 )
             if pp > 1:
                 raise EngineError(
@@ -443,6 +472,16 @@ class Control:
             if w not in rejoining:
                 raise EngineError(why)
             self.members.drop_worker(w, why)
+
+    def check_received(self) -> dict:
+        """After a distributed update: one greedy token from every worker, each within
+        ``rollout.control_timeout_s``. Over NCCL, a bucket's answer does not say that its bytes
+        arrived (SGLang 0.5.23 enqueues the receive on the GPU stream and answers without a host
+        synchronisation, ``model_runner_components/weight_updater.py``); a forward runs on that stream
+        after every receive, so a generation's answer does. A worker that does not answer in time
+        (a peer lost mid-bucket leaves its stream waiting on the broadcast) is dropped as gone; it
+        rejoins at a later push once restarted. Returns ``{worker: Completion}`` of the others."""
+        return self.members.on_workers(lambda w: self.probe(w, [0], 1), tolerate_loss=True)
 
     # -- verification ------------------------------------------------------------------------------
     def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:

@@ -50,9 +50,16 @@ class DistributedWeightSync:
     fails a broadcast to a dead peer at once. NCCL's ``wait`` does not block the host, so the works
     are polled to the deadline and the communicator aborted after it; the group is built with
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` so that NCCL's watchdog (at the group's timeout) aborts
-    it and raises instead of ending the trainer. (What the CPU tests show is the gloo side; the NCCL
-    side is exercised by ``tests/gpu``. A server blocked receiving a bucket that never comes waits
-    for its own group's timeout, which SGLang does not let the client set: torch's default.)
+    it and raises instead of ending the trainer. What a bucket's answer says: over gloo, that the
+    server received it; over NCCL only that it was accepted (SGLang enqueues the receive on its GPU
+    stream and answers), so after the sync every server generates one token within the control
+    timeout (:meth:`Control.check_received`), which it can only do once every bucket arrived; one
+    that cannot is dropped as gone. A server left waiting on a broadcast a lost peer never sends
+    waits for its own group's timeout (torch's 30-minute default: SGLang's
+    ``/init_weights_update_group`` does not take one) or until SGLang's scheduler watchdog
+    (``--watchdog-timeout``, 300 s while a batch runs; the check's request is one) ends it; restart it
+    and it rejoins. The CPU tests run the gloo side; the NCCL side is not run by any test here (one
+    GPU cannot hold two ranks of one NCCL communicator; it needs two GPUs, docs/sglang.md).
 
     **A lost worker** (:meth:`sync`): the sync is tried again, up to ``max_attempts`` times, with the
     groups re-formed without the workers that are gone (fresh group names), every bucket sent again;
@@ -255,6 +262,7 @@ class DistributedWeightSync:
                 self.engine.control.set_weight_version(version)
                 self.engine.control.continue_generation()
                 self.engine.control.check_weight_versions(version)  # a rejoining worker that differs is dropped
+                self.engine.control.check_received()  # (NCCL: a bucket's answer does not say it arrived)
             except Exception as e:  # noqa: BLE001
                 error = f"rollout: the weight update of version {version} did not complete: {e}"
         return broadcast_from_rank0(error)
