@@ -576,17 +576,20 @@ def table(variants: dict, runs: list) -> str:
     sync = variants.get("sync", {}).get("samples_per_s")
     lines = [
         "| variant | seeds | samples/s | vs sync | step s (median) | held-out avg@8 | vs sync (points) | "
-        "staleness (mean) | off-policy tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "staleness (mean) | off-policy tokens | aborted / resumed samples (per run) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v, r in variants.items():
-        n = sum(x["variant"] == v for x in runs)
+        mine = [x for x in runs if x["variant"] == v]
+        n = len(mine)
+        aborted = statistics.fmean(x["rollout/aborted_samples"] for x in mine)
+        resumed = statistics.fmean(x["rollout/resumed_samples"] for x in mine)
         ratio = f"{r['samples_per_s'] / sync:.2f}x" if sync else "n/a"
         points = r["heldout_avg@8"] - variants["sync"]["heldout_avg@8"] if "sync" in variants else float("nan")
         lines.append(
             f"| {v} | {n} | {r['samples_per_s']:.2f} | {ratio} | {r['step_s_median']:.2f} | "
             f"{r['heldout_avg@8']:.1f} | {points:+.1f} | {r['staleness_mean']:.3f} | "
-            f"{r['offpolicy_token_frac']:.3f} |"
+            f"{r['offpolicy_token_frac']:.3f} | {aborted:.0f} / {resumed:.0f} |"
         )
     return "\n".join(lines)
 

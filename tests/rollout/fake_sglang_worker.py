@@ -115,8 +115,8 @@ class Handler(BaseHTTPRequestHandler):
             n, k = int(sp.get("n", 1)), min(len(TOKENS), int(sp.get("max_new_tokens", 128)))
             ids = TOKENS[:k]
             reason = {"type": "stop", "matched": ids[-1]} if k == len(TOKENS) else {"type": "length", "length": k}
-            if call <= a.abort_first:
-                reason = {"type": "abort", "message": "injected abort"}
+            if call <= a.abort_first:  # as SGLang answers a request aborted before its first token
+                ids, k, reason = [], 0, {"type": "abort", "message": "injected abort"}
             outs = [
                 {
                     "text": "",

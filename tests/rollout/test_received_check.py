@@ -2,13 +2,15 @@
 over NCCL a bucket's answer does not say that its bytes arrived, a generation does (it runs after
 every receive on the server's stream). A server whose forward does not come back -- as one waiting
 on a broadcast a lost peer never sends -- is dropped within rollout.control_timeout_s; the others
-answer."""
+answer. An answer aborted before its token (partial rollouts abort every request on a server) is
+asked again."""
 
 import threading
 
 from megatron_klear.rollout.embedded import EmbeddedEngine
 from megatron_klear.rollout.sglang import SGLangEngine
 from megatron_klear.rollout.sglang_standin import serve_in_thread
+from tests.rollout.processes import fake_worker, recorded
 
 
 def test_a_server_whose_forward_never_returns_is_dropped_and_the_others_pass(tiny_hf):
@@ -35,3 +37,16 @@ def test_a_server_whose_forward_never_returns_is_dropped_and_the_others_pass(tin
         for server, _ in servers:
             server.shutdown()
             server.server_close()
+
+
+def test_an_answer_aborted_before_its_token_is_asked_again_within_the_timeout(tmp_path):
+    with (
+        fake_worker(tmp_path, "twice", abort_first=2) as (twice, record, _),
+        fake_worker(tmp_path, "always", abort_first=10**6) as (always, _, _),
+    ):
+        client = SGLangEngine.at([twice, always], control_timeout_s=1.0, min_live_workers=1)
+        passed = client.control.check_received()
+        assert list(passed) == [twice] and passed[twice].finish_reason == "length"  # its one token
+        assert len(recorded(record)) == 3  # two aborted answers, then the token
+        assert client.workers() == [twice]  # an endless run of aborts is no token: dropped at the timeout
+        assert client.fleet_metrics()["rollout/worker_failures"] == 1

@@ -141,7 +141,7 @@ def check_servers(engine, r, *, weight_sync: bool = True) -> None:
         return
     if not weight_sync or r.weight_sync not in ("distributed", "auto"):
         return
-    engine.control.update_group_layout()  # dp_size > 1 or pipeline parallelism: refused by name now
+    engine.control.check_update_group_layout()  # dp_size > 1 or pipeline parallelism: refused by name now
     backend = r.sync_backend
     if backend == "auto":
         import torch

@@ -289,23 +289,30 @@ class Control:
         """``[(worker, ranks)]``: each worker joins an update group with one rank per TP rank of its
         model (SGLang: ``rank_offset + tp_rank``). Refuses layouts SGLang cannot update this way."""
 
-        def ask(w):
-            info = self.transport.server_info(w) or {}
-            tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
-            if dp > 1:  # SGLang 0.5.23: assert dp_size == 1, answered as a bare HTTP 500
-                raise EngineError(
-                    f"rollout: {w} runs {dp} data-parallel replicas (dp_size={dp}); SGLang refuses weight "
-                    "update groups unless dp_size is 1 (data-parallel attention, attn_dp_size, is fine): "
-                    "start one server per replica (behind the router), or use rollout.weight_sync=disk"
-                )
-            if pp > 1:
-                raise EngineError(
-                    f"rollout: {w} runs pipeline parallelism (pp_size={pp}), which SGLang's "
-                    "update_weights_from_distributed does not cover: use rollout.weight_sync=disk"
-                )
-            return tp
+        return list(zip(self.members.workers(), self.members.on_workers(self._update_group_ranks)))
 
-        return list(zip(self.members.workers(), self.members.on_workers(ask)))
+    def check_update_group_layout(self) -> dict:
+        """At start-up: :meth:`update_group_layout`'s refusals (``dp_size`` > 1, pipeline
+        parallelism) by name, a worker gone meanwhile dropped as by the other start-up checks;
+        ``{worker: TP ranks}`` of the others."""
+        return self.members.on_workers(self._update_group_ranks, tolerate_loss=True)
+
+    def _update_group_ranks(self, w: str) -> int:
+        """One worker's ranks in an update group (its TP size); refuses dp_size > 1 and pipeline parallelism."""
+        info = self.transport.server_info(w) or {}
+        tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
+        if dp > 1:  # SGLang 0.5.23: assert dp_size == 1, answered as a bare HTTP 500
+            raise EngineError(
+                f"rollout: {w} runs {dp} data-parallel replicas (dp_size={dp}); SGLang refuses weight "
+                "update groups unless dp_size is 1 (data-parallel attention, attn_dp_size, is fine): "
+                "start one server per replica (behind the router), or use rollout.weight_sync=disk"
+            )
+        if pp > 1:
+            raise EngineError(
+                f"rollout: {w} runs pipeline parallelism (pp_size={pp}), which SGLang's "
+                "update_weights_from_distributed does not cover: use rollout.weight_sync=disk"
+            )
+        return tp
 
     def init_weights_update_group_async(
         self,
@@ -480,15 +487,35 @@ class Control:
         synchronisation, ``model_runner_components/weight_updater.py``); a forward runs on that stream
         after every receive, so a generation's answer does. A worker that does not answer in time
         (a peer lost mid-bucket leaves its stream waiting on the broadcast) is dropped as gone; it
-        rejoins at a later push once restarted. Returns ``{worker: Completion}`` of the others."""
-        return self.members.on_workers(lambda w: self.probe(w, [0], 1), tolerate_loss=True)
+        rejoins at a later push once restarted. An answer aborted before its token (an abort of
+        every request on the server, as partial rollouts send, can meet the check's request) is
+        asked again within the same time. Returns ``{worker: Completion}`` of the others."""
+        import time
+
+        def one_token(w):
+            deadline = time.monotonic() + self.transport.timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerGone(
+                        f"rollout: {w} did not generate a token within {self.transport.timeout:g} s after the "
+                        "weight update (rollout.control_timeout_s)"
+                    )
+                out = self.probe(w, [0], 1, timeout=left, allow_abort=True)
+                if out.finish_reason != "abort" or out.token_ids:
+                    return out
+
+        return self.members.on_workers(one_token, tolerate_loss=True)
 
     # -- verification ------------------------------------------------------------------------------
-    def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:
+    def probe(
+        self, worker: str, prompt_ids: list, max_new_tokens: int, *, timeout: float | None = None, allow_abort=False
+    ) -> Completion:
         """Greedy continuation of ``prompt_ids`` by one worker (not through the router), exactly
         ``max_new_tokens`` tokens (``ignore_eos``), with the log-prob of each token (greedy:
         ``log_softmax`` of the logits at temperature 1, in SGLang and in the embedded engine), within
-        ``rollout.control_timeout_s``."""
+        ``timeout`` (default ``rollout.control_timeout_s``). ``allow_abort``: an aborted answer is
+        returned (finish reason ``abort``, the tokens so far) instead of failing."""
         body = {
             "input_ids": [int(t) for t in prompt_ids],
             "return_logprob": True,
@@ -501,8 +528,9 @@ class Control:
         }
         # bounded by the control timeout, not the generation one: 16 greedy tokens on an idle server
         # (right after a push) take well under a second, and a frozen server must not hold the step
-        out = self.transport.request("POST", "/generate", body, timeout=self.transport.timeout, url=worker)
-        return parse_completion(out[0] if isinstance(out, list) else out, url=worker)
+        wait = self.transport.timeout if timeout is None else timeout
+        out = self.transport.request("POST", "/generate", body, timeout=wait, url=worker)
+        return parse_completion(out[0] if isinstance(out, list) else out, url=worker, allow_abort=allow_abort)
 
     def worker_dtypes(self) -> dict:
         """{worker: the dtype its model runs in} from ``/server_info`` (``dtype``; SGLang's ``auto``
