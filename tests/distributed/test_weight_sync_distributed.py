@@ -290,9 +290,10 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
     assert len({tuple(c["client"]) for c in calls}) == 1, {tuple(c["client"]) for c in calls}
 
 
-def _sync_with_a_stale_layout(rank, world, model_dir, urls):
-    """Sync version 1, then corrupt the recorded layout (the first tensor renamed), sync 2 (must
-    fail), then sync 3. Returns (error of 2, seconds it took, versions served after 2, stats of 3)."""
+def _sync_with_a_stale_layout(rank, world, model_dir, urls, bucket):
+    """Sync version 1, then corrupt the recorded layout (the first tensor of ``bucket`` renamed), sync
+    2 (must fail), then sync 3. Returns (error of 2, seconds it took, versions served after 2, stats
+    of 3, the index of the renamed tensor)."""
     import time
 
     from megatron_klear.config import load_config
@@ -308,7 +309,10 @@ def _sync_with_a_stale_layout(rank, world, model_dir, urls):
     sync = DistributedWeightSync(state.model, engine, bucket_mb=0.02, group_timeout=30, bucket_timeout=30)
     try:
         sync.sync(version=1)
-        sync.buckets.layouts[0][0][0][0] += ".stale"
+        layout = sync.buckets.layouts[0]
+        assert len(layout) > bucket
+        layout[bucket][0][0] += ".stale"
+        index = sum(len(meta[0]) for meta in layout[:bucket])
         t0 = time.monotonic()
         try:
             sync.sync(version=2)
@@ -318,21 +322,22 @@ def _sync_with_a_stale_layout(rank, world, model_dir, urls):
         seconds = time.monotonic() - t0
         served = engine.control.weight_versions()
         engine.control.continue_generation()  # (paused by the failed sync)
-        return error, seconds, served, sync.sync(version=3)
+        return error, seconds, served, sync.sync(version=3), index
     finally:
         sync.close()
 
 
-def test_a_stale_layout_fails_the_sync_cleanly_and_the_next_one_gathers_again(models, servers):
+@pytest.mark.parametrize("bucket", [0, 1], ids=["first-bucket", "second-bucket-posted-early"])
+def test_a_stale_layout_fails_the_sync_cleanly_and_the_next_one_gathers_again(models, servers, bucket):
     """The streamed schedule announces each bucket from the last sync's layout; should the
-    tensors ever stop following it, the sync fails at once (the announced bucket is completed
-    with zeros so no server waits for its timeout), nothing is applied, and the next sync records
-    the layout afresh."""
+    tensors ever stop following it, the sync fails at once (the announced bucket, and the next
+    one when rank 0 already posted it, are completed with zeros so no server waits for its
+    timeout), nothing is applied, and the next sync records the layout afresh."""
     from megatron_klear.rollout.embedded import EmbeddedEngine
 
     urls = [s.url for s in servers]
-    ((error, seconds, served, stats),) = run_distributed(_sync_with_a_stale_layout, 1, models["b"], urls)
-    assert error is not None and "no longer follow the layout of the last sync: tensor 0" in error, error
+    ((error, seconds, served, stats, index),) = run_distributed(_sync_with_a_stale_layout, 1, models["b"], urls, bucket)
+    assert error is not None and f"no longer follow the layout of the last sync: tensor {index} " in error, error
     assert seconds < 20, seconds  # not the 30 s bucket timeout
     assert set(served.values()) == {"1"}  # version 2 was never applied
     assert stats["streamed_stages"] == 0  # gathered whole again, recording a new layout

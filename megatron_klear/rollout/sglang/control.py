@@ -62,11 +62,16 @@ class BucketPost:
     What HTTP shows before the broadcast is an *early* answer: a server refuses a bucket at once
     when it has no open session, does not know the group, or is unreachable (SGLang checks these
     before it starts receiving). :meth:`refusals` waits until every post has answered or ``grace``
-    seconds have passed, and returns the early failures: the sender broadcasts only when there are
-    none (a broadcast to a group with a member that is not receiving never completes: with NCCL,
-    only the watchdog ends it)."""
+    seconds have passed since the post, and returns the early failures: the sender broadcasts only
+    when there are none (a broadcast to a group with a member that is not receiving never completes:
+    with NCCL, only the watchdog ends it). The sender may gather the bucket's tensors meanwhile
+    (:meth:`grace_over` tells, without waiting, when it may broadcast)."""
 
     def __init__(self, engine, workers, body: dict, timeout: float):
+        import time
+
+        self.posted_at = time.monotonic()
+        self.answered_at = None  # when the last server answered
         self.workers = list(workers)
         self.errors: dict = {}
         self._done = {w: threading.Event() for w in self.workers}
@@ -83,18 +88,29 @@ class BucketPost:
         except Exception as e:  # noqa: BLE001 -- collected
             self.errors[w] = e
         finally:
+            import time
+
+            now = time.monotonic()
             self._done[w].set()
+            if self.done():
+                self.answered_at = now
 
     def refusals(self, grace: float) -> dict:
-        """``{worker: error}`` of the posts that failed within ``grace`` seconds (or before every
-        post answered, whichever comes first)."""
+        """``{worker: error}`` of the posts that failed within ``grace`` seconds of the post (or
+        before every post answered, whichever comes first)."""
         import time
 
-        deadline = time.monotonic() + float(grace)
+        deadline = self.posted_at + float(grace)
         for ev in self._done.values():
             if not ev.wait(max(0.0, deadline - time.monotonic())):
                 break
         return dict(self.errors)
+
+    def grace_over(self, grace: float) -> bool:
+        """Whether :meth:`refusals` would answer now without waiting."""
+        import time
+
+        return self.done() or time.monotonic() >= self.posted_at + float(grace)
 
     def done(self) -> bool:
         return all(ev.is_set() for ev in self._done.values())

@@ -52,7 +52,7 @@ class DistributedWeightSync:
     ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` so that NCCL's watchdog (at the group's timeout) aborts
     it and raises instead of ending the trainer. What a bucket's answer says: over gloo, that the
     server received it; over NCCL only that it was accepted (SGLang enqueues the receive on its GPU
-    stream and answers), so after the sync every server generates one token within the control
+    stream and answers), so after an NCCL sync every server generates one token within the control
     timeout (:meth:`Control.check_received`), which it can only do once every bucket arrived; one
     that cannot is dropped as gone. A server left waiting on a broadcast a lost peer never sends
     waits for its own group's timeout (torch's 30-minute default: SGLang's
@@ -262,7 +262,8 @@ class DistributedWeightSync:
                 self.engine.control.set_weight_version(version)
                 self.engine.control.continue_generation()
                 self.engine.control.check_weight_versions(version)  # a rejoining worker that differs is dropped
-                self.engine.control.check_received()  # (NCCL: a bucket's answer does not say it arrived)
+                if self.groups.backend == "nccl":  # a bucket's answer does not say it arrived (gloo's does)
+                    self.engine.control.check_received()
             except Exception as e:  # noqa: BLE001
                 error = f"rollout: the weight update of version {version} did not complete: {e}"
         return broadcast_from_rank0(error)

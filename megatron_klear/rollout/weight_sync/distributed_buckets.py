@@ -47,14 +47,11 @@ class BucketSchedule:
         """A new attempt of a sync: ``started`` (rank 0) is the future of the servers' start calls."""
         self.started, self.disconnected, self.posts = started, set(), []
 
-    def _post_bucket(self, stage: int, meta):
+    def _post_bucket(self, stage: int, meta, *, admit: bool = True):
         """Rank 0: post one bucket's metadata to every member of the group (once they paused and
-        opened the session) and wait until each post is under way: ``(post, None)``, or ``(None,
-        error text naming the servers)`` when a server refused it or could not be reached before the
-        broadcast (see :class:`~megatron_klear.rollout.sglang.control.BucketPost`): then the bucket
-        is not broadcast at all."""
-        from megatron_klear.rollout.sglang.control import bucket_error
-
+        opened the session) and, with ``admit``, wait until each post is under way (:meth:`_admit`):
+        ``(post, None)``, or ``(None, error text naming the servers)``. Without ``admit`` the caller
+        admits the post later (gathering the bucket's tensors meanwhile)."""
         names, dtypes, shapes = meta
         started = self.started.result()
         if started is not None:
@@ -73,10 +70,20 @@ class BucketSchedule:
         except Exception as e:  # noqa: BLE001
             return None, self._bucket_failed(stage, names, e)
         self.posts.append(post)
+        return self._admit(stage, meta, post) if admit else (post, None)
+
+    def _admit(self, stage: int, meta, post):
+        """Rank 0: wait until every post of a bucket is under way (``post_grace`` seconds from the
+        post, or every server answered): ``(post, None)``, or ``(None, error)`` when a server refused
+        it or could not be reached before the broadcast (see
+        :class:`~megatron_klear.rollout.sglang.control.BucketPost`): then the bucket is not
+        broadcast at all."""
+        from megatron_klear.rollout.sglang.control import bucket_error
+
         refused = post.refusals(self.post_grace)
         self._note_disconnected(refused)
         if refused:
-            return None, self._bucket_failed(stage, names, bucket_error(refused)) + " (not broadcast)"
+            return None, self._bucket_failed(stage, meta[0], bucket_error(refused)) + " (not broadcast)"
         return post, None
 
     @staticmethod
@@ -147,25 +154,50 @@ class BucketSchedule:
         return self._send_streamed_buckets(stage, tensors, totals, layout)
 
     # A bucket on the wire: {"meta": (names, dtypes, shapes), "post": rank 0's BucketPost or None,
-    # "refused": the error that stopped its broadcast or None, "works": its broadcasts, "payload":
-    # the tensors they send (referenced until they end), "nbytes"}
-    def _launch_bucket(self, stage: int, meta, payload, totals: dict) -> dict:
+    # "refused": the error that stopped its broadcast or None, "admitted": whether its posts are
+    # under way, "held": its tensors gathered before that, "taken": its tensors handed over so far,
+    # "works": its broadcasts, "payload": the tensors they send (referenced until they end), "nbytes"}
+    def _launch_bucket(self, stage: int, meta, payload, totals: dict, *, hold: bool = False, posted=None) -> dict:
         """Announce one bucket (rank 0 posts it to the servers; another stage's leader asks rank 0
         to), and once every post is under way broadcast the tensors of it already at hand. A bucket
-        whose post failed is never broadcast (``refused``)."""
-        if rank() == 0:
-            post, refused = self._post_bucket(stage, meta)
+        whose post failed is never broadcast (``refused``). ``hold`` (rank 0 leading): do not wait
+        for the posts to be under way; the tensors handed over meanwhile are held and go out once
+        they are (:meth:`_broadcast_into`), so the wait overlaps the gathering. ``posted``: rank 0's
+        ``(post, refused)`` of a bucket already posted (:meth:`_post_after`)."""
+        admitted = rank() != 0 or not hold
+        if posted is not None:
+            post, refused = posted
+        elif rank() == 0:
+            post, refused = self._post_bucket(stage, meta, admit=admitted)
         else:
             send_object(("bucket", meta), 0)
             post, refused = None, recv_object(0)
-        flight = {"meta": meta, "post": post, "refused": refused, "works": [], "payload": [], "nbytes": 0}
+        flight = {"meta": meta, "post": post, "refused": refused, "admitted": admitted or refused is not None}
+        flight.update(stage=stage, totals=totals, held=[], taken=0, works=[], payload=[], nbytes=0)
         totals["buckets"] += 1
         for x in payload:
             self._broadcast_into(flight, x, totals)
         return flight
 
-    def _broadcast_into(self, flight: dict, x: torch.Tensor, totals: dict) -> None:
+    def _admit_flight(self, flight: dict) -> None:
+        """Rank 0: wait until a held bucket's posts are under way (or refused), then broadcast what
+        it holds."""
+        flight["admitted"] = True
+        post, flight["refused"] = self._admit(flight["stage"], flight["meta"], flight["post"])
+        flight["post"] = post or flight["post"]  # (a refused bucket's posts are still consumed)
+        held, flight["held"] = flight["held"], []
+        for x in held:
+            self._broadcast_into(flight, x, flight["totals"], count=False)
+
+    def _broadcast_into(self, flight: dict, x: torch.Tensor, totals: dict, *, count: bool = True) -> None:
+        if count:
+            flight["taken"] += 1
         if flight["refused"] is not None:
+            return
+        if not flight["admitted"]:
+            flight["held"].append(x)
+            if flight["post"].grace_over(self.post_grace):
+                self._admit_flight(flight)
             return
         flight["works"].append(dist.broadcast(x, src=0, group=self.groups.pg, async_op=True))
         flight["payload"].append(x)
@@ -197,7 +229,15 @@ class BucketSchedule:
 
     def _finish_bucket(self, stage: int, flight: dict):
         """Wait for a bucket: the servers' answer first, always consumed (rank 0's answers stay in
-        step with the buckets), then the broadcasts. The error text, or None."""
+        step with the buckets), then the broadcasts. The error text, or None; once per bucket (a
+        second call answers the same)."""
+        if "finished" not in flight:
+            flight["finished"] = self._finish(stage, flight)
+        return flight["finished"]
+
+    def _finish(self, stage: int, flight: dict):
+        if not flight["admitted"]:  # a held bucket: its posts under way first, then its broadcasts
+            self._admit_flight(flight)
         if flight["refused"] is not None:
             if rank() != 0:
                 recv_object(0)  # rank 0's answer of a bucket that was not broadcast: the same error
@@ -253,16 +293,30 @@ class BucketSchedule:
             error = self._finish_bucket(stage, flight)
         return error, layout
 
+    def _post_after(self, stage: int, meta, before: dict):
+        """Rank 0, in a thread: once every server answered the bucket ``before`` without an error
+        (it took that one up first, and has it), post the bucket ``meta`` (admitted later, its grace
+        counted from now). ``(post, refused)``, or None when ``before`` failed: nothing follows it."""
+        if before["post"].result():
+            return None
+        return self._post_bucket(stage, meta, admit=False)
+
     def _send_streamed_buckets(self, stage: int, tensors, totals: dict, layout) -> str | None:
         """Each bucket announced before its tensors are gathered (``layout``: the last sync's), each
         tensor broadcast as soon as it is gathered. The next bucket's tensors are gathered while the
         current one is on the wire (at most one bucket ahead) and go out once the servers answered
-        it. The error text, or None."""
+        it. A bucket's post waits for its refusals (``post_grace``, :meth:`_admit`) while its tensors
+        are gathered: rank 0 leading posts the next bucket the moment every server has answered the
+        current one (:meth:`_post_after`, a thread), not when the loop next looks. The error text,
+        or None."""
+        import concurrent.futures
+
         dev = self.groups.device()
         expected = [(n, d, list(s), b) for b, meta in enumerate(layout) for n, d, s in zip(*meta)]
         counts = [len(meta[0]) for meta in layout]
-        b, ahead, i = 0, [], 0
-        flight = self._launch_bucket(stage, layout[0], [], totals)
+        poster = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-next-bucket")
+        b, ahead, i, following = 0, [], 0, None  # following: rank 0, the future of the next bucket's post
+        flight = self._launch_bucket(stage, layout[0], [], totals, hold=True)
         error = flight["refused"]
 
         def done_now(f) -> bool:  # rank 0 can tell without blocking; another leader learns it from rank 0
@@ -282,32 +336,52 @@ class BucketSchedule:
             x = t.detach().to(dev, non_blocking=True).contiguous()
             if expected[i][3] == b:
                 self._broadcast_into(flight, x, totals)
+                error = flight["refused"]  # (a held bucket's posts found refused once under way)
             else:  # the next bucket's: held until the servers have the current one
                 ahead.append(x)
             i += 1
+            if (
+                rank() == 0
+                and error is None
+                and following is None
+                and flight["taken"] == counts[b]
+                and b + 1 < len(layout)
+            ):
+                following = poster.submit(self._post_after, stage, layout[b + 1], flight)
             while (
                 error is None
-                and len(flight["works"]) == counts[b]
+                and flight["taken"] == counts[b]
                 and b + 1 < len(layout)
                 and (len(ahead) == counts[b + 1] or done_now(flight))
             ):
                 error = self._finish_bucket(stage, flight)
                 if error is None:
                     b += 1
-                    flight, ahead = self._launch_bucket(stage, layout[b], ahead, totals), []
-                    error = flight["refused"]
+                    posted = following.result() if following is not None else None
+                    following = None
+                    flight = self._launch_bucket(stage, layout[b], ahead, totals, hold=True, posted=posted)
+                    ahead, error = [], flight["refused"]
+        poster.shutdown(wait=False)
         if error is None and i != len(expected):
             error = f"rollout: stage {stage} yielded {i} tensors, the layout of the last sync has {len(expected)}"
-        if error is not None:
-            self.layouts.pop(stage, None)  # the next sync gathers whole buckets again
-            if flight["refused"] is not None:  # never announced to every server: nothing to complete
-                self._finish_bucket(stage, flight)
-                return error
-            # The servers wait for the rest of the announced bucket: send zeros in its place (the sync
-            # fails, so nothing of it is served), then take their answer (rank 0's stay in step).
+        if error is None:
+            return self._finish_bucket(stage, flight)
+        self.layouts.pop(stage, None)  # the next sync gathers whole buckets again
+        # The servers wait for the rest of an announced bucket (and then for the next, if it was
+        # posted): send zeros in its place (the sync fails, so nothing of it is served), then take
+        # their answer (rank 0's stay in step). A bucket never announced to every server has nothing
+        # to complete, and nothing follows it.
+        while flight is not None and flight["refused"] is None:
             start = sum(counts[:b])
-            for _, d, shape, _ in expected[start + len(flight["works"]) : start + counts[b]]:
+            for _, d, shape, _ in expected[start + flight["taken"] : start + counts[b]]:
                 self._broadcast_into(flight, torch.zeros(shape, dtype=dtype_of(d), device=dev), totals)
+            if self._finish_bucket(stage, flight) is not None or following is None:
+                break
+            posted, following = following.result(), None  # (after the answer above: it posts or not)
+            b += 1
+            flight = (
+                None if posted is None else self._launch_bucket(stage, layout[b], [], totals, hold=True, posted=posted)
+            )
+        if flight is not None and flight["refused"] is not None:
             self._finish_bucket(stage, flight)
-            return error
-        return self._finish_bucket(stage, flight)
+        return error
