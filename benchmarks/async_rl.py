@@ -522,6 +522,17 @@ def long_cot_estimate(
     flat = np.concatenate([lengths[s::servers].ravel() for s in range(servers)])
     generate_sync = float(finish.max())
     tokens = int(flat.sum())
+    # partial rollouts' cut: the step ends once trained_prompts groups are complete; what is still
+    # running then is aborted (continued at the next step)
+    by_prompt = np.zeros((prompts, n))
+    at = 0
+    for s in range(servers):
+        mine = list(range(s, prompts, servers))
+        by_prompt[mine] = finish[at : at + len(mine) * n].reshape(len(mine), n)
+        at += len(mine) * n
+    quota_s = float(np.sort(by_prompt.max(axis=1))[trained_prompts - 1])
+    running = by_prompt > quota_s
+    done_tokens = sum(k for t, k in trace if t <= quota_s)
     done_by_half = sum(k for t, k in trace if t <= generate_sync / 2) / tokens
     # a pool kept full: a response of length L holds it L steps at L/2 on average, so the mean live
     # context is the prompt plus E[L^2] / (2 E[L])
@@ -555,6 +566,11 @@ def long_cot_estimate(
         "finished_by_half_step": done_by_half,
         "generate_sync_s": generate_sync,
         "generate_partial_s": generate_partial,
+        # in the synchronous schedule: when the quota of complete groups is met, and what partial
+        # rollouts would abort then (samples, and the tokens they still have to generate)
+        "quota_s": quota_s,
+        "aborted_at_quota": float(running.mean()),
+        "tokens_left_at_quota": 1.0 - done_tokens / tokens,
         "train_s": train,
         "step_s": steps,
         "speedup": {k: steps["sync"] / v for k, v in steps.items()},
