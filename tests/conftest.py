@@ -26,6 +26,7 @@ TIMING_MODULES = {
     "tests/rewards/test_pool.py",
     "tests/rewards/test_sandbox.py",
     "tests/rollout/test_fleet.py",
+    "tests/rollout/test_received_check.py",
     "tests/rollout/test_sglang_client.py",
     "tests/rollout/test_sglang_divergences.py",
     "tests/rollout/test_streams.py",
