@@ -71,7 +71,6 @@ class BucketPost:
         import time
 
         self.posted_at = time.monotonic()
-        self.answered_at = None  # when the last server answered
         self.workers = list(workers)
         self.errors: dict = {}
         self._done = {w: threading.Event() for w in self.workers}
@@ -88,12 +87,7 @@ class BucketPost:
         except Exception as e:  # noqa: BLE001 -- collected
             self.errors[w] = e
         finally:
-            import time
-
-            now = time.monotonic()
             self._done[w].set()
-            if self.done():
-                self.answered_at = now
 
     def refusals(self, grace: float) -> dict:
         """``{worker: error}`` of the posts that failed within ``grace`` seconds of the post (or
@@ -304,7 +298,6 @@ class Control:
     def update_group_layout(self) -> list:
         """``[(worker, ranks)]``: each worker joins an update group with one rank per TP rank of its
         model (SGLang: ``rank_offset + tp_rank``). Refuses layouts SGLang cannot update this way."""
-
         return list(zip(self.members.workers(), self.members.on_workers(self._update_group_ranks)))
 
     def check_update_group_layout(self) -> dict:
