@@ -370,52 +370,104 @@ def evaluate(url: str, heldout: list, tokenizer, pool, settings, bench: Bench, s
     return summary["heldout"]
 
 
-def batching_probe(model: str, heldout: list, bench: Bench) -> dict:
-    """The same responses (``oversample`` held-out prompts x 8, the budget of a step) from one
-    in-process stand-in, as one request per prompt (``n=8``: how the synchronous loop asks) and as
-    one request per sample (how partial rollouts ask): seconds and the prefill waves the stand-in's
-    scheduler formed, ``[(requests, sequences), ...]``. The stand-in batches continuously, as SGLang
-    (requests join the running batch between decode steps), so the two should take about as long."""
-    from dataclasses import replace
+PROBE_REPEATS = 3
 
+
+def batching_probe(model: str, heldout: list, bench: Bench, server_url: str | None = None) -> dict:
+    """The same responses (``oversample`` held-out prompts x 8, the budget of a step) from one
+    stand-in, as one request per prompt (``n=8``: how the synchronous loop asks) and as one request
+    per sample (how partial rollouts ask), :data:`PROBE_REPEATS` times each: seconds, their ratio,
+    and the prefill waves the stand-in's scheduler formed. Two placements: the stand-in served
+    in-process (``in_process``: the client's HTTP work shares the engine's interpreter, which no run
+    has) and ``server_url``'s stand-in in a process of its own (``own_process``: as the RL runs have
+    it). The stand-in batches continuously, as SGLang (requests join the running batch between decode
+    steps), so the two ways of asking should take about as long."""
     import torch
 
-    from megatron_klear.data.chat import generation_stop_ids, load_tokenizer
-    from megatron_klear.rollout.base import SampleRequest, SamplingParams
+    from megatron_klear.data.chat import load_tokenizer
     from megatron_klear.rollout.embedded import EmbeddedEngine
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.sglang_standin import serve_in_thread
 
     torch.set_num_threads(1)
     tok = load_tokenizer(model)
+    out = {}
     server, url = serve_in_thread(EmbeddedEngine.from_pretrained(model, dtype="float32"), tokenizer=tok)
-    client = SGLangEngine.at([url])
     try:
-        ids = [list(p.prompt_ids) for p in (heldout * bench.oversample)[: bench.oversample]]
-        params = SamplingParams(
-            temperature=1.0, max_new_tokens=bench.max_new_tokens, stop_token_ids=generation_stop_ids(tok)
-        )
-        history, out = server.state.scheduler.history, {}
-        history.clear()
-        t = time.time()
-        client.generate(ids, params, n=8)
-        out["per_prompt"] = {"seconds": time.time() - t, "batches": list(history)}
-        history.clear()
-        requests = [
-            SampleRequest((i, j), x, replace(params, seed=8 * i + j)) for i, x in enumerate(ids) for j in range(8)
-        ]
-        t = time.time()
-        stream = client.stream(requests)
-        try:
-            done = sum(1 for _ in stream)
-        finally:
-            stream.close()
-        out["per_sample"] = {"seconds": time.time() - t, "batches": list(history), "responses": done}
+        history = server.state.scheduler.history
+        out["in_process"] = _probe_rounds(SGLangEngine.at([url]), tok, heldout, bench, lambda: list(history))
     finally:
-        client.close()
         server.shutdown()
         server.server_close()
+    if server_url is not None:
+        out["own_process"] = _probe_rounds(SGLangEngine.at([server_url]), tok, heldout, bench, None)
     return out
+
+
+def _probe_rounds(client, tok, heldout: list, bench: Bench, waves) -> dict:
+    """:func:`batching_probe`'s rounds on one server; ``waves()``: the scheduler's recent prefill
+    waves (an in-process server's), or None."""
+    from dataclasses import replace
+
+    from megatron_klear.data.chat import generation_stop_ids
+    from megatron_klear.rollout.base import SampleRequest, SamplingParams
+
+    ids = [list(p.prompt_ids) for p in (heldout * bench.oversample)[: bench.oversample]]
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=bench.max_new_tokens, stop_token_ids=generation_stop_ids(tok)
+    )
+    rounds = []
+    try:
+        for _ in range(PROBE_REPEATS):
+            mark = len(waves()) if waves else 0
+            t = time.time()
+            client.generate(ids, params, n=8)
+            per_prompt = time.time() - t
+            prompt_waves = waves()[mark:] if waves else None
+            mark = len(waves()) if waves else 0
+            requests = [
+                SampleRequest((i, j), x, replace(params, seed=8 * i + j)) for i, x in enumerate(ids) for j in range(8)
+            ]
+            t = time.time()
+            stream = client.stream(requests)
+            try:
+                done = sum(1 for _ in stream)
+            finally:
+                stream.close()
+            per_sample = time.time() - t
+            if done != len(requests):
+                raise RuntimeError(f"batching probe: {done} of {len(requests)} responses came back")
+            rounds.append(
+                {
+                    "per_prompt_s": per_prompt,
+                    "per_sample_s": per_sample,
+                    "ratio": per_sample / per_prompt,
+                    "per_prompt_waves": prompt_waves,
+                    "per_sample_waves": waves()[mark:] if waves else None,
+                }
+            )
+    finally:
+        client.close()
+    return {"rounds": rounds, "ratio_median": statistics.median(r["ratio"] for r in rounds)}
+
+
+def probe_lines(probe: dict, bench: Bench) -> list:
+    lines = []
+    for where, result in probe.items():
+        ratios = ", ".join(
+            f"{r['per_sample_s']:.1f}/{r['per_prompt_s']:.1f} s = {r['ratio']:.2f}x" for r in result["rounds"]
+        )
+        lines.append(
+            f"  batching probe, stand-in {where.replace('_', '-')} ({bench.oversample} prompts x 8; per sample / per "
+            f"prompt): {ratios}; median {result['ratio_median']:.2f}x"
+        )
+        first = result["rounds"][0]
+        if first["per_prompt_waves"] is not None:
+            lines.append(
+                f"    prefill waves (requests, rows): per prompt {first['per_prompt_waves']}, per sample "
+                f"{first['per_sample_waves']}"
+            )
+    return lines
 
 
 # -- Qwen3-8B at 32K: a decode-time model of one RL step (the arithmetic in benchmarks/RESULTS.md) ----
@@ -691,6 +743,10 @@ def main(argv=None) -> int:
             f"(max/median {lengths['max'] / max(lengths['p50'], 1):.1f})",
             flush=True,
         )
+        probe = None  # (the servers hold the SFT weights until the first run)
+        if not bench.quick:
+            probe = batching_probe(files["sft"], heldout, bench, server_url=servers[0].url)
+            print("\n".join(probe_lines(probe, bench)), flush=True)
         for seed in range(1, bench.seeds + 1):
             for v in variants:  # interleaved: load drifts hit every variant alike
                 runs.append(
@@ -698,15 +754,6 @@ def main(argv=None) -> int:
                         bench, settings, files, router_url, servers, out, v, seed, env, pool, heldout, tokenizer
                     )
                 )
-    probe = None
-    if not bench.quick:
-        probe = batching_probe(files["sft"], heldout, bench)
-        print(
-            f"  batching probe ({bench.oversample} prompts x 8 on one stand-in): one request per prompt "
-            f"{probe['per_prompt']['seconds']:.1f} s in engine batches {probe['per_prompt']['batches']}; one per "
-            f"sample {probe['per_sample']['seconds']:.1f} s in {probe['per_sample']['batches']}",
-            flush=True,
-        )
     results = {"variants": aggregate(runs), "lengths": lengths}
     minutes = (time.time() - t0) / 60
     text = table(results["variants"], runs)
