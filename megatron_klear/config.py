@@ -161,11 +161,11 @@ class JobConfig:
         asynchronous = [
             k for k, on in (("rl.async_steps", self.rl.async_steps), ("rollout.partial", self.rollout.partial)) if on
         ]
-        if asynchronous and self.rollout.engine != "http":
+        if asynchronous and not self.rollout.servers:
             raise ConfigError(
                 f"{' and '.join(asynchronous)} need rollout servers that abort and continue requests while "
                 "the trainer runs: set rollout.engine=http (SGLang, or the stand-in server of "
-                "megatron_klear.rollout.sglang_standin on CPU)"
+                "megatron_klear.rollout.sglang_standin on CPU) or rollout.engine=vllm"
             )
         if self.rl.async_steps and self.rollout.colocate:
             raise ConfigError(

@@ -36,6 +36,7 @@ TIMING_MODULES = {
 # they would end the pass with one worker running them while the other idles), and
 # `make test-fast` leaves them out, with tests/distributed and TIMING_MODULES.
 HEAVY_MODULES = [
+    "tests/rollout/test_vllm_server.py",
     "tests/test_demo.py",
     "tests/test_journey.py",
     "tests/test_shipped_configs.py",

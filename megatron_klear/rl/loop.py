@@ -99,7 +99,7 @@ class RLLoop:
             needs_sandbox=any(p.task == "code" for p in self.prompts.prompts),
         )
         self.rollout.load_state_dict(common.get("rollout") or {})  # the partial buffer, the batch generated ahead
-        if cfg.rollout.engine == "http" or self.rl_step > 0:  # the engine starts from the trainer's weights
+        if cfg.rollout.servers or self.rl_step > 0:  # the engine starts from the trainer's weights
             self.rollout.push_weights(self.rl_step)
         self.job_run.open_log(self.steps, position=self.rl_step)
 

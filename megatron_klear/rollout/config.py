@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from megatron_klear.platform.errors import ConfigError
 
+#: the ``rollout.engine`` values that are rollout servers: SGLang's (``http``) and vLLM's
+SERVER_ENGINES = ("http", "vllm")
+
 
 @dataclass
 class RolloutConfig:
@@ -19,7 +22,8 @@ class RolloutConfig:
     ``max_concurrent_requests`` in flight; weight updates go to every worker (``workers``, or the
     router's ``GET /workers``), never to the router."""
 
-    engine: str = "embedded"  # embedded (torch, in the driver process) | http (SGLang servers / sglang-router)
+    # embedded (torch, in the driver process) | http (SGLang servers / sglang-router) | vllm (vLLM servers)
+    engine: str = "embedded"
     urls: list = field(default_factory=list)  # http: where /generate goes: one sglang-router, or the servers
     workers: list = field(default_factory=list)  # http: the servers for weight updates (default: asked from the router)
     max_new_tokens: int = 32768
@@ -78,11 +82,23 @@ class RolloutConfig:
     # from each sync until the next update, while the servers hold theirs (training/offload.py)
     offload_trainer: bool = True
 
+    @property
+    def servers(self) -> bool:
+        """Rollout servers (SGLang or vLLM) rather than the in-process engine."""
+        return self.engine in SERVER_ENGINES
+
     def validate(self):
-        if self.engine not in ("embedded", "http"):
-            raise ConfigError(f"rollout.engine must be embedded or http, got {self.engine!r}")
+        if self.engine not in ("embedded", *SERVER_ENGINES):
+            raise ConfigError(f"rollout.engine must be embedded, http (SGLang) or vllm, got {self.engine!r}")
         if self.engine == "http" and not self.urls:
             raise ConfigError("rollout.engine=http needs rollout.urls (SGLang server or router URLs)")
+        if self.engine == "vllm" and not self.urls:
+            raise ConfigError("rollout.engine=vllm needs rollout.urls (the vLLM servers' URLs)")
+        if self.engine == "vllm" and self.router_replay:
+            raise ConfigError(
+                "rollout.router_replay with rollout.engine=vllm: this client does not read vLLM's routed "
+                "experts yet; use SGLang servers (rollout.engine=http) or the embedded engine"
+            )
         if self.max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens must be >= 1")
         if self.request_granularity not in ("prompt", "sample"):
@@ -107,7 +123,7 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.{key} must be > 0, got {getattr(self, key)}")
         if self.weight_sync not in ("auto", "distributed", "disk"):
             raise ConfigError(f"rollout.weight_sync must be auto, distributed or disk, got {self.weight_sync!r}")
-        if self.colocate and self.engine != "http":
+        if self.colocate and not self.servers:
             raise ConfigError(
                 "rollout.colocate is for SGLang servers on the trainer's GPUs (rollout.engine=http); the "
                 "embedded engine already runs inside the trainer's driver process"

@@ -23,8 +23,10 @@ def make_engine(
     (colocated servers' environment, the NCCL build). ``routed_experts``: ``(MoE layer numbers,
     top_k)`` of the model when ``r.router_replay`` asks the engine for the experts of every token.
     ``weight_sync``: the engine will receive the trainer's weights by ``r.weight_sync`` (False for
-    evaluation, which pushes none: the NCCL build is then not checked). ``pause_mode``: how a push
-    pauses the servers (:attr:`~.base.ServerEngine.sync_pause_mode`; the in-process engine has none)."""
+    evaluation, which pushes none: the NCCL build is then not checked). ``engine=vllm``: the vLLM
+    client of ``r.urls`` (:class:`~megatron_klear.rollout.vllm.VLLMEngine`), its servers checked.
+    ``pause_mode``: how a push pauses the servers (:attr:`~.base.ServerEngine.sync_pause_mode`; the
+    in-process engine has none)."""
     if r.engine == "embedded":
         from megatron_klear.rollout.embedded import EmbeddedEngine
 
@@ -32,6 +34,10 @@ def make_engine(
         return EmbeddedEngine.from_pretrained(
             model_dir, dtype=r.dtype, device=device, record_routing=r.router_replay, **extra
         )
+    if r.engine == "vllm":
+        from megatron_klear.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(r, sync_pause_mode=pause_mode, check=True)  # checks what vLLM servers need
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.sglang.compat import check_servers
 

@@ -327,7 +327,7 @@ def test_rollout_config_reaches_the_client(tmp_path):
         engine.transport.health_check_timeout,
         engine.generation.health_failure_threshold,
     ) == (2, 3, 5)
-    assert engine.generation.send_seed and engine.workers() == [url]
+    assert engine.generation.api.send_seed and engine.workers() == [url]
 
 
 def test_a_failed_disk_update_is_reported_not_the_resume_after_it(tmp_path):

@@ -18,9 +18,10 @@ every ``/generate`` body against that contract file and every control body again
 structs of ``io_struct.py``.
 """
 
+from megatron_klear.rollout.sglang.api import parse_completion
 from megatron_klear.rollout.sglang.control import MEMORY_TAGS
 from megatron_klear.rollout.sglang.engine import SGLangEngine
-from megatron_klear.rollout.sglang.generation import GRANULARITIES, parse_completion
+from megatron_klear.rollout.sglang.generation import GRANULARITIES
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts, encode_routed_experts
 from megatron_klear.rollout.sglang.transport import EngineError
 

@@ -25,7 +25,7 @@ import contextlib
 import threading
 
 from megatron_klear.rollout.base import Completion
-from megatron_klear.rollout.sglang.generation import parse_completion
+from megatron_klear.rollout.sglang.api import parse_completion
 from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_background
 
 #: the pause modes of a weight push (``sync_pause_mode``): ``abort`` ends the requests in flight (the
@@ -547,28 +547,11 @@ class Control:
         return {w: str((self.transport.server_info(w) or {}).get("dtype") or "auto") for w in self.members.workers()}
 
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:
-        """Write the tensors to a temporary HF directory and have every worker load it. Only for
-        servers on this machine; on a cluster the RL loop writes to ``rollout.sync_dir`` (a
-        filesystem the servers share) and calls :meth:`load_from_disk`."""
-        import os
-        import shutil
-        import tempfile
+        """Every worker loads the tensors through a temporary HF directory
+        (:func:`~megatron_klear.rollout.weight_sync.disk.load_through_directory`)."""
+        from megatron_klear.rollout.weight_sync.disk import load_through_directory
 
-        from megatron_klear.checkpoint.hf_io import HFWriter
-
-        tmp_root = tempfile.mkdtemp(prefix="klear-engine-weights-")
-        try:
-            writer = HFWriter(os.path.join(tmp_root, "weights"), max_shard_bytes=1 << 30)
-            try:
-                for name, tensor in named_tensors:
-                    writer.add(name, tensor)
-                path = writer.finish(config={"note": "weights pushed by SGLangEngine.update_weights"})
-            except BaseException:
-                writer.abort()
-                raise
-            self.load_from_disk(path, version=version)
-        finally:
-            shutil.rmtree(tmp_root, ignore_errors=True)
+        load_through_directory(named_tensors, self.load_from_disk, version=version, who="SGLangEngine")
 
     # -- servers colocated with the trainer (rollout.colocate) ------------------------------------------
     def check_memory_saver(self) -> None:

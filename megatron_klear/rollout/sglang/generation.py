@@ -63,10 +63,11 @@ import time
 import httpx
 
 from megatron_klear.rollout.base import Completion, SamplingParams
+from megatron_klear.rollout.server_api import AbortedByServer, ServerAPI
+from megatron_klear.rollout.sglang.api import SGLangAPI
 from megatron_klear.rollout.sglang.fleet import LIVE, FleetError
-from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts
 from megatron_klear.rollout.sglang.transport import GONE, EngineError, _message_of, _Retryable
-from megatron_klear.rollout.sglang.versions import stale_version, token_versions
+from megatron_klear.rollout.sglang.versions import stale_version
 
 GRANULARITIES = ("prompt", "sample")
 
@@ -166,15 +167,24 @@ class Generation:
     to ask for the experts every token was routed to; ``retry_backoff``: seconds before a retry
     (doubling)."""
 
-    def __init__(self, transport, members, config, *, routed_experts: tuple | None = None, retry_backoff: float = 1.0):
+    def __init__(
+        self,
+        transport,
+        members,
+        config,
+        *,
+        api: ServerAPI | None = None,
+        routed_experts: tuple | None = None,
+        retry_backoff: float = 1.0,
+    ):
         self.transport, self.members = transport, members
+        self.api = api if api is not None else SGLangAPI(config.send_seed)
         self.generate_timeout = float(config.generate_timeout_s)
         self.max_concurrent_requests = int(config.max_concurrent_requests)
         self.request_granularity = config.request_granularity
         self.max_retries, self.retry_backoff = int(config.max_retries), float(retry_backoff)
         self.health_check_interval = float(config.health_check_interval_s)
         self.health_failure_threshold = int(config.health_failure_threshold)
-        self.send_seed = bool(config.send_seed)
         # rollout.router_replay (MoE): ask each server for the experts every token was routed to
         # (``return_routed_experts``); the model's MoE layer indices and top_k to read them
         self.record_routing, self.routing_layers, self.routing_topk = False, [], 0
@@ -198,29 +208,9 @@ class Generation:
         return self.members.fleet.live() if self.record_routing else self.members.generation_targets()
 
     def _request_body(self, input_ids, params: SamplingParams, n: int, seed) -> dict:
-        """One /generate body: token ids in, ``n`` samples, the sampled tokens' log-probs back."""
-        body = {
-            "input_ids": [int(t) for t in input_ids],
-            "return_logprob": True,
-            "sampling_params": self._sampling_params(params, n, seed),
-        }
-        if self.record_routing:  # SGLang >= 0.5.x with --enable-return-routed-experts
-            body["return_routed_experts"] = True
-        return body
-
-    def _sampling_params(self, params: SamplingParams, n: int, seed) -> dict:
-        sp = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "max_new_tokens": params.max_new_tokens,
-            "n": int(n),
-            "stop_token_ids": list(params.stop_token_ids),
-            "skip_special_tokens": False,
-        }
-        if seed is not None and self.send_seed:
-            sp["sampling_seed"] = int(seed)
-        return sp
+        """One generate body (the server API's): token ids in, ``n`` samples, the sampled tokens'
+        log-probs back."""
+        return self.api.generate_body(input_ids, params, n, seed, routing=self.record_routing)
 
     def generate(self, prompts: list, params: SamplingParams, n: int = 1) -> list:
         out = [None] * len(prompts)
@@ -493,11 +483,12 @@ class Generation:
     async def _post_once(self, call: _Call, url: str, body: dict, n: int):
         """One POST; ``(completions, each sample's weight_version)``. An ``abort`` answer is retried
         unless the call is aborting (then it is the output so far)."""
+        path = self.api.generate_path
         try:
-            resp = await call.client.post(url + "/generate", json=body)
+            resp = await call.client.post(url + path, json=body)
         except httpx.TimeoutException:
             raise EngineError(
-                f"rollout: POST {url}/generate did not answer within rollout.generate_timeout_s = "
+                f"rollout: POST {url}{path} did not answer within rollout.generate_timeout_s = "
                 f"{self.generate_timeout:g} s"
             ) from None
         except httpx.HTTPError as e:
@@ -505,28 +496,20 @@ class Generation:
         if resp.status_code >= 500:
             raise _Retryable(url, f"HTTP {resp.status_code}: {_message_of(resp)}")
         if resp.status_code >= 400:
-            raise EngineError(f"rollout: POST {url}/generate failed with HTTP {resp.status_code}: {_message_of(resp)}")
+            raise EngineError(f"rollout: POST {url}{path} failed with HTTP {resp.status_code}: {_message_of(resp)}")
         try:
-            outs = resp.json()
+            payload = resp.json()
         except json.JSONDecodeError:
             raise EngineError(
-                f"rollout: POST {url}/generate answered a body that is not JSON: {resp.text[:200]!r}"
+                f"rollout: POST {url}{path} answered a body that is not JSON: {resp.text[:200]!r}"
             ) from None
-        if isinstance(outs, dict):
-            outs = [outs]
-        if not isinstance(outs, list) or len(outs) != n:
-            got = len(outs) if isinstance(outs, list) else type(outs).__name__
-            raise EngineError(f"rollout: {url}/generate answered {got} samples, expected {n}")
-        allow_abort = call.aborting
-        for k, o in enumerate(outs):
-            reason = (o.get("meta_info") or {}).get("finish_reason") if isinstance(o, dict) else None
-            if isinstance(reason, dict) and reason.get("type") == "abort" and not allow_abort:
-                raise _Retryable(url, f"sample {k} aborted by the server: {reason.get('message') or reason}")
-        routing = (len(body["input_ids"]), self.routing_layers, self.routing_topk) if self.record_routing else None
-        completions = [
-            parse_completion(o, k, url=url, routing=routing, allow_abort=allow_abort) for k, o in enumerate(outs)
-        ]
-        return completions, [(o.get("meta_info") or {}).get("weight_version") for o in outs]
+        routing = (
+            (len(body[self.api.prompt_key]), self.routing_layers, self.routing_topk) if self.record_routing else None
+        )
+        try:
+            return self.api.read_generate(payload, n, where=url + path, routing=routing, allow_abort=call.aborting)
+        except AbortedByServer as e:
+            raise _Retryable(url, str(e)) from None
 
     # -- the watchdog ----------------------------------------------------------------------------------
     async def _probe(self, client: httpx.AsyncClient, w: str):
@@ -566,46 +549,3 @@ class Generation:
                         f"{time.monotonic() - first_miss.pop(w):.0f} s; last: {why})"
                     )
                     await self._lose(call, w, why)
-
-
-def parse_completion(
-    out: dict, k: int = 0, url: str = "", routing: tuple | None = None, allow_abort: bool = False
-) -> Completion:
-    """One element of a /generate response -> Completion (validated), with each token's weight
-    version (:func:`.versions.token_versions`). ``routing``: (prompt length, MoE layer indices,
-    top_k) to read the routed experts too (rollout.router_replay). ``allow_abort``: an ``abort``
-    finish reason is a partial result (the tokens and log-probs so far; a stream that was asked to
-    abort) instead of an error."""
-    where = f"{url}/generate" if url else "/generate"
-    try:
-        meta = out["meta_info"]
-        pairs = meta["output_token_logprobs"]
-        reason = meta["finish_reason"]
-        reason = reason["type"] if isinstance(reason, dict) else reason
-    except (KeyError, TypeError) as e:
-        raise EngineError(
-            f"rollout: {where} sample {k} lacks {e} (meta_info.output_token_logprobs and "
-            "meta_info.finish_reason are required; was return_logprob sent?)"
-        ) from None
-    try:
-        ids = [int(t) for t in out.get("output_ids", [p[1] for p in pairs])]
-        logprobs = [float(p[0]) for p in pairs]
-        pair_ids = [int(p[1]) for p in pairs]
-    except (TypeError, ValueError, IndexError) as e:
-        raise EngineError(f"rollout: {where} sample {k}: malformed output_ids / output_token_logprobs ({e})") from None
-    if pair_ids != ids:
-        raise EngineError(f"rollout: {where} sample {k}: output_token_logprobs do not match output_ids")
-    if reason not in ("stop", "length") and not (allow_abort and reason == "abort"):
-        raise EngineError(f"rollout: {where} sample {k} finished with {reason!r}")
-    versions = token_versions(meta, len(ids), f"{where} sample {k}")
-    routes = None
-    if routing is not None:
-        prompt_len, layers, top_k = routing
-        routes = decode_routed_experts(
-            meta.get("routed_experts"),
-            rows=prompt_len + len(ids) - 1,
-            layers=layers,
-            top_k=top_k,
-            where=f"{where} sample {k}",
-        )
-    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason, routed_experts=routes, versions=versions)

