@@ -27,6 +27,9 @@ setup(
         # math-verify's parsing changes between releases: pinned (see rewards/math.py).
         "math-verify[antlr4_13_2]==0.9.0",
     ],
+    # vLLM loads this in each of its processes: the weight-transfer engine of rollout.weight_sync=distributed
+    # into vLLM servers (megatron_klear/rollout/vllm/transfer_engine.py; docs/vllm.md)
+    entry_points={"vllm.general_plugins": ["megatron_klear = megatron_klear.rollout.vllm.plugin:register"]},
     extras_require={
         # the real sglang-router runs in front of the embedded servers in the tests; msgspec loads
         # SGLang's own request contract (tools/fetch_sglang_contract.py)

@@ -37,7 +37,10 @@ def make_engine(
     if r.engine == "vllm":
         from megatron_klear.rollout.vllm import VLLMEngine
 
-        return VLLMEngine(r, sync_pause_mode=pause_mode, check=True)  # checks what vLLM servers need
+        engine = VLLMEngine(r, sync_pause_mode=pause_mode, check=True)  # checks what vLLM servers need
+        if weight_sync and r.weight_sync == "distributed":
+            engine.control.check_update_group_layout()  # the plugin's transfer engine, no data parallelism
+        return engine
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.sglang.compat import check_servers
 

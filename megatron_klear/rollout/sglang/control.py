@@ -67,9 +67,10 @@ class BucketPost:
     with NCCL, only the watchdog ends it). The sender may gather the bucket's tensors meanwhile
     (:meth:`grace_over` tells, without waiting, when it may broadcast)."""
 
-    def __init__(self, engine, workers, body: dict, timeout: float):
+    def __init__(self, engine, workers, body: dict, timeout: float, path: str = "/update_weights_from_distributed"):
         import time
 
+        self.path = path  # (vLLM's control posts its buckets to /update_weights)
         self.posted_at = time.monotonic()
         self.workers = list(workers)
         self.errors: dict = {}
@@ -83,7 +84,7 @@ class BucketPost:
 
     def _post(self, engine, w, body, timeout):
         try:
-            engine._post_weights(w, "/update_weights_from_distributed", body, timeout=timeout)
+            engine._post_weights(w, self.path, body, timeout=timeout)
         except Exception as e:  # noqa: BLE001 -- collected
             self.errors[w] = e
         finally:

@@ -218,6 +218,149 @@ class VLLMControl:
                 raise EngineError(why)
             self.members.drop_worker(w, why)
 
+    # -- weights over a process group (vLLM's weight-transfer API with the plugin's engine) -----------
+    # The trainer side (megatron_klear.rollout.weight_sync.DistributedWeightSync) drives these as it
+    # drives SGLang's; the servers run megatron_klear/rollout/vllm/transfer_engine.py (same wire).
+    def _post_weights(self, worker: str, path: str, body: dict | None, timeout: float | None = None) -> dict:
+        result = self.transport.request("POST", path, body, timeout=timeout, url=worker)
+        return result if isinstance(result, dict) else {}
+
+    def update_group_layout(self) -> list:
+        """``[(worker, ranks)]``: each server joins an update group with one rank per worker process
+        (TP x PP); refuses a server without the plugin's engine or with data parallelism, by name."""
+        return list(zip(self.members.workers(), self.members.on_workers(self._update_group_ranks)))
+
+    def check_update_group_layout(self) -> dict:
+        return self.members.on_workers(self._update_group_ranks, tolerate_loss=True)
+
+    def _update_group_ranks(self, w: str) -> int:
+        from megatron_klear.rollout.vllm.plugin import BACKEND
+
+        config = self.config_of(w)
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if backend != BACKEND:
+            raise EngineError(
+                f"rollout: {w} has weight-transfer backend {backend!r}; for rollout.weight_sync=distributed "
+                f'start it with --weight-transfer-config \'{{"backend": "{BACKEND}"}}\' (megatron_klear '
+                "installed in the server's environment: its vLLM plugin registers the engine), or use "
+                "rollout.weight_sync=disk"
+            )
+        par = config.get("parallel_config") or {}
+        tp, pp, dp = (
+            int(par.get(k) or 1) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+        )
+        if dp > 1:
+            raise EngineError(
+                f"rollout: {w} runs {dp} data-parallel replicas; start one vLLM server per replica, or use "
+                "rollout.weight_sync=disk"
+            )
+        return tp * pp
+
+    def init_weights_update_group_async(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offsets: dict,
+        group_name: str,
+        backend: str,
+        timeout: float,
+    ) -> dict:
+        """Start ``/init_weight_transfer_engine`` on every worker (it blocks until the whole group has
+        joined); ``{worker: concurrent.futures.Future}``."""
+        from megatron_klear.rollout.sglang.transport import in_background
+
+        def join(w):
+            info = {
+                "master_address": master_address,
+                "master_port": int(master_port),
+                "rank_offset": int(rank_offsets[w]),
+                "world_size": int(world_size),
+                "group_name": group_name,
+                "backend": backend,
+                "timeout_s": float(timeout),
+            }
+            return self._post_weights(w, "/init_weight_transfer_engine", {"init_info": info}, timeout=timeout)
+
+        return in_background(join, list(rank_offsets), "weights-init")
+
+    def destroy_weights_update_group(self, group_name: str, timeout: float | None = None) -> None:
+        """vLLM has no per-group release: ``/shutdown_weight_transfer_engine`` drops every group of
+        the server (the trainer re-forms all of its groups together, under fresh names). Best effort."""
+        import contextlib
+
+        def drop(w):
+            with contextlib.suppress(EngineError):
+                self._post_weights(w, "/shutdown_weight_transfer_engine", None, timeout=timeout)
+
+        self.members.on_workers(drop)
+
+    def flush_caches(self) -> None:
+        """``/reset_prefix_cache`` on every worker (requests held by a ``keep`` pause recompute)."""
+        self.members.on_workers(
+            lambda w: self._post_weights(w, "/reset_prefix_cache?reset_running_requests=true", None)
+        )
+
+    def begin_weight_update(self) -> None:
+        """``/start_weight_update`` on every worker; a session a dead trainer left open is closed first."""
+
+        def begin(w):
+            try:
+                self._post_weights(w, "/start_weight_update", None)
+            except EngineError as e:
+                if "already active" not in str(e):
+                    raise
+                with __import__("contextlib").suppress(EngineError):
+                    self._post_weights(w, "/finish_weight_update", None)
+                self._post_weights(w, "/start_weight_update", None)
+
+        self.members.on_workers(begin)
+
+    def post_bucket(
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        *,
+        group_name: str,
+        workers=None,
+        load_format: str | None = None,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        timeout: float | None = None,
+    ):
+        """Post one bucket's ``/update_weights`` to every member without waiting (see
+        :class:`~megatron_klear.rollout.sglang.control.BucketPost`); the caches are reset once at the
+        end (:meth:`flush_caches`), the version set by :meth:`set_weight_version`."""
+        from megatron_klear.rollout.sglang.control import BucketPost
+
+        info = {
+            "names": list(names),
+            "dtype_names": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "load_format": load_format or "auto",
+        }
+        timeout = self.weight_update_timeout if timeout is None else timeout
+        members = self.members.workers() if workers is None else workers
+        return BucketPost(self, members, {"update_info": info}, timeout, path="/update_weights")
+
+    def end_weight_update(self) -> None:
+        self.members.on_workers(
+            lambda w: self._post_weights(w, "/finish_weight_update", None, timeout=self.weight_update_timeout)
+        )
+        self.flush_caches()
+
+    def check_received(self) -> dict:
+        """Over gloo a bucket's answer comes once its bytes arrived; over NCCL one greedy token per
+        server shows it (a forward runs after every receive), as with SGLang."""
+
+        def one_token(w):
+            return self.probe(w, [0], 1)
+
+        return self.members.on_workers(one_token, tolerate_loss=True)
+
     # -- verification ------------------------------------------------------------------------------
     def probe(
         self, worker: str, prompt_ids: list, max_new_tokens: int, *, timeout: float | None = None, allow_abort=False

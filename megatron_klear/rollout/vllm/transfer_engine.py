@@ -1,0 +1,131 @@
+"""The server side of the in-memory weight transfer into vLLM (runs inside vLLM's worker processes):
+:class:`UpdateGroupTransferEngine`, a vLLM ``WeightTransferEngine`` registered as
+:data:`BACKEND` by the plugin of :mod:`.plugin` (vLLM loads ``vllm.general_plugins`` entry points in
+every worker before it builds the engine). Start the server with
+``--weight-transfer-config '{"backend": "megatron_klear"}'``.
+
+It speaks the wire of the trainer's :class:`~megatron_klear.rollout.weight_sync.DistributedWeightSync`
+(:mod:`megatron_klear.rollout.weight_sync.update_group`: the group joined through the sender's TCP
+store, then per bucket one broadcast per tensor in the order of its names, or one ``uint8``
+broadcast of the flattened bucket), so that SGLang and vLLM servers take the same
+bucket schedule and fleet rules: gloo on CPU (the tests run it against the real CPU server), NCCL
+on GPU. vLLM's own ``nccl`` engine speaks another wire (its PyNccl communicator and packed buffers)
+and has no CPU backend. Weights load as vLLM's own checkpoint-format engines load them: layerwise
+reloading opened at ``start_weight_update`` and finalised at ``finish_weight_update``, every bucket
+fed to ``model.load_weights`` by HF name.
+
+Only ``torch``, ``vllm`` and :mod:`~megatron_klear.rollout.weight_sync.update_group` are imported:
+vLLM's environment holds this package without its dependencies (``make venv``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from megatron_klear.rollout.vllm.plugin import BACKEND  # noqa: F401 -- the name this engine is registered as
+from megatron_klear.rollout.weight_sync.update_group import (
+    FLATTENED_BUCKET,
+    bucket_layout,
+    destroy_update_group,
+    dtype_of,
+    join_update_group,
+    unflatten_bucket,
+)
+
+
+@dataclasses.dataclass
+class UpdateGroupInit:
+    """``/init_weight_transfer_engine``'s ``init_info``: the update group to join (SGLang's
+    ``/init_weights_update_group`` fields), as rank ``rank_offset + this worker's rank``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str = "gloo"
+    timeout_s: float = 120.0
+
+
+@dataclasses.dataclass
+class UpdateGroupBucket:
+    """``/update_weights``' ``update_info``: one bucket's tensors, broadcast over ``group_name``."""
+
+    names: list
+    dtype_names: list
+    shapes: list
+    group_name: str
+    load_format: str = "auto"
+
+
+class UpdateGroupTransferEngine(WeightTransferEngine):
+    init_info_cls = UpdateGroupInit
+    update_info_cls = UpdateGroupBucket
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.groups: dict = {}  # group name -> process group
+
+    def _worker_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def init_transfer_engine(self, init_info: UpdateGroupInit) -> None:
+        stale = self.groups.pop(init_info.group_name, None)  # a trainer that died left it
+        if stale is not None:
+            destroy_update_group(stale)
+        self.groups[init_info.group_name] = join_update_group(
+            backend=init_info.backend,
+            master_address=init_info.master_address,
+            master_port=int(init_info.master_port),
+            rank=int(init_info.rank_offset) + self._worker_rank(),
+            world_size=int(init_info.world_size),
+            group_name=init_info.group_name,
+            timeout=float(init_info.timeout_s),
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: UpdateGroupBucket) -> None:
+        group = self.groups.get(update_info.group_name)
+        if group is None:
+            raise RuntimeError(
+                f"weight update group {update_info.group_name!r} is not initialised here "
+                f"(known: {sorted(self.groups)}); call /init_weight_transfer_engine first"
+            )
+        if update_info.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes
+            layout = bucket_layout(update_info.names, update_info.dtype_names, update_info.shapes)
+            flat = torch.empty(layout[-1][4], dtype=torch.uint8, device=self.device)
+            torch.distributed.broadcast(flat, src=0, group=group)
+            tensors = [(name, t.clone()) for name, t in unflatten_bucket(flat, layout)]
+        elif update_info.load_format in ("auto", None):  # SGLang's default: one broadcast per tensor, in order
+            tensors = []
+            for name, dt, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                t = torch.empty([int(d) for d in shape], dtype=dtype_of(dt), device=self.device)
+                torch.distributed.broadcast(t, src=0, group=group)
+                tensors.append((name, t))
+        else:
+            raise ValueError(f"load_format {update_info.load_format!r}: expected 'auto' or {FLATTENED_BUCKET!r}")
+        self.model.load_weights(tensors)
+
+    def shutdown(self) -> None:
+        for group in self.groups.values():
+            destroy_update_group(group)
+        self.groups.clear()
