@@ -182,7 +182,7 @@ def test_klear_preset_and_the_missing_repetition_penalty(capsys):
     args = argparse.Namespace(
         temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=32768, yarn_factor=None, yarn_original=32768, model="m"
     )
-    _apply_klear_preset(args, ["--model", "m", "--top-k", "50"])
+    _apply_klear_preset(args, ["--model", "m", "--top-k", "50"], False)
     assert (args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.yarn_factor) == (
         0.6,
         0.95,
@@ -194,7 +194,16 @@ def test_klear_preset_and_the_missing_repetition_penalty(capsys):
     assert KLEAR_PRESET["repetition_penalty"] == 1.05
     with pytest.raises(SystemExit):
         main(["--model", "m", "--bench", "a=b.jsonl", "--repetition-penalty", "1.05", "--output", "x.json"])
-    assert "no repetition penalty" in capsys.readouterr().err
+    assert "only vLLM servers apply a repetition penalty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # SGLang servers: refused as well
+        main(["--url", "http://x", "--bench", "a=b.jsonl", "--repetition-penalty", "1.05", "--output", "x.json"])
+    assert "only vLLM servers apply a repetition penalty" in capsys.readouterr().err
+    # on vLLM servers the preset applies it, unless the command line set another value
+    for given, want in (([], 1.05), (["--repetition-penalty", "1.2"], 1.2)):
+        args = argparse.Namespace(**{**vars(args), "repetition_penalty": 1.2 if given else None, "model": None})
+        _apply_klear_preset(args, ["--url", "u", "--server", "vllm", *given], True)
+        assert args.repetition_penalty == want
+        assert f"repetition_penalty {want:g} (vLLM)" in capsys.readouterr().err
 
 
 def test_eval_cli_on_a_livecodebench_release_reports_every_problem(tmp_path):

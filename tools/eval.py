@@ -16,8 +16,8 @@ prompt opens <think> (responses then never contain it); "auto" (the default) det
 LiveCodeBench release (--bench-window lcb=v5), AIME/HMMT/NeMo-Skills math JSONL or parquet, the
 authors' *.qs.jsonl, a verl parquet; the format is detected (or --bench-format NAME=FMT) and logged.
 --preset klear is the authors' sampling (temperature 0.6, top_p 0.95, top_k 20, 64K new tokens,
-YaRN 2.5); their repetition penalty 1.05 is not available in this project's engines and is
-announced as missing, never silently dropped. --regrade NAME=FILE grades the authors' inference
+YaRN 2.5); their repetition penalty 1.05 is applied on vLLM servers (--url ... --server vllm) and
+announced as missing elsewhere, never silently dropped. --regrade NAME=FILE grades the authors' inference
 output ({"id", "meta", "messages"} lines) with this project's graders, no model needed:
 
     python tools/eval.py --regrade aime24=inference_results_105.jsonl --output results/authors_aime24.json
@@ -33,12 +33,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="HF checkpoint directory (embedded engine, in this process)")
-    src.add_argument("--url", action="append", help="SGLang server / router URL (repeatable)")
+    src.add_argument("--url", action="append", help="SGLang server / router or vLLM server URL (repeatable)")
     src.add_argument(
         "--regrade",
         action="append",
         metavar="NAME=FILE.jsonl",
         help="grade the authors' inference output file (no model; repeatable)",
+    )
+    p.add_argument(
+        "--server",
+        choices=("sglang", "vllm"),
+        default="sglang",
+        help="--url: what serves there (vllm: vLLM servers started as docs/vllm.md says)",
     )
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
     p.add_argument("--bench", action="append", default=[], metavar="NAME=FILE")
@@ -60,8 +66,8 @@ def main(argv=None):
     p.add_argument(
         "--repetition-penalty",
         type=float,
-        default=1.0,
-        help="only 1.0: this project's engines have no repetition penalty (refused otherwise)",
+        default=None,
+        help="vLLM servers only (--server vllm); the embedded engine and SGLang have none (refused)",
     )
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--temperature", type=float, default=PAPER_SAMPLING["temperature"])
@@ -85,13 +91,17 @@ def main(argv=None):
     )
     p.add_argument("--output", required=True, help="summary JSON (samples go to <output>.samples.jsonl)")
     args = p.parse_args(argv)
-    if args.repetition_penalty != 1.0:
+    vllm = bool(args.url) and args.server == "vllm"
+    if args.repetition_penalty not in (None, 1.0) and not vllm:
         p.error(
-            f"--repetition-penalty {args.repetition_penalty:g}: this project's engines have no repetition "
-            f"penalty (rollout SamplingParams); refused rather than ignored (docs/data.md)"
+            f"--repetition-penalty {args.repetition_penalty:g}: only vLLM servers apply a repetition penalty "
+            "(--url ... --server vllm); the embedded engine and SGLang have none: refused rather than ignored "
+            "(docs/data.md)"
         )
     if args.preset == "klear":
-        _apply_klear_preset(args, sys.argv[1:] if argv is None else argv)
+        _apply_klear_preset(args, sys.argv[1:] if argv is None else argv, vllm)
+    if args.repetition_penalty is None:
+        args.repetition_penalty = 1.0
     if args.regrade:
         if args.bench:
             p.error("--regrade grades existing outputs: no --bench")
@@ -117,7 +127,7 @@ def main(argv=None):
     from megatron_klear.rollout.factory import make_engine
 
     rollout = RolloutConfig(
-        engine="embedded" if args.model else "http",
+        engine="embedded" if args.model else "vllm" if vllm else "http",
         urls=args.url or [],
         dtype=args.dtype,
         max_concurrent_requests=args.max_concurrent_requests,
@@ -159,6 +169,7 @@ def main(argv=None):
         top_k=args.top_k,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
     )
     reward_cfg = evaluation_reward_config(RewardConfig(workers=args.workers), think_in_prompt=think_in_prompt)
     with GradingPool(reward_cfg) as pool:
@@ -188,18 +199,23 @@ KLEAR_PRESET = dict(
 )
 
 
-def _apply_klear_preset(args, argv) -> None:
-    """The preset's values where the command line did not set them; the repetition penalty, which
-    no engine here applies, is announced."""
+def _apply_klear_preset(args, argv, vllm: bool) -> None:
+    """The preset's values where the command line did not set them. The repetition penalty 1.05 is
+    applied on vLLM servers; elsewhere (no engine applies one) it is announced as missing."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "yarn_factor", "yarn_original"):
+    keys = ["temperature", "top_p", "top_k", "max_new_tokens", "yarn_factor", "yarn_original"]
+    for key in keys + (["repetition_penalty"] if vllm else []):
         if "--" + key.replace("_", "-") not in given:
             setattr(args, key, KLEAR_PRESET[key])
+    penalty = (
+        f"repetition_penalty {args.repetition_penalty:g} (vLLM)."
+        if vllm
+        else "NOT applied: the authors' repetition_penalty 1.05 (only vLLM servers apply one: --server vllm); "
+        "scores can differ from theirs by that."
+    )
     print(
         "--preset klear: temperature 0.6, top_p 0.95, top_k 20, 65536 new tokens, YaRN 2.5 over 32768 "
-        "positions. NOT applied: the authors' repetition_penalty 1.05 (this project's engines have none); "
-        "scores can differ from theirs by that."
-        + ("" if args.model else " With --url, serve the model with YaRN (docs/data.md)."),
+        f"positions, {penalty}" + ("" if args.model else " With --url, serve the model with YaRN (docs/data.md)."),
         file=sys.stderr,
     )
 

@@ -41,6 +41,9 @@ class SamplingParams:
     max_new_tokens: int = 1024
     stop_token_ids: list = field(default_factory=list)  # besides the tokenizer's EOS
     seed: int | None = None
+    # > 1 penalises tokens already in the prompt or response (vLLM's rule; Klear's evaluation uses
+    # 1.05). Only vLLM servers apply it: the embedded engine and the SGLang client refuse other values.
+    repetition_penalty: float = 1.0
 
     def validate(self) -> None:
         if self.temperature <= 0:
@@ -51,6 +54,16 @@ class SamplingParams:
             raise ValueError(f"rollout: top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout: max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"rollout: repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    def refuse_repetition_penalty(self, engine: str) -> None:
+        """For engines without a repetition penalty: a value other than 1 is an error, never dropped."""
+        if self.repetition_penalty != 1.0:
+            raise ValueError(
+                f"rollout: repetition_penalty {self.repetition_penalty:g} is applied only by vLLM servers "
+                f"(rollout.engine=vllm, tools/eval.py --server vllm); {engine} has none"
+            )
 
 
 @dataclass

@@ -223,3 +223,46 @@ def test_gppo_run_through_two_vllm_servers(servers, models, variant):
         for policy, samples in trained:
             for _, response, versions in samples:
                 assert len(versions) == len(response) and all(policy - 2 <= v <= policy for v in versions)
+
+
+def test_repetition_penalty_is_vllms_rule(engine, models):
+    """Greedy tokens with a repetition penalty equal a float64 reference of vLLM's rule: the logit of
+    every token already in the prompt or response is divided by the penalty when positive,
+    multiplied by it when negative."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_klear.rollout.base import SamplingParams
+
+    prompt, penalty, n = [5, 17, 33, 60, 7], 1.5, 8
+    out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=n, repetition_penalty=penalty))[0][0]
+    plain = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=n))[0][0]
+    model = AutoModelForCausalLM.from_pretrained(models["a"], dtype=torch.float64).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            seen = torch.tensor(sorted(set(ids)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+            ids.append(int(logits.argmax()))
+            if ids[-1] == 0:  # EOS (the tiny model's eos_token_id)
+                break
+    assert out.token_ids == ids[len(prompt) :]
+    assert out.token_ids != plain.token_ids  # (the penalty changed something to compare)
+
+
+def test_eval_cli_against_vllm_applies_the_klear_preset(servers, models, tmp_path):
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from tools.eval import main
+
+    bench = write_rl_prompts_jsonl(str(tmp_path / "b.jsonl"), 3)
+    out = tmp_path / "res.json"
+    argv = ["--url", servers[0].url, "--url", servers[1].url, "--server", "vllm", "--tokenizer", models["a"]]
+    argv += ["--bench", f"arith={bench}", "--k", "2", "--preset", "klear", "--max-new-tokens", "12"]
+    assert main([*argv, "--max-prompt-length", "256", "--workers", "1", "--output", str(out)]) == 0
+    summary = json.load(open(out))
+    assert summary["meta"]["repetition_penalty"] == 1.05 and summary["meta"]["server"] == "vllm"
+    res = summary["results"]["arith"]
+    assert res["prompts"] == 3 and res["k"] == 2
+    lines = (tmp_path / "res.samples.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and all(json.loads(x)["length"] <= 12 for x in lines)

@@ -23,6 +23,7 @@ class SGLangAPI(ServerAPI):
         self.send_seed = bool(send_seed)
 
     def generate_body(self, input_ids: list, params: SamplingParams, n: int, seed, *, routing: bool) -> dict:
+        params.refuse_repetition_penalty("the SGLang client")
         sp = {
             "temperature": params.temperature,
             "top_p": params.top_p,

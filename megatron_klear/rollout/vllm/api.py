@@ -51,7 +51,7 @@ class VLLMAPI(ServerAPI):
             "skip_special_tokens": False,
             "detokenize": False,
         }
-        if getattr(params, "repetition_penalty", 1.0) != 1.0:
+        if params.repetition_penalty != 1.0:
             sp["repetition_penalty"] = float(params.repetition_penalty)
         if seed is not None:
             sp["seed"] = int(seed) % (1 << 63)
