@@ -139,6 +139,13 @@ def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_mod
         assert rest.token_ids == whole[k][0].token_ids[len(prefix) : len(prefix) + 8]
 
 
+def test_colocation_is_refused_on_the_cpu_build_by_name(engine):
+    from megatron_klear.rollout.base import EngineError
+
+    with pytest.raises(EngineError, match="CPU build, which has no sleep mode"):
+        engine.check_memory_saver()
+
+
 def test_weights_from_disk_and_back(engine, models):
     prompt = [5, 17, 33, 60, 7]
     engine.load_from_disk(models["b"], version=5)

@@ -32,6 +32,9 @@ PAUSE_MODES = {"abort": "abort", "retract": "keep"}
 
 LOGPROBS_MODE = "processed_logprobs"
 
+#: what vLLM's ``/wake_up`` restores by tag (``/sleep`` frees both; CUDA graphs go with the weights)
+MEMORY_TAGS = ("weights", "kv_cache")
+
 
 class VLLMControl:
     """The control calls over the client's ``transport`` to the workers of ``members``; ``config``:
@@ -386,20 +389,49 @@ class VLLMControl:
         choices = (out or {}).get("choices") or [None]
         return read_choice(choices[0], f"{worker}{VLLMAPI.generate_path}", allow_abort)[0]
 
-    # -- colocated servers -------------------------------------------------------------------------
+    # -- colocated servers (rollout.colocate: vLLM's sleep mode, GPU-only) ----------------------------
     def check_memory_saver(self) -> None:
-        """Colocated vLLM servers (``--enable-sleep-mode``, ``/sleep`` and ``/wake_up``, CUDA IPC) are
-        GPU-only; this client does not drive them yet."""
-        raise EngineError(
-            "rollout.colocate with vLLM servers is not supported: vLLM frees GPU memory only with "
-            "--enable-sleep-mode (GPU-only; the CPU build refuses it), and this client does not drive "
-            "/sleep and /wake_up yet. Give the vLLM servers their own GPUs (rollout.colocate=false), or "
-            "use SGLang servers with --enable-memory-saver"
-        )
+        """Every worker must be able to free its GPU memory: a CUDA server started with
+        ``--enable-sleep-mode`` (vLLM's CPU build refuses sleep mode; its ``/sleep`` only pauses)."""
+
+        def ask(w):
+            config = self.config_of(w)
+            device = str((config.get("device_config") or {}).get("device") or "")
+            if device == "cpu":
+                raise EngineError(
+                    f"rollout.colocate: {w} is vLLM's CPU build, which has no sleep mode (--enable-sleep-mode "
+                    "is GPU-only): colocated vLLM servers need GPUs; on CPU give the servers their own "
+                    "processes (rollout.colocate=false)"
+                )
+            if not (config.get("model_config") or {}).get("enable_sleep_mode"):
+                raise EngineError(
+                    f"rollout.colocate: {w} was not started with --enable-sleep-mode, so /sleep would free "
+                    "nothing: restart it with that flag, or give the servers their own GPUs "
+                    "(rollout.colocate=false)"
+                )
+
+        self.members.on_workers(ask)
 
     def release_memory(self, tags=None) -> list:
-        self.check_memory_saver()
-        return []
+        """vLLM's ``/sleep`` on every worker: level 2 (weights and KV cache discarded) when ``tags``
+        include ``weights`` (None: all), else level 1 (weights kept in host memory, KV cache
+        discarded). Released weights lose their content: resume them, then load weights. A worker
+        that is gone is dropped; returns the workers that released."""
+        level = 2 if tags is None or "weights" in tags else 1
+        done = self.members.on_workers(
+            lambda w: self.transport.request("POST", f"/sleep?level={level}&mode=abort", None, url=w),
+            tolerate_loss=True,
+        )
+        return list(done)
 
     def resume_memory(self, tags=None, workers=None) -> None:
-        self.check_memory_saver()
+        """vLLM's ``/wake_up`` for ``tags`` (``weights``, ``kv_cache``; None: all) on every worker, or
+        only on ``workers``. A worker that is gone is dropped."""
+        query = "&".join(f"tags={t}" for t in tags or () if t in MEMORY_TAGS)
+        only = None if workers is None else set(workers)
+
+        def wake(w):
+            if only is None or w in only:
+                self.transport.request("POST", "/wake_up" + (f"?{query}" if query else ""), None, url=w)
+
+        self.members.on_workers(wake, tolerate_loss=True)

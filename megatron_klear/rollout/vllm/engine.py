@@ -17,7 +17,7 @@ from dataclasses import replace
 from megatron_klear.rollout.config import RolloutConfig
 from megatron_klear.rollout.server_engine import ServersEngine
 from megatron_klear.rollout.vllm.api import VLLMAPI
-from megatron_klear.rollout.vllm.control import VLLMControl
+from megatron_klear.rollout.vllm.control import MEMORY_TAGS, VLLMControl
 
 
 class VLLMEngine(ServersEngine):
@@ -27,7 +27,7 @@ class VLLMEngine(ServersEngine):
     ``check``: every server answers ``/health`` now and passes :meth:`VLLMControl.check_servers`."""
 
     config_engine = "vllm"
-    memory_tags = ()
+    memory_tags = MEMORY_TAGS
 
     def __init__(
         self,
