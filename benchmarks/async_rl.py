@@ -83,6 +83,7 @@ class Bench:
     eval_prompts: int = 128
     servers: int = 1
     quick: bool = False
+    engine: str = "sglang"  # the rollout servers: the SGLang stand-in, or vLLM's CPU build
 
 
 QUICK = dict(
@@ -119,7 +120,12 @@ def build_sft(out: str, settings, bench: Bench) -> dict:
         from megatron_klear.models.tiny import make_tiny_qwen3
 
         model = make_tiny_qwen3(
-            os.path.join(out, "hf-sft"), num_layers=2, hidden_size=settings.hidden, seed=settings.seed, flavor="base"
+            os.path.join(out, "hf-sft"),
+            num_layers=2,
+            hidden_size=settings.hidden,
+            head_dim=settings.head_dim,
+            seed=settings.seed,
+            flavor="base",
         )
         return {"sft": model, **prompt_files(out, settings, bench), "sft_seconds": time.time() - t0}
 
@@ -153,10 +159,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+
+
 @contextlib.contextmanager
-def rollout_servers(model: str, n: int, env: dict):
-    """``n`` stand-in SGLang servers for ``model`` behind the real sglang-router; yields
-    ``(router_url, servers)`` once the router lists every server healthy."""
+def rollout_servers(model: str, n: int, env: dict, engine: str = "sglang"):
+    """``n`` rollout servers for ``model``; yields ``(urls, servers)``: stand-in SGLang servers behind
+    the real sglang-router (``urls``: the router), or vLLM's CPU build (``urls``: the servers, which
+    the client spreads requests over itself; the plugin's transfer engine for the weights)."""
+    if engine == "vllm":
+        from megatron_klear.rollout.vllm.launcher import VLLMServer
+
+        transfer = ("--weight-transfer-config", '{"backend": "megatron_klear"}')
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            futures = [
+                pool.submit(VLLMServer.launch, model, python=VLLM_PYTHON, max_model_len=512, extra_args=transfer)
+                for _ in range(n)
+            ]
+            started = [f.result() for f in futures]
+        try:
+            yield [s.url for s in started], started
+        finally:
+            for s in started:
+                s.close()
+        return
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     servers = []
@@ -197,7 +223,7 @@ def rollout_servers(model: str, n: int, env: dict):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"sglang-router did not register {[s.url for s in servers]} within 60 s")
                 time.sleep(0.2)
-            yield url, servers
+            yield [url], servers
         finally:
             router.terminate()
             try:
@@ -211,7 +237,7 @@ def rollout_servers(model: str, n: int, env: dict):
 
 
 # -- one RL run -----------------------------------------------------------------------------------------
-def rl_overrides(bench: Bench, settings, files: dict, router_url: str, save_dir: str, variant: str, seed: int) -> list:
+def rl_overrides(bench: Bench, settings, files: dict, urls: list, save_dir: str, variant: str, seed: int) -> list:
     return [
         f"model.path={files['sft']}",
         "model.dtype=fp32",
@@ -230,8 +256,8 @@ def rl_overrides(bench: Bench, settings, files: dict, router_url: str, save_dir:
         f"rl.max_staleness={bench.max_staleness}",
         f"rl.tis_cap={bench.tis_cap}",
         f"rollout.max_new_tokens={bench.max_new_tokens}",
-        "rollout.engine=http",
-        f"rollout.urls=[{router_url}]",
+        f"rollout.engine={'vllm' if bench.engine == 'vllm' else 'http'}",
+        f"rollout.urls=[{','.join(urls)}]",
         f"optim.lr={settings.rl_lr}",
         f"optim.min_lr={settings.rl_lr}",
         "optim.decay_style=constant",
@@ -252,7 +278,7 @@ def run_variant(
     bench: Bench,
     settings,
     files: dict,
-    router_url: str,
+    urls: list,
     servers: list,
     out: str,
     variant: str,
@@ -272,7 +298,7 @@ def run_variant(
         "-m",
         "megatron_klear",
         "rl",
-        *rl_overrides(bench, settings, files, router_url, save_dir, variant, seed),
+        *rl_overrides(bench, settings, files, urls, save_dir, variant, seed),
     ]
     t0 = time.time()
     with open(log_path, "w") as log:
@@ -286,10 +312,14 @@ def run_variant(
     if [m["step"] for m in metrics] != list(range(1, bench.rl_steps + 1)):
         raise RuntimeError(f"run {name}: metrics.jsonl has steps {[m['step'] for m in metrics]}")
     last = max((m["step"] for m in metrics if not m.get("actor/skipped")), default=0)
-    versions = [s.model_info().get("weight_version") for s in servers]
+    client = engine_client(bench, [s.url for s in servers])
+    try:
+        versions = [client.api.weight_version(client.transport, s.url) for s in servers]
+    finally:
+        client.close()
     if versions != [str(last)] * len(servers):
         raise RuntimeError(f"run {name}: the servers hold weight versions {versions}, not the trainer's final {last}")
-    heldout_avg = evaluate(router_url, heldout, tokenizer, pool, settings, bench, seed)["avg@8"]
+    heldout_avg = evaluate(urls, heldout, tokenizer, pool, settings, bench, seed)["avg@8"]
     summary = summarize_run(metrics)
     print(
         f"  {name}: {summary['samples_per_s']:.1f} samples/s, step {summary['step_s_median']:.2f} s (median), "
@@ -344,13 +374,23 @@ def summarize_run(metrics: list) -> dict:
     }
 
 
-def evaluate(url: str, heldout: list, tokenizer, pool, settings, bench: Bench, seed: int, records=None) -> dict:
-    """avg@8 at the RL temperature on the held-out problems, generated by the servers behind ``url``."""
-    from megatron_klear.evaluation import evaluate as evaluate_engine
-    from megatron_klear.rollout.base import SamplingParams
+def engine_client(bench: Bench, urls: list):
+    """The client of the benchmark's servers (``bench.engine``), seeds sent."""
+    if bench.engine == "vllm":
+        from megatron_klear.rollout.vllm import VLLMEngine
+
+        return VLLMEngine.at(urls)
     from megatron_klear.rollout.sglang import SGLangEngine
 
-    engine = SGLangEngine.at([url], send_seed=True)
+    return SGLangEngine.at(urls, send_seed=True)
+
+
+def evaluate(urls: list, heldout: list, tokenizer, pool, settings, bench: Bench, seed: int, records=None) -> dict:
+    """avg@8 at the RL temperature on the held-out problems, generated by the servers at ``urls``."""
+    from megatron_klear.evaluation import evaluate as evaluate_engine
+    from megatron_klear.rollout.base import SamplingParams
+
+    engine = engine_client(bench, urls)
     try:
         summary, recs = evaluate_engine(
             engine,
@@ -392,6 +432,9 @@ def batching_probe(model: str, heldout: list, bench: Bench, server_url: str | No
     torch.set_num_threads(1)
     tok = load_tokenizer(model)
     out = {}
+    if bench.engine == "vllm":  # vLLM's own scheduler, in its server process
+        out["own_process"] = _probe_rounds(engine_client(bench, [server_url]), tok, heldout, bench, None)
+        return out
     server, url = serve_in_thread(EmbeddedEngine.from_pretrained(model, dtype="float32"), tokenizer=tok)
     try:
         history = server.state.scheduler.history
@@ -400,7 +443,7 @@ def batching_probe(model: str, heldout: list, bench: Bench, server_url: str | No
         server.shutdown()
         server.server_close()
     if server_url is not None:
-        out["own_process"] = _probe_rounds(SGLangEngine.at([server_url]), tok, heldout, bench, None)
+        out["own_process"] = _probe_rounds(engine_client(bench, [server_url]), tok, heldout, bench, None)
     return out
 
 
@@ -669,7 +712,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 seed, 2 steps per variant")
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="RL steps per run")
-    p.add_argument("--servers", type=int, default=None, help="stand-in servers behind the router (default 1)")
+    p.add_argument("--servers", type=int, default=None, help="rollout servers (default 1)")
+    p.add_argument(
+        "--engine",
+        choices=("sglang", "vllm"),
+        default="sglang",
+        help="the rollout servers: the SGLang stand-in behind sglang-router, or vLLM's CPU build (.venv-vllm)",
+    )
     p.add_argument("--sft", default=None, help="an HF SFT model to start from (default: build the demo's on the task)")
     p.add_argument(
         "--long-cot",
@@ -684,7 +733,7 @@ def main(argv=None) -> int:
         return 0
     from examples.demo import Settings
 
-    bench = Bench(**(QUICK if args.quick else {}), quick=args.quick)
+    bench = Bench(**(QUICK if args.quick else {}), quick=args.quick, engine=args.engine)
     for key, value in (("seeds", args.seeds), ("rl_steps", args.steps), ("servers", args.servers)):
         if value is not None:
             if value < 1:
@@ -693,7 +742,7 @@ def main(argv=None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     if set(variants) - set(VARIANTS) or not variants:
         p.error(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}")
-    settings = Settings(quick=args.quick)
+    settings = Settings(quick=args.quick, **({"head_dim": 64} if args.engine == "vllm" else {}))
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     t0, load_start = time.time(), os.getloadavg()
@@ -729,14 +778,15 @@ def main(argv=None) -> int:
     runs, records = [], []
     print(
         f"RL: {len(variants)} variants x {bench.seeds} seeds, {bench.rl_steps} steps of {bench.prompts_per_step} "
-        f"prompts x 8 (of {bench.oversample}), {bench.servers} stand-in server(s) behind sglang-router",
+        f"prompts x 8 (of {bench.oversample}), {bench.servers} "
+        + ("vLLM CPU server(s), no router" if bench.engine == "vllm" else "stand-in server(s) behind sglang-router"),
         flush=True,
     )
     with (
         GradingPool(evaluation_reward_config(RewardConfig(workers=1))) as pool,
-        rollout_servers(files["sft"], bench.servers, server_env) as (router_url, servers),
+        rollout_servers(files["sft"], bench.servers, server_env, bench.engine) as (urls, servers),
     ):
-        sft_eval = evaluate(router_url, heldout, tokenizer, pool, settings, bench, 0, records)
+        sft_eval = evaluate(urls, heldout, tokenizer, pool, settings, bench, 0, records)
         lengths = length_percentiles(r["length"] for r in records)
         print(
             f"  SFT model: held-out avg@8 {sft_eval['avg@8']:.1f}%, response lengths {lengths} "
@@ -750,9 +800,7 @@ def main(argv=None) -> int:
         for seed in range(1, bench.seeds + 1):
             for v in variants:  # interleaved: load drifts hit every variant alike
                 runs.append(
-                    run_variant(
-                        bench, settings, files, router_url, servers, out, v, seed, env, pool, heldout, tokenizer
-                    )
+                    run_variant(bench, settings, files, urls, servers, out, v, seed, env, pool, heldout, tokenizer)
                 )
     results = {"variants": aggregate(runs), "lengths": lengths}
     minutes = (time.time() - t0) / 60

@@ -4,6 +4,7 @@ protocol over gloo vs the raw gloo broadcast of the same bytes, all in one run.
     python benchmarks/weight_sync.py                       # 8 layers of Qwen3-0.6B's shape (~0.56 GB)
     python benchmarks/weight_sync.py --layers 28 --json out.json
     python benchmarks/weight_sync.py --quick               # a small model, seconds (the test runs it)
+    python benchmarks/weight_sync.py --engine vllm         # the same against two vLLM CPU servers
 
 Setup: a random bf16 checkpoint with Qwen3-0.6B's shapes (hidden 1024, intermediate 3072, 16 query /
 8 KV heads of 128, vocabulary 151,936, tied embeddings; ``--layers`` of its 28 layers: the embedding
@@ -172,6 +173,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     from megatron_klear.models.builder import build_model_chunks
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.vllm import VLLMEngine
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, export_hf_for_engine, iter_buckets
     from megatron_klear.rollout.weight_sync.update_group import join_update_group, open_master_store
     from megatron_klear.training.setup import load_initial_weights, model_arch
@@ -185,7 +187,8 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     def barrier():
         dist.barrier(group=control_group())
 
-    engine = SGLangEngine.at(urls, control_timeout_s=120, weight_update_timeout_s=1800) if rank == 0 else None
+    engine_cls = VLLMEngine if args.engine == "vllm" else SGLangEngine
+    engine = engine_cls.at(urls, control_timeout_s=120, weight_update_timeout_s=1800) if rank == 0 else None
     sync = DistributedWeightSync(
         chunks, engine, bucket_mb=args.bucket_mb, group_timeout=600, bucket_timeout=600, control_timeout=120
     )
@@ -238,7 +241,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
                         flush_to_disk(path)
                     if variant == "disk_sequential":
                         for u in urls:
-                            SGLangEngine.at([u], control_timeout_s=120, weight_update_timeout_s=1800).load_from_disk(
+                            engine_cls.at([u], control_timeout_s=120, weight_update_timeout_s=1800).load_from_disk(
                                 path, version=version
                             )
                     else:
@@ -285,6 +288,13 @@ def main() -> int:
         default=",".join(VARIANTS),
         help="comma-separated subset of " + ", ".join(VARIANTS) + " (a ratio needs both of its variants)",
     )
+    ap.add_argument(
+        "--engine",
+        choices=("sglang", "vllm"),
+        default="sglang",
+        help="the servers: the SGLang stand-in (embedded engine) or vLLM's CPU build (.venv-vllm, make venv)",
+    )
+    ap.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
     ap.add_argument("--sync-dir", default="", help="where the disk variants write (default: the temporary directory)")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--workdir", default="")
@@ -299,6 +309,7 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+    from megatron_klear.rollout.vllm.launcher import VLLMServer
 
     work = args.workdir or tempfile.mkdtemp(prefix="klear-bench-wsync-")
     os.makedirs(work, exist_ok=True)
@@ -315,6 +326,17 @@ def main() -> int:
     procs = []
     try:
         for _ in range(2):
+            if args.engine == "vllm":  # bf16, the plugin's transfer engine for the distributed variant
+                servers.append(
+                    VLLMServer.launch(
+                        ckpt,
+                        python=args.vllm_python,
+                        dtype="bfloat16",
+                        max_model_len=512,
+                        extra_args=("--weight-transfer-config", '{"backend": "megatron_klear"}'),
+                    )
+                )
+                continue
             servers.append(
                 EmbeddedHTTPEngine.launch(
                     ckpt, dtype="bfloat16", weight_sync_timeout=600, startup_timeout=600, timeout=120
@@ -378,6 +400,7 @@ def main() -> int:
         "buckets": len(r["sizes"]),
         "bucket_mb": args.bucket_mb,
         "servers": 2,
+        "engine": args.engine,
         "trainer_tp": 2,
         "repeats": args.repeats,
         **{f"{k}_s": v for k, v in med.items()},
@@ -392,7 +415,8 @@ def main() -> int:
         "distributed_stats": r["stats"],
     }
     print(
-        f"\n{total / 1e9:.3f} GB in {len(r['sizes'])} buckets of <= {args.bucket_mb:g} MB to 2 servers, trainer TP=2 "
+        f"\n{total / 1e9:.3f} GB in {len(r['sizes'])} buckets of <= {args.bucket_mb:g} MB to 2 {args.engine} servers, "
+        "trainer TP=2 "
         f"(median of {args.repeats})"
     )
     print(f"{'variant':<20}{'median s':>10}{'GB/s':>8}{'best s':>10}")

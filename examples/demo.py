@@ -50,6 +50,9 @@ class Settings:
     # the tiny model: 4 layers, hidden 64 (~0.1 M parameters besides the embeddings)
     layers: int = 4
     hidden: int = 64
+    head_dim: int = (
+        24  # (64 for vLLM's CPU attention, which has no kernel for 24: benchmarks/async_rl.py --engine vllm)
+    )
     # the task (data/synthetic.py): three digits 0-9 added, 874 training / 126 held-out problems
     task_ops: str = "+"
     slip_rate: float = 0.6  # the fraction of the SFT teacher's responses with one slip
@@ -239,6 +242,8 @@ class Demo:
                 str(s.layers),
                 "--hidden",
                 str(s.hidden),
+                "--head-dim",
+                str(s.head_dim),
                 "--seed",
                 str(s.seed),
             )

@@ -11,6 +11,7 @@ if __name__ == "__main__":
     p.add_argument("--tied", action="store_true")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--head-dim", type=int, default=24, help="per attention head (vLLM's CPU build needs 32, 64, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--flavor",
@@ -20,4 +21,14 @@ if __name__ == "__main__":
         "instruct: EOS <|im_end|>",
     )
     a = p.parse_args()
-    print(make_tiny_qwen3(a.out, tied=a.tied, num_layers=a.layers, hidden_size=a.hidden, seed=a.seed, flavor=a.flavor))
+    print(
+        make_tiny_qwen3(
+            a.out,
+            tied=a.tied,
+            num_layers=a.layers,
+            hidden_size=a.hidden,
+            head_dim=a.head_dim,
+            seed=a.seed,
+            flavor=a.flavor,
+        )
+    )

@@ -26,13 +26,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(python: str, model: str, port: int, *, max_model_len: int, cpu: bool, extra=()) -> list:
-    """The command line of one server (``cpu``: the CPU build's settings: fp32, eager, one batch of
-    up to ``max_model_len`` tokens so that per-request seeds never meet chunked prefill)."""
+def server_command(
+    python: str, model: str, port: int, *, max_model_len: int, cpu: bool, dtype: str = "", extra=()
+) -> list:
+    """The command line of one server (``dtype``: vLLM's ``--dtype``, default float32 on CPU;
+    ``cpu``: the CPU build's settings: eager, one batch of up to ``max_model_len`` tokens so that
+    per-request seeds never meet chunked prefill)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
     cmd += ["--host", "127.0.0.1", *REQUIRED_FLAGS, "--max-model-len", str(max_model_len), "--seed", "0"]
+    dtype = dtype or ("float32" if cpu else "")
+    if dtype:
+        cmd += ["--dtype", dtype]
     if cpu:
-        cmd += ["--dtype", "float32", "--enforce-eager", "--max-num-batched-tokens", str(max(max_model_len, 2048))]
+        cmd += ["--enforce-eager", "--max-num-batched-tokens", str(max(max_model_len, 2048))]
     return cmd + list(extra)
 
 
@@ -63,12 +69,13 @@ class VLLMServer:
         port: int = 0,
         max_model_len: int = 2048,
         cpu: bool = True,
+        dtype: str = "",
         extra_args=(),
         env: dict | None = None,
         startup_timeout: float = 600.0,
     ) -> VLLMServer:
         port = port or free_port()
-        cmd = server_command(python, model, port, max_model_len=max_model_len, cpu=cpu, extra=extra_args)
+        cmd = server_command(python, model, port, max_model_len=max_model_len, cpu=cpu, dtype=dtype, extra=extra_args)
         full_env = server_env(cpu, env)
         server = cls._start(cmd, full_env, f"http://127.0.0.1:{port}")
         server.wait_ready(startup_timeout)
