@@ -19,43 +19,61 @@ from megatron_klear.rollout.sglang.transport import EngineError, Transport
 
 
 class ServersEngine(ServerEngine):
-    """Rollout servers of one family (``api``), with that family's control part (``control_cls``,
-    built over the transport and membership); ``config``: the ``rollout`` section (validated before
-    it gets here). See :class:`~megatron_klear.rollout.sglang.SGLangEngine` for the settings."""
+    """Rollout servers of one family: its :class:`ServerAPI` (:meth:`make_api`) and its control part
+    (``control_cls``, built over the transport and membership); ``config``: the ``rollout`` section
+    (validated before it gets here). See :class:`~megatron_klear.rollout.sglang.SGLangEngine` for the
+    settings. ``check``: every URL answers ``/health`` now, then the family's own start-up checks
+    (:meth:`check_started`)."""
 
     #: the ``rollout.engine`` value of this family (what :meth:`at` builds its config with)
     config_engine = "http"
     #: weights reach the servers from a directory (``load_from_disk``)
     loads_from_disk = True
 
+    #: the family's control part: ``control_cls(transport, members, config, sync_pause_mode=...)``
+    control_cls = None
+
     def __init__(
         self,
         config: RolloutConfig,
-        api: ServerAPI,
-        control_cls,
         *,
         routed_experts: tuple | None = None,
         sync_pause_mode: str = "abort",
         check: bool = False,
         retry_backoff: float = 1.0,
     ):
+        """The engine of a ``rollout`` config section, taken as it is (validated once, by
+        :meth:`RolloutConfig.validate`, before it gets here: the factory's or :meth:`at`'s)."""
         if not config.urls:
             raise ValueError("rollout: at least one server URL is needed (rollout.urls)")
+        config = self.prepare_config(config)
         self.urls = [u.rstrip("/") for u in config.urls]
-        self.api = api
+        self.api = api = self.make_api(config)
         self.transport = Transport(config)
         self.members = Membership(self.transport, config, api)
         self.generation = Generation(
             self.transport, self.members, config, api=api, routed_experts=routed_experts, retry_backoff=retry_backoff
         )
         self.streams = Streams(self.generation)
-        self.control = control_cls(self.transport, self.members, config, sync_pause_mode=sync_pause_mode)
+        self.control = self.control_cls(self.transport, self.members, config, sync_pause_mode=sync_pause_mode)
         if check:
             for u in self.urls:
                 if not self.transport.health(u):
                     raise EngineError(
                         f"rollout: {u}/health does not answer (is the {api.name} server or router running?)"
                     )
+            self.check_started()
+
+    def make_api(self, config: RolloutConfig) -> ServerAPI:
+        """The family's :class:`ServerAPI` for ``config``."""
+        raise NotImplementedError
+
+    def prepare_config(self, config: RolloutConfig) -> RolloutConfig:
+        """The section as this family reads it (default: as it is)."""
+        return config
+
+    def check_started(self) -> None:
+        """The family's start-up checks of its servers (``check=True``); none by default."""
 
     @classmethod
     def at(

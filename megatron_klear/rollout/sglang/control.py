@@ -233,58 +233,43 @@ class Control:
         gets no request)."""
         version = None if version is None else str(version)
         mode = self.push_pause_mode()
-        refused = {}
 
         def update(w):
+            self.transport.request("POST", "/pause_generation", {"mode": mode}, url=w)
             try:
-                self.transport.request("POST", "/pause_generation", {"mode": mode}, url=w)
-                try:
-                    self.flush_cache(w)
-                    body = {"model_path": model_dir, "flush_cache": False}
-                    if version is not None:
-                        body["weight_version"] = version
-                    result = self.transport.request(
-                        "POST", "/update_weights_from_disk", body, timeout=self.weight_update_timeout, url=w
-                    )
-                    if not isinstance(result, dict) or not result.get("success", False):
-                        message = (result or {}).get("message")
-                        raise EngineError(f"rollout: {w}/update_weights_from_disk failed: {message}")
-                except BaseException as cause:
-                    # resume the worker, but the update's failure is the one reported (the resume's, if
-                    # it fails too, rides along as a note)
-                    try:
-                        self.transport.request("POST", "/continue_generation", {}, url=w)
-                    except Exception as cleanup:  # noqa: BLE001
-                        cause.add_note(f"(then {w}/continue_generation failed too: {cleanup})")
-                    raise
-                self.transport.request("POST", "/continue_generation", {}, url=w)
+                self.flush_cache(w)
+                body = {"model_path": model_dir, "flush_cache": False}
                 if version is not None:
-                    reported = (self.transport.model_info(w) or {}).get("weight_version")
-                    if str(reported) != version:
-                        raise EngineError(
-                            f"rollout: {w} reports weight_version {reported!r} after loading "
-                            f"{model_dir}, expected {version!r}"
-                        )
-            except EngineError as e:
-                if not answered(e):
-                    raise  # gone: _on_workers drops it
-                refused[w] = e
+                    body["weight_version"] = version
+                result = self.transport.request(
+                    "POST", "/update_weights_from_disk", body, timeout=self.weight_update_timeout, url=w
+                )
+                if not isinstance(result, dict) or not result.get("success", False):
+                    message = (result or {}).get("message")
+                    raise EngineError(f"rollout: {w}/update_weights_from_disk failed: {message}")
+            except BaseException as cause:
+                # resume the worker, but the update's failure is the one reported (the resume's, if
+                # it fails too, rides along as a note)
+                try:
+                    self.transport.request("POST", "/continue_generation", {}, url=w)
+                except Exception as cleanup:  # noqa: BLE001
+                    cause.add_note(f"(then {w}/continue_generation failed too: {cleanup})")
+                raise
+            self.transport.request("POST", "/continue_generation", {}, url=w)
+            if version is not None:
+                reported = (self.transport.model_info(w) or {}).get("weight_version")
+                if str(reported) != version:
+                    raise EngineError(
+                        f"rollout: {w} reports weight_version {reported!r} after loading "
+                        f"{model_dir}, expected {version!r}"
+                    )
 
-        rejoining = set(self.members.fleet.rejoining())
-        self.members.on_workers(update, tolerate_loss=True)
-        for w, e in refused.items():
-            if w in rejoining:
-                self.members.drop_worker(w, f"its weight load as it rejoined failed: {e}")
-        live_failures = [e for w, e in refused.items() if w not in rejoining]
-        if live_failures:
-            raise live_failures[0]
+        self.members.on_workers_loading(update, "weight load")
 
     def weight_versions(self) -> dict:
         """``{worker: the weight_version it reports}`` of every worker that answers (a gone one is
         dropped)."""
-        return self.members.on_workers(
-            lambda w: (self.transport.model_info(w) or {}).get("weight_version"), tolerate_loss=True
-        )
+        return self.members.weight_versions()
 
     # -- weights over a process group (SGLang's update_weights_from_distributed) ---------------------
     # The trainer side (megatron_klear.rollout.weight_sync.DistributedWeightSync) drives these; each
@@ -481,14 +466,7 @@ class Control:
     def check_weight_versions(self, version) -> None:
         """Every worker must report ``version`` (``/model_info``'s ``weight_version``): a live one that
         does not is an error, a rejoining one is dropped again (it gets no request)."""
-        rejoining = set(self.members.fleet.rejoining())
-        for w, reported in self.weight_versions().items():
-            if str(reported) == str(version):
-                continue
-            why = f"rollout: {w} reports weight_version {reported!r} after the update, expected {str(version)!r}"
-            if w not in rejoining:
-                raise EngineError(why)
-            self.members.drop_worker(w, why)
+        self.members.check_weight_versions(version)
 
     def check_received(self) -> dict:
         """After a distributed update: one greedy token from every worker, each within

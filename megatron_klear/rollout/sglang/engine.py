@@ -35,24 +35,7 @@ class SGLangEngine(ServersEngine):
     """
 
     memory_tags = MEMORY_TAGS
+    control_cls = Control
 
-    def __init__(
-        self,
-        config: RolloutConfig,
-        *,
-        routed_experts: tuple | None = None,
-        sync_pause_mode: str = "abort",
-        check: bool = False,
-        retry_backoff: float = 1.0,
-    ):
-        """The engine of a ``rollout`` config section, taken as it is (validated once, by
-        :meth:`RolloutConfig.validate`, before it gets here: the factory's or :meth:`at`'s)."""
-        super().__init__(
-            config,
-            SGLangAPI(send_seed=config.send_seed),
-            Control,
-            routed_experts=routed_experts,
-            sync_pause_mode=sync_pause_mode,
-            check=check,
-            retry_backoff=retry_backoff,
-        )
+    def make_api(self, config: RolloutConfig) -> SGLangAPI:
+        return SGLangAPI(send_seed=config.send_seed)

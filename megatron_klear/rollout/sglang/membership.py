@@ -179,6 +179,48 @@ class Membership:
             raise refused
         return {w: r for w, r, e in zip(workers, results, errors) if e is None}
 
+    def on_workers_loading(self, fn, what: str) -> None:
+        """``fn(worker)`` (a weight load) on every worker, in parallel. A worker that is gone is
+        dropped (:class:`FleetError` below the live minimum); one that *answers* with a failure is an
+        error for a live worker -- the same cause would usually hit every server, and it must be
+        seen -- while a rejoining one is only dropped again (it keeps its old weights and gets no
+        request). ``what`` names the load in the drop's reason."""
+        refused = {}
+
+        def run(w):
+            try:
+                fn(w)
+            except EngineError as e:
+                if isinstance(e, WorkerGone):
+                    raise  # gone: on_workers drops it
+                refused[w] = e
+
+        rejoining = set(self.fleet.rejoining())
+        self.on_workers(run, tolerate_loss=True)
+        for w, e in refused.items():
+            if w in rejoining:
+                self.drop_worker(w, f"its {what} as it rejoined failed: {e}")
+        live_failures = [e for w, e in refused.items() if w not in rejoining]
+        if live_failures:
+            raise live_failures[0]
+
+    def weight_versions(self) -> dict:
+        """``{worker: the weight version it reports}`` of every worker that answers (a gone one is
+        dropped)."""
+        return self.on_workers(lambda w: self.api.weight_version(self.transport, w), tolerate_loss=True)
+
+    def check_weight_versions(self, version) -> None:
+        """Every worker must report ``version``: a live one that does not is an error, a rejoining one
+        is dropped again (it gets no request)."""
+        rejoining = set(self.fleet.rejoining())
+        for w, reported in self.weight_versions().items():
+            if str(reported) == str(version):
+                continue
+            why = f"rollout: {w} reports weight_version {reported!r} after the update, expected {str(version)!r}"
+            if w not in rejoining:
+                raise EngineError(why)
+            self.drop_worker(w, why)
+
     def alive(self, workers) -> list:
         """Whether each of ``workers`` answers at all, in parallel: ``/model_info`` within
         ``rollout.health_check_timeout_s``, any answer counts. Not ``/health``: SGLang 0.5.23's blocks

@@ -156,37 +156,21 @@ class VLLMControl:
         rejoining, as the SGLang client does."""
         version = None if version is None else str(version)
         mode = self.push_pause_mode()
-        refused = {}
 
         def update(w):
+            self._pause(w, mode)
             try:
-                self._pause(w, mode)
-                try:
-                    body = {
-                        "method": "reload_weights",
-                        "kwargs": {"weights_path": model_dir, "is_checkpoint_format": True},
-                    }
-                    self.transport.request("POST", "/collective_rpc", body, timeout=self.weight_update_timeout, url=w)
-                    self.transport.request("POST", "/reset_prefix_cache?reset_running_requests=true", None, url=w)
-                    if version is not None:
-                        self.transport.request("POST", "/update_weight_version", {"new_version": version}, url=w)
-                finally:
-                    self.transport.request("POST", "/resume", None, url=w)
+                body = {"method": "reload_weights", "kwargs": {"weights_path": model_dir, "is_checkpoint_format": True}}
+                self.transport.request("POST", "/collective_rpc", body, timeout=self.weight_update_timeout, url=w)
+                self.transport.request("POST", "/reset_prefix_cache?reset_running_requests=true", None, url=w)
                 if version is not None:
-                    self.check_version(w, version, f"after loading {model_dir}")
-            except EngineError as e:
-                if not answered(e):
-                    raise  # gone: on_workers drops it
-                refused[w] = e
+                    self.transport.request("POST", "/update_weight_version", {"new_version": version}, url=w)
+            finally:
+                self.transport.request("POST", "/resume", None, url=w)
+            if version is not None:
+                self.check_version(w, version, f"after loading {model_dir}")
 
-        rejoining = set(self.members.fleet.rejoining())
-        self.members.on_workers(update, tolerate_loss=True)
-        for w, e in refused.items():
-            if w in rejoining:
-                self.members.drop_worker(w, f"its weight load as it rejoined failed: {e}")
-        live_failures = [e for w, e in refused.items() if w not in rejoining]
-        if live_failures:
-            raise live_failures[0]
+        self.members.on_workers_loading(update, "weight load")
 
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:
         """Every worker loads the tensors through a temporary HF directory (servers on this machine)."""
@@ -203,23 +187,14 @@ class VLLMControl:
             raise EngineError(f"rollout: {w} reports weight_version {reported!r} {when}, expected {str(version)!r}")
 
     def weight_versions(self) -> dict:
-        return self.members.on_workers(self.weight_version, tolerate_loss=True)
+        return self.members.weight_versions()
 
     def set_weight_version(self, version) -> None:
         body = {"new_version": str(version)}
         self.members.on_workers(lambda w: self.transport.request("POST", "/update_weight_version", body, url=w))
 
     def check_weight_versions(self, version) -> None:
-        """Every worker must report ``version``: a live one that does not is an error, a rejoining one
-        is dropped again."""
-        rejoining = set(self.members.fleet.rejoining())
-        for w, reported in self.weight_versions().items():
-            if str(reported) == str(version):
-                continue
-            why = f"rollout: {w} reports weight_version {reported!r} after the update, expected {str(version)!r}"
-            if w not in rejoining:
-                raise EngineError(why)
-            self.members.drop_worker(w, why)
+        self.members.check_weight_versions(version)
 
     # -- weights over a process group (vLLM's weight-transfer API with the plugin's engine) -----------
     # The trainer side (megatron_klear.rollout.weight_sync.DistributedWeightSync) drives these as it

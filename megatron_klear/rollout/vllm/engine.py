@@ -29,25 +29,14 @@ class VLLMEngine(ServersEngine):
     config_engine = "vllm"
     memory_tags = MEMORY_TAGS
 
-    def __init__(
-        self,
-        config: RolloutConfig,
-        *,
-        routed_experts: tuple | None = None,
-        sync_pause_mode: str = "abort",
-        check: bool = False,
-        retry_backoff: float = 1.0,
-    ):
-        if config.urls and not config.workers:
-            config = replace(config, workers=list(config.urls))
-        super().__init__(
-            config,
-            VLLMAPI(),
-            VLLMControl,
-            routed_experts=routed_experts,
-            sync_pause_mode=sync_pause_mode,
-            check=check,
-            retry_backoff=retry_backoff,
-        )
-        if check:
-            self.control.check_servers()
+    control_cls = VLLMControl
+
+    def make_api(self, config: RolloutConfig) -> VLLMAPI:
+        return VLLMAPI()
+
+    def prepare_config(self, config: RolloutConfig) -> RolloutConfig:
+        """Every URL is a server (a worker): ``rollout.workers`` defaults to ``rollout.urls``."""
+        return config if config.workers else replace(config, workers=list(config.urls))
+
+    def check_started(self) -> None:
+        self.control.check_servers()
