@@ -19,6 +19,8 @@ dropped from the fleet where the SGLang client drops it.
 
 from __future__ import annotations
 
+import contextlib
+
 from megatron_klear.rollout.base import Completion
 from megatron_klear.rollout.sglang.control import answered
 from megatron_klear.rollout.sglang.transport import EngineError
@@ -266,7 +268,6 @@ class VLLMControl:
     def destroy_weights_update_group(self, group_name: str, timeout: float | None = None) -> None:
         """vLLM has no per-group release: ``/shutdown_weight_transfer_engine`` drops every group of
         the server (the trainer re-forms all of its groups together, under fresh names). Best effort."""
-        import contextlib
 
         def drop(w):
             with contextlib.suppress(EngineError):
@@ -289,7 +290,7 @@ class VLLMControl:
             except EngineError as e:
                 if "already active" not in str(e):
                     raise
-                with __import__("contextlib").suppress(EngineError):
+                with contextlib.suppress(EngineError):
                     self._post_weights(w, "/finish_weight_update", None)
                 self._post_weights(w, "/start_weight_update", None)
 

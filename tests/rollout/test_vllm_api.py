@@ -1,0 +1,97 @@
+"""The vLLM client's reading of answers it must survive (no server: tests/rollout/test_vllm_server.py
+runs the real one): an answer aborted by a push is sent again, one aborted on request is the output
+so far, malformed answers fail naming the URL and sample, version spans become per-token versions,
+and the body carries exactly the keys vLLM reads (it ignores unknown ones silently)."""
+
+import pytest
+
+from megatron_klear.rollout.base import EngineError, SamplingParams
+from megatron_klear.rollout.server_api import AbortedByServer
+from megatron_klear.rollout.sglang.api import SGLangAPI
+from megatron_klear.rollout.vllm.api import VLLMAPI
+
+WHERE = "http://w:1/inference/v1/generate"
+
+
+def choice(tokens, reason="stop", spans=None, index=0, lps=None):
+    lps = lps if lps is not None else [-0.5 - i for i in range(len(tokens))]
+    return {
+        "index": index,
+        "finish_reason": reason,
+        "token_ids": tokens,
+        "logprobs": {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(tokens, lps)]} if tokens else None,
+        "weight_versions": spans,
+    }
+
+
+def test_answers_become_completions_with_per_token_versions():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}]
+    payload = {
+        "choices": [
+            choice([7, 8], "length", [{"version": "4", "start": 0, "end": 2}], 1),
+            choice([5, 6, 9], "stop", spans),
+        ]
+    }
+    comps, finals = VLLMAPI().read_generate(payload, 2, where=WHERE, routing=None, allow_abort=False)
+    assert [c.token_ids for c in comps] == [[5, 6, 9], [7, 8]]  # in index order
+    assert comps[0].versions == [3, 3, 4] and finals == ["4", "4"]
+    assert comps[0].logprobs == [-0.5, -1.5, -2.5] and comps[1].finish_reason == "length"
+    before_any_push = {"choices": [choice([1], "stop", [{"version": "default", "start": 0, "end": 1}])]}
+    comps, finals = VLLMAPI().read_generate(before_any_push, 1, where=WHERE, routing=None, allow_abort=False)
+    assert comps[0].versions == [None] and finals == ["default"]
+
+
+def test_an_abort_is_sent_again_unless_the_stream_asked_for_it():
+    payload = {"choices": [choice([4, 5], "abort", [{"version": "2", "start": 0, "end": 2}])]}
+    with pytest.raises(AbortedByServer, match="sample 0 aborted"):
+        VLLMAPI().read_generate(payload, 1, where=WHERE, routing=None, allow_abort=False)
+    comps, _ = VLLMAPI().read_generate(payload, 1, where=WHERE, routing=None, allow_abort=True)
+    assert comps[0].aborted and comps[0].token_ids == [4, 5]
+    empty = {"choices": [choice([], "abort", [])]}  # aborted before its first token
+    comps, finals = VLLMAPI().read_generate(empty, 1, where=WHERE, routing=None, allow_abort=True)
+    assert comps[0].token_ids == [] and finals == [None]
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        ({"choices": []}, "answered 0 samples, expected 1"),
+        ({"error": {"message": "x"}}, "no choices list"),
+        ({"choices": [choice([1, 2], lps=[-1.0])]}, "logprobs.content does not match token_ids"),
+        ({"choices": [{**choice([1]), "logprobs": None}]}, "was logprobs: 0 sent"),
+        ({"choices": [choice([1], "repetition")]}, "finished with 'repetition'"),
+        ({"choices": [choice([1, 2], spans=[{"version": "1", "start": 0, "end": 1}])]}, "cover 1 tokens"),
+    ],
+)
+def test_malformed_answers_fail_naming_the_url_and_sample(payload, message):
+    with pytest.raises(EngineError, match=message) as e:
+        VLLMAPI().read_generate(payload, 1, where=WHERE, routing=None, allow_abort=False)
+    assert "http://w:1" in str(e.value)
+
+
+def test_the_body_holds_exactly_what_vllm_reads():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop_token_ids=[3], seed=5)
+    body = VLLMAPI().generate_body([1, 2], params, 4, 123, routing=False)
+    assert body == {
+        "token_ids": [1, 2],
+        "sampling_params": {
+            "max_tokens": 16,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "n": 4,
+            "logprobs": 0,
+            "stop_token_ids": [3],
+            "skip_special_tokens": False,
+            "detokenize": False,
+            "seed": 123,
+        },
+    }
+    penalised = SamplingParams(max_new_tokens=4, repetition_penalty=1.05)
+    assert (
+        VLLMAPI().generate_body([1], penalised, 1, None, routing=False)["sampling_params"]["repetition_penalty"] == 1.05
+    )
+    with pytest.raises(ValueError, match="applied only by vLLM servers"):
+        SGLangAPI().generate_body([1], penalised, 1, None, routing=False)
+    with pytest.raises(EngineError, match="router replay"):
+        VLLMAPI().generate_body([1], params, 1, None, routing=True)
