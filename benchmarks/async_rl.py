@@ -10,6 +10,7 @@
     python benchmarks/async_rl.py --quick --json q.json  # smoke run (the test suite): tiny sizes, 1 seed, 2 steps
     python benchmarks/async_rl.py --sft runs/x/hf-sft    # start from an existing SFT model
     python benchmarks/async_rl.py --long-cot             # the Qwen3-8B-at-32K decode-time model (RESULTS.md)
+    python benchmarks/async_rl.py --engine vllm          # the same on vLLM's CPU build (.venv-vllm, make venv)
 
 The default run measured 20.2 min on 2 cores (benchmarks/RESULTS.md); it also runs a batching
 probe (the same responses from one stand-in as one request per prompt and as one per sample).
