@@ -502,7 +502,8 @@ def probe_lines(probe: dict, bench: Bench) -> list:
             f"{r['per_sample_s']:.1f}/{r['per_prompt_s']:.1f} s = {r['ratio']:.2f}x" for r in result["rounds"]
         )
         lines.append(
-            f"  batching probe, stand-in {where.replace('_', '-')} ({bench.oversample} prompts x 8; per sample / per "
+            f"  batching probe, {'vLLM server' if bench.engine == 'vllm' else 'stand-in'} {where.replace('_', '-')} "
+            f"({bench.oversample} prompts x 8; per sample / per "
             f"prompt): {ratios}; median {result['ratio_median']:.2f}x"
         )
         first = result["rounds"][0]
