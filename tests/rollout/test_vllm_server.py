@@ -195,6 +195,33 @@ def test_a_killed_server_is_dropped_restarted_and_rejoins(engine, servers, model
     assert set(engine.control.weight_versions().values()) == {"1"}
 
 
+def test_a_frozen_server_is_dropped_by_the_watchdog_and_rejoins_once_thawed(servers, models):
+    """SIGSTOP (a hung server: it accepts connections and never answers): the health watchdog drops
+    it after three missed probes and its requests finish on the other; thawed, it is recalled at the
+    next push, loads the weights with the others and serves again."""
+    import signal
+
+    from megatron_klear.rollout.base import SamplingParams
+    from megatron_klear.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine.at(
+        [s.url for s in servers], control_timeout_s=5, health_check_interval_s=0.5, health_check_timeout_s=1
+    )
+    victim = servers[0]
+    os.killpg(victim.proc.pid, signal.SIGSTOP)
+    try:
+        out = engine.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=6, seed=2), n=2)
+        assert all(len(row) == 2 for row in out)
+        assert engine.fleet.live() == [servers[1].url]
+    finally:
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+    with engine.push_session(2):
+        assert victim.url in engine.rejoining_workers()
+        engine.load_from_disk(models["a"], version=2)
+    assert sorted(engine.fleet.live()) == sorted(s.url for s in servers)
+    engine.close()
+
+
 @pytest.mark.parametrize("variant", ["sync_disk", "async_partial_distributed"])
 def test_gppo_run_through_two_vllm_servers(servers, models, variant):
     """Each weight path: the synchronous run reloads the servers from a directory, the asynchronous
