@@ -482,3 +482,42 @@ def test_the_old_command_names_the_new_one(job):
         [PY, "-m", f"megatron_klear.{job}", "--config", "x.yaml"], capture_output=True, text=True, cwd=ROOT
     )
     assert rc.returncode == 1 and f"python -m megatron_klear {job} --config" in rc.stderr, rc.stderr
+
+
+# -- issue 32 item 2 (in part): the free-space check before a conversion writes anything ---------------
+def _tree_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def test_a_conversion_without_room_fails_before_writing_naming_the_bytes(tiny_hf, tmp_path, monkeypatch):
+    """Each direction asks the output's filesystem for what it will write (HF -> Megatron: the staged
+    tensors and the checkpoint; Megatron -> HF: the weights) and stops before writing a byte when it
+    is not there. The figure is checked against what a real conversion then writes."""
+    import re
+    from collections import namedtuple
+
+    from megatron_klear.checkpoint import convert
+    from megatron_klear.checkpoint.convert import NotEnoughSpaceError, hf_to_megatron, megatron_to_hf
+
+    mg, hf_out = tmp_path / "mg", tmp_path / "hf"
+    hf_to_megatron(tiny_hf["untied"], str(mg), progress=False)
+    megatron_to_hf(str(mg), str(hf_out), progress=False)
+    written = {"to_megatron": _tree_bytes(mg), "to_hf": _tree_bytes(hf_out)}
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(convert.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 1000))
+    asked = {}
+    for name, call, out in (
+        ("to_megatron", lambda o: hf_to_megatron(tiny_hf["untied"], o, progress=False), tmp_path / "mg2"),
+        ("to_hf", lambda o: megatron_to_hf(str(mg), o, progress=False), tmp_path / "hf2"),
+    ):
+        with pytest.raises(
+            NotEnoughSpaceError, match=r"needs [\d.]+ GB \(([\d,]+) bytes\) free.* \(1,000 bytes\)"
+        ) as e:
+            call(str(out))
+        asked[name] = int(re.search(r"\(([\d,]+) bytes\) free", str(e.value)).group(1).replace(",", ""))
+        assert str(tmp_path) in str(e.value)
+        assert sorted(os.listdir(tmp_path)) == ["hf", "mg"]  # nothing written, no temporary left
+    # HF -> Megatron stages every tensor, then writes the checkpoint: about twice the checkpoint
+    assert 1.6 * written["to_megatron"] <= asked["to_megatron"] <= 2.5 * written["to_megatron"], (asked, written)
+    # Megatron -> HF: the weights (the vocabulary's padding counted), not less than what it writes
+    assert written["to_hf"] * 0.9 <= asked["to_hf"] <= 1.5 * written["to_hf"], (asked, written)

@@ -16,6 +16,7 @@ naming the tensor; outputs go to a temporary directory renamed into place at the
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -75,6 +76,21 @@ def _stage(tensor: torch.Tensor, directory: str, index: int) -> torch.Tensor:
     return mapped.view(tensor.shape)
 
 
+class NotEnoughSpaceError(OSError):
+    """The output's filesystem cannot hold what a conversion will write (checked before it starts)."""
+
+
+def check_free_space(directory: str, needed: int, what: str) -> None:
+    """Fail before writing anything when ``directory``'s filesystem has less than ``needed`` bytes
+    free; the message names both and ``what`` needs them."""
+    free = shutil.disk_usage(directory).free
+    if needed > free:
+        raise NotEnoughSpaceError(
+            f"{directory}: {what} needs {needed / 1e9:.2f} GB ({needed:,} bytes) free, the filesystem has "
+            f"{free / 1e9:.2f} GB ({free:,} bytes): free some space or choose another output directory"
+        )
+
+
 def check_hf_keys(arch: ModelArch, reader: HFReader) -> list:
     """Expected vs present HF keys; returns HF keys that are allowed extras (tied lm_head)."""
     expected = {k for r in rules_for(arch) for k in r.hf}
@@ -119,6 +135,9 @@ def hf_to_megatron(
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
+    # the staged tensors and the torch_dist checkpoint written from them are both on disk at the end
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    check_free_space(parent, 2 * weights, f"converting {hf_dir} (the staged tensors, then the checkpoint)")
     tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
     staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
     try:
@@ -249,6 +268,10 @@ def megatron_to_hf(
     steps += by_layer + [[t for t in outer if not t[0].startswith("embedding.")]]
     steps = [step for step in steps if step]
 
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    weights = sum(math.prod(info.global_shape) for info in meta.values()) * torch_dtype.itemsize
+    check_free_space(parent, weights, f"exporting {ckpt_dir} to HF")  # (the padded vocabulary included)
     writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, dtype=torch_dtype)
     bar = Progress(len(steps), "Megatron -> HF (layers)") if progress else None
     try:
