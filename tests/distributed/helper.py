@@ -99,6 +99,16 @@ class _Context(context.ForkServerContext):
     Process = _Process
 
 
+#: the toy RL runs' training settings (a constant, large lr: a tiny random model moves within 2-4
+#: steps), one grading worker, TP=1
+TOY_RL_TRAINING = [
+    "optim.lr=5e-3",
+    "optim.min_lr=5e-3",
+    "optim.decay_style=constant",
+    "reward.workers=1",
+    "parallel.tp=1",
+]
+
 _FORK_SERVER = forkserver.ForkServer()
 _FORK_SERVER.set_forkserver_preload(_PRELOAD)
 

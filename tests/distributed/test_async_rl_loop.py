@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.distributed.helper import run_distributed
+from tests.distributed.helper import TOY_RL_TRAINING, run_distributed
 
 
 def _run(rank, world, overrides, stop_after=None):
@@ -77,11 +77,7 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
         "rl.max_tokens_per_micro_batch=256",
         "rl.max_prompt_length=64",
         "rollout.max_new_tokens=48",
-        "optim.lr=5e-3",
-        "optim.min_lr=5e-3",
-        "optim.decay_style=constant",
-        "reward.workers=1",
-        "parallel.tp=1",
+        *TOY_RL_TRAINING,
         "rl.filter_zero_spread=false",
         "rl.async_steps=1",
         "rollout.partial=true",

@@ -30,7 +30,7 @@ from tests.distributed.fleet_harness import (
     router_flags,
     run_rl,
 )
-from tests.distributed.helper import run_distributed
+from tests.distributed.helper import TOY_RL_TRAINING, run_distributed
 
 PROBE = [5, 17, 33, 60, 7]
 # the watchdog at test pace: a frozen server is dropped within 2 x (0.5 + 3) s. (A /health probe of a
@@ -88,11 +88,7 @@ def _args(fleet, save, router_url, steps, weight_sync):
         "rl.max_tokens_per_micro_batch=512",
         "rl.max_prompt_length=64",
         "rollout.max_new_tokens=32",
-        "optim.lr=5e-3",
-        "optim.min_lr=5e-3",
-        "optim.decay_style=constant",
-        "reward.workers=1",
-        "parallel.tp=1",
+        *TOY_RL_TRAINING,
         "rollout.engine=http",
         f"rollout.urls=[{router_url}]",
         "rollout.max_concurrent_requests=8",

@@ -228,7 +228,7 @@ def test_gppo_run_through_two_vllm_servers(servers, models, variant):
     one streams buckets over gloo into the plugin's transfer engine (vLLM's weight-transfer API)."""
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
     from megatron_klear.rollout.vllm import VLLMEngine
-    from tests.distributed.helper import run_distributed
+    from tests.distributed.helper import TOY_RL_TRAINING, run_distributed
     from tests.distributed.test_async_rl_loop import _run
     from tests.distributed.test_rl_loop import _probe_logprobs_of_trainer
 
@@ -247,11 +247,7 @@ def test_gppo_run_through_two_vllm_servers(servers, models, variant):
         "rl.max_tokens_per_micro_batch=256",
         "rl.max_prompt_length=64",
         "rollout.max_new_tokens=32",
-        "optim.lr=5e-3",
-        "optim.min_lr=5e-3",
-        "optim.decay_style=constant",
-        "reward.workers=1",
-        "parallel.tp=1",
+        *TOY_RL_TRAINING,
         "rl.filter_zero_spread=false",
         "rollout.engine=vllm",
         f"rollout.urls=[{servers[0].url},{servers[1].url}]",
