@@ -9,6 +9,8 @@ versions, probe, context length). What differs between server families is the
 
 from __future__ import annotations
 
+import abc
+
 from megatron_klear.rollout.base import ServerEngine
 from megatron_klear.rollout.config import RolloutConfig
 from megatron_klear.rollout.server_api import ServerAPI
@@ -64,9 +66,9 @@ class ServersEngine(ServerEngine):
                     )
             self.check_started()
 
+    @abc.abstractmethod
     def make_api(self, config: RolloutConfig) -> ServerAPI:
         """The family's :class:`ServerAPI` for ``config``."""
-        raise NotImplementedError
 
     def prepare_config(self, config: RolloutConfig) -> RolloutConfig:
         """The section as this family reads it (default: as it is)."""

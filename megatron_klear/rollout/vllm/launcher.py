@@ -6,6 +6,7 @@ cluster the trainer's own, with the ``[vllm]`` extra)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -114,22 +115,18 @@ class VLLMServer:
                 raise RuntimeError(
                     f"the vLLM server {self.url} exited with code {code} during start-up:\n{self.tail()}"
                 )
-            try:
+            with contextlib.suppress(urllib.error.URLError, OSError):  # not listening yet
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
                         return
-            except (urllib.error.URLError, OSError):
-                pass
             if time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"the vLLM server {self.url} did not answer within {timeout:g} s:\n{self.tail()}")
             time.sleep(0.5)
 
     def _signal(self, sig) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
             os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def kill(self) -> None:
         """SIGKILL the server and every process it spawned (a crash, as the fleet tests have it)."""
