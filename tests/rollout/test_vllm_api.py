@@ -95,3 +95,53 @@ def test_the_body_holds_exactly_what_vllm_reads():
         SGLangAPI().generate_body([1], penalised, 1, None, routing=False)
     with pytest.raises(EngineError, match="router replay"):
         VLLMAPI().generate_body([1], params, 1, None, routing=True)
+
+
+class _Answers:
+    """Canned HTTP answers by path (``Transport.request``'s signature); an exception is raised."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def request(self, method, path, body=None, timeout=None, url=None, expect_json=True):
+        answer = self.answers[path]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class _OneWorker:
+    def on_workers(self, fn, tolerate_loss=False):
+        return [fn("http://w:1")]
+
+
+@pytest.mark.parametrize(
+    "answers, message",
+    [
+        (
+            {"/server_info?config_format=json": EngineError("... failed with HTTP 404: Not Found")},
+            "VLLM_SERVER_DEV_MODE=1",
+        ),
+        (
+            {"/server_info?config_format=json": {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs"}}}},
+            "--logprobs-mode processed_logprobs",
+        ),
+        (
+            {
+                "/server_info?config_format=json": {
+                    "vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}
+                },
+                "/inference/v1/generate": EngineError("... failed with HTTP 403: Scale-out endpoints are disabled"),
+            },
+            "--enable-scale-out",
+        ),
+    ],
+)
+def test_a_server_started_without_what_the_loop_needs_is_refused_by_name(answers, message):
+    from megatron_klear.rollout.config import RolloutConfig
+    from megatron_klear.rollout.vllm.control import VLLMControl
+
+    control = VLLMControl(_Answers(answers), _OneWorker(), RolloutConfig(engine="vllm", urls=["http://w:1"]))
+    with pytest.raises(EngineError, match=message) as e:
+        control.check_servers()
+    assert "http://w:1" in str(e.value)
