@@ -275,7 +275,7 @@ def test_a_truncated_safetensors_file_is_named(tiny_hf, tmp_path):
     with pytest.raises(
         ValueError,
         match=rf"^{hf}/model.safetensors: cannot read this safetensors file "
-        r"\(.*incomplete metadata.*\); it is probably truncated",
+        r"\(tensor '[^']+' ends past the end of the file.*\); it is probably truncated",
     ):
         HFReader(hf)
 
@@ -517,7 +517,7 @@ def test_a_conversion_without_room_fails_before_writing_naming_the_bytes(tiny_hf
         asked[name] = int(re.search(r"\(([\d,]+) bytes\) free", str(e.value)).group(1).replace(",", ""))
         assert str(tmp_path) in str(e.value)
         assert sorted(os.listdir(tmp_path)) == ["hf", "mg"]  # nothing written, no temporary left
-    # HF -> Megatron stages every tensor, then writes the checkpoint: about twice the checkpoint
-    assert 1.6 * written["to_megatron"] <= asked["to_megatron"] <= 2.5 * written["to_megatron"], (asked, written)
+    # HF -> Megatron writes the checkpoint once (no staging copy): the figure covers it, and not twice
+    assert written["to_megatron"] <= asked["to_megatron"] <= 1.5 * written["to_megatron"], (asked, written)
     # Megatron -> HF: the weights (the vocabulary's padding counted), not less than what it writes
     assert written["to_hf"] * 0.9 <= asked["to_hf"] <= 1.5 * written["to_hf"], (asked, written)

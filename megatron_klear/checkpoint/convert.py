@@ -16,23 +16,28 @@ naming the tensor; outputs go to a temporary directory renamed into place at the
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import functools
 import math
 import os
 import shutil
 import tempfile
+import threading
 
 import torch
 
 from megatron_klear.checkpoint import dist_ckpt
-from megatron_klear.checkpoint.hf_io import HFReader, HFWriter, copy_tokenizer_files, write_manifest
+from megatron_klear.checkpoint.hf_io import TOKENIZER_FILES, HFReader, HFWriter, copy_tokenizer_files, write_manifest
 from megatron_klear.checkpoint.mapping import (
     MappingError,
-    canonical_name,
+    check_hf_shapes,
     checkpoint_location,
+    hf_shapes,
     layer_of,
+    row_sources,
     rules_by_megatron,
     rules_for,
-    to_hf,
     to_megatron,
 )
 from megatron_klear.models.arch import ModelArch, load_arch
@@ -58,22 +63,6 @@ def _meta_model(arch: ModelArch, dtype: torch.dtype, make_vocab_size_divisible_b
     )
     with torch.device("meta"):
         return build_model(arch, opts, ParallelConfig(), cpu_init=True)
-
-
-def _set_param(model, name: str, tensor: torch.Tensor) -> None:
-    module_name, _, pname = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    module._parameters[pname] = torch.nn.Parameter(tensor, requires_grad=False)
-
-
-def _stage(tensor: torch.Tensor, directory: str, index: int) -> torch.Tensor:
-    """Write a tensor to a file and return a private memory map of it."""
-    path = os.path.join(directory, f"{index:06d}.bin")
-    tensor = tensor.contiguous()
-    with open(path, "wb") as f:
-        tensor.view(torch.uint8).numpy().tofile(f)
-    mapped = torch.from_file(path, shared=False, size=tensor.numel(), dtype=tensor.dtype)
-    return mapped.view(tensor.shape)
 
 
 class NotEnoughSpaceError(OSError):
@@ -110,6 +99,56 @@ def check_hf_keys(arch: ModelArch, reader: HFReader) -> list:
     return extras
 
 
+PIECE_BYTES = 64 * 1024**2
+PIECE_OVERHEAD = 2048  # bytes torch_dist adds per stored piece (its torch.save record, ~1.3 KB, and metadata), a bound
+
+
+def default_workers() -> int:
+    """Writer (and reader) threads when not told: one per core this process may use, up to 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+class _Pieces:
+    """Rows of the canonical Megatron tensors, made from the HF source on demand: a checkpoint
+    piece (key, offsets, sizes) -> its tensor, read straight from the safetensors rows it needs."""
+
+    def __init__(self, arch: ModelArch, reader: HFReader, padded_vocab: int, dtype: torch.dtype, hf_dir: str):
+        self.arch, self.reader, self.padded_vocab, self.dtype, self.hf_dir = arch, reader, padded_vocab, dtype, hf_dir
+        self.rules = rules_by_megatron(arch)
+        self.at = {}  # (checkpoint key, leading index) -> canonical name
+        self.depth = {}
+        for cname in self.rules:
+            key, index = checkpoint_location(cname, arch)
+            self.at[(key, index)] = cname
+            self.depth[key] = len(index)
+
+    def check(self) -> None:
+        """Every rule's HF tensors have the shapes the config implies (before anything is written)."""
+        for rule in self.rules.values():
+            self.sources(rule)
+
+    def sources(self, rule) -> list:
+        sources = [self.reader.rows(k) for k in rule.hf]
+        try:
+            check_hf_shapes(rule, sources, self.arch)
+        except MappingError as e:  # the shapes the config implies: name both files
+            key = next((k for k in rule.hf if f"'{k}'" in str(e)), rule.hf[0])
+            config = os.path.join(self.hf_dir, "config.json")
+            raise MappingError(f"{self.reader.path_of(key)}: {e} ({config})") from None
+        return sources
+
+    def __call__(self, key: str, offsets: tuple, sizes: tuple) -> torch.Tensor:
+        depth = self.depth[key]
+        cname = self.at[(key, tuple(offsets[:depth]))]
+        rule = self.rules[cname]
+        if any(offsets[depth + 1 :]) or sizes[:depth] != (1,) * depth:
+            raise MappingError(f"'{key}' piece at {offsets} of {sizes}: only whole rows of one tensor are made")
+        start = offsets[depth] if len(offsets) > depth else 0
+        stop = start + (sizes[depth] if len(sizes) > depth else 1)
+        rows = to_megatron(rule, self.sources(rule), self.arch, self.padded_vocab, start, stop)
+        return rows.to(self.dtype).reshape(sizes)
+
+
 def hf_to_megatron(
     hf_dir: str,
     out_dir: str,
@@ -118,56 +157,64 @@ def hf_to_megatron(
     pp: int = 1,
     dtype: str | None = None,
     make_vocab_size_divisible_by: int = 128,
+    workers: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
     progress: bool = True,
 ) -> str:
-    """Convert an HF checkpoint into a megatron-klear torch_dist model directory."""
+    """Convert an HF checkpoint into a megatron-klear torch_dist model directory.
+
+    The checkpoint is written once, piece by piece (rows of one tensor, at most ``piece_bytes``),
+    each piece read from the HF rows it needs just before ``workers`` writer threads write it: peak
+    memory is about ``workers`` x a few pieces, whatever the model's size (docs/checkpoints.md)."""
+    from megatron_klear.checkpoint import streaming_save
+
     arch = load_arch(hf_dir)
     if arch.num_kv_heads % tp:
         raise ValueError(f"--tp {tp} must divide num_key_value_heads={arch.num_kv_heads}")
     if arch.num_layers % pp:
         raise ValueError(f"--pp {pp} must divide num_hidden_layers={arch.num_layers}")
+    workers = workers or default_workers()
     reader = HFReader(hf_dir)
     extras = check_hf_keys(arch, reader)
     torch_dtype = dtypes.torch_dtype(dtype) if dtype else _hf_dtype(arch.hf_config)
     model = _meta_model(arch, torch_dtype, make_vocab_size_divisible_by)
-    rules = rules_by_megatron(arch)
+    pieces = _Pieces(arch, reader, model.vocab_size, torch_dtype, hf_dir)
+    pieces.check()
+    for key in extras:  # the redundant tied head must equal the embedding it duplicates
+        if not _rows_equal(reader.rows(key), reader.rows("model.embed_tokens.weight"), piece_bytes):
+            raise MappingError(
+                f"{hf_dir}: 'lm_head.weight' differs from 'model.embed_tokens.weight' but the "
+                "config says tie_word_embeddings=true"
+            )
+    consumed = [k for rule in pieces.rules.values() for k in rule.hf]
+    dupes = {k for k in consumed if consumed.count(k) > 1}
+    if dupes:
+        raise MappingError(f"source tensors consumed more than once: {sorted(dupes)}")
 
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    # the staged tensors and the torch_dist checkpoint written from them are both on disk at the end
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    check_free_space(parent, 2 * weights, f"converting {hf_dir} (the staged tensors, then the checkpoint)")
+    sharded = streaming_save.split_rows(model.sharded_state_dict(), piece_bytes)
+    # written once: the weights, torch.save's header per piece, the metadata and the tokenizer files
+    tokenizer = sum(
+        os.path.getsize(os.path.join(hf_dir, n)) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, n))
+    )
+    overhead = PIECE_OVERHEAD * streaming_save.count_pieces(sharded) + tokenizer + 64 * 1024
+    check_free_space(parent, weights + overhead, f"converting {hf_dir} (the checkpoint, written once)")
+    bar = Progress(round(weights / 1e6), "HF -> Megatron", unit="MB") if progress else None
+    lock = threading.Lock()
+
+    def produce(key, offsets, sizes):
+        t = pieces(key, offsets, sizes)
+        if bar:
+            with lock:
+                bar.step(t.numel() * t.element_size() / 1e6, note=key)
+        return t
+
     tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out_dir) + "-", dir=parent)
-    staging = tempfile.mkdtemp(prefix=".staging-", dir=parent)
     try:
-        consumed = []
-        params = [(n, canonical_name(n, moe_layers=arch.moe_layers)) for n, _ in model.named_parameters()]
-        bar = Progress(len(params), "HF -> Megatron") if progress else None
-        for i, (name, cname) in enumerate(params):
-            rule = rules.get(cname)
-            if rule is None:
-                raise MappingError(f"model parameter '{cname}' has no HF mapping")
-            try:
-                full = to_megatron(rule, [reader.get(k) for k in rule.hf], arch, model.vocab_size)
-            except MappingError as e:  # the shapes the config implies: name both files
-                key = next((k for k in rule.hf if f"'{k}'" in str(e)), rule.hf[0])
-                raise MappingError(f"{reader.path_of(key)}: {e} ({os.path.join(hf_dir, 'config.json')})") from None
-            _set_param(model, name, _stage(full.to(torch_dtype), staging, i))
-            consumed += rule.hf
-            if bar:
-                bar.step(note=cname)
-        for key in extras:  # the redundant tied head must equal the embedding it duplicates
-            if not torch.equal(reader.get(key), reader.get("model.embed_tokens.weight")):
-                raise MappingError(
-                    f"{hf_dir}: 'lm_head.weight' differs from 'model.embed_tokens.weight' but the "
-                    "config says tie_word_embeddings=true"
-                )
-        dupes = {k for k in consumed if consumed.count(k) > 1}
-        if dupes:
-            raise MappingError(f"source tensors consumed more than once: {sorted(dupes)}")
-        reader.close()
-        dist_ckpt.save({"model": model.sharded_state_dict()}, tmp)
+        dist_ckpt.save({"model": sharded}, tmp, strategy=streaming_save.strategy(produce, threads=workers))
         import json
 
         with open(os.path.join(tmp, dist_ckpt.HF_CONFIG), "w") as f:
@@ -191,9 +238,14 @@ def hf_to_megatron(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _rows_equal(a, b, piece_bytes: int) -> bool:
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    step = max(1, piece_bytes // max(1, a.row_bytes))
+    return all(torch.equal(a[i : i + step], b[i : i + step]) for i in range(0, a.shape[0], step))
 
 
 def megatron_to_hf(
@@ -202,15 +254,19 @@ def megatron_to_hf(
     *,
     dtype: str | None = None,
     max_shard_bytes: int = 2 * 1024**3,
+    workers: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
     progress: bool = True,
 ) -> str:
     """Convert a megatron-klear torch_dist model directory into an HF checkpoint directory.
 
-    The checkpoint is read one layer at a time (all weight kinds of the layer in one load), so peak
-    memory is one layer plus one output shard.
+    The checkpoint is read in pieces that follow its own chunks (rows of one tensor, merged up to
+    ``piece_bytes``), and each piece's rows are written straight to their place in the output's
+    safetensors shards, laid out before the first read (``workers`` writer threads): nothing is
+    buffered, and peak memory is about ``workers + 1`` reads of ``max(piece_bytes, the checkpoint's
+    largest chunk)``, whatever the model's size (docs/checkpoints.md).
     """
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from megatron_klear.platform import init_parallel
@@ -221,6 +277,7 @@ def megatron_to_hf(
     if not dist_ckpt.is_torch_dist(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir}: no torch_dist checkpoint (metadata.json/.metadata) inside")
     init_parallel()  # reading a torch_dist checkpoint needs a process group, even of one
+    workers = workers or default_workers()
     # Only the model's weights: a training checkpoint also holds optimizer state and RNG, a
     # Transformer Engine one _extra_state (the rule is dist_ckpt.is_model_weight_key).
     meta = {
@@ -250,50 +307,72 @@ def megatron_to_hf(
                 f"{ckpt_dir}: '{key}' has leading dimensions {shape[:depth]} (layers/experts), "
                 f"the config implies {lead}"
             )
+    for cname, rule in rules.items():
+        key, index = where[cname]
+        rows = meta[key].global_shape[len(index)]
+        if rule.kind == "vocab" and rows < arch.vocab_size:
+            raise MappingError(f"'{key}' has {rows} rows, fewer than vocab_size={arch.vocab_size} ({ckpt_dir})")
     src_dtype = meta["embedding.word_embeddings.weight"].dtype
     torch_dtype = dtypes.torch_dtype(dtype) if dtype else src_dtype
 
-    # One read per layer (all of its weight kinds and experts in one load), plus one for the
-    # embedding and one for the final norm / head. torch_dist keeps each layer's slice of a stacked
-    # tensor as its own chunk, so a layer's read touches only its bytes: peak memory is one layer
-    # plus one output shard, not a whole [num_layers, ...] stack (7 GB for Qwen3-8B's fused gate/up
-    # weights).
-    outer = [(cname, None) for cname in rules if layer_of(cname) is None]
-    steps = [[t for t in outer if t[0].startswith("embedding.")]]
-    by_layer = [[] for _ in range(arch.num_layers)]
-    for cname in rules:
+    # The output's tensors, in the order of the model (embedding, layer by layer, head), laid out
+    # in shards before anything is read.
+    def place(cname):
         layer = layer_of(cname)
-        if layer is not None:
-            by_layer[layer].append((cname, layer))
-    steps += by_layer + [[t for t in outer if not t[0].startswith("embedding.")]]
-    steps = [step for step in steps if step]
+        return (0, 0) if cname.startswith("embedding.") else (1, layer) if layer is not None else (2, 0)
+
+    order = sorted(rules, key=place)
+    plan = [(h, shape, torch_dtype) for c in order for h, shape in zip(rules[c].hf, hf_shapes(rules[c], arch))]
+    pieces = [p for c in order for p in _read_pieces(c, where[c], meta[where[c][0]], ckpt_dir, piece_bytes)]
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     weights = sum(math.prod(info.global_shape) for info in meta.values()) * torch_dtype.itemsize
     check_free_space(parent, weights, f"exporting {ckpt_dir} to HF")  # (the padded vocabulary included)
-    writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, dtype=torch_dtype)
-    bar = Progress(len(steps), "Megatron -> HF (layers)") if progress else None
+    writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, dtype=torch_dtype, plan=plan)
+    bar = Progress(round(weights / 1e6), "Megatron -> HF", unit="MB") if progress else None
+
+    def write(group, loaded):
+        for i, (cname, start, stop, _) in enumerate(group):
+            rule, (key, index) = rules[cname], where[cname]
+            t = loaded[str(i)].reshape(stop - start, *meta[key].global_shape[len(index) + 1 :])
+            offset = 0
+            for j, a, b in row_sources(rule, arch, meta[key].global_shape[len(index)], start, stop):
+                if j is not None:
+                    writer.write_rows(rule.hf[j], a, t[offset : offset + b - a])
+                offset += b - a
+        return sum(piece[3] for piece in group)
+
     try:
-        for step in steps:
-            request = {}
-            for i, (cname, layer) in enumerate(step):
-                key, index = where[cname]
-                info = meta[key]
-                data = torch.empty((1,) * len(index) + tuple(info.global_shape[len(index) :]), dtype=info.dtype)
-                offsets = [(d, index[d], info.global_shape[d]) for d in range(len(index))]
-                request[str(i)] = ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=0)
-            loaded = dist_checkpointing.load(
-                request, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED, validate_access_integrity=False
-            )
-            for i, (cname, layer) in enumerate(step):
-                rule = rules[cname]
-                tensor = loaded[str(i)].reshape(loaded[str(i)].shape[len(where[cname][1]) :])
-                for hf_name, t in zip(rule.hf, to_hf(rule, tensor, arch)):
-                    writer.add(hf_name, t)  # no copy: a view holds only this step's tensors
-            del loaded, request, data
-            if bar:
-                bar.step(note=step[0][0] if step[0][1] is None else f"layer {step[0][1]}")
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hf-writer") as pool:
+            pending = []
+            for group in _groups(pieces, piece_bytes):
+                request = {}
+                for i, (cname, start, stop, _) in enumerate(group):
+                    key, index = where[cname]
+                    info = meta[key]
+                    shape = (1,) * len(index) + (stop - start,) + tuple(info.global_shape[len(index) + 1 :])
+                    request[str(i)] = dataclasses.replace(
+                        _template(info),
+                        key=key,
+                        data=torch.empty(shape, dtype=info.dtype),
+                        local_shape=shape,
+                        global_shape=tuple(info.global_shape),
+                        global_offset=tuple(index) + (start,) + (0,) * (len(shape) - len(index) - 1),
+                    )
+                loaded = dist_checkpointing.load(
+                    request, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED, validate_access_integrity=False
+                )
+                pending.append(pool.submit(write, group, loaded))
+                del loaded, request
+                while len(pending) > workers:  # at most workers + 1 pieces' reads held at once
+                    done = pending.pop(0).result()
+                    if bar:
+                        bar.step(done / 1e6)
+            for future in pending:
+                done = future.result()
+                if bar:
+                    bar.step(done / 1e6)
         config = dict(arch.hf_config)
         config["torch_dtype"] = dtypes.canonical_name(torch_dtype)
         config.pop("dtype", None)
@@ -307,3 +386,63 @@ def megatron_to_hf(
         writer.abort()
         raise
     return out_dir
+
+
+def _template(info):
+    """An irregular-grid ShardedTensor of ``info``'s dtype (its fields replaced per piece)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    data = torch.empty((1,) * len(info.global_shape), dtype=info.dtype)
+    sh = ShardedTensor.from_rank_offsets("_", data, replica_id=0)
+    return dataclasses.replace(sh, axis_fragmentations=None)
+
+
+def _read_pieces(cname: str, location: tuple, info, ckpt_dir: str, piece_bytes: int) -> list:
+    """``(cname, start, stop, nbytes)`` row ranges of one canonical tensor, cut at the checkpoint's own
+    chunk boundaries (a read never splits a stored chunk, which torch_dist would read whole for
+    each part) and merged up to ``piece_bytes``."""
+    key, index = location
+    depth = len(index)
+    shape = tuple(info.global_shape)
+    rows = shape[depth]
+    row_bytes = math.prod(shape[depth + 1 :]) * info.dtype.itemsize
+    cuts = {0, rows}
+    for chunk in _stored_chunks(ckpt_dir).get(key, ()):
+        offsets, sizes = chunk
+        if tuple(offsets[:depth]) == tuple(index) or depth == 0:
+            cuts |= {offsets[depth], offsets[depth] + sizes[depth]}
+    cuts = sorted(c for c in cuts if 0 <= c <= rows)
+    out, start = [], 0
+    for cut in cuts[1:]:
+        if cut == rows or (cut - start) * row_bytes >= piece_bytes:
+            out.append((cname, start, cut, (cut - start) * row_bytes))
+            start = cut
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _stored_chunks(ckpt_dir: str) -> dict:
+    """The checkpoint's stored chunks, ``{key: [(offsets, sizes), ...]}`` (torch_dist's metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(ckpt_dir).read_metadata()
+    return {
+        key: [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+def _groups(pieces: list, piece_bytes: int):
+    """Consecutive ``(cname, start, stop, nbytes)`` pieces read in one load: up to ``piece_bytes``
+    in all (a larger piece alone)."""
+    group, size = [], 0
+    for piece in pieces:
+        if group and size + piece[3] > piece_bytes:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += piece[3]
+    if group:
+        yield group

@@ -65,9 +65,10 @@ def save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
-def save(sharded: dict, directory: str) -> None:
+def save(sharded: dict, directory: str, strategy=None) -> None:
     """``dist_checkpointing.save`` of ``sharded`` into ``directory`` (torch_dist, synchronous): the
-    one way the package writes a distributed checkpoint (training checkpoints, conversion).
+    one way the package writes a distributed checkpoint (training checkpoints, conversion, which
+    passes its own ``strategy``: :mod:`megatron_klear.checkpoint.streaming_save`).
 
     Megatron's torch_dist writer (``FileSystemWriterAsync``) hands each rank's write results to that
     same rank through a module-level queue, which it creates on first use as a spawn-context
@@ -87,7 +88,7 @@ def save(sharded: dict, directory: str) -> None:
         filesystem_async = None
     if filesystem_async is not None and getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
-    dist_checkpointing.save(sharded, directory, sharded_strategy=save_strategy())
+    dist_checkpointing.save(sharded, directory, sharded_strategy=strategy or save_strategy())
 
 
 # -- which checkpoint keys matter ----------------------------------------------------------------

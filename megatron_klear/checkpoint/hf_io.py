@@ -1,13 +1,16 @@
 """Reading and writing HF safetensors checkpoints, one tensor / one shard at a time.
 
-Nothing here holds a whole model: the reader opens shards lazily and hands out single tensors;
-the writer buffers tensors up to ``max_shard_bytes`` and flushes each shard to disk. Output goes
-to a temporary directory that is renamed into place when complete.
+Nothing here holds a whole model: the reader hands out single tensors, or their rows, read from
+the shards on demand; the writer either buffers tensors up to ``max_shard_bytes`` per shard or,
+given the tensors' plan, writes rows straight to their place in the shards. Output goes to a
+temporary directory that is renamed into place when complete. The file format itself is
+:mod:`megatron_klear.checkpoint.safetensors_file`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -15,6 +18,7 @@ import time
 
 import torch
 
+from megatron_klear.checkpoint.safetensors_file import SafetensorsWriter, TensorRows, UnreadableFileError, read_header
 from megatron_klear.utils import atomic
 
 TOKENIZER_FILES = (
@@ -30,41 +34,16 @@ TOKENIZER_FILES = (
 )
 
 
-class UnreadableFileError(ValueError):
-    """An input file that exists but cannot be read (truncated, corrupt); the message names it."""
-
-
-def _safetensors_error():
-    try:
-        from safetensors import SafetensorError
-
-        return SafetensorError
-    except ImportError:  # pragma: no cover - older safetensors
-        return Exception
-
-
-def open_safetensors(path: str):
-    """``safe_open(path)``, failing with an error that names the file (safetensors' own says
-    only e.g. "incomplete metadata, file not fully covered")."""
-    from safetensors import safe_open
-
-    try:
-        return safe_open(path, framework="pt")
-    except (_safetensors_error(), OSError) as e:
-        raise UnreadableFileError(
-            f"{path}: cannot read this safetensors file ({e}); it is probably truncated or corrupt "
-            "(an interrupted download or copy): fetch it again"
-        ) from None
-
-
 class HFReader:
-    """Lazy access to the tensors of an HF checkpoint directory (sharded or not). Every failure
-    to read a file names it."""
+    """Lazy access to the tensors of an HF checkpoint directory (sharded or not): :meth:`rows`
+    hands out a tensor to read by rows, :meth:`get` a whole one. Every failure to read a file
+    names it. Safe to use from several threads (each read opens the file on its own)."""
 
     def __init__(self, hf_dir: str):
         self.dir = hf_dir
         index = os.path.join(hf_dir, "model.safetensors.index.json")
         single = os.path.join(hf_dir, "model.safetensors")
+        self._headers = {}
         if os.path.isfile(index):
             try:
                 with open(index, encoding="utf-8") as f:
@@ -72,8 +51,7 @@ class HFReader:
             except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise UnreadableFileError(f"{index}: not a valid safetensors index ({e})") from None
         elif os.path.isfile(single):
-            with open_safetensors(single) as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+            self.weight_map = {k: "model.safetensors" for k in self._header("model.safetensors")}
         else:
             raise FileNotFoundError(
                 f"{hf_dir}: no model.safetensors or model.safetensors.index.json "
@@ -82,7 +60,12 @@ class HFReader:
         for fname in sorted(set(self.weight_map.values())):
             if not os.path.isfile(os.path.join(hf_dir, fname)):
                 raise FileNotFoundError(f"{hf_dir}: shard '{fname}' named in the index is missing")
-        self._handles = {}
+
+    def _header(self, fname: str) -> dict:
+        header = self._headers.get(fname)
+        if header is None:
+            header = self._headers[fname] = read_header(os.path.join(self.dir, fname))
+        return header
 
     def keys(self) -> set:
         return set(self.weight_map)
@@ -98,28 +81,36 @@ class HFReader:
         """The file that holds tensor ``key``."""
         return os.path.join(self.dir, self.weight_map[key])
 
-    def get(self, key: str) -> torch.Tensor:
+    def rows(self, key: str) -> TensorRows:
+        """Tensor ``key``, not read yet: ``shape``, ``dtype``, and ``[a:b]`` reads rows a..b."""
         if key not in self.weight_map:
             raise KeyError(f"{self.dir}: tensor '{key}' is not in the checkpoint")
         fname = self.weight_map[key]
-        path = os.path.join(self.dir, fname)
-        handle = self._handles.get(fname)
-        if handle is None:
-            handle = open_safetensors(path)
-            self._handles = {fname: handle}  # keep one shard open at a time
-        try:
-            return handle.get_tensor(key)
-        except _safetensors_error() as e:
-            raise UnreadableFileError(f"{path}: cannot read tensor '{key}' ({e})") from None
+        header = self._header(fname)
+        if key not in header:
+            raise UnreadableFileError(
+                f"{self.path_of(key)}: tensor '{key}' is not in this file, although the index names it"
+            )
+        return header[key]
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.rows(key)[:]
 
     def close(self):
-        self._handles = {}
+        self._headers = {}
 
 
 class HFWriter:
-    """Write tensors into size-capped safetensors shards plus the index, atomically."""
+    """Write tensors into size-capped safetensors shards plus the index, atomically (a temporary
+    directory renamed into place by :meth:`finish`).
 
-    def __init__(self, out_dir: str, max_shard_bytes: int = 2 * 1024**3, dtype=None):
+    Two ways to fill it. :meth:`add` buffers whole tensors and writes a shard once
+    ``max_shard_bytes`` are buffered. With ``plan`` (every tensor's ``(name, shape)`` in order,
+    known before the data), the shards and their headers are laid out at once and
+    :meth:`write_rows` puts any rows of any tensor at their place, from any thread: nothing is
+    buffered, each byte is written once."""
+
+    def __init__(self, out_dir: str, max_shard_bytes: int = 2 * 1024**3, dtype=None, plan: list | None = None):
         self.out_dir = os.path.abspath(out_dir)
         parent = os.path.dirname(self.out_dir)
         os.makedirs(parent, exist_ok=True)
@@ -128,8 +119,45 @@ class HFWriter:
         self.dtype = dtype
         self._buffer, self._buffer_bytes, self._shards = {}, 0, []
         self.weight_map, self.total_bytes = {}, 0
+        self._files = {}  # shard file -> SafetensorsWriter (a planned writer's open shards)
+        if plan is not None:
+            self._lay_out(plan)
+
+    def _lay_out(self, plan: list) -> None:
+        shard, shard_bytes, shards = [], 0, []
+        for name, shape, dtype in plan:
+            dtype = self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
+            nbytes = math.prod(shape) * dtype.itemsize
+            if shard and shard_bytes + nbytes > self.max_shard_bytes:
+                shards.append(shard)
+                shard, shard_bytes = [], 0
+            shard.append((name, tuple(shape), dtype))
+            shard_bytes += nbytes
+        shards += [shard] if shard else []
+        for entries in shards:
+            fname = self._next_shard()
+            self._files[fname] = SafetensorsWriter(os.path.join(self.tmp, fname), entries, {"format": "pt"})
+            for name, shape, dtype in entries:
+                if name in self.weight_map:
+                    raise ValueError(f"tensor '{name}' planned twice")
+                self.weight_map[name] = fname
+                self.total_bytes += math.prod(shape) * dtype.itemsize
+
+    def _next_shard(self) -> str:
+        fname = f"model-{len(self._shards) + 1:05d}.safetensors"
+        self._shards.append(fname)
+        return fname
+
+    def write_rows(self, name: str, start: int, tensor: torch.Tensor) -> None:
+        """Rows ``start, start + len(tensor)`` of planned tensor ``name``."""
+        if name not in self.weight_map or not self._files:
+            raise KeyError(f"tensor '{name}' is not in the writer's plan")
+        self._files[self.weight_map[name]].write_rows(name, start, tensor)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._files:
+            self.write_rows(name, 0, tensor)
+            return
         if name in self.weight_map or name in self._buffer:
             raise ValueError(f"tensor '{name}' written twice")
         if self.dtype is not None and tensor.is_floating_point():
@@ -141,19 +169,25 @@ class HFWriter:
         self._buffer_bytes += nbytes
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self._buffer:
             return
-        fname = f"model-{len(self._shards) + 1:05d}.safetensors"
-        save_file(self._buffer, os.path.join(self.tmp, fname), metadata={"format": "pt"})
+        fname = self._next_shard()
+        entries = [(k, tuple(t.shape), t.dtype) for k, t in self._buffer.items()]
+        out = SafetensorsWriter(os.path.join(self.tmp, fname), entries, {"format": "pt"})
+        try:
+            for k, t in self._buffer.items():
+                out.write_rows(k, 0, t)
+        finally:
+            out.close()
         for k in self._buffer:
             self.weight_map[k] = fname
         self.total_bytes += self._buffer_bytes
-        self._shards.append(fname)
         self._buffer, self._buffer_bytes = {}, 0
 
     def finish(self, config: dict, tokenizer_dir: str | None = None, manifest: dict | None = None) -> str:
+        files, self._files = self._files, {}
+        for out in files.values():
+            out.close(sync=True)
         self._flush()
         n = len(self._shards)
         renames = {}
@@ -177,6 +211,9 @@ class HFWriter:
         return self.out_dir
 
     def abort(self) -> None:
+        for out in self._files.values():
+            out.abort()
+        self._files = {}
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

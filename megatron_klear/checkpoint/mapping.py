@@ -207,49 +207,75 @@ def hf_shapes(rule: Rule, arch: ModelArch) -> list[tuple]:
     return [(h,)]
 
 
-def to_megatron(rule: Rule, tensors: list, arch: ModelArch, padded_vocab: int) -> torch.Tensor:
-    """HF tensors (in ``rule.hf`` order) -> the full canonical Megatron tensor."""
+def check_hf_shapes(rule: Rule, tensors: list, arch: ModelArch) -> None:
+    """The HF tensors (anything with ``shape``) have the shapes the config implies."""
     for name, t, shape in zip(rule.hf, tensors, hf_shapes(rule, arch)):
         _check_shape(name, t, shape)
-    if rule.kind == "copy":
-        return tensors[0]
+
+
+def megatron_rows(rule: Rule, arch: ModelArch, padded_vocab: int) -> int:
+    """Rows (first dimension) of the full canonical Megatron tensor."""
+    shapes = hf_shapes(rule, arch)
     if rule.kind == "vocab":
-        t = tensors[0]
-        if padded_vocab == t.shape[0]:
-            return t
-        out = t.new_zeros((padded_vocab, *t.shape[1:]))
-        out[: t.shape[0]] = t
-        return out
-    if rule.kind == "gate_up":
-        return torch.cat(tensors, dim=0)
-    # qkv: interleave per KV group
-    g, d, qg = arch.num_kv_heads, arch.head_dim, arch.q_per_group
-    qt, kt, vt = (t.reshape(g, -1, d, *t.shape[1:]) for t in tensors)
-    assert qt.shape[1] == qg
-    return torch.cat([qt, kt, vt], dim=1).reshape(-1, *tensors[0].shape[1:])
+        return padded_vocab
+    return sum(s[0] for s in shapes)
+
+
+def row_sources(rule: Rule, arch: ModelArch, padded_vocab: int, start: int, stop: int) -> list:
+    """Where rows ``[start, stop)`` of the full canonical Megatron tensor come from, in order:
+    ``(hf_index, first, last)`` segments (rows ``first:last`` of ``rule.hf[hf_index]``), and
+    ``(None, 0, n)`` for ``n`` zero rows (the vocabulary's padding). The one statement of the row
+    layouts in the module docstring: both directions, whole tensors and pieces, go through it."""
+    rows = megatron_rows(rule, arch, padded_vocab)
+    if not 0 <= start <= stop <= rows:
+        raise MappingError(f"rows [{start}, {stop}) of '{rule.megatron}' (it has {rows})")
+    if rule.kind == "qkv":  # per group g: [q rows of g, k rows of g, v rows of g]
+        d, qg = arch.head_dim, arch.q_per_group
+        layout = [(j, size) for _ in range(arch.num_kv_heads) for j, size in ((0, qg * d), (1, d), (2, d))]
+    elif rule.kind == "vocab":
+        layout = [(0, arch.vocab_size), (None, padded_vocab - arch.vocab_size)]
+    else:  # copy, gate_up: the HF tensors one after the other
+        layout = [(j, s[0]) for j, s in enumerate(hf_shapes(rule, arch))]
+    out, offset, taken = [], 0, {}
+    for j, size in layout:
+        first = taken.get(j, 0)  # rows of HF tensor j laid out before this block
+        lo, hi = max(start, offset), min(stop, offset + size)
+        if lo < hi:
+            a = 0 if j is None else first + lo - offset
+            out.append((j, a, a + hi - lo))
+        taken[j] = first + size
+        offset += size
+    return out
+
+
+def to_megatron(rule: Rule, tensors: list, arch: ModelArch, padded_vocab: int, start: int = 0, stop=None):
+    """HF tensors (in ``rule.hf`` order; each may be a lazy row source with ``[a:b]`` slicing) ->
+    rows ``[start, stop)`` of the canonical Megatron tensor (all of it by default)."""
+    check_hf_shapes(rule, tensors, arch)
+    stop = megatron_rows(rule, arch, padded_vocab) if stop is None else stop
+    parts = []
+    for j, a, b in row_sources(rule, arch, padded_vocab, start, stop):
+        if j is None:
+            ref = tensors[0]
+            parts.append(torch.zeros((b - a, *ref.shape[1:]), dtype=ref.dtype))
+        else:
+            parts.append(tensors[j][a:b])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def to_hf(rule: Rule, tensor: torch.Tensor, arch: ModelArch) -> list:
     """The full canonical Megatron tensor -> HF tensors in ``rule.hf`` order."""
-    if rule.kind == "copy":
-        out = [tensor]
-    elif rule.kind == "vocab":
-        if tensor.shape[0] < arch.vocab_size:
-            raise MappingError(
-                f"tensor '{rule.megatron}' has {tensor.shape[0]} rows, fewer than vocab_size={arch.vocab_size}"
-            )
-        out = [tensor[: arch.vocab_size]]
-    elif rule.kind == "gate_up":
-        out = list(torch.chunk(tensor, 2, dim=0))
-    else:
-        g, d, qg = arch.num_kv_heads, arch.head_dim, arch.q_per_group
-        t = tensor.reshape(g, qg + 2, d, *tensor.shape[1:])
-        out = [
-            t[:, :qg].reshape(g * qg * d, *tensor.shape[1:]),
-            t[:, qg].reshape(g * d, *tensor.shape[1:]),
-            t[:, qg + 1].reshape(g * d, *tensor.shape[1:]),
-        ]
-    out = [o.contiguous() for o in out]
+    if rule.kind == "vocab" and tensor.shape[0] < arch.vocab_size:
+        raise MappingError(
+            f"tensor '{rule.megatron}' has {tensor.shape[0]} rows, fewer than vocab_size={arch.vocab_size}"
+        )
+    out = [[] for _ in rule.hf]
+    offset = 0
+    for j, a, b in row_sources(rule, arch, tensor.shape[0], 0, tensor.shape[0]):
+        if j is not None:
+            out[j].append(tensor[offset : offset + b - a])
+        offset += b - a
+    out = [(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)).contiguous() for parts in out]
     for name, t, shape in zip(rule.hf, out, hf_shapes(rule, arch)):
         _check_shape(name, t, shape)
     return out

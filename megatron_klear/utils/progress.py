@@ -38,7 +38,8 @@ class Progress:
         elapsed = now - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         errors = f", {self.errors} errors" if self.count_errors else ""
-        head = f"{self.what}: {self.done}/{self.total} {self.unit}"
+        done = f"{self.done:.0f}" if isinstance(self.done, float) else self.done
+        head = f"{self.what}: {done}/{self.total} {self.unit}"
         if finished:
             line = f"{head} in {format_seconds(elapsed)} ({rate:.1f} {self.unit}/s)"
         else:
