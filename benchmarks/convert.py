@@ -74,6 +74,74 @@ QWEN3_0_6B = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+# Qwen3 shapes (the Hub's config.json), random weights; "moe" is Qwen3-30B-A3B's layer (128 experts
+# of width 768) with 4 of its 48 layers, the large MoE models only in the extrapolation.
+_QWEN3 = dict(max_position_embeddings=40960, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, head_dim=128)
+SHAPES = {
+    "0.6B": QWEN3_0_6B,
+    "1.7B": dict(
+        _QWEN3,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "4B": dict(
+        _QWEN3,
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "8B": dict(
+        _QWEN3,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "moe": dict(
+        _QWEN3,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+}
+EXTRAPOLATE = {  # not built: their bytes from the same tensor list
+    "32B": dict(
+        _QWEN3,
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+    "30B-A3B": dict(SHAPES["moe"], num_hidden_layers=48),
+    "235B-A22B": dict(
+        SHAPES["moe"], hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, moe_intermediate_size=1536
+    ),
+}
+SCALING = ("0.6B", "1.7B", "4B", "8B", "moe")
+HUB_SHARD = 4 * 1000**3  # the Hub's Qwen3 checkpoints come in shards of about 4 GB
 GiB = 1024**3
 MiB = 1024**2
 UNLIMITED_SHARD = 50 * 10**9  # transformers' save_pretrained default (one file for this model)
@@ -98,9 +166,24 @@ def _tensor_specs(cfg: dict) -> list:
             (p + "self_attn.o_proj.weight", (h, nq * d)),
             (p + "self_attn.q_norm.weight", (d,)),
             (p + "self_attn.k_norm.weight", (d,)),
-            (p + "mlp.gate_proj.weight", (f, h)),
-            (p + "mlp.up_proj.weight", (f, h)),
-            (p + "mlp.down_proj.weight", (h, f)),
+        ]
+        if cfg.get("num_experts"):
+            e, m = cfg["num_experts"], cfg["moe_intermediate_size"]
+            specs.append((p + "mlp.gate.weight", (e, h)))
+            for j in range(e):
+                q = f"{p}mlp.experts.{j}."
+                specs += [
+                    (q + "gate_proj.weight", (m, h)),
+                    (q + "up_proj.weight", (m, h)),
+                    (q + "down_proj.weight", (h, m)),
+                ]
+        else:
+            specs += [
+                (p + "mlp.gate_proj.weight", (f, h)),
+                (p + "mlp.up_proj.weight", (f, h)),
+                (p + "mlp.down_proj.weight", (h, f)),
+            ]
+        specs += [
             (p + "input_layernorm.weight", (h,)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
@@ -131,12 +214,14 @@ def phase_make(args) -> dict:
     """Write the random bf16 checkpoint shard by shard (one shard's tensors in memory at a time)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    config = Qwen3Config(
-        **QWEN3_0_6B, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, dtype="bfloat16"
+    shape = SHAPES[args.shape]
+    moe = bool(shape.get("num_experts"))
+    config = (Qwen3MoeConfig if moe else Qwen3Config)(
+        **shape, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, dtype="bfloat16"
     )
-    config.architectures = ["Qwen3ForCausalLM"]
+    config.architectures = ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"]
     cfg = config.to_dict()
     specs = _tensor_specs(cfg)
     cap = args.max_shard_bytes
@@ -248,10 +333,12 @@ def phase_verify(args) -> dict:
     sys.path.insert(0, REPO)
     from megatron_klear.checkpoint.hf_io import HFReader
 
+    shape = SHAPES[args.shape]
+    model_type = "qwen3_moe" if shape.get("num_experts") else "qwen3"
     for d in (args.src, args.dst):
         c = AutoConfig.from_pretrained(d)
-        got = {k: getattr(c, k) for k in QWEN3_0_6B}
-        if c.model_type != "qwen3" or got != QWEN3_0_6B:
+        got = {k: getattr(c, k) for k in shape}
+        if c.model_type != model_type or got != shape:
             raise SystemExit(f"{d}/config.json: transformers reads {c.model_type} {got}")
     out = HFReader(args.dst)
     seen, mismatches, compared = set(), [], 0
@@ -331,7 +418,23 @@ def _own_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def run_phase(phase: str, src: str | None, dst: str, max_shard_bytes: int, interval: float = 0.01) -> dict:
+def _io(pid: int) -> dict:
+    """/proc/<pid>/io: write_bytes (sent to the storage layer, counted when pages are dirtied),
+    wchar (bytes handed to write calls)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                k, v = line.split(":")
+                out[k] = int(v)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return out
+
+
+def run_phase(
+    phase: str, src: str | None, dst: str, max_shard_bytes: int, shape: str = "0.6B", interval: float = 0.01
+) -> dict:
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -341,12 +444,15 @@ def run_phase(phase: str, src: str | None, dst: str, max_shard_bytes: int, inter
         dst,
         "--max-shard-bytes",
         str(max_shard_bytes),
+        "--shape",
+        shape,
     ]
     if src:
         cmd += ["--src", src]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     peak = {"anon": 0, "pss": 0, "procs": 1}
+    io = {}  # pid -> its last /proc/<pid>/io (the child's own comes back in its RESULT)
     done = threading.Event()
 
     def poll():
@@ -360,6 +466,8 @@ def run_phase(phase: str, src: str | None, dst: str, max_shard_bytes: int, inter
             peak["anon"] = max(peak["anon"], anon * 1024)
             peak["pss"] = max(peak["pss"], pss * 1024)
             peak["procs"] = max(peak["procs"], len(pids))
+            for p in pids[1:]:
+                io[p] = _io(p) or io.get(p, {})
             time.sleep(interval)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -376,6 +484,8 @@ def run_phase(phase: str, src: str | None, dst: str, max_shard_bytes: int, inter
     if not lines:
         raise SystemExit(f"phase {phase} printed no RESULT line; output:\n{stdout[-2000:]}")
     result = json.loads(lines[-1][len("RESULT ") :])
+    own = result.pop("io", {})
+    result["write_bytes"] = own.get("write_bytes", 0) + sum(v.get("write_bytes", 0) for v in io.values())
     result.update(
         wall=wall, peak_rss=usage.ru_maxrss * 1024, peak_anon=peak["anon"], peak_pss=peak["pss"], procs=peak["procs"]
     )
@@ -484,6 +594,14 @@ def main():
     ap.add_argument("--src", help=argparse.SUPPRESS)
     ap.add_argument("--dst", help=argparse.SUPPRESS)
     ap.add_argument("--max-shard-bytes", type=int, default=UNLIMITED_SHARD, help=argparse.SUPPRESS)
+    ap.add_argument("--shape", default="0.6B", choices=sorted(SHAPES), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--scaling",
+        nargs="*",
+        metavar="SHAPE",
+        help=f"the scaling run: each of these shapes (default {' '.join(SCALING)}), each direction: "
+        "peak anonymous memory, bytes written, time against the plain copy; then the extrapolation",
+    )
     ap.add_argument(
         "--shard-mb",
         type=int,
@@ -498,9 +616,13 @@ def main():
 
     if args.phase:
         result = PHASES[args.phase](args)
+        result["io"] = _io(os.getpid())
         print("RESULT " + json.dumps(result), flush=True)
         return
 
+    if args.scaling is not None:
+        scaling(args, [s for s in (args.scaling or SCALING)])
+        return
     free = shutil.disk_usage(args.workdir).free
     need = 7 * GiB  # source, baseline copy, torch_dist + its staging files, round trip: ~1.1 GiB each
     if free < need:
@@ -513,6 +635,141 @@ def main():
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if not all(r["verify"]["bit_exact"] for r in results):
+        raise SystemExit("round trip is NOT bit-exact")
+
+
+def model_bytes(shape: dict) -> int:
+    return 2 * sum(_numel(s) for _, s in _tensor_specs(shape))
+
+
+def bench_shape(work: str, name: str) -> dict:
+    """One shape of the scaling run: make, plain copy (with and without fsync), both directions,
+    verify; every directory removed before the next shape."""
+    d = {k: os.path.join(work, f"{k}-{name}") for k in ("src", "base", "mg", "back")}
+    try:
+        made = run_phase("make", None, d["src"], HUB_SHARD, name)
+        print(
+            f"[{name}] {made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.2f} GB in {made['shards']} "
+            f"shard(s), made in {made['wall']:.0f} s",
+            flush=True,
+        )
+        rows = {}
+        for phase, src, dst in (
+            ("baseline", d["src"], d["base"]),
+            ("baseline_fsync", d["src"], d["base"]),
+            ("to_megatron", d["src"], d["mg"]),
+            ("to_hf", d["mg"], d["back"]),
+        ):
+            shutil.rmtree(dst, ignore_errors=True)
+            warm(src)
+            rows[phase] = r = run_phase(phase, src, dst, HUB_SHARD, name)
+            r["output_bytes"] = dir_bytes(dst)
+            print(
+                f"[{name}] {phase:14s} {r['seconds']:7.1f} s  anon {r['peak_anon'] / GiB:6.3f} GiB "
+                f"(floor {r['anon_floor'] / GiB:.3f})  written {r['write_bytes'] / 1e9:7.2f} GB for "
+                f"{r['output_bytes'] / 1e9:7.2f} GB of output",
+                flush=True,
+            )
+            if phase == "baseline_fsync":
+                shutil.rmtree(d["base"], ignore_errors=True)  # (room for the next outputs)
+        check = run_phase("verify", d["src"], d["back"], HUB_SHARD, name)
+        print(
+            f"[{name}] round trip bit-exact: {check['bit_exact']}"
+            + ("" if check["bit_exact"] else f" {check['mismatches']}"),
+            flush=True,
+        )
+        return {"shape": name, "made": made, "rows": rows, "verify": check}
+    finally:
+        for v in d.values():
+            shutil.rmtree(v, ignore_errors=True)
+
+
+def _fit(xs: list, ys: list) -> tuple:
+    """Least-squares line y = a + b x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def scaling(args, names: list) -> None:
+    biggest = max(model_bytes(SHAPES[n]) for n in names)
+    free = shutil.disk_usage(args.workdir).free
+    if free < 3.2 * biggest:
+        raise SystemExit(
+            f"--workdir {args.workdir}: {free / 1e9:.0f} GB free, the scaling run needs "
+            f"~{3.2 * biggest / 1e9:.0f} GB (source, torch_dist, round trip of the largest shape)"
+        )
+    work = tempfile.mkdtemp(prefix="bench-convert-scaling-", dir=args.workdir)
+    try:
+        results = [bench_shape(work, n) for n in names]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(
+        "| shape | GB | direction | s | plain copy s (fsync'ed) | ratio | peak anon GiB | anon above floor GiB "
+        "| written GB | output GB | written / output |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for res in results:
+        rows, gb = res["rows"], res["made"]["bytes"] / 1e9
+        base, basef = rows["baseline"]["seconds"], rows["baseline_fsync"]["seconds"]
+        for phase in ("to_megatron", "to_hf"):
+            r = rows[phase]
+            print(
+                f"| {res['shape']} | {gb:.2f} | {phase} | {r['seconds']:.1f} | {base:.1f} ({basef:.1f}) | "
+                f"{r['seconds'] / base:.2f} | {r['peak_anon'] / GiB:.3f} | "
+                f"{(r['peak_anon'] - r['anon_floor']) / GiB:.3f} | {r['write_bytes'] / 1e9:.2f} | "
+                f"{r['output_bytes'] / 1e9:.2f} | {r['write_bytes'] / max(1, r['output_bytes']):.3f} |"
+            )
+        trip = rows["to_megatron"]["seconds"] + rows["to_hf"]["seconds"]
+        res["round_trip_ratio"] = trip / base
+        res["round_trip_ratio_fsync"] = trip / basef
+        print(
+            f"| {res['shape']} | {gb:.2f} | round trip | {trip:.1f} | {base:.1f} ({basef:.1f}) | "
+            f"{trip / base:.2f} ({trip / basef:.2f} fsync'ed) | | | | | |"
+        )
+    by = {r["shape"]: r for r in results}
+    print()
+    if "0.6B" in by and "8B" in by:
+        for phase in ("to_megatron", "to_hf"):
+            ratio = by["8B"]["rows"][phase]["peak_anon"] / by["0.6B"]["rows"][phase]["peak_anon"]
+            print(f"target: peak anon 8B / 0.6B, {phase}: {ratio:.2f} (<= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})")
+    worst = max(
+        r["rows"][p]["write_bytes"] / max(1, r["rows"][p]["output_bytes"])
+        for r in results
+        for p in ("to_megatron", "to_hf")
+    )
+    print(f"target: bytes written / output, worst: {worst:.3f} (<= 1.05: {'met' if worst <= 1.05 else 'NOT met'})")
+    for n in ("4B", "8B"):
+        if n in by:
+            r = by[n]["round_trip_ratio"]
+            print(
+                f"target: round trip / plain copy at {n}: {r:.2f} (<= 2: {'met' if r <= 2 else 'NOT met'}; "
+                f"{by[n]['round_trip_ratio_fsync']:.2f} against the fsync'ed copy)"
+            )
+    dense = [r for r in results if r["shape"] != "moe"]
+    if len(dense) >= 2:
+        print()
+        print("extrapolation (a line through the measured sizes; dense fit, and MoE from the same line):")
+        print("| model | GB of bf16 | direction | peak anon GiB | disk GB (output + source) | s |")
+        print("|---|---|---|---|---|---|")
+        xs = [r["made"]["bytes"] for r in dense]
+        for phase in ("to_megatron", "to_hf"):
+            anon = _fit(xs, [r["rows"][phase]["peak_anon"] for r in dense])
+            secs = _fit(xs, [r["rows"][phase]["seconds"] for r in dense])
+            wr = max(r["rows"][phase]["write_bytes"] / max(1, r["rows"][phase]["output_bytes"]) for r in dense)
+            for name, shape in EXTRAPOLATE.items():
+                x = model_bytes(shape)
+                print(
+                    f"| {name} | {x / 1e9:.0f} | {phase} | {(anon[0] + anon[1] * x) / GiB:.2f} | "
+                    f"{x * (1 + wr) / 1e9:.0f} | {secs[0] + secs[1] * x:.0f} |"
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

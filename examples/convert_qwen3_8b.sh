@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Qwen3-8B: HF -> Megatron torch_dist, a logits parity check at TP=2, and back to HF.
-# Needs ~20 GB of RAM (bf16 weights stream tensor by tensor) and no GPU.
+# Needs a few GB of RAM (the weights stream in pieces of --piece-mb, 64 MiB) and no GPU.
 set -euo pipefail
 HF=${HF:-/models/Qwen3-8B}
 OUT=${OUT:-ckpt/qwen3-8b}

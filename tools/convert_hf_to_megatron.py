@@ -16,8 +16,10 @@ def main(argv=None):
     p.add_argument("--pp", type=int, default=1, help="PP size the model will be trained with (validated, recorded)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the HF config's dtype")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    from megatron_klear.checkpoint.convert import add_io_arguments, hf_to_megatron, io_kwargs
+
+    add_io_arguments(p)
     args = p.parse_args(argv)
-    from megatron_klear.checkpoint.convert import hf_to_megatron
 
     try:
         out = hf_to_megatron(
@@ -27,6 +29,7 @@ def main(argv=None):
             pp=args.pp,
             dtype=args.dtype,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            **io_kwargs(args),
         )
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,14 +19,20 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output HF directory (written atomically)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: the checkpoint's dtype")
     p.add_argument(
-        "--max-shard-size-gb", type=float, default=2.0, help="output shard size; one shard is buffered in memory"
+        "--max-shard-size-gb", type=float, default=2.0, help="output shard size (shards are laid out up front)"
     )
+    from megatron_klear.checkpoint.convert import add_io_arguments, io_kwargs, megatron_to_hf
+
+    add_io_arguments(p)
     args = p.parse_args(argv)
-    from megatron_klear.checkpoint.convert import megatron_to_hf
 
     try:
         out = megatron_to_hf(
-            args.ckpt, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_size_gb * 1024**3)
+            args.ckpt,
+            args.out,
+            dtype=args.dtype,
+            max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
+            **io_kwargs(args),
         )
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

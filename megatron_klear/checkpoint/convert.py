@@ -108,6 +108,26 @@ def default_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
+def add_io_arguments(parser) -> None:
+    """The conversion tools' shared flags: threads and piece size (both directions)."""
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="threads that read and write pieces (default: the cores this process may use, up to 8)",
+    )
+    parser.add_argument(
+        "--piece-mb",
+        type=float,
+        default=PIECE_BYTES / 1024**2,
+        help="largest piece of a tensor held at once, MiB (peak memory is about workers x a few pieces)",
+    )
+
+
+def io_kwargs(args) -> dict:
+    return {"workers": args.workers, "piece_bytes": max(1, int(args.piece_mb * 1024**2))}
+
+
 class _Pieces:
     """Rows of the canonical Megatron tensors, made from the HF source on demand: a checkpoint
     piece (key, offsets, sizes) -> its tensor, read straight from the safetensors rows it needs."""

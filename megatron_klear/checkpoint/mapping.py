@@ -249,18 +249,29 @@ def row_sources(rule: Rule, arch: ModelArch, padded_vocab: int, start: int, stop
 
 
 def to_megatron(rule: Rule, tensors: list, arch: ModelArch, padded_vocab: int, start: int = 0, stop=None):
-    """HF tensors (in ``rule.hf`` order; each may be a lazy row source with ``[a:b]`` slicing) ->
-    rows ``[start, stop)`` of the canonical Megatron tensor (all of it by default)."""
+    """HF tensors (in ``rule.hf`` order) -> rows ``[start, stop)`` of the canonical Megatron tensor
+    (all of it by default). A tensor may also be a lazy row source (``shape``, ``dtype`` and
+    ``read_into(out, a, b)``, as :class:`~megatron_klear.checkpoint.safetensors_file.TensorRows`):
+    its rows are then read straight into the result, which is allocated once."""
     check_hf_shapes(rule, tensors, arch)
     stop = megatron_rows(rule, arch, padded_vocab) if stop is None else stop
-    parts = []
-    for j, a, b in row_sources(rule, arch, padded_vocab, start, stop):
+    segments = row_sources(rule, arch, padded_vocab, start, stop)
+    if len(segments) == 1 and segments[0][0] is not None and isinstance(tensors[segments[0][0]], torch.Tensor):
+        j, a, b = segments[0]
+        return tensors[j][a:b]  # a view: no copy
+    ref = tensors[0]
+    out = torch.empty((stop - start, *ref.shape[1:]), dtype=ref.dtype)
+    offset = 0
+    for j, a, b in segments:
+        dst = out[offset : offset + b - a]
         if j is None:
-            ref = tensors[0]
-            parts.append(torch.zeros((b - a, *ref.shape[1:]), dtype=ref.dtype))
+            dst.zero_()
+        elif isinstance(tensors[j], torch.Tensor):
+            dst.copy_(tensors[j][a:b])
         else:
-            parts.append(tensors[j][a:b])
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            tensors[j].read_into(dst, a, b)
+        offset += b - a
+    return out
 
 
 def to_hf(rule: Rule, tensor: torch.Tensor, arch: ModelArch) -> list:

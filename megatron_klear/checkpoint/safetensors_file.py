@@ -10,6 +10,7 @@ start. The files written here load in ``safetensors`` and ``transformers`` (test
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -68,15 +69,23 @@ class TensorRows:
         return self.read(a, max(a, b))
 
     def read(self, a: int, b: int) -> torch.Tensor:
-        """Rows ``[a, b)``, one ``pread`` into a fresh tensor (the GIL is released while reading)."""
-        out = torch.empty(b - a, self.row_bytes, dtype=torch.uint8)
-        view = memoryview(out.numpy()).cast("B")
+        """Rows ``[a, b)`` as a fresh tensor."""
+        out = torch.empty((b - a, *self.shape[1:]) if self.shape else (), dtype=self.dtype)
+        return self.read_into(out, a, b)
+
+    def read_into(self, out: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """Rows ``[a, b)`` into ``out`` (contiguous, of this dtype): one ``pread``, the GIL released
+        while reading."""
+        if out.dtype != self.dtype or not out.is_contiguous() or out.nbytes != (b - a) * self.row_bytes:
+            raise ValueError(f"{self.name}: rows [{a}, {b}) do not fit {out.dtype}{tuple(out.shape)}")
+        # a ctypes view of the tensor's memory (a numpy one would pin its storage's size)
+        view = memoryview((ctypes.c_ubyte * out.nbytes).from_address(out.data_ptr())) if out.nbytes else memoryview(b"")
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.offset + a * self.row_bytes)
             got = f.readinto(view) if view.nbytes else 0
         if got != view.nbytes:
             raise _unreadable(self.path, f"tensor '{self.name}' ends past the end of the file")
-        return out.view(self.dtype).reshape(b - a, *self.shape[1:]) if self.shape else out.view(self.dtype)
+        return out
 
 
 def read_header(path: str) -> dict:

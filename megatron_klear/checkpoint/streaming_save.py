@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from typing import Callable
 
 import torch
@@ -38,35 +39,46 @@ def split_rows(sharded: dict, piece_bytes: int) -> dict:
     Megatron-Core's validation wants), their data ``meta`` tensors."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    apply_factories(sharded)
-    out = {}
-    for name, sh in sharded.items():
-        if not isinstance(sh, ShardedTensor):
-            out[name] = sh
-            continue
-        local = tuple(sh.local_shape)
-        row_bytes = (math.prod(local[1:]) if len(local) > 1 else 1) * sh.dtype.itemsize
-        n = _smallest_split(local[0], row_bytes, piece_bytes) if local else 1
-        axis, size = sh.prepend_axis_num, (local[0] // n if local else 0)
-        pieces = []
-        for i in range(n):
-            offset = list(sh.global_offset)
-            fragments = list(sh.axis_fragmentations)
-            if n > 1:
-                offset[axis] += i * size
-                fragments[axis] *= n
-            shape = (size, *local[1:]) if local else ()
-            pieces.append(
-                dataclasses.replace(
-                    sh,
-                    data=torch.empty(shape, dtype=sh.dtype, device="meta"),
-                    local_shape=shape,
-                    global_offset=tuple(offset),
-                    axis_fragmentations=tuple(fragments),
-                )
+    def split(x):
+        if isinstance(x, dict):
+            return {k: split(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [y for v in x for y in _as_list(split(v))]
+        return _split_one(x, piece_bytes) if isinstance(x, ShardedTensor) else x
+
+    apply_factories(sharded)  # (a fused gate/up weight becomes its two halves)
+    return split(sharded)
+
+
+def _as_list(x) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def _split_one(sh, piece_bytes: int):
+    local = tuple(sh.local_shape)
+    if not local:
+        return sh
+    row_bytes = math.prod(local[1:]) * sh.dtype.itemsize
+    n = _smallest_split(local[0], row_bytes, piece_bytes)
+    if n == 1:
+        return sh
+    axis, size = sh.prepend_axis_num, local[0] // n
+    fragments = list(sh.axis_fragmentations)
+    fragments[axis] *= n
+    pieces = []
+    for i in range(n):
+        offset = list(sh.global_offset)
+        offset[axis] += i * size
+        pieces.append(
+            dataclasses.replace(
+                sh,
+                data=torch.empty((size, *local[1:]), dtype=sh.dtype, device="meta"),
+                local_shape=(size, *local[1:]),
+                global_offset=tuple(offset),
+                axis_fragmentations=tuple(fragments),
             )
-        out[name] = pieces if n > 1 else pieces[0]
-    return out
+        )
+    return pieces
 
 
 def count_pieces(sharded: dict) -> int:
@@ -87,19 +99,35 @@ def _planner_class():
         def __init__(self, produce: Callable, **kwargs):
             super().__init__(**kwargs)
             self.produce = produce
+            self._local = threading.local()
 
         def resolve_data(self, write_item):
             if write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
+            # torch's writer keeps a reference to every tensor it wrote, the last one per key and
+            # file, until the file is done (filesystem.py: ``tensor_dict``, used only by its
+            # safetensors format): a piece per weight kind per thread, which grows to GBs. Its
+            # serial loader (which ``strategy`` makes it use: no copy-ahead) asks a thread for
+            # its next piece only once that thread wrote the previous one, so the previous
+            # piece's memory is released here. The round-trip tests would see a piece released
+            # before it was written.
+            previous = getattr(self._local, "previous", None)
+            if previous is not None:
+                previous.untyped_storage().resize_(0)
             chunk = write_item.tensor_data.chunk
-            return self.produce(write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
+            piece = self.produce(write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
+            if piece.untyped_storage().nbytes() != piece.nbytes:
+                piece = piece.clone()  # a piece owns exactly its memory
+            self._local.previous = piece
+            return piece
 
     return ProducingSavePlanner
 
 
 def strategy(produce: Callable, threads: int = 1, sync_files: bool = True):
     """A ``dist_checkpointing.save`` strategy (torch_dist) that makes each piece with
-    ``produce(key, offsets, sizes)`` (a tensor of ``sizes``) and writes with ``threads`` threads."""
+    ``produce(key, offsets, sizes)`` (a new tensor of ``sizes`` that nothing else holds: its
+    memory is released once written) and writes with ``threads`` threads."""
     from megatron.core.dist_checkpointing.strategies.torch import (
         TorchDistSaveShardedStrategy,
         _replace_state_dict_keys_with_sharded_keys,
@@ -111,7 +139,9 @@ def strategy(produce: Callable, threads: int = 1, sync_files: bool = True):
             from torch.distributed import checkpoint as dcp
 
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-            writer = dcp.FileSystemWriter(str(checkpoint_dir), thread_count=threads, sync_files=sync_files)
+            writer = dcp.FileSystemWriter(
+                str(checkpoint_dir), thread_count=threads, sync_files=sync_files, per_thread_copy_ahead=0
+            )
             planner = _planner_class()(produce, dedup_replicated_tensors=False, flatten_state_dict=False)
             dcp.save(mcore_to_pyt_state_dict(flat, False), storage_writer=writer, planner=planner)
 

@@ -25,7 +25,11 @@ def _convert(rank, world, hf_dirs, out_root):
 
     out = {}
     for name, hf in hf_dirs.items():
-        mg = hf_to_megatron(hf, os.path.join(out_root, f"mg-{name}"), tp=2, pp=2, progress=False)
+        # pieces of 8 KB (the tensors are 10-130 KB): every parity test below loads a checkpoint cut
+        # finer than any training run's, at TP/PP layouts that reshard it
+        mg = hf_to_megatron(
+            hf, os.path.join(out_root, f"mg-{name}"), tp=2, pp=2, piece_bytes=8192, workers=2, progress=False
+        )
         back = megatron_to_hf(mg, os.path.join(out_root, f"hf-{name}"), max_shard_bytes=50_000, progress=False)
         out[name] = (mg, back)
     return out
