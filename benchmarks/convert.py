@@ -167,8 +167,9 @@ def _tensor_specs(cfg: dict) -> list:
             (p + "self_attn.q_norm.weight", (d,)),
             (p + "self_attn.k_norm.weight", (d,)),
         ]
-        if cfg.get("num_experts"):
-            e, m = cfg["num_experts"], cfg["moe_intermediate_size"]
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # (transformers 5 saves the latter)
+        if experts:
+            e, m = experts, cfg["moe_intermediate_size"]
             specs.append((p + "mlp.gate.weight", (e, h)))
             for j in range(e):
                 q = f"{p}mlp.experts.{j}."

@@ -17,6 +17,7 @@ naming the tensor; outputs go to a temporary directory renamed into place at the
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import functools
 import math
@@ -101,6 +102,18 @@ def check_hf_keys(arch: ModelArch, reader: HFReader) -> list:
 
 PIECE_BYTES = 64 * 1024**2
 PIECE_OVERHEAD = 2048  # bytes torch_dist adds per stored piece (its torch.save record, ~1.3 KB, and metadata), a bound
+
+
+def _map_large_blocks() -> None:
+    """Make glibc's malloc give each block of 1 MiB or more its own mapping, returned to the system
+    when freed. By default it raises that threshold each time a large block is freed (up to 32 MB),
+    after which pieces come from heap arenas that keep freed memory: 0.1-0.3 GiB more, varying from
+    run to run with the pieces' sizes (benchmarks/RESULTS.md). Process-wide, and harmless to the
+    rest of a process; nothing happens off glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def default_workers() -> int:
@@ -188,6 +201,7 @@ def hf_to_megatron(
     memory is about ``workers`` x a few pieces, whatever the model's size (docs/checkpoints.md)."""
     from megatron_klear.checkpoint import streaming_save
 
+    _map_large_blocks()
     arch = load_arch(hf_dir)
     if arch.num_kv_heads % tp:
         raise ValueError(f"--tp {tp} must divide num_key_value_heads={arch.num_kv_heads}")
@@ -297,6 +311,7 @@ def megatron_to_hf(
     if not dist_ckpt.is_torch_dist(ckpt_dir):
         raise FileNotFoundError(f"{ckpt_dir}: no torch_dist checkpoint (metadata.json/.metadata) inside")
     init_parallel()  # reading a torch_dist checkpoint needs a process group, even of one
+    _map_large_blocks()
     workers = workers or default_workers()
     # Only the model's weights: a training checkpoint also holds optimizer state and RNG, a
     # Transformer Engine one _extra_state (the rule is dist_ckpt.is_model_weight_key).
@@ -399,7 +414,7 @@ def megatron_to_hf(
         tok_dir = os.path.join(ckpt_dir, dist_ckpt.TOKENIZER_DIR)
         writer.finish(
             config,
-            tokenizer_dir=tok_dir if os.path.isdir(tok_dir) else None,
+            tokenizer_dir=tok_dir if os.path.isdir(tok_dir) and os.listdir(tok_dir) else None,
             manifest={"kind": "megatron_klear.hf_export", "source": os.path.abspath(ckpt_dir)},
         )
     except BaseException:
