@@ -23,7 +23,7 @@ def main(argv=None):
     )
     from megatron_klear.checkpoint.convert import add_io_arguments, io_kwargs, megatron_to_hf
 
-    add_io_arguments(p)
+    add_io_arguments(p, pieces=False)
     args = p.parse_args(argv)
 
     try:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import dataclasses
-import functools
 import math
 import os
 import shutil
@@ -121,24 +119,28 @@ def default_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
-def add_io_arguments(parser) -> None:
-    """The conversion tools' shared flags: threads and piece size (both directions)."""
+def add_io_arguments(parser, pieces: bool = True) -> None:
+    """The conversion tools' shared flags: threads, and (HF -> Megatron) the piece size."""
     parser.add_argument(
         "--workers",
         type=int,
         default=None,
         help="threads that read and write pieces (default: the cores this process may use, up to 8)",
     )
-    parser.add_argument(
-        "--piece-mb",
-        type=float,
-        default=PIECE_BYTES / 1024**2,
-        help="largest piece of a tensor held at once, MiB (peak memory is about workers x a few pieces)",
-    )
+    if pieces:
+        parser.add_argument(
+            "--piece-mb",
+            type=float,
+            default=PIECE_BYTES / 1024**2,
+            help="largest piece of a tensor held at once, MiB (peak memory is about workers x a few pieces)",
+        )
 
 
 def io_kwargs(args) -> dict:
-    return {"workers": args.workers, "piece_bytes": max(1, int(args.piece_mb * 1024**2))}
+    out = {"workers": args.workers}
+    if getattr(args, "piece_mb", None) is not None:
+        out["piece_bytes"] = max(1, int(args.piece_mb * 1024**2))
+    return out
 
 
 class _Pieces:
@@ -289,20 +291,19 @@ def megatron_to_hf(
     dtype: str | None = None,
     max_shard_bytes: int = 2 * 1024**3,
     workers: int | None = None,
-    piece_bytes: int = PIECE_BYTES,
     progress: bool = True,
 ) -> str:
     """Convert a megatron-klear torch_dist model directory into an HF checkpoint directory.
 
-    The checkpoint is read in pieces that follow its own chunks (rows of one tensor, merged up to
-    ``piece_bytes``), and each piece's rows are written straight to their place in the output's
-    safetensors shards, laid out before the first read (``workers`` writer threads): nothing is
-    buffered, and peak memory is about ``workers + 1`` reads of ``max(piece_bytes, the checkpoint's
-    largest chunk)``, whatever the model's size (docs/checkpoints.md).
+    The checkpoint is read one stored chunk at a time (:mod:`megatron_klear.checkpoint.stored_chunks`)
+    by ``workers`` threads, and each chunk's rows are written straight to their place in the
+    output's safetensors shards, laid out before the first read: nothing is buffered, and peak
+    memory is about ``workers`` x twice the checkpoint's largest chunk, whatever the model's size
+    (docs/checkpoints.md).
     """
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from megatron_klear.checkpoint.stored_chunks import StoredChunks
     from megatron_klear.platform import init_parallel
 
     if not os.path.isdir(ckpt_dir):
@@ -358,7 +359,8 @@ def megatron_to_hf(
 
     order = sorted(rules, key=place)
     plan = [(h, shape, torch_dtype) for c in order for h, shape in zip(rules[c].hf, hf_shapes(rules[c], arch))]
-    pieces = [p for c in order for p in _read_pieces(c, where[c], meta[where[c][0]], ckpt_dir, piece_bytes)]
+    stored = StoredChunks(ckpt_dir)
+    tasks = [t for c in order for t in _chunk_tasks(c, where[c], meta[where[c][0]], stored, ckpt_dir)]
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -367,40 +369,36 @@ def megatron_to_hf(
     writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, dtype=torch_dtype, plan=plan)
     bar = Progress(round(weights / 1e6), "Megatron -> HF", unit="MB") if progress else None
 
-    def write(group, loaded):
-        for i, (cname, start, stop, _) in enumerate(group):
-            rule, (key, index) = rules[cname], where[cname]
-            t = loaded[str(i)].reshape(stop - start, *meta[key].global_shape[len(index) + 1 :])
-            offset = 0
-            for j, a, b in row_sources(rule, arch, meta[key].global_shape[len(index)], start, stop):
-                if j is not None:
-                    writer.write_rows(rule.hf[j], a, t[offset : offset + b - a])
-                offset += b - a
-        return sum(piece[3] for piece in group)
+    def export(cname, start, stop, chunks) -> int:
+        """Rows ``[start, stop)`` of one canonical tensor, from the chunks that hold them."""
+        rule, (key, index) = rules[cname], where[cname]
+        shape = tuple(meta[key].global_shape[len(index) :])
+        rows = None
+        for chunk in chunks:
+            part = stored.read(chunk)[tuple(i - o for i, o in zip(index, chunk.offsets))]
+            place = tuple(chunk.offsets[len(index) :])
+            if len(chunks) == 1 and place[0] == start and tuple(part.shape) == (stop - start, *shape[1:]):
+                rows = part  # the common case: the chunk is these rows, whole
+                break
+            if rows is None:
+                rows = torch.empty((stop - start, *shape[1:]), dtype=part.dtype)
+            rows[
+                (slice(place[0] - start, place[0] - start + part.shape[0]),)
+                + tuple(slice(o, o + n) for o, n in zip(place[1:], part.shape[1:]))
+            ] = part
+        offset = 0
+        for j, a, b in row_sources(rule, arch, shape[0], start, stop):
+            if j is not None:
+                writer.write_rows(rule.hf[j], a, rows[offset : offset + b - a])
+            offset += b - a
+        return rows.numel() * rows.element_size()
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hf-writer") as pool:
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hf-export") as pool:
             pending = []
-            for group in _groups(pieces, piece_bytes):
-                request = {}
-                for i, (cname, start, stop, _) in enumerate(group):
-                    key, index = where[cname]
-                    info = meta[key]
-                    shape = (1,) * len(index) + (stop - start,) + tuple(info.global_shape[len(index) + 1 :])
-                    request[str(i)] = dataclasses.replace(
-                        _template(info),
-                        key=key,
-                        data=torch.empty(shape, dtype=info.dtype),
-                        local_shape=shape,
-                        global_shape=tuple(info.global_shape),
-                        global_offset=tuple(index) + (start,) + (0,) * (len(shape) - len(index) - 1),
-                    )
-                loaded = dist_checkpointing.load(
-                    request, ckpt_dir, strict=StrictHandling.ASSUME_OK_UNEXPECTED, validate_access_integrity=False
-                )
-                pending.append(pool.submit(write, group, loaded))
-                del loaded, request
-                while len(pending) > workers:  # at most workers + 1 pieces' reads held at once
+            for task in tasks:
+                pending.append(pool.submit(export, *task))
+                while len(pending) >= workers:  # at most `workers` chunks being read and written
                     done = pending.pop(0).result()
                     if bar:
                         bar.step(done / 1e6)
@@ -423,61 +421,21 @@ def megatron_to_hf(
     return out_dir
 
 
-def _template(info):
-    """An irregular-grid ShardedTensor of ``info``'s dtype (its fields replaced per piece)."""
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    data = torch.empty((1,) * len(info.global_shape), dtype=info.dtype)
-    sh = ShardedTensor.from_rank_offsets("_", data, replica_id=0)
-    return dataclasses.replace(sh, axis_fragmentations=None)
-
-
-def _read_pieces(cname: str, location: tuple, info, ckpt_dir: str, piece_bytes: int) -> list:
-    """``(cname, start, stop, nbytes)`` row ranges of one canonical tensor, cut at the checkpoint's own
-    chunk boundaries (a read never splits a stored chunk, which torch_dist would read whole for
-    each part) and merged up to ``piece_bytes``."""
+def _chunk_tasks(cname: str, location: tuple, info, stored, ckpt_dir: str) -> list:
+    """``(cname, start, stop, chunks)``: one canonical tensor's rows, by the row ranges of the
+    stored chunks that hold it (the chunks of one range side by side in its columns, as a TP
+    rank's slices of a row-parallel weight are). The chunks must cover the tensor exactly."""
     key, index = location
-    depth = len(index)
-    shape = tuple(info.global_shape)
-    rows = shape[depth]
-    row_bytes = math.prod(shape[depth + 1 :]) * info.dtype.itemsize
-    cuts = {0, rows}
-    for chunk in _stored_chunks(ckpt_dir).get(key, ()):
-        offsets, sizes = chunk
-        if tuple(offsets[:depth]) == tuple(index) or depth == 0:
-            cuts |= {offsets[depth], offsets[depth] + sizes[depth]}
-    cuts = sorted(c for c in cuts if 0 <= c <= rows)
-    out, start = [], 0
-    for cut in cuts[1:]:
-        if cut == rows or (cut - start) * row_bytes >= piece_bytes:
-            out.append((cname, start, cut, (cut - start) * row_bytes))
-            start = cut
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _stored_chunks(ckpt_dir: str) -> dict:
-    """The checkpoint's stored chunks, ``{key: [(offsets, sizes), ...]}`` (torch_dist's metadata)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = FileSystemReader(ckpt_dir).read_metadata()
-    return {
-        key: [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-        for key, md in metadata.state_dict_metadata.items()
-        if isinstance(md, TensorStorageMetadata)
-    }
-
-
-def _groups(pieces: list, piece_bytes: int):
-    """Consecutive ``(cname, start, stop, nbytes)`` pieces read in one load: up to ``piece_bytes``
-    in all (a larger piece alone)."""
-    group, size = [], 0
-    for piece in pieces:
-        if group and size + piece[3] > piece_bytes:
-            yield group
-            group, size = [], 0
-        group.append(piece)
-        size += piece[3]
-    if group:
-        yield group
+    shape = tuple(info.global_shape[len(index) :])
+    by_rows = {}
+    covered = 0
+    for chunk in stored.covering(key, index):
+        start, n = chunk.offsets[len(index)], chunk.sizes[len(index)]
+        by_rows.setdefault((start, start + n), []).append(chunk)
+        covered += math.prod(chunk.sizes[len(index) :])
+    ranges = sorted(by_rows)
+    if covered != math.prod(shape) or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise MappingError(
+            f"{ckpt_dir}: the stored chunks of '{key}'{list(index)} do not cover its shape {shape} exactly"
+        )
+    return [(cname, a, b, by_rows[(a, b)]) for a, b in ranges]

@@ -39,11 +39,9 @@ def _convert_and_parity(rank, world, hf_dirs, out_root):
 
     out = {}
     for name, hf in hf_dirs.items():
-        # pieces of 2 KB: the expert tensors are cut inside each expert's rows (converter's and reader's)
+        # pieces of 2 KB: the expert tensors are cut inside each expert's rows (and read back so)
         mg = hf_to_megatron(hf, os.path.join(out_root, f"mg-{name}"), piece_bytes=2048, workers=2, progress=False)
-        back = megatron_to_hf(
-            mg, os.path.join(out_root, f"hf-{name}"), max_shard_bytes=50_000, piece_bytes=2048, progress=False
-        )
+        back = megatron_to_hf(mg, os.path.join(out_root, f"hf-{name}"), max_shard_bytes=50_000, progress=False)
         a, b = HFReader(hf), HFReader(back)
         exact = a.keys() == b.keys() and all(
             a.get(k).dtype == b.get(k).dtype and torch.equal(a.get(k), b.get(k)) for k in a.keys()
