@@ -610,6 +610,7 @@ def main():
         default=[0, 256],
         help="source shard caps in MiB to benchmark (0: one model.safetensors); default 0 256",
     )
+    ap.add_argument("--scaling-report", metavar="JSON", help="print a saved scaling run's tables again")
     ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the temporary checkpoints go")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints (under --workdir)")
     ap.add_argument("--json", help="also write the raw figures to this file")
@@ -621,6 +622,10 @@ def main():
         print("RESULT " + json.dumps(result), flush=True)
         return
 
+    if args.scaling_report:
+        with open(args.scaling_report) as f:
+            scaling_report(json.load(f))
+        return
     if args.scaling is not None:
         scaling(args, [s for s in (args.scaling or SCALING)])
         return
@@ -711,6 +716,16 @@ def scaling(args, names: list) -> None:
         results = [bench_shape(work, n) for n in names]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    scaling_report(results)
+    if not all(r["verify"]["bit_exact"] for r in results):
+        raise SystemExit("round trip is NOT bit-exact")
+
+
+def scaling_report(results: list) -> None:
+    """The scaling run's tables (also from a saved ``--json``: ``--scaling-report FILE``)."""
     print()
     print(
         "| shape | GB | direction | s | plain copy s (fsync'ed) | ratio | peak anon GiB | anon above floor GiB "
@@ -755,27 +770,28 @@ def scaling(args, names: list) -> None:
                 f"{by[n]['round_trip_ratio_fsync']:.2f} against the fsync'ed copy)"
             )
     dense = [r for r in results if r["shape"] != "moe"]
+    moe = by.get("moe")
     if len(dense) >= 2:
         print()
-        print("extrapolation (a line through the measured sizes; dense fit, and MoE from the same line):")
+        print(
+            "extrapolation: dense models from a line through the dense sizes; MoE models from the MoE "
+            "shape's seconds per GB and its peak (the bound does not depend on the number of experts)"
+        )
         print("| model | GB of bf16 | direction | peak anon GiB | disk GB (output + source) | s |")
         print("|---|---|---|---|---|---|")
         xs = [r["made"]["bytes"] for r in dense]
         for phase in ("to_megatron", "to_hf"):
             anon = _fit(xs, [r["rows"][phase]["peak_anon"] for r in dense])
             secs = _fit(xs, [r["rows"][phase]["seconds"] for r in dense])
-            wr = max(r["rows"][phase]["write_bytes"] / max(1, r["rows"][phase]["output_bytes"]) for r in dense)
+            wr = max(r["rows"][phase]["write_bytes"] / max(1, r["rows"][phase]["output_bytes"]) for r in results)
             for name, shape in EXTRAPOLATE.items():
                 x = model_bytes(shape)
-                print(
-                    f"| {name} | {x / 1e9:.0f} | {phase} | {(anon[0] + anon[1] * x) / GiB:.2f} | "
-                    f"{x * (1 + wr) / 1e9:.0f} | {secs[0] + secs[1] * x:.0f} |"
-                )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    if not all(r["verify"]["bit_exact"] for r in results):
-        raise SystemExit("round trip is NOT bit-exact")
+                if shape.get("num_experts") and moe:
+                    peak = moe["rows"][phase]["peak_anon"]
+                    t = moe["rows"][phase]["seconds"] * x / moe["made"]["bytes"]
+                else:
+                    peak, t = anon[0] + anon[1] * x, secs[0] + secs[1] * x
+                print(f"| {name} | {x / 1e9:.0f} | {phase} | {peak / GiB:.2f} | {x * (1 + wr) / 1e9:.0f} | {t:.0f} |")
 
 
 if __name__ == "__main__":
