@@ -4,6 +4,9 @@ as a ratio to a plain safetensors load + save of the same bytes, measured in the
     python benchmarks/convert.py                     # single-file and 256 MB-shard layouts
     python benchmarks/convert.py --shard-mb 0        # one model.safetensors only (Qwen3-0.6B's layout)
     python benchmarks/convert.py --workdir /tmp --keep
+    python benchmarks/convert.py --scaling           # Qwen3 0.6B, 1.7B, 4B, 8B and an MoE shape (~40 min,
+                                                     # ~55 GB of disk): memory, bytes written, time, and
+                                                     # the extrapolation to 32B, 30B-A3B, 235B-A22B
 
 The checkpoint has Qwen3-0.6B's shapes (hidden 1024, intermediate 3072, 28 layers, 16 query / 8 KV
 heads of 128, vocabulary 151,936, tied embeddings, bf16) and random weights. It is written tensor by
@@ -33,11 +36,11 @@ cache (24 GiB machine): the figures are CPU- and memory-bound, not disk-bound.
 Memory, per phase:
 
 - ``peak RSS``: the child's resident-set high-water mark (``ru_maxrss`` from ``wait4``; exact, child
-  process only). RSS counts the file pages mapped into the process (safetensors and torch_dist are
-  read through ``mmap``; the converter stages tensors in memory-mapped files) as well as anonymous
-  memory; mapped file pages are page cache, which the kernel can drop and re-read under pressure.
+  process only). RSS counts the file pages mapped into the process (``load_file`` maps the
+  safetensors files) as well as anonymous memory; mapped file pages are page cache, which the
+  kernel can drop and re-read under pressure.
 - ``peak anon``: anonymous memory (heap, tensor data: memory that must really exist), summed over
-  the child and every process it starts (Megatron's writer forks a writer and spawns a manager) as
+  the child and every process it starts (none today: the converter's writers are threads) as
   ``Pss_Anon`` from ``/proc/<pid>/smaps_rollup``, so pages a fork shares are counted once; polled
   every 10 ms from the parent (a spike shorter than that can be missed). ``anon above floor``
   subtracts the child's ``RssAnon`` after its imports, before the call (torch alone ~0.14 GiB, with
@@ -510,35 +513,49 @@ def warm(path: str) -> None:
                     pass
 
 
+def run_round_trip(d: dict, cap: int, shape: str, made_line, row_line, clear_base: bool = False) -> tuple:
+    """make, the plain copy (with and without fsync), both directions and verify, into the
+    directories ``d`` (src, base, mg, back); ``made_line(made)`` and ``row_line(phase, row)`` are
+    the lines printed as they finish. Returns (made, rows, verify)."""
+    made = run_phase("make", None, d["src"], cap, shape)
+    print(made_line(made), flush=True)
+    rows = {}
+    for phase, src, dst in (
+        ("baseline", d["src"], d["base"]),
+        ("baseline_fsync", d["src"], d["base"]),
+        ("to_megatron", d["src"], d["mg"]),
+        ("to_hf", d["mg"], d["back"]),
+    ):
+        shutil.rmtree(dst, ignore_errors=True)
+        warm(src)
+        rows[phase] = r = run_phase(phase, src, dst, cap, shape)
+        r["output_bytes"] = dir_bytes(dst)
+        print(row_line(phase, r), flush=True)
+        if clear_base and phase == "baseline_fsync":
+            shutil.rmtree(d["base"], ignore_errors=True)  # (room for the next outputs)
+    return made, rows, run_phase("verify", d["src"], d["back"], cap, shape)
+
+
 def bench_layout(work: str, shard_mb: int, keep: bool) -> dict:
     cap = shard_mb * MiB if shard_mb else UNLIMITED_SHARD
     label = f"{shard_mb} MiB shards" if shard_mb else "single file"
     d = {k: os.path.join(work, f"{k}-{shard_mb}") for k in ("src", "base", "mg", "back")}
     try:
-        made = run_phase("make", None, d["src"], cap)
-        print(
-            f"[{label}] checkpoint: {made['params'] / 1e6:.1f} M params, {made['bytes'] / GiB:.3f} GiB, "
-            f"{made['shards']} shard(s) (written in {made['wall']:.1f} s)",
-            flush=True,
-        )
-        rows = {}
-        for phase, src, dst in (
-            ("baseline", d["src"], d["base"]),
-            ("baseline_fsync", d["src"], d["base"]),
-            ("to_megatron", d["src"], d["mg"]),
-            ("to_hf", d["mg"], d["back"]),
-        ):
-            shutil.rmtree(dst, ignore_errors=True)
-            warm(src)
-            rows[phase] = r = run_phase(phase, src, dst, cap)
-            print(
+        made, rows, check = run_round_trip(
+            d,
+            cap,
+            "0.6B",
+            lambda made: (
+                f"[{label}] checkpoint: {made['params'] / 1e6:.1f} M params, {made['bytes'] / GiB:.3f} GiB, "
+                f"{made['shards']} shard(s) (written in {made['wall']:.1f} s)"
+            ),
+            lambda phase, r: (
                 f"[{label}] {phase:14s} {r['seconds']:7.2f} s (process {r['wall']:6.2f} s)  "
                 f"peak RSS {r['peak_rss'] / GiB:6.3f} GiB  anon {r['peak_anon'] / GiB:6.3f} GiB "
                 f"(floor {r['anon_floor'] / GiB:.3f})  PSS {r['peak_pss'] / GiB:6.3f} GiB  "
-                f"processes {r['procs']}",
-                flush=True,
-            )
-        check = run_phase("verify", d["src"], d["back"], cap)
+                f"processes {r['procs']}"
+            ),
+        )
         print(
             f"[{label}] round trip bit-exact: {check['bit_exact']} ({check['tensors']} tensors, "
             f"{check['bytes_compared'] / GiB:.3f} GiB compared)"
@@ -653,36 +670,24 @@ def model_bytes(shape: dict) -> int:
 
 
 def bench_shape(work: str, name: str) -> dict:
-    """One shape of the scaling run: make, plain copy (with and without fsync), both directions,
-    verify; every directory removed before the next shape."""
+    """One shape of the scaling run; every directory removed before the next shape."""
     d = {k: os.path.join(work, f"{k}-{name}") for k in ("src", "base", "mg", "back")}
     try:
-        made = run_phase("make", None, d["src"], HUB_SHARD, name)
-        print(
-            f"[{name}] {made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.2f} GB in {made['shards']} "
-            f"shard(s), made in {made['wall']:.0f} s",
-            flush=True,
-        )
-        rows = {}
-        for phase, src, dst in (
-            ("baseline", d["src"], d["base"]),
-            ("baseline_fsync", d["src"], d["base"]),
-            ("to_megatron", d["src"], d["mg"]),
-            ("to_hf", d["mg"], d["back"]),
-        ):
-            shutil.rmtree(dst, ignore_errors=True)
-            warm(src)
-            rows[phase] = r = run_phase(phase, src, dst, HUB_SHARD, name)
-            r["output_bytes"] = dir_bytes(dst)
-            print(
+        made, rows, check = run_round_trip(
+            d,
+            HUB_SHARD,
+            name,
+            lambda made: (
+                f"[{name}] {made['params'] / 1e9:.2f} B params, {made['bytes'] / 1e9:.2f} GB in "
+                f"{made['shards']} shard(s), made in {made['wall']:.0f} s"
+            ),
+            lambda phase, r: (
                 f"[{name}] {phase:14s} {r['seconds']:7.1f} s  anon {r['peak_anon'] / GiB:6.3f} GiB "
                 f"(floor {r['anon_floor'] / GiB:.3f})  written {r['write_bytes'] / 1e9:7.2f} GB for "
-                f"{r['output_bytes'] / 1e9:7.2f} GB of output",
-                flush=True,
-            )
-            if phase == "baseline_fsync":
-                shutil.rmtree(d["base"], ignore_errors=True)  # (room for the next outputs)
-        check = run_phase("verify", d["src"], d["back"], HUB_SHARD, name)
+                f"{r['output_bytes'] / 1e9:7.2f} GB of output"
+            ),
+            clear_base=True,
+        )
         print(
             f"[{name}] round trip bit-exact: {check['bit_exact']}"
             + ("" if check["bit_exact"] else f" {check['mismatches']}"),
