@@ -82,8 +82,10 @@ QUICK = dict(
 def make_checkpoint(path: str, layers: int, quick: bool = False) -> dict:
     import convert  # benchmarks/convert.py: the Qwen3-0.6B-shaped random checkpoint writer
 
-    convert.QWEN3_0_6B = {**convert.QWEN3_0_6B, "num_hidden_layers": layers, **(QUICK if quick else {})}
-    return convert.phase_make(argparse.Namespace(dst=path, max_shard_bytes=convert.UNLIMITED_SHARD))
+    convert.SHAPES["weight_sync"] = {**convert.QWEN3_0_6B, "num_hidden_layers": layers, **(QUICK if quick else {})}
+    return convert.phase_make(
+        argparse.Namespace(dst=path, max_shard_bytes=convert.UNLIMITED_SHARD, shape="weight_sync")
+    )
 
 
 VARIANTS = ("disk_sequential", "disk_parallel", "disk_flushed", "distributed", "raw_broadcast")
