@@ -238,7 +238,7 @@ def hf_to_megatron(
     )
     overhead = PIECE_OVERHEAD * streaming_save.count_pieces(sharded) + tokenizer + 64 * 1024
     check_free_space(parent, weights + overhead, f"converting {hf_dir} (the checkpoint, written once)")
-    bar = Progress(round(weights / 1e6), "HF -> Megatron", unit="MB") if progress else None
+    bar = Progress(weights / 1e6, "HF -> Megatron", unit="MB") if progress else None
     lock = threading.Lock()
 
     def produce(key, offsets, sizes):
@@ -367,7 +367,7 @@ def megatron_to_hf(
     weights = sum(math.prod(info.global_shape) for info in meta.values()) * torch_dtype.itemsize
     check_free_space(parent, weights, f"exporting {ckpt_dir} to HF")  # (the padded vocabulary included)
     writer = HFWriter(out_dir, max_shard_bytes=max_shard_bytes, dtype=torch_dtype, plan=plan)
-    bar = Progress(round(weights / 1e6), "Megatron -> HF", unit="MB") if progress else None
+    bar = Progress(weights / 1e6, "Megatron -> HF", unit="MB") if progress else None
 
     def export(cname, start, stop, chunks) -> int:
         """Rows ``[start, stop)`` of one canonical tensor, from the chunks that hold them."""
@@ -391,7 +391,7 @@ def megatron_to_hf(
             if j is not None:
                 writer.write_rows(rule.hf[j], a, rows[offset : offset + b - a])
             offset += b - a
-        return rows.numel() * rows.element_size()
+        return rows.numel() * torch_dtype.itemsize  # (the bytes written: the progress bar's unit)
 
     try:
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="hf-export") as pool:

@@ -31,15 +31,15 @@ class Progress:
         self.done += n
         self.errors += int(error)
         now = time.monotonic()
-        finished = self.done >= self.total
+        finished = self.done >= self.total * (1 - 1e-9)  # (float totals: sums of float steps)
         if not finished and now - self._last < self.every:
             return
         self._last = now
         elapsed = now - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         errors = f", {self.errors} errors" if self.count_errors else ""
-        done = f"{self.done:.0f}" if isinstance(self.done, float) else self.done
-        head = f"{self.what}: {done}/{self.total} {self.unit}"
+        done, total = (f"{x:.0f}" if isinstance(x, float) else x for x in (self.done, self.total))
+        head = f"{self.what}: {done}/{total} {self.unit}"
         if finished:
             line = f"{head} in {format_seconds(elapsed)} ({rate:.1f} {self.unit}/s)"
         else:
