@@ -4,6 +4,7 @@ pieces at a time (never the model), bit-exact, with each byte written once."""
 
 import os
 import random
+import re
 import threading
 import weakref
 
@@ -108,7 +109,7 @@ def _weights(d):
     return {k: r.get(k) for k in r.keys()}
 
 
-def test_both_directions_hold_a_few_pieces_never_the_model(tiny_hf, tmp_path, monkeypatch):
+def test_both_directions_hold_a_few_pieces_never_the_model(tiny_hf, tmp_path, monkeypatch, capsys):
     from torch.distributed.checkpoint import FileSystemReader
 
     from megatron_klear.checkpoint import convert
@@ -124,7 +125,7 @@ def test_both_directions_hold_a_few_pieces_never_the_model(tiny_hf, tmp_path, mo
     monkeypatch.setattr(TensorRows, "read", lambda self, a, b: to_mg.track(read(self, a, b)))
     make = convert._Pieces.__call__
     monkeypatch.setattr(convert._Pieces, "__call__", lambda self, *a: to_mg.track(make(self, *a)))
-    mg = convert.hf_to_megatron(src, str(tmp_path / "mg"), workers=2, piece_bytes=PIECE, progress=False)
+    mg = convert.hf_to_megatron(src, str(tmp_path / "mg"), workers=2, piece_bytes=PIECE, progress=True)
     # per writer thread: the piece being made (its HF rows, then the piece) and the one being written
     assert 0 < to_mg.peak <= 2 * 3 * PIECE < model_bytes / 5, (to_mg.peak, model_bytes)
     metadata = FileSystemReader(mg).read_metadata()
@@ -135,7 +136,11 @@ def test_both_directions_hold_a_few_pieces_never_the_model(tiny_hf, tmp_path, mo
     to_hf = LiveBytes()
     read_chunk = StoredChunks.read
     monkeypatch.setattr(StoredChunks, "read", lambda self, c: to_hf.track(read_chunk(self, c)))
-    back = convert.megatron_to_hf(mg, str(tmp_path / "back"), workers=2, progress=False)
+    back = convert.megatron_to_hf(mg, str(tmp_path / "back"), workers=2, progress=True)
+    # progress ends with a line for all of the bytes, in both directions
+    err = capsys.readouterr().err
+    assert re.search(r"^HF -> Megatron: (\d+)/\1 MB in ", err, re.M), err[-500:]
+    assert re.search(r"^Megatron -> HF: (\d+)/\1 MB in ", err, re.M), err[-500:]
     # one stored chunk (here a piece) per worker at a time
     assert 0 < to_hf.peak <= 2 * PIECE, (to_hf.peak, model_bytes)
 
