@@ -52,6 +52,7 @@ Memory, per phase:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -426,13 +427,10 @@ def _io(pid: int) -> dict:
     """/proc/<pid>/io: write_bytes (sent to the storage layer, counted when pages are dirtied),
     wchar (bytes handed to write calls)."""
     out = {}
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            for line in f:
-                k, v = line.split(":")
-                out[k] = int(v)
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError), open(f"/proc/{pid}/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k] = int(v)
     return out
 
 

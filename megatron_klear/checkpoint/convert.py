@@ -1,15 +1,16 @@
-"""HF safetensors <-> Megatron torch_dist conversion, streamed tensor by tensor.
+"""HF safetensors <-> Megatron torch_dist conversion, in pieces, each byte written once.
 
 Neither direction materialises the model: the Megatron model is built on the ``meta`` device (no
 memory) only to learn the checkpoint's keys and sharding from Megatron-Core itself.
 
-* HF -> Megatron: each Megatron tensor is built from its HF pieces (read one at a time from the
-  shards), cast, and written to a staging file that is memory-mapped back, so the torch_dist writer
-  reads from page cache rather than from anonymous memory. Peak resident memory stays near one
-  fused tensor plus the pages being written.
-* Megatron -> HF: the checkpoint is read one layer at a time (that layer's slice of each stacked
-  tensor of the torch_dist checkpoint) and written into size-capped safetensors shards.
+* HF -> Megatron: every tensor is cut into row pieces of at most ``piece_bytes``; Megatron-Core's
+  torch_dist save asks for each piece as a writer thread writes it, and the piece is made then
+  from the HF rows it needs (:mod:`megatron_klear.checkpoint.streaming_save`).
+* Megatron -> HF: the output's shards are laid out from the config, then each stored chunk of the
+  checkpoint is read (:mod:`megatron_klear.checkpoint.stored_chunks`) and its rows written at their
+  place in the shards, by ``workers`` threads.
 
+Peak memory is a few pieces or chunks per worker whatever the model's size (docs/checkpoints.md).
 Every source tensor is consumed exactly once; unknown or missing keys and wrong shapes are errors
 naming the tensor; outputs go to a temporary directory renamed into place at the end.
 """
@@ -17,6 +18,7 @@ naming the tensor; outputs go to a temporary directory renamed into place at the
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import math
 import os
@@ -108,10 +110,8 @@ def _map_large_blocks() -> None:
     after which pieces come from heap arenas that keep freed memory: 0.1-0.3 GiB more, varying from
     run to run with the pieces' sizes (benchmarks/RESULTS.md). Process-wide, and harmless to the
     rest of a process; nothing happens off glibc."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def default_workers() -> int:
@@ -376,15 +376,15 @@ def megatron_to_hf(
         rows = None
         for chunk in chunks:
             part = stored.read(chunk)[tuple(i - o for i, o in zip(index, chunk.offsets))]
-            place = tuple(chunk.offsets[len(index) :])
-            if len(chunks) == 1 and place[0] == start and tuple(part.shape) == (stop - start, *shape[1:]):
+            at = tuple(chunk.offsets[len(index) :])  # the chunk's rows and columns here
+            if len(chunks) == 1 and at[0] == start and tuple(part.shape) == (stop - start, *shape[1:]):
                 rows = part  # the common case: the chunk is these rows, whole
                 break
             if rows is None:
                 rows = torch.empty((stop - start, *shape[1:]), dtype=part.dtype)
             rows[
-                (slice(place[0] - start, place[0] - start + part.shape[0]),)
-                + tuple(slice(o, o + n) for o, n in zip(place[1:], part.shape[1:]))
+                (slice(at[0] - start, at[0] - start + part.shape[0]),)
+                + tuple(slice(o, o + n) for o, n in zip(at[1:], part.shape[1:]))
             ] = part
         offset = 0
         for j, a, b in row_sources(rule, arch, shape[0], start, stop):

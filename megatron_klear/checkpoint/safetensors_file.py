@@ -10,6 +10,7 @@ start. The files written here load in ``safetensors`` and ``transformers`` (test
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -178,7 +179,5 @@ class SafetensorsWriter:
             os.close(self._fd)
 
     def abort(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # (already closed)
             os.close(self._fd)
-        except OSError:
-            pass
