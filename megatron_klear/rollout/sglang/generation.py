@@ -54,19 +54,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import queue
 import threading
 import time
 
-import httpx
-
 from megatron_klear.rollout.base import Completion, SamplingParams
 from megatron_klear.rollout.server_api import AbortedByServer, ServerAPI
 from megatron_klear.rollout.sglang.api import SGLangAPI
+from megatron_klear.rollout.sglang.call_http import CallHTTP, HTTPFailure, NoAnswerInTime
 from megatron_klear.rollout.sglang.fleet import LIVE, FleetError
-from megatron_klear.rollout.sglang.transport import GONE, EngineError, _message_of, _Retryable
+from megatron_klear.rollout.sglang.transport import EngineError, _message_of, _Retryable
 from megatron_klear.rollout.sglang.versions import stale_version
 
 GRANULARITIES = ("prompt", "sample")
@@ -87,70 +85,15 @@ def aborted_empty(n: int = 1) -> list:
     return [Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[]) for _ in range(n)]
 
 
-# Connections per httpx.AsyncClient of a call: httpcore 1.0's pool scans every connection for every
-# request it assigns (and again at every response's close), so one pool of hundreds of connections
-# costs the client ~15 ms of CPU a request at 320 in flight (measured, benchmarks/RESULTS.md); a
-# call spreads its requests over clients of this many connections each instead.
-CONNECTIONS_PER_CLIENT = 16
-
-
-@functools.lru_cache(maxsize=1)
-def _ssl_context():
-    """One SSL context for every client of the process (httpx builds one per client otherwise: ~30 ms)."""
-    return httpx.create_ssl_context()
-
-
-class ShardedClient:
-    """``httpx.AsyncClient`` shards of :data:`CONNECTIONS_PER_CLIENT` connections each, used as one
-    (``post``): a request goes to the shard with the fewest requests in flight, and a new shard opens
-    when every one is full (at most enough for ``connections``), so assigning a connection costs what
-    it costs in a small pool however many requests run."""
-
-    def __init__(self, connections: int, **client_kwargs):
-        self.max_shards = max(1, -(-int(connections) // CONNECTIONS_PER_CLIENT))
-        self.client_kwargs = {
-            "limits": httpx.Limits(
-                max_connections=CONNECTIONS_PER_CLIENT, max_keepalive_connections=CONNECTIONS_PER_CLIENT
-            ),
-            "verify": _ssl_context(),
-            **client_kwargs,
-        }
-        self.clients, self.in_flight = [], []
-
-    async def __aenter__(self) -> "ShardedClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        for c in self.clients:
-            await c.aclose()
-
-    def _shard(self) -> int:
-        if self.clients:
-            k = min(range(len(self.clients)), key=self.in_flight.__getitem__)
-            if self.in_flight[k] < CONNECTIONS_PER_CLIENT or len(self.clients) == self.max_shards:
-                return k
-        self.clients.append(httpx.AsyncClient(**self.client_kwargs))
-        self.in_flight.append(0)
-        return len(self.clients) - 1
-
-    async def post(self, url: str, **kwargs) -> httpx.Response:
-        k = self._shard()
-        self.in_flight[k] += 1
-        try:
-            return await self.clients[k].post(url, **kwargs)
-        finally:
-            self.in_flight[k] -= 1
-
-
 class _Call:
     """What one generate call's (or stream's) requests share on its event loop: the HTTP clients
-    (requests, probes), the requests in flight per URL, the attempts in flight (to cancel or hedge
-    them when a worker is dropped). ``aborting``: the stream was asked to abort (:mod:`.streams`):
-    an ``abort`` answer is then the partial result, and nothing is sent or sent again."""
+    (:class:`.call_http.CallHTTP`: requests, probes), the requests in flight per URL, the attempts
+    in flight (to cancel or hedge them when a worker is dropped). ``aborting``: the stream was asked
+    to abort (:mod:`.streams`): an ``abort`` answer is then the partial result, and nothing is sent
+    or sent again."""
 
-    def __init__(self, client: ShardedClient, probe_client: httpx.AsyncClient):
-        self.client = client
-        self.probe_client = probe_client
+    def __init__(self, http: CallHTTP):
+        self.http = http
         self.in_flight: dict = {}  # url -> requests in flight there
         self.attempts: dict = {}  # attempt task -> (url, its _Request)
         self.probes: dict = {}  # worker -> the running quick /health probe (shared)
@@ -261,17 +204,15 @@ class Generation:
 
     @contextlib.asynccontextmanager
     async def _open_call(self):
-        """The :class:`_Call` of one generate call or stream: its HTTP clients, closed on leaving."""
-        # room for a hedge of every request in flight; the probes have their own connections, so
-        # that requests filling the pool never make a worker look dead
-        timeout = httpx.Timeout(self.generate_timeout, connect=self.transport.timeout)
-        async with (
-            ShardedClient(
-                2 * self.max_concurrent_requests + 8, timeout=timeout, headers=self.transport.auth_headers()
-            ) as client,
-            httpx.AsyncClient(headers=self.transport.auth_headers()) as probes,
-        ):
-            yield _Call(client, probes)
+        """The :class:`_Call` of one generate call or stream: its HTTP clients, closed on leaving
+        (room for a hedge of every request in flight)."""
+        async with CallHTTP(
+            2 * self.max_concurrent_requests + 8,
+            read_timeout=self.generate_timeout,
+            connect_timeout=self.transport.timeout,
+            headers=self.transport.auth_headers(),
+        ) as http:
+            yield _Call(http)
 
     async def _generate_all(self, prompts, params, n, results, stop):
         base_seed = params.seed
@@ -454,7 +395,7 @@ class Generation:
             return True
         probe = call.probes.get(url)
         if probe is None:
-            probe = call.probes[url] = asyncio.ensure_future(self._probe(call.probe_client, url))
+            probe = call.probes[url] = asyncio.ensure_future(self._probe(call, url))
         try:
             ok, why = await asyncio.shield(probe)
         finally:
@@ -485,14 +426,14 @@ class Generation:
         unless the call is aborting (then it is the output so far)."""
         path = self.api.generate_path
         try:
-            resp = await call.client.post(url + path, json=body)
-        except httpx.TimeoutException:
+            resp = await call.http.post(url + path, body)
+        except NoAnswerInTime:
             raise EngineError(
                 f"rollout: POST {url}{path} did not answer within rollout.generate_timeout_s = "
                 f"{self.generate_timeout:g} s"
             ) from None
-        except httpx.HTTPError as e:
-            raise _Retryable(url, f"{type(e).__name__}: {e}", gone=isinstance(e, GONE)) from None
+        except HTTPFailure as e:
+            raise _Retryable(url, str(e), gone=e.gone) from None
         if resp.status_code >= 500:
             raise _Retryable(url, f"HTTP {resp.status_code}: {_message_of(resp)}")
         if resp.status_code >= 400:
@@ -512,14 +453,14 @@ class Generation:
             raise _Retryable(url, str(e)) from None
 
     # -- the watchdog ----------------------------------------------------------------------------------
-    async def _probe(self, client: httpx.AsyncClient, w: str):
+    async def _probe(self, call: _Call, w: str):
         try:
-            r = await client.get(w + "/health", timeout=self.transport.health_check_timeout)
+            r = await call.http.aside("GET", w + "/health", self.transport.health_check_timeout)
             return r.status_code < 400, f"HTTP {r.status_code}"
-        except httpx.TimeoutException:
+        except NoAnswerInTime:
             return False, f"no answer within {self.transport.health_check_timeout:g} s"
-        except httpx.HTTPError as e:
-            return False, f"{type(e).__name__}: {e}"
+        except HTTPFailure as e:
+            return False, str(e)
 
     async def _watch_workers(self, call: _Call, stop: threading.Event):
         """Probe every live worker's /health while requests run; drop one that misses
@@ -533,7 +474,7 @@ class Generation:
             if self.members.fleet.is_pushing():
                 continue
             workers = self.members.fleet.live()
-            probed = await asyncio.gather(*(self._probe(call.probe_client, w) for w in workers))
+            probed = await asyncio.gather(*(self._probe(call, w) for w in workers))
             if self.members.fleet.is_pushing() or self.members.fleet.pushes_started != pushes:
                 continue
             for w, (ok, why) in zip(workers, probed):

@@ -205,7 +205,7 @@ class SGLangStream(RequestStream):
         async def one(w):
             try:
                 path, body = eng.api.abort_all
-                await call.probe_client.post(w + path, json=body, timeout=eng.transport.timeout)
+                await call.http.aside("POST", w + path, eng.transport.timeout, body)
             except Exception:  # noqa: BLE001 -- its requests end at the deadline
                 return
 
