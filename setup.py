@@ -26,6 +26,8 @@ setup(
         # the SGLang stand-in server: fastapi 0.100 (pydantic 2), uvicorn 0.29 (Server.capture_signals)
         "fastapi>=0.100",
         "uvicorn>=0.29",
+        "uvloop>=0.19",
+        "httptools>=0.6",
         # math-verify's parsing changes between releases: pinned (see rewards/math.py).
         "math-verify[antlr4_13_2]==0.9.0",
     ],

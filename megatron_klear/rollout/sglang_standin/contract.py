@@ -111,7 +111,10 @@ def _or_list(scalar):
 
 
 def _token_ids(v, where):
-    return [_int(e, f"{where}[{k}]") for k, e in enumerate(_seq(v, where))]
+    v = _seq(v, where)
+    if set(map(type, v)) <= {int}:  # every element a plain int (bool is not): checked at C speed
+        return v
+    return [_int(e, f"{where}[{k}]") for k, e in enumerate(v)]
 
 
 def _str_list(v, where):
