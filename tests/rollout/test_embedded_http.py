@@ -394,6 +394,31 @@ def test_kept_alive_connections_have_tcp_nodelay_survive_errors_and_close_on_shu
         _stop(server)
 
 
+def test_an_idle_connection_closes_after_sglangs_keep_alive_and_the_client_lets_go_first(tiny_hf, monkeypatch):
+    """SGLang 0.5.23 closes a kept-alive connection idle for SGLANG_TIMEOUT_KEEP_ALIVE seconds (5); the
+    client's pools drop theirs sooner, so a request is never sent on a connection being closed."""
+    from megatron_klear.rollout.sglang.transport import CLIENT_KEEPALIVE_S
+
+    engine = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
+    server, _ = _serve(engine)
+    try:
+        assert server.uvicorn.config.timeout_keep_alive == 5 and CLIENT_KEEPALIVE_S < 5
+    finally:
+        _stop(server)
+    monkeypatch.setenv("SGLANG_TIMEOUT_KEEP_ALIVE", "1")
+    server, _ = _serve(engine)
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    try:
+        conn.request("GET", "/ready")
+        assert conn.getresponse().read() == b""
+        t0 = time.monotonic()
+        assert conn.sock.recv(1) == b""  # closed by the server once idle for a second
+        assert 0.8 < time.monotonic() - t0 < 5
+    finally:
+        conn.close()
+        _stop(server)
+
+
 # ------------------------------------------------------------------------------------------------
 # context length
 # ------------------------------------------------------------------------------------------------

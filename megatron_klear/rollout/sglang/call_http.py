@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+from megatron_klear.rollout.sglang.transport import CLIENT_KEEPALIVE_S
+
 
 def _aiohttp():
     try:
@@ -77,12 +79,16 @@ class CallHTTP:
         aiohttp = _aiohttp()
         # trust_env: the proxy variables (and NO_PROXY) apply as they do to httpx's control calls
         self._requests = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.connections, limit_per_host=0),
+            connector=aiohttp.TCPConnector(
+                limit=self.connections, limit_per_host=0, keepalive_timeout=CLIENT_KEEPALIVE_S
+            ),
             headers=self.headers,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout),
             trust_env=True,
         )
-        self._probes = aiohttp.ClientSession(headers=self.headers, trust_env=True)
+        self._probes = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S), headers=self.headers, trust_env=True
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -15,6 +15,13 @@ import httpx
 
 from megatron_klear.rollout.base import EngineError, WorkerGone  # noqa: F401 -- re-exported for the client
 
+#: seconds an idle kept-alive connection stays in the client's pools (httpx here, aiohttp in
+#: :mod:`.call_http`): under the 5 s after which SGLang 0.5.23 (``SGLANG_TIMEOUT_KEEP_ALIVE``) and
+#: vLLM 0.32 (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) close one, so that the client never sends on a
+#: connection the server is closing (httpx's own default, 5 s, races them: a request lost as
+#: "Server disconnected without sending a response")
+CLIENT_KEEPALIVE_S = 2.0
+
 #: transport failures that mean the server is gone (not an answer that refuses the call)
 GONE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
@@ -128,7 +135,10 @@ class Transport:
         with self._control_lock:
             if self._control is None:
                 self._control = httpx.Client(
-                    limits=httpx.Limits(max_connections=64, max_keepalive_connections=32), headers=self.auth_headers()
+                    limits=httpx.Limits(
+                        max_connections=64, max_keepalive_connections=32, keepalive_expiry=CLIENT_KEEPALIVE_S
+                    ),
+                    headers=self.auth_headers(),
                 )
             return self._control
 

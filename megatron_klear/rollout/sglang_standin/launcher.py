@@ -21,13 +21,11 @@ import uvicorn
 
 import megatron_klear
 from megatron_klear.rollout.sglang import SGLangEngine
+from megatron_klear.rollout.sglang_standin import sglang_env
 from megatron_klear.rollout.sglang_standin.state import HOST, ServerState
 from megatron_klear.utils import atomic
 
 SERVER_HEADER = "megatron-klear-embedded"
-# idle kept-alive connections stay open (the clients expire theirs: httpx after 5 s, which would
-# race uvicorn's default of 5 s and fail a request sent on a connection the server just closed)
-KEEP_ALIVE_S = 3600
 SHUTDOWN_GRACE_S = 5  # a call still running this long after shutdown is cancelled
 
 
@@ -83,7 +81,7 @@ class StandinServer:
             proxy_headers=False,
             server_header=False,
             headers=[("server", SERVER_HEADER)],
-            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_keep_alive=sglang_env.timeout_keep_alive(),
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
         self.uvicorn = _Uvicorn(config, on_interrupt=self._stop)

@@ -14,7 +14,9 @@ Environment variables (read when SGLang reads them):
   server lists the SGLang variables set in its environment under ``internal_states[i].env_vars``;
 - ``SGLANG_FORCE_STREAM_INTERVAL`` (tokens, default 50, ``EnvInt``, read at start-up): a request that
   does not stream sends its output to the tokenizer manager every that many tokens; one aborted in
-  the waiting queue (retracted by a pause) answers with what was sent.
+  the waiting queue (retracted by a pause) answers with what was sent;
+- ``SGLANG_TIMEOUT_KEEP_ALIVE`` (seconds, default 5, ``EnvInt``, read at start-up: uvicorn's
+  ``timeout_keep_alive``): the server closes a kept-alive connection idle that long.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ HEALTH_GENERATION, MEMORY_SAVER_CUDA_GRAPH, EXPOSE_ENV_VARS = (
 )
 HEALTH_CHECK_TIMEOUT = "SGLANG_HEALTH_CHECK_TIMEOUT"
 FORCE_STREAM_INTERVAL = "SGLANG_FORCE_STREAM_INTERVAL"
+TIMEOUT_KEEP_ALIVE = "SGLANG_TIMEOUT_KEEP_ALIVE"
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -76,6 +79,15 @@ def force_stream_interval() -> int:
     if value < 1:
         raise ValueError(f"{FORCE_STREAM_INTERVAL}={raw!r} is not a positive integer number of tokens")
     return value
+
+
+def timeout_keep_alive() -> int:
+    """``SGLANG_TIMEOUT_KEEP_ALIVE`` (SGLang's ``EnvInt(5)``), seconds."""
+    raw = os.environ.get(TIMEOUT_KEEP_ALIVE, "5")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f'{TIMEOUT_KEEP_ALIVE}: "{raw}" is not a valid integer value') from None
 
 
 def own_env_vars() -> dict:
