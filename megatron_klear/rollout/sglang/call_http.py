@@ -29,7 +29,7 @@ def _aiohttp():
         import aiohttp
     except ImportError as e:  # (a dependency of the package: missing only in a broken install)
         raise ImportError(
-            "rollout: the generation client needs aiohttp (pip install 'aiohttp>=3.9', a dependency of megatron-klear)"
+            "rollout: the generation client needs aiohttp (pip install 'aiohttp>=3.10', a dependency of megatron-klear)"
         ) from e
     return aiohttp
 
@@ -83,7 +83,11 @@ class CallHTTP:
                 limit=self.connections, limit_per_host=0, keepalive_timeout=CLIENT_KEEPALIVE_S
             ),
             headers=self.headers,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout),
+            # a free connection within the read timeout, each connection made within the connect timeout,
+            # the answer's bytes each within the read timeout (aiohttp bounds no body being written)
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=self.read_timeout, sock_connect=self.connect_timeout, sock_read=self.read_timeout
+            ),
             trust_env=True,
         )
         self._probes = aiohttp.ClientSession(
@@ -92,9 +96,12 @@ class CallHTTP:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        for session in (self._requests, self._probes):
-            if session is not None:
-                await session.close()
+        try:
+            if self._requests is not None:
+                await self._requests.close()
+        finally:
+            if self._probes is not None:
+                await self._probes.close()
 
     async def post(self, url: str, body: dict) -> Answer:
         """POST ``body`` as JSON."""

@@ -166,6 +166,3 @@ def _answer(state, call, job, limits, routing, latency):
                 )
             )
     return reply(200, outs[0] if call.single and call.n == 1 else outs)
-
-
-# -- pause / continue / abort --------------------------------------------------------------------

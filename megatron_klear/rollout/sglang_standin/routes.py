@@ -248,6 +248,7 @@ async def flush_cache(request: Request):
     )
 
 
+# -- pause / continue / abort --------------------------------------------------------------------
 @router.post("/pause_generation")
 async def pause_generation(request: Request):
     """Answers once nothing decodes: mode abort ends the running requests, in_place and retract hold
