@@ -4,6 +4,7 @@ answering mapped to what the client does with it (gone: probe and resend; no ans
 generate timeout's error)."""
 
 import asyncio
+import contextlib
 import json
 import socket
 
@@ -17,7 +18,8 @@ async def _serve(behaviour):
     (server, url)."""
 
     async def handle(reader, writer):
-        try:
+        # a client that closes its connection (or a request cut short) ends this connection's loop
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lengths = [
@@ -27,10 +29,7 @@ async def _serve(behaviour):
                 body = json.loads(await reader.readexactly(length)) if length else None
                 if not await behaviour(body, writer):
                     break
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
