@@ -191,7 +191,9 @@ class ServerEngine(RolloutEngine):
 
     @abc.abstractmethod
     def probe(self, worker: str, prompt_ids: list, max_new_tokens: int) -> Completion:
-        """A greedy continuation of ``prompt_ids`` with its log-probs, from one worker."""
+        """A greedy continuation of ``prompt_ids`` with its log-probs, from one worker; an answer the
+        server aborted (an abort of every request on it, as a stream sends) is asked again within
+        the control timeout, then :class:`WorkerGone`."""
 
     @abc.abstractmethod
     def load_from_disk(self, model_dir: str, *, version=None) -> None:

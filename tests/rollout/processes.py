@@ -105,3 +105,34 @@ def router(
         yield url
     finally:
         stop(proc)
+
+
+@contextlib.contextmanager
+def abort_storm(abort_url: str, body: dict, for_s: float = 60.0, until=None):
+    """What a stream ending its batch sends to every server (an abort of every request: SGLang's
+    ``/abort_request`` ``abort_all``, vLLM's ``/abort_requests``), posted to ``abort_url`` every 5 ms
+    from a thread, for ``for_s`` seconds, until ``until()`` is true or the block ends; yields
+    ``[posts sent]``."""
+    import threading
+
+    import httpx
+
+    done, sent = threading.Event(), [0]
+    http = httpx.Client(timeout=30)  # (built here: its SSL context takes a third of a second)
+    http.post(abort_url, json=body).raise_for_status()  # the route answers: the storm is on
+    end = time.monotonic() + for_s
+
+    def storm():
+        while not done.is_set() and time.monotonic() < end and not (until is not None and until()):
+            http.post(abort_url, json=body)
+            sent[0] += 1
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=storm, daemon=True)
+    thread.start()
+    try:
+        yield sent
+    finally:
+        done.set()
+        thread.join()
+        http.close()

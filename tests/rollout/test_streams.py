@@ -11,8 +11,9 @@ import pytest
 
 from megatron_klear.rollout.base import SampleRequest, SamplingParams
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
+from megatron_klear.rollout.sglang.api import SGLangAPI
 from megatron_klear.rollout.sglang.versions import stale_version, token_versions
-from tests.rollout.processes import fake_worker, recorded, router
+from tests.rollout.processes import abort_storm, fake_worker, recorded, router
 from tests.rollout.sglang_contract import CONTROL_ROUTES, control_contract_errors, validate_generate_request
 
 BUDGET = 48
@@ -353,3 +354,33 @@ def test_a_server_side_abort_before_abort_is_asked_is_retried(tmp_path):
         got = _collect(client.stream([SampleRequest("k", [1, 2], SamplingParams(max_new_tokens=3))]))
     assert got["k"].finish_reason == "stop" and got["k"].token_ids == [7, 8, 9]
     assert client.generation.retries == 1 and len(recorded(record)) == 2 and client.streams.aborted_requests == 0
+
+
+def test_a_probe_that_meets_an_abort_of_every_request_is_asked_again_within_the_control_timeout(tiny_hf):
+    """With ``rl.async_steps=1 rollout.partial=true`` the next batch's stream ends (``abort_all`` to
+    every server) whenever it has its groups, also while the weight check probes a server: the
+    probe, and the token of ``check_received``, are asked again, not read as a failed check."""
+    from megatron_klear.rollout.base import WorkerGone
+
+    eng, server, url = _serve(tiny_hf["untied"], delay=0.01)
+    try:
+        client = SGLangEngine.at([url], control_timeout_s=10)
+        prompt = [5, 17, 33, 60, 7]
+        calm = client.probe(url, prompt, 16)
+        body = {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}}
+        with abort_storm(url + SGLangAPI.abort_all[0], SGLangAPI.abort_all[1]):
+            # the hazard: a request of 16 slowed forwards under the storm is aborted
+            hit = client.transport.request("POST", "/generate", body)
+            assert hit["meta_info"]["finish_reason"]["type"] == "abort", hit["meta_info"]
+            with pytest.raises(WorkerGone, match="aborted by the server at every send for 0.5 s"):
+                client.control.probe(url, prompt, 16, timeout=0.5)
+        with abort_storm(url + SGLangAPI.abort_all[0], SGLangAPI.abort_all[1], for_s=0.4) as sent:
+            out = client.probe(url, prompt, 16)  # aborted while the storm lasts, then whole
+            assert out.finish_reason == "length" and out.token_ids == calm.token_ids
+            assert out.logprobs == pytest.approx(calm.logprobs, abs=1e-6)
+            got = client.control.check_received()  # the storm is over by now: a token at once
+            assert len(got[url].token_ids) == 1
+        assert sent[0] > 10
+        client.close()
+    finally:
+        _stop(server)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 from megatron_klear.rollout.base import Completion
 from megatron_klear.rollout.sglang.api import parse_completion
@@ -44,6 +45,30 @@ def answered(e: BaseException) -> bool:
     ``success: false``) rather than no answer at all (:class:`~.transport.WorkerGone`: a refused or
     reset connection, a timeout: the worker is gone or frozen)."""
     return not isinstance(e, WorkerGone)
+
+
+#: seconds between two sends of a probe the server aborted (:func:`resent_while_aborted`)
+PROBE_RESEND_S = 0.05
+
+
+def resent_while_aborted(ask, timeout: float, what: str, enough=None) -> Completion:
+    """``ask(seconds left)`` -> a probe's :class:`Completion` (aborted answers included), asked again
+    while the server aborts it, for up to ``timeout`` seconds, then :class:`~.transport.WorkerGone`.
+    An abort of every request on a server (``abort_all``: a stream of partial rollouts ending its
+    batch, which with ``rl.async_steps=1`` runs while the weights are pushed and checked) ends a
+    probe in flight too: that says nothing of the worker. ``enough(aborted answer)``: an aborted
+    answer that serves the caller anyway (by default none)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WorkerGone(
+                f"rollout: {what} was aborted by the server at every send for {timeout:g} s (rollout.control_timeout_s)"
+            )
+        out = ask(left)
+        if out.finish_reason != "abort" or (enough is not None and enough(out)):
+            return out
+        time.sleep(min(PROBE_RESEND_S, max(0.0, deadline - time.monotonic())))
 
 
 # SGLang 0.5.23's speculative algorithms whose context check reserves draft tokens (spec_info.is_eagle)
@@ -477,33 +502,23 @@ class Control:
         (a peer lost mid-bucket leaves its stream waiting on the broadcast) is dropped as gone; it
         rejoins at a later push once restarted. An answer aborted before its token (an abort of
         every request on the server, as partial rollouts send, can meet the check's request) is
-        asked again within the same time. Returns ``{worker: Completion}`` of the others."""
-        import time
+        asked again within the same time (:func:`resent_while_aborted`). Returns ``{worker: Completion}``
+        of the others."""
 
         def one_token(w):
-            deadline = time.monotonic() + self.transport.timeout
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WorkerGone(
-                        f"rollout: {w} did not generate a token within {self.transport.timeout:g} s after the "
-                        "weight update (rollout.control_timeout_s)"
-                    )
-                out = self.probe(w, [0], 1, timeout=left, allow_abort=True)
-                if out.finish_reason != "abort" or out.token_ids:
-                    return out
+            return self.probe(w, [0], 1, enough=lambda c: bool(c.token_ids))
 
         return self.members.on_workers(one_token, tolerate_loss=True)
 
     # -- verification ------------------------------------------------------------------------------
     def probe(
-        self, worker: str, prompt_ids: list, max_new_tokens: int, *, timeout: float | None = None, allow_abort=False
+        self, worker: str, prompt_ids: list, max_new_tokens: int, *, timeout: float | None = None, enough=None
     ) -> Completion:
         """Greedy continuation of ``prompt_ids`` by one worker (not through the router), exactly
         ``max_new_tokens`` tokens (``ignore_eos``), with the log-prob of each token (greedy:
         ``log_softmax`` of the logits at temperature 1, in SGLang and in the embedded engine), within
-        ``timeout`` (default ``rollout.control_timeout_s``). ``allow_abort``: an aborted answer is
-        returned (finish reason ``abort``, the tokens so far) instead of failing."""
+        ``timeout`` (default ``rollout.control_timeout_s``; past it :class:`~.transport.WorkerGone`).
+        An answer the server aborted is asked again (:func:`resent_while_aborted`, ``enough``)."""
         body = {
             "input_ids": [int(t) for t in prompt_ids],
             "return_logprob": True,
@@ -514,11 +529,15 @@ class Control:
                 "skip_special_tokens": False,
             },
         }
+
+        def ask(left):
+            out = self.transport.request("POST", "/generate", body, timeout=left, url=worker)
+            return parse_completion(out[0] if isinstance(out, list) else out, url=worker, allow_abort=True)
+
         # bounded by the control timeout, not the generation one: 16 greedy tokens on an idle server
         # (right after a push) take well under a second, and a frozen server must not hold the step
         wait = self.transport.timeout if timeout is None else timeout
-        out = self.transport.request("POST", "/generate", body, timeout=wait, url=worker)
-        return parse_completion(out[0] if isinstance(out, list) else out, url=worker, allow_abort=allow_abort)
+        return resent_while_aborted(ask, wait, f"the probe of {worker}/generate", enough)
 
     def worker_dtypes(self) -> dict:
         """{worker: the dtype its model runs in} from ``/server_info`` (``dtype``; SGLang's ``auto``

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 
 from megatron_klear.rollout.base import Completion
-from megatron_klear.rollout.sglang.control import answered
+from megatron_klear.rollout.sglang.control import answered, resent_while_aborted
 from megatron_klear.rollout.sglang.transport import EngineError
 from megatron_klear.rollout.vllm.api import read_choice
 
@@ -333,20 +333,22 @@ class VLLMControl:
 
     def check_received(self) -> dict:
         """Over gloo a bucket's answer comes once its bytes arrived; over NCCL one greedy token per
-        server shows it (a forward runs after every receive), as with SGLang."""
+        server shows it (a forward runs after every receive), as with SGLang; an answer aborted before
+        its token is asked again (:func:`~megatron_klear.rollout.sglang.control.resent_while_aborted`)."""
 
         def one_token(w):
-            return self.probe(w, [0], 1)
+            return self.probe(w, [0], 1, enough=lambda c: bool(c.token_ids))
 
         return self.members.on_workers(one_token, tolerate_loss=True)
 
     # -- verification ------------------------------------------------------------------------------
     def probe(
-        self, worker: str, prompt_ids: list, max_new_tokens: int, *, timeout: float | None = None, allow_abort=False
+        self, worker: str, prompt_ids: list, max_new_tokens: int, *, timeout: float | None = None, enough=None
     ) -> Completion:
         """Greedy continuation of ``prompt_ids`` by one worker, exactly ``max_new_tokens`` tokens
         (``ignore_eos``), with each token's log-prob: vLLM scores a greedy request with the
-        log-softmax of its logits (temperature 1), as SGLang and the embedded engine do."""
+        log-softmax of its logits (temperature 1), as SGLang and the embedded engine do. An answer the
+        server aborted is asked again, as SGLang's (``enough``: an aborted answer that will do)."""
         from megatron_klear.rollout.vllm.api import VLLMAPI
 
         body = {
@@ -360,10 +362,14 @@ class VLLMControl:
                 "skip_special_tokens": False,
             },
         }
+        where = f"{worker}{VLLMAPI.generate_path}"
+
+        def ask(left):
+            out = self.transport.request("POST", VLLMAPI.generate_path, body, timeout=left, url=worker)
+            return read_choice(((out or {}).get("choices") or [None])[0], where, True)[0]
+
         wait = self.transport.timeout if timeout is None else timeout
-        out = self.transport.request("POST", VLLMAPI.generate_path, body, timeout=wait, url=worker)
-        choices = (out or {}).get("choices") or [None]
-        return read_choice(choices[0], f"{worker}{VLLMAPI.generate_path}", allow_abort)[0]
+        return resent_while_aborted(ask, wait, f"the probe of {where}", enough)
 
     # -- colocated servers (rollout.colocate: vLLM's sleep mode, GPU-only) ----------------------------
     def check_memory_saver(self) -> None:
