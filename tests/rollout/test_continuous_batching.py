@@ -63,7 +63,8 @@ def test_a_request_joining_mid_way_gets_its_tokens_alone_and_padding_leaves_with
 
     def check(b):
         if b.running:  # the cache is as wide as its longest row, not as the longest that ever ran
-            widths.append((b.batch.width, max(r.held for r in b.running), len(b.running)))
+            width = max(lane.batch.width for lane in b.lanes)
+            widths.append((width, max(r.held for r in b.running), len(b.running)))
 
     _drive(batcher, check)
     assert list(batcher.history) == [(1, 1), (1, 1)] and len(widths) >= 25
@@ -108,3 +109,62 @@ def test_the_token_bound_retracts_and_the_retracted_row_resumes_with_the_same_to
     assert all(c.finish_reason == "length" for c in out)
     with pytest.raises(ValueError, match="max_total_tokens=80"):
         engine.generate_requests([_request(PROMPTS[0], 1, 74)])  # 7 + 74 tokens can never fit
+
+
+def _partitions(n: int):
+    """Every split of range(n) into contiguous runs."""
+    if n == 0:
+        yield []
+        return
+    for k in range(1, n + 1):
+        for rest in _partitions(n - k):
+            yield [list(range(k))] + [[i + k for i in run] for run in rest]
+
+
+def test_split_by_width_is_the_cheapest_contiguous_split():
+    """Against every contiguous split of the sorted rows (brute force, an independent reference)."""
+    import random
+
+    from megatron_klear.rollout.embedded.batcher import split_by_width
+
+    rng = random.Random(0)
+    for _ in range(200):
+        widths = [rng.choice([3, 5, 8, 40, 41, 120, 300]) for _ in range(rng.randint(1, 9))]
+        fixed = rng.choice([1, 50, 400, 3500])
+        order = sorted(range(len(widths)), key=lambda i: widths[i])
+        best = min(
+            sum(fixed + len(run) * max(widths[order[i]] for i in run) for run in split)
+            for split in _partitions(len(widths))
+        )
+        got = split_by_width(widths, fixed)
+        assert sorted(i for g in got for i in g) == list(range(len(widths)))
+        assert sum(fixed + len(g) * max(widths[i] for i in g) for g in got) == best, (widths, fixed, got)
+    assert split_by_width([10] * 30 + [300] * 2, 3500) == [list(range(30)), [30, 31]]  # 2 x 290 pads < 3500
+    assert len(split_by_width([10] * 30 + [300] * 20, 3500)) == 2
+
+
+def test_rows_of_far_apart_contexts_decode_in_lanes_that_merge_once_close_and_get_their_tokens_alone(
+    model,
+):
+    """Eight samples of a 3-token prompt beside a 30-token and a 25-token context: the wave is split
+    in two lanes (two forwards a step, neither padded to the other's width); once the 30-token row
+    ends the lanes are 22 columns apart, under the cost of a forward, and merge. Every sample's tokens
+    are those it gets alone."""
+    engine = EmbeddedEngine(model)
+    wide = _request((PROMPTS[0] * 5)[:30], 3, 5, "wide")
+    middle = _request((PROMPTS[2] * 7)[:25], 4, 20, "middle")
+    narrow = PromptRequest(PROMPTS[2][:3], SamplingParams(temperature=1.0, max_new_tokens=20), list(range(50, 58)))
+    narrow = PromptRequest(narrow.prompt, narrow.params, narrow.seeds, ignore_eos=True, key="narrow")
+    want = {r.key: engine.generate_requests([r])[0] for r in (wide, middle, narrow)}
+    got = {}
+    batcher = engine.batcher()
+    batcher.lane_forward_cost = 200  # split at 30 vs 3 (x8), merged at 22 apart
+    for r in (wide, middle, narrow):
+        _submit(batcher, r, lambda cs, k=r.key: got.__setitem__(k, cs))
+    lanes = []
+    _drive(batcher, lambda b: lanes.append(sorted(len(lane.rows) for lane in b.lanes)))
+    assert lanes[:4] == [[2, 8]] * 4  # two forwards a step
+    assert lanes[4] == [9]  # the wide row ended with its 5th token: the other two lanes merged
+    for key, cs in got.items():
+        for c, w in zip(cs, want[key]):
+            _same(c, w)
