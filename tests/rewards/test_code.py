@@ -146,9 +146,13 @@ def test_missing_function_is_a_runtime_error(sandbox, cfg):
 
 def test_expected_outputs_never_enter_the_sandbox(sandbox, cfg):
     secret = "EXPECTED-" + uuid.uuid4().hex
+    # the spy looks everywhere it can and prints any expected output it found, else its input: a
+    # leak would pass the test; what it saw is not printed whole (on a machine whose /tmp is full,
+    # that would outgrow the output limit)
     spy = r"""
-import os, sys
-seen = [repr(sys.argv), repr(dict(os.environ)), sys.stdin.read()]
+import os, re, sys
+given = sys.stdin.read()
+seen = [repr(sys.argv), repr(dict(os.environ)), given]
 harness_dir = os.path.dirname(os.path.abspath(sys.modules["__main__"].__file__))
 for d in (os.getcwd(), "/tmp", "/", "/sandbox", harness_dir, os.environ.get("HOME", "/")):
     try:
@@ -162,7 +166,8 @@ for d in (os.getcwd(), "/tmp", "/", "/sandbox", harness_dir, os.environ.get("HOM
                     pass
     except OSError:
         pass
-print("\n".join(seen))
+found = sorted(set(re.findall(r"EXPECTED-[0-9a-f]{32}", "\n".join(seen))))
+print("\n".join(found) if found else given, end="")
 """
     res = grade_code(code_response(spy), stdio_tests([("the input\n", secret)]), cfg, sandbox)
     assert res.reward == 0.0 and res.tests == ["wrong answer"]
