@@ -162,6 +162,8 @@ def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_mod
     prompts = [[5, 17, 33, 60, 7], [101, 9, 2, 250], [3, 4, 5]]
     long = SamplingParams(top_k=1, max_new_tokens=900)
     whole = engine.generate(prompts, long)
+    again = engine.generate(prompts, long)
+    assert [c[0].token_ids for c in again] == [c[0].token_ids for c in whole]  # greedy: the same again
     assert sorted(len(c[0].token_ids) for c in whole)[-2:] == [900, 900]  # two run to the budget
     # abort once the servers generated 200 tokens of the stream's (under 900 each: two still run);
     # on 2 shared cores a server's HTTP can stall for seconds (the abort then comes too late): tried
