@@ -37,7 +37,9 @@ step time, held-out avg@8, the mean token staleness and the fraction of off-poli
 length distribution the runs start from. ``--json OUT`` writes exactly
 ``{"variants": {name: {"samples_per_s", "step_s_median", "heldout_avg@8", "staleness_mean",
 "offpolicy_token_frac"}}, "lengths": {"p50", "p90", "max"}}``; per-run details go to
-``<out>/details.json``.
+``<out>/details.json``. Also printed: partial rollouts' ceiling on this machine, the sync runs'
+samples/s had each step ended once ``prompts_per_step`` groups were complete (its
+``time/generate_after_quota_s`` cut) over theirs.
 """
 
 from __future__ import annotations
@@ -364,6 +366,7 @@ def summarize_run(metrics: list) -> dict:
         "samples_trained": sum(m.get("rollout/samples_trained", 0) for m in metrics),
         "steps": len(metrics),
         "seconds": sum(m["perf/step_s"] for m in metrics),
+        "seconds_steady": seconds,
         **{
             k: sum(m.get(k, 0) for m in metrics)
             for k in ("rollout/resumed_samples", "rollout/aborted_samples", "rollout/stale_regenerated")
@@ -372,7 +375,22 @@ def summarize_run(metrics: list) -> dict:
             k: statistics.fmean(m.get(k, 0.0) for m in metrics)
             for k in ("perf/generate_s", "perf/train_s", "perf/overlap_s")
         },
+        # whole batches: the generation after rl.prompts_per_step groups had ended, summed over the
+        # steps counted in samples_per_s (what partial rollouts could cut at most)
+        "generate_after_quota_s": sum(m.get("time/generate_after_quota_s", 0.0) for m in steady),
     }
+
+
+def partial_ceiling(runs: list) -> float | None:
+    """The synchronous runs' samples/s if their steps had ended once ``rl.prompts_per_step`` groups
+    were complete (their generation after the quota cut, nothing else changed), over theirs: about
+    the most partial rollouts can gain on this machine. None without a sync run."""
+    sync = [r for r in runs if r["variant"] == "sync"]
+    if not sync:
+        return None
+    seconds = sum(r["seconds_steady"] for r in sync)
+    cut = sum(r["generate_after_quota_s"] for r in sync)
+    return seconds / max(seconds - cut, 1e-9)
 
 
 def engine_client(bench: Bench, urls: list):
@@ -815,6 +833,11 @@ def main(argv=None) -> int:
                 f"{v}: {r['samples_per_s'] / sync['samples_per_s']:.2f}x sync's samples/s, held-out avg@8 "
                 f"{r['heldout_avg@8'] - sync['heldout_avg@8']:+.1f} points"
             )
+        ceiling = partial_ceiling(runs)
+        print(
+            f"partial rollouts' ceiling here: {ceiling:.2f}x (sync's steps without their generation after "
+            f"{bench.prompts_per_step} of {bench.oversample} groups had ended)"
+        )
     print(
         f"lengths (SFT model, held-out, tokens): p50 {lengths['p50']}, p90 {lengths['p90']}, max {lengths['max']}; "
         f"total {minutes:.1f} min (SFT {files['sft_seconds'] / 60:.1f} min)"
@@ -825,6 +848,7 @@ def main(argv=None) -> int:
         "settings": dataclasses.asdict(settings),
         "sft_heldout": sft_eval,
         "batching_probe": probe,
+        "partial_ceiling": partial_ceiling(runs),
         "runs": runs,
         "minutes": minutes,
         "table": text,

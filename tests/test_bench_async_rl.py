@@ -56,6 +56,13 @@ def test_async_rl_benchmark_quick(tmp_path):
         if r["variant"] == "sync":
             assert all(m["rollout/staleness_max"] == 0 and m["rollout/resumed_samples"] == 0 for m in steps)
             assert all(m["perf/overlap_s"] == 0 for m in steps)
+            # whole batches log how long they generated after the quota (2 of 4 groups) had ended
+            assert all(0 <= m["time/generate_after_quota_s"] <= m["time/generate_s"] for m in steps)
+            # partial rollouts' ceiling: the steady step without that tail
+            ceiling = steps[1]["perf/step_s"] / (steps[1]["perf/step_s"] - steps[1]["time/generate_after_quota_s"])
+            assert abs(details["partial_ceiling"] - ceiling) < 1e-9 and ceiling >= 1
+            m = re.search(r"^partial rollouts' ceiling here: ([0-9.]+)x", proc.stdout, re.M)
+            assert m and float(m.group(1)) == round(ceiling, 2), proc.stdout[-2000:]
     # the printed ratios are the JSON's
     sync = results["variants"]["sync"]["samples_per_s"]
     for name, r in results["variants"].items():

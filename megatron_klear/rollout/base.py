@@ -115,11 +115,16 @@ class SampleRequest:
     """One sample to generate, or to continue (:meth:`ServerEngine.stream`): the model is fed
     ``input_ids`` (the prompt, followed by a partial response being continued) and samples at most
     ``params.max_new_tokens`` more tokens with its own ``params.seed``. ``key``: the caller's handle,
-    handed back with the result."""
+    handed back with the result.
+
+    ``n > 1``: ``n`` samples of the same input in one request (the servers' ``n``: the input is sent
+    and prefilled once; the server derives each sample's seed from ``params.seed``); they end
+    together, and the stream hands back each as ``((key, k), Completion)``, ``k`` in ``range(n)``."""
 
     key: object
     input_ids: list
     params: SamplingParams
+    n: int = 1
 
 
 class RolloutEngine(abc.ABC):
@@ -250,21 +255,22 @@ class ServerEngine(RolloutEngine):
 
     @abc.abstractmethod
     def stream(self, requests: list) -> "RequestStream":
-        """Start every :class:`SampleRequest` (one sample each) concurrently on the workers; the
-        returned :class:`RequestStream` yields ``(key, Completion)`` as each ends, and can abort the
-        ones still running (partial rollouts, rl/rollout/partial.py)."""
+        """Start every :class:`SampleRequest` (``n`` samples each, one by default) concurrently on the
+        workers; the returned :class:`RequestStream` yields ``(key, Completion)`` per sample as each
+        request ends, and can abort the ones still running (partial rollouts, rl/rollout/partial.py)."""
 
 
 class RequestStream(abc.ABC):
     """Requests running on rollout servers (:meth:`ServerEngine.stream`). Iterating yields
-    ``(key, Completion)`` once per request, in the order they end: finished (``stop``/``length``)
+    ``(key, Completion)`` once per sample (``((key, k), Completion)`` for the samples of a request
+    with ``n > 1``), in the order the requests end: finished (``stop``/``length``)
     or, after :meth:`abort`, ``abort`` with the tokens generated so far (a request not sent yet ends
     with no token). Requests run while the servers' weights change (pause -> update -> continue):
     each token's version is in ``Completion.versions``."""
 
     @abc.abstractmethod
     def __iter__(self):
-        """``(key, Completion)`` per request, as each ends."""
+        """``(key, Completion)`` per sample, as each request ends."""
 
     @abc.abstractmethod
     def abort(self) -> None:

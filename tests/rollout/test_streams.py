@@ -6,6 +6,7 @@ the real sglang-router, and the scriptable fake worker (request bodies validated
 0.5.23's contract)."""
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -217,6 +218,10 @@ def test_bad_stream_requests_are_named():
         client.stream([SampleRequest("a", [1], SamplingParams()), SampleRequest("a", [2], SamplingParams())])
     with pytest.raises(ValueError, match="max_new_tokens"):
         client.stream([SampleRequest("a", [1], SamplingParams(max_new_tokens=0))])
+    with pytest.raises(ValueError, match=r"request 'a': n must be an integer >= 1, got 0"):
+        client.stream([SampleRequest("a", [1], SamplingParams(), n=0)])
+    with pytest.raises(ValueError, match=r"key \('a', 1\) appears twice"):  # a sample's key is (key, k)
+        client.stream([SampleRequest("a", [1], SamplingParams(), n=2), SampleRequest(("a", 1), [2], SamplingParams())])
     assert list(client.stream([])) == []
 
 
@@ -261,6 +266,25 @@ def test_abort_mid_way_answers_the_output_so_far_and_continuing_finishes(tiny_hf
                 c = rest[req.key]
                 assert c.finish_reason in ("stop", "length") and 0 < len(c.token_ids) <= req.params.max_new_tokens
                 assert c.finish_reason == "stop" or len(c.token_ids) == req.params.max_new_tokens
+            # one request for n samples (a group not started yet): they come back as (key, k), and an
+            # abort answers each with its output so far
+            group = [replace(long[0], key="g", n=3)]
+            full = _collect(client.stream(group))
+            assert set(full) == {("g", 0), ("g", 1), ("g", 2)} and len({tuple(c.token_ids) for c in full.values()}) > 1
+            before = client.streams.aborted_requests
+            stream = client.stream(group)
+            start = ea.decode_steps + eb.decode_steps  # (one server runs it)
+            deadline = time.monotonic() + 30
+            while ea.decode_steps + eb.decode_steps < start + 6:
+                assert time.monotonic() < deadline, "the servers did not decode"
+                time.sleep(0.01)
+            stream.abort()
+            got = _collect(stream)
+            assert set(got) == set(full) and stream.aborted == 3 and client.streams.aborted_requests == before + 1
+            for k, c in got.items():
+                assert c.aborted and len(c.token_ids) < len(full[k].token_ids)
+                assert c.token_ids == full[k].token_ids[: len(c.token_ids)] and len(c.versions) == len(c.token_ids)
+            assert any(c.token_ids for c in got.values())
             client.close()
     finally:
         _stop(sa, sb)

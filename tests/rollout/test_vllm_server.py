@@ -168,16 +168,20 @@ def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_mod
     # abort once the servers generated 200 tokens of the stream's (under 900 each: two still run);
     # on 2 shared cores a server's HTTP can stall for seconds (the abort then comes too late): tried
     # up to 3 times until one abort lands mid-way
+    # and one request for two samples (a group not started yet): each answers its own output so far
+    g = next(i for i, c in enumerate(whole) if len(c[0].token_ids) == 900)
     for _ in range(3):
         start = _generated_tokens(engine.workers())
-        stream = engine.stream([SampleRequest(i, p, long) for i, p in enumerate(prompts)])
+        stream = engine.stream(
+            [SampleRequest(i, p, long) for i, p in enumerate(prompts)] + [SampleRequest("g", prompts[g], long, n=2)]
+        )
         deadline = time.monotonic() + 120
         while _generated_tokens(engine.workers()) - start < 200 and time.monotonic() < deadline:
             time.sleep(0.02)
         stream.abort()
         got = dict(stream)
         stream.close()
-        aborted = [k for k, c in got.items() if c.aborted and c.token_ids]
+        aborted = [k for k, c in got.items() if c.aborted and c.token_ids and k in range(len(prompts))]
         if aborted:
             break
     assert aborted, {k: (c.finish_reason, len(c.token_ids)) for k, c in got.items()}
@@ -187,6 +191,10 @@ def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_mod
         assert prefix == whole[k][0].token_ids[: len(prefix)]  # what it had generated, in order
         rest = engine.generate([prompts[k] + prefix], SamplingParams(top_k=1, max_new_tokens=8))[0][0]
         assert rest.token_ids == whole[k][0].token_ids[len(prefix) : len(prefix) + 8]
+    for k in range(2):  # the two samples of one request: aborted, each a prefix of the greedy answer
+        c = got[("g", k)]
+        assert c.aborted and len(c.token_ids) < 900 and len(c.logprobs) == len(c.versions) == len(c.token_ids)
+        assert c.token_ids == whole[g][0].token_ids[: len(c.token_ids)]
 
 
 def test_a_probe_aborted_by_an_abort_of_every_request_is_asked_again(engine, monkeypatch):

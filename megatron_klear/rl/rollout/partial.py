@@ -1,11 +1,12 @@
 """Partial rollouts (``rollout.partial=true``): a step no longer waits for its longest responses.
 
-Generation is launched for the over-sampled prompts (``rl.oversample_prompts``, every response its
-own request). As soon as ``rl.prompts_per_step`` groups are complete, graded and keep reward spread
-(or nothing is left running), the requests still running are aborted: the servers answer each with what
-it generated so far, and those partial responses wait in the :class:`PartialBuffer`. The next step
-continues them first -- the prompt and the partial response are the input, the budget left is the
-limit -- under the weights of that step. An aborted answer that already holds a stop token (SGLang
+Generation is launched for the over-sampled prompts (``rl.oversample_prompts``; a group not started
+yet is one request for its ``n`` samples, a response being continued a request of its own). As soon
+as ``rl.prompts_per_step`` groups are complete, graded and keep reward spread (or nothing is left
+running), the requests still running are aborted: the servers answer each with what it generated so
+far, and those partial responses wait in the :class:`PartialBuffer`. The next step continues them
+first -- the prompt and the partial response are the input, the budget left is the limit -- under
+the weights of that step. An aborted answer that already holds a stop token (SGLang
 keeps the token of the decode step that ran after the abort, which may be EOS) is cut after it and
 ends there (:meth:`Completion.cut_at_stop`): it is never continued. A group is trained only once
 all its responses have ended (EOS or the length limit); its responses may then hold tokens of
@@ -220,9 +221,25 @@ class PartialRollouts:
         return len(stale)
 
     def _requests(self, groups, params) -> list:
+        """The requests of the unfinished responses of ``groups``: a group not started yet is one
+        request for its ``n`` samples (as the synchronous loop sends it, with
+        ``rollout.request_granularity=prompt``: the prompt is sent and prefilled once; its samples
+        come back as keys ``(uid, j)``); a response being continued is a request of its own."""
         budget = params.max_new_tokens
+        whole = self.cfg.rollout.request_granularity == "prompt"
         out = []
         for g in groups:
+            if whole and len(g.slots) > 1 and not any(s.tokens or s.done for s in g.slots):
+                seed = request_seed(self.cfg.train.seed, g.uid, -1, max(s.pieces for s in g.slots))
+                out.append(
+                    SampleRequest(
+                        key=g.uid,
+                        input_ids=list(g.prompt.prompt_ids),
+                        params=replace(params, seed=seed),
+                        n=len(g.slots),
+                    )
+                )
+                continue
             for j, s in enumerate(g.slots):
                 if s.done:
                     continue

@@ -41,7 +41,11 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
         n=cfg.rl.responses_per_prompt,
         chunk_size=cfg.rollout.chunk_prompts or None,
     )
+    t_quota, arrived = None, 0
     for i, cs in stream:
+        arrived += 1
+        if arrived == cfg.rl.prompts_per_step:
+            t_quota = time.time() - t0
         completions[i] = cs
         futures[i] = []
         for c in cs:
@@ -52,7 +56,13 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
     samples, metrics = build_samples(prompts, completions, grades, cfg)
     n_tokens = sum(len(c.token_ids) for cs in completions for c in cs)
     metrics.update(
-        {"time/generate_s": t_gen, "time/grade_tail_s": t_grade, "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9)}
+        {
+            "time/generate_s": t_gen,
+            "time/grade_tail_s": t_grade,
+            # what partial rollouts would cut: the generation after rl.prompts_per_step groups ended
+            "time/generate_after_quota_s": t_gen - t_quota if t_quota is not None else 0.0,
+            "rollout/tokens_per_s": n_tokens / max(t_gen, 1e-9),
+        }
     )
     return samples, metrics
 
@@ -135,7 +145,13 @@ def task_metrics(prompts, flat) -> dict:
     return out
 
 
-_SUMMED = {"rollout/grader_errors", "rollout/groups_generated", "time/generate_s", "time/grade_tail_s"}
+_SUMMED = {
+    "rollout/grader_errors",
+    "rollout/groups_generated",
+    "time/generate_s",
+    "time/grade_tail_s",
+    "time/generate_after_quota_s",
+}
 
 
 def merge_rollout_metrics(batches: list) -> dict:

@@ -1,12 +1,13 @@
 """Abortable streams of requests on SGLang servers (:meth:`Streams.stream`, partial rollouts).
 
-A stream sends one ``/generate`` per :class:`~megatron_klear.rollout.base.SampleRequest` (``n=1``,
+A stream sends one ``/generate`` per :class:`~megatron_klear.rollout.base.SampleRequest` (its ``n``,
 its ``input_ids``, its own sampling parameters and budget ``max_new_tokens``; ``sampling_seed`` only
 with ``send_seed``), through the same machinery as :meth:`.generation.Generation.generate_iter`:
 an event loop in a helper thread, at most ``max_concurrent_requests`` in flight, retries, the
 health watchdog, lost workers dropped and their requests sent again or hedged, the stale-answer
-check (:mod:`.versions`). Iterating yields ``(key, Completion)`` as each request ends; each
-Completion carries its tokens' weight versions (``Completion.versions``).
+check (:mod:`.versions`). Iterating yields ``(key, Completion)`` per sample as each request ends
+(``((key, k), Completion)`` for the ``n > 1`` samples of one request); each Completion carries its
+tokens' weight versions (``Completion.versions``).
 
 **Abort** (:meth:`SGLangStream.abort`, returns at once). The stream stops sending (a request not
 sent yet ends as an empty ``abort`` Completion, never sent) and POSTs ``/abort_request``
@@ -19,8 +20,8 @@ abort is cancelled and ends as an empty ``abort``. ``abort_all`` ends *every* re
 servers: run one stream at a time. Before :meth:`~SGLangStream.abort`, a server-side abort (a weight
 push in ``abort`` mode) is retried as in ``generate``.
 
-Counts: the engine's ``aborted_requests`` and the stream's ``aborted`` (requests that ended as
-``abort``, with or without tokens).
+Counts: the engine's ``aborted_requests`` (requests that ended as ``abort``, with or without
+tokens) and the stream's ``aborted`` (samples that did).
 """
 
 from __future__ import annotations
@@ -60,14 +61,22 @@ class Streams:
             if not r.input_ids or not all(isinstance(t, numbers.Integral) and t >= 0 for t in r.input_ids):
                 raise ValueError(f"rollout: stream request {r.key!r}: input_ids must be a non-empty list of token ids")
             r.params.validate()
+            if not isinstance(r.n, numbers.Integral) or r.n < 1:
+                raise ValueError(f"rollout: stream request {r.key!r}: n must be an integer >= 1, got {r.n!r}")
             try:
-                if r.key in keys:
-                    raise ValueError(f"rollout: stream request key {r.key!r} appears twice")
-                keys.add(r.key)
+                for key in sample_keys(r):
+                    if key in keys:
+                        raise ValueError(f"rollout: stream request key {key!r} appears twice")
+                    keys.add(key)
             except TypeError:
                 raise TypeError(f"rollout: stream request key {r.key!r} is not hashable") from None
         self.generation.members.fleet  # noqa: B018 -- discovers the workers now: a router that is down fails here
         return SGLangStream(self, requests)
+
+
+def sample_keys(request: SampleRequest) -> list:
+    """The keys a request's samples are handed back with: its key, or ``(key, k)`` with ``n > 1``."""
+    return [request.key] if request.n == 1 else [(request.key, k) for k in range(request.n)]
 
 
 class SGLangStream(RequestStream):
@@ -77,7 +86,8 @@ class SGLangStream(RequestStream):
     def __init__(self, streams: Streams, requests: list):
         self.streams, self.generation = streams, streams.generation
         self.requests = requests
-        self.ended = 0  # requests handed out by the iteration
+        self.samples = sum(r.n for r in requests)
+        self.ended = 0  # samples handed out by the iteration
         self.aborted = 0  # of them, ended as "abort"
         self._results: queue.Queue = queue.Queue()
         self._stop = threading.Event()  # the consumer is gone: end the loop
@@ -89,11 +99,11 @@ class SGLangStream(RequestStream):
 
     # -- the consumer's side ---------------------------------------------------------------------------
     def __iter__(self):
-        while self.ended < len(self.requests):
+        while self.ended < self.samples:
             kind, key, completion = self._results.get()
             if kind == "error":
                 self._stop.set()
-                self.ended = len(self.requests)  # nothing more comes
+                self.ended = self.samples  # nothing more comes
                 raise key
             self.ended += 1
             if completion.aborted:
@@ -144,13 +154,13 @@ class SGLangStream(RequestStream):
             sem = asyncio.Semaphore(eng.max_concurrent_requests)
 
             async def run(req: SampleRequest):
-                body = eng._request_body(req.input_ids, req.params, 1, req.params.seed)
+                body = eng._request_body(req.input_ids, req.params, req.n, req.params.seed)
                 async with sem:
                     if call.aborting:
-                        return aborted_empty()[0]  # never sent
-                    return (await eng._post_generate(call, body, 1))[0]
+                        return aborted_empty(req.n)  # never sent
+                    return await eng._post_generate(call, body, req.n)
 
-            tasks = {asyncio.ensure_future(run(r)): r.key for r in self.requests}
+            tasks = {asyncio.ensure_future(run(r)): r for r in self.requests}
             watchdog = asyncio.ensure_future(eng._watch_workers(call, self._stop))
             deadline = resend = None
             posts, cancelled = set(), []  # the rounds of /abort_request; requests cancelled at the deadline
@@ -175,13 +185,13 @@ class SGLangStream(RequestStream):
                     if watchdog in done:  # it only ends by failing (too few workers left)
                         raise watchdog.exception() or RuntimeError("the health watchdog ended")
                     for t in done & set(tasks):
-                        key = tasks.pop(t)
-                        self._put(key, t.result())  # (a request's failure is raised here)
+                        req = tasks.pop(t)
+                        self._put(req, t.result())  # (a request's failure is raised here)
                     if deadline is not None and time.monotonic() >= deadline:
-                        for t, key in tasks.items():  # no answer since the abort: cancelled
+                        for t, req in tasks.items():  # no answer since the abort: cancelled
                             t.cancel()
                             cancelled.append(t)
-                            self._put(key, aborted_empty()[0])
+                            self._put(req, aborted_empty(req.n))
                         tasks.clear()
             finally:
                 pending = set(tasks) | {watchdog} | set(cancelled) | posts
@@ -191,10 +201,11 @@ class SGLangStream(RequestStream):
                 with self._lock:
                     self._loop = None
 
-    def _put(self, key, completion) -> None:
-        if completion.aborted:
+    def _put(self, request: SampleRequest, completions: list) -> None:
+        if any(c.aborted for c in completions):
             self.streams.aborted_requests += 1
-        self._results.put(("ok", key, completion))
+        for key, completion in zip(sample_keys(request), completions):
+            self._results.put(("ok", key, completion))
 
     async def _abort_servers(self, call: _Call) -> None:
         """The server API's abort of every request (SGLang: ``/abort_request`` ``{"rid": "",

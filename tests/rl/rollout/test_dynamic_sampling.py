@@ -185,3 +185,40 @@ def test_config_validation(overrides, msg):
         None,
         ["rl.prompts_per_step=128", "rl.oversample_prompts=256", "rl.max_generation_batches=3", "rl.on_shortfall=fail"],
     )
+
+
+def test_a_whole_batch_logs_the_generation_after_its_quota_of_groups_ended():
+    """``time/generate_after_quota_s``: the seconds between the ``rl.prompts_per_step``-th group's
+    end and the batch's (what partial rollouts could cut)."""
+    import concurrent.futures
+    import time
+
+    from megatron_klear.data.prompts import Prompt
+    from megatron_klear.rewards.result import GradeResult
+    from megatron_klear.rl.rollout.sampling import generate_and_grade
+    from megatron_klear.rollout.base import Completion, SamplingParams
+
+    class Engine:  # groups end 0.05, 0.05, 0.2 and 0.2 s apart
+        def generate_iter(self, prompts, params, n, chunk_size=None):
+            for i, wait in enumerate((0.05, 0.05, 0.2, 0.2)):
+                time.sleep(wait)
+                yield i, [Completion([7] * (i + j + 1), [-1.0] * (i + j + 1), "stop") for j in range(n)]
+
+    class Pool:
+        def submit(self, item):
+            f = concurrent.futures.Future()
+            f.set_result(GradeResult(reward=1.0, passed=1, total=1))
+            return f
+
+    tokenizer = SimpleNamespace(
+        eos_token=None, pad_token=None, decode=lambda ids, **kw: "x", convert_ids_to_tokens=lambda ids: []
+    )
+    cfg = JobConfig()
+    cfg.rl.prompts_per_step, cfg.rl.oversample_prompts, cfg.rl.responses_per_prompt = 2, 4, 2
+    prompts = [Prompt(id=f"p{i}", task="math", prompt_ids=[i + 1], answer="1") for i in range(4)]
+    _, m = generate_and_grade(Engine(), Pool(), tokenizer, prompts, SamplingParams(), cfg, [])
+    # the second group ended after >= 0.1 s; the last two groups took >= 0.4 s more
+    assert 0.4 <= m["time/generate_after_quota_s"] <= m["time/generate_s"] - 0.1
+    cfg.rl.prompts_per_step = 4  # the quota is the whole batch: nothing after it
+    _, m = generate_and_grade(Engine(), Pool(), tokenizer, prompts, SamplingParams(), cfg, [])
+    assert m["time/generate_after_quota_s"] < 0.05

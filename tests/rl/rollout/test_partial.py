@@ -15,7 +15,7 @@ from megatron_klear.data.prompts import Prompt
 from megatron_klear.rewards.result import GradeResult
 from megatron_klear.rl.rollout.partial import PartialRollouts
 from megatron_klear.rl.rollout.schedules import OneStepAhead, Synchronous
-from megatron_klear.rollout.base import Completion
+from megatron_klear.rollout.base import Completion, SampleRequest
 
 BUDGET = 40
 
@@ -47,7 +47,12 @@ class Stream:
     would still generate."""
 
     def __init__(self, engine, requests):
-        self.engine, self.requests = engine, requests
+        engine.sent.append([(r.key, r.n) for r in requests])
+        # a request for n samples (a group not started yet) runs here as n requests of one sample
+        self.engine = engine
+        self.requests = [
+            r if r.n == 1 else SampleRequest((r.key, k), r.input_ids, r.params) for r in requests for k in range(r.n)
+        ]
         self.abort_asked = threading.Event()
 
     def __iter__(self):
@@ -90,6 +95,7 @@ class Engine:
 
     def __init__(self, lengths=None):
         self.lengths, self.version, self.seen = dict(lengths or {}), 0, []
+        self.sent = []  # per stream: (key, n) of each request
         self.after_each = lambda stream: None
         self.abort_tail = []  # tokens every aborted answer ends with
 
@@ -156,6 +162,26 @@ def test_the_quota_aborts_the_rest_and_the_next_step_continues_them_under_new_we
     assert s.versions == [0] * cut + [1] * (19 - cut) and len(s.rollout_logprobs) == 19
     assert m["rollout/resumed_samples"] >= 1 and m["rollout/staleness_max"] == 1
     assert 0 < m["rollout/offpolicy_token_frac"] < 1
+
+
+def test_a_group_not_started_is_one_request_for_its_samples_and_a_continuation_one_of_its_own():
+    engine = Engine({(2, 1): 19, (3, 1): 21})
+    producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
+    prompts = Prompts()
+    producer.produce(prompts, 0)
+    assert engine.sent == [[(0, 2), (1, 2), (2, 2), (3, 2)]]  # 4 groups, one request of n=2 each
+    engine.sent = []
+    producer.produce(prompts, 1)
+    (sent,) = engine.sent
+    continued = [(key, n) for key, n in sent if isinstance(key, tuple)]
+    assert continued and all(n == 1 for _, n in continued)  # the aborted responses, one by one
+    assert sorted(key for key, n in sent if n == 2) == [4, 5]  # the new groups: one request each
+    # one request per sample when the run asks for it (rollout.request_granularity=sample)
+    cfg = _cfg()
+    cfg.rollout.request_granularity = "sample"
+    engine = Engine({(2, 1): 19, (3, 1): 21})
+    PartialRollouts(cfg, engine, Pool(), Tokenizer(), []).produce(Prompts(), 0)
+    assert engine.sent == [[((g, j), 1) for g in range(4) for j in range(2)]]
 
 
 STOP = 7777
