@@ -279,4 +279,5 @@ class RequestStream(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Abort what still runs and wait for the requests to end (idempotent)."""
+        """Abort what still runs and wait for the requests to end (idempotent); a thread iterating
+        the stream meanwhile stops iterating."""

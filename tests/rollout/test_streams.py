@@ -5,6 +5,7 @@ stand-in server (in-thread, the tiny model, each forward slowed so that an abort
 the real sglang-router, and the scriptable fake worker (request bodies validated against SGLang
 0.5.23's contract)."""
 
+import threading
 import time
 from dataclasses import replace
 
@@ -210,6 +211,26 @@ def test_stream_bodies_follow_sglangs_contract_and_an_unanswered_abort_ends_at_t
         stream.close()
 
 
+def test_a_thread_iterating_a_stream_stops_when_another_closes_it(tmp_path):
+    # partial rollouts read the stream in a thread of their own; when the step fails, the stream is
+    # closed from the step's thread, and neither thread may wait for a result the other one took
+    reqs = [SampleRequest(k, [k + 1, 2], SamplingParams(max_new_tokens=3)) for k in range(3)]
+    with fake_worker(tmp_path, "slow", generate_delay=30) as (url, _, _):
+        client = SGLangEngine.at([url], control_timeout_s=0.5)
+        stream = client.stream(reqs)
+        seen = []
+        reader = threading.Thread(target=lambda: seen.extend(stream), daemon=True)
+        reader.start()
+        time.sleep(0.3)
+        closer = threading.Thread(target=stream.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        reader.join(10)
+        assert not closer.is_alive() and not reader.is_alive()
+        assert all(c.aborted for _, c in seen) and len(seen) <= 3
+        client.close()
+
+
 def test_bad_stream_requests_are_named():
     client = SGLangEngine.at(["http://127.0.0.1:9"], workers=["http://127.0.0.1:9"])
     with pytest.raises(ValueError, match=r"request 'a': input_ids must be"):
@@ -410,4 +431,41 @@ def test_a_probe_that_meets_an_abort_of_every_request_is_asked_again_within_the_
         assert sent[0] >= 3  # the storm ran (posts every 5 ms, slower on a loaded machine)
         client.close()
     finally:
+        _stop(server)
+
+
+def test_partial_rollouts_stop_with_the_error_met_while_reading_their_stream(tiny_hf):
+    # a stand-in no trainer pushed weights to answers without a step number as the tokens' version:
+    # the step fails with the error that names it, and its reader thread ends (the stream closed
+    # under it: the test above)
+    from megatron_klear.config import JobConfig
+    from megatron_klear.data.prompts import Prompt
+    from megatron_klear.rl.rollout.partial import PartialRollouts
+
+    class Prompts:
+        def take(self, n):
+            return [Prompt(id=f"p{i}", task="math", prompt_ids=list(PROMPTS[i]), answer="1") for i in range(n)]
+
+    cfg = JobConfig()
+    cfg.rl.prompts_per_step, cfg.rl.oversample_prompts, cfg.rl.responses_per_prompt = 2, 3, 2
+    cfg.rollout.max_new_tokens = BUDGET
+    _, server, url = _serve(tiny_hf["untied"])
+    client = SGLangEngine.at([url], control_timeout_s=5)
+    try:
+        producer = PartialRollouts(cfg, client, pool=None, tokenizer=None, stop_token_ids=[])
+        failed = []
+
+        def step():
+            try:
+                producer.produce(Prompts(), 0)
+            except ValueError as e:
+                failed.append(e)
+
+        thread = threading.Thread(target=step, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the step hangs"
+        assert failed and "the weight version of every token" in str(failed[0])
+    finally:
+        client.close()
         _stop(server)

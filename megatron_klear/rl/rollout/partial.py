@@ -306,9 +306,10 @@ class PartialRollouts:
                 if not asked_abort and (self._cancelled or len(self._survivors(done, wait=False)) >= quota):
                     stream.abort()  # the servers answer every running request with what it has so far
                     asked_abort = True
-        finally:
-            stream.close()
+        finally:  # (after an error here too: the reader ends once every request has)
+            stream.abort()
             reader.join()
+            stream.close()
             self._stream = None
         return len(done) - first_done, aborted, tokens
 

@@ -27,7 +27,6 @@ tokens) and the stream's ``aborted`` (samples that did).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import numbers
 import queue
@@ -101,6 +100,9 @@ class SGLangStream(RequestStream):
     def __iter__(self):
         while self.ended < self.samples:
             kind, key, completion = self._results.get()
+            if kind == "closed":  # another thread closed the stream and took what was left
+                self._results.put((kind, key, completion))  # (for any other thread still waiting)
+                return
             if kind == "error":
                 self._stop.set()
                 self.ended = self.samples  # nothing more comes
@@ -116,19 +118,16 @@ class SGLangStream(RequestStream):
 
     def close(self) -> None:
         """Abort, then wait for every request to end (their results are dropped; an error the
-        stream met is not raised here). Idempotent."""
+        stream met is not raised here); a thread iterating the stream meanwhile stops. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.abort()
-        try:
-            collections.deque(self, maxlen=0)  # drain: every request ends (results dropped)
-        except Exception:  # noqa: BLE001 -- the stream failed: nothing more to wait for
-            self._stop.set()
+        if self._thread is not None:  # its loop ends once every request has (the abort's deadline
+            self._thread.join()  # bounds that), or at the error it met
         self._stop.set()
-        self._poke()
-        if self._thread is not None:
-            self._thread.join()
+        # what is left is dropped; a thread iterating the stream meanwhile (or later) ends with it
+        self._results.put(("closed", None, None))
 
     def __enter__(self):
         return self
