@@ -39,7 +39,9 @@ length distribution the runs start from. ``--json OUT`` writes exactly
 "offpolicy_token_frac"}}, "lengths": {"p50", "p90", "max"}}``; per-run details go to
 ``<out>/details.json``. Also printed: partial rollouts' ceiling on this machine, the sync runs'
 samples/s had each step ended once ``prompts_per_step`` groups were complete (its
-``time/generate_after_quota_s`` cut) over theirs.
+``time/generate_after_quota_s`` cut) over theirs; and, before the runs, the rollout side alone
+with the weights fixed (:func:`generation_only`: whole batches against partial rollouts, seconds per
+step, no update and none of its noise).
 """
 
 from __future__ import annotations
@@ -513,6 +515,47 @@ def _probe_rounds(client, tok, heldout: list, bench: Bench, waves) -> dict:
     return {"rounds": rounds, "ratio_median": statistics.median(r["ratio"] for r in rounds)}
 
 
+def generation_only(files: dict, bench: Bench, settings, urls: list, tokenizer, pool) -> dict:
+    """The rollout side alone, weights fixed (no update, no push): ``bench.rl_steps`` batches of
+    whole batches (:class:`~megatron_klear.rl.rollout.sampling.FullBatches`, the synchronous loop's)
+    and as many of partial rollouts (:class:`~megatron_klear.rl.rollout.partial.PartialRollouts`)
+    from the same prompts on the benchmark's servers: seconds and trained tokens per step, and the
+    ratio of their mean seconds over steps 2.. (partial rollouts' first step continues nothing). What
+    the early stop buys the generation, without the actor's update and its noise."""
+    from megatron_klear.config import load_config
+    from megatron_klear.data.chat import generation_stop_ids
+    from megatron_klear.data.prompts import PromptDataset
+    from megatron_klear.rl.rollout.partial import PartialRollouts
+    from megatron_klear.rl.rollout.sampling import FullBatches
+
+    cfg = load_config(None, rl_overrides(bench, settings, files, urls, "unused", "sync", 1))
+    client = engine_client(bench, urls)
+    out = {}
+    try:
+        client.load_from_disk(files["sft"], version=0)  # the SFT weights, as step 1 of a run has them
+        client.admit_workers(0)
+        for name, make in (("whole_batches", FullBatches), ("partial", PartialRollouts)):
+            prompts = PromptDataset([files["prompts"]], tokenizer, max_prompt_length=96)
+            producer = make(cfg, client, pool, tokenizer, generation_stop_ids(tokenizer))
+            steps = []
+            for _ in range(bench.rl_steps):
+                t = time.time()
+                samples, m = producer.produce(prompts, 0)
+                steps.append(
+                    {
+                        "seconds": time.time() - t,
+                        "trained_tokens": sum(len(x.response_ids) for x in samples),
+                        "after_quota_s": m.get("time/generate_after_quota_s"),
+                    }
+                )
+            out[name] = steps
+    finally:
+        client.close()
+    out["mean_s"] = {k: statistics.fmean(x["seconds"] for x in v[1:] or v) for k, v in out.items()}
+    out["partial_speedup"] = out["mean_s"]["whole_batches"] / out["mean_s"]["partial"]
+    return out
+
+
 def probe_lines(probe: dict, bench: Bench) -> list:
     lines = []
     for where, result in probe.items():
@@ -813,6 +856,14 @@ def main(argv=None) -> int:
             f"(max/median {lengths['max'] / max(lengths['p50'], 1):.1f})",
             flush=True,
         )
+        gen_only = generation_only(files, bench, settings, urls, tokenizer, pool)
+        mean = gen_only["mean_s"]
+        print(
+            f"  generation only (weights fixed, {bench.rl_steps} steps each, steps 2..): whole batches "
+            f"{mean['whole_batches']:.2f} s/step, partial {mean['partial']:.2f} s/step: "
+            f"partial {gen_only['partial_speedup']:.2f}x",
+            flush=True,
+        )
         probe = None  # (the servers hold the SFT weights until the first run)
         if not bench.quick:
             probe = batching_probe(files["sft"], heldout, bench, server_url=servers[0].url)
@@ -849,6 +900,7 @@ def main(argv=None) -> int:
         "sft_heldout": sft_eval,
         "batching_probe": probe,
         "partial_ceiling": partial_ceiling(runs),
+        "generation_only": gen_only,
         "runs": runs,
         "minutes": minutes,
         "table": text,

@@ -63,6 +63,16 @@ def test_async_rl_benchmark_quick(tmp_path):
             assert abs(details["partial_ceiling"] - ceiling) < 1e-9 and ceiling >= 1
             m = re.search(r"^partial rollouts' ceiling here: ([0-9.]+)x", proc.stdout, re.M)
             assert m and float(m.group(1)) == round(ceiling, 2), proc.stdout[-2000:]
+    # the rollout side alone (weights fixed): both producers ran every step, and the ratio printed is
+    # the one of their mean seconds over steps 2..
+    gen = details["generation_only"]
+    assert [len(gen[k]) for k in ("whole_batches", "partial")] == [2, 2]
+    assert all(x["trained_tokens"] > 0 for k in ("whole_batches", "partial") for x in gen[k])
+    assert all(x["after_quota_s"] is not None for x in gen["whole_batches"])
+    ratio = gen["whole_batches"][1]["seconds"] / gen["partial"][1]["seconds"]
+    assert abs(gen["partial_speedup"] - ratio) < 1e-9
+    m = re.search(r"generation only .*: partial ([0-9.]+)x", proc.stdout)
+    assert m and float(m.group(1)) == round(ratio, 2), proc.stdout[-2000:]
     # the printed ratios are the JSON's
     sync = results["variants"]["sync"]["samples_per_s"]
     for name, r in results["variants"].items():
