@@ -98,9 +98,9 @@ class SGLangStream(RequestStream):
 
     # -- the consumer's side ---------------------------------------------------------------------------
     def __iter__(self):
-        while self.ended < self.samples:
+        while self.ended < self.samples and not self._closed:
             kind, key, completion = self._results.get()
-            if kind == "closed":  # another thread closed the stream and took what was left
+            if kind == "closed":  # the stream was closed (by another thread): the rest is dropped
                 self._results.put((kind, key, completion))  # (for any other thread still waiting)
                 return
             if kind == "error":
