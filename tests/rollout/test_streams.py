@@ -437,7 +437,7 @@ def test_a_probe_that_meets_an_abort_of_every_request_is_asked_again_within_the_
 def test_partial_rollouts_stop_with_the_error_met_while_reading_their_stream(tiny_hf):
     # a stand-in no trainer pushed weights to answers without a step number as the tokens' version:
     # the step fails with the error that names it, and its reader thread ends (the stream closed
-    # under it: the test above)
+    # under it: test_a_thread_iterating_a_stream_stops_when_another_closes_it)
     from megatron_klear.config import JobConfig
     from megatron_klear.data.prompts import Prompt
     from megatron_klear.rl.rollout.partial import PartialRollouts

@@ -167,8 +167,8 @@ def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_mod
     assert sorted(len(c[0].token_ids) for c in whole)[-2:] == [900, 900]  # two run to the budget
     # abort once the servers generated 200 tokens of the stream's (under 900 each: two still run);
     # on 2 shared cores a server's HTTP can stall for seconds (the abort then comes too late): tried
-    # up to 3 times until one abort lands mid-way
-    # and one request for two samples (a group not started yet): each answers its own output so far
+    # up to 3 times until one abort lands mid-way. The stream also holds one request for two samples
+    # (a group not started yet): each sample answers its own output so far
     g = next(i for i, c in enumerate(whole) if len(c[0].token_ids) == 900)
     for _ in range(3):
         start = _generated_tokens(engine.workers())
