@@ -113,8 +113,11 @@ _FORK_SERVER = forkserver.ForkServer()
 _FORK_SERVER.set_forkserver_preload(_PRELOAD)
 
 
-def _context():
-    if os.environ.get("KLEAR_TEST_START_METHOD") == "spawn":  # the plain way, for comparison
+def _context(backend: str = "gloo"):
+    # NCCL ranks use CUDA, which a child forked from the fork server cannot initialise once one of
+    # the preloaded imports has touched it ("Cannot re-initialize CUDA in forked subprocess", seen
+    # on an H200 with torch 2.11): they start the plain way
+    if backend == "nccl" or os.environ.get("KLEAR_TEST_START_METHOD") == "spawn":
         return mp.get_context("spawn")
     return _Context()
 
@@ -174,7 +177,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, backend:
     """
     import torch.distributed as dist
 
-    ctx = _context()
+    ctx = _context(backend)
     queue = ctx.Queue()
     # The rendezvous store listens in this process, on a port the OS picks at bind and that stays
     # held until the ranks are done. (A port found free, released, then bound by rank 0 seconds
