@@ -46,6 +46,9 @@ setup(
             "sglang-router==0.3.2",
             "msgspec>=0.18",
             "pyarrow>=14",
+            # a peer on the same work: its GRPO losses are an independent reference for ours
+            # (tests/rl/test_losses_vs_trl.py) and its GRPOTrainer the baseline of benchmarks/vs_trl.py
+            "trl==1.16.0",
         ],
         # reading the published datasets' parquet files (Klear's RL sets, verl layout; docs/data.md)
         "data": ["pyarrow>=14"],
