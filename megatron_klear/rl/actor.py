@@ -16,6 +16,7 @@ under the version that sampled the token (AReaL's decoupled objective); with
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,9 @@ class Actor:
         self.rl = rl_cfg
         self.pad_id = pad_id
         self.chunk_size = logprob_chunk_size
+        # the first mini-batch's old log-probs are its own forward's (see update); False: a pass
+        # before the update recomputes them as for every later mini-batch (the reference in tests)
+        self.reuse_first_forward = True
 
     # -- planning ------------------------------------------------------------------------------------
     def plan(self, samples: list, policy_version: int | None = None) -> list:
@@ -130,6 +134,9 @@ class Actor:
         on the last pipeline stage) before any update. With ``router_replay`` (MoE), micro-batches
         that carry the engine's ``routed_experts`` are routed to those experts."""
         all_mbs = [mb for _, mbs in plans for mb in mbs]
+        self.replayed_micro_batches = 0
+        if not all_mbs:
+            return
         for k, mb in enumerate(all_mbs):
             mb["mb_id"] = k
 
@@ -151,12 +158,14 @@ class Actor:
                     replay_routing({}, unwrap(chunk))  # every router back to its own choice
 
     # -- the update -----------------------------------------------------------------------------------
-    def _loss_fn(self, counts: LossCounts):
+    def _loss_fn(self, counts: LossCounts, old_is_current: bool = False):
+        """``old_is_current``: the weights have not moved since the rollout batch was planned (the
+        first mini-batch), so the old log-probs are this forward's own, detached (see :meth:`update`)."""
         rl = self.rl
 
         def loss_fn(local, logprobs, entropy):
             mask = counted_mask(local, self.mask_stale)
-            old = local["old_logprobs_local"].to(logprobs.dtype)
+            old = logprobs.detach() if old_is_current else local["old_logprobs_local"].to(logprobs.dtype)
             adv = local["advantages"].to(logprobs.dtype)
             m = mask.bool()
             mismatch = torch.zeros((), dtype=torch.float64)
@@ -251,14 +260,23 @@ class Actor:
                 }
             )
             return out
-        self.recompute_old_logprobs(plans)
+        # The first mini-batch trains at the weights the old log-probs would be recomputed with, and
+        # the forward is a deterministic function of weights and tokens (no dropout in these models):
+        # its old log-probs are its own forward's, detached (r = 1 exactly), and only the later
+        # mini-batches need a pass before the first update. With router replay the old log-probs
+        # route as the engine did while the update's forward routes itself: all are recomputed.
+        replay = self.router_replay and any("routed_experts" in mb for _, mbs in plans for mb in mbs)
+        reuse = self.reuse_first_forward and not replay
+        t0 = time.perf_counter()
+        self.recompute_old_logprobs(plans[1:] if reuse else plans)
+        old_logprobs_s = time.perf_counter() - t0
         totals = dict.fromkeys(SUM_KEYS, 0.0)
         steps, grad_norms, ratio_max, mismatch_max = [], [], 0.0, 0.0
-        for counts, mbs in plans:
+        for k, (counts, mbs) in enumerate(plans):
             for m in state.model:
                 m.zero_grad_buffer()
             state.optimizer.zero_grad()
-            results = self._run(mbs, self._loss_fn(counts), forward_only=False)
+            results = self._run(mbs, self._loss_fn(counts, old_is_current=k == 0 and reuse), forward_only=False)
             lr = state.optimizer.param_groups[0]["lr"]
             ok, grad_norm, _ = state.optimizer.step()
             if ok and not per_rl_step:  # fp16 overflow: skipped update, the schedule does not advance
@@ -285,6 +303,7 @@ class Actor:
             "actor/ratio_max": ratio_max,
             "actor/optimizer_steps": len(plans),
             "actor/steps": steps,
+            "time/old_logprobs_s": old_logprobs_s,
         }
         for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "approx_kl"):
             out[f"actor/{k}"] = totals[k] / tokens

@@ -86,8 +86,28 @@ def test_layouts_match_one_process(model_dir, reference, world, extra):
         assert torch.allclose(delta[k], v, atol=2e-4, rtol=0), (k, (delta[k] - v).abs().max())
 
 
+def _update_recomputing_every_old_logprob(rank, world, model_dir):
+    return _update_with(rank, world, model_dir, [], make_samples(), None, reuse_first_forward=False)
+
+
+def test_the_first_mini_batch_s_own_forward_gives_the_recomputed_old_log_probs(model_dir, reference):
+    """The update takes the first mini-batch's old log-probs from its own forward (no pass before
+    it): the same losses, grad norms, clip fractions and weight changes as recomputing them."""
+    import torch
+
+    ref_metrics, ref_delta = run_distributed(_update_recomputing_every_old_logprob, 1, model_dir)[0]
+    metrics, delta = reference
+    for a, b in zip(metrics["actor/steps"], ref_metrics["actor/steps"]):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-6, abs_tol=1e-9), (a, b)
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-6), (a, b)
+    for k in ("actor/clip_frac_high", "actor/clip_frac_low", "actor/ratio_max", "actor/logprob_mismatch_mean"):
+        assert math.isclose(metrics[k], ref_metrics[k], rel_tol=1e-6, abs_tol=1e-9), k
+    for k, v in ref_delta.items():
+        assert torch.allclose(delta[k], v, atol=1e-6, rtol=0), (k, (delta[k] - v).abs().max())
+
+
 # -- stale tokens (issue 22): per-token weight versions through the Megatron actor ---------------------
-def _update_with(rank, world, model_dir, overrides, samples, policy_version):
+def _update_with(rank, world, model_dir, overrides, samples, policy_version, reuse_first_forward=True):
 
     from megatron_klear.checkpoint.model_weights import iter_hf_tensors
     from megatron_klear.config import load_config
@@ -115,7 +135,9 @@ def _update_with(rank, world, model_dir, overrides, samples, policy_version):
 
     group = parallel_state.get_tensor_model_parallel_group()
     before = {k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=group)}
-    metrics = Actor(state, cfg.rl, logprob_chunk_size=7).update(samples, policy_version=policy_version)
+    actor = Actor(state, cfg.rl, logprob_chunk_size=7)
+    actor.reuse_first_forward = reuse_first_forward
+    metrics = actor.update(samples, policy_version=policy_version)
     after = {k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=group)}
     return metrics, {k: (after[k] - before[k]) for k in after}
 

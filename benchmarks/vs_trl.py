@@ -1,0 +1,436 @@
+"""This project against a peer on the same work: TRL's ``GRPOTrainer`` (trl 1.16) and the project's
+RL command, from the demo's SFT model, with the demo's RL budget and the project's math grader as
+TRL's reward function.
+
+    python benchmarks/vs_trl.py                        # builds the demo's SFT model, 3 pairs x 3 seeds
+    python benchmarks/vs_trl.py --sft runs/demo/hf-sft --prompts runs/demo/rl-prompts.jsonl \\
+        --heldout runs/demo/heldout.jsonl              # from an existing SFT model
+    python benchmarks/vs_trl.py --quick                # every stage at tiny sizes (the test suite)
+
+Pairs (the same rule on both sides, ``PAIRS``):
+
+* ``clip_higher``: the project's ``rl.algo=clip_higher`` (no dual clip, no NLL term, no group
+  filter) against TRL's ``loss_type="dapo"`` (eps 0.2 / 0.28): the same loss, normaliser included
+  (tests/rl/test_losses_vs_trl.py checks it);
+* ``cispo``: ``rl.algo=cispo`` against TRL's ``cispo`` (TRL's ``epsilon_high`` = 1 + ours);
+* ``recipe``: the project's recipe as the demo ships it (GPPO, dynamic sampling over 40 prompts,
+  alpha = 0.1 NLL) against TRL's defaults (``dapo`` with eps 0.2 / 0.2, every group trained).
+
+The same budget on both sides: steps, 32 prompts x 8 responses per step, one optimizer step per RL
+step on all of them, 40 new tokens at temperature 1, lr 3e-4 constant, Adam (0.9, 0.999, 1e-8), no
+weight decay, gradient clip 1.0, fp32 (TRL's bf16 autocast off), the same processes (``--nproc``,
+default 1: TRL's one process; the project at TP = nproc) and the same torch threads. Generation:
+the project's embedded engine; TRL's transformers ``generate``.
+
+Printed per pair: trained samples per second (trained samples over the wall time from the command to
+its exit, start-up and saves included), the step split (generation, grading, training, weight sync;
+medians over the steps), held-out avg@8 of the SFT model and of each run's checkpoints (the
+project's evaluation, ``examples/demo.py``'s, on both models), the ratio of samples/s and the
+difference in held-out gain with its seed spread. Written: ``<out>/details.json``, ``<out>/results.md``,
+``<out>/heldout_vs_samples.png`` and ``<out>/heldout_vs_seconds.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PROJECT_RULE = ["rl.dual_clip=null", "rl.nll_coef=0.0", "rl.filter_zero_spread=false", "rl.oversample_prompts=0"]
+PAIRS = {  # name -> (project overrides on top of the demo's RL settings, TRL GRPOConfig settings)
+    "clip_higher": (
+        ["rl.algo=clip_higher", "rl.eps_low=0.2", "rl.eps_high=0.28", *PROJECT_RULE],
+        {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28},
+    ),
+    "cispo": (["rl.algo=cispo", "rl.eps_high=0.28", *PROJECT_RULE], {"loss_type": "cispo", "epsilon_high": 1.28}),
+    "recipe": ([], {}),
+}
+
+
+# -- TRL's side (a worker process) ------------------------------------------------------------------
+def trl_worker(args) -> None:
+    """One GRPOTrainer run; writes <run>/trl.json (step times) and checkpoints every --eval-every steps."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megatron_klear.data.chat import generation_stop_ids, load_tokenizer
+    from megatron_klear.data.prompts import PromptDataset
+    from megatron_klear.rewards import GradingPool, RewardConfig
+
+    t_start = float(args.t_start)
+    tok = load_tokenizer(args.sft)
+    prompts = PromptDataset([args.prompts], tok, max_prompt_length=64, seed=args.seed).prompts
+    by_text = {tok.decode(p.prompt_ids, skip_special_tokens=False): p for p in prompts}
+    stop_ids = generation_stop_ids(tok, args.sft)
+    strip = [t for t in (tok.eos_token, tok.pad_token, *tok.convert_ids_to_tokens(stop_ids)) if t]
+    timings = {"grade_s": []}
+    pool = GradingPool(RewardConfig(workers=1))
+
+    def math_reward(prompts, completion_ids, **kw):
+        """The project's grader on the decoded completion ids (TRL's ``completions`` drop special
+        tokens, and with them the <think> tags the grader scores)."""
+        t0 = time.time()
+        futures = []
+        for prompt, ids in zip(prompts, completion_ids):
+            text = tok.decode(ids, skip_special_tokens=False)
+            for t in strip:
+                text = text.replace(t, "")
+            futures.append(pool.submit(by_text[prompt].grade_item(text)))
+        rewards = [f.result().reward for f in futures]
+        timings["grade_s"].append(time.time() - t0)
+        return rewards
+
+    model = AutoModelForCausalLM.from_pretrained(args.sft, dtype=torch.float32)
+    model.generation_config.eos_token_id = stop_ids  # responses end at the end-of-turn token too
+    pair = PAIRS[args.pair][1]
+    config = GRPOConfig(
+        output_dir=args.run,
+        seed=args.seed,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.prompts_per_step * 8,
+        num_generations=8,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=args.eval_every,
+        save_only_model=True,
+        **pair,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=math_reward,
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": text} for text in by_text]),
+        processing_class=tok,
+    )
+    steps = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            self.t0 = time.time()
+
+        def on_step_end(self, *a, **kw):
+            steps.append({"step_s": time.time() - self.t0, "t": time.time() - t_start})
+
+    generate = trainer._generate_and_score_completions
+    gen_s = []
+
+    def timed_generate(*a, **kw):  # generation and grading, as TRL runs them before its update
+        t0 = time.time()
+        out = generate(*a, **kw)
+        gen_s.append(time.time() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed_generate
+    trainer.add_callback(StepTimes())
+    trainer.train()
+    pool.close()
+    for i, st in enumerate(steps):
+        grade = timings["grade_s"][i] if i < len(timings["grade_s"]) else 0.0
+        st.update(generate_s=gen_s[i] - grade, grade_s=grade, train_s=st["step_s"] - gen_s[i], sync_s=0.0)
+    with open(os.path.join(args.run, "trl.json"), "w") as f:
+        json.dump({"steps": steps, "seconds": time.time() - t_start}, f)
+
+
+# -- the project's side -----------------------------------------------------------------------------
+def project_run(args, settings, files, pair: str, seed: int, run: str) -> dict:
+    """The project's RL command (its launcher, as a user runs it); returns its step log."""
+    from examples.demo import Demo
+
+    demo = Demo(settings, run)
+    overrides = [o for o in demo.rl_overrides(files["sft"], run) if not o.startswith(("parallel.tp=", "rl.prompts="))]
+    overrides += [
+        f"rl.prompts=[{files['prompts']}]",
+        f"parallel.tp={args.nproc}",
+        f"train.seed={seed}",
+        f"train.save_interval={args.eval_every}",
+        *PAIRS[pair][0],
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "megatron_klear.platform.launch", "--nproc-per-node", str(args.nproc)]
+    with open(os.path.join(os.path.dirname(run), os.path.basename(run) + ".log"), "w") as log:
+        subprocess.run(
+            [*cmd, "-m", "megatron_klear", "rl", *overrides], cwd=ROOT, env=env, stdout=log, stderr=log, check=True
+        )
+    seconds = time.time() - t0
+    steps = []
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            if "time/step_s" in m:
+                steps.append(
+                    {
+                        "step_s": m["time/step_s"],
+                        "generate_s": m.get("time/generate_s", 0.0),
+                        "grade_s": m.get("time/grade_tail_s", 0.0),
+                        "train_s": m.get("time/train_s", 0.0),
+                        "sync_s": m.get("time/weight_sync_s", 0.0),
+                        "samples": m.get("rollout/samples_trained", 0),
+                    }
+                )
+    t = seconds - sum(s["step_s"] for s in steps)  # start-up; the step times follow it
+    for s in steps:
+        t += s["step_s"]
+        s["t"] = t
+    return {"steps": steps, "seconds": seconds}
+
+
+def checkpoints(run: str, framework: str) -> dict:
+    """step -> an HF model directory of that step's weights."""
+    out = {}
+    for name in sorted(os.listdir(run)):
+        path = os.path.join(run, name)
+        if framework == "trl" and name.startswith("checkpoint-"):
+            out[int(name.split("-")[1])] = path
+        elif framework == "project" and name.startswith("iter_"):
+            hf = path + "-hf"
+            if not os.path.isdir(hf):
+                subprocess.run(
+                    [sys.executable, "tools/convert_megatron_to_hf.py", "--ckpt", path, "--out", hf],
+                    cwd=ROOT,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
+            out[int(name[5:])] = hf
+    return out
+
+
+def heldout(demo, model_dir: str, name: str) -> float:
+    return demo.evaluate(model_dir, name)["heldout_avg@8"]
+
+
+# -- the driver ---------------------------------------------------------------------------------------
+def prepare(args, settings) -> dict:
+    from examples.demo import Demo
+
+    if args.sft:
+        return {"sft": args.sft, "prompts": args.prompts, "heldout": args.heldout}
+    demo = Demo(settings, os.path.join(args.out, "sft"))
+    if args.quick:  # a random tiny model stands in for the SFT stage (the demo's --quick covers it)
+        from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+        from megatron_klear.models.tiny import make_tiny_qwen3
+
+        os.makedirs(demo.out, exist_ok=True)
+        sft = make_tiny_qwen3(os.path.join(demo.out, "hf-sft"), num_layers=2, hidden_size=64, flavor="base")
+        write_rl_prompts_jsonl(f"{demo.out}/rl-prompts.jsonl", 64, seed=1)
+        write_rl_prompts_jsonl(f"{demo.out}/heldout.jsonl", settings.eval_prompts, seed=0, split="heldout")
+    else:
+        sft = demo.build_sft_model()
+    return {"sft": sft, "prompts": f"{demo.out}/rl-prompts.jsonl", "heldout": f"{demo.out}/heldout.jsonl"}
+
+
+def summarize(runs: list, baseline: float) -> dict:
+    """pair -> framework -> per-seed figures and their means; the ratio and the gain difference."""
+    table = {}
+    for r in runs:
+        table.setdefault(r["pair"], {}).setdefault(r["framework"], []).append(r)
+    out = {}
+    for pair, sides in table.items():
+        row = {}
+        for fw, rs in sides.items():
+            row[fw] = {
+                "samples_per_s": [r["samples"] / r["seconds"] for r in rs],
+                "gain": [r["heldout"][-1][1] - baseline for r in rs],
+                "final": [r["heldout"][-1][1] for r in rs],
+                "seconds": [r["seconds"] for r in rs],
+                "split": {
+                    k: statistics.median(s[k] for r in rs for s in r["steps"])
+                    for k in ("generate_s", "grade_s", "train_s", "sync_s", "step_s")
+                },
+            }
+        if {"project", "trl"} <= set(row):
+            p, t = row["project"], row["trl"]
+            row["ratio"] = statistics.fmean(p["samples_per_s"]) / statistics.fmean(t["samples_per_s"])
+            diffs = [a - b for a, b in zip(p["gain"], t["gain"])]
+            row["gain_diff"] = statistics.fmean(diffs)
+            row["gain_diff_spread"] = (min(diffs), max(diffs))
+        out[pair] = row
+    return out
+
+
+def table(summary: dict, baseline: float) -> str:
+    f = lambda xs: " / ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+    g = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    lines = [
+        f"SFT model held-out avg@k: {baseline:.1f}%",
+        "",
+        "| pair | framework | samples/s (per seed) | step s: generate / grade / train / sync "
+        "| held-out avg@k after (per seed) |",
+        "|---|---|---|---|---|",
+    ]
+    for pair, row in summary.items():
+        for fw in ("project", "trl"):
+            if fw in row:
+                sp = row[fw]["split"]
+                split = f"{sp['generate_s']:.2f} / {sp['grade_s']:.2f} / {sp['train_s']:.2f} / {sp['sync_s']:.2f}"
+                lines.append(f"| {pair} | {fw} | {f(row[fw]['samples_per_s'])} | {split} | {g(row[fw]['final'])} |")
+        if "ratio" in row:
+            lo, hi = row["gain_diff_spread"]
+            lines.append(
+                f"| {pair} | **project / TRL** | **{row['ratio']:.2f}x** | | gain difference {row['gain_diff']:+.1f} "
+                f"points (seeds {lo:+.1f} .. {hi:+.1f}) |"
+            )
+    return "\n".join(lines)
+
+
+def plots(out: str, runs: list, baseline: float) -> None:
+    from megatron_klear.utils.plots import line_chart
+
+    for x, name, label in (
+        ("samples", "heldout_vs_samples.png", "trained samples"),
+        ("t", "heldout_vs_seconds.png", "wall-clock s"),
+    ):
+        series = {}
+        for r in runs:
+            pts = [(0, baseline)]
+            for step, acc in r["heldout"]:
+                done = r["steps"][:step]
+                pts.append((sum(s["samples"] for s in done) if x == "samples" else done[-1]["t"], acc))
+            series[f"{r['framework']} {r['pair']} s{r['seed']}"] = pts
+        line_chart(
+            os.path.join(out, name), series, title=f"Held-out avg@8 against {label}", xlabel=label, ylabel="avg@8 (%)"
+        )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/vs-trl")
+    p.add_argument("--sft", default=None, help="an HF SFT model (default: build the demo's)")
+    p.add_argument("--prompts", default=None, help="RL prompts JSONL (with --sft)")
+    p.add_argument("--heldout", default=None, help="held-out problems JSONL (with --sft)")
+    p.add_argument("--pairs", default=",".join(PAIRS))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--nproc", type=int, default=1, help="processes on each side (the project: TP = nproc)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", default=None, help="also write the summary here")
+    # the TRL worker
+    p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    for k in ("run", "pair", "t-start"):
+        p.add_argument(f"--{k}", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--prompts-per-step", type=int, default=32, help=argparse.SUPPRESS)
+    p.add_argument("--max-new-tokens", type=int, default=40, help=argparse.SUPPRESS)
+    p.add_argument("--lr", type=float, default=3e-4, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.trl_worker:
+        trl_worker(args)
+        return 0
+
+    from examples.demo import QUICK, Demo, Settings
+    from megatron_klear.utils.progress import format_seconds
+
+    if args.quick:
+        args.steps, args.eval_every, args.seeds = 2, 2, 1
+    settings = Settings(**(QUICK if args.quick else {}))
+    settings.rl_steps = args.steps
+    if args.quick:
+        settings.eval_prompts, settings.eval_k = 4, 2
+    os.makedirs(args.out, exist_ok=True)
+    files = prepare(args, settings)
+    evaluator = Demo(settings, args.out)
+    evaluator.out = os.path.dirname(os.path.abspath(files["heldout"]))  # Demo.evaluate reads <out>/heldout.jsonl
+    baseline = heldout(evaluator, files["sft"], "sft")
+    print(f"SFT model: held-out avg@{settings.eval_k} {baseline:.1f}%", flush=True)
+    jobs = [
+        (pair, seed, fw) for seed in range(args.seeds) for pair in args.pairs.split(",") for fw in ("project", "trl")
+    ]
+    runs, t0 = [], time.time()
+    for i, (pair, seed, fw) in enumerate(jobs):
+        run = os.path.abspath(os.path.join(args.out, "runs", f"{pair}-{fw}-s{seed}"))
+        os.makedirs(os.path.dirname(run), exist_ok=True)
+        if fw == "project":
+            result = project_run(args, settings, files, pair, seed, run)
+        else:
+            os.makedirs(run, exist_ok=True)
+            cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", "--run", run, "--pair", pair]
+            cmd += [
+                "--seed",
+                str(seed),
+                "--sft",
+                files["sft"],
+                "--prompts",
+                files["prompts"],
+                "--steps",
+                str(args.steps),
+            ]
+            cmd += ["--eval-every", str(args.eval_every), "--threads", str(args.threads), "--t-start", str(time.time())]
+            cmd += [
+                "--prompts-per-step",
+                str(settings.rl_prompts_per_step),
+                "--max-new-tokens",
+                str(settings.max_new_tokens),
+            ]
+            cmd += ["--lr", str(settings.rl_lr)]
+            start = time.time()
+            with open(run + ".log", "w") as log:
+                subprocess.run(
+                    cmd,
+                    cwd=ROOT,
+                    env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
+                    stdout=log,
+                    stderr=log,
+                    check=True,
+                )
+            result = json.load(open(os.path.join(run, "trl.json")))
+            result["seconds"] = time.time() - start
+            for s in result["steps"]:
+                s["samples"] = settings.rl_prompts_per_step * 8
+        result.update(pair=pair, seed=seed, framework=fw)
+        result["samples"] = sum(s.get("samples", settings.rl_prompts_per_step * 8) for s in result["steps"])
+        result["heldout"] = [
+            (step, heldout(evaluator, path, f"{pair}-{fw}-s{seed}-{step}"))
+            for step, path in sorted(checkpoints(run, fw).items())
+        ]
+        runs.append(result)
+        done = i + 1
+        eta = (len(jobs) - done) * (time.time() - t0) / done
+        print(
+            f"  {pair} {fw} seed {seed}: {result['samples'] / result['seconds']:.0f} samples/s, held-out "
+            f"{' '.join(f'{a:.1f}' for _, a in result['heldout'])}  [{done}/{len(jobs)}, ETA {format_seconds(eta)}]",
+            flush=True,
+        )
+    summary = summarize(runs, baseline)
+    text = table(summary, baseline)
+    print(text, flush=True)
+    plots(args.out, runs, baseline)
+    details = {"baseline": baseline, "summary": summary, "runs": runs, "args": vars(args)}
+    from megatron_klear.utils.atomic import write_text
+
+    write_text(os.path.join(args.out, "details.json"), json.dumps(details, indent=1))
+    write_text(os.path.join(args.out, "results.md"), text + "\n")
+    if args.json:
+        write_text(args.json, json.dumps(details, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
