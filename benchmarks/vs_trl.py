@@ -112,7 +112,7 @@ def trl_worker(args) -> None:
         weight_decay=0.0,
         max_grad_norm=1.0,
         beta=0.0,
-        bf16=False,
+        bf16=args.trl_bf16,
         use_cpu=True,
         report_to=[],
         logging_steps=1,
@@ -173,7 +173,11 @@ def project_run(args, settings, files, pair: str, seed: int, run: str) -> dict:
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     t0 = time.time()
-    cmd = [sys.executable, "-m", "megatron_klear.platform.launch", "--nproc-per-node", str(args.nproc)]
+    # one process: plain python, as TRL's side runs (the package starts a world of one without a
+    # launcher); more: the project's launcher, as torchrun
+    cmd = [sys.executable]
+    if args.nproc > 1:
+        cmd += ["-m", "megatron_klear.platform.launch", "--nproc-per-node", str(args.nproc)]
     with open(os.path.join(os.path.dirname(run), os.path.basename(run) + ".log"), "w") as log:
         subprocess.run(
             [*cmd, "-m", "megatron_klear", "rl", *overrides], cwd=ROOT, env=env, stdout=log, stderr=log, check=True
@@ -340,6 +344,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-per-step", type=int, default=32, help=argparse.SUPPRESS)
     p.add_argument("--max-new-tokens", type=int, default=40, help=argparse.SUPPRESS)
     p.add_argument("--lr", type=float, default=3e-4, help=argparse.SUPPRESS)
+    p.add_argument("--trl-bf16", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trl_worker:
         trl_worker(args)

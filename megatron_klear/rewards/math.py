@@ -98,8 +98,11 @@ _CHOICE = re.compile(r"\(?\s*([A-J])\s*\)?\.?")
 _TEXT_WRAP = re.compile(r"^\\(?:text|textbf|mathrm|mathbf|textit)\{(.*)\}$", re.DOTALL)
 
 
+@lru_cache(maxsize=1)
 def _mv():
-    """math-verify, imported on first use (it pulls in sympy and antlr: ~0.5 s)."""
+    """math-verify, imported and checked on first use (it pulls in sympy and antlr: ~0.5 s); once
+    per process: its version comes from the package metadata, a file read that cost 1.4 ms, more
+    than the rest of a grading, when every call made it."""
     import math_verify
 
     version = getattr(math_verify, "__version__", None)
@@ -391,9 +394,22 @@ def _verdict(cfg: RewardConfig, ok: bool, why: str) -> GradeResult:
     return GradeResult(reward=cfg.correct if ok else cfg.wrong, passed=int(ok), total=1, detail=why)
 
 
-def _parse_boxed(text: str):
-    boxed_only, _ = _configs()
-    return _mv().parse("\\boxed{" + _scientific(text) + "}", extraction_config=boxed_only, parsing_timeout=None)
+def _parse_boxed(text: str) -> list:
+    return list(_parse_cached(text, boxed=True))
+
+
+@lru_cache(maxsize=16384)
+def _parse_cached(text: str, boxed: bool) -> tuple:
+    """math-verify's parse of an answer (``boxed``: ``text`` is a boxed answer's contents) or of a
+    response's tail, memoised: parsing is a pure function of the text, and an RL step grades the
+    same gold answers and many identical answers over and over (sympy's parse is most of a
+    grading's time). Callers get a fresh list each time (verify takes lists)."""
+    boxed_only, anywhere = _configs()
+    if boxed:
+        return tuple(
+            _mv().parse("\\boxed{" + _scientific(text) + "}", extraction_config=boxed_only, parsing_timeout=None)
+        )
+    return tuple(_mv().parse(text, extraction_config=anywhere, parsing_timeout=None))
 
 
 def _match(answer_text: str, pred, g_text: str, g_parsed, g_words) -> str | None:
@@ -451,14 +467,13 @@ def grade_math(response: str, gold: str | list[str], cfg: RewardConfig | None = 
     if fmt is not None:
         return GradeResult(reward=fmt[0], passed=0, total=1, detail=fmt[1])
     section = answer_section(response) or ""
-    mv = _mv()
+    _mv()  # imported and set up (the numeric equality) before any parse or verify
     _Tolerance.rel = cfg.math_float_rel_tol
 
     boxes = boxed_contents(section)
     if boxes and not _one_answer(boxes):
         distinct = len(dict.fromkeys(_squash(b) for b in boxes))
         return _verdict(cfg, False, f"several different boxed answers ({distinct})")
-    _, anywhere = _configs()
     found = None
     if boxes:
         answer_text = boxes[-1]
@@ -467,7 +482,7 @@ def grade_math(response: str, gold: str | list[str], cfg: RewardConfig | None = 
         lines = [ln for ln in section.strip().splitlines() if ln.strip()]
         hedge_text = lines[-1] if lines else ""
         tail = section[-_NO_BOX_TAIL_CHARS:]
-        found = mv.parse(tail, extraction_config=anywhere, parsing_timeout=None)
+        found = list(_parse_cached(tail, boxed=False))
         if not found:
             return _verdict(cfg, False, "no answer found after </think>")
         answer_text = found[-1] if isinstance(found[-1], str) else str(found[0])

@@ -248,3 +248,26 @@ def test_number_equality_is_relative_never_absolute_and_configurable():
         assert grade_math(T + rf"\boxed{{{a}}}", b, loose).reward == -1.0, (a, b)
     with pytest.raises(ValueError, match="math_float_rel_tol"):
         RewardConfig(math_float_rel_tol=-1e-6)
+
+
+def test_the_grader_checks_math_verify_s_version_once_and_parses_each_answer_once(monkeypatch):
+    """A grading reads math-verify's version from the package metadata once per process, not per
+    call (that read cost more than the grading), and parses a repeated answer once; the memoised
+    parse hands out fresh lists with the same verdicts."""
+    import importlib.metadata
+
+    import megatron_klear.rewards.math as math_grader
+
+    reads = []
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: reads.append(name) or real(name))
+    math_grader._mv.cache_clear()
+    math_grader._parse_cached.cache_clear()
+    responses = [T + r"\boxed{\frac{1}{2}}", T + r"\boxed{0.5}", T + r"\boxed{\frac{1}{2}}", T + "so 1/2"]
+    verdicts = [grade_math(r, "1/2").passed for r in responses * 3]
+    assert verdicts == [1, 1, 1, 1] * 3
+    assert reads.count("math-verify") <= 1
+    info = math_grader._parse_cached.cache_info()
+    assert info.misses == 4 and info.hits > info.misses  # gold, two boxed answers, one tail; the rest hits
+    first, second = math_grader._parse_boxed("1/2"), math_grader._parse_boxed("1/2")
+    assert first == second and first is not second
