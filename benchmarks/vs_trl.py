@@ -67,13 +67,13 @@ def trl_worker(args) -> None:
     from megatron_klear.data.chat import generation_stop_ids, load_tokenizer
     from megatron_klear.data.prompts import PromptDataset
     from megatron_klear.rewards import GradingPool, RewardConfig
+    from megatron_klear.rl.rollout.sampling import grading_text
 
     t_start = float(args.t_start)
     tok = load_tokenizer(args.sft)
     prompts = PromptDataset([args.prompts], tok, max_prompt_length=64, seed=args.seed).prompts
     by_text = {tok.decode(p.prompt_ids, skip_special_tokens=False): p for p in prompts}
     stop_ids = generation_stop_ids(tok, args.sft)
-    strip = [t for t in (tok.eos_token, tok.pad_token, *tok.convert_ids_to_tokens(stop_ids)) if t]
     timings = {"grade_s": []}
     pool = GradingPool(RewardConfig(workers=1))
 
@@ -83,10 +83,7 @@ def trl_worker(args) -> None:
         t0 = time.time()
         futures = []
         for prompt, ids in zip(prompts, completion_ids):
-            text = tok.decode(ids, skip_special_tokens=False)
-            for t in strip:
-                text = text.replace(t, "")
-            futures.append(pool.submit(by_text[prompt].grade_item(text)))
+            futures.append(pool.submit(by_text[prompt].grade_item(grading_text(tok, ids, stop_ids))))
         rewards = [f.result().reward for f in futures]
         timings["grade_s"].append(time.time() - t0)
         return rewards
@@ -304,22 +301,29 @@ def table(summary: dict, baseline: float) -> str:
 
 
 def plots(out: str, runs: list, baseline: float) -> None:
+    """Held-out avg@k against trained samples and against wall-clock seconds (start-up included):
+    one line per framework and pair, each point the mean over the seeds."""
     from megatron_klear.utils.plots import line_chart
 
     for x, name, label in (
         ("samples", "heldout_vs_samples.png", "trained samples"),
         ("t", "heldout_vs_seconds.png", "wall-clock s"),
     ):
-        series = {}
+        by_line = {}
         for r in runs:
-            pts = [(0, baseline)]
+            pts = [(0.0, baseline)]
             for step, acc in r["heldout"]:
                 done = r["steps"][:step]
                 pts.append((sum(s["samples"] for s in done) if x == "samples" else done[-1]["t"], acc))
-            series[f"{r['framework']} {r['pair']} s{r['seed']}"] = pts
-        line_chart(
-            os.path.join(out, name), series, title=f"Held-out avg@8 against {label}", xlabel=label, ylabel="avg@8 (%)"
-        )
+            by_line.setdefault(f"{r['framework']} {r['pair']}", []).append(pts)
+        series = {
+            f"{line} ({len(seeds)} seeds)": [
+                (statistics.fmean(p[0] for p in column), statistics.fmean(p[1] for p in column))
+                for column in zip(*seeds)
+            ]
+            for line, seeds in by_line.items()
+        }
+        line_chart(os.path.join(out, name), series, title=f"Held-out avg@k against {label}", xlabel=label, ylabel="%")
 
 
 def main(argv=None) -> int:

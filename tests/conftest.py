@@ -42,6 +42,7 @@ HEAVY_MODULES = [
     "tests/test_shipped_configs.py",
     "tests/test_bench_async_rl.py",
     "tests/test_bench_vs_trl.py",
+    "tests/test_bench_rl_step.py",
     "tests/test_bench_weight_sync.py",
     "tests/distributed/test_bad_lines_and_foreign_runs.py",
     "tests/rollout/test_colocate.py",
