@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         args.sft = make_tiny_qwen3(os.path.join(args.out, "m"), num_layers=2, hidden_size=64, flavor="base")
         args.prompts = write_rl_prompts_jsonl(os.path.join(args.out, "prompts.jsonl"), 16, seed=1)
     if args.quick:
-        args.repeats = min(args.repeats, 2)
+        args.repeats = 1
     demo = Demo(settings, args.out)
     overrides = [o for o in demo.rl_overrides(args.sft, args.out) if not o.startswith(("parallel.tp=", "rl.prompts="))]
     overrides += [f"rl.prompts=[{args.prompts}]", "parallel.tp=1", "train.overwrite=true", *PAIRS["clip_higher"][0]]
