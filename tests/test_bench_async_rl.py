@@ -7,8 +7,9 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
+
+from tests.benchmark_run import run_benchmark
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"samples_per_s", "step_s_median", "heldout_avg@8", "staleness_mean", "offpolicy_token_frac"}
@@ -17,14 +18,7 @@ VARIANTS = ("sync", "partial", "async", "async_partial")
 
 def test_async_rl_benchmark_quick(tmp_path):
     out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/async_rl.py", "--quick", "--json", str(out), "--out", str(tmp_path / "run")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_benchmark("async_rl.py", "--quick", "--json", str(out), "--out", str(tmp_path / "run"))
     results = json.loads(out.read_text())
     assert set(results) == {"variants", "lengths"}
     assert list(results["variants"]) == list(VARIANTS)

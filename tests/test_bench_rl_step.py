@@ -4,23 +4,13 @@ sequence, small micro-batches, the uncached grader), the memoised grader gives t
 and each ratio is its baseline's median over its variant's."""
 
 import json
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.benchmark_run import run_benchmark
 
 
 def test_rl_step_benchmark_quick(tmp_path):
     out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/rl_step.py", "--quick", "--out", str(tmp_path / "run"), "--json", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_benchmark("rl_step.py", "--quick", "--out", str(tmp_path / "run"), "--json", str(out))
     summary = json.loads(out.read_text())
     assert summary["responses"] > 0 and summary["response_tokens"] > 0 and summary["graded"] == summary["responses"]
     assert set(summary["results"]) == {"old_logprobs", "packed_attention", "micro_batch", "grading"}

@@ -4,25 +4,15 @@ figures printed are the ones computed from the runs' own logs: samples per secon
 over the wall time, the ratio of the means, the held-out gain difference."""
 
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.benchmark_run import run_benchmark
 
 
 def test_vs_trl_benchmark_quick(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/vs_trl.py", "--quick", "--pairs", "clip_higher", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_benchmark("vs_trl.py", "--quick", "--pairs", "clip_higher", "--out", str(out))
     details = json.loads((out / "details.json").read_text())
     runs = {r["framework"]: r for r in details["runs"]}
     assert set(runs) == {"project", "trl"}
