@@ -80,18 +80,22 @@ class TorchCoreAttention(torch.nn.Module):
     # -- helpers -------------------------------------------------------------------------------
     def _attend(self, q, k, v, q_pos=None, k_pos=None):
         """q [sq, h, d], k/v [sk, g, d] -> [sq, h*d]; causal by position (or by index)."""
-        heads, groups = q.shape[1], k.shape[1]
+        mask = None if q_pos is None else k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        return self._attend_batch(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask)[0]
+
+    def _attend_batch(self, q, k, v, mask=None):
+        """q [n, sq, h, d], k/v [n, sk, g, d] -> [n, sq, h*d]; causal within each row by index, or
+        by ``mask`` [sq, sk] (True: attend) when given."""
+        heads, groups = q.shape[2], k.shape[2]
         if heads != groups:
-            k = k.repeat_interleave(heads // groups, dim=1)
-            v = v.repeat_interleave(heads // groups, dim=1)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [h, s, d]
+            k = k.repeat_interleave(heads // groups, dim=2)
+            v = v.repeat_interleave(heads // groups, dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [n, h, s, d]
         dropout = self.dropout if self.training else 0.0
-        if q_pos is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale)
-        else:
-            mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale)
-        return out.transpose(0, 1).reshape(out.shape[1], -1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=self.softmax_scale
+        )
+        return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
     def _gather_cp(self, x):
         """[s_local, ...] on each CP rank -> [cp, s_local, ...]."""
@@ -135,17 +139,6 @@ class TorchCoreAttention(torch.nn.Module):
             positions.append(index[valid])
         out, pos = torch.cat(outs), torch.cat(positions)
         return out[torch.argsort(pos)]  # packed order (the rows' positions cover [0, t) once each)
-
-    def _attend_batch(self, q, k, v):
-        """q [n, s, h, d], k/v [n, s, g, d] -> [n, s, h*d], causal within each row."""
-        heads, groups = q.shape[2], k.shape[2]
-        if heads != groups:
-            k = k.repeat_interleave(heads // groups, dim=2)
-            v = v.repeat_interleave(heads // groups, dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [n, h, s, d]
-        dropout = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale)
-        return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
     # -- forward -------------------------------------------------------------------------------
     def forward(
