@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -365,8 +366,10 @@ def main(argv=None) -> int:
         settings.eval_prompts, settings.eval_k = 4, 2
     os.makedirs(args.out, exist_ok=True)
     files = prepare(args, settings)
-    evaluator = Demo(settings, args.out)
-    evaluator.out = os.path.dirname(os.path.abspath(files["heldout"]))  # Demo.evaluate reads <out>/heldout.jsonl
+    # Demo.evaluate reads <out>/heldout.jsonl and writes its results beside it: <out>/eval/, not the SFT model's folder
+    evaluator = Demo(settings, os.path.join(args.out, "eval"))
+    os.makedirs(evaluator.out, exist_ok=True)
+    shutil.copyfile(files["heldout"], os.path.join(evaluator.out, "heldout.jsonl"))
     baseline = heldout(evaluator, files["sft"], "sft")
     print(f"SFT model: held-out avg@{settings.eval_k} {baseline:.1f}%", flush=True)
     jobs = [
