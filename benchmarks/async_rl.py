@@ -540,7 +540,7 @@ def generation_only(files: dict, bench: Bench, settings, urls: list, tokenizer, 
             steps = []
             for _ in range(bench.rl_steps):
                 t = time.time()
-                samples, m = producer.produce(prompts, 0)
+                samples, m = producer.produce(prompts, 0, 0)
                 steps.append(
                     {
                         "seconds": time.time() - t,

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     overrides = [o for o in demo.rl_overrides(args.sft, args.out) if not o.startswith(("parallel.tp=", "rl.prompts="))]
     overrides += [f"rl.prompts=[{args.prompts}]", "parallel.tp=1", "train.overwrite=true", *PAIRS["clip_higher"][0]]
     loop = RLLoop(load_config(None, overrides))
-    samples, _ = loop.rollout.generate(loop.prompts, 0)
+    samples, _ = loop.rollout.generate(loop.prompts, step=0, weight_version=0)
     tokens = sum(len(s.response_ids) for s in samples)
     print(f"one batch: {len(samples)} responses, {tokens} response tokens; median of {args.repeats}", flush=True)
     actor = loop.actor

@@ -46,12 +46,12 @@ SUM_KEYS = (
 
 
 def mini_batch_counts(
-    samples: list, ids: list, *, policy_version: int | None = None, mask_stale: bool = False
+    samples: list, ids: list, *, weight_version: int | None = None, mask_stale: bool = False
 ) -> LossCounts:
     """The global normalisers of the mini-batch ``ids``: its counted response tokens, the sequences
     with at least one counted token, and both among the positive samples. With ``mask_stale`` the
-    tokens older than ``policy_version`` are not counted (they are out of the loss mask too)."""
-    n = {i: counted_tokens(samples[i], policy_version, mask_stale, index=i) for i in ids}
+    tokens older than ``weight_version`` are not counted (they are out of the loss mask too)."""
+    n = {i: counted_tokens(samples[i], weight_version, mask_stale, index=i) for i in ids}
     pos = [i for i in ids if samples[i].positive]
     return LossCounts(
         num_tokens=float(sum(n.values())),
@@ -75,8 +75,15 @@ class Actor:
         self, state, rl_cfg, *, pad_id: int = 0, logprob_chunk_size: int | None = 4096, router_replay: bool = False
     ):
         self.state = state
-        self.router_replay = router_replay  # MoE: old log-probs with the engine's expert choices
+        # MoE: every forward of the update (old log-probs, training, its recompute) routes each token to
+        # the experts the engine chose for it (rollout.router_replay)
+        self.router_replay = router_replay
         self.rl = rl_cfg
+        # The weight version: the version of the weights this actor holds. 0 at the start of a run,
+        # +1 for each update that changed them (an optimizer step applied); the rollout servers are
+        # labelled with it at each push and tag tokens with it, and a token is stale when its
+        # version is older. The loop saves it with the checkpoint (docs/async.md).
+        self.weight_version = 0
         self.pad_id = pad_id
         self.chunk_size = logprob_chunk_size
         # the first mini-batch's old log-probs are its own forward's (see update); False: a pass
@@ -84,7 +91,7 @@ class Actor:
         self.reuse_first_forward = True
 
     # -- planning ------------------------------------------------------------------------------------
-    def plan(self, samples: list, policy_version: int | None = None) -> list:
+    def plan(self, samples: list, weight_version: int | None = None) -> list:
         """[(counts, this rank's micro-batches)] per mini-batch. ``counts.num_tokens`` is 0 for a
         mini-batch whose tokens are all stale with ``rl.mask_stale_tokens``: :meth:`update` skips it
         (every rank decides the same from the same samples)."""
@@ -104,9 +111,9 @@ class Actor:
                 pad_to_multiple=multiple,
                 count_multiple=cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1,
                 segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
-                policy_version=policy_version,
+                weight_version=weight_version,
             )
-            counts = mini_batch_counts(samples, ids, policy_version=policy_version, mask_stale=self.mask_stale)
+            counts = mini_batch_counts(samples, ids, weight_version=weight_version, mask_stale=self.mask_stale)
             plans.append((counts, mbs))
         return plans
 
@@ -114,7 +121,11 @@ class Actor:
     def mask_stale(self) -> bool:
         return bool(getattr(self.rl, "mask_stale_tokens", False))
 
-    def _run(self, micro_batches, loss_fn, forward_only, before_forward=None):
+    def _run(self, micro_batches, loss_fn, forward_only):
+        """Forward (and backward) over ``micro_batches``; with router replay each micro-batch that
+        carries the engine's ``routed_experts`` is routed to them (:func:`replay_routing`), from a
+        clean queue of routes (one pass's recompute never replays another pass's routes)."""
+        self._routers_choose_again()
         return run_micro_batches(
             self.state.model,
             micro_batches,
@@ -124,17 +135,24 @@ class Actor:
             chunk_size=self.chunk_size,
             per_token_keys=RL_PER_TOKEN_KEYS,
             pad_id=self.pad_id,
-            before_forward=before_forward,
+            before_forward=replay_routing if self.router_replay else None,
         )
+
+    def _routers_choose_again(self) -> None:
+        """After a replayed pass: every router routes by itself again (no target left behind)."""
+        if self.router_replay:
+            from megatron_klear.checkpoint.model_weights import unwrap
+
+            for chunk in self.state.model:
+                replay_routing({}, unwrap(chunk))
 
     # -- old log-probs ----------------------------------------------------------------------------
     @torch.no_grad()
     def recompute_old_logprobs(self, plans) -> None:
         """Log-probs of the current weights, stored in each micro-batch (this rank's CP slice,
         on the last pipeline stage) before any update. With ``router_replay`` (MoE), micro-batches
-        that carry the engine's ``routed_experts`` are routed to those experts."""
+        that carry the engine's ``routed_experts`` are routed to those experts, as in the update."""
         all_mbs = [mb for _, mbs in plans for mb in mbs]
-        self.replayed_micro_batches = 0
         if not all_mbs:
             return
         for k, mb in enumerate(all_mbs):
@@ -143,19 +161,8 @@ class Actor:
         def collect(local, logprobs, entropy):
             return logprobs.sum() * 0.0, {"mb_id": local["mb_id"], "logprobs": logprobs.detach().clone()}
 
-        from megatron_klear.checkpoint.model_weights import unwrap
-
-        replay = self.router_replay and any("routed_experts" in mb for mb in all_mbs)
-        self.replayed_micro_batches = sum("routed_experts" in mb for mb in all_mbs) if replay else 0
-        try:
-            for res in self._run(
-                all_mbs, collect, forward_only=True, before_forward=replay_routing if replay else None
-            ):
-                all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
-        finally:
-            if replay:
-                for chunk in self.state.model:
-                    replay_routing({}, unwrap(chunk))  # every router back to its own choice
+        for res in self._run(all_mbs, collect, forward_only=True):
+            all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
 
     # -- the update -----------------------------------------------------------------------------------
     def _loss_fn(self, counts: LossCounts, old_is_current: bool = False):
@@ -228,28 +235,25 @@ class Actor:
 
         return loss_fn
 
-    def update(self, samples: list, policy_version: int | None = None) -> dict:
+    def update(self, samples: list) -> dict:
         """Recompute old log-probs, then one optimizer step per mini-batch. Returns metrics of the
         whole rollout batch (token-weighted means over every mini-batch).
 
-        ``policy_version``: the version of the weights before this update (RL step - 1), against
-        which each sample's ``versions`` tells its stale tokens; None: no token is stale. With
-        ``rl.mask_stale_tokens`` those leave the loss and the normalisers (``actor/stale_tokens_masked``);
-        a mini-batch left with no token makes no optimizer step (``actor/skipped_mini_batches``)."""
+        Each sample's ``versions`` are compared with :attr:`weight_version` (the version of the
+        weights the update starts from) to tell its stale tokens; with ``rl.mask_stale_tokens``
+        those leave the loss and the normalisers (``actor/stale_tokens_masked``); a mini-batch left
+        with no token makes no optimizer step (``actor/skipped_mini_batches``). When at least one
+        optimizer step is applied the weights changed: :attr:`weight_version` goes up by one."""
         if not samples:
             raise ValueError("actor.update: no samples (every group filtered out?)")
-        state = self.state
-        # the lr schedule advances per optimizer step, or once per RL step (optim.schedule_unit)
-        per_rl_step = getattr(getattr(state.config, "optim", None), "schedule_unit", "optimizer_step") == "rl_step"
-        plans = self.plan(samples, policy_version)
+        version = self.weight_version
+        plans = self.plan(samples, version)
         n_mini_batches = len(plans)
         plans = [(counts, mbs) for counts, mbs in plans if counts.num_tokens > 0]  # no forward, no step
         masked = (
-            sum(int(stale_flags(s, policy_version, index=i).sum()) for i, s in enumerate(samples))
-            if self.mask_stale
-            else 0
+            sum(int(stale_flags(s, version, index=i).sum()) for i, s in enumerate(samples)) if self.mask_stale else 0
         )
-        if not plans:  # every token stale and masked: nothing to train on
+        if not plans:  # every token stale and masked: nothing to train on, the weights stay
             out = dict.fromkeys(("actor/loss", "actor/pg_loss", "actor/nll_loss", "actor/entropy"), 0.0)
             out.update(
                 {
@@ -259,41 +263,25 @@ class Actor:
                     "actor/stale_tokens_masked": float(masked),
                 }
             )
+            self._end_rl_step()
             return out
         # The first mini-batch trains at the weights the old log-probs would be recomputed with, and
-        # the forward is a deterministic function of weights and tokens (no dropout in these models):
-        # its old log-probs are its own forward's, detached (r = 1 exactly), and only the later
-        # mini-batches need a pass before the first update. With router replay the old log-probs
-        # route as the engine did while the update's forward routes itself: all are recomputed.
-        replay = self.router_replay and any("routed_experts" in mb for _, mbs in plans for mb in mbs)
-        reuse = self.reuse_first_forward and not replay
+        # the forward is a deterministic function of weights and tokens (no dropout in these models;
+        # with router replay both route as the engine did): its old log-probs are its own forward's,
+        # detached (r = 1 exactly), and only the later mini-batches need a pass before the first update.
+        reuse = self.reuse_first_forward
         t0 = time.perf_counter()
-        self.recompute_old_logprobs(plans[1:] if reuse else plans)
-        old_logprobs_s = time.perf_counter() - t0
-        totals = dict.fromkeys(SUM_KEYS, 0.0)
-        steps, grad_norms, ratio_max, mismatch_max = [], [], 0.0, 0.0
-        for k, (counts, mbs) in enumerate(plans):
-            for m in state.model:
-                m.zero_grad_buffer()
-            state.optimizer.zero_grad()
-            results = self._run(mbs, self._loss_fn(counts, old_is_current=k == 0 and reuse), forward_only=False)
-            lr = state.optimizer.param_groups[0]["lr"]
-            ok, grad_norm, _ = state.optimizer.step()
-            if ok and not per_rl_step:  # fp16 overflow: skipped update, the schedule does not advance
-                state.scheduler.step(increment=1)
-            sums = reduce_metrics(results, SUM_KEYS)
-            for k in SUM_KEYS:
-                totals[k] += sums[k]
-            local_max = max([float(r["ratio_max"]) for r in results] or [0.0])
-            ratio_max = max(ratio_max, _all_max(local_max))
-            mismatch_max = max(mismatch_max, _all_max(max([float(r["mismatch_max"]) for r in results] or [0.0])))
-            grad_norms.append(float(grad_norm) if grad_norm is not None else math.nan)
-            steps.append({"loss": sums["loss"], "grad_norm": grad_norms[-1], "lr": lr, "update_ok": bool(ok)})
-            if last_moe_aux_loss() is not None:  # MoE: the load-balancing loss of this mini-batch
-                steps[-1]["moe_aux_loss"] = last_moe_aux_loss()
-        if per_rl_step and any(st["update_ok"] for st in steps):
-            state.scheduler.step(increment=1)  # every mini-batch of this RL step ran at one lr
+        try:
+            self.recompute_old_logprobs(plans[1:] if reuse else plans)
+            old_logprobs_s = time.perf_counter() - t0
+            totals, steps, ratio_max, mismatch_max = self._train(plans, reuse)
+        finally:
+            self._routers_choose_again()
+        self._end_rl_step()
+        if any(st["update_ok"] for st in steps):
+            self.weight_version += 1
         tokens = max(totals["tokens"], 1.0)
+        grad_norms = [st["grad_norm"] for st in steps]
         out = {
             "actor/loss": totals["loss"] / len(plans),
             "actor/pg_loss": totals["pg_loss"] / len(plans),
@@ -309,8 +297,10 @@ class Actor:
             out[f"actor/{k}"] = totals[k] / tokens
         if any("moe_aux_loss" in st for st in steps):
             out["actor/moe_aux_loss"] = sum(st["moe_aux_loss"] for st in steps) / len(steps)
-        if self.router_replay:  # this rank's micro-batches whose old log-probs used the engine's experts
-            out["actor/router_replay_micro_batches"] = float(self.replayed_micro_batches)
+        if self.router_replay:  # this rank's micro-batches routed to the engine's experts
+            out["actor/router_replay_micro_batches"] = float(
+                sum("routed_experts" in mb for _, mbs in plans for mb in mbs)
+            )
         if totals["mismatch_tokens"]:
             out["actor/logprob_mismatch_mean"] = totals["mismatch_abs"] / totals["mismatch_tokens"]
             out["actor/logprob_mismatch_max"] = mismatch_max
@@ -322,6 +312,53 @@ class Actor:
             out["actor/skipped_mini_batches"] = n_mini_batches - len(plans)
         return out
 
+    def _train(self, plans, reuse: bool) -> tuple:
+        """One optimizer step per mini-batch of ``plans``; returns (summed metrics, per-step
+        records, the max ratio, the max engine/trainer mismatch)."""
+        state = self.state
+        per_rl_step = self._schedule_per_rl_step
+        totals = dict.fromkeys(SUM_KEYS, 0.0)
+        steps, ratio_max, mismatch_max = [], 0.0, 0.0
+        for k, (counts, mbs) in enumerate(plans):
+            for m in state.model:
+                m.zero_grad_buffer()
+            state.optimizer.zero_grad()
+            results = self._run(mbs, self._loss_fn(counts, old_is_current=k == 0 and reuse), forward_only=False)
+            lr = state.optimizer.param_groups[0]["lr"]
+            ok, grad_norm, _ = state.optimizer.step()
+            if ok and not per_rl_step:  # fp16 overflow: skipped update, the schedule does not advance
+                state.scheduler.step(increment=1)
+            sums = reduce_metrics(results, SUM_KEYS)
+            for key in SUM_KEYS:
+                totals[key] += sums[key]
+            local_max = max([float(r["ratio_max"]) for r in results] or [0.0])
+            ratio_max = max(ratio_max, _all_max(local_max))
+            mismatch_max = max(mismatch_max, _all_max(max([float(r["mismatch_max"]) for r in results] or [0.0])))
+            norm = float(grad_norm) if grad_norm is not None else math.nan
+            steps.append({"loss": sums["loss"], "grad_norm": norm, "lr": lr, "update_ok": bool(ok)})
+            if last_moe_aux_loss() is not None:  # MoE: the load-balancing loss of this mini-batch
+                steps[-1]["moe_aux_loss"] = last_moe_aux_loss()
+        return totals, steps, ratio_max, mismatch_max
+
+    @property
+    def _schedule_per_rl_step(self) -> bool:
+        """The lr schedule advances once per RL step (``optim.schedule_unit=rl_step``), not per
+        optimizer step."""
+        return getattr(getattr(self.state.config, "optim", None), "schedule_unit", "optimizer_step") == "rl_step"
+
+    def _end_rl_step(self) -> None:
+        """With ``optim.schedule_unit=rl_step`` the lr schedule counts RL steps: it advances once
+        per step, whether the step updated the weights or not (no sample kept, every token masked,
+        an fp16 overflow), so that its warm-up and decay stay aligned with ``train.steps``."""
+        if self._schedule_per_rl_step:
+            self.state.scheduler.step(increment=1)
+
+    def skip_step(self) -> dict:
+        """An RL step with no sample to train on (every group filtered): no update, the weights and
+        their version stay; the lr schedule still counts the step (:meth:`_end_rl_step`)."""
+        self._end_rl_step()
+        return {"actor/skipped": 1, "actor/optimizer_steps": 0}
+
 
 def replay_routing(batch: dict, model) -> None:
     """Before a forward: every MoE router of ``model`` (one unwrapped model chunk) routes each token of
@@ -329,15 +366,25 @@ def replay_routing(batch: dict, model) -> None:
     engine's choices; Megatron-Core's RouterReplay), or, without that key, chooses itself again.
     ``batch`` is this rank's part of the row as the model sees it: with CP the load-balanced chunks
     (``routed_experts`` was padded and sliced with the tokens, its padding rows zeros), with
-    sequence parallelism this TP rank's contiguous slice of that is taken here."""
+    sequence parallelism this TP rank's contiguous slice of that is taken here.
+
+    Activation recompute (``model.recompute_granularity``) runs a layer's forward again inside the
+    backward pass, possibly after later micro-batches' forwards (pipeline schedules): there each
+    router replays the routes of the micro-batch being recomputed, the oldest it has not recomputed
+    yet (:func:`_replay_in_recompute`)."""
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    replay = "routed_experts" in batch and routers
     for router in routers:
-        router.router_replay.clear_indices()
+        if not replay:  # (a replayed micro-batch keeps its routes queued for its backward recompute)
+            router.router_replay.clear_indices()
         router.router_replay.clear_router_replay_action()
-    if "routed_experts" not in batch or not routers:
+        if not getattr(router, "_klear_recompute_hook", False):
+            router.register_forward_pre_hook(_replay_in_recompute)
+            router._klear_recompute_hook = True
+    if not replay:
         return
     sp_rank, sp_size = 0, 1
     if model.config.sequence_parallel:  # the routers see this TP rank's contiguous slice of the row
@@ -351,6 +398,25 @@ def replay_routing(batch: dict, model) -> None:
         layer = moe_layers.index(router.layer_number - 1)  # layer_number: global, from 1
         router.router_replay.set_target_indices(idx[:, layer].contiguous())
         router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def _replay_in_recompute(router, args) -> None:
+    """Forward pre-hook of a replaying router: inside the backward pass (an activation recompute)
+    it replays the queue of micro-batches' routes, oldest first (Megatron-Core's REPLAY_BACKWARD:
+    backward runs in the order of the forwards on each stage); in a forward, the micro-batch's own
+    routes (REPLAY_FORWARD)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replay = router.router_replay
+    if replay is None or replay.router_replay_action not in (
+        RouterReplayAction.REPLAY_FORWARD,
+        RouterReplayAction.REPLAY_BACKWARD,
+    ):
+        return
+    in_backward = torch._C._current_autograd_node() is not None
+    replay.set_router_replay_action(
+        RouterReplayAction.REPLAY_BACKWARD if in_backward else RouterReplayAction.REPLAY_FORWARD
+    )
 
 
 def replay_indices(routed: torch.Tensor, size: int, *, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:

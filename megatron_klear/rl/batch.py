@@ -66,9 +66,9 @@ def _shifted(values: np.ndarray, n: int) -> np.ndarray:
 
 
 def build_rl_micro_batch(
-    samples: list, sample_ids: list, *, pad_id: int, pad_to_multiple: int, policy_version: int | None = None
+    samples: list, sample_ids: list, *, pad_id: int, pad_to_multiple: int, weight_version: int | None = None
 ) -> dict:
-    """One packed row of ``samples`` (may be empty: a filler row with no loss). ``policy_version``:
+    """One packed row of ``samples`` (may be empty: a filler row with no loss). ``weight_version``:
     the version of the trainer's weights before this update; response tokens of an older version
     get ``stale`` = 1 (none without it)."""
     tokens = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
@@ -89,7 +89,7 @@ def build_rl_micro_batch(
         per_tok[p:] = 1.0 if s.positive else 0.0
         pos[off : off + n] = _shifted(per_tok, n)
         seq[off : off + n] = sid
-        flags = stale_flags(s, policy_version, index=sid)
+        flags = stale_flags(s, weight_version, index=sid)
         if flags.any():
             per_tok[:] = 0.0
             per_tok[p:] = flags
@@ -163,11 +163,11 @@ def plan_mini_batch(
     pad_to_multiple: int,
     count_multiple: int = 1,
     segment_multiple: int = 1,
-    policy_version: int | None = None,
+    weight_version: int | None = None,
 ) -> list:
     """This DP rank's packed micro-batches of one mini-batch (same count on every rank, rounded up
     to ``count_multiple`` with filler rows: the interleaved pipeline schedule needs a multiple of
-    the pipeline size). ``policy_version``: see :func:`build_rl_micro_batch`."""
+    the pipeline size). ``weight_version``: see :func:`build_rl_micro_batch`."""
     # with CP every sample is later padded to a multiple of 2*CP: budget with that length
     lengths = [-(-len(samples[i]) // segment_multiple) * segment_multiple for i in ids]
     too_long = [ids[k] for k, n in enumerate(lengths) if n > max_tokens]
@@ -189,7 +189,7 @@ def plan_mini_batch(
                 members,
                 pad_id=pad_id,
                 pad_to_multiple=pad_to_multiple,
-                policy_version=policy_version,
+                weight_version=weight_version,
             )
         )
     return mine

@@ -9,8 +9,9 @@
 2. **make room**: servers that share the trainer's GPUs release their memory (a no-op otherwise);
 3. **update**: the actor recomputes the old log-probs and takes one optimizer step per mini-batch
    (GPPO + alpha * NLL on the solved responses);
-4. **push weights**: the new weights reach the engine as weight version = the step, and the
-   servers are checked against the trainer when due;
+4. **push weights**: the new weights reach the engine labelled with their weight version (the
+   actor's, +1 for each update that changed the weights; a step that changed none pushes nothing),
+   and the servers are checked against the trainer when due;
 
 (with ``rl.async_steps=1`` the next step's batch generates while 2-4 run, and with
 ``rollout.partial`` a step's unfinished responses are continued at the next: both behind the
@@ -84,7 +85,10 @@ class RLLoop:
             router_replay=cfg.rollout.router_replay,
         )
         common = self.job_run.resume(self.state)
-        self.rl_step = int(common.get("step", 0))
+        self.rl_step = int(common.get("step", 0))  # RL steps done: the step counter and the seed key
+        # the weights' version (docs/async.md): saved with the checkpoint, so that a resumed run labels,
+        # masks and regenerates as the uninterrupted run (checkpoints from before it: the step)
+        self.actor.weight_version = int(common.get("weight_version", self.rl_step))
         if common:
             self.prompts.load_state_dict(common["prompts"])
         # EOS ids plus the chat template's end-of-turn token (Qwen3-Base: EOS <|endoftext|>, turns
@@ -99,26 +103,30 @@ class RLLoop:
             needs_sandbox=any(p.task == "code" for p in self.prompts.prompts),
         )
         self.rollout.load_state_dict(common.get("rollout") or {})  # the partial buffer, the batch generated ahead
-        if cfg.rollout.servers or self.rl_step > 0:  # the engine starts from the trainer's weights
-            self.rollout.push_weights(self.rl_step)
+        # the engine starts from the trainer's weights (servers get them and their version label now)
+        self.rollout.push_weights(self.actor.weight_version, step=self.rl_step)
+        self.rollout.warn_unweighted_stale_tokens()
         self.job_run.open_log(self.steps, position=self.rl_step)
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> dict:
         t0 = time.time()
-        policy = self.rl_step  # the weight version the update starts from (the proximal policy)
-        samples, metrics = self.rollout.generate(self.prompts, policy, prefetch_next=policy + 1 < self.steps)
+        version = self.actor.weight_version  # the weights the update starts from (the proximal policy)
+        samples, metrics = self.rollout.generate(
+            self.prompts, step=self.rl_step, weight_version=version, prefetch_next=self.rl_step + 1 < self.steps
+        )
         self.rl_step += 1
         t1 = time.time()
         if samples:
             with self.rollout.make_room():
-                actor = self.actor.update(samples, policy_version=policy)
-            metrics.update({k: v for k, v in actor.items() if k != "actor/steps"})
-            t2 = time.time()
-            metrics.update(self.rollout.push_weights(self.rl_step))
-            metrics.update({"time/train_s": t2 - t1, "time/weight_sync_s": time.time() - t2})
-        else:
-            metrics["actor/skipped"] = 1  # every group filtered: no update, the engine keeps its weights
+                actor = self.actor.update(samples)
+        else:  # every group filtered: no update
+            actor = self.actor.skip_step()
+        metrics.update({k: v for k, v in actor.items() if k != "actor/steps"})
+        t2 = time.time()
+        # the weights at their version (unchanged weights: nothing is sent, the servers keep their label)
+        metrics.update(self.rollout.push_weights(self.actor.weight_version, step=self.rl_step))
+        metrics.update({"time/train_s": t2 - t1, "time/weight_sync_s": time.time() - t2})
         step_s = time.time() - t0
         metrics.update(
             {
@@ -133,7 +141,11 @@ class RLLoop:
 
     def save(self) -> None:
         rollout = self.rollout.state_dict()  # (first: one step ahead, it waits for the batch in flight)
-        common = {"prompts": self.prompts.state_dict(), "config": self.cfg.to_dict()}
+        common = {
+            "prompts": self.prompts.state_dict(),
+            "config": self.cfg.to_dict(),
+            "weight_version": self.actor.weight_version,
+        }
         self.job_run.ckpt.save(self.state, self.rl_step, {**common, "rollout": rollout} if rollout else common)
 
     def run(self, stop_after: int | None = None) -> dict:

@@ -1,10 +1,11 @@
 """Stale tokens of asynchronous and partial rollouts: which response tokens were sampled by an older
 weight version than the trainer's, and the per-step staleness metrics.
 
-Weight versions are RL step numbers: the trainer's weights before the update of RL step ``s`` are
-version ``s - 1`` (the proximal policy of that step's clipped objective). A response token carries
-the version that sampled it (``RolloutSample.versions``; SGLang's ``meta_info["weight_versions"]``
-spans); its staleness is ``policy_version - version``, and it is *stale* when that is positive.
+Weight versions count the updates that changed the weights (``Actor.weight_version``;
+docs/async.md): the trainer's weights before an update are its proximal policy, of version
+``weight_version``. A response token carries the version that sampled it
+(``RolloutSample.versions``; SGLang's ``meta_info["weight_versions"]`` spans); its staleness is
+``weight_version - version``, and it is *stale* when that is positive.
 A sample without versions, or a token whose version is unknown (``None``), counts as on-policy:
 synchronous rollouts have no stale token.
 
@@ -38,8 +39,8 @@ def version_array(versions: Sequence, *, where="versions") -> tuple:
     return np.where(known, arr, -1), known
 
 
-def _ages(index, sample, policy_version: Optional[int]):
-    """Per response token of ``sample``: ``policy_version - version`` (0 where unknown), or None
+def _ages(index, sample, weight_version: Optional[int]):
+    """Per response token of ``sample``: ``weight_version - version`` (0 where unknown), or None
     without versions or without a policy version. Checks the length and that no version is newer
     than the policy's."""
     versions = getattr(sample, "versions", None)
@@ -51,35 +52,35 @@ def _ages(index, sample, policy_version: Optional[int]):
             f"{len(sample.response_ids)} response tokens (one weight version per response token)"
         )
     arr, known = version_array(versions, where=f"sample {index}: versions")
-    if policy_version is None:
+    if weight_version is None:
         return None
-    newer = known & (arr > policy_version)
+    newer = known & (arr > weight_version)
     if newer.any():
         j = int(np.argmax(newer))
         raise ValueError(
             f"sample {index}: versions[{j}]={int(arr[j])} is newer than the trainer's policy version "
-            f"{policy_version} (policy_version is the version of the weights before this update)"
+            f"{weight_version} (weight_version is the version of the weights before this update)"
         )
-    return np.where(known, policy_version - arr, 0)
+    return np.where(known, weight_version - arr, 0)
 
 
-def stale_flags(sample, policy_version: Optional[int], *, index=None) -> np.ndarray:
+def stale_flags(sample, weight_version: Optional[int], *, index=None) -> np.ndarray:
     """Per response token of ``sample`` (bool array): True where its version is older than
-    ``policy_version``. All False without versions, or with ``policy_version`` None. Raises
+    ``weight_version``. All False without versions, or with ``weight_version`` None. Raises
     ValueError (naming the sample: ``index``) for a versions list of the wrong length, a non-int
     version, or a version newer than the policy's."""
-    ages = _ages("?" if index is None else index, sample, policy_version)
+    ages = _ages("?" if index is None else index, sample, weight_version)
     if ages is None:
         return np.zeros(len(sample.response_ids), dtype=bool)
     return ages > 0
 
 
-def counted_tokens(sample, policy_version: Optional[int], mask_stale: bool, *, index=None) -> int:
+def counted_tokens(sample, weight_version: Optional[int], mask_stale: bool, *, index=None) -> int:
     """The response tokens of ``sample`` that enter the loss: all of them, or with ``mask_stale``
     those that are not stale."""
     if not mask_stale:
         return len(sample.response_ids)
-    return int((~stale_flags(sample, policy_version, index=index)).sum())
+    return int((~stale_flags(sample, weight_version, index=index)).sum())
 
 
 def oldest_version(versions: Optional[Sequence]) -> Optional[int]:
@@ -91,29 +92,42 @@ def oldest_version(versions: Optional[Sequence]) -> Optional[int]:
     return min(known) if known else None
 
 
-def staleness_metrics(samples: Sequence, policy_version: Optional[int]) -> dict:
-    """Staleness of the trained response tokens of ``samples`` against ``policy_version`` (the
-    trainer's weights before this update):
+def staleness_metrics(samples: Sequence, weight_version: Optional[int]) -> dict:
+    """Staleness of the trained responses of ``samples`` against ``weight_version`` (the version of
+    the trainer's weights before this update):
 
-    - ``rollout/staleness_mean``, ``rollout/staleness_max``: of ``policy_version - version`` per
-      response token (0 for tokens without a known version);
-    - ``rollout/offpolicy_token_frac``: the fraction of response tokens with ``version <
-      policy_version``.
+    - per response token: ``rollout/staleness_mean``, ``rollout/staleness_max`` of
+      ``weight_version - version`` (0 for tokens without a known version), and
+      ``rollout/offpolicy_token_frac``, the fraction of tokens with ``version < weight_version``;
+    - per response (trajectory), as the peers log it: ``rollout/response_versions_mean`` / ``_max``,
+      how many versions one response spans (newest - oldest + 1 of its known versions; 1 without
+      any), and ``rollout/response_staleness_mean`` / ``_max``, the age of its oldest token.
 
-    With ``policy_version`` None (or no response token) every value is 0.
+    With ``weight_version`` None (or no response token) the ages are 0.
     """
     total = stale = 0
     age_sum = age_max = 0
+    spans, oldest_ages = [], []
     for i, s in enumerate(samples):
-        ages = _ages(i, s, policy_version)
+        ages = _ages(i, s, weight_version)
         total += len(s.response_ids)
+        if not len(s.response_ids):
+            continue
+        known = [v for v in (getattr(s, "versions", None) or ()) if v is not None]
+        spans.append(max(known) - min(known) + 1 if known else 1)
         if ages is None or not ages.size:
+            oldest_ages.append(0)
             continue
         stale += int((ages > 0).sum())
         age_sum += int(ages.sum())
         age_max = max(age_max, int(ages.max()))
+        oldest_ages.append(int(ages.max()))
     return {
         "rollout/staleness_mean": age_sum / total if total else 0.0,
         "rollout/staleness_max": float(age_max),
         "rollout/offpolicy_token_frac": stale / total if total else 0.0,
+        "rollout/response_versions_mean": sum(spans) / len(spans) if spans else 0.0,
+        "rollout/response_versions_max": float(max(spans, default=0)),
+        "rollout/response_staleness_mean": sum(oldest_ages) / len(oldest_ages) if oldest_ages else 0.0,
+        "rollout/response_staleness_max": float(max(oldest_ages, default=0)),
     }

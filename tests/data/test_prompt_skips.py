@@ -119,6 +119,6 @@ def test_the_first_steps_metrics_count_the_skipped_lines(monkeypatch):
         def state_dict(self):
             return {}
 
-    first = manager.generate(Prompts(), 0)[1]
-    second = manager.generate(Prompts(), 1)[1]
+    first = manager.generate(Prompts(), step=0, weight_version=0)[1]
+    second = manager.generate(Prompts(), step=1, weight_version=1)[1]
     assert first["data/skipped_prompt_lines"] == 7 and "data/skipped_prompt_lines" not in second

@@ -106,7 +106,7 @@ def test_the_first_mini_batch_s_own_forward_gives_the_recomputed_old_log_probs(m
 
 
 # -- stale tokens (issue 22): per-token weight versions through the Megatron actor ---------------------
-def _update_with(rank, world, model_dir, overrides, samples, policy_version, reuse_first_forward=True):
+def _update_with(rank, world, model_dir, overrides, samples, weight_version, reuse_first_forward=True):
 
     from megatron_klear.checkpoint.model_weights import iter_hf_tensors
     from megatron_klear.config import load_config
@@ -136,7 +136,9 @@ def _update_with(rank, world, model_dir, overrides, samples, policy_version, reu
     before = {k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=group)}
     actor = Actor(state, cfg.rl, logprob_chunk_size=7)
     actor.reuse_first_forward = reuse_first_forward
-    metrics = actor.update(samples, policy_version=policy_version)
+    if weight_version is not None:
+        actor.weight_version = weight_version
+    metrics = actor.update(samples)
     after = {k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=group)}
     return metrics, {k: (after[k] - before[k]) for k in after}
 

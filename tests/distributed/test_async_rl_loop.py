@@ -23,11 +23,11 @@ def _run(rank, world, overrides, stop_after=None):
     trained = []
     update = loop.actor.update
 
-    def recording(samples, policy_version=None):
+    def recording(samples, weight_version=None):
         trained.append(
-            (policy_version, [(list(s.prompt_ids), list(s.response_ids), list(s.versions or [])) for s in samples])
+            (weight_version, [(list(s.prompt_ids), list(s.response_ids), list(s.versions or [])) for s in samples])
         )
-        return update(samples, policy_version=policy_version)
+        return update(samples, weight_version=weight_version)
 
     loop.actor.update = recording
     loop.run(stop_after=stop_after)

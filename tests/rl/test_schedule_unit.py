@@ -45,7 +45,7 @@ def _lrs_over_rl_steps(unit: str, rl_steps: int, mini_batches: int, warmup: int 
     state = SimpleNamespace(model=[], optimizer=opt, scheduler=build_scheduler(opt, cfg.optim, total), config=cfg)
     actor = Actor(state, cfg.rl)
     counts = LossCounts(num_tokens=1.0, num_seqs=1.0, num_positive_tokens=0.0, num_positive_seqs=0.0)
-    actor.plan = lambda samples, policy_version=None: [(counts, [])] * mini_batches
+    actor.plan = lambda samples, weight_version=None: [(counts, [])] * mini_batches
     actor.recompute_old_logprobs = lambda plans: None
     actor._run = lambda mbs, loss_fn, forward_only: []
     per_step = []

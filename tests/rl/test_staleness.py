@@ -61,7 +61,7 @@ def _continued(sample, version, cut):
     )
 
 
-def _plan(samples, ids, policy_version, max_tokens=24):
+def _plan(samples, ids, weight_version, max_tokens=24):
     return plan_mini_batch(
         samples,
         ids,
@@ -70,15 +70,15 @@ def _plan(samples, ids, policy_version, max_tokens=24):
         max_tokens=max_tokens,
         pad_id=0,
         pad_to_multiple=4,
-        policy_version=policy_version,
+        weight_version=weight_version,
     )
 
 
-def _run_loss(rl, samples, ids, policy_version, dtype, seed=1):
+def _run_loss(rl, samples, ids, weight_version, dtype, seed=1):
     """The actor's loss over the micro-batches of mini-batch ``ids`` with seeded old / new
     log-probs; returns (summed loss, [grad per micro-batch], micro-batches, per-micro-batch metrics)."""
-    mbs = _plan(samples, ids, policy_version)
-    counts = mini_batch_counts(samples, ids, policy_version=policy_version, mask_stale=rl.mask_stale_tokens)
+    mbs = _plan(samples, ids, weight_version)
+    counts = mini_batch_counts(samples, ids, weight_version=weight_version, mask_stale=rl.mask_stale_tokens)
     loss_fn = Actor(None, rl)._loss_fn(counts)
     gen = torch.Generator().manual_seed(seed)
     total, grads, outs = 0.0, [], []
@@ -117,7 +117,7 @@ def test_fresh_partial_samples_give_the_synchronous_micro_batches():
                 else:
                     assert x[k] == y[k], k
             assert not y["stale"].any()
-        assert mini_batch_counts(sync, ids) == mini_batch_counts(cont, ids, policy_version=POLICY, mask_stale=True)
+        assert mini_batch_counts(sync, ids) == mini_batch_counts(cont, ids, weight_version=POLICY, mask_stale=True)
 
 
 @pytest.mark.parametrize(
@@ -155,12 +155,12 @@ def _gppo_factor(r, a, eps_low=0.2, eps_high=0.28, dual=10.0):
     return r
 
 
-def _reference_grads(samples, ids, mbs, *, tis_cap, mask_stale, agg, nll_coef, policy_version):
+def _reference_grads(samples, ids, mbs, *, tis_cap, mask_stale, agg, nll_coef, weight_version):
     """float64 by hand: per packed position of each micro-batch, d(total loss)/d(logp), and the
     importance weights of the counted tokens."""
 
     def counted(s):
-        fl = [v is not None and v < policy_version for v in (s.versions or [None] * len(s.response_ids))]
+        fl = [v is not None and v < weight_version for v in (s.versions or [None] * len(s.response_ids))]
         return [not (mask_stale and f) for f in fl]
 
     n_tok = sum(sum(counted(samples[i])) for i in ids)
@@ -232,7 +232,7 @@ def test_stale_token_gradients_equal_a_float64_reference(options, agg):
         mask_stale=rl.mask_stale_tokens,
         agg=agg,
         nll_coef=rl.nll_coef,
-        policy_version=POLICY,
+        weight_version=POLICY,
     )
     assert len(mbs) > 1
     for g, r in zip(grads, ref):
@@ -265,21 +265,21 @@ def test_stale_flags_sit_with_the_label_shift():
     s = RolloutSample(
         prompt_ids=[7, 8, 9], response_ids=[10, 11, 12, 13], advantage=1.0, group=0, versions=[3, None, 4, 5]
     )
-    mb = build_rl_micro_batch([s], [0], pad_id=0, pad_to_multiple=8, policy_version=5)
+    mb = build_rl_micro_batch([s], [0], pad_id=0, pad_to_multiple=8, weight_version=5)
     # response token j is predicted at position len(prompt) + j - 1
     assert mb["stale"][0].tolist() == [0, 0, 1, 0, 1, 0, 0, 0]
     assert mb["loss_mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
-    none = build_rl_micro_batch([s], [0], pad_id=0, pad_to_multiple=8, policy_version=None)
+    none = build_rl_micro_batch([s], [0], pad_id=0, pad_to_multiple=8, weight_version=None)
     assert not none["stale"].any()
 
 
 def test_bad_versions_are_errors_naming_the_sample():
     s = RolloutSample(prompt_ids=[1], response_ids=[2, 3], advantage=1.0, group=0, versions=[1])
     with pytest.raises(ValueError, match="sample 4: versions holds 1 entries for 2 response tokens"):
-        build_rl_micro_batch([s], [4], pad_id=0, pad_to_multiple=1, policy_version=2)
+        build_rl_micro_batch([s], [4], pad_id=0, pad_to_multiple=1, weight_version=2)
     s.versions = [1, 3]
     with pytest.raises(ValueError, match=r"sample 0: versions\[1\]=3 is newer than the trainer's policy version 2"):
-        mini_batch_counts([s], [0], policy_version=2, mask_stale=True)
+        mini_batch_counts([s], [0], weight_version=2, mask_stale=True)
     s.versions = [1, "x"]
     with pytest.raises(ValueError, match="sample 0: versions: 'x' is not an int"):
         staleness_metrics([s], 2)
@@ -293,9 +293,9 @@ def test_mini_batch_counts_leave_out_masked_tokens_and_emptied_sequences():
 
     samples = [mk(3, [1, 1, 1], True), mk(4, [1, 2, 2, 2], True), mk(2, None, False), mk(2, [2, 2], False)]
     ids = [0, 1, 2, 3]
-    c = mini_batch_counts(samples, ids, policy_version=2, mask_stale=True)
+    c = mini_batch_counts(samples, ids, weight_version=2, mask_stale=True)
     assert (c.num_tokens, c.num_seqs, c.num_positive_tokens, c.num_positive_seqs) == (7.0, 3.0, 3.0, 1.0)
-    c = mini_batch_counts(samples, ids, policy_version=2, mask_stale=False)
+    c = mini_batch_counts(samples, ids, weight_version=2, mask_stale=False)
     assert (c.num_tokens, c.num_seqs, c.num_positive_tokens, c.num_positive_seqs) == (11.0, 4.0, 7.0, 2.0)
 
 
@@ -308,11 +308,24 @@ def test_staleness_metrics_by_hand():
     samples = [mk([4, 4, 5, 5]), mk([2, None, 5]), mk(None, n=3)]
     m = staleness_metrics(samples, 5)
     # ages: 1 1 0 0 | 3 0 0 | 0 0 0  -> 10 tokens, 3 stale, sum 5, max 3
-    assert m == {"rollout/staleness_mean": 0.5, "rollout/staleness_max": 3.0, "rollout/offpolicy_token_frac": 0.3}
+    # per response: spans 2 (4..5), 4 (2..5), 1 (no version); oldest token's age 1, 3, 0
+    assert m == {
+        "rollout/staleness_mean": 0.5,
+        "rollout/staleness_max": 3.0,
+        "rollout/offpolicy_token_frac": 0.3,
+        "rollout/response_versions_mean": 7 / 3,
+        "rollout/response_versions_max": 4.0,
+        "rollout/response_staleness_mean": 4 / 3,
+        "rollout/response_staleness_max": 3.0,
+    }
     assert staleness_metrics(samples, None) == {
         "rollout/staleness_mean": 0.0,
         "rollout/staleness_max": 0.0,
         "rollout/offpolicy_token_frac": 0.0,
+        "rollout/response_versions_mean": 7 / 3,
+        "rollout/response_versions_max": 4.0,
+        "rollout/response_staleness_mean": 0.0,
+        "rollout/response_staleness_max": 0.0,
     }
     assert staleness_metrics([], 3)["rollout/offpolicy_token_frac"] == 0.0
     assert oldest_version([None, 4, 2, 5]) == 2
@@ -348,13 +361,15 @@ def test_a_mini_batch_left_without_tokens_makes_no_step():
     )
     actor = Actor(state, rl)
     ran = []
-    actor.plan = lambda samples, policy_version=None: [
-        (mini_batch_counts(samples, ids, policy_version=policy_version, mask_stale=True), ids)
+    actor.plan = lambda samples, weight_version=None: [
+        (mini_batch_counts(samples, ids, weight_version=weight_version, mask_stale=True), ids)
         for ids in split_mini_batches(samples, rl.mini_batch_prompts)
     ]
     actor.recompute_old_logprobs = lambda plans: ran.append(("old", [ids for _, ids in plans]))
     actor._run = lambda ids, loss_fn, forward_only: ran.append(("train", ids)) or []
-    out = actor.update(samples, policy_version=POLICY)
+    actor._routers_choose_again = lambda: None
+    actor.weight_version = POLICY
+    out = actor.update(samples)
     second = [i for i, s in enumerate(samples) if s.group in (2, 3)]
     # the one mini-batch left trains first: its old log-probs are its own forward's, none recomputed
     assert ran == [("old", []), ("train", second)]
@@ -363,6 +378,6 @@ def test_a_mini_batch_left_without_tokens_makes_no_step():
     for s in samples:
         s.versions = [POLICY - 1] * len(s.response_ids)
     ran.clear()
-    out = actor.update(samples, policy_version=POLICY)  # nothing left at all
-    assert ran == [] and Optimizer.steps == 1
+    out = actor.update(samples)  # nothing left at all: no step, and the weights keep their version
+    assert ran == [] and Optimizer.steps == 1 and actor.weight_version == POLICY + 1
     assert out["actor/optimizer_steps"] == 0 and out["actor/skipped_mini_batches"] == 2

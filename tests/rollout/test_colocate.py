@@ -207,11 +207,11 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     )
     seen = []
 
-    def update(samples, policy_version):
+    def update(samples):
         seen.append([e.weights.released for e, _ in served])
         raise RuntimeError("out of memory in the actor")
 
-    loop.actor = SimpleNamespace(update=update)
+    loop.actor = SimpleNamespace(update=update, weight_version=1)
     with pytest.raises(RuntimeError, match="out of memory"):
         loop.step()
     assert seen == [[True, True]]  # both servers were released while the actor ran

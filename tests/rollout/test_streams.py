@@ -457,7 +457,7 @@ def test_partial_rollouts_stop_with_the_error_met_while_reading_their_stream(tin
 
         def step():
             try:
-                producer.produce(Prompts(), 0)
+                producer.produce(Prompts(), 0, 0)
             except ValueError as e:
                 failed.append(e)
 

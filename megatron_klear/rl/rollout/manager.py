@@ -35,6 +35,9 @@ class RolloutManager:
         self.engine = self.pool = self.weights = self.batches = None
         self.state = self.actor = self.tokenizer = None
         self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
+        # the weight version the engine was last given, and the RL step it was given after (None:
+        # nothing pushed by this process yet)
+        self.pushed_version = self.pushed_step = None
         self.generated = 0  # generate() calls by this process (the first one's metrics count the skipped lines)
         self._fleet_step = self._fleet_carry = {}  # rank 0: fleet counts of this step / not yet logged
         # one step ahead, weights are pushed mid-generation: requests in flight survive (retract: KV
@@ -68,6 +71,8 @@ class RolloutManager:
             if in_process
             else cfg.model.path
         )
+        if in_process:  # it loads the trainer's weights as they are now: nothing to push before they change
+            self.pushed_version = actor.weight_version
         if is_rank0():
             from megatron_klear.rewards import GradingPool
 
@@ -84,25 +89,31 @@ class RolloutManager:
         self.weights = make_weight_push(r, state, arch, self.engine, sync_dir, tokenizer_dir, self.placement)
 
     # -- the verbs ----------------------------------------------------------------------------------
-    def generate(self, prompts, step: int, *, prefetch_next: bool = False):
-        """Collective: the samples of RL step ``step + 1`` (its update runs at weight version
-        ``step``) and the rollout metrics. Rank 0 takes prompts from ``prompts``, generates and grades
-        them -- whole batches with dynamic sampling (:class:`~megatron_klear.rl.rollout.sampling.FullBatches`)
-        or partial rollouts (``rollout.partial``, :mod:`.partial_rollouts`), at the step or one step
-        ahead (``rl.async_steps``, :mod:`.schedules`; ``prefetch_next``: the loop has a next
-        step, start its batch now) -- and the samples, the metrics and its prompt position go to
-        every rank. The first call's metrics also hold ``data/skipped_prompt_lines``, the prompt
-        lines that ``rl.on_bad_line=skip`` dropped (the same on every rank: each reads every file)."""
+    def generate(self, prompts, *, step: int, weight_version: int, prefetch_next: bool = False):
+        """Collective: the samples of RL step ``step + 1`` (``step``: the steps done, the seed key;
+        its update starts from the weights of version ``weight_version``) and the rollout metrics.
+        Rank 0 takes prompts from ``prompts``, generates and grades them -- whole batches with
+        dynamic sampling (:class:`~megatron_klear.rl.rollout.sampling.FullBatches`) or partial
+        rollouts (``rollout.partial``, :mod:`.partial`), at the step or one step ahead
+        (``rl.async_steps``, :mod:`.schedules`; ``prefetch_next``: the loop has a next step, start
+        its batch now) -- and the samples, the metrics and its prompt position go to every rank.
+        The position is read before the next step's batch starts taking prompts. The first call's
+        metrics also hold ``data/skipped_prompt_lines``, the prompt lines that
+        ``rl.on_bad_line=skip`` dropped (the same on every rank: each reads every file)."""
         result = None
         if is_rank0():
             try:
-                samples, metrics = self.batches.next(prompts, step, prefetch_next=prefetch_next)
+                samples, metrics = self.batches.next(prompts, step, weight_version)
                 result = (samples, metrics, None)
             except ShortfallError as e:
                 result = (None, {"rollout/generation_batches": self.cfg.rl.max_generation_batches}, str(e))
             if isinstance(self.engine, ServerEngine):  # servers (not the in-process engine)
                 result[1].update(self._fleet_metrics(push=False))
             result = (*result, prompts.state_dict())
+            if prefetch_next and result[2] is None:
+                # the next step's batch, while this one trains: it will train at the next version
+                # if this step changes the weights (its staleness is measured when it is trained)
+                self.batches.ahead(prompts, step + 1, weight_version + 1)
         samples, metrics, error, position = broadcast_from_rank0(result)
         if not is_rank0():
             prompts.load_state_dict(position)
@@ -112,6 +123,16 @@ class RolloutManager:
             metrics["data/skipped_prompt_lines"] = getattr(prompts, "skipped", 0)
         self.generated += 1
         return samples, metrics
+
+    def warn_unweighted_stale_tokens(self) -> None:
+        """Once, at start-up: an asynchronous or partial run whose stale tokens would train as
+        on-policy ones, with neither importance weights nor masking, says so."""
+        rl, r = self.cfg.rl, self.cfg.rollout
+        if (rl.async_steps or r.partial) and not rl.tis_cap and not rl.mask_stale_tokens and is_rank0():
+            warnings.warn(
+                "rl.async_steps / rollout.partial train tokens sampled by older weights; with neither "
+                "rl.tis_cap nor rl.mask_stale_tokens set they count as on-policy (docs/async.md, Stale tokens)"
+            )
 
     def state_dict(self) -> dict:
         """Collective: what a checkpoint keeps of the rollout side, rank 0's on every rank (a
@@ -136,10 +157,15 @@ class RolloutManager:
                 self.placement.restore(self.engine)
             raise
 
-    def push_weights(self, version: int) -> dict:
-        """Collective: the trainer's weights to the engine as weight version ``version``; servers are
-        then checked against the trainer (:mod:`megatron_klear.rl.rollout.verify`) after the first push of this
-        process and every ``rollout.verify_interval`` steps. Returns metrics.
+    def push_weights(self, weight_version: int, *, step: int) -> dict:
+        """Collective: the trainer's weights to the engine as version ``weight_version``, after RL
+        step ``step``; servers are then checked against the trainer (:mod:`megatron_klear.rl.rollout.verify`)
+        after the first push of this process and every ``rollout.verify_interval`` steps. Returns
+        metrics, ``weights/version`` among them.
+
+        A version already pushed (a step that changed no weight) sends nothing and relabels nothing:
+        the servers keep their weights and their label, colocated servers released for the update
+        get them back.
 
         With servers (a fleet), lost workers that answer again are recalled first (rejoining,
         :meth:`~megatron_klear.rollout.base.ServerEngine.recall_workers`) and the push includes
@@ -150,15 +176,19 @@ class RolloutManager:
         (``rollout/live_workers``, ``rollout/worker_failures``, ``rollout/worker_rejoins``)."""
         from megatron_klear.rl.rollout.verify import verification_due, verify_servers
 
+        if weight_version == self.pushed_version:
+            if is_rank0():
+                self.placement.restore(self.engine)
+            return {"weights/version": weight_version, "weights/pushed": 0}
         r = self.cfg.rollout
         # rank 0 holds the engine: with servers, the push runs in its session (lost workers recalled
         # first, the rejoining ones admitted once checked)
         servers = is_rank0() and self.weights.to_servers and isinstance(self.engine, ServerEngine)
-        with self.engine.push_session(version) if servers else contextlib.nullcontext():
-            metrics = self.weights.push(version)
+        with self.engine.push_session(weight_version) if servers else contextlib.nullcontext():
+            metrics = self.weights.push(weight_version)
             if self.weights.to_servers:
                 self.syncs += 1
-                due = verification_due(self.syncs, version, r.verify_interval)
+                due = verification_due(self.syncs, step, r.verify_interval, since=self.pushed_step)
                 rejoining = broadcast_from_rank0(bool(self.engine.rejoining_workers()) if servers else False)
                 if due or rejoining:
                     metrics.update(
@@ -167,13 +197,15 @@ class RolloutManager:
                             self.actor,
                             self.tokenizer,
                             self.vocab_size,
-                            version,
+                            weight_version,
                             r.verify_tolerance,
                             only_rejoining=not due,
                         )
                     )
+        self.pushed_version, self.pushed_step = weight_version, step
         if servers:
             metrics.update(self._fleet_metrics(push=True))
+        metrics.update({"weights/version": weight_version, "weights/pushed": 1})
         return metrics
 
     def _batches(self):

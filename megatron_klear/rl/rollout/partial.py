@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field, replace
 
 from megatron_klear.rl.rollout.sampling import build_samples, check_shortfall, grading_text, sampling_params
-from megatron_klear.rl.staleness import staleness_metrics
 from megatron_klear.rollout.base import Completion, SampleRequest
 
 
@@ -41,13 +40,17 @@ from megatron_klear.rollout.base import Completion, SampleRequest
 class Slot:
     """One response of a group, as far as it got: its tokens, the engine's log-prob of each
     (behaviour policy) and the weight version that sampled each; ``finish_reason`` once it ended
-    (``stop``/``length``), None while it is empty or partial; ``pieces``: the requests it took."""
+    (``stop``/``length``), None while it is empty or partial; ``pieces``: the requests it took.
+    ``routed_experts`` (``rollout.router_replay``): the experts of every token fed so far (prompt
+    and response, [tokens, MoE layers, top_k]), each position's from the first piece that fed it
+    (:meth:`add_routes`)."""
 
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     versions: list = field(default_factory=list)
     finish_reason: str | None = None
     pieces: int = 0
+    routed_experts: object = None
 
     @property
     def done(self) -> bool:
@@ -55,6 +58,26 @@ class Slot:
 
     def reset(self) -> None:
         self.tokens, self.logprobs, self.versions, self.finish_reason, self.pieces = [], [], [], None, 0
+        self.routed_experts = None
+
+    def add_routes(self, routes) -> None:
+        """A piece's routes (every position it fed: the prompt, the response so far and its own
+        tokens but the last) extend the slot's: the positions already routed keep their routes, the
+        piece adds those of the tokens it fed first (the previous piece's last token, its own)."""
+        import torch
+
+        routes = torch.as_tensor(routes)
+        have = self.routed_experts
+        if have is None or not self.pieces:
+            self.routed_experts = routes.clone()
+            return
+        have = torch.as_tensor(have)
+        if routes.shape[0] < have.shape[0] or routes.shape[1:] != have.shape[1:]:
+            raise ValueError(
+                f"partial rollouts: a continuation's routed experts {tuple(routes.shape)} do not extend "
+                f"those of the response so far {tuple(have.shape)} (rollout.router_replay)"
+            )
+        self.routed_experts = torch.cat([have, routes[have.shape[0] :]])
 
     def completion(self) -> Completion:
         return Completion(
@@ -62,6 +85,7 @@ class Slot:
             logprobs=list(self.logprobs),
             finish_reason=self.finish_reason,
             versions=list(self.versions),
+            routed_experts=self.routed_experts,
         )
 
 
@@ -144,14 +168,15 @@ class PartialRollouts:
             stream.abort()
 
     # -- one step ---------------------------------------------------------------------------------------
-    def produce(self, prompts, version: int) -> tuple:
-        """The samples of the step whose update runs at weight version ``version`` (the trainer's
-        policy; staleness counts from it) and the rollout metrics. Takes new prompts from
+    def produce(self, prompts, step: int, weight_version: int) -> tuple:
+        """The samples of the step after ``step`` steps (the seed key), whose update is expected to
+        start from weight version ``weight_version`` (a carried response too stale for it is
+        regenerated), and the rollout metrics. Takes new prompts from
         ``prompts`` (a PromptDataset) to fill ``rl.oversample_prompts`` (or ``rl.prompts_per_step``)
         groups beside the buffered ones; further batches while too few groups survive
         (``rl.max_generation_batches``, then ``rl.on_shortfall``)."""
         rl = self.cfg.rl
-        params = sampling_params(self.cfg, self.stop_token_ids, step=version)
+        params = sampling_params(self.cfg, self.stop_token_ids, step=step)
         width = rl.oversample_prompts or rl.prompts_per_step
         self._cancelled = False
         carried, self.buffer.groups = self.buffer.groups, []
@@ -161,7 +186,7 @@ class PartialRollouts:
             "resumed_groups": sum(any(s.pieces for s in g.slots) for g in carried),
         }
         for g in carried:
-            counts["stale_regenerated"] += self._regenerate_stale(g, version)
+            counts["stale_regenerated"] += self._regenerate_stale(g, weight_version)
         groups = carried + [
             self.buffer.new_group(p, rl.responses_per_prompt) for p in prompts.take(max(0, width - len(carried)))
         ]
@@ -207,14 +232,13 @@ class PartialRollouts:
                 "rollout/tokens_per_s": tokens / max(t_gen, 1e-9),
             }
         )
-        metrics.update(staleness_metrics(samples, version))
         check_shortfall(len(trained), batches, rl)
         return samples, metrics
 
-    def _regenerate_stale(self, group: Group, version: int) -> int:
-        """Responses of ``group`` holding a token older than ``version - rl.max_staleness`` start
-        again from nothing; returns how many."""
-        oldest_allowed = version - self.cfg.rl.max_staleness
+    def _regenerate_stale(self, group: Group, weight_version: int) -> int:
+        """Responses of ``group`` holding a token older than ``weight_version - rl.max_staleness``
+        start again from nothing; returns how many."""
+        oldest_allowed = weight_version - self.cfg.rl.max_staleness
         stale = [s for s in group.slots if s.versions and min(s.versions) < oldest_allowed]
         for s in stale:
             s.reset()
@@ -320,6 +344,12 @@ class PartialRollouts:
                 "partial rollouts need the weight version of every token (SGLang's "
                 "meta_info.weight_versions); a server answered without them, or with a version that "
                 "is not a step number (was the trainer's first weight push skipped?)"
+            )
+        if c.routed_experts is not None:
+            slot.add_routes(c.routed_experts)
+        elif slot.routed_experts is not None:
+            raise ValueError(
+                "partial rollouts: a continuation came back without the routed experts its first piece had"
             )
         slot.tokens += list(c.token_ids)
         slot.logprobs += list(c.logprobs)

@@ -238,20 +238,18 @@ class FullBatches:
         self.cfg, self.engine, self.pool, self.tokenizer = cfg, engine, pool, tokenizer
         self.stop_token_ids = list(stop_token_ids)
 
-    def produce(self, prompts, version: int) -> tuple:
-        """The samples of the step whose update runs at weight version ``version``, and metrics."""
-        from megatron_klear.rl.staleness import staleness_metrics
-
+    def produce(self, prompts, step: int, weight_version: int) -> tuple:
+        """The samples of the step after ``step`` steps (the seed key; ``weight_version``, the
+        version it trains at, changes nothing here: whole batches are never regenerated), and metrics."""
         n = self.cfg.rl.oversample_prompts or self.cfg.rl.prompts_per_step
-        samples, metrics = dynamic_sampling(lambda b: self.generate_batch(prompts.take(n), version, b), self.cfg.rl)
-        metrics.update(staleness_metrics(samples, version))
+        samples, metrics = dynamic_sampling(lambda b: self.generate_batch(prompts.take(n), step, b), self.cfg.rl)
         # the partial-rollout counts, none here (one set of metrics whatever the mode)
         metrics.update({"rollout/resumed_samples": 0, "rollout/aborted_samples": 0, "rollout/stale_regenerated": 0})
         return samples, metrics
 
-    def generate_batch(self, prompts: list, version: int, batch: int) -> tuple:
+    def generate_batch(self, prompts: list, step: int, batch: int) -> tuple:
         """One generation batch of ``prompts``, generated and graded -> (samples, metrics)."""
-        params = sampling_params(self.cfg, self.stop_token_ids, step=version, batch=batch)
+        params = sampling_params(self.cfg, self.stop_token_ids, step=step, batch=batch)
         return generate_and_grade(
             self.engine, self.pool, self.tokenizer, prompts, params, self.cfg, self.stop_token_ids
         )

@@ -2,20 +2,25 @@
 one step ahead while the actor trains (:class:`OneStepAhead`, ``rl.async_steps=1``).
 
 Asynchronous GPPO: the batch that step ``s+1`` trains on is generated on the rollout servers while
-the actor trains step ``s``. It starts under the weights of step ``s-1``; the weights of step ``s``
-reach the servers mid-generation with SGLang's pause (``retract``) -> update -> continue, so the
-requests in flight survive: their KV cache is recomputed with the new weights, and their later tokens
-are tagged with the new version (``Completion.versions``). Step ``s+1``'s update runs at version ``s``:
-the batch's tokens are at most one version old (``rl.max_staleness`` >= 1), and the trainer's
+the actor trains step ``s``. It starts under the weights step ``s`` trains from (weight version
+``v``); if step ``s`` changes the weights, version ``v+1`` reaches the servers mid-generation with
+SGLang's pause (``retract``) -> update -> continue, so the requests in flight survive: their KV
+cache is recomputed with the new weights, and their later tokens are tagged with the new version
+(``Completion.versions``). Step ``s+1``'s update starts from the actor's weights, ``v+1`` (or ``v``
+when step ``s`` changed nothing): the batch's tokens are at most one version old, and the trainer's
 recomputed log-probs stay the proximal policy of the clipped objective, the behaviour log-probs of
 the engine entering as truncated importance weights (``rl.tis_cap``) or masking the older tokens
 (``rl.mask_stale_tokens``).
 
 Either schedule wraps a *producer* -- :class:`~megatron_klear.rl.rollout.sampling.FullBatches` or
-:class:`~megatron_klear.rl.rollout.partial.PartialRollouts` -- with ``produce(prompts, version) ->
-(samples, metrics)``, ``cancel()``, ``state_dict()`` / ``load_state_dict()``. Metrics added here:
-``perf/generate_s`` (the batch's generation, grading included), ``perf/overlap_s`` (the part of it
-that ran while the trainer was busy) and ``perf/generate_wait_s`` (what the step waited for it).
+:class:`~megatron_klear.rl.rollout.partial.PartialRollouts` -- with ``produce(prompts, step,
+weight_version) -> (samples, metrics)`` (``step``: the seed key; ``weight_version``: the version the
+batch is expected to train at, which partial rollouts regenerate too-stale responses against),
+``cancel()``, ``state_dict()`` / ``load_state_dict()``. Metrics added here, once the batch is
+handed to the step: the staleness of its tokens against the version it really trains at
+(:func:`~megatron_klear.rl.staleness.staleness_metrics`), ``perf/generate_s`` (the batch's
+generation, grading included), ``perf/overlap_s`` (the part of it that ran while the trainer was
+busy) and ``perf/generate_wait_s`` (what the step waited for it).
 
 Exact resume: a checkpoint holds the producer's state (the partial buffer) and, one step ahead,
 the batch generated for the next step -- :meth:`OneStepAhead.state_dict` waits for it -- so a resumed
@@ -29,6 +34,7 @@ import threading
 import time
 
 from megatron_klear.rl.batch import RolloutSample
+from megatron_klear.rl.staleness import staleness_metrics
 
 
 class Synchronous:
@@ -37,12 +43,17 @@ class Synchronous:
     def __init__(self, producer):
         self.producer = producer
 
-    def next(self, prompts, version: int, prefetch_next: bool = False) -> tuple:
+    def next(self, prompts, step: int, weight_version: int) -> tuple:
+        """The batch of the step after ``step`` steps, trained from weight version ``weight_version``."""
         t0 = time.time()
-        samples, metrics = self.producer.produce(prompts, version)
+        samples, metrics = self.producer.produce(prompts, step, weight_version)
         spent = time.time() - t0
         metrics.update({"perf/generate_s": spent, "perf/overlap_s": 0.0, "perf/generate_wait_s": spent})
+        metrics.update(staleness_metrics(samples, weight_version))
         return samples, metrics
+
+    def ahead(self, prompts, step: int, weight_version: int) -> None:
+        """Nothing is generated ahead: the next batch waits for its step."""
 
     def state_dict(self) -> dict:
         state = self.producer.state_dict()
@@ -57,10 +68,11 @@ class Synchronous:
 
 
 class _Batch:
-    """One batch being generated in a thread (or loaded from a checkpoint, ``done`` at once)."""
+    """One batch being generated in a thread (or loaded from a checkpoint, ``done`` at once), for
+    the step after ``step`` steps, expected to train at ``weight_version``."""
 
-    def __init__(self, version: int):
-        self.version = version
+    def __init__(self, step: int, weight_version: int):
+        self.step, self.weight_version = step, weight_version
         self.started = self.ended = time.time()
         self.result = self.error = None
         self.done = threading.Event()
@@ -69,7 +81,7 @@ class _Batch:
     def run(self, produce, prompts) -> "_Batch":
         def work():
             try:
-                self.result = produce(prompts, self.version)
+                self.result = produce(prompts, self.step, self.weight_version)
             except BaseException as e:  # noqa: BLE001 -- raised where the step asks for the batch
                 self.error = e
             finally:
@@ -77,7 +89,7 @@ class _Batch:
                 self.done.set()
 
         self.started = time.time()
-        self.thread = threading.Thread(target=work, name=f"rollout-step-{self.version + 1}", daemon=True)
+        self.thread = threading.Thread(target=work, name=f"rollout-step-{self.step + 1}", daemon=True)
         self.thread.start()
         return self
 
@@ -95,15 +107,17 @@ class OneStepAhead:
         self.producer = producer
         self.pending = None  # the _Batch of the next step
 
-    def next(self, prompts, version: int, prefetch_next: bool = True) -> tuple:
+    def next(self, prompts, step: int, weight_version: int) -> tuple:
+        """The batch of the step after ``step`` steps (generated ahead, or now at a run's first
+        step), its staleness measured against ``weight_version``, the version it trains at."""
         asked = time.time()
         batch, self.pending = self.pending, None
         if batch is None:  # the first step of a run: nothing was generated ahead
-            batch = _Batch(version).run(self.producer.produce, prompts)
-        if batch.version != version:
+            batch = _Batch(step, weight_version).run(self.producer.produce, prompts)
+        if batch.step != step:
             raise RuntimeError(
-                f"rl.async_steps: the batch generated ahead is for weight version {batch.version}, "
-                f"the step trains at {version}"
+                f"rl.async_steps: the batch generated ahead is for the step after {batch.step} steps, "
+                f"this is the step after {step}"
             )
         samples, metrics = batch.wait()
         spent = batch.ended - batch.started
@@ -115,9 +129,13 @@ class OneStepAhead:
                 "perf/generate_wait_s": max(0.0, batch.ended - max(asked, batch.started)),
             }
         )
-        if prefetch_next:
-            self.pending = _Batch(version + 1).run(self.producer.produce, prompts)
+        metrics.update(staleness_metrics(samples, weight_version))
         return samples, metrics
+
+    def ahead(self, prompts, step: int, weight_version: int) -> None:
+        """Start generating the batch of the step after ``step`` steps (expected to train at
+        ``weight_version``) in a thread, while the current step trains."""
+        self.pending = _Batch(step, weight_version).run(self.producer.produce, prompts)
 
     def state_dict(self) -> dict:
         """Waits for the batch generated ahead (it is part of the state: the resumed run trains on it)."""
@@ -126,7 +144,8 @@ class OneStepAhead:
             samples, metrics = self.pending.wait()
             state["producer"] = self.producer.state_dict()  # (after the batch: its leftovers are buffered)
             state["ahead"] = {
-                "version": self.pending.version,
+                "step": self.pending.step,
+                "weight_version": self.pending.weight_version,
                 "metrics": metrics,
                 "generate_s": self.pending.ended - self.pending.started,
                 "samples": [dataclasses.asdict(s) for s in samples],
@@ -138,7 +157,9 @@ class OneStepAhead:
             self.producer.load_state_dict(state["producer"])
         ahead = state.get("ahead")
         if ahead:
-            batch = _Batch(int(ahead["version"]))
+            # (checkpoints before the weight version had its own key: "version", the step)
+            step = int(ahead.get("step", ahead.get("version", 0)))
+            batch = _Batch(step, int(ahead.get("weight_version", step)))
             batch.result = ([RolloutSample(**s) for s in ahead["samples"]], dict(ahead["metrics"]))
             batch.started, batch.ended = batch.ended - float(ahead["generate_s"]), batch.ended
             batch.done.set()

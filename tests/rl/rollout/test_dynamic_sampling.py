@@ -70,9 +70,24 @@ def _manager(script, calls, **rl):
 
     manager.batches = Synchronous(FullBatches(cfg, None, None, None, []))
     manager.batches.producer.generate_batch = generate_batch
-    manager.pushed = []
+    manager.pushed, manager.pushed_version = [], 0  # (the start-up push gave the servers version 0)
     manager.weights = SimpleNamespace(push=lambda v: manager.pushed.append(v) or {}, to_servers=False)
     return manager
+
+
+class _Actor:
+    """Records what it trains on; each update changes the weights (a new version)."""
+
+    def __init__(self, trained):
+        self.trained, self.weight_version = trained, 0
+
+    def update(self, samples):
+        self.trained.append(samples)
+        self.weight_version += 1
+        return {"actor/loss": 0.5}
+
+    def skip_step(self):
+        return {"actor/skipped": 1}
 
 
 def _loop(script, **rl):
@@ -81,9 +96,7 @@ def _loop(script, **rl):
     loop.calls, loop.trained = [], []
     loop.rollout = _manager(script, loop.calls, **rl)
     loop.cfg, loop.rl_step, loop.steps, loop.prompts = loop.rollout.cfg, 0, 10, _Prompts()
-    loop.actor = SimpleNamespace(
-        update=lambda samples, policy_version: loop.trained.append(samples) or {"actor/loss": 0.5}
-    )
+    loop.actor = _Actor(loop.trained)
     loop.state = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 1e-6}]))
     return loop
 
@@ -139,7 +152,7 @@ def test_the_manager_generates_the_seeds_of_each_batch_from_the_step():
     producer = manager.batches.producer
     script = producer.generate_batch
     producer.generate_batch = lambda prompts, step, batch: steps.append(step) or script(prompts, step, batch)
-    samples, m = manager.generate(_Prompts(), 7)
+    samples, m = manager.generate(_Prompts(), step=7, weight_version=7)
     assert steps == [7, 7] and [c[0] for c in calls] == [0, 1] and m["rollout/groups_kept"] == 4
     seeds = {sampling_params(manager.cfg, [2], step=s, batch=b).seed for s in (7, 8) for b in (0, 1)}
     assert len(seeds) == 4  # no two (step, batch) pairs share a seed

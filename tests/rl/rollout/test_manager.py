@@ -120,12 +120,20 @@ def test_dedicated_servers_are_never_released():
     ],
 )
 def test_the_weight_check_runs_after_the_first_push_and_every_interval(interval, checked):
-    # push number k of this process carries weight version k (a fresh run)
-    assert [v for v in range(1, 21) if verification_due(v, v, interval)] == checked
+    # push number k of this process comes after RL step k (a fresh run, no step skipped)
+    assert [v for v in range(1, 21) if verification_due(v, v, interval, since=v - 1)] == checked
 
 
 def test_a_resumed_run_checks_its_first_push_whatever_the_step():
     assert verification_due(1, 37, 10) and not verification_due(2, 38, 10) and verification_due(4, 40, 10)
+
+
+def test_a_check_due_at_a_step_that_pushed_nothing_runs_at_the_next_push():
+    # steps 9 and 10 changed no weight (nothing pushed): the check due at step 10 runs after step 11,
+    # and the next one at step 20 as in a run without skips
+    pushes = [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 20]
+    due = [s for k, (prev, s) in enumerate(zip([0] + pushes, pushes)) if verification_due(k + 1, s, 10, since=prev)]
+    assert due == [1, 11, 20]
 
 
 def test_push_weights_checks_only_servers(monkeypatch):
@@ -141,11 +149,36 @@ def test_push_weights_checks_only_servers(monkeypatch):
     manager = _manager(Dedicated(), None)
     manager.actor = manager.tokenizer = manager.vocab_size = None
     manager.weights = SimpleNamespace(push=lambda v: {"weights/sync_bytes": v}, to_servers=False)
-    assert manager.push_weights(1) == {"weights/sync_bytes": 1} and checked == []
+    assert manager.push_weights(1, step=1) == {"weights/sync_bytes": 1, "weights/version": 1, "weights/pushed": 1}
+    assert checked == []
     manager.cfg.rollout.verify_interval = 2
     manager.weights = SimpleNamespace(push=lambda v: {}, to_servers=True)
-    metrics = [manager.push_weights(v) for v in (1, 2, 3, 4)]
-    assert checked == [1, 2, 4] and metrics[0] == {"weights/verify_mean_diff_max": 0.0} and metrics[2] == {}
+    metrics = [manager.push_weights(v, step=v) for v in (2, 3, 4, 5)]
+    assert checked == [2, 4] and metrics[0]["weights/verify_mean_diff_max"] == 0.0
+    assert "weights/verify_mean_diff_max" not in metrics[1]
+
+
+def test_a_version_already_pushed_sends_nothing_and_gives_colocated_servers_their_weights_back():
+    """A step that changed no weight: no transfer, no new label; released servers reload the last
+    pushed weights (the same version)."""
+    from types import SimpleNamespace
+
+    servers, place = RecordingServers(), Colocated(offload_trainer=False)
+    manager = _manager(place, servers)
+    sent = []
+    manager.weights = SimpleNamespace(push=lambda v: sent.append(v) or {}, to_servers=False)
+    manager.push_weights(3, step=5)
+    place.load(servers, "/w/step_0000003", 3)
+    servers.calls.clear()
+    with manager.make_room():
+        pass  # an update that changed nothing (every token masked)
+    assert manager.push_weights(3, step=6) == {"weights/version": 3, "weights/pushed": 0} and sent == [3]
+    assert servers.calls == [
+        ("release", ("weights", "kv_cache", "cuda_graph")),
+        ("resume", ("weights",)),
+        ("load", "/w/step_0000003", 3),
+        ("resume", ("cuda_graph", "kv_cache")),
+    ]
 
 
 class FleetServers(ServerEngine):
@@ -214,11 +247,11 @@ def test_a_push_recalls_lost_workers_includes_them_probes_them_whatever_the_inte
     manager.weights = SimpleNamespace(
         push=lambda v: calls.append(("push", v, engine.fleet.serving())) or {}, to_servers=True
     )
-    metrics = manager.push_weights(5)
+    metrics = manager.push_weights(5, step=5)
     assert calls == [("recall",), ("push", 5, ["a", "b"]), ("verify", 5, {"only_rejoining": True}), ("admit", 5)]
     assert engine.fleet.live() == ["a", "b"]
     assert metrics["rollout/live_workers"] == 2 and metrics["rollout/worker_rejoins"] == 1
     assert metrics["rollout/worker_failures"] == 1  # the start-up push carries the loss before it
     calls.clear()
-    manager.push_weights(6)  # nobody rejoining, check not due: no probe
+    manager.push_weights(6, step=6)  # nobody rejoining, check not due: no probe
     assert calls == [("recall",), ("push", 6, ["a", "b"]), ("admit", 6)]

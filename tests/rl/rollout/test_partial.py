@@ -15,6 +15,7 @@ from megatron_klear.data.prompts import Prompt
 from megatron_klear.rewards.result import GradeResult
 from megatron_klear.rl.rollout.partial import PartialRollouts
 from megatron_klear.rl.rollout.schedules import OneStepAhead, Synchronous
+from megatron_klear.rl.staleness import staleness_metrics
 from megatron_klear.rollout.base import Completion, SampleRequest
 
 BUDGET = 40
@@ -140,7 +141,7 @@ def test_the_quota_aborts_the_rest_and_the_next_step_continues_them_under_new_we
     engine = Engine({(2, 1): 19, (3, 1): 21})
     producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
     prompts = Prompts()
-    samples, m = producer.produce(prompts, 0)
+    samples, m = producer.produce(prompts, 0, 0)
     assert sorted({s.prompt_ids[0] for s in samples}) == [0, 1] and len(samples) == 4
     assert m["rollout/groups_kept"] == 2 and m["rollout/aborted_samples"] > 0 and m["rollout/resumed_samples"] == 0
     buffered = {g.uid: g for g in producer.buffer.groups}
@@ -153,25 +154,28 @@ def test_the_quota_aborts_the_rest_and_the_next_step_continues_them_under_new_we
     cut = len(prefix)
 
     engine.version, engine.seen = 1, []  # the weights of step 1 reach the servers
-    samples, m = producer.produce(prompts, 1)
+    samples, m = producer.produce(prompts, 1, 1)
     # the continuation's input is the prompt and the partial response, its budget what is left
     cont = next(s for s in engine.seen if s[0] == (2, 1))
     assert cont[1] == [2] + prefix and cont[2] == BUDGET - cut
     (s,) = [s for s in samples if s.prompt_ids[0] == 2 and len(s.response_ids) == 19]
     assert s.response_ids == [1000 + k for k in range(19)]  # one response, whole, in order
     assert s.versions == [0] * cut + [1] * (19 - cut) and len(s.rollout_logprobs) == 19
-    assert m["rollout/resumed_samples"] >= 1 and m["rollout/staleness_max"] == 1
-    assert 0 < m["rollout/offpolicy_token_frac"] < 1
+    assert m["rollout/resumed_samples"] >= 1
+    m = staleness_metrics(samples, 1)  # (what the schedule adds when the step takes the batch)
+    assert m["rollout/staleness_max"] == 1 and 0 < m["rollout/offpolicy_token_frac"] < 1
+    # the continued response spans versions 0 and 1; its oldest token is one version old
+    assert m["rollout/response_versions_max"] == 2 and m["rollout/response_staleness_max"] == 1
 
 
 def test_a_group_not_started_is_one_request_for_its_samples_and_a_continuation_one_of_its_own():
     engine = Engine({(2, 1): 19, (3, 1): 21})
     producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
     prompts = Prompts()
-    producer.produce(prompts, 0)
+    producer.produce(prompts, 0, 0)
     assert engine.sent == [[(0, 2), (1, 2), (2, 2), (3, 2)]]  # 4 groups, one request of n=2 each
     engine.sent = []
-    producer.produce(prompts, 1)
+    producer.produce(prompts, 1, 1)
     (sent,) = engine.sent
     continued = [(key, n) for key, n in sent if isinstance(key, tuple)]
     assert continued and all(n == 1 for _, n in continued)  # the aborted responses, one by one
@@ -180,7 +184,7 @@ def test_a_group_not_started_is_one_request_for_its_samples_and_a_continuation_o
     cfg = _cfg()
     cfg.rollout.request_granularity = "sample"
     engine = Engine({(2, 1): 19, (3, 1): 21})
-    PartialRollouts(cfg, engine, Pool(), Tokenizer(), []).produce(Prompts(), 0)
+    PartialRollouts(cfg, engine, Pool(), Tokenizer(), []).produce(Prompts(), 0, 0)
     assert engine.sent == [[((g, j), 1) for g in range(4) for j in range(2)]]
 
 
@@ -194,14 +198,14 @@ def test_an_aborted_answer_holding_a_stop_token_ends_there_and_is_never_continue
     engine.abort_tail = [STOP, 5]
     producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [STOP])
     prompts = Prompts()
-    samples, m = producer.produce(prompts, 0)
+    samples, m = producer.produce(prompts, 0, 0)
     assert m["rollout/aborted_samples"] == 0  # every answer ended: none waits to be continued
     ended = [s for g in producer.buffer.groups for s in g.slots if s.tokens and s.tokens[-1] == STOP]
     assert ended and all(s.finish_reason == "stop" and s.pieces == 1 for s in ended)
     assert all(len(s.tokens) == len(s.logprobs) == len(s.versions) for s in ended)
     assert all(5 not in s.tokens for g in producer.buffer.groups for s in g.slots)  # cut after the stop
     engine.seen = []
-    samples, m = producer.produce(prompts, 1)
+    samples, m = producer.produce(prompts, 1, 1)
     continued = {k for k, inputs, _ in engine.seen if len(inputs) > 1}
     assert not continued, continued  # a finished response is not sent again
     trained = [s for s in samples if s.response_ids and s.response_ids[-1] == STOP]
@@ -213,7 +217,7 @@ def test_a_group_is_trained_only_when_every_response_has_ended():
     engine.after_each = lambda stream: stream.abort() if len(engine.seen) == 4 else None
     producer = PartialRollouts(_cfg(max_generation_batches=1, on_shortfall="train"), engine, Pool(), Tokenizer(), [])
     with pytest.warns(UserWarning, match="only 0 of rl.prompts_per_step=2"):
-        samples, m = producer.produce(Prompts(), 0)
+        samples, m = producer.produce(Prompts(), 0, 0)
     assert samples == [] and m["rollout/groups_kept"] == 0
     assert all(not g.complete for g in producer.buffer.groups) and len(producer.buffer.groups) == 4
 
@@ -222,11 +226,11 @@ def test_too_stale_partials_are_regenerated_from_scratch():
     engine = Engine({(2, 1): 30, (3, 1): 20})
     producer = PartialRollouts(_cfg(max_staleness=1), engine, Pool(), Tokenizer(), [])
     prompts = Prompts()
-    producer.produce(prompts, 0)
+    producer.produce(prompts, 0, 0)
     assert any(s.tokens for g in producer.buffer.groups for s in g.slots if s.finish_reason is None)
     engine.seen = []
     engine.version = 2
-    _, m = producer.produce(prompts, 2)  # version-0 tokens are 2 versions old: over rl.max_staleness=1
+    _, m = producer.produce(prompts, 2, 2)  # version-0 tokens are 2 versions old: over rl.max_staleness=1
     assert m["rollout/stale_regenerated"] >= 1
     restarted = [s for s in engine.seen if s[0] in ((2, 1), (3, 1))]
     assert restarted and all(len(inp) == 1 and budget == BUDGET for _, inp, budget in restarted)
@@ -237,13 +241,13 @@ def test_the_buffer_survives_a_checkpoint_and_continues_identically():
         engine = Engine({(2, 1): 30, (3, 1): 20})
         producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
         prompts = Prompts()
-        producer.produce(prompts, 0)
+        producer.produce(prompts, 0, 0)
         if resume:
             state = json.loads(json.dumps(producer.state_dict()))  # JSON-able, as checkpoints need
             producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
             producer.load_state_dict(state)
         engine.version = 1
-        samples, _ = producer.produce(prompts, 1)
+        samples, _ = producer.produce(prompts, 1, 1)
         return [(s.prompt_ids, s.response_ids, s.versions, s.advantage) for s in samples]
 
     assert run(resume=True) == run(resume=False)
@@ -254,29 +258,31 @@ def test_one_step_ahead_generates_the_next_batch_while_the_step_trains_and_saves
     started = threading.Event()
 
     class Recording(PartialRollouts):
-        def produce(self, prompts, version):
+        def produce(self, prompts, step, weight_version):
             started.set()
-            return super().produce(prompts, version)
+            return super().produce(prompts, step, weight_version)
 
     ahead = OneStepAhead(Recording(_cfg(), engine, Pool(), Tokenizer(), []))
     prompts = Prompts()
-    samples, m = ahead.next(prompts, 0, prefetch_next=True)
+    samples, m = ahead.next(prompts, 0, 0)
+    ahead.ahead(prompts, 1, 1)
     assert samples and m["perf/overlap_s"] == 0.0
-    assert started.wait(5) and ahead.pending.version == 1  # the next batch is under way
+    assert started.wait(5) and ahead.pending.step == 1  # the next batch is under way
     state = json.loads(json.dumps(ahead.state_dict()))  # waits for it; it travels with the checkpoint
-    assert state["ahead"]["version"] == 1 and state["ahead"]["samples"]
+    assert state["ahead"]["step"] == 1 and state["ahead"]["weight_version"] == 1 and state["ahead"]["samples"]
     resumed = OneStepAhead(PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), []))
     resumed.load_state_dict(state)
-    a, _ = ahead.next(prompts, 1, prefetch_next=False)
-    b, _ = resumed.next(Prompts(), 1, prefetch_next=False)
+    a, _ = ahead.next(prompts, 1, 1)
+    b, _ = resumed.next(Prompts(), 1, 1)
     assert [(s.prompt_ids, s.response_ids) for s in a] == [(s.prompt_ids, s.response_ids) for s in b]
-    with pytest.raises(RuntimeError, match="generated ahead is for weight version 2"):
+    with pytest.raises(RuntimeError, match="generated ahead is for the step after 2 steps, this is the step after 3"):
         resumed.pending = ahead.pending = None
-        ahead.next(prompts, 1, prefetch_next=True)
-        ahead.next(prompts, 3)
+        ahead.next(prompts, 1, 1)
+        ahead.ahead(prompts, 2, 2)
+        ahead.next(prompts, 3, 3)
 
 
 def test_synchronous_schedule_has_no_overlap():
     sync = Synchronous(PartialRollouts(_cfg(), Engine(), Pool(), Tokenizer(), []))
-    _, m = sync.next(Prompts(), 0)
+    _, m = sync.next(Prompts(), 0, 0)
     assert m["perf/overlap_s"] == 0.0 and m["perf/generate_s"] == m["perf/generate_wait_s"] > 0
