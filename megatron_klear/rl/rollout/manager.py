@@ -79,6 +79,8 @@ class RolloutManager:
             if self.engine is None:
                 routed = (sorted(arch.moe_layers), arch.moe_topk) if r.router_replay and arch.is_moe else None
                 self.engine = make_engine(r, model_dir, routed_experts=routed, pause_mode=self.pause_mode)
+            if in_process:  # labelled with their version, as a push would (a resumed run tags as before)
+                self.engine.weight_version = actor.weight_version
             self.engine.check_context(
                 cfg.rl.max_prompt_length + r.max_new_tokens, "rl.max_prompt_length + rollout.max_new_tokens"
             )
