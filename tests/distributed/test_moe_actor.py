@@ -219,3 +219,173 @@ def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe4_dir
     assert close(r["replayed"], r["hf_forced"])  # replay: transformers with the same experts forced
     assert not close(r["hf_forced"], r["hf_own"], tol=1e-2)  # forcing them changes the log-probs
     assert close(r["ignored"], r["own"], tol=1e-6) and close(r["own_after"], r["own"], tol=1e-6)
+
+
+# ---- router replay in the update itself (R3): the training forward and its recompute -----------------
+@pytest.fixture(scope="module")
+def moe_noaux_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE without the load-balancing loss (its gradient is not the policy's)."""
+    from megatron_klear.models.tiny import make_tiny_qwen3_moe
+
+    return make_tiny_qwen3_moe(
+        str(tmp_path_factory.mktemp("moe_r3") / "m"),
+        num_layers=4,
+        mlp_only_layers=(1,),
+        seed=43,
+        router_aux_loss_coef=0.0,
+    )
+
+
+MOE_LAYERS = 3  # of moe_noaux_dir's 4 layers (layer 1 is dense)
+
+
+def _forced_routes(lengths, n_layers, topk=2, experts=8):
+    """The engine's routes of each sample (``lengths``: prompt + response), chosen at random: most
+    differ from the trainer's own choice."""
+    import torch
+
+    gen = torch.Generator().manual_seed(5)
+    return [
+        torch.rand(n - 1, n_layers, experts, generator=gen).argsort(-1)[..., :topk].to(torch.int16) for n in lengths
+    ]
+
+
+def _replayed_update(rank, world, model_dir, overrides, reuse_first_forward):
+    """One actor update (one mini-batch) with the engine's routes forced: its metrics and the
+    gradient of its optimizer step, by HF name (experts one by one)."""
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_klear.checkpoint.model_weights import iter_hf_tensors, unwrap
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rl.actor import Actor
+    from megatron_klear.training.setup import build_training_state
+    from tests.distributed.test_actor import make_samples
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "rl.mini_batch_prompts=4",
+            "rl.prompts_per_step=4",
+            "rl.max_tokens_per_micro_batch=48",
+            "rl.nll_coef=0.0",
+            *overrides,
+        ],
+    )
+    init_parallel(cfg.parallel, seed=1)
+    state = build_training_state(cfg, total_steps=1)
+    samples = make_samples()
+    forced = _forced_routes([len(s.prompt_ids) + len(s.response_ids) for s in samples], MOE_LAYERS)
+    samples = [dataclasses.replace(s, routed_experts=f) for s, f in zip(samples, forced)]
+    grads = {}
+    step = state.optimizer.step
+
+    def capturing_step():
+        params = [p for chunk in state.model for p in unwrap(chunk).parameters()]
+        saved = [p.data for p in params]
+        for p in params:
+            p.data = p.main_grad.to(p.dtype).clone()
+        group = parallel_state.get_tensor_model_parallel_group()
+        grads.update({k: v.clone() for k, v in iter_hf_tensors(state.model, tp_group=group)})
+        for p, d in zip(params, saved):
+            p.data = d
+        return step()
+
+    state.optimizer.step = capturing_step
+    actor = Actor(state, cfg.rl, logprob_chunk_size=7, router_replay=True)
+    actor.reuse_first_forward = reuse_first_forward
+    metrics = actor.update(samples)
+    return {k: v for k, v in metrics.items() if k != "actor/steps"}, grads
+
+
+def _hf_policy_gradient(model_dir, samples, forced):
+    """transformers' gradient (float32: its grouped experts take no float64) of the GPPO loss at ratio 1 (the first mini-batch: every token
+    inside the clip range), token_mean over the mini-batch, no NLL term: -sum_t A * log p(t) / N, each
+    token routed to ``forced`` (the router's softmax gathered at the forced experts, renormalised as
+    Qwen3MoeTopKRouter does)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    n_tokens = sum(len(s.response_ids) for s in samples)
+    loss = 0.0
+    for i, s in enumerate(samples):
+        originals = []
+        for j, router in enumerate(routers):
+
+            def forward(hidden, router=router, idx=forced[i][:, j].long()):
+                hidden = hidden.reshape(-1, router.hidden_dim)
+                logits = F.linear(hidden, router.weight)
+                top = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, idx)
+                top = top / top.sum(dim=-1, keepdim=True)
+                return logits, top.to(logits.dtype), idx
+
+            originals.append((router, router.forward))
+            router.forward = forward
+        try:
+            ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids)[:-1]])
+            logits = model(input_ids=ids).logits[0]
+        finally:
+            for router, f in originals:
+                router.forward = f
+        lp = torch.log_softmax(logits[len(s.prompt_ids) - 1 :], dim=-1)
+        lp = lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1))[:, 0]
+        loss = loss - s.advantage * lp.sum() / n_tokens
+    loss.backward()
+    return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "world,overrides,reuse",
+    [
+        (1, [], True),
+        (1, [], False),  # old log-probs by a pass of their own: the update's forward must route as it did
+        (1, ["model.recompute_granularity=full"], False),  # the backward's recompute replays too
+        # 1F1B runs later micro-batches' forwards before a backward: the recompute replays its own
+        pytest.param(2, ["parallel.pp=2", "model.recompute_granularity=full"], False, marks=pytest.mark.slow),
+    ],
+    ids=["reuse", "separate-pass", "recompute", "pp2-recompute"],
+)
+def test_router_replay_routes_the_update_as_the_engine_did(moe_noaux_dir, world, overrides, reuse):
+    """rollout.router_replay: the update's forward (and the recompute inside its backward) routes
+    every token to the engine's experts, so the first mini-batch is on-policy (ratio 1 for every
+    token, none clipped) and its gradient is transformers' with those experts forced. Before, only
+    the old-log-prob pass replayed: the update routed by itself and the ratios moved off 1."""
+    import dataclasses
+
+    import torch
+
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from tests.distributed.test_actor import make_samples
+
+    results = run_distributed(_replayed_update, world, moe_noaux_dir, overrides, reuse)
+    metrics, grads = results[-1][0], {}  # (the last pipeline stage has the losses)
+    for _, g in results:  # each stage its layers
+        grads.update(g)
+    assert metrics["actor/optimizer_steps"] == 1 and metrics["actor/router_replay_micro_batches"] >= 2
+    assert abs(metrics["actor/ratio_max"] - 1.0) < 1e-6, metrics["actor/ratio_max"]
+    for k in ("actor/clip_frac_low", "actor/clip_frac_high", "actor/clip_frac_dual"):
+        assert metrics[k] == 0.0, (k, metrics[k])
+    samples = make_samples()
+    forced = _forced_routes([len(s.prompt_ids) + len(s.response_ids) for s in samples], MOE_LAYERS)
+    samples = [dataclasses.replace(s, routed_experts=f) for s, f in zip(samples, forced)]
+    want = _hf_policy_gradient(moe_noaux_dir, samples, forced)
+    # the trainer's per-expert gradients in transformers' layout (fused experts), by its own loading
+    engine = EmbeddedEngine.from_pretrained(moe_noaux_dir)
+    engine.update_weights(grads.items())
+    got = engine.model.state_dict()
+    compared = 0
+    for k, w in want.items():
+        g = got[k].double()
+        scale = float(w.abs().max())
+        w = w.double()
+        assert float((g - w).abs().max()) <= 1e-3 * scale + 1e-9, (k, float((g - w).abs().max()), scale)
+        compared += ".mlp.experts." in k or ".mlp.gate." in k
+    assert compared >= 4  # experts and routers among them
+    assert max(float(w.abs().max()) for k, w in want.items() if ".mlp.gate." in k) > 0  # routers learn too
