@@ -286,3 +286,44 @@ def test_synchronous_schedule_has_no_overlap():
     sync = Synchronous(PartialRollouts(_cfg(), Engine(), Pool(), Tokenizer(), []))
     _, m = sync.next(Prompts(), 0, 0)
     assert m["perf/overlap_s"] == 0.0 and m["perf/generate_s"] == m["perf/generate_wait_s"] > 0
+
+
+def test_a_continued_response_keeps_the_routes_of_every_token_it_was_fed():
+    """rollout.router_replay with partial rollouts: each piece's answer carries the experts of every
+    position it fed (prompt + response so far + its own tokens but the last); the trained sample
+    holds routes for all of its prompt + response - 1 positions, each from the first piece that fed
+    it, so the update can replay them (tests/distributed/test_moe_actor.py)."""
+    import torch
+
+    class RoutedStream(Stream):
+        """Each answer carries the routes of every position it fed, all equal to the stream's number."""
+
+        def __init__(self, engine, requests):
+            super().__init__(engine, requests)
+            self.piece = len(engine.sent)
+            self.inputs = {r.key: len(r.input_ids) for r in self.requests}
+
+        def __iter__(self):
+            for key, c in super().__iter__():
+                rows = self.inputs[key] + len(c.token_ids) - 1
+                c.routed_experts = torch.full((rows, 1, 2), self.piece, dtype=torch.int16)
+                yield key, c
+
+    class Routed(Engine):
+        def stream(self, requests):
+            return RoutedStream(self, requests)
+
+    engine = Routed({(2, 1): 19, (3, 1): 21})
+    producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
+    prompts = Prompts()
+    producer.produce(prompts, 0, 0)
+    partial = next(g for g in producer.buffer.groups if g.uid == 2).slots[1]
+    cut = len(partial.tokens)
+    assert partial.routed_experts.shape[0] == 1 + cut - 1  # prompt + the tokens so far - 1
+    engine.version = 1
+    samples, _ = producer.produce(prompts, 1, 1)
+    (s,) = [s for s in samples if s.prompt_ids[0] == 2 and len(s.response_ids) == 19]
+    routes = torch.as_tensor(s.routed_experts)
+    assert routes.shape == (len(s.prompt_ids) + 19 - 1, 1, 2)
+    # the positions the first piece fed keep its routes; the continuation adds the rest
+    assert bool((routes[:cut] == 1).all()) and bool((routes[cut:] == 2).all())
