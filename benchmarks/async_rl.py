@@ -259,7 +259,7 @@ def rl_overrides(bench: Bench, settings, files: dict, urls: list, save_dir: str,
         f"rl.temperature={settings.temperature}",
         "rl.filter_zero_spread=false",
         f"rl.max_staleness={bench.max_staleness}",
-        f"rl.tis_cap={bench.tis_cap}",
+        f"rl.tis_cap={bench.tis_cap or 'null'}",
         f"rollout.max_new_tokens={bench.max_new_tokens}",
         f"rollout.engine={'vllm' if bench.engine == 'vllm' else 'http'}",
         f"rollout.urls=[{','.join(urls)}]",
@@ -789,6 +789,12 @@ def main(argv=None) -> int:
         help="print the decode-time model of a Qwen3-8B step at 32K (benchmarks/RESULTS.md) and exit",
     )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--tis-cap",
+        type=float,
+        default=None,
+        help="rl.tis_cap of every run (default 2.0; 0: off, stale tokens trained as on-policy)",
+    )
     args = p.parse_args(argv)
     if args.long_cot:
         for seed in range(3):
@@ -797,6 +803,10 @@ def main(argv=None) -> int:
     from examples.demo import Settings
 
     bench = Bench(**(QUICK if args.quick else {}), quick=args.quick, engine=args.engine)
+    if args.tis_cap is not None:
+        if args.tis_cap < 0 or 0 < args.tis_cap < 1:
+            p.error(f"--tis-cap must be 0 (off) or >= 1, got {args.tis_cap}")
+        bench.tis_cap = args.tis_cap
     for key, value in (("seeds", args.seeds), ("rl_steps", args.steps), ("servers", args.servers)):
         if value is not None:
             if value < 1:

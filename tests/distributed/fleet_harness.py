@@ -306,6 +306,20 @@ class Director(threading.Thread):
         self.wait(lambda: len(self.steps()) >= k, timeout, f"metrics line of step {k}")
         return os.stat(self.metrics_path).st_mtime
 
+    @contextlib.contextmanager
+    def holding(self):
+        """The run starts no new step while inside (:func:`run_rl` waits at each step's start while
+        the hold file exists): a server restarted meanwhile is healthy before the next step, so it
+        rejoins at that step's push whatever the machine's load (a slow restart on a busy machine
+        once cost the script the steps it needed)."""
+        path = hold_file(os.path.dirname(self.metrics_path))
+        with open(path, "w"):
+            pass
+        try:
+            yield
+        finally:
+            os.remove(path)
+
     def mid_rollout(self, server: Server, after: float, timeout: float = 120.0) -> None:
         """Wait until ``server`` holds an unanswered ``/generate`` received after ``after``."""
         self.wait(
@@ -354,14 +368,29 @@ class RunEnded(Exception):
     """The run ended while the director was still waiting for something."""
 
 
+def hold_file(save_dir: str) -> str:
+    """While this file exists, :func:`run_rl` starts no new step (:meth:`Director.holding`)."""
+    return os.path.join(save_dir, "director.hold")
+
+
 def run_rl(rank, world, overrides):
     """One RL run (in :func:`tests.distributed.helper.run_distributed`'s ranks): the last step's
-    metrics and the trainer's final weights (HF names)."""
+    metrics and the trainer's final weights (HF names). Each step waits to start while the
+    director holds the run (every rank waits: the step is collective)."""
     from megatron_klear.config import load_config
     from megatron_klear.rl.loop import RLLoop
     from megatron_klear.rollout.weight_sync import iter_model_hf_weights
 
     loop = RLLoop(load_config(None, overrides))
+    hold, step = hold_file(loop.cfg.train.save_dir), loop.step
+
+    def held_step():
+        deadline = time.monotonic() + 180
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return step()
+
+    loop.step = held_step
     metrics = loop.run()
     return metrics, {k: v.clone() for k, v in iter_model_hf_weights(loop.state.model)}
 

@@ -216,14 +216,16 @@ def test_disk_sync_fleet_survives_kills_a_freeze_and_a_kill_mid_sync_and_the_ser
     def script(d: Director):
         _kill_mid_rollout(d, a, d.wait_step(1))
         d.wait_step(2)  # (restarted at once, a could be back before anything noticed it had gone)
-        a.start()
+        with d.holding():  # healthy before step 3 starts: it rejoins at step 3's push
+            a.start().wait_healthy()
         d.note("restarted a after step 2")
         t = d.wait(lambda: _rejoined(d, a), 120, "a rejoined after its restart", poll_s=0.2)
         d.note(f"a rejoined by step {len(d.steps())}")
         path = d.mid_sync(b, t, routes=("/update_weights_from_disk",))
         b.kill()
         d.note(f"killed b mid-sync ({path}) after step {len(d.steps())}")
-        b.start()
+        with d.holding():  # it rejoins at the next step's push, not steps later on a busy machine
+            b.start().wait_healthy()
         t = d.wait(lambda: _rejoined(d, b), 120, "b rejoined after its restart", poll_s=0.2)
         d.note(f"b rejoined by step {len(d.steps())}")
         d.mid_rollout(a, t)
@@ -277,7 +279,8 @@ def test_distributed_sync_survives_a_kill_mid_sync_then_fails_naming_every_lost_
         path = d.mid_sync(b, d.wait_step(1), routes=("/update_weights_from_distributed",))
         b.kill()
         d.note(f"killed b mid-sync ({path}) after step {len(d.steps())}")
-        b.start()
+        with d.holding():  # healthy before the next step: it rejoins at that step's push
+            b.start().wait_healthy()
         d.wait(lambda: _rejoined(d, b), 120, "b rejoined after its restart", poll_s=0.2)
         # the probes must see one weight version on both servers: the loop goes on pushing meanwhile,
         # so they are taken again when a push (or a step's end) fell between them
@@ -366,7 +369,8 @@ def test_seeded_chaos_of_kills_and_restarts_loses_no_step(fleet):
             d.note(f"killed {name} ({when}) in step {k + 1}")
             if later:
                 d.wait_step(k + 1)
-            who.start()
+            with d.holding():  # a slow restart (a busy machine) costs no step of the run
+                who.start().wait_healthy()
             d.note(f"restarted {name} after step {len(d.steps())}")
 
     t0 = time.monotonic()

@@ -255,7 +255,6 @@ def _replayed_update(rank, world, model_dir, overrides, reuse_first_forward):
     gradient of its optimizer step, by HF name (experts one by one)."""
     import dataclasses
 
-    import torch
     from megatron.core import parallel_state
 
     from megatron_klear.checkpoint.model_weights import iter_hf_tensors, unwrap
@@ -303,8 +302,9 @@ def _replayed_update(rank, world, model_dir, overrides, reuse_first_forward):
 
 
 def _hf_policy_gradient(model_dir, samples, forced):
-    """transformers' gradient (float32: its grouped experts take no float64) of the GPPO loss at ratio 1 (the first mini-batch: every token
-    inside the clip range), token_mean over the mini-batch, no NLL term: -sum_t A * log p(t) / N, each
+    """transformers' gradient (float32: its grouped experts take no float64) of the GPPO loss at
+    ratio 1 (the first mini-batch: every token inside the clip range), token_mean over the
+    mini-batch, no NLL term: -sum_t A * log p(t) / N, each
     token routed to ``forced`` (the router's softmax gathered at the forced experts, renormalised as
     Qwen3MoeTopKRouter does)."""
     import torch
@@ -358,8 +358,6 @@ def test_router_replay_routes_the_update_as_the_engine_did(moe_noaux_dir, world,
     token, none clipped) and its gradient is transformers' with those experts forced. Before, only
     the old-log-prob pass replayed: the update routed by itself and the ratios moved off 1."""
     import dataclasses
-
-    import torch
 
     from megatron_klear.rollout.embedded import EmbeddedEngine
     from tests.distributed.test_actor import make_samples
