@@ -140,8 +140,8 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
             env=data["env"],
         )
         lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
-        last = max((m["step"] for m in lines if m.get("actor/optimizer_steps")), default=0)
-        # the server took the trainer's weights of the last RL step that changed them (0: the start-up sync)
+        last = lines[-1]["weights/version"]
+        # the server holds the trainer's weights at their version: the steps that changed them (0: start-up)
         assert SGLangEngine.at([server.url]).model_info()["weight_version"] == str(last)
     finally:
         server.close()

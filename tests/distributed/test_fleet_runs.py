@@ -104,8 +104,8 @@ def _args(fleet, save, router_url, steps, weight_sync):
 
 
 def _pushed(lines) -> int:
-    """The weight version the servers should hold: the last step that trained (and pushed)."""
-    return max((m["step"] for m in lines if m.get("actor/optimizer_steps")), default=0)
+    """The weight version the servers should hold: the last step's (the steps that changed the weights)."""
+    return lines[-1]["weights/version"] if lines else 0
 
 
 def _total(lines, key) -> int:
