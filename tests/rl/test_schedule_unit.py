@@ -70,6 +70,30 @@ def test_optimizer_step_unit_warms_up_over_optimizer_steps():
     assert flat == pytest.approx([1e-6 * min(k, 10) / 10 for k in range(1, 25)])
 
 
+def test_rl_step_unit_counts_steps_that_change_no_weight():
+    """The schedule's unit is the RL step: a step that keeps no group (skip_step) or whose every
+    mini-batch overflows (fp16: no update applied) still advances it, once, so that warm-up and
+    decay stay aligned with train.steps; the weight version moves only with an applied update."""
+    cfg = JobConfig()
+    cfg.optim.lr = cfg.optim.min_lr = 1e-6
+    cfg.optim.decay_style, cfg.optim.warmup_steps, cfg.optim.schedule_unit = "constant", 10, "rl_step"
+    opt = _Optimizer()
+    state = SimpleNamespace(model=[], optimizer=opt, scheduler=build_scheduler(opt, cfg.optim, 20), config=cfg)
+    actor = Actor(state, cfg.rl)
+    counts = LossCounts(num_tokens=1.0, num_seqs=1.0, num_positive_tokens=0.0, num_positive_seqs=0.0)
+    actor.plan = lambda samples, weight_version=None: [(counts, [])] * 2
+    actor.recompute_old_logprobs = lambda plans: None
+    actor._run = lambda mbs, loss_fn, forward_only: []
+    actor.update([object()])  # RL step 1: lr 1e-7 (warm-up 1/10), version 1
+    assert actor.skip_step() == {"actor/skipped": 1, "actor/optimizer_steps": 0}  # step 2: no update
+    overflow = opt.step
+    opt.step = lambda: (opt.lrs.append(opt.param_groups[0]["lr"]), (False, None, None))[1]
+    actor.update([object()])  # step 3: both mini-batches overflow, nothing applied
+    opt.step = overflow
+    actor.update([object()])  # step 4: at the 4th RL step's lr
+    assert opt.lrs[-2:] == pytest.approx([4e-7, 4e-7]) and actor.weight_version == 2
+
+
 @pytest.mark.parametrize("name,mini_batches", [("gppo_qwen3_8b_math.yaml", 16), ("gppo_qwen3_8b_code.yaml", 32)])
 def test_gppo_configs_use_the_authors_schedule_and_betas(name, mini_batches):
     cfg = load_config(os.path.join(ROOT, "examples", "configs", name))
