@@ -23,11 +23,14 @@ def _run(rank, world, overrides, stop_after=None):
     trained = []
     update = loop.actor.update
 
-    def recording(samples, weight_version=None):
+    def recording(samples):
         trained.append(
-            (weight_version, [(list(s.prompt_ids), list(s.response_ids), list(s.versions or [])) for s in samples])
+            (
+                loop.actor.weight_version,
+                [(list(s.prompt_ids), list(s.response_ids), list(s.versions or [])) for s in samples],
+            )
         )
-        return update(samples, weight_version=weight_version)
+        return update(samples)
 
     loop.actor.update = recording
     loop.run(stop_after=stop_after)
@@ -108,7 +111,7 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
     assert [v for v, _ in first] == [0, 1] and [v for v, _ in second] == [2, 3]
     # the checkpoint kept the batch generated ahead for step 3 and the partial responses
     ahead = saved["ahead"]
-    assert ahead["version"] == 2 and ahead["samples"]
+    assert ahead["step"] == ahead["weight_version"] == 2 and ahead["samples"]
     partials = [
         (g["prompt"]["prompt_ids"], s)
         for g in saved["producer"]["groups"]
