@@ -161,8 +161,11 @@ class Actor:
         def collect(local, logprobs, entropy):
             return logprobs.sum() * 0.0, {"mb_id": local["mb_id"], "logprobs": logprobs.detach().clone()}
 
-        for res in self._run(all_mbs, collect, forward_only=True):
-            all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
+        try:
+            for res in self._run(all_mbs, collect, forward_only=True):
+                all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
+        finally:
+            self._routers_choose_again()  # no route left behind for a later forward
 
     # -- the update -----------------------------------------------------------------------------------
     def _loss_fn(self, counts: LossCounts, old_is_current: bool = False):

@@ -200,7 +200,7 @@ def test_the_harness_kills_freezes_and_restarts_a_server_at_its_url_and_sees_its
 
 
 def test_disk_sync_fleet_survives_kills_a_freeze_and_a_kill_mid_sync_and_the_servers_rejoin(fleet):
-    """rollout.weight_sync=disk, 7 steps. Step 2: server a SIGKILLed mid-rollout, restarted at its
+    """rollout.weight_sync=disk, 8 steps. Step 2: server a SIGKILLed mid-rollout, restarted at its
     URL after that step. Once a is back: server b SIGKILLed mid-sync (while it holds the reload call),
     restarted. Once b is back: a SIGSTOPped mid-rollout, continued after that step. Every step is
     in the metrics, the failures (3) and rejoins (3) are counted, and at the end both servers hold
@@ -211,20 +211,22 @@ def test_disk_sync_fleet_survives_kills_a_freeze_and_a_kill_mid_sync_and_the_ser
     a, b = servers
     save = os.path.join(fleet["root"], "disk", "run")
     metrics_path = os.path.join(save, "metrics.jsonl")
-    steps = 7
+    steps = 8  # 7 with every event at its earliest step, and one step of slack
 
     def script(d: Director):
         _kill_mid_rollout(d, a, d.wait_step(1))
-        d.wait_step(2)  # (restarted at once, a could be back before anything noticed it had gone)
-        with d.holding():  # healthy before step 3 starts: it rejoins at step 3's push
+        # held from inside step 2: step 3 starts once a is back, so a rejoins at step 3's push however
+        # slowly it restarts on a busy machine
+        with d.holding():
+            d.wait_step(2)  # (restarted at once, a could be back before anything noticed it had gone)
             a.start().wait_healthy()
         d.note("restarted a after step 2")
         t = d.wait(lambda: _rejoined(d, a), 120, "a rejoined after its restart", poll_s=0.2)
         d.note(f"a rejoined by step {len(d.steps())}")
         path = d.mid_sync(b, t, routes=("/update_weights_from_disk",))
-        b.kill()
-        d.note(f"killed b mid-sync ({path}) after step {len(d.steps())}")
-        with d.holding():  # it rejoins at the next step's push, not steps later on a busy machine
+        with d.holding():  # (held from inside that push) b rejoins at the next step's push
+            b.kill()
+            d.note(f"killed b mid-sync ({path}) after step {len(d.steps())}")
             b.start().wait_healthy()
         t = d.wait(lambda: _rejoined(d, b), 120, "b rejoined after its restart", poll_s=0.2)
         d.note(f"b rejoined by step {len(d.steps())}")
@@ -277,9 +279,9 @@ def test_distributed_sync_survives_a_kill_mid_sync_then_fails_naming_every_lost_
 
     def script(d: Director):
         path = d.mid_sync(b, d.wait_step(1), routes=("/update_weights_from_distributed",))
-        b.kill()
-        d.note(f"killed b mid-sync ({path}) after step {len(d.steps())}")
-        with d.holding():  # healthy before the next step: it rejoins at that step's push
+        with d.holding():  # (held from inside that push) b rejoins at the next step's push
+            b.kill()
+            d.note(f"killed b mid-sync ({path}) after step {len(d.steps())}")
             b.start().wait_healthy()
         d.wait(lambda: _rejoined(d, b), 120, "b rejoined after its restart", poll_s=0.2)
         # the probes must see one weight version on both servers: the loop goes on pushing meanwhile,
