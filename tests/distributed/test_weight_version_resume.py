@@ -2,21 +2,8 @@
 went on (the weight version is saved with the checkpoint: docs/async.md, "The weight version"):
 the real loop, the embedded engine, a tiny Qwen3."""
 
-import pytest
-
 from tests.distributed.helper import run_distributed
-from tests.distributed.test_rl_loop import _overrides
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
-    from megatron_klear.models.tiny import make_tiny_qwen3
-
-    root = tmp_path_factory.mktemp("version-resume")
-    model = make_tiny_qwen3(str(root / "m"), num_layers=2, seed=21)
-    prompts = write_rl_prompts_jsonl(str(root / "prompts.jsonl"), 24, seed=3)
-    return {"model": model, "prompts": prompts, "root": str(root)}
+from tests.distributed.test_rl_loop import _overrides, setup  # noqa: F401 -- the fixture, shared
 
 
 def _run_skipping(rank, world, overrides, skip_at, stop_after=None):
@@ -59,7 +46,7 @@ def _run_skipping(rank, world, overrides, skip_at, stop_after=None):
     return trained
 
 
-def test_a_run_resumed_after_a_skipped_step_tags_masks_and_trains_as_the_uninterrupted_one(setup):
+def test_a_run_resumed_after_a_skipped_step_tags_masks_and_trains_as_the_uninterrupted_one(setup):  # noqa: F811
     """Step 2 keeps no group; a run saved after it and resumed trains step 3 at the same weight
     version, on tokens tagged with the same versions and as many counted under rl.mask_stale_tokens,
     as the run that went on (the version is saved with the checkpoint; before, the resumed engine

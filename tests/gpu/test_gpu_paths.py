@@ -6,6 +6,7 @@ import math
 import pytest
 
 from tests.distributed.helper import run_distributed
+from tests.distributed.test_moe_actor import moe_noaux_dir  # noqa: F401 -- the fixture, shared
 
 pytestmark = pytest.mark.gpu
 
@@ -171,25 +172,14 @@ def test_trainer_offload_frees_gradients_and_optimizer_state_on_the_gpu(model_di
         assert torch.equal(weights[k], plain[2][k]), k
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    from megatron_klear.models.tiny import make_tiny_qwen3_moe
-
-    return make_tiny_qwen3_moe(
-        str(tmp_path_factory.mktemp("gpu_moe") / "m"),
-        num_layers=4,
-        mlp_only_layers=(1,),
-        seed=43,
-        router_aux_loss_coef=0.0,
-    )
-
-
-def test_router_replay_routes_the_update_on_the_gpu(moe_dir):
+def test_router_replay_routes_the_update_on_the_gpu(moe_noaux_dir):  # noqa: F811 -- the shared fixture
     """rollout.router_replay on CUDA (NCCL, Megatron's MoE layers without Transformer Engine): the
     old-log-prob pass, the update's forward and the recompute inside its backward route to the
     engine's experts; ratio 1 on the first mini-batch and transformers' gradient with the experts
     forced (the CPU test's checks, tests/distributed/test_moe_actor.py, at GPU tolerances)."""
     from tests.distributed.test_moe_actor import _replayed_update, check_replayed_update
 
-    results = run_distributed(_replayed_update, 1, moe_dir, ["model.recompute_granularity=full"], False, backend="nccl")
-    check_replayed_update(moe_dir, results, tol=5e-3, ratio_tol=1e-4)
+    results = run_distributed(
+        _replayed_update, 1, moe_noaux_dir, ["model.recompute_granularity=full"], False, backend="nccl"
+    )
+    check_replayed_update(moe_noaux_dir, results, tol=5e-3, ratio_tol=1e-4)
