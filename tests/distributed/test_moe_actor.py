@@ -10,17 +10,16 @@ from tests.distributed.helper import run_distributed
 from tests.distributed.test_actor import _update
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
+def _tiny_moe(tmp_path_factory, name: str, **kwargs) -> str:
+    """A tiny Qwen3-MoE whose layer 1 is dense."""
     from megatron_klear.models.tiny import make_tiny_qwen3_moe
 
-    return make_tiny_qwen3_moe(
-        str(tmp_path_factory.mktemp("moe_actor") / "m"),
-        num_layers=3,
-        mlp_only_layers=(1,),
-        seed=41,
-        router_aux_loss_coef=0.1,
-    )
+    return make_tiny_qwen3_moe(str(tmp_path_factory.mktemp(name) / "m"), mlp_only_layers=(1,), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return _tiny_moe(tmp_path_factory, "moe_actor", num_layers=3, seed=41, router_aux_loss_coef=0.1)
 
 
 @pytest.mark.slow
@@ -55,42 +54,43 @@ def test_moe_actor_update_at_ep2_matches_one_process(moe_dir):
 
 
 # ---- rollout.router_replay: the old-log-prob pass with the engine's expert choices -----------------------
-def _hf_logprobs(model, samples, forced=None):
-    """transformers' log-probs of each response (float64 log-softmax), routing each token to
-    ``forced[i]`` ([tokens, MoE layers, top_k]) when given: the router's own softmax, gathered at the
-    forced experts and renormalised as Qwen3MoeTopKRouter does."""
+def _response_logprobs(model, sample, forced=None):
+    """transformers' float64 log-probs of ``sample``'s response tokens (differentiable), routing each
+    token to ``forced`` ([tokens, MoE layers, top_k]) when given: the router's own softmax, gathered
+    at the forced experts and renormalised as Qwen3MoeTopKRouter does."""
     import torch
     import torch.nn.functional as F
 
+    originals = []
     routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
-    out = []
-    for i, s in enumerate(samples):
-        originals = []
-        for j, router in enumerate(routers):
-            if forced is None:
-                continue
+    for j, router in enumerate(routers if forced is not None else []):
 
-            def forward(hidden, router=router, idx=forced[i][:, j].long()):
-                hidden = hidden.reshape(-1, router.hidden_dim)
-                logits = F.linear(hidden, router.weight)
-                top = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, idx)
-                if router.norm_topk_prob:
-                    top = top / top.sum(dim=-1, keepdim=True)
-                return logits, top.to(logits.dtype), idx
+        def forward(hidden, router=router, idx=forced[:, j].long()):
+            hidden = hidden.reshape(-1, router.hidden_dim)
+            logits = F.linear(hidden, router.weight)
+            top = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, idx)
+            if router.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), idx
 
-            originals.append((router, router.forward))
-            router.forward = forward
-        try:
-            ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids)[:-1]])
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits[0].double()
-        finally:
-            for router, f in originals:
-                router.forward = f
-        p = len(s.prompt_ids)
-        lp = torch.log_softmax(logits[p - 1 :], dim=-1)
-        out.append(lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1))[:, 0])
-    return out
+        originals.append((router, router.forward))
+        router.forward = forward
+    try:
+        ids = torch.tensor([list(sample.prompt_ids) + list(sample.response_ids)[:-1]])
+        logits = model(input_ids=ids).logits[0].double()
+    finally:
+        for router, f in originals:
+            router.forward = f
+    lp = torch.log_softmax(logits[len(sample.prompt_ids) - 1 :], dim=-1)
+    return lp.gather(1, torch.tensor(sample.response_ids).unsqueeze(1))[:, 0]
+
+
+def _hf_logprobs(model, samples, forced=None):
+    """transformers' log-probs of each response, each token routed to ``forced[i]`` when given."""
+    import torch
+
+    with torch.no_grad():
+        return [_response_logprobs(model, s, None if forced is None else forced[i]) for i, s in enumerate(samples)]
 
 
 def _trainer_old_logprobs(actor, samples):
@@ -225,15 +225,7 @@ def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe4_dir
 @pytest.fixture(scope="module")
 def moe_noaux_dir(tmp_path_factory):
     """A tiny Qwen3-MoE without the load-balancing loss (its gradient is not the policy's)."""
-    from megatron_klear.models.tiny import make_tiny_qwen3_moe
-
-    return make_tiny_qwen3_moe(
-        str(tmp_path_factory.mktemp("moe_r3") / "m"),
-        num_layers=4,
-        mlp_only_layers=(1,),
-        seed=43,
-        router_aux_loss_coef=0.0,
-    )
+    return _tiny_moe(tmp_path_factory, "moe_r3", num_layers=4, seed=43, router_aux_loss_coef=0.0)
 
 
 MOE_LAYERS = 3  # of moe_noaux_dir's 4 layers (layer 1 is dense)
@@ -302,41 +294,15 @@ def _replayed_update(rank, world, model_dir, overrides, reuse_first_forward):
 
 
 def _hf_policy_gradient(model_dir, samples, forced):
-    """transformers' gradient (float32: its grouped experts take no float64) of the GPPO loss at
-    ratio 1 (the first mini-batch: every token inside the clip range), token_mean over the
-    mini-batch, no NLL term: -sum_t A * log p(t) / N, each
-    token routed to ``forced`` (the router's softmax gathered at the forced experts, renormalised as
-    Qwen3MoeTopKRouter does)."""
+    """transformers' gradient (float32 model: its grouped experts take no float64) of the GPPO loss
+    at ratio 1 (the first mini-batch: every token inside the clip range), token_mean over the
+    mini-batch, no NLL term: -sum_t A * log p(t) / N, each token routed to ``forced``."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
     n_tokens = sum(len(s.response_ids) for s in samples)
-    loss = 0.0
-    for i, s in enumerate(samples):
-        originals = []
-        for j, router in enumerate(routers):
-
-            def forward(hidden, router=router, idx=forced[i][:, j].long()):
-                hidden = hidden.reshape(-1, router.hidden_dim)
-                logits = F.linear(hidden, router.weight)
-                top = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, idx)
-                top = top / top.sum(dim=-1, keepdim=True)
-                return logits, top.to(logits.dtype), idx
-
-            originals.append((router, router.forward))
-            router.forward = forward
-        try:
-            ids = torch.tensor([list(s.prompt_ids) + list(s.response_ids)[:-1]])
-            logits = model(input_ids=ids).logits[0]
-        finally:
-            for router, f in originals:
-                router.forward = f
-        lp = torch.log_softmax(logits[len(s.prompt_ids) - 1 :], dim=-1)
-        lp = lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1))[:, 0]
-        loss = loss - s.advantage * lp.sum() / n_tokens
+    loss = sum(-s.advantage * _response_logprobs(model, s, forced[i]).sum() / n_tokens for i, s in enumerate(samples))
     loss.backward()
     return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
 
