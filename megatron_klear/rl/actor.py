@@ -123,23 +123,26 @@ class Actor:
 
     def _run(self, micro_batches, loss_fn, forward_only):
         """Forward (and backward) over ``micro_batches``; with router replay each micro-batch that
-        carries the engine's ``routed_experts`` is routed to them (:func:`replay_routing`), from a
-        clean queue of routes (one pass's recompute never replays another pass's routes)."""
-        self._routers_choose_again()
-        return run_micro_batches(
-            self.state.model,
-            micro_batches,
-            loss_fn,
-            forward_only=forward_only,
-            temperature=self.rl.temperature,
-            chunk_size=self.chunk_size,
-            per_token_keys=RL_PER_TOKEN_KEYS,
-            pad_id=self.pad_id,
-            before_forward=replay_routing if self.router_replay else None,
-        )
+        carries the engine's ``routed_experts`` is routed to them (:func:`replay_routing`), and after
+        the pass every router chooses for itself again: no route is left queued for another pass's
+        recompute or for a later forward."""
+        try:
+            return run_micro_batches(
+                self.state.model,
+                micro_batches,
+                loss_fn,
+                forward_only=forward_only,
+                temperature=self.rl.temperature,
+                chunk_size=self.chunk_size,
+                per_token_keys=RL_PER_TOKEN_KEYS,
+                pad_id=self.pad_id,
+                before_forward=replay_routing if self.router_replay else None,
+            )
+        finally:
+            self._routers_choose_again()
 
     def _routers_choose_again(self) -> None:
-        """After a replayed pass: every router routes by itself again (no target left behind)."""
+        """Every router routes by itself again (no target or queued route left behind)."""
         if self.router_replay:
             from megatron_klear.checkpoint.model_weights import unwrap
 
@@ -161,11 +164,8 @@ class Actor:
         def collect(local, logprobs, entropy):
             return logprobs.sum() * 0.0, {"mb_id": local["mb_id"], "logprobs": logprobs.detach().clone()}
 
-        try:
-            for res in self._run(all_mbs, collect, forward_only=True):
-                all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
-        finally:
-            self._routers_choose_again()  # no route left behind for a later forward
+        for res in self._run(all_mbs, collect, forward_only=True):
+            all_mbs[res["mb_id"]]["old_logprobs_local"] = res["logprobs"]
 
     # -- the update -----------------------------------------------------------------------------------
     def _loss_fn(self, counts: LossCounts, old_is_current: bool = False):
@@ -274,12 +274,9 @@ class Actor:
         # detached (r = 1 exactly), and only the later mini-batches need a pass before the first update.
         reuse = self.reuse_first_forward
         t0 = time.perf_counter()
-        try:
-            self.recompute_old_logprobs(plans[1:] if reuse else plans)
-            old_logprobs_s = time.perf_counter() - t0
-            totals, steps, ratio_max, mismatch_max = self._train(plans, reuse)
-        finally:
-            self._routers_choose_again()
+        self.recompute_old_logprobs(plans[1:] if reuse else plans)
+        old_logprobs_s = time.perf_counter() - t0
+        totals, steps, ratio_max, mismatch_max = self._train(plans, reuse)
         self._end_rl_step()
         if any(st["update_ok"] for st in steps):
             self.weight_version += 1

@@ -313,8 +313,7 @@ class Director(threading.Thread):
         rejoins at that step's push whatever the machine's load (a slow restart on a busy machine
         once cost the script the steps it needed)."""
         path = hold_file(os.path.dirname(self.metrics_path))
-        with open(path, "w"):
-            pass
+        open(path, "w").close()  # an empty file: its existence is the hold
         try:
             yield
         finally:

@@ -367,7 +367,6 @@ def test_a_mini_batch_left_without_tokens_makes_no_step():
     ]
     actor.recompute_old_logprobs = lambda plans: ran.append(("old", [ids for _, ids in plans]))
     actor._run = lambda ids, loss_fn, forward_only: ran.append(("train", ids)) or []
-    actor._routers_choose_again = lambda: None
     actor.weight_version = POLICY
     out = actor.update(samples)
     second = [i for i, s in enumerate(samples) if s.group in (2, 3)]
