@@ -1,20 +1,27 @@
-"""The paper's RL comparisons at toy scale, from one SFT model (the demo's digit-chain task):
+"""GPPO against the losses peers ship, at toy scale, in a regime where the clipping rules differ.
 
-* GPPO vs clip-higher (DAPO) vs CISPO (Klear-Reasoner Fig. 2), all with the alpha = 0.1 NLL term;
-* GPPO with the alpha = 0.1 NLL term vs without it (Table 6).
+Two parts, both from one SFT model of the demo's digit-chain task (``examples/demo.py``):
 
-    python benchmarks/algos.py                  # 4 variants x 3 seeds, ~45 min on 2 idle cores
-    python benchmarks/algos.py --quick          # smoke run (the test suite): tiny sizes, 1 seed, 2 variants
-    python benchmarks/algos.py --sft runs/demo/hf-sft --heldout runs/demo/heldout.jsonl \
-        --prompts runs/demo/rl-prompts.jsonl
+* ``sweep``: where does clipping bite? Levers of the update (mini-batches per rollout batch, the
+  learning rate, a bf16 rollout engine against the fp32 trainer, longer responses) each run a few
+  RL steps of GPPO, measuring per step the fraction of response tokens whose ratio is outside
+  [1 - eps_low, 1 + eps_high], the mean and max |log ratio|, the effective sample size of the
+  importance weights, and whether learning happens (rollout accuracy, held-out avg@8).
+* ``compare``: in a regime chosen from the sweep, every variant of :data:`VARIANTS` x ``--seeds``
+  seeds (a seed sets the prompt order, the sampling and the evaluation's sampling), held-out avg@8
+  every ``--eval-every`` steps; the final value and the area under the held-out curve with a 95%
+  bootstrap interval per variant, each variant paired with GPPO by seed (mean difference, interval,
+  sign-flip p-value: ``megatron_klear.utils.stats``), the paper's mechanisms per step (entropy,
+  clip fractions, the log-ratio of negative-advantage tokens), and plots.
 
-Each run is the RL loop itself (``megatron_klear.rl.loop.RLLoop``: embedded engine, grading pool,
-Megatron actor), driven step by step in one process (TP=1, one CPU thread; ``--parallel`` runs
-side by side), with the held-out evaluation (``megatron_klear.evaluation.evaluate``: avg@8 at
-temperature 1.0 on every held-out problem) on the engine's current weights every ``--eval-every``
-RL steps. Results: per-run curves in ``<out>/runs/*.json``, PNG plots in ``<out>/plots/``, a
-markdown table in ``<out>/results.md`` (``--results-md`` also appends it to benchmarks/RESULTS.md).
-The SFT model is built with the demo's settings unless ``--sft`` names one.
+    python benchmarks/algos.py sweep                       # the regime table (~25 min on 2 cores)
+    python benchmarks/algos.py compare --regime mb4 --seeds 5
+    python benchmarks/algos.py --quick                     # the machinery, in the test suite
+
+Resumable: every run writes ``<out>/runs/<name>.json`` when it ends and a killed command re-run
+with the same arguments skips the runs already written. Runs are the RL loop itself
+(``megatron_klear.rl.loop.RLLoop``: embedded engine, grading pool, Megatron actor at TP=1, one CPU
+thread), ``--parallel`` side by side; progress and an ETA are printed as runs end.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -30,24 +38,76 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# Mini-batches: the demo takes one optimizer step per RL step, and then the importance ratio is
-# exactly 1 (the update is on-policy), no token is ever clipped and GPPO, clip-higher and CISPO are
-# the same update. The comparison needs off-policy mini-batches, as in the paper (8 per step): here
-# 4 per step (32 prompts in mini-batches of 8), at lr 1e-4.
-MINI_BATCH_PROMPTS = 8
-LR = 1e-4
-VARIANTS = {  # name -> RL config overrides (everything else: the demo's RL settings)
-    "gppo": ["rl.algo=gppo", "rl.nll_coef=0.1"],
-    "clip_higher": ["rl.algo=clip_higher", "rl.nll_coef=0.1"],
-    "cispo": ["rl.algo=cispo", "rl.nll_coef=0.1"],
+# The levers of the sweep: name -> (demo settings, RL overrides). The base is the demo's RL step
+# (32 prompts x 8 responses, gppo, alpha 0.1) at TP=1; "mbN" takes N optimizer steps per rollout
+# batch (32 / N prompts per mini-batch).
+_MB = {n: [f"rl.mini_batch_prompts={32 // n}"] for n in (1, 2, 4, 8, 16)}
+LONG_TASK = {"task_terms": 10, "task_max_terms": 20, "task_max_digit": 3, "max_new_tokens": 200}
+LONG_TASK.update(max_prompt_length=96, sft_seq_length=2048, sft_steps=300, sft_examples=8000)
+REGIMES = {
+    "mb1": ({}, _MB[1] + ["optim.lr=3e-4"]),
+    "mb2": ({}, _MB[2] + ["optim.lr=3e-4"]),
+    "mb4": ({}, _MB[4] + ["optim.lr=3e-4"]),
+    "mb8": ({}, _MB[8] + ["optim.lr=3e-4"]),
+    "mb16": ({}, _MB[16] + ["optim.lr=3e-4"]),
+    "mb4-lr1e-4": ({}, _MB[4] + ["optim.lr=1e-4"]),
+    "mb4-lr1e-3": ({}, _MB[4] + ["optim.lr=1e-3"]),
+    "mb8-lr1e-4": ({}, _MB[8] + ["optim.lr=1e-4"]),
+    "mb16-lr1e-4": ({}, _MB[16] + ["optim.lr=1e-4"]),
+    "mb16-lr1.5e-4": ({}, _MB[16] + ["optim.lr=1.5e-4"]),
+    "mb16-lr2e-4": ({}, _MB[16] + ["optim.lr=2e-4"]),
+    "mb1-bf16": ({}, _MB[1] + ["optim.lr=3e-4", "rollout.dtype=bf16"]),
+    "mb4-bf16": ({}, _MB[4] + ["optim.lr=3e-4", "rollout.dtype=bf16"]),
+    "long-mb1": (LONG_TASK, _MB[1] + ["optim.lr=3e-4"]),
+    "long-mb4": (LONG_TASK, _MB[4] + ["optim.lr=3e-4"]),
+    "long-mb2-lr1e-4": (LONG_TASK, _MB[2] + ["optim.lr=1e-4"]),
+    "long-mb4-lr1e-4": (LONG_TASK, _MB[4] + ["optim.lr=1e-4"]),
+}
+# The comparison: name -> RL overrides on top of the regime's (alpha 0.1 unless said otherwise).
+VARIANTS = {
+    "gppo": ["rl.algo=gppo"],
+    "gppo_b05": ["rl.algo=gppo", "rl.beta1=0.5"],
+    "ce_gppo": ["rl.algo=gppo", "rl.beta1=0.75", "rl.beta2=1.0"],
+    "clip_higher": ["rl.algo=clip_higher"],
+    "cispo": ["rl.algo=cispo"],
+    "ppo": ["rl.algo=ppo"],
+    "gspo": ["rl.algo=gspo", "rl.agg=seq_mean_token_mean"],
+    "dppo_tv": ["rl.algo=dppo_tv"],
     "gppo_no_nll": ["rl.algo=gppo", "rl.nll_coef=0.0"],
 }
-LABELS = {"gppo": "GPPO", "clip_higher": "clip-higher (DAPO)", "cispo": "CISPO", "gppo_no_nll": "GPPO, alpha = 0"}
+LABELS = {
+    "gppo": "GPPO (paper)",
+    "gppo_b05": "GPPO beta1 0.5",
+    "ce_gppo": "CE-GPPO (beta1 0.75)",
+    "clip_higher": "clip-higher (DAPO)",
+    "cispo": "CISPO",
+    "ppo": "PPO clip",
+    "gspo": "GSPO",
+    "dppo_tv": "DPPO (TV)",
+    "gppo_no_nll": "GPPO, alpha = 0",
+}
+# per-step metrics kept from every run (the RL loop's names)
+KEPT = (
+    "rollout/accuracy",
+    "rollout/response_length_mean",
+    "actor/entropy",
+    "actor/clip_frac_low",
+    "actor/clip_frac_high",
+    "actor/clip_frac_dual",
+    "actor/outside_frac",
+    "actor/log_ratio_abs_mean",
+    "actor/log_ratio_abs_max",
+    "actor/is_ess_frac",
+    "actor/neg_log_ratio_mean",
+    "actor/behav_outside_frac",
+    "actor/logprob_mismatch_mean",
+    "actor/grad_norm",
+)
 
 
-# -- one run (a worker process) ---------------------------------------------------------------------
-def run_one(args) -> dict:
-    """One RL run with periodic held-out evaluation; writes <out>/runs/<variant>-s<seed>.json."""
+# -- one run (in a worker process) -------------------------------------------------------------------
+def run_one(spec: dict, files: dict, out: str) -> dict:
+    """One RL run with held-out evaluations; writes ``<out>/runs/<name>.json`` (atomically)."""
     import torch
 
     torch.set_num_threads(1)
@@ -57,26 +117,24 @@ def run_one(args) -> dict:
     from megatron_klear.evaluation import evaluate
     from megatron_klear.rl.loop import RLLoop
     from megatron_klear.rollout.base import SamplingParams
+    from megatron_klear.utils import atomic
 
-    s = Settings(**json.loads(args.settings))
-    name = f"{args.variant}-s{args.seed}"
-    save_dir = os.path.join(args.out, "rl", name)
-    demo = Demo(s, args.out)
-    overrides = [o for o in demo.rl_overrides(args.sft, save_dir) if not o.startswith(("parallel.tp=", "rl.prompts="))]
-    overrides += [
-        f"rl.prompts=[{args.prompts}]",
-        "parallel.tp=1",
-        f"train.seed={args.seed}",
-        "train.overwrite=true",
-        "train.resume=false",
-        "train.save_interval=0",
-        *VARIANTS[args.variant],
+    s = Settings(**spec["settings"])
+    demo = Demo(s, os.path.join(out, "sft"))
+    save_dir = os.path.join(out, "rl", spec["name"].replace("/", "-"))
+    overrides = [
+        o for o in demo.rl_overrides(files["sft"], save_dir) if not o.startswith(("parallel.tp=", "rl.prompts="))
     ]
-    if not s.quick:
-        overrides += [f"rl.mini_batch_prompts={MINI_BATCH_PROMPTS}", f"optim.lr={LR}", f"optim.min_lr={LR}"]
+    overrides += [f"rl.prompts=[{files['prompts']}]", "parallel.tp=1", f"train.seed={spec['seed']}"]
+    overrides += ["train.overwrite=true", "train.resume=false", "train.save_interval=0", *spec["overrides"]]
+    overrides += [f"optim.min_lr={o.split('=', 1)[1]}" for o in spec["overrides"] if o.startswith("optim.lr=")]
     loop = RLLoop(load_config(None, overrides))
-    bench = {"heldout": PromptDataset([args.heldout], loop.tokenizer, max_prompt_length=64).prompts}
-    params = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens, seed=1000 + args.seed)
+    bench = {
+        "heldout": PromptDataset([files["heldout"]], loop.tokenizer, max_prompt_length=s.max_prompt_length).prompts
+    }
+    if s.eval_prompts:
+        bench["heldout"] = bench["heldout"][: s.eval_prompts]
+    params = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens, seed=1000 + spec["seed"])
 
     def heldout() -> float:
         summary, _ = evaluate(
@@ -90,272 +148,349 @@ def run_one(args) -> dict:
         )
         return summary["heldout"][f"avg@{s.eval_k}"]
 
-    curve, metrics = [(0, heldout())], []
     t0 = time.time()
+    curve, metrics = [(0, heldout())], []
     while loop.rl_step < loop.steps:
         m = loop.step()
-        loop.job_run.logger.log(loop.rl_step, m, console_keys=("rollout/accuracy", "actor/entropy"))
-        metrics.append({"step": loop.rl_step, **{k: v for k, v in m.items() if isinstance(v, (int, float))}})
-        if loop.rl_step % args.eval_every == 0 or loop.rl_step == loop.steps:
+        loop.job_run.logger.log(loop.rl_step, m, console_keys=("rollout/accuracy", "actor/outside_frac"))
+        metrics.append({"step": loop.rl_step, **{k: m[k] for k in KEPT if isinstance(m.get(k), (int, float))}})
+        if loop.rl_step % spec["eval_every"] == 0 or loop.rl_step == loop.steps:
             curve.append((loop.rl_step, heldout()))
-            print(f"[{name}] step {loop.rl_step}: held-out avg@{s.eval_k} {curve[-1][1]:.1f}%", flush=True)
+            print(f"[{spec['name']}] step {loop.rl_step}: held-out avg@{s.eval_k} {curve[-1][1]:.1f}%", flush=True)
     loop.close()
-    result = {
-        "variant": args.variant,
-        "seed": args.seed,
-        "heldout_curve": curve,
-        "metrics": metrics,
-        "seconds": time.time() - t0,
-    }
-    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    path = os.path.join(args.out, "runs", f"{name}.json")
-    with open(path + ".tmp", "w") as f:
+    result = {**spec, "heldout_curve": curve, "metrics": metrics, "seconds": time.time() - t0}
+    with atomic.atomic_file(_run_path(out, spec["name"])) as f:
         json.dump(result, f)
-    os.replace(path + ".tmp", path)
     return result
+
+
+def _run_path(out: str, name: str) -> str:
+    return os.path.join(out, "runs", name.replace("/", "-") + ".json")
 
 
 # -- the driver ---------------------------------------------------------------------------------------
 def build_sft(out: str, settings) -> dict:
-    """The demo's SFT model (no parity check), and its data files."""
+    """The demo's SFT model (no parity check) and its data files, built once per task."""
     from examples.demo import Demo
 
     demo = Demo(settings, out)
-    demo.build_sft_model()
-    return {
+    files = {
         "sft": f"{demo.out}/hf-sft",
         "heldout": f"{demo.out}/heldout.jsonl",
         "prompts": f"{demo.out}/rl-prompts.jsonl",
     }
+    if not all(os.path.exists(p) for p in files.values()):
+        demo.build_sft_model()
+    return files
 
 
-def run_all(args, settings, files) -> list:
-    """Every (variant, seed) as a worker process, ``--parallel`` at a time."""
-    jobs = [(v, seed) for seed in range(1, args.seeds + 1) for v in args.variants]
-    running, results, logs = [], [], os.path.join(args.out, "logs")
+def run_all(specs: list, files_of, out: str, parallel: int) -> list:
+    """Every spec not already written, ``parallel`` worker processes at a time (a spec list per
+    worker in ``--quick``); returns every spec's result."""
+    from megatron_klear.utils.progress import format_seconds
+
+    todo = [s for s in specs if not os.path.exists(_run_path(out, s["name"]))]
+    if len(todo) < len(specs):
+        print(f"  resuming: {len(specs) - len(todo)} of {len(specs)} runs already done", flush=True)
+    groups = [[s] for s in todo] if parallel else [todo] if todo else []
+    logs = os.path.join(out, "logs")
     os.makedirs(logs, exist_ok=True)
-    t0 = time.time()
+    running, done, t0 = [], 0, time.time()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    while jobs or running:
-        while jobs and len(running) < args.parallel:
-            v, seed = jobs.pop(0)
-            cmd = [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--worker",
-                "--variant",
-                v,
-                "--seed",
-                str(seed),
-                "--out",
-                args.out,
-                "--sft",
-                files["sft"],
-                "--heldout",
-                files["heldout"],
-                "--prompts",
-                files["prompts"],
-                "--eval-every",
-                str(args.eval_every),
-                "--settings",
-                json.dumps(settings.__dict__),
-            ]
-            log = open(os.path.join(logs, f"{v}-s{seed}.log"), "w")
-            running.append(
-                ((v, seed), subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-            )
-        time.sleep(1.0)
+    while groups or running:
+        while groups and len(running) < max(parallel, 1):
+            group = groups.pop(0)
+            job = {"specs": group, "files": {s["name"]: files_of(s) for s in group}, "out": out}
+            log = open(os.path.join(logs, group[0]["name"].replace("/", "-") + ".log"), "w")
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)]
+            running.append((group, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(0.5)
         for item in list(running):
-            (v, seed), proc, log = item
+            group, proc, log = item
             if proc.poll() is None:
                 continue
             running.remove(item)
             log.close()
             if proc.returncode != 0:
-                raise RuntimeError(f"run {v} seed {seed} failed (exit {proc.returncode}); see {log.name}")
-            with open(os.path.join(args.out, "runs", f"{v}-s{seed}.json")) as f:
-                results.append(json.load(f))
-            done, total = len(results), len(results) + len(running) + len(jobs)
-            from megatron_klear.utils.progress import format_seconds
-
-            eta = (total - done) * (time.time() - t0) / done  # runs finish at this rate, side by side
+                raise RuntimeError(f"run {group[0]['name']} failed (exit {proc.returncode}); see {log.name}")
+            done += len(group)
+            left = len(todo) - done
+            eta = left * (time.time() - t0) / done
+            curve = json.load(open(_run_path(out, group[-1]["name"])))["heldout_curve"]
             print(
-                f"  {v} seed {seed}: held-out avg@8 {results[-1]['heldout_curve'][0][1]:.1f}% -> "
-                f"{results[-1]['heldout_curve'][-1][1]:.1f}%  [{done}/{total} runs, ETA {format_seconds(eta)}]",
+                f"  {group[-1]['name']}: held-out {curve[0][1]:.1f}% -> {curve[-1][1]:.1f}%  "
+                f"[{done}/{len(todo)} runs, ETA {format_seconds(eta)}]",
                 flush=True,
             )
-    return results
+    return [json.load(open(_run_path(out, s["name"]))) for s in specs]
 
 
-def aggregate(results: list) -> dict:
-    """variant -> {steps, mean, min, max, std per eval step; final mean/std; metric curves}."""
+# -- what the runs show -----------------------------------------------------------------------------
+def _series(run: dict, key: str) -> list:
+    return [(m["step"], m[key]) for m in run["metrics"] if key in m]
+
+
+def _mean_of(run: dict, key: str, skip_first: bool = False) -> float | None:
+    values = [v for s, v in _series(run, key) if not (skip_first and s == 1)]
+    return statistics.fmean(values) if values else None
+
+
+def sweep_table(runs: list) -> str:
+    """The regime table: per lever, the means over its RL steps."""
+    lines = [
+        "| regime | mini-batches | lr | engine | response tokens | outside clip range | clipped low / high "
+        "| mean / max abs log r | IS ESS | engine-trainer outside | rollout acc. first -> last "
+        "| held-out start -> end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        o = " ".join(r["overrides"])
+        mb = 32 // int(o.split("rl.mini_batch_prompts=")[1].split()[0])
+        lr = o.split("optim.lr=")[1].split()[0]
+        engine = "bf16" if "rollout.dtype=bf16" in o else "fp32"
+        acc = [v for _, v in _series(r, "rollout/accuracy")]
+        get = lambda k: _mean_of(r, k) or 0.0  # noqa: E731
+        behav = _mean_of(r, "actor/behav_outside_frac")
+        lines.append(
+            f"| {r['regime']} | {mb} | {lr} | {engine} | {get('rollout/response_length_mean'):.0f} | "
+            f"{100 * get('actor/outside_frac'):.2f}% | {100 * get('actor/clip_frac_low'):.2f}% / "
+            f"{100 * get('actor/clip_frac_high'):.2f}% | {get('actor/log_ratio_abs_mean'):.4f} / "
+            f"{max(v for _, v in _series(r, 'actor/log_ratio_abs_max')):.2f} | {get('actor/is_ess_frac'):.3f} | "
+            f"{'-' if behav is None else f'{100 * behav:.2f}%'} | {100 * acc[0]:.1f} -> {100 * acc[-1]:.1f} | "
+            f"{r['heldout_curve'][0][1]:.1f} -> {r['heldout_curve'][-1][1]:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def compare_summary(runs: list, baseline: str = "gppo") -> dict:
+    """variant -> seeds, finals and areas (by seed), their means and 95% intervals, the pairing
+    with ``baseline``, and the per-step mechanism curves (means over seeds)."""
+    from megatron_klear.utils.stats import area_under_curve, bootstrap_interval, paired_comparison
+
     out = {}
-    for v in dict.fromkeys(r["variant"] for r in results):
-        runs = [r for r in results if r["variant"] == v]
-        steps = [s for s, _ in runs[0]["heldout_curve"]]
-        per_step = [[dict(r["heldout_curve"])[s] for r in runs if s in dict(r["heldout_curve"])] for s in steps]
+    for v in dict.fromkeys(r["variant"] for r in runs):
+        mine = sorted((r for r in runs if r["variant"] == v), key=lambda r: r["seed"])
+        final = {r["seed"]: r["heldout_curve"][-1][1] for r in mine}
+        area = {r["seed"]: area_under_curve(r["heldout_curve"]) for r in mine}
         curves = {}
-        for key in (
-            "actor/entropy",
-            "actor/clip_frac_low",
-            "actor/clip_frac_high",
-            "actor/clip_frac_dual",
-            "rollout/accuracy",
-            "rollout/response_length_mean",
-        ):
+        for key in KEPT:
             by_step = {}
-            for r in runs:
-                for m in r["metrics"]:
-                    if isinstance(m.get(key), (int, float)):
-                        by_step.setdefault(m["step"], []).append(m[key])
+            for r in mine:
+                for s, x in _series(r, key):
+                    by_step.setdefault(s, []).append(x)
             if by_step:
-                curves[key] = {s: statistics.fmean(vals) for s, vals in sorted(by_step.items())}
-        finals = [r["heldout_curve"][-1][1] for r in runs]
-        best = [max(x for _, x in r["heldout_curve"]) for r in runs]
+                curves[key] = sorted((s, statistics.fmean(x)) for s, x in by_step.items())
+        steps = [s for s, _ in mine[0]["heldout_curve"]]
+        held = [[dict(r["heldout_curve"]).get(s) for r in mine] for s in steps]
         out[v] = {
-            "seeds": len(runs),
-            "steps": steps,
-            "mean": [statistics.fmean(x) for x in per_step],
-            "min": [min(x) for x in per_step],
-            "max": [max(x) for x in per_step],
-            "start": statistics.fmean(r["heldout_curve"][0][1] for r in runs),
-            "final_mean": statistics.fmean(finals),
-            "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-            "best_mean": statistics.fmean(best),
-            "finals": finals,
+            "seeds": [r["seed"] for r in mine],
+            "final": final,
+            "area": area,
+            "final_mean": statistics.fmean(final.values()),
+            "final_ci": bootstrap_interval(list(final.values())),
+            "area_mean": statistics.fmean(area.values()),
+            "area_ci": bootstrap_interval(list(area.values())),
+            "collapsed": sum(x < 0.5 * r["heldout_curve"][0][1] for r, x in zip(mine, final.values())),
+            "heldout": {
+                "steps": steps,
+                "mean": [statistics.fmean(h) for h in held],
+                "min": [min(h) for h in held],
+                "max": [max(h) for h in held],
+            },
             "curves": curves,
-            "minutes": statistics.fmean(r["seconds"] for r in runs) / 60,
+            "minutes": statistics.fmean(r["seconds"] for r in mine) / 60,
         }
+    base = out.get(baseline)
+    for v, a in out.items():
+        if base is None or v == baseline:
+            continue
+        common = sorted(set(a["final"]) & set(base["final"]))
+        if len(common) >= 2:
+            a["vs_baseline"] = {
+                key: paired_comparison([a[key][s] for s in common], [base[key][s] for s in common]).__dict__
+                for key in ("final", "area")
+            }
     return out
 
 
-def write_outputs(out: str, agg: dict, meta: dict) -> str:
+def compare_table(summary: dict, baseline: str = "gppo") -> str:
+    lines = [
+        "| variant | seeds | held-out at the end, mean [95% CI] | area under the curve [95% CI] | "
+        f"end - {LABELS[baseline]} (paired) [95% CI], p | area - {LABELS[baseline]} [95% CI], p | "
+        "clipped low / high | entropy at the end | collapsed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v, a in summary.items():
+        pair = a.get("vs_baseline")
+        fmt = lambda p: f"{p['mean']:+.1f} [{p['low']:+.1f}, {p['high']:+.1f}], {p['p_value']:.2f}"  # noqa: E731
+        clip = lambda k: statistics.fmean(x for _, x in a["curves"].get(k, [(0, 0.0)]))  # noqa: E731
+        ent = a["curves"].get("actor/entropy", [(0, float("nan"))])[-1][1]
+        lines.append(
+            f"| {LABELS.get(v, v)} | {len(a['seeds'])} | {a['final_mean']:.1f} [{a['final_ci'][0]:.1f}, "
+            f"{a['final_ci'][1]:.1f}] | {a['area_mean']:.1f} [{a['area_ci'][0]:.1f}, {a['area_ci'][1]:.1f}] | "
+            f"{fmt(pair['final']) if pair else '-'} | {fmt(pair['area']) if pair else '-'} | "
+            f"{100 * clip('actor/clip_frac_low'):.2f}% / {100 * clip('actor/clip_frac_high'):.2f}% | {ent:.3f} | "
+            f"{a['collapsed']}/{len(a['seeds'])} |"
+        )
+    return "\n".join(lines)
+
+
+def compare_plots(summary: dict, plots: str) -> list:
     from megatron_klear.utils.plots import band_chart, line_chart
 
-    plots = os.path.join(out, "plots")
-    label = lambda v: f"{LABELS.get(v, v)} ({agg[v]['seeds']} seeds)"  # noqa: E731
-    groups = {
-        "algos": [v for v in ("gppo", "clip_higher", "cispo") if v in agg],
-        "nll": [v for v in ("gppo", "gppo_no_nll") if v in agg],
-    }
-    written = []
-    for g, variants in groups.items():
-        if not variants:
-            continue
+    label = lambda v: LABELS.get(v, v)  # noqa: E731
+    written = [
         band_chart(
-            os.path.join(plots, f"heldout_{g}.png"),
-            {label(v): (agg[v]["steps"], agg[v]["mean"], agg[v]["min"], agg[v]["max"]) for v in variants},
-            title="Held-out avg@8 (T=1.0) over RL steps: mean, min-max band over seeds",
+            os.path.join(plots, "heldout.png"),
+            {
+                label(v): (a["heldout"]["steps"], a["heldout"]["mean"], a["heldout"]["min"], a["heldout"]["max"])
+                for v, a in summary.items()
+            },
+            title="Held-out avg@8 (T=1.0): mean, min-max band over seeds",
             xlabel="RL step",
             ylabel="avg@8 (%)",
         )
-        written.append(f"plots/heldout_{g}.png")
-    everything = list(agg)
+    ]
     for key, title in (
-        ("actor/entropy", "Policy entropy (nats/token), mean over seeds"),
-        ("actor/clip_frac_high", "Fraction of tokens clipped above (r > 1 + eps_high, A > 0)"),
-        ("actor/clip_frac_low", "Fraction of tokens clipped below (r < 1 - eps_low, A < 0)"),
-        ("rollout/accuracy", "Rollout accuracy on training problems (T=1.0), mean over seeds"),
+        ("actor/entropy", "Policy entropy (nats/token)"),
+        ("actor/clip_frac_low", "Clipped below (r < 1 - eps_low, A < 0): GPPO keeps a bounded gradient"),
+        ("actor/clip_frac_high", "Clipped above (r > 1 + eps_high, A > 0): GPPO keeps a bounded gradient"),
+        ("actor/outside_frac", "Tokens with r outside the rule's range"),
+        ("actor/neg_log_ratio_mean", "Mean log r of negative-advantage tokens (falls as they are pushed down)"),
+        ("rollout/accuracy", "Rollout accuracy on training problems (T=1.0)"),
     ):
-        series = {label(v): sorted(agg[v]["curves"][key].items()) for v in everything if key in agg[v]["curves"]}
+        series = {label(v): a["curves"][key] for v, a in summary.items() if key in a["curves"]}
         if series:
             name = key.split("/")[-1]
-            line_chart(os.path.join(plots, f"{name}.png"), series, title=title, xlabel="RL step", markers=False)
-            written.append(f"plots/{name}.png")
-    lines = [
-        f"**Toy-scale RL comparisons** ({meta['date']}, {meta['machine']}; `benchmarks/algos.py"
-        f"{' --quick' if meta['quick'] else ''}`, {meta['minutes']:.0f} min). From one SFT model of the demo's "
-        f"digit-chain task (tiny Qwen3, {meta['heldout']} held-out problems), {meta['steps']} RL steps of "
-        f"{meta['prompts_per_step']} prompts x 8 responses in mini-batches of {meta['mini_batch_prompts']} prompts "
-        f"(off-policy updates, where the clipping differs), lr {meta['lr']:g}; held-out avg@8 at T=1.0 "
-        f"(SFT model: {meta['start']:.1f}%).",
-        "",
-        "| variant | seeds | held-out avg@8 at the end (mean ± std) | best along the run (mean) | final runs |",
-        "|---|---|---|---|---|",
-    ]
-    for v, a in agg.items():
-        lines.append(
-            f"| {LABELS.get(v, v)} | {a['seeds']} | {a['final_mean']:.1f} ± {a['final_std']:.1f} | "
-            f"{a['best_mean']:.1f} | {', '.join(f'{x:.1f}' for x in a['finals'])} |"
-        )
-    lines += ["", "Plots: " + ", ".join(f"`{os.path.relpath(os.path.join(out, w), ROOT)}`" for w in written), ""]
-    text = "\n".join(lines)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(out, "aggregate.json"), "w") as f:
-        json.dump({"meta": meta, "variants": agg}, f, indent=2)
-    return text
+            written.append(
+                line_chart(os.path.join(plots, f"{name}.png"), series, title=title, xlabel="RL step", markers=False)
+            )
+    return written
+
+
+# -- commands ---------------------------------------------------------------------------------------
+def _settings(values: dict):
+    from examples.demo import Settings
+
+    return Settings(**values)
+
+
+def _meta(t0: float) -> str:
+    return (
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+        f"{(time.time() - t0) / 60:.0f} min"
+    )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", nargs="?", choices=("sweep", "compare"), default="compare")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-algos"))
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 seed, gppo and cispo")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="every variant one step on the quick demo's sizes")
+    p.add_argument("--regime", default="mb4", help=f"compare: one of {', '.join(REGIMES)}")
+    p.add_argument("--regimes", default=",".join(REGIMES), help="sweep: comma-separated")
+    p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the demo's)")
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--steps", type=int, default=None, help="RL steps per run (sweep: 6, compare: 20)")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-prompts", type=int, default=64, help="held-out problems per evaluation")
     p.add_argument("--parallel", type=int, default=2, help="runs side by side (one CPU thread each)")
-    p.add_argument("--sft", default=None, help="HF SFT model (default: build the demo's)")
+    p.add_argument("--sft", default=None, help="HF SFT model of the default task (default: build the demo's)")
     p.add_argument("--heldout", default=None)
     p.add_argument("--prompts", default=None)
-    p.add_argument("--results-md", default=None, help="append the table to this markdown file")
-    # worker mode
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--settings", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--results-md", default=None, help="append the tables to this markdown file")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.out = os.path.abspath(args.out)
     if args.worker:
-        run_one(args)
+        job = json.loads(args.worker)
+        for spec in job["specs"]:
+            run_one(spec, job["files"][spec["name"]], job["out"])
         return 0
-    from examples.demo import QUICK, Settings
+    from examples.demo import QUICK
 
-    values = dict(QUICK) if args.quick else {}
-    if args.steps:
-        values["rl_steps"] = args.steps
-    settings = Settings(**values)
-    args.variants = [v for v in args.variants.split(",") if v]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    if args.quick:
-        args.seeds, args.variants, args.eval_every = 1, ["gppo", "cispo"], 1
-    t0 = time.time()
+    args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
-    if args.sft:
-        files = {
-            "sft": os.path.abspath(args.sft),
-            "heldout": os.path.abspath(args.heldout),
-            "prompts": os.path.abspath(args.prompts),
-        }
-    else:
-        print("building the SFT model (the demo's settings) ...", flush=True)
-        files = build_sft(os.path.join(args.out, "sft"), settings)
-    print(
-        f"RL: {len(args.variants)} variants x {args.seeds} seeds, {settings.rl_steps} steps each, "
-        f"{args.parallel} at a time",
-        flush=True,
-    )
-    results = run_all(args, settings, files)
-    agg = aggregate(results)
-    import platform
+    t0 = time.time()
+    base = dict(QUICK) if args.quick else {}
+    base.update(eval_prompts=args.eval_prompts if not args.quick else 6)
+    sft_cache: dict = {}
 
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-        f"load average {os.getloadavg()[0]:.1f} at the end",
-        "quick": args.quick,
-        "minutes": (time.time() - t0) / 60,
-        "steps": settings.rl_steps,
-        "prompts_per_step": settings.rl_prompts_per_step,
-        "lr": settings.rl_lr if args.quick else LR,
-        "mini_batch_prompts": settings.rl_mini_batch_prompts if args.quick else MINI_BATCH_PROMPTS,
-        "heldout": sum(1 for _ in open(files["heldout"])),
-        "start": statistics.fmean(a["start"] for a in agg.values()),
-    }
-    text = write_outputs(args.out, agg, meta)
+    def files_of(spec) -> dict:
+        task = {k: v for k, v in spec["settings"].items() if k in LONG_TASK}
+        key = json.dumps(task, sort_keys=True)
+        if key not in sft_cache:
+            if not task and args.sft:
+                sft_cache[key] = {
+                    "sft": os.path.abspath(args.sft),
+                    "heldout": os.path.abspath(args.heldout),
+                    "prompts": os.path.abspath(args.prompts),
+                }
+            else:
+                where = os.path.join(args.out, "sft-long" if task else "sft")
+                print(f"building the SFT model in {where} ...", flush=True)
+                sft_cache[key] = build_sft(where, _settings({**base, **task, "eval_prompts": 128}))
+        return sft_cache[key]
+
+    def spec(name, regime, variant, seed, steps, eval_every):
+        settings, overrides = REGIMES[regime]
+        return {
+            "name": name,
+            "regime": regime,
+            "variant": variant,
+            "seed": seed,
+            "settings": {**base, **settings, "rl_steps": steps},
+            "eval_every": eval_every,
+            "overrides": overrides + VARIANTS[variant],
+        }
+
+    if args.command == "sweep":
+        regimes = [r for r in args.regimes.split(",") if r]
+        unknown = set(regimes) - set(REGIMES)
+        if unknown:
+            p.error(f"unknown regimes {sorted(unknown)}; choose from {', '.join(REGIMES)}")
+        steps = args.steps or (1 if args.quick else 6)
+        specs = [spec(f"sweep/{r}", r, "gppo", 1, steps, steps) for r in regimes]
+        for s in specs:
+            files_of(s)  # the SFT models first, one at a time
+        runs = run_all(specs, files_of, args.out, 0 if args.quick else args.parallel)
+        text = (
+            f"**Where clipping bites** ({_meta(t0)}; `benchmarks/algos.py sweep`): GPPO, {steps} RL steps "
+            "of 32 prompts x 8 responses per regime, seed 1; means over the steps.\n\n" + sweep_table(runs)
+        )
+        name = "sweep"
+    else:
+        variants = [v for v in args.variants.split(",") if v]
+        unknown = set(variants) - set(VARIANTS)
+        if unknown:
+            p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+        if args.regime not in REGIMES:
+            p.error(f"unknown regime {args.regime!r}; choose from {', '.join(REGIMES)}")
+        seeds = 1 if args.quick else args.seeds
+        steps = args.steps or (1 if args.quick else 20)
+        eval_every = 1 if args.quick else args.eval_every
+        specs = [
+            spec(f"{args.regime}/{v}/s{seed}", args.regime, v, seed, steps, eval_every)
+            for seed in range(1, seeds + 1)
+            for v in variants
+        ]
+        files_of(specs[0])
+        runs = run_all(specs, files_of, args.out, 0 if args.quick else args.parallel)
+        summary = compare_summary(runs)
+        plots = compare_plots(summary, os.path.join(args.out, "plots", args.regime))
+        with open(os.path.join(args.out, f"compare-{args.regime}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        text = (
+            f"**GPPO and its rivals, regime {args.regime}** ({_meta(t0)}; `benchmarks/algos.py compare "
+            f"--regime {args.regime} --seeds {seeds}`): {steps} RL steps, held-out avg@8 at T=1.0 on "
+            f"{base['eval_prompts']} problems every {eval_every} steps; intervals: percentile bootstrap over "
+            "seeds; paired: the same seeds, sign-flip p-value.\n\n"
+            + compare_table(summary)
+            + "\n\nPlots: "
+            + ", ".join(f"`{os.path.relpath(x, ROOT)}`" for x in plots)
+        )
+        name = f"compare-{args.regime}"
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
     print("\n" + text)
     if args.results_md:
         with open(args.results_md, "a") as f:

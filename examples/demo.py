@@ -55,6 +55,11 @@ class Settings:
     )
     # the task (data/synthetic.py): three digits 0-9 added, 874 training / 126 held-out problems
     task_ops: str = "+"
+    # a longer variant (benchmarks/algos.py --task long): task_terms up to task_max_terms digits in
+    # 0..task_max_digit, drawn uniformly (data/synthetic.py's LongTailTask with tail 0); 0: the 3 terms
+    task_terms: int = 3
+    task_max_terms: int = 0
+    task_max_digit: int = 9
     slip_rate: float = 0.6  # the fraction of the SFT teacher's responses with one slip
     # SFT at TP=2: ~50 chats per step (2 packed rows of 1024 tokens), lr 3e-3 cosine to 3e-4
     sft_examples: int = 20000
@@ -73,6 +78,7 @@ class Settings:
     rl_nll_coef: float = 0.1
     rl_algo: str = "gppo"
     max_new_tokens: int = 40
+    max_prompt_length: int = 64  # tokens, chat template included (the 3-term questions need ~30)
     # held-out evaluation: every held-out problem, k samples at the RL temperature, and greedy
     eval_prompts: int | None = None  # None: all of them
     eval_k: int = 8
@@ -107,9 +113,14 @@ class Demo:
         self.commands: list = []
         self.t0 = time.time()
         self.env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        from megatron_klear.data.synthetic import ChainTask
+        from megatron_klear.data.synthetic import ChainTask, LongTailTask
 
-        self.task = ChainTask(ops=s.task_ops)
+        if s.task_max_terms:
+            self.task = LongTailTask(
+                s.task_terms, s.task_max_terms, tail=0.0, max_digit=s.task_max_digit, ops=s.task_ops
+            )
+        else:
+            self.task = ChainTask(terms=s.task_terms, max_digit=s.task_max_digit, ops=s.task_ops)
 
     # -- console -------------------------------------------------------------------------------
     def stage(self, key: str, title: str):
@@ -326,7 +337,7 @@ class Demo:
 
     def sft_data(self) -> None:
         """SFT chats of training problems, checked disjoint from the held-out problems."""
-        from megatron_klear.data.synthetic import problems, write_rl_prompts_jsonl, write_sft_jsonl
+        from megatron_klear.data.synthetic import is_heldout_question, write_rl_prompts_jsonl, write_sft_jsonl
 
         s, out = self.s, self.out
         write_sft_jsonl(f"{out}/sft.jsonl", s.sft_examples, seed=s.seed, task=self.task, slip_rate=s.slip_rate)
@@ -335,13 +346,13 @@ class Demo:
         )
         n_held = None if s.eval_prompts is None else s.eval_prompts
         write_rl_prompts_jsonl(f"{out}/heldout.jsonl", n_held, seed=s.seed, split="heldout", task=self.task)
-        held = {p.question for p in problems("heldout", self.task)}
         seen = {json.loads(x)["messages"][0]["content"] for x in open(f"{out}/sft.jsonl")}
         seen |= {json.loads(x)["prompt"] for x in open(f"{out}/rl-prompts.jsonl")}
         evaluated = {json.loads(x)["prompt"] for x in open(f"{out}/heldout.jsonl")}
+        side = lambda q: is_heldout_question(q, self.task)  # noqa: E731 - the split's own hash
         self.check(
             "held-out problems in no SFT chat and no RL prompt",
-            not (seen & held) and evaluated <= held,
+            not any(map(side, seen)) and all(map(side, evaluated)),
             f"{len(seen)} training questions, {len(evaluated)} held-out, {len(seen & evaluated)} shared",
             "0 shared",
         )
@@ -374,7 +385,7 @@ class Demo:
             # all 256 responses (~12K tokens) in one micro-batch: fewer, larger passes (0.81 -> 0.69 s
             # of training per step at TP=1, benchmarks/vs_trl.py); the loss is the same either way
             "rl.max_tokens_per_micro_batch=16384",
-            "rl.max_prompt_length=64",
+            f"rl.max_prompt_length={s.max_prompt_length}",
             f"rl.temperature={s.temperature}",
             f"rollout.max_new_tokens={s.max_new_tokens}",
             f"optim.lr={s.rl_lr}",
@@ -400,7 +411,9 @@ class Demo:
 
         s = self.s
         tok = load_tokenizer(model_dir)
-        bench = {"heldout": PromptDataset([f"{self.out}/heldout.jsonl"], tok, max_prompt_length=64).prompts}
+        bench = {
+            "heldout": PromptDataset([f"{self.out}/heldout.jsonl"], tok, max_prompt_length=s.max_prompt_length).prompts
+        }
         engine = EmbeddedEngine.from_pretrained(model_dir, dtype="float32")
         self.commands.append(
             f"megatron_klear.evaluation.evaluate({os.path.relpath(model_dir, ROOT)}, heldout, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -149,6 +150,18 @@ class JobConfig:
                 "rl.agg=seq_mean_token_mean is not supported with parallel.cp > 1 "
                 "(use token_mean or seq_mean_token_sum_norm)"
             )
+        rl = self.rl
+        per_sequence = {
+            "rl.algo=gspo": rl.algo == "gspo",
+            "rl.is_level=sequence": rl.tis_cap is not None and rl.is_level == "sequence",
+            f"rl.is_reject={rl.is_reject}": rl.is_reject in ("sequence", "geometric"),
+        }
+        for setting, on in per_sequence.items():
+            if p.cp > 1 and on:  # a sequence ratio needs every token of the sequence on one rank
+                raise ConfigError(
+                    f"{setting} takes a ratio over whole sequences and is not supported with parallel.cp > 1 "
+                    "(use parallel.cp=1, with more tensor parallelism for long responses)"
+                )
         if p.vpp and p.vpp > 1 and self.data.micro_batches_per_step % p.pp:
             raise ConfigError(
                 f"data.micro_batches_per_step={self.data.micro_batches_per_step} must be a multiple of "
@@ -308,31 +321,49 @@ def _walk_yaml(node, prefix: str, path: str, out: list) -> None:
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None, cls=JobConfig):
-    """Build and validate a config: defaults, then the YAML file, then ``key=value`` overrides."""
+    """Build and validate a config: defaults, then the YAML file, then ``key=value`` overrides.
+
+    A file may start from another one: a top-level ``base: <path>`` (relative to the file) is read
+    first, then the file's own keys on top (a variant config holds only what it changes)."""
     cfg = cls()
-    if path:
-        try:
-            with open(path, encoding="utf-8") as f:
-                root = yaml.compose(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else path
-            raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-        if root is not None:
-            if not isinstance(root, yaml.MappingNode):
-                raise ConfigError(f"{path}: the top level must be a mapping of sections")
-            items: list = []
-            _walk_yaml(root, "", path, items)
-            for key, value, where in items:
-                _set(cfg, key, value, where)
+    for key, value, where in _yaml_items(path, ()) if path else ():
+        _set(cfg, key, value, where)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"command line: override '{item}' is not of the form key.sub=value")
         key, raw = item.split("=", 1)
         _set(cfg, key.strip(), yaml.safe_load(raw) if raw != "" else "", "command line")
     return cfg.validate()
+
+
+def _yaml_items(path: str, seen: tuple) -> list:
+    """``(key, value, where)`` of a YAML config file, its ``base`` chain first."""
+    if os.path.abspath(path) in seen:
+        raise ConfigError(f"{path}: 'base' makes a cycle: {' -> '.join(seen + (os.path.abspath(path),))}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            root = yaml.compose(f)
+    except FileNotFoundError:
+        where = f" (the base of {seen[-1]})" if seen else ""
+        raise ConfigError(f"config file not found: {path}{where}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if root is None:
+        return []
+    if not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    items: list = []
+    for k, v in list(root.value):
+        if k.value == "base":
+            if not isinstance(v, yaml.ScalarNode) or not v.value:
+                raise ConfigError(f"{path}:{k.start_mark.line + 1}: base must be a path to a config file")
+            base = os.path.join(os.path.dirname(os.path.abspath(path)), v.value)
+            items += _yaml_items(base, seen + (os.path.abspath(path),))
+            root.value.remove((k, v))
+    _walk_yaml(root, "", path, items)
+    return items
 
 
 def dump_config(cfg) -> str:

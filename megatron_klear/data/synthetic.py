@@ -107,8 +107,8 @@ class LongTailTask:
     def __post_init__(self):
         if not 2 <= self.min_terms <= self.max_terms:
             raise ValueError(f"LongTailTask: need 2 <= min_terms <= max_terms (got {self})")
-        if not self.tail > 0:
-            raise ValueError(f"LongTailTask.tail must be > 0, got {self.tail}")
+        if not self.tail >= 0:
+            raise ValueError(f"LongTailTask.tail must be >= 0 (0: every length equally likely), got {self.tail}")
         if not 1 <= self.max_digit <= 9 or not self.ops or set(self.ops) - set("+-"):
             raise ValueError(f"LongTailTask: need 1 <= max_digit <= 9, ops from '+-' (got {self})")
         if self.heldout_every < 2:
@@ -185,7 +185,12 @@ class Problem:
 
 def is_heldout(problem: Problem, task: ChainTask = DEFAULT_TASK) -> bool:
     """Whether ``problem`` belongs to the held-out side: a stable hash of its question text."""
-    digest = hashlib.sha256(problem.question.encode()).digest()
+    return is_heldout_question(problem.question, task)
+
+
+def is_heldout_question(question: str, task: ChainTask = DEFAULT_TASK) -> bool:
+    """:func:`is_heldout` from the question text alone (as the data files hold it)."""
+    digest = hashlib.sha256(question.encode()).digest()
     return int.from_bytes(digest[:8], "big") % task.heldout_every == 0
 
 

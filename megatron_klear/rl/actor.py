@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_klear.rl.batch import RL_PER_TOKEN_KEYS, plan_mini_batch, split_mini_batches
-from megatron_klear.rl.losses import LossCounts, policy_loss
+from megatron_klear.rl.importance import rollout_correction
+from megatron_klear.rl.losses import LossCounts, policy_loss, resolve_clip_range
 from megatron_klear.rl.staleness import counted_tokens, stale_flags
 from megatron_klear.training.batches import row_multiple
 from megatron_klear.training.step import last_moe_aux_loss, reduce_metrics, run_micro_batches
@@ -40,9 +41,18 @@ SUM_KEYS = (
     "entropy",
     "mismatch_abs",
     "mismatch_tokens",
+    "behav_outside",
+    "is_rejected",
     "tis_weight",
     "tis_tokens",
+    "outside_frac",
+    "log_ratio_abs_mean",
+    "ratio_sq_mean",
+    "neg_log_ratio_sum",
+    "neg_tokens",
 )
+TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "approx_kl", "outside_frac")
+TOKEN_MEANS += ("log_ratio_abs_mean", "ratio_sq_mean")
 
 
 def mini_batch_counts(
@@ -172,6 +182,8 @@ class Actor:
         """``old_is_current``: the weights have not moved since the rollout batch was planned (the
         first mini-batch), so the old log-probs are this forward's own, detached (see :meth:`update`)."""
         rl = self.rl
+        low, high = resolve_clip_range(rl.algo, rl.eps_low, rl.eps_high)
+        correction = rl.correction
 
         def loss_fn(local, logprobs, entropy):
             mask = counted_mask(local, self.mask_stale)
@@ -181,6 +193,8 @@ class Actor:
             mismatch = torch.zeros((), dtype=torch.float64)
             mismatch_max = 0.0
             tis_weight = torch.zeros((), dtype=torch.float64)
+            behav_outside = torch.zeros((), dtype=torch.float64)
+            rejected = torch.zeros((), dtype=torch.float64)
             n_fresh = n_tis = 0.0
             if local.get("has_rollout_logprobs"):
                 # engine vs trainer numerics: on the tokens of the trainer's own version only (a
@@ -190,15 +204,15 @@ class Actor:
                 mismatch = diff.sum().double()
                 mismatch_max = float(diff.max()) if diff.numel() else 0.0
                 n_fresh = float(fresh.sum())
-                if rl.tis_cap:
-                    # Truncated importance sampling, AReaL's decoupled objective: w = pi_prox /
-                    # pi_behav capped, pi_behav = the engine's log-prob under the version that
-                    # sampled the token (engine/trainer numerics, and the policy's drift for a stale
-                    # token). Scaling A by w > 0 scales the token's gradient by w and keeps every
-                    # clip region (they depend on the sign of A and on r = pi / pi_prox).
-                    w = torch.exp(old - local["rollout_logprobs"]).clamp(max=rl.tis_cap)
+                # where the engine's sampling policy alone would leave the clip range
+                behav = torch.exp(old - local["rollout_logprobs"])
+                behav_outside = (((behav < 1.0 - low) | (behav > 1.0 + high)).to(fresh.dtype) * fresh).sum().double()
+                if correction.active:
+                    # Truncated importance weights and rejection masks between the engine's policy
+                    # and the trainer's (rl/importance.py): they scale A, keeping every clip region
+                    w, sums = rollout_correction(old, local["rollout_logprobs"], mask, correction, local["seq_ids"])
                     adv = adv * w
-                    tis_weight = (w.detach() * mask).sum().double()
+                    tis_weight, rejected = sums["weight_sum"], sums["rejected"]
                     n_tis = float(m.sum())
             loss, metrics = policy_loss(
                 logprobs,
@@ -217,6 +231,7 @@ class Actor:
                 counts=counts,
                 positive=local["positive"],
                 nll_coef=rl.nll_coef,
+                rollout_logprobs=local["rollout_logprobs"] if local.get("has_rollout_logprobs") else None,
             )
             n = float(m.sum())
             out = {
@@ -227,12 +242,17 @@ class Actor:
                 "entropy": (entropy.detach() * mask).sum(),
                 "mismatch_abs": mismatch,
                 "mismatch_tokens": n_fresh,
+                "behav_outside": behav_outside,
+                "is_rejected": rejected,
                 "tis_weight": tis_weight,
                 "tis_tokens": n_tis,
                 "ratio_max": metrics["ratio_max"],
+                "log_ratio_abs_max": metrics["log_ratio_abs_max"],
                 "mismatch_max": mismatch_max,
+                "neg_log_ratio_sum": metrics["neg_log_ratio_sum"],
+                "neg_tokens": metrics["neg_tokens"],
             }
-            for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "approx_kl"):
+            for k in TOKEN_MEANS:
                 out[k] = metrics[k] * n  # token-weighted: divided by the global count below
             return loss, out
 
@@ -276,7 +296,8 @@ class Actor:
         t0 = time.perf_counter()
         self.recompute_old_logprobs(plans[1:] if reuse else plans)
         old_logprobs_s = time.perf_counter() - t0
-        totals, steps, ratio_max, mismatch_max = self._train(plans, reuse)
+        totals, steps, maxima = self._train(plans, reuse)
+        ratio_max, mismatch_max, log_ratio_abs_max = maxima
         self._end_rl_step()
         if any(st["update_ok"] for st in steps):
             self.weight_version += 1
@@ -293,8 +314,13 @@ class Actor:
             "actor/steps": steps,
             "time/old_logprobs_s": old_logprobs_s,
         }
-        for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "approx_kl"):
+        for k in TOKEN_MEANS:
             out[f"actor/{k}"] = totals[k] / tokens
+        out["actor/log_ratio_abs_max"] = log_ratio_abs_max
+        # the importance weights' effective sample size, as a fraction of the tokens (1: all r equal)
+        out["actor/is_ess_frac"] = out["actor/ratio_mean"] ** 2 / max(out.pop("actor/ratio_sq_mean"), 1e-30)
+        if totals["neg_tokens"]:  # mean log r over negative-advantage tokens: < 0 as they are pushed down
+            out["actor/neg_log_ratio_mean"] = totals["neg_log_ratio_sum"] / totals["neg_tokens"]
         if any("moe_aux_loss" in st for st in steps):
             out["actor/moe_aux_loss"] = sum(st["moe_aux_loss"] for st in steps) / len(steps)
         if self.router_replay:  # this rank's micro-batches routed to the engine's experts
@@ -304,8 +330,10 @@ class Actor:
         if totals["mismatch_tokens"]:
             out["actor/logprob_mismatch_mean"] = totals["mismatch_abs"] / totals["mismatch_tokens"]
             out["actor/logprob_mismatch_max"] = mismatch_max
+            out["actor/behav_outside_frac"] = totals["behav_outside"] / totals["mismatch_tokens"]
         if totals["tis_tokens"]:  # the truncated importance weight, over the counted tokens
             out["actor/tis_weight_mean"] = totals["tis_weight"] / totals["tis_tokens"]
+            out["actor/is_rejected_frac"] = totals["is_rejected"] / totals["tis_tokens"]
         if self.mask_stale:
             out["actor/stale_tokens_masked"] = float(masked)
         if len(plans) < n_mini_batches:
@@ -314,11 +342,11 @@ class Actor:
 
     def _train(self, plans, reuse: bool) -> tuple:
         """One optimizer step per mini-batch of ``plans``; returns (summed metrics, per-step
-        records, the max ratio, the max engine/trainer mismatch)."""
+        records, (the max ratio, the max engine/trainer mismatch, the max |log ratio|))."""
         state = self.state
         per_rl_step = self._schedule_per_rl_step
         totals = dict.fromkeys(SUM_KEYS, 0.0)
-        steps, ratio_max, mismatch_max = [], 0.0, 0.0
+        steps, maxima = [], {"ratio_max": 0.0, "mismatch_max": 0.0, "log_ratio_abs_max": 0.0}
         for k, (counts, mbs) in enumerate(plans):
             for m in state.model:
                 m.zero_grad_buffer()
@@ -331,14 +359,13 @@ class Actor:
             sums = reduce_metrics(results, SUM_KEYS)
             for key in SUM_KEYS:
                 totals[key] += sums[key]
-            local_max = max([float(r["ratio_max"]) for r in results] or [0.0])
-            ratio_max = max(ratio_max, _all_max(local_max))
-            mismatch_max = max(mismatch_max, _all_max(max([float(r["mismatch_max"]) for r in results] or [0.0])))
+            for key in maxima:
+                maxima[key] = max(maxima[key], _all_max(max([float(r[key]) for r in results] or [0.0])))
             norm = float(grad_norm) if grad_norm is not None else math.nan
             steps.append({"loss": sums["loss"], "grad_norm": norm, "lr": lr, "update_ok": bool(ok)})
             if last_moe_aux_loss() is not None:  # MoE: the load-balancing loss of this mini-batch
                 steps[-1]["moe_aux_loss"] = last_moe_aux_loss()
-        return totals, steps, ratio_max, mismatch_max
+        return totals, steps, tuple(maxima.values())
 
     @property
     def _schedule_per_rl_step(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_klear.platform.errors import ConfigError
+from megatron_klear.rl.importance import Correction
 from megatron_klear.rl.losses import AGGREGATIONS, ALGORITHMS
 
 
@@ -32,6 +33,15 @@ class RLConfig:
     # trainer's recomputed one (AReaL's decoupled objective; covers engine/trainer numerics and stale
     # tokens of asynchronous or partial rollouts). None: off.
     tis_cap: float | None = None
+    # token: the weight per token (above); sequence: min(prod_t pi_prox / pi_behav, tis_cap) on every
+    # token of the sequence (verl's sequence-level IS)
+    is_level: str = "token"
+    # Rejection of tokens or sequences whose engine/trainer ratio is outside [is_reject_low,
+    # is_reject_high] (weight 0; rl/importance.py): token (IcePop: 0.5 / 5) | sequence (the product)
+    # | geometric (its per-token geometric mean) | null. is_reject_low defaults to 1 / is_reject_high.
+    is_reject: str | None = None
+    is_reject_low: float | None = None
+    is_reject_high: float | None = None
     # Asynchronous GPPO (docs/async.md): the next batch generates while the actor trains on this one
     # (0: today's synchronous loop; 1: one step ahead). Needs rollout servers (rollout.engine=http).
     async_steps: int = 0
@@ -74,8 +84,10 @@ class RLConfig:
                 f"rl.prompts_per_step={self.prompts_per_step} must be a multiple of "
                 f"rl.mini_batch_prompts={self.mini_batch_prompts}"
             )
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ConfigError("rl.tis_cap must be > 0 (or null)")
+        try:
+            self.correction.validate("rl")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.oversample_prompts and self.oversample_prompts < self.prompts_per_step:
             raise ConfigError(
                 f"rl.oversample_prompts={self.oversample_prompts} must be >= rl.prompts_per_step="
@@ -100,3 +112,8 @@ class RLConfig:
                 "every asynchronous batch would be regenerated; set rl.max_staleness >= "
                 f"{self.async_steps} (or rl.async_steps=0)"
             )
+
+    @property
+    def correction(self) -> Correction:
+        """The engine/trainer importance correction (rl/importance.py)."""
+        return Correction(self.tis_cap, self.is_level, self.is_reject, self.is_reject_low, self.is_reject_high)

@@ -39,7 +39,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import torch
 
-ALGORITHMS = ("ppo", "clip_higher", "gppo", "cispo")
+ALGORITHMS = ("ppo", "clip_higher", "gppo", "cispo", "gspo", "dppo_tv", "dppo_kl")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 # (eps_low, eps_high) used when the caller passes None.
@@ -52,7 +52,14 @@ DEFAULT_EPS = {
     "clip_higher": (0.2, 0.28),
     "gppo": (0.2, 0.28),
     "cispo": (1.0, 0.28),
+    # GSPO: the paper's sequence-ratio bounds (Zheng et al. 2025, Qwen3 RL): 3e-4 / 4e-4.
+    "gspo": (3e-4, 4e-4),
+    # DPPO: eps are the divergence thresholds delta (verl's DPPO example: TV 0.15, binary KL 0.05).
+    "dppo_tv": (0.15, 0.15),
+    "dppo_kl": (0.05, 0.05),
 }
+# DPPO's importance ratio pi / pi_rollout is truncated at this value (detached), as verl's clip_ratio_c.
+DPPO_RATIO_CAP = 20.0
 DEFAULT_DUAL_CLIP = 10.0
 DEFAULT_NLL_COEF = 0.1
 LOG_RATIO_LIMIT = 20.0
@@ -91,6 +98,118 @@ def _straight_through_clamp(x: torch.Tensor, limit: float) -> torch.Tensor:
     return x + (x.clamp(-limit, limit) - x).detach()
 
 
+@dataclass
+class _Tokens:
+    """What a rule sees: per-token ratios (with and without a graph), advantages and settings."""
+
+    ratio: torch.Tensor
+    ratio_sg: torch.Tensor
+    adv: torch.Tensor
+    lower: float
+    upper: float
+    dual_clip: Optional[float]
+    beta1: float
+    beta2: float
+    mask: Optional[torch.Tensor]
+    seq_ids: Optional[torch.Tensor]
+    logprobs: Optional[torch.Tensor] = None  # the current ones, with a graph (DPPO)
+    anchor_logprobs: Optional[torch.Tensor] = None  # DPPO's: the rollout's (else the old ones)
+
+    def grad_one(self) -> torch.Tensor:
+        """``r / sg(r)``: 1 in value, ``grad(logp)`` in gradient."""
+        return self.ratio / self.ratio_sg
+
+    def no_flags(self) -> torch.Tensor:
+        return torch.zeros_like(self.ratio_sg, dtype=torch.bool)
+
+
+def _pessimistic_clip(t: _Tokens, clipped_ratio: torch.Tensor) -> tuple:
+    """PPO's ``max(-A r, -A clipped_ratio)`` and the dual clip; the flags of the clip regions."""
+    loss = torch.maximum(-t.adv * t.ratio, -t.adv * clipped_ratio)
+    clipped_low = (t.adv < 0) & (t.ratio_sg < t.lower)
+    clipped_high = (t.adv > 0) & (t.ratio_sg > t.upper)
+    dual_clipped = t.no_flags()
+    if t.dual_clip is not None:
+        negative = t.adv < 0
+        loss = torch.where(negative, torch.minimum(loss, -t.dual_clip * t.adv), loss)
+        dual_clipped = negative & (t.ratio_sg > t.dual_clip)
+    return loss, clipped_low, clipped_high, dual_clipped
+
+
+def _clip_rule(t: _Tokens) -> tuple:
+    """ppo / clip_higher: the clipped ratio has no gradient outside [lower, upper]."""
+    return _pessimistic_clip(t, t.ratio.clamp(t.lower, t.upper))
+
+
+def _gppo_rule(t: _Tokens) -> tuple:
+    """GPPO: the clip bounds written as ``bound * r / sg(r)`` (numerically the bound, gradient
+    ``bound * grad(logp)``); beta scales only the gradient: ``bound * (1 + beta * (r / sg(r) - 1))``."""
+    grad_one_minus_one = t.grad_one() - 1.0
+    low_bound = t.lower * (1.0 + t.beta1 * grad_one_minus_one)
+    high_bound = t.upper * (1.0 + t.beta2 * grad_one_minus_one)
+    clipped = torch.where(t.ratio_sg < t.lower, low_bound, torch.where(t.ratio_sg > t.upper, high_bound, t.ratio))
+    return _pessimistic_clip(t, clipped)
+
+
+def _cispo_rule(t: _Tokens) -> tuple:
+    """CISPO: value ``-A * clip(r)``, gradient ``-clip(r) * A * grad(logp)`` (a constant weight)."""
+    loss = -t.adv * t.ratio_sg.clamp(t.lower, t.upper) * t.grad_one()
+    return loss, t.ratio_sg < t.lower, t.ratio_sg > t.upper, t.no_flags()
+
+
+def _gspo_rule(t: _Tokens) -> tuple:
+    """GSPO (Zheng et al. 2025), in its token form: the sequence ratio ``s = exp(mean_t log r_t)``
+    over the sequence's counted tokens, ``s_t = sg(s) * r_t / sg(r_t)`` (value s, gradient
+    ``s * grad(logp_t)``), clipped as PPO clips a ratio: the whole sequence is in or out."""
+    if t.mask is None:
+        raise ValueError("policy loss: algo='gspo' needs the response mask (the sequence ratio is a mean over it)")
+    m = t.mask.bool()
+    inverse, n_seq = sequence_index(m, t.seq_ids)
+    log_r = torch.log(t.ratio_sg)  # the clamped log-ratio
+    seq_sum = torch.zeros(n_seq, dtype=log_r.dtype, device=log_r.device).index_add(0, inverse, log_r[m])
+    seq_len = torch.bincount(inverse, minlength=n_seq).to(log_r.dtype)
+    seq_ratio = torch.ones_like(log_r)
+    seq_ratio[m] = torch.exp(seq_sum / seq_len)[inverse]
+    s_t = seq_ratio * t.grad_one()
+    loss = torch.maximum(-t.adv * s_t, -t.adv * s_t.clamp(t.lower, t.upper))
+    return loss, (t.adv < 0) & (seq_ratio < t.lower), (t.adv > 0) & (seq_ratio > t.upper), t.no_flags()
+
+
+def _dppo_rule(t: _Tokens, kind: str) -> tuple:
+    """DPPO (Qi et al. 2026, arXiv 2602.04879; verl's ``dppo_tv`` / ``dppo_kl``): an importance-
+    weighted policy gradient against the rollout policy ``mu``, ``-A * sg(min(pi / mu, cap)) *
+    grad(logp)``, masked where the update would leave a divergence trust region around ``mu``: with
+    ``p = pi(token)`` and ``q = mu(token)``, a positive-advantage token is masked when ``p - q >
+    eps_high`` (TV) or when ``p > q`` and the binary KL(q || p) > eps_high (KL); a negative one when
+    ``q - p > eps_low`` (TV) or ``p < q`` and the binary KL > eps_low. The value is the surrogate
+    ``-A * min(r, cap)`` on kept tokens."""
+    log_r = _straight_through_clamp(t.logprobs - t.anchor_logprobs, LOG_RATIO_LIMIT)
+    r = torch.exp(log_r)
+    r_sg = r.detach()
+    p, q = torch.exp(t.logprobs.detach()), torch.exp(t.anchor_logprobs)
+    low, high = 1.0 - t.lower, t.upper - 1.0
+    if kind == "tv":
+        keep_pos, keep_neg = (p - q) <= high, (p - q) >= -low
+    else:
+        tiny = 1e-8
+        binary_kl = q * (t.anchor_logprobs - t.logprobs.detach()) + (1 - q) * torch.log((1 - q + tiny) / (1 - p + tiny))
+        keep_pos, keep_neg = (binary_kl <= high) | (p <= q), (binary_kl <= low) | (p >= q)
+    keep = torch.where(t.adv > 0, keep_pos, keep_neg)
+    loss = torch.where(keep, -t.adv * r_sg.clamp(max=DPPO_RATIO_CAP) * (r / r_sg), torch.zeros_like(r))
+    return loss, (t.adv < 0) & ~keep, (t.adv > 0) & ~keep, t.no_flags()
+
+
+_RULES = {
+    "ppo": _clip_rule,
+    "clip_higher": _clip_rule,
+    "gppo": _gppo_rule,
+    "cispo": _cispo_rule,
+    "gspo": _gspo_rule,
+    "dppo_tv": lambda t: _dppo_rule(t, "tv"),
+    "dppo_kl": lambda t: _dppo_rule(t, "kl"),
+}
+
+
 def per_token_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -102,6 +221,9 @@ def per_token_policy_loss(
     dual_clip: Optional[float] = DEFAULT_DUAL_CLIP,
     beta1: float = 1.0,
     beta2: float = 1.0,
+    mask: Optional[torch.Tensor] = None,
+    seq_ids: Optional[torch.Tensor] = None,
+    rollout_logprobs: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Per-token policy loss (to be minimised) and per-token diagnostics.
 
@@ -124,8 +246,9 @@ def per_token_policy_loss(
         )
     if beta1 < 0 or beta2 < 0:
         raise ValueError(f"policy loss: beta1={beta1} and beta2={beta2} must be >= 0")
-    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages)):
-        if t.shape != logprobs.shape:
+    named = (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask))
+    for name, t in named + (("rollout_logprobs", rollout_logprobs),):
+        if t is not None and t.shape != logprobs.shape:
             raise ValueError(
                 f"policy loss: {name} has shape {tuple(t.shape)}, expected logprobs' shape {tuple(logprobs.shape)}"
             )
@@ -137,44 +260,33 @@ def per_token_policy_loss(
 
     log_ratio = _straight_through_clamp(logprobs - old_logprobs, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
-    ratio_sg = ratio.detach()
-    lower, upper = 1.0 - low, 1.0 + high
-
-    if algo == "cispo":
-        # Value -A * clip(r); gradient -clip(r) * A * grad(logp): the weight is a constant.
-        grad_one = ratio / ratio_sg  # == 1, d/dlogp == 1
-        loss = -adv * ratio_sg.clamp(lower, upper) * grad_one
-        clipped_low = ratio_sg < lower
-        clipped_high = ratio_sg > upper
-        dual_clipped = torch.zeros_like(clipped_low)
-    else:
-        unclipped = -adv * ratio
-        if algo == "gppo":
-            # The clip bounds written as bound * r / sg(r): numerically the bound, gradient
-            # bound * grad(logp); beta scales only the gradient: bound * (1 + beta * (r/sg(r) - 1)).
-            grad_one_minus_one = ratio / ratio_sg - 1.0
-            low_bound = lower * (1.0 + beta1 * grad_one_minus_one)
-            high_bound = upper * (1.0 + beta2 * grad_one_minus_one)
-            clipped_ratio = torch.where(ratio_sg < lower, low_bound, torch.where(ratio_sg > upper, high_bound, ratio))
-        else:
-            clipped_ratio = ratio.clamp(lower, upper)
-        loss = torch.maximum(unclipped, -adv * clipped_ratio)
-        clipped_low = (adv < 0) & (ratio_sg < lower)
-        clipped_high = (adv > 0) & (ratio_sg > upper)
-        if dual_clip is not None:
-            negative = adv < 0
-            loss = torch.where(negative, torch.minimum(loss, -float(dual_clip) * adv), loss)
-            dual_clipped = negative & (ratio_sg > float(dual_clip))
-        else:
-            dual_clipped = torch.zeros_like(clipped_low)
+    t = _Tokens(
+        ratio=ratio,
+        ratio_sg=ratio.detach(),
+        adv=adv,
+        lower=1.0 - low,
+        upper=1.0 + high,
+        dual_clip=None if dual_clip is None else float(dual_clip),
+        beta1=beta1,
+        beta2=beta2,
+        mask=mask,
+        seq_ids=seq_ids,
+        logprobs=logprobs,
+        anchor_logprobs=(old_logprobs if rollout_logprobs is None else rollout_logprobs.detach().to(dtype)),
+    )
+    loss, clipped_low, clipped_high, dual_clipped = _RULES[algo](t)
 
     log_ratio_sg = log_ratio.detach()
+    ratio_sg = t.ratio_sg
     metrics = {
         "ratio": ratio_sg,
         "clipped_low": clipped_low,
         "clipped_high": clipped_high,
         "dual_clipped": dual_clipped,
         "approx_kl": ratio_sg - 1.0 - log_ratio_sg,
+        "log_ratio": log_ratio_sg,
+        "outside": (ratio_sg < t.lower) | (ratio_sg > t.upper),
+        "negative": adv < 0,
     }
     return loss, metrics
 
@@ -182,7 +294,7 @@ def per_token_policy_loss(
 # --------------------------------------------------------------------------------------------
 # Aggregation
 # --------------------------------------------------------------------------------------------
-def _sequence_index(mask: torch.Tensor, seq_ids: Optional[torch.Tensor]) -> Tuple[torch.Tensor, int]:
+def sequence_index(mask: torch.Tensor, seq_ids: Optional[torch.Tensor]) -> Tuple[torch.Tensor, int]:
     """For each masked token (in ``mask.nonzero()`` order), the index of its sequence; and the count.
 
     A sequence is a (row, seq_id) pair: packed rows give every sequence its own id, unpacked
@@ -227,7 +339,7 @@ def _as_denominator(value: Optional[Number], local: Number, like: torch.Tensor, 
 
 def count_sequences(mask: torch.Tensor, seq_ids: Optional[torch.Tensor] = None) -> int:
     """Sequences with at least one masked token (the unit of the seq_mean_* modes)."""
-    return _sequence_index(mask.bool(), seq_ids)[1]
+    return sequence_index(mask.bool(), seq_ids)[1]
 
 
 def aggregate(
@@ -270,7 +382,7 @@ def aggregate(
         denom = _as_denominator(global_num_tokens, int(m.sum()), loss_tokens, "global_num_tokens")
         return masked.sum() / denom
 
-    inverse, n_seq = _sequence_index(m, seq_ids)
+    inverse, n_seq = sequence_index(m, seq_ids)
     seq_denom = _as_denominator(global_num_seqs, n_seq, loss_tokens, "global_num_seqs")
     if agg == "seq_mean_token_sum_norm":
         if constant is None or not float(constant) > 0:
@@ -280,7 +392,7 @@ def aggregate(
             )
         return masked.sum() / (seq_denom * float(constant))
     # seq_mean_token_mean
-    values = loss_tokens[m]  # row-major, the order of _sequence_index
+    values = loss_tokens[m]  # row-major, the order of sequence_index
     if n_seq == 0:
         return masked.sum() / seq_denom  # zero, with a graph
     seq_sum = torch.zeros(n_seq, dtype=loss_tokens.dtype, device=loss_tokens.device).index_add(0, inverse, values)
@@ -340,10 +452,18 @@ def summarize_token_metrics(metrics_tokens: Dict[str, torch.Tensor], mask: torch
     """Masked means of the per-token diagnostics (detached 0-d tensors; no host sync).
 
     ``clip_frac_*`` are fractions of counted tokens; ``ratio_max`` is the largest ratio among them.
+    How far the update is off-policy: ``outside_frac`` (tokens whose ratio is outside the rule's
+    range, whatever the sign of A), ``log_ratio_abs_mean`` / ``_max``, ``ratio_sq_mean`` (with
+    ``ratio_mean``, the importance weights' effective sample size ``mean(r)^2 / mean(r^2)``), and
+    ``neg_log_ratio_sum`` over the ``neg_tokens`` of negative advantage (how fast the policy moves off
+    the responses it is pushed away from).
     """
     m = mask.bool()
     n = m.sum().clamp_min(1)
     ratio = metrics_tokens["ratio"]
+    zero = torch.zeros_like(ratio)
+    abs_log_ratio = torch.where(m, metrics_tokens["log_ratio"].abs(), zero)
+    negative = m & metrics_tokens["negative"]
     out = {
         "clip_frac_low": (metrics_tokens["clipped_low"] & m).sum() / n,
         "clip_frac_high": (metrics_tokens["clipped_high"] & m).sum() / n,
@@ -352,6 +472,12 @@ def summarize_token_metrics(metrics_tokens: Dict[str, torch.Tensor], mask: torch
         "ratio_max": torch.where(m, ratio, torch.zeros_like(ratio)).max(),  # ratios are > 0
         "approx_kl": torch.where(m, metrics_tokens["approx_kl"], torch.zeros_like(ratio)).sum() / n,
         "num_tokens": m.sum().to(ratio.dtype),
+        "outside_frac": (metrics_tokens["outside"] & m).sum() / n,
+        "log_ratio_abs_mean": abs_log_ratio.sum() / n,
+        "log_ratio_abs_max": abs_log_ratio.max() if abs_log_ratio.numel() else zero.sum(),
+        "ratio_sq_mean": torch.where(m, ratio * ratio, zero).sum() / n,
+        "neg_log_ratio_sum": torch.where(negative, metrics_tokens["log_ratio"], zero).sum(),
+        "neg_tokens": negative.sum().to(ratio.dtype),
     }
     return out
 
@@ -374,6 +500,7 @@ def policy_loss(
     counts: Optional[LossCounts] = None,
     positive: Optional[torch.Tensor] = None,
     nll_coef: float = DEFAULT_NLL_COEF,
+    rollout_logprobs: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The Klear-Reasoner loss: policy loss + ``nll_coef`` * NLL on positive samples (no KL term: the
     recipe has no reference model, docs/gppo.md).
@@ -387,7 +514,8 @@ def policy_loss(
     aggregated with the same ``agg`` but normalised by the positive tokens / sequences (the paper's
     ``1 / sum_{j in positives} T_j``); absent or all-false, it is zero. ``counts`` carries the global
     batch's normalisers (``LossCounts``); by default this batch's own counts are used.
-    ``norm_constant`` is the fixed length of ``seq_mean_token_sum_norm``.
+    ``norm_constant`` is the fixed length of ``seq_mean_token_sum_norm``. ``rollout_logprobs``: the
+    engine's, DPPO's anchor (without them DPPO anchors on ``old_logprobs``).
 
     Returns ``(loss, metrics)``: ``loss`` the scalar to minimise (this batch's share of the global
     loss), ``metrics`` detached 0-d tensors: ``pg_loss``, ``nll_loss``, clip fractions
@@ -418,6 +546,9 @@ def policy_loss(
         dual_clip=dual_clip,
         beta1=beta1,
         beta2=beta2,
+        mask=m,
+        seq_ids=seq_ids,
+        rollout_logprobs=rollout_logprobs,
     )
     pg = aggregate(
         loss_tokens, m, agg, global_num_tokens=counts.num_tokens, global_num_seqs=counts.num_seqs, **agg_kwargs
