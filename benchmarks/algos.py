@@ -416,7 +416,7 @@ def main(argv=None) -> int:
     sft_cache: dict = {}
 
     def files_of(spec) -> dict:
-        task = {k: v for k, v in spec["settings"].items() if k in LONG_TASK}
+        task = {k: v for k, v in spec["settings"].items() if k in LONG_TASK and k.startswith("task_")}
         key = json.dumps(task, sort_keys=True)
         if key not in sft_cache:
             if not task and args.sft:
@@ -428,11 +428,16 @@ def main(argv=None) -> int:
             else:
                 where = os.path.join(args.out, "sft-long" if task else "sft")
                 print(f"building the SFT model in {where} ...", flush=True)
-                sft_cache[key] = build_sft(where, _settings({**base, **task, "eval_prompts": 128}))
+                long = {k: v for k, v in LONG_TASK.items() if task}
+                sft_cache[key] = build_sft(where, _settings({**base, **long, "eval_prompts": 128}))
         return sft_cache[key]
 
     def spec(name, regime, variant, seed, steps, eval_every):
         settings, overrides = REGIMES[regime]
+        if args.quick:  # two prompts per step: one per mini-batch (two optimizer steps, off-policy)
+            overrides = [
+                o if not o.startswith("rl.mini_batch_prompts=") else "rl.mini_batch_prompts=1" for o in overrides
+            ]
         return {
             "name": name,
             "regime": regime,

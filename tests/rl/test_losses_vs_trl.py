@@ -245,3 +245,22 @@ def test_tis_as_trl_applies_it(setup):
         # the actor's form: every token's advantage times its weight
         got = _project_side(setup, batch["advantages"].unsqueeze(1) * w, **ours)
         _assert_same(got, theirs, values=loss_type != "cispo")
+
+
+def test_gspo_equals_trl_sequence_level(setup):
+    """TRL's GSPO (``importance_sampling_level="sequence"``, ``loss_type="grpo"``: the sequence ratio
+    with its gradient, per-sequence mean) against the project's token form with
+    ``seq_mean_token_mean``; the bounds are chosen so that sequences are clipped on both sides and
+    others are not."""
+    _, model, batch, _ = setup
+    m = batch["completion_mask"].bool()
+    with torch.no_grad():
+        log_r = _completion_logprobs(model, batch["prompt_ids"], batch["completion_ids"]) - batch["old_per_token_logps"]
+    s = ((log_r * m).sum(1) / m.sum(1)).exp()
+    eps = float((s - 1).abs().median())  # half of the sequences outside [1 - eps, 1 + eps]
+    adv = batch["advantages"]
+    clipped = ((adv > 0) & (s > 1 + eps)) | ((adv < 0) & (s < 1 - eps))
+    assert bool(clipped.any()) and not bool(clipped.all())
+    theirs = _trl_side(setup, "grpo", importance_sampling_level="sequence", epsilon=eps, epsilon_high=eps)[:2]
+    ours = _project_side(setup, algo="gspo", eps_low=eps, eps_high=eps, agg="seq_mean_token_mean")
+    _assert_same(ours, theirs)
