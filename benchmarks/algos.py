@@ -239,7 +239,7 @@ def sweep_table(runs: list) -> str:
     """The regime table: per lever, the means over its RL steps."""
     lines = [
         "| regime | mini-batches | lr | engine | response tokens | outside clip range | clipped low / high "
-        "| mean / max abs log r | IS ESS | engine-trainer outside | rollout acc. first -> last "
+        "| mean / max abs log r | IS ESS | engine-trainer abs log r / outside | rollout acc. first -> last "
         "| held-out start -> end |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -256,7 +256,8 @@ def sweep_table(runs: list) -> str:
             f"{100 * get('actor/outside_frac'):.2f}% | {100 * get('actor/clip_frac_low'):.2f}% / "
             f"{100 * get('actor/clip_frac_high'):.2f}% | {get('actor/log_ratio_abs_mean'):.4f} / "
             f"{max(v for _, v in _series(r, 'actor/log_ratio_abs_max')):.2f} | {get('actor/is_ess_frac'):.3f} | "
-            f"{'-' if behav is None else f'{100 * behav:.2f}%'} | {100 * acc[0]:.1f} -> {100 * acc[-1]:.1f} | "
+            f"{get('actor/logprob_mismatch_mean'):.1e} / {'-' if behav is None else f'{100 * behav:.2f}%'} | "
+            f"{100 * acc[0]:.1f} -> {100 * acc[-1]:.1f} | "
             f"{r['heldout_curve'][0][1]:.1f} -> {r['heldout_curve'][-1][1]:.1f} |"
         )
     return "\n".join(lines)

@@ -204,9 +204,10 @@ class Actor:
                 mismatch = diff.sum().double()
                 mismatch_max = float(diff.max()) if diff.numel() else 0.0
                 n_fresh = float(fresh.sum())
-                # where the engine's sampling policy alone would leave the clip range
+                # where pi_prox / pi_behav alone leaves the clip range: numerics, and for a stale
+                # token the policy's drift since the version that sampled it (every counted token)
                 behav = torch.exp(old - local["rollout_logprobs"])
-                behav_outside = (((behav < 1.0 - low) | (behav > 1.0 + high)).to(fresh.dtype) * fresh).sum().double()
+                behav_outside = (((behav < 1.0 - low) | (behav > 1.0 + high)) & m).sum().double()
                 if correction.active:
                     # Truncated importance weights and rejection masks between the engine's policy
                     # and the trainer's (rl/importance.py): they scale A, keeping every clip region
@@ -330,7 +331,7 @@ class Actor:
         if totals["mismatch_tokens"]:
             out["actor/logprob_mismatch_mean"] = totals["mismatch_abs"] / totals["mismatch_tokens"]
             out["actor/logprob_mismatch_max"] = mismatch_max
-            out["actor/behav_outside_frac"] = totals["behav_outside"] / totals["mismatch_tokens"]
+            out["actor/behav_outside_frac"] = totals["behav_outside"] / tokens
         if totals["tis_tokens"]:  # the truncated importance weight, over the counted tokens
             out["actor/tis_weight_mean"] = totals["tis_weight"] / totals["tis_tokens"]
             out["actor/is_rejected_frac"] = totals["is_rejected"] / totals["tis_tokens"]

@@ -357,6 +357,15 @@ def test_metrics_on_a_crafted_batch():
     kl = np.mean([v - 1 - math.log(v) for v in r[:4]])
     assert m["approx_kl"].item() == pytest.approx(kl)
     assert m["num_tokens"].item() == 4
+    # off-policy measures: r outside [0.8, 1.28] whatever the sign of A (0.5, 1.5, 12: 3 of 4)
+    assert m["outside_frac"].item() == pytest.approx(0.75)
+    logs = [abs(math.log(v)) for v in r[:4]]
+    assert m["log_ratio_abs_mean"].item() == pytest.approx(np.mean(logs))
+    assert m["log_ratio_abs_max"].item() == pytest.approx(math.log(12.0))
+    assert m["ratio_sq_mean"].item() == pytest.approx(np.mean([v * v for v in r[:4]]))
+    # negative-advantage counted tokens: r = 0.5 and 12 (the fifth is masked)
+    assert m["neg_tokens"].item() == 2
+    assert m["neg_log_ratio_sum"].item() == pytest.approx(math.log(0.5) + math.log(12.0))
 
 
 def test_policy_loss_errors():
