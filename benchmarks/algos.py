@@ -263,6 +263,25 @@ def sweep_table(runs: list) -> str:
     return "\n".join(lines)
 
 
+def sweep_plots(runs: list, plots: str) -> list:
+    """Per regime, the per-step share of tokens outside the clip range and the rollout accuracy."""
+    from megatron_klear.utils.plots import line_chart
+
+    return [
+        line_chart(
+            os.path.join(plots, f"{key.split('/')[-1]}.png"),
+            {r["regime"]: _series(r, key) for r in runs if _series(r, key)},
+            title=title,
+            xlabel="RL step",
+            markers=False,
+        )
+        for key, title in (
+            ("actor/outside_frac", "Tokens with r outside [1 - eps_low, 1 + eps_high], per regime (GPPO)"),
+            ("rollout/accuracy", "Rollout accuracy on training problems (T=1.0), per regime"),
+        )
+    ]
+
+
 def compare_summary(runs: list, baseline: str = "gppo") -> dict:
     """variant -> seeds, finals and areas (by seed), their means and 95% intervals, the pairing
     with ``baseline``, and the per-step mechanism curves (means over seeds)."""
@@ -459,9 +478,13 @@ def main(argv=None) -> int:
         for s in specs:
             files_of(s)  # the SFT models first, one at a time
         runs = run_all(specs, files_of, args.out, 0 if args.quick else args.parallel)
+        plots = sweep_plots(runs, os.path.join(args.out, "plots", f"sweep-{steps}"))
         text = (
             f"**Where clipping bites** ({_meta(t0)}; `benchmarks/algos.py sweep`): GPPO, {steps} RL steps "
-            "of 32 prompts x 8 responses per regime, seed 1; means over the steps.\n\n" + sweep_table(runs)
+            "of 32 prompts x 8 responses per regime, seed 1; means over the steps.\n\n"
+            + sweep_table(runs)
+            + "\n\nPlots: "
+            + ", ".join(f"`{os.path.relpath(x, ROOT)}`" for x in plots)
         )
         name = "sweep"
     else:
