@@ -356,7 +356,7 @@ def compare_table(summary: dict, baseline: str = "gppo") -> str:
 
 
 def compare_plots(summary: dict, plots: str) -> list:
-    from megatron_klear.utils.plots import band_chart, line_chart
+    from megatron_klear.utils.plots import band_chart, interval_chart, line_chart
 
     label = lambda v: LABELS.get(v, v)  # noqa: E731
     written = [
@@ -371,6 +371,25 @@ def compare_plots(summary: dict, plots: str) -> list:
             ylabel="avg@8 (%)",
         )
     ]
+    written.append(
+        interval_chart(
+            os.path.join(plots, "final.png"),
+            {label(v): (a["final_ci"][0], a["final_mean"], a["final_ci"][1]) for v, a in summary.items()},
+            title="Held-out avg@8 at the end: mean and 95% bootstrap interval over seeds",
+            xlabel="avg@8 (%)",
+        )
+    )
+    paired = {label(v): a["vs_baseline"]["final"] for v, a in summary.items() if "vs_baseline" in a}
+    if paired:
+        written.append(
+            interval_chart(
+                os.path.join(plots, "paired.png"),
+                {k: (p["low"], p["mean"], p["high"]) for k, p in paired.items()},
+                title=f"Each variant minus {LABELS['gppo']}, paired by seed (95% interval)",
+                xlabel="held-out avg@8 difference (points)",
+                reference=0.0,
+            )
+        )
     for key, title in (
         ("actor/entropy", "Policy entropy (nats/token)"),
         ("actor/clip_frac_low", "Clipped below (r < 1 - eps_low, A < 0): GPPO keeps a bounded gradient"),

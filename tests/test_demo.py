@@ -175,7 +175,15 @@ def test_algos_benchmark_quick(quick_demo, tmp_path):
     assert len(runs) == len(VARIANTS)
     table = (out / "compare-mb4.md").read_text()
     assert "| GPPO (paper) |" in table and "| GSPO |" in table and "| DPPO (TV) |" in table
-    for name in ("heldout", "entropy", "clip_frac_high", "clip_frac_low", "outside_frac", "neg_log_ratio_mean"):
+    for name in (
+        "heldout",
+        "final",
+        "entropy",
+        "clip_frac_high",
+        "clip_frac_low",
+        "outside_frac",
+        "neg_log_ratio_mean",
+    ):
         _png(str(out / "plots" / "mb4" / f"{name}.png"))
     again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and f"resuming: {len(VARIANTS)} of {len(VARIANTS)} runs already done" in again.stdout

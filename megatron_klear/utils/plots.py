@@ -121,3 +121,25 @@ def bar_chart(
     if len(bars) > 1:
         ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def interval_chart(path: str, rows: dict, *, title: str, xlabel: str, reference: float | None = None) -> str:
+    """``rows``: label -> (low, mean, high): one horizontal interval per label, top to bottom, the
+    mean as a dot (e.g. a 95% interval per variant); ``reference``: a vertical line (e.g. 0 for
+    paired differences)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 0.45 * len(rows) + 1.2))
+    ax.set_title(title, fontsize=11)
+    ax.set_xlabel(xlabel)
+    ax.grid(True, axis="x", alpha=0.3)
+    labels = list(rows)
+    for y, label in enumerate(labels):
+        low, mean, high = rows[label]
+        ax.plot([low, high], [y, y], color="tab:blue", linewidth=2)
+        ax.plot([mean], [y], "o", color="tab:blue", markersize=5)
+    if reference is not None:
+        ax.axvline(reference, color="gray", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels)
+    ax.invert_yaxis()
+    return _save(fig, path)
