@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv lint format test test-fast demo bench clean sandbox
+.PHONY: venv lint format test test-fast test-slurm demo bench clean sandbox slurm
 
 venv: $(STAMP) $(VLLM_STAMP)
 
@@ -41,10 +41,23 @@ sandbox:
 		|| echo "warning: bubblewrap (bwrap) is missing and could not be installed: the code-grading tests will fail"
 
 test: venv lint sandbox
-	@$(PYTEST) -n 2 --dist loadfile -m "not timing" tests; heavy=$$?; \
+	@$(PYTEST) -n 2 --dist loadfile -m "not timing and not slurm" tests; heavy=$$?; \
 	echo "== the timing-bound tests (tests/conftest.py TIMING_MODULES) =="; \
 	$(PYTEST) -n 2 --dist loadfile -m timing tests; timing=$$?; \
 	[ $$heavy -eq 0 ] && [ $$timing -eq 0 ]
+
+# Slurm and munge from Debian's packages (the launch tests start their own controller and two nodes
+# on this machine: tests/slurm/cluster.py). Installed when missing and apt-get can.
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge) \
+		|| echo "warning: slurm-wlm and munge are missing and could not be installed: tests/slurm will be skipped"
+
+# The multi-node launch tests (docs/slurm.md): the sbatch scripts under a real two-node Slurm, with
+# preemption and requeue (~5 min on 2 cores). Apart from `make test` (its 20-minute budget);
+# .ci/run runs both.
+test-slurm: venv sandbox slurm
+	$(PYTEST) -m slurm tests/slurm
 
 # The development loop (a few minutes): the in-process tests, none that starts torchrun, servers or
 # rank processes. `make test` stays the whole suite and the contract.

@@ -86,4 +86,5 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 exec "${PY:-python}" -m megatron_klear.platform.launch \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   -m megatron_klear rl --config "$CONFIG" "rollout.sync_master_port=$SYNC_MASTER_PORT" "$@"

@@ -23,4 +23,5 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 exec "${PY:-python}" -m megatron_klear.platform.launch \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
   -m megatron_klear sft --config examples/configs/sft_qwen3_8b.yaml "$@"

@@ -61,6 +61,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~20 s on 2 CPU cores")
     config.addinivalue_line("markers", "timing: races a deadline or a server's timing (TIMING_MODULES)")
     config.addinivalue_line("markers", "processes: starts ranks, CLIs or servers (tests/distributed, HEAVY_MODULES)")
+    config.addinivalue_line("markers", "slurm: needs Slurm and munge (tests/slurm; `make test-slurm`)")
 
 
 def _module(item) -> str:

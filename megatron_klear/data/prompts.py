@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,6 +154,9 @@ class PromptDataset:
             )
         self.seed = seed
         self.epoch, self.position = 0, 0
+        # crc32 chained over the ids of every prompt taken so far: equal values, equal data order
+        # (saved with the position; logged each step as data/order_digest)
+        self.digest = 0
 
     def _objects(self, path: str, fmt: str, since, until, stream):
         """``(row, problem)`` of one file: the project's JSONL as it is, a published layout
@@ -214,12 +218,24 @@ class PromptDataset:
             k = min(n - len(out), len(order) - self.position)
             out += [self.prompts[i] for i in order[self.position : self.position + k]]
             self.position += k
+            for p in out[-k:] if k else ():
+                self.digest = zlib.crc32(p.id.encode(), self.digest)
             if self.position == len(order):
                 self.epoch, self.position = self.epoch + 1, 0
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.prompts)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "size": len(self.prompts),
+            "digest": self.digest,
+        }
+
+    def progress(self) -> dict:
+        """Metrics of where the order stands: ``data/epoch``, ``data/position``, ``data/order_digest``."""
+        return {"data/epoch": self.epoch, "data/position": self.position, "data/order_digest": self.digest}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed") != self.seed or state.get("size") != len(self.prompts):
@@ -228,3 +244,4 @@ class PromptDataset:
                 f"this run has seed={self.seed} and {len(self.prompts)}: the order would differ"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.digest = int(state.get("digest", 0))  # (checkpoints before the digest: it restarts)

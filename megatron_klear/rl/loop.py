@@ -137,6 +137,7 @@ class RLLoop:
             }
         )
         metrics["lr"] = self.state.optimizer.param_groups[0]["lr"]
+        metrics.update(self.prompts.progress())  # rank 0's (the other ranks draw no prompts)
         return metrics
 
     def save(self) -> None:

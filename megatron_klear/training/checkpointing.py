@@ -154,6 +154,8 @@ class CheckpointManager:
         world = dist.get_world_size() if dist.is_initialized() else 1
         sharded = dict(model_sd)
         if optimizer:  # (asking for it with is_loading=True creates empty Adam moments)
+            if is_loading:
+                _give_distributed_optimizer_a_state(state.optimizer)
             sharded["optimizer"] = state.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, **_optimizer_sharding_kwargs(state.optimizer)
             )
@@ -330,7 +332,9 @@ class CheckpointManager:
             key = "model" if len(state.model) == 1 else f"model{i}"
             check_loaded(_unwrap(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
         if "optimizer" in sharded:
-            state.optimizer.load_state_dict(loaded["optimizer"])
+            with torch.no_grad():  # (the distributed optimizer copies into its fp32 parameters in place)
+                state.optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(state.optimizer)
         common = loaded["common"]
         state.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved count to this
         state.scheduler.load_state_dict(common["scheduler"])
@@ -338,3 +342,37 @@ class CheckpointManager:
             _set_rng_state(loaded["rng"])
         state.step = int(common["step"])
         return common
+
+
+def _give_distributed_optimizer_a_state(optimizer) -> None:
+    """Before loading into a fresh megatron-core ``DistributedOptimizer``: without Apex or
+    Transformer Engine (the CPU) its ``state_dict()`` reads Adam's step count from the inner
+    optimizer's state and asserts there is exactly one, which a fresh optimizer has not got, so
+    every resume of a run that had stepped failed there. One optimizer step with zero gradients
+    and lr 0 creates that state (megatron-core's own ``_init_optimizer_states_with_dummy_values``,
+    which it uses for the same reason with Megatron-FSDP); the load then overwrites all of it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or opt.optimizer.state:
+            continue
+        lrs = [g["lr"] for g in opt.optimizer.param_groups]
+        for g in opt.optimizer.param_groups:
+            g["lr"] = 0.0
+        try:
+            opt._init_optimizer_states_with_dummy_values()
+        finally:
+            for g, lr in zip(opt.optimizer.param_groups, lrs):
+                g["lr"] = lr
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron-core's ``DistributedOptimizer.load_state_dict`` without Apex or Transformer Engine
+    gives every parameter's state one shared ``step`` tensor; torch's Adam increments each state's
+    step in place, so the shared count would rise once per parameter at every step and the bias
+    correction would be wrong after a resume. Each state gets its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for s in getattr(inner, "state", {}).values():
+            if torch.is_tensor(s.get("step")):
+                s["step"] = s["step"].clone()

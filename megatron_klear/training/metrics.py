@@ -74,7 +74,7 @@ class MetricsLogger:
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._wandb:
-            self._wandb.log(metrics, step=step)
+            self._guard_wandb(lambda: self._wandb.log(metrics, step=step))
         if self._tb:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
@@ -92,11 +92,24 @@ class MetricsLogger:
         self.stream.write(" | ".join(parts) + "\n")
         self.stream.flush()
 
+    def _guard_wandb(self, call) -> None:
+        """A wandb call that fails (its service process ended: a SIGTERM to every process of a
+        Slurm step or a container reaches it too) stops wandb logging with one warning; training
+        goes on, the JSONL file keeps every step, and a stop signal still ends in a saved step."""
+        try:
+            call()
+        except Exception as e:  # whatever wandb raises, the run must not die of it
+            self._wandb = None
+            self.stream.write(
+                f"warning: wandb stopped working ({type(e).__name__}: {e}); metrics go on in the JSONL file\n"
+            )
+            self.stream.flush()
+
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
         if self._wandb:
-            self._wandb.finish()
+            self._guard_wandb(self._wandb.finish)
         if self._tb:
             self._tb.close()
 

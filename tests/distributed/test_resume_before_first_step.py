@@ -1,4 +1,6 @@
-"""A checkpoint written before the first optimizer step (RL steps whose groups were all filtered,
+"""Resuming the optimizer, before and after its first step.
+
+A checkpoint written before the first optimizer step (RL steps whose groups were all filtered,
 or a SIGTERM right at the start) has no Adam moments. Resuming from it must not ask for them (the
 load used to fail: "optimizer.state.exp_avg... not in state dict"), and the resumed optimizer must
 step like a fresh one (asking Megatron for a loading state dict creates moments without a step
@@ -44,6 +46,14 @@ def _check(rank, world, hf_dir, root, layout):
     second = build_training_state(cfg, total_steps=2)
     manager.load(second, ckpt)
     ok, got = step(second)
+    assert ok and all(torch.equal(a, b) for a, b in zip(got, want))
+    # and after steps: the saved moments and step count come back, the next step is the same (the
+    # distributed optimizer's fresh state dict used to assert one step count on the CPU)
+    ckpt = manager.save(first, 1, {"note": "after a step"})
+    _, want = step(first)
+    third = build_training_state(cfg, total_steps=2)
+    manager.load(third, ckpt)
+    ok, got = step(third)
     assert ok and all(torch.equal(a, b) for a, b in zip(got, want))
     return True
 

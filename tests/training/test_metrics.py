@@ -59,3 +59,34 @@ def test_missing_extras_are_named(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(ImportError, match=r"megatron-klear\[logging\]"):
         MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), total_steps=1, wandb=True)
+
+
+def test_a_terminated_wandb_service_stops_wandb_not_the_run(tmp_path, monkeypatch):
+    """Slurm (and container runtimes) send SIGTERM to every process of the step, wandb's service
+    process too: the next wandb call raises. The logger warns once and goes on with the JSONL file,
+    so a trainer told to save and stop still reaches its save (tests/slurm: it crashed before)."""
+    pytest.importorskip("wandb")
+    import signal
+    import time
+
+    import psutil
+
+    from megatron_klear.training.metrics import MetricsLogger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    console = io.StringIO()
+    log = MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), total_steps=4, wandb=True, stream=console)
+    log.log(1, {"loss": 1.0})
+    service = [p for p in psutil.Process().children(recursive=True) if "wandb" in " ".join(p.cmdline())]
+    assert service, [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    for p in service:
+        p.send_signal(signal.SIGTERM)
+    psutil.wait_procs(service, timeout=20)
+    time.sleep(0.5)
+    for step in (2, 3, 4):
+        log.log(step, {"loss": 1.0 / step})
+    log.close()
+    assert [json.loads(x)["step"] for x in open(tmp_path / "m.jsonl")] == [1, 2, 3, 4]
+    assert console.getvalue().count("warning: wandb stopped working") == 1, console.getvalue()

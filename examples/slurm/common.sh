@@ -1,0 +1,162 @@
+# Shared by the sbatch scripts of examples/slurm/ (sourced, not run): roles started as job steps,
+# bounded waits with errors that name what did not come up, addresses from Slurm (never from DNS:
+# node names do not resolve on every cluster), preemption by save-and-requeue (docs/slurm.md).
+#
+# Conventions: LOG_DIR is set; every role runs as one `srun --overlap` step named after it, with
+# its log in $LOG_DIR/<role>.log; klear_run_trainer ends the script with the trainer's exit status.
+#
+# Stopping. The servers and the router ignore SIGTERM (their tasks start with it ignored), so that
+# the trainer can finish its step and save while Slurm signals every process of the job (scancel,
+# scontrol requeue, preemption with PreemptMode=REQUEUE: SIGTERM to all, SIGKILL KillWait seconds
+# later); the script stops them itself with SIGKILL once the trainer has ended.
+# - SIGUSR1 to this script (#SBATCH --signal=B:USR1@<seconds>: the time limit or a preemption
+#   announced ahead): the trainer's step gets SIGTERM (it saves and stops), then the script
+#   requeues the job, which resumes from that step.
+# - SIGTERM to this script (Slurm stopping the job): the trainer got it too and saves; the script
+#   waits for it and ends with its status; Slurm requeues the job or not, as it was told.
+
+ROLE_PIDS=()   # srun pids of the long-running roles (servers, router)
+ROLE_NAMES=()
+PREEMPTED=0    # SIGUSR1: save, then requeue
+STOPPING=0     # SIGTERM: Slurm stops the job
+
+klear_log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+klear_die() { klear_log "error: $*" >&2; klear_stop_all 2; }
+
+trap klear_on_usr1 USR1
+trap klear_on_term TERM
+
+# NODES: the allocation's node names, in Slurm's order.
+klear_nodes() {
+  [[ -n "${SLURM_JOB_NODELIST:-}" ]] || { echo "error: not inside a Slurm job (no SLURM_JOB_NODELIST); use sbatch" >&2; exit 2; }
+  mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+}
+
+# The address other nodes reach NODE at: Slurm's NodeAddr (the node name when Slurm has no other).
+klear_addr() {
+  local addr
+  addr=$(scontrol show node "$1" -o | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
+  echo "${addr:-$1}"
+}
+
+# klear_start ROLE NODE COMMAND: one task on NODE running COMMAND (bash -c), in the background.
+klear_start() {
+  local role=$1 node=$2 cmd=$3
+  klear_log "start $role on $node: $cmd"
+  srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=0 --job-name="$role" \
+    --output="$LOG_DIR/$role.log" bash -c "trap '' TERM; $cmd" &
+  ROLE_PIDS+=($!)
+  ROLE_NAMES+=("$role")
+}
+
+# The first started role that has exited (its name), or nothing.
+klear_dead_role() {
+  local i
+  for i in "${!ROLE_PIDS[@]}"; do
+    if ! kill -0 "${ROLE_PIDS[$i]}" 2>/dev/null; then
+      echo "${ROLE_NAMES[$i]}"
+      return
+    fi
+  done
+}
+
+klear_http_ok() { curl -sf -o /dev/null --max-time 5 "$1"; }
+
+# klear_router_has URL N: the sglang-router at URL lists N workers (GET /workers).
+klear_router_has() {
+  local n
+  n=$(curl -sf --max-time 5 "$1/workers" | grep -o '"url"' | wc -l) || return 1
+  ((n >= $2))
+}
+
+# klear_wait WHAT TIMEOUT CHECK...: run CHECK every 2 s until it succeeds (0), TIMEOUT seconds pass
+# or a started role dies (1, with an error naming WHAT or the dead role and its log).
+klear_wait() {
+  local what=$1 timeout=$2 start=$SECONDS dead
+  shift 2
+  until "$@"; do
+    dead=$(klear_dead_role)
+    if [[ -n "$dead" ]]; then
+      klear_log "error: $dead exited while waiting for $what; see $LOG_DIR/$dead.log" >&2
+      return 1
+    fi
+    if ((SECONDS - start > timeout)); then
+      klear_log "error: $what did not come up within ${timeout}s; see the logs in $LOG_DIR" >&2
+      return 1
+    fi
+    sleep 2
+  done
+  klear_log "up: $what ($((SECONDS - start))s)"
+}
+
+# klear_signal_step NAME SIGNAL: SIGNAL to every task of this job's step NAME (srun --job-name).
+klear_signal_step() {
+  local step
+  for step in $(squeue -h -s -j "$SLURM_JOB_ID" -o "%i %j" | awk -v n="$1" '$2 == n {print $1}'); do
+    scancel --signal="$2" "$step" 2>/dev/null
+  done
+}
+
+# Stop the trainer (SIGTERM: it saves) and every started role (SIGKILL), then exit RC.
+klear_stop_roles() {
+  local role
+  [[ -n "${TRAINER_PID:-}" ]] && klear_signal_step trainer TERM && wait "$TRAINER_PID" 2>/dev/null
+  for role in "${ROLE_NAMES[@]}"; do klear_signal_step "$role" KILL; done
+  wait 2>/dev/null
+}
+klear_stop_all() {
+  klear_stop_roles
+  exit "${1:-0}"
+}
+
+klear_on_usr1() {
+  ((PREEMPTED == 0)) || return 0
+  PREEMPTED=1
+  if [[ -z "${TRAINER_PID:-}" ]]; then
+    klear_log "preempted before the trainer started"
+    klear_requeue
+  fi
+  klear_log "preempted (SIGUSR1): the trainer saves its step and stops; the job is requeued after"
+  klear_signal_step trainer TERM
+}
+klear_on_term() {
+  STOPPING=1
+  klear_log "Slurm stops the job (SIGTERM): the trainer saves its step; the servers wait for it"
+  [[ -n "${TRAINER_PID:-}" ]] || klear_stop_all 143
+}
+
+# Stop the roles and put the job back in the queue (this script ends with it).
+klear_requeue() {
+  klear_stop_roles
+  klear_log "requeueing job $SLURM_JOB_ID (it resumes from the step just saved)"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+}
+
+# klear_run_trainer NODELIST COMMAND: the trainer, one task per node (NODE_RANK = SLURM_NODEID of
+# the step); ends the script: with the trainer's status, after stopping the other roles; when a
+# role dies first, the trainer is stopped and the job fails naming it; when preempted, the job is
+# requeued once the trainer has saved (its status 143: it stopped on the forwarded signal).
+klear_run_trainer() {
+  local nodes=$1 cmd=$2 n dead rc
+  n=$(tr ',' '\n' <<<"$nodes" | wc -l)
+  klear_log "start the trainer on $nodes"
+  srun --overlap --nodes="$n" --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 --job-name=trainer \
+    --output="$LOG_DIR/trainer-node%t.log" bash -c "$cmd" &
+  TRAINER_PID=$!
+  while kill -0 "$TRAINER_PID" 2>/dev/null; do
+    dead=$(klear_dead_role)
+    if [[ -n "$dead" && $PREEMPTED == 0 && $STOPPING == 0 ]]; then
+      klear_log "error: $dead exited while the trainer runs; see $LOG_DIR/$dead.log; stopping the trainer" >&2
+      klear_stop_all 3
+    fi
+    sleep 2 &
+    wait $! 2>/dev/null
+  done
+  wait "$TRAINER_PID"
+  rc=$?
+  TRAINER_PID=
+  klear_log "the trainer ended with status $rc"
+  ((PREEMPTED)) && klear_requeue
+  klear_stop_all "$rc"
+}

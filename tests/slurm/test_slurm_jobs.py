@@ -1,0 +1,289 @@
+"""The sbatch scripts of examples/slurm/ under a real Slurm with two nodes (tests/slurm/cluster.py),
+and the plain launch scripts as two launchers on one host (``make test-slurm``; docs/slurm.md).
+
+GPPO: the shipped 8B math config sized down by overrides, a tiny Qwen3 at PP=2 (one stage per
+node: both stage leaders push their layers), one stand-in server and the real sglang-router on the
+first node. Preempted twice (Slurm's ``--signal`` path to the batch script, then ``scontrol
+requeue``), it saves, is requeued, resumes and ends at the last step with the data order of an
+uninterrupted run (the prompt order's digest) and the servers holding the trainer's weights (the
+log-prob probe after every push). SFT the same way, once."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.slurm.cluster import LocalSlurm, missing_binaries
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    missing = missing_binaries()
+    if missing:
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): `make slurm` installs slurm-wlm and munge")
+    c = LocalSlurm(str(tmp_path_factory.mktemp("slurm"))).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl, write_sft_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+
+    d = tmp_path_factory.mktemp("slurm-files")
+    hf = make_tiny_qwen3(str(d / "hf"), flavor="base", num_layers=2, seed=0)
+    write_rl_prompts_jsonl(str(d / "rl.jsonl"), 64, seed=1)
+    write_sft_jsonl(str(d / "sft.jsonl"), 64, seed=0)
+    subprocess.run(
+        [PY, "tools/preprocess_sft.py", "--input", str(d / "sft.jsonl"), "--tokenizer", hf]
+        + ["--output-prefix", str(d / "sft-data"), "--max-length", "256"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    return {"dir": d, "hf": hf, "rl": str(d / "rl.jsonl"), "sft": str(d / "sft-data")}
+
+
+def _ports(n: int) -> list:
+    from tests.slurm.cluster import _free_port_run
+
+    base = _free_port_run(n)
+    return list(range(base, base + n))
+
+
+def _steps(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def _wait_for(what, check, timeout, job=None, cluster=None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return
+        if job and cluster.job(job).get("JobState") in ("FAILED", "CANCELLED", "COMPLETED"):
+            raise AssertionError(f"job {job} ended ({cluster.job(job)}) while waiting for {what}")
+        time.sleep(1)
+    raise AssertionError(f"{what}: not within {timeout}s")
+
+
+GPPO_STEPS = 6
+
+
+def _trained_steps(log: str) -> list:
+    """The ``step N/M`` lines of a trainer's log (all its runs: the job's output is appended)."""
+    import re
+
+    return [int(m.group(1)) for m in re.finditer(r"^step (\d+)/\d+ \|", open(log).read(), re.M)]
+
+
+def _gppo_env(files, save_dir, logs):
+    server, router, metrics, master, sync = _ports(5)
+    train = [
+        f"model.path={files['hf']}",
+        "parallel.tp=1",
+        "parallel.sequence_parallel=false",
+        "parallel.cp=1",
+        "parallel.pp=2",
+        f"rl.prompts=[{files['rl']}]",
+        "rl.prompts_per_step=4",
+        "rl.oversample_prompts=8",
+        "rl.max_generation_batches=1",  # one draw of prompts per step: the order is the seed's
+        "rl.responses_per_prompt=4",
+        "rl.mini_batch_prompts=2",
+        "rl.max_tokens_per_micro_batch=512",
+        "rl.max_prompt_length=128",
+        "rollout.max_new_tokens=32",
+        "rollout.verify_interval=1",  # the servers' log-probs probed after every push
+        "reward.workers=1",
+        f"train.steps={GPPO_STEPS}",
+        "train.save_interval=100",  # saves only on the stop signal and at the end
+        f"train.save_dir={save_dir}",
+        "optim.warmup_steps=1",
+    ]
+    return {
+        "ROLLOUT_NODES": "0",
+        "TRAIN_NODES": "2",
+        "GPUS_PER_NODE": "1",
+        "SERVERS_PER_NODE": "1",
+        "ENGINE": "standin",
+        "SERVER_MODEL": files["hf"],
+        "SERVER_ARGS": "",
+        "PY": PY,
+        "LOG_DIR": logs,
+        "STARTUP_TIMEOUT": "180",
+        "SERVER_PORT": str(server),
+        "ROUTER_PORT": str(router),
+        "ROUTER_METRICS_PORT": str(metrics),
+        "MASTER_PORT": str(master),
+        "SYNC_MASTER_PORT": str(sync),
+        "TRAIN_ARGS": " ".join(train),
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": logs,
+    }
+
+
+def _expected_digests(files, steps, per_step=8, seed=1234):
+    """The prompt order's digest after each step of an uninterrupted run: the same dataset, seed
+    and draws (one batch of rl.oversample_prompts per step)."""
+    from megatron_klear.data.prompts import PromptDataset
+    from megatron_klear.rollout.embedded import load_tokenizer
+
+    data = PromptDataset([files["rl"]], load_tokenizer(files["hf"]), max_prompt_length=128, seed=seed)
+    out = []
+    for _ in range(steps):
+        data.take(per_step)
+        out.append(data.digest)
+    return out
+
+
+def test_gppo_job_on_two_nodes_survives_two_preemptions(cluster, files, tmp_path):
+    save, logs = str(tmp_path / "rl"), str(tmp_path / "logs")
+    out = str(tmp_path / "job.out")
+    env = _gppo_env(files, save, logs)
+    job = cluster.sbatch(
+        os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"),
+        "--nodes=2",
+        f"--output={out}",
+        "--export=ALL",
+        env=env,
+        cwd=ROOT,
+    )
+    metrics = os.path.join(save, "metrics.jsonl")
+    # 1. Slurm's --signal path: USR1 to the batch script, which has the trainer save and requeues
+    _wait_for("two steps", lambda: len(_steps(metrics)) >= 2, 300, job, cluster)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster.env, check=True)
+    _wait_for("the first requeue", lambda: cluster.job(job).get("Restarts") == "1", 120)
+    # 2. scontrol requeue: Slurm stops every step (SIGTERM) and requeues; the trainer saves
+    before = len(_steps(metrics))
+    _wait_for("a step after the restart", lambda: len(_steps(metrics)) > before, 300, job, cluster)
+    subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
+    info = cluster.wait_done(job, 600)
+    text = open(out).read()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    assert info["Restarts"] == "2", info
+    assert "(restart 1)" in text and "(restart 2)" in text, text[-3000:]
+    assert "preempted (SIGUSR1)" in text and "Slurm stops the job (SIGTERM)" in text, text[-3000:]
+
+    steps = _steps(metrics)
+    assert [m["step"] for m in steps] == list(range(1, GPPO_STEPS + 1))
+    # no step lost, none repeated: the trainer's own step lines across the three runs (the metrics
+    # file is rewound to the checkpoint on resume, so it would not show a repeated step)
+    assert _trained_steps(os.path.join(logs, "trainer-node0.log")) == list(range(1, GPPO_STEPS + 1))
+    saved = sorted(int(n[5:]) for n in os.listdir(save) if n.startswith("iter_"))
+    assert len(saved) == 3 and saved[-1] == GPPO_STEPS, saved  # the two stop-signal saves and the end
+    assert os.path.isdir(os.path.join(save, f"iter_{GPPO_STEPS:07d}"))
+    # the data order of an uninterrupted run, step by step, across both restarts
+    assert [m["data/order_digest"] for m in steps] == _expected_digests(files, GPPO_STEPS)
+    # PP=2 over the two nodes: both stage leaders pushed their layers (bf16: 2 bytes a parameter)
+    from safetensors import safe_open
+
+    params = 0
+    for name in os.listdir(files["hf"]):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(files["hf"], name), "pt") as f:
+                params += sum(int(__import__("math").prod(f.get_slice(k).get_shape())) for k in f.keys())
+    pushed = [m for m in steps if m.get("weights/pushed")]
+    assert pushed and all(m["weights/sync_bytes"] == 2 * params for m in pushed), pushed
+    assert os.path.exists(os.path.join(logs, "trainer-node0.log")) and os.path.exists(
+        os.path.join(logs, "trainer-node1.log")
+    )
+    # the servers hold the trainer's weights: the probe after every push, the last one included
+    verified = [m for m in steps if "weights/verify_mean_diff_max" in m]
+    assert verified and verified[-1]["step"] == GPPO_STEPS, [m["step"] for m in verified]
+    assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
+
+
+def test_sft_job_on_two_nodes_survives_a_preemption(cluster, files, tmp_path):
+    """The SFT script: torchrun on both nodes (PP=2), preempted once through Slurm's --signal path,
+    requeued, resumed: every step trained once, the loss of each step as logged by the two runs."""
+    save, logs, out = str(tmp_path / "sft"), str(tmp_path / "logs"), str(tmp_path / "job.out")
+    (master,) = _ports(1)
+    train = [
+        f"model.path={files['hf']}",
+        f"data.prefix={files['sft']}",
+        "data.seq_length=256",
+        "data.micro_batches_per_step=2",
+        "parallel.tp=1",
+        "parallel.sequence_parallel=false",
+        "parallel.cp=1",
+        "parallel.pp=2",
+        "train.epochs=0",
+        "train.steps=8",
+        "train.save_interval=100",
+        f"train.save_dir={save}",
+        "optim.warmup_steps=1",
+    ]
+    env = {"TRAIN_NODES": "2", "GPUS_PER_NODE": "1", "PY": PY, "LOG_DIR": logs, "MASTER_PORT": str(master)}
+    env.update(TRAIN_ARGS=" ".join(train), WANDB_MODE="offline", WANDB_DIR=logs)
+    job = cluster.sbatch(
+        os.path.join(ROOT, "examples/slurm/sft_qwen3_8b.sbatch"), "--nodes=2", f"--output={out}", env=env, cwd=ROOT
+    )
+    metrics = os.path.join(save, "metrics.jsonl")
+    _wait_for("three steps", lambda: len([m for m in _steps(metrics) if "loss" in m]) >= 3, 300, job, cluster)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster.env, check=True)
+    info = cluster.wait_done(job, 400)
+    text = open(out).read()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", (info, text)
+    assert _trained_steps(os.path.join(logs, "trainer-node0.log")) == list(range(1, 9))
+    saved = sorted(int(n[5:]) for n in os.listdir(save) if n.startswith("iter_"))
+    assert len(saved) == 2 and 3 <= saved[0] < 8 and saved[-1] == 8, saved
+
+
+@pytest.mark.parametrize("job", ["sft", "gppo"])
+def test_the_plain_launch_scripts_as_two_nodes_on_one_host(files, tmp_path, job):
+    """Without any scheduler: the launch script started twice on one host, NNODES=2 NODE_RANK=0|1,
+    one process each, a pipeline stage per "node"; both launchers end with status 0 and the run
+    reaches its last step (GPPO: with a stand-in server, the weights verified on it)."""
+    master, server = _ports(2)
+    save = str(tmp_path / "run")
+    common = [f"model.path={files['hf']}", "parallel.tp=1", "parallel.sequence_parallel=false", "parallel.cp=1"]
+    common += ["parallel.pp=2", "train.steps=2", f"train.save_dir={save}", "optim.warmup_steps=1"]
+    env = dict(os.environ, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), GPUS_PER_NODE="1", PY=PY)
+    env.update(WANDB_MODE="offline", WANDB_DIR=str(tmp_path))
+    standin = None
+    if job == "sft":
+        script = "examples/run_sft_qwen3_8b.sh"
+        args = common + [f"data.prefix={files['sft']}", "data.seq_length=256", "data.micro_batches_per_step=2"]
+        args += ["train.epochs=0"]
+    else:
+        from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+
+        standin = EmbeddedHTTPEngine.launch(files["hf"], startup_timeout=120)
+        script = "examples/run_gppo_qwen3_8b.sh"
+        args = common + [f"rl.prompts=[{files['rl']}]", "rl.prompts_per_step=2", "rl.oversample_prompts=4"]
+        args += ["rl.responses_per_prompt=4", "rl.mini_batch_prompts=1", "rl.max_tokens_per_micro_batch=512"]
+        args += ["rl.max_prompt_length=128", "rollout.max_new_tokens=32", f"rollout.urls=[{standin.url}]"]
+        args += ["rollout.verify_interval=1", "reward.workers=1"]
+    try:
+        procs = [
+            subprocess.Popen(
+                ["bash", script, *args],
+                cwd=ROOT,
+                env=dict(env, NODE_RANK=str(r)),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in (0, 1)
+        ]
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        if standin is not None:
+            standin.close()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    steps = _steps(os.path.join(save, "metrics.jsonl"))
+    assert [m["step"] for m in steps if "step" in m][-1] == 2
+    assert os.path.isdir(os.path.join(save, "iter_0000002"))
+    if job == "gppo":
+        assert "weights/verify_mean_diff_max" in steps[-1], steps[-1]
