@@ -287,3 +287,31 @@ def test_the_plain_launch_scripts_as_two_nodes_on_one_host(files, tmp_path, job)
     assert os.path.isdir(os.path.join(save, "iter_0000002"))
     if job == "gppo":
         assert "weights/verify_mean_diff_max" in steps[-1], steps[-1]
+
+
+def test_a_server_that_dies_ends_the_job_naming_it(cluster, files, tmp_path):
+    """The rollout server is killed while the trainer runs: the job does not hang, the trainer is
+    stopped, and the job fails (status 3) with a line naming the server and its log."""
+    save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
+    env = _gppo_env(files, save, logs)
+    env["TRAIN_ARGS"] = env["TRAIN_ARGS"].replace(f"train.steps={GPPO_STEPS}", "train.steps=50")
+    job = cluster.sbatch(
+        os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"),
+        "--nodes=2",
+        "--no-requeue",
+        f"--output={out}",
+        env=env,
+        cwd=ROOT,
+    )
+    _wait_for("a step", lambda: len(_steps(os.path.join(save, "metrics.jsonl"))) >= 1, 300, job, cluster)
+    port = env["SERVER_PORT"]
+    pids = subprocess.run(
+        ["pgrep", "-f", f"sglang_standin --model {files['hf']} --port {port}"], capture_output=True, text=True
+    ).stdout.split()
+    assert pids
+    subprocess.run(["kill", "-KILL", *pids], check=True)
+    info = cluster.wait_done(job, 300)
+    text = open(out).read()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", (info, text[-3000:])
+    assert f"error: server-n1-0 exited while the trainer runs; see {logs}/server-n1-0.log" in text, text[-3000:]
+    assert not subprocess.run(["pgrep", "-f", f"megatron_klear rl .*{save}"], capture_output=True).stdout
