@@ -41,20 +41,20 @@ def _check(rank, world, hf_dir, root, layout):
 
     first = build_training_state(cfg, total_steps=2)
     manager = CheckpointManager(cfg.train.save_dir, keep_last=2, model_source=hf_dir)
-    ckpt = manager.save(first, 0, {"note": "before any optimizer step"})
-    _, want = step(first)
-    second = build_training_state(cfg, total_steps=2)
-    manager.load(second, ckpt)
-    ok, got = step(second)
-    assert ok and all(torch.equal(a, b) for a, b in zip(got, want))
-    # and after steps: the saved moments and step count come back, the next step is the same (the
-    # distributed optimizer's fresh state dict used to assert one step count on the CPU)
-    ckpt = manager.save(first, 1, {"note": "after a step"})
-    _, want = step(first)
-    third = build_training_state(cfg, total_steps=2)
-    manager.load(third, ckpt)
-    ok, got = step(third)
-    assert ok and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    def resumed_steps_as_the_run(at: int) -> bool:
+        """Save ``first`` at ``at``, step it; a fresh state loaded from that save steps the same."""
+        ckpt = manager.save(first, at, {"note": f"after {at} optimizer steps"})
+        _, want = step(first)
+        resumed = build_training_state(cfg, total_steps=2)
+        manager.load(resumed, ckpt)
+        ok, got = step(resumed)
+        return ok and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    assert resumed_steps_as_the_run(0)  # before any optimizer step
+    # and after one: the saved moments and step count come back (the distributed optimizer's fresh
+    # state dict used to assert one step count on the CPU, and its loaded step was shared)
+    assert resumed_steps_as_the_run(1)
     return True
 
 
