@@ -149,7 +149,7 @@ def run_one(spec: dict, files: dict, out: str) -> dict:
         return summary["heldout"][f"avg@{s.eval_k}"]
 
     t0 = time.time()
-    curve, metrics = [(0, heldout())], []
+    curve, metrics = [(0, _start_value(out, files["sft"], spec["seed"], s, heldout))], []
     while loop.rl_step < loop.steps:
         m = loop.step()
         loop.job_run.logger.log(loop.rl_step, m, console_keys=("rollout/accuracy", "actor/outside_frac"))
@@ -162,6 +162,24 @@ def run_one(spec: dict, files: dict, out: str) -> dict:
     with atomic.atomic_file(_run_path(out, spec["name"])) as f:
         json.dump(result, f)
     return result
+
+
+def _start_value(out: str, sft: str, seed: int, s, measure) -> float:
+    """The held-out value at step 0: the SFT model's, the same for every variant of a seed (same
+    weights, same evaluation seed), measured once and kept in ``<out>/start/``."""
+    import hashlib
+
+    from megatron_klear.utils import atomic
+
+    key = json.dumps([os.path.abspath(sft), seed, s.eval_prompts, s.eval_k, s.max_new_tokens, s.temperature])
+    path = os.path.join(out, "start", hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    if os.path.exists(path):
+        return json.load(open(path))["value"]
+    value = measure()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with atomic.atomic_file(path) as f:
+        json.dump({"key": key, "value": value}, f)
+    return value
 
 
 def _run_path(out: str, name: str) -> str:
