@@ -201,4 +201,7 @@ def test_long_tailed_split_files_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="min_terms"):
         syn.LongTailTask(min_terms=1)
     with pytest.raises(ValueError, match="tail"):
-        syn.LongTailTask(tail=0)
+        syn.LongTailTask(tail=-0.5)
+    # tail 0: every length equally likely (benchmarks/algos.py's long task)
+    flat = syn.LongTailTask(min_terms=4, max_terms=7, tail=0.0).terms_probabilities()
+    assert flat == pytest.approx({k: 0.25 for k in range(4, 8)})

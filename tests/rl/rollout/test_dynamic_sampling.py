@@ -49,6 +49,9 @@ class _Prompts:
     def load_state_dict(self, state):
         self.taken = list(state["taken"])
 
+    def progress(self):
+        return {"data/position": sum(self.taken)}
+
     def take(self, n):
         start = sum(self.taken)
         self.taken.append(n)

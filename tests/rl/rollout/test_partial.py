@@ -119,6 +119,9 @@ class Prompts:
         self.next += n
         return out
 
+    def progress(self):
+        return {"data/position": self.next}
+
 
 def _cfg(**rl):
     cfg = JobConfig()
