@@ -14,9 +14,14 @@ Two parts, both from one SFT model of the demo's digit-chain task (``examples/de
   sign-flip p-value: ``megatron_klear.utils.stats``), the paper's mechanisms per step (entropy,
   clip fractions, the log-ratio of negative-advantage tokens), and plots.
 
-    python benchmarks/algos.py sweep                       # the regime table (~25 min on 2 cores)
-    python benchmarks/algos.py compare --regime mb4 --seeds 5
-    python benchmarks/algos.py --quick                     # the machinery, in the test suite
+    python benchmarks/algos.py sweep                                # the regime table: 6 min
+    python benchmarks/algos.py compare --regime mb16-lr1.5e-4 --seeds 8   # 9 variants x 8 seeds: 41 min
+    python benchmarks/algos.py compare --regime mb4 --seeds 5       # the near on-policy contrast: 20 min
+    python benchmarks/algos.py --quick                              # the machinery, in the test suite (~25 s)
+
+Times on 2 cores (benchmarks/RESULTS.md, 2026-12-05), plus ~3 min for the demo's SFT model and ~5
+min for the long task's when they are not given (``--sft``) or built before: about 80 minutes for
+everything RESULTS.md reports.
 
 Resumable: every run writes ``<out>/runs/<name>.json`` when it ends and a killed command re-run
 with the same arguments skips the runs already written. Runs are the RL loop itself
