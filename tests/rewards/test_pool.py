@@ -222,3 +222,21 @@ def test_close_cancels_pending():
     assert sum(f.cancelled() for f in futs) >= 3
     with pytest.raises(RuntimeError, match="closed"):
         p.submit(MATH_OK)
+
+
+def test_a_sigterm_to_every_process_leaves_the_graders_working(pool1):
+    """Slurm and container runtimes stop a job with SIGTERM to every process of it: the forkserver
+    and the workers ignore it (the trainer, finishing its step before it saves, still grades), and
+    they still end with the pool."""
+    import psutil
+
+    pool1.grade_many([MATH_OK])
+    helpers = psutil.Process().children(recursive=True)
+    assert any(p.pid == _worker_pid(pool1) for p in helpers)
+    for p in helpers:
+        p.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in helpers)
+    assert pool1.grade_many([MATH_OK])[0].reward == 1.0
+    pool1.close()
+    psutil.wait_procs([p for p in helpers if p.pid == _worker_pid(pool1)], timeout=10)
