@@ -51,8 +51,17 @@ SUM_KEYS = (
     "neg_log_ratio_sum",
     "neg_tokens",
 )
-TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "approx_kl", "outside_frac")
-TOKEN_MEANS += ("log_ratio_abs_mean", "ratio_sq_mean")
+# sums of token-weighted means (summary metric x tokens), divided by the step's tokens at the end
+TOKEN_MEANS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac_dual",
+    "ratio_mean",
+    "approx_kl",
+    "outside_frac",
+    "log_ratio_abs_mean",
+    "ratio_sq_mean",
+)
 
 
 def mini_batch_counts(

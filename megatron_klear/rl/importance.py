@@ -22,12 +22,13 @@ clip region of the rule is unchanged (they depend on the sign of A and on ``r``)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_klear.rl.losses import LOG_RATIO_LIMIT, sequence_index
+from megatron_klear.rl.losses import LOG_RATIO_LIMIT, sequence_sums
 
 IS_LEVELS = ("token", "sequence")
 REJECT_MODES = ("token", "sequence", "geometric")
@@ -84,9 +85,7 @@ def rollout_correction(
     log_rho = torch.where(m, log_rho, torch.zeros_like(log_rho))
     seq_log_rho = seq_mean_log_rho = None
     if correction.is_level == "sequence" or correction.is_reject in ("sequence", "geometric"):
-        inverse, n_seq = sequence_index(m, seq_ids)
-        sums = torch.zeros(n_seq, dtype=log_rho.dtype, device=log_rho.device).index_add(0, inverse, log_rho[m])
-        counts = torch.bincount(inverse, minlength=n_seq).to(log_rho.dtype)
+        sums, counts, inverse = sequence_sums(log_rho, m, seq_ids)
         seq_log_rho = torch.zeros_like(log_rho)
         seq_log_rho[m] = sums[inverse]
         seq_mean_log_rho = torch.zeros_like(log_rho)
@@ -96,16 +95,13 @@ def rollout_correction(
     if correction.tis_cap:
         level = seq_log_rho if correction.is_level == "sequence" else log_rho
         # the sequence product can be astronomically large or small: cap in log space
-        weights = torch.exp(
-            level.clamp(max=float(torch.log(torch.tensor(float(correction.tis_cap), dtype=torch.float64))))
-        )
+        weights = torch.exp(level.clamp(max=math.log(correction.tis_cap)))
     rejected = torch.zeros_like(m)
     if correction.is_reject is not None:
         low, high = correction.reject_bounds()
         test = {"token": log_rho, "sequence": seq_log_rho, "geometric": seq_mean_log_rho}[correction.is_reject]
-        log_low = float("-inf") if low == 0 else float(torch.log(torch.tensor(low, dtype=torch.float64)))
-        log_high = float(torch.log(torch.tensor(high, dtype=torch.float64)))
-        rejected = m & ((test < log_low) | (test > log_high))
+        log_low = -math.inf if low == 0 else math.log(low)
+        rejected = m & ((test < log_low) | (test > math.log(high)))
         weights = torch.where(rejected, torch.zeros_like(weights), weights)
     weights = torch.where(m, weights, torch.zeros_like(weights))
     sums = {"weight_sum": weights.sum(), "rejected": rejected.sum().double()}

@@ -164,10 +164,8 @@ def _gspo_rule(t: _Tokens) -> tuple:
     if t.mask is None:
         raise ValueError("policy loss: algo='gspo' needs the response mask (the sequence ratio is a mean over it)")
     m = t.mask.bool()
-    inverse, n_seq = sequence_index(m, t.seq_ids)
     log_r = torch.log(t.ratio_sg)  # the clamped log-ratio
-    seq_sum = torch.zeros(n_seq, dtype=log_r.dtype, device=log_r.device).index_add(0, inverse, log_r[m])
-    seq_len = torch.bincount(inverse, minlength=n_seq).to(log_r.dtype)
+    seq_sum, seq_len, inverse = sequence_sums(log_r, m, t.seq_ids)
     seq_ratio = torch.ones_like(log_r)
     seq_ratio[m] = torch.exp(seq_sum / seq_len)[inverse]
     s_t = seq_ratio * t.grad_one()
@@ -317,6 +315,14 @@ def sequence_index(mask: torch.Tensor, seq_ids: Optional[torch.Tensor]) -> Tuple
     return inverse, int(uniq.shape[0])
 
 
+def sequence_sums(values: torch.Tensor, mask: torch.Tensor, seq_ids: Optional[torch.Tensor] = None) -> tuple:
+    """Per sequence (:func:`sequence_index`): the sum of ``values`` over its masked tokens (with a
+    graph) and its token count; and each masked token's sequence index. ``mask`` is boolean."""
+    inverse, n_seq = sequence_index(mask, seq_ids)
+    sums = torch.zeros(n_seq, dtype=values.dtype, device=values.device).index_add(0, inverse, values[mask])
+    return sums, torch.bincount(inverse, minlength=n_seq).to(values.dtype), inverse
+
+
 def _check_mask(loss_tokens: torch.Tensor, mask: torch.Tensor, seq_ids: Optional[torch.Tensor]) -> torch.Tensor:
     if mask.shape != loss_tokens.shape:
         raise ValueError(
@@ -382,7 +388,8 @@ def aggregate(
         denom = _as_denominator(global_num_tokens, int(m.sum()), loss_tokens, "global_num_tokens")
         return masked.sum() / denom
 
-    inverse, n_seq = sequence_index(m, seq_ids)
+    seq_sum, seq_len, _ = sequence_sums(loss_tokens, m, seq_ids)
+    n_seq = seq_sum.shape[0]
     seq_denom = _as_denominator(global_num_seqs, n_seq, loss_tokens, "global_num_seqs")
     if agg == "seq_mean_token_sum_norm":
         if constant is None or not float(constant) > 0:
@@ -392,11 +399,8 @@ def aggregate(
             )
         return masked.sum() / (seq_denom * float(constant))
     # seq_mean_token_mean
-    values = loss_tokens[m]  # row-major, the order of sequence_index
     if n_seq == 0:
         return masked.sum() / seq_denom  # zero, with a graph
-    seq_sum = torch.zeros(n_seq, dtype=loss_tokens.dtype, device=loss_tokens.device).index_add(0, inverse, values)
-    seq_len = torch.bincount(inverse, minlength=n_seq).to(loss_tokens.dtype)
     return (seq_sum / seq_len).sum() / seq_denom
 
 
