@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import socket
 import sys
 import time
 
@@ -54,6 +56,7 @@ class MetricsLogger:
             except ImportError:
                 raise ImportError("logging.wandb=true needs wandb: pip install 'megatron-klear[logging]'") from None
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            _drop_unreachable_wandb_service(self.stream)
             self._wandb = wandb_lib.init(project=wandb_project, name=run_name or None, config=config, mode=mode)
         if tensorboard_dir:
             try:
@@ -112,6 +115,30 @@ class MetricsLogger:
             self._guard_wandb(self._wandb.finish)
         if self._tb:
             self._tb.close()
+
+
+def _drop_unreachable_wandb_service(stream) -> None:
+    """wandb hands its service's address to child processes in ``WANDB_SERVICE``; a run started
+    from a process whose wandb service has ended (a notebook, a launcher, a test session that
+    used wandb) inherits a dead address and ``wandb.init`` fails to connect. An address nothing
+    answers on is removed, with a warning, so that wandb starts a service of its own."""
+    token = os.environ.get("WANDB_SERVICE", "")
+    unix = re.fullmatch(r"\d+-\d+-unix-(.+)", token)
+    tcp = re.fullmatch(r"\d+-\d+-tcp-localhost-(\d+)", token)
+    if unix:
+        family, address = socket.AF_UNIX, unix.group(1)
+    elif tcp:
+        family, address = socket.AF_INET, ("127.0.0.1", int(tcp.group(1)))
+    else:
+        return
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.settimeout(2.0)
+            probe.connect(address)
+    except OSError as e:
+        del os.environ["WANDB_SERVICE"]
+        stream.write(f"warning: WANDB_SERVICE={token} names a wandb service that is gone ({e}); starting a new one\n")
+        stream.flush()
 
 
 def truncate_jsonl(path: str, last_step: int) -> int:

@@ -4,8 +4,22 @@ line with step, loss, lr, tokens/s and ETA."""
 import io
 import json
 import os
+import sys
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _own_wandb_service(monkeypatch):
+    """wandb keeps one service per process and writes its address into os.environ: each test
+    starts its own and leaves neither behind for the tests that run after it in this worker."""
+    monkeypatch.setitem(os.environ, "WANDB_SERVICE", "")
+    yield
+    if "wandb" in sys.modules:
+        try:
+            sys.modules["wandb"].teardown()
+        except Exception:  # the service a test killed cannot answer its teardown
+            pass
 
 
 def test_jsonl_console_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
@@ -64,9 +78,12 @@ def test_missing_extras_are_named(tmp_path, monkeypatch):
 def test_a_terminated_wandb_service_stops_wandb_not_the_run(tmp_path, monkeypatch):
     """Slurm (and container runtimes) send SIGTERM to every process of the step, wandb's service
     process too: the next wandb call raises. The logger warns once and goes on with the JSONL file,
-    so a trainer told to save and stop still reaches its save (tests/slurm: it crashed before)."""
+    so a trainer told to save and stop still reaches its save (tests/slurm: it crashed before).
+    A process started afterwards inherits the dead service's address in WANDB_SERVICE (as a run
+    launched from a notebook or a launcher that used wandb does): it starts a service of its own."""
     pytest.importorskip("wandb")
     import signal
+    import subprocess
     import time
 
     import psutil
@@ -78,6 +95,7 @@ def test_a_terminated_wandb_service_stops_wandb_not_the_run(tmp_path, monkeypatc
     monkeypatch.setenv("WANDB_SILENT", "true")
     console = io.StringIO()
     log = MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), total_steps=4, wandb=True, stream=console)
+    assert os.environ["WANDB_SERVICE"]  # the address a child process inherits
     log.log(1, {"loss": 1.0})
     service = [p for p in psutil.Process().children(recursive=True) if "wandb" in " ".join(p.cmdline())]
     assert service, [p.cmdline() for p in psutil.Process().children(recursive=True)]
@@ -90,3 +108,14 @@ def test_a_terminated_wandb_service_stops_wandb_not_the_run(tmp_path, monkeypatc
     log.close()
     assert [json.loads(x)["step"] for x in open(tmp_path / "m.jsonl")] == [1, 2, 3, 4]
     assert console.getvalue().count("warning: wandb stopped working") == 1, console.getvalue()
+
+    child = (
+        "import sys; from megatron_klear.training.metrics import MetricsLogger\n"
+        f"log = MetricsLogger(jsonl_path={str(tmp_path / 'c.jsonl')!r}, total_steps=1, wandb=True, stream=sys.stdout)\n"
+        "log.log(1, {'loss': 0.5}); log.close()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "names a wandb service that is gone" in proc.stdout, proc.stdout
+    assert "wandb stopped working" not in proc.stdout, proc.stdout
+    assert len([d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]) == 2
