@@ -20,7 +20,7 @@ setup(
         "psutil",
         "pyyaml",
         # the rollout client: httpx for the control calls, aiohttp for the thousands of concurrent
-        # /generate requests of an RL step (a tenth of httpx's CPU per request: rollout/sglang/call_http.py)
+        # /generate requests of an RL step (a tenth of httpx's CPU per request: rollout/servers/call_http.py)
         "httpx>=0.27",
         "aiohttp>=3.10",
         # the SGLang stand-in server: fastapi 0.100 (pydantic 2), uvicorn 0.29 (Server.capture_signals)

@@ -57,12 +57,12 @@ def main() -> int:
             times["kept_alive"].append(time.perf_counter() - t)
         for k in range(max(5, args.calls // 5)):
             t = time.perf_counter()
-            client.control.pause_generation("abort")
-            client.control.begin_weight_update()
-            client.control.end_weight_update()
-            client.control.set_weight_version(f"bench-{k}")
-            client.control.continue_generation()
-            client.control.check_weight_versions(f"bench-{k}")
+            client.wire.pause("abort")
+            client.wire.begin()
+            client.wire.end()
+            client.wire.set_version(f"bench-{k}")
+            client.wire.resume()
+            client.members.check_weight_versions(f"bench-{k}")
             times["sync_control"].append(time.perf_counter() - t)
         client.close()
     finally:

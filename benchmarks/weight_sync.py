@@ -49,7 +49,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -58,12 +57,6 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --quick: a small model of the same structure (seconds; what the test runs)
@@ -113,7 +106,7 @@ def raw_receiver(rank: int, port: int, world: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_klear.rollout.weight_sync.update_group import join_update_group
+    from megatron_klear.rollout.servers.update_group import join_update_group
 
     torch.set_num_threads(1)
     pg = join_update_group(
@@ -177,7 +170,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.vllm import VLLMEngine
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, export_hf_for_engine, iter_buckets
-    from megatron_klear.rollout.weight_sync.update_group import join_update_group, open_master_store
+    from megatron_klear.rollout.servers.update_group import join_update_group, open_master_store
     from megatron_klear.training.setup import load_initial_weights, model_arch
 
     cfg = load_config(None, [f"model.path={ckpt}", "parallel.tp=2", "model.dtype=bf16"])
@@ -266,7 +259,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     if rank == 0:
         dist.broadcast(torch.tensor([-1], dtype=torch.int64), src=0, group=raw_pg)
         shutil.rmtree(workdir, ignore_errors=True)
-        engine.control.check_weight_versions(served)  # the last update reached both servers
+        engine.members.check_weight_versions(served)  # the last update reached both servers
     sync.close()
     return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats}
 
@@ -310,6 +303,7 @@ def main() -> int:
 
     import torch.multiprocessing as mp
 
+    from megatron_klear.platform.process import free_port
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.vllm.launcher import VLLMServer
 
@@ -347,7 +341,7 @@ def main() -> int:
         print("servers:", [s.url for s in servers], flush=True)
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        raw_port, port = _free_port(), _free_port()
+        raw_port, port = free_port(), free_port()
         procs = [ctx.Process(target=raw_receiver, args=(r, raw_port, 3)) for r in (1, 2)]
         procs += [
             ctx.Process(target=trainer, args=(r, 2, port, ckpt, [s.url for s in servers], args, raw_port, queue))

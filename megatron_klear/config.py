@@ -130,6 +130,8 @@ class JobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
 
     def validate(self):
+        if self.rollout.pause_mode == "auto":  # requests in flight survive a push in asynchronous RL
+            self.rollout.pause_mode = "retract" if self.rl.async_steps else "abort"
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
@@ -177,7 +179,7 @@ class JobConfig:
         if asynchronous and not self.rollout.servers:
             raise ConfigError(
                 f"{' and '.join(asynchronous)} need rollout servers that abort and continue requests while "
-                "the trainer runs: set rollout.engine=http (SGLang, or the stand-in server of "
+                "the trainer runs: set rollout.engine=sglang (SGLang, or the stand-in server of "
                 "megatron_klear.rollout.sglang_standin on CPU) or rollout.engine=vllm"
             )
         if self.rl.async_steps and self.rollout.colocate:

@@ -65,12 +65,12 @@ def test_bad_overrides():
         (["parallel.cp=2", "rl.agg=seq_mean_token_mean"], "seq_mean_token_mean is not supported with parallel.cp > 1"),
         (["parallel.pp=2", "parallel.vpp=2", "data.micro_batches_per_step=3"], "must be a multiple of parallel.pp=2"),
         (["rl.prompts=[p.jsonl]", "rl.max_tokens_per_micro_batch=32768"], "cannot hold the longest sample"),
-        (["rollout.engine=http"], "needs rollout.urls"),
+        (["rollout.engine=sglang"], "needs rollout.urls"),
         # asynchronous and partial rollouts: servers that abort and continue, on their own GPUs
-        (["rl.async_steps=1"], r"rl.async_steps need rollout servers .* set rollout.engine=http"),
+        (["rl.async_steps=1"], r"rl.async_steps need rollout servers .* set rollout.engine=sglang"),
         (["rollout.partial=true"], r"rollout.partial need rollout servers"),
         (
-            ["rl.async_steps=1", "rollout.engine=http", "rollout.urls=[http://h:1]", "rollout.colocate=true"],
+            ["rl.async_steps=1", "rollout.engine=sglang", "rollout.urls=[http://h:1]", "rollout.colocate=true"],
             r"rl.async_steps with rollout.colocate: .*rollout.colocate=false\) or set rl.async_steps=0",
         ),
         (["rl.async_steps=1", "rl.max_staleness=0"], r"larger than rl.max_staleness=0: .* set rl.max_staleness >= 1"),

@@ -7,13 +7,15 @@ steps. Two kinds:
 
 - :class:`RolloutEngine`: what every engine does -- generate, take weights by HF name, tell its
   context length, close. The in-process torch engine (:mod:`.embedded`) is one.
-- :class:`ServerEngine`: an engine made of rollout servers (SGLang, or the stand-in server of
-  :mod:`.sglang_standin`), reached over HTTP (:mod:`.sglang`). Besides generating, it lists its
-  workers, loads weights from a directory, reports each worker's dtype, answers a greedy probe per
-  worker (the weight check), and releases / resumes the servers' accelerator memory when they share
-  the trainer's GPUs.
+- :class:`ServerEngine`: an engine made of rollout servers (SGLang, vLLM, or the stand-in server of
+  :mod:`.sglang_standin`), reached over HTTP (:mod:`.servers`). Besides generating, it lists its
+  workers, loads weights from a directory, takes them over process groups (its :class:`WeightWire`),
+  reports each worker's dtype, answers a greedy probe per worker (the weight check), and releases /
+  resumes the servers' accelerator memory when they share the trainer's GPUs.
 
-:func:`megatron_klear.rollout.factory.make_engine` builds either from a ``rollout`` config section.
+Errors (:class:`EngineError`, :class:`WorkerGone`, :class:`FleetError`) are defined here, for every
+engine and every caller. :func:`megatron_klear.rollout.factory.make_engine` builds an engine from a
+``rollout`` config section, through the table of engines (:mod:`.engines`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 
 class EngineError(RuntimeError):
@@ -31,6 +34,10 @@ class WorkerGone(EngineError):
     """The call could not reach its server or got no answer in time (connection refused or reset,
     the connection closed without an answer, a timeout): the server is gone or frozen. An answer,
     whatever its status, is a plain :class:`EngineError` (the server is there and refused)."""
+
+
+class FleetError(RuntimeError):
+    """Fewer than ``rollout.min_live_workers`` workers remain; the message names the lost ones."""
 
 
 @dataclass
@@ -176,14 +183,10 @@ class RolloutEngine(abc.ABC):
 
 class ServerEngine(RolloutEngine):
     """Rollout servers behind HTTP. Every verb below goes to every *worker* (a server), never to a
-    router; each raises naming the worker that failed.
+    router; each raises naming the worker that failed. ``memory_tags``: what the servers can release
+    (colocated servers: every tag is released around an update). How a weight push pauses them is
+    the ``rollout`` section's ``pause_mode``, given with it."""
 
-    Two settings are given at construction: ``sync_pause_mode``, how a weight push pauses the
-    servers (``"abort"``: requests in flight end and are sent again; ``"retract"``: they survive the
-    push and continue with the new weights -- asynchronous RL), and the ``memory_tags`` the servers
-    can release (colocated servers: every tag is released around an update)."""
-
-    sync_pause_mode: str = "abort"
     memory_tags: tuple = ()
 
     @abc.abstractmethod
@@ -254,6 +257,20 @@ class ServerEngine(RolloutEngine):
         (counts since the previous call)."""
 
     @abc.abstractmethod
+    def alive(self, workers) -> list:
+        """Whether each of ``workers`` answers at all (any answer counts; a paused server answers)."""
+
+    @abc.abstractmethod
+    def check_fleet(self) -> None:
+        """Raise :class:`FleetError` unless at least ``rollout.min_live_workers`` workers serve."""
+
+    @property
+    @abc.abstractmethod
+    def wire(self) -> "WeightWire":
+        """The calls of the distributed weight update (:class:`WeightWire`), for
+        :mod:`.weight_sync.distributed`."""
+
+    @abc.abstractmethod
     def stream(self, requests: list) -> "RequestStream":
         """Start every :class:`SampleRequest` (``n`` samples each, one by default) concurrently on the
         workers; the returned :class:`RequestStream` yields ``(key, Completion)`` per sample as each
@@ -281,3 +298,71 @@ class RequestStream(abc.ABC):
     def close(self) -> None:
         """Abort what still runs and wait for the requests to end (idempotent); a thread iterating
         the stream meanwhile stops iterating."""
+
+
+@runtime_checkable
+class BucketPosting(Protocol):
+    """One bucket's post to every member of an update group, answered in the background
+    (:meth:`WeightWire.post_bucket`): the sender broadcasts only once no member refused it."""
+
+    workers: list
+
+    def refusals(self, grace: float) -> dict:
+        """``{worker: error}`` of the posts that failed within ``grace`` seconds of the post."""
+
+    def grace_over(self, grace: float) -> bool:
+        """Whether :meth:`refusals` would answer now without waiting."""
+
+    def done(self) -> bool:
+        """Whether every member has answered."""
+
+    def result(self) -> dict:
+        """Wait for every answer; ``{worker: error}`` of the posts that failed."""
+
+
+@runtime_checkable
+class WeightWire(Protocol):
+    """The servers' side of the distributed weight update, as the trainer's sync drives it
+    (:mod:`.weight_sync.distributed`): update groups formed with every worker, a session per push
+    (pause, flush, begin; buckets; end, version, continue, checks). One implementation serves every
+    family of servers (:class:`.servers.wire.Wire`, over each family's dialect); the tests check that
+    every engine's wire conforms."""
+
+    def update_group_layout(self) -> list:
+        """``[(worker, ranks)]``: each worker joins an update group with this many ranks."""
+
+    def join_group_async(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offsets: dict,
+        group_name: str,
+        backend: str,
+        timeout: float,
+    ) -> dict:
+        """Start joining the group on every worker; ``{worker: concurrent.futures.Future}``."""
+
+    def leave_group(self, group_name: str, timeout: float | None = None) -> None:
+        """Drop the group on every worker (best effort)."""
+
+    def start_update(self) -> None:
+        """Pause generation, flush the caches and open a weight-update session on every worker."""
+
+    def post_bucket(
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        *,
+        group_name: str,
+        workers=None,
+        load_format: str | None = None,
+        timeout: float | None = None,
+    ) -> BucketPosting:
+        """Post one bucket to every member without waiting (:class:`BucketPosting`)."""
+
+    def finish_update(self, version, *, check_received: bool) -> None:
+        """Close the session, set ``version``, continue generation, check every worker reports it;
+        ``check_received``: one greedy token from every worker shows the bytes arrived (NCCL)."""

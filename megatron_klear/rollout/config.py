@@ -1,15 +1,19 @@
-"""The ``rollout`` section of a job config: which engine generates, how requests reach SGLang
-servers, how weights reach them, and whether they share the trainer's GPUs (validated at start;
-errors name the key)."""
+"""The ``rollout`` section of a job config: which engine generates (the table of engines is
+:mod:`.engines`), how requests reach the servers, how weights reach them, and whether they share the
+trainer's GPUs (validated at start; errors name the key)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megatron_klear.platform.errors import ConfigError
+from megatron_klear.rollout.engines import engine_spec
 
-#: the ``rollout.engine`` values that are rollout servers: SGLang's (``http``) and vLLM's
-SERVER_ENGINES = ("http", "vllm")
+#: how a weight push pauses the servers (``rollout.pause_mode``): ``abort`` ends the requests in
+#: flight (the client sends them again, with the new weights); ``retract`` keeps them (the servers
+#: recompute their KV cache with the new weights and continue: their later tokens carry the new
+#: version). Each family's dialect names them in its server's words.
+PAUSE_MODES = ("abort", "retract")
 
 
 @dataclass
@@ -17,20 +21,23 @@ class RolloutConfig:
     """Where responses come from. Sampling temperature is rl.temperature (one value for the engine
     and for the trainer's log-prob recompute).
 
-    ``engine=http``: SGLang servers, directly or behind sglang-router (``urls``). Generation is sent as
+    ``engine=sglang``: SGLang servers, directly or behind sglang-router (``urls``). Generation is sent as
     concurrent requests (one per prompt with ``n`` samples, or one per sample), at most
     ``max_concurrent_requests`` in flight; weight updates go to every worker (``workers``, or the
     router's ``GET /workers``), never to the router."""
 
-    # embedded (torch, in the driver process) | http (SGLang servers / sglang-router) | vllm (vLLM servers)
+    # embedded (torch, in the driver process) | sglang (SGLang servers / sglang-router; "http" before) |
+    # vllm (vLLM servers): the table of engines, megatron_klear/rollout/engines.py
     engine: str = "embedded"
-    urls: list = field(default_factory=list)  # http: where /generate goes: one sglang-router, or the servers
-    workers: list = field(default_factory=list)  # http: the servers for weight updates (default: asked from the router)
+    urls: list = field(default_factory=list)  # servers: where /generate goes: one sglang-router, or the servers
+    workers: list = field(
+        default_factory=list
+    )  # servers: the servers for weight updates (default: asked from the router)
     max_new_tokens: int = 32768
     top_p: float = 1.0
     top_k: int = -1
     dtype: str = "fp32"  # embedded engine dtype
-    sync_dir: str = ""  # http: shared directory for weight updates from disk (default <save_dir>/weights)
+    sync_dir: str = ""  # servers: shared directory for weight updates from disk (default <save_dir>/weights)
     generate_timeout_s: float = 3600.0  # one /generate request (one prompt's samples)
     control_timeout_s: float = 60.0  # health, info, pause/continue
     weight_update_timeout_s: float = 1800.0  # one server's reload of the weights
@@ -40,22 +47,26 @@ class RolloutConfig:
     health_check_interval_s: float = 10.0  # probe every worker's /health this often while generating
     health_check_timeout_s: float = 10.0
     health_failure_threshold: int = 3  # missed probes in a row before a worker is dropped for the step
-    # The fleet (rollout/sglang/fleet.py): a worker that dies, freezes or keeps failing is dropped and
+    # The fleet (rollout/servers/fleet.py): a worker that dies, freezes or keeps failing is dropped and
     # its requests go to the others; the step fails, naming the lost workers, once fewer than this remain.
     # A dropped worker that answers again is given the current weights at the next push, then rejoins.
     min_live_workers: int = 1
-    api_key: str = ""  # http: the servers' (and router's) --api-key, sent as "Authorization: Bearer <key>"
+    api_key: str = ""  # servers: the servers' (and router's) --api-key, sent as "Authorization: Bearer <key>"
     send_seed: bool = False  # send sampling_seed (SGLang honours it only with --enable-deterministic-inference)
     # Partial rollouts (docs/async.md): once rl.prompts_per_step groups of the over-sampled prompts are
     # complete and graded, the requests still running are aborted and their partial responses continued
-    # first at the next step (under the new weights). Needs rollout servers (engine=http).
+    # first at the next step (under the new weights). Needs rollout servers (engine=sglang or vllm).
     partial: bool = False
     chunk_prompts: int = 0  # embedded engine: prompts per generate call, graded while the next runs (0: one call)
-    # http: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
+    # servers: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
     # bucketed broadcast from each pipeline stage's leader over a process group with every server
     # (rollout/weight_sync/distributed.py); disk: a versioned HF directory in sync_dir that every server reloads.
     # auto: distributed, or disk with colocate (NCCL cannot pair the trainer's rank with a server on its own GPU).
     weight_sync: str = "auto"  # auto | distributed | disk
+    # servers: how a weight push pauses them: abort (requests in flight end and are sent again) |
+    # retract (they survive the push and continue with the new weights) | auto (retract when
+    # rl.async_steps > 0, else abort)
+    pause_mode: str = "auto"
     sync_bucket_mb: float = 1024.0  # distributed: tensors per broadcast (one dtype per bucket)
     sync_backend: str = "auto"  # distributed: auto (nccl on GPU, gloo on CPU) | nccl | gloo
     # distributed: the address servers reach the stage leaders at ("": the interface routing to the first server)
@@ -73,7 +84,7 @@ class RolloutConfig:
     # The embedded engine records them; SGLang servers return them when started with
     # --enable-return-routed-experts (return_routed_experts). Any TP/SP/PP/CP/EP layout.
     router_replay: bool = False
-    # http: the SGLang servers share the trainer's GPUs (started with --enable-memory-saver): they
+    # servers: the SGLang servers share the trainer's GPUs (started with --enable-memory-saver): they
     # release their KV cache, weights and CUDA graphs (/release_memory_occupation) before the trainer
     # builds its state and before every update; each sync resumes their weights, reloads them from
     # disk, then resumes the rest. Needs weight_sync=disk (auto picks it).
@@ -85,20 +96,17 @@ class RolloutConfig:
     @property
     def servers(self) -> bool:
         """Rollout servers (SGLang or vLLM) rather than the in-process engine."""
-        return self.engine in SERVER_ENGINES
+        return engine_spec(self.engine).servers
 
     def validate(self):
-        if self.engine not in ("embedded", *SERVER_ENGINES):
-            raise ConfigError(f"rollout.engine must be embedded, http (SGLang) or vllm, got {self.engine!r}")
-        if self.engine == "http" and not self.urls:
-            raise ConfigError("rollout.engine=http needs rollout.urls (SGLang server or router URLs)")
-        if self.engine == "vllm" and not self.urls:
-            raise ConfigError("rollout.engine=vllm needs rollout.urls (the vLLM servers' URLs)")
-        if self.engine == "vllm" and self.router_replay:
-            raise ConfigError(
-                "rollout.router_replay with rollout.engine=vllm: this client does not read vLLM's routed "
-                "experts yet; use SGLang servers (rollout.engine=http) or the embedded engine"
-            )
+        spec = engine_spec(self.engine)
+        self.engine = spec.name  # an older name (http) is read as the engine's own
+        if spec.check is not None:
+            spec.check(self)
+        if self.pause_mode == "auto":  # a job's config derives it from rl.async_steps first
+            self.pause_mode = "abort"
+        if self.pause_mode not in PAUSE_MODES:
+            raise ConfigError(f"rollout.pause_mode must be auto or one of {PAUSE_MODES}, got {self.pause_mode!r}")
         if self.max_new_tokens < 1:
             raise ConfigError("rollout.max_new_tokens must be >= 1")
         if self.request_granularity not in ("prompt", "sample"):
@@ -125,7 +133,7 @@ class RolloutConfig:
             raise ConfigError(f"rollout.weight_sync must be auto, distributed or disk, got {self.weight_sync!r}")
         if self.colocate and not self.servers:
             raise ConfigError(
-                "rollout.colocate is for SGLang servers on the trainer's GPUs (rollout.engine=http); the "
+                "rollout.colocate is for rollout servers on the trainer's GPUs (rollout.engine=sglang); the "
                 "embedded engine already runs inside the trainer's driver process"
             )
         if self.colocate and self.weight_sync == "distributed":

@@ -86,7 +86,7 @@ def test_async_partial_run_through_the_router_resumes_exactly(setup):
         "rollout.partial=true",
         "rl.max_staleness=2",
         "rl.tis_cap=2.0",
-        "rollout.engine=http",
+        "rollout.engine=sglang",
         "rollout.max_concurrent_requests=32",  # weights: distributed (the default for dedicated servers)
     ]
     try:

@@ -89,7 +89,7 @@ def _args(fleet, save, router_url, steps, weight_sync):
         "rl.max_prompt_length=64",
         "rollout.max_new_tokens=32",
         *TOY_RL_TRAINING,
-        "rollout.engine=http",
+        "rollout.engine=sglang",
         f"rollout.urls=[{router_url}]",
         "rollout.max_concurrent_requests=8",
         f"rollout.weight_sync={weight_sync}",

@@ -121,7 +121,7 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
         with router([s.url for s in servers]) as router_url:
             save = os.path.join(setup["root"], "router-run")
             args = _overrides(setup, save) + [
-                "rollout.engine=http",
+                "rollout.engine=sglang",
                 f"rollout.urls=[{router_url}]",
                 "parallel.tp=1",
                 "train.steps=2",
@@ -176,7 +176,7 @@ def test_a_frozen_worker_is_dropped_or_stops_the_run_in_bounded_time(setup):
         with router([s.url for s in servers]) as router_url:
             save = os.path.join(setup["root"], "fault-run")
             args = _overrides(setup, save) + [
-                "rollout.engine=http",
+                "rollout.engine=sglang",
                 f"rollout.urls=[{router_url}]",
                 "parallel.tp=1",
                 "train.steps=2",

@@ -43,7 +43,7 @@ def test_rl_loop_with_distributed_weights_through_the_router_verifies_and_resume
     with router([s.url for s in servers]) as router_url:
         save = os.path.join(setup["root"], "run")
         args = _overrides(setup, save) + [
-            "rollout.engine=http",
+            "rollout.engine=sglang",
             f"rollout.urls=[{router_url}]",
             "parallel.tp=1",
             "train.steps=2",
@@ -111,7 +111,7 @@ def _run_corrupted(rank, world, overrides, tensor):
 def test_a_tensor_corrupted_in_transit_fails_the_probe_check_naming_the_server(setup, servers):
     save = os.path.join(setup["root"], "corrupt")
     urls = [s.url for s in servers]
-    args = _overrides(setup, save) + ["rollout.engine=http", f"rollout.urls=[{urls[0]},{urls[1]}]", "parallel.tp=1"]
+    args = _overrides(setup, save) + ["rollout.engine=sglang", f"rollout.urls=[{urls[0]},{urls[1]}]", "parallel.tp=1"]
     error = run_distributed(_run_corrupted, 1, args, "model.layers.1.mlp.down_proj.weight")[0]
     assert error is not None and error.startswith("WeightVerificationError"), error
     assert f"the server {urls[0]} does not serve the trainer's weights" in error, error

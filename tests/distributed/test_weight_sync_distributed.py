@@ -25,7 +25,7 @@ def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
-    from megatron_klear.rollout.sglang.fleet import FleetError
+    from megatron_klear.rollout.base import FleetError
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, WeightSyncError
     from megatron_klear.training.setup import build_training_state
 
@@ -188,7 +188,7 @@ def test_a_server_killed_mid_broadcast_below_min_live_fails_the_sync_and_the_oth
         assert _checksums(urls[0]) == before and _version(urls[0]) == "default"
         assert httpx.get(urls[0] + "/ready").status_code == 503
         client = SGLangEngine.at([urls[0]], control_timeout_s=10)
-        client.control.continue_generation()
+        client.wire.resume()
         greedy = SamplingParams(top_k=1, max_new_tokens=6)
         got = client.generate([[5, 17, 33]], greedy)[0][0].token_ids
         assert got == EmbeddedEngine.from_pretrained(models["a"]).generate([[5, 17, 33]], greedy)[0][0].token_ids
@@ -242,9 +242,9 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
 
     with fake_worker(tmp_path) as (url, record, _):
         e = SGLangEngine.at([url], control_timeout_s=5)
-        e.control.pause_generation("abort")
-        e.control.begin_weight_update()
-        e.control.update_weights_from_distributed(
+        e.wire.pause("abort")
+        e.wire.begin()
+        e.wire.receive_bucket(
             ["a.weight", "b.weight"],
             ["bfloat16", "bfloat16"],
             [[2, 3], [4]],
@@ -252,10 +252,10 @@ def test_control_calls_follow_sglangs_request_structs(tmp_path):
             load_format="flattened_bucket",
             timeout=5,
         )
-        e.control.end_weight_update()
-        e.control.set_weight_version(7)
-        e.control.continue_generation()
-        e.control.check_weight_versions(7)
+        e.wire.end()
+        e.wire.set_version(7)
+        e.wire.resume()
+        e.members.check_weight_versions(7)
         e.load_from_disk("/some/dir", version=8)
         e.release_memory(["weights", "kv_cache", "cuda_graph"])  # rollout.colocate
         e.resume_memory(["weights"])
@@ -320,8 +320,8 @@ def _sync_with_a_stale_layout(rank, world, model_dir, urls, bucket):
         except WeightSyncError as e:
             error = str(e)
         seconds = time.monotonic() - t0
-        served = engine.control.weight_versions()
-        engine.control.continue_generation()  # (paused by the failed sync)
+        served = engine.members.weight_versions()
+        engine.wire.resume()  # (paused by the failed sync)
         return error, seconds, served, sync.sync(version=3), index
     finally:
         sync.close()

@@ -1,4 +1,4 @@
-"""The generation client's HTTP side (rollout/sglang/call_http.py) against raw TCP servers that
+"""The generation client's HTTP side (rollout/servers/call_http.py) against raw TCP servers that
 misbehave on purpose: the pool's bound, answers matched to their requests, and every way of not
 answering mapped to what the client does with it (gone: probe and resend; no answer in time: the
 generate timeout's error)."""
@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from megatron_klear.rollout.sglang.call_http import CallHTTP, HTTPFailure, NoAnswerInTime
+from megatron_klear.rollout.servers.call_http import CallHTTP, HTTPFailure, NoAnswerInTime
 
 
 async def _serve(behaviour):

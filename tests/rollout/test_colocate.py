@@ -150,7 +150,7 @@ def test_config_picks_disk_and_refuses_what_cannot_work():
     from megatron_klear.config import ConfigError, load_config
 
     base = [
-        "rollout.engine=http",
+        "rollout.engine=sglang",
         "rollout.urls=[http://127.0.0.1:1]",
         "rl.prompts=[p.jsonl]",
         "rollout.max_new_tokens=64",
@@ -159,7 +159,7 @@ def test_config_picks_disk_and_refuses_what_cannot_work():
     assert load_config(None, base + ["rollout.colocate=true"]).rollout.weight_sync == "disk"
     with pytest.raises(ConfigError, match="NCCL"):
         load_config(None, base + ["rollout.colocate=true", "rollout.weight_sync=distributed"])
-    with pytest.raises(ConfigError, match="engine=http"):
+    with pytest.raises(ConfigError, match="engine=sglang"):
         load_config(None, ["rollout.colocate=true", "rl.prompts=[p.jsonl]", "rollout.max_new_tokens=64"])
 
 
@@ -177,7 +177,7 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     cfg = load_config(
         None,
         [
-            "rollout.engine=http",
+            "rollout.engine=sglang",
             f"rollout.urls=[{','.join(urls)}]",
             "rollout.colocate=true",
             "rollout.offload_trainer=false",  # no trainer here: the servers' side only
@@ -253,7 +253,7 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
             args += [
                 "parallel.tp=1",
                 "train.steps=2",
-                "rollout.engine=http",
+                "rollout.engine=sglang",
                 f"rollout.urls=[{url}]",
                 "rollout.colocate=true",
                 "rollout.verify_interval=1",

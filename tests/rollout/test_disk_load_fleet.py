@@ -9,7 +9,7 @@ import time
 import pytest
 
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine
-from megatron_klear.rollout.sglang.fleet import FleetError
+from megatron_klear.rollout.base import FleetError
 from tests.rollout.processes import fake_worker, recorded
 
 FAST = dict(control_timeout_s=3, max_retries=1, retry_backoff=0.05, health_check_timeout_s=1)
@@ -21,7 +21,7 @@ def test_a_refused_flush_is_retried_once_before_the_load_and_buckets_do_not_flus
         client.load_from_disk("/w/step_1", version=1)
         flushes = recorded(record, "/flush_cache")
         loads = recorded(record, "/update_weights_from_disk")
-        client.control.update_weights_from_distributed(["a"], ["bfloat16"], [[2]], group_name="g", timeout=5)
+        client.wire.receive_bucket(["a"], ["bfloat16"], [[2]], group_name="g", timeout=5)
         bucket = recorded(record, "/update_weights_from_distributed")
     assert len(flushes) == 3 and flushes == [None] * 3  # two refusals, then flushed (SGLang's route has no body)
     assert loads == [{"model_path": "/w/step_1", "flush_cache": False, "weight_version": "1"}]
@@ -31,7 +31,7 @@ def test_a_refused_flush_is_retried_once_before_the_load_and_buckets_do_not_flus
 def test_a_flush_refused_every_time_is_named(tmp_path):
     with fake_worker(tmp_path, refuse_flush=100) as (url, record, _):
         client = SGLangEngine.at([url], **FAST)
-        client.control.flush_attempts = 3
+        client.wire.flush_attempts = 3
         with pytest.raises(EngineError, match=rf"{url} refused to flush its cache 3 times .*Flush cache failed"):
             client.load_from_disk("/w/step_1", version=1)
         assert recorded(record, "/update_weights_from_disk") == []  # nothing loaded
@@ -48,7 +48,7 @@ def test_a_worker_gone_before_a_disk_load_is_dropped_and_the_other_loads(tmp_pat
         client.load_from_disk("/w/step_2", version=2)
         assert time.monotonic() - t0 < 10
         assert client.workers() == [a] and list(client.fleet.lost()) == [b]
-        assert client.control.weight_versions() == {a: "2"}
+        assert client.members.weight_versions() == {a: "2"}
         metrics = client.fleet_metrics()
         assert metrics["rollout/live_workers"] == 1 and metrics["rollout/worker_failures"] == 1, metrics
         assert recorded(rec_a, "/update_weights_from_disk")[0]["weight_version"] == "2"
@@ -89,7 +89,7 @@ def test_a_bucket_is_not_broadcast_while_a_post_is_refused_within_the_grace(tmp_
         fake_worker(tmp_path, "no", fail_post="/update_weights_from_distributed") as (no, _, _),
     ):
         client = SGLangEngine.at([ok, no], **FAST)
-        post = client.control.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", timeout=5)
+        post = client.wire.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", timeout=5)
         refused = post.refusals(5.0)
         assert list(refused) == [no] and "injected failure" in str(refused[no])
         assert post.result().keys() == {no}
@@ -97,7 +97,7 @@ def test_a_bucket_is_not_broadcast_while_a_post_is_refused_within_the_grace(tmp_
         t0 = time.monotonic()
         gone = "http://127.0.0.1:9"
         assert list(
-            client.control.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", workers=[ok, gone]).refusals(5.0)
+            client.wire.post_bucket(["a"], ["bfloat16"], [[2]], group_name="g", workers=[ok, gone]).refusals(5.0)
         ) == [gone]
         assert time.monotonic() - t0 < 3
 

@@ -397,7 +397,7 @@ def test_kept_alive_connections_have_tcp_nodelay_survive_errors_and_close_on_shu
 def test_an_idle_connection_closes_after_sglangs_keep_alive_and_the_client_lets_go_first(tiny_hf, monkeypatch):
     """SGLang 0.5.23 closes a kept-alive connection idle for SGLANG_TIMEOUT_KEEP_ALIVE seconds (5); the
     client's pools drop theirs sooner, so a request is never sent on a connection being closed."""
-    from megatron_klear.rollout.sglang.transport import CLIENT_KEEPALIVE_S
+    from megatron_klear.rollout.servers.transport import CLIENT_KEEPALIVE_S
 
     engine = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
     server, _ = _serve(engine)

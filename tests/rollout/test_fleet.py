@@ -13,7 +13,7 @@ import pytest
 
 from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine
-from megatron_klear.rollout.sglang.fleet import LIVE, LOST, REJOINING, Fleet, FleetError
+from megatron_klear.rollout.servers.fleet import LIVE, LOST, REJOINING, Fleet, FleetError
 from tests.rollout.processes import _get_json, fake_worker, free_port, recorded, router
 
 # the watchdog's bound: 2 missed probes, 0.3 s apart, 0.5 s each -> a worker is dropped within ~2 s
@@ -123,7 +123,7 @@ def test_control_calls_tolerate_a_gone_worker_not_a_refusal(tmp_path):
         refusing = SGLangEngine.at([a], workers=[a, r], control_timeout_s=2)
         with pytest.raises(EngineError, match="injected failure of /update_weight_version"):
             refusing.members.on_workers(
-                lambda w: refusing.control._post_weights(w, "/update_weight_version", {"new_version": "1"}),
+                lambda w: refusing.wire.post(w, "/update_weight_version", {"new_version": "1"}),
                 tolerate_loss=True,
             )
         assert refusing.fleet.live() == [a, r]
@@ -248,7 +248,7 @@ def test_a_restarted_server_is_recalled_admitted_after_the_version_and_served_ag
             client.generate(PROMPTS, PARAMS)
             assert recorded(rec_b2) == []  # but no generation
             assert client.admit_workers(3) == []  # it still reports "0"
-            client.control.set_weight_version(3)  # the push (here only the version) reaches both
+            client.wire.set_version(3)  # the push (here only the version) reaches both
             assert recorded(rec_b2, "/update_weight_version") == [{"new_version": "3", "abort_all_requests": False}]
             assert client.admit_workers(3) == [b] and client.members.expected_version == "3"
             assert sorted(client.fleet.live()) == sorted([a, b]) and _listed(r) == sorted([a, b])  # router order
@@ -276,7 +276,7 @@ def test_a_worker_the_router_lists_later_joins_only_with_the_current_weights(tmp
         assert _listed(r) == [a] and client.workers() == [a, c]
         client.generate(PROMPTS, PARAMS)
         assert recorded(rec_c) == []
-        client.control.set_weight_version(5)
+        client.wire.set_version(5)
         assert client.admit_workers(5) == [c] and _listed(r) == sorted([a, c])
         assert client.fleet_metrics()["rollout/worker_rejoins"] == 0  # a new worker, not a rejoin
         client.generate(PROMPTS, PARAMS)
@@ -293,7 +293,7 @@ def test_answers_made_with_stale_weights_are_never_returned(tmp_path, via_router
         router([a, b]) as r,
     ):
         client = SGLangEngine.at([r] if via_router else [a, b], max_concurrent_requests=8, **WATCH)
-        client.control._post_weights(a, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
+        client.wire.post(a, "/update_weight_version", {"new_version": "1", "abort_all_requests": False})
         before = client.generate(PROMPTS[:4], PARAMS)  # no push yet: any version is accepted
         assert len(before) == 4 and recorded(rec_b)
         n_a, n_b = len(recorded(rec_a)), len(recorded(rec_b))

@@ -1,4 +1,4 @@
-"""The check after a distributed weight update (rollout/sglang/control.py Control.check_received):
+"""The check after a distributed weight update (rollout/sglang/upkeep.py Control.check_received):
 over NCCL a bucket's answer does not say that its bytes arrived, a generation does (it runs after
 every receive on the server's stream). A server whose forward does not come back -- as one waiting
 on a broadcast a lost peer never sends -- is dropped within rollout.control_timeout_s; the others
@@ -27,7 +27,7 @@ def test_a_server_whose_forward_never_returns_is_dropped_and_the_others_pass(tin
     urls = [u for _, u in servers]
     try:
         client = SGLangEngine.at(urls, control_timeout_s=1.5, min_live_workers=1)
-        passed = client.control.check_received()
+        passed = client.wire.check_received()
         assert list(passed) == [urls[0]] and len(passed[urls[0]].token_ids) == 1
         assert client.workers() == [urls[0]]  # the wedged one is out of the fleet (it rejoins at a push)
         m = client.fleet_metrics()
@@ -45,7 +45,7 @@ def test_an_answer_aborted_before_its_token_is_asked_again_within_the_timeout(tm
         fake_worker(tmp_path, "always", abort_first=10**6) as (always, _, _),
     ):
         client = SGLangEngine.at([twice, always], control_timeout_s=1.0, min_live_workers=1)
-        passed = client.control.check_received()
+        passed = client.wire.check_received()
         assert list(passed) == [twice] and passed[twice].finish_reason == "length"  # its one token
         assert len(recorded(record)) == 3  # two aborted answers, then the token
         assert client.workers() == [twice]  # an endless run of aborts is no token: dropped at the timeout

@@ -162,7 +162,7 @@ def test_the_client_reads_them_and_names_the_missing_server_flag(moe_dir, server
 
 @pytest.mark.slow
 def test_the_rl_loop_replays_the_servers_experts(moe_dir, servers, tmp_path):
-    """rollout.engine=http with router_replay: the loop (given the router) asks the workers for the
+    """rollout.engine=sglang with router_replay: the loop (given the router) asks the workers for the
     experts, the old-log-prob pass replays them, the weights go back over the update group, and the
     servers' sampling log-probs equal the trainer's recompute."""
     import json
@@ -183,7 +183,7 @@ def test_the_rl_loop_replays_the_servers_experts(moe_dir, servers, tmp_path):
         args += [
             "parallel.tp=1",
             "train.steps=2",
-            "rollout.engine=http",
+            "rollout.engine=sglang",
             f"rollout.urls=[{url}]",
             "rollout.router_replay=true",
             "rl.filter_zero_spread=false",

@@ -13,7 +13,7 @@ import pytest
 from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import EmbeddedEngine
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
-from megatron_klear.rollout.sglang.fleet import FleetError
+from megatron_klear.rollout.base import FleetError
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from tests.rollout.conftest import PROMPTS
 from tests.rollout.processes import fake_worker, recorded, router
@@ -41,7 +41,7 @@ def test_two_servers_split_prompts_and_reload_weights(tiny_hf, other_hf):
                 assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
         assert client.generation.requests_sent == len(prompts)  # one request per prompt, n samples each
         client.load_from_disk(other_hf, version=7)  # every server now runs the other model
-        assert set(client.control.weight_versions().values()) == {"7"}
+        assert set(client.members.weight_versions().values()) == {"7"}
         other = EmbeddedEngine.from_pretrained(other_hf).generate(prompts, GREEDY, n=1)
         assert _tokens(client.generate(prompts, GREEDY)) == _tokens(other)
     finally:
@@ -90,7 +90,7 @@ def test_the_real_router_spreads_requests_and_weight_updates_reach_every_worker(
         for body in gen_a + gen_b:  # what the router forwards (it adds keys) is still SGLang's contract
             validate_generate_request(body)
         client.load_from_disk("/weights/step_0000002", version=2)
-        assert client.control.weight_versions() == {a: "2", b: "2"}
+        assert client.members.weight_versions() == {a: "2", b: "2"}
         for rec in (rec_a, rec_b):  # SGLang's sequence on each worker, never through the router
             import json
 
@@ -152,7 +152,7 @@ def test_the_context_check_counts_the_tokens_eagle_reserves(tmp_path):
     }
     with fake_worker(tmp_path, context_length=4096, server_info=json.dumps(spec)) as (url, _, _):
         client = SGLangEngine.at([url], **FAST)
-        assert client.control.reserved_tokens(url) == 12
+        assert client.upkeep.reserved_tokens(url) == 12
         assert client.check_context_length(4084) == {url: 4096}
         with pytest.raises(EngineError, match="needs 4085 and the 12 tokens its speculative decoding reserves"):
             client.check_context_length(4085)
@@ -172,7 +172,7 @@ def test_a_server_with_data_parallel_replicas_is_refused_at_start_up(tmp_path):
     with fake_worker(tmp_path, server_info=json.dumps(info)) as (url, _, _):
         client = SGLangEngine.at([url], **FAST)
         base = [
-            "rollout.engine=http",
+            "rollout.engine=sglang",
             f"rollout.urls=[{url}]",
             "rl.prompts=[p.jsonl]",
             "rollout.sync_backend=gloo",
@@ -183,7 +183,7 @@ def test_a_server_with_data_parallel_replicas_is_refused_at_start_up(tmp_path):
         compat.check_servers(client, load_config(None, base + ["rollout.weight_sync=disk"]).rollout)  # no group
     with fake_worker(tmp_path, name="attn", server_info=json.dumps({"dp_size": 1, "attn_dp_size": 4})) as (url, _, _):
         base = [
-            "rollout.engine=http",
+            "rollout.engine=sglang",
             f"rollout.urls=[{url}]",
             "rl.prompts=[p.jsonl]",
             "rollout.sync_backend=gloo",
@@ -296,7 +296,7 @@ def test_rollout_config_reaches_the_client(tmp_path):
         cfg = load_config(
             None,
             [
-                "rollout.engine=http",
+                "rollout.engine=sglang",
                 f"rollout.urls=[{url}]",
                 "rollout.generate_timeout_s=123",
                 "rollout.control_timeout_s=7",
@@ -312,7 +312,7 @@ def test_rollout_config_reaches_the_client(tmp_path):
             ],
         )
         engine = make_engine(cfg.rollout)
-    assert (engine.generation.generate_timeout, engine.transport.timeout, engine.control.weight_update_timeout) == (
+    assert (engine.generation.generate_timeout, engine.transport.timeout, engine.wire.weight_update_timeout) == (
         123,
         7,
         99,
@@ -327,7 +327,7 @@ def test_rollout_config_reaches_the_client(tmp_path):
         engine.transport.health_check_timeout,
         engine.generation.health_failure_threshold,
     ) == (2, 3, 5)
-    assert engine.generation.api.send_seed and engine.workers() == [url]
+    assert engine.generation.dialect.send_seed and engine.workers() == [url]
 
 
 def test_a_failed_disk_update_is_reported_not_the_resume_after_it(tmp_path):

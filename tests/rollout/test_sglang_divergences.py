@@ -216,7 +216,7 @@ def test_the_nccl_path_needs_the_torch_sglang_pins(tiny_hf):
         ):
             compat.check_nccl_build(client, trainer_torch="2.4.0+cu121", trainer_nccl="2.20.5")
         compat.check_nccl_build(client, trainer_torch="2.14.1+cu130", trainer_nccl="2.27.7")
-        base = ["rollout.engine=http", f"rollout.urls=[{url}]", "rl.prompts=[p.jsonl]", "rollout.max_new_tokens=8"]
+        base = ["rollout.engine=sglang", f"rollout.urls=[{url}]", "rl.prompts=[p.jsonl]", "rollout.max_new_tokens=8"]
         r = load_config(None, base + ["rollout.sync_backend=nccl"]).rollout
         if torch.__version__.split("+")[0] != "2.14.1":
             with pytest.raises(EngineError, match=f"trainer runs torch {re.escape(torch.__version__)}"):
@@ -264,7 +264,7 @@ def _pause_then_generate(urls, router_flags, pause_s: float = 6.0):
         client = SGLangEngine.at([rurl], control_timeout_s=30, max_retries=0)
         try:
             t0 = time.monotonic()
-            client.control.pause_generation()
+            client.wire.pause()
             r = httpx.get(urls[0] + "/health", timeout=10)
             assert r.status_code == 503 and time.monotonic() - t0 >= 0.9  # blocked, then 503, as SGLang
             dropped = False
@@ -283,7 +283,7 @@ def _pause_then_generate(urls, router_flags, pause_s: float = 6.0):
             t = threading.Thread(target=generate)
             t.start()
             time.sleep(0.5)  # the request reaches the router (and a paused server holds it)
-            client.control.continue_generation()
+            client.wire.resume()
             t.join(60)
             return dropped, result["out"]
         finally:
@@ -322,7 +322,7 @@ def test_api_key_refusals_and_the_client_sending_the_key(tiny_hf):
             bare.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
         keyed.load_from_disk(tiny_hf["tied"], version=3)  # pause, load, continue, version: all admin routes
         out = keyed.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
-        assert len(out[0][0].token_ids) == 2 and keyed.control.weight_versions() == {url: "3"}
+        assert len(out[0][0].token_ids) == 2 and keyed.members.weight_versions() == {url: "3"}
     finally:
         keyed.close()
         bare.close()
@@ -362,7 +362,7 @@ def test_api_key_through_the_real_router(tiny_hf):
                 out = keyed.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
                 assert len(out[0][0].token_ids) == 2
                 keyed.load_from_disk(tiny_hf["tied"], version=4)  # the workers' admin routes, with the key
-                assert keyed.control.weight_versions() == {u: "4" for u in urls}
+                assert keyed.members.weight_versions() == {u: "4" for u in urls}
             finally:
                 bare.close()
                 keyed.close()

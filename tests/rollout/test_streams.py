@@ -14,7 +14,7 @@ import pytest
 from megatron_klear.rollout.base import SampleRequest, SamplingParams
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
 from megatron_klear.rollout.sglang.api import SGLangAPI
-from megatron_klear.rollout.sglang.versions import stale_version, token_versions
+from megatron_klear.rollout.servers.versions import stale_version, token_versions
 from tests.rollout.processes import abort_storm, fake_worker, recorded, router
 from tests.rollout.sglang_contract import CONTROL_ROUTES, control_contract_errors, validate_generate_request
 
@@ -155,15 +155,14 @@ def test_the_engine_applies_the_rule_to_each_answer():
     client.close()
 
 
-def test_the_pause_mode_of_a_push_is_checked(tmp_path):
+def test_the_pause_mode_of_a_push_is_the_sections_and_checked_once(tmp_path):
     with fake_worker(tmp_path) as (url, record, _):
-        client = SGLangEngine.at([url], control_timeout_s=5, sync_pause_mode="retract")  # given at construction
+        client = SGLangEngine.at([url], control_timeout_s=5, pause_mode="retract")  # rollout.pause_mode
+        assert client.pause_mode == "retract"
         client.load_from_disk("/w", version=2)
-        with pytest.raises(ValueError, match="sync_pause_mode must be one of"):
-            SGLangEngine.at([url], control_timeout_s=5, sync_pause_mode="in_place")
-        client.sync_pause_mode = "in_place"  # changed afterwards: checked again at the push
-        with pytest.raises(ValueError, match="sync_pause_mode must be one of"):
-            client.load_from_disk("/w", version=3)
+        with pytest.raises(ValueError, match="rollout.pause_mode must be auto or one of"):
+            SGLangEngine.at([url], control_timeout_s=5, pause_mode="in_place")
+        assert SGLangEngine.at([url], control_timeout_s=5).pause_mode == "abort"  # auto, outside a job: abort
     assert recorded(record, "/pause_generation") == [{"mode": "retract"}]
     for body in recorded(record, "/pause_generation"):
         assert not control_contract_errors("/pause_generation", body)
@@ -330,8 +329,8 @@ def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the
             health_check_interval_s=0.1,
             health_check_timeout_s=1.0,
             health_failure_threshold=2,
+            pause_mode="retract",
         )
-        client.sync_pause_mode = "retract"
         with client.fleet.pushing():  # version 1 everywhere, as the RL loop's first push
             client.load_from_disk(tiny_hf["untied"], version=1)
             client.admit_workers(1)
@@ -353,7 +352,7 @@ def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the
         assert spanning, {k: c.versions for k, c in got.items()}
         for c in got.values():
             assert len(c.versions) == len(c.token_ids) and c.versions == sorted(c.versions)
-        assert client.control.weight_versions() == {a: "2", b: "2"}
+        assert client.members.weight_versions() == {a: "2", b: "2"}
         client.close()
     finally:
         _stop(sa, sb)
@@ -363,7 +362,7 @@ def test_a_retract_push_during_a_stream_loses_nothing_and_later_tokens_carry_the
 def test_the_watchdog_leaves_servers_paused_by_a_push_alone(tiny_hf, in_push):
     """A paused server's /health blocks: within ``Fleet.pushing()`` the watchdog does not probe and
     the stream goes on; the same pause outside a push looks like a frozen server and drops it."""
-    from megatron_klear.rollout.sglang.fleet import FleetError
+    from megatron_klear.rollout.base import FleetError
 
     engine, server, url = _serve(tiny_hf["untied"], delay=0.01)
     try:
@@ -377,9 +376,9 @@ def test_the_watchdog_leaves_servers_paused_by_a_push_alone(tiny_hf, in_push):
         stream = client.stream(_requests(budget=24, prompts=PROMPTS[:3]))
         _wait_steps([engine], 3)
         with client.fleet.pushing() if in_push else _nothing():
-            client.control.pause_generation("retract")
+            client.wire.pause("retract")
             time.sleep(3.0)  # outside a push: two probes that get no answer within 1 s
-            client.control.continue_generation()
+            client.wire.resume()
         if in_push:
             got = _collect(stream)
             assert len(got) == 3 and all(c.finish_reason in ("stop", "length") for c in got.values())
@@ -420,13 +419,13 @@ def test_a_probe_that_meets_an_abort_of_every_request_is_asked_again_within_the_
             t0 = time.monotonic()
             # past the time: "aborted by the server at every send", or the last send's own timeout
             with pytest.raises(WorkerGone, match="aborted by the server at every send for 0.5 s|did not answer within"):
-                client.control.probe(url, prompt, 16, timeout=0.5)
+                client.wire.probe(url, prompt, 16, timeout=0.5)
             assert time.monotonic() - t0 < 5
         with abort_storm(url + SGLangAPI.abort_all[0], SGLangAPI.abort_all[1], for_s=0.4) as sent:
             out = client.probe(url, prompt, 16)  # aborted while the storm lasts, then whole
             assert out.finish_reason == "length" and out.token_ids == calm.token_ids
             assert out.logprobs == pytest.approx(calm.logprobs, abs=1e-6)
-            got = client.control.check_received()  # the storm is over by now: a token at once
+            got = client.wire.check_received()  # the storm is over by now: a token at once
             assert len(got[url].token_ids) == 1
         assert sent[0] >= 3  # the storm ran (posts every 5 ms, slower on a loaded machine)
         client.close()

@@ -6,7 +6,7 @@ and the body carries exactly the keys vLLM reads (it ignores unknown ones silent
 import pytest
 
 from megatron_klear.rollout.base import EngineError, SamplingParams
-from megatron_klear.rollout.server_api import AbortedByServer
+from megatron_klear.rollout.servers.dialect import AbortedByServer
 from megatron_klear.rollout.sglang.api import SGLangAPI
 from megatron_klear.rollout.vllm.api import VLLMAPI
 
@@ -139,9 +139,9 @@ class _OneWorker:
 )
 def test_a_server_started_without_what_the_loop_needs_is_refused_by_name(answers, message):
     from megatron_klear.rollout.config import RolloutConfig
-    from megatron_klear.rollout.vllm.control import VLLMControl
+    from megatron_klear.rollout.vllm.upkeep import VLLMUpkeep
 
-    control = VLLMControl(_Answers(answers), _OneWorker(), RolloutConfig(engine="vllm", urls=["http://w:1"]))
+    upkeep = VLLMUpkeep(_Answers(answers), _OneWorker(), None, RolloutConfig(engine="vllm", urls=["http://w:1"]))
     with pytest.raises(EngineError, match=message) as e:
-        control.check_servers()
+        upkeep.check_started()
     assert "http://w:1" in str(e.value)

@@ -205,13 +205,13 @@ def test_a_probe_aborted_by_an_abort_of_every_request_is_asked_again(engine, mon
 
     w, prompt = engine.workers()[0], [5, 17, 33, 60, 7]
     calm = engine.probe(w, prompt, 256)
-    request, sends = engine.control.transport.request, []
+    request, sends = engine.transport.request, []
 
     def counted(method, path, *args, **kwargs):
         sends.append(path == VLLMAPI.generate_path)
         return request(method, path, *args, **kwargs)
 
-    monkeypatch.setattr(engine.control.transport, "request", counted)
+    monkeypatch.setattr(engine.transport, "request", counted)
     # aborts from the probe's first send to its second (on 2 shared cores a server's HTTP can stall
     # for seconds, letting the probe end first: tried up to 3 times until one is aborted)
     for _ in range(3):
@@ -239,7 +239,7 @@ def test_weights_from_disk_and_back(engine, models):
         assert out.versions == [5] * 6
         want = _reference_logprobs(models["b"], prompt, out.token_ids)
         assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4
-    assert set(engine.control.weight_versions().values()) == {"5"}
+    assert set(engine.members.weight_versions().values()) == {"5"}
 
 
 def test_a_killed_server_is_dropped_restarted_and_rejoins(engine, servers, models):
@@ -255,7 +255,7 @@ def test_a_killed_server_is_dropped_restarted_and_rejoins(engine, servers, model
         assert victim.url in engine.rejoining_workers()
         engine.load_from_disk(models["a"], version=1)
     assert sorted(engine.fleet.live()) == sorted(s.url for s in servers)
-    assert set(engine.control.weight_versions().values()) == {"1"}
+    assert set(engine.members.weight_versions().values()) == {"1"}
 
 
 def test_a_frozen_server_is_dropped_by_the_watchdog_and_rejoins_once_thawed(servers, models):
@@ -329,7 +329,7 @@ def test_gppo_run_through_two_vllm_servers(servers, models, variant):
     client = VLLMEngine.at([s.url for s in servers])
     probe = [5, 17, 33, 60, 7]
     for w in client.workers():  # every server holds the trainer's final weights
-        assert client.control.weight_version(w) == "3"
+        assert client.dialect.weight_version(client.transport, w) == "3"
         out = client.probe(w, probe, 6)
         want = _probe_logprobs_of_trainer(models["a"], trainer_w, probe, out.token_ids)
         assert max(abs(a - b) for a, b in zip(out.logprobs, want)) < 1e-4, (w, out.logprobs, want)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron_klear.checkpoint.hf_io import HFReader
 from megatron_klear.rollout.embedded import EmbeddedEngine
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
-from megatron_klear.rollout.weight_sync.update_group import (
+from megatron_klear.rollout.servers.update_group import (
     FLATTENED_BUCKET,
     destroy_update_group,
     dtype_name,

@@ -40,14 +40,11 @@ class RolloutManager:
         self.pushed_version = self.pushed_step = None
         self.generated = 0  # generate() calls by this process (the first one's metrics count the skipped lines)
         self._fleet_step = self._fleet_carry = {}  # rank 0: fleet counts of this step / not yet logged
-        # one step ahead, weights are pushed mid-generation: requests in flight survive (retract: KV
-        # recomputed with the new weights, later tokens tagged with the new version), not aborted
-        self.pause_mode = "retract" if cfg.rl.async_steps else "abort"
         if r.colocate:
             if is_rank0():
                 from megatron_klear.rollout.factory import make_engine
 
-                self.engine = make_engine(r, cfg.model.path, pause_mode=self.pause_mode)
+                self.engine = make_engine(r, cfg.model.path)
                 self.engine.check_memory_saver()
             self.placement.make_room(self.engine, None)
 
@@ -63,7 +60,7 @@ class RolloutManager:
         self.stop_token_ids = list(stop_token_ids)
         # absolute: servers resolve model_path in their own working directory
         sync_dir = os.path.abspath(r.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
-        in_process = r.engine == "embedded"
+        in_process = not r.servers
         if is_rank0() and (in_process or r.weight_sync == "disk"):
             os.makedirs(sync_dir, exist_ok=True)
         model_dir = (
@@ -78,7 +75,7 @@ class RolloutManager:
 
             if self.engine is None:
                 routed = (sorted(arch.moe_layers), arch.moe_topk) if r.router_replay and arch.is_moe else None
-                self.engine = make_engine(r, model_dir, routed_experts=routed, pause_mode=self.pause_mode)
+                self.engine = make_engine(r, model_dir, routed_experts=routed)
             if in_process:  # labelled with their version, as a push would (a resumed run tags as before)
                 self.engine.weight_version = actor.weight_version
             self.engine.check_context(

@@ -235,10 +235,6 @@ class ContinuousBatcher:
         with self.lock:
             return {id(r.ticket.key) for r in self.running}
 
-    def tokens_held(self) -> int:
-        with self.lock:
-            return sum(r.held for r in self.running)
-
     def serve_waiting_aborts(self) -> int:
         """End the aborted waiting rows now, with what they have; returns how many."""
         with self.lock:

@@ -181,6 +181,14 @@ class EmbeddedEngine(RolloutEngine):
         )
 
     @classmethod
+    def from_rollout_config(cls, r, *, model_dir: str, device: str = "cpu", hf_config=None, **_) -> "EmbeddedEngine":
+        """The engine of a job's ``rollout`` section (the engine registry's builder): the HF
+        directory ``model_dir`` on ``device`` in ``rollout.dtype``, recording the experts of every
+        token with ``rollout.router_replay``; ``hf_config`` overrides the directory's config."""
+        extra = {"config": hf_config} if hf_config is not None else {}
+        return cls.from_pretrained(model_dir, dtype=r.dtype, device=device, record_routing=r.router_replay, **extra)
+
+    @classmethod
     def from_config(
         cls,
         config,

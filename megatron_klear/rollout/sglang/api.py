@@ -1,16 +1,25 @@
-"""SGLang 0.5.23's native HTTP API (:class:`SGLangAPI`, a :class:`~megatron_klear.rollout.server_api.ServerAPI`):
-``/generate`` with token ids in and ``return_logprob``, ``/model_info``'s ``weight_version``,
-``/continue_generation``, ``/abort_request``."""
+"""SGLang 0.5.23's native HTTP API (:class:`SGLangAPI`, a
+:class:`~megatron_klear.rollout.servers.dialect.ServerDialect`): ``/generate`` with token ids in and
+``return_logprob``, ``/model_info``'s ``weight_version``, ``/pause_generation`` and
+``/continue_generation``, ``/abort_request``, and the distributed weight update's calls. Bodies
+follow the request structs of SGLang 0.5.23's ``io_struct.py`` (the tests check them)."""
 
 from __future__ import annotations
 
 from megatron_klear.rollout.base import Completion, EngineError, SamplingParams
-from megatron_klear.rollout.server_api import AbortedByServer, ServerAPI
+from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialect
+from megatron_klear.rollout.servers.versions import token_versions
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts
-from megatron_klear.rollout.sglang.versions import token_versions
+
+#: the engine's pause modes as SGLang's: ``abort`` ends the requests in flight (the client sends them
+#: again); ``retract`` keeps them (SGLang 0.5.23 ``Scheduler.pause_generation`` moves them back to the
+#: waiting queue, a paused server's ``/flush_cache`` ignores that queue, and after
+#: ``/continue_generation`` their KV cache is recomputed with the new weights). SGLang's third mode,
+#: ``in_place``, leaves the running batch in place, which ``/flush_cache`` refuses.
+PAUSE_MODES = {"abort": "abort", "retract": "retract"}
 
 
-class SGLangAPI(ServerAPI):
+class SGLangAPI(ServerDialect):
     """``send_seed``: send ``sampling_seed`` (SGLang honours it only with
     ``--enable-deterministic-inference``, and then one seed for a request's ``n`` samples makes them
     identical: off by default, see :class:`~.engine.SGLangEngine`)."""
@@ -18,6 +27,14 @@ class SGLangAPI(ServerAPI):
     name = "SGLang"
     generate_path = "/generate"
     abort_all = ("/abort_request", {"rid": "", "abort_all": True})
+    continue_call = ("/continue_generation", {})
+    begin_call = ("/begin_weight_update", {})
+    end_call = ("/end_weight_update", {})
+    session_open_text = "already open"
+    # no body: SGLang's route reads only an optional ``timeout`` query parameter; 0.5.23 flushes only
+    # a fully idle scheduler (``Scheduler.flush_cache``) and otherwise answers HTTP 400
+    flush_call = ("/flush_cache", None)
+    flush_refused_text = "HTTP 400"
 
     def __init__(self, send_seed: bool = False):
         self.send_seed = bool(send_seed)
@@ -58,8 +75,72 @@ class SGLangAPI(ServerAPI):
     def weight_version(self, transport, url: str, timeout: float | None = None):
         return (transport.request("GET", "/model_info", timeout=timeout, url=url) or {}).get("weight_version")
 
-    def resume(self, transport, url: str, timeout: float | None = None) -> None:
-        transport.request("POST", "/continue_generation", {}, timeout=timeout, url=url)
+    def probe_body(self, prompt_ids: list, max_new_tokens: int) -> dict:
+        return {
+            "input_ids": [int(t) for t in prompt_ids],
+            "return_logprob": True,
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": int(max_new_tokens),
+                "ignore_eos": True,
+                "skip_special_tokens": False,
+            },
+        }
+
+    def read_probe(self, payload, where: str) -> Completion:
+        url = where[: -len(self.generate_path)] if where.endswith(self.generate_path) else where
+        return parse_completion(payload[0] if isinstance(payload, list) else payload, url=url, allow_abort=True)
+
+    def pause_call(self, mode: str) -> tuple:
+        return "/pause_generation", {"mode": PAUSE_MODES[mode]}
+
+    def version_call(self, version: str) -> tuple:
+        return "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+
+    def group_ranks(self, transport, worker: str) -> int:
+        """One rank per TP rank of the worker's model (SGLang: ``rank_offset + tp_rank``); refuses
+        ``dp_size`` > 1 and pipeline parallelism, which SGLang's update cannot cover."""
+        info = transport.server_info(worker) or {}
+        tp, pp, dp = (int(info.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
+        if dp > 1:  # SGLang 0.5.23: assert dp_size == 1, answered as a bare HTTP 500
+            raise EngineError(
+                f"rollout: {worker} runs {dp} data-parallel replicas (dp_size={dp}); SGLang refuses weight "
+                "update groups unless dp_size is 1 (data-parallel attention, attn_dp_size, is fine): "
+                "start one server per replica (behind the router), or use rollout.weight_sync=disk"
+            )
+        if pp > 1:
+            raise EngineError(
+                f"rollout: {worker} runs pipeline parallelism (pp_size={pp}), which SGLang's "
+                "update_weights_from_distributed does not cover: use rollout.weight_sync=disk"
+            )
+        return tp
+
+    def join_calls(self, group: dict, timeout: float) -> list:
+        """A stale group of the same name (left by a trainer that died) is dropped first."""
+        return [
+            ("/destroy_weights_update_group", {"group_name": group["group_name"]}, "does not exist"),
+            ("/init_weights_update_group", dict(group), ""),
+        ]
+
+    def leave_call(self, group_name: str) -> tuple:
+        return "/destroy_weights_update_group", {"group_name": group_name}
+
+    def bucket_call(
+        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None
+    ) -> tuple:
+        """``flush_cache`` False: the cache is flushed once before the first bucket (SGLang 0.5.23
+        fails a bucket whose flush finds a request still queued); the version is set at the end."""
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": False,
+            "abort_all_requests": False,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        return "/update_weights_from_distributed", body
 
 
 def parse_completion(

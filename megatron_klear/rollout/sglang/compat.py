@@ -12,7 +12,7 @@ reports about itself (``GET /server_info``), before the first step:
   (``internal_states[i].env_vars``) only when started with ``SGLANG_EXPOSE_OWN_ENV_VARS=true``;
   without it the check cannot tell and warns.
 
-:func:`check_servers` runs those a config needs (``rollout.factory.make_engine``, ``engine=http``).
+:func:`check_servers` runs those a config needs (the SGLang engine's builder, ``rollout.engine=sglang``).
 Which SGLang behaviour each follows is in docs/sglang.md.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 
-from megatron_klear.rollout.sglang.transport import EngineError
+from megatron_klear.rollout.base import EngineError
 
 #: the torch each SGLang release pins (``Requires-Dist: torch==...`` of its wheel's METADATA)
 SGLANG_TORCH = {"0.5.23": "2.14.1"}
@@ -141,7 +141,7 @@ def check_servers(engine, r, *, weight_sync: bool = True) -> None:
         return
     if not weight_sync or r.weight_sync not in ("distributed", "auto"):
         return
-    engine.control.check_update_group_layout()  # dp_size > 1 or pipeline parallelism: refused by name now
+    engine.wire.check_update_group_layout()  # dp_size > 1 or pipeline parallelism: refused by name now
     backend = r.sync_backend
     if backend == "auto":
         import torch

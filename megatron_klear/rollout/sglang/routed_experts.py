@@ -4,7 +4,7 @@ with ``return_routed_experts``; servers started with ``--enable-return-routed-ex
 
 from __future__ import annotations
 
-from megatron_klear.rollout.sglang.transport import EngineError
+from megatron_klear.rollout.servers.transport import EngineError
 
 
 def encode_routed_experts(routes) -> str:

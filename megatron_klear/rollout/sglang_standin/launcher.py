@@ -288,7 +288,7 @@ class EmbeddedHTTPEngine(SGLangEngine):
 
         # send_seed: the stand-in derives one seed per (prompt, sample) from it
         config = RolloutConfig(
-            engine="http",
+            engine="sglang",
             urls=[url],
             control_timeout_s=timeout,
             generate_timeout_s=generate_timeout,

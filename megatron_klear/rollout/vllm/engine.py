@@ -1,7 +1,7 @@
-""":class:`VLLMEngine`: the rollout engine made of vLLM servers (``rollout.engine=vllm``), composed
-as every engine of servers is (:class:`~megatron_klear.rollout.server_engine.ServersEngine`:
-transport, membership and its fleet, generation with retries and the watchdog, abortable streams)
-over :class:`.api.VLLMAPI`, with :class:`.control.VLLMControl` as its control part.
+""":class:`VLLMEngine`: the rollout engine made of vLLM servers (``rollout.engine=vllm``), a
+:class:`~megatron_klear.rollout.servers.client.ServerClient` (transport, membership and its fleet,
+generation with retries and the watchdog, abortable streams, the weight update's wire) over
+:class:`.api.VLLMAPI`, with :class:`.upkeep.VLLMUpkeep` as its upkeep.
 
 Requests go from the client straight to the servers (``rollout.urls`` are the vLLM servers, each
 request to the live one with the fewest in flight): vLLM has no router of its own in this stack,
@@ -15,28 +15,33 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_klear.rollout.config import RolloutConfig
-from megatron_klear.rollout.server_engine import ServersEngine
+from megatron_klear.rollout.servers.client import ServerClient
 from megatron_klear.rollout.vllm.api import VLLMAPI
-from megatron_klear.rollout.vllm.control import MEMORY_TAGS, VLLMControl
+from megatron_klear.rollout.vllm.upkeep import MEMORY_TAGS, VLLMUpkeep
 
 
-class VLLMEngine(ServersEngine):
+class VLLMEngine(ServerClient):
     """vLLM servers at ``config.urls`` (each one a worker: ``rollout.workers`` defaults to them).
-    ``sync_pause_mode``: ``abort`` (requests in flight end and are sent again after a push) or
+    ``rollout.pause_mode``: ``abort`` (requests in flight end and are sent again after a push) or
     ``retract`` (they are held and resume with the new weights, recomputing their KV cache).
-    ``check``: every server answers ``/health`` now and passes :meth:`VLLMControl.check_servers`."""
+    ``check``: every server answers ``/health`` now and passes :meth:`VLLMUpkeep.check_servers`."""
 
     config_engine = "vllm"
     memory_tags = MEMORY_TAGS
+    upkeep_cls = VLLMUpkeep
 
-    control_cls = VLLMControl
-
-    def make_api(self, config: RolloutConfig) -> VLLMAPI:
+    def make_dialect(self, config: RolloutConfig) -> VLLMAPI:
         return VLLMAPI()
 
     def prepare_config(self, config: RolloutConfig) -> RolloutConfig:
         """Every URL is a server (a worker): ``rollout.workers`` defaults to ``rollout.urls``."""
         return config if config.workers else replace(config, workers=list(config.urls))
 
-    def check_started(self) -> None:
-        self.control.check_servers()
+    @classmethod
+    def from_rollout_config(cls, r: RolloutConfig, *, weight_sync: bool = True, **_):
+        """The engine of a job's ``rollout`` section (the engine registry's builder): its servers
+        checked; with ``rollout.weight_sync=distributed`` their transfer engine and layout too."""
+        engine = cls(r, check=True)
+        if weight_sync and r.weight_sync == "distributed":
+            engine.wire.check_update_group_layout()  # the plugin's transfer engine, no data parallelism
+        return engine

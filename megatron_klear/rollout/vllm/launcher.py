@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -149,8 +148,3 @@ class VLLMServer:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def default_python() -> str:
-    """``KLEAR_VLLM_PYTHON`` when set, else this interpreter."""
-    return os.environ.get("KLEAR_VLLM_PYTHON") or sys.executable

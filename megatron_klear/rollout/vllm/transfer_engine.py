@@ -5,7 +5,7 @@ every worker before it builds the engine). Start the server with
 ``--weight-transfer-config '{"backend": "megatron_klear"}'``.
 
 It speaks the wire of the trainer's :class:`~megatron_klear.rollout.weight_sync.DistributedWeightSync`
-(:mod:`megatron_klear.rollout.weight_sync.update_group`: the group joined through the sender's TCP
+(:mod:`megatron_klear.rollout.servers.update_group`: the group joined through the sender's TCP
 store, then per bucket one broadcast per tensor in the order of its names, or one ``uint8``
 broadcast of the flattened bucket), so that SGLang and vLLM servers take the same
 bucket schedule and fleet rules: gloo on CPU (the tests run it against the real CPU server), NCCL
@@ -14,7 +14,7 @@ and has no CPU backend. Weights load as vLLM's own checkpoint-format engines loa
 reloading opened at ``start_weight_update`` and finalised at ``finish_weight_update``, every bucket
 fed to ``model.load_weights`` by HF name.
 
-Only ``torch``, ``vllm`` and :mod:`~megatron_klear.rollout.weight_sync.update_group` are imported:
+Only ``torch``, ``vllm`` and :mod:`~megatron_klear.rollout.servers.update_group` are imported:
 vLLM's environment holds this package without its dependencies (``make venv``)."""
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import dataclasses
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from megatron_klear.rollout.vllm.plugin import BACKEND  # noqa: F401 -- the name this engine is registered as
-from megatron_klear.rollout.weight_sync.update_group import (
+from megatron_klear.rollout.servers.update_group import (
     FLATTENED_BUCKET,
     bucket_layout,
     destroy_update_group,
@@ -33,6 +32,7 @@ from megatron_klear.rollout.weight_sync.update_group import (
     join_update_group,
     unflatten_bucket,
 )
+from megatron_klear.rollout.vllm.plugin import BACKEND  # noqa: F401 -- the name this engine is registered as
 
 
 @dataclasses.dataclass

@@ -6,13 +6,14 @@ gathered from TP / PP / EP by each pipeline stage's leader):
 - :mod:`.disk`: :func:`export_hf_for_engine` (``rollout.weight_sync=disk``), an HF checkpoint
   directory the servers load with ``/update_weights_from_disk``;
 - :mod:`.distributed`: :class:`DistributedWeightSync` (``rollout.weight_sync=distributed``, the
-  default for servers), SGLang's ``update_weights_from_distributed``: each stage leader broadcasts
-  its stage's buckets to every server over its own process group (:mod:`.distributed_groups`,
-  :mod:`.distributed_buckets`; the wire format is :mod:`.update_group`).
+  default for servers): each stage leader broadcasts its stage's buckets to every server over its
+  own process group (:mod:`.distributed_groups`, :mod:`.distributed_buckets`), the servers driven
+  through the engine's :class:`~megatron_klear.rollout.base.WeightWire`.
 
-Each path also has the rollout manager's face (``push(version) -> metrics``, ``close()``,
-``to_servers``): :class:`InProcessPush`, :class:`DiskPush`, :class:`DistributedWeightSync` itself;
-:func:`make_weight_push` (:mod:`.push`) picks one from the ``rollout`` config. A new path (e.g. CUDA
+Each path also has the rollout manager's face, a :class:`~.push.WeightPush` (``push(version) ->
+metrics``, ``close()``, ``to_servers``): :class:`InProcessPush`, :class:`DiskPush`,
+:class:`DistributedWeightSync` itself; :func:`make_weight_push` (:mod:`.push`) picks one from the
+``rollout`` config. A new path (e.g. CUDA
 IPC for colocated servers) is one new module beside these and one line in :mod:`.push`.
 """
 
@@ -27,13 +28,14 @@ from megatron_klear.rollout.weight_sync.gather import (
     stage_leaders,
 )
 from megatron_klear.rollout.weight_sync.in_process import InProcessPush, sync_weights
-from megatron_klear.rollout.weight_sync.push import make_weight_push
+from megatron_klear.rollout.weight_sync.push import WeightPush, make_weight_push
 
 __all__ = [
     "DiskPush",
     "DistributedWeightSync",
     "InProcessPush",
     "StagePart",
+    "WeightPush",
     "WeightSyncError",
     "export_hf_for_engine",
     "iter_buckets",

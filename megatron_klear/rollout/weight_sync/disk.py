@@ -1,6 +1,6 @@
 """``rollout.weight_sync=disk``: the trainer's weights written as an HF checkpoint directory by
 rank 0, which the servers load with ``/update_weights_from_disk``
-(:meth:`~megatron_klear.rollout.sglang.SGLangEngine.load_from_disk`)."""
+(:meth:`~megatron_klear.rollout.base.ServerEngine.load_from_disk`)."""
 
 from __future__ import annotations
 
@@ -24,30 +24,6 @@ def export_hf_for_engine(model_chunks, arch, out_dir: str, *, tokenizer_dir: str
     return writer.finish(
         dict(arch.hf_config), tokenizer_dir=tokenizer_dir, manifest={"kind": "megatron_klear.weight_sync"}
     )
-
-
-def load_through_directory(named_tensors, load_from_disk, *, version=None, who: str = "") -> None:
-    """Write ``named_tensors`` (HF name, tensor) to a temporary HF directory and call
-    ``load_from_disk(path, version=version)``: a server engine's ``update_weights`` for servers on
-    this machine. On a cluster the RL loop writes to ``rollout.sync_dir`` (a filesystem the servers
-    share) or streams the tensors (``rollout.weight_sync=distributed``)."""
-    import tempfile
-
-    from megatron_klear.checkpoint.hf_io import HFWriter
-
-    tmp_root = tempfile.mkdtemp(prefix="klear-engine-weights-")
-    try:
-        writer = HFWriter(os.path.join(tmp_root, "weights"), max_shard_bytes=1 << 30)
-        try:
-            for name, tensor in named_tensors:
-                writer.add(name, tensor)
-            path = writer.finish(config={"note": f"weights pushed by {who or 'a server engine'}.update_weights"})
-        except BaseException:
-            writer.abort()
-            raise
-        load_from_disk(path, version=version)
-    finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
 
 
 def remove_old_versions(sync_dir: str, keep: str) -> list:

@@ -1,11 +1,13 @@
 """``rollout.weight_sync=distributed`` (the default for servers): SGLang's
-``update_weights_from_distributed``. Each stage leader broadcasts its own stage's tensors, packed
-into buckets, over its own process group with every server (NCCL on GPU, gloo on CPU); global rank 0
-drives the servers over HTTP. No file, and no stage funnels through rank 0.
+``update_weights_from_distributed``, or vLLM's weight-transfer API with the project's transfer
+engine. Each stage leader broadcasts its own stage's tensors, packed into buckets, over its own
+process group with every server (NCCL on GPU, gloo on CPU); global rank 0 drives the servers over
+HTTP through the engine's :class:`~megatron_klear.rollout.base.WeightWire`. No file, and no stage
+funnels through rank 0.
 
 :class:`DistributedWeightSync` is the sync itself; its groups are :mod:`.distributed_groups`, its
-bucket schedule :mod:`.distributed_buckets`, the wire format (shared with the stand-in server)
-:mod:`.update_group`.
+bucket schedule :mod:`.distributed_buckets`, the process-group format (shared with the servers'
+side) :mod:`megatron_klear.rollout.servers.update_group`.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import torch
 
 from megatron_klear.platform import broadcast_from_rank0, rank, send_object
+from megatron_klear.rollout.base import FleetError
+from megatron_klear.rollout.servers.update_group import FLATTENED_BUCKET
 from megatron_klear.rollout.weight_sync.distributed_buckets import BucketSchedule
 from megatron_klear.rollout.weight_sync.distributed_groups import UpdateGroups, WeightSyncError
 from megatron_klear.rollout.weight_sync.gather import drain, iter_stage_hf_tensors
-from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET
 
 
 class DistributedWeightSync:
@@ -28,7 +31,7 @@ class DistributedWeightSync:
     travel over them.
 
     **A sync** (:meth:`sync`, version ``v``): rank 0 pauses generation (``/pause_generation``
-    in the engine's ``sync_pause_mode``: ``abort``, or ``retract`` in asynchronous RL), flushes every
+    in the section's ``rollout.pause_mode``: ``abort``, or ``retract`` in asynchronous RL), flushes every
     server's cache once (``/flush_cache``, retried while a request is
     still leaving: SGLang 0.5.23 fails a bucket sent with ``flush_cache=True`` if one is queued, so
     buckets go with ``flush_cache=False``) and opens a session (``/begin_weight_update``) while the
@@ -53,7 +56,7 @@ class DistributedWeightSync:
     it and raises instead of ending the trainer. What a bucket's answer says: over gloo, that the
     server received it; over NCCL only that it was accepted (SGLang enqueues the receive on its GPU
     stream and answers), so after an NCCL sync every server generates one token within the control
-    timeout (:meth:`Control.check_received`), which it can only do once every bucket arrived; one
+    timeout (the wire's received check), which it can only do once every bucket arrived; one
     that cannot is dropped as gone. A server left waiting on a broadcast a lost peer never sends
     waits for its own group's timeout (torch's 30-minute default: SGLang's
     ``/init_weights_update_group`` does not take one) or until SGLang's scheduler watchdog
@@ -210,7 +213,7 @@ class DistributedWeightSync:
             now = set(self.engine.workers())
             # a member now rejoining was lost (or demoted) since the groups were formed: a server
             # restarted at its URL keeps the URL but not the groups
-            back = members & set(self.engine.fleet.rejoining())
+            back = members & set(self.engine.rejoining_workers())
             if now != members or back:
                 reform = sorted((now ^ members) | back)
         if broadcast_from_rank0(reform):  # membership changed since the groups were formed
@@ -229,9 +232,7 @@ class DistributedWeightSync:
 
             def start():
                 try:
-                    self.engine.control.pause_generation(self.engine.sync_pause_mode)
-                    self.engine.control.flush_caches()
-                    self.engine.control.begin_weight_update()
+                    self.engine.wire.start_update()
                     return None
                 except Exception as e:  # noqa: BLE001 -- the first bucket's answer
                     return f"rollout: cannot start the weight update: {e}"
@@ -258,12 +259,9 @@ class DistributedWeightSync:
             try:
                 if self.buckets.started.result() is not None:
                     raise WeightSyncError(self.buckets.started.result())
-                self.engine.control.end_weight_update()
-                self.engine.control.set_weight_version(version)
-                self.engine.control.continue_generation()
-                self.engine.control.check_weight_versions(version)  # a rejoining worker that differs is dropped
-                if self.groups.backend == "nccl":  # a bucket's answer does not say it arrived (gloo's does)
-                    self.engine.control.check_received()
+                # a rejoining worker that does not report the version is dropped; over NCCL a
+                # bucket's answer does not say it arrived (gloo's does): one token from each shows it
+                self.engine.wire.finish_update(version, check_received=self.groups.backend == "nccl")
             except Exception as e:  # noqa: BLE001
                 error = f"rollout: the weight update of version {version} did not complete: {e}"
         return broadcast_from_rank0(error)
@@ -275,7 +273,6 @@ class DistributedWeightSync:
         by the error is dropped again (it was not serving) and the sync retried without it."""
         if rank() != 0:
             return None
-        from megatron_klear.rollout.sglang.fleet import FleetError
 
         if self.buckets.started is not None:
             self.buckets.started.result()  # the servers' start calls have ended (they report to the fleet)
@@ -286,8 +283,8 @@ class DistributedWeightSync:
         # gone before the first sync fails the groups' creation)
         members = list(dict.fromkeys([*(self.groups.workers or []), *serving]))
         serving = set(serving)
-        alive = dict(zip(members, self.engine.members.alive(members)))
-        rejoining = set(self.engine.fleet.rejoining())
+        alive = dict(zip(members, self.engine.alive(members)))
+        rejoining = set(self.engine.rejoining_workers())
         dropped = [w for w in members if w not in serving]  # dropped by a control call already
         try:
             for w in members:
@@ -297,7 +294,7 @@ class DistributedWeightSync:
                 elif w in serving and w in rejoining and w in error:
                     self.engine.drop_worker(w, f"failed the weight sync of version {version} as it rejoined: {error}")
                     dropped.append(w)
-            self.engine.fleet.check()  # (a control call of the attempt may have dropped one already)
+            self.engine.check_fleet()  # (a control call of the attempt may have dropped one already)
         except FleetError as e:
             return ("fleet", f"{e}. The weight sync of version {version} failed: {error}")
         if not dropped or last:
@@ -306,8 +303,7 @@ class DistributedWeightSync:
 
     def _fail(self, error: str, fleet: bool = False):
         """Every rank: drop the groups (servers: rank 0, best effort), keep generation paused, raise
-        (:class:`~megatron_klear.rollout.sglang.fleet.FleetError` when too few workers remain)."""
-        from megatron_klear.rollout.sglang.fleet import FleetError
+        (:class:`~megatron_klear.rollout.base.FleetError` when too few workers remain)."""
 
         if rank() == 0:
             self.groups.leave_server_groups()

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_klear.platform import rank, recv_object, send_object
+from megatron_klear.rollout.servers.update_group import FLATTENED_BUCKET, dtype_name, dtype_of, flatten_bucket
 from megatron_klear.rollout.weight_sync.gather import iter_buckets, iter_stage_hf_tensors
-from megatron_klear.rollout.weight_sync.update_group import FLATTENED_BUCKET, dtype_name, dtype_of, flatten_bucket
 
 
 class BucketSchedule:
@@ -57,14 +57,13 @@ class BucketSchedule:
         if started is not None:
             return None, started
         try:
-            post = self.groups.engine.control.post_bucket(
+            post = self.groups.engine.wire.post_bucket(
                 names,
                 dtypes,
                 shapes,
                 group_name=self.groups.name(stage),
                 workers=self.groups.workers,
                 load_format=self.load_format if self.load_format != "auto" else None,
-                flush_cache=False,
                 timeout=self.groups.bucket_wait() + self.control_timeout,
             )
         except Exception as e:  # noqa: BLE001
@@ -76,9 +75,9 @@ class BucketSchedule:
         """Rank 0: wait until every post of a bucket is under way (``post_grace`` seconds from the
         post, or every server answered): ``(post, None)``, or ``(None, error)`` when a server refused
         it or could not be reached before the broadcast (see
-        :class:`~megatron_klear.rollout.sglang.control.BucketPost`): then the bucket is not
+        :class:`~megatron_klear.rollout.base.BucketPosting`): then the bucket is not
         broadcast at all."""
-        from megatron_klear.rollout.sglang.control import bucket_error
+        from megatron_klear.rollout.servers.wire import bucket_error
 
         refused = post.refusals(self.post_grace)
         self._note_disconnected(refused)
@@ -92,7 +91,7 @@ class BucketSchedule:
 
     def _post_answer(self, stage: int, meta, post):
         """Rank 0: the servers' answer to a bucket that was broadcast (waits for every post)."""
-        from megatron_klear.rollout.sglang.control import bucket_error
+        from megatron_klear.rollout.servers.wire import bucket_error
 
         errors = post.result()
         self._note_disconnected(errors)
@@ -106,7 +105,7 @@ class BucketSchedule:
         liveness probe judges it.) A server that answers that it does not know the group (SGLang
         0.5.23's ``Group ... not in [...]. Please call init_weights_update_group first``) restarted
         since the groups were formed: it is gone from them too."""
-        from megatron_klear.rollout.sglang.transport import WorkerGone
+        from megatron_klear.rollout.base import WorkerGone
 
         for w, e in errors.items():
             if isinstance(e, WorkerGone) and "did not answer within" not in str(e):
@@ -213,7 +212,7 @@ class BucketSchedule:
         is built to raise, not to end the process)."""
         import time
 
-        from megatron_klear.rollout.weight_sync.update_group import abort_update_group
+        from megatron_klear.rollout.servers.update_group import abort_update_group
 
         if self.groups.backend == "nccl":
             deadline = time.monotonic() + seconds

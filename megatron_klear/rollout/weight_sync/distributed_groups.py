@@ -22,14 +22,14 @@ import contextlib
 import torch
 
 from megatron_klear.platform import broadcast_from_rank0, rank, recv_object, send_object
-from megatron_klear.rollout.weight_sync.gather import stage_leaders
-from megatron_klear.rollout.weight_sync.update_group import (
+from megatron_klear.rollout.servers.update_group import (
     PortInUseError,
     destroy_update_group,
     join_update_group,
     open_master_store,
     set_group_timeout,
 )
+from megatron_klear.rollout.weight_sync.gather import stage_leaders
 
 
 class WeightSyncError(RuntimeError):
@@ -110,7 +110,7 @@ class UpdateGroups:
         plan = None
         if me == 0:
             try:
-                layout = self.engine.control.update_group_layout()
+                layout = self.engine.wire.update_group_layout()
                 offsets, nxt = {}, 1
                 for w, ranks in layout:
                     offsets[w] = nxt
@@ -148,7 +148,7 @@ class UpdateGroups:
                 addr, port, err = result if leader == 0 else recv_object(leader)
                 futures = None
                 if err is None:
-                    futures = self.engine.control.init_weights_update_group_async(
+                    futures = self.engine.wire.join_group_async(
                         master_address=addr,
                         master_port=port,
                         world_size=self.world,
@@ -215,7 +215,7 @@ class UpdateGroups:
         if join_err is not None and not parts:
             parts.append("every server answered, but the group did not form")
         tail = f"; the trainer's side: {join_err}" if join_err else ""
-        self.engine.control.destroy_weights_update_group(name)
+        self.engine.wire.leave_group(name)
         return (
             f"rollout: the weight-update group {name} (store at {where}, backend {self.backend}, "
             f"rollout.sync_group_timeout_s={self.group_timeout:g}) could not be created: {'; '.join(parts)}{tail}. "
@@ -236,7 +236,7 @@ class UpdateGroups:
         ``timeout``: each call's (None: the control timeout)."""
         for stage in sorted(self.leaders or {}):
             with contextlib.suppress(Exception):
-                self.engine.control.destroy_weights_update_group(self.name(stage), timeout=timeout)
+                self.engine.wire.leave_group(self.name(stage), timeout=timeout)
 
     def close(self) -> None:
         """Drop the groups (servers and trainer side); not collective."""

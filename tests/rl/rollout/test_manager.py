@@ -185,7 +185,7 @@ class FleetServers(ServerEngine):
     """A stand-in for a server engine with a fleet: records the rejoin calls around a push."""
 
     def __init__(self, calls):
-        from megatron_klear.rollout.sglang.fleet import Fleet
+        from megatron_klear.rollout.servers.fleet import Fleet
 
         self.calls, self.fleet = calls, Fleet(["a", "b"])
         self.fleet.lose("b", "killed")
@@ -194,7 +194,8 @@ class FleetServers(ServerEngine):
         raise AssertionError("a push does not call this")
 
     generate = update_weights = workers = worker_dtypes = probe = load_from_disk = _not_in_a_push
-    check_context_length = check_memory_saver = stream = _not_in_a_push
+    check_context_length = check_memory_saver = stream = alive = check_fleet = _not_in_a_push
+    wire = property(_not_in_a_push)
 
     def drop_worker(self, worker, why):
         return self.fleet.lose(worker, why)
@@ -218,19 +219,24 @@ class FleetServers(ServerEngine):
 
 
 @pytest.mark.parametrize("async_steps,mode", [(0, "abort"), (1, "retract")])
-def test_the_pause_mode_of_a_push_follows_the_schedule_and_is_given_to_the_engine_it_builds(
+def test_the_pause_mode_of_a_push_follows_the_schedule_and_reaches_the_engine_it_builds(
     async_steps, mode, monkeypatch
 ):
     import megatron_klear.rollout.factory as factory
 
     built = []
-    monkeypatch.setattr(factory, "make_engine", lambda r, path, **kw: built.append(kw) or RecordingServers())
+    monkeypatch.setattr(factory, "make_engine", lambda r, path, **kw: built.append(r) or RecordingServers())
     cfg = JobConfig()
-    cfg.rl.prompts, cfg.rl.async_steps, cfg.rollout.colocate = ["p.jsonl"], async_steps, True
-    cfg.rollout.engine = "http"
+    cfg.rl.prompts, cfg.rl.async_steps = ["p.jsonl"], async_steps
+    cfg.rollout.engine, cfg.rollout.urls = "http", ["http://s:1"]  # the older name of sglang
+    cfg.rollout.max_new_tokens = 1024
+    cfg.validate()  # the mode is derived once, here
+    assert (cfg.rollout.engine, cfg.rollout.pause_mode) == ("sglang", mode)
+    cfg.rollout.colocate, cfg.rollout.weight_sync = not async_steps, "disk"
     monkeypatch.setattr(RecordingServers, "check_memory_saver", lambda self: None, raising=False)
-    manager = RolloutManager(cfg)  # colocated: the engine is built at once
-    assert manager.pause_mode == mode and built == [{"pause_mode": mode}]
+    if cfg.rollout.colocate:
+        RolloutManager(cfg)  # colocated: the engine is built at once, from the section
+        assert [r.pause_mode for r in built] == [mode]
 
 
 def test_a_push_recalls_lost_workers_includes_them_probes_them_whatever_the_interval_then_admits(monkeypatch):

@@ -3,7 +3,7 @@
 The workers are the SGLang servers behind ``urls``: listed explicitly (``rollout.workers``), or
 asked from each URL that is a router (``GET /workers``; a URL without that route is a server
 itself). Their state (live / rejoining / lost) is :attr:`Membership.fleet`
-(:class:`~megatron_klear.rollout.sglang.fleet.Fleet`): control calls go to the live and rejoining
+(:class:`~megatron_klear.rollout.servers.fleet.Fleet`): control calls go to the live and rejoining
 workers (:meth:`Membership.workers`), generation only to live ones.
 
 sglang-router 0.3.2's membership routes (tried against the installed router): ``GET /workers``
@@ -18,7 +18,7 @@ answer again would otherwise route to it while it still holds its start-up weigh
 
 - :meth:`Membership.drop_worker`: the worker is lost for the rest of the step (and later ones,
   until recalled); the router stops routing to it. While fewer than ``rollout.min_live_workers``
-  would remain, :class:`~megatron_klear.rollout.sglang.fleet.FleetError` is raised instead and the
+  would remain, :class:`~megatron_klear.rollout.base.FleetError` is raised instead and the
   router's list is left as it is (the step fails; a restarted job finds the workers listed there).
 - :meth:`Membership.recall_workers`: lost workers that answer ``/model_info`` again, and workers the
   router lists that this client did not know, become *rejoining*: the next weight push includes
@@ -26,7 +26,7 @@ answer again would otherwise route to it while it still holds its start-up weigh
 - :meth:`Membership.admit_workers`: rejoining workers that report the pushed version become live
   and are added to the router again.
 
-What counts as a worker that is **gone** (:class:`~megatron_klear.rollout.sglang.transport.WorkerGone`):
+What counts as a worker that is **gone** (:class:`~megatron_klear.rollout.servers.transport.WorkerGone`):
 it cannot be reached or does not answer in time -- connection refused or reset, the connection
 closed without an answer, a timeout. An answer, whatever its status (4xx, 5xx, a paused server's
 503), is a worker that is there and refused the call: that fails the call as before.
@@ -45,8 +45,9 @@ import time
 
 import httpx
 
-from megatron_klear.rollout.sglang.fleet import LIVE, REJOINING, Fleet, FleetError
-from megatron_klear.rollout.sglang.transport import EngineError, WorkerGone, in_parallel
+from megatron_klear.rollout.base import FleetError
+from megatron_klear.rollout.servers.fleet import LIVE, REJOINING, Fleet
+from megatron_klear.rollout.servers.transport import EngineError, WorkerGone, in_parallel
 
 #: longest wait for the router to show a worker added or removed (it queues both as jobs)
 ROUTER_SETTLE_S = 10.0
@@ -61,11 +62,9 @@ class Membership:
     """The workers behind a ``rollout`` section's ``urls`` (``workers``: listed explicitly instead of
     asked from routers), and the fewest live ones a step goes on with (``min_live_workers``)."""
 
-    def __init__(self, transport, config, api=None):
-        from megatron_klear.rollout.sglang.api import SGLangAPI
-
+    def __init__(self, transport, config, dialect):
         self.transport = transport
-        self.api = api if api is not None else SGLangAPI()  # where a server tells its version, how it resumes
+        self.dialect = dialect  # where a server tells its version, how it resumes
         self.urls = [u.rstrip("/") for u in config.urls]
         self._explicit_workers = [w.rstrip("/") for w in config.workers] if config.workers else None
         self.min_live_workers = int(config.min_live_workers)
@@ -207,7 +206,7 @@ class Membership:
     def weight_versions(self) -> dict:
         """``{worker: the weight version it reports}`` of every worker that answers (a gone one is
         dropped)."""
-        return self.on_workers(lambda w: self.api.weight_version(self.transport, w), tolerate_loss=True)
+        return self.on_workers(lambda w: self.dialect.weight_version(self.transport, w), tolerate_loss=True)
 
     def check_weight_versions(self, version) -> None:
         """Every worker must report ``version``: a live one that does not is an error, a rejoining one
@@ -229,7 +228,7 @@ class Membership:
 
         def ask(w):
             try:
-                self.api.weight_version(self.transport, w, timeout=wait)
+                self.dialect.weight_version(self.transport, w, timeout=wait)
             except WorkerGone:
                 return False
             except EngineError:
@@ -272,7 +271,7 @@ class Membership:
         back = [w for w, ok in zip(lost, answered) if ok and fleet.recall(w)]
         for w in back:
             try:
-                self.api.resume(self.transport, w, timeout=wait)
+                self.dialect.resume(self.transport, w, timeout=wait)
             except EngineError as e:
                 note(f"rollout: worker {w} answers again but refused to resume generation: {e}")
             note(f"rollout: worker {w} answers again; it rejoins at the next weight push")
@@ -307,7 +306,7 @@ class Membership:
         admitted = []
         for w in self.fleet.rejoining():
             try:
-                reported = self.api.weight_version(self.transport, w)
+                reported = self.dialect.weight_version(self.transport, w)
             except EngineError as e:
                 note(f"rollout: rejoining worker {w} not admitted: {e}")
                 continue
@@ -348,7 +347,7 @@ class Membership:
         demoted = []
         for w in self.fleet.live():
             try:
-                reported = self.api.weight_version(self.transport, w)
+                reported = self.dialect.weight_version(self.transport, w)
             except EngineError:
                 continue
             if reported is not None and str(reported) != self.expected_version:

@@ -28,7 +28,7 @@ not retried.
   cancelled. Requests on the live workers keep their progress (no work is thrown away); the cost is
   duplicate work for the requests that were fine.
 - Fewer than ``rollout.min_live_workers`` live workers: the call fails with
-  :class:`~megatron_klear.rollout.sglang.fleet.FleetError` naming every lost worker and why, within
+  :class:`~megatron_klear.rollout.base.FleetError` naming every lost worker and why, within
   the watchdog's bound (``health_failure_threshold`` x (``health_check_interval`` +
   ``health_check_timeout``), plus the routers' update).
 - **Stale weights**: after a weight push the client expects ``meta_info.weight_version`` (SGLang
@@ -59,13 +59,12 @@ import queue
 import threading
 import time
 
-from megatron_klear.rollout.base import Completion, SamplingParams
-from megatron_klear.rollout.server_api import AbortedByServer, ServerAPI
-from megatron_klear.rollout.sglang.api import SGLangAPI
-from megatron_klear.rollout.sglang.call_http import CallHTTP, HTTPFailure, NoAnswerInTime
-from megatron_klear.rollout.sglang.fleet import LIVE, FleetError
-from megatron_klear.rollout.sglang.transport import EngineError, _message_of, _Retryable
-from megatron_klear.rollout.sglang.versions import stale_version
+from megatron_klear.rollout.base import Completion, FleetError, SamplingParams
+from megatron_klear.rollout.servers.call_http import CallHTTP, HTTPFailure, NoAnswerInTime
+from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialect
+from megatron_klear.rollout.servers.fleet import LIVE
+from megatron_klear.rollout.servers.transport import EngineError, Retryable, message_of
+from megatron_klear.rollout.servers.versions import stale_version
 
 GRANULARITIES = ("prompt", "sample")
 
@@ -85,7 +84,7 @@ def aborted_empty(n: int = 1) -> list:
     return [Completion(token_ids=[], logprobs=[], finish_reason="abort", versions=[]) for _ in range(n)]
 
 
-class _Call:
+class CallState:
     """What one generate call's (or stream's) requests share on its event loop: the HTTP clients
     (:class:`.call_http.CallHTTP`: requests, probes), the requests in flight per URL, the attempts
     in flight (to cancel or hedge them when a worker is dropped). ``aborting``: the stream was asked
@@ -115,13 +114,13 @@ class Generation:
         transport,
         members,
         config,
+        dialect: ServerDialect,
         *,
-        api: ServerAPI | None = None,
         routed_experts: tuple | None = None,
         retry_backoff: float = 1.0,
     ):
         self.transport, self.members = transport, members
-        self.api = api if api is not None else SGLangAPI(config.send_seed)
+        self.dialect = dialect
         self.generate_timeout = float(config.generate_timeout_s)
         self.max_concurrent_requests = int(config.max_concurrent_requests)
         self.request_granularity = config.request_granularity
@@ -153,7 +152,7 @@ class Generation:
     def _request_body(self, input_ids, params: SamplingParams, n: int, seed) -> dict:
         """One generate body (the server API's): token ids in, ``n`` samples, the sampled tokens'
         log-probs back."""
-        return self.api.generate_body(input_ids, params, n, seed, routing=self.record_routing)
+        return self.dialect.generate_body(input_ids, params, n, seed, routing=self.record_routing)
 
     def generate(self, prompts: list, params: SamplingParams, n: int = 1) -> list:
         out = [None] * len(prompts)
@@ -204,7 +203,7 @@ class Generation:
 
     @contextlib.asynccontextmanager
     async def _open_call(self):
-        """The :class:`_Call` of one generate call or stream: its HTTP clients, closed on leaving
+        """The :class:`CallState` of one generate call or stream: its HTTP clients, closed on leaving
         (room for a hedge of every request in flight)."""
         async with CallHTTP(
             2 * self.max_concurrent_requests + 8,
@@ -212,7 +211,7 @@ class Generation:
             connect_timeout=self.transport.timeout,
             headers=self.transport.auth_headers(),
         ) as http:
-            yield _Call(http)
+            yield CallState(http)
 
     async def _generate_all(self, prompts, params, n, results, stop):
         base_seed = params.seed
@@ -267,7 +266,7 @@ class Generation:
                 await asyncio.gather(*pending, return_exceptions=True)
 
     # -- one request ---------------------------------------------------------------------------------
-    def _pick(self, call: _Call, avoid: str | None) -> str:
+    def _pick(self, call: CallState, avoid: str | None) -> str:
         urls = self.generation_urls()
         if not urls:
             self.members.fleet.check()  # FleetError naming the lost workers
@@ -276,19 +275,19 @@ class Generation:
             urls = [u for u in urls if u != avoid] or urls
         return min(urls, key=lambda u: call.in_flight.get(u, 0))
 
-    def _start(self, call: _Call, me: _Request, url: str, body: dict, n: int) -> asyncio.Task:
+    def _start(self, call: CallState, me: _Request, url: str, body: dict, n: int) -> asyncio.Task:
         call.in_flight[url] = call.in_flight.get(url, 0) + 1
         self.requests_sent += 1
         task = asyncio.ensure_future(self._post_once(call, url, body, n))
         call.attempts[task] = (url, me)
         return task
 
-    def _finish(self, call: _Call, task: asyncio.Task) -> str:
+    def _finish(self, call: CallState, task: asyncio.Task) -> str:
         url, _ = call.attempts.pop(task)
         call.in_flight[url] -= 1
         return url
 
-    async def _post_generate(self, call: _Call, body: dict, n: int) -> list:
+    async def _post_generate(self, call: CallState, body: dict, n: int) -> list:
         """One request, until an answer made with the expected weights: retried after a failure
         (``max_retries``), sent again without consuming a retry when its worker is dropped or it
         answered with stale weights, hedged through a router (see the module's docstring). Once
@@ -342,7 +341,7 @@ class Generation:
                             )
                         await self._demote_stale(call, url, wrong)
                         continue
-                    if not isinstance(e, _Retryable):
+                    if not isinstance(e, Retryable):
                         raise e
                     if call.aborting:
                         continue  # not retried once aborting
@@ -371,7 +370,7 @@ class Generation:
         pushing = self.members.fleet.is_pushing()
         return next((v for v in versions if stale_version(v, sent, self.members.expected_version, pushing)), None)
 
-    async def _demote_stale(self, call: _Call, url: str, version) -> None:
+    async def _demote_stale(self, call: CallState, url: str, version) -> None:
         """An answer made with other weights: its worker (``url``, or through a router the live
         workers reporting another version) leaves the live set until the next push."""
         why = f"answered /generate with weight_version {version!r}, expected {self.members.expected_version!r}"
@@ -384,7 +383,7 @@ class Generation:
                 await asyncio.to_thread(self.members.audit_versions)
                 call.audited_at = time.monotonic()
 
-    async def _worker_is_gone(self, call: _Call, url: str, message: str) -> bool:
+    async def _worker_is_gone(self, call: CallState, url: str, message: str) -> bool:
         """A request to the worker ``url`` could not reach it: one /health probe (shared by the
         requests that failed alike) decides whether it is dropped now. True when it was dropped
         (now or before); False for a router, or a worker that answers (the failure is retried)."""
@@ -406,7 +405,7 @@ class Generation:
         await self._lose(call, url, f"POST /generate failed ({message}), then /health: {why}")
         return True
 
-    async def _lose(self, call: _Call, worker: str, why: str) -> None:
+    async def _lose(self, call: CallState, worker: str, why: str) -> None:
         """Drop ``worker`` (fleet and routers; FleetError below min_live), then send its requests
         again: those sent to it directly are cancelled (their requests pick another worker), those
         in flight through a router are hedged."""
@@ -421,10 +420,10 @@ class Generation:
                 continue
             req.wake.set()
 
-    async def _post_once(self, call: _Call, url: str, body: dict, n: int):
+    async def _post_once(self, call: CallState, url: str, body: dict, n: int):
         """One POST; ``(completions, each sample's weight_version)``. An ``abort`` answer is retried
         unless the call is aborting (then it is the output so far)."""
-        path = self.api.generate_path
+        path = self.dialect.generate_path
         try:
             resp = await call.http.post(url + path, body)
         except NoAnswerInTime:
@@ -433,11 +432,11 @@ class Generation:
                 f"{self.generate_timeout:g} s"
             ) from None
         except HTTPFailure as e:
-            raise _Retryable(url, str(e), gone=e.gone) from None
+            raise Retryable(url, str(e), gone=e.gone) from None
         if resp.status_code >= 500:
-            raise _Retryable(url, f"HTTP {resp.status_code}: {_message_of(resp)}")
+            raise Retryable(url, f"HTTP {resp.status_code}: {message_of(resp)}")
         if resp.status_code >= 400:
-            raise EngineError(f"rollout: POST {url}{path} failed with HTTP {resp.status_code}: {_message_of(resp)}")
+            raise EngineError(f"rollout: POST {url}{path} failed with HTTP {resp.status_code}: {message_of(resp)}")
         try:
             payload = resp.json()
         except json.JSONDecodeError:
@@ -445,15 +444,17 @@ class Generation:
                 f"rollout: POST {url}{path} answered a body that is not JSON: {resp.text[:200]!r}"
             ) from None
         routing = (
-            (len(body[self.api.prompt_key]), self.routing_layers, self.routing_topk) if self.record_routing else None
+            (len(body[self.dialect.prompt_key]), self.routing_layers, self.routing_topk)
+            if self.record_routing
+            else None
         )
         try:
-            return self.api.read_generate(payload, n, where=url + path, routing=routing, allow_abort=call.aborting)
+            return self.dialect.read_generate(payload, n, where=url + path, routing=routing, allow_abort=call.aborting)
         except AbortedByServer as e:
-            raise _Retryable(url, str(e)) from None
+            raise Retryable(url, str(e)) from None
 
     # -- the watchdog ----------------------------------------------------------------------------------
-    async def _probe(self, call: _Call, w: str):
+    async def _probe(self, call: CallState, w: str):
         try:
             r = await call.http.aside("GET", w + "/health", self.transport.health_check_timeout)
             return r.status_code < 400, f"HTTP {r.status_code}"
@@ -462,7 +463,7 @@ class Generation:
         except HTTPFailure as e:
             return False, str(e)
 
-    async def _watch_workers(self, call: _Call, stop: threading.Event):
+    async def _watch_workers(self, call: CallState, stop: threading.Event):
         """Probe every live worker's /health while requests run; drop one that misses
         ``health_failure_threshold`` probes in a row (FleetError when too few remain). No probe while
         a weight push is under way (``Fleet.pushing``: a paused server's /health blocks, then 503s),

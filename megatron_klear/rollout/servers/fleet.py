@@ -11,7 +11,7 @@ A worker is in one of three states:
 :class:`Fleet` only keeps that state (thread-safe: the generation's event loop, the watchdog and
 the control calls' threads all report to it) and counts the events for the step's metrics; the
 HTTP side (probing a lost worker, telling the router) is the engine's
-(:mod:`megatron_klear.rollout.sglang.transport`). Losing a worker is an event, not an error, while at
+(:mod:`megatron_klear.rollout.servers.transport`). Losing a worker is an event, not an error, while at
 least ``min_live`` workers remain live; below that, :class:`FleetError` names every lost worker and
 why it was lost.
 
@@ -28,11 +28,9 @@ import contextlib
 import threading
 import time
 
+from megatron_klear.rollout.base import FleetError
+
 LIVE, REJOINING, LOST = "live", "rejoining", "lost"
-
-
-class FleetError(RuntimeError):
-    """Fewer than ``rollout.min_live_workers`` workers remain; the message names the lost ones."""
 
 
 class Fleet:

@@ -9,7 +9,7 @@ check (:mod:`.versions`). Iterating yields ``(key, Completion)`` per sample as e
 (``((key, k), Completion)`` for the ``n > 1`` samples of one request); each Completion carries its
 tokens' weight versions (``Completion.versions``).
 
-**Abort** (:meth:`SGLangStream.abort`, returns at once). The stream stops sending (a request not
+**Abort** (:meth:`ServerStream.abort`, returns at once). The stream stops sending (a request not
 sent yet ends as an empty ``abort`` Completion, never sent) and POSTs ``/abort_request``
 ``{"rid": "", "abort_all": true}`` to every worker, live and rejoining (never to a router:
 sglang-router 0.3.2 has no ``/abort_request`` route), again every ``ABORT_RESEND_S`` seconds while
@@ -17,7 +17,7 @@ requests remain (one sent just before the abort may reach its server after it). 
 flight then answers with what it generated so far (SGLang's ``abort`` finish reason: its tokens and
 log-probs); a request whose worker has not answered within ``rollout.control_timeout_s`` after the
 abort is cancelled and ends as an empty ``abort``. ``abort_all`` ends *every* request on those
-servers: run one stream at a time. Before :meth:`~SGLangStream.abort`, a server-side abort (a weight
+servers: run one stream at a time. Before :meth:`~ServerStream.abort`, a server-side abort (a weight
 push in ``abort`` mode) is retried as in ``generate``.
 
 Counts: the engine's ``aborted_requests`` (requests that ended as ``abort``, with or without
@@ -34,7 +34,7 @@ import threading
 import time
 
 from megatron_klear.rollout.base import RequestStream, SampleRequest, SamplingParams
-from megatron_klear.rollout.sglang.generation import _Call, aborted_empty
+from megatron_klear.rollout.servers.generation import CallState, aborted_empty
 
 #: seconds between two rounds of /abort_request while an aborted stream still has requests running
 ABORT_RESEND_S = 0.5
@@ -48,7 +48,7 @@ class Streams:
         self.generation = generation
         self.aborted_requests = 0  # requests of streams that ended as "abort" (this engine's lifetime)
 
-    def stream(self, requests: list) -> "SGLangStream":
+    def stream(self, requests: list) -> "ServerStream":
         """Start every :class:`SampleRequest` now; see the module's docstring."""
         requests = list(requests)
         keys = set()
@@ -70,7 +70,7 @@ class Streams:
             except TypeError:
                 raise TypeError(f"rollout: stream request key {r.key!r} is not hashable") from None
         self.generation.members.fleet  # noqa: B018 -- discovers the workers now: a router that is down fails here
-        return SGLangStream(self, requests)
+        return ServerStream(self, requests)
 
 
 def sample_keys(request: SampleRequest) -> list:
@@ -78,7 +78,7 @@ def sample_keys(request: SampleRequest) -> list:
     return [request.key] if request.n == 1 else [(request.key, k) for k in range(request.n)]
 
 
-class SGLangStream(RequestStream):
+class ServerStream(RequestStream):
     """The requests of one :meth:`Streams.stream` call (see the module's docstring). Iterate it from
     one thread; :meth:`abort` may be called from any thread."""
 
@@ -206,7 +206,7 @@ class SGLangStream(RequestStream):
         for key, completion in zip(sample_keys(request), completions):
             self._results.put(("ok", key, completion))
 
-    async def _abort_servers(self, call: _Call) -> None:
+    async def _abort_servers(self, call: CallState) -> None:
         """The server API's abort of every request (SGLang: ``/abort_request`` ``{"rid": "",
         "abort_all": true}``) to every live and rejoining worker;
         a worker that fails it is left to the deadline (and the watchdog)."""
@@ -214,7 +214,7 @@ class SGLangStream(RequestStream):
 
         async def one(w):
             try:
-                path, body = eng.api.abort_all
+                path, body = eng.dialect.abort_all
                 await call.http.aside("POST", w + path, eng.transport.timeout, body)
             except Exception:  # noqa: BLE001 -- its requests end at the deadline
                 return

@@ -26,7 +26,7 @@ CLIENT_KEEPALIVE_S = 2.0
 GONE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 
-class _Retryable(Exception):
+class Retryable(Exception):
     """A failure worth another attempt (transport, 5xx, abort)."""
 
     def __init__(self, url: str, message: str, gone: bool = False):
@@ -40,7 +40,7 @@ class _Retryable(Exception):
 UNAUTHORIZED = (401, 403)
 
 
-def _message_of(resp: httpx.Response) -> str:
+def message_of(resp: httpx.Response) -> str:
     """What a server said in an error response (SGLang: ``{"error": {"message"}}`` or ``{"message"}``);
     a refused API key says which setting sends one."""
     said = _said(resp)
@@ -172,7 +172,7 @@ class Transport:
             cls = WorkerGone if isinstance(e, GONE) else EngineError
             raise cls(f"rollout: {method} {url} failed: {type(e).__name__}: {e}") from None
         if resp.status_code >= 400:
-            raise EngineError(f"rollout: {method} {url} failed with HTTP {resp.status_code}: {_message_of(resp)}")
+            raise EngineError(f"rollout: {method} {url} failed with HTTP {resp.status_code}: {message_of(resp)}")
         if not expect_json:
             return resp.text
         if not resp.content.strip():

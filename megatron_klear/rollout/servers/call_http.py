@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from megatron_klear.rollout.sglang.transport import CLIENT_KEEPALIVE_S
+from megatron_klear.rollout.servers.transport import CLIENT_KEEPALIVE_S
 
 
 def _aiohttp():
@@ -35,7 +35,7 @@ def _aiohttp():
 
 
 class Answer:
-    """An HTTP answer read whole: ``status_code`` and ``text`` (what :func:`.transport._message_of`
+    """An HTTP answer read whole: ``status_code`` and ``text`` (what :func:`.transport.message_of`
     reads), :meth:`json`."""
 
     __slots__ = ("status_code", "text")

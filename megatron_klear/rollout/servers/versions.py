@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-from megatron_klear.rollout.sglang.transport import EngineError
+from megatron_klear.rollout.servers.transport import EngineError
 
 _INT = re.compile(r"[+-]?\d+")
 
