@@ -27,6 +27,7 @@ from megatron_klear.platform.distributed import ParallelConfig
 from megatron_klear.platform.errors import ConfigError
 from megatron_klear.rewards.config import RewardConfig
 from megatron_klear.rl.config import RLConfig
+from megatron_klear.rl.losses import loss_spec
 from megatron_klear.rollout.config import RolloutConfig
 
 __all__ = ["ConfigError", "JobConfig", "RLConfig", "RolloutConfig", "RewardConfig", "dump_config", "load_config"]
@@ -154,7 +155,7 @@ class JobConfig:
             )
         rl = self.rl
         per_sequence = {
-            "rl.algo=gspo": rl.algo == "gspo",
+            f"rl.algo={rl.algo}": loss_spec(rl.algo).sequence_level,
             "rl.is_level=sequence": rl.tis_cap is not None and rl.is_level == "sequence",
             f"rl.is_reject={rl.is_reject}": rl.is_reject in ("sequence", "geometric"),
         }

@@ -26,6 +26,7 @@ LAYERS = {
     "rollout": 3,
     "rl": 4,
     "sft": 4,
+    "demo_recipe": 4,  # the demo's recipe: its evaluation runs the embedded engine
     "config": 5,
 }
 # modules above their package's layer: the commands (python -m megatron_klear sft|rl), which read the
@@ -105,18 +106,115 @@ def _layer(module: str):
     return LAYERS.get(parts[1]) if len(parts) > 1 else None
 
 
+# inside a package: its children (subfolders and modules) -> their layer, as for the top level
+SUBLAYERS = {
+    "megatron_klear.rollout": {
+        "base": 0,  # the interfaces and errors every engine and caller shares
+        "engines": 0,  # the table of engines (builders named, not imported)
+        "config": 1,
+        "servers": 2,  # the client of rollout servers, written once
+        "embedded": 2,
+        "sglang": 3,  # a family of servers: its dialect and upkeep
+        "vllm": 3,
+        "sglang_standin": 4,  # a server (stands in for SGLang), over the embedded engine
+        "weight_sync": 4,  # the trainer's side of the weight paths
+        "factory": 5,
+    },
+}
+
+
 def _folder(module: str) -> str:
     """The package folder (or top-level module) a module belongs to: megatron_klear.rl.rollout.x -> rl."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def test_no_folder_imports_a_folder_that_imports_it_back():
+def _sibling_edges() -> dict:
+    """{(child a, child b): [module arrows]} for every arrow between two children of one package, at
+    every level: megatron_klear.rollout.sglang.x -> megatron_klear.rollout.weight_sync.y is the
+    edge (rollout.sglang, rollout.weight_sync); rollout.factory -> rollout.sglang.engine is
+    (rollout.factory, rollout.sglang)."""
+    edges = {}
+    for a, bs in GRAPH.items():
+        for b in bs:
+            pa, pb = a.split("."), b.split(".")
+            k = 0
+            while k < min(len(pa), len(pb)) - 1 and pa[k] == pb[k]:
+                k += 1
+            ea, eb = ".".join(pa[: k + 1]), ".".join(pb[: k + 1])
+            if ea != eb:
+                edges.setdefault((ea, eb), []).append((a, b))
+    return edges
+
+
+def _cycles(edges) -> list:
+    """The strongly connected groups of more than one node in the graph of ``edges`` (Tarjan)."""
+    graph = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_folder_imports_a_folder_that_imports_it_back_at_any_level():
     # module-level layers can hold while two folders point at each other (rl/loop.py -> config.py ->
-    # rl/config.py): a reader of the tree then finds rl/ both above and below config.py
-    edges = {(_folder(a), _folder(b)) for a, bs in GRAPH.items() for b in bs if _folder(a) != _folder(b)}
-    back = sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
-    assert not back, "folders that import each other: " + ", ".join(f"{a} <-> {b}" for a, b in back)
+    # rl/config.py, or once rollout/sglang/ -> rollout/weight_sync/ -> rollout/sglang/): a reader of
+    # the tree then finds a folder both above and below another
+    edges = _sibling_edges()
+    circles = _cycles(edges)
+    detail = [
+        f"{' -> '.join(c)} (e.g. {next(e for (x, y), arrows in edges.items() if x in c and y in c for e in arrows)})"
+        for c in circles
+    ]
+    assert not circles, "folders that import each other: " + "; ".join(detail)
+
+
+@pytest.mark.parametrize("package", sorted(SUBLAYERS))
+def test_inside_a_package_imports_only_run_down_its_layers(package):
+    layers = SUBLAYERS[package]
+    children = {m[len(package) + 1 :].split(".")[0] for m in MODULES if m.startswith(package + ".")}
+    assert children == set(layers), f"children of {package} without a layer here: {sorted(children - set(layers))}"
+    upward = [
+        arrow
+        for (a, b), arrows in _sibling_edges().items()
+        if a.rsplit(".", 1)[0] == package == b.rsplit(".", 1)[0]
+        for arrow in arrows
+        if layers[a.rsplit(".", 1)[1]] < layers[b.rsplit(".", 1)[1]]
+    ]
+    assert not upward, f"imports running up {package}'s layers: {upward}"
+
+
+def test_the_folder_checker_sees_a_cycle_below_the_top_level():
+    assert _cycles({("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.c", "p.d")}) == [["p.a", "p.b", "p.c"]]
+    edges = _sibling_edges()
+    assert ("megatron_klear.rollout.weight_sync", "megatron_klear.rollout.servers") in edges  # one floor down
 
 
 def test_every_package_has_a_layer():

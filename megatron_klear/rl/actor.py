@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_klear.rl.batch import RL_PER_TOKEN_KEYS, plan_mini_batch, split_mini_batches
 from megatron_klear.rl.importance import rollout_correction
-from megatron_klear.rl.losses import LossCounts, policy_loss, resolve_clip_range
+from megatron_klear.rl.losses import LossBatch, LossCounts, loss_spec, policy_loss
 from megatron_klear.rl.staleness import counted_tokens, stale_flags
 from megatron_klear.training.batches import row_multiple
 from megatron_klear.training.step import last_moe_aux_loss, reduce_metrics, run_micro_batches
@@ -191,7 +191,10 @@ class Actor:
         """``old_is_current``: the weights have not moved since the rollout batch was planned (the
         first mini-batch), so the old log-probs are this forward's own, detached (see :meth:`update`)."""
         rl = self.rl
-        low, high = resolve_clip_range(rl.algo, rl.eps_low, rl.eps_high)
+        settings = rl.loss_settings
+        low, high = settings.clip_range()
+        # the engine's log-probs go to a loss that reads them (DPPO's anchor), no other
+        pass_rollout = loss_spec(rl.algo).uses_rollout_logprobs
         correction = rl.correction
 
         def loss_fn(local, logprobs, entropy):
@@ -224,25 +227,11 @@ class Actor:
                     adv = adv * w
                     tis_weight, rejected = sums["weight_sum"], sums["rejected"]
                     n_tis = float(m.sum())
-            loss, metrics = policy_loss(
-                logprobs,
-                old,
-                adv,
-                mask,
-                algo=rl.algo,
-                eps_low=rl.eps_low,
-                eps_high=rl.eps_high,
-                dual_clip=rl.dual_clip,
-                beta1=rl.beta1,
-                beta2=rl.beta2,
-                agg=rl.agg,
-                seq_ids=local["seq_ids"],
-                norm_constant=rl.norm_constant,
-                counts=counts,
-                positive=local["positive"],
-                nll_coef=rl.nll_coef,
-                rollout_logprobs=local["rollout_logprobs"] if local.get("has_rollout_logprobs") else None,
+            rollout = local["rollout_logprobs"] if pass_rollout and local.get("has_rollout_logprobs") else None
+            batch = LossBatch(
+                logprobs, old, adv, mask, seq_ids=local["seq_ids"], positive=local["positive"], rollout_logprobs=rollout
             )
+            loss, metrics = policy_loss(batch, settings, counts=counts)
             n = float(m.sum())
             out = {
                 "loss": loss.detach(),

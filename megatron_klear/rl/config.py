@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 from megatron_klear.platform.errors import ConfigError
 from megatron_klear.rl.importance import Correction
-from megatron_klear.rl.losses import AGGREGATIONS, ALGORITHMS
+from megatron_klear.rl.losses import AGGREGATIONS, POLICY_LOSSES, LossSettings, loss_names
 
 
 @dataclass
 class RLConfig:
     """GPPO and the rest of the Klear RL recipe (docs/recipe.md, docs/gppo.md)."""
 
-    algo: str = "gppo"  # gppo | clip_higher | ppo | cispo
+    algo: str = "gppo"  # a loss of rl/losses.py's table, POLICY_LOSSES: gppo | clip_higher | ppo | cispo | ...
     eps_low: float | None = None  # None: the algorithm's default (gppo: 0.2)
     eps_high: float | None = None  # None: the algorithm's default (gppo: 0.28)
     dual_clip: float | None = 10.0
@@ -43,7 +43,7 @@ class RLConfig:
     is_reject_low: float | None = None
     is_reject_high: float | None = None
     # Asynchronous GPPO (docs/async.md): the next batch generates while the actor trains on this one
-    # (0: today's synchronous loop; 1: one step ahead). Needs rollout servers (rollout.engine=http).
+    # (0: today's synchronous loop; 1: one step ahead). Needs rollout servers (rollout.engine=sglang).
     async_steps: int = 0
     # A response holding a token more than this many weight versions older than the trainer's policy is
     # regenerated from scratch (counted: rollout/stale_regenerated). Must be >= async_steps.
@@ -73,12 +73,16 @@ class RLConfig:
         formats = ("auto", "project", "verl", "livecodebench", "math")
         if self.prompts_format not in formats:
             raise ConfigError(f"rl.prompts_format={self.prompts_format!r}: expected one of {', '.join(formats)}")
-        if self.algo not in ALGORITHMS:
-            raise ConfigError(f"rl.algo must be one of {ALGORITHMS}, got {self.algo!r}")
+        if self.algo not in POLICY_LOSSES:
+            raise ConfigError(f"rl.algo must be one of {loss_names()}, got {self.algo!r}")
         if self.agg not in AGGREGATIONS:
             raise ConfigError(f"rl.agg must be one of {AGGREGATIONS}, got {self.agg!r}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"rl.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        try:  # the loss's eps (its defaults, a symmetric clip) and betas, as the actor will read them
+            self.loss_settings.resolved("rl.")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.prompts_per_step % self.mini_batch_prompts:
             raise ConfigError(
                 f"rl.prompts_per_step={self.prompts_per_step} must be a multiple of "
@@ -112,6 +116,21 @@ class RLConfig:
                 "every asynchronous batch would be regenerated; set rl.max_staleness >= "
                 f"{self.async_steps} (or rl.async_steps=0)"
             )
+
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The settings of the policy loss (rl/losses.py)."""
+        return LossSettings(
+            algo=self.algo,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            dual_clip=self.dual_clip,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            agg=self.agg,
+            norm_constant=self.norm_constant,
+            nll_coef=self.nll_coef,
+        )
 
     @property
     def correction(self) -> Correction:

@@ -4,6 +4,13 @@ Plain torch: nothing here knows about Megatron, packing or data parallelism. The
 building blocks on each packed micro-batch and passes the counts of the whole global batch, so that
 the sum of the micro-batch losses equals the loss of the full batch exactly.
 
+The policy losses are one table, ``POLICY_LOSSES`` (``rl.algo`` -> :class:`PolicyLossSpec`): each
+entry holds the loss's name, its default (eps_low, eps_high), its per-token function and what else
+it declares (a symmetric clip, whether it reads the engine's log-probs, whether its ratio is over
+whole sequences). :func:`register_loss` adds one; the config's validation and the actor read the
+table, so a new loss is its function, its entry and its tests (docs/gppo.md, "Adding a loss").
+Every loss has the same signature: a :class:`LossBatch` of tensors and the :class:`LossSettings`.
+
 Notation (docs/gppo.md, "Notation"): ``r = exp(logp - old_logp)`` per token, ``A`` the
 advantage of the token's sequence, ``sg`` stop-gradient, ``loss = -objective``. Every algorithm
 gives a per-token gradient ``d(loss)/d(logp) = -F * A`` where:
@@ -16,6 +23,8 @@ clip_higher   same as ppo with the asymmetric DAPO clip [1-eps_low, 1+eps_high]
 gppo          ``beta1*(1-eps_low)`` if r < 1-eps_low and A < 0;
               ``beta2*(1+eps_high)`` if r > 1+eps_high and A > 0; ``r`` otherwise
 cispo         ``clip(r, 1-eps_low, 1+eps_high)`` for both signs of A (MiniMax-M1)
+gspo          the sequence's geometric-mean ratio ``s``, or 0 where ``s`` is clipped
+dppo_tv/_kl   ``min(pi/mu, 20)``, or 0 where the update leaves the divergence region
 ============  ==========================================================================
 
 For ppo, clip_higher and gppo the dual clip (Ye et al. 2020) then caps the per-token loss of a
@@ -34,30 +43,13 @@ Inputs of a lower precision are upcast to float32; float64 stays float64 (the te
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-ALGORITHMS = ("ppo", "clip_higher", "gppo", "cispo", "gspo", "dppo_tv", "dppo_kl")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
-# (eps_low, eps_high) used when the caller passes None.
-# ppo: the classic symmetric 0.2. clip_higher / gppo: the paper's 0.2 / 0.28.
-# cispo: MiniMax-M1 puts no lower bound on the importance weight ("eps_low large"; 1.0 makes the
-# lower bound 0, which r never goes below) and tuned eps_high without publishing it; we take the
-# paper's 0.28 so that cispo and gppo are compared with the same upper bound.
-DEFAULT_EPS = {
-    "ppo": (0.2, 0.2),
-    "clip_higher": (0.2, 0.28),
-    "gppo": (0.2, 0.28),
-    "cispo": (1.0, 0.28),
-    # GSPO: the paper's sequence-ratio bounds (Zheng et al. 2025, Qwen3 RL): 3e-4 / 4e-4.
-    "gspo": (3e-4, 4e-4),
-    # DPPO: eps are the divergence thresholds delta (verl's DPPO example: TV 0.15, binary KL 0.05).
-    "dppo_tv": (0.15, 0.15),
-    "dppo_kl": (0.05, 0.05),
-}
 # DPPO's importance ratio pi / pi_rollout is truncated at this value (detached), as verl's clip_ratio_c.
 DPPO_RATIO_CAP = 20.0
 DEFAULT_DUAL_CLIP = 10.0
@@ -68,52 +60,107 @@ Number = Union[int, float, torch.Tensor]
 
 
 # --------------------------------------------------------------------------------------------
-# Per-token losses
+# What a loss is given
 # --------------------------------------------------------------------------------------------
-def resolve_clip_range(algo: str, eps_low: Optional[float], eps_high: Optional[float]) -> Tuple[float, float]:
-    """The (eps_low, eps_high) an algorithm uses, after defaults and checks."""
-    if algo not in ALGORITHMS:
-        raise ValueError(f"policy loss: algo={algo!r} is not one of {ALGORITHMS}")
-    if algo == "ppo":
-        given = {float(v) for v in (eps_low, eps_high) if v is not None}
-        if len(given) > 1:
+@dataclass(frozen=True)
+class LossBatch:
+    """The tensors of one (micro-)batch, all of ``logprobs``' shape: [batch, tokens], or a packed
+    [1, total] with ``seq_ids``. Positions the mask leaves out may hold anything finite.
+
+    ``logprobs`` are the current policy's (with a graph); ``old_logprobs`` the proximal policy's
+    (the denominator of ``r``); ``advantages`` per token (each sequence's, broadcast); ``mask`` 1 on
+    the tokens that count (required by :func:`policy_loss` and by a sequence-level loss);
+    ``seq_ids`` tell packed sequences apart; ``positive`` marks the tokens of solved rollouts (the
+    NLL term); ``rollout_logprobs`` are the engine's, read by a loss that declares
+    ``uses_rollout_logprobs`` (DPPO's anchor; without them it anchors on ``old_logprobs``).
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: Optional[torch.Tensor] = None
+    seq_ids: Optional[torch.Tensor] = None
+    positive: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The settings of the loss: the ``rl.*`` keys of the same names (``RLConfig.loss_settings``).
+    The defaults are the paper's: gppo, the loss's own eps (gppo: 0.2 / 0.28), dual clip 10, global
+    token mean, alpha = 0.1.
+
+    ``eps_low`` / ``eps_high``: None takes the loss's default (its table entry). ``dual_clip``: c > 1,
+    or None to disable; used by ppo, clip_higher and gppo. ``beta1`` / ``beta2``: gppo's gradient
+    scales. ``agg`` / ``norm_constant``: the reduction (:func:`aggregate`). ``nll_coef``: the weight
+    of the NLL term on positive samples.
+    """
+
+    algo: str = "gppo"
+    eps_low: Optional[float] = None
+    eps_high: Optional[float] = None
+    dual_clip: Optional[float] = DEFAULT_DUAL_CLIP
+    beta1: float = 1.0
+    beta2: float = 1.0
+    agg: str = "token_mean"
+    norm_constant: Optional[float] = None
+    nll_coef: float = DEFAULT_NLL_COEF
+
+    def clip_range(self, prefix: str = "") -> Tuple[float, float]:
+        """The (eps_low, eps_high) the loss uses, after its defaults and checks. ``prefix`` is put
+        before the keys the errors name (the config passes ``"rl."``)."""
+        spec = loss_spec(self.algo)
+        default_low, default_high = spec.eps
+        if spec.symmetric:
+            given = {float(v) for v in (self.eps_low, self.eps_high) if v is not None}
+            if len(given) > 1:
+                raise ValueError(
+                    f"policy loss: {prefix}algo={self.algo!r} clips symmetrically but {prefix}eps_low={self.eps_low} "
+                    f"!= {prefix}eps_high={self.eps_high}; use {prefix}algo='clip_higher' for an asymmetric clip"
+                )
+            low = high = given.pop() if given else default_low
+        else:
+            low = default_low if self.eps_low is None else float(self.eps_low)
+            high = default_high if self.eps_high is None else float(self.eps_high)
+        if not 0.0 <= low <= 1.0:
+            raise ValueError(f"policy loss: {prefix}eps_low={low} must be in [0, 1] (the lower bound is 1 - eps_low)")
+        if high < 0.0:
+            raise ValueError(f"policy loss: {prefix}eps_high={high} must be >= 0")
+        return low, high
+
+    def resolved(self, prefix: str = "") -> "LossSettings":
+        """These settings checked, with ``eps_low`` / ``eps_high`` filled in (:meth:`clip_range`)
+        and ``dual_clip`` a float (or None)."""
+        low, high = self.clip_range(prefix)
+        if self.dual_clip is not None and not float(self.dual_clip) > 1.0:
             raise ValueError(
-                f"policy loss: algo='ppo' clips symmetrically but eps_low={eps_low} != eps_high={eps_high}; "
-                "use algo='clip_higher' for an asymmetric clip"
+                f"policy loss: {prefix}dual_clip={self.dual_clip} must be > 1 (or None to disable); with c <= 1 "
+                "every negative-advantage token with r > c gets zero gradient (the authors' c=1 bug)"
             )
-        low = high = given.pop() if given else DEFAULT_EPS["ppo"][0]
-    else:
-        default_low, default_high = DEFAULT_EPS[algo]
-        low = default_low if eps_low is None else float(eps_low)
-        high = default_high if eps_high is None else float(eps_high)
-    if not 0.0 <= low <= 1.0:
-        raise ValueError(f"policy loss: eps_low={low} must be in [0, 1] (the lower bound is 1 - eps_low)")
-    if high < 0.0:
-        raise ValueError(f"policy loss: eps_high={high} must be >= 0")
-    return low, high
+        if self.beta1 < 0 or self.beta2 < 0:
+            raise ValueError(f"policy loss: {prefix}beta1={self.beta1} and {prefix}beta2={self.beta2} must be >= 0")
+        dual_clip = None if self.dual_clip is None else float(self.dual_clip)
+        return replace(self, eps_low=low, eps_high=high, dual_clip=dual_clip)
 
 
-def _straight_through_clamp(x: torch.Tensor, limit: float) -> torch.Tensor:
-    """``clamp(x, -limit, limit)`` in value, identity in gradient."""
-    return x + (x.clamp(-limit, limit) - x).detach()
+@dataclass(frozen=True)
+class Tokens:
+    """What a per-token loss sees: the batch with its log-probs upcast (float32, float64 kept; the
+    old and rollout log-probs and the advantages detached), the resolved settings (eps filled in),
+    the ratio ``r`` (its log clamped to [-20, 20] in value only) with its graph and without,
+    the clamped log-ratio (detached) and the clip range ``[lower, upper] = [1 - eps_low, 1 + eps_high]``."""
 
-
-@dataclass
-class _Tokens:
-    """What a rule sees: per-token ratios (with and without a graph), advantages and settings."""
-
+    batch: LossBatch
+    settings: LossSettings
     ratio: torch.Tensor
     ratio_sg: torch.Tensor
-    adv: torch.Tensor
+    log_ratio_sg: torch.Tensor
     lower: float
     upper: float
-    dual_clip: Optional[float]
-    beta1: float
-    beta2: float
-    mask: Optional[torch.Tensor]
-    seq_ids: Optional[torch.Tensor]
-    logprobs: Optional[torch.Tensor] = None  # the current ones, with a graph (DPPO)
-    anchor_logprobs: Optional[torch.Tensor] = None  # DPPO's: the rollout's (else the old ones)
+
+    @property
+    def adv(self) -> torch.Tensor:
+        return self.batch.advantages
 
     def grad_one(self) -> torch.Tensor:
         """``r / sg(r)``: 1 in value, ``grad(logp)`` in gradient."""
@@ -123,170 +170,239 @@ class _Tokens:
         return torch.zeros_like(self.ratio_sg, dtype=torch.bool)
 
 
-def _pessimistic_clip(t: _Tokens, clipped_ratio: torch.Tensor) -> tuple:
+class TokenLoss(NamedTuple):
+    """What a per-token loss returns: the loss of every token (to be minimised, with a graph) and
+    the bool flags of where its factor F was replaced by a bound or zero (the ``clip_frac_*``
+    metrics): below the range, above it, and by the dual clip."""
+
+    loss: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    dual_clipped: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# The table of policy losses
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """One policy loss, as ``rl.algo`` names it.
+
+    ``eps``: the (eps_low, eps_high) used where ``rl.eps_low`` / ``rl.eps_high`` are null.
+    ``per_token``: the loss itself, :class:`Tokens` -> :class:`TokenLoss`. ``symmetric``: one eps
+    clips both sides (eps_low and eps_high, where both are given, must be equal).
+    ``uses_rollout_logprobs``: it reads ``batch.rollout_logprobs`` (the actor passes the engine's
+    log-probs only to such a loss). ``sequence_level``: its ratio is over whole sequences, so it
+    needs the mask and every token of a sequence on one rank (``parallel.cp > 1`` is refused).
+    """
+
+    name: str
+    eps: Tuple[float, float]
+    per_token: Callable[[Tokens], TokenLoss]
+    symmetric: bool = False
+    uses_rollout_logprobs: bool = False
+    sequence_level: bool = False
+
+
+POLICY_LOSSES: Dict[str, PolicyLossSpec] = {}
+
+
+def register_loss(spec: PolicyLossSpec) -> PolicyLossSpec:
+    """Add ``spec`` to the table: ``rl.algo=<spec.name>`` is accepted and trains with it."""
+    if spec.name in POLICY_LOSSES:
+        raise ValueError(f"policy loss: {spec.name!r} is already registered")
+    if len(spec.eps) != 2:
+        raise ValueError(f"policy loss {spec.name!r}: eps={spec.eps} must be (eps_low, eps_high)")
+    POLICY_LOSSES[spec.name] = spec
+    return spec
+
+
+def unregister_loss(name: str) -> PolicyLossSpec:
+    """Take ``name`` out of the table (tests that register a loss of their own)."""
+    return POLICY_LOSSES.pop(name)
+
+
+def loss_names() -> Tuple[str, ...]:
+    """The registered ``rl.algo`` values, in the order they were registered."""
+    return tuple(POLICY_LOSSES)
+
+
+def loss_spec(name: str) -> PolicyLossSpec:
+    """The table's entry for ``rl.algo=name``."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"policy loss: algo={name!r} is not one of {loss_names()}")
+    return POLICY_LOSSES[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token losses
+# --------------------------------------------------------------------------------------------
+def _straight_through_clamp(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """``clamp(x, -limit, limit)`` in value, identity in gradient."""
+    return x + (x.clamp(-limit, limit) - x).detach()
+
+
+def _pessimistic_clip(t: Tokens, clipped_ratio: torch.Tensor) -> TokenLoss:
     """PPO's ``max(-A r, -A clipped_ratio)`` and the dual clip; the flags of the clip regions."""
     loss = torch.maximum(-t.adv * t.ratio, -t.adv * clipped_ratio)
     clipped_low = (t.adv < 0) & (t.ratio_sg < t.lower)
     clipped_high = (t.adv > 0) & (t.ratio_sg > t.upper)
     dual_clipped = t.no_flags()
-    if t.dual_clip is not None:
+    dual_clip = t.settings.dual_clip
+    if dual_clip is not None:
         negative = t.adv < 0
-        loss = torch.where(negative, torch.minimum(loss, -t.dual_clip * t.adv), loss)
-        dual_clipped = negative & (t.ratio_sg > t.dual_clip)
-    return loss, clipped_low, clipped_high, dual_clipped
+        loss = torch.where(negative, torch.minimum(loss, -dual_clip * t.adv), loss)
+        dual_clipped = negative & (t.ratio_sg > dual_clip)
+    return TokenLoss(loss, clipped_low, clipped_high, dual_clipped)
 
 
-def _clip_rule(t: _Tokens) -> tuple:
+def _clip_rule(t: Tokens) -> TokenLoss:
     """ppo / clip_higher: the clipped ratio has no gradient outside [lower, upper]."""
     return _pessimistic_clip(t, t.ratio.clamp(t.lower, t.upper))
 
 
-def _gppo_rule(t: _Tokens) -> tuple:
+def _gppo_rule(t: Tokens) -> TokenLoss:
     """GPPO: the clip bounds written as ``bound * r / sg(r)`` (numerically the bound, gradient
     ``bound * grad(logp)``); beta scales only the gradient: ``bound * (1 + beta * (r / sg(r) - 1))``."""
     grad_one_minus_one = t.grad_one() - 1.0
-    low_bound = t.lower * (1.0 + t.beta1 * grad_one_minus_one)
-    high_bound = t.upper * (1.0 + t.beta2 * grad_one_minus_one)
+    low_bound = t.lower * (1.0 + t.settings.beta1 * grad_one_minus_one)
+    high_bound = t.upper * (1.0 + t.settings.beta2 * grad_one_minus_one)
     clipped = torch.where(t.ratio_sg < t.lower, low_bound, torch.where(t.ratio_sg > t.upper, high_bound, t.ratio))
     return _pessimistic_clip(t, clipped)
 
 
-def _cispo_rule(t: _Tokens) -> tuple:
+def _cispo_rule(t: Tokens) -> TokenLoss:
     """CISPO: value ``-A * clip(r)``, gradient ``-clip(r) * A * grad(logp)`` (a constant weight)."""
     loss = -t.adv * t.ratio_sg.clamp(t.lower, t.upper) * t.grad_one()
-    return loss, t.ratio_sg < t.lower, t.ratio_sg > t.upper, t.no_flags()
+    return TokenLoss(loss, t.ratio_sg < t.lower, t.ratio_sg > t.upper, t.no_flags())
 
 
-def _gspo_rule(t: _Tokens) -> tuple:
+def _gspo_rule(t: Tokens) -> TokenLoss:
     """GSPO (Zheng et al. 2025), in its token form: the sequence ratio ``s = exp(mean_t log r_t)``
     over the sequence's counted tokens, ``s_t = sg(s) * r_t / sg(r_t)`` (value s, gradient
     ``s * grad(logp_t)``), clipped as PPO clips a ratio: the whole sequence is in or out."""
-    if t.mask is None:
-        raise ValueError("policy loss: algo='gspo' needs the response mask (the sequence ratio is a mean over it)")
-    m = t.mask.bool()
+    m = t.batch.mask.bool()
     log_r = torch.log(t.ratio_sg)  # the clamped log-ratio
-    seq_sum, seq_len, inverse = sequence_sums(log_r, m, t.seq_ids)
+    seq_sum, seq_len, inverse = sequence_sums(log_r, m, t.batch.seq_ids)
     seq_ratio = torch.ones_like(log_r)
     seq_ratio[m] = torch.exp(seq_sum / seq_len)[inverse]
     s_t = seq_ratio * t.grad_one()
     loss = torch.maximum(-t.adv * s_t, -t.adv * s_t.clamp(t.lower, t.upper))
-    return loss, (t.adv < 0) & (seq_ratio < t.lower), (t.adv > 0) & (seq_ratio > t.upper), t.no_flags()
+    return TokenLoss(loss, (t.adv < 0) & (seq_ratio < t.lower), (t.adv > 0) & (seq_ratio > t.upper), t.no_flags())
 
 
-def _dppo_rule(t: _Tokens, kind: str) -> tuple:
+def _dppo_rule(t: Tokens, kind: str) -> TokenLoss:
     """DPPO (Qi et al. 2026, arXiv 2602.04879; verl's ``dppo_tv`` / ``dppo_kl``): an importance-
     weighted policy gradient against the rollout policy ``mu``, ``-A * sg(min(pi / mu, cap)) *
     grad(logp)``, masked where the update would leave a divergence trust region around ``mu``: with
     ``p = pi(token)`` and ``q = mu(token)``, a positive-advantage token is masked when ``p - q >
     eps_high`` (TV) or when ``p > q`` and the binary KL(q || p) > eps_high (KL); a negative one when
     ``q - p > eps_low`` (TV) or ``p < q`` and the binary KL > eps_low. The value is the surrogate
-    ``-A * min(r, cap)`` on kept tokens."""
-    log_r = _straight_through_clamp(t.logprobs - t.anchor_logprobs, LOG_RATIO_LIMIT)
+    ``-A * min(r, cap)`` on kept tokens. ``mu`` is the batch's rollout log-probs, else the old ones."""
+    logprobs = t.batch.logprobs
+    anchor = t.batch.old_logprobs if t.batch.rollout_logprobs is None else t.batch.rollout_logprobs
+    log_r = _straight_through_clamp(logprobs - anchor, LOG_RATIO_LIMIT)
     r = torch.exp(log_r)
     r_sg = r.detach()
-    p, q = torch.exp(t.logprobs.detach()), torch.exp(t.anchor_logprobs)
+    p, q = torch.exp(logprobs.detach()), torch.exp(anchor)
     low, high = 1.0 - t.lower, t.upper - 1.0
     if kind == "tv":
         keep_pos, keep_neg = (p - q) <= high, (p - q) >= -low
     else:
         tiny = 1e-8
-        binary_kl = q * (t.anchor_logprobs - t.logprobs.detach()) + (1 - q) * torch.log((1 - q + tiny) / (1 - p + tiny))
+        binary_kl = q * (anchor - logprobs.detach()) + (1 - q) * torch.log((1 - q + tiny) / (1 - p + tiny))
         keep_pos, keep_neg = (binary_kl <= high) | (p <= q), (binary_kl <= low) | (p >= q)
     keep = torch.where(t.adv > 0, keep_pos, keep_neg)
     loss = torch.where(keep, -t.adv * r_sg.clamp(max=DPPO_RATIO_CAP) * (r / r_sg), torch.zeros_like(r))
-    return loss, (t.adv < 0) & ~keep, (t.adv > 0) & ~keep, t.no_flags()
+    return TokenLoss(loss, (t.adv < 0) & ~keep, (t.adv > 0) & ~keep, t.no_flags())
 
 
-_RULES = {
-    "ppo": _clip_rule,
-    "clip_higher": _clip_rule,
-    "gppo": _gppo_rule,
-    "cispo": _cispo_rule,
-    "gspo": _gspo_rule,
-    "dppo_tv": lambda t: _dppo_rule(t, "tv"),
-    "dppo_kl": lambda t: _dppo_rule(t, "kl"),
-}
+def _dppo_tv_rule(t: Tokens) -> TokenLoss:
+    """DPPO with the total-variation region (:func:`_dppo_rule`)."""
+    return _dppo_rule(t, "tv")
+
+
+def _dppo_kl_rule(t: Tokens) -> TokenLoss:
+    """DPPO with the binary-KL region (:func:`_dppo_rule`)."""
+    return _dppo_rule(t, "kl")
+
+
+# The table. eps: ppo, the classic symmetric 0.2; clip_higher / gppo, the paper's 0.2 / 0.28.
+# cispo: MiniMax-M1 puts no lower bound on the importance weight ("eps_low large"; 1.0 makes the
+# lower bound 0, which r never goes below) and tuned eps_high without publishing it; we take the
+# paper's 0.28 so that cispo and gppo are compared with the same upper bound. gspo: the paper's
+# sequence-ratio bounds (Zheng et al. 2025, Qwen3 RL), 3e-4 / 4e-4. dppo: eps are the divergence
+# thresholds delta (verl's DPPO example: TV 0.15, binary KL 0.05).
+for _spec in (
+    PolicyLossSpec("ppo", (0.2, 0.2), _clip_rule, symmetric=True),
+    PolicyLossSpec("clip_higher", (0.2, 0.28), _clip_rule),
+    PolicyLossSpec("gppo", (0.2, 0.28), _gppo_rule),
+    PolicyLossSpec("cispo", (1.0, 0.28), _cispo_rule),
+    PolicyLossSpec("gspo", (3e-4, 4e-4), _gspo_rule, sequence_level=True),
+    PolicyLossSpec("dppo_tv", (0.15, 0.15), _dppo_tv_rule, uses_rollout_logprobs=True),
+    PolicyLossSpec("dppo_kl", (0.05, 0.05), _dppo_kl_rule, uses_rollout_logprobs=True),
+):
+    register_loss(_spec)
+
+
+def _check_shapes(batch: LossBatch) -> None:
+    shape = batch.logprobs.shape
+    for name in ("old_logprobs", "advantages", "mask", "rollout_logprobs"):
+        t = getattr(batch, name)
+        if t is not None and t.shape != shape:
+            raise ValueError(f"policy loss: {name} has shape {tuple(t.shape)}, expected logprobs' shape {tuple(shape)}")
+
+
+def _tokens(batch: LossBatch, settings: LossSettings) -> Tokens:
+    """The :class:`Tokens` of ``batch`` under resolved ``settings``."""
+    dtype = torch.float64 if batch.logprobs.dtype == torch.float64 else torch.float32
+    logprobs = batch.logprobs.to(dtype)
+    old_logprobs = batch.old_logprobs.detach().to(dtype)
+    rollout = batch.rollout_logprobs
+    upcast = replace(
+        batch,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=batch.advantages.detach().to(dtype),
+        rollout_logprobs=None if rollout is None else rollout.detach().to(dtype),
+    )
+    log_ratio = _straight_through_clamp(logprobs - old_logprobs, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    lower, upper = 1.0 - settings.eps_low, 1.0 + settings.eps_high
+    return Tokens(upcast, settings, ratio, ratio.detach(), log_ratio.detach(), lower, upper)
 
 
 def per_token_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    algo: str = "gppo",
-    eps_low: Optional[float] = None,
-    eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = DEFAULT_DUAL_CLIP,
-    beta1: float = 1.0,
-    beta2: float = 1.0,
-    mask: Optional[torch.Tensor] = None,
-    seq_ids: Optional[torch.Tensor] = None,
-    rollout_logprobs: Optional[torch.Tensor] = None,
+    batch: LossBatch, settings: Optional[LossSettings] = None
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Per-token policy loss (to be minimised) and per-token diagnostics.
-
-    All three tensors have the same shape (any shape; [batch, tokens] or a packed [1, total]).
-    Positions that the aggregation masks out may hold anything finite.
-
-    ``eps_low``/``eps_high`` default per algorithm (``DEFAULT_EPS``). ``dual_clip`` (c > 1, or
-    None to disable) applies to ppo, clip_higher and gppo; cispo has no dual clip (its weight is
-    already bounded by 1 + eps_high) and ignores it. ``beta1``/``beta2`` are used by gppo only.
+    """Per-token policy loss (to be minimised) of ``settings.algo`` (the table's entry) and per-token
+    diagnostics. ``batch``'s tensors have any one shape; ``mask`` is needed by a sequence-level loss
+    only, ``positive`` is not read. ``settings``: by default ``LossSettings()``.
 
     Returns ``(loss_tokens, metrics_tokens)``; ``metrics_tokens`` holds detached per-token tensors:
     ``ratio``, ``clipped_low``, ``clipped_high``, ``dual_clipped`` (bool: where F was replaced by a
-    bound or zero) and ``approx_kl`` (``(r - 1) - log r``, the k3 estimate of KL(old || new)).
+    bound or zero), ``approx_kl`` (``(r - 1) - log r``, the k3 estimate of KL(old || new)),
+    ``log_ratio``, ``outside`` (r outside the clip range) and ``negative`` (A < 0).
     """
-    low, high = resolve_clip_range(algo, eps_low, eps_high)
-    if dual_clip is not None and not float(dual_clip) > 1.0:
-        raise ValueError(
-            f"policy loss: dual_clip={dual_clip} must be > 1 (or None to disable); with c <= 1 every "
-            "negative-advantage token with r > c gets zero gradient (the authors' c=1 bug)"
-        )
-    if beta1 < 0 or beta2 < 0:
-        raise ValueError(f"policy loss: beta1={beta1} and beta2={beta2} must be >= 0")
-    named = (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask))
-    for name, t in named + (("rollout_logprobs", rollout_logprobs),):
-        if t is not None and t.shape != logprobs.shape:
-            raise ValueError(
-                f"policy loss: {name} has shape {tuple(t.shape)}, expected logprobs' shape {tuple(logprobs.shape)}"
-            )
-
-    dtype = torch.float64 if logprobs.dtype == torch.float64 else torch.float32
-    logprobs = logprobs.to(dtype)
-    old_logprobs = old_logprobs.detach().to(dtype)
-    adv = advantages.detach().to(dtype)
-
-    log_ratio = _straight_through_clamp(logprobs - old_logprobs, LOG_RATIO_LIMIT)
-    ratio = torch.exp(log_ratio)
-    t = _Tokens(
-        ratio=ratio,
-        ratio_sg=ratio.detach(),
-        adv=adv,
-        lower=1.0 - low,
-        upper=1.0 + high,
-        dual_clip=None if dual_clip is None else float(dual_clip),
-        beta1=beta1,
-        beta2=beta2,
-        mask=mask,
-        seq_ids=seq_ids,
-        logprobs=logprobs,
-        anchor_logprobs=(old_logprobs if rollout_logprobs is None else rollout_logprobs.detach().to(dtype)),
-    )
-    loss, clipped_low, clipped_high, dual_clipped = _RULES[algo](t)
-
-    log_ratio_sg = log_ratio.detach()
+    settings = (settings or LossSettings()).resolved()
+    spec = loss_spec(settings.algo)
+    _check_shapes(batch)
+    if spec.sequence_level and batch.mask is None:
+        raise ValueError(f"policy loss: algo={spec.name!r} needs the response mask (its ratio is over whole sequences)")
+    t = _tokens(batch, settings)
+    out = spec.per_token(t)
     ratio_sg = t.ratio_sg
     metrics = {
         "ratio": ratio_sg,
-        "clipped_low": clipped_low,
-        "clipped_high": clipped_high,
-        "dual_clipped": dual_clipped,
-        "approx_kl": ratio_sg - 1.0 - log_ratio_sg,
-        "log_ratio": log_ratio_sg,
+        "clipped_low": out.clipped_low,
+        "clipped_high": out.clipped_high,
+        "dual_clipped": out.dual_clipped,
+        "approx_kl": ratio_sg - 1.0 - t.log_ratio_sg,
+        "log_ratio": t.log_ratio_sg,
         "outside": (ratio_sg < t.lower) | (ratio_sg > t.upper),
-        "negative": adv < 0,
+        "negative": t.adv < 0,
     }
-    return loss, metrics
+    return out.loss, metrics
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,73 +603,43 @@ def summarize_token_metrics(metrics_tokens: Dict[str, torch.Tensor], mask: torch
 
 
 def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    algo: str = "gppo",
-    eps_low: Optional[float] = None,
-    eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = DEFAULT_DUAL_CLIP,
-    beta1: float = 1.0,
-    beta2: float = 1.0,
-    agg: str = "token_mean",
-    *,
-    seq_ids: Optional[torch.Tensor] = None,
-    norm_constant: Optional[float] = None,
-    counts: Optional[LossCounts] = None,
-    positive: Optional[torch.Tensor] = None,
-    nll_coef: float = DEFAULT_NLL_COEF,
-    rollout_logprobs: Optional[torch.Tensor] = None,
+    batch: LossBatch, settings: Optional[LossSettings] = None, *, counts: Optional[LossCounts] = None
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The Klear-Reasoner loss: policy loss + ``nll_coef`` * NLL on positive samples (no KL term: the
     recipe has no reference model, docs/gppo.md).
 
-    Tensors are [batch, tokens] (or packed [1, total] with ``seq_ids``); ``advantages`` is per token
-    (already broadcast), ``mask`` is 1 on response tokens. Defaults are the paper's: gppo,
-    eps 0.2 / 0.28, dual clip 10, global token mean, alpha = 0.1.
+    ``batch`` (:class:`LossBatch`) needs its ``mask`` (1 on response tokens); ``settings``: by default
+    ``LossSettings()``, the paper's (gppo, eps 0.2 / 0.28, dual clip 10, global token mean, alpha = 0.1).
 
-    ``positive`` (per token, like ``advantages``) marks rollouts whose reward is exactly the correct
-    score (see ``rl.advantages.correct_samples``); the SFT term is the NLL of their response tokens,
-    aggregated with the same ``agg`` but normalised by the positive tokens / sequences (the paper's
-    ``1 / sum_{j in positives} T_j``); absent or all-false, it is zero. ``counts`` carries the global
-    batch's normalisers (``LossCounts``); by default this batch's own counts are used.
-    ``norm_constant`` is the fixed length of ``seq_mean_token_sum_norm``. ``rollout_logprobs``: the
-    engine's, DPPO's anchor (without them DPPO anchors on ``old_logprobs``).
+    ``batch.positive`` (per token, like ``advantages``) marks rollouts whose reward is exactly the
+    correct score (see ``rl.advantages.correct_samples``); the SFT term is the NLL of their response
+    tokens, aggregated with the same ``agg`` but normalised by the positive tokens / sequences (the
+    paper's ``1 / sum_{j in positives} T_j``); absent or all-false, it is zero. ``counts`` carries the
+    global batch's normalisers (``LossCounts``); by default this batch's own counts are used.
 
     Returns ``(loss, metrics)``: ``loss`` the scalar to minimise (this batch's share of the global
-    loss), ``metrics`` detached 0-d tensors: ``pg_loss``, ``nll_loss``, clip fractions
-    (low / high / dual), ``ratio_mean``, ``ratio_max``, ``approx_kl``, ``num_tokens``.
+    loss), ``metrics`` detached 0-d tensors: ``pg_loss``, ``nll_loss`` and those of
+    :func:`summarize_token_metrics`.
     """
-    if mask.shape != logprobs.shape:
-        raise ValueError(f"policy_loss: mask has shape {tuple(mask.shape)}, expected logprobs' {tuple(logprobs.shape)}")
+    settings = settings or LossSettings()
+    logprobs, mask, positive, seq_ids = batch.logprobs, batch.mask, batch.positive, batch.seq_ids
+    if mask is None or mask.shape != logprobs.shape:
+        got = None if mask is None else tuple(mask.shape)
+        raise ValueError(f"policy_loss: mask has shape {got}, expected logprobs' {tuple(logprobs.shape)}")
     if positive is not None and positive.shape != mask.shape:
         raise ValueError(
             f"policy_loss: positive has shape {tuple(positive.shape)}, expected the mask's {tuple(mask.shape)} "
             "(broadcast the per-sequence flag over its tokens)"
         )
-    if nll_coef < 0:
-        raise ValueError(f"policy_loss: nll_coef={nll_coef} must be >= 0")
+    if settings.nll_coef < 0:
+        raise ValueError(f"policy_loss: nll_coef={settings.nll_coef} must be >= 0")
 
     m = mask.bool()
     if counts is None:
         counts = count_loss_units(m, seq_ids, positive)
-    agg_kwargs = dict(seq_ids=seq_ids, constant=norm_constant)
+    agg, agg_kwargs = settings.agg, dict(seq_ids=seq_ids, constant=settings.norm_constant)
 
-    loss_tokens, metrics_tokens = per_token_policy_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        algo=algo,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        dual_clip=dual_clip,
-        beta1=beta1,
-        beta2=beta2,
-        mask=m,
-        seq_ids=seq_ids,
-        rollout_logprobs=rollout_logprobs,
-    )
+    loss_tokens, metrics_tokens = per_token_policy_loss(replace(batch, mask=m), settings)
     pg = aggregate(
         loss_tokens, m, agg, global_num_tokens=counts.num_tokens, global_num_seqs=counts.num_seqs, **agg_kwargs
     )
@@ -561,7 +647,7 @@ def policy_loss(
     zero = pg.new_zeros(())
 
     nll = zero
-    if positive is not None and nll_coef > 0:
+    if positive is not None and settings.nll_coef > 0:
         pos_mask = m & positive.bool()
         if counts.num_positive_tokens <= 0 and bool(pos_mask.any()):
             raise ValueError(
@@ -577,7 +663,7 @@ def policy_loss(
             global_num_seqs=max(counts.num_positive_seqs, 1.0),
             **agg_kwargs,
         )
-        total = total + nll_coef * nll
+        total = total + settings.nll_coef * nll
 
     metrics = summarize_token_metrics(metrics_tokens, m)
     metrics.update(pg_loss=pg.detach(), nll_loss=nll.detach())

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from megatron_klear.rl.losses import (
+    LossBatch,
     LossCounts,
+    LossSettings,
     aggregate,
     count_loss_units,
     per_token_policy_loss,
@@ -31,7 +33,7 @@ def _token_grads(r, a, dtype=torch.float64, **kw):
     logp = torch.tensor([math.log(v) for v in r], dtype=dtype, requires_grad=True)
     old = torch.zeros_like(logp)
     adv = torch.tensor(a, dtype=dtype)
-    loss, _ = per_token_policy_loss(logp, old, adv, **kw)
+    loss, _ = per_token_policy_loss(LossBatch(logp, old, adv), LossSettings(**kw))
     (grad,) = torch.autograd.grad(loss.sum(), logp)
     return loss.detach(), grad
 
@@ -51,7 +53,7 @@ def test_policy_loss_defaults_reproduce_gppo_column():
     r = [row[0] for row in TABLE]
     logp = torch.tensor([[math.log(v) for v in r]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[float(row[1]) for row in TABLE]], dtype=torch.float64)
-    loss, _ = policy_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(logp))
+    loss, _ = policy_loss(LossBatch(logp, torch.zeros_like(logp), adv, torch.ones_like(logp)))
     (grad,) = torch.autograd.grad(loss, logp)
     # token mean over the 7 tokens
     expected = torch.tensor([[row[2] / len(TABLE) for row in TABLE]], dtype=torch.float64)
@@ -134,7 +136,7 @@ def test_random_gradients_match_float64_formula(algo, kw):
 
     old = rng.normal(size=n)
     logp = torch.tensor(old + np.log(r), requires_grad=True)
-    loss, _ = per_token_policy_loss(logp, torch.tensor(old), torch.tensor(a), algo=algo, **kw)
+    loss, _ = per_token_policy_loss(LossBatch(logp, torch.tensor(old), torch.tensor(a)), LossSettings(algo=algo, **kw))
     (grad,) = torch.autograd.grad(loss.sum(), logp)
 
     expected_grad = -_reference_factor(algo, r, a, el, eh, c, b1, b2) * a
@@ -146,14 +148,15 @@ def test_gppo_forward_equals_clip_higher_for_any_beta():
     g = torch.Generator().manual_seed(0)
     logp, old = torch.randn(64, generator=g) * 2, torch.randn(64, generator=g)
     adv = torch.randn(64, generator=g)
-    ref, _ = per_token_policy_loss(logp, old, adv, algo="clip_higher")
+    ref, _ = per_token_policy_loss(LossBatch(logp, old, adv), LossSettings(algo="clip_higher"))
     for b1, b2 in [(1.0, 1.0), (0.5, 0.75), (0.0, 3.0)]:
-        val, _ = per_token_policy_loss(logp, old, adv, algo="gppo", beta1=b1, beta2=b2)
+        val, _ = per_token_policy_loss(LossBatch(logp, old, adv), LossSettings(algo="gppo", beta1=b1, beta2=b2))
         torch.testing.assert_close(val, ref, rtol=0, atol=0)
     # and the gradients differ exactly where the clip is active (sanity: the test can fail)
     lp = logp.clone().requires_grad_()
-    g_ch = torch.autograd.grad(per_token_policy_loss(lp, old, adv, algo="clip_higher")[0].sum(), lp)[0]
-    g_gp = torch.autograd.grad(per_token_policy_loss(lp, old, adv, algo="gppo")[0].sum(), lp)[0]
+    batch = LossBatch(lp, old, adv)
+    g_ch = torch.autograd.grad(per_token_policy_loss(batch, LossSettings(algo="clip_higher"))[0].sum(), lp)[0]
+    g_gp = torch.autograd.grad(per_token_policy_loss(batch, LossSettings(algo="gppo"))[0].sum(), lp)[0]
     assert (g_ch != g_gp).any()
 
 
@@ -161,7 +164,7 @@ def test_extreme_log_ratio_stays_finite_and_keeps_gppo_gradient():
     logp = torch.tensor([0.0, 0.0], requires_grad=True)
     old = torch.tensor([-200.0, 200.0])  # r = e^200 (overflows float32), r = e^-200
     adv = torch.tensor([1.0, -1.0])
-    loss, m = per_token_policy_loss(logp, old, adv, algo="gppo")
+    loss, m = per_token_policy_loss(LossBatch(logp, old, adv), LossSettings(algo="gppo"))
     (grad,) = torch.autograd.grad(loss.sum(), logp)
     assert torch.isfinite(loss).all() and torch.isfinite(m["ratio"]).all()
     torch.testing.assert_close(grad, torch.tensor([-1.28, 0.8]))
@@ -282,8 +285,9 @@ def _batch(seed=0, b=4, t=9):
 @pytest.mark.parametrize("agg", sorted(HAND))
 def test_sft_term_is_alpha_times_nll_of_positive_tokens(agg):
     logp, old, adv, mask, positive = _batch()
-    pg_only, _ = policy_loss(logp, old, adv, mask, agg=agg, norm_constant=16)
-    total, metrics = policy_loss(logp, old, adv, mask, agg=agg, norm_constant=16, positive=positive)
+    settings = LossSettings(agg=agg, norm_constant=16)
+    pg_only, _ = policy_loss(LossBatch(logp, old, adv, mask), settings)
+    total, metrics = policy_loss(LossBatch(logp, old, adv, mask, positive=positive), settings)
     nll_tok = -logp.detach()
     if agg == "token_mean":  # positives are rows 0 (9 tokens) and 2 (6 tokens)
         nll = (nll_tok[0, :9].sum() + nll_tok[2, :6].sum()) / 15
@@ -302,21 +306,22 @@ def test_sft_term_is_alpha_times_nll_of_positive_tokens(agg):
 
 def test_no_positive_samples_gives_zero_nll():
     logp, old, adv, mask, positive = _batch()
-    total, metrics = policy_loss(logp, old, adv, mask, positive=torch.zeros_like(positive))
+    total, metrics = policy_loss(LossBatch(logp, old, adv, mask, positive=torch.zeros_like(positive)))
     assert metrics["nll_loss"].item() == 0.0 and torch.isfinite(total)
 
 
 @pytest.mark.parametrize("agg", sorted(HAND))
 def test_policy_loss_over_micro_batches_equals_full_batch(agg):
     logp, old, adv, mask, positive = _batch(seed=3)
-    kw = dict(agg=agg, norm_constant=16)
-    full, _ = policy_loss(logp, old, adv, mask, positive=positive, **kw)
+    settings = LossSettings(agg=agg, norm_constant=16)
+    full, _ = policy_loss(LossBatch(logp, old, adv, mask, positive=positive), settings)
     g_full = torch.autograd.grad(full, logp)[0]
     splits = [slice(0, 1), slice(1, 3), slice(3, 4)]
     counts = sum((count_loss_units(mask[s], positive=positive[s]) for s in splits), LossCounts(0, 0, 0, 0))
     counts = LossCounts.from_tensor(counts.as_tensor())  # the round trip the all-reduce will take
     total = sum(
-        policy_loss(logp[s], old[s], adv[s], mask[s], positive=positive[s], counts=counts, **kw)[0] for s in splits
+        policy_loss(LossBatch(logp[s], old[s], adv[s], mask[s], positive=positive[s]), settings, counts=counts)[0]
+        for s in splits
     )
     g_parts = torch.autograd.grad(total, logp)[0]
     assert total.item() == pytest.approx(full.item(), rel=1e-12)
@@ -329,16 +334,18 @@ def test_packed_policy_loss_equals_padded():
     pick = lambda t: torch.cat([t[i, r] for i, r in enumerate(rows)]).unsqueeze(0)  # noqa: E731
     ids = torch.cat([torch.full((len(r),), i) for i, r in enumerate(rows)]).unsqueeze(0)
     for agg in sorted(HAND):
-        padded, _ = policy_loss(logp, old, adv, mask, agg=agg, norm_constant=16, positive=positive)
+        settings = LossSettings(agg=agg, norm_constant=16)
+        padded, _ = policy_loss(LossBatch(logp, old, adv, mask, positive=positive), settings)
         packed, _ = policy_loss(
-            pick(logp),
-            pick(old),
-            pick(adv),
-            torch.ones_like(ids, dtype=torch.bool),
-            agg=agg,
-            norm_constant=16,
-            positive=pick(positive),
-            seq_ids=ids,
+            LossBatch(
+                pick(logp),
+                pick(old),
+                pick(adv),
+                torch.ones_like(ids, dtype=torch.bool),
+                positive=pick(positive),
+                seq_ids=ids,
+            ),
+            settings,
         )
         assert packed.item() == pytest.approx(padded.item(), rel=1e-12), agg
 
@@ -348,7 +355,7 @@ def test_metrics_on_a_crafted_batch():
     a = [-1.0, 1.0, -1.0, 1.0, -1.0]
     logp = torch.tensor([[math.log(v) for v in r]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 0]])
-    _, m = policy_loss(logp, torch.zeros_like(logp), torch.tensor([a], dtype=torch.float64), mask)
+    _, m = policy_loss(LossBatch(logp, torch.zeros_like(logp), torch.tensor([a], dtype=torch.float64), mask))
     assert m["clip_frac_low"].item() == pytest.approx(0.25)
     assert m["clip_frac_high"].item() == pytest.approx(0.25)
     assert m["clip_frac_dual"].item() == pytest.approx(0.25)
@@ -371,20 +378,20 @@ def test_metrics_on_a_crafted_batch():
 def test_policy_loss_errors():
     logp, old, adv, mask, positive = _batch()
     with pytest.raises(ValueError, match="algo="):
-        policy_loss(logp, old, adv, mask, algo="grpo")
+        policy_loss(LossBatch(logp, old, adv, mask), LossSettings(algo="grpo"))
     with pytest.raises(ValueError, match="old_logprobs has shape"):
-        policy_loss(logp, old[:, :3], adv, mask)
+        policy_loss(LossBatch(logp, old[:, :3], adv, mask))
     with pytest.raises(ValueError, match="positive has shape"):
-        policy_loss(logp, old, adv, mask, positive=positive[:, 0])
+        policy_loss(LossBatch(logp, old, adv, mask, positive=positive[:, 0]))
     with pytest.raises(ValueError, match="num_positive_tokens"):
-        policy_loss(logp, old, adv, mask, positive=positive, counts=count_loss_units(mask))
+        policy_loss(LossBatch(logp, old, adv, mask, positive=positive), counts=count_loss_units(mask))
     with pytest.raises(ValueError, match="symmetric"):
-        policy_loss(logp, old, adv, mask, algo="ppo", eps_low=0.2, eps_high=0.28)
+        policy_loss(LossBatch(logp, old, adv, mask), LossSettings(algo="ppo", eps_low=0.2, eps_high=0.28))
 
 
 def test_low_precision_inputs_are_computed_in_float32():
     logp = torch.tensor([[math.log(1.5), math.log(0.5)]], dtype=torch.bfloat16, requires_grad=True)
-    loss, _ = policy_loss(logp, torch.zeros_like(logp), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
+    loss, _ = policy_loss(LossBatch(logp, torch.zeros_like(logp), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)))
     assert loss.dtype == torch.float32
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad.dtype == torch.bfloat16

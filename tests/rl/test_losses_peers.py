@@ -12,7 +12,7 @@ import torch
 from megatron_klear.config import load_config
 from megatron_klear.platform.errors import ConfigError
 from megatron_klear.rl.importance import Correction, rollout_correction
-from megatron_klear.rl.losses import DPPO_RATIO_CAP, per_token_policy_loss, policy_loss
+from megatron_klear.rl.losses import DPPO_RATIO_CAP, LossBatch, LossSettings, per_token_policy_loss, policy_loss
 
 
 def _batch(seed, lengths=(5, 9, 3, 7), spread=0.3):
@@ -55,7 +55,8 @@ def test_gspo_gradient_matches_the_sequence_formula(seed):
     logp, old, _, adv, mask = _batch(seed, spread=0.08)
     eps_low, eps_high = 0.02, 0.03  # wide enough that some sequences are in, some clipped on each side
     loss, metrics = policy_loss(
-        logp, old, adv, mask, algo="gspo", eps_low=eps_low, eps_high=eps_high, agg="seq_mean_token_mean", nll_coef=0
+        LossBatch(logp, old, adv, mask),
+        LossSettings(algo="gspo", eps_low=eps_low, eps_high=eps_high, agg="seq_mean_token_mean", nll_coef=0),
     )
     (grad,) = torch.autograd.grad(loss, logp)
     expected = _gspo_reference_grad(logp.detach(), old, adv, mask, eps_low, eps_high)
@@ -64,20 +65,22 @@ def test_gspo_gradient_matches_the_sequence_formula(seed):
 
 def test_gspo_clips_whole_sequences_and_packs_like_padding():
     logp, old, _, adv, mask = _batch(3, spread=0.08)
-    kw = dict(algo="gspo", eps_low=0.02, eps_high=0.03, agg="seq_mean_token_mean", nll_coef=0)
-    _, per_tok = per_token_policy_loss(logp, old, adv, algo="gspo", eps_low=0.02, eps_high=0.03, mask=mask)
+    settings = LossSettings(algo="gspo", eps_low=0.02, eps_high=0.03, agg="seq_mean_token_mean", nll_coef=0)
+    _, per_tok = per_token_policy_loss(
+        LossBatch(logp, old, adv, mask), LossSettings(algo="gspo", eps_low=0.02, eps_high=0.03)
+    )
     flags = per_tok["clipped_low"] | per_tok["clipped_high"]
     seen = {bool(flags[i][mask[i]].all()) == bool(flags[i][mask[i]].any()) for i in range(mask.shape[0])}
     assert seen == {True}  # a sequence is clipped whole or not at all
     assert flags[mask].any() and not flags[mask].all()
-    padded, _ = policy_loss(logp, old, adv, mask, **kw)
+    padded, _ = policy_loss(LossBatch(logp, old, adv, mask), settings)
     (g_padded,) = torch.autograd.grad(padded, logp)
     # the same sequences packed into one row, with seq ids
     flat = lambda x: x[mask].unsqueeze(0)  # noqa: E731
     ids = torch.cat([torch.full((int(n),), i) for i, n in enumerate(mask.sum(1))]).unsqueeze(0)
     packed_logp = flat(logp.detach()).requires_grad_()
     packed, _ = policy_loss(
-        packed_logp, flat(old), flat(adv), torch.ones_like(ids, dtype=torch.bool), seq_ids=ids, **kw
+        LossBatch(packed_logp, flat(old), flat(adv), torch.ones_like(ids, dtype=torch.bool), seq_ids=ids), settings
     )
     (g_packed,) = torch.autograd.grad(packed, packed_logp)
     torch.testing.assert_close(packed.detach(), padded.detach(), rtol=1e-12, atol=0)
@@ -114,8 +117,8 @@ def _dppo_reference(logp, rollout, adv, mask, delta_low, delta_high, kind):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_dppo_gradient_matches_the_token_formula_and_anchors_on_the_rollout(kind, delta, seed):
     logp, old, rollout, adv, mask = _batch(seed, spread=0.4)
-    kw = dict(algo=f"dppo_{kind}", eps_low=delta, eps_high=delta, nll_coef=0)
-    loss, metrics = policy_loss(logp, old, adv, mask, rollout_logprobs=rollout, **kw)
+    settings = LossSettings(algo=f"dppo_{kind}", eps_low=delta, eps_high=delta, nll_coef=0)
+    loss, metrics = policy_loss(LossBatch(logp, old, adv, mask, rollout_logprobs=rollout), settings)
     (grad,) = torch.autograd.grad(loss, logp)
     expected, kept = _dppo_reference(logp.detach(), rollout, adv, mask, delta, delta, kind)
     assert 0 < int((kept & mask).sum()) < int(mask.sum())  # both regions met
@@ -123,7 +126,7 @@ def test_dppo_gradient_matches_the_token_formula_and_anchors_on_the_rollout(kind
     masked = float(metrics["clip_frac_low"] + metrics["clip_frac_high"])
     assert masked == pytest.approx(1 - float((kept & mask).sum()) / float(mask.sum()))
     # the anchor is the rollout's log-probs: without them it is the old ones, another gradient
-    loss_old, _ = policy_loss(logp, old, adv, mask, **kw)
+    loss_old, _ = policy_loss(LossBatch(logp, old, adv, mask), settings)
     (grad_old,) = torch.autograd.grad(loss_old, logp)
     expected_old, _ = _dppo_reference(logp.detach(), old, adv, mask, delta, delta, kind)
     torch.testing.assert_close(grad_old, expected_old, rtol=1e-12, atol=1e-15)
@@ -187,8 +190,8 @@ def test_the_weights_scale_the_gradient_and_keep_the_clip_regions():
     logp, old, rollout, adv, mask = _batch(7, spread=0.3)
     w, _ = rollout_correction(old, rollout, mask, Correction(tis_cap=2.0, is_level="sequence"))
     for algo in ("gppo", "clip_higher", "cispo", "gspo"):
-        base, _ = per_token_policy_loss(logp, old, adv, algo=algo, mask=mask)
-        weighted, _ = per_token_policy_loss(logp, old, adv * w, algo=algo, mask=mask)
+        base, _ = per_token_policy_loss(LossBatch(logp, old, adv, mask), LossSettings(algo=algo))
+        weighted, _ = per_token_policy_loss(LossBatch(logp, old, adv * w, mask), LossSettings(algo=algo))
         (g0,) = torch.autograd.grad(base[mask].sum(), logp)
         (g1,) = torch.autograd.grad(weighted[mask].sum(), logp)
         torch.testing.assert_close(g1, g0 * w, rtol=1e-12, atol=1e-15)

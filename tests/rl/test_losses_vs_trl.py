@@ -43,7 +43,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_klear.rl.losses import policy_loss
+from megatron_klear.rl.losses import LossBatch, LossSettings, policy_loss
 
 PROMPT_LEN, MAX_COMPLETION = 5, 12
 LENGTHS = [12, 7, 3, 10, 1, 9]  # completion tokens per sequence
@@ -153,13 +153,8 @@ def _project_side(setup, token_advantages=None, **kw):
     row = {k: v[mask].unsqueeze(0) for k, v in (("lp", logps), ("old", batch["old_per_token_logps"]), ("adv", adv))}
     row["seq"] = seq[mask].unsqueeze(0)
     loss, _ = policy_loss(
-        row["lp"],
-        row["old"],
-        row["adv"],
-        torch.ones_like(row["lp"]),
-        seq_ids=row["seq"],
-        nll_coef=0.0,  # TRL has no SFT term
-        **kw,
+        LossBatch(row["lp"], row["old"], row["adv"], torch.ones_like(row["lp"]), seq_ids=row["seq"]),
+        LossSettings(nll_coef=0.0, **kw),  # TRL has no SFT term
     )
     return loss.detach(), _grads(model, loss)
 
@@ -200,7 +195,7 @@ def test_the_batch_meets_every_clip_region(setup):
 
 
 CLIP_RULES = [
-    # (TRL loss_type, TRL config, the project's policy_loss arguments)
+    # (TRL loss_type, TRL config, the project's LossSettings)
     ("dapo", {}, {"agg": "token_mean"}),
     ("bnpo", {}, {"agg": "token_mean"}),
     ("grpo", {}, {"agg": "seq_mean_token_mean"}),

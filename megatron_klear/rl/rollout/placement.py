@@ -22,9 +22,29 @@ that was not released breaks its scheduler, so only released tags are resumed.
 from __future__ import annotations
 
 import warnings
+from typing import Protocol, runtime_checkable
 
 from megatron_klear.platform import barrier, is_rank0
 from megatron_klear.rollout.base import ServerEngine
+
+
+@runtime_checkable
+class Placement(Protocol):
+    """Where the servers live, as the rollout manager and the disk push use it (the tests check each
+    placement conforms)."""
+
+    def make_room(self, engine, state) -> None:
+        """Rank 0 (and every rank for the trainer's side): give the trainer its memory back before it
+        builds or updates its state."""
+
+    def before_load(self, state) -> dict:
+        """Collective, before the servers load new weights: make room for them; metrics."""
+
+    def load(self, engine, path: str, version: int) -> None:
+        """Rank 0: the servers load the HF directory ``path`` as weight version ``version``."""
+
+    def restore(self, engine) -> None:
+        """Rank 0: give the servers back what :meth:`make_room` released, if anything."""
 
 
 class Dedicated:

@@ -32,15 +32,35 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Protocol, runtime_checkable
 
 from megatron_klear.rl.batch import RolloutSample
 from megatron_klear.rl.staleness import staleness_metrics
 
 
+@runtime_checkable
+class Producer(Protocol):
+    """What makes a step's samples (see the module docstring): every schedule wraps one, and the
+    tests check each producer conforms."""
+
+    def produce(self, prompts, step: int, weight_version: int) -> tuple:
+        """``(samples, metrics)`` for ``prompts``; ``step``: the seed key; ``weight_version``: the
+        version the batch is expected to train at."""
+
+    def cancel(self) -> None:
+        """Stop what runs now (the run is ending); :meth:`produce` returns soon after."""
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to produce what the uninterrupted run would (``{}``: nothing)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back :meth:`state_dict`'s state."""
+
+
 class Synchronous:
     """Each step's batch generated when the step asks for it."""
 
-    def __init__(self, producer):
+    def __init__(self, producer: Producer):
         self.producer = producer
 
     def next(self, prompts, step: int, weight_version: int) -> tuple:

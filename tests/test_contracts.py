@@ -1,0 +1,106 @@
+"""Every declared contract, checked for every implementation: a class that another module relies on
+implements a protocol written down in the package (rollout/base.py, servers/client.py,
+weight_sync/push.py, rl/rollout/schedules.py and placement.py), with the protocol's methods and
+parameters. ``isinstance`` against a ``runtime_checkable`` protocol sees only that the names exist;
+:func:`conforms` also checks that each method takes the protocol's parameters (by name, or through
+``**kwargs``) and asks for nothing more."""
+
+import inspect
+
+import pytest
+
+from megatron_klear.rl.rollout.partial import PartialRollouts
+from megatron_klear.rl.rollout.placement import Colocated, Dedicated, Placement
+from megatron_klear.rl.rollout.sampling import FullBatches
+from megatron_klear.rl.rollout.schedules import Producer
+from megatron_klear.rollout.base import BucketPosting, ServerEngine, WeightWire
+from megatron_klear.rollout.servers.client import Upkeep
+from megatron_klear.rollout.servers.wire import BucketPost
+from megatron_klear.rollout.sglang import SGLangEngine
+from megatron_klear.rollout.vllm import VLLMEngine
+from megatron_klear.rollout.weight_sync import DiskPush, DistributedWeightSync, InProcessPush, WeightPush
+
+
+def _members(proto) -> dict:
+    """{name: the protocol's function, or None for a data member} of ``proto`` (not its bases')."""
+    out = {name: None for name in getattr(proto, "__annotations__", {})}
+    for name, value in vars(proto).items():
+        if not name.startswith("_") and inspect.isfunction(value):
+            out[name] = value
+    return out
+
+
+def conforms(impl, proto) -> list:
+    """What ``impl`` (a class or an instance) lacks of ``proto``: missing members, and methods that
+    do not take a parameter of the protocol's or require one it does not pass."""
+    problems = []
+    for name, wanted in _members(proto).items():
+        if not hasattr(impl, name):
+            problems.append(f"no {name}")
+            continue
+        if wanted is None:
+            continue
+        got = getattr(impl, name)
+        if not callable(got):
+            problems.append(f"{name} is not callable")
+            continue
+        have = inspect.signature(got).parameters
+        if inspect.isclass(impl) and inspect.isfunction(got):  # an unbound method: drop self
+            have = dict(list(have.items())[1:])
+        want = dict(list(inspect.signature(wanted).parameters.items())[1:])
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in have.values())
+        takes_args = any(p.kind is p.VAR_POSITIONAL for p in have.values())
+        for pname, p in want.items():
+            if pname not in have and not (takes_kwargs or (takes_args and p.kind is p.POSITIONAL_OR_KEYWORD)):
+                problems.append(f"{name} does not take {pname}")
+        for pname, p in have.items():
+            required = p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            if required and pname not in want:
+                problems.append(f"{name} requires {pname}, which callers do not pass")
+    return problems
+
+
+@pytest.fixture(scope="module", params=[SGLangEngine, VLLMEngine], ids=["sglang", "vllm"])
+def engine(request):
+    e = request.param.at(["http://127.0.0.1:9"])  # nothing is asked of the server before a call
+    yield e
+    e.close()
+
+
+def test_every_engine_of_servers_is_a_server_engine_with_a_conforming_wire_and_upkeep(engine):
+    assert isinstance(engine, ServerEngine)
+    assert isinstance(engine.wire, WeightWire) and conforms(engine.wire, WeightWire) == []
+    assert isinstance(engine.upkeep, Upkeep) and conforms(engine.upkeep, Upkeep) == []
+
+
+def test_a_bucket_post_is_what_the_sync_waits_on():
+    post = BucketPost(lambda w, path, body, timeout=None: None, ["w"], ("/p", {}), 1.0)
+    assert post.result() == {} and isinstance(post, BucketPosting) and conforms(post, BucketPosting) == []
+
+
+@pytest.mark.parametrize("path", [InProcessPush, DiskPush, DistributedWeightSync])
+def test_every_weight_path_is_a_weight_push(path):
+    assert conforms(path, WeightPush) == []
+
+
+@pytest.mark.parametrize("producer", [FullBatches, PartialRollouts])
+def test_every_producer_conforms(producer):
+    assert conforms(producer, Producer) == []
+
+
+@pytest.mark.parametrize("placement", [Dedicated, Colocated])
+def test_every_placement_conforms(placement):
+    assert conforms(placement, Placement) == []
+
+
+def test_the_checker_sees_a_missing_method_and_a_parameter_too_many():
+    class Short:
+        def update_group_layout(self):
+            return []
+
+        def leave_group(self, group_name, timeout=None, *, extra):
+            pass
+
+    problems = conforms(Short, WeightWire)
+    assert "no start_update" in problems and "leave_group requires extra, which callers do not pass" in problems
+    assert not any(p.startswith("update_group_layout") for p in problems)
