@@ -37,21 +37,24 @@ def _vllm_checks(r) -> None:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine: ``name`` (the ``rollout.engine`` value), ``builder`` (``"module:attribute"``, called
-    as ``builder(rollout_section, **context)``), ``servers`` (rollout servers reached over HTTP, a
+    """One engine: ``name`` (the ``rollout.engine`` value), ``builder`` (``"module:attribute"``, imported
+    when the engine is built, or the callable itself; called as ``builder(rollout_section,
+    **context)``), ``servers`` (rollout servers reached over HTTP, a
     :class:`~megatron_klear.rollout.base.ServerEngine`, rather than an engine in the trainer's
     process), ``check`` (the section's checks this engine needs, raising
     :class:`~megatron_klear.platform.errors.ConfigError` naming the key), ``aliases`` (older names,
     accepted with a notice naming this one), ``summary`` (one line for messages and docs)."""
 
     name: str
-    builder: str
+    builder: object
     servers: bool
     summary: str
     check: object = None
     aliases: tuple = field(default_factory=tuple)
 
     def build(self, r, **context):
+        if callable(self.builder):
+            return self.builder(r, **context)
         module, _, attr = self.builder.partition(":")
         target = importlib.import_module(module)
         for part in attr.split("."):

@@ -70,14 +70,17 @@ class _Pool:
 
 @pytest.fixture
 def eval_main(monkeypatch, tmp_path, level):
+    from dataclasses import replace as with_builder
+
     import megatron_klear.rewards as rewards
-    import megatron_klear.rollout.sglang as sglang
     from megatron_klear.models.tiny import build_tokenizer
+    from megatron_klear.rollout.engines import ENGINES
 
     tok_dir = str(tmp_path / "tok")
     build_tokenizer(tok_dir)
     _Engine.tokenizer_dir, _Pool.level, _Pool.configs = tok_dir, level, []
-    monkeypatch.setattr(sglang, "SGLangEngine", _Engine)
+    # the SGLang engine's entry of the table builds the scripted one (tools/eval.py --url: sglang)
+    monkeypatch.setitem(ENGINES, "sglang", with_builder(ENGINES["sglang"], builder=lambda r, **_: _Engine(r.urls)))
     monkeypatch.setattr(rewards, "GradingPool", _Pool)
     from tools.eval import main
 

@@ -1,4 +1,4 @@
-"""Generation through SGLang's ``/generate`` (token ids in, ``return_logprob``).
+"""Generation through the servers' generate route (token ids in, each token's log-prob; the dialect's body).
 
 A call is sent as many concurrent requests, at most ``max_concurrent_requests`` in flight, one per
 prompt (``n`` samples each, ``request_granularity="prompt"``) or one per sample (``"sample"``), so
@@ -45,7 +45,7 @@ not retried.
 The counts of the step (workers lost and readmitted, requests sent again, stale answers) are in
 :meth:`~.membership.Membership.fleet_metrics`.
 
-:class:`Generation` is a part of :class:`~megatron_klear.rollout.sglang.SGLangEngine` with its own
+:class:`Generation` is a part of :class:`~.client.ServerClient` with its own
 settings and counters (``requests_sent``, ``retries``; ``record_routing`` / ``routing_layers`` /
 ``routing_topk``), over the client's :class:`.transport.Transport` and :class:`.membership.Membership`.
 """

@@ -1,6 +1,6 @@
-"""Which workers the SGLang client uses, and the router's list kept in step with it.
+"""Which workers the client of rollout servers uses, and sglang-router's list kept in step with it.
 
-The workers are the SGLang servers behind ``urls``: listed explicitly (``rollout.workers``), or
+The workers are the servers behind ``urls``: listed explicitly (``rollout.workers``), or
 asked from each URL that is a router (``GET /workers``; a URL without that route is a server
 itself). Their state (live / rejoining / lost) is :attr:`Membership.fleet`
 (:class:`~megatron_klear.rollout.servers.fleet.Fleet`): control calls go to the live and rejoining
@@ -31,7 +31,7 @@ it cannot be reached or does not answer in time -- connection refused or reset, 
 closed without an answer, a timeout. An answer, whatever its status (4xx, 5xx, a paused server's
 503), is a worker that is there and refused the call: that fails the call as before.
 
-:class:`Membership` is a part of :class:`~megatron_klear.rollout.sglang.SGLangEngine` with its own
+:class:`Membership` is a part of :class:`~.client.ServerClient` with its own
 state (the fleet, the routers, the expected weight version), over the client's
 :class:`.transport.Transport`; generation and control are given it.
 """

@@ -41,7 +41,7 @@ ABORT_RESEND_S = 0.5
 
 
 class Streams:
-    """The abortable request streams of :class:`~megatron_klear.rollout.sglang.SGLangEngine`
+    """The abortable request streams of :class:`~.client.ServerClient`
     (:meth:`stream`), sent through its ``generation``."""
 
     def __init__(self, generation):

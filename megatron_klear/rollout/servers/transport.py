@@ -1,9 +1,9 @@
-"""The synchronous HTTP side of the SGLang client: one keep-alive ``httpx`` client for every control
+"""The synchronous HTTP side of the client of rollout servers: one keep-alive ``httpx`` client for every control
 call, and errors that name the URL and the server's message (:class:`WorkerGone` when the server
 could not be reached or did not answer). The workers behind the URLs are :mod:`.membership`'s.
 
-:class:`Transport` is the first part of :class:`~megatron_klear.rollout.sglang.SGLangEngine`; the
-others (:mod:`.membership`, :mod:`.generation`, :mod:`.control`) are given it.
+:class:`Transport` is the first part of :class:`~.client.ServerClient`; the
+others (:mod:`.membership`, :mod:`.generation`, :mod:`.wire`, a family's upkeep) are given it.
 """
 
 from __future__ import annotations

