@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,26 +12,10 @@ import time
 import pytest
 
 from megatron_klear.config import ConfigError, load_config
+from tests.launch import launch_env, start_torchrun, torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-
-
-def _env(**extra):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
-    return env
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- item 4: config errors ------------------------------------------------------------------------
@@ -90,12 +73,20 @@ def test_a_derived_number_says_where_it_comes_from(tiny_hf, tmp_path):
         preflight(cfg)
 
 
+def test_an_empty_data_prefix_is_refused_before_any_process(tiny_hf):
+    from megatron_klear.sft.trainer import preflight
+
+    cfg = load_config(None, [f"model.path={tiny_hf['untied']}", "data.seq_length=512"])
+    with pytest.raises(ConfigError, match=r"^data.prefix is empty: run tools/preprocess_sft.py first"):
+        preflight(cfg)
+
+
 def test_one_process_prints_one_line_and_no_traceback():
     r = subprocess.run(
         [PY, "-m", "megatron_klear", "sft", "trian.steps=3"],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=launch_env(),
         cwd=ROOT,
         timeout=300,
     )
@@ -110,30 +101,8 @@ def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary()
     own failure summary (its ChildFailedError, which no child can suppress) ends with the message
     from the ranks' error files instead of "To enable traceback see ..."."""
     message = "command line: unknown key 'trian.steps' (did you mean 'train.steps'?)"
-    r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "megatron_klear",
-            "sft",
-            "trian.steps=3",
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        cwd=ROOT,
-        timeout=300,
-    )
-    out = r.stdout + r.stderr
-    assert r.returncode != 0
+    rc, out = torchrun("-m", "megatron_klear", "sft", "trian.steps=3")
+    assert rc != 0
     assert out.count(f"error: {message}") == 1, out
     assert "megatron_klear" not in "".join(ln for ln in out.splitlines() if ln.strip().startswith("File ")), out
     assert "ConfigError" not in out and "To enable traceback" not in out, out
@@ -145,27 +114,8 @@ def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary()
 
 def _launch(*args, timeout=300):
     """``python -m megatron_klear.platform.launch`` (torchrun's arguments) at 2 ranks; (status, output lines)."""
-    r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "megatron_klear.platform.launch",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-        cwd=ROOT,
-        timeout=timeout,
-    )
-    return r.returncode, r.stdout.strip().splitlines()
+    rc, out = torchrun(*args, launcher="megatron_klear.platform.launch", timeout=timeout)
+    return rc, out.strip().splitlines()
 
 
 @pytest.mark.parametrize("case", ["key", "type", "data"])
@@ -234,7 +184,7 @@ def test_a_rank_that_saw_another_rank_fail_says_so_in_one_line(tmp_path, monkeyp
 def test_check_parity_without_torchrun_says_how_to_launch_it():
     args = ["--hf-dir", "/models/x", "--tp", "2", "--pp", "2"]
     r = subprocess.run(
-        [PY, "tools/check_parity.py", *args], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120
+        [PY, "tools/check_parity.py", *args], capture_output=True, text=True, env=launch_env(), cwd=ROOT, timeout=120
     )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
@@ -351,7 +301,7 @@ def _kill_if_alive(*pids):
 
 def _start(script, *args, **kw):
     p = subprocess.Popen(
-        [PY, "-c", textwrap.dedent(script), *args], stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, **kw
+        [PY, "-c", textwrap.dedent(script), *args], stdout=subprocess.PIPE, text=True, env=launch_env(), cwd=ROOT, **kw
     )
     return p, json.loads(p.stdout.readline())
 
@@ -400,25 +350,7 @@ def test_ranks_die_with_torchrun(tmp_path):
     """)
     )
     pids = str(tmp_path / "pid")
-    p = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            str(script),
-            pids,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=_env(),
-        cwd=ROOT,
-    )
+    p = start_torchrun(str(script), pids, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ranks = []
     try:
         deadline = time.monotonic() + 120
@@ -496,15 +428,15 @@ def test_a_conversion_without_room_fails_before_writing_naming_the_bytes(tiny_hf
     import re
     from collections import namedtuple
 
-    from megatron_klear.checkpoint import convert
     from megatron_klear.checkpoint.convert import NotEnoughSpaceError, hf_to_megatron, megatron_to_hf
+    from megatron_klear.checkpoint.formats import base
 
     mg, hf_out = tmp_path / "mg", tmp_path / "hf"
     hf_to_megatron(tiny_hf["untied"], str(mg), progress=False)
     megatron_to_hf(str(mg), str(hf_out), progress=False)
     written = {"to_megatron": _tree_bytes(mg), "to_hf": _tree_bytes(hf_out)}
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(convert.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 1000))
+    monkeypatch.setattr(base.shutil, "disk_usage", lambda path: usage(1 << 40, 1 << 40, 1000))
     asked = {}
     for name, call, out in (
         ("to_megatron", lambda o: hf_to_megatron(tiny_hf["untied"], o, progress=False), tmp_path / "mg2"),

@@ -113,6 +113,7 @@ def test_both_directions_hold_a_few_pieces_never_the_model(tiny_hf, tmp_path, mo
     from torch.distributed.checkpoint import FileSystemReader
 
     from megatron_klear.checkpoint import convert
+    from megatron_klear.checkpoint.formats import torch_dist
     from megatron_klear.checkpoint.safetensors_file import TensorRows
     from megatron_klear.checkpoint.stored_chunks import StoredChunks
 
@@ -123,8 +124,8 @@ def test_both_directions_hold_a_few_pieces_never_the_model(tiny_hf, tmp_path, mo
     to_mg = LiveBytes()
     read = TensorRows.read
     monkeypatch.setattr(TensorRows, "read", lambda self, a, b: to_mg.track(read(self, a, b)))
-    make = convert._Pieces.__call__
-    monkeypatch.setattr(convert._Pieces, "__call__", lambda self, *a: to_mg.track(make(self, *a)))
+    make = torch_dist._Pieces.__call__
+    monkeypatch.setattr(torch_dist._Pieces, "__call__", lambda self, *a: to_mg.track(make(self, *a)))
     mg = convert.hf_to_megatron(src, str(tmp_path / "mg"), workers=2, piece_bytes=PIECE, progress=True)
     # per writer thread: the piece being made (its HF rows, then the piece) and the one being written
     assert 0 < to_mg.peak <= 2 * 3 * PIECE < model_bytes / 5, (to_mg.peak, model_bytes)

@@ -127,7 +127,7 @@ def main(argv=None):
     from megatron_klear.rollout.factory import make_engine
 
     rollout = RolloutConfig(
-        engine="embedded" if args.model else "vllm" if vllm else "http",
+        engine="embedded" if args.model else "vllm" if vllm else "sglang",
         urls=args.url or [],
         dtype=args.dtype,
         max_concurrent_requests=args.max_concurrent_requests,

@@ -13,7 +13,6 @@ import errno
 import json
 import os
 import re
-import shutil
 
 import torch
 
@@ -189,18 +188,6 @@ def load_model(model_chunks, ckpt_dir: str) -> None:
 def check_loaded(result, ckpt_dir: str) -> None:
     """Check a ``load_state_dict(strict=False)`` result by the same rule (extra state may differ)."""
     raise_on_weight_mismatch(result.missing_keys, result.unexpected_keys, ckpt_dir)
-
-
-def finalize_dir(tmp_dir: str, out_dir: str) -> None:
-    """Atomically move a finished checkpoint directory into place."""
-    if os.path.exists(out_dir):
-        old = out_dir.rstrip("/") + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(tmp_dir, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, out_dir)
 
 
 # -- disk space ------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Nothing here holds a whole model: the reader hands out single tensors, or their rows, read from
 the shards on demand; the writer either buffers tensors up to ``max_shard_bytes`` per shard or,
 given the tensors' plan, writes rows straight to their place in the shards. Output goes to a
-temporary directory that is renamed into place when complete. The file format itself is
+temporary directory put in place when complete (:func:`megatron_klear.utils.atomic.finalize_dir`).
+The weight format built on these is :mod:`megatron_klear.checkpoint.formats.hf`. The file format itself is
 :mod:`megatron_klear.checkpoint.safetensors_file`.
 """
 
@@ -102,7 +103,7 @@ class HFReader:
 
 class HFWriter:
     """Write tensors into size-capped safetensors shards plus the index, atomically (a temporary
-    directory renamed into place by :meth:`finish`).
+    directory put in place by :meth:`finish`, the old output kept until then).
 
     Two ways to fill it. :meth:`add` buffers whole tensors and writes a shard once
     ``max_shard_bytes`` are buffered. With ``plan`` (every tensor's ``(name, shape)`` in order,
@@ -205,9 +206,7 @@ class HFWriter:
             write_generation_config(self.tmp, config)
         if manifest is not None:
             write_manifest(self.tmp, manifest)
-        if os.path.exists(self.out_dir):
-            shutil.rmtree(self.out_dir)
-        os.replace(self.tmp, self.out_dir)
+        atomic.finalize_dir(self.tmp, self.out_dir)
         return self.out_dir
 
     def abort(self) -> None:

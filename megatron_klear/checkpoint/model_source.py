@@ -1,13 +1,15 @@
-"""What ``model.path`` names: an HF directory (``config.json`` beside safetensors) or a converted /
-training checkpoint (torch_dist with ``hf_config.json`` and ``tokenizer/``), its architecture and
-where its tokenizer is. The one answer SFT, RL, checkpoint writing and the tools share."""
+"""What ``model.path`` names: a model directory of any registered weight format (an HF directory,
+a converted model or a training checkpoint's ``iter_NNNNNNN``: :mod:`megatron_klear.checkpoint.formats`),
+its architecture, where its tokenizer is, and its weights loaded into a model. The one answer SFT,
+RL, checkpoint writing and the tools share."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
-from megatron_klear.checkpoint import dist_ckpt
+from megatron_klear.checkpoint.formats import HF, WeightFormat, detect_format
 
 
 @dataclass(frozen=True)
@@ -23,20 +25,27 @@ class ModelSource:
             raise FileNotFoundError(f"{key}: directory '{path}' does not exist")
         return cls(path)
 
+    @cached_property
+    def format(self) -> WeightFormat:
+        """The weight format of the directory, from its files (an error names the formats tried)."""
+        return detect_format(self.path)
+
     @property
     def is_hf(self) -> bool:
-        return os.path.isfile(os.path.join(self.path, "config.json"))
+        return self.format.name == HF
 
     @property
     def hf_dir(self) -> str | None:
-        """The HF directory itself (its generation_config.json, config.json), None for a checkpoint."""
+        """The HF directory itself (its generation_config.json, config.json), None for other formats."""
         return self.path if self.is_hf else None
 
     @property
     def tokenizer_dir(self) -> str:
-        return self.path if self.is_hf else os.path.join(self.path, dist_ckpt.TOKENIZER_DIR)
+        return self.format.tokenizer_dir(self.path)
 
     def arch(self):
-        from megatron_klear.models.arch import load_arch
+        return self.format.arch(self.path)
 
-        return load_arch(self.path) if self.is_hf else dist_ckpt.checkpoint_arch(self.path)
+    def load_model(self, model_chunks) -> None:
+        """The weights into this rank's (unwrapped) model chunks, at their TP/PP layout."""
+        self.format.load_model(model_chunks, self.path)

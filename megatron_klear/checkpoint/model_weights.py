@@ -64,11 +64,6 @@ def named_canonical_params(model, *, include_tied_copy: bool = True):
         yield cname, p
 
 
-def padded_vocab_of(model) -> int:
-    m = unwrap(model)
-    return m.vocab_size
-
-
 @torch.no_grad()
 def load_hf_weights(model_chunks, reader) -> set:
     """Copy the HF tensors (an :class:`HFReader`) into this rank's model chunks.

@@ -22,29 +22,28 @@ def check_parity(
     """Max |logits_hf - logits_megatron| over a random batch (the same on every rank).
 
     ``backend`` picks the layer spec (local, or te for Transformer Engine on a GPU). Megatron
-    weights come from the torch_dist checkpoint ``ckpt_dir`` if given (the conversion under
-    test, or any training checkpoint, written with either backend: only its model weights are
-    read, see :func:`megatron_klear.checkpoint.dist_ckpt.load_model`), otherwise straight from
-    ``hf_dir`` through the mapping. Must be called on every rank of a world that fits tp/pp and,
+    weights come from ``ckpt_dir`` if given, in whatever weight format it is
+    (:mod:`megatron_klear.checkpoint.formats`: the conversion under test, or any training
+    checkpoint, written with either backend: only its model weights are read), otherwise straight
+    from ``hf_dir`` through the mapping. Must be called on every rank of a world that fits tp/pp and,
     for MoE models, ep/etp (torchrun; extra ranks are data-parallel replicas fed the same tokens);
     returns the same number on every rank.
     """
-    from megatron_klear.checkpoint import dist_ckpt
-    from megatron_klear.checkpoint.hf_io import HFReader
-    from megatron_klear.checkpoint.model_weights import load_hf_weights
-    from megatron_klear.models.arch import load_arch
+    from megatron_klear.checkpoint.formats import HF
+    from megatron_klear.checkpoint.model_source import ModelSource
     from megatron_klear.models.builder import ModelOptions, build_model_chunks
     from megatron_klear.models.forward import forward_logits
     from megatron_klear.platform import ParallelConfig, init_parallel
 
+    reference = ModelSource.at(hf_dir, key="--hf-dir")
+    if reference.format.name != HF:  # (transformers loads the reference)
+        raise ValueError(f"{hf_dir}: --hf-dir must be an HF directory, this one is {reference.format.name}")
+    weights = ModelSource.at(ckpt_dir, key="--ckpt") if ckpt_dir else reference
     parallel = ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
     init_parallel(parallel, seed=seed)
-    arch = load_arch(hf_dir)
+    arch = reference.arch()
     chunks = build_model_chunks(arch, ModelOptions(dtype="fp32", backend=backend), parallel)
-    if ckpt_dir:
-        dist_ckpt.load_model(chunks, ckpt_dir)
-    else:
-        load_hf_weights(chunks, HFReader(hf_dir))
+    weights.load_model(chunks)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, arch.vocab_size, (batch, seq_len), generator=gen)
     logits = forward_logits(chunks, tokens, arch.vocab_size)

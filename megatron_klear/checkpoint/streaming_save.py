@@ -121,8 +121,9 @@ def _planner_class():
                 previous.untyped_storage().resize_(0)
             chunk = write_item.tensor_data.chunk
             piece = self.produce(write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes))
-            if piece.untyped_storage().nbytes() != piece.nbytes:
-                piece = piece.clone()  # a piece owns exactly its memory
+            storage = piece.untyped_storage()
+            if storage.nbytes() != piece.nbytes or not storage.resizable():
+                piece = piece.clone()  # a piece owns exactly its memory (a torch.load-ed one cannot be freed so)
             self._local.previous = piece
             return piece
 

@@ -22,6 +22,8 @@ import os
 import shutil
 import tempfile
 
+from megatron_klear.utils import atomic
+
 # Qwen's special tokens; the chat template below renders the same layout as Qwen3's.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 ENDOFTEXT_ID, IM_END_ID = 0, 2  # their ids in every tiny tokenizer (special tokens come first)
@@ -193,9 +195,7 @@ def make_tiny_model(
         if with_tokenizer:
             tok = build_tokenizer(tmp, flavor=flavor)
             assert len(tok) <= vocab_size, (len(tok), vocab_size)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        atomic.finalize_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

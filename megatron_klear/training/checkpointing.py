@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_klear.checkpoint.dist_ckpt import disk_full_cause, format_bytes
 from megatron_klear.platform.distributed import broadcast_from_rank0, is_rank0, rank
 from megatron_klear.training.run_dir import DiskFullError, RunDirectory, RunDirError
+from megatron_klear.utils import atomic
 
 
 def _rng_state() -> dict:
@@ -118,6 +119,18 @@ def _gather(obj) -> list:
         dist.all_gather_object(out, obj, group=_control_group())
         return out
     return [obj]
+
+
+def _tokenizer_dir(model_path: str) -> str:
+    """Where the tokenizer files of ``model.path`` are, to copy into a checkpoint; "" when the
+    directory is no longer a model directory of a known format (the checkpoint is saved without
+    them rather than lost at the end of a run)."""
+    from megatron_klear.checkpoint.model_source import ModelSource
+
+    try:
+        return ModelSource(model_path).tokenizer_dir
+    except (OSError, ValueError):
+        return ""
 
 
 # -- whose run: what a checkpoint records of the job that wrote it ---------------------------------
@@ -210,15 +223,13 @@ class CheckpointManager:
         the rotation."""
         from megatron_klear.checkpoint import dist_ckpt
         from megatron_klear.checkpoint.hf_io import copy_tokenizer_files, write_manifest
-        from megatron_klear.checkpoint.model_source import ModelSource
 
         with open(os.path.join(tmp, dist_ckpt.HF_CONFIG), "w") as f:
             json.dump(state.arch.hf_config, f, indent=2)
         tok_dst = os.path.join(tmp, dist_ckpt.TOKENIZER_DIR)
         os.makedirs(tok_dst, exist_ok=True)
         src = self.model_source or ""
-        tok_src = ModelSource(src).tokenizer_dir
-        if os.path.isdir(tok_src):
+        if src and os.path.isdir(tok_src := _tokenizer_dir(src)):
             copy_tokenizer_files(tok_src, tok_dst)
         info = {
             "kind": "megatron_klear.training_checkpoint",
@@ -230,7 +241,7 @@ class CheckpointManager:
         if self.run_dir.job is not None:
             info["job"] = self.run_dir.job
         write_manifest(tmp, info)
-        dist_ckpt.finalize_dir(tmp, final)
+        atomic.finalize_dir(tmp, final)
         self.run_dir.point_latest(step)
         self.run_dir.rotate(step)
 

@@ -348,22 +348,23 @@ class RunDirectory:
                 )
 
     def _clean_partial(self, log) -> None:
-        """Remove what interrupted saves leave: ``.tmp-iter_*`` (a checkpoint being written),
-        ``iter_*.old`` (a checkpoint being replaced: put back if the new one never arrived) and
-        the pointer file's temporaries."""
+        """Remove what interrupted saves leave: ``.tmp-iter_*`` (a checkpoint being written), the
+        old copy of a checkpoint being replaced (``iter_*.old-<pid>``, or ``iter_*.old`` of older
+        versions: put back if the new one never arrived, :func:`~megatron_klear.utils.atomic.recover_dir`)
+        and the pointer file's temporaries."""
         for name in sorted(os.listdir(self.save_dir)):
             path = os.path.join(self.save_dir, name)
+            replaced = atomic.replaced_dir_of(name)
             if name.startswith(".tmp-iter_"):
                 shutil.rmtree(path, ignore_errors=True)
                 log(f"removed partial checkpoint {path} (left by an interrupted save)")
-            elif name.endswith(".old") and ITER_RE.match(name[:-4]):
-                final = path[:-4]
-                if os.path.isdir(final):
-                    shutil.rmtree(path, ignore_errors=True)
-                    log(f"removed {path} (left by an interrupted save)")
-                else:
-                    os.replace(path, final)
-                    log(f"restored {final} from {path} (its replacement was interrupted)")
+            elif replaced and ITER_RE.match(replaced):
+                final = os.path.join(self.save_dir, replaced)
+                for action, old in atomic.recover_dir(final):
+                    if action == "restored":
+                        log(f"restored {final} from {old} (its replacement was interrupted)")
+                    else:
+                        log(f"removed {old} (left by an interrupted save)")
             elif name.startswith((LATEST + ".tmp", atomic.temporary_prefix(LATEST))):  # (the first: older versions)
                 os.remove(path)
 

@@ -23,25 +23,20 @@ class TrainingState:
 
 
 def model_arch(path: str):
-    """Architecture of an HF directory or of a converted torch_dist directory."""
+    """Architecture of the model directory ``path``, whatever its weight format."""
     return ModelSource.at(path).arch()
 
 
 def load_initial_weights(model_chunks, path: str) -> None:
-    """Start from an HF checkpoint (through the mapping) or a torch_dist one: a converted model
-    directory or any training checkpoint ``iter_NNNNNNN`` (SFT -> RL), written at any TP/PP with
-    either layer backend. Only the model weights are read: a training checkpoint's optimizer, RNG
-    and step belong to the job that wrote it, and this job starts them fresh (resuming a job is
+    """Start from a model directory of any weight format (:mod:`megatron_klear.checkpoint.formats`):
+    an HF checkpoint (through the mapping) or a torch_dist one, a converted model directory or any
+    training checkpoint ``iter_NNNNNNN`` (SFT -> RL), written at any TP/PP with either layer
+    backend. Only the model weights are read: a training checkpoint's optimizer, RNG and step
+    belong to the job that wrote it, and this job starts them fresh (resuming a job is
     :class:`~megatron_klear.training.checkpointing.CheckpointManager`'s business)."""
-    from megatron_klear.checkpoint import dist_ckpt
-    from megatron_klear.checkpoint.hf_io import HFReader
-    from megatron_klear.checkpoint.model_weights import load_hf_weights, unwrap
+    from megatron_klear.checkpoint.model_weights import unwrap
 
-    raw = [unwrap(c) for c in model_chunks]
-    if ModelSource(path).is_hf:
-        load_hf_weights(raw, HFReader(path))
-    else:
-        dist_ckpt.load_model(raw, path)
+    ModelSource(path).load_model([unwrap(c) for c in model_chunks])
 
 
 def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) -> TrainingState:

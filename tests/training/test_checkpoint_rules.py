@@ -14,6 +14,7 @@ import pytest
 
 from megatron_klear.training.checkpointing import CheckpointManager
 from megatron_klear.training.run_dir import LATEST
+from megatron_klear.utils import atomic
 from megatron_klear.utils.atomic import temporary_prefix
 from tests.tiny_sft import sft_data
 
@@ -161,9 +162,10 @@ def test_partial_checkpoints_are_removed_at_start_up(tmp_path):
     save = str(tmp_path / "run")
     _old_run(save, steps=(4, 6))
     os.makedirs(os.path.join(save, ".tmp-iter_0000008", "model"))  # a save killed half-way
-    os.rename(os.path.join(save, "iter_0000004"), os.path.join(save, "iter_0000004.old"))
+    os.rename(os.path.join(save, "iter_0000004"), os.path.join(save, "iter_0000004.old"))  # (older versions' name)
     _fake_checkpoint(save, 4, "new copy")  # the replacement arrived: the .old is garbage
-    os.rename(os.path.join(save, "iter_0000006"), os.path.join(save, "iter_0000006.old"))  # it did not
+    old6 = atomic.old_copy_name(os.path.join(save, "iter_0000006"), pid=4242)  # utils/atomic.py's finalize_dir's
+    os.rename(os.path.join(save, "iter_0000006"), old6)  # the replacement did not arrive
     open(os.path.join(save, LATEST + ".tmp123"), "w").close()  # an older version's temporary name
     open(os.path.join(save, temporary_prefix(LATEST) + "123"), "w").close()  # utils/atomic.py's
     said = []
@@ -175,7 +177,8 @@ def test_partial_checkpoints_are_removed_at_start_up(tmp_path):
         ["iter_0000004", "iter_0000006", LATEST, "metrics.jsonl", "config.yaml", LOCK]
     )
     assert f"removed partial checkpoint {save}/.tmp-iter_0000008 (left by an interrupted save)" in said
-    assert f"restored {save}/iter_0000006 from {save}/iter_0000006.old (its replacement was interrupted)" in said
+    assert f"removed {save}/iter_0000004.old (left by an interrupted save)" in said
+    assert f"restored {save}/iter_0000006 from {old6} (its replacement was interrupted)" in said
 
 
 # -- item 8: one run per directory ------------------------------------------------------------------
