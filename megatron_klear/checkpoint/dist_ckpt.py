@@ -43,7 +43,7 @@ def is_torch_dist(ckpt_dir: str) -> bool:
     )
 
 
-def _unwrap(model):
+def unwrap_model(model):
     while hasattr(model, "module"):  # DDP / Float16Module
         model = model.module
     return model
@@ -53,8 +53,8 @@ def model_sharded_state_dict(model_chunks) -> dict:
     """{"model": ...} (or model0, model1, ... with virtual pipeline stages), keyed by the
     unwrapped GPTModel's names so that checkpoints do not depend on the training wrappers."""
     if len(model_chunks) == 1:
-        return {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+        return {"model": unwrap_model(model_chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
 
 
 def save_strategy():
@@ -182,7 +182,7 @@ def load_model(model_chunks, ckpt_dir: str) -> None:
     raise_on_weight_mismatch(_union_over_ranks(model_only), ckpt_only, ckpt_dir)
     for i, chunk in enumerate(model_chunks):
         key = "model" if len(model_chunks) == 1 else f"model{i}"
-        check_loaded(_unwrap(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
+        check_loaded(unwrap_model(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
 
 
 def check_loaded(result, ckpt_dir: str) -> None:

@@ -337,11 +337,11 @@ class CheckpointManager:
             sharded.pop("rng")
         with torch.no_grad():
             loaded = dist_checkpointing.load(sharded, ckpt_dir)
-        from megatron_klear.checkpoint.dist_ckpt import _unwrap, check_loaded
+        from megatron_klear.checkpoint.dist_ckpt import check_loaded, unwrap_model
 
         for i, chunk in enumerate(state.model):
             key = "model" if len(state.model) == 1 else f"model{i}"
-            check_loaded(_unwrap(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
+            check_loaded(unwrap_model(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
         if "optimizer" in sharded:
             with torch.no_grad():  # (the distributed optimizer copies into its fp32 parameters in place)
                 state.optimizer.load_state_dict(loaded["optimizer"])
