@@ -24,8 +24,8 @@ def _sync(rank, world, model_dir, overrides, urls, kwargs, kill=None, versions=(
     ("error", message, seconds)."""
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
-    from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.base import FleetError
+    from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, WeightSyncError
     from megatron_klear.training.setup import build_training_state
 

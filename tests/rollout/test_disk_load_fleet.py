@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from megatron_klear.rollout.sglang import EngineError, SGLangEngine
 from megatron_klear.rollout.base import FleetError
+from megatron_klear.rollout.sglang import EngineError, SGLangEngine
 from tests.rollout.processes import fake_worker, recorded
 
 FAST = dict(control_timeout_s=3, max_retries=1, retry_backoff=0.05, health_check_timeout_s=1)

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from megatron_klear.rollout.base import SamplingParams
-from megatron_klear.rollout.sglang import EngineError, SGLangEngine
 from megatron_klear.rollout.servers.fleet import LIVE, LOST, REJOINING, Fleet, FleetError
+from megatron_klear.rollout.sglang import EngineError, SGLangEngine
 from tests.rollout.processes import _get_json, fake_worker, free_port, recorded, router
 
 # the watchdog's bound: 2 missed probes, 0.3 s apart, 0.5 s each -> a worker is dropped within ~2 s

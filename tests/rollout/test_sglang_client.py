@@ -10,10 +10,9 @@ import time
 
 import pytest
 
-from megatron_klear.rollout.base import SamplingParams
+from megatron_klear.rollout.base import FleetError, SamplingParams
 from megatron_klear.rollout.embedded import EmbeddedEngine
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
-from megatron_klear.rollout.base import FleetError
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from tests.rollout.conftest import PROMPTS
 from tests.rollout.processes import fake_worker, recorded, router

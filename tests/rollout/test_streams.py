@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 
 from megatron_klear.rollout.base import SampleRequest, SamplingParams
+from megatron_klear.rollout.servers.versions import stale_version, token_versions
 from megatron_klear.rollout.sglang import EngineError, SGLangEngine, parse_completion
 from megatron_klear.rollout.sglang.api import SGLangAPI
-from megatron_klear.rollout.servers.versions import stale_version, token_versions
 from tests.rollout.processes import abort_storm, fake_worker, recorded, router
 from tests.rollout.sglang_contract import CONTROL_ROUTES, control_contract_errors, validate_generate_request
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from megatron_klear.checkpoint.hf_io import HFReader
 from megatron_klear.rollout.embedded import EmbeddedEngine
-from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from megatron_klear.rollout.servers.update_group import (
     FLATTENED_BUCKET,
     destroy_update_group,
@@ -23,6 +22,7 @@ from megatron_klear.rollout.servers.update_group import (
     join_update_group,
     open_master_store,
 )
+from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,6 @@ from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialec
 from megatron_klear.rollout.servers.versions import token_versions
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts
 
-#: the engine's pause modes as SGLang's: ``abort`` ends the requests in flight (the client sends them
-#: again); ``retract`` keeps them (SGLang 0.5.23 ``Scheduler.pause_generation`` moves them back to the
-#: waiting queue, a paused server's ``/flush_cache`` ignores that queue, and after
-#: ``/continue_generation`` their KV cache is recomputed with the new weights). SGLang's third mode,
-#: ``in_place``, leaves the running batch in place, which ``/flush_cache`` refuses.
-PAUSE_MODES = {"abort": "abort", "retract": "retract"}
-
 
 class SGLangAPI(ServerDialect):
     """``send_seed``: send ``sampling_seed`` (SGLang honours it only with
@@ -92,7 +85,13 @@ class SGLangAPI(ServerDialect):
         return parse_completion(payload[0] if isinstance(payload, list) else payload, url=url, allow_abort=True)
 
     def pause_call(self, mode: str) -> tuple:
-        return "/pause_generation", {"mode": PAUSE_MODES[mode]}
+        """The engine's pause modes are SGLang's own: ``abort`` ends the requests in flight (the
+        client sends them again); ``retract`` keeps them (SGLang 0.5.23 ``Scheduler.pause_generation``
+        moves them back to the waiting queue, a paused server's ``/flush_cache`` ignores that queue,
+        and after ``/continue_generation`` their KV cache is recomputed with the new weights).
+        SGLang's third mode, ``in_place``, leaves the running batch in place, which ``/flush_cache``
+        refuses: the config does not offer it."""
+        return "/pause_generation", {"mode": mode}
 
     def version_call(self, version: str) -> tuple:
         return "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}

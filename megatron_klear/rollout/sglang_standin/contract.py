@@ -15,7 +15,7 @@ SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose API this server mimics
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name for weight updates
-PAUSE_MODES = ("abort", "retract", "in_place")
+SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class BadRequest(ValueError):
@@ -56,20 +56,20 @@ def _invalid(where: str, v, expected: str) -> ContractError:
     return ContractError(f"{where}: invalid type: {_unexpected(v)}, expected {expected}")
 
 
-def _bool(v, where, expected="a boolean"):
+def expect_bool(v, where, expected="a boolean"):
     if not isinstance(v, bool):
         raise _invalid(where, v, expected)
     return v
 
 
-def _int(v, where, expected="i64"):
+def expect_int(v, where, expected="i64"):
     if not _is_int(v):
         raise _invalid(where, v, expected)
     return v
 
 
 def _uint(v, where, expected="u64"):
-    _int(v, where, expected)
+    expect_int(v, where, expected)
     if v < 0:
         raise ContractError(f"{where}: invalid value: integer `{v}`, expected {expected}")
     return v
@@ -81,19 +81,19 @@ def _float(v, where, expected="f64"):
     return float(v)
 
 
-def _str(v, where, expected="a string"):
+def expect_str(v, where, expected="a string"):
     if not isinstance(v, str):
         raise _invalid(where, v, expected)
     return v
 
 
-def _seq(v, where, expected="a sequence"):
+def expect_seq(v, where, expected="a sequence"):
     if not isinstance(v, list):
         raise _invalid(where, v, expected)
     return v
 
 
-def _map(v, where, expected="a map"):
+def expect_map(v, where, expected="a map"):
     if not isinstance(v, dict):
         raise _invalid(where, v, expected)
     return v
@@ -110,33 +110,33 @@ def _or_list(scalar):
     return check
 
 
-def _token_ids(v, where):
-    v = _seq(v, where)
+def expect_token_ids(v, where):
+    v = expect_seq(v, where)
     if set(map(type, v)) <= {int}:  # every element a plain int (bool is not): checked at C speed
         return v
-    return [_int(e, f"{where}[{k}]") for k, e in enumerate(v)]
+    return [expect_int(e, f"{where}[{k}]") for k, e in enumerate(v)]
 
 
-def _str_list(v, where):
-    return [_str(e, f"{where}[{k}]") for k, e in enumerate(_seq(v, where))]
+def expect_str_list(v, where):
+    return [expect_str(e, f"{where}[{k}]") for k, e in enumerate(expect_seq(v, where))]
 
 
 def _token_ids_or_list(v, where):
     if not isinstance(v, list):
         raise _invalid(where, v, "a value or an array of values for TokenIdsOrList")
     if not v or (isinstance(v[0], (int, float)) and not isinstance(v[0], bool)):
-        return _token_ids(v, where)
-    return [_token_ids(e, f"{where}[{k}]") for k, e in enumerate(v)]
+        return expect_token_ids(v, where)
+    return [expect_token_ids(e, f"{where}[{k}]") for k, e in enumerate(v)]
 
 
-def _optional_str(v, where, expected="a string"):
-    return None if v is None else _str(v, where, expected)
+def expect_optional_str(v, where, expected="a string"):
+    return None if v is None else expect_str(v, where, expected)
 
 
-_str_or_list = _or_list(_str)
-_bool_or_list = _or_list(_bool)
-_int_or_list = _or_list(_int)
-_optional_str_or_list = _or_list(_optional_str)
+_str_or_list = _or_list(expect_str)
+_bool_or_list = _or_list(expect_bool)
+_int_or_list = _or_list(expect_int)
+_optional_str_or_list = _or_list(expect_optional_str)
 
 # SamplingParams, in the contract's order (its unknown-field message lists them so); (kind, default).
 SAMPLING_FIELDS = {
@@ -169,7 +169,7 @@ SAMPLING_FIELDS = {
     "watermark": ("watermark", None),
     "choice": ("str_list", []),
 }
-_WATERMARK_FIELDS = {"enabled": _bool, "key": _str, "context_window": _int}
+_WATERMARK_FIELDS = {"enabled": expect_bool, "key": expect_str, "context_window": expect_int}
 
 
 def _unknown_field(key: str, fields) -> ContractError:
@@ -188,7 +188,7 @@ def _unknown_field(key: str, fields) -> ContractError:
 def decode_sampling_params(sp, where: str = "sampling_params") -> dict:
     """SGLang's SamplingParams decoding (unknown keys rejected, types checked, null -> default);
     returns every field with its value."""
-    _map(sp, where, "struct SamplingParams")
+    expect_map(sp, where, "struct SamplingParams")
     out = {name: default for name, (_, default) in SAMPLING_FIELDS.items()}
     for key, x in sp.items():
         if key not in SAMPLING_FIELDS:
@@ -201,23 +201,23 @@ def decode_sampling_params(sp, where: str = "sampling_params") -> dict:
             out[key] = None if key in ("max_new_tokens",) else default
             continue
         if kind == "int":
-            out[key] = _int(x, at)
+            out[key] = expect_int(x, at)
         elif kind == "float":
             out[key] = _float(x, at)
         elif kind == "bool":
-            out[key] = _bool(x, at)
+            out[key] = expect_bool(x, at)
         elif kind == "str":
-            out[key] = _str(x, at)
+            out[key] = expect_str(x, at)
         elif kind == "str_or_list":
             out[key] = _str_or_list(x, at, "StringOrList")
         elif kind == "int_list":
-            out[key] = _token_ids(x, at)
+            out[key] = expect_token_ids(x, at)
         elif kind == "map_float":
-            out[key] = {k: _float(e, f"{at}.{k}") for k, e in _map(x, at).items()}
+            out[key] = {k: _float(e, f"{at}.{k}") for k, e in expect_map(x, at).items()}
         elif kind == "str_list":
-            out[key] = [_str(e, f"{at}[{k}]") for k, e in enumerate(_seq(x, at))]
+            out[key] = [expect_str(e, f"{at}[{k}]") for k, e in enumerate(expect_seq(x, at))]
         elif kind == "watermark":
-            for wk, wx in _map(x, at, "struct WatermarkRequestConfig").items():
+            for wk, wx in expect_map(x, at, "struct WatermarkRequestConfig").items():
                 if wk not in _WATERMARK_FIELDS:
                     raise _unknown_field(wk, _WATERMARK_FIELDS)
                 if wx is not None:
@@ -272,21 +272,21 @@ _UNSUPPORTED = {
 _TOP_LEVEL_TYPES = {
     "rid": lambda v, w: _str_or_list(v, w, "StringOrList"),
     "text": lambda v, w: _str_or_list(v, w, "StringOrList"),
-    "stream": _bool,
+    "stream": expect_bool,
     "return_logprob": lambda v, w: _bool_or_list(v, w, "BoolOrList"),
     "logprob_start_len": lambda v, w: _int_or_list(v, w, "Int64OrList"),
     "top_logprobs_num": lambda v, w: _int_or_list(v, w, "Int64OrList"),
     "token_ids_logprob": _token_ids_or_list,
     "return_hidden_states": lambda v, w: _bool_or_list(v, w, "BoolOrList"),
-    "return_text_in_logprobs": _bool,
-    "require_reasoning": _bool,
+    "return_text_in_logprobs": expect_bool,
+    "require_reasoning": expect_bool,
     "lora_path": lambda v, w: _optional_str_or_list(v, w, "OptionalStringOrList"),
     "custom_logit_processor": lambda v, w: _optional_str_or_list(v, w, "OptionalStringOrList"),
     "max_thinking_tokens": _uint,
     "return_sampling_mask": lambda v, w: _bool_or_list(v, w, "BoolOrList"),
-    "return_routed_experts": _bool,  # (GenerateReqInput's bool; the v1 contract ignores it)
+    "return_routed_experts": expect_bool,  # (GenerateReqInput's bool; the v1 contract ignores it)
 }
-_NOT_NULL = {"return_prompt_token_ids": _bool, "routed_experts_start_len": _int}  # contract: no null
+_NOT_NULL = {"return_prompt_token_ids": expect_bool, "routed_experts_start_len": expect_int}  # contract: no null
 
 
 @dataclass
@@ -365,10 +365,11 @@ def parse_generate_request(body) -> GenerateCall:
     raw_sp = body.get("sampling_params")
     if raw_sp is not None and isinstance(raw_sp, list):
         decoded_sp = [
-            decode_sampling_params(e, f"sampling_params[{k}]") for k, e in enumerate(_seq(raw_sp, "sampling_params"))
+            decode_sampling_params(e, f"sampling_params[{k}]")
+            for k, e in enumerate(expect_seq(raw_sp, "sampling_params"))
         ]
     elif raw_sp is not None:
-        _map(raw_sp, "sampling_params", "a value or an array of values for SamplingParamsOrList")
+        expect_map(raw_sp, "sampling_params", "a value or an array of values for SamplingParamsOrList")
         decoded_sp = decode_sampling_params(raw_sp)
     else:
         decoded_sp = decode_sampling_params({})

@@ -17,13 +17,13 @@ from megatron_klear.rollout.embedded import PromptRequest
 from megatron_klear.rollout.sglang import MEMORY_TAGS
 from megatron_klear.rollout.sglang_standin import sglang_env
 from megatron_klear.rollout.sglang_standin.contract import (
-    PAUSE_MODES,
     SGLANG_API_VERSION,
+    SGLANG_PAUSE_MODES,
     BadRequest,
-    _bool,
-    _str,
-    _str_list,
     control_fields,
+    expect_bool,
+    expect_str,
+    expect_str_list,
 )
 from megatron_klear.rollout.sglang_standin.plumbing import (
     StandinRoute,
@@ -253,16 +253,16 @@ async def flush_cache(request: Request):
 async def pause_generation(request: Request):
     """Answers once nothing decodes: mode abort ends the running requests, in_place and retract hold
     them between two decode steps."""
-    f = control_fields(await read_json(request), {"mode": (_str, "abort")})
-    if f["mode"] not in PAUSE_MODES:
-        raise BadRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, got {f['mode']!r}")
+    f = control_fields(await read_json(request), {"mode": (expect_str, "abort")})
+    if f["mode"] not in SGLANG_PAUSE_MODES:
+        raise BadRequest(f"mode must be one of {', '.join(SGLANG_PAUSE_MODES)}, got {f['mode']!r}")
     await off_loop(server_state(request).scheduler.pause, f["mode"])
     return reply(200, {"message": "Generation paused successfully.", "status": "ok"})
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request):
-    control_fields(await read_json(request), {"torch_empty_cache": (_bool, True)})
+    control_fields(await read_json(request), {"torch_empty_cache": (expect_bool, True)})
     server_state(request).scheduler.resume()
     return reply(200, {"message": "Generation continued successfully.", "status": "ok"})
 
@@ -271,14 +271,14 @@ async def continue_generation(request: Request):
 async def abort_request(request: Request):
     """SGLang 0.5.23: 200 always; an empty rid without abort_all, or a rid no live request has, is
     ignored; else every request whose id starts with rid ends (:meth:`Scheduler.abort_request`)."""
-    f = control_fields(await read_json(request), {"rid": (_str, ""), "abort_all": (_bool, False)})
+    f = control_fields(await read_json(request), {"rid": (expect_str, ""), "abort_all": (expect_bool, False)})
     server_state(request).scheduler.abort_request(f["rid"], f["abort_all"])
     return reply(200)
 
 
 # -- memory of a server colocated with the trainer (SGLang's --enable-memory-saver) ---------------
 def _memory_tags(body) -> list:
-    f = control_fields(body or {}, {"tags": (_str_list, None)})
+    f = control_fields(body or {}, {"tags": (expect_str_list, None)})
     tags = f["tags"] or list(MEMORY_TAGS)
     unknown = [t for t in tags if t not in MEMORY_TAGS]
     if unknown:

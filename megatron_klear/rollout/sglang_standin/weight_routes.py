@@ -12,15 +12,15 @@ from fastapi import APIRouter, Request
 from megatron_klear.rollout.sglang_standin.contract import (
     DEFAULT_GROUP_NAME,
     BadRequest,
-    _bool,
-    _int,
-    _map,
-    _optional_str,
-    _seq,
-    _str,
-    _str_list,
-    _token_ids,
     control_fields,
+    expect_bool,
+    expect_int,
+    expect_map,
+    expect_optional_str,
+    expect_seq,
+    expect_str,
+    expect_str_list,
+    expect_token_ids,
 )
 from megatron_klear.rollout.sglang_standin.plumbing import StandinRoute, off_loop, read_json, reply, server_state
 
@@ -41,7 +41,7 @@ def _weights_reply(ok: bool, message: str, **extra):
 async def update_weight_version(request: Request):
     f = control_fields(
         await read_json(request),
-        {"new_version": (_str, None), "abort_all_requests": (_bool, True)},
+        {"new_version": (expect_str, None), "abort_all_requests": (expect_bool, True)},
         required=("new_version",),
     )
     state = server_state(request)
@@ -61,17 +61,17 @@ async def update_weights_from_disk(request: Request):
     f = control_fields(
         await read_json(request),
         {
-            "model_path": (_str, None),
-            "load_format": (_optional_str, None),
-            "abort_all_requests": (_bool, False),
-            "weight_version": (_str, None),
-            "is_async": (_bool, False),
-            "torch_empty_cache": (_bool, False),
-            "keep_pause": (_bool, False),
-            "recapture_cuda_graph": (_bool, False),
-            "token_step": (_int, 0),
-            "flush_cache": (_bool, True),
-            "manifest": (_map, None),
+            "model_path": (expect_str, None),
+            "load_format": (expect_optional_str, None),
+            "abort_all_requests": (expect_bool, False),
+            "weight_version": (expect_str, None),
+            "is_async": (expect_bool, False),
+            "torch_empty_cache": (expect_bool, False),
+            "keep_pause": (expect_bool, False),
+            "recapture_cuda_graph": (expect_bool, False),
+            "token_step": (expect_int, 0),
+            "flush_cache": (expect_bool, True),
+            "manifest": (expect_map, None),
         },
         required=("model_path",),
     )
@@ -121,12 +121,12 @@ async def init_weights_update_group(request: Request):
     f = control_fields(
         await read_json(request),
         {
-            "master_address": (_str, None),
-            "master_port": (_int, None),
-            "rank_offset": (_int, None),
-            "world_size": (_int, None),
-            "group_name": (_str, DEFAULT_GROUP_NAME),
-            "backend": (_str, "nccl"),
+            "master_address": (expect_str, None),
+            "master_port": (expect_int, None),
+            "rank_offset": (expect_int, None),
+            "world_size": (expect_int, None),
+            "group_name": (expect_str, DEFAULT_GROUP_NAME),
+            "backend": (expect_str, "nccl"),
         },
         required=("master_address", "master_port", "rank_offset", "world_size"),
     )
@@ -177,7 +177,7 @@ def _init_group(state, f):
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request):
     """Leaves the group; what its sender staged in the open session is discarded."""
-    f = control_fields(await read_json(request), {"group_name": (_str, DEFAULT_GROUP_NAME)})
+    f = control_fields(await read_json(request), {"group_name": (expect_str, DEFAULT_GROUP_NAME)})
     return await off_loop(_destroy_group, server_state(request), f["group_name"])
 
 
@@ -206,7 +206,7 @@ class _WeightSession:
 @router.post("/begin_weight_update")
 async def begin_weight_update(request: Request):
     """Opens a session (SGLang 0.5.23 refuses updates outside one, and a second begin)."""
-    f = control_fields(await read_json(request), {"selector": (_str, "all")})
+    f = control_fields(await read_json(request), {"selector": (expect_str, "all")})
     if f["selector"] not in ("target", "draft", "all"):
         raise BadRequest(f"invalid selector {f['selector']!r}; expected 'target', 'draft', or 'all'")
     return await off_loop(_begin_update, server_state(request))
@@ -229,16 +229,16 @@ async def update_weights_from_distributed(request: Request):
     f = control_fields(
         await read_json(request),
         {
-            "names": (_str_list, None),
-            "dtypes": (_str_list, None),
-            "shapes": (lambda v, w: [_token_ids(x, f"{w}[{k}]") for k, x in enumerate(_seq(v, w))], None),
-            "group_name": (_str, DEFAULT_GROUP_NAME),
-            "flush_cache": (_bool, True),
-            "abort_all_requests": (_bool, False),
-            "weight_version": (_str, None),
-            "load_format": (_optional_str, None),
-            "selector": (_str, "all"),
-            "torch_empty_cache": (_bool, False),
+            "names": (expect_str_list, None),
+            "dtypes": (expect_str_list, None),
+            "shapes": (lambda v, w: [expect_token_ids(x, f"{w}[{k}]") for k, x in enumerate(expect_seq(v, w))], None),
+            "group_name": (expect_str, DEFAULT_GROUP_NAME),
+            "flush_cache": (expect_bool, True),
+            "abort_all_requests": (expect_bool, False),
+            "weight_version": (expect_str, None),
+            "load_format": (expect_optional_str, None),
+            "selector": (expect_str, "all"),
+            "torch_empty_cache": (expect_bool, False),
         },
         required=("names", "dtypes", "shapes"),
     )
@@ -393,10 +393,10 @@ async def weights_checker(request: Request):
     f = control_fields(
         body or {},
         {
-            "action": (_str, "checksum"),
-            "allow_quant_error": (_bool, False),
-            "skip_tensor_list": (lambda v, w: [_str(x, w) for x in _seq(v, w)], None),
-            "selector": (_str, "all"),
+            "action": (expect_str, "checksum"),
+            "allow_quant_error": (expect_bool, False),
+            "skip_tensor_list": (lambda v, w: [expect_str(x, w) for x in expect_seq(v, w)], None),
+            "selector": (expect_str, "all"),
         },
     )
     if f["action"] != "checksum":

@@ -31,7 +31,7 @@ FINISH_REASONS = ("stop", "length")
 #: client sends them again); ``retract`` keeps them: vLLM's ``keep`` freezes them, and the cache reset
 #: after the load makes them recompute their KV cache with the new weights when generation resumes,
 #: as SGLang's retract does
-PAUSE_MODES = {"abort": "abort", "retract": "keep"}
+VLLM_PAUSE = {"abort": "abort", "retract": "keep"}
 
 
 def config_of(transport, url: str) -> dict:
@@ -122,7 +122,7 @@ class VLLMAPI(ServerDialect):
         return read_choice(((payload or {}).get("choices") or [None])[0], where, True)[0]
 
     def pause_call(self, mode: str) -> tuple:
-        return f"/pause?mode={PAUSE_MODES[mode]}&clear_cache=true", None
+        return f"/pause?mode={VLLM_PAUSE[mode]}&clear_cache=true", None
 
     def version_call(self, version: str) -> tuple:
         return "/update_weight_version", {"new_version": str(version)}
