@@ -199,7 +199,7 @@ def iter_hf_tensors(
             e = re.search(r"\.experts\.(\d+)\.", cname)
             local = int(e.group(1)) - offset
 
-            def name_of(r, cname=cname, e=e, local=local):
+            def name_of(r, cname=cname, e=e, local=local, n_local=n_local):
                 return f"{cname[: e.start()]}.experts.{r * n_local + local}.{cname[e.end() :]}"
 
             experts = gather_experts(rule, full, ep_g, name_of)

@@ -180,7 +180,7 @@ class ChatRenderer:
                 add_generation_prompt=add_generation_prompt,
                 **self.template_kwargs,
             )
-        except Exception as e:  # jinja errors, raise_exception() in templates, ...
+        except Exception as e:  # noqa: BLE001 -- jinja errors, raise_exception() in templates: the example is refused
             raise ExampleError(TEMPLATE_ERROR, f"{type(e).__name__}: {e}") from None
 
     def encode(self, text: str) -> list:

@@ -271,7 +271,7 @@ def curate(
     quiet = BadLinePolicy("skip", echo_first=0)  # bad lines were reported in pass 1
     with atomic.atomic_path(cfg.output) as tmp:
         with open(tmp, "w", encoding="utf-8") as out:
-            for k, (path, lineno, rec) in enumerate(_records(cfg.inputs, quiet, readers2)):
+            for k, (_path, _lineno, rec) in enumerate(_records(cfg.inputs, quiet, readers2)):
                 ok = verdicts[k]
                 if ok == "bad":
                     continue

@@ -134,7 +134,7 @@ class SFTIndexedWriter:
         for f in (self._tokens.data_file, self._spans.data_file, self.rejected):
             try:
                 f.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 -- cleaning up after a failure: the first error is the one raised
                 pass
         for path in _data_files(self.tmp_prefix) + [self.rejected_tmp]:
             if os.path.exists(path):

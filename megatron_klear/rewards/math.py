@@ -111,7 +111,7 @@ def _mv():
             from importlib.metadata import version as _version
 
             version = _version("math-verify")
-        except Exception:  # pragma: no cover - metadata missing
+        except Exception:  # noqa: BLE001 -- metadata missing or unreadable: reported as unknown
             version = "unknown"
     if version != MATH_VERIFY_VERSION:
         logging.getLogger(__name__).warning(

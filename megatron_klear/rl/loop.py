@@ -51,7 +51,8 @@ class RLLoop:
         if cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0:
             warnings.warn(
                 "rollout.top_p/top_k filter the sampling distribution; the trainer's "
-                "importance ratios use the unfiltered one (the recipe samples with neither)"
+                "importance ratios use the unfiltered one (the recipe samples with neither)",
+                stacklevel=2,
             )
         init_parallel(cfg.parallel, seed=train.seed)
         self.rollout = RolloutManager(cfg)  # colocated servers give way before the trainer allocates its state

@@ -156,16 +156,16 @@ class RolloutEngine(abc.ABC):
         """Load new weights: an iterable of (HF name, tensor), every weight of the model exactly
         once (all of them before the next ``generate``)."""
 
-    def release_memory(self, tags=None) -> None:
+    def release_memory(self, tags=None) -> None:  # noqa: B027 -- an optional hook, a no-op by default
         """Free accelerator memory while the trainer runs (colocated engines; ``tags``: of
         ``weights``, ``kv_cache``, ``cuda_graph``, None for all); no-op by default."""
 
-    def resume_memory(self, tags=None) -> None:
+    def resume_memory(self, tags=None) -> None:  # noqa: B027 -- an optional hook, a no-op by default
         """Undo :meth:`release_memory` of ``tags`` before loading weights and generating again;
         no-op by default."""
 
-    def close(self) -> None:
-        """Stop servers / free resources."""
+    def close(self) -> None:  # noqa: B027 -- an optional hook, a no-op by default
+        """Stop servers / free resources (nothing by default)."""
 
     def check_context(self, needed: int, what: str, hint: str = "") -> None:
         """Fail before generating anything when the longest request (``needed`` = prompt budget +

@@ -101,7 +101,7 @@ class MetricsLogger:
         goes on, the JSONL file keeps every step, and a stop signal still ends in a saved step."""
         try:
             call()
-        except Exception as e:  # whatever wandb raises, the run must not die of it
+        except Exception as e:  # noqa: BLE001 -- whatever wandb raises, the run must not die of it
             self._wandb = None
             self.stream.write(
                 f"warning: wandb stopped working ({type(e).__name__}: {e}); metrics go on in the JSONL file\n"

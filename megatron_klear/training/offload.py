@@ -58,7 +58,8 @@ def offload_trainer(state) -> int:
     if missing:
         warnings.warn(
             f"rollout.colocate: this Megatron-Core lacks {', '.join(missing)} (0.16 has them): the trainer "
-            "keeps its gradient buffers and optimizer state on the device while the servers generate"
+            "keeps its gradient buffers and optimizer state on the device while the servers generate",
+            stacklevel=2,
         )
         return 0
     on_gpu = _on_gpu(state)

@@ -65,7 +65,7 @@ def _response_logprobs(model, sample, forced=None):
     routers = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
     for j, router in enumerate(routers if forced is not None else []):
 
-        def forward(hidden, router=router, idx=forced[:, j].long()):
+        def forward(hidden, router=router, idx=forced[:, j].long()):  # noqa: B008 -- bound per router, on purpose
             hidden = hidden.reshape(-1, router.hidden_dim)
             logits = F.linear(hidden, router.weight)
             top = torch.softmax(logits, dtype=torch.float, dim=-1).gather(1, idx)

@@ -18,7 +18,7 @@ def _own_wandb_service(monkeypatch):
     if "wandb" in sys.modules:
         try:
             sys.modules["wandb"].teardown()
-        except Exception:  # the service a test killed cannot answer its teardown
+        except Exception:  # noqa: BLE001 -- the service a test killed cannot answer its teardown
             pass
 
 

@@ -109,7 +109,7 @@ class WeightReader(abc.ABC):
         step = max(1, piece_bytes // max(1, row_bytes))
         return [(a, min(a + step, rows)) for a in range(0, rows, step)]
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- an optional hook, a no-op by default
         """Let go of open files and caches (a reader is used once)."""
 
     def __enter__(self):

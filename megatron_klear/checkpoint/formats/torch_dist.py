@@ -135,7 +135,7 @@ class TorchDistWeights(WeightReader):
 def _check_keys(path: str, arch: ModelArch, rules: dict, where: dict, meta: dict) -> None:
     """The checkpoint's model weights are the ones the config implies, at the shapes it implies."""
     expected = {}
-    for name, (key, index) in where.items():
+    for key, index in where.values():
         expected.setdefault(key, []).append(index)
     missing, unknown = sorted(set(expected) - set(meta)), sorted(set(meta) - set(expected))
     if missing or unknown:

@@ -59,7 +59,7 @@ def loads_str(data: bytes) -> str:
                 )
     except UnsafePickle:
         raise
-    except Exception as e:  # truncated or not a pickle
+    except Exception as e:  # noqa: BLE001 -- truncated or not a pickle: refused as unsafe
         raise UnsafePickle(f"not a readable pickle ({e})") from None
     value = _NoGlobals(io.BytesIO(data)).load()
     if not isinstance(value, str):

@@ -130,7 +130,8 @@ class RolloutManager:
         if (rl.async_steps or r.partial) and not rl.tis_cap and not rl.mask_stale_tokens and is_rank0():
             warnings.warn(
                 "rl.async_steps / rollout.partial train tokens sampled by older weights; with neither "
-                "rl.tis_cap nor rl.mask_stale_tokens set they count as on-policy (docs/async.md, Stale tokens)"
+                "rl.tis_cap nor rl.mask_stale_tokens set they count as on-policy (docs/async.md, Stale tokens)",
+                stacklevel=2,
             )
 
     def state_dict(self) -> dict:
@@ -223,7 +224,8 @@ class RolloutManager:
                 "rl.async_steps=1 with rollout.partial: a partial response is continued one step after the "
                 "batch it started in, so its first tokens are 2 versions old at training; with "
                 f"rl.max_staleness={self.cfg.rl.max_staleness} every one is regenerated from scratch "
-                "(set rl.max_staleness=2 to keep them)"
+                "(set rl.max_staleness=2 to keep them)",
+                stacklevel=2,
             )
         return OneStepAhead(producer)
 

@@ -140,5 +140,6 @@ class Colocated:
             warnings.warn(
                 f"rollout.colocate: the servers could not be given back their memory and weight version "
                 f"{self.last_sync[1]} ({self.last_sync[0]}): {e}; they stay released (tags "
-                f"{sorted(self.released)}) until resume_memory_occupation and a weight update"
+                f"{sorted(self.released)}) until resume_memory_occupation and a weight update",
+                stacklevel=2,
             )

@@ -225,7 +225,7 @@ def check_shortfall(kept: int, batches: int, rl) -> None:
         raise ShortfallError(
             msg + "; raise rl.max_generation_batches or rl.oversample_prompts, or set rl.on_shortfall=train"
         )
-    warnings.warn(msg + "; training on those (rl.on_shortfall=train)")
+    warnings.warn(msg + "; training on those (rl.on_shortfall=train)", stacklevel=2)
 
 
 class FullBatches:

@@ -189,7 +189,7 @@ def verify_servers(
     diffs = trainer_logprob_diffs(actor, [(prompt, ids, lps) for ids, lps in outs])
     trainer_dtype = unwrap(actor.state.model[0]).config.params_dtype
     tols = [tolerance or dtype_tolerance(dtypes.get(w), trainer_dtype) for w in workers]
-    for w, (mean, top, _), tol in zip(workers, diffs, tols):
+    for w, (mean, _top, _), tol in zip(workers, diffs, tols):
         if w in rejoining and not mean <= tol and is_rank0():
             engine.drop_worker(
                 w,
