@@ -12,7 +12,7 @@ import pytest
 from megatron_klear.rl.rollout.partial import PartialRollouts
 from megatron_klear.rl.rollout.placement import Colocated, Dedicated, Placement
 from megatron_klear.rl.rollout.sampling import FullBatches
-from megatron_klear.rl.rollout.schedules import Producer
+from megatron_klear.rl.rollout.schedules import OneStepAhead, Producer, Schedule, Synchronous
 from megatron_klear.rollout.base import BucketPosting, ServerEngine, WeightWire
 from megatron_klear.rollout.servers.client import Upkeep
 from megatron_klear.rollout.servers.wire import BucketPost
@@ -86,6 +86,11 @@ def test_every_weight_path_is_a_weight_push(path):
 @pytest.mark.parametrize("producer", [FullBatches, PartialRollouts])
 def test_every_producer_conforms(producer):
     assert conforms(producer, Producer) == []
+
+
+@pytest.mark.parametrize("schedule", [Synchronous, OneStepAhead])
+def test_every_schedule_conforms(schedule):
+    assert conforms(schedule, Schedule) == []
 
 
 @pytest.mark.parametrize("placement", [Dedicated, Colocated])

@@ -57,6 +57,28 @@ class Producer(Protocol):
         """Take back :meth:`state_dict`'s state."""
 
 
+@runtime_checkable
+class Schedule(Protocol):
+    """When a step's batch is generated, as the rollout manager drives it (the tests check each
+    schedule conforms)."""
+
+    def next(self, prompts, step: int, weight_version: int) -> tuple:
+        """``(samples, metrics)``: the batch of the step after ``step`` steps, trained from weight
+        version ``weight_version``."""
+
+    def ahead(self, prompts, step: int, weight_version: int) -> None:
+        """Start the following step's batch now, if the schedule generates ahead."""
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs (the producer's state, a batch generated ahead)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back :meth:`state_dict`'s state."""
+
+    def close(self) -> None:
+        """Stop what runs between steps."""
+
+
 class Synchronous:
     """Each step's batch generated when the step asks for it."""
 
@@ -123,7 +145,7 @@ class _Batch:
 class OneStepAhead:
     """The next step's batch generated while this one trains (see the module docstring)."""
 
-    def __init__(self, producer):
+    def __init__(self, producer: Producer):
         self.producer = producer
         self.pending = None  # the _Batch of the next step
 
