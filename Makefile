@@ -77,8 +77,9 @@ format: venv
 demo: venv
 	$(BIN)/python examples/demo.py
 
+# every benchmark script (the helper modules they import, such as async_cost_model.py, are no scripts)
 bench: venv
-	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+	for b in $$(grep -l '^if __name__ == "__main__":' benchmarks/*.py); do $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

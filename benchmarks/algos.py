@@ -1,6 +1,7 @@
 """GPPO against the losses peers ship, at toy scale, in a regime where the clipping rules differ.
 
-Two parts, both from one SFT model of the demo's digit-chain task (``examples/demo.py``):
+Two parts, both from one SFT model of the demo's digit-chain task (``examples/demo.py --sft-model``;
+its settings: ``megatron_klear/demo_recipe.py``):
 
 * ``sweep``: where does clipping bite? Levers of the update (mini-batches per rollout batch, the
   learning rate, a bf16 rollout engine against the fp32 trainer, longer responses) each run a few
@@ -116,21 +117,18 @@ def run_one(spec: dict, files: dict, out: str) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from examples.demo import Demo, Settings
     from megatron_klear.config import load_config
     from megatron_klear.data.prompts import PromptDataset
+    from megatron_klear.demo_recipe import Settings, rl_overrides
     from megatron_klear.evaluation import evaluate
     from megatron_klear.rl.loop import RLLoop
     from megatron_klear.rollout.base import SamplingParams
     from megatron_klear.utils import atomic
 
     s = Settings(**spec["settings"])
-    demo = Demo(s, os.path.join(out, "sft"))
     save_dir = os.path.join(out, "rl", spec["name"].replace("/", "-"))
-    overrides = [
-        o for o in demo.rl_overrides(files["sft"], save_dir) if not o.startswith(("parallel.tp=", "rl.prompts="))
-    ]
-    overrides += [f"rl.prompts=[{files['prompts']}]", "parallel.tp=1", f"train.seed={spec['seed']}"]
+    overrides = rl_overrides(s, files["sft"], save_dir, prompts=files["prompts"], tp=1)
+    overrides += [f"train.seed={spec['seed']}"]
     overrides += ["train.overwrite=true", "train.resume=false", "train.save_interval=0", *spec["overrides"]]
     overrides += [f"optim.min_lr={o.split('=', 1)[1]}" for o in spec["overrides"] if o.startswith("optim.lr=")]
     loop = RLLoop(load_config(None, overrides))
@@ -194,16 +192,12 @@ def _run_path(out: str, name: str) -> str:
 # -- the driver ---------------------------------------------------------------------------------------
 def build_sft(out: str, settings) -> dict:
     """The demo's SFT model (no parity check) and its data files, built once per task."""
-    from examples.demo import Demo
+    from benchmarks.demo_sft_model import build_sft_model
 
-    demo = Demo(settings, out)
-    files = {
-        "sft": f"{demo.out}/hf-sft",
-        "heldout": f"{demo.out}/heldout.jsonl",
-        "prompts": f"{demo.out}/rl-prompts.jsonl",
-    }
+    out = os.path.abspath(out)
+    files = {"sft": f"{out}/hf-sft", "heldout": f"{out}/heldout.jsonl", "prompts": f"{out}/rl-prompts.jsonl"}
     if not all(os.path.exists(p) for p in files.values()):
-        demo.build_sft_model()
+        build_sft_model(settings, out)
     return files
 
 
@@ -432,7 +426,7 @@ def compare_plots(summary: dict, plots: str) -> list:
 
 # -- commands ---------------------------------------------------------------------------------------
 def _settings(values: dict):
-    from examples.demo import Settings
+    from megatron_klear.demo_recipe import Settings
 
     return Settings(**values)
 
@@ -468,7 +462,7 @@ def main(argv=None) -> int:
         for spec in job["specs"]:
             run_one(spec, job["files"][spec["name"]], job["out"])
         return 0
-    from examples.demo import QUICK
+    from megatron_klear.demo_recipe import QUICK
 
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)

@@ -9,7 +9,8 @@
     python benchmarks/async_rl.py --json out.json        # 4 variants x 2 seeds, under 30 min on 2 idle cores
     python benchmarks/async_rl.py --quick --json q.json  # smoke run (the test suite): tiny sizes, 1 seed, 2 steps
     python benchmarks/async_rl.py --sft runs/x/hf-sft    # start from an existing SFT model
-    python benchmarks/async_rl.py --long-cot             # the Qwen3-8B-at-32K decode-time model (RESULTS.md)
+    python benchmarks/async_rl.py --long-cot             # the Qwen3-8B-at-32K decode-time model (RESULTS.md;
+                                                         # benchmarks/async_cost_model.py)
     python benchmarks/async_rl.py --engine vllm          # the same on vLLM's CPU build (.venv-vllm, make venv)
 
 The default run measured 20.2 min on 2 cores (benchmarks/RESULTS.md); it also runs a batching
@@ -20,7 +21,7 @@ is heavy-tailed, so the responses are too (most short, a few up to ~6x the media
 response budget as a long-CoT batch is capped at 32K). The SFT model is the demo's recipe
 (examples/demo.py: a tiny Qwen3, converted to Megatron, SFT at TP=2 on an imperfect teacher's chats,
 exported to HF) trained here on that task. Each RL run is ``python -m megatron_klear rl`` (actor at
-TP=1, one CPU thread) with ``rollout.engine=http`` to stand-in SGLang servers
+TP=1, one CPU thread) with ``rollout.engine=sglang`` to stand-in SGLang servers
 (``megatron_klear.rollout.sglang_standin``, one CPU thread each) behind the real sglang-router, the
 way the RL loop uses rollout servers; with ``--servers 1`` (the default) one core generates and the
 other trains, the smallest version of the paper's layout (rollout GPUs apart from the actor's). The
@@ -53,7 +54,6 @@ import dataclasses
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -113,12 +113,9 @@ def prompt_files(out: str, settings, bench: Bench) -> dict:
 
 
 def build_sft(out: str, settings, bench: Bench) -> dict:
-    """The demo's SFT model (examples/demo.py's stages: tiny model, conversion, SFT at TP=2, export)
-    trained on LongTailTask chats, and the prompt files. ``--quick``: a random tiny model stands in
-    for it (the demo's own --quick covers those stages)."""
-    from examples.demo import Demo
-    from megatron_klear.data.synthetic import LongTailTask, write_sft_jsonl
-
+    """The demo's SFT model (``examples/demo.py --sft-model``: tiny model, conversion, SFT at TP=2,
+    export) trained on LongTailTask chats of up to 512 tokens, and the prompt files. ``--quick``: a
+    random tiny model stands in for it (the demo's own --quick covers those stages)."""
     t0 = time.time()
     os.makedirs(out, exist_ok=True)
     if bench.quick:
@@ -134,36 +131,15 @@ def build_sft(out: str, settings, bench: Bench) -> dict:
         )
         return {"sft": model, **prompt_files(out, settings, bench), "sft_seconds": time.time() - t0}
 
-    class LongTailDemo(Demo):
-        def sft_data(self) -> None:
-            s = self.s
-            write_sft_jsonl(f"{self.out}/sft.jsonl", s.sft_examples, seed=s.seed, task=self.task, slip_rate=s.slip_rate)
-            self.sh(
-                sys.executable,
-                "tools/preprocess_sft.py",
-                "--input",
-                f"{self.out}/sft.jsonl",
-                "--tokenizer",
-                f"{self.out}/hf-base",
-                "--output-prefix",
-                f"{self.out}/sft-data",
-                "--max-length",
-                "512",
-            )
+    from benchmarks.demo_sft_model import build_sft_model
 
-    demo = LongTailDemo(settings, out)
-    demo.task = LongTailTask()
-    model = demo.build_sft_model()
+    # LongTailTask()'s law (2 to 20 terms, tail 1.3); the held-out problems are prompt_files' own
+    long_tail = dict(task_terms=2, task_max_terms=20, task_tail=1.3, sft_max_length=512)
+    model = build_sft_model(dataclasses.replace(settings, **long_tail, eval_prompts=bench.eval_prompts), out)
     return {"sft": model, **prompt_files(out, settings, bench), "sft_seconds": time.time() - t0}
 
 
 # -- servers ------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 
@@ -188,6 +164,7 @@ def rollout_servers(model: str, n: int, env: dict, engine: str = "sglang"):
             for s in started:
                 s.close()
         return
+    from megatron_klear.platform.process import free_port
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     servers = []
@@ -195,7 +172,7 @@ def rollout_servers(model: str, n: int, env: dict, engine: str = "sglang"):
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             for fut in [pool.submit(EmbeddedHTTPEngine.launch, model, startup_timeout=300, env=env) for _ in range(n)]:
                 servers.append(fut.result())
-        port = _free_port()
+        port = free_port()
         cmd = [
             sys.executable,
             "-m",
@@ -211,7 +188,7 @@ def rollout_servers(model: str, n: int, env: dict, engine: str = "sglang"):
             "--log-level",
             "warn",
             "--prometheus-port",
-            str(_free_port()),
+            str(free_port()),
         ]
         router = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
@@ -261,7 +238,7 @@ def rl_overrides(bench: Bench, settings, files: dict, urls: list, save_dir: str,
         f"rl.max_staleness={bench.max_staleness}",
         f"rl.tis_cap={bench.tis_cap or 'null'}",
         f"rollout.max_new_tokens={bench.max_new_tokens}",
-        f"rollout.engine={'vllm' if bench.engine == 'vllm' else 'http'}",
+        f"rollout.engine={'vllm' if bench.engine == 'vllm' else 'sglang'}",
         f"rollout.urls=[{','.join(urls)}]",
         f"optim.lr={settings.rl_lr}",
         f"optim.min_lr={settings.rl_lr}",
@@ -319,7 +296,7 @@ def run_variant(
     last = max((m["step"] for m in metrics if not m.get("actor/skipped")), default=0)
     client = engine_client(bench, [s.url for s in servers])
     try:
-        versions = [client.api.weight_version(client.transport, s.url) for s in servers]
+        versions = [client.dialect.weight_version(client.transport, s.url) for s in servers]
     finally:
         client.close()
     if versions != [str(last)] * len(servers):
@@ -576,165 +553,6 @@ def probe_lines(probe: dict, bench: Bench) -> list:
     return lines
 
 
-# -- Qwen3-8B at 32K: a decode-time model of one RL step (the arithmetic in benchmarks/RESULTS.md) ----
-@dataclasses.dataclass
-class LongCoT:
-    """Assumptions of the estimate (each stated in benchmarks/RESULTS.md): Qwen3-8B in bf16 on
-    80 GB H100/H800-class GPUs, one SGLang server (TP=1) per rollout GPU, decode memory-bound."""
-
-    layers: int = 36
-    kv_heads: int = 8
-    head_dim: int = 128
-    q_dim: int = 4096  # 32 heads x 128
-    params: float = 8.19e9
-    hbm: float = 80e9
-    bandwidth: float = 3.35e12  # HBM3
-    efficiency: float = 0.7  # of the bandwidth a decode step achieves
-    mem_fraction: float = 0.85  # SGLang's --mem-fraction-static
-    reserve: float = 4e9  # activations, CUDA graphs
-    step_overhead_s: float = 2e-3  # scheduling and sampling per decode step
-    prompt_tokens: int = 500
-    budget: int = 32768
-    median: float = 12000.0  # response lengths: lognormal per prompt, then per sample, capped at budget
-    prompt_sigma: float = 0.6
-    sample_sigma: float = 0.45
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return self.layers * self.kv_heads * self.head_dim * 2 * 2  # K and V, bf16
-
-    @property
-    def kv_pool_tokens(self) -> float:
-        return (self.hbm * self.mem_fraction - 2 * self.params - self.reserve) / self.kv_bytes_per_token
-
-    def step_s(self, live_tokens: float) -> float:
-        """One decode step: read the weights and the live KV cache."""
-        return (2 * self.params + live_tokens * self.kv_bytes_per_token) / (
-            self.bandwidth * self.efficiency
-        ) + self.step_overhead_s
-
-    def lengths(self, rng, prompts: int, n: int):
-        import numpy as np
-
-        med = np.exp(rng.normal(np.log(self.median), self.prompt_sigma, prompts))
-        return np.minimum(med[:, None] * np.exp(rng.normal(0.0, self.sample_sigma, (prompts, n))), self.budget).astype(
-            int
-        )
-
-    def server_finish_s(self, lengths, trace: list | None = None):
-        """Finish time of each response on one server: requests admitted in order while the KV pool
-        holds their context plus 1,000 tokens of headroom each, the newest retracted (progress kept)
-        when the pool overflows, every running sequence one token per decode step. ``trace``: gets
-        ``(time, tokens generated since the previous entry)``."""
-        import numpy as np
-
-        n, gen, live = len(lengths), np.zeros(len(lengths)), np.zeros(len(lengths), bool)
-        fin, t, queue, cap = np.full(n, np.nan), 0.0, list(range(n)), self.kv_pool_tokens
-        while np.isnan(fin).any():
-            while queue and (
-                not live.any()
-                or (self.prompt_tokens + gen[live]).sum() + self.prompt_tokens + gen[queue[0]] + 1000 * (live.sum() + 1)
-                < cap
-            ):
-                live[queue.pop(0)] = True
-            ctx = (self.prompt_tokens + gen[live]).sum()
-            while ctx > cap and live.sum() > 1:
-                i = np.flatnonzero(live)[-1]
-                live[i] = False
-                queue.insert(0, i)
-                ctx = (self.prompt_tokens + gen[live]).sum()
-            k = int(max(1, min((lengths[live] - gen[live]).min(), 256)))  # steps until the next finish (at most 256)
-            t += k * self.step_s(ctx + live.sum() * k / 2)
-            gen[live] += k
-            if trace is not None:
-                trace.append((t, k * int(live.sum())))
-            ended = live & (gen >= lengths)
-            fin[ended], live[ended] = t, False
-        return fin
-
-
-def long_cot_estimate(
-    seed: int = 0,
-    cfg: LongCoT | None = None,
-    *,
-    servers: int = 32,
-    prompts: int = 256,
-    n: int = 8,
-    trained_prompts: int = 128,
-    train_gpus: int = 32,
-    peak_flops: float = 989e12,
-    mfu: float = 0.4,
-    sync_s: float = 5.0,
-) -> dict:
-    """One step of Klear's math RL on Qwen3-8B at 32K (prompts x n generated, trained_prompts x n
-    trained), on ``servers`` rollout GPUs and ``train_gpus`` training GPUs: the synchronous step's
-    generation (until its last response), the full-pool rate the servers reach when kept busy
-    (what partial rollouts approach), the training time, and the step of each mode."""
-    import numpy as np
-
-    cfg = cfg or LongCoT()
-    rng = np.random.default_rng(seed)
-    lengths = cfg.lengths(rng, prompts, n)
-    trace: list = []
-    finish = np.concatenate([cfg.server_finish_s(lengths[s::servers].ravel(), trace) for s in range(servers)])
-    flat = np.concatenate([lengths[s::servers].ravel() for s in range(servers)])
-    generate_sync = float(finish.max())
-    tokens = int(flat.sum())
-    # partial rollouts' cut: the step ends once trained_prompts groups are complete; what is still
-    # running then is aborted (continued at the next step)
-    by_prompt = np.zeros((prompts, n))
-    at = 0
-    for s in range(servers):
-        mine = list(range(s, prompts, servers))
-        by_prompt[mine] = finish[at : at + len(mine) * n].reshape(len(mine), n)
-        at += len(mine) * n
-    quota_s = float(np.sort(by_prompt.max(axis=1))[trained_prompts - 1])
-    running = by_prompt > quota_s
-    done_tokens = sum(k for t, k in trace if t <= quota_s)
-    done_by_half = sum(k for t, k in trace if t <= generate_sync / 2) / tokens
-    # a pool kept full: a response of length L holds it L steps at L/2 on average, so the mean live
-    # context is the prompt plus E[L^2] / (2 E[L])
-    live_ctx = cfg.prompt_tokens + float((flat.astype(float) ** 2).mean() / (2 * flat.mean()))
-    full_rate = cfg.kv_pool_tokens / live_ctx / cfg.step_s(cfg.kv_pool_tokens)
-    generate_partial = tokens / (servers * full_rate)
-    trained = trained_prompts * n * (cfg.prompt_tokens + flat.mean())
-    # fwd + bwd (6), the old log-prob pass (2), full activation recompute (2); attention 4 x layers x q_dim
-    # x the mean context, over the five forward-equivalents
-    flops = trained * (10 * cfg.params + 5 * 4 * cfg.layers * cfg.q_dim * (cfg.prompt_tokens + flat.mean() / 2))
-    train = flops / (train_gpus * peak_flops * mfu) + sync_s
-    steps = {
-        "sync": generate_sync + train,
-        "partial": generate_partial + train,
-        "async": max(generate_sync, train),
-        "async_partial": max(generate_partial, train),
-    }
-    return {
-        "lengths": {
-            "p50": float(np.percentile(flat, 50)),
-            "p90": float(np.percentile(flat, 90)),
-            "max": int(flat.max()),
-            "mean": float(flat.mean()),
-            "capped": float((flat >= cfg.budget).mean()),
-        },
-        "tokens": tokens,
-        "kv_pool_tokens": cfg.kv_pool_tokens,
-        "full_pool_live_context": live_ctx,
-        "full_pool_tokens_per_s": full_rate,
-        "sync_tokens_per_s": tokens / generate_sync / servers,
-        "finished_by_half_step": done_by_half,
-        "generate_sync_s": generate_sync,
-        "generate_partial_s": generate_partial,
-        # in the synchronous schedule: when the quota of complete groups is met, and what partial
-        # rollouts would abort then (samples, and the tokens they still have to generate)
-        "quota_s": quota_s,
-        "aborted_at_quota": float(running.mean()),
-        "tokens_left_at_quota": 1.0 - done_tokens / tokens,
-        "train_s": train,
-        "step_s": steps,
-        "speedup": {k: steps["sync"] / v for k, v in steps.items()},
-    }
-
-
 # -- the driver ---------------------------------------------------------------------------------------
 def aggregate(runs: list) -> dict:
     """variant -> the JSON's fields, means over seeds."""
@@ -797,10 +615,12 @@ def main(argv=None) -> int:
     )
     args = p.parse_args(argv)
     if args.long_cot:
+        from benchmarks.async_cost_model import long_cot_estimate
+
         for seed in range(3):
             print(json.dumps(long_cot_estimate(seed), indent=1))
         return 0
-    from examples.demo import Settings
+    from megatron_klear.demo_recipe import Settings
 
     bench = Bench(**(QUICK if args.quick else {}), quick=args.quick, engine=args.engine)
     if args.tis_cap is not None:

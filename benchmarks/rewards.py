@@ -29,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_klear.rewards import GradingPool, RewardConfig, SandboxConfig  # noqa: E402
 from megatron_klear.rewards.compare import stdio_match  # noqa: E402
-from megatron_klear.rewards.sandbox import _default_python, probe_isolation  # noqa: E402
+from megatron_klear.rewards.isolation_probe import probe_isolation  # noqa: E402
+from megatron_klear.rewards.sandbox import program_python  # noqa: E402
 
 THINK = "<think>Let me solve it.</think>\n"
 
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
     # ---- code
     citems = code_items(args.code_items, args.tests)
     cchunks = [citems[i::rounds] for i in range(rounds)]
-    python = _default_python(SandboxConfig())
+    python = program_python(SandboxConfig())
     rep = probe_isolation(SandboxConfig(allow_fallback=True))
     pools = {}
     for level, ok, why in (

@@ -103,8 +103,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from benchmarks.vs_trl import PAIRS
-    from examples.demo import QUICK, Demo, Settings
     from megatron_klear.config import load_config
+    from megatron_klear.demo_recipe import QUICK, Settings, rl_overrides
     from megatron_klear.rewards.math import grade_math
     from megatron_klear.rl.loop import RLLoop
     from megatron_klear.rl.rollout.sampling import grading_text
@@ -121,9 +121,8 @@ def main(argv=None) -> int:
         args.prompts = write_rl_prompts_jsonl(os.path.join(args.out, "prompts.jsonl"), 16, seed=1)
     if args.quick:
         args.repeats = 1
-    demo = Demo(settings, args.out)
-    overrides = [o for o in demo.rl_overrides(args.sft, args.out) if not o.startswith(("parallel.tp=", "rl.prompts="))]
-    overrides += [f"rl.prompts=[{args.prompts}]", "parallel.tp=1", "train.overwrite=true", *PAIRS["clip_higher"][0]]
+    overrides = rl_overrides(settings, args.sft, args.out, prompts=args.prompts, tp=1)
+    overrides += ["train.overwrite=true", *PAIRS["clip_higher"][0]]
     loop = RLLoop(load_config(None, overrides))
     samples, _ = loop.rollout.generate(loop.prompts, step=0, weight_version=0)
     tokens = sum(len(s.response_ids) for s in samples)

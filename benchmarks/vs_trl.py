@@ -25,7 +25,7 @@ the project's embedded engine; TRL's transformers ``generate``.
 Printed per pair: trained samples per second (trained samples over the wall time from the command to
 its exit, start-up and saves included), the step split (generation, grading, training, weight sync;
 medians over the steps), held-out avg@8 of the SFT model and of each run's checkpoints (the
-project's evaluation, ``examples/demo.py``'s, on both models), the ratio of samples/s and the
+project's evaluation, the demo's: ``megatron_klear/demo_recipe.py``, on both models), the ratio of samples/s and the
 difference in held-out gain with its seed spread. Written: ``<out>/details.json``, ``<out>/results.md``,
 ``<out>/heldout_vs_samples.png`` and ``<out>/heldout_vs_seconds.png``.
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -158,13 +157,10 @@ def trl_worker(args) -> None:
 # -- the project's side -----------------------------------------------------------------------------
 def project_run(args, settings, files, pair: str, seed: int, run: str) -> dict:
     """The project's RL command (its launcher, as a user runs it); returns its step log."""
-    from examples.demo import Demo
+    from megatron_klear.demo_recipe import rl_overrides
 
-    demo = Demo(settings, run)
-    overrides = [o for o in demo.rl_overrides(files["sft"], run) if not o.startswith(("parallel.tp=", "rl.prompts="))]
+    overrides = rl_overrides(settings, files["sft"], run, prompts=files["prompts"], tp=args.nproc)
     overrides += [
-        f"rl.prompts=[{files['prompts']}]",
-        f"parallel.tp={args.nproc}",
         f"train.seed={seed}",
         f"train.save_interval={args.eval_every}",
         *PAIRS[pair][0],
@@ -223,28 +219,32 @@ def checkpoints(run: str, framework: str) -> dict:
     return out
 
 
-def heldout(demo, model_dir: str, name: str) -> float:
-    return demo.evaluate(model_dir, name)["heldout_avg@8"]
+def heldout(settings, files: dict, model_dir: str, results: str) -> float:
+    """The demo's held-out avg@k of ``model_dir`` (``results``: its evaluation's record)."""
+    from megatron_klear.demo_recipe import evaluate_heldout
+
+    say = lambda line: print(f"    {line}", flush=True)  # noqa: E731
+    return evaluate_heldout(settings, model_dir, files["heldout"], results, say=say)["heldout_avg@8"]
 
 
 # -- the driver ---------------------------------------------------------------------------------------
 def prepare(args, settings) -> dict:
-    from examples.demo import Demo
-
     if args.sft:
         return {"sft": args.sft, "prompts": args.prompts, "heldout": args.heldout}
-    demo = Demo(settings, os.path.join(args.out, "sft"))
+    out = os.path.abspath(os.path.join(args.out, "sft"))
     if args.quick:  # a random tiny model stands in for the SFT stage (the demo's --quick covers it)
         from megatron_klear.data.synthetic import write_rl_prompts_jsonl
         from megatron_klear.models.tiny import make_tiny_qwen3
 
-        os.makedirs(demo.out, exist_ok=True)
-        sft = make_tiny_qwen3(os.path.join(demo.out, "hf-sft"), num_layers=2, hidden_size=64, flavor="base")
-        write_rl_prompts_jsonl(f"{demo.out}/rl-prompts.jsonl", 64, seed=1)
-        write_rl_prompts_jsonl(f"{demo.out}/heldout.jsonl", settings.eval_prompts, seed=0, split="heldout")
+        os.makedirs(out, exist_ok=True)
+        sft = make_tiny_qwen3(os.path.join(out, "hf-sft"), num_layers=2, hidden_size=64, flavor="base")
+        write_rl_prompts_jsonl(f"{out}/rl-prompts.jsonl", 64, seed=1)
+        write_rl_prompts_jsonl(f"{out}/heldout.jsonl", settings.eval_prompts, seed=0, split="heldout")
     else:
-        sft = demo.build_sft_model()
-    return {"sft": sft, "prompts": f"{demo.out}/rl-prompts.jsonl", "heldout": f"{demo.out}/heldout.jsonl"}
+        from benchmarks.demo_sft_model import build_sft_model
+
+        sft = build_sft_model(settings, out)
+    return {"sft": sft, "prompts": f"{out}/rl-prompts.jsonl", "heldout": f"{out}/heldout.jsonl"}
 
 
 def summarize(runs: list, baseline: float) -> dict:
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
         trl_worker(args)
         return 0
 
-    from examples.demo import QUICK, Demo, Settings
+    from megatron_klear.demo_recipe import QUICK, Settings
     from megatron_klear.utils.progress import format_seconds
 
     if args.quick:
@@ -366,11 +366,9 @@ def main(argv=None) -> int:
         settings.eval_prompts, settings.eval_k = 4, 2
     os.makedirs(args.out, exist_ok=True)
     files = prepare(args, settings)
-    # Demo.evaluate reads <out>/heldout.jsonl and writes its results beside it: <out>/eval/, not the SFT model's folder
-    evaluator = Demo(settings, os.path.join(args.out, "eval"))
-    os.makedirs(evaluator.out, exist_ok=True)
-    shutil.copyfile(files["heldout"], os.path.join(evaluator.out, "heldout.jsonl"))
-    baseline = heldout(evaluator, files["sft"], "sft")
+    # the evaluations' records go to <out>/eval/, not beside the SFT model
+    evaluations = os.path.join(args.out, "eval")
+    baseline = heldout(settings, files, files["sft"], os.path.join(evaluations, "eval-sft.json"))
     print(f"SFT model: held-out avg@{settings.eval_k} {baseline:.1f}%", flush=True)
     jobs = [
         (pair, seed, fw) for seed in range(args.seeds) for pair in args.pairs.split(",") for fw in ("project", "trl")
@@ -419,7 +417,7 @@ def main(argv=None) -> int:
         result.update(pair=pair, seed=seed, framework=fw)
         result["samples"] = sum(s.get("samples", settings.rl_prompts_per_step * 8) for s in result["steps"])
         result["heldout"] = [
-            (step, heldout(evaluator, path, f"{pair}-{fw}-s{seed}-{step}"))
+            (step, heldout(settings, files, path, os.path.join(evaluations, f"eval-{pair}-{fw}-s{seed}-{step}.json")))
             for step, path in sorted(checkpoints(run, fw).items())
         ]
         runs.append(result)

@@ -167,10 +167,10 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     from megatron_klear.config import load_config
     from megatron_klear.models.builder import build_model_chunks
     from megatron_klear.platform import init_parallel
+    from megatron_klear.rollout.servers.update_group import join_update_group, open_master_store
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.vllm import VLLMEngine
     from megatron_klear.rollout.weight_sync import DistributedWeightSync, export_hf_for_engine, iter_buckets
-    from megatron_klear.rollout.servers.update_group import join_update_group, open_master_store
     from megatron_klear.training.setup import load_initial_weights, model_arch
 
     cfg = load_config(None, [f"model.path={ckpt}", "parallel.tp=2", "model.dtype=bf16"])

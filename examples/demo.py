@@ -19,7 +19,10 @@ learns: held-out accuracy before and after RL.
 The SFT model knows the arithmetic (its greedy answer is usually right) but samples the teacher's
 slips at temperature 1; GPPO, rewarded by the grader, learns to stop slipping. `make demo` exits
 non-zero when a check fails (runs/demo/report.md lists them). ``--quick``: tiny sizes, every stage
-and output, no learning targets (the test suite's smoke run).
+and output, no learning targets (the test suite's smoke run). The settings, the task, the data
+files, the RL overrides and the held-out evaluation are megatron_klear/demo_recipe.py's (``--set
+KEY=VALUE`` changes a setting); ``--sft-model``: stages 1-3 and the export without the parity check,
+the SFT model the benchmarks start from (benchmarks/algos.py, vs_trl.py, async_rl.py).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -41,71 +43,25 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 PY = sys.executable
 
-
-@dataclasses.dataclass
-class Settings:
-    """Every knob of the demo. The defaults are the full run (documented choices below)."""
-
-    seed: int = 0
-    # the tiny model: 4 layers, hidden 64 (~0.1 M parameters besides the embeddings)
-    layers: int = 4
-    hidden: int = 64
-    head_dim: int = (
-        24  # (64 for vLLM's CPU attention, which has no kernel for 24: benchmarks/async_rl.py --engine vllm)
-    )
-    # the task (data/synthetic.py): three digits 0-9 added, 874 training / 126 held-out problems
-    task_ops: str = "+"
-    # a longer variant (benchmarks/algos.py --task long): task_terms up to task_max_terms digits in
-    # 0..task_max_digit, drawn uniformly (data/synthetic.py's LongTailTask with tail 0); 0: the 3 terms
-    task_terms: int = 3
-    task_max_terms: int = 0
-    task_max_digit: int = 9
-    slip_rate: float = 0.6  # the fraction of the SFT teacher's responses with one slip
-    # SFT at TP=2: ~50 chats per step (2 packed rows of 1024 tokens), lr 3e-3 cosine to 3e-4
-    sft_examples: int = 20000
-    sft_steps: int = 400
-    sft_seq_length: int = 1024
-    sft_lr: float = 3e-3
-    # GPPO at TP=2 (the recipe's losses and filters; see rl_overrides). One optimizer step per RL
-    # step on all 32 x 8 responses: a tiny model's policy gradient is noisy, and larger batches per
-    # update learnt faster than the paper's 8 mini-batches per step (16 prompts: +9 points in 30
-    # steps, 32: +15, one seed each)
-    rl_steps: int = 40
-    rl_prompts_per_step: int = 32
-    rl_oversample: int = 40
-    rl_mini_batch_prompts: int = 32
-    rl_lr: float = 3e-4  # the paper's 1e-6 is for an 8B model; 1e-3 made this 0.1 M-parameter one collapse
-    rl_nll_coef: float = 0.1
-    rl_algo: str = "gppo"
-    max_new_tokens: int = 40
-    max_prompt_length: int = 64  # tokens, chat template included (the 3-term questions need ~30)
-    # held-out evaluation: every held-out problem, k samples at the RL temperature, and greedy
-    eval_prompts: int | None = None  # None: all of them
-    eval_k: int = 8
-    temperature: float = 1.0
-    # targets (checked in full runs; --quick checks the pipeline only)
-    min_gain_points: float = 10.0
-    parity_tol: float = 1e-4
-    quick: bool = False
-
-
-QUICK = dict(
-    sft_examples=96,
-    sft_steps=3,
-    sft_seq_length=512,
-    rl_steps=2,
-    rl_prompts_per_step=2,
-    rl_oversample=4,
-    rl_mini_batch_prompts=2,
-    eval_prompts=6,
-    quick=True,
+from megatron_klear.demo_recipe import (  # noqa: E402
+    QUICK,
+    Settings,
+    evaluate_heldout,
+    make_task,
+    rl_overrides,
+    setting_value,
+    write_task_files,
 )
+from megatron_klear.platform.process import free_port  # noqa: E402
 
 # seconds per stage of the full run on 2 idle cores (for the ETA; scaled by the speed observed so far)
 NOMINAL = {"model": 6, "convert": 30, "sft": 120, "export": 20, "eval_sft": 20, "rl": 150, "eval_rl": 25, "report": 10}
 
 
 class Demo:
+    """The demo's stages, each a command a user would type (printed, and listed in the report), with
+    the checks of their results; everything goes into ``out``."""
+
     def __init__(self, s: Settings, out: str):
         self.s, self.out = s, os.path.abspath(out)
         self.timings: dict = {}
@@ -113,14 +69,7 @@ class Demo:
         self.commands: list = []
         self.t0 = time.time()
         self.env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        from megatron_klear.data.synthetic import ChainTask, LongTailTask
-
-        if s.task_max_terms:
-            self.task = LongTailTask(
-                s.task_terms, s.task_max_terms, tail=0.0, max_digit=s.task_max_digit, ops=s.task_ops
-            )
-        else:
-            self.task = ChainTask(terms=s.task_terms, max_digit=s.task_max_digit, ops=s.task_ops)
+        self.task = make_task(s)
 
     # -- console -------------------------------------------------------------------------------
     def stage(self, key: str, title: str):
@@ -158,9 +107,6 @@ class Demo:
         return "".join(lines) if capture else ""
 
     def torchrun(self, n: int, *args, capture: bool = False) -> str:
-        with socket.socket() as sock:  # a port the OS says is free, not a fixed one another job may hold
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         return self.sh(
             PY,
             "-m",
@@ -168,7 +114,7 @@ class Demo:
             "--nproc-per-node",
             str(n),
             "--master-port",
-            str(port),
+            str(free_port()),
             *args,
             capture=capture,
         )
@@ -199,7 +145,8 @@ class Demo:
             )
 
         with self.stage("rl", f"GPPO from the SFT model ({s.rl_steps} steps, embedded engine, TP=2)"):
-            self.torchrun(2, "-m", "megatron_klear", "rl", *self.rl_overrides(f"{out}/hf-sft", f"{out}/rl-run"))
+            overrides = rl_overrides(s, f"{out}/hf-sft", f"{out}/rl-run", prompts=f"{out}/rl-prompts.jsonl")
+            self.torchrun(2, "-m", "megatron_klear", "rl", *overrides)
             rl = _read_jsonl(f"{out}/rl-run/metrics.jsonl")
             mismatch = max((m.get("actor/logprob_mismatch_max", 0.0) for m in rl), default=float("nan"))
             self.check("engine vs trainer log-probs agree (weight sync)", mismatch < 1e-3, f"{mismatch:.1e}", "< 1e-3")
@@ -233,7 +180,7 @@ class Demo:
         return 0 if all(c["held"] is not False for c in self.checks) else 1
 
     def build_sft_model(self) -> str:
-        """Stages 1-3 and the export without the parity check (benchmarks/algos.py): <out>/hf-sft."""
+        """Stages 1-3 and the export without the parity check (``--sft-model``): <out>/hf-sft."""
         os.makedirs(self.out, exist_ok=True)
         self.make_model()
         self.convert(parity=False)
@@ -336,24 +283,13 @@ class Demo:
             )
 
     def sft_data(self) -> None:
-        """SFT chats of training problems, checked disjoint from the held-out problems."""
-        from megatron_klear.data.synthetic import is_heldout_question, write_rl_prompts_jsonl, write_sft_jsonl
-
+        """SFT chats of training problems, checked disjoint from the held-out problems, preprocessed."""
         s, out = self.s, self.out
-        write_sft_jsonl(f"{out}/sft.jsonl", s.sft_examples, seed=s.seed, task=self.task, slip_rate=s.slip_rate)
-        write_rl_prompts_jsonl(
-            f"{out}/rl-prompts.jsonl", max(s.rl_steps * s.rl_oversample * 3, 64), seed=s.seed + 1, task=self.task
-        )
-        n_held = None if s.eval_prompts is None else s.eval_prompts
-        write_rl_prompts_jsonl(f"{out}/heldout.jsonl", n_held, seed=s.seed, split="heldout", task=self.task)
-        seen = {json.loads(x)["messages"][0]["content"] for x in open(f"{out}/sft.jsonl")}
-        seen |= {json.loads(x)["prompt"] for x in open(f"{out}/rl-prompts.jsonl")}
-        evaluated = {json.loads(x)["prompt"] for x in open(f"{out}/heldout.jsonl")}
-        side = lambda q: is_heldout_question(q, self.task)  # noqa: E731 - the split's own hash
+        split = write_task_files(s, out, self.task)
         self.check(
             "held-out problems in no SFT chat and no RL prompt",
-            not any(map(side, seen)) and all(map(side, evaluated)),
-            f"{len(seen)} training questions, {len(evaluated)} held-out, {len(seen & evaluated)} shared",
+            split["split_held"],
+            f"{split['training']} training questions, {split['heldout']} held-out, {split['shared']} shared",
             "0 shared",
         )
         self.sh(
@@ -366,97 +302,24 @@ class Demo:
             "--output-prefix",
             f"{out}/sft-data",
             "--max-length",
-            "256",
+            str(s.sft_max_length),
         )
 
-    def rl_overrides(self, model: str, save_dir: str) -> list:
-        s = self.s
-        return [
-            f"model.path={model}",
-            "model.dtype=fp32",
-            "parallel.tp=2",
-            f"rl.prompts=[{self.out}/rl-prompts.jsonl]",
-            f"rl.algo={s.rl_algo}",
-            f"rl.nll_coef={s.rl_nll_coef}",
-            f"rl.prompts_per_step={s.rl_prompts_per_step}",
-            f"rl.oversample_prompts={s.rl_oversample}",
-            "rl.responses_per_prompt=8",
-            f"rl.mini_batch_prompts={s.rl_mini_batch_prompts}",
-            # all 256 responses (~12K tokens) in one micro-batch: fewer, larger passes (0.81 -> 0.69 s
-            # of training per step at TP=1, benchmarks/vs_trl.py); the loss is the same either way
-            "rl.max_tokens_per_micro_batch=16384",
-            f"rl.max_prompt_length={s.max_prompt_length}",
-            f"rl.temperature={s.temperature}",
-            f"rollout.max_new_tokens={s.max_new_tokens}",
-            f"optim.lr={s.rl_lr}",
-            f"optim.min_lr={s.rl_lr}",
-            "optim.decay_style=constant",
-            "optim.weight_decay=0.0",
-            "optim.adam_beta2=0.999",
-            f"train.steps={s.rl_steps}",
-            f"train.seed={s.seed}",
-            f"train.save_dir={save_dir}",
-            "reward.workers=1",
-        ]
-
     def evaluate(self, model_dir: str, name: str) -> dict:
-        """avg@k at the RL temperature and greedy (top-k 1) on the held-out problems, with the
-        project's evaluation code; results in <out>/eval-<name>.json (+ .samples.jsonl)."""
-        from megatron_klear.data.chat import load_tokenizer
-        from megatron_klear.data.prompts import PromptDataset
-        from megatron_klear.evaluation import evaluate, evaluation_reward_config, write_results
-        from megatron_klear.rewards import GradingPool, RewardConfig
-        from megatron_klear.rollout.base import SamplingParams
-        from megatron_klear.rollout.embedded import EmbeddedEngine
-
+        """The held-out evaluation (demo_recipe.evaluate_heldout); results in <out>/eval-<name>.json
+        (+ .samples.jsonl)."""
         s = self.s
-        tok = load_tokenizer(model_dir)
-        bench = {
-            "heldout": PromptDataset([f"{self.out}/heldout.jsonl"], tok, max_prompt_length=s.max_prompt_length).prompts
-        }
-        engine = EmbeddedEngine.from_pretrained(model_dir, dtype="float32")
         self.commands.append(
             f"megatron_klear.evaluation.evaluate({os.path.relpath(model_dir, ROOT)}, heldout, "
             f"k={s.eval_k}, temperature={s.temperature}) and k=1 greedy"
         )
-        say = lambda line: print(f"    {line}", flush=True)  # noqa: E731
-        with GradingPool(evaluation_reward_config(RewardConfig(workers=1))) as pool:
-            sampled, records = evaluate(
-                engine,
-                bench,
-                tok,
-                pool,
-                k=s.eval_k,
-                progress=say,
-                params=SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens, seed=s.seed),
-            )
-            greedy, g_records = evaluate(
-                engine,
-                bench,
-                tok,
-                pool,
-                k=1,
-                progress=lambda line: say("greedy " + line),
-                params=SamplingParams(temperature=1.0, top_k=1, max_new_tokens=s.max_new_tokens),
-            )
-        engine.close()
-        a, g = sampled["heldout"], greedy["heldout"]
-        write_results(
+        return evaluate_heldout(
+            s,
+            model_dir,
+            f"{self.out}/heldout.jsonl",
             f"{self.out}/eval-{name}.json",
-            {"sampled": a, "greedy": g},
-            records + g_records,
-            meta={"model": model_dir, "k": s.eval_k, "temperature": s.temperature},
+            say=lambda line: print(f"    {line}", flush=True),
         )
-        return {
-            "heldout_avg@8": a[f"avg@{s.eval_k}"],
-            "heldout_pass@8": a[f"pass@{s.eval_k}"],
-            "heldout_greedy": g["avg@1"],
-            "response_length_mean": a["response_length_mean"],
-            "truncated_frac": a["truncated_frac"],
-            "prompts": a["prompts"],
-            "k": s.eval_k,
-            "examples": [r for r in g_records[:3]],
-        }
 
     def summary(self, before, after, parity, exact, sft, rl, total, load_before) -> dict:
         s = self.s
@@ -560,22 +423,27 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a setting (e.g. --set rl_steps=40); see Settings in this file",
+        help="override a setting (e.g. --set rl_steps=40); see Settings in megatron_klear/demo_recipe.py",
+    )
+    p.add_argument(
+        "--sft-model",
+        action="store_true",
+        help="only build the SFT model (stages 1-3 and the export, no parity check): <out>/hf-sft",
     )
     args = p.parse_args(argv)
     values = dict(QUICK) if args.quick else {}
     values["seed"] = args.seed
-    fields = {f.name: f for f in dataclasses.fields(Settings)}
     for item in args.set:
         key, _, raw = item.partition("=")
-        if key not in fields:
-            p.error(f"--set {item}: unknown setting {key!r} (one of {', '.join(fields)})")
-        values[key] = (
-            type(getattr(Settings(), key) if getattr(Settings(), key) is not None else 0)(raw)
-            if raw.lower() not in ("none", "null")
-            else None
-        )
-    return Demo(Settings(**values), args.out).run()
+        try:
+            values[key] = setting_value(key, raw)
+        except ValueError as e:
+            p.error(f"--set {item}: {e}")
+    demo = Demo(Settings(**values), args.out)
+    if args.sft_model:
+        print(f"SFT model: {demo.build_sft_model()}", flush=True)
+        return 0
+    return demo.run()
 
 
 if __name__ == "__main__":

@@ -4,14 +4,11 @@ values: every variant trains the same samples, sync has no stale token, the thro
 samples over the seconds of the steps as logged, the ratios printed are the JSON's."""
 
 import json
-import os
 import re
 import statistics
-import sys
 
 from tests.benchmark_run import run_benchmark
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = {"samples_per_s", "step_s_median", "heldout_avg@8", "staleness_mean", "offpolicy_token_frac"}
 VARIANTS = ("sync", "partial", "async", "async_partial")
 
@@ -74,30 +71,21 @@ def test_async_rl_benchmark_quick(tmp_path):
         assert m and float(m.group(1)) == round(r["samples_per_s"] / sync, 2), (name, proc.stdout[-2000:])
 
 
-def _bench_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_async_rl", os.path.join(REPO, "benchmarks", "async_rl.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_long_cot_decode_model_against_hand_and_a_token_by_token_reference():
     """The Qwen3-8B arithmetic of benchmarks/RESULTS.md: the KV cache per token, the pool, one decode
     step, by hand; a server's finish times against a token-by-token loop (no multi-step jumps)."""
     import numpy as np
 
-    bench = _bench_module()
-    cfg = bench.LongCoT()
+    from benchmarks.async_cost_model import LongCoT, long_cot_estimate
+
+    cfg = LongCoT()
     assert cfg.kv_bytes_per_token == 36 * 8 * 128 * 2 * 2 == 147456
     assert abs(cfg.kv_pool_tokens - (80e9 * 0.85 - 2 * 8.19e9 - 4e9) / 147456) < 1e-6
     assert abs(cfg.step_s(0) - (2 * 8.19e9 / (3.35e12 * 0.7) + 0.002)) < 1e-12
     assert abs(cfg.step_s(100000) - cfg.step_s(0) - 100000 * 147456 / (3.35e12 * 0.7)) < 1e-12
 
     # a small pool (admission and retraction both happen) and short responses
-    small = bench.LongCoT(hbm=(2 * 8.19e9 + 4e9 + 9000 * 147456) / 0.85, prompt_tokens=50)
+    small = LongCoT(hbm=(2 * 8.19e9 + 4e9 + 9000 * 147456) / 0.85, prompt_tokens=50)
     lengths = np.array([700, 30, 2000, 450, 1200, 90, 1600, 300])
 
     def reference(cfg, lengths):
@@ -126,7 +114,7 @@ def test_long_cot_decode_model_against_hand_and_a_token_by_token_reference():
     assert got.argmax() == lengths.argmax()  # the longest response ends the step
 
     # the estimate's steps: each mode as RESULTS.md states it
-    est = bench.long_cot_estimate(0)
+    est = long_cot_estimate(0)
     assert est["lengths"]["max"] == 32768 and 10000 < est["lengths"]["p50"] < 14000 < est["lengths"]["p90"]
     s = est["step_s"]
     assert abs(s["sync"] - (est["generate_sync_s"] + est["train_s"])) < 1e-6

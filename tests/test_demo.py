@@ -63,8 +63,8 @@ def _check_outputs(out, quick=True):
 
 def test_report_from_recorded_metrics(tmp_path):
     """The report writer alone (seconds): fabricated metrics of both runs -> report, plots, summary."""
-    from examples.demo import Settings
     from examples.demo_report import write_outputs
+    from megatron_klear.demo_recipe import Settings
 
     sft = [{"step": i, "loss": 3.0 / i} for i in range(1, 21)]
     rl = [
@@ -123,6 +123,24 @@ def test_report_from_recorded_metrics(tmp_path):
     write_outputs(str(tmp_path), summary, sft, rl, ["python tools/make_tiny_model.py ..."])
     _check_outputs(str(tmp_path), quick=False)
     assert "+15.0 points" in open(tmp_path / "report.md").read()
+
+
+def test_settings_round_trip_through_the_demos_command_line():
+    """What the benchmarks hand to ``examples/demo.py --sft-model``: the settings that differ from
+    the defaults, as ``--set key=value``, read back as they were (None, flags, floats, text)."""
+    from megatron_klear.demo_recipe import QUICK, Settings, setting_args, setting_value
+
+    s = Settings(**{**QUICK, "eval_prompts": None}, task_ops="+-", task_max_terms=20, task_tail=1.3, rl_lr=3e-5)
+    args = setting_args(s)
+    assert args[::2] == ["--set"] * (len(args) // 2) and "--set" not in args[1::2]
+    assert "quick=true" in args and "rl_lr=3e-05" in args and not any(a.startswith("seed=") for a in args)
+    values = dict(a.split("=", 1) for a in args[1::2])
+    assert Settings(**{k: setting_value(k, v) for k, v in values.items()}) == s
+    assert setting_value("eval_prompts", "none") is None and setting_value("eval_prompts", "6") == 6
+    with pytest.raises(ValueError, match="unknown setting 'rl_stpes'"):
+        setting_value("rl_stpes", "3")
+    with pytest.raises(ValueError, match="true or false"):
+        setting_value("quick", "yes")
 
 
 @pytest.fixture(scope="module")

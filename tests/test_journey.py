@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from tests.rollout.processes import free_port, router
+from tests.launch import torchrun
+from tests.rollout.processes import router
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_CONFIG = os.path.join(ROOT, "examples/configs/sft_qwen3_8b.yaml")
@@ -36,12 +37,6 @@ def _run(*args, env=None, timeout=900):
     )
     assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
-
-
-def _torchrun(n, *args, env=None):
-    return _run(
-        "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", str(free_port()), *args, env=env
-    )
 
 
 def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
@@ -79,8 +74,7 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
 
     # 2. SFT with the shipped 8B config
     sft_dir = str(tmp_path / "sft-run")
-    _torchrun(
-        2,
+    torchrun(
         "-m",
         "megatron_klear",
         "sft",
@@ -99,6 +93,8 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
         "optim.lr=3e-3",
         "optim.min_lr=3e-4",
         env=env,
+        timeout=900,
+        check=True,
     )
     sft_ckpt = os.path.join(sft_dir, "iter_0000060")
     assert os.path.isdir(sft_ckpt)
@@ -115,8 +111,7 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
     servers = [EmbeddedHTTPEngine.launch(hf_sft, startup_timeout=120) for _ in range(2)]
     try:
         with router([s.url for s in servers]) as router_url:
-            _torchrun(
-                2,
+            torchrun(
                 "-m",
                 "megatron_klear",
                 "rl",
@@ -139,6 +134,8 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
                 "train.save_interval=1",
                 f"train.save_dir={rl_dir}",
                 env=env,
+                timeout=900,
+                check=True,
             )
             lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
             last = lines[-1]["weights/version"]  # the updates that changed the weights (docs/async.md)

@@ -16,7 +16,8 @@ import os
 
 import pytest
 
-from tests.test_journey import ROOT, _run, _torchrun
+from tests.launch import torchrun
+from tests.test_journey import ROOT, _run
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +67,7 @@ def data(tmp_path_factory):
 
 def _sft(data, config, model, layout, name):
     save = str(data["dir"] / name)
-    _torchrun(
-        2,
+    torchrun(
         "-m",
         "megatron_klear",
         "sft",
@@ -84,6 +84,8 @@ def _sft(data, config, model, layout, name):
         f"train.save_dir={save}",
         "optim.warmup_steps=1",
         env=data["env"],
+        timeout=900,
+        check=True,
     )
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     steps = [m for m in lines if "loss" in m]
@@ -113,8 +115,7 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
     rl_dir = str(data["dir"] / "rl-30b")
     server = EmbeddedHTTPEngine.launch(data["moe"], startup_timeout=120)
     try:
-        _torchrun(
-            2,
+        torchrun(
             "-m",
             "megatron_klear",
             "rl",
@@ -138,6 +139,8 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
             "train.save_interval=2",
             f"train.save_dir={rl_dir}",
             env=data["env"],
+            timeout=900,
+            check=True,
         )
         lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
         last = lines[-1]["weights/version"]

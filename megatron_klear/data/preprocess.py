@@ -41,6 +41,7 @@ from megatron_klear.data.jsonl import (
     check_input_files,
     parse_json_object,
 )
+from megatron_klear.utils.progress import Progress
 
 OVERLONG_CHOICES = ("truncate", "drop", "fail")
 
@@ -121,30 +122,6 @@ def _process_chunk(chunk):
 # Main side.
 
 
-class _Progress:
-    def __init__(self, total_bytes: int, every_s: float, stream: TextIO):
-        self.total_bytes = max(total_bytes, 1)
-        self.every_s = every_s
-        self.stream = stream
-        self.t0 = self.last = time.monotonic()
-
-    def maybe_report(self, bytes_done: int, lines: int, kept: int, rejected: int, tokens: int, force=False):
-        now = time.monotonic()
-        if not force and now - self.last < self.every_s:
-            return
-        self.last = now
-        dt = max(now - self.t0, 1e-9)
-        frac = min(bytes_done / self.total_bytes, 1.0)
-        eta = (dt / frac - dt) if frac > 0 else float("nan")
-        print(
-            f"[preprocess] {100 * frac:5.1f}% of {self.total_bytes / 1e6:,.1f} MB | {lines:,} lines "
-            f"(kept {kept:,}, rejected {rejected:,}) | {lines / dt:,.0f} lines/s, "
-            f"{tokens / dt / 1e6:,.2f} M tokens/s | elapsed {dt:,.0f} s, ETA {eta:,.0f} s",
-            file=self.stream,
-            flush=True,
-        )
-
-
 def _length_summary(lengths: np.ndarray, max_length: int) -> dict:
     if lengths.size == 0:
         return {"count": 0}
@@ -168,36 +145,42 @@ def _length_summary(lengths: np.ndarray, max_length: int) -> dict:
 
 
 def _chunks(readers, chunk_lines: int):
+    """``(position, (source_index, lines))`` in input order; ``position``: the bytes of every input
+    read up to the chunk's end (the progress once the chunk is processed)."""
+    before = 0
     for source_index, reader in enumerate(readers):
         items = []
         for lineno, text in reader:
             items.append((lineno, text))
             if len(items) >= chunk_lines:
-                yield source_index, items
+                yield before + reader.bytes_read, (source_index, items)
                 items = []
         if items:
-            yield source_index, items
+            yield before + reader.bytes_read, (source_index, items)
+        before += reader.bytes_read
 
 
 def _results(cfg: PreprocessConfig, readers):
-    """Processed chunks in input order, from a bounded pool of workers (or in-process)."""
+    """``(position, processed chunk)`` in input order, from a bounded pool of workers (or in-process)."""
     init_args = (cfg.tokenizer, cfg.loss_on, cfg.template_kwargs, cfg.max_length, cfg.overlong)
     if cfg.workers == 1:
         _init_worker(*init_args)
-        for chunk in _chunks(readers, cfg.chunk_lines):
-            yield _process_chunk(chunk)
+        for position, chunk in _chunks(readers, cfg.chunk_lines):
+            yield position, _process_chunk(chunk)
         return
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # fork after tokenizers/torch threads start is unsafe
     with ctx.Pool(cfg.workers, initializer=_init_worker, initargs=init_args) as pool:
         pending = collections.deque()
-        for chunk in _chunks(readers, cfg.chunk_lines):
-            pending.append(pool.apply_async(_process_chunk, (chunk,)))
+        for position, chunk in _chunks(readers, cfg.chunk_lines):
+            pending.append((position, pool.apply_async(_process_chunk, (chunk,))))
             if len(pending) >= 4 * cfg.workers:
-                yield pending.popleft().get()
+                position, result = pending.popleft()
+                yield position, result.get()
         while pending:
-            yield pending.popleft().get()
+            position, result = pending.popleft()
+            yield position, result.get()
 
 
 def preprocess(cfg: PreprocessConfig, stream: Optional[TextIO] = None) -> dict:
@@ -217,10 +200,20 @@ def preprocess(cfg: PreprocessConfig, stream: Optional[TextIO] = None) -> dict:
     writer = SFTIndexedWriter(cfg.output_prefix, vocab_size=len(tokenizer))
     bad = BadLinePolicy(cfg.on_bad_line, report=writer.rejected, stream=stream)
     dropped = BadLinePolicy("skip", report=writer.rejected, stream=stream)
-    progress = _Progress(sum(r.size for r in readers), cfg.progress_every_s, stream)
     lengths, lines, truncated, total_tokens, loss_tokens = [], 0, 0, 0, 0
+    # progress over the input's bytes (kB below 10 MB), with the counts so far
+    total_bytes = sum(r.size for r in readers)
+    scale, unit = (1e6, "MB") if total_bytes >= 10e6 else (1e3, "kB")
+    progress = Progress(total_bytes / scale, "preprocess", unit=unit, every=cfg.progress_every_s, stream=stream)
+
+    def report(bytes_done: int) -> None:
+        rate = total_tokens / max(time.monotonic() - progress.start, 1e-9) / 1e6
+        rejected = bad.total + dropped.total
+        note = f"| {lines:,} lines (kept {len(lengths):,}, rejected {rejected:,}), {rate:,.2f} M tokens/s"
+        progress.update(bytes_done / scale, note)
+
     try:
-        for source_index, results in _results(cfg, readers):
+        for position, (source_index, results) in _results(cfg, readers):
             path = cfg.inputs[source_index]
             for lineno, res in results:
                 lines += 1
@@ -239,12 +232,8 @@ def preprocess(cfg: PreprocessConfig, stream: Optional[TextIO] = None) -> dict:
                 truncated += original_length > ids.size
                 total_tokens += int(ids.size)
                 loss_tokens += sum(e - s for s, e in spans)
-            progress.maybe_report(
-                sum(r.bytes_read for r in readers), lines, len(lengths), bad.total + dropped.total, total_tokens
-            )
-        progress.maybe_report(
-            sum(r.bytes_read for r in readers), lines, len(lengths), bad.total + dropped.total, total_tokens, force=True
-        )
+            report(position)
+        report(sum(r.bytes_read for r in readers))  # the end (after any trailing blank lines): the final line
         if not lengths:
             raise ValueError(
                 f"no example survived preprocessing of {cfg.inputs} ({lines} lines; skipped "

@@ -142,10 +142,6 @@ def _megatron_patches():
     return [(token_dispatcher, "maybe_move_tensor_to_cpu", _moe_dtoh)]
 
 
-def is_active() -> bool:
-    return _state["mode"] is not None
-
-
 def activate() -> None:
     """Install the redirection (idempotent). Refuses on a machine with CUDA."""
     with _lock:

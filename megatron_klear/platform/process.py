@@ -1,4 +1,4 @@
-"""Processes that do not outlive the run, and one run per save directory.
+"""Processes that do not outlive the run, one run per save directory, and free ports for new processes.
 
 * :func:`die_with_parent`: ask Linux to kill this process when its parent exits
   (``PR_SET_PDEATHSIG``); :func:`preexec_die_with_parent` is the same as a ``subprocess.Popen``
@@ -8,6 +8,8 @@
   and RL entry points, it makes them die with torchrun.
 * :class:`RunLock`: a lock file (pid, host, start time) that a second run on the same directory
   sees; a lock whose owner is gone on this host is taken over, with a message.
+* :func:`free_port`: a loopback TCP port the OS says is free, for a process about to be started
+  (torchrun's master, a server, a router).
 
 Standard library only (no torch): spawned helper processes import this module.
 """
@@ -73,6 +75,14 @@ def die_with_launcher() -> bool:
     if not launched_by_torchrun():
         return False
     return die_with_parent(signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it), rather than a fixed
+    one another job may hold. Free when returned: the process it is meant for binds it soon after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -- one run per directory -------------------------------------------------------------------------

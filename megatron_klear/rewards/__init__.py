@@ -32,7 +32,7 @@ _LAZY = {
     "GradingPool": ".pool",
     "Sandbox": ".sandbox",
     "SandboxUnavailable": ".processes",
-    "probe_isolation": ".sandbox",
+    "probe_isolation": ".isolation_probe",
     "GradeItem": ".items",
     "parse_item": ".items",
 }

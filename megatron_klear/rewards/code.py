@@ -224,9 +224,10 @@ def grade_code(response: str, tests, cfg: RewardConfig | None = None, sandbox=No
 
     own = sandbox is None
     if own:
+        from .isolation_probe import resolve_isolation
         from .sandbox import Sandbox
 
-        sandbox = Sandbox(cfg.sandbox)
+        sandbox = Sandbox(cfg.sandbox, level=resolve_isolation(cfg.sandbox).level)
     verdicts: list[str] = []
     failures: list[str] = []
     start = time.monotonic()

@@ -181,7 +181,7 @@ class GradingPool:
     def prepare_sandbox(self):
         """Probe the sandbox now (at start-up, to fail early and loudly) instead of at the first
         code item; returns the IsolationReport. Raises SandboxUnavailable."""
-        from .sandbox import resolve_isolation
+        from .isolation_probe import resolve_isolation
 
         rep = resolve_isolation(self.cfg.sandbox)
         self._isolation, self._level = rep, rep.level

@@ -69,12 +69,12 @@ def preflight(cfg) -> None:
 
 
 def build_dataset(cfg):
+    """This rank's share of the packed SFT data (after :func:`preflight`, which refuses an empty
+    ``data.prefix``)."""
     from megatron.core import parallel_state
 
     from megatron_klear.data.sft_dataset import PackedSFTDataset
 
-    if not cfg.data.prefix:
-        raise ConfigError("data.prefix is empty: run tools/preprocess_sft.py first and point data.prefix at its output")
     return PackedSFTDataset(
         cfg.data.prefix,
         seq_length=cfg.data.seq_length,

@@ -15,8 +15,11 @@ def format_seconds(seconds: float) -> str:
 
 
 class Progress:
-    """``Progress(total, "what", unit="items")``; call ``step(n)``; prints at most every ``every`` s.
-    ``count_errors``: ``step(error=True)`` counts a failed item, and each line says how many."""
+    """``Progress(total, "what", unit="items")``; call ``step(n)`` as work is done, or ``update(done)``
+    where the work is measured by a position (the bytes of a file read so far); prints at most every
+    ``every`` s, and the line of the finished work (time taken, rate) once. ``count_errors``:
+    ``step(error=True)`` counts a failed item, and each line says how many. ``note``: appended to
+    the line."""
 
     def __init__(
         self, total: int, what: str, unit: str = "items", every: float = 2.0, stream=None, count_errors: bool = False
@@ -26,15 +29,19 @@ class Progress:
         self.start = self._last = time.monotonic()
         self.done = self.errors = 0
         self.count_errors = count_errors
+        self._finished = False
 
     def step(self, n: int = 1, note: str = "", error: bool = False) -> None:
-        self.done += n
         self.errors += int(error)
+        self.update(self.done + n, note)
+
+    def update(self, done, note: str = "") -> None:
+        self.done = done
         now = time.monotonic()
         finished = self.done >= self.total * (1 - 1e-9)  # (float totals: sums of float steps)
-        if not finished and now - self._last < self.every:
+        if self._finished or (not finished and now - self._last < self.every):
             return
-        self._last = now
+        self._last, self._finished = now, finished
         elapsed = now - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         errors = f", {self.errors} errors" if self.count_errors else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import io
 import json
 import os
 
@@ -154,13 +155,19 @@ def test_overlong_policies(tmp_path, tokenizer_dir, tokenizer):
 
 
 def test_output_independent_of_worker_count(tmp_path, tokenizer_dir):
-    path = write_jsonl(tmp_path / "many.jsonl", synthetic_rows(150, seed=1) + ["oops"])
+    path = write_jsonl(tmp_path / "many.jsonl", synthetic_rows(150, seed=1) + ["oops", ""])
     outputs = {}
     for workers in (1, 2):
         cfg = _config(tmp_path, [path], tokenizer_dir, workers=workers, on_bad_line="skip", chunk_lines=7)
         cfg.output_prefix = str(tmp_path / f"w{workers}" / "ds")
-        meta = preprocess(cfg)
+        stream = io.StringIO()
+        meta = preprocess(cfg, stream=stream)
         assert meta["counts"]["kept"] == 150 and meta["counts"]["skipped"] == {J.INVALID_JSON: 1}
+        # one progress line (the others wait for progress_every_s): all of the input, once processed
+        progress = [ln for ln in stream.getvalue().splitlines() if ln.startswith("preprocess: ")]
+        kb = f"{os.path.getsize(path) / 1e3:.0f}"
+        assert len(progress) == 1 and progress[0].startswith(f"preprocess: {kb}/{kb} kB in "), progress
+        assert "| 151 lines (kept 150, rejected 1), " in progress[0], progress
         outputs[workers] = {
             ext: _sha256(cfg.output_prefix + ext)
             for ext in (".bin", ".idx", "_loss_spans.bin", "_loss_spans.idx", ".rejected.jsonl")

@@ -14,16 +14,12 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 
+from tests.launch import torchrun
 from tests.tiny_sft import sft_data
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY = sys.executable
 RL = [
     "train.steps=1",
     "rl.prompts_per_step=2",
@@ -34,44 +30,6 @@ RL = [
     "rollout.max_new_tokens=8",
     "reward.workers=1",
 ]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(*args, timeout=300, **env):
-    """``torchrun --nproc-per-node 2 <args>``: (status, output)."""
-    environ = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
-    }
-    environ.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env)
-    r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=environ,
-        cwd=ROOT,
-        timeout=timeout,
-    )
-    return r.returncode, r.stdout
 
 
 def _user_error(rc, out, message):
@@ -92,7 +50,7 @@ def sft_run(tmp_path_factory):
     model = make_tiny_qwen3(str(root / "model"), num_layers=2, seed=5)
     sft_data(root, model, 24, seed=1)
     save = str(root / "sft")
-    rc, out = _torchrun(
+    rc, out = torchrun(
         "tests/distributed/enospc_sft.py",
         f"model.path={model}",
         f"data.prefix={root}/data",
@@ -100,7 +58,7 @@ def sft_run(tmp_path_factory):
         f"train.save_dir={save}",
         "train.steps=2",
         "train.save_interval=1",
-        KLEAR_TEST_ENOSPC_STEP="2",
+        env={"KLEAR_TEST_ENOSPC_STEP": "2"},
     )
     return {"root": str(root), "model": model, "save": save, "rc": rc, "out": out}
 
@@ -128,7 +86,7 @@ def test_an_rl_job_on_the_sft_save_dir_is_refused_before_any_load(sft_run):
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
 
     prompts = write_rl_prompts_jsonl(os.path.join(sft_run["root"], "prompts.jsonl"), 8, seed=3)
-    rc, out = _torchrun(
+    rc, out = torchrun(
         "-m",
         "megatron_klear",
         "rl",
@@ -158,7 +116,7 @@ def test_skipped_prompt_lines_are_named_once_counted_and_reported(sft_run):
     with open(prompts, "w") as f:
         f.write("\n".join(good + bad) + "\n")
     run = os.path.join(root, "rl")
-    rc, out = _torchrun(
+    rc, out = torchrun(
         "-m",
         "megatron_klear",
         "rl",

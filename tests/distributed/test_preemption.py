@@ -12,17 +12,15 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.launch import TORCHRUN, start_torchrun
 from tests.tiny_sft import sft_data
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY = sys.executable
 SAVE_INTERVAL = 2
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc are Linux's")
@@ -38,34 +36,10 @@ def setup(tmp_path_factory):
     return {"model": model, "data": str(root / "data"), "root": root}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env():
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    return env
-
-
-def _torchrun(setup, save, steps, *torchrun_args, launcher="torch.distributed.run"):
-    cmd = [
-        PY,
-        "-m",
-        launcher,
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
+def _sft(setup, save, steps, *torchrun_args, launcher=TORCHRUN):
+    """The SFT command at 2 ranks under ``launcher``, started (its output: one pipe) in a session
+    of its own, as Slurm starts a job step."""
+    return start_torchrun(
         *torchrun_args,
         "-m",
         "megatron_klear",
@@ -82,9 +56,11 @@ def _torchrun(setup, save, steps, *torchrun_args, launcher="torch.distributed.ru
         f"train.save_interval={SAVE_INTERVAL}",
         "train.keep_last=2",
         f"train.save_dir={save}",
-    ]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True
+        launcher=launcher,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -203,14 +179,14 @@ def test_sigterm_then_sigusr1_save_the_current_step_and_the_run_resumes_from_it(
     handle it. That a checkpoint resumes exactly is tests/distributed/test_sft.py's
     test_resume_continues_exactly; here the records continue without a gap or a repeat."""
     save = str(setup["root"] / "run")
-    proc = _torchrun(setup, save, 1000)
+    proc = _sft(setup, save, 1000)
     out, rc = _signal_when(proc, lambda: _latest(save) >= SAVE_INTERVAL, lambda p: p.send_signal(signal.SIGTERM))
     stopped = _check_stopped_with_checkpoint(save, out, rc, 1)
     assert "stopped on SIGTERM" in out
     before = _logged_steps(save)
 
     # the resumed run through the project's launcher (the example scripts' way)
-    proc = _torchrun(
+    proc = _sft(
         setup,
         save,
         1000,

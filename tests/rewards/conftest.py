@@ -8,7 +8,7 @@ runs wherever the grader is root. The hostile suite runs on every level availabl
 import pytest
 
 from megatron_klear.rewards import RewardConfig, SandboxConfig
-from megatron_klear.rewards.sandbox import probe_isolation
+from megatron_klear.rewards.isolation_probe import probe_isolation
 
 T = "<think>thinking</think>\n"
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_klear.rewards import sandbox as sandbox_mod
+from megatron_klear.rewards import isolation_probe
 from megatron_klear.rewards.cli import grade_main
 from megatron_klear.rewards.config import RewardConfig
 from megatron_klear.rewards.filters import FilterConfig, filter_file, filter_main, pass_at_k, pass_drop_reason
@@ -96,8 +96,8 @@ def test_grade_cli_exit_status_and_max_bad_lines(tmp_path, capsys):
 
 
 def test_grade_cli_refuses_without_a_sandbox_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sandbox_mod, "_resolved", {})
-    monkeypatch.setattr(sandbox_mod, "_bwrap_path", lambda: None)
+    monkeypatch.setattr(isolation_probe, "_resolved", {})
+    monkeypatch.setattr(isolation_probe, "bwrap_path", lambda: None)
     inp = _write_lines(tmp_path / "in.jsonl", GRADE_LINES[:1] + GRADE_LINES[4:5])
     out = tmp_path / "out.jsonl"
     assert grade_main(["--input", inp, "--output", str(out), "--workers", "1", "--isolation", "bwrap"]) == 2

@@ -50,9 +50,9 @@ def code_problems(tmp_path_factory):
     return {p["data_source"]: p for p in problems if p["task"] == "code"}
 
 
-def test_honest_solutions_pass_every_test_and_wrong_ones_fail(code_problems, reward_cfg):
+def test_honest_solutions_pass_every_test_and_wrong_ones_fail(code_problems, reward_cfg, level):
     assert sorted(code_problems) == sorted(HONEST)
-    with Sandbox(reward_cfg.sandbox) as sb:
+    with Sandbox(reward_cfg.sandbox, level=level) as sb:
         for ds, p in code_problems.items():
             good = grade_code(code_response(HONEST[ds]), p["tests"], reward_cfg, sandbox=sb)
             assert good.reward == 1.0 and good.passed == good.total == len(p["tests"]["inputs"]), (ds, good)

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from megatron_klear.rewards import SandboxConfig
-from megatron_klear.rewards import sandbox as sandbox_mod
+from megatron_klear.rewards import SandboxConfig, isolation_probe
 from megatron_klear.rewards.code import grade_code
 from megatron_klear.rewards.config import RewardConfig
 from megatron_klear.rewards.harness import seccomp_filter
+from megatron_klear.rewards.isolation_probe import probe_isolation, resolve_isolation
 from megatron_klear.rewards.processes import SandboxUnavailable, SlotLease, processes_of_uid
-from megatron_klear.rewards.sandbox import Sandbox, probe_isolation, resolve_isolation
+from megatron_klear.rewards.sandbox import Sandbox
 
 from .conftest import code_response, small_limits
 
@@ -27,7 +27,7 @@ def sb(level):
 
 @pytest.fixture
 def fresh_resolution(monkeypatch):
-    monkeypatch.setattr(sandbox_mod, "_resolved", {})
+    monkeypatch.setattr(isolation_probe, "_resolved", {})
 
 
 def _fake_bwrap(tmp_path, body: str) -> str:
@@ -100,7 +100,7 @@ non-privileged user namespaces." >&2
 
 
 def test_missing_bwrap_is_named(monkeypatch, fresh_resolution):
-    monkeypatch.setattr(sandbox_mod, "_bwrap_path", lambda: None)
+    monkeypatch.setattr(isolation_probe, "bwrap_path", lambda: None)
     rep = probe_isolation(small_limits("auto"))
     assert not rep.bwrap_ok and "bubblewrap (bwrap) is not installed" in rep.bwrap_problems[0]
 

@@ -21,6 +21,8 @@ import socket
 import subprocess
 import time
 
+from megatron_klear.platform.process import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
@@ -31,9 +33,7 @@ def missing_binaries() -> list:
 def _free_port_run(count: int) -> int:
     """The first of ``count`` consecutive free TCP ports."""
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+        base = free_port()
         if base + count > 65000:
             continue
         ok = True
