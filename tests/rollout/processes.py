@@ -7,22 +7,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from megatron_klear.platform.process import free_port
+from megatron_klear.rollout.sglang_standin import stop_process as stop
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-from megatron_klear.rollout.sglang_standin import stop_process as stop  # noqa: E402
+__all__ = ["free_port", "stop"]  # for the tests that start processes
 
 
 def _get_json(url: str, timeout: float = 2.0, headers=None):

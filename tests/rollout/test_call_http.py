@@ -6,10 +6,10 @@ generate timeout's error)."""
 import asyncio
 import contextlib
 import json
-import socket
 
 import pytest
 
+from megatron_klear.platform.process import free_port
 from megatron_klear.rollout.servers.call_http import CallHTTP, HTTPFailure, NoAnswerInTime
 
 
@@ -105,9 +105,7 @@ def test_no_answer_at_all_is_gone(how):
 
 
 def test_a_refused_connection_is_gone():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
 
     async def main():
         async with _http() as http:

@@ -19,6 +19,7 @@ import urllib.request
 import pytest
 import torch
 
+from megatron_klear.platform.process import free_port
 from megatron_klear.rollout.base import SamplingParams
 from megatron_klear.rollout.embedded import EmbeddedEngine, PromptRequest, load_tokenizer
 from megatron_klear.rollout.embedded.sampling import sample_seed
@@ -809,17 +810,11 @@ def test_weights_update_while_paused_in_place(control_server, other_hf, monkeypa
 # ------------------------------------------------------------------------------------------------
 # the real sglang-router in front of two servers
 # ------------------------------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sglang_router_in_front_of_two_servers(tiny_hf):
     pytest.importorskip("sglang_router")
     engine = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
     servers = [_serve(EmbeddedEngine(engine.model)) for _ in range(2)]
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -833,7 +828,7 @@ def test_sglang_router_in_front_of_two_servers(tiny_hf):
         "--log-level",
         "warn",
         "--prometheus-port",
-        str(_free_port()),
+        str(free_port()),
         "--prometheus-host",
         "127.0.0.1",
     ]

@@ -9,21 +9,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 
+from megatron_klear.platform.process import free_port
+
 #: flags every server the RL loop talks to needs (the client checks them at start-up)
 REQUIRED_FLAGS = ("--enable-scale-out", "--logprobs-mode", "processed_logprobs")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(
