@@ -266,7 +266,7 @@ def sweep_table(runs: list) -> str:
         lr = o.split("optim.lr=")[1].split()[0]
         engine = "bf16" if "rollout.dtype=bf16" in o else "fp32"
         acc = [v for _, v in _series(r, "rollout/accuracy")]
-        get = lambda k: _mean_of(r, k) or 0.0  # noqa: E731
+        get = lambda k, r=r: _mean_of(r, k) or 0.0  # noqa: E731
         behav = _mean_of(r, "actor/behav_outside_frac")
         lines.append(
             f"| {r['regime']} | {mb} | {lr} | {engine} | {get('rollout/response_length_mean'):.0f} | "
@@ -360,7 +360,7 @@ def compare_table(summary: dict, baseline: str = "gppo") -> str:
     for v, a in summary.items():
         pair = a.get("vs_baseline")
         fmt = lambda p: f"{p['mean']:+.1f} [{p['low']:+.1f}, {p['high']:+.1f}], {p['p_value']:.2f}"  # noqa: E731
-        clip = lambda k: statistics.fmean(x for _, x in a["curves"].get(k, [(0, 0.0)]))  # noqa: E731
+        clip = lambda k, a=a: statistics.fmean(x for _, x in a["curves"].get(k, [(0, 0.0)]))  # noqa: E731
         ent = a["curves"].get("actor/entropy", [(0, float("nan"))])[-1][1]
         lines.append(
             f"| {LABELS.get(v, v)} | {len(a['seeds'])} | {a['final_mean']:.1f} [{a['final_ci'][0]:.1f}, "

@@ -27,10 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_klear.rewards import GradingPool, RewardConfig, SandboxConfig  # noqa: E402
-from megatron_klear.rewards.compare import stdio_match  # noqa: E402
-from megatron_klear.rewards.isolation_probe import probe_isolation  # noqa: E402
-from megatron_klear.rewards.sandbox import program_python  # noqa: E402
+from megatron_klear.rewards import GradingPool, RewardConfig, SandboxConfig
+from megatron_klear.rewards.compare import stdio_match
+from megatron_klear.rewards.isolation_probe import probe_isolation
+from megatron_klear.rewards.sandbox import program_python
 
 THINK = "<think>Let me solve it.</think>\n"
 

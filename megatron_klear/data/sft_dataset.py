@@ -53,7 +53,7 @@ from typing import Optional
 import numpy as np
 
 from megatron_klear.data.indexed import SFTIndexedReader
-from megatron_klear.data.packing import assign_bins_to_ranks, build_packed_micro_batch, pack_in_windows, round_up  # noqa: F401
+from megatron_klear.data.packing import assign_bins_to_ranks, build_packed_micro_batch, pack_in_windows, round_up
 
 log = logging.getLogger(__name__)
 

@@ -139,7 +139,7 @@ def run_entry_point(main, *args) -> int:
         _shut_down()  # first: whatever it prints comes before the message
         report_user_error(e)
         return EXIT_USER_ERROR
-    except Exception as e:  # noqa: BLE001 - a bug, or another rank's failure seen from here
+    except Exception as e:
         rank = _global_rank()
         if rank != 0 and is_collective_failure(e) and not os.environ.get("KLEAR_TRACEBACK"):
             report_consequence(e, rank)

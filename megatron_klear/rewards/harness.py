@@ -349,7 +349,7 @@ def main(argv):
             if hasattr(sys, "set_int_max_str_digits"):
                 sys.set_int_max_str_digits(0)
             call_args = _compile_expr_test(sys.stdin.buffer.read().decode("utf-8"))
-    except BaseException as e:  # the sandbox failed to come up: say so, not started
+    except BaseException as e:  # noqa: BLE001 -- the sandbox failed to come up: say so, not started
         sys.stderr.write("harness: setup failed: %r\n" % (e,))
         os._exit(125)
     os.write(status_fd, b"S")

@@ -95,7 +95,7 @@ class GradingPool:
         self._ctx = mp.get_context("forkserver")
         try:
             self._ctx.set_forkserver_preload(_PRELOAD)
-        except Exception:  # pragma: no cover - preload is an optimisation only
+        except Exception:  # noqa: BLE001 -- preload is an optimisation only
             pass
         self._leases = [SlotLease(self.cfg.sandbox.max_slots) for _ in range(n)]
         self._lock = threading.Lock()
@@ -275,7 +275,7 @@ class GradingPool:
                     task_id, fut, raw, attempt = nxt
                     try:
                         parse_item(raw)
-                    except Exception as e:  # resolved here; the worker stays free for the next
+                    except Exception as e:  # noqa: BLE001 -- resolved here; the worker stays free for the next
                         task = raw.get("task") if isinstance(raw, dict) else "math"
                         fut.set_result(GradeResult.failure(failure_reward(task, self.cfg), f"bad item: {e}"))
                         self.stats["done"] += 1

@@ -75,7 +75,7 @@ def _warm_up() -> None:
         _configs()
         for answer, gold in _WARM_UP_ITEMS:
             grade_math("<think>warm-up</think>\n\\boxed{" + answer + "}", gold)
-    except Exception:  # a broken install surfaces on the first math item, with its message
+    except Exception:  # noqa: BLE001 -- a broken install surfaces on the first math item, with its message
         pass
 
 
@@ -129,7 +129,7 @@ def worker_main(conn, slot: int, cfg: RewardConfig) -> None:
                 res = GradeResult.failure(
                     failure_reward(task, cfg), f"memory limit: grading needed more than {cfg.math_memory_mb} MB"
                 )
-            except Exception as e:  # a grader bug must not take the pool down, nor hide
+            except Exception as e:  # noqa: BLE001 -- a grader bug must not take the pool down, nor hide
                 tb = traceback.format_exc(limit=3).strip().splitlines()
                 res = GradeResult.failure(
                     failure_reward(task, cfg),

@@ -16,7 +16,7 @@ def test_reference_responses_are_graded_correct_and_wrong_answers_are_not():
     for p in chosen:
         ex = syn.example(p)
         # the answer is the chain's value, worked left to right in the trace
-        assert int(ex["answer"]) == eval(p.expression)  # noqa: S307 - digits and +/- only
+        assert int(ex["answer"]) == eval(p.expression)
         assert ex["response"].startswith("<think>") and "</think>" in ex["response"]
         assert ex["response"].count("\n") == len(p.digits) - 1  # one line per step, then the answer
         good = grade_math(ex["response"], ex["answer"])
@@ -49,16 +49,16 @@ def test_the_imperfect_teachers_slips_are_wrong_answers_one_per_response(tmp_pat
             continue
         slipped += 1
         left, _, result = lines[first].partition("=")
-        assert abs(int(result) - eval(left)) in (1, 2)  # noqa: S307
+        assert abs(int(result) - eval(left)) in (1, 2)
         for line in lines[first + 1 :]:  # no second slip: the chain goes on correctly from the slipped value
             left, _, result = line.partition("=")
-            assert int(result) == eval(left)  # noqa: S307
+            assert int(result) == eval(left)
         assert not grade_math(assistant["content"], str(p.answer)).solved  # a slip is always a wrong answer
     assert 0.5 < slipped / len(rows) < 0.7
     # and the +/- task: answers (negative ones too) verified by the grader
     task = syn.ChainTask(ops="+-")
     for p in syn.sample_problems(30, seed=2, split="heldout", task=task):
-        assert grade_math(p.response, str(p.answer)).solved and p.answer == eval(p.expression)  # noqa: S307
+        assert grade_math(p.response, str(p.answer)).solved and p.answer == eval(p.expression)
 
 
 def test_train_and_heldout_are_disjoint_and_cover_the_space():
@@ -183,7 +183,7 @@ def test_long_tailed_split_files_and_refusals(tmp_path):
     assert not any(syn.is_heldout(p, task) for p in train) and all(syn.is_heldout(p, task) for p in held)
     assert not {p.question for p in train} & {p.question for p in held}
     for p in held[:30]:
-        assert grade_math(p.response, str(p.answer)).solved and p.answer == eval(p.expression)  # noqa: S307
+        assert grade_math(p.response, str(p.answer)).solved and p.answer == eval(p.expression)
     a = syn.write_sft_jsonl(str(tmp_path / "a.jsonl"), 50, seed=2, task=task, slip_rate=0.5)
     b = syn.write_sft_jsonl(str(tmp_path / "b.jsonl"), 50, seed=2, task=task, slip_rate=0.5)
     assert open(a).read() == open(b).read()

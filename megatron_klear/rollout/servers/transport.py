@@ -13,7 +13,7 @@ import threading
 
 import httpx
 
-from megatron_klear.rollout.base import EngineError, WorkerGone  # noqa: F401 -- re-exported for the client
+from megatron_klear.rollout.base import EngineError, WorkerGone
 
 #: seconds an idle kept-alive connection stays in the client's pools (httpx here, aiohttp in
 #: :mod:`.call_http`): under the 5 s after which SGLang 0.5.23 (``SGLANG_TIMEOUT_KEEP_ALIVE``) and

@@ -99,7 +99,7 @@ def open_master_store(host: str, port: int, world_size: int, timeout: float):
             wait_for_workers=False,
             multi_tenant=True,
         )
-    except Exception as e:  # noqa: BLE001 -- torch raises RuntimeError / DistNetworkError
+    except Exception as e:
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower() or "errno: 98" in text:
             raise PortInUseError(f"port {port} is already in use on this host") from None

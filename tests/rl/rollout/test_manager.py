@@ -219,9 +219,7 @@ class FleetServers(ServerEngine):
 
 
 @pytest.mark.parametrize("async_steps,mode", [(0, "abort"), (1, "retract")])
-def test_the_pause_mode_of_a_push_follows_the_schedule_and_reaches_the_engine_it_builds(
-    async_steps, mode, monkeypatch
-):
+def test_the_pause_mode_of_a_push_follows_the_schedule_and_reaches_the_engine_it_builds(async_steps, mode, monkeypatch):
     import megatron_klear.rollout.factory as factory
 
     built = []
