@@ -328,6 +328,9 @@ class WeightWire(Protocol):
     family of servers (:class:`.servers.wire.Wire`, over each family's dialect); the tests check that
     every engine's wire conforms."""
 
+    #: whether the servers take delta buckets (per tensor its changes since the last sync)
+    takes_delta: bool
+
     def update_group_layout(self) -> list:
         """``[(worker, ranks)]``: each worker joins an update group with this many ranks."""
 
@@ -360,8 +363,10 @@ class WeightWire(Protocol):
         workers=None,
         load_format: str | None = None,
         timeout: float | None = None,
+        counts=None,
     ) -> BucketPosting:
-        """Post one bucket to every member without waiting (:class:`BucketPosting`)."""
+        """Post one bucket to every member without waiting (:class:`BucketPosting`); ``counts``: a
+        delta bucket's per-tensor counts (``rollout.sync_delta``; only where :attr:`takes_delta`)."""
 
     def finish_update(self, version, *, check_received: bool) -> None:
         """Close the session, set ``version``, continue generation, check every worker reports it;

@@ -74,6 +74,12 @@ class RolloutConfig:
     sync_master_port: int = 0  # distributed: stage s hosts its group's TCP store at this port + s (0: a free port)
     sync_group_timeout_s: float = 120.0  # distributed: creating the group with every server
     sync_bucket_timeout_s: float = 300.0  # distributed: one bucket's broadcast (and the servers' answer)
+    # distributed: after the first sync, send per tensor only the elements whose value changed (their
+    # positions and values), or the tensor whole when that is smaller: off | on | auto (on where the
+    # servers take it: vLLM with this package's transfer engine; SGLang 0.5.23 does not). YAML's
+    # on/off (read as true/false) are taken as they are meant.
+    sync_delta: bool | str = "off"
+    sync_full_every: int = 50  # sync_delta: a full sync after this many delta syncs (a safety net)
     # Probe check: the servers' log-probs of a fixed greedy probe must equal the trainer's (within a
     # dtype-aware tolerance) after the first sync, after a resume, and every verify_interval steps
     # (0: only those two; -1: never); verify_tolerance 0: by dtype (rl/rollout/verify.py).
@@ -99,6 +105,8 @@ class RolloutConfig:
         return engine_spec(self.engine).servers
 
     def validate(self):
+        if isinstance(self.sync_delta, bool):  # YAML's on / off
+            self.sync_delta = "on" if self.sync_delta else "off"
         spec = engine_spec(self.engine)
         self.engine = spec.name  # an older name (http) is read as the engine's own
         if spec.check is not None:
@@ -144,6 +152,15 @@ class RolloutConfig:
             )
         if self.weight_sync == "auto":
             self.weight_sync = "disk" if self.colocate else "distributed"
+        if self.sync_delta not in ("off", "on", "auto"):
+            raise ConfigError(f"rollout.sync_delta must be off, on or auto, got {self.sync_delta!r}")
+        if self.sync_delta == "on" and self.weight_sync != "distributed":
+            raise ConfigError(
+                f"rollout.sync_delta=on streams changes over the update groups: it needs "
+                f"rollout.weight_sync=distributed, got {self.weight_sync!r}"
+            )
+        if self.sync_full_every < 1:
+            raise ConfigError(f"rollout.sync_full_every must be >= 1, got {self.sync_full_every}")
         if self.sync_backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"rollout.sync_backend must be auto, nccl or gloo, got {self.sync_backend!r}")
         if not 0 <= self.sync_master_port < 65536:

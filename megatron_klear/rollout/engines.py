@@ -26,6 +26,15 @@ def _needs_urls(what: str):
     return check
 
 
+def _sglang_checks(r) -> None:
+    _needs_urls("SGLang server or router URLs")(r)
+    if r.sync_delta == "on":
+        raise ConfigError(
+            "rollout.sync_delta=on with rollout.engine=sglang: SGLang 0.5.23's update_weights_from_distributed "
+            "loads whole tensors only; use vLLM servers for delta syncs, or rollout.sync_delta=off|auto"
+        )
+
+
 def _vllm_checks(r) -> None:
     _needs_urls("the vLLM servers' URLs")(r)
     if r.router_replay:
@@ -101,7 +110,7 @@ register_engine(
         "megatron_klear.rollout.sglang.engine:SGLangEngine.from_rollout_config",
         servers=True,
         summary="SGLang servers, directly or behind sglang-router",
-        check=_needs_urls("SGLang server or router URLs"),
+        check=_sglang_checks,
         aliases=("http",),
     )
 )

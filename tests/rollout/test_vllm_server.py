@@ -288,7 +288,8 @@ def test_a_frozen_server_is_dropped_by_the_watchdog_and_rejoins_once_thawed(serv
 @pytest.mark.parametrize("variant", ["sync_disk", "async_partial_distributed"])
 def test_gppo_run_through_two_vllm_servers(servers, models, variant):
     """Each weight path: the synchronous run reloads the servers from a directory, the asynchronous
-    one streams buckets over gloo into the plugin's transfer engine (vLLM's weight-transfer API)."""
+    one streams buckets over gloo into the plugin's transfer engine (vLLM's weight-transfer API),
+    every sync after the first as delta buckets (rollout.sync_delta=on)."""
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
     from megatron_klear.rollout.vllm import VLLMEngine
     from tests.distributed.helper import TOY_RL_TRAINING, run_distributed
@@ -317,11 +318,16 @@ def test_gppo_run_through_two_vllm_servers(servers, models, variant):
         f"rollout.weight_sync={variant.split('_')[-1]}",
         "rollout.verify_interval=1",
     ]
-    if variant.startswith("async_partial"):
+    if variant.startswith("async_partial"):  # and every sync after the first sends changes only
         args += ["rl.async_steps=1", "rollout.partial=true", "rl.max_staleness=2", "rl.tis_cap=2.0"]
+        args += ["rollout.sync_delta=on"]
     trained, trainer_w = run_distributed(_run, 1, args, timeout=600)[0]
     lines = [json.loads(x) for x in open(os.path.join(root, "save", "metrics.jsonl"))]
     assert [m["step"] for m in lines] == [1, 2, 3]
+    if variant.startswith("async_partial"):
+        synced = [m for m in lines if "weights/sync_full" in m]
+        assert synced and all(m["weights/sync_full"] == 0.0 for m in synced), synced  # deltas after the first
+        assert all(0 < m["weights/sync_changed_frac"] <= 1 for m in synced)
     # the servers' sampling log-probs are the trainer's recomputation of them (fp32 both sides; the
     # tokens sampled by the policy being trained: asynchronous steps may have none of those)
     mismatch = [m["actor/logprob_mismatch_max"] for m in lines if "actor/logprob_mismatch_max" in m]
@@ -381,3 +387,115 @@ def test_eval_cli_against_vllm_applies_the_klear_preset(servers, models, tmp_pat
     assert res["prompts"] == 3 and res["k"] == 2
     lines = (tmp_path / "res.samples.jsonl").read_text().splitlines()
     assert len(lines) == 6 and all(json.loads(x)["length"] <= 12 for x in lines)
+
+
+def _hf_tensors(model_dir) -> dict:
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+class _Sender:
+    """The trainer's side of one server's update group (gloo), as a stage leader: the wire's calls
+    to the server, the buckets' pieces broadcast from group rank 0."""
+
+    def __init__(self, url, name):
+        import threading
+
+        from megatron_klear.rollout.servers.update_group import join_update_group, open_master_store
+        from megatron_klear.rollout.vllm import VLLMEngine
+
+        self.engine, self.name = VLLMEngine.at([url], control_timeout_s=30), name
+        store = open_master_store("127.0.0.1", 0, 2, 60)
+        joined = {}
+        t = threading.Thread(
+            target=lambda: joined.update(
+                f=self.engine.wire.join_group_async(
+                    master_address="127.0.0.1",
+                    master_port=store.port,
+                    world_size=2,
+                    rank_offsets={url: 1},
+                    group_name=name,
+                    backend="gloo",
+                    timeout=60,
+                )
+            )
+        )
+        t.start()
+        self.pg = join_update_group(
+            backend="gloo", master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2,
+            group_name=name, timeout=60, store=store,
+        )  # fmt: skip
+        t.join()
+        for f in joined["f"].values():
+            f.result(timeout=60)
+        self.store = store
+
+    def sync(self, bucket, version, images=None) -> int:
+        """One sync of ``bucket`` ([(name, tensor)]): whole tensors, or with ``images`` (a
+        DeltaImages) each tensor's changes. Returns the bytes broadcast."""
+        import torch.distributed as dist
+
+        names, dtypes, shapes = (
+            [n for n, _ in bucket],
+            [str(t.dtype)[6:] for _, t in bucket],
+            [list(t.shape) for _, t in bucket],
+        )
+        counts, pieces = None, [t for _, t in bucket]
+        if images is not None:
+            images.begin()
+            counts, pieces, _, _ = images.encode(bucket)
+        wire = self.engine.wire
+        wire.start_update()
+        post = wire.post_bucket(names, dtypes, shapes, group_name=self.name, counts=counts, timeout=60)
+        assert post.refusals(0.2) == {}
+        for p in pieces:
+            dist.broadcast(p.contiguous(), src=0, group=self.pg)
+        assert post.result() == {}
+        wire.finish_update(version, check_received=False)
+        if images is not None:
+            images.commit()
+        return sum(p.numel() * p.element_size() for p in pieces)
+
+    def close(self):
+        from megatron_klear.rollout.servers.update_group import destroy_update_group
+
+        self.engine.wire.leave_group(self.name)
+        destroy_update_group(self.pg)
+        self.engine.close()
+
+
+def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(engine, servers, models):
+    """Server A takes 50 delta syncs (rollout.sync_delta) of weights changing as optimizer steps
+    change them, through the wire's calls and the plugin's transfer engine over a real gloo update
+    group; server B one full sync of the final weights. Their greedy probes agree bit for bit, and
+    differ from the starting model's; the delta syncs moved a small part of the full sync's bytes."""
+    import torch
+
+    from megatron_klear.rollout.weight_sync.delta import DeltaImages
+
+    weights = {n: t.clone() for n, t in _hf_tensors(models["a"]).items()}
+    probe = [5, 17, 33, 60, 7]
+    before = engine.probe(servers[0].url, probe, 6)
+    a, b = _Sender(servers[0].url, "delta_a"), _Sender(servers[1].url, "delta_b")
+    try:
+        images, g, sent = DeltaImages(full_every=1000), torch.Generator().manual_seed(0), []
+        for version in range(1, 51):
+            if version > 1:
+                for t in weights.values():  # a few elements of each tensor move, as a small lr moves bf16
+                    mask = torch.rand(t.shape, generator=g) < 0.02
+                    t.add_(torch.where(mask, 0.01 * torch.randn(t.shape, generator=g), torch.zeros_like(t)))
+            sent.append(a.sync(sorted(weights.items()), version, images))
+        full = b.sync(sorted(weights.items()), 50)
+    finally:
+        a.close()
+        b.close()
+    got_a, got_b = engine.probe(servers[0].url, probe, 6), engine.probe(servers[1].url, probe, 6)
+    assert got_a.token_ids == got_b.token_ids and got_a.logprobs == got_b.logprobs  # bit for bit
+    assert got_a.logprobs != before.logprobs  # the syncs changed the model
+    assert sent[0] == full and max(sent[1:]) < 0.15 * full, (sent[:3], full)

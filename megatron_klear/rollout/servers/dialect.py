@@ -88,6 +88,9 @@ class ServerDialect(abc.ABC):
     #: while it cannot flush yet (tried again), "" when it never refuses
     flush_call: tuple = ()
     flush_refused_text: str = ""
+    #: the servers take delta buckets (``rollout.sync_delta``: per tensor its changes since the last
+    #: sync, :mod:`.update_group`'s delta format)
+    takes_delta: bool = False
     #: the cache is flushed again after the session closes (the server keeps requests held by a
     #: ``retract`` pause, which must recompute with the new weights)
     flush_after_update: bool = False
@@ -110,6 +113,7 @@ class ServerDialect(abc.ABC):
 
     @abc.abstractmethod
     def bucket_call(
-        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None
+        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None, counts=None
     ) -> tuple:
-        """The call that receives one bucket (the sender broadcasts it meanwhile)."""
+        """The call that receives one bucket (the sender broadcasts it meanwhile); ``counts``: a
+        delta bucket's per-tensor counts (only where :attr:`takes_delta`)."""

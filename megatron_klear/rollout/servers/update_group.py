@@ -185,3 +185,102 @@ def destroy_update_group(pg) -> None:
         dist.destroy_process_group(pg)
     except Exception:  # noqa: BLE001 -- a broken group (a peer died) may refuse; it is dropped anyway
         pass
+
+
+# -- delta buckets (``rollout.weight_sync_delta``) ---------------------------------------------------
+# A delta bucket carries, per tensor, a count: -1 sends the tensor whole (dense), c >= 0 sends the
+# c elements whose value changed since the last sync, as flat positions (int32, or int64 for a tensor
+# of 2**31 elements or more) followed by their new values (the tensor's dtype). The receiver keeps
+# the last value of every tensor it was sent in a delta sync (its image) and writes the changes into
+# it. The sender's side is megatron_klear/rollout/weight_sync/delta.py. This is the project's own
+# format (vLLM's transfer engine of this package, the stand-in); SGLang 0.5.23 has none.
+DENSE = -1
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The dtype of a tensor's changed positions: int32 below 2**31 elements."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def delta_segments(names, dtypes, shapes, counts) -> list:
+    """[(name, kind, dtype, shape)] of a delta bucket's pieces, in the order they travel: ``dense``
+    (the whole tensor), or ``index`` then ``value`` (``count`` of each)."""
+    if not (len(names) == len(dtypes) == len(shapes) == len(counts)):
+        raise ValueError(
+            f"names, dtypes, shapes and counts differ in length ({len(names)}, {len(dtypes)}, "
+            f"{len(shapes)}, {len(counts)})"
+        )
+    out = []
+    for name, dt, shape, count in zip(names, dtypes, shapes, counts):
+        dt, shape, count = dtype_of(dt), [int(d) for d in shape], int(count)
+        numel = torch.Size(shape).numel()
+        if count == DENSE:
+            out.append((name, "dense", dt, shape))
+        elif 0 <= count <= numel:
+            out += [(name, "index", index_dtype(numel), [count]), (name, "value", dt, [count])]
+        else:
+            raise ValueError(f"delta bucket: tensor {name} has {numel} elements, count {count} is not -1 or 0..{numel}")
+    return out
+
+
+def segments_layout(segments) -> list:
+    """[(start byte, end byte)] of each segment in a flattened delta bucket: back to back, each at a
+    multiple of its item size (padding between them when needed)."""
+    out, offset = [], 0
+    for _, _, dt, shape in segments:
+        offset += -offset % dt.itemsize
+        size = torch.Size(shape).numel() * dt.itemsize
+        out.append((offset, offset + size))
+        offset += size
+    return out
+
+
+def flatten_segments(tensors) -> torch.Tensor:
+    """A delta bucket's pieces as one ``uint8`` tensor laid out by :func:`segments_layout`."""
+    parts, offset = [], 0
+    for t in tensors:
+        pad = -offset % t.element_size()
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=t.device))
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        offset += pad + raw.numel()
+    return torch.cat(parts)
+
+
+def receive_delta_bucket(group, device, segments, load_format: str) -> list:
+    """Receive a delta bucket's pieces broadcast from group rank 0: one broadcast per piece, or one
+    ``uint8`` broadcast of them all (``flattened_bucket``). [tensor] in the order of ``segments``."""
+    if load_format == FLATTENED_BUCKET:
+        layout = segments_layout(segments)
+        flat = torch.empty(layout[-1][1] if layout else 0, dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=0, group=group)
+        return [flat[a:b].view(dt).reshape(shape).clone() for (_, _, dt, shape), (a, b) in zip(segments, layout)]
+    out = []
+    for _, _, dt, shape in segments:
+        t = torch.empty(shape, dtype=dt, device=device)
+        dist.broadcast(t, src=0, group=group)
+        out.append(t)
+    return out
+
+
+def apply_delta(images: dict, segments, tensors) -> list:
+    """Write a received delta bucket into ``images`` ({name: the tensor's last value}, updated in
+    place) and return [(name, its new value)] of the bucket's tensors. A tensor sent as changes
+    needs an image of its own shape and dtype (from an earlier sync of this group's sender);
+    otherwise :class:`ValueError` names it (the sender then sends every tensor whole)."""
+    out, k = [], 0
+    while k < len(segments):
+        name, kind, dt, shape = segments[k]
+        if kind == "dense":
+            images[name] = tensors[k]
+            k += 1
+        else:
+            image = images.get(name)
+            values = tensors[k + 1]
+            if image is None or image.dtype != values.dtype:
+                raise ValueError(f"delta bucket: no image of {name} to apply changes to (send it whole first)")
+            image.view(-1)[tensors[k].long()] = values
+            k += 2
+        out.append((name, images[name]))
+    return out

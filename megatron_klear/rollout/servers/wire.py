@@ -143,6 +143,7 @@ class Wire:
         self.transport, self.members, self.dialect = transport, members, dialect
         self.pause_mode = pause_mode
         self.weight_update_timeout = float(weight_update_timeout)
+        self.takes_delta = bool(dialect.takes_delta)
 
     def post(self, worker: str, path: str, body, timeout: float | None = None) -> dict:
         """POST a weight-control call; an answer ``{"success": false, "message"}`` is an error."""
@@ -298,10 +299,14 @@ class Wire:
         workers=None,
         load_format: str | None = None,
         timeout: float | None = None,
+        counts=None,
     ) -> BucketPost:
         """Post one bucket to every worker (``workers``: the update group's members), without
-        waiting: the sender broadcasts it once :meth:`BucketPost.refusals` is empty."""
-        call = self.dialect.bucket_call(names, dtypes, shapes, group_name=group_name, load_format=load_format)
+        waiting: the sender broadcasts it once :meth:`BucketPost.refusals` is empty. ``counts``: a
+        delta bucket's per-tensor counts (:mod:`.update_group`), where the servers take them."""
+        call = self.dialect.bucket_call(
+            names, dtypes, shapes, group_name=group_name, load_format=load_format, counts=counts
+        )
         timeout = self.weight_update_timeout if timeout is None else timeout
         return BucketPost(self.post, self.members.workers() if workers is None else workers, call, timeout)
 

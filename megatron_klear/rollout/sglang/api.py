@@ -125,10 +125,14 @@ class SGLangAPI(ServerDialect):
         return "/destroy_weights_update_group", {"group_name": group_name}
 
     def bucket_call(
-        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None
+        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None, counts=None
     ) -> tuple:
         """``flush_cache`` False: the cache is flushed once before the first bucket (SGLang 0.5.23
-        fails a bucket whose flush finds a request still queued); the version is set at the end."""
+        fails a bucket whose flush finds a request still queued); the version is set at the end.
+        No delta buckets: SGLang 0.5.23's ``update_weights_from_distributed`` loads whole tensors
+        only (an unknown ``load_format`` is read as one broadcast per tensor)."""
+        if counts is not None:
+            raise EngineError("rollout: SGLang 0.5.23 takes no delta buckets (rollout.sync_delta needs vLLM servers)")
         body = {
             "names": list(names),
             "dtypes": list(dtypes),

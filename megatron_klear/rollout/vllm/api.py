@@ -65,6 +65,7 @@ class VLLMAPI(ServerDialect):
     session_open_text = "already active"
     flush_call = ("/reset_prefix_cache?reset_running_requests=true", None)
     flush_after_update = True  # requests held by a ``keep`` pause recompute with the new weights
+    takes_delta = True  # the project's transfer engine keeps the last values it was sent
 
     def generate_body(self, input_ids: list, params: SamplingParams, n: int, seed, *, routing: bool) -> dict:
         if routing:
@@ -161,7 +162,7 @@ class VLLMAPI(ServerDialect):
         return "/shutdown_weight_transfer_engine", None
 
     def bucket_call(
-        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None
+        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None, counts=None
     ) -> tuple:
         info = {
             "names": list(names),
@@ -170,6 +171,8 @@ class VLLMAPI(ServerDialect):
             "group_name": group_name,
             "load_format": load_format or "auto",
         }
+        if counts is not None:
+            info["counts"] = [int(c) for c in counts]
         return "/update_weights", {"update_info": info}
 
 

@@ -14,6 +14,13 @@ and has no CPU backend. Weights load as vLLM's own checkpoint-format engines loa
 reloading opened at ``start_weight_update`` and finalised at ``finish_weight_update``, every bucket
 fed to ``model.load_weights`` by HF name.
 
+Delta buckets (``rollout.sync_delta``, a bucket whose ``update_info`` has ``counts``): the engine
+keeps the last value of every tensor a delta-mode sync sent it (its images, in host memory for a
+GPU worker: one copy of the worker's share of the weights), writes each bucket's changes into them
+and loads the resulting tensors as a full sync does (layerwise reloading needs every weight of the
+model; vLLM's CPU build repacks its linear weights on load, so nothing is patched in place). The
+wire carries the changes only; a sync without ``counts`` drops the images.
+
 Only ``torch``, ``vllm`` and :mod:`~megatron_klear.rollout.servers.update_group` are imported:
 vLLM's environment holds this package without its dependencies (``make venv``)."""
 
@@ -26,10 +33,13 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from megatron_klear.rollout.servers.update_group import (
     FLATTENED_BUCKET,
+    apply_delta,
     bucket_layout,
+    delta_segments,
     destroy_update_group,
     dtype_of,
     join_update_group,
+    receive_delta_bucket,
     unflatten_bucket,
 )
 from megatron_klear.rollout.vllm.plugin import BACKEND  # noqa: F401 -- the name this engine is registered as
@@ -58,6 +68,7 @@ class UpdateGroupBucket:
     shapes: list
     group_name: str
     load_format: str = "auto"
+    counts: list | None = None  # a delta bucket: per tensor -1 (whole) or its number of changed elements
 
 
 class UpdateGroupTransferEngine(WeightTransferEngine):
@@ -68,6 +79,7 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.groups: dict = {}  # group name -> process group
+        self.images: dict = {}  # delta syncs: name -> the last value sent (host memory)
 
     def _worker_rank(self) -> int:
         import torch.distributed as dist
@@ -110,6 +122,10 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
                 f"weight update group {update_info.group_name!r} is not initialised here "
                 f"(known: {sorted(self.groups)}); call /init_weight_transfer_engine first"
             )
+        if update_info.counts is not None:
+            self.model.load_weights(self._receive_delta(group, update_info))
+            return
+        self.images.clear()  # a full sync: the next delta sync starts with whole tensors
         if update_info.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes
             layout = bucket_layout(update_info.names, update_info.dtype_names, update_info.shapes)
             flat = torch.empty(layout[-1][4], dtype=torch.uint8, device=self.device)
@@ -124,6 +140,15 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
         else:
             raise ValueError(f"load_format {update_info.load_format!r}: expected 'auto' or {FLATTENED_BUCKET!r}")
         self.model.load_weights(tensors)
+
+    def _receive_delta(self, group, update_info: UpdateGroupBucket) -> list:
+        """A delta bucket: its pieces received, written into the images; [(name, tensor)] to load."""
+        if update_info.load_format not in (FLATTENED_BUCKET, "auto", None):
+            raise ValueError(f"load_format {update_info.load_format!r}: expected 'auto' or {FLATTENED_BUCKET!r}")
+        segments = delta_segments(update_info.names, update_info.dtype_names, update_info.shapes, update_info.counts)
+        pieces = receive_delta_bucket(group, self.device, segments, update_info.load_format or "auto")
+        pieces = [p.to("cpu") for p in pieces]
+        return [(name, t.to(self.device).clone()) for name, t in apply_delta(self.images, segments, pieces)]
 
     def shutdown(self) -> None:
         for group in self.groups.values():

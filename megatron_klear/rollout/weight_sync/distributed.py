@@ -17,6 +17,7 @@ import torch
 from megatron_klear.platform import broadcast_from_rank0, rank, send_object
 from megatron_klear.rollout.base import FleetError
 from megatron_klear.rollout.servers.update_group import FLATTENED_BUCKET
+from megatron_klear.rollout.weight_sync.delta import DeltaImages
 from megatron_klear.rollout.weight_sync.distributed_buckets import BucketSchedule
 from megatron_klear.rollout.weight_sync.distributed_groups import UpdateGroups, WeightSyncError
 from megatron_klear.rollout.weight_sync.gather import drain, iter_stage_hf_tensors
@@ -92,6 +93,8 @@ class DistributedWeightSync:
         load_format: str | None = None,
         post_grace: float = 0.05,
         max_attempts: int = 3,
+        delta: bool = False,
+        full_every: int = 50,
     ):
         self.engine = engine  # global rank 0 only
         self.bucket_bytes = max(1, int(float(bucket_mb) * (1 << 20)))
@@ -121,6 +124,8 @@ class DistributedWeightSync:
             control_timeout=control_timeout,
             group_name=group_name,
         )
+        # rollout.sync_delta: each stage leader's images of what it sent (weight_sync/delta.py)
+        self.delta = DeltaImages(full_every) if delta else None
         # a bucket is broadcast once every server has had post_grace seconds to refuse its post
         self.buckets = BucketSchedule(
             self.groups,
@@ -129,6 +134,7 @@ class DistributedWeightSync:
             load_format=load_format,
             post_grace=post_grace,
             control_timeout=control_timeout,
+            delta=self.delta,
         )
         self.model_chunks = model_chunks
         self.stats = {}  # of the last sync: bytes, buckets, seconds, streamed_stages
@@ -139,7 +145,15 @@ class DistributedWeightSync:
 
     @classmethod
     def from_config(cls, model_chunks, engine, r) -> "DistributedWeightSync":
-        """From a ``rollout`` config section (its ``sync_*`` keys and control timeout)."""
+        """From a ``rollout`` config section (its ``sync_*`` keys and control timeout).
+        ``rollout.sync_delta``: ``on`` (refused, naming the servers, where they take no delta
+        buckets), ``auto`` (on where they do), ``off``. Collective: rank 0 decides for every rank."""
+        takes = broadcast_from_rank0(bool(engine.wire.takes_delta) if rank() == 0 else None)
+        if r.sync_delta == "on" and not takes:
+            raise WeightSyncError(
+                "rollout.sync_delta=on: these servers take no delta buckets (SGLang 0.5.23's "
+                "update_weights_from_distributed loads whole tensors); use vLLM servers, or sync_delta=off|auto"
+            )
         return cls(
             model_chunks,
             engine,
@@ -150,15 +164,21 @@ class DistributedWeightSync:
             group_timeout=r.sync_group_timeout_s,
             bucket_timeout=r.sync_bucket_timeout_s,
             control_timeout=r.control_timeout_s,
+            delta=r.sync_delta == "on" or (r.sync_delta == "auto" and takes),
+            full_every=r.sync_full_every,
         )
 
     def push(self, version: int) -> dict:
         stats = self.sync(version=version)
-        return {
+        metrics = {
             "weights/sync_bytes": stats.get("bytes", 0),
             "weights/sync_buckets": stats.get("buckets", 0),
             "weights/sync_reforms": stats.get("reforms", 0),
         }
+        if self.delta is not None and stats.get("elements"):
+            metrics["weights/sync_full"] = float(self.delta.full)
+            metrics["weights/sync_changed_frac"] = stats["changed"] / stats["elements"]
+        return metrics
 
     # -- a sync -------------------------------------------------------------------------------------
     def sync(self, version) -> dict:
@@ -182,8 +202,12 @@ class DistributedWeightSync:
         for attempt in range(1, self.max_attempts + 1):
             error = self._attempt(version)
             if error is None:
+                if self.delta is not None:
+                    self.delta.commit()
                 self.stats = {**self._totals, "seconds": time.monotonic() - t0, "reforms": reforms}
                 return self.stats
+            if self.delta is not None:  # a server may hold part of the attempt: the next sends everything
+                self.delta.discard()
             verdict = self._after_failure(error, version, last=attempt == self.max_attempts)
             kind, message = broadcast_from_rank0(verdict)
             if kind == "fleet":
@@ -221,12 +245,15 @@ class DistributedWeightSync:
                 self.groups.leave_server_groups()
             self.groups.drop_local()
             self.groups.reforms += 1
-        if not self.groups.connected:
+        formed = not self.groups.connected
+        if formed:
             try:
                 self.groups.connect()
             except WeightSyncError as e:
                 return str(e)
-        self._totals = totals = {"bytes": 0, "buckets": 0, "streamed_stages": 0}
+        if self.delta is not None:  # new groups: a server may hold no image (it joined, restarted)
+            self.delta.begin(force_full=formed)
+        self._totals = totals = {"bytes": 0, "buckets": 0, "streamed_stages": 0, "changed": 0, "elements": 0}
         started = None  # rank 0: the servers' start calls, run while the first bucket is gathered
         if me == 0:  # pause, flush once, begin on the servers while the first bucket is gathered
 

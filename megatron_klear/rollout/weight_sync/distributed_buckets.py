@@ -23,7 +23,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_klear.platform import rank, recv_object, send_object
-from megatron_klear.rollout.servers.update_group import FLATTENED_BUCKET, dtype_name, dtype_of, flatten_bucket
+from megatron_klear.rollout.servers.update_group import (
+    FLATTENED_BUCKET,
+    dtype_name,
+    dtype_of,
+    flatten_bucket,
+    flatten_segments,
+)
 from megatron_klear.rollout.weight_sync.gather import iter_buckets, iter_stage_hf_tensors
 
 
@@ -34,9 +40,18 @@ class BucketSchedule:
     answer beyond the bucket's own wait."""
 
     def __init__(
-        self, groups, model_chunks, *, bucket_bytes: int, load_format: str, post_grace: float, control_timeout: float
+        self,
+        groups,
+        model_chunks,
+        *,
+        bucket_bytes: int,
+        load_format: str,
+        post_grace: float,
+        control_timeout: float,
+        delta=None,
     ):
         self.groups, self.model_chunks = groups, model_chunks
+        self.delta = delta  # a DeltaImages (rollout.sync_delta): buckets carry each tensor's changes
         self.bucket_bytes, self.load_format = int(bucket_bytes), load_format
         self.post_grace, self.control_timeout = float(post_grace), float(control_timeout)
         self.layouts = {}  # stage -> [(names, dtypes, shapes) per bucket] of the last sync (per-tensor format)
@@ -52,7 +67,8 @@ class BucketSchedule:
         opened the session) and, with ``admit``, wait until each post is under way (:meth:`_admit`):
         ``(post, None)``, or ``(None, error text naming the servers)``. Without ``admit`` the caller
         admits the post later (gathering the bucket's tensors meanwhile)."""
-        names, dtypes, shapes = meta
+        names, dtypes, shapes = meta[:3]
+        counts = meta[3] if len(meta) > 3 else None  # a delta bucket's
         started = self.started.result()
         if started is not None:
             return None, started
@@ -65,6 +81,7 @@ class BucketSchedule:
                 workers=self.groups.workers,
                 load_format=self.load_format if self.load_format != "auto" else None,
                 timeout=self.groups.bucket_wait() + self.control_timeout,
+                counts=counts,
             )
         except Exception as e:  # noqa: BLE001
             return None, self._bucket_failed(stage, names, e)
@@ -143,7 +160,8 @@ class BucketSchedule:
         broadcasts throughout."""
         flattened = self.load_format == FLATTENED_BUCKET
         tensors = iter_stage_hf_tensors(self.model_chunks, self.groups.part)
-        layout = None if flattened or not self.groups.warm else self.layouts.get(stage)
+        # a delta bucket's pieces are known once its tensors are compared: gathered whole
+        layout = None if flattened or self.delta is not None or not self.groups.warm else self.layouts.get(stage)
         if layout is None:
             error, layout = self._send_gathered_buckets(stage, tensors, totals)
             if error is None and not flattened:
@@ -277,16 +295,24 @@ class BucketSchedule:
         for bucket in self._buckets(tensors):
             if error is not None:
                 continue
+            meta = self._meta_of(bucket)
+            if self.delta is not None:  # each tensor whole or its changes (positions, then values)
+                counts, pieces, changed, elements = self.delta.encode(bucket)
+                meta = (*meta, counts)
+                totals["changed"] = totals.get("changed", 0) + changed
+                totals["elements"] = totals.get("elements", 0) + elements
+            else:
+                pieces = [t for _, t in bucket]
             if self.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes back to back
-                payload = [flatten_bucket([t.to(dev, non_blocking=True) for _, t in bucket])]
+                pieces = [p.to(dev, non_blocking=True) for p in pieces]
+                payload = [flatten_segments(pieces) if self.delta is not None else flatten_bucket(pieces)]
             else:  # SGLang's default: one broadcast per tensor, in order
-                payload = [t.detach().to(dev, non_blocking=True).contiguous() for _, t in bucket]
+                payload = [p.detach().to(dev, non_blocking=True).contiguous() for p in pieces]
             if flight is not None:
                 error, flight = self._finish_bucket(stage, flight), None
                 if error is not None:
                     continue
-            meta = self._meta_of(bucket)
-            layout.append(meta)
+            layout.append(meta[:3])
             flight = self._launch_bucket(stage, meta, payload, totals)
         if flight is not None:
             error = self._finish_bucket(stage, flight)

@@ -1,0 +1,149 @@
+"""Delta weight syncs (``rollout.sync_delta``), without servers: the sender's images
+(rollout/weight_sync/delta.py) and the receiver's side of the format (rollout/servers/update_group.py)
+agree bit for bit over 50 syncs of sparse, dense and unchanged tensors, in both wire layouts; a tensor
+whose changes would not be smaller goes whole; a full sync follows every ``full_every`` delta syncs,
+a failure and new groups; the config refuses what cannot work, by name."""
+
+import pytest
+import torch
+
+from megatron_klear.platform.errors import ConfigError
+from megatron_klear.rollout.config import RolloutConfig
+from megatron_klear.rollout.servers.update_group import (
+    DENSE,
+    apply_delta,
+    delta_segments,
+    flatten_segments,
+    segments_layout,
+)
+from megatron_klear.rollout.weight_sync.delta import DeltaImages
+
+SHAPES = {"embed": (50, 16), "q": (16, 16), "norm": (16,), "frozen": (8, 4)}
+
+
+def _weights(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g).to(dtype) for n, s in SHAPES.items()}
+
+
+def _step(weights, g, lr):
+    """An optimizer-like step: a few elements of most tensors move, one tensor moves everywhere,
+    ``frozen`` never."""
+    for name, t in weights.items():
+        if name == "frozen":
+            continue
+        if name == "norm":
+            t.add_(lr * torch.ones_like(t))
+            continue
+        mask = torch.rand(t.shape, generator=g) < 0.03
+        t.add_(torch.where(mask, torch.randn(t.shape, generator=g).to(t.dtype), torch.zeros_like(t)))
+
+
+def _received(segments, pieces, flattened):
+    """What the receiver gets for ``pieces``: the same tensors, or cut out of one flattened buffer."""
+    if not flattened:
+        return [p.clone() for p in pieces]
+    flat = flatten_segments(pieces)
+    return [
+        flat[a:b].view(dt).reshape(shape).clone()
+        for (_, _, dt, shape), (a, b) in zip(segments, segments_layout(segments))
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("flattened", [False, True], ids=["per_piece", "flattened"])
+def test_fifty_delta_syncs_leave_the_receiver_bit_identical_to_the_sender(dtype, flattened):
+    weights, g = _weights(dtype), torch.Generator().manual_seed(1)
+    sender, receiver = DeltaImages(full_every=1000), {}
+    sent_bytes, full_bytes = [], sum(t.numel() * t.element_size() for t in weights.values())
+    for sync in range(50):
+        if sync:
+            _step(weights, g, lr=1e-2)
+        assert sender.begin() is (sync == 0)  # only the first is full
+        bucket = list(weights.items())
+        counts, pieces, changed, elements = sender.encode(bucket)
+        names = [n for n, _ in bucket]
+        segments = delta_segments(names, [t.dtype for _, t in bucket], [list(t.shape) for _, t in bucket], counts)
+        applied = dict(apply_delta(receiver, segments, _received(segments, pieces, flattened)))
+        sender.commit()
+        for name, t in weights.items():  # bitwise: the receiver holds exactly the sender's tensor
+            assert torch.equal(applied[name].view(torch.uint8), t.view(torch.uint8)), (sync, name)
+        if sync:
+            by_name = dict(zip(names, counts))
+            assert by_name["frozen"] == 0 and by_name["norm"] == DENSE  # unchanged: nothing; all changed: whole
+            assert 0 < by_name["q"] < weights["q"].numel() // 5
+            assert changed < elements
+        sent_bytes.append(sum(p.numel() * p.element_size() for p in pieces))
+    assert sent_bytes[0] == full_bytes and max(sent_bytes[1:]) < 0.3 * full_bytes, sent_bytes
+
+
+def test_a_full_sync_follows_every_full_every_delta_syncs_a_failure_and_new_groups():
+    images, w = DeltaImages(full_every=2), _weights(torch.float32)
+    fulls = []
+    for sync in range(7):
+        force = sync == 5  # the groups were re-formed (a server joined)
+        fulls.append(images.begin(force_full=force))
+        images.encode(list(w.items()))
+        if sync == 3:
+            images.discard()  # a failed sync: a server may hold part of it
+        else:
+            images.commit()
+    assert fulls == [True, False, False, True, True, True, False]
+
+
+def test_a_change_to_every_element_goes_whole_and_a_new_shape_too():
+    images = DeltaImages()
+    images.begin()
+    images.encode([("a", torch.zeros(10)), ("b", torch.zeros(4))])
+    images.commit()
+    images.begin()
+    counts, pieces, _, _ = images.encode([("a", torch.ones(10)), ("b", torch.zeros(5))])
+    assert counts == [DENSE, DENSE] and [p.shape for p in pieces] == [torch.Size([10]), torch.Size([5])]
+
+
+def test_changes_without_an_image_are_refused_naming_the_tensor():
+    segments = delta_segments(["w"], ["float32"], [[4]], [1])
+    with pytest.raises(ValueError, match="no image of w"):
+        apply_delta({}, segments, [torch.tensor([2], dtype=torch.int32), torch.tensor([1.0])])
+    with pytest.raises(ValueError, match="count 9 is not -1 or 0..4"):
+        delta_segments(["w"], ["float32"], [[4]], [9])
+
+
+def test_the_flattened_layout_aligns_every_piece():
+    segments = delta_segments(["a", "b"], ["bfloat16", "float32"], [[3], [5]], [DENSE, 2])
+    layout = segments_layout(segments)
+    assert [(kind, str(dt)) for _, kind, dt, _ in segments] == [
+        ("dense", "torch.bfloat16"),
+        ("index", "torch.int32"),
+        ("value", "torch.float32"),
+    ]
+    assert layout == [(0, 6), (8, 16), (16, 24)]  # 2 bytes of padding before the int32 positions
+
+
+def test_the_config_refuses_delta_where_it_cannot_work():
+    with pytest.raises(ConfigError, match="SGLang 0.5.23's update_weights_from_distributed"):
+        RolloutConfig(engine="sglang", urls=["http://s:1"], sync_delta="on").validate()
+    with pytest.raises(ConfigError, match="needs rollout.weight_sync=distributed, got 'disk'"):
+        RolloutConfig(engine="vllm", urls=["http://s:1"], sync_delta="on", weight_sync="disk").validate()
+    with pytest.raises(ConfigError, match="sync_delta must be off, on or auto"):
+        RolloutConfig(engine="vllm", urls=["http://s:1"], sync_delta="yes").validate()
+    RolloutConfig(engine="vllm", urls=["http://s:1"], sync_delta="on").validate()
+    yaml_on = RolloutConfig(engine="vllm", urls=["http://s:1"], sync_delta=True)  # YAML reads on as true
+    yaml_on.validate()
+    assert yaml_on.sync_delta == "on"
+    with pytest.raises(ConfigError, match="SGLang 0.5.23"):
+        RolloutConfig(engine="sglang", urls=["http://s:1"], sync_delta=True).validate()
+    RolloutConfig(engine="sglang", urls=["http://s:1"], sync_delta="auto").validate()
+
+
+def test_only_a_dialect_that_takes_deltas_posts_counts():
+    from megatron_klear.rollout.base import EngineError
+    from megatron_klear.rollout.sglang.api import SGLangAPI
+    from megatron_klear.rollout.vllm.api import VLLMAPI
+
+    path, body = VLLMAPI().bucket_call(["w"], ["float32"], [[4]], group_name="g", load_format=None, counts=[1])
+    assert path == "/update_weights" and body["update_info"]["counts"] == [1]
+    assert "counts" not in VLLMAPI().bucket_call(["w"], ["float32"], [[4]], group_name="g", load_format=None)[1]
+    with pytest.raises(EngineError, match="takes no delta buckets"):
+        SGLangAPI().bucket_call(["w"], ["float32"], [[4]], group_name="g", load_format=None, counts=[1])
+    assert VLLMAPI.takes_delta and not SGLangAPI.takes_delta
