@@ -5,6 +5,7 @@ protocol over gloo vs the raw gloo broadcast of the same bytes, all in one run.
     python benchmarks/weight_sync.py --layers 28 --json out.json
     python benchmarks/weight_sync.py --quick               # a small model, seconds (the test runs it)
     python benchmarks/weight_sync.py --engine vllm         # the same against two vLLM CPU servers
+    python benchmarks/weight_sync.py --engine vllm --variants raw_broadcast --delta-lrs 1e-6,1e-5,1e-4
 
 Setup: a random bf16 checkpoint with Qwen3-0.6B's shapes (hidden 1024, intermediate 3072, 16 query /
 8 KV heads of 128, vocabulary 151,936, tied embeddings; ``--layers`` of its 28 layers: the embedding
@@ -39,6 +40,15 @@ distributed_s), ``speedup_vs_disk_flushed``, ``speedup_vs_disk_sequential``, ``e
 (raw_broadcast_s / distributed_s: the protocol's throughput as a fraction of the bare
 collective's), ``distributed_stats`` (bytes, buckets, streamed stages, seconds of each timed sync),
 plus sizes and the machine.
+
+``--delta-lrs`` (vLLM servers: SGLang 0.5.23 takes no delta buckets) then measures delta syncs
+(``rollout.sync_delta``) after the variants: per learning rate, a full sync, then ``--repeats``
+steps, each an update of every weight followed by a timed delta sync. The update is Adam-shaped
+without an optimizer: fp32 master weights move by ``lr`` x a unit-scale random direction per
+element (what Adam's normalised step does early in training) and the bf16 model weights are their
+rounding, as Megatron's mixed-precision optimizer writes them. JSON ``delta``: per learning rate the
+fraction of elements changed, the delta's bytes against the full sync's, and the delta sync's time
+against the full sync's and the raw broadcast's of the whole model.
 """
 
 from __future__ import annotations
@@ -261,7 +271,65 @@ def _trainer(rank, ckpt, urls, args, raw_port):
         shutil.rmtree(workdir, ignore_errors=True)
         engine.members.check_weight_versions(served)  # the last update reached both servers
     sync.close()
-    return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats}
+    delta = _delta_phase(chunks, engine, args, barrier, version) if args.delta_lrs else {}
+    return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats, "delta": delta}
+
+
+def _delta_phase(chunks, engine, args, barrier, version) -> dict:
+    """Per learning rate: a full sync, then ``repeats`` x (an Adam-shaped update of every weight, a
+    timed delta sync). {lr: {full_s, delta_s: [...], changed_frac: [...], bytes_frac: [...]}}."""
+    import torch
+
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync
+
+    sync = DistributedWeightSync(
+        chunks,
+        engine,
+        bucket_mb=args.bucket_mb,
+        group_timeout=600,
+        bucket_timeout=600,
+        control_timeout=120,
+        delta=True,
+        full_every=10**9,
+    )
+    params = [p for c in chunks for p in c.parameters()]
+    masters = [p.detach().float().clone() for p in params]
+    g = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
+    out = {}
+    for lr in [float(x) for x in args.delta_lrs.split(",") if x]:
+        sync.delta.discard()  # the next sync sends everything whole
+        barrier()
+        t0 = time.perf_counter()
+        version += 1
+        sync.sync(version=version)
+        barrier()
+        full_s, full_bytes = time.perf_counter() - t0, sync.stats["bytes"]
+        rec = {"full_s": full_s, "full_bytes": full_bytes, "delta_s": [], "changed_frac": [], "bytes_frac": []}
+        for _ in range(args.repeats):
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    m.add_(torch.randn(m.shape, generator=g), alpha=lr)
+                    p.copy_(m.to(p.dtype))
+            barrier()
+            t0 = time.perf_counter()
+            version += 1
+            sync.sync(version=version)
+            barrier()
+            rec["delta_s"].append(time.perf_counter() - t0)
+            if sync.stats.get("elements"):  # rank 0 (the stage's leader) has the totals
+                rec["changed_frac"].append(sync.stats["changed"] / sync.stats["elements"])
+                rec["bytes_frac"].append(sync.stats["bytes"] / full_bytes)
+        out[lr] = rec
+        if not rec["changed_frac"]:
+            continue
+        print(
+            f"lr {lr:g}: changed {statistics.median(rec['changed_frac']):.4%} of elements, "
+            f"{statistics.median(rec['bytes_frac']):.4%} of the bytes; delta {statistics.median(rec['delta_s']):.3f} s "
+            f"against full {full_s:.3f} s",
+            flush=True,
+        )
+    sync.close()
+    return out
 
 
 def main() -> int:
@@ -293,10 +361,17 @@ def main() -> int:
     ap.add_argument("--sync-dir", default="", help="where the disk variants write (default: the temporary directory)")
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--workdir", default="")
+    ap.add_argument(
+        "--delta-lrs",
+        default="",
+        help="comma-separated learning rates: measure delta syncs after the variants (vLLM servers)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.layers, args.bucket_mb, args.repeats = 2, 1.0, 1
     args.variants = [v for v in args.variants.split(",") if v]
+    if args.delta_lrs and args.engine != "vllm":
+        ap.error("--delta-lrs needs --engine vllm: SGLang 0.5.23 takes no delta buckets")
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or not args.variants:
         ap.error(f"--variants: unknown {sorted(unknown)}" if unknown else "--variants: none given")
@@ -409,6 +484,20 @@ def main() -> int:
         "best": {**{f"{k}_s": v for k, v in best.items()}, **ratios(best)},
         "all_times": r["times"],
         "distributed_stats": r["stats"],
+        "delta": {
+            str(lr): {
+                "changed_frac": statistics.median(d["changed_frac"]),
+                "bytes_frac": statistics.median(d["bytes_frac"]),
+                "delta_s": statistics.median(d["delta_s"]),
+                "full_s": d["full_s"],
+                "delta_vs_full": statistics.median(d["delta_s"]) / d["full_s"],
+                "delta_vs_raw": statistics.median(d["delta_s"]) / med["raw_broadcast"]
+                if "raw_broadcast" in med
+                else None,
+                "all": d,
+            }
+            for lr, d in r["delta"].items()
+        },
     }
     print(
         f"\n{total / 1e9:.3f} GB in {len(r['sizes'])} buckets of <= {args.bucket_mb:g} MB to 2 {args.engine} servers, "
@@ -431,6 +520,12 @@ def main() -> int:
         f"load average before / after: {out['machine']['load_average_before']} / {out['machine']['load_average_after']}"
     )
     print(f"first distributed sync (group creation included): {r['first_distributed_s']:.3f} s")
+    for lr, d in out["delta"].items():
+        raw = f", {d['delta_vs_raw']:.2f}x the raw broadcast of the whole model" if d["delta_vs_raw"] else ""
+        print(
+            f"delta at lr {lr}: {d['changed_frac']:.4%} of elements and {d['bytes_frac']:.4%} of the bytes changed; "
+            f"{d['delta_s']:.3f} s = {d['delta_vs_full']:.2f}x the full sync ({d['full_s']:.3f} s){raw}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -65,6 +65,13 @@ class DistributedWeightSync:
     and it rejoins. The CPU tests run the gloo side; the NCCL side is not run by any test here (one
     GPU cannot hold two ranks of one NCCL communicator; it needs two GPUs, docs/sglang.md).
 
+    **Delta syncs** (``delta``, ``rollout.sync_delta``): each stage leader keeps the last values it
+    sent (:class:`~.delta.DeltaImages`) and after the first sync posts, per bucket, each tensor's
+    count of changed elements and broadcasts their positions and values instead of the tensor (or
+    the tensor whole when that is smaller); buckets are then always gathered whole (their pieces are
+    known once compared). A full sync follows new groups, a failed attempt and every ``full_every``
+    delta syncs; the images take a sync's changes only once it succeeded on every server.
+
     **A lost worker** (:meth:`sync`): the sync is tried again, up to ``max_attempts`` times, with the
     groups re-formed without the workers that are gone (fresh group names), every bucket sent again;
     the groups are also re-formed when the workers changed between syncs (one lost during
