@@ -224,7 +224,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     t0 = time.perf_counter()
     sync.sync(version="warmup")  # creates the groups
     first = time.perf_counter() - t0
-    version = served = 0
+    version, served = 0, "warmup"  # (the servers hold the warm-up sync until a variant updates them)
     workdir = tempfile.mkdtemp(prefix="klear-wsync-", dir=args.sync_dir or None) if rank == 0 else None
     workdir = [workdir]
     dist.broadcast_object_list(workdir, src=0, group=control_group())
@@ -275,6 +275,36 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats, "delta": delta}
 
 
+def _fmt(phases: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in sorted(phases.items()))
+
+
+def _time_phases(sync, engine) -> dict:
+    """{phase: seconds} of the sync under way, filled by timers around its parts: ``encode`` (the
+    leader's comparison with its images), and on rank 0 the servers' calls: ``start`` (pause, flush,
+    begin: overlapped with the first bucket's gathering), ``end`` (the session's end: vLLM finalises
+    its layerwise reload there), ``finish`` (end, version, resume, checks)."""
+    phases = {}
+
+    def timed(obj, name, key):
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, wrapper)
+
+    timed(sync.delta, "encode", "encode")
+    if engine is not None:
+        for name in ("start_update", "end", "finish_update"):
+            timed(engine.wire, name, {"start_update": "start", "finish_update": "finish"}.get(name, name))
+    return phases
+
+
 def _delta_phase(chunks, engine, args, barrier, version) -> dict:
     """Per learning rate: a full sync, then ``repeats`` x (an Adam-shaped update of every weight, a
     timed delta sync). {lr: {full_s, delta_s: [...], changed_frac: [...], bytes_frac: [...]}}."""
@@ -292,6 +322,7 @@ def _delta_phase(chunks, engine, args, barrier, version) -> dict:
         delta=True,
         full_every=10**9,
     )
+    phases = _time_phases(sync, engine)
     params = [p for c in chunks for p in c.parameters()]
     masters = [p.detach().float().clone() for p in params]
     g = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
@@ -301,10 +332,12 @@ def _delta_phase(chunks, engine, args, barrier, version) -> dict:
         barrier()
         t0 = time.perf_counter()
         version += 1
+        phases.clear()
         sync.sync(version=version)
         barrier()
         full_s, full_bytes = time.perf_counter() - t0, sync.stats["bytes"]
         rec = {"full_s": full_s, "full_bytes": full_bytes, "delta_s": [], "changed_frac": [], "bytes_frac": []}
+        rec["full_phases"], rec["phases"] = dict(phases), []
         for _ in range(args.repeats):
             with torch.no_grad():
                 for p, m in zip(params, masters):
@@ -313,15 +346,18 @@ def _delta_phase(chunks, engine, args, barrier, version) -> dict:
             barrier()
             t0 = time.perf_counter()
             version += 1
+            phases.clear()
             sync.sync(version=version)
             barrier()
             rec["delta_s"].append(time.perf_counter() - t0)
+            rec["phases"].append(dict(phases))
             if sync.stats.get("elements"):  # rank 0 (the stage's leader) has the totals
                 rec["changed_frac"].append(sync.stats["changed"] / sync.stats["elements"])
                 rec["bytes_frac"].append(sync.stats["bytes"] / full_bytes)
         out[lr] = rec
         if not rec["changed_frac"]:
             continue
+        print(f"  phases (s): full {_fmt(rec['full_phases'])}; delta {_fmt(rec['phases'][-1])}", flush=True)
         print(
             f"lr {lr:g}: changed {statistics.median(rec['changed_frac']):.4%} of elements, "
             f"{statistics.median(rec['bytes_frac']):.4%} of the bytes; delta {statistics.median(rec['delta_s']):.3f} s "

@@ -64,15 +64,17 @@ class DeltaImages:
                 self.pending[name] = (None, new.clone())
                 changed_total += new.numel()
                 continue
-            changed = (_bits(new) != _bits(old)).nonzero().squeeze(1)
-            c = changed.numel()
+            mask = _bits(new) != _bits(old)
+            c = int(mask.sum())
             changed_total += c
-            positions = changed.to(index_dtype(new.numel()))
-            if c * (positions.element_size() + new.element_size()) >= new.numel() * new.element_size():
-                counts.append(DENSE)
+            index_size = torch.empty((), dtype=index_dtype(new.numel())).element_size()
+            if c * (index_size + new.element_size()) >= new.numel() * new.element_size():
+                counts.append(DENSE)  # decided before listing the positions (a dense change lists millions)
                 pieces.append(new)
                 self.pending[name] = (None, new.clone())
                 continue
+            changed = mask.nonzero().squeeze(1)
+            positions = changed.to(index_dtype(new.numel()))
             values = new.reshape(-1)[changed]
             counts.append(c)
             pieces += [positions, values]
