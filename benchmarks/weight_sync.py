@@ -327,30 +327,32 @@ def _delta_phase(chunks, engine, args, barrier, version) -> dict:
     masters = [p.detach().float().clone() for p in params]
     g = torch.Generator().manual_seed(1234 + torch.distributed.get_rank())
     out = {}
-    for lr in [float(x) for x in args.delta_lrs.split(",") if x]:
-        sync.delta.discard()  # the next sync sends everything whole
-        barrier()
-        t0 = time.perf_counter()
+
+    def timed_sync() -> tuple:
+        """(seconds, its phases) of one sync, every rank at the start line."""
+        nonlocal version
         version += 1
         phases.clear()
+        barrier()
+        t0 = time.perf_counter()
         sync.sync(version=version)
         barrier()
-        full_s, full_bytes = time.perf_counter() - t0, sync.stats["bytes"]
+        return time.perf_counter() - t0, dict(phases)
+
+    for lr in [float(x) for x in args.delta_lrs.split(",") if x]:
+        sync.delta.discard()  # the next sync sends everything whole
+        full_s, full_phases = timed_sync()
+        full_bytes = sync.stats["bytes"]
         rec = {"full_s": full_s, "full_bytes": full_bytes, "delta_s": [], "changed_frac": [], "bytes_frac": []}
-        rec["full_phases"], rec["phases"] = dict(phases), []
+        rec["full_phases"], rec["phases"] = full_phases, []
         for _ in range(args.repeats):
             with torch.no_grad():
                 for p, m in zip(params, masters):
                     m.add_(torch.randn(m.shape, generator=g), alpha=lr)
                     p.copy_(m.to(p.dtype))
-            barrier()
-            t0 = time.perf_counter()
-            version += 1
-            phases.clear()
-            sync.sync(version=version)
-            barrier()
-            rec["delta_s"].append(time.perf_counter() - t0)
-            rec["phases"].append(dict(phases))
+            seconds, delta_phases = timed_sync()
+            rec["delta_s"].append(seconds)
+            rec["phases"].append(delta_phases)
             if sync.stats.get("elements"):  # rank 0 (the stage's leader) has the totals
                 rec["changed_frac"].append(sync.stats["changed"] / sync.stats["elements"])
                 rec["bytes_frac"].append(sync.stats["bytes"] / full_bytes)

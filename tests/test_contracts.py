@@ -104,7 +104,7 @@ def test_the_checker_sees_a_missing_method_and_a_parameter_too_many():
             return []
 
         def leave_group(self, group_name, timeout=None, *, extra):
-            pass
+            """Asks for ``extra``, which no caller passes."""
 
     problems = conforms(Short, WeightWire)
     assert "no start_update" in problems and "leave_group requires extra, which callers do not pass" in problems

@@ -1,6 +1,7 @@
 """Run metrics: JSONL always; TensorBoard events and an offline wandb run when enabled; a console
 line with step, loss, lr, tokens/s and ETA."""
 
+import contextlib
 import io
 import json
 import os
@@ -16,10 +17,8 @@ def _own_wandb_service(monkeypatch):
     monkeypatch.setitem(os.environ, "WANDB_SERVICE", "")
     yield
     if "wandb" in sys.modules:
-        try:
+        with contextlib.suppress(Exception):  # the service a test killed cannot answer its teardown
             sys.modules["wandb"].teardown()
-        except Exception:  # noqa: BLE001 -- the service a test killed cannot answer its teardown
-            pass
 
 
 def test_jsonl_console_tensorboard_and_wandb_offline(tmp_path, monkeypatch):

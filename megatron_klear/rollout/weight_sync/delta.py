@@ -67,8 +67,7 @@ class DeltaImages:
             mask = _bits(new) != _bits(old)
             c = int(mask.sum())
             changed_total += c
-            index_size = torch.empty((), dtype=index_dtype(new.numel())).element_size()
-            if c * (index_size + new.element_size()) >= new.numel() * new.element_size():
+            if c * (index_dtype(new.numel()).itemsize + new.element_size()) >= new.numel() * new.element_size():
                 counts.append(DENSE)  # decided before listing the positions (a dense change lists millions)
                 pieces.append(new)
                 self.pending[name] = (None, new.clone())

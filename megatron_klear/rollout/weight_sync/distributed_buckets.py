@@ -299,8 +299,8 @@ class BucketSchedule:
             if self.delta is not None:  # each tensor whole or its changes (positions, then values)
                 counts, pieces, changed, elements = self.delta.encode(bucket)
                 meta = (*meta, counts)
-                totals["changed"] = totals.get("changed", 0) + changed
-                totals["elements"] = totals.get("elements", 0) + elements
+                totals["changed"] += changed
+                totals["elements"] += elements
             else:
                 pieces = [t for _, t in bucket]
             if self.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes back to back
