@@ -5,14 +5,16 @@ SGLang needs CUDA to run, but its wheel carries the schema its server enforces o
 validate every request our client sends, and every response our embedded server answers, against
 that file; the bodies of the control calls (weight updates over a process group, pause/continue,
 versions) are checked against the request structs of ``sglang/srt/managers/io_struct.py``, read as
-source (importing it needs SGLang's dependencies). This script downloads the pinned wheel (no
+source (importing it needs SGLang's dependencies), and the tensors the delta syncs send through
+``update_weights_from_tensor`` against the allow-list of ``SafeUnpickler`` in
+``sglang/srt/utils/common.py``, read as source too. This script downloads the pinned wheel (no
 dependencies, the x86_64 / CPython 3.11 build whatever the host), checks its sha256 and extracts
-both files::
+those files::
 
     python tools/fetch_sglang_contract.py --out .venv/sglang-contract
 
-Afterwards ``<out>/sglang/api/v1/api_types.py`` and ``<out>/sglang/srt/managers/io_struct.py``
-exist (``make venv`` runs this; a later run extracts only what is missing).
+Afterwards ``<out>/sglang/api/v1/api_types.py``, ``<out>/sglang/srt/managers/io_struct.py`` and
+``<out>/sglang/srt/utils/common.py`` exist (``make venv`` runs this; a later run extracts only what is missing).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ import zipfile
 SGLANG_VERSION = "0.5.23"
 WHEEL = f"sglang-{SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
 SHA256 = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"
-MEMBERS = ("sglang/api/v1/api_types.py", "sglang/srt/managers/io_struct.py")
+MEMBERS = (
+    "sglang/api/v1/api_types.py",
+    "sglang/srt/managers/io_struct.py",
+    "sglang/srt/utils/common.py",  # SafeUnpickler: what update_weights_from_tensor's payload may hold
+)
 
 
 def fetch(out: str) -> str:

@@ -328,8 +328,9 @@ class WeightWire(Protocol):
     family of servers (:class:`.servers.wire.Wire`, over each family's dialect); the tests check that
     every engine's wire conforms."""
 
-    #: whether the servers take delta buckets (per tensor its changes since the last sync)
-    takes_delta: bool
+    def delta_refusal(self) -> str | None:
+        """Why these servers cannot take delta buckets (per tensor its changes since the last sync),
+        naming them; None when every one can."""
 
     def update_group_layout(self) -> list:
         """``[(worker, ranks)]``: each worker joins an update group with this many ranks."""
@@ -366,7 +367,8 @@ class WeightWire(Protocol):
         counts=None,
     ) -> BucketPosting:
         """Post one bucket to every member without waiting (:class:`BucketPosting`); ``counts``: a
-        delta bucket's per-tensor counts (``rollout.sync_delta``; only where :attr:`takes_delta`)."""
+        delta bucket's per-tensor counts (``rollout.sync_delta``; only where :meth:`delta_refusal`
+        is None)."""
 
     def finish_update(self, version, *, check_received: bool) -> None:
         """Close the session, set ``version``, continue generation, check every worker reports it;

@@ -28,11 +28,6 @@ def _needs_urls(what: str):
 
 def _sglang_checks(r) -> None:
     _needs_urls("SGLang server or router URLs")(r)
-    if r.sync_delta == "on":
-        raise ConfigError(
-            "rollout.sync_delta=on with rollout.engine=sglang: SGLang 0.5.23's update_weights_from_distributed "
-            "loads whole tensors only; use vLLM servers for delta syncs, or rollout.sync_delta=off|auto"
-        )
 
 
 def _vllm_checks(r) -> None:

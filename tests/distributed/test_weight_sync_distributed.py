@@ -344,3 +344,68 @@ def test_a_stale_layout_fails_the_sync_cleanly_and_the_next_one_gathers_again(mo
     want = EmbeddedEngine.from_pretrained(models["b"]).weights.checksums()
     for u in urls:
         assert _version(u) == "3" and _checksums(u) == want
+
+
+def _delta_then_full(rank, world, model_dir, overrides, url_a, url_b):
+    """Three syncs by deltas to server A (a few elements of every parameter move between them),
+    then one full sync of the same weights to server B. Returns A's stats on rank 0."""
+    import torch
+
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync
+    from megatron_klear.training.setup import build_training_state
+
+    cfg = load_config(None, [f"model.path={model_dir}", *overrides])
+    init_parallel(cfg.parallel)
+    state = build_training_state(cfg, total_steps=1)
+    keys = {"bucket_mb": 0.02, "group_timeout": 30, "bucket_timeout": 30, "load_format": "flattened_bucket"}
+
+    def engine(url):
+        return SGLangEngine.at([url], control_timeout_s=10) if rank == 0 else None
+
+    stats, sync = [], DistributedWeightSync(state.model, engine(url_a), delta=True, full_every=50, **keys)
+    try:
+        for version in (1, 2, 3):
+            if version > 1:
+                with torch.no_grad():
+                    for chunk in state.model:
+                        for p in chunk.parameters():
+                            p.view(-1)[version::37].add_(0.25)
+            stats.append(sync.sync(version=version))
+    finally:
+        sync.close()
+    full = DistributedWeightSync(state.model, engine(url_b), **keys)
+    try:
+        full.sync(version=3)
+    finally:
+        full.close()
+    return stats
+
+
+@pytest.mark.slow
+def test_delta_syncs_through_sglangs_custom_loader_match_a_full_sync_at_pp2(models):
+    """rollout.sync_delta into SGLang-API servers started with the project's delta loader
+    (rollout/sglang/delta_loader.py): each stage leader sends its changes; the server ends
+    bit-identical to one that took a full sync of the same weights."""
+    from megatron_klear.rollout.sglang.delta_loader import LOADER
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+
+    keys = {"weight_sync_timeout": 20, "startup_timeout": 120}
+    a = EmbeddedHTTPEngine.launch(models["a"], custom_weight_loader=[LOADER], **keys)
+    try:
+        b = EmbeddedHTTPEngine.launch(models["a"], **keys)
+        try:
+            out = run_distributed(_delta_then_full, 2, models["b"], ["parallel.pp=2"], a.url, b.url)
+            got_a, got_b = _checksums(a.url), _checksums(b.url)
+        finally:
+            b.close()
+    finally:
+        a.close()
+    stats = out[0]
+    assert got_a == got_b
+    full_bytes = stats[0]["bytes"]
+    assert stats[0]["changed"] == stats[0]["elements"]  # the first sync sends everything whole
+    for s in stats[1:]:
+        assert 0 < s["changed"] < 0.05 * s["elements"] and s["bytes"] < 0.3 * full_bytes, (s, full_bytes)

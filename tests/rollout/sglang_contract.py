@@ -86,6 +86,7 @@ CONTROL_ROUTES = {
     "/continue_generation": "ContinueGenerationReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
 }
 
 
@@ -148,3 +149,47 @@ def control_contract_errors(route: str, body) -> list:
         f"{route}: {k}={body[k]!r} is not {spec[k][0]}" for k in body if k in spec and not _matches(spec[k][0], body[k])
     ]
     return errors
+
+
+# ------------------------------------------------------------------------------------------------
+# update_weights_from_tensor's payload: SafeUnpickler of sglang/srt/utils/common.py, read as source
+# ------------------------------------------------------------------------------------------------
+COMMON_FILE = os.path.join(CONTRACT_DIR, "sglang", "srt", "utils", "common.py")
+
+
+@functools.lru_cache(maxsize=None)
+def safe_unpickler_globals() -> frozenset:
+    """``SafeUnpickler.ALLOWED_GLOBALS`` of SGLang 0.5.23: the (module, name) pairs its servers
+    unpickle (``torch.storage._load_from_bytes`` is admitted too, read by ``torch.load`` with
+    ``weights_only``)."""
+    import ast
+
+    if not os.path.isfile(COMMON_FILE):
+        raise ContractMissing(f"SGLang's common.py is missing ({COMMON_FILE}): run make venv")
+    tree = ast.parse(open(COMMON_FILE, encoding="utf-8").read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "SafeUnpickler":
+            for stmt in node.body:
+                if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "ALLOWED_GLOBALS":
+                    return frozenset(ast.literal_eval(stmt.value)) | {("torch.storage", "_load_from_bytes")}
+    raise ContractMissing(f"no SafeUnpickler.ALLOWED_GLOBALS in {COMMON_FILE}")
+
+
+def sglang_unpickle(data: bytes):
+    """``data`` unpickled as SGLang 0.5.23's server does (only its allow-listed globals)."""
+    import io
+    import pickle
+
+    allowed = safe_unpickler_globals()
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) not in allowed:
+                raise pickle.UnpicklingError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+            if (module, name) == ("torch.storage", "_load_from_bytes"):
+                import torch
+
+                return lambda b: torch.load(io.BytesIO(b), weights_only=True)
+            return super().find_class(module, name)
+
+    return Unpickler(io.BytesIO(data)).load()

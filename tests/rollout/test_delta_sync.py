@@ -121,29 +121,24 @@ def test_the_flattened_layout_aligns_every_piece():
 
 
 def test_the_config_refuses_delta_where_it_cannot_work():
-    with pytest.raises(ConfigError, match="SGLang 0.5.23's update_weights_from_distributed"):
-        RolloutConfig(engine="sglang", urls=["http://s:1"], sync_delta="on").validate()
     with pytest.raises(ConfigError, match="needs rollout.weight_sync=distributed, got 'disk'"):
         RolloutConfig(engine="vllm", urls=["http://s:1"], sync_delta="on", weight_sync="disk").validate()
     with pytest.raises(ConfigError, match="sync_delta must be off, on or auto"):
         RolloutConfig(engine="vllm", urls=["http://s:1"], sync_delta="yes").validate()
-    RolloutConfig(engine="vllm", urls=["http://s:1"], sync_delta="on").validate()
+    for engine in ("vllm", "sglang"):  # SGLang: through the delta loader its servers are started with
+        RolloutConfig(engine=engine, urls=["http://s:1"], sync_delta="on").validate()
     yaml_on = RolloutConfig(engine="vllm", urls=["http://s:1"], sync_delta=True)  # YAML reads on as true
     yaml_on.validate()
     assert yaml_on.sync_delta == "on"
-    with pytest.raises(ConfigError, match="SGLang 0.5.23"):
-        RolloutConfig(engine="sglang", urls=["http://s:1"], sync_delta=True).validate()
-    RolloutConfig(engine="sglang", urls=["http://s:1"], sync_delta="auto").validate()
 
 
-def test_only_a_dialect_that_takes_deltas_posts_counts():
-    from megatron_klear.rollout.base import EngineError
+def test_each_dialect_posts_delta_buckets_its_own_way():
     from megatron_klear.rollout.sglang.api import SGLangAPI
     from megatron_klear.rollout.vllm.api import VLLMAPI
 
     path, body = VLLMAPI().bucket_call(["w"], ["float32"], [[4]], group_name="g", load_format=None, counts=[1])
     assert path == "/update_weights" and body["update_info"]["counts"] == [1]
     assert "counts" not in VLLMAPI().bucket_call(["w"], ["float32"], [[4]], group_name="g", load_format=None)[1]
-    with pytest.raises(EngineError, match="takes no delta buckets"):
-        SGLangAPI().bucket_call(["w"], ["float32"], [[4]], group_name="g", load_format=None, counts=[1])
-    assert VLLMAPI.takes_delta and not SGLangAPI.takes_delta
+    path, _ = SGLangAPI().bucket_call(["w"], ["float32"], [[4]], group_name="g", load_format=None, counts=[1])
+    assert path == "/update_weights_from_tensor"  # tests/rollout/test_sglang_delta.py checks the body
+    assert VLLMAPI().delta_refusal(None, ["http://s:1"]) is None

@@ -88,9 +88,6 @@ class ServerDialect(abc.ABC):
     #: while it cannot flush yet (tried again), "" when it never refuses
     flush_call: tuple = ()
     flush_refused_text: str = ""
-    #: the servers take delta buckets (``rollout.sync_delta``: per tensor its changes since the last
-    #: sync, :mod:`.update_group`'s delta format)
-    takes_delta: bool = False
     #: the cache is flushed again after the session closes (the server keeps requests held by a
     #: ``retract`` pause, which must recompute with the new weights)
     flush_after_update: bool = False
@@ -111,9 +108,23 @@ class ServerDialect(abc.ABC):
     def leave_call(self, group_name: str) -> tuple:
         """The call that drops the update group ``group_name`` on a worker."""
 
+    def delta_refusal(self, transport, workers: list) -> str | None:
+        """Why ``workers`` cannot take delta buckets (``rollout.sync_delta``: per tensor its changes
+        since the last sync, :mod:`.update_group`'s delta format), naming them; None when they can."""
+        return f"{self.name} servers take no delta buckets"
+
     @abc.abstractmethod
     def bucket_call(
-        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None, counts=None
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        *,
+        group_name: str,
+        load_format: str | None,
+        counts=None,
+        ranks: int = 1,
     ) -> tuple:
         """The call that receives one bucket (the sender broadcasts it meanwhile); ``counts``: a
-        delta bucket's per-tensor counts (only where :attr:`takes_delta`)."""
+        delta bucket's per-tensor counts (only where :meth:`delta_refusal` is None); ``ranks``: the
+        most update-group ranks one receiving worker holds."""

@@ -143,7 +143,11 @@ class Wire:
         self.transport, self.members, self.dialect = transport, members, dialect
         self.pause_mode = pause_mode
         self.weight_update_timeout = float(weight_update_timeout)
-        self.takes_delta = bool(dialect.takes_delta)
+        self.ranks: dict = {}  # {worker: its ranks in an update group}, as the last layout found
+
+    def delta_refusal(self) -> str | None:
+        """Why the workers cannot take delta buckets (the dialect's answer), or None."""
+        return self.dialect.delta_refusal(self.transport, self.members.workers())
 
     def post(self, worker: str, path: str, body, timeout: float | None = None) -> dict:
         """POST a weight-control call; an answer ``{"success": false, "message"}`` is an error."""
@@ -205,12 +209,16 @@ class Wire:
         """``[(worker, ranks)]``: each worker's ranks in an update group; refuses, by name, what the
         family's update cannot cover (:meth:`~.dialect.ServerDialect.group_ranks`)."""
         ranks = self.members.on_workers(lambda w: self.dialect.group_ranks(self.transport, w))
-        return list(zip(self.members.workers(), ranks))
+        layout = list(zip(self.members.workers(), ranks))
+        self.ranks.update(layout)
+        return layout
 
     def check_update_group_layout(self) -> dict:
         """At start-up: :meth:`update_group_layout`'s refusals by name, a worker gone meanwhile
         dropped as by the other start-up checks; ``{worker: ranks}`` of the others."""
-        return self.members.on_workers(lambda w: self.dialect.group_ranks(self.transport, w), tolerate_loss=True)
+        found = self.members.on_workers(lambda w: self.dialect.group_ranks(self.transport, w), tolerate_loss=True)
+        self.ranks.update(found)
+        return found
 
     def join_group_async(
         self,
@@ -304,11 +312,13 @@ class Wire:
         """Post one bucket to every worker (``workers``: the update group's members), without
         waiting: the sender broadcasts it once :meth:`BucketPost.refusals` is empty. ``counts``: a
         delta bucket's per-tensor counts (:mod:`.update_group`), where the servers take them."""
+        workers = self.members.workers() if workers is None else list(workers)
+        ranks = max((int(self.ranks.get(w, 1)) for w in workers), default=1)
         call = self.dialect.bucket_call(
-            names, dtypes, shapes, group_name=group_name, load_format=load_format, counts=counts
+            names, dtypes, shapes, group_name=group_name, load_format=load_format, counts=counts, ranks=ranks
         )
         timeout = self.weight_update_timeout if timeout is None else timeout
-        return BucketPost(self.post, self.members.workers() if workers is None else workers, call, timeout)
+        return BucketPost(self.post, workers, call, timeout)
 
     def receive_bucket(self, names: list, dtypes: list, shapes: list, *, group_name: str, **keys) -> None:
         """:meth:`post_bucket` and wait: every worker receives one bucket (the sender broadcasts it

@@ -9,6 +9,7 @@ from __future__ import annotations
 from megatron_klear.rollout.base import Completion, EngineError, SamplingParams
 from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialect
 from megatron_klear.rollout.servers.versions import token_versions
+from megatron_klear.rollout.sglang.delta_loader import LOADER, request_body
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts
 
 
@@ -124,15 +125,38 @@ class SGLangAPI(ServerDialect):
     def leave_call(self, group_name: str) -> tuple:
         return "/destroy_weights_update_group", {"group_name": group_name}
 
+    def delta_refusal(self, transport, workers: list) -> str | None:
+        """Delta buckets reach SGLang 0.5.23 through the project's custom weight loader
+        (:mod:`.delta_loader`): every server must list it in ``--custom-weight-loader``."""
+        lacking = [
+            w for w in workers if LOADER not in ((transport.server_info(w) or {}).get("custom_weight_loader") or [])
+        ]
+        if not lacking:
+            return None
+        return (
+            f"{', '.join(lacking)} started without --custom-weight-loader {LOADER} (SGLang 0.5.23 loads "
+            "delta buckets only through that loader; docs/sglang.md, 'Delta syncs')"
+        )
+
     def bucket_call(
-        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None, counts=None
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        *,
+        group_name: str,
+        load_format: str | None,
+        counts=None,
+        ranks: int = 1,
     ) -> tuple:
         """``flush_cache`` False: the cache is flushed once before the first bucket (SGLang 0.5.23
         fails a bucket whose flush finds a request still queued); the version is set at the end.
-        No delta buckets: SGLang 0.5.23's ``update_weights_from_distributed`` loads whole tensors
-        only (an unknown ``load_format`` is read as one broadcast per tensor)."""
+        A delta bucket (``counts``) goes to ``/update_weights_from_tensor`` for the project's custom
+        loader (:mod:`.delta_loader`): ``update_weights_from_distributed`` loads whole tensors only."""
         if counts is not None:
-            raise EngineError("rollout: SGLang 0.5.23 takes no delta buckets (rollout.sync_delta needs vLLM servers)")
+            return "/update_weights_from_tensor", request_body(
+                names, dtypes, shapes, counts, group_name=group_name, load_format=load_format, ranks=ranks
+            )
         body = {
             "names": list(names),
             "dtypes": list(dtypes),

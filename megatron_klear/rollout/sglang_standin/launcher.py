@@ -139,6 +139,7 @@ def make_server(
     enable_memory_saver: bool = False,
     api_key: str | None = None,
     admin_api_key: str | None = None,
+    custom_weight_loader=(),
 ) -> StandinServer:
     """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
     ``max_running_requests`` / ``max_total_tokens``: the running batch's bounds, in sequences and KV
@@ -147,7 +148,9 @@ def make_server(
     ``weight_sync_timeout``: seconds for joining a weight-update group and for each broadcast;
     ``return_routed_experts``: SGLang's ``--enable-return-routed-experts`` (MoE models);
     ``enable_memory_saver``: SGLang's ``--enable-memory-saver`` (releasing weights frees them);
-    ``api_key`` / ``admin_api_key``: SGLang's ``--api-key`` / ``--admin-api-key``."""
+    ``api_key`` / ``admin_api_key``: SGLang's ``--api-key`` / ``--admin-api-key``;
+    ``custom_weight_loader``: SGLang's ``--custom-weight-loader`` (import paths of loaders
+    ``update_weights_from_tensor`` may call)."""
     state = ServerState(
         engine,
         tokenizer,
@@ -161,6 +164,7 @@ def make_server(
         enable_memory_saver,
         api_key,
         admin_api_key,
+        custom_weight_loader,
     )
     return StandinServer(state, port)
 
@@ -236,6 +240,13 @@ def main(argv=None) -> int:
         default=None,
         help="the key of the admin routes (weights, memory, pause; SGLang's flag and rules)",
     )
+    ap.add_argument(
+        "--custom-weight-loader",
+        nargs="*",
+        default=[],
+        help="import paths of weight loaders update_weights_from_tensor may name as its load_format "
+        "(SGLang's flag; the project's delta loader: megatron_klear.rollout.sglang.delta_loader.apply_delta)",
+    )
     args = ap.parse_args(argv)
 
     from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
@@ -262,6 +273,7 @@ def main(argv=None) -> int:
         enable_memory_saver=args.enable_memory_saver,
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
+        custom_weight_loader=args.custom_weight_loader,
     )
     server.exit_on_fault = True
     port = server.server_address[1]
@@ -316,15 +328,16 @@ class EmbeddedHTTPEngine(SGLangEngine):
         return_routed_experts: bool = False,
         enable_memory_saver: bool = False,
         api_key: str | None = None,
+        custom_weight_loader=(),
         env: dict | None = None,
         **kwargs,
     ) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.sglang_standin`` for ``model_dir`` and wait until
         it is healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
         ``context_length`` / ``served_model_name`` / ``weight_sync_timeout`` /
-        ``return_routed_experts`` / ``enable_memory_saver`` / ``api_key``: the server's flags of those
-        names (the client sends ``api_key`` too); ``env``: variables added to the server's environment
-        (e.g. ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``)."""
+        ``return_routed_experts`` / ``enable_memory_saver`` / ``api_key`` / ``custom_weight_loader``:
+        the server's flags of those names (the client sends ``api_key`` too); ``env``: variables
+        added to the server's environment (e.g. ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``)."""
         workdir = tempfile.mkdtemp(prefix="klear-embedded-server-")
         port_file, log_path = os.path.join(workdir, "port"), os.path.join(workdir, "server.log")
         cmd = [
@@ -356,6 +369,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
             cmd += ["--enable-memory-saver"]
         if api_key:
             cmd += ["--api-key", api_key]
+        if custom_weight_loader:
+            cmd += ["--custom-weight-loader", *custom_weight_loader]
         root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_klear.__file__)))
         env = dict(
             os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

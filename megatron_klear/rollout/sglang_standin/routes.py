@@ -175,6 +175,7 @@ async def server_info(request: Request):
             "incremental_streaming_output": False,
             "disaggregation_mode": "null",
             "enable_memory_saver": state.enable_memory_saver,
+            "custom_weight_loader": list(state.custom_weight_loader),
             # not SGLang's: what is released now, and how often memory was released (tests, operators)
             "released_memory_tags": sorted(state.offload_tags),
             "memory_releases": state.memory_releases,

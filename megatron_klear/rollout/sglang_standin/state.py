@@ -28,6 +28,7 @@ class ServerState:
         enable_memory_saver: bool = False,
         api_key: str | None = None,
         admin_api_key: str | None = None,
+        custom_weight_loader=(),
     ):
         self.engine, self.tokenizer = engine, tokenizer
         # --enable-memory-saver: releasing "weights" frees them (rollout.colocate); the tags released
@@ -67,6 +68,8 @@ class ServerState:
         self.receive_buffers = {}  # the storages the last commit replaced: the next update lands there
         self.adopted = set()  # data pointers of the received buffers the model holds
         self.weight_lock = threading.Lock()
+        # --custom-weight-loader: the import paths update_weights_from_tensor's load_format may name
+        self.custom_weight_loader = [str(x) for x in custom_weight_loader or ()]
 
     def freed_memory_tags(self) -> set:
         """The released tags whose memory is really freed: none without ``--enable-memory-saver``

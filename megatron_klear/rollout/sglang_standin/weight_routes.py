@@ -1,11 +1,19 @@
 """Weight-update routes, as SGLang 0.5.23's ``http_server.py`` names them: from disk, over a process
 group (``update_weights_from_distributed`` inside a begin/end session, applied whole at its end),
-versions, and checksums. Each call's work runs in a thread of its own (reading a checkpoint,
-joining a group, receiving broadcasts), one at a time under the state's weight lock."""
+from serialized tensors (``update_weights_from_tensor``: SGLang's loaders, or a custom loader named
+by ``--custom-weight-loader``, applied at once), versions, and checksums. Each call's work runs in a
+thread of its own (reading a checkpoint, joining a group, receiving broadcasts), one at a time
+under the state's weight lock."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import importlib
+import io
+import pickle
+import sys
 
 from fastapi import APIRouter, Request
 
@@ -22,7 +30,14 @@ from megatron_klear.rollout.sglang_standin.contract import (
     expect_str_list,
     expect_token_ids,
 )
-from megatron_klear.rollout.sglang_standin.plumbing import StandinRoute, off_loop, read_json, reply, server_state
+from megatron_klear.rollout.sglang_standin.plumbing import (
+    StandinRoute,
+    error,
+    off_loop,
+    read_json,
+    reply,
+    server_state,
+)
 
 router = APIRouter(route_class=StandinRoute)
 
@@ -201,6 +216,7 @@ class _WeightSession:
 
     def __init__(self):
         self.staged, self.version, self.groups, self.error = {}, None, set(), None
+        self.loaded = False  # tensors were loaded in place (update_weights_from_tensor)
 
 
 @router.post("/begin_weight_update")
@@ -382,6 +398,119 @@ def _end_update(state):
                 state.adopted = {t.data_ptr() for t in session.staged.values()}
             except (TypeError, ValueError) as e:
                 return _weights_reply(False, f"Failed to update parameter online: {e}. Nothing was applied.")
+        elif session.loaded and session.version is not None:
+            state.engine.weights.version = session.version
+    return _weights_reply(True, "Success")
+
+
+# -- from serialized tensors (custom weight loaders) ---------------------------------------------------
+class _SafeUnpickler(pickle.Unpickler):
+    """SGLang 0.5.23's ``SafeUnpickler`` (``srt/utils/common.py``) for what a CPU tensor pickles to:
+    its containers, torch's tensor rebuild functions, and storages read by ``torch.load`` with
+    ``weights_only``; any other global is refused with SGLang's message."""
+
+    ALLOWED = {
+        ("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "str", "tuple")
+    } | {
+        ("collections", "OrderedDict"),
+        ("torch._utils", "_rebuild_tensor"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_tensor_v3"),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            import torch
+
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+
+
+class LoaderModel:
+    """What SGLang hands a custom weight loader as its model, for the embedded engine:
+    ``load_weights([(HF name, tensor)])`` (some parameters, by HF name, written with ``copy_``) and
+    ``parameters()``."""
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    def parameters(self):
+        return self.weights.model.parameters()
+
+    def load_weights(self, named_tensors) -> None:
+        self.weights.load_named_weights(list(named_tensors), version=self.weights.version)
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request):
+    """Loads the tensors of this rank's entry of ``serialized_named_tensors`` (base64 of a pickle,
+    read as SGLang's ``SafeUnpickler`` reads it) at once: through the model's ``load_weights``
+    (``load_format`` None or ``direct``) or the loader ``load_format`` names, which must be one of
+    ``--custom-weight-loader``. As in SGLang 0.5.23, an exception of the load (a loader's, or an
+    unknown ``load_format``) ends the server: its scheduler's handler takes the process down."""
+    f = control_fields(
+        await read_json(request),
+        {
+            "serialized_named_tensors": (expect_str_list, None),
+            "load_format": (expect_optional_str, None),
+            "flush_cache": (expect_bool, True),
+            "abort_all_requests": (expect_bool, False),
+            "weight_version": (expect_str, None),
+            "selector": (expect_str, "all"),
+            "torch_empty_cache": (expect_bool, False),
+        },
+        required=("serialized_named_tensors",),
+    )
+    if not f["serialized_named_tensors"]:
+        raise BadRequest("serialized_named_tensors: one entry per TP rank, got none")
+    try:
+        payload = base64.b64decode(f["serialized_named_tensors"][0], validate=True)  # this server's TP rank 0
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(f"serialized_named_tensors[0] is not base64: {e}") from None
+    return await off_loop(_update_from_tensor, server_state(request), f, payload)
+
+
+def _update_from_tensor(state, f, payload: bytes):
+    if f["abort_all_requests"]:
+        state.scheduler.abort(abort_all=True)
+    with state.weight_lock:
+        session = state.weight_session
+        if session is None:
+            return _weights_reply(
+                False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            )
+        load_format = f["load_format"]
+
+        def load():
+            named = _SafeUnpickler(io.BytesIO(payload)).load()
+            if load_format in (None, "direct"):
+                LoaderModel(state.engine.weights).load_weights(named)
+            elif load_format in state.custom_weight_loader:
+                module, _, name = load_format.rpartition(".")
+                getattr(importlib.import_module(module), name)(LoaderModel(state.engine.weights), named)
+            else:
+                raise NotImplementedError(f"Unknown load_format={load_format}")
+
+        try:
+            state.scheduler.run_update(load)
+        except Exception as e:  # noqa: BLE001 -- SGLang's scheduler dies of any exception here
+            state.fault = f"update_weights_from_tensor: {type(e).__name__}: {e}"
+            print(f"sglang stand-in: Scheduler hit an exception: {state.fault}", file=sys.stderr, flush=True)
+            if state.on_fault is not None:
+                state.on_fault()
+            return error(500, state.fault)
+        session.loaded = True
+        if f["weight_version"] is not None:
+            session.version = f["weight_version"]
+        if f["flush_cache"] and not state.scheduler.cache_flushable():
+            return _weights_reply(
+                False,
+                "Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache.",
+            )
     return _weights_reply(True, "Success")
 
 

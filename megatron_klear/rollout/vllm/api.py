@@ -65,7 +65,6 @@ class VLLMAPI(ServerDialect):
     session_open_text = "already active"
     flush_call = ("/reset_prefix_cache?reset_running_requests=true", None)
     flush_after_update = True  # requests held by a ``keep`` pause recompute with the new weights
-    takes_delta = True  # the project's transfer engine keeps the last values it was sent
 
     def generate_body(self, input_ids: list, params: SamplingParams, n: int, seed, *, routing: bool) -> dict:
         if routing:
@@ -161,8 +160,19 @@ class VLLMAPI(ServerDialect):
         all of its groups together, under fresh names)."""
         return "/shutdown_weight_transfer_engine", None
 
+    def delta_refusal(self, transport, workers: list) -> str | None:
+        return None  # the project's transfer engine (every server runs it) takes delta buckets
+
     def bucket_call(
-        self, names: list, dtypes: list, shapes: list, *, group_name: str, load_format: str | None, counts=None
+        self,
+        names: list,
+        dtypes: list,
+        shapes: list,
+        *,
+        group_name: str,
+        load_format: str | None,
+        counts=None,
+        ranks: int = 1,
     ) -> tuple:
         info = {
             "names": list(names),

@@ -52,32 +52,35 @@ class DeltaImages:
     def encode(self, bucket) -> tuple:
         """A bucket's ``[(name, tensor)]`` -> ``(counts, pieces, changed elements, elements)``: per
         tensor -1 and the tensor (whole), or the number of changed elements, their flat positions
-        and their values; a tensor whose changes would take as many bytes as the tensor goes whole."""
+        and their values. A tensor goes whole in a full sync, when it has no image of its shape and
+        dtype, when its changes would take as many bytes as the tensor (decided before listing the
+        positions: a dense change lists millions), and when a changed value is NaN (SGLang's delta
+        loader reads NaN as "unchanged")."""
         counts, pieces, changed_total, elements = [], [], 0, 0
         for name, t in bucket:
             new = t.detach()
             old = self.images.get(name)
             elements += new.numel()
-            if self.full or old is None or old.shape != new.shape or old.dtype != new.dtype:
+            changed = values = None
+            if not (self.full or old is None or old.shape != new.shape or old.dtype != new.dtype):
+                mask = _bits(new) != _bits(old)
+                c = int(mask.sum())
+                changed_total += c
+                if c * (index_dtype(new.numel()).itemsize + new.element_size()) < new.numel() * new.element_size():
+                    changed = mask.nonzero().squeeze(1)
+                    values = new.reshape(-1)[changed]
+                    if values.is_floating_point() and bool(torch.isnan(values).any()):
+                        changed = None
+            else:
+                changed_total += new.numel()
+            if changed is None:
                 counts.append(DENSE)
                 pieces.append(new)
                 self.pending[name] = (None, new.clone())
-                changed_total += new.numel()
-                continue
-            mask = _bits(new) != _bits(old)
-            c = int(mask.sum())
-            changed_total += c
-            if c * (index_dtype(new.numel()).itemsize + new.element_size()) >= new.numel() * new.element_size():
-                counts.append(DENSE)  # decided before listing the positions (a dense change lists millions)
-                pieces.append(new)
-                self.pending[name] = (None, new.clone())
-                continue
-            changed = mask.nonzero().squeeze(1)
-            positions = changed.to(index_dtype(new.numel()))
-            values = new.reshape(-1)[changed]
-            counts.append(c)
-            pieces += [positions, values]
-            self.pending[name] = (changed, values)
+            else:
+                counts.append(int(changed.numel()))
+                pieces += [changed.to(index_dtype(new.numel())), values]
+                self.pending[name] = (changed, values)
         return counts, pieces, changed_total, elements
 
     def commit(self) -> None:

@@ -155,12 +155,12 @@ class DistributedWeightSync:
         """From a ``rollout`` config section (its ``sync_*`` keys and control timeout).
         ``rollout.sync_delta``: ``on`` (refused, naming the servers, where they take no delta
         buckets), ``auto`` (on where they do), ``off``. Collective: rank 0 decides for every rank."""
-        takes = broadcast_from_rank0(bool(engine.wire.takes_delta) if rank() == 0 else None)
-        if r.sync_delta == "on" and not takes:
-            raise WeightSyncError(
-                "rollout.sync_delta=on: these servers take no delta buckets (SGLang 0.5.23's "
-                "update_weights_from_distributed loads whole tensors); use vLLM servers, or sync_delta=off|auto"
-            )
+        refusal = None
+        if r.sync_delta != "off":
+            refusal = broadcast_from_rank0(engine.wire.delta_refusal() if rank() == 0 else None)
+        if r.sync_delta == "on" and refusal:
+            raise WeightSyncError(f"rollout.sync_delta=on: {refusal}; or set rollout.sync_delta=off|auto")
+        takes = refusal is None
         return cls(
             model_chunks,
             engine,

@@ -1,0 +1,196 @@
+"""Delta weight syncs into SGLang servers (rollout/sglang/delta_loader.py): the body the client sends
+passes SGLang 0.5.23's request struct and its ``SafeUnpickler`` allow-list (both read from its
+wheel); 50 delta syncs through the wire into a stand-in server started with the project's custom
+weight loader leave it bit-identical (per-tensor checksums, probe log-probs) to a second server given
+one full sync of the same weights; a server started without the loader is named by the client
+before any delta is sent; a loader that fails ends the server, as SGLang's scheduler does."""
+
+import base64
+import threading
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_klear.checkpoint.hf_io import HFReader
+from megatron_klear.rollout.servers.update_group import (
+    DENSE,
+    destroy_update_group,
+    dtype_name,
+    join_update_group,
+    open_master_store,
+)
+from megatron_klear.rollout.sglang.api import SGLangAPI
+from megatron_klear.rollout.sglang.delta_loader import LOADER, SPEC_NAME, read_spec
+from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+from megatron_klear.rollout.weight_sync.delta import DeltaImages
+from tests.rollout.sglang_contract import control_contract_errors, sglang_unpickle
+
+
+def test_a_delta_bucket_is_a_tensor_request_sglang_accepts():
+    names, dtypes, shapes, counts = ["a.weight", "b.weight"], ["bfloat16", "float32"], [[4, 8], [3]], [5, DENSE]
+    path, body = SGLangAPI().bucket_call(
+        names, dtypes, shapes, group_name="g1", load_format="flattened_bucket", counts=counts, ranks=2
+    )
+    assert path == "/update_weights_from_tensor"
+    assert control_contract_errors(path, body) == []
+    assert body["load_format"] == LOADER and body["flush_cache"] is False
+    assert len(body["serialized_named_tensors"]) == 2  # one entry per TP rank of the widest server
+    named = sglang_unpickle(base64.b64decode(body["serialized_named_tensors"][1], validate=True))
+    assert [n for n, _ in named] == [SPEC_NAME]
+    assert read_spec(named) == {
+        "group_name": "g1",
+        "load_format": "flattened_bucket",
+        "names": names,
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "counts": counts,
+    }
+    # whole buckets keep SGLang's own route
+    assert SGLangAPI().bucket_call(names, dtypes, shapes, group_name="g1", load_format=None)[0] == (
+        "/update_weights_from_distributed"
+    )
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_hf):
+    """A: started with the delta loader; B: without it."""
+    keys = dict(dtype="bfloat16", weight_sync_timeout=30, startup_timeout=120, timeout=60)
+    a = EmbeddedHTTPEngine.launch(tiny_hf["untied"], custom_weight_loader=[LOADER], **keys)
+    try:
+        b = EmbeddedHTTPEngine.launch(tiny_hf["untied"], **keys)
+    except BaseException:
+        a.close()
+        raise
+    yield a, b
+    a.close()
+    b.close()
+
+
+class _Sender:
+    """Group rank 0 in this process, the server rank 1; the wire of the server's client."""
+
+    def __init__(self, server, name):
+        self.server, self.name = server, name
+        store = open_master_store("127.0.0.1", 0, 2, 30)
+        joined = {}
+        t = threading.Thread(
+            target=lambda: joined.update(
+                f=server.wire.join_group_async(
+                    master_address="127.0.0.1",
+                    master_port=store.port,
+                    world_size=2,
+                    rank_offsets={server.url: 1},
+                    group_name=name,
+                    backend="gloo",
+                    timeout=30,
+                )
+            )
+        )
+        t.start()
+        self.pg = join_update_group(
+            backend="gloo", master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2,
+            group_name=name, timeout=30, store=store,
+        )  # fmt: skip
+        t.join()
+        for f in joined["f"].values():
+            f.result(timeout=30)
+        self.store = store
+
+    def sync(self, bucket, version, images=None) -> int:
+        """One sync of ``bucket``: whole, or with ``images`` by deltas; the bytes broadcast."""
+        names = [n for n, _ in bucket]
+        dtypes = [dtype_name(t.dtype) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        counts, pieces = None, [t for _, t in bucket]
+        if images is not None:
+            images.begin()
+            counts, pieces, _, _ = images.encode(bucket)
+        wire = self.server.wire
+        wire.start_update()
+        post = wire.post_bucket(names, dtypes, shapes, group_name=self.name, counts=counts, timeout=60)
+        assert post.refusals(0.2) == {}
+        for p in pieces:
+            dist.broadcast(p.contiguous(), src=0, group=self.pg)
+        assert post.result() == {}
+        wire.finish_update(version, check_received=False)
+        if images is not None:
+            images.commit()
+        return sum(p.numel() * p.element_size() for p in pieces)
+
+    def close(self):
+        self.server.wire.leave_group(self.name)
+        destroy_update_group(self.pg)
+
+
+def _checksums(url):
+    r = httpx.get(url + "/weights_checker", timeout=60).json()
+    assert r["success"], r
+    return r["ranks"][0]["checksums"]
+
+
+def test_the_client_names_a_server_started_without_the_loader(servers):
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    a, b = servers
+    both = SGLangEngine.at([a.url, b.url], control_timeout_s=30)
+    try:
+        refusal = both.wire.delta_refusal()
+        assert b.url in refusal and a.url not in refusal and f"--custom-weight-loader {LOADER}" in refusal
+        assert SGLangEngine.at([a.url], control_timeout_s=30).wire.delta_refusal() is None
+    finally:
+        both.close()
+
+
+def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(servers, tiny_hf):
+    a, b = servers
+    reader = HFReader(tiny_hf["untied"])
+    try:
+        weights = {k: reader.get(k).to(torch.bfloat16) for _, keys in reader.files() for k in sorted(keys)}
+    finally:
+        reader.close()
+    probe = [5, 17, 33, 60, 7]
+    before = a.probe(a.url, probe, 6)
+    start = _checksums(a.url)
+    sa, sb = _Sender(a, "delta_sglang_a"), _Sender(b, "delta_sglang_b")
+    try:
+        images, g, sent = DeltaImages(full_every=1000), torch.Generator().manual_seed(0), []
+        for version in range(1, 51):
+            if version > 1:
+                for t in weights.values():  # a few elements of each tensor move, as a small lr moves bf16
+                    mask = torch.rand(t.shape, generator=g) < 0.02
+                    step = (0.01 * torch.randn(t.shape, generator=g)).to(t.dtype)
+                    t.add_(torch.where(mask, step, torch.zeros_like(t)))
+            sent.append(sa.sync(sorted(weights.items()), version, images))
+        full = sb.sync(sorted(weights.items()), 50)
+    finally:
+        sa.close()
+        sb.close()
+    got_a, got_b = _checksums(a.url), _checksums(b.url)
+    assert got_a == got_b  # bit for bit, every tensor
+    assert got_a != start
+    pa, pb = a.probe(a.url, probe, 6), b.probe(b.url, probe, 6)
+    assert pa.token_ids == pb.token_ids and pa.logprobs == pb.logprobs
+    assert pa.logprobs != before.logprobs
+    assert sent[0] == full and max(sent[1:]) < 0.15 * full, (sent[:3], full)
+
+
+def test_a_failing_loader_ends_the_server_as_sglangs_scheduler_does(tiny_hf):
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.sglang_standin import serve_in_thread
+
+    engine = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
+    server, url = serve_in_thread(engine, custom_weight_loader=[LOADER])
+    try:
+        assert httpx.post(url + "/begin_weight_update", json={}, timeout=30).json()["success"]
+        _, body = SGLangAPI().bucket_call(
+            ["model.norm.weight"], ["float32"], [[32]], group_name="never_joined", load_format=None, counts=[1]
+        )
+        r = httpx.post(url + "/update_weights_from_tensor", json=body, timeout=30)
+        assert r.status_code == 500 and "no weight update group named 'never_joined'" in r.text
+        assert server._stopped.wait(10)  # the server is gone (a server process exits)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        server.server_close()
