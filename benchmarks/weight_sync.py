@@ -195,8 +195,16 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     engine_cls = VLLMEngine if args.engine == "vllm" else SGLangEngine
     engine = engine_cls.at(urls, control_timeout_s=120, weight_update_timeout_s=1800) if rank == 0 else None
     sync = DistributedWeightSync(
-        chunks, engine, bucket_mb=args.bucket_mb, group_timeout=600, bucket_timeout=600, control_timeout=120
+        chunks,
+        engine,
+        bucket_mb=args.bucket_mb,
+        group_timeout=600,
+        bucket_timeout=600,
+        control_timeout=120,
+        load_format=None if args.load_format == "auto" else args.load_format,
     )
+    if args.timeline:
+        _record_timeline(sync, engine, os.path.join(args.timeline, f"trainer-{rank}.jsonl"))
     tp_group = __import__("megatron.core.parallel_state", fromlist=["x"]).get_tensor_model_parallel_group()
     from megatron_klear.checkpoint.model_weights import iter_hf_tensors
 
@@ -273,6 +281,33 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     sync.close()
     delta = _delta_phase(chunks, engine, args, barrier, version) if args.delta_lrs else {}
     return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats, "delta": delta}
+
+
+def _record_timeline(sync, engine, path: str) -> None:
+    """Append each sync's phases to ``path`` (JSON lines: phase, wall-clock start and end): the whole
+    sync, each bucket from its launch to its end (gathered, posted, broadcast, answered), and on rank
+    0 the servers' calls around it."""
+    import json
+
+    def timed(obj, name, phase):
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            start = time.time()
+            try:
+                return inner(*a, **k)
+            finally:
+                with open(path, "a") as f:
+                    f.write(json.dumps({"phase": phase, "start": start, "end": time.time()}) + "\n")
+
+        setattr(obj, name, wrapper)
+
+    timed(sync, "sync", "sync")
+    timed(sync.buckets, "_launch_bucket", "launch_bucket")
+    timed(sync.buckets, "_finish_bucket", "finish_bucket")
+    if engine is not None:
+        for name in ("start_update", "pause", "flush_caches", "begin", "finish_update"):
+            timed(engine.wire, name, name)
 
 
 def _fmt(phases: dict) -> str:
@@ -397,6 +432,18 @@ def main() -> int:
     )
     ap.add_argument("--vllm-python", default=os.path.join(REPO, ".venv-vllm", "bin", "python"))
     ap.add_argument("--sync-dir", default="", help="where the disk variants write (default: the temporary directory)")
+    ap.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "flattened_bucket"),
+        help="the distributed sync's wire: one broadcast per tensor (auto) or per bucket",
+    )
+    ap.add_argument(
+        "--timeline",
+        default="",
+        help="a directory: the trainer's ranks and the vLLM workers write each sync's phases there "
+        "(trainer-<rank>.jsonl, worker-<pid>.jsonl: phase, wall-clock start and end)",
+    )
     ap.add_argument("--json", default="", help="write the results here")
     ap.add_argument("--workdir", default="")
     ap.add_argument(
@@ -417,6 +464,7 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     from megatron_klear.platform.process import free_port
+    from megatron_klear.rollout.servers.update_group import TIMELINE_ENV
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.vllm.launcher import VLLMServer
 
@@ -443,6 +491,7 @@ def main() -> int:
                         dtype="bfloat16",
                         max_model_len=512,
                         extra_args=("--weight-transfer-config", '{"backend": "megatron_klear"}'),
+                        env={TIMELINE_ENV: args.timeline} if args.timeline else None,
                     )
                 )
                 continue

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,24 @@ from megatron_klear.platform.dtypes import canonical_name
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default group_name
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
+
+
+#: a directory: a receiver (vLLM's transfer engine) appends its weight-update phases there
+#: (``worker-<pid>.jsonl``: phase, wall-clock start and end, tensors), to lay beside the trainer's
+#: timeline of a sync (``benchmarks/weight_sync.py --timeline``)
+TIMELINE_ENV = "KLEAR_TRANSFER_TIMELINE"
+
+
+@contextlib.contextmanager
+def timed(phase: str, **extra):
+    """Record ``phase`` in the worker's timeline when :data:`TIMELINE_ENV` names a directory."""
+    where = os.environ.get(TIMELINE_ENV)
+    start = time.time()
+    yield
+    if where:
+        line = {"phase": phase, "start": start, "end": time.time(), **extra}
+        with open(os.path.join(where, f"worker-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 class PortInUseError(RuntimeError):

@@ -40,6 +40,7 @@ from megatron_klear.rollout.servers.update_group import (
     dtype_of,
     join_update_group,
     receive_delta_bucket,
+    timed,
     unflatten_bucket,
 )
 from megatron_klear.rollout.vllm.plugin import BACKEND  # noqa: F401 -- the name this engine is registered as
@@ -80,6 +81,8 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
         super().__init__(config, vllm_config, device, model)
         self.groups: dict = {}  # group name -> process group
         self.images: dict = {}  # delta syncs: name -> the last value sent (host memory)
+        self.buffers: dict = {}  # a CPU worker's full syncs: name -> where it is received (_buffer)
+        self.flat = torch.empty(0, dtype=torch.uint8)  # a CPU worker's flattened buckets
 
     def _worker_rank(self) -> int:
         import torch.distributed as dist
@@ -103,12 +106,14 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model)
+        with timed("start"):
+            initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+        with timed("finish"):
+            finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -122,24 +127,58 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
                 f"weight update group {update_info.group_name!r} is not initialised here "
                 f"(known: {sorted(self.groups)}); call /init_weight_transfer_engine first"
             )
+        n = len(update_info.names)
         if update_info.counts is not None:
-            self.model.load_weights(self._receive_delta(group, update_info))
+            with timed("receive_delta", tensors=n):
+                tensors = self._receive_delta(group, update_info)
+            with timed("load", tensors=n):
+                self.model.load_weights(tensors)
             return
         self.images.clear()  # a full sync: the next delta sync starts with whole tensors
+        with timed("receive", tensors=n):
+            tensors = self._receive(group, update_info)
+        with timed("load", tensors=n):
+            self.model.load_weights(tensors)
+
+    def _buffer(self, name: str, shape, dtype) -> torch.Tensor:
+        """Where tensor ``name`` of a full sync is received. A CPU worker keeps one per tensor
+        across syncs: memory freshly allocated for every sync (hundreds of MB, returned to the OS
+        when freed) costs its page faults again each time, which took about a third of a sync to
+        vLLM's CPU build (benchmarks/RESULTS.md). A GPU worker allocates (torch's caching allocator
+        reuses its memory; a second copy of the weights would not fit)."""
+        shape = torch.Size(int(d) for d in shape)
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        t = self.buffers.get(name)
+        if t is None or t.shape != shape or t.dtype != dtype:
+            t = self.buffers[name] = torch.empty(shape, dtype=dtype)
+        return t
+
+    def _receive(self, group, update_info: UpdateGroupBucket) -> list:
+        """A full bucket's [(name, tensor)]. Layerwise reloading holds the tensors of a layer until
+        all of them arrived (a later bucket may complete it): each keeps storage of its own."""
+        names, dtypes, shapes = update_info.names, update_info.dtype_names, update_info.shapes
         if update_info.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes
-            layout = bucket_layout(update_info.names, update_info.dtype_names, update_info.shapes)
-            flat = torch.empty(layout[-1][4], dtype=torch.uint8, device=self.device)
+            layout = bucket_layout(names, dtypes, shapes)
+            size = layout[-1][4]
+            if self.device.type != "cpu":
+                flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+            else:  # one buffer for every bucket, grown to the largest
+                if self.flat.numel() < size:
+                    self.flat = torch.empty(size, dtype=torch.uint8)
+                flat = self.flat[:size]
             torch.distributed.broadcast(flat, src=0, group=group)
-            tensors = [(name, t.clone()) for name, t in unflatten_bucket(flat, layout)]
-        elif update_info.load_format in ("auto", None):  # SGLang's default: one broadcast per tensor, in order
+            return [
+                (name, self._buffer(name, t.shape, t.dtype).copy_(t)) for name, t in unflatten_bucket(flat, layout)
+            ]
+        if update_info.load_format in ("auto", None):  # SGLang's default: one broadcast per tensor, in order
             tensors = []
-            for name, dt, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-                t = torch.empty([int(d) for d in shape], dtype=dtype_of(dt), device=self.device)
+            for name, dt, shape in zip(names, dtypes, shapes):
+                t = self._buffer(name, shape, dtype_of(dt))
                 torch.distributed.broadcast(t, src=0, group=group)
                 tensors.append((name, t))
-        else:
-            raise ValueError(f"load_format {update_info.load_format!r}: expected 'auto' or {FLATTENED_BUCKET!r}")
-        self.model.load_weights(tensors)
+            return tensors
+        raise ValueError(f"load_format {update_info.load_format!r}: expected 'auto' or {FLATTENED_BUCKET!r}")
 
     def _receive_delta(self, group, update_info: UpdateGroupBucket) -> list:
         """A delta bucket: its pieces received, written into the images; [(name, tensor)] to load."""
@@ -147,8 +186,11 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
             raise ValueError(f"load_format {update_info.load_format!r}: expected 'auto' or {FLATTENED_BUCKET!r}")
         segments = delta_segments(update_info.names, update_info.dtype_names, update_info.shapes, update_info.counts)
         pieces = receive_delta_bucket(group, self.device, segments, update_info.load_format or "auto")
+        self.buffers.clear()  # (the images take their place: one host copy of the weights at most)
         pieces = [p.to("cpu") for p in pieces]
-        return [(name, t.to(self.device).clone()) for name, t in apply_delta(self.images, segments, pieces)]
+        # a GPU worker loads a copy of each image; a CPU worker the image itself (load_weights copies
+        # it into the layer it rebuilds; the next sync's changes come after that)
+        return [(name, t.to(self.device)) for name, t in apply_delta(self.images, segments, pieces)]
 
     def shutdown(self) -> None:
         for group in self.groups.values():
