@@ -41,7 +41,7 @@ distributed_s), ``speedup_vs_disk_flushed``, ``speedup_vs_disk_sequential``, ``e
 collective's), ``distributed_stats`` (bytes, buckets, streamed stages, seconds of each timed sync),
 plus sizes and the machine.
 
-``--delta-lrs`` (vLLM servers: SGLang 0.5.23 takes no delta buckets) then measures delta syncs
+``--delta-lrs`` (either engine: the stand-in servers start with the SGLang delta loader) then measures delta syncs
 (``rollout.sync_delta``) after the variants: per learning rate, a full sync, then ``--repeats``
 steps, each an update of every weight followed by a timed delta sync. The update is Adam-shaped
 without an optimizer: fp32 master weights move by ``lr`` x a unit-scale random direction per
@@ -449,14 +449,12 @@ def main() -> int:
     ap.add_argument(
         "--delta-lrs",
         default="",
-        help="comma-separated learning rates: measure delta syncs after the variants (vLLM servers)",
+        help="comma-separated learning rates: measure delta syncs after the variants",
     )
     args = ap.parse_args()
     if args.quick:
         args.layers, args.bucket_mb, args.repeats = 2, 1.0, 1
     args.variants = [v for v in args.variants.split(",") if v]
-    if args.delta_lrs and args.engine != "vllm":
-        ap.error("--delta-lrs needs --engine vllm: SGLang 0.5.23 takes no delta buckets")
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or not args.variants:
         ap.error(f"--variants: unknown {sorted(unknown)}" if unknown else "--variants: none given")
@@ -465,6 +463,7 @@ def main() -> int:
 
     from megatron_klear.platform.process import free_port
     from megatron_klear.rollout.servers.update_group import TIMELINE_ENV
+    from megatron_klear.rollout.sglang.delta_loader import LOADER
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.vllm.launcher import VLLMServer
 
@@ -495,9 +494,14 @@ def main() -> int:
                     )
                 )
                 continue
-            servers.append(
+            servers.append(  # with the delta loader SGLang servers need for --delta-lrs
                 EmbeddedHTTPEngine.launch(
-                    ckpt, dtype="bfloat16", weight_sync_timeout=600, startup_timeout=600, timeout=120
+                    ckpt,
+                    dtype="bfloat16",
+                    weight_sync_timeout=600,
+                    startup_timeout=600,
+                    timeout=120,
+                    custom_weight_loader=[LOADER],
                 )
             )
         print("servers:", [s.url for s in servers], flush=True)

@@ -194,3 +194,30 @@ def test_a_failing_loader_ends_the_server_as_sglangs_scheduler_does(tiny_hf):
             httpx.get(url + "/health", timeout=5)
     finally:
         server.server_close()
+
+
+def test_the_loaders_pieces_write_only_the_changed_elements():
+    """densified + nan_masked_copies, as SGLang's weight loaders meet them: a fused parameter written
+    through a narrowed (non-contiguous) view keeps every element but the changed ones; a tensor
+    without changes is not handed over; a NaN among the changes is refused."""
+    from megatron_klear.rollout.servers.update_group import delta_segments
+    from megatron_klear.rollout.sglang.delta_loader import densified, nan_masked_copies
+
+    segments = delta_segments(["q", "k", "n"], ["float32"] * 3, [[2, 3], [2, 3], [4]], [2, 0, DENSE])
+    tensors = [
+        torch.tensor([1, 5], dtype=torch.int32),
+        torch.tensor([10.0, 50.0]),
+        torch.empty(0, dtype=torch.int32),
+        torch.empty(0),
+        torch.arange(4.0),
+    ]
+    out = list(densified(segments, tensors, {"q": [2, 3], "k": [2, 3], "n": [4]}))
+    assert [(name, whole) for name, _, whole in out] == [("q", False), ("n", True)]
+    fused = torch.zeros(2, 6)  # q and k side by side, as a qkv parameter holds them
+    with nan_masked_copies():
+        fused[:, :3].copy_(out[0][1])
+    assert fused.tolist() == [[0, 10, 0, 0, 0, 0], [0, 0, 50, 0, 0, 0]]
+    assert torch.Tensor.copy_(torch.zeros(2), torch.tensor([float("nan"), 1.0]))[0].isnan()  # restored
+    bad = [torch.tensor([0], dtype=torch.int32), torch.tensor([float("nan")])]
+    with pytest.raises(ValueError, match="NaN among its changed values"):
+        list(densified(delta_segments(["q"], ["float32"], [[2]], [1]), bad, {"q": [2]}))

@@ -114,7 +114,7 @@ def nan_masked_copies():
     def copy_(self, src, non_blocking=False):
         if isinstance(src, torch.Tensor) and src.is_floating_point() and src.shape == self.shape:
             src = src.to(device=self.device, dtype=self.dtype)
-            src = torch.where(torch.isnan(src), self, src)
+            return torch.where(torch.isnan(src), self, src, out=self)  # in place: one pass, no copy
         return original(self, src, non_blocking)
 
     with _copy_lock:
@@ -128,7 +128,7 @@ def nan_masked_copies():
 def densified(segments, tensors, shapes: dict):
     """(name, tensor, whole) per tensor of a received delta bucket: a tensor sent whole as it came,
     a tensor sent as changes (``shapes``: {name: its shape}) as NaN everywhere but at its changed
-    elements."""
+    elements; a tensor without changes not at all."""
     k = 0
     while k < len(segments):
         name, kind, _, _ = segments[k]
@@ -137,12 +137,14 @@ def densified(segments, tensors, shapes: dict):
             k += 1
             continue
         positions, values = tensors[k], tensors[k + 1]
+        k += 2
+        if not values.numel():
+            continue
         if values.is_floating_point() and bool(torch.isnan(values).any()):
             raise ValueError(f"{LOADER}: tensor {name} has a NaN among its changed values (it must be sent whole)")
         out = torch.full(shapes[name], float("nan"), dtype=values.dtype, device=values.device)
         out.view(-1)[positions.long()] = values
         yield name, out, False
-        k += 2
 
 
 def apply_delta(model, named_tensors) -> None:

@@ -168,9 +168,7 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
                     self.flat = torch.empty(size, dtype=torch.uint8)
                 flat = self.flat[:size]
             torch.distributed.broadcast(flat, src=0, group=group)
-            return [
-                (name, self._buffer(name, t.shape, t.dtype).copy_(t)) for name, t in unflatten_bucket(flat, layout)
-            ]
+            return [(name, self._buffer(name, t.shape, t.dtype).copy_(t)) for name, t in unflatten_bucket(flat, layout)]
         if update_info.load_format in ("auto", None):  # SGLang's default: one broadcast per tensor, in order
             tensors = []
             for name, dt, shape in zip(names, dtypes, shapes):

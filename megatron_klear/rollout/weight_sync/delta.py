@@ -64,7 +64,7 @@ class DeltaImages:
             changed = values = None
             if not (self.full or old is None or old.shape != new.shape or old.dtype != new.dtype):
                 mask = _bits(new) != _bits(old)
-                c = int(mask.sum())
+                c = int(torch.count_nonzero(mask))  # (a bool sum is 20x slower on CPU)
                 changed_total += c
                 if c * (index_dtype(new.numel()).itemsize + new.element_size()) < new.numel() * new.element_size():
                     changed = mask.nonzero().squeeze(1)
