@@ -180,7 +180,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     from megatron_klear.rollout.servers.update_group import join_update_group, open_master_store
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.vllm import VLLMEngine
-    from megatron_klear.rollout.weight_sync import DistributedWeightSync, export_hf_for_engine, iter_buckets
+    from megatron_klear.rollout.weight_sync import export_hf_for_engine, iter_buckets
     from megatron_klear.training.setup import load_initial_weights, model_arch
 
     cfg = load_config(None, [f"model.path={ckpt}", "parallel.tp=2", "model.dtype=bf16"])
@@ -194,15 +194,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
 
     engine_cls = VLLMEngine if args.engine == "vllm" else SGLangEngine
     engine = engine_cls.at(urls, control_timeout_s=120, weight_update_timeout_s=1800) if rank == 0 else None
-    sync = DistributedWeightSync(
-        chunks,
-        engine,
-        bucket_mb=args.bucket_mb,
-        group_timeout=600,
-        bucket_timeout=600,
-        control_timeout=120,
-        load_format=None if args.load_format == "auto" else args.load_format,
-    )
+    sync = _make_sync(chunks, engine, args)
     if args.timeline:
         _record_timeline(sync, engine, os.path.join(args.timeline, f"trainer-{rank}.jsonl"))
     tp_group = __import__("megatron.core.parallel_state", fromlist=["x"]).get_tensor_model_parallel_group()
@@ -283,31 +275,56 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats, "delta": delta}
 
 
+def _make_sync(chunks, engine, args, **keys):
+    """The distributed sync the variants time (``keys``: the delta settings)."""
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync
+
+    return DistributedWeightSync(
+        chunks,
+        engine,
+        bucket_mb=args.bucket_mb,
+        group_timeout=600,
+        bucket_timeout=600,
+        control_timeout=120,
+        load_format=None if args.load_format == "auto" else args.load_format,
+        **keys,
+    )
+
+
+def _wrap_timed(obj, name: str, record) -> None:
+    """Replace ``obj.name`` by a wrapper that calls ``record(start, end)`` (wall-clock seconds) after
+    each call, whatever it raised."""
+    inner = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        start = time.time()
+        try:
+            return inner(*a, **k)
+        finally:
+            record(start, time.time())
+
+    setattr(obj, name, wrapper)
+
+
 def _record_timeline(sync, engine, path: str) -> None:
     """Append each sync's phases to ``path`` (JSON lines: phase, wall-clock start and end): the whole
     sync, each bucket from its launch to its end (gathered, posted, broadcast, answered), and on rank
     0 the servers' calls around it."""
     import json
 
-    def timed(obj, name, phase):
-        inner = getattr(obj, name)
+    def line(phase):
+        def record(start, end):
+            with open(path, "a") as f:
+                f.write(json.dumps({"phase": phase, "start": start, "end": end}) + "\n")
 
-        def wrapper(*a, **k):
-            start = time.time()
-            try:
-                return inner(*a, **k)
-            finally:
-                with open(path, "a") as f:
-                    f.write(json.dumps({"phase": phase, "start": start, "end": time.time()}) + "\n")
+        return record
 
-        setattr(obj, name, wrapper)
-
-    timed(sync, "sync", "sync")
-    timed(sync.buckets, "_launch_bucket", "launch_bucket")
-    timed(sync.buckets, "_finish_bucket", "finish_bucket")
+    _wrap_timed(sync, "sync", line("sync"))
+    _wrap_timed(sync.buckets, "_launch_bucket", line("launch_bucket"))
+    _wrap_timed(sync.buckets, "_finish_bucket", line("finish_bucket"))
     if engine is not None:
         for name in ("start_update", "pause", "flush_caches", "begin", "finish_update"):
-            timed(engine.wire, name, name)
+            _wrap_timed(engine.wire, name, line(name))
 
 
 def _fmt(phases: dict) -> str:
@@ -321,22 +338,16 @@ def _time_phases(sync, engine) -> dict:
     its layerwise reload there), ``finish`` (end, version, resume, checks)."""
     phases = {}
 
-    def timed(obj, name, key):
-        inner = getattr(obj, name)
+    def add(key):
+        def record(start, end):
+            phases[key] = phases.get(key, 0.0) + end - start
 
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
+        return record
 
-        setattr(obj, name, wrapper)
-
-    timed(sync.delta, "encode", "encode")
+    _wrap_timed(sync.delta, "encode", add("encode"))
     if engine is not None:
         for name in ("start_update", "end", "finish_update"):
-            timed(engine.wire, name, {"start_update": "start", "finish_update": "finish"}.get(name, name))
+            _wrap_timed(engine.wire, name, add({"start_update": "start", "finish_update": "finish"}.get(name, name)))
     return phases
 
 
@@ -345,18 +356,7 @@ def _delta_phase(chunks, engine, args, barrier, version) -> dict:
     timed delta sync). {lr: {full_s, delta_s: [...], changed_frac: [...], bytes_frac: [...]}}."""
     import torch
 
-    from megatron_klear.rollout.weight_sync import DistributedWeightSync
-
-    sync = DistributedWeightSync(
-        chunks,
-        engine,
-        bucket_mb=args.bucket_mb,
-        group_timeout=600,
-        bucket_timeout=600,
-        control_timeout=120,
-        delta=True,
-        full_every=10**9,
-    )
+    sync = _make_sync(chunks, engine, args, delta=True, full_every=10**9)
     phases = _time_phases(sync, engine)
     params = [p for c in chunks for p in c.parameters()]
     masters = [p.detach().float().clone() for p in params]

@@ -6,26 +6,21 @@ one full sync of the same weights; a server started without the loader is named 
 before any delta is sent; a loader that fails ends the server, as SGLang's scheduler does."""
 
 import base64
-import threading
 
 import httpx
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_klear.checkpoint.hf_io import HFReader
 from megatron_klear.rollout.servers.update_group import (
     DENSE,
-    destroy_update_group,
-    dtype_name,
-    join_update_group,
-    open_master_store,
 )
 from megatron_klear.rollout.sglang.api import SGLangAPI
 from megatron_klear.rollout.sglang.delta_loader import LOADER, SPEC_NAME, read_spec
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from megatron_klear.rollout.weight_sync.delta import DeltaImages
 from tests.rollout.sglang_contract import control_contract_errors, sglang_unpickle
+from tests.rollout.update_sender import GroupSender
 
 
 def test_a_delta_bucket_is_a_tensor_request_sglang_accepts():
@@ -68,62 +63,6 @@ def servers(tiny_hf):
     b.close()
 
 
-class _Sender:
-    """Group rank 0 in this process, the server rank 1; the wire of the server's client."""
-
-    def __init__(self, server, name):
-        self.server, self.name = server, name
-        store = open_master_store("127.0.0.1", 0, 2, 30)
-        joined = {}
-        t = threading.Thread(
-            target=lambda: joined.update(
-                f=server.wire.join_group_async(
-                    master_address="127.0.0.1",
-                    master_port=store.port,
-                    world_size=2,
-                    rank_offsets={server.url: 1},
-                    group_name=name,
-                    backend="gloo",
-                    timeout=30,
-                )
-            )
-        )
-        t.start()
-        self.pg = join_update_group(
-            backend="gloo", master_address="127.0.0.1", master_port=store.port, rank=0, world_size=2,
-            group_name=name, timeout=30, store=store,
-        )  # fmt: skip
-        t.join()
-        for f in joined["f"].values():
-            f.result(timeout=30)
-        self.store = store
-
-    def sync(self, bucket, version, images=None) -> int:
-        """One sync of ``bucket``: whole, or with ``images`` by deltas; the bytes broadcast."""
-        names = [n for n, _ in bucket]
-        dtypes = [dtype_name(t.dtype) for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
-        counts, pieces = None, [t for _, t in bucket]
-        if images is not None:
-            images.begin()
-            counts, pieces, _, _ = images.encode(bucket)
-        wire = self.server.wire
-        wire.start_update()
-        post = wire.post_bucket(names, dtypes, shapes, group_name=self.name, counts=counts, timeout=60)
-        assert post.refusals(0.2) == {}
-        for p in pieces:
-            dist.broadcast(p.contiguous(), src=0, group=self.pg)
-        assert post.result() == {}
-        wire.finish_update(version, check_received=False)
-        if images is not None:
-            images.commit()
-        return sum(p.numel() * p.element_size() for p in pieces)
-
-    def close(self):
-        self.server.wire.leave_group(self.name)
-        destroy_update_group(self.pg)
-
-
 def _checksums(url):
     r = httpx.get(url + "/weights_checker", timeout=60).json()
     assert r["success"], r
@@ -153,7 +92,7 @@ def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(servers, 
     probe = [5, 17, 33, 60, 7]
     before = a.probe(a.url, probe, 6)
     start = _checksums(a.url)
-    sa, sb = _Sender(a, "delta_sglang_a"), _Sender(b, "delta_sglang_b")
+    sa, sb = GroupSender(a, a.url, "delta_sglang_a"), GroupSender(b, b.url, "delta_sglang_b")
     try:
         images, g, sent = DeltaImages(full_every=1000), torch.Generator().manual_seed(0), []
         for version in range(1, 51):

@@ -238,6 +238,22 @@ def _begin_update(state):
     return _weights_reply(True, "Success")
 
 
+def _outside_session(route: str):
+    """SGLang 0.5.23's refusal of an update outside a begin/end session."""
+    return _weights_reply(False, f"{route} must run between begin_weight_update() and end_weight_update()")
+
+
+#: the fields SGLang 0.5.23's update requests share (``io_struct.py``: from distributed, from tensor)
+_UPDATE_FIELDS = {
+    "flush_cache": (expect_bool, True),
+    "abort_all_requests": (expect_bool, False),
+    "weight_version": (expect_str, None),
+    "load_format": (expect_optional_str, None),
+    "selector": (expect_str, "all"),
+    "torch_empty_cache": (expect_bool, False),
+}
+
+
 @router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(request: Request):
     """Receives the tensors group rank 0 broadcasts (one per tensor, or one ``uint8`` bucket for
@@ -249,12 +265,7 @@ async def update_weights_from_distributed(request: Request):
             "dtypes": (expect_str_list, None),
             "shapes": (lambda v, w: [expect_token_ids(x, f"{w}[{k}]") for k, x in enumerate(expect_seq(v, w))], None),
             "group_name": (expect_str, DEFAULT_GROUP_NAME),
-            "flush_cache": (expect_bool, True),
-            "abort_all_requests": (expect_bool, False),
-            "weight_version": (expect_str, None),
-            "load_format": (expect_optional_str, None),
-            "selector": (expect_str, "all"),
-            "torch_empty_cache": (expect_bool, False),
+            **_UPDATE_FIELDS,
         },
         required=("names", "dtypes", "shapes"),
     )
@@ -269,9 +280,7 @@ def _update_from_distributed(state, f):
     with state.weight_lock:
         session = state.weight_session
         if session is None:
-            return _weights_reply(
-                False, "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
-            )
+            return _outside_session("update_weights_from_distributed")
         name = f["group_name"]
         pg = state.update_groups.get(name)
         if pg is None:
@@ -455,12 +464,7 @@ async def update_weights_from_tensor(request: Request):
         await read_json(request),
         {
             "serialized_named_tensors": (expect_str_list, None),
-            "load_format": (expect_optional_str, None),
-            "flush_cache": (expect_bool, True),
-            "abort_all_requests": (expect_bool, False),
-            "weight_version": (expect_str, None),
-            "selector": (expect_str, "all"),
-            "torch_empty_cache": (expect_bool, False),
+            **_UPDATE_FIELDS,
         },
         required=("serialized_named_tensors",),
     )
@@ -479,9 +483,7 @@ def _update_from_tensor(state, f, payload: bytes):
     with state.weight_lock:
         session = state.weight_session
         if session is None:
-            return _weights_reply(
-                False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-            )
+            return _outside_session("update_weights_from_tensor")
         load_format = f["load_format"]
 
         def load():
