@@ -409,3 +409,81 @@ def test_delta_syncs_through_sglangs_custom_loader_match_a_full_sync_at_pp2(mode
     assert stats[0]["changed"] == stats[0]["elements"]  # the first sync sends everything whole
     for s in stats[1:]:
         assert 0 < s["changed"] < 0.05 * s["elements"] and s["bytes"] < 0.3 * full_bytes, (s, full_bytes)
+
+
+def _delta_sync_losing_a_server(rank, world, model_dir, urls, url_c, pid):
+    """Delta syncs to two servers; the second sync kills server ``pid`` mid-broadcast (a delta
+    loader that raises ends an SGLang server the same way); a third sync follows, then one full sync
+    of the same weights to ``url_c``. Returns the three syncs' stats."""
+    import os
+    import signal
+
+    import torch
+
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync
+    from megatron_klear.rollout.weight_sync import distributed_buckets as schedule
+    from megatron_klear.training.setup import build_training_state
+
+    cfg = load_config(None, [f"model.path={model_dir}"])
+    init_parallel(cfg.parallel)
+    state = build_training_state(cfg, total_steps=1)
+    keys = {"bucket_mb": 0.02, "group_timeout": 30, "bucket_timeout": 30}
+    engine = SGLangEngine.at(urls, control_timeout_s=10, min_live_workers=1)
+    sync = DistributedWeightSync(state.model, engine, delta=True, full_every=50, **keys)
+    buckets, armed = schedule.iter_buckets, [False]
+
+    def killing(named, bucket_bytes):
+        for k, bucket in enumerate(buckets(named, bucket_bytes), 1):
+            if armed[0] and k == 3:
+                armed[0] = False
+                os.kill(pid, signal.SIGKILL)
+            yield bucket
+
+    schedule.iter_buckets = killing
+    stats = []
+    try:
+        for version in (1, 2, 3):
+            if version > 1:
+                with torch.no_grad():
+                    for chunk in state.model:
+                        for p in chunk.parameters():
+                            p.view(-1)[version::41].add_(0.25)
+            armed[0] = version == 2
+            stats.append(sync.sync(version=version))
+    finally:
+        sync.close()
+    full = DistributedWeightSync(state.model, SGLangEngine.at([url_c], control_timeout_s=10), **keys)
+    try:
+        full.sync(version=3)
+    finally:
+        full.close()
+    return stats
+
+
+@pytest.mark.slow
+def test_a_server_lost_mid_delta_sync_makes_the_retry_and_the_next_sync_right(models):
+    """A delta sync that loses a server mid-broadcast is retried on the survivor as a full sync (the
+    survivor may hold part of the failed attempt); the sync after it is a delta again, and the
+    survivor ends bit-identical to a server given one full sync of the same weights."""
+    from megatron_klear.rollout.sglang.delta_loader import LOADER
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+
+    keys = {"weight_sync_timeout": 20, "startup_timeout": 120}
+    servers = []
+    try:
+        for loader in ([LOADER], [LOADER], []):
+            servers.append(EmbeddedHTTPEngine.launch(models["a"], custom_weight_loader=loader, **keys))
+        a, b, c = servers
+        out = run_distributed(_delta_sync_losing_a_server, 1, models["b"], [a.url, b.url], c.url, b._process.pid)
+        got_a, got_c = _checksums(a.url), _checksums(c.url)
+    finally:
+        for s in servers:
+            s.close()
+    first, lossy, after = out[0]
+    assert first["changed"] == first["elements"]  # the first sync sends everything whole
+    assert lossy["reforms"] >= 1 and lossy["changed"] == lossy["elements"], lossy  # the retry: whole
+    assert 0 < after["changed"] < 0.05 * after["elements"], after  # a delta again
+    assert got_a == got_c
