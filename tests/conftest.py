@@ -30,6 +30,7 @@ TIMING_MODULES = {
     "tests/rollout/test_sglang_client.py",
     "tests/rollout/test_sglang_divergences.py",
     "tests/rollout/test_streams.py",
+    "tests/rollout/test_vllm_probe_abort.py",
 }
 # Modules that start torchrun, the CLIs or server processes, tens of seconds each on 2 cores: the
 # parallel pass hands them out first (xdist's loadfile hands out modules in collection order: last,

@@ -77,7 +77,7 @@ def _wait_for(what, check, timeout, job=None, cluster=None):
     raise AssertionError(f"{what}: not within {timeout}s")
 
 
-GPPO_STEPS = 10
+GPPO_STEPS = 16  # the second preemption must land before the last step: an idle machine trains ~3 steps a second
 
 
 def _stop_saves(log: str) -> list:
