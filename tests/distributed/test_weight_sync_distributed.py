@@ -346,10 +346,32 @@ def test_a_stale_layout_fails_the_sync_cleanly_and_the_next_one_gathers_again(mo
         assert _version(u) == "3" and _checksums(u) == want
 
 
+def _nudge(model_chunks, version: int, stride: int) -> None:
+    """A few elements of every parameter move (every ``stride``-th from ``version``): a sparse step."""
+    import torch
+
+    with torch.no_grad():
+        for chunk in model_chunks:
+            for p in chunk.parameters():
+                p.view(-1)[version::stride].add_(0.25)
+
+
+def _full_sync(model_chunks, url, version, keys) -> None:
+    """One full sync of the trainer's weights to the server at ``url`` (rank 0's; None elsewhere)."""
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync
+
+    engine = SGLangEngine.at([url], control_timeout_s=10) if url else None
+    full = DistributedWeightSync(model_chunks, engine, **keys)
+    try:
+        full.sync(version=version)
+    finally:
+        full.close()
+
+
 def _delta_then_full(rank, world, model_dir, overrides, url_a, url_b):
     """Three syncs by deltas to server A (a few elements of every parameter move between them),
     then one full sync of the same weights to server B. Returns A's stats on rank 0."""
-    import torch
 
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
@@ -369,18 +391,11 @@ def _delta_then_full(rank, world, model_dir, overrides, url_a, url_b):
     try:
         for version in (1, 2, 3):
             if version > 1:
-                with torch.no_grad():
-                    for chunk in state.model:
-                        for p in chunk.parameters():
-                            p.view(-1)[version::37].add_(0.25)
+                _nudge(state.model, version, 37)
             stats.append(sync.sync(version=version))
     finally:
         sync.close()
-    full = DistributedWeightSync(state.model, engine(url_b), **keys)
-    try:
-        full.sync(version=3)
-    finally:
-        full.close()
+    _full_sync(state.model, url_b if rank == 0 else None, 3, keys)
     return stats
 
 
@@ -418,8 +433,6 @@ def _delta_sync_losing_a_server(rank, world, model_dir, urls, url_c, pid):
     import os
     import signal
 
-    import torch
-
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
@@ -447,19 +460,12 @@ def _delta_sync_losing_a_server(rank, world, model_dir, urls, url_c, pid):
     try:
         for version in (1, 2, 3):
             if version > 1:
-                with torch.no_grad():
-                    for chunk in state.model:
-                        for p in chunk.parameters():
-                            p.view(-1)[version::41].add_(0.25)
+                _nudge(state.model, version, 41)
             armed[0] = version == 2
             stats.append(sync.sync(version=version))
     finally:
         sync.close()
-    full = DistributedWeightSync(state.model, SGLangEngine.at([url_c], control_timeout_s=10), **keys)
-    try:
-        full.sync(version=3)
-    finally:
-        full.close()
+    _full_sync(state.model, url_c, 3, keys)
     return stats
 
 
