@@ -189,11 +189,33 @@ class JobConfig:
                 "release their memory while it trains, so nothing can generate meanwhile; give the "
                 "servers their own GPUs (rollout.colocate=false) or set rl.async_steps=0"
             )
+        if self.rl.prompts:
+            self._validate_rl_numerics()
         longest = self.rl.max_prompt_length + self.rollout.max_new_tokens
         if self.rl.prompts and self.rl.max_tokens_per_micro_batch < longest:
             raise ConfigError(
                 f"rl.max_tokens_per_micro_batch={self.rl.max_tokens_per_micro_batch} cannot hold the longest "
                 f"sample: rl.max_prompt_length + rollout.max_new_tokens = {longest}"
+            )
+
+    def _validate_rl_numerics(self):
+        """What makes the trainer's log-probs something other than the policy the loss assumes."""
+        m, rl = self.model, self.rl
+        dropout = [f"model.{k}={getattr(m, k)}" for k in ("hidden_dropout", "attention_dropout") if getattr(m, k)]
+        if dropout:
+            # the proximal policy (old log-probs) must be a function of the weights: the first
+            # mini-batch reuses its own forward for them, and with dropout every forward is another policy
+            raise ConfigError(
+                f"{' and '.join(dropout)} in an RL job: with dropout every forward samples a different policy, "
+                "so the old log-probs (the first mini-batch reuses its own forward) and the engine's are not the "
+                "policy being updated; set them to 0 (Qwen3 is trained without dropout)"
+            )
+        if m.fp8 and not rl.correction.active:
+            raise ConfigError(
+                f"model.fp8={m.fp8} in an RL job without an importance correction: the trainer's FP8 forward "
+                "(old log-probs, update, probe) differs from the engine's bf16 rollouts by more than bf16 "
+                "numerics, and nothing corrects it; set rl.tis_cap (2 is common) or rl.is_reject "
+                "(docs/gppo.md, FP8 in RL), or train in bf16 (model.fp8=null)"
             )
 
     def to_yaml(self) -> str:

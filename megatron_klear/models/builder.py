@@ -13,12 +13,12 @@ Two layer-spec backends:
 from __future__ import annotations
 
 import copy
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from megatron_klear.models.arch import ModelArch
+from megatron_klear.platform.device_facts import DeviceFacts, device_facts
 
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
@@ -60,27 +60,130 @@ class ModelOptions:
             )
 
 
-def have_te() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+def have_te(facts: DeviceFacts | None = None) -> bool:
+    """Transformer Engine's PyTorch part imports (its core alone runs no layer)."""
+    return (facts or device_facts()).te
 
 
-def resolve_backend(options: ModelOptions) -> str:
+def resolve_backend(options: ModelOptions, facts: DeviceFacts | None = None) -> str:
+    """``te`` or ``local`` for ``options.backend`` on the machine ``facts`` describes (this one by
+    default). FP8 needs TE: ``fp8`` with ``backend=local`` is refused (Megatron-Core would accept
+    it and silently train in bf16), and so is TE that is not installed."""
+    facts = facts or device_facts()
+    if options.fp8 and options.backend == "local":
+        raise ValueError(
+            f"model.fp8={options.fp8} needs model.backend=te (or auto): the local layers have no FP8 "
+            "path, and Megatron-Core would accept fp8 with them and silently train without it"
+        )
     if options.backend == "te" or (options.backend == "auto" and options.fp8):
-        if not have_te():
+        if not facts.te:
             raise ImportError(
                 "Transformer Engine is required for backend=te and for FP8 "
                 "(Megatron-Core would otherwise accept fp8 and silently do nothing). "
-                "Install the GPU extra: pip install 'megatron-klear[gpu]'"
+                "Install the GPU extra: pip install 'megatron-klear[gpu]' (README: GPU install)"
             )
         return "te"
     if options.backend == "auto":
-        return "te" if torch.cuda.is_available() and have_te() else "local"
+        return "te" if facts.cuda and facts.te else "local"
     return options.backend
 
 
-def resolve_dtype(options: ModelOptions) -> torch.dtype:
+# FP8 recipes and what each needs (Transformer Engine 2.9-2.11, transformer_engine/pytorch/quantization.py
+# check_fp8_support / check_mxfp8_support / check_fp8_block_scaling_support; megatron-core 0.16.1's
+# fp8_utils.get_fp8_recipe for the TE versions)
+FP8_NEEDS = {
+    "delayed": "compute capability 8.9 (with CUDA >= 12.1) or >= 9.0",
+    "tensorwise": "compute capability 8.9 (with CUDA >= 12.1) or >= 9.0, and TE >= 2.2",
+    "blockwise": "compute capability >= 9.0, CUDA >= 12.9 and TE >= 2.3",
+    "mxfp8": "compute capability 10.x (Blackwell: B100/B200/GB200)",
+}
+
+
+def fp8_supported(recipe: str, facts: DeviceFacts) -> bool:
+    """Whether the device and stack of ``facts`` can run FP8 recipe ``recipe``."""
+    cap = facts.capability or (0, 0)
+    if not facts.cuda or not facts.te:
+        return False
+    base = cap >= (9, 0) or (cap == (8, 9) and facts.cuda_at_least(12, 1))
+    if recipe == "delayed":
+        return base
+    if recipe == "tensorwise":
+        return base and facts.te_at_least(2, 2)
+    if recipe == "blockwise":
+        return cap >= (9, 0) and facts.cuda_at_least(12, 9) and facts.te_at_least(2, 3)
+    if recipe == "mxfp8":
+        return (10, 0) <= cap < (12, 0)
+    return False
+
+
+def check_fp8(options: ModelOptions, facts: DeviceFacts | None = None) -> None:
+    """Before any model is built: ``model.fp8_recipe`` against the device's compute capability and
+    the CUDA and TE versions, naming what the recipe needs and what was found."""
+    if not options.fp8:
+        return
+    facts = facts or device_facts()
+    resolve_backend(options, facts)  # fp8 with local layers, or without TE: refused there
+    if not fp8_supported(options.fp8_recipe, facts):
+        raise ValueError(
+            f"model.fp8_recipe={options.fp8_recipe} needs {FP8_NEEDS[options.fp8_recipe]}; this machine has "
+            f"{facts.describe()}. Recipes it can run: "
+            f"{', '.join(r for r in FP8_RECIPES if fp8_supported(r, facts)) or 'none'}"
+        )
+
+
+def check_training_dtype(options: ModelOptions, facts: DeviceFacts | None = None) -> None:
+    """Training packs every micro-batch (THD). Transformer Engine before 2.11 has no attention
+    backend for fp32 THD (flash and fused attention need bf16/fp16, its unfused attention refused
+    THD until 2.11): refused here with the way out, instead of TE's "No dot product attention
+    backend is available" at the first forward."""
+    facts = facts or device_facts()
+    if resolve_dtype(options, facts) != torch.float32 or resolve_backend(options, facts) != "te":
+        return
+    if not facts.te_at_least(2, 11):
+        raise ValueError(
+            f"model.dtype=fp32 with the Transformer Engine backend: training packs sequences (THD) and TE "
+            f"{facts.te_version} has no fp32 attention for them (flash/fused attention need bf16 or fp16, "
+            "its unfused attention takes THD from TE 2.11 on); use model.dtype=bf16, or model.backend=local"
+        )
+
+
+def training_fusions(arch: ModelArch, facts: DeviceFacts) -> dict:
+    """The fused kernels a model gets (``TransformerConfig`` fields): on CUDA with Transformer
+    Engine, Megatron's fusions (RoPE through TE's fused THD kernel: the unfused THD path loops over
+    the sequences with a host sync per layer; weight-gradient accumulation into ``main_grad`` inside
+    the GEMM, with apex; SwiGLU and bias-dropout-add as fused functions; pipeline outputs freed once sent).
+    Elsewhere they stay off: they need CUDA, TE or apex. RoPE fusion also stays off with YaRN: TE's
+    fused THD kernel takes no ``mscale`` and megatron-core 0.16.1 would drop it silently."""
+    off = dict(
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,  # log-probs are computed by training/logprobs.py, not this loss
+        deallocate_pipeline_outputs=False,
+    )
+    if not facts.cuda:
+        return off
+    yarn = bool(arch.rope_scaling) and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) == "yarn"
+    return dict(
+        off,
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        masked_softmax_fusion=True,
+        apply_rope_fusion=facts.te and not yarn,
+        # needs apex's fused_weight_gradient_mlp_cuda whatever the backend: the output layer is
+        # Megatron's own ColumnParallelLinear in both specs, and megatron-core 0.16.1 raises at its
+        # construction without it (tensor_parallel/layers.py); TE's layers would not need it
+        gradient_accumulation_fusion=facts.apex_fused_wgrad,
+        deallocate_pipeline_outputs=True,
+    )
+
+
+def resolve_dtype(options: ModelOptions, facts: DeviceFacts | None = None) -> torch.dtype:
     if options.dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return torch.bfloat16 if (facts or device_facts()).cuda else torch.float32
     from megatron_klear.platform.dtypes import torch_dtype
 
     return torch_dtype(options.dtype, what="model.dtype")
@@ -127,16 +230,22 @@ def check_parallel_fits(arch: ModelArch, parallel, where: str = "the model") -> 
         )
 
 
-def transformer_config(arch: ModelArch, options: ModelOptions, parallel, *, cpu_init: bool | None = None):
-    """Megatron ``TransformerConfig`` for ``arch`` under ``parallel`` (a ParallelConfig).
+def transformer_config(
+    arch: ModelArch, options: ModelOptions, parallel, *, cpu_init: bool | None = None, facts: DeviceFacts | None = None
+):
+    """Megatron ``TransformerConfig`` for ``arch`` under ``parallel`` (a ParallelConfig), on the
+    machine ``facts`` describes (this one by default: :func:`~megatron_klear.platform.device.device_facts`).
 
     ``cpu_init`` (default: when there is no GPU) initialises weights on the CPU; the conversion
     tools force it to build their weightless ``meta`` models on any machine."""
     from megatron.core.transformer import TransformerConfig
 
+    facts = facts or device_facts()
     options.validate()
     check_parallel_fits(arch, parallel)
-    dtype = resolve_dtype(options)
+    check_fp8(options, facts)
+    backend = resolve_backend(options, facts)
+    dtype = resolve_dtype(options, facts)
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -167,18 +276,10 @@ def transformer_config(arch: ModelArch, options: ModelOptions, parallel, *, cpu_
         # Packed micro-batches vary in length: PP must exchange shapes.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # only to pass a validation tied to the line above
-        # Fused kernels that exist only with CUDA/apex/TE are off; TE's own fusions still apply.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        cross_entropy_loss_fusion=False,
-        deallocate_pipeline_outputs=False,
+        **training_fusions(arch, facts),
     )
     if arch.is_moe:
-        kwargs.update(moe_kwargs(arch, options, parallel))
+        kwargs.update(moe_kwargs(arch, options, parallel, backend))
     if options.recompute_granularity:
         kwargs.update(recompute_granularity=options.recompute_granularity)
         if options.recompute_granularity == "full":
@@ -214,7 +315,7 @@ def use_grouped_gemm(options: ModelOptions, backend: str) -> bool:
     return backend == "te" if options.moe_grouped_gemm is None else bool(options.moe_grouped_gemm)
 
 
-def moe_kwargs(arch: ModelArch, options: ModelOptions, parallel) -> dict:
+def moe_kwargs(arch: ModelArch, options: ModelOptions, parallel, backend: str | None = None) -> dict:
     """Megatron-Core MoE settings that reproduce transformers' Qwen3MoeSparseMoeBlock.
 
     Routing: HF takes softmax over all experts, then the top-k, renormalised to sum to one when
@@ -239,7 +340,7 @@ def moe_kwargs(arch: ModelArch, options: ModelOptions, parallel) -> dict:
         moe_aux_loss_coeff=coeff,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=use_grouped_gemm(options, resolve_backend(options)),
+        moe_grouped_gemm=use_grouped_gemm(options, backend or resolve_backend(options)),
         # 1: every layer is MoE (stacked checkpoint keys); a list marks layers "non-homogeneous",
         # which Megatron-Core checkpoints with per-layer keys (mapping.checkpoint_location)
         moe_layer_freq=1 if all(arch.moe_layer_pattern) else list(arch.moe_layer_pattern),

@@ -118,6 +118,9 @@ class Actor:
 
         cfg = self.state.config
         multiple = row_multiple(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe)
+        arch = self.state.arch
+        # with router replay every row carries routes, filler rows too (see replay_routing)
+        routes = (sum(arch.moe_layer_pattern), arch.moe_topk) if self.router_replay else None
         plans = []
         for ids in split_mini_batches(samples, self.rl.mini_batch_prompts):
             mbs = plan_mini_batch(
@@ -131,6 +134,7 @@ class Actor:
                 count_multiple=cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1,
                 segment_multiple=2 * cfg.parallel.cp if cfg.parallel.cp > 1 else 1,
                 weight_version=weight_version,
+                route_shape=routes,
             )
             counts = mini_batch_counts(samples, ids, weight_version=weight_version, mask_stale=self.mask_stale)
             plans.append((counts, mbs))
@@ -145,6 +149,15 @@ class Actor:
         carries the engine's ``routed_experts`` is routed to them (:func:`replay_routing`), and after
         the pass every router chooses for itself again: no route is left queued for another pass's
         recompute or for a later forward."""
+        replay = None
+        if self.router_replay:
+            # a route is queued for the backward's recompute only where one will run: a forward-only
+            # pass, or a layer the model does not recompute, keeps one route per router at a time
+            recomputed = set() if forward_only else recomputed_layers(self.state.model)
+
+            def replay(batch, model):
+                replay_routing(batch, model, keep_for=recomputed)
+
         try:
             return run_micro_batches(
                 self.state.model,
@@ -155,7 +168,7 @@ class Actor:
                 chunk_size=self.chunk_size,
                 per_token_keys=RL_PER_TOKEN_KEYS,
                 pad_id=self.pad_id,
-                before_forward=replay_routing if self.router_replay else None,
+                before_forward=replay,
             )
         finally:
             self._routers_choose_again()
@@ -301,18 +314,22 @@ class Actor:
         if any(st["update_ok"] for st in steps):
             self.weight_version += 1
         tokens = max(totals["tokens"], 1.0)
-        grad_norms = [st["grad_norm"] for st in steps]
+        applied = [st for st in steps if st["update_ok"]]
         out = {
             "actor/loss": totals["loss"] / len(plans),
             "actor/pg_loss": totals["pg_loss"] / len(plans),
             "actor/nll_loss": totals["nll_loss"] / len(plans),
             "actor/entropy": totals["entropy"] / tokens,
-            "actor/grad_norm": sum(grad_norms) / len(grad_norms),
             "actor/ratio_max": ratio_max,
-            "actor/optimizer_steps": len(plans),
+            # optimizer steps applied (an fp16 overflow skips one: actor/skipped_updates)
+            "actor/optimizer_steps": len(applied),
             "actor/steps": steps,
             "time/old_logprobs_s": old_logprobs_s,
         }
+        if applied:  # the mean over applied steps (a skipped one has no norm: None -> NaN would poison it)
+            out["actor/grad_norm"] = sum(st["grad_norm"] for st in applied) / len(applied)
+        if len(applied) < len(steps):
+            out["actor/skipped_updates"] = len(steps) - len(applied)
         for k in TOKEN_MEANS:
             out[f"actor/{k}"] = totals[k] / tokens
         out["actor/log_ratio_abs_max"] = log_ratio_abs_max
@@ -386,25 +403,53 @@ class Actor:
         return {"actor/skipped": 1, "actor/optimizer_steps": 0}
 
 
-def replay_routing(batch: dict, model) -> None:
+def recomputed_layers(model_chunks) -> set:
+    """The global layer numbers (from 1) whose forward the backward pass runs again (activation
+    recompute), as Megatron-Core's TransformerBlock chooses them: every layer with
+    ``recompute_granularity=full`` and ``recompute_method=uniform``, the first
+    ``recompute_num_layers`` of each chunk with ``block``; none otherwise (selective recompute covers
+    the core attention, not the router). A layer listed that is not recomputed only keeps its routes
+    until the end of the pass; one recomputed but not listed would replay the wrong routes."""
+    from megatron_klear.checkpoint.model_weights import unwrap
+
+    out = set()
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        cfg = model.config
+        if cfg.recompute_granularity != "full":
+            continue
+        layers = model.decoder.layers
+        if cfg.recompute_method == "block" and not cfg.fp8:  # (with FP8 it may skip some first: all kept)
+            layers = layers[: cfg.recompute_num_layers]
+        out.update(layer.layer_number for layer in layers)
+    return out
+
+
+def replay_routing(batch: dict, model, keep_for=frozenset()) -> None:
     """Before a forward: every MoE router of ``model`` (one unwrapped model chunk) routes each token of
     ``batch`` to the experts in ``batch["routed_experts"]`` (``[1, row, MoE layers, top_k]``, the
     engine's choices; Megatron-Core's RouterReplay), or, without that key, chooses itself again.
     ``batch`` is this rank's part of the row as the model sees it: with CP the load-balanced chunks
     (``routed_experts`` was padded and sliced with the tokens, its padding rows zeros), with
-    sequence parallelism this TP rank's contiguous slice of that is taken here.
+    sequence parallelism this TP rank's contiguous slice of that is taken here. With replay on,
+    every row of the update carries routes (filler rows and padding: experts 0..k-1,
+    :func:`~megatron_klear.rl.batch.routed_experts_row`): a row without them would clear the queue
+    that earlier micro-batches' recomputes still need.
 
     Activation recompute (``model.recompute_granularity``) runs a layer's forward again inside the
     backward pass, possibly after later micro-batches' forwards (pipeline schedules): there each
     router replays the routes of the micro-batch being recomputed, the oldest it has not recomputed
-    yet (:func:`_replay_in_recompute`)."""
+    yet (:func:`_replay_in_recompute`). Megatron-Core queues every route it is given
+    (``set_target_indices``) and only a recompute pops one, so the routers of layers in
+    ``keep_for`` (global layer numbers that a backward will recompute: :func:`recomputed_layers`)
+    keep the queue; every other router holds only the current micro-batch's route."""
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     replay = "routed_experts" in batch and routers
     for router in routers:
-        if not replay:  # (a replayed micro-batch keeps its routes queued for its backward recompute)
+        if not replay or router.layer_number not in keep_for:
             router.router_replay.clear_indices()
         router.router_replay.clear_router_replay_action()
         if not getattr(router, "_klear_recompute_hook", False):

@@ -30,7 +30,7 @@ RL_PER_TOKEN_KEYS = (
     "seq_ids",
     "rollout_logprobs",
     "stale",  # 1.0 on response tokens of an older weight version than the trainer's (0 in synchronous RL)
-    "routed_experts",  # only in rows whose samples all carry the engine's experts (router replay)
+    "routed_experts",  # router replay: every row (filler rows too); without it, rows whose samples all carry them
 )
 
 
@@ -66,11 +66,19 @@ def _shifted(values: np.ndarray, n: int) -> np.ndarray:
 
 
 def build_rl_micro_batch(
-    samples: list, sample_ids: list, *, pad_id: int, pad_to_multiple: int, weight_version: int | None = None
+    samples: list,
+    sample_ids: list,
+    *,
+    pad_id: int,
+    pad_to_multiple: int,
+    weight_version: int | None = None,
+    route_shape: tuple | None = None,
 ) -> dict:
     """One packed row of ``samples`` (may be empty: a filler row with no loss). ``weight_version``:
     the version of the trainer's weights before this update; response tokens of an older version
-    get ``stale`` = 1 (none without it)."""
+    get ``stale`` = 1 (none without it). ``route_shape``: ``(MoE layers, top_k)`` with router replay
+    on: the row carries ``routed_experts`` whatever it holds (a filler row: experts 0..k-1 for
+    every position), and a sample without the engine's routes is refused, naming it."""
     tokens = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
     masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
     row = build_packed_micro_batch(tokens, masks, pad_token_id=pad_id, pad_to_multiple=pad_to_multiple)
@@ -112,20 +120,30 @@ def build_rl_micro_batch(
         stale=torch.from_numpy(stale).unsqueeze(0),
         has_rollout_logprobs=all(s.rollout_logprobs is not None for s in samples),
     )
-    if samples and all(s.routed_experts is not None for s in samples):
+    if route_shape is not None:
+        missing = [sid for s, sid in zip(samples, sample_ids) if s.routed_experts is None]
+        if missing:
+            raise ValueError(
+                f"rollout.router_replay: sample {missing[0]} carries no routed_experts (the engine did not "
+                "return the experts it routed to); every token of the update must replay the engine's routes"
+            )
+        row["routed_experts"] = routed_experts_row(samples, size, route_shape)
+    elif samples and all(s.routed_experts is not None for s in samples):
         row["routed_experts"] = routed_experts_row(samples, size)
     return row
 
 
-def routed_experts_row(samples: list, size: int) -> torch.Tensor:
+def routed_experts_row(samples: list, size: int, route_shape: tuple | None = None) -> torch.Tensor:
     """The engine's experts for a packed row of ``size`` tokens: int16 ``[1, size, MoE layers,
     top_k]`` (a quarter of int64's bytes through packing, CP slicing and the copy to the device;
     widened for Megatron's router by :func:`megatron_klear.rl.actor.replay_indices`). Positions the
-    engine never routed (each sample's last token, the padding) get experts 0..top_k-1: their
-    outputs feed no log-prob of the row (causal attention within each segment; the last token's
-    output predicts nothing)."""
-    first = torch.as_tensor(samples[0].routed_experts)
-    layers, topk = first.shape[1:]
+    engine never routed (each sample's last token, the padding, every position of a filler row
+    without samples) get experts 0..top_k-1: their outputs feed no log-prob of the row (causal
+    attention within each segment; the last token's output predicts nothing). ``route_shape``:
+    ``(MoE layers, top_k)``, needed for a row without samples (else the first sample's)."""
+    if route_shape is None:
+        route_shape = tuple(torch.as_tensor(samples[0].routed_experts).shape[1:])
+    layers, topk = route_shape
     out = torch.arange(topk, dtype=torch.int16).expand(size, layers, topk).clone()
     off = 0
     for s in samples:
@@ -164,10 +182,11 @@ def plan_mini_batch(
     count_multiple: int = 1,
     segment_multiple: int = 1,
     weight_version: int | None = None,
+    route_shape: tuple | None = None,
 ) -> list:
     """This DP rank's packed micro-batches of one mini-batch (same count on every rank, rounded up
     to ``count_multiple`` with filler rows: the interleaved pipeline schedule needs a multiple of
-    the pipeline size). ``weight_version``: see :func:`build_rl_micro_batch`."""
+    the pipeline size). ``weight_version``, ``route_shape``: see :func:`build_rl_micro_batch`."""
     # with CP every sample is later padded to a multiple of 2*CP: budget with that length
     lengths = [-(-len(samples[i]) // segment_multiple) * segment_multiple for i in ids]
     too_long = [ids[k] for k, n in enumerate(lengths) if n > max_tokens]
@@ -190,6 +209,7 @@ def plan_mini_batch(
                 pad_id=pad_id,
                 pad_to_multiple=pad_to_multiple,
                 weight_version=weight_version,
+                route_shape=route_shape,
             )
         )
     return mine

@@ -37,21 +37,35 @@ from megatron_klear.training.run_dir import DiskFullError, RunDirectory, RunDirE
 from megatron_klear.utils import atomic
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This rank's random states: Python's, NumPy's, torch's CPU and CUDA generators, and Megatron's
+    model-parallel tracker (``get_cuda_rng_tracker``: the data-parallel, tensor-parallel and expert
+    states that dropout and initialisation fork into), as Megatron-LM's checkpoints keep them. On
+    the CPU the tracker is Megatron's inference tracker and holds no state."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker().get_states()
     return {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": {name: t.clone() if torch.is_tensor(t) else t for name, t in tracker.items()},
     }
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`'s states (a checkpoint written before the tracker was kept restores
+    the rest)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):
+        get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
 
 @contextlib.contextmanager
@@ -172,7 +186,7 @@ class CheckpointManager:
             sharded["optimizer"] = state.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, **_optimizer_sharding_kwargs(state.optimizer)
             )
-        sharded["rng"] = ShardedObject("rng_state", _rng_state(), (world,), (rank(),), replica_id=0)
+        sharded["rng"] = ShardedObject("rng_state", rng_state(), (world,), (rank(),), replica_id=0)
         return sharded
 
     def save(self, state, step: int, common: dict) -> str:
@@ -350,7 +364,7 @@ class CheckpointManager:
         state.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved count to this
         state.scheduler.load_state_dict(common["scheduler"])
         if restore_rng:
-            _set_rng_state(loaded["rng"])
+            set_rng_state(loaded["rng"])
         state.step = int(common["step"])
         return common
 

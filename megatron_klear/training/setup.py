@@ -45,8 +45,11 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_klear.models.builder import build_model_chunks
+    from megatron_klear.models.builder import build_model_chunks, check_training_dtype, resolve_dtype
+    from megatron_klear.platform.device_facts import device_facts
 
+    facts = device_facts()
+    check_training_dtype(cfg.model, facts)
     arch = model_arch(cfg.model.path)
     chunks = build_model_chunks(arch, cfg.model, cfg.parallel)
     if cfg.train.logprobs_from_hidden:
@@ -62,10 +65,7 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
     # micro-batches nor over data-parallel ranks: gradients are summed.
     config.calculate_per_token_loss = True
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.optim.distributed_optimizer,
-        check_for_nan_in_grad=True,
+        **ddp_settings(resolve_dtype(cfg.model, facts), cfg.optim.distributed_optimizer, facts)
     )
     model = [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=(i > 0))
@@ -97,6 +97,28 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
     config.grad_scale_func = optimizer.scale_loss
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, arch=arch, config=cfg)
+
+
+def ddp_settings(dtype: torch.dtype, distributed_optimizer: bool, facts) -> dict:
+    """Megatron DDP's settings for a model of ``dtype`` on the machine ``facts`` describes.
+
+    - ``check_for_nan_in_grad``: off for fp16. Its dynamic loss scale overflows by design now and
+      then, and the optimizer answers an overflow by skipping the update and lowering the scale; the
+      DDP check would raise on the Inf gradient before the optimizer sees it (Megatron-LM turns it off
+      under dynamic loss scaling too). bf16 and fp32 keep it: there a NaN is a bug.
+    - ``overlap_grad_reduce`` on CUDA: the gradient all-reduce (reduce-scatter with the distributed
+      optimizer) of each bucket starts as soon as its gradients are ready, under the rest of the
+      backward. Off on the CPU (gloo, no streams to overlap on).
+    - ``overlap_param_gather`` stays off: with it the distributed optimizer's all-gather of the
+      updated parameters is deferred to the next forward, and the weight push to the rollout servers,
+      which reads the parameters right after the last optimizer step, would send the old ones."""
+    return dict(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=facts.cuda,
+        overlap_param_gather=False,
+        use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_grad=dtype != torch.float16,
+    )
 
 
 def build_scheduler(optimizer, optim, total_steps: int):

@@ -164,8 +164,8 @@ class RolloutManager:
         metrics, ``weights/version`` among them.
 
         A version already pushed (a step that changed no weight) sends nothing and relabels nothing:
-        the servers keep their weights and their label, colocated servers released for the update
-        get them back.
+        the servers keep their weights and their label; colocated servers released for the update
+        get them back once the trainer has offloaded (``placement.before_load``), as for a load.
 
         With servers (a fleet), lost workers that answer again are recalled first (rejoining,
         :meth:`~megatron_klear.rollout.base.ServerEngine.recall_workers`) and the push includes
@@ -177,9 +177,12 @@ class RolloutManager:
         from megatron_klear.rl.rollout.verify import verification_due, verify_servers
 
         if weight_version == self.pushed_version:
+            # colocated: the trainer gives way first (as before a load), then the servers take their
+            # memory back with the weights they had
+            metrics = self.placement.before_load(self.state)
             if is_rank0():
                 self.placement.restore(self.engine)
-            return {"weights/version": weight_version, "weights/pushed": 0}
+            return {**metrics, "weights/version": weight_version, "weights/pushed": 0}
         r = self.cfg.rollout
         # rank 0 holds the engine: with servers, the push runs in its session (lost workers recalled
         # first, the rejoining ones admitted once checked)

@@ -10,7 +10,8 @@ arrived), and the run stops naming the first such server.
 
 Tolerances are per dtype (the coarser of the server's and the trainer's): float32 1e-3 (CPU runs
 agree to ~1e-6), float16 2e-2, bfloat16 5e-2 (SGLang and Megatron in bf16 differ in kernels and
-reduction order; a wrong tensor moves log-probs by far more). A server reporting SGLang's ``auto``
+reduction order; a wrong tensor moves log-probs by far more), and 1.5e-1 for a trainer in FP8
+(``model.fp8``: its GEMMs in E4M3; a first estimate, not yet measured on a GPU). A server reporting SGLang's ``auto``
 dtype is taken as bfloat16. ``rollout.verify_tolerance`` overrides them.
 """
 
@@ -26,7 +27,10 @@ from megatron_klear.rollout.base import WorkerGone
 
 PROBE_TEXT = "Weight sync probe: the quick brown fox jumps over the lazy dog. 1, 2, 3, 5, 8, 13, 21"
 PROBE_NEW_TOKENS = 16
-TOLERANCES = {"float64": 1e-3, "float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+# "fp8": a trainer whose linear layers run in FP8 (model.fp8) against bf16 servers. E4M3 keeps 3
+# mantissa bits against bf16's 7, so the greedy probe's log-probs move several times more than
+# between two bf16 stacks; a missing or wrong tensor still moves them by far more.
+TOLERANCES = {"float64": 1e-3, "float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2, "fp8": 1.5e-1}
 
 
 class WeightVerificationError(RuntimeError):
@@ -187,7 +191,8 @@ def verify_servers(
     if not workers:
         return {}
     diffs = trainer_logprob_diffs(actor, [(prompt, ids, lps) for ids, lps in outs])
-    trainer_dtype = unwrap(actor.state.model[0]).config.params_dtype
+    config = unwrap(actor.state.model[0]).config
+    trainer_dtype = "fp8" if config.fp8 else config.params_dtype  # FP8 GEMMs under bf16 parameters
     tols = [tolerance or dtype_tolerance(dtypes.get(w), trainer_dtype) for w in workers]
     for w, (mean, _top, _), tol in zip(workers, diffs, tols):
         if w in rejoining and not mean <= tol and is_rank0():

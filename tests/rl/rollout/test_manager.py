@@ -181,6 +181,34 @@ def test_a_version_already_pushed_sends_nothing_and_gives_colocated_servers_thei
     ]
 
 
+def test_a_version_already_pushed_offloads_the_trainer_before_colocated_servers_take_their_memory_back(monkeypatch):
+    """A step that changed no weight, colocated with ``rollout.offload_trainer``: the trainer took its
+    gradient buffers and optimizer state back for the update, so it gives them up again before the
+    servers resume theirs (before: the servers resumed beside the trainer's full state)."""
+    from megatron_klear.training import offload
+
+    servers, place = RecordingServers(), Colocated(offload_trainer=True)
+    monkeypatch.setattr(offload, "offload_trainer", lambda state: servers.calls.append(("trainer offloads",)) or 0)
+    monkeypatch.setattr(offload, "restore_trainer", lambda state: servers.calls.append(("trainer takes back",)))
+    manager = _manager(place, servers)
+    place.before_load(None)  # the push of version 3
+    place.load(servers, "/w/step_0000003", 3)
+    manager.pushed_version = 3
+    servers.calls.clear()
+    with manager.make_room():
+        pass  # an update that changed nothing
+    metrics = manager.push_weights(3, step=6)
+    assert metrics["weights/pushed"] == 0 and "memory/trainer_offloaded_gb" in metrics
+    assert servers.calls == [
+        ("release", ("weights", "kv_cache", "cuda_graph")),
+        ("trainer takes back",),
+        ("trainer offloads",),
+        ("resume", ("weights",)),
+        ("load", "/w/step_0000003", 3),
+        ("resume", ("cuda_graph", "kv_cache")),
+    ]
+
+
 class FleetServers(ServerEngine):
     """A stand-in for a server engine with a fleet: records the rejoin calls around a push."""
 

@@ -1,0 +1,110 @@
+"""What the machine offers the GPU paths, read in one place and passed down.
+
+The checks that depend on the hardware and the installed GPU stack (which FP8 recipe a device can
+run, whether Transformer Engine has an attention backend for a dtype, which fused kernels to turn
+on) take a :class:`DeviceFacts` instead of probing where they are used, so that each of them runs
+on a CPU machine with the facts of an H100, a B200 or an old TE injected (the tests do), and a GPU
+job reads its facts once, at :func:`device_facts`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+# NCCL settings that a trainer sharing its node's GPUs with SGLang/vLLM servers needs in its update
+# groups: SGLang 0.5.23 sets both to 0 in its own processes (sglang/srt/entrypoints/engine.py,
+# _set_envs_and_config) and an NCCL communicator whose two ends disagree on cuMem / NVLS buffers
+# hangs or fails on a same-node weight update. NCCL reads them once per process, so the launch
+# scripts export them; the trainer reports them (DeviceFacts.nccl_env).
+NCCL_UPDATE_GROUP_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def parse_version(text: str | None) -> tuple:
+    """``"2.10.0.dev0+abc"`` -> ``(2, 10, 0)``; None -> ``()`` (compares below every version)."""
+    if not text:
+        return ()
+    out = []
+    for part in text.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """The GPU, the CUDA build and the GPU packages of this process (empty on a CPU machine)."""
+
+    cuda: bool = False  # a CUDA device is usable
+    device_name: str | None = None
+    capability: tuple | None = None  # (major, minor), e.g. (9, 0) for H100
+    cuda_version: str | None = None  # the CUDA torch was built with (torch.version.cuda)
+    te_version: str | None = None  # Transformer Engine's PyTorch package, None when absent
+    mcore_version: str | None = None
+    apex_fused_wgrad: bool = False  # apex's fused_weight_gradient_mlp_cuda (local gradient-accumulation fusion)
+    nccl_env: dict = field(default_factory=dict)  # the NCCL_* settings of this process
+
+    @property
+    def te(self) -> bool:
+        return self.te_version is not None
+
+    def te_at_least(self, *version: int) -> bool:
+        return self.te and parse_version(self.te_version) >= version
+
+    def cuda_at_least(self, *version: int) -> bool:
+        return parse_version(self.cuda_version) >= version
+
+    def describe(self) -> str:
+        if not self.cuda:
+            return "no CUDA device"
+        cap = ".".join(map(str, self.capability)) if self.capability else "?"
+        return (
+            f"{self.device_name or 'GPU'} (compute capability {cap}), CUDA {self.cuda_version or '?'}, "
+            f"Transformer Engine {self.te_version or 'absent'}, megatron-core {self.mcore_version or '?'}"
+        )
+
+
+def _installed_version(*dists: str) -> str | None:
+    for name in dists:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def probe() -> DeviceFacts:
+    """Read this process's facts (no cache: :func:`device_facts` is the cached one)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    te_version = None
+    if importlib.util.find_spec("transformer_engine") is not None:
+        try:  # TE's core without its PyTorch part cannot run a layer: both must import
+            import transformer_engine
+            import transformer_engine.pytorch
+        except ImportError:
+            te_version = None
+        else:
+            te_version = getattr(transformer_engine, "__version__", None) or _installed_version("transformer-engine")
+    return DeviceFacts(
+        cuda=cuda,
+        device_name=torch.cuda.get_device_name() if cuda else None,
+        capability=tuple(torch.cuda.get_device_capability()) if cuda else None,
+        cuda_version=torch.version.cuda,
+        te_version=te_version,
+        mcore_version=_installed_version("megatron-core", "megatron_core"),
+        apex_fused_wgrad=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def device_facts() -> DeviceFacts:
+    """This process's facts, read once."""
+    return probe()
