@@ -2,6 +2,23 @@
 
 from setuptools import find_packages, setup
 
+# megatron-core: the release the project reads and tests (its RouterReplay, the RL offload hooks,
+# the router's TE GEMM: docs/training.md#versions). 0.16.1 is also the newest that installs on
+# Python 3.11; a later minor release is a new port, not an upgrade.
+MEGATRON_CORE = "megatron-core>=0.16.1,<0.17"
+
+# The trainer nodes' Transformer Engine: the range megatron-core 0.16.1 pins in its own metadata
+# (`transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0`; tests/test_gpu_install.py compares the
+# two). TE's core library comes built for one CUDA major: `gpu` is CUDA 13 (megatron-core's choice,
+# for torch +cu13x builds), `gpu-cu12` CUDA 12 (torch +cu12x builds). Its PyTorch part compiles
+# against the installed torch: install with `pip install --no-build-isolation` (README.md).
+# No flash-attn: TE's cuDNN fused attention takes packed (THD) and context-parallel attention on
+# sm80+ (TE 2.11 turns flash-attn off for THD rows with padding between sequences anyway).
+GPU_EXTRAS = {
+    "gpu": ["transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0"],
+    "gpu-cu12": ["transformer-engine[core_cu12,pytorch]>=2.9.0a0,<2.12.0"],
+}
+
 setup(
     name="megatron-klear",
     version="0.1.0",
@@ -12,7 +29,7 @@ setup(
     packages=find_packages(include=["megatron_klear", "megatron_klear.*"]),
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        MEGATRON_CORE,
         "transformers>=4.51",
         "safetensors>=0.4",
         "tokenizers>=0.21",
@@ -52,7 +69,8 @@ setup(
         ],
         # reading the published datasets' parquet files (Klear's RL sets, verl layout; docs/data.md)
         "data": ["pyarrow>=14"],
-        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        # Transformer Engine on the trainer nodes (GPU_EXTRAS above)
+        **GPU_EXTRAS,
         # the version whose contract the tests pin (SGLang 0.5.23 defines no [srt] extra); it pins
         # torch==2.14.1 and needs Python >= 3.11: for weight_sync=distributed over NCCL the trainer
         # must run that torch too (rollout/sglang/compat.py checks it; docs/sglang.md)

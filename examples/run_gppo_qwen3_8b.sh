@@ -4,7 +4,8 @@
 # iter_NNNNNNN): the trainer loads its model weights (not its optimizer) at any TP/PP.
 #
 # 1. Export the SFT checkpoint to HF once, for the servers' first load (the trainer then pushes its
-#    own weights at start-up and after every step, as weight_version = RL step):
+#    own weights at start-up and after every step that changed them, labelled with their weight
+#    version: +1 per update that applied at least one optimizer step, not the RL step number):
 #      python tools/convert_megatron_to_hf.py --ckpt runs/klear-sft-8b/iter_NNNNNNN --out /shared/klear-sft-8b-hf
 #    (the export's generation_config.json lists <|im_end|> besides Qwen3-Base's EOS <|endoftext|>;
 #    the trainer also sends both as stop_token_ids with every request).
@@ -55,8 +56,9 @@
 #    lost during a sync fails the step within rollout.sync_bucket_timeout_s (the others stay paused;
 #    restart the server and the run resumes from its last checkpoint). After the first sync, a
 #    resume and every rollout.verify_interval steps each server's log-probs of a probe must equal the
-#    trainer's. rollout.weight_sync=disk instead writes <rollout.sync_dir>/step_NNNNNNN (on a
-#    filesystem the servers read) and has every server reload it in parallel (update_weights_from_disk).
+#    trainer's. rollout.weight_sync=disk instead writes <rollout.sync_dir>/step_NNNNNNN (NNNNNNN: the
+#    weight version; on a filesystem the servers read) and has every server reload it in parallel
+#    (update_weights_from_disk).
 #    Servers on the training GPUs instead (no rollout nodes), with rollout.colocate=true: the
 #    servers release their memory while the actor trains and reload the weights from disk
 #    (docs/sglang.md, "Colocated servers"). Start each server on its training GPU with:
@@ -79,6 +81,14 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 CONFIG=${CONFIG:-examples/configs/gppo_qwen3_8b_math.yaml}
 SYNC_MASTER_PORT=${SYNC_MASTER_PORT:-0}  # the weight-update groups' store port (stage s: + s); 0: a free one
 export CUDA_DEVICE_MAX_CONNECTIONS=1
+# The weight-update groups put the stage leaders and the SGLang servers' ranks in one NCCL
+# communicator, and SGLang starts its processes with NCCL's cuMem allocator and NVLink SHARP off:
+# the trainer's side must match, or same-node updates hang or fail. NCCL reads these once per
+# process, so they are set here, before torchrun (a value already in the environment wins).
+export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# fewer fragmentation OOMs with packed micro-batches of varying length (the trainer's processes only)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 # NCCL_SOCKET_IFNAME / NCCL_IB_HCA / GLOO_SOCKET_IFNAME, when set, reach every rank from here.
 
 # megatron_klear.platform.launch is torchrun (same arguments) that ends a user error (a wrong key,

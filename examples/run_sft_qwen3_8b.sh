@@ -17,6 +17,8 @@ MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # needed by Megatron's TP/SP communication overlap
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# fewer fragmentation OOMs with packed micro-batches of varying length
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 
 # megatron_klear.platform.launch is torchrun (same arguments) that ends a user error (a wrong key,
 # a missing file ...) with one "error: ..." line, last, and exit status 2 (docs/training.md#user-errors-under-torchrun)

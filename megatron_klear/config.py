@@ -191,6 +191,13 @@ class JobConfig:
             )
         if self.rl.prompts:
             self._validate_rl_numerics()
+            if p.vpp and p.vpp > 1:
+                # no RL test has ever run the interleaved schedule: a PP=2 x VPP=2 actor update of
+                # packed rows hung on the CPU (2026-12-06), so it is refused until it is made to work
+                raise ConfigError(
+                    f"parallel.vpp={p.vpp} in an RL job: the actor's update does not run under the interleaved "
+                    "pipeline schedule yet; use parallel.vpp=1 (plain 1F1B over parallel.pp stages)"
+                )
         longest = self.rl.max_prompt_length + self.rollout.max_new_tokens
         if self.rl.prompts and self.rl.max_tokens_per_micro_batch < longest:
             raise ConfigError(

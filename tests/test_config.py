@@ -65,6 +65,13 @@ def test_bad_overrides():
         (["parallel.cp=2", "rl.agg=seq_mean_token_mean"], "seq_mean_token_mean is not supported with parallel.cp > 1"),
         (["parallel.pp=2", "parallel.vpp=2", "data.micro_batches_per_step=3"], "must be a multiple of parallel.pp=2"),
         (["rl.prompts=[p.jsonl]", "rl.max_tokens_per_micro_batch=32768"], "cannot hold the longest sample"),
+        # the proximal policy must be a function of the weights; FP8 against bf16 rollouts needs a correction
+        (["rl.prompts=[p.jsonl]", "model.attention_dropout=0.1"], "model.attention_dropout=0.1 in an RL job"),
+        (["rl.prompts=[p.jsonl]", "model.fp8=hybrid"], "model.fp8=hybrid in an RL job without an importance"),
+        (
+            ["rl.prompts=[p.jsonl]", "parallel.pp=2", "parallel.vpp=2", "data.micro_batches_per_step=2"],
+            "does not run under the interleaved pipeline schedule",
+        ),
         (["rollout.engine=sglang"], "needs rollout.urls"),
         # asynchronous and partial rollouts: servers that abort and continue, on their own GPUs
         (["rl.async_steps=1"], r"rl.async_steps need rollout servers .* set rollout.engine=sglang"),
@@ -96,3 +103,11 @@ def test_router_replay_takes_every_layout():
         is True
     )
     assert load_config(None, ["rollout.router_replay=true", "parallel.cp=2"]).parallel.cp == 2  # CP: its chunks
+
+
+def test_fp8_in_rl_is_accepted_with_a_correction_and_dropout_in_sft():
+    from megatron_klear.config import load_config
+
+    rl = ["rl.prompts=[p.jsonl]", "rl.max_tokens_per_micro_batch=40000"]
+    assert load_config(None, [*rl, "model.fp8=hybrid", "rl.tis_cap=2.0"]).model.fp8 == "hybrid"
+    assert load_config(None, ["model.hidden_dropout=0.1"]).model.hidden_dropout == 0.1  # SFT: no proximal policy

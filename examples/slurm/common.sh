@@ -15,6 +15,16 @@
 # - SIGTERM to this script (Slurm stopping the job): the trainer got it too and saves; the script
 #   waits for it and ends with its status; Slurm requeues the job or not, as it was told.
 
+# NCCL, for every role of the job (srun passes the environment on): the weight-update groups put
+# the trainer's stage leaders and the servers' ranks in one NCCL communicator, and SGLang starts its
+# processes with NCCL's cuMem allocator and NVLink SHARP off; a trainer with NCCL's defaults hangs
+# or fails same-node updates. NCCL reads them once per process; a value exported before sbatch wins.
+export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is set by the trainer's launcher
+# (examples/run_gppo_qwen3_8b.sh, run_sft_qwen3_8b.sh), not here: exported job-wide it would reach
+# the servers, where SGLang's memory saver (colocated servers) does not work with expandable segments.
+
 ROLE_PIDS=()   # srun pids of the long-running roles (servers, router)
 ROLE_NAMES=()
 PREEMPTED=0    # SIGUSR1: save, then requeue

@@ -50,8 +50,9 @@ class RolloutSample:
     # MoE, rollout.router_replay: the engine's experts per token fed to it, int
     # [len(prompt) + len(response) - 1, MoE layers, top_k] (Completion.routed_experts)
     routed_experts: object = None
-    # per response token: the weight version that sampled it (an int RL step number; None where the
-    # engine could not tell). None: unknown for the whole response (synchronous rollouts: on-policy).
+    # per response token: the weight version that sampled it (an int: +1 per update that applied an
+    # optimizer step, not the RL step; None where the engine could not tell). None: unknown for the
+    # whole response (synchronous rollouts: on-policy).
     # A continued partial response concatenates its pieces' tokens, rollout log-probs and versions.
     versions: list | None = None
 

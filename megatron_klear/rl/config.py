@@ -31,14 +31,16 @@ class RLConfig:
     # Truncated importance sampling: each token's advantage is weighted by min(pi_prox / pi_behav,
     # tis_cap), pi_behav = the engine's log-prob of the version that sampled it, pi_prox = the
     # trainer's recomputed one (AReaL's decoupled objective; covers engine/trainer numerics and stale
-    # tokens of asynchronous or partial rollouts). None: off.
+    # tokens of asynchronous or partial rollouts). None: off. Refused with dppo_*, whose ratio is
+    # already against the engine's log-probs.
     tis_cap: float | None = None
     # token: the weight per token (above); sequence: min(prod_t pi_prox / pi_behav, tis_cap) on every
     # token of the sequence (verl's sequence-level IS)
     is_level: str = "token"
     # Rejection of tokens or sequences whose engine/trainer ratio is outside [is_reject_low,
-    # is_reject_high] (weight 0; rl/importance.py): token (IcePop: 0.5 / 5) | sequence (the product)
-    # | geometric (its per-token geometric mean) | null. is_reject_low defaults to 1 / is_reject_high.
+    # is_reject_high] (weight 0; rl/importance.py): token | sequence (the product) | geometric (its
+    # per-token geometric mean) | null. is_reject_low defaults to 1 / is_reject_high. Kept tokens
+    # weigh 1, or their ratio with tis_cap = is_reject_high (IcePop: token, 0.5 / 5, tis_cap 5).
     is_reject: str | None = None
     is_reject_low: float | None = None
     is_reject_high: float | None = None
@@ -92,6 +94,15 @@ class RLConfig:
             self.correction.validate("rl")
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.tis_cap is not None and POLICY_LOSSES[self.algo].uses_rollout_logprobs:
+            # dppo_*: the rule's own weight min(pi / mu, cap) is taken against the engine's log-probs
+            raise ConfigError(
+                f"rl.algo={self.algo} with rl.tis_cap={self.tis_cap}: {self.algo}'s ratio pi / mu is taken "
+                "against the engine's log-probs (the rollout policy), so it already carries the engine/trainer "
+                "correction, stale tokens of asynchronous or partial rollouts included; rl.tis_cap would "
+                "weight every token twice. Unset rl.tis_cap (rl.is_reject and rl.mask_stale_tokens combine "
+                f"with {self.algo})"
+            )
         if self.oversample_prompts and self.oversample_prompts < self.prompts_per_step:
             raise ConfigError(
                 f"rl.oversample_prompts={self.oversample_prompts} must be >= rl.prompts_per_step="

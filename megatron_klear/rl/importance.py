@@ -15,9 +15,13 @@ exp(old_t - rollout_t)``; per sequence ``rho_seq = prod_t rho_t`` and its geomet
   ``rho_seq``; ``geometric``: ``rho_geo``) whose ratio is outside ``[rl.is_reject_low,
   rl.is_reject_high]`` get weight 0 (they stay in the loss's normalisers, as in IcePop).
 
-IcePop (Ling team 2025) is the token mask with bounds 0.5 and 5 and no weight; verl's
-rollout-correction presets map as docs/gppo.md lists. The weights only scale advantages: every
-clip region of the rule is unchanged (they depend on the sign of A and on ``r``).
+Kept tokens weigh 1 under a rejection mask alone, and ``min(rho, tis_cap)`` with ``rl.tis_cap``:
+with ``tis_cap`` equal to the upper bound, each kept token carries its own ratio. IcePop (Ling team
+2025) is that: the token mask with bounds 0.5 and 5 and the ratio as the kept tokens' weight,
+``M(rho_t) = rho_t`` on [0.5, 5] (``tis_cap=5``); TRL's ``*_mask`` modes likewise, one-sided unless
+their lower bound is set (``is_reject_low=0``). verl's and TRL's presets map as docs/gppo.md lists.
+The weights only scale advantages: every clip region of the rule is unchanged (they depend on the
+sign of A and on ``r``).
 """
 
 from __future__ import annotations

@@ -212,6 +212,7 @@ def test_router_replay_routes_the_old_logprob_pass_to_the_given_experts(moe4_dir
     }
 
     def close(a, b, tol=1e-4):
+        assert len(a) == len(b) == 12, (len(a), len(b))  # every sample on both sides (zip stops at the shorter)
         return all(x.shape == y.shape and float((x - y).abs().max()) < tol for x, y in zip(a, b))
 
     assert len(r["own"]) == 12
@@ -287,9 +288,21 @@ def _replayed_update(rank, world, model_dir, overrides, reuse_first_forward):
         return step()
 
     state.optimizer.step = capturing_step
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for chunk in state.model for m in unwrap(chunk).modules() if isinstance(m, TopKRouter)]
+    queued = [0]  # the longest queue of routes any router held at a forward (its recompute's included)
+
+    def record(router, args):
+        queued[0] = max(queued[0], len(router.router_replay.replay_backward_list))
+
+    for router in routers:
+        router.register_forward_pre_hook(record)
     actor = Actor(state, cfg.rl, logprob_chunk_size=7, router_replay=True)
     actor.reuse_first_forward = reuse_first_forward
     metrics = actor.update(samples)
+    metrics["queued_max"] = queued[0]
+    metrics["queued_after"] = sum(len(r.router_replay.replay_backward_list) for r in routers)
     return {k: v for k, v in metrics.items() if k != "actor/steps"}, grads
 
 
@@ -315,16 +328,32 @@ def _hf_policy_gradient(model_dir, samples, forced):
         (1, ["model.recompute_granularity=full"], False),  # the backward's recompute replays too
         # 1F1B runs later micro-batches' forwards before a backward: the recompute replays its own
         pytest.param(2, ["parallel.pp=2", "model.recompute_granularity=full"], False, marks=pytest.mark.slow),
+        # 3 bins over 2 DP ranks: one rank trains a filler row (no samples) beside a real one; its
+        # forward, run between a real micro-batch's forward and its backward's recompute, must keep
+        # that micro-batch's routes queued (it cleared them: the recompute routed by itself)
+        pytest.param(
+            4,
+            ["parallel.pp=2", "model.recompute_granularity=full", "rl.max_tokens_per_micro_batch=72"],
+            False,
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["reuse", "separate-pass", "recompute", "pp2-recompute"],
+    ids=["reuse", "separate-pass", "recompute", "pp2-recompute", "pp2-dp2-filler"],
 )
 def test_router_replay_routes_the_update_as_the_engine_did(moe_noaux_dir, world, overrides, reuse):
     """rollout.router_replay: the update's forward (and the recompute inside its backward) routes
     every token to the engine's experts, so the first mini-batch is on-policy (ratio 1 for every
     token, none clipped) and its gradient is transformers' with those experts forced. Before, only
-    the old-log-prob pass replayed: the update routed by itself and the ratios moved off 1."""
+    the old-log-prob pass replayed: the update routed by itself and the ratios moved off 1.
+
+    No route is left queued after the update, and a router holds at most the routes of the
+    micro-batches whose backward is still to come (one at PP=1: before, the old-log-prob pass
+    queued every micro-batch's routes until its end)."""
     results = run_distributed(_replayed_update, world, moe_noaux_dir, overrides, reuse)
     check_replayed_update(moe_noaux_dir, results)
+    for metrics, _ in results:
+        assert metrics["queued_after"] == 0
+        assert metrics["queued_max"] <= (1 if world == 1 else 4), metrics["queued_max"]
 
 
 def check_replayed_update(model_dir, results, tol=1e-3, ratio_tol=1e-6):

@@ -158,7 +158,8 @@ def _reference_weights(old, rollout, mask, c: Correction):
 CORRECTIONS = [
     Correction(tis_cap=2.0),
     Correction(tis_cap=2.0, is_level="sequence"),
-    Correction(is_reject="token", is_reject_low=0.5, is_reject_high=5.0),  # IcePop
+    Correction(is_reject="token", is_reject_low=0.5, is_reject_high=5.0),  # IcePop's mask alone (weight 1)
+    Correction(tis_cap=5.0, is_reject="token", is_reject_low=0.5, is_reject_high=5.0),  # IcePop
     Correction(tis_cap=2.0, is_reject="token", is_reject_low=0.8, is_reject_high=1.25),
     Correction(tis_cap=3.0, is_level="sequence", is_reject="sequence", is_reject_high=4.0),
     Correction(is_reject="geometric", is_reject_high=1.2),
@@ -185,6 +186,75 @@ def test_importance_weights_match_their_definitions(c):
     torch.testing.assert_close(wp[0], expected[mask], rtol=1e-12, atol=0)
 
 
+def _icepop(rho, seq):
+    """IcePop (Ling team 2025): M(k) = k on [0.5, 5], 0 outside, k the token's pi_old / pi_behav."""
+    return rho if 0.5 <= rho <= 5.0 else 0.0
+
+
+def _trl(mode, clip_max, clip_min=None):
+    """TRL 1.16 GRPOTrainer's vLLM importance weight (``vllm_importance_sampling_mode``; the ratio is
+    per token, or its product over the sequence for ``sequence_*``): ``*_truncate`` clamps it to
+    [clip_min, clip_max] (a None bound: no bound), ``*_mask`` zeroes it outside and keeps it inside."""
+
+    def weight(rho, seq):
+        x = seq if mode.startswith("sequence") else rho
+        low = -math.inf if clip_min is None else clip_min
+        if mode.endswith("truncate"):
+            return min(max(x, low), clip_max)
+        return x if low <= x <= clip_max else 0.0
+
+    return weight
+
+
+# docs/gppo.md's mappings of the peers' settings, each against the peer's own definition
+PEER_PRESETS = {
+    "icepop": (Correction(tis_cap=5.0, is_reject="token", is_reject_low=0.5, is_reject_high=5.0), _icepop),
+    "trl-token_truncate": (Correction(tis_cap=2.0), _trl("token_truncate", 2.0)),
+    "trl-token_mask": (
+        Correction(tis_cap=2.0, is_reject="token", is_reject_low=0.0, is_reject_high=2.0),
+        _trl("token_mask", 2.0),
+    ),
+    "trl-token_mask-clip_min": (
+        Correction(tis_cap=2.0, is_reject="token", is_reject_low=0.5, is_reject_high=2.0),
+        _trl("token_mask", 2.0, clip_min=0.5),
+    ),
+    "trl-sequence_truncate": (Correction(tis_cap=3.0, is_level="sequence"), _trl("sequence_truncate", 3.0)),
+    "trl-sequence_mask": (  # TRL's default with vLLM: sequence_mask, clip_max 3, no clip_min
+        Correction(tis_cap=3.0, is_level="sequence", is_reject="sequence", is_reject_low=0.0, is_reject_high=3.0),
+        _trl("sequence_mask", 3.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PEER_PRESETS))
+def test_peer_presets_weight_the_kept_tokens_as_the_peers_do(name):
+    """IcePop and TRL's masks keep a token (or sequence) with its ratio as the weight, not 1; TRL's
+    masks are one-sided unless clip_min is given (the project's is_reject_low defaults to 1/high)."""
+    c, peer = PEER_PRESETS[name]
+    _, old, _, _, mask = _batch(5)
+    b, t = old.shape
+    pattern = torch.tensor([[((i * 7 + j * 3) % 9 - 4) * 0.3 for j in range(t)] for i in range(b)], dtype=old.dtype)
+    rollout = old - pattern - 0.05 * torch.arange(b, dtype=old.dtype).unsqueeze(1)  # log rho in [-1.35, 1.2]
+    w, _ = rollout_correction(old, rollout, mask, c)
+    expected = torch.zeros_like(old)
+    rhos, seqs = torch.zeros_like(old), torch.zeros_like(old)
+    for i in range(b):
+        idx = [j for j in range(t) if mask[i, j]]
+        seq = math.exp(sum(float(old[i, j] - rollout[i, j]) for j in idx))
+        for j in idx:
+            rho = math.exp(float(old[i, j] - rollout[i, j]))
+            expected[i, j], rhos[i, j], seqs[i, j] = peer(rho, seq), rho, seq
+    torch.testing.assert_close(w, expected, rtol=1e-12, atol=0)
+    level = seqs if c.is_level == "sequence" else rhos
+    kept = mask & (w > 0)
+    assert kept.any()
+    if c.is_reject:  # kept tokens carry their ratio (not 1), and some are rejected
+        assert torch.equal(w[kept], level[kept]) and (w[kept] != 1.0).any()
+        assert (mask & (w == 0)).any()
+        if c.is_reject_low == 0.0:  # one-sided: ratios below 1 / high are kept
+            assert (kept & (level < 1.0 / c.is_reject_high)).any()
+
+
 def test_the_weights_scale_the_gradient_and_keep_the_clip_regions():
     """Weighting A by w: each token's gradient is w times the unweighted one, for every rule."""
     logp, old, rollout, adv, mask = _batch(7, spread=0.3)
@@ -209,6 +279,19 @@ def test_the_weights_scale_the_gradient_and_keep_the_clip_regions():
 def test_bad_keys_are_refused_by_name(override, words):
     with pytest.raises(ConfigError, match=words):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("algo", ["dppo_tv", "dppo_kl"])
+def test_dppo_with_tis_cap_is_refused_by_name(algo):
+    """DPPO's ratio is against the rollout policy: a truncated weight on top weights twice."""
+    with pytest.raises(ConfigError, match=rf"rl.algo={algo} with rl.tis_cap=2.0: .* weight every token twice"):
+        load_config(None, [f"rl.algo={algo}", "rl.tis_cap=2"])
+    # a rejection mask (weights 0 or 1) and stale-token masking combine with it; tis_cap with the rest
+    rl = load_config(
+        None, [f"rl.algo={algo}", "rl.is_reject=token", "rl.is_reject_high=5", "rl.mask_stale_tokens=true"]
+    ).rl
+    assert (rl.algo, rl.tis_cap, rl.is_reject) == (algo, None, "token")
+    assert load_config(None, ["rl.algo=gppo", "rl.tis_cap=2"]).rl.tis_cap == 2.0
 
 
 def test_bad_reject_bounds_are_refused():

@@ -232,3 +232,7 @@ def test_async_and_partial_runs_without_tis_or_masking_say_so_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RolloutManager(cfg).warn_unweighted_stale_tokens()
+    cfg.rl.tis_cap, cfg.rl.algo = None, "dppo_tv"  # anchored on the engine's log-probs: nothing to warn of
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RolloutManager(cfg).warn_unweighted_stale_tokens()

@@ -125,9 +125,14 @@ class RolloutManager:
 
     def warn_unweighted_stale_tokens(self) -> None:
         """Once, at start-up: an asynchronous or partial run whose stale tokens would train as
-        on-policy ones, with neither importance weights nor masking, says so."""
+        on-policy ones, with neither importance weights nor masking, says so. A loss anchored on the
+        engine's log-probs (DPPO) needs neither: its ratio is against the version that sampled each
+        token (and ``rl.tis_cap`` with it is refused)."""
+        from megatron_klear.rl.losses import loss_spec
+
         rl, r = self.cfg.rl, self.cfg.rollout
-        if (rl.async_steps or r.partial) and not rl.tis_cap and not rl.mask_stale_tokens and is_rank0():
+        anchored = loss_spec(rl.algo).uses_rollout_logprobs
+        if (rl.async_steps or r.partial) and not (rl.tis_cap or rl.mask_stale_tokens or anchored) and is_rank0():
             warnings.warn(
                 "rl.async_steps / rollout.partial train tokens sampled by older weights; with neither "
                 "rl.tis_cap nor rl.mask_stale_tokens set they count as on-policy (docs/async.md, Stale tokens)",

@@ -5,8 +5,9 @@
 ran across a weight update (pause -> update -> continue, ``srt/utils/weight_versions.py``),
 ``meta_info["weight_versions"]``: ``[{"version": str, "start": int, "end": int}, ...]``, contiguous
 spans from token 0 over the output tokens (``start`` inclusive, ``end`` exclusive). The trainer
-pushes its versions as the strings of integers (the RL step), so a version reads as an ``int``; any
-other string (SGLang's ``"default"`` before a push) reads as ``None`` (unknown).
+pushes its versions as the strings of integers (its weight version: +1 per update that applied an
+optimizer step, not the RL step), so a version reads as an ``int``; any other string (SGLang's
+``"default"`` before a push) reads as ``None`` (unknown).
 
 **Stale answers** (:func:`stale_version`). After a push the client expects every live worker to hold
 ``expected`` (:attr:`~.membership.Membership.expected_version`). A request may run while the weights

@@ -39,10 +39,11 @@ def remove_old_versions(sync_dir: str, keep: str) -> list:
 
 class DiskPush:
     """``rollout.weight_sync=disk``, the rollout manager's path (``push(version) -> metrics``): the
-    weights go to ``<sync_dir>/step_NNNNNNN`` and every server reloads them; older versions are
-    removed once the servers report the new one. ``placement`` (the rollout manager's: servers on
-    their own GPUs, or sharing the trainer's) makes the trainer give way before the load
-    (``before_load(state) -> metrics``) and performs it (``load(engine, path, version)``, rank 0)."""
+    weights go to ``<sync_dir>/step_NNNNNNN`` (``NNNNNNN``: the weight version, not the RL step) and
+    every server reloads them; older versions are removed once the servers report the new one.
+    ``placement`` (the rollout manager's: servers on their own GPUs, or sharing the trainer's) makes
+    the trainer give way before the load (``before_load(state) -> metrics``) and performs it
+    (``load(engine, path, version)``, rank 0)."""
 
     to_servers = True
 
