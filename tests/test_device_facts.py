@@ -123,6 +123,15 @@ def test_a_cpu_transformer_config_gets_the_cpu_settings():
     assert config.params_dtype == torch.float32
 
 
+def test_fp8_settings_by_recipe():
+    from megatron_klear.models.builder import fp8_settings
+
+    assert fp8_settings(ModelOptions()) == {}
+    delayed = fp8_settings(ModelOptions(fp8="hybrid"))
+    assert delayed == dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    assert fp8_settings(ModelOptions(fp8="e4m3", fp8_recipe="blockwise")) == dict(fp8="e4m3", fp8_recipe="blockwise")
+
+
 def test_ddp_settings():
     fp16 = ddp_settings(torch.float16, True, H100)
     assert fp16["check_for_nan_in_grad"] is False  # an overflow is the optimizer's to skip

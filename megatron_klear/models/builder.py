@@ -131,6 +131,18 @@ def check_fp8(options: ModelOptions, facts: DeviceFacts | None = None) -> None:
         )
 
 
+def fp8_settings(options: ModelOptions) -> dict:
+    """``TransformerConfig`` FP8 fields: the recipe, and for ``delayed`` scaling an amax history of
+    1024 steps reduced by ``max`` (Megatron-LM's usual FP8 settings; Megatron-Core's defaults, 1 step
+    and ``most_recent``, scale by the last step's amax alone). The other recipes keep no history."""
+    if not options.fp8:
+        return {}
+    out = dict(fp8=options.fp8, fp8_recipe=options.fp8_recipe)
+    if options.fp8_recipe == "delayed":
+        out.update(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    return out
+
+
 def check_training_dtype(options: ModelOptions, facts: DeviceFacts | None = None) -> None:
     """Training packs every micro-batch (THD). Transformer Engine before 2.11 has no attention
     backend for fp32 THD (flash and fused attention need bf16/fp16, its unfused attention refused
@@ -287,8 +299,7 @@ def transformer_config(
                 recompute_method=options.recompute_method,
                 recompute_num_layers=options.recompute_num_layers,
             )
-    if options.fp8:
-        kwargs.update(fp8=options.fp8, fp8_recipe=options.fp8_recipe)
+    kwargs.update(fp8_settings(options))
     config = TransformerConfig(**kwargs)
     if arch.rope_scaling and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) == "yarn":
         s = arch.rope_scaling
