@@ -115,7 +115,9 @@ def test_sft_with_te_packed_attention_matches_local_spec(model_dir, tmp_path):
             f"model.path={model_dir}",
             f"data.prefix={tmp_path / 'd'}",
             "data.seq_length=256",
-            "model.dtype=fp32",
+            # bf16: every training forward is packed (THD), and TE before 2.11 has no fp32 THD attention
+            # (training/setup.py refuses it: tests/test_device_facts.py)
+            "model.dtype=bf16",
             f"model.backend={backend}",
             "train.steps=3",
             "optim.lr=1e-3",
@@ -123,8 +125,9 @@ def test_sft_with_te_packed_attention_matches_local_spec(model_dir, tmp_path):
             f"train.save_dir={tmp_path / backend}",
         ]
         losses[backend] = run_distributed(_sft_steps, 1, args, backend="nccl")[0]
+    assert len(losses["te"]) == len(losses["local"]) == 3
     for a, b in zip(losses["te"], losses["local"]):
-        assert abs(a - b) < 2e-3 * abs(b), losses
+        assert abs(a - b) < 2e-2 * abs(b), losses  # bf16: two attention kernels, two reduction orders
 
 
 def test_sft_on_the_gpu_with_the_local_spec(model_dir, tmp_path):
