@@ -108,6 +108,7 @@ KEPT = (
     "actor/behav_outside_frac",
     "actor/logprob_mismatch_mean",
     "actor/grad_norm",
+    "actor/optimizer_steps",
 )
 
 

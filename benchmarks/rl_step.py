@@ -12,17 +12,21 @@ One process (TP=1), the demo's RL settings with the same-rule settings of benchm
 - ``packed_attention``: the update with packed attention batched by length bucket (the default)
   against one attention call per sequence (``TorchCoreAttention``'s per-sequence path, as before);
 - ``micro_batch``: the update with the demo's micro-batch budget (16384 tokens: the whole batch)
-  against 4096 (four micro-batches);
+  against 4096 (four micro-batches; with ``--quick`` 256, as its batch fits 4096 whole);
 - ``grading``: the batch's responses graded in this process with the grader as it is against the
   grader with its per-call version check and parse memo removed (as before).
 
 Each pair alternates baseline and variant ``--repeats`` times; the median seconds of each and their
-ratio (baseline / variant: > 1 is a saving) are printed; ``--json`` writes them.
+ratio (baseline / variant: > 1 is a saving) are printed; ``--json`` writes them, with the work that
+tells the two paths apart counted over one call of each (``baseline_work``, ``variant_work``:
+micro-batches through forward-only passes, attention calls of one sequence, micro-batches trained,
+parses of the uncached grader).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import statistics
@@ -31,6 +35,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+# what each baseline path does that its variant does not (see compare)
+WORK = collections.Counter()
 
 
 @contextlib.contextmanager
@@ -44,6 +52,7 @@ def per_sequence_attention():
         import torch
 
         pairs = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+        WORK["packed_attention"] += len(pairs)
         return torch.cat([self._attend_sequence(q, k, v, s, e) for s, e in pairs], dim=0)
 
     TorchCoreAttention._attend_packed = one_by_one
@@ -59,7 +68,17 @@ def uncached_grader():
     import megatron_klear.rewards.math as grader
 
     saved = grader._mv, grader._parse_cached
-    grader._mv, grader._parse_cached = grader._mv.__wrapped__, grader._parse_cached.__wrapped__
+    mv, parse = grader._mv.__wrapped__, grader._parse_cached.__wrapped__
+
+    def uncached_mv():
+        WORK["grading"] += 1
+        return mv()
+
+    def uncached_parse(text, boxed):
+        WORK["grading"] += 1
+        return parse(text, boxed)
+
+    grader._mv, grader._parse_cached = uncached_mv, uncached_parse
     try:
         yield
     finally:
@@ -73,14 +92,20 @@ def timed(fn) -> float:
 
 
 def compare(name: str, baseline, variant, repeats: int) -> dict:
-    """Alternate the two ``repeats`` times (after one warm-up each); medians and their ratio."""
-    baseline(), variant()
+    """Alternate the two ``repeats`` times (after one warm-up each); medians and their ratio, and
+    ``WORK[name]`` counted over each warm-up (the baseline's own work: more than the variant's)."""
+    work = []
+    for fn in (baseline, variant):
+        before = WORK[name]
+        fn()
+        work.append(WORK[name] - before)
     b, v = [], []
     for _ in range(repeats):
         b.append(timed(baseline))
         v.append(timed(variant))
     row = {"baseline_s": statistics.median(b), "variant_s": statistics.median(v)}
     row["ratio"] = row["baseline_s"] / row["variant_s"]
+    row["baseline_work"], row["variant_work"] = work
     print(
         f"  {name:18s} baseline {row['baseline_s']:.3f} s   variant {row['variant_s']:.3f} s   {row['ratio']:.2f}x",
         flush=True,
@@ -129,6 +154,13 @@ def main(argv=None) -> int:
     print(f"one batch: {len(samples)} responses, {tokens} response tokens; median of {args.repeats}", flush=True)
     actor = loop.actor
     update = lambda: actor.update(samples)  # noqa: E731
+    run = actor._run
+
+    def counting_run(micro_batches, loss_fn, forward_only):
+        WORK["old_logprobs" if forward_only else "micro_batch"] += len(micro_batches)
+        return run(micro_batches, loss_fn, forward_only)
+
+    actor._run = counting_run
 
     def with_old_pass():
         actor.reuse_first_forward = False
@@ -143,7 +175,7 @@ def main(argv=None) -> int:
 
     def small_micro_batches():
         budget = actor.rl.max_tokens_per_micro_batch
-        actor.rl.max_tokens_per_micro_batch = 4096
+        actor.rl.max_tokens_per_micro_batch = 256 if args.quick else 4096
         try:
             actor.update(samples)
         finally:

@@ -3,7 +3,8 @@ implements a protocol written down in the package (rollout/base.py, servers/clie
 weight_sync/push.py, rl/rollout/schedules.py and placement.py), with the protocol's methods and
 parameters. ``isinstance`` against a ``runtime_checkable`` protocol sees only that the names exist;
 :func:`conforms` also checks that each method takes the protocol's parameters (by name, or through
-``**kwargs``) and asks for nothing more."""
+``**kwargs``), its positional ones at the protocol's positions (callers pass ``step`` and
+``weight_version`` by position), and asks for nothing more."""
 
 import inspect
 
@@ -20,6 +21,8 @@ from megatron_klear.rollout.sglang import SGLangEngine
 from megatron_klear.rollout.vllm import VLLMEngine
 from megatron_klear.rollout.weight_sync import DiskPush, DistributedWeightSync, InProcessPush, WeightPush
 
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
 
 def _members(proto) -> dict:
     """{name: the protocol's function, or None for a data member} of ``proto`` (not its bases')."""
@@ -32,7 +35,8 @@ def _members(proto) -> dict:
 
 def conforms(impl, proto) -> list:
     """What ``impl`` (a class or an instance) lacks of ``proto``: missing members, and methods that
-    do not take a parameter of the protocol's or require one it does not pass."""
+    do not take a parameter of the protocol's, take its positional ones in another order, or
+    require one it does not pass."""
     problems = []
     for name, wanted in _members(proto).items():
         if not hasattr(impl, name):
@@ -53,6 +57,14 @@ def conforms(impl, proto) -> list:
         for pname, p in want.items():
             if pname not in have and not (takes_kwargs or (takes_args and p.kind is p.POSITIONAL_OR_KEYWORD)):
                 problems.append(f"{name} does not take {pname}")
+        # a caller passes the protocol's positional parameters by position: the same names, in order
+        have_pos = [pname for pname, p in have.items() if p.kind in POSITIONAL]
+        want_pos = [pname for pname, p in want.items() if p.kind in POSITIONAL]
+        for i, pname in enumerate(want_pos):
+            if i < len(have_pos) and have_pos[i] != pname:
+                problems.append(f"{name} takes {have_pos[i]} at position {i + 1}, where callers pass {pname}")
+            elif i >= len(have_pos) and not takes_args:
+                problems.append(f"{name} does not take {pname} at position {i + 1}")
         for pname, p in have.items():
             required = p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
             if required and pname not in want:
@@ -109,3 +121,32 @@ def test_the_checker_sees_a_missing_method_and_a_parameter_too_many():
     problems = conforms(Short, WeightWire)
     assert "no start_update" in problems and "leave_group requires extra, which callers do not pass" in problems
     assert not any(p.startswith("update_group_layout") for p in problems)
+
+
+def test_the_checker_sees_positional_parameters_in_another_order():
+    class Swapped:
+        def produce(self, prompts, weight_version, step):
+            """Callers pass ``(prompts, step, weight_version)``: the two ints would be swapped."""
+
+        def cancel(self):
+            pass
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state, /):
+            pass
+
+    class KeywordOnly(Swapped):
+        def produce(self, prompts, *, step, weight_version):
+            """Takes the names, but not by position."""
+
+    assert conforms(Swapped, Producer) == [
+        "produce takes weight_version at position 2, where callers pass step",
+        "produce takes step at position 3, where callers pass weight_version",
+    ]
+    assert conforms(KeywordOnly, Producer) == [
+        "produce does not take step at position 2",
+        "produce does not take weight_version at position 3",
+    ]
+    assert conforms(FullBatches, Producer) == []  # the same names in the protocol's order

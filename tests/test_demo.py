@@ -169,8 +169,10 @@ def test_quick_demo_writes_report_plots_and_summary(quick_demo):
 @pytest.mark.slow
 def test_algos_benchmark_quick(quick_demo, tmp_path):
     """benchmarks/algos.py --quick on the quick demo's SFT model: every variant trains (two
-    off-policy optimizer steps), the off-policy metrics exist, the table, the statistics and the
-    plots are written; run again, it resumes (no run is redone)."""
+    optimizer steps on one rollout batch, the second off-policy: a log-ratio off 0), the
+    off-policy metrics exist, the table, the statistics (means inside their intervals) and the
+    plots are written; run again, it resumes (no run is redone: every run's file is left as it
+    was)."""
     demo, _ = quick_demo
     out = tmp_path / "bench"
     args = [sys.executable, "benchmarks/algos.py", "--quick", "--out", str(out), "--sft", f"{demo}/hf-sft"]
@@ -189,8 +191,15 @@ def test_algos_benchmark_quick(quick_demo, tmp_path):
         assert v["seeds"] == [1] and v["heldout"]["steps"] == [0, 1], name
         for key in ("actor/entropy", "actor/outside_frac", "actor/is_ess_frac", "actor/clip_frac_low"):
             assert key in v["curves"], (name, key)
-    runs = {p.name for p in (out / "runs").iterdir()}
+        for key in ("final", "area"):
+            low, high = v[f"{key}_ci"]
+            assert low <= v[f"{key}_mean"] <= high, (name, key, v)
+    runs = {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()}
     assert len(runs) == len(VARIANTS)
+    for path in (out / "runs").iterdir():
+        steps = json.loads(path.read_text())["metrics"]
+        assert [m["actor/optimizer_steps"] for m in steps] == [2], (path.name, steps)
+        assert steps[0]["actor/log_ratio_abs_max"] > 0, (path.name, steps)  # the second step: off-policy
     table = (out / "compare-mb4.md").read_text()
     assert "| GPPO (paper) |" in table and "| GSPO |" in table and "| DPPO (TV) |" in table
     for name in (
@@ -205,3 +214,4 @@ def test_algos_benchmark_quick(quick_demo, tmp_path):
         _png(str(out / "plots" / "mb4" / f"{name}.png"))
     again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and f"resuming: {len(VARIANTS)} of {len(VARIANTS)} runs already done" in again.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "runs").iterdir()} == runs  # none written again

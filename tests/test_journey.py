@@ -139,6 +139,8 @@ def test_sft_then_gppo_from_the_sft_checkpoint_through_the_router(tmp_path):
             )
             lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
             last = lines[-1]["weights/version"]  # the updates that changed the weights (docs/async.md)
+            # not only the trainer's own label: the steps that made an optimizer step, counted here
+            assert last == sum(1 for m in lines if m.get("actor/optimizer_steps")), lines
             for s in servers:
                 info = SGLangEngine.at([s.url]).server_info()
                 assert info["num_generate_requests"] > 0, info  # both workers served rollouts

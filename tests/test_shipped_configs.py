@@ -144,6 +144,8 @@ def test_sft_then_gppo_qwen3_30b_a3b_at_ep2(data):
         )
         lines = [json.loads(x) for x in open(os.path.join(rl_dir, "metrics.jsonl"))]
         last = lines[-1]["weights/version"]
+        # not only the trainer's own label: the steps that made an optimizer step, counted here
+        assert last == sum(1 for m in lines if m.get("actor/optimizer_steps")), lines
         # the server holds the trainer's weights at their version: the steps that changed them (0: start-up)
         assert SGLangEngine.at([server.url]).model_info()["weight_version"] == str(last)
     finally:

@@ -104,8 +104,14 @@ def _args(fleet, save, router_url, steps, weight_sync):
 
 
 def _pushed(lines) -> int:
-    """The weight version the servers should hold: the last step's (the steps that changed the weights)."""
-    return lines[-1]["weights/version"] if lines else 0
+    """The weight version the servers should hold: the last step's (the steps that changed the
+    weights), checked against the steps that made an optimizer step, counted here."""
+    if not lines:
+        return 0
+    version = lines[-1]["weights/version"]
+    trained = sum(1 for m in lines if m.get("actor/optimizer_steps"))
+    assert version == trained, [(m["step"], m.get("actor/optimizer_steps"), m["weights/version"]) for m in lines]
+    return version
 
 
 def _total(lines, key) -> int:

@@ -138,6 +138,8 @@ def test_rl_loop_through_the_real_router_with_two_servers(setup):
             _, _, trainer_w = run_distributed(_run, 1, args)[0]
             lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
             last = lines[-1]["weights/version"]  # the steps that changed the weights
+            # not only the trainer's own label: the steps that made an optimizer step, counted here
+            assert last == sum(1 for m in lines if m.get("actor/optimizer_steps")), lines
             served = [SGLangEngine.at([s.url]).server_info().get("num_generate_requests", 0) for s in servers]
             assert all(n > 0 for n in served), served  # the router spread the prompts over both workers
             probe = [5, 17, 33, 60, 7]

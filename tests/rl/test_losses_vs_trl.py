@@ -26,7 +26,8 @@ TRL ``loss_type``      the project
 Truncated importance sampling: TRL multiplies the per-token loss by the capped engine ratio
 (``vllm_importance_sampling_mode="token_truncate"``), the actor multiplies the advantage by it
 (rl/actor.py): the same for every rule here, since the weight is positive and each per-token loss is
-positively homogeneous in A (``test_tis_...``).
+positively homogeneous in A. ``test_tis_...`` runs the actor's own loss function (its weights from
+rl/importance.py, ``rl.tis_cap``) on the engine's log-probs against TRL's.
 
 Log-probs: TRL 1.16 computes them through transformers' fused LM head, in float32 whatever the
 model's dtype (4.8e-7 from float64 on this batch). So that the rules are compared in float64, the
@@ -141,14 +142,13 @@ def _trl_side(setup, loss_type, extra_inputs=None, **config):
     return loss.detach(), _grads(trainer.model, loss), trainer
 
 
-def _project_side(setup, token_advantages=None, **kw):
+def _project_side(setup, **kw):
     """The project's loss on the same model's log-probs, packed as the actor packs a micro-batch:
-    one row of every sequence's response tokens, ``seq_ids`` telling the sequences apart.
-    ``token_advantages``: [batch, completion tokens] (default: each sequence's advantage)."""
+    one row of every sequence's response tokens, ``seq_ids`` telling the sequences apart."""
     _, model, batch, _ = setup
     logps = _completion_logprobs(model, batch["prompt_ids"], batch["completion_ids"])
     mask = batch["completion_mask"].bool()
-    adv = batch["advantages"].unsqueeze(1).expand_as(logps) if token_advantages is None else token_advantages
+    adv = batch["advantages"].unsqueeze(1).expand_as(logps)
     seq = torch.arange(len(LENGTHS)).unsqueeze(1).expand_as(logps)
     row = {k: v[mask].unsqueeze(0) for k, v in (("lp", logps), ("old", batch["old_per_token_logps"]), ("adv", adv))}
     row["seq"] = seq[mask].unsqueeze(0)
@@ -219,13 +219,49 @@ def test_cispo_gradient_equals_trl_with_the_bound_mapped(setup):
     _assert_same(ours, theirs, values=False)
 
 
+def _actor_side(setup, rl):
+    """The actor's own loss function (``Actor._loss_fn``: the engine/trainer weights of
+    rl/importance.py on the advantages, then rl/losses.py) under the ``rl`` section ``rl``, on one
+    micro-batch packing the batch as the actor packs it, the engine's log-probs as the rollout's.
+    Returns ((loss, gradients), the loss function's metrics)."""
+    from megatron_klear.rl.actor import Actor
+    from megatron_klear.rl.losses import LossCounts
+
+    _, model, batch, sampling = setup
+    logps = _completion_logprobs(model, batch["prompt_ids"], batch["completion_ids"])
+    mask = batch["completion_mask"].bool()
+    n = int(mask.sum())
+
+    def row(t):
+        return t[mask].unsqueeze(0)
+
+    local = {
+        "loss_mask": torch.ones(1, n, dtype=torch.float64),
+        "advantages": row(batch["advantages"].unsqueeze(1).expand_as(logps)),
+        "seq_ids": row(torch.arange(len(LENGTHS)).unsqueeze(1).expand_as(logps)),
+        "positive": torch.zeros(1, n, dtype=torch.bool),
+        "old_logprobs_local": row(batch["old_per_token_logps"]),
+        "rollout_logprobs": row(sampling),
+        "has_rollout_logprobs": True,
+    }
+    lp = row(logps)
+    loss_fn = Actor(None, rl)._loss_fn(LossCounts(num_tokens=float(n), num_seqs=float(len(LENGTHS))))
+    loss, metrics = loss_fn(local, lp, torch.zeros_like(lp))
+    return (loss.detach(), _grads(model, loss)), metrics
+
+
 def test_tis_as_trl_applies_it(setup):
     """TRL's token_truncate correction (capped exp(old - sampling) times the per-token loss) equals the
-    actor's (the advantage times the same weight) for the clip rule and for cispo."""
+    actor's with ``rl.tis_cap`` (the advantage times the same weight, computed by the actor from the
+    engine's log-probs) for the clip rule and for cispo."""
+    from megatron_klear.rl.config import RLConfig
+
     _, _, batch, sampling = setup
     cap = 1.1
+    # TRL's weights, as its generation step computes them for token_truncate (given to its loss)
     w = (batch["old_per_token_logps"] - sampling).exp().clamp(max=cap)
-    assert bool((w == cap).any()) and bool((w < 1).any())
+    m = batch["completion_mask"].bool()
+    assert bool((w[m] == cap).any()) and bool((w[m] < 1).any())
     for loss_type, ours in (
         ("dapo", {"algo": "clip_higher", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": None}),
         ("cispo", {"algo": "cispo", "eps_high": 0.28}),
@@ -237,9 +273,12 @@ def test_tis_as_trl_applies_it(setup):
         trainer.vllm_importance_sampling_mode = "token_truncate"
         loss = trainer.compute_loss(trainer.model, {**batch, "importance_sampling_ratio": w})
         theirs = (loss.detach(), _grads(trainer.model, loss))
-        # the actor's form: every token's advantage times its weight
-        got = _project_side(setup, batch["advantages"].unsqueeze(1) * w, **ours)
+        rl = RLConfig(agg="token_mean", nll_coef=0.0, tis_cap=cap, **ours)  # TRL has no SFT term
+        rl.validate()
+        got, metrics = _actor_side(setup, rl)
         _assert_same(got, theirs, values=loss_type != "cispo")
+        # the actor weighted every counted token (the sum of its weights is TRL's)
+        assert float(metrics["tis_weight"]) == pytest.approx(float(w[m].sum()), rel=1e-12)
 
 
 def test_gspo_equals_trl_sequence_level(setup):

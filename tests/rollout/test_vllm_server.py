@@ -373,11 +373,30 @@ def _hf_tensors(model_dir) -> dict:
     return out
 
 
+def _checksums(url) -> dict:
+    """{parameter: sha256 of its bytes} of the model a vLLM server holds (vLLM's ``POST
+    /weight_checker``, one of the RL routes of ``VLLM_SERVER_DEV_MODE=1``)."""
+    import urllib.request
+
+    body = json.dumps({"action": "checksum"}).encode()
+    request = urllib.request.Request(url + "/weight_checker", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        checksums = json.loads(r.read())["checksums"]
+    assert any("embed_tokens" in name for name in checksums), sorted(checksums)
+    return checksums
+
+
 def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(engine, servers, models):
     """Server A takes 50 delta syncs (rollout.sync_delta) of weights changing as optimizer steps
     change them, through the wire's calls and the plugin's transfer engine over a real gloo update
-    group; server B one full sync of the final weights. Their greedy probes agree bit for bit, and
-    differ from the starting model's; the delta syncs moved a small part of the full sync's bytes."""
+    group; server B one full sync of the final weights. Every parameter A holds as a tensor is
+    bit-identical to B's (vLLM's per-parameter sha256, ``POST /weight_checker``: the embedding, every
+    row of it, the norms, the LM head; the CPU build keeps its linear layers' weights packed
+    elsewhere, their parameters empty) and each moved from the starting model's; their greedy probes,
+    which pass through every linear layer, agree bit for bit; the delta syncs moved a small part of
+    the full sync's bytes."""
+    import hashlib
+
     import torch
 
     from megatron_klear.rollout.vllm import VLLMEngine
@@ -387,6 +406,7 @@ def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(engine, s
     weights = {n: t.clone() for n, t in _hf_tensors(models["a"]).items()}
     probe = [5, 17, 33, 60, 7]
     before = engine.probe(servers[0].url, probe, 6)
+    start = _checksums(servers[0].url)
     a, b = (
         GroupSender(VLLMEngine.at([s.url], control_timeout_s=30), s.url, name)
         for s, name in zip(servers, ("delta_a", "delta_b"))
@@ -404,6 +424,11 @@ def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(engine, s
         for sender in (a, b):
             sender.close()
             sender.engine.close()
+    sums_a, sums_b = _checksums(servers[0].url), _checksums(servers[1].url)
+    assert sums_a == sums_b  # bit for bit, every parameter (each embedding row among them)
+    held = [k for k in start if start[k] != hashlib.sha256(b"").hexdigest()]  # (not a packed layer's)
+    assert any("embed_tokens" in k for k in held) and any("norm" in k for k in held), held
+    assert sums_a.keys() == start.keys() and not [k for k in held if sums_a[k] == start[k]]  # each one synced
     got_a, got_b = engine.probe(servers[0].url, probe, 6), engine.probe(servers[1].url, probe, 6)
     assert got_a.token_ids == got_b.token_ids and got_a.logprobs == got_b.logprobs  # bit for bit
     assert got_a.logprobs != before.logprobs  # the syncs changed the model
