@@ -50,6 +50,7 @@ HEAVY_MODULES = [
     "tests/rollout/test_routed_experts.py",
     "tests/rewards/test_sandbox_hostile.py",
     "tests/test_bench_moe.py",
+    "tests/test_gpu_checks.py",
     "tests/test_cli_errors.py",
     "tests/rollout/test_embedded_http.py",
     "tests/rollout/test_weight_update_protocol.py",

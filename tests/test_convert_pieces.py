@@ -85,6 +85,40 @@ def test_rows_read_equal_the_safetensors_library(tmp_path):
     assert rows["x"].shape == (33, 6) and rows["x"].dtype == torch.bfloat16
 
 
+def test_a_tensor_larger_than_one_read_is_read_whole(tmp_path, monkeypatch):
+    """Linux returns at most ~2 GiB per read (an fp32 embedding at 8B width is 2.5 GB): a short
+    read continues where it stopped instead of failing as 'ends past the end of the file'."""
+    import builtins
+
+    from safetensors.torch import save_file
+
+    from megatron_klear.checkpoint import safetensors_file
+
+    x = torch.randn(50, 8, generator=torch.Generator().manual_seed(4))
+    path = str(tmp_path / "m.safetensors")
+    save_file({"x": x}, path)
+    rows = safetensors_file.read_header(path)
+
+    class ShortReads:  # a file whose every read returns at most 100 bytes
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def seek(self, pos):
+            return self.f.seek(pos)
+
+        def readinto(self, view):
+            return self.f.readinto(view[:100])
+
+    monkeypatch.setattr(safetensors_file, "open", lambda *a, **kw: ShortReads(builtins.open(*a, **kw)), raising=False)
+    assert torch.equal(rows["x"][:], x) and torch.equal(rows["x"][3:40], x[3:40])
+
+
 # ---- both directions: a few pieces at a time -------------------------------------------------------
 class LiveBytes:
     """The memory of the tracked tensors' storages alive at once: a storage counts while it is

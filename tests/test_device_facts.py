@@ -161,3 +161,16 @@ def test_checkpoints_keep_the_model_parallel_rng_tracker(monkeypatch):
     got = tracker.get_states()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     set_rng_state({k: v for k, v in saved.items() if k != "tracker"})  # an older checkpoint: the rest restored
+
+
+def test_a_gpu_tensor_goes_to_a_cpu_update_group_by_a_blocking_copy():
+    """A CUDA tensor copied to the CPU with ``non_blocking`` may be broadcast over gloo before the
+    copy has finished; toward CUDA (NCCL groups) the copy stays asynchronous."""
+    from megatron_klear.rollout.weight_sync.distributed_buckets import on_wire_device
+
+    class Recorder:
+        def to(self, dev, non_blocking=False):
+            return (str(dev), non_blocking)
+
+    assert on_wire_device(Recorder(), torch.device("cpu")) == ("cpu", False)
+    assert on_wire_device(Recorder(), torch.device("cuda", 0)) == ("cuda:0", True)

@@ -81,9 +81,14 @@ class TensorRows:
             raise ValueError(f"{self.name}: rows [{a}, {b}) do not fit {out.dtype}{tuple(out.shape)}")
         # a ctypes view of the tensor's memory (a numpy one would pin its storage's size)
         view = memoryview((ctypes.c_ubyte * out.nbytes).from_address(out.data_ptr())) if out.nbytes else memoryview(b"")
+        got = 0
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.offset + a * self.row_bytes)
-            got = f.readinto(view) if view.nbytes else 0
+            while got < view.nbytes:  # one read returns at most ~2 GiB on Linux: a large tensor takes several
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
         if got != view.nbytes:
             raise _unreadable(self.path, f"tensor '{self.name}' ends past the end of the file")
         return out

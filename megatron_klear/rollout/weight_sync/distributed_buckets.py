@@ -33,6 +33,13 @@ from megatron_klear.rollout.servers.update_group import (
 from megatron_klear.rollout.weight_sync.gather import iter_buckets, iter_stage_hf_tensors
 
 
+def on_wire_device(t, dev):
+    """``t`` on the update group's device ``dev``. Asynchronous only toward CUDA: a GPU tensor copied
+    to the CPU (a gloo group) with ``non_blocking`` may be read, and broadcast, before the copy has
+    finished, since nothing waits on the stream in between."""
+    return t.to(dev, non_blocking=getattr(dev, "type", str(dev)) == "cuda")
+
+
 class BucketSchedule:
     """How ``model_chunks``' tensors reach the servers over ``groups``: buckets of ``bucket_bytes``,
     in ``load_format`` (``flattened_bucket`` or ``auto``: per tensor); a bucket is broadcast once
@@ -304,10 +311,10 @@ class BucketSchedule:
             else:
                 pieces = [t for _, t in bucket]
             if self.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes back to back
-                pieces = [p.to(dev, non_blocking=True) for p in pieces]
+                pieces = [on_wire_device(p, dev) for p in pieces]
                 payload = [flatten_segments(pieces) if self.delta is not None else flatten_bucket(pieces)]
             else:  # SGLang's default: one broadcast per tensor, in order
-                payload = [p.detach().to(dev, non_blocking=True).contiguous() for p in pieces]
+                payload = [on_wire_device(p.detach(), dev).contiguous() for p in pieces]
             if flight is not None:
                 error, flight = self._finish_bucket(stage, flight), None
                 if error is not None:
@@ -358,7 +365,7 @@ class BucketSchedule:
                     f"is {got}, expected {want}"
                 )
                 continue
-            x = t.detach().to(dev, non_blocking=True).contiguous()
+            x = on_wire_device(t.detach(), dev).contiguous()
             if expected[i][3] == b:
                 self._broadcast_into(flight, x, totals)
                 error = flight["refused"]  # (a held bucket's posts found refused once under way)
