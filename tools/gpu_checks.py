@@ -530,27 +530,10 @@ def check_moe(ctx):
 
 # -- 7. RL resume -----------------------------------------------------------------------------------
 def _rl_samples(seed, vocab, prompts=4, per_prompt=3):
-    import random
+    """The actor tests' graded samples (tests/distributed/test_actor.py make_samples)."""
+    from tests.distributed.test_actor import make_samples
 
-    from megatron_klear.rl.batch import RolloutSample
-
-    rng = random.Random(seed)
-    out = []
-    for g in range(prompts):
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(3, 9))]
-        for _ in range(per_prompt):
-            resp = [rng.randrange(5, vocab) for _ in range(rng.randint(2, 14))]
-            out.append(
-                RolloutSample(
-                    prompt_ids=prompt,
-                    response_ids=resp,
-                    advantage=rng.uniform(-1.5, 1.5),
-                    group=g,
-                    positive=rng.random() < 0.4,
-                    rollout_logprobs=[-rng.uniform(3.0, 8.0) for _ in resp],
-                )
-            )
-    return out
+    return make_samples(seed, prompts, per_prompt, vocab)
 
 
 def check_rl_resume(ctx):

@@ -49,12 +49,15 @@ klear_addr() {
   echo "${addr:-$1}"
 }
 
-# klear_start ROLE NODE COMMAND: one task on NODE running COMMAND (bash -c), in the background.
+# klear_start ROLE NODE COMMAND [SRUN FLAGS...]: one task on NODE running COMMAND (bash -c), in the
+# background; the extra srun flags (GPUs, a container image) apply to this step only.
 klear_start() {
   local role=$1 node=$2 cmd=$3
+  shift 3
   klear_log "start $role on $node: $cmd"
+  # shellcheck disable=SC2068
   srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=0 --job-name="$role" \
-    --output="$LOG_DIR/$role.log" bash -c "trap '' TERM; $cmd" &
+    --output="$LOG_DIR/$role.log" "$@" bash -c "trap '' TERM; $cmd" &
   ROLE_PIDS+=($!)
   ROLE_NAMES+=("$role")
 }
@@ -68,6 +71,12 @@ klear_dead_role() {
       return
     fi
   done
+}
+
+# klear_gpus N: the srun flag that gives a step N GPUs of each of its nodes (none when N is 0 or the
+# cluster has no GPU GRES: GRES_GPUS=0).
+klear_gpus() {
+  if ((${GRES_GPUS:-1} > 0 && $1 > 0)); then echo "--gres=gpu:$1"; fi
 }
 
 klear_http_ok() { curl -sf -o /dev/null --max-time 5 "$1"; }
@@ -143,16 +152,19 @@ klear_requeue() {
   exit 0
 }
 
-# klear_run_trainer NODELIST COMMAND: the trainer, one task per node (NODE_RANK = SLURM_NODEID of
-# the step); ends the script: with the trainer's status, after stopping the other roles; when a
-# role dies first, the trainer is stopped and the job fails naming it; when preempted, the job is
-# requeued once the trainer has saved (its status 143: it stopped on the forwarded signal).
+# klear_run_trainer NODELIST COMMAND [SRUN FLAGS...]: the trainer, one task per node (NODE_RANK =
+# SLURM_NODEID of the step); ends the script: with the trainer's status, after stopping the other
+# roles; when a role dies first, the trainer is stopped and the job fails naming it; when
+# preempted, the job is requeued once the trainer has saved (its status 143: it stopped on the
+# forwarded signal). The step states its task count: it would otherwise inherit the job's
+# (SLURM_NTASKS), and on fewer nodes than the job has start several launchers per node.
 klear_run_trainer() {
   local nodes=$1 cmd=$2 n dead rc
+  shift 2
   n=$(tr ',' '\n' <<<"$nodes" | wc -l)
   klear_log "start the trainer on $nodes"
-  srun --overlap --nodes="$n" --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 --job-name=trainer \
-    --output="$LOG_DIR/trainer-node%t.log" bash -c "$cmd" &
+  srun --overlap --nodes="$n" --ntasks="$n" --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 \
+    --job-name=trainer --output="$LOG_DIR/trainer-node%t.log" "$@" bash -c "$cmd" &
   TRAINER_PID=$!
   while kill -0 "$TRAINER_PID" 2>/dev/null; do
     dead=$(klear_dead_role)

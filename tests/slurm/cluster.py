@@ -7,9 +7,11 @@ nothing, as on clusters where the scripts must take addresses from Slurm). Every
 one temporary directory with free ports; :meth:`LocalSlurm.stop` cancels the jobs, stops the
 daemons and checks that none is left running.
 
-Settings that matter to the tests: ``cred_expire=10`` (a requeued job becomes eligible again
-after ~11 s instead of Slurm's default 121 s), ``KillWait=30`` (a job told to stop has 30 s to save
-before SIGKILL), ``proctrack/linuxproc`` and ``task/none`` (no cgroups in a container).
+Each node declares ``Gres=gpu:2`` (two empty files as its devices: counted, never opened), so the scripts'
+GPU requests are checked as on a cluster with GPU GRES. Settings that matter to the tests:
+``cred_expire=10`` (a requeued job becomes eligible again after ~11 s instead of Slurm's default
+121 s), ``KillWait=30`` (a job told to stop has 30 s to save before SIGKILL),
+``proctrack/linuxproc`` and ``task/none`` (no cgroups in a container).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from megatron_klear.platform.process import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+GPUS_PER_NODE = 2  # the GPU GRES each test node declares
 
 
 def missing_binaries() -> list:
@@ -80,11 +83,19 @@ class LocalSlurm:
         base = _free_port_run(3)
         nodes = (
             f"NodeName=n[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{base + 1}-{base + 2}] "
-            f"CPUs={os.cpu_count()} RealMemory=1000 State=UNKNOWN"
+            f"CPUs={os.cpu_count()} RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
         )
+        # GPUs as Slurm counts them (empty files for devices: nothing is bound, but every step's
+        # request is checked against the node's count as on a GPU cluster)
+        os.makedirs(os.path.join(r, "dev"), exist_ok=True)
+        for k in range(GPUS_PER_NODE):  # device files Slurm can count (nothing opens them)
+            open(os.path.join(r, "dev", f"gpu{k}"), "w").close()
+        with open(os.path.join(r, "gres.conf"), "w") as f:
+            f.write(f"AutoDetect=off\nNodeName=n[1-2] Name=gpu File={r}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
         with open(self.conf, "w") as f:
             f.write(
                 f"""ClusterName=klear-test
+GresTypes=gpu
 SlurmctldHost=localhost
 SlurmctldPort={base}
 SlurmUser=root
@@ -130,8 +141,9 @@ PartitionName=main Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscr
 
     # -- jobs -------------------------------------------------------------------------------------
     def sbatch(self, script: str, *args: str, env: dict | None = None, cwd: str | None = None) -> str:
+        """Submit ``script``; the GPU request is sized to these nodes (the scripts ask for 8 a node)."""
         out = subprocess.run(
-            ["sbatch", "--parsable", *args, script],
+            ["sbatch", "--parsable", f"--gres=gpu:{GPUS_PER_NODE}", *args, script],
             env={**self.env, **(env or {})},
             cwd=cwd,
             capture_output=True,

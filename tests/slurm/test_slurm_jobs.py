@@ -41,6 +41,8 @@ def files(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("slurm-files")
     hf = make_tiny_qwen3(str(d / "hf"), flavor="base", num_layers=2, seed=0)
+    # the servers start from other weights: a probe after a push that never landed cannot pass
+    other = make_tiny_qwen3(str(d / "hf-other"), flavor="base", num_layers=2, seed=1)
     write_rl_prompts_jsonl(str(d / "rl.jsonl"), 64, seed=1)
     write_sft_jsonl(str(d / "sft.jsonl"), 64, seed=0)
     subprocess.run(
@@ -50,7 +52,7 @@ def files(tmp_path_factory):
         check=True,
         capture_output=True,
     )
-    return {"dir": d, "hf": hf, "rl": str(d / "rl.jsonl"), "sft": str(d / "sft-data")}
+    return {"dir": d, "hf": hf, "hf_other": other, "rl": str(d / "rl.jsonl"), "sft": str(d / "sft-data")}
 
 
 def _ports(n: int) -> list:
@@ -124,7 +126,7 @@ def _gppo_env(files, save_dir, logs):
         "GPUS_PER_NODE": "1",
         "SERVERS_PER_NODE": "1",
         "ENGINE": "standin",
-        "SERVER_MODEL": files["hf"],
+        "SERVER_MODEL": files["hf_other"],
         "SERVER_ARGS": "",
         "PY": PY,
         "LOG_DIR": logs,
@@ -210,6 +212,50 @@ def test_gppo_job_on_two_nodes_survives_two_preemptions(cluster, files, tmp_path
     # the servers hold the trainer's weights: the probe after every push, the last one included
     verified = [m for m in steps if "weights/verify_mean_diff_max" in m]
     assert verified and verified[-1]["step"] == GPPO_STEPS, [m["step"] for m in verified]
+    assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
+
+
+def test_gppo_job_with_a_dedicated_rollout_node(cluster, files, tmp_path):
+    """The script's default layout at the size of this cluster: the servers (two) and the router on
+    n1, the trainer alone on n2 with both of its GPUs (TP=2, two processes under one launcher: the
+    trainer's step states its task count instead of inheriting the job's two), preempted once
+    through Slurm's --signal path. Before, the trainer step started two launchers on n2 that both
+    bound the rendezvous port, and the job failed in seconds."""
+    save, logs = str(tmp_path / "rl"), str(tmp_path / "logs")
+    out = str(tmp_path / "job.out")
+    env = _gppo_env(files, save, logs)
+    steps_wanted = 8
+    env.update(ROLLOUT_NODES="1", TRAIN_NODES="1", GPUS_PER_NODE="2", SERVERS_PER_NODE="2")
+    # server k listens on SERVER_PORT + k: two servers need two ports before the router's
+    server, _, router, metrics, master, sync = map(str, _ports(6))
+    env.update(SERVER_PORT=server, ROUTER_PORT=router, ROUTER_METRICS_PORT=metrics)
+    env.update(MASTER_PORT=master, SYNC_MASTER_PORT=sync)
+    env["TRAIN_ARGS"] = (
+        env["TRAIN_ARGS"]
+        .replace("parallel.tp=1", "parallel.tp=2")
+        .replace("parallel.pp=2", "parallel.pp=1")
+        .replace(f"train.steps={GPPO_STEPS}", f"train.steps={steps_wanted}")
+    )
+    job = cluster.sbatch(
+        os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"), "--nodes=2", f"--output={out}", env=env, cwd=ROOT
+    )
+    metrics = os.path.join(save, "metrics.jsonl")
+    _wait_for("two steps", lambda: len(_steps(metrics)) >= 2, 300, job, cluster)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster.env, check=True)
+    info = cluster.wait_done(job, 600)
+    text = open(out).read()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    assert info["Restarts"] == "1", info
+    assert "rollout on n1, trainer on n2" in text, text[-3000:]
+    log = os.path.join(logs, "trainer-node0.log")
+    assert _trained_steps(log) == list(range(1, steps_wanted + 1))
+    assert not os.path.exists(os.path.join(logs, "trainer-node1.log"))  # one launcher, on one node
+    assert os.path.exists(os.path.join(logs, "server-n1-0.log")) and os.path.exists(
+        os.path.join(logs, "server-n1-1.log")
+    )
+    steps = _steps(metrics)
+    verified = [m for m in steps if "weights/verify_mean_diff_max" in m]
+    assert verified and verified[-1]["step"] == steps_wanted
     assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
 
 
@@ -319,7 +365,9 @@ def test_a_server_that_dies_ends_the_job_naming_it(cluster, files, tmp_path):
     _wait_for("a step", lambda: len(_steps(os.path.join(save, "metrics.jsonl"))) >= 1, 300, job, cluster)
     port = env["SERVER_PORT"]
     pids = subprocess.run(
-        ["pgrep", "-f", f"sglang_standin --model {files['hf']} --port {port}"], capture_output=True, text=True
+        ["pgrep", "-f", f"sglang_standin --model {files['hf_other']} --host 0.0.0.0 --port {port}"],
+        capture_output=True,
+        text=True,
     ).stdout.split()
     assert pids
     subprocess.run(["kill", "-KILL", *pids], check=True)

@@ -55,7 +55,7 @@ class StandinServer:
     and the socket bound at construction (``server_address``). Call :meth:`serve_forever` (e.g. in
     a thread), then :meth:`shutdown` and :meth:`server_close`."""
 
-    def __init__(self, state: ServerState, port: int = 0, *, exit_on_fault: bool = False):
+    def __init__(self, state: ServerState, port: int = 0, *, exit_on_fault: bool = False, host: str = HOST):
         from megatron_klear.rollout.sglang_standin.app import build_app  # (the routes import the engine: torch)
 
         self.state = state
@@ -63,7 +63,8 @@ class StandinServer:
         # (without it an answer's body waits for the client's delayed ACK of its headers, ~40 ms)
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((HOST, int(port)))
+        self.socket.bind((host, int(port)))  # 127.0.0.1; 0.0.0.0 for other nodes (--host)
+        state.host = host
         self.socket.listen(2048)
         self.server_address = self.socket.getsockname()[:2]
         state.port = self.server_address[1]
@@ -140,8 +141,10 @@ def make_server(
     api_key: str | None = None,
     admin_api_key: str | None = None,
     custom_weight_loader=(),
+    host: str = HOST,
 ) -> StandinServer:
-    """A server for ``engine`` on 127.0.0.1:``port`` (0: a free port, see ``server.server_address``).
+    """A server for ``engine`` on ``host``:``port`` (127.0.0.1 by default; 0: a free port, see
+    ``server.server_address``).
     ``max_running_requests`` / ``max_total_tokens``: the running batch's bounds, in sequences and KV
     tokens (SGLang's flags; default: the engine's); ``batch_window``: the longest an idle engine waits
     for concurrent requests to gather (the scheduler);
@@ -166,7 +169,7 @@ def make_server(
         admin_api_key,
         custom_weight_loader,
     )
-    return StandinServer(state, port)
+    return StandinServer(state, port, host=host)
 
 
 def serve_in_thread(engine, port: int = 0, **kwargs):
@@ -185,7 +188,10 @@ def main(argv=None) -> int:
         "(a subset of SGLang's native HTTP API).",
     )
     ap.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
-    ap.add_argument("--port", type=int, default=30000, help="port on 127.0.0.1 (0: any free port)")
+    ap.add_argument("--port", type=int, default=30000, help="port (0: any free port)")
+    ap.add_argument(
+        "--host", default=HOST, help="address to bind (default 127.0.0.1; 0.0.0.0 to be reached from other nodes)"
+    )
     ap.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | float64")
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
@@ -274,12 +280,13 @@ def main(argv=None) -> int:
         api_key=args.api_key,
         admin_api_key=args.admin_api_key,
         custom_weight_loader=args.custom_weight_loader,
+        host=args.host,
     )
     server.exit_on_fault = True
     port = server.server_address[1]
     if args.port_file:
         atomic.write_text(args.port_file, str(port))
-    print(f"embedded rollout engine serving {args.model} on http://{HOST}:{port}", flush=True)
+    print(f"embedded rollout engine serving {args.model} on http://{args.host}:{port}", flush=True)
     try:
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: a clean stop
             server.serve_forever()
