@@ -119,8 +119,10 @@ class Actor:
         cfg = self.state.config
         multiple = row_multiple(cfg.parallel, cfg.model.fp8, cfg.model.fp8_recipe)
         arch = self.state.arch
-        # with router replay every row carries routes, filler rows too (see replay_routing)
-        routes = (sum(arch.moe_layer_pattern), arch.moe_topk) if self.router_replay else None
+        # with router replay every row carries routes, filler rows too (see replay_routing); samples
+        # none of which carries any (the weight probe's) route by themselves
+        replayed = self.router_replay and any(s.routed_experts is not None for s in samples)
+        routes = (sum(arch.moe_layer_pattern), arch.moe_topk) if replayed else None
         plans = []
         for ids in split_mini_batches(samples, self.rl.mini_batch_prompts):
             mbs = plan_mini_batch(
