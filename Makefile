@@ -54,7 +54,7 @@ slurm:
 		|| echo "warning: slurm-wlm and munge are missing and could not be installed: tests/slurm will be skipped"
 
 # The multi-node launch tests (docs/slurm.md): the sbatch scripts under a real two-node Slurm, with
-# preemption and requeue (~5 min on 2 cores). Apart from `make test` (its 20-minute budget);
+# preemption and requeue (~6 min on 2 cores). Apart from `make test` (its 20-minute budget);
 # .ci/run runs both.
 test-slurm: venv sandbox slurm
 	$(PYTEST) -m slurm tests/slurm
