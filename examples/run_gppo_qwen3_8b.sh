@@ -78,6 +78,9 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+# seconds torchrun gives the ranks after forwarding a stop signal before SIGKILL (torchrun: 30): they
+# finish their step and save (the stop line in the log says how long that took; docs/slurm.md)
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-270}
 CONFIG=${CONFIG:-examples/configs/gppo_qwen3_8b_math.yaml}
 SYNC_MASTER_PORT=${SYNC_MASTER_PORT:-0}  # the weight-update groups' store port (stage s: + s); 0: a free one
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -96,5 +99,5 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 exec "${PY:-python}" -m megatron_klear.platform.launch \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
   -m megatron_klear rl --config "$CONFIG" "rollout.sync_master_port=$SYNC_MASTER_PORT" "$@"

@@ -15,6 +15,9 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+# seconds torchrun gives the ranks after forwarding a stop signal before SIGKILL (torchrun: 30): they
+# finish their step and save (the stop line in the log says how long that took; docs/slurm.md)
+SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-270}
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # needed by Megatron's TP/SP communication overlap
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 # fewer fragmentation OOMs with packed micro-batches of varying length
@@ -25,5 +28,5 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 exec "${PY:-python}" -m megatron_klear.platform.launch \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
   -m megatron_klear sft --config examples/configs/sft_qwen3_8b.yaml "$@"

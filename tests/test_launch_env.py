@@ -26,7 +26,7 @@ def _clean_env(**extra) -> dict:
 def _stub(tmp_path) -> str:
     """A stand-in for python: prints the variables, unset ones as <unset>."""
     path = tmp_path / "py"
-    path.write_text("#!/bin/sh\n" + "".join(f'echo "{n}=${{{n}-<unset>}}"\n' for n in NAMES))
+    path.write_text("#!/bin/sh\n" + "".join(f'echo "{n}=${{{n}-<unset>}}"\n' for n in NAMES) + 'echo "ARGS=$*"\n')
     path.chmod(0o755)
     return str(path)
 
@@ -34,6 +34,29 @@ def _stub(tmp_path) -> str:
 def _parse(out: str) -> dict:
     got = dict(line.split("=", 1) for line in out.splitlines() if line.split("=", 1)[0] in NAMES)
     return {k: v for k, v in got.items() if v != "<unset>"}
+
+
+def _launcher_args(script: str, tmp_path, **env) -> str:
+    out = subprocess.run(
+        ["bash", script, "train.steps=1"],
+        cwd=ROOT,
+        env=_clean_env(PY=_stub(tmp_path), **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return next(line[5:] for line in out.splitlines() if line.startswith("ARGS="))
+
+
+@pytest.mark.parametrize("script", ["examples/run_gppo_qwen3_8b.sh", "examples/run_sft_qwen3_8b.sh"])
+def test_torchrun_gives_the_ranks_time_to_save_after_a_stop_signal(script, tmp_path):
+    """torchrun SIGKILLs the ranks --shutdown-timeout seconds after forwarding a stop signal (30 by
+    default: less than a step and a save at 8B); the launchers give 270 (under the sbatch scripts'
+    300 s lead), SHUTDOWN_TIMEOUT sets it."""
+    assert " --shutdown-timeout 270 " in f" {_launcher_args(script, tmp_path)} "
+    assert " --shutdown-timeout 900 " in f" {_launcher_args(script, tmp_path, SHUTDOWN_TIMEOUT='900')} "
+    assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in _launcher_args(script, tmp_path)
 
 
 def _run_launcher(script: str, tmp_path, **env) -> dict:

@@ -18,6 +18,7 @@ is here, once::
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable
 
 from megatron_klear.platform import is_rank0
@@ -99,16 +100,22 @@ class Run:
             if at % log_interval == 0 or at == total:
                 self.logger.log(at, metrics, **shown)
             stopping = term.should_stop()  # collective: every rank saves this step and stops
+            t_save = time.monotonic()
             if self.ckpt and (stopping or at == total or (interval and at % interval == 0)):
                 save()
             if stopping:
                 if is_rank0():
+                    now = time.monotonic()
                     where = (
-                        f"checkpoint of step {at} saved in {self.cfg.train.save_dir}"
+                        f"checkpoint of step {at} saved in {self.cfg.train.save_dir} (the save took "
+                        f"{now - t_save:.1f} s)"
                         if self.ckpt
                         else "no train.save_dir"
                     )
-                    print(f"stopped on {term.signal_name} after step {at}/{total}: {where}", flush=True)
+                    # the time from the signal to here is what the launcher's grace must cover
+                    # (torchrun --shutdown-timeout, Slurm's --signal lead: docs/slurm.md)
+                    since = f"; {now - term.received_at:.1f} s after the signal" if term.received_at else ""
+                    print(f"stopped on {term.signal_name} after step {at}/{total}: {where}{since}", flush=True)
                 break
             if stop_after is not None and at >= stop_after:
                 break

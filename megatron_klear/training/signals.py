@@ -23,6 +23,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ class TerminationFlag:
 
     def __init__(self):
         self.received = 0  # the signal's number, 0 while none came
+        self.received_at = None  # time.monotonic() of the first one, on this rank
         self.signal_name = ""
 
     def install(self, signals=STOP_SIGNALS):
@@ -48,6 +50,8 @@ class TerminationFlag:
     def _handler(self, signum, frame):
         if self.received == signal.SIGINT and signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
             raise KeyboardInterrupt  # Ctrl-C twice
+        if self.received_at is None:
+            self.received_at = time.monotonic()
         self.received = signum
 
     def should_stop(self) -> bool:

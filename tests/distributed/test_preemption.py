@@ -183,6 +183,11 @@ def test_sigterm_then_sigusr1_save_the_current_step_and_the_run_resumes_from_it(
     out, rc = _signal_when(proc, lambda: _latest(save) >= SAVE_INTERVAL, lambda p: p.send_signal(signal.SIGTERM))
     stopped = _check_stopped_with_checkpoint(save, out, rc, 1)
     assert "stopped on SIGTERM" in out
+    # the line says what the launcher's grace must cover: the save, and the time since the signal
+    import re
+
+    took = re.search(r"stopped on SIGTERM after step \d+/\d+: .*\(the save took ([\d.]+) s\); ([\d.]+) s after", out)
+    assert took and 0 < float(took.group(1)) <= float(took.group(2)) < 120, out[-2000:]
     before = _logged_steps(save)
 
     # the resumed run through the project's launcher (the example scripts' way)
