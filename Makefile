@@ -51,13 +51,13 @@ test: venv lint sandbox
 slurm:
 	@command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge) \
-		|| echo "warning: slurm-wlm and munge are missing and could not be installed: tests/slurm will be skipped"
+		|| echo "warning: slurm-wlm and munge are missing and could not be installed: make test-slurm will fail"
 
 # The multi-node launch tests (docs/slurm.md): the sbatch scripts under a real two-node Slurm, with
 # preemption and requeue (~6 min on 2 cores). Apart from `make test` (its 20-minute budget);
 # .ci/run runs both.
 test-slurm: venv sandbox slurm
-	$(PYTEST) -m slurm tests/slurm
+	KLEAR_REQUIRE_SLURM=1 $(PYTEST) -m slurm tests/slurm
 
 # The development loop (a few minutes): the in-process tests, none that starts torchrun, servers or
 # rank processes. `make test` stays the whole suite and the contract.
