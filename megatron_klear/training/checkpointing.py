@@ -359,7 +359,7 @@ class CheckpointManager:
         if "optimizer" in sharded:
             with torch.no_grad():  # (the distributed optimizer copies into its fp32 parameters in place)
                 state.optimizer.load_state_dict(loaded["optimizer"])
-            _unshare_adam_steps(state.optimizer)
+            _restore_adam_steps(state.optimizer, loaded["optimizer"])
         common = loaded["common"]
         state.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved count to this
         state.scheduler.load_state_dict(common["scheduler"])
@@ -391,13 +391,28 @@ def _give_distributed_optimizer_a_state(optimizer) -> None:
                 g["lr"] = lr
 
 
-def _unshare_adam_steps(optimizer) -> None:
-    """megatron-core's ``DistributedOptimizer.load_state_dict`` without Apex or Transformer Engine
-    gives every parameter's state one shared ``step`` tensor; torch's Adam increments each state's
-    step in place, so the shared count would rise once per parameter at every step and the bias
-    correction would be wrong after a resume. Each state gets its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for s in getattr(inner, "state", {}).values():
-            if torch.is_tensor(s.get("step")):
-                s["step"] = s["step"].clone()
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """Adam's step count after megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict``
+    without Apex or Transformer Engine (torch's Adam, which keeps ``step`` per parameter): it reads
+    the saved count from the param groups, but the ``dp_reshardable`` parameter state written after
+    it carries the ``step`` of the loading optimizer's own state (the dummy step of
+    :func:`_give_distributed_optimizer_a_state`: 1), so every resume restarted Adam's bias
+    correction and the first updates after it were several times too large. It also gave every
+    parameter one shared ``step`` tensor, which torch's Adam would increment once per parameter. The
+    saved count (one per optimizer, megatron-core asserts it) goes back into every state, a tensor
+    of its own each."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    per_optimizer = isinstance(loaded, dict) and loaded and all(isinstance(k, int) for k in loaded)
+    saved = [loaded[k] for k in sorted(loaded)] if per_optimizer else [loaded] * len(chained)
+    for opt, sd in zip(chained, saved):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        inner = sd.get("optimizer") if isinstance(sd, dict) else None
+        groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
+        steps = {float(g["step"]) for g in groups if "step" in g}
+        count = steps.pop() if len(steps) == 1 else None
+        for st in opt.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone() if count is None else torch.tensor(count, dtype=st["step"].dtype)
