@@ -267,7 +267,8 @@ SFT_STEPS = 60  # enough that the preemption after step 3 lands mid-run on a fas
 
 def test_sft_job_on_two_nodes_survives_a_preemption(cluster, files, tmp_path):
     """The SFT script: torchrun on both nodes (PP=2), preempted once through Slurm's --signal path,
-    requeued, resumed: every step trained once, the loss of each step as logged by the two runs."""
+    requeued, resumed: every step trained once, and each step's loss that of an uninterrupted run
+    (the same launch script without Slurm)."""
     save, logs, out = str(tmp_path / "sft"), str(tmp_path / "logs"), str(tmp_path / "job.out")
     (master,) = _ports(1)
     train = [
@@ -300,6 +301,38 @@ def test_sft_job_on_two_nodes_survives_a_preemption(cluster, files, tmp_path):
     saved = sorted(int(n[5:]) for n in os.listdir(save) if n.startswith("iter_"))
     stops = _stop_saves(os.path.join(logs, "trainer-node0.log"))
     assert len(stops) == 1 and stops[0] < SFT_STEPS and saved == [stops[0], SFT_STEPS], (stops, saved)
+    # every step's loss is the uninterrupted run's (the same launch script, two launchers, no Slurm)
+    ref_save = str(tmp_path / "sft-uninterrupted")
+    ref_args = [a.replace(save, ref_save) if a.startswith("train.save_dir=") else a for a in train]
+    (ref_master,) = _ports(1)
+    ref_env = dict(os.environ, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ref_master), GPUS_PER_NODE="1")
+    ref_env.update(PY=PY, WANDB_MODE="offline", WANDB_DIR=str(tmp_path))
+    codes, outs = _two_launchers("examples/run_sft_qwen3_8b.sh", ref_args, ref_env)
+    assert codes == [0, 0], outs[0][-3000:]
+    got = {m["step"]: m["loss"] for m in _steps(metrics) if "loss" in m}
+    want = {m["step"]: m["loss"] for m in _steps(os.path.join(ref_save, "metrics.jsonl")) if "loss" in m}
+    assert sorted(got) == sorted(want) == list(range(1, SFT_STEPS + 1))
+    assert all(abs(got[k] - want[k]) <= 1e-5 * abs(want[k]) for k in want), [
+        (k, got[k], want[k]) for k in want if got[k] != want[k]
+    ][:5]
+
+
+def _two_launchers(script: str, args: list, env: dict, timeout: float = 600) -> tuple:
+    """``script`` started twice on this host as two "nodes" (``env`` has NNODES=2; NODE_RANK 0 and 1):
+    their exit statuses and outputs."""
+    procs = [
+        subprocess.Popen(
+            ["bash", script, *args],
+            cwd=ROOT,
+            env=dict(env, NODE_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [p.returncode for p in procs], outs
 
 
 @pytest.mark.parametrize("job", ["sft", "gppo"])
@@ -328,22 +361,11 @@ def test_the_plain_launch_scripts_as_two_nodes_on_one_host(files, tmp_path, job)
         args += ["rl.max_prompt_length=128", "rollout.max_new_tokens=32", f"rollout.urls=[{standin.url}]"]
         args += ["rollout.verify_interval=1", "reward.workers=1"]
     try:
-        procs = [
-            subprocess.Popen(
-                ["bash", script, *args],
-                cwd=ROOT,
-                env=dict(env, NODE_RANK=str(r)),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for r in (0, 1)
-        ]
-        outs = [p.communicate(timeout=600)[0] for p in procs]
+        codes, outs = _two_launchers(script, args, env)
     finally:
         if standin is not None:
             standin.close()
-    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     steps = _steps(os.path.join(save, "metrics.jsonl"))
     assert [m["step"] for m in steps if "step" in m][-1] == 2
     assert os.path.isdir(os.path.join(save, "iter_0000002"))
