@@ -36,8 +36,9 @@ def _parse(out: str) -> dict:
     return {k: v for k, v in got.items() if v != "<unset>"}
 
 
-def _launcher_args(script: str, tmp_path, **env) -> str:
-    out = subprocess.run(
+def _launcher_output(script: str, tmp_path, **env) -> str:
+    """What the launcher ``script`` hands the stub python: its environment and its arguments."""
+    return subprocess.run(
         ["bash", script, "train.steps=1"],
         cwd=ROOT,
         env=_clean_env(PY=_stub(tmp_path), **env),
@@ -46,7 +47,10 @@ def _launcher_args(script: str, tmp_path, **env) -> str:
         timeout=60,
         check=True,
     ).stdout
-    return next(line[5:] for line in out.splitlines() if line.startswith("ARGS="))
+
+
+def _launcher_args(script: str, tmp_path, **env) -> str:
+    return next(line[5:] for line in _launcher_output(script, tmp_path, **env).splitlines() if line.startswith("ARGS="))
 
 
 @pytest.mark.parametrize("script", ["examples/run_gppo_qwen3_8b.sh", "examples/run_sft_qwen3_8b.sh"])
@@ -60,16 +64,7 @@ def test_torchrun_gives_the_ranks_time_to_save_after_a_stop_signal(script, tmp_p
 
 
 def _run_launcher(script: str, tmp_path, **env) -> dict:
-    out = subprocess.run(
-        ["bash", script, "train.steps=1"],
-        cwd=ROOT,
-        env=_clean_env(PY=_stub(tmp_path), **env),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    return _parse(out)
+    return _parse(_launcher_output(script, tmp_path, **env))
 
 
 @pytest.mark.parametrize(
