@@ -116,10 +116,23 @@ klear_signal_step() {
   done
 }
 
-# Stop the trainer (SIGTERM: it saves) and every started role (SIGKILL), then exit RC.
+# Stop the trainer (SIGTERM: it saves) and every started role (SIGKILL). With GRACE (seconds), a
+# trainer still running that long after SIGTERM is killed: when a role it needs is gone (the router,
+# a server) it cannot finish its step, and torchrun would wait its whole --shutdown-timeout.
 klear_stop_roles() {
-  local role
-  [[ -n "${TRAINER_PID:-}" ]] && klear_signal_step trainer TERM && wait "$TRAINER_PID" 2>/dev/null
+  local role grace=${1:-} start=$SECONDS
+  if [[ -n "${TRAINER_PID:-}" ]]; then
+    klear_signal_step trainer TERM
+    while [[ -n "$grace" ]] && kill -0 "$TRAINER_PID" 2>/dev/null; do
+      if ((SECONDS - start >= grace)); then
+        klear_log "the trainer did not stop within ${grace}s of SIGTERM (DEAD_ROLE_GRACE): killing it" >&2
+        klear_signal_step trainer KILL
+        break
+      fi
+      sleep 1
+    done
+    wait "$TRAINER_PID" 2>/dev/null
+  fi
   for role in "${ROLE_NAMES[@]}"; do klear_signal_step "$role" KILL; done
   wait 2>/dev/null
 }
@@ -170,7 +183,8 @@ klear_run_trainer() {
     dead=$(klear_dead_role)
     if [[ -n "$dead" && $PREEMPTED == 0 && $STOPPING == 0 ]]; then
       klear_log "error: $dead exited while the trainer runs; see $LOG_DIR/$dead.log; stopping the trainer" >&2
-      klear_stop_all 3
+      klear_stop_roles "${DEAD_ROLE_GRACE:-60}"
+      exit 3
     fi
     sleep 2 &
     wait $! 2>/dev/null

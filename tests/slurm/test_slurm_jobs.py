@@ -373,12 +373,14 @@ def test_the_plain_launch_scripts_as_two_nodes_on_one_host(files, tmp_path, job)
         assert "weights/verify_mean_diff_max" in steps[-1], steps[-1]
 
 
-def test_a_server_that_dies_ends_the_job_naming_it(cluster, files, tmp_path):
-    """The rollout server is killed while the trainer runs: the job does not hang, the trainer is
-    stopped, and the job fails (status 3) with a line naming the server and its log."""
+@pytest.mark.parametrize("role", ["server-n1-0", "router"])
+def test_a_role_that_dies_ends_the_job_naming_it(cluster, files, tmp_path, role):
+    """The rollout server, or the router, is killed while the trainer runs: the job does not hang,
+    the trainer is stopped, and the job fails (status 3) with a line naming the role and its log."""
     save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
     env = _gppo_env(files, save, logs)
     env["TRAIN_ARGS"] = env["TRAIN_ARGS"].replace(f"train.steps={GPPO_STEPS}", "train.steps=50")
+    env["DEAD_ROLE_GRACE"] = "15"  # without the router the trainer's step cannot finish: killed after 15 s
     job = cluster.sbatch(
         os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"),
         "--nodes=2",
@@ -388,16 +390,46 @@ def test_a_server_that_dies_ends_the_job_naming_it(cluster, files, tmp_path):
         cwd=ROOT,
     )
     _wait_for("a step", lambda: len(_steps(os.path.join(save, "metrics.jsonl"))) >= 1, 300, job, cluster)
-    port = env["SERVER_PORT"]
-    pids = subprocess.run(
-        ["pgrep", "-f", f"sglang_standin --model {files['hf_other']} --host 0.0.0.0 --port {port}"],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
+    pattern = (
+        f"sglang_standin --model {files['hf_other']} --host 0.0.0.0 --port {env['SERVER_PORT']}"
+        if role.startswith("server")
+        else f"sglang_router.launch_router --host 0.0.0.0 --port {env['ROUTER_PORT']}"
+    )
+    pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     assert pids
     subprocess.run(["kill", "-KILL", *pids], check=True)
+    killed = time.time()
     info = cluster.wait_done(job, 300)
+    ended = time.time() - killed
     text = open(out).read()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", (info, text[-3000:])
-    assert f"error: server-n1-0 exited while the trainer runs; see {logs}/server-n1-0.log" in text, text[-3000:]
+    assert f"error: {role} exited while the trainer runs; see {logs}/{role}.log" in text, text[-3000:]
+    assert ended < 15 + 60, ended  # the grace, and Slurm's own bookkeeping; not torchrun's 270 s
     assert not subprocess.run(["pgrep", "-f", f"megatron_klear rl .*{save}"], capture_output=True).stdout
+
+
+def test_a_server_that_never_comes_up_ends_the_job_naming_it(cluster, files, tmp_path):
+    """A server that starts but never answers /health (here: an interpreter that only sleeps) ends
+    the job within STARTUP_TIMEOUT with status 3 and a line naming what did not come up; no role is
+    left running."""
+    save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
+    env = _gppo_env(files, save, logs)
+    hung = tmp_path / "hung-python"
+    hung.write_text("#!/bin/sh\nexec sleep 600\n")
+    hung.chmod(0o755)
+    env.update(SERVER_PY=str(hung), STARTUP_TIMEOUT="10")
+    job = cluster.sbatch(
+        os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"),
+        "--nodes=2",
+        "--no-requeue",
+        f"--output={out}",
+        env=env,
+        cwd=ROOT,
+    )
+    info = cluster.wait_done(job, 120)
+    text = open(out).read()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", (info, text[-3000:])
+    url = f"http://127.0.0.1:{env['SERVER_PORT']}"
+    assert f"error: rollout server {url} did not come up within 10s; see the logs in {logs}" in text, text[-3000:]
+    assert "start the trainer" not in text
+    assert not subprocess.run(["pgrep", "-f", str(hung)], capture_output=True).stdout
