@@ -26,13 +26,16 @@ class MetricsLogger:
         wandb_project: str = "megatron-klear",
         run_name: str = "",
         tensorboard_dir: str | None = None,
+        wandb_dir: str | None = None,
         enabled: bool = True,
         stream=None,
         resume_step: int | None = None,
     ):
-        """``resume_step``: the step a resumed run continues from; the JSONL file keeps the records
-        up to it (the steps after it, logged before a crash, are run again) and is appended to.
-        None (a fresh run): the JSONL file starts empty."""
+        """``wandb_dir``: where wandb writes its files (``<wandb_dir>/wandb/``; the run's directory),
+        unless ``WANDB_DIR`` is set (otherwise wandb writes into the working directory, the
+        repository's root for a user who launches from it). ``resume_step``: the step a resumed run
+        continues from; the JSONL file keeps the records up to it (the steps after it, logged before
+        a crash, are run again) and is appended to. None (a fresh run): the JSONL file starts empty."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
@@ -57,7 +60,12 @@ class MetricsLogger:
                 raise ImportError("logging.wandb=true needs wandb: pip install 'megatron-klear[logging]'") from None
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             _drop_unreachable_wandb_service(self.stream)
-            self._wandb = wandb_lib.init(project=wandb_project, name=run_name or None, config=config, mode=mode)
+            where = {} if os.environ.get("WANDB_DIR") or not wandb_dir else {"dir": wandb_dir}
+            if where:
+                os.makedirs(wandb_dir, exist_ok=True)
+            self._wandb = wandb_lib.init(
+                project=wandb_project, name=run_name or None, config=config, mode=mode, **where
+            )
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter

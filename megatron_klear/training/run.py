@@ -68,6 +68,7 @@ class Run:
             wandb_project=cfg.logging.wandb_project,
             run_name=cfg.logging.run_name,
             tensorboard_dir=os.path.join(save_dir or ".", "tensorboard") if cfg.logging.tensorboard else None,
+            wandb_dir=save_dir or None,
             enabled=is_rank0(),
             resume_step=position if self.resume_from else None,
         )

@@ -27,7 +27,8 @@ def test_jsonl_console_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
     from megatron_klear.training.metrics import MetricsLogger
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.delenv("WANDB_DIR", raising=False)  # the run's directory, not the working directory
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_SILENT", "true")
     console = io.StringIO()
     log = MetricsLogger(
@@ -37,6 +38,7 @@ def test_jsonl_console_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
         wandb=True,
         run_name="t",
         tensorboard_dir=str(tmp_path / "tb"),
+        wandb_dir=str(tmp_path / "run"),
         stream=console,
     )
     for step in (1, 2):
@@ -53,8 +55,9 @@ def test_jsonl_console_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [round(e.value, 3) for e in acc.Scalars("loss")] == [3.0, 1.5]
-    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    runs = [d for d in os.listdir(tmp_path / "run" / "wandb") if d.startswith("offline-run-")]
     assert len(runs) == 1  # offline: nothing leaves the machine without a key
+    assert not os.path.exists(tmp_path / "wandb")  # nothing in the working directory
 
 
 def test_missing_extras_are_named(tmp_path, monkeypatch):
