@@ -46,7 +46,7 @@ test: venv lint sandbox
 	$(PYTEST) -n 2 --dist loadfile -m timing tests; timing=$$?; \
 	[ $$heavy -eq 0 ] && [ $$timing -eq 0 ]
 
-# Slurm and munge from Debian's packages (the launch tests start their own controller and two nodes
+# Slurm and munge from Debian's packages (the launch tests start their own controller and three nodes
 # on this machine: tests/slurm/cluster.py). Installed when missing and apt-get can.
 slurm:
 	@command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || \

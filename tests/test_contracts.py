@@ -129,13 +129,13 @@ def test_the_checker_sees_positional_parameters_in_another_order():
             """Callers pass ``(prompts, step, weight_version)``: the two ints would be swapped."""
 
         def cancel(self):
-            pass
+            """A double: the checker reads its signature only."""
 
         def state_dict(self):
             return {}
 
         def load_state_dict(self, state, /):
-            pass
+            """A double: the checker reads its signature only."""
 
     class KeywordOnly(Swapped):
         def produce(self, prompts, *, step, weight_version):

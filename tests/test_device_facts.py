@@ -174,3 +174,15 @@ def test_a_gpu_tensor_goes_to_a_cpu_update_group_by_a_blocking_copy():
 
     assert on_wire_device(Recorder(), torch.device("cpu")) == ("cpu", False)
     assert on_wire_device(Recorder(), torch.device("cuda", 0)) == ("cuda:0", True)
+
+
+def test_a_trainer_without_sglangs_nccl_settings_is_named():
+    from megatron_klear.platform.device_facts import nccl_update_group_gaps
+
+    bare = DeviceFacts(cuda=True, capability=(9, 0), nccl_env={"NCCL_CUMEM_ENABLE": "1"})
+    assert nccl_update_group_gaps(bare) == [
+        "NCCL_CUMEM_ENABLE=1 (servers: 0)",
+        "NCCL_NVLS_ENABLE=<unset> (servers: 0)",
+    ]
+    launched = DeviceFacts(cuda=True, nccl_env={"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"})
+    assert nccl_update_group_gaps(launched) == []

@@ -246,7 +246,7 @@ def transformer_config(
     arch: ModelArch, options: ModelOptions, parallel, *, cpu_init: bool | None = None, facts: DeviceFacts | None = None
 ):
     """Megatron ``TransformerConfig`` for ``arch`` under ``parallel`` (a ParallelConfig), on the
-    machine ``facts`` describes (this one by default: :func:`~megatron_klear.platform.device.device_facts`).
+    machine ``facts`` describes (this one by default: :func:`~megatron_klear.platform.device_facts.device_facts`).
 
     ``cpu_init`` (default: when there is no GPU) initialises weights on the CPU; the conversion
     tools force it to build their weightless ``meta`` models on any machine."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 # groups: SGLang 0.5.23 sets both to 0 in its own processes (sglang/srt/entrypoints/engine.py,
 # _set_envs_and_config) and an NCCL communicator whose two ends disagree on cuMem / NVLS buffers
 # hangs or fails on a same-node weight update. NCCL reads them once per process, so the launch
-# scripts export them; the trainer reports them (DeviceFacts.nccl_env).
+# scripts export them; a trainer started without them is warned (:func:`nccl_update_group_gaps`).
 NCCL_UPDATE_GROUP_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
 
 
@@ -108,3 +108,13 @@ def probe() -> DeviceFacts:
 def device_facts() -> DeviceFacts:
     """This process's facts, read once."""
     return probe()
+
+
+def nccl_update_group_gaps(facts: DeviceFacts) -> list:
+    """The NCCL settings of ``facts`` that differ from what SGLang's processes run with
+    (:data:`NCCL_UPDATE_GROUP_ENV`), each as ``"NAME=value (servers: 0)"``; [] when they agree."""
+    return [
+        f"{k}={facts.nccl_env.get(k, '<unset>')} (servers: {v})"
+        for k, v in NCCL_UPDATE_GROUP_ENV.items()
+        if facts.nccl_env.get(k) != v
+    ]

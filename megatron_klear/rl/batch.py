@@ -30,7 +30,7 @@ RL_PER_TOKEN_KEYS = (
     "seq_ids",
     "rollout_logprobs",
     "stale",  # 1.0 on response tokens of an older weight version than the trainer's (0 in synchronous RL)
-    "routed_experts",  # router replay: every row (filler rows too); without it, rows whose samples all carry them
+    "routed_experts",  # router replay only: every row (filler rows too)
 )
 
 
@@ -78,8 +78,9 @@ def build_rl_micro_batch(
     """One packed row of ``samples`` (may be empty: a filler row with no loss). ``weight_version``:
     the version of the trainer's weights before this update; response tokens of an older version
     get ``stale`` = 1 (none without it). ``route_shape``: ``(MoE layers, top_k)`` with router replay
-    on: the row carries ``routed_experts`` whatever it holds (a filler row: experts 0..k-1 for
-    every position), and a sample without the engine's routes is refused, naming it."""
+    on: the row carries ``routed_experts`` (none without it) whatever it holds (a filler row:
+    experts 0..k-1 for every position), and a sample without the engine's routes is refused,
+    naming it."""
     tokens = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
     masks = [[0] * len(s.prompt_ids) + [1] * len(s.response_ids) for s in samples]
     row = build_packed_micro_batch(tokens, masks, pad_token_id=pad_id, pad_to_multiple=pad_to_multiple)
@@ -129,21 +130,17 @@ def build_rl_micro_batch(
                 "return the experts it routed to); every token of the update must replay the engine's routes"
             )
         row["routed_experts"] = routed_experts_row(samples, size, route_shape)
-    elif samples and all(s.routed_experts is not None for s in samples):
-        row["routed_experts"] = routed_experts_row(samples, size)
     return row
 
 
-def routed_experts_row(samples: list, size: int, route_shape: tuple | None = None) -> torch.Tensor:
+def routed_experts_row(samples: list, size: int, route_shape: tuple) -> torch.Tensor:
     """The engine's experts for a packed row of ``size`` tokens: int16 ``[1, size, MoE layers,
     top_k]`` (a quarter of int64's bytes through packing, CP slicing and the copy to the device;
     widened for Megatron's router by :func:`megatron_klear.rl.actor.replay_indices`). Positions the
     engine never routed (each sample's last token, the padding, every position of a filler row
     without samples) get experts 0..top_k-1: their outputs feed no log-prob of the row (causal
     attention within each segment; the last token's output predicts nothing). ``route_shape``:
-    ``(MoE layers, top_k)``, needed for a row without samples (else the first sample's)."""
-    if route_shape is None:
-        route_shape = tuple(torch.as_tensor(samples[0].routed_experts).shape[1:])
+    ``(MoE layers, top_k)`` of the model."""
     layers, topk = route_shape
     out = torch.arange(topk, dtype=torch.int16).expand(size, layers, topk).clone()
     off = 0

@@ -60,9 +60,10 @@ class MetricsLogger:
                 raise ImportError("logging.wandb=true needs wandb: pip install 'megatron-klear[logging]'") from None
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             _drop_unreachable_wandb_service(self.stream)
-            where = {} if os.environ.get("WANDB_DIR") or not wandb_dir else {"dir": wandb_dir}
-            if where:
+            where = {}
+            if wandb_dir and not os.environ.get("WANDB_DIR"):  # WANDB_DIR, when set, is wandb's own choice
                 os.makedirs(wandb_dir, exist_ok=True)
+                where["dir"] = wandb_dir
             self._wandb = wandb_lib.init(
                 project=wandb_project, name=run_name or None, config=config, mode=mode, **where
             )

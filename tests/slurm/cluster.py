@@ -1,7 +1,7 @@
-"""A real Slurm cluster of two nodes on this machine, for the launch tests (``make test-slurm``).
+"""A real Slurm cluster of three nodes on this machine, for the launch tests (``make test-slurm``).
 
 Debian's ``slurm-wlm`` and ``munge`` (``make slurm`` installs them): one ``munged`` with its own
-key and socket, one ``slurmctld`` and two ``slurmd`` (``n1``, ``n2``: both ``localhost``, each on
+key and socket, one ``slurmctld`` and three ``slurmd`` (``n1``-``n3``: all ``localhost``, each on
 its own port, addresses given to Slurm as ``NodeAddr=127.0.0.1`` because the node names resolve to
 nothing, as on clusters where the scripts must take addresses from Slurm). Everything lives under
 one temporary directory with free ports; :meth:`LocalSlurm.stop` cancels the jobs, stops the
@@ -27,6 +27,8 @@ from megatron_klear.platform.process import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 GPUS_PER_NODE = 2  # the GPU GRES each test node declares
+# three nodes: the GPPO script's default layout (one rollout node, two trainer nodes) fits
+NODES = ("n1", "n2", "n3")
 
 
 def missing_binaries() -> list:
@@ -64,7 +66,7 @@ class LocalSlurm:
 
     def start(self) -> "LocalSlurm":
         r = self.root
-        for d in ("munge", "state", "spool/n1", "spool/n2", "log"):
+        for d in ("munge", "state", *(f"spool/{n}" for n in NODES), "log"):
             os.makedirs(os.path.join(r, d), exist_ok=True)
         key = os.path.join(r, "munge", "munge.key")
         with open(key, "wb") as f:
@@ -80,9 +82,10 @@ class LocalSlurm:
             f"--pid-file={r}/munge/pid",
             f"--seed-file={r}/munge/seed",
         )
-        base = _free_port_run(3)
+        base = _free_port_run(1 + len(NODES))
         nodes = (
-            f"NodeName=n[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{base + 1}-{base + 2}] "
+            f"NodeName=n[1-{len(NODES)}] NodeHostname=localhost NodeAddr=127.0.0.1 "
+            f"Port=[{base + 1}-{base + len(NODES)}] "
             f"CPUs={os.cpu_count()} RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
         )
         # GPUs as Slurm counts them (empty files for devices: nothing is bound, but every step's
@@ -91,7 +94,7 @@ class LocalSlurm:
         for k in range(GPUS_PER_NODE):  # device files Slurm can count (nothing opens them)
             open(os.path.join(r, "dev", f"gpu{k}"), "w").close()
         with open(os.path.join(r, "gres.conf"), "w") as f:
-            f.write(f"AutoDetect=off\nNodeName=n[1-2] Name=gpu File={r}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
+            f.write(f"AutoDetect=off\nNodeName=n[1-{len(NODES)}] Name=gpu File={r}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
         with open(self.conf, "w") as f:
             f.write(
                 f"""ClusterName=klear-test
@@ -125,16 +128,16 @@ InactiveLimit=0
 KillWait=30
 MinJobAge=600
 {nodes}
-PartitionName=main Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=main Nodes=n[1-{len(NODES)}] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
             )
         self._run("slurmctld", "-c", "-f", self.conf)
-        for node in ("n1", "n2"):
+        for node in NODES:
             self._run("slurmd", "-N", node, "-f", self.conf)
         deadline = time.time() + 60
         while time.time() < deadline:
             out = self._run("sinfo", "-h", "-o", "%T %D", check=False).stdout.split()
-            if out[:2] == ["idle", "2"]:
+            if out[:2] == ["idle", str(len(NODES))]:
                 return self
             time.sleep(1)
         raise RuntimeError(f"the local Slurm did not come up: sinfo says {out}; see {r}/log")
@@ -170,7 +173,7 @@ PartitionName=main Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP OverSubscr
     def stop(self) -> None:
         self._run("scancel", "--full", "--user=root", check=False)
         self._run("scontrol", "shutdown", check=False)
-        for name in ("slurmctld.pid", "slurmd-n1.pid", "slurmd-n2.pid", "munge/pid"):
+        for name in ("slurmctld.pid", *(f"slurmd-{n}.pid" for n in NODES), "munge/pid"):
             path = os.path.join(self.root, name)
             if os.path.exists(path):
                 try:

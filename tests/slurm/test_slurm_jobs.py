@@ -1,4 +1,4 @@
-"""The sbatch scripts of examples/slurm/ under a real Slurm with two nodes (tests/slurm/cluster.py),
+"""The sbatch scripts of examples/slurm/ under a real Slurm of three nodes (tests/slurm/cluster.py),
 and the plain launch scripts as two launchers on one host (``make test-slurm``; docs/slurm.md).
 
 GPPO: the shipped 8B math config sized down by overrides, a tiny Qwen3 at PP=2 (one stage per
@@ -145,6 +145,13 @@ def _gppo_env(files, save_dir, logs):
     }
 
 
+def _submit(cluster, script: str, out: str, env: dict, *args: str, nodes: int = 2) -> str:
+    """``examples/slurm/<script>`` on ``nodes`` nodes, its output in ``out``: the job id."""
+    return cluster.sbatch(
+        os.path.join(ROOT, "examples/slurm", script), f"--nodes={nodes}", f"--output={out}", *args, env=env, cwd=ROOT
+    )
+
+
 def _expected_digests(files, steps, per_step=8, seed=1234):
     """The prompt order's digest after each step of an uninterrupted run: the same dataset, seed
     and draws (one batch of rl.oversample_prompts per step)."""
@@ -163,14 +170,7 @@ def test_gppo_job_on_two_nodes_survives_two_preemptions(cluster, files, tmp_path
     save, logs = str(tmp_path / "rl"), str(tmp_path / "logs")
     out = str(tmp_path / "job.out")
     env = _gppo_env(files, save, logs)
-    job = cluster.sbatch(
-        os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"),
-        "--nodes=2",
-        f"--output={out}",
-        "--export=ALL",
-        env=env,
-        cwd=ROOT,
-    )
+    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--export=ALL")
     metrics = os.path.join(save, "metrics.jsonl")
     # 1. Slurm's --signal path: USR1 to the batch script, which has the trainer save and requeues
     _wait_for("two steps", lambda: len(_steps(metrics)) >= 2, 300, job, cluster)
@@ -218,17 +218,19 @@ def test_gppo_job_on_two_nodes_survives_two_preemptions(cluster, files, tmp_path
     assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
 
 
-def test_gppo_job_with_a_dedicated_rollout_node(cluster, files, tmp_path):
-    """The script's default layout at the size of this cluster: the servers (two) and the router on
-    n1, the trainer alone on n2 with both of its GPUs (TP=2, two processes under one launcher: the
-    trainer's step states its task count instead of inheriting the job's two), preempted once
-    through Slurm's --signal path. Before, the trainer step started two launchers on n2 that both
-    bound the rendezvous port, and the job failed in seconds."""
+def test_gppo_job_in_the_scripts_default_layout(cluster, files, tmp_path):
+    """The script's default layout (``#SBATCH --nodes=3``, ROLLOUT_NODES=1, TRAIN_NODES=2, their
+    defaults left unset) at the size of this cluster: two servers and the router on n1, the trainer
+    on n2 and n3 with two GPUs each (TP=2 inside a node, PP=2 across the two), preempted once through
+    Slurm's --signal path. Before, the trainer's step inherited the job's three tasks and started
+    several launchers on a node that all bound the rendezvous port: the job failed in seconds."""
     save, logs = str(tmp_path / "rl"), str(tmp_path / "logs")
     out = str(tmp_path / "job.out")
     env = _gppo_env(files, save, logs)
-    steps_wanted = 8
-    env.update(ROLLOUT_NODES="1", TRAIN_NODES="1", GPUS_PER_NODE="2", SERVERS_PER_NODE="2")
+    steps_wanted = 6
+    for key in ("ROLLOUT_NODES", "TRAIN_NODES"):
+        env.pop(key)  # the script's defaults
+    env.update(GPUS_PER_NODE="2", SERVERS_PER_NODE="2")
     # server k listens on SERVER_PORT + k: two servers need two ports before the router's
     server, _, router, metrics, master, sync = map(str, _ports(6))
     env.update(SERVER_PORT=server, ROUTER_PORT=router, ROUTER_METRICS_PORT=metrics)
@@ -236,12 +238,9 @@ def test_gppo_job_with_a_dedicated_rollout_node(cluster, files, tmp_path):
     env["TRAIN_ARGS"] = (
         env["TRAIN_ARGS"]
         .replace("parallel.tp=1", "parallel.tp=2")
-        .replace("parallel.pp=2", "parallel.pp=1")
         .replace(f"train.steps={GPPO_STEPS}", f"train.steps={steps_wanted}")
     )
-    job = cluster.sbatch(
-        os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"), "--nodes=2", f"--output={out}", env=env, cwd=ROOT
-    )
+    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, nodes=3)
     metrics = os.path.join(save, "metrics.jsonl")
     _wait_for("two steps", lambda: len(_steps(metrics)) >= 2, 300, job, cluster)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster.env, check=True)
@@ -249,10 +248,11 @@ def test_gppo_job_with_a_dedicated_rollout_node(cluster, files, tmp_path):
     text = open(out).read()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
     assert info["Restarts"] == "1", info
-    assert "rollout on n1, trainer on n2" in text, text[-3000:]
-    log = os.path.join(logs, "trainer-node0.log")
-    assert _trained_steps(log) == list(range(1, steps_wanted + 1))
-    assert not os.path.exists(os.path.join(logs, "trainer-node1.log"))  # one launcher, on one node
+    assert "rollout on n1, trainer on n2 n3" in text, text[-3000:]
+    # one launcher per trainer node (rank 0's prints the steps: each once across the two runs)
+    assert _trained_steps(os.path.join(logs, "trainer-node0.log")) == list(range(1, steps_wanted + 1))
+    assert os.path.exists(os.path.join(logs, "trainer-node1.log"))
+    assert not os.path.exists(os.path.join(logs, "trainer-node2.log"))
     assert os.path.exists(os.path.join(logs, "server-n1-0.log")) and os.path.exists(
         os.path.join(logs, "server-n1-1.log")
     )
@@ -288,9 +288,7 @@ def test_sft_job_on_two_nodes_survives_a_preemption(cluster, files, tmp_path):
     ]
     env = {"TRAIN_NODES": "2", "GPUS_PER_NODE": "1", "PY": PY, "LOG_DIR": logs, "MASTER_PORT": str(master)}
     env.update(TRAIN_ARGS=" ".join(train), WANDB_MODE="offline", WANDB_DIR=logs)
-    job = cluster.sbatch(
-        os.path.join(ROOT, "examples/slurm/sft_qwen3_8b.sbatch"), "--nodes=2", f"--output={out}", env=env, cwd=ROOT
-    )
+    job = _submit(cluster, "sft_qwen3_8b.sbatch", out, env)
     metrics = os.path.join(save, "metrics.jsonl")
     _wait_for("three steps", lambda: len([m for m in _steps(metrics) if "loss" in m]) >= 3, 300, job, cluster)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster.env, check=True)
@@ -381,14 +379,7 @@ def test_a_role_that_dies_ends_the_job_naming_it(cluster, files, tmp_path, role)
     env = _gppo_env(files, save, logs)
     env["TRAIN_ARGS"] = env["TRAIN_ARGS"].replace(f"train.steps={GPPO_STEPS}", "train.steps=50")
     env["DEAD_ROLE_GRACE"] = "15"  # without the router the trainer's step cannot finish: killed after 15 s
-    job = cluster.sbatch(
-        os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"),
-        "--nodes=2",
-        "--no-requeue",
-        f"--output={out}",
-        env=env,
-        cwd=ROOT,
-    )
+    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--no-requeue")
     _wait_for("a step", lambda: len(_steps(os.path.join(save, "metrics.jsonl"))) >= 1, 300, job, cluster)
     pattern = (
         f"sglang_standin --model {files['hf_other']} --host 0.0.0.0 --port {env['SERVER_PORT']}"
@@ -418,14 +409,7 @@ def test_a_server_that_never_comes_up_ends_the_job_naming_it(cluster, files, tmp
     hung.write_text("#!/bin/sh\nexec sleep 600\n")
     hung.chmod(0o755)
     env.update(SERVER_PY=str(hung), STARTUP_TIMEOUT="10")
-    job = cluster.sbatch(
-        os.path.join(ROOT, "examples/slurm/gppo_qwen3_8b.sbatch"),
-        "--nodes=2",
-        "--no-requeue",
-        f"--output={out}",
-        env=env,
-        cwd=ROOT,
-    )
+    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--no-requeue")
     info = cluster.wait_done(job, 120)
     text = open(out).read()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "3:0", (info, text[-3000:])

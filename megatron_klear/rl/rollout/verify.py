@@ -11,8 +11,8 @@ arrived), and the run stops naming the first such server.
 Tolerances are per dtype (the coarser of the server's and the trainer's): float32 1e-3 (CPU runs
 agree to ~1e-6), float16 2e-2, bfloat16 5e-2 (SGLang and Megatron in bf16 differ in kernels and
 reduction order; a wrong tensor moves log-probs by far more), and 1.5e-1 for a trainer in FP8
-(``model.fp8``: its GEMMs in E4M3; a first estimate, not yet measured on a GPU). A server reporting SGLang's ``auto``
-dtype is taken as bfloat16. ``rollout.verify_tolerance`` overrides them.
+(``model.fp8``: its GEMMs in E4M3; a first estimate, not yet measured on a GPU). A server
+reporting SGLang's ``auto`` dtype is taken as bfloat16. ``rollout.verify_tolerance`` overrides them.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ its :class:`~megatron_klear.rollout.weight_sync.distributed_buckets.BucketSchedu
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -105,6 +106,17 @@ class UpdateGroups:
     def connect(self) -> None:
         """Collective: create the update groups with every server (see the module docstring)."""
         me = rank()
+        if self.backend == "nccl" and not self.connected and not self.reforms:
+            from megatron_klear.platform.device_facts import device_facts, nccl_update_group_gaps
+
+            gaps = nccl_update_group_gaps(device_facts())
+            if gaps and me == 0:
+                warnings.warn(
+                    f"rollout.sync_backend=nccl with {', '.join(gaps)}: SGLang starts its processes with them at 0, "
+                    "and a communicator whose ends disagree can hang same-node weight updates; export them before "
+                    "torchrun (examples/run_gppo_qwen3_8b.sh does; docs/sglang.md)",
+                    stacklevel=2,
+                )
         self.leaders, self.part = stage_leaders()
         assert self.leaders[0] == 0, "global rank 0 must lead pipeline stage 0"
         plan = None
