@@ -18,7 +18,7 @@
 rollout manager's ``generate``, docs/async.md)
 
 then metrics (console, JSONL, wandb/TensorBoard) and checkpoints on the configured cadence or on
-SIGTERM. Everything on the rollout side lives behind :class:`~megatron_klear.rl.rollout.manager.RolloutManager`.
+SIGTERM (which cancels a generation in flight: the last completed step is saved at once). Everything on the rollout side lives behind :class:`~megatron_klear.rl.rollout.manager.RolloutManager`.
 """
 
 from __future__ import annotations
@@ -152,7 +152,12 @@ class RLLoop:
 
     def run(self, stop_after: int | None = None) -> dict:
         metrics = self.job_run.drive(
-            self.step, self.save, lambda: self.rl_step, console_keys=CONSOLE_KEYS, stop_after=stop_after
+            self.step,
+            self.save,
+            lambda: self.rl_step,
+            console_keys=CONSOLE_KEYS,
+            stop_after=stop_after,
+            on_stop=self.rollout.interrupt,  # a stop signal cancels the generation in flight
         )
         self.close()
         return metrics

@@ -139,13 +139,19 @@ class RolloutEngine(abc.ABC):
     def generate(self, prompts: list, params: SamplingParams, n: int = 1) -> list:
         """``prompts``: list of token-id lists. Returns, per prompt, a list of ``n`` Completions."""
 
-    def generate_iter(self, prompts: list, params: SamplingParams, n: int = 1, *, chunk_size: int | None = None):
+    def generate_iter(
+        self, prompts: list, params: SamplingParams, n: int = 1, *, chunk_size: int | None = None, cancel=None
+    ):
         """Yield ``(prompt index, [n Completions])`` as results become available. By default the
         prompts go to :meth:`generate` in chunks of ``chunk_size`` (all at once when None), chunk
         ``k`` starting at prompt ``s`` with the seed ``params.seed * 7919 + s`` (reproducible
-        whatever the chunking of other calls); engines serving concurrent requests override this."""
+        whatever the chunking of other calls); engines serving concurrent requests override this.
+        ``cancel`` (a ``threading.Event``), set from another thread, ends the iteration early: what
+        still runs is abandoned (here: after the chunk in progress) and not yielded."""
         size = chunk_size or len(prompts) or 1
         for start in range(0, len(prompts), size):
+            if cancel is not None and cancel.is_set():
+                return
             seed = None if params.seed is None else params.seed * 7919 + start
             chunk_params = SamplingParams(**{**params.__dict__, "seed": seed})
             for k, row in enumerate(self.generate(prompts[start : start + size], chunk_params, n)):

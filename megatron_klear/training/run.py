@@ -42,6 +42,7 @@ class Run:
         )
         self.logger = None
         self.total_steps = 0
+        self.saved_at = None  # the step of the checkpoint this run last saved or resumed from
 
     def resume(self, state) -> dict:
         """Loads the checkpoint this run continues from into ``state`` and returns what the job saved
@@ -49,6 +50,7 @@ class Run:
         if not self.resume_from:
             return {}
         common = self.ckpt.load(state, self.resume_from)
+        self.saved_at = int(common["step"])
         if is_rank0():
             print(f"resumed from {self.resume_from} at step {int(common['step'])}", flush=True)
         return common
@@ -84,43 +86,63 @@ class Run:
         log_interval: int = 1,
         console_keys=None,
         stop_after: int | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> dict:
         """Runs ``step()`` until ``position()`` reaches the total; returns the last step's metrics.
         Logs every ``log_interval`` steps and the last; calls ``save()`` every ``train.save_interval``
         steps, at the last step and on SIGTERM/SIGINT/SIGUSR1 (then stops: training/signals.py).
-        ``stop_after`` ends the run after that step without touching the schedule (tests of resume)."""
-        from megatron_klear.training.signals import TerminationFlag
+        ``on_stop``: called (from another thread) at the first stop signal to cut the step in flight
+        short; the step then raises :class:`~megatron_klear.training.signals.StepInterrupted` and the
+        last completed step is saved at once. ``stop_after`` ends the run after that step without
+        touching the schedule (tests of resume)."""
+        from megatron_klear.training.signals import StepInterrupted, TerminationFlag
 
-        term = TerminationFlag().install()
+        term = TerminationFlag().install(on_signal=on_stop)
         interval, total = self.cfg.train.save_interval, self.total_steps
         shown = {"console_keys": console_keys} if console_keys else {}  # else the logger's own (SFT's)
         metrics = {}
-        while position() < total:
-            metrics = step()
-            at = position()
-            if at % log_interval == 0 or at == total:
-                self.logger.log(at, metrics, **shown)
-            stopping = term.should_stop()  # collective: every rank saves this step and stops
-            t_save = time.monotonic()
-            if self.ckpt and (stopping or at == total or (interval and at % interval == 0)):
-                save()
-            if stopping:
-                if is_rank0():
-                    now = time.monotonic()
-                    where = (
-                        f"checkpoint of step {at} saved in {self.cfg.train.save_dir} (the save took "
-                        f"{now - t_save:.1f} s)"
-                        if self.ckpt
-                        else "no train.save_dir"
-                    )
-                    # the time from the signal to here is what the launcher's grace must cover
-                    # (torchrun --shutdown-timeout, Slurm's --signal lead: docs/slurm.md)
-                    since = f"; {now - term.received_at:.1f} s after the signal" if term.received_at else ""
-                    print(f"stopped on {term.signal_name} after step {at}/{total}: {where}{since}", flush=True)
-                break
-            if stop_after is not None and at >= stop_after:
-                break
+        try:
+            while position() < total:
+                cut = None
+                try:
+                    metrics = step()
+                except StepInterrupted as e:  # nothing of the step happened: the last one is saved
+                    cut = e
+                at = position()
+                if cut is None and (at % log_interval == 0 or at == total):
+                    self.logger.log(at, metrics, **shown)
+                stopping = term.should_stop() or cut is not None  # collective: every rank saves this step
+                t_save, saved = time.monotonic(), False
+                if self.ckpt and at != self.saved_at and (stopping or at == total or (interval and at % interval == 0)):
+                    save()
+                    self.saved_at, saved = at, True
+                if stopping:
+                    self._say_stopped(term, at, total, cut, time.monotonic() - t_save if saved else None)
+                    break
+                if stop_after is not None and at >= stop_after:
+                    break
+        finally:
+            term.close()
         return metrics
+
+    def _say_stopped(self, term, at: int, total: int, cut, save_s: float | None) -> None:
+        """Rank 0: the line that says where a stopped run stands and how long the stop took (what
+        the launcher's grace must cover: torchrun --shutdown-timeout, Slurm's --signal lead;
+        docs/slurm.md). ``save_s``: the save's time, None when the step had a checkpoint already."""
+        if not is_rank0():
+            return
+        if not self.ckpt:
+            where = "no train.save_dir"
+        elif save_s is None:
+            where = f"the checkpoint of step {at} was saved already"
+        else:
+            where = f"checkpoint of step {at} saved in {self.cfg.train.save_dir} (the save took {save_s:.1f} s)"
+        during = f" ({cut}; nothing of it trained)" if cut is not None else ""
+        since = f"; {time.monotonic() - term.received_at:.1f} s after the signal" if term.received_at else ""
+        print(
+            f"stopped on {term.signal_name or 'a stop signal'} after step {at}/{total}{during}: {where}{since}",
+            flush=True,
+        )
 
     def close(self) -> None:
         if self.logger is not None:

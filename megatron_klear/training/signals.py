@@ -15,6 +15,12 @@ Who sends what (docs/checkpoints.md#preemption):
 The signal only sets a flag; :meth:`TerminationFlag.should_stop`, called once per step, is
 collective, so every rank stops and saves at the same step. A second SIGINT in a run without
 torchrun interrupts at once (KeyboardInterrupt), as Ctrl-C twice is meant to.
+
+A job whose step can be cut short (the RL loop: its generation, minutes at scale) gives
+``install(on_signal=...)`` a callback: at the first signal it runs once in a thread of its own (the
+handler only writes a byte to a pipe, which is safe in a signal handler; the thread does the
+work), the step then raises :class:`StepInterrupted` having changed nothing, and the driver
+(training/run.py) saves the last completed step at once instead of after the step.
 """
 
 from __future__ import annotations
@@ -23,12 +29,19 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
 import torch.distributed as dist
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class StepInterrupted(Exception):
+    """Raised (collectively, on every rank) by a job's step that a stop signal cut short before it
+    changed any state: the driver saves the last completed step and stops. The message says what
+    was cut (e.g. "the generation of step 7, aborted 0.4 s after the signal")."""
 
 
 class TerminationFlag:
@@ -40,18 +53,49 @@ class TerminationFlag:
         self.received = 0  # the signal's number, 0 while none came
         self.received_at = None  # time.monotonic() of the first one, on this rank
         self.signal_name = ""
+        self._wake_fd = None  # the pipe's write end: the handler wakes the on_signal thread through it
 
-    def install(self, signals=STOP_SIGNALS):
+    def install(self, signals=STOP_SIGNALS, on_signal=None):
+        """Handle ``signals``; ``on_signal()``, if given, runs once in a thread of its own at the first
+        one (to cut a step short: it must be safe to call from another thread)."""
+        if on_signal is not None:
+            self._watch(on_signal)
         for s in signals:
             signal.signal(s, self._handler)
         _warn_if_torchrun_ends_on(signals)
         return self
+
+    def _watch(self, on_signal) -> None:
+        read_fd, self._wake_fd = os.pipe()
+        os.set_blocking(self._wake_fd, False)
+
+        def wait_then_call():
+            try:
+                if os.read(read_fd, 1) == b"\0":  # (b"x": :meth:`close`)
+                    on_signal()
+            except Exception as e:  # noqa: BLE001 -- the step then ends as usual and the run saves after it
+                print(f"warning: could not cut the step short on the stop signal: {e!r}", file=sys.stderr, flush=True)
+            finally:
+                os.close(read_fd)
+
+        threading.Thread(target=wait_then_call, name="stop-signal", daemon=True).start()
+
+    def close(self) -> None:
+        """Ends the ``on_signal`` thread (the job is over); the handlers stay installed."""
+        fd, self._wake_fd = self._wake_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(fd, b"x")
+            os.close(fd)
 
     def _handler(self, signum, frame):
         if self.received == signal.SIGINT and signum == signal.SIGINT and "TORCHELASTIC_RUN_ID" not in os.environ:
             raise KeyboardInterrupt  # Ctrl-C twice
         if self.received_at is None:
             self.received_at = time.monotonic()
+            if self._wake_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_fd, b"\0")
         self.received = signum
 
     def should_stop(self) -> bool:

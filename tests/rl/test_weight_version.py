@@ -30,7 +30,7 @@ class Servers(Engine):
         super().__init__({(g, 1): 19 for g in range(0, 200, 3)})  # some long responses: partials
         self.version, self.pushes = None, []
 
-    def generate_iter(self, prompts, params, n=1, *, chunk_size=None):
+    def generate_iter(self, prompts, params, n=1, *, chunk_size=None, cancel=None):
         for i, p in enumerate(prompts):
             row = []
             for j in range(n):
@@ -192,32 +192,33 @@ def test_a_step_whose_tokens_are_all_masked_changes_no_weight_and_pushes_nothing
     assert servers.pushes == list(range(len(servers.pushes)))
 
 
-def test_the_prompt_position_every_rank_gets_is_read_before_the_next_batch_takes_prompts():
+def test_the_prompt_position_every_rank_gets_is_read_before_the_next_batch_takes_prompts(monkeypatch):
     """One step ahead, the next step's batch starts taking prompts in a thread: the position
     broadcast with this step's samples is the one after this step's batch, not a moment later."""
+    import megatron_klear.rl.rollout.manager as manager
+
     loop, _ = _loop("ahead")
-    taken = []
-    take = loop.prompts.take
-
-    def slow_take(n):
-        taken.append(n)
-        return take(n)
-
-    loop.prompts.take = slow_take
-    positions = []
     state_dict = loop.prompts.state_dict
 
     def reading():  # the position as rank 0 reads it, with the next batch's thread given every chance
         import time
 
         time.sleep(0.05)
-        positions.append(state_dict())
-        return positions[-1]
+        return state_dict()
 
     loop.prompts.state_dict = reading
+    sent = []
+    broadcast = manager.broadcast_from_rank0
+
+    def recording(obj):
+        if isinstance(obj, tuple) and len(obj) == 4:  # generate's (samples, metrics, error, position)
+            sent.append(obj[3])
+        return broadcast(obj)
+
+    monkeypatch.setattr(manager, "broadcast_from_rank0", recording)
     loop.step()
     # step 1 took its batch's 4 prompts; the position must say 4 even though the ahead batch took more
-    assert positions[0] == {"next": 4}
+    assert sent == [{"next": 4}]
     loop.rollout.batches.close()
 
 

@@ -9,7 +9,10 @@ launch commands and the client do (issue 21's divergences 1, 2, 4, 5, 7, and 6's
 5. ``/health`` blocks while generation is paused and answers 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT``
    seconds; behind sglang-router 0.3.2's default health checks a pause leaves no worker;
 7. ``--api-key`` (``srt/utils/auth.py``): the client sends ``rollout.api_key``, also through the router;
-6. ``/flush_cache`` refuses a server with running requests, or waiting ones while not paused.
+6. ``/flush_cache`` refuses a server with running requests, or waiting ones while not paused;
+8. a non-streaming ``/generate`` whose client disconnects is aborted at the next slice of
+   ``SGLANG_REQUEST_STATE_WAIT_TIMEOUT`` seconds (``managers/tokenizer_manager.py``,
+   ``_stream_one_response``): what a trainer cancelling its generation on a stop signal relies on.
 """
 
 import os
@@ -403,4 +406,28 @@ def test_flush_cache_refuses_running_or_waiting_requests_unless_paused(tiny_hf, 
     finally:
         go.set()
         t.join(60)
+        _stop(server)
+
+
+def test_a_request_whose_client_disconnects_ends_on_the_server(tiny_hf, monkeypatch):
+    """Divergence 8: the client gives up (a read timeout closes its connection) on a request that
+    would decode 1500 tokens; the server aborts it at its next check for the client instead of
+    decoding to the end, and is idle again."""
+    from megatron_klear.rollout.sglang_standin import generate_route
+
+    monkeypatch.setattr(generate_route, "DISCONNECT_POLL_S", 0.2)  # SGLang's 4 s, shortened
+    engine, server, url = _serve(tiny_hf["tied"], max_running_requests=1)
+    body = {"input_ids": [5, 17], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/generate", json=body, timeout=httpx.Timeout(10, read=0.5))
+        deadline = time.time() + 10
+        while server.state.scheduler.stats()["num_running_reqs"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.state.scheduler.stats()["num_running_reqs"] == 0
+        steps = engine.decode_steps
+        assert steps < 1500, steps  # cut short, not decoded to its end
+        time.sleep(0.3)
+        assert engine.decode_steps == steps  # and nothing decodes any more
+    finally:
         _stop(server)

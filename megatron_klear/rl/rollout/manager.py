@@ -6,6 +6,8 @@
   trainer when they share its GPUs (a no-op otherwise), and get their weights back if the update fails;
 - :meth:`RolloutManager.push_weights`: the trainer's weights to the engine as a new version, then
   the probe check of the servers when it is due;
+- :meth:`RolloutManager.interrupt`: a stop signal cancels the generation in flight (the step asking
+  for it raises StepInterrupted with nothing of it consumed; training/signals.py);
 - :meth:`RolloutManager.close`.
 
 It owns the engine and the grading pool (rank 0), the weight-push path (every rank), the placement of
@@ -21,7 +23,7 @@ import warnings
 
 from megatron_klear.platform import broadcast_from_rank0, is_rank0
 from megatron_klear.rl.rollout.placement import Colocated, Dedicated
-from megatron_klear.rl.rollout.sampling import ShortfallError
+from megatron_klear.rl.rollout.sampling import GenerationCancelled, ShortfallError
 from megatron_klear.rollout.base import ServerEngine
 
 
@@ -98,7 +100,11 @@ class RolloutManager:
         its batch now) -- and the samples, the metrics and its prompt position go to every rank.
         The position is read before the next step's batch starts taking prompts. The first call's
         metrics also hold ``data/skipped_prompt_lines``, the prompt lines that
-        ``rl.on_bad_line=skip`` dropped (the same on every rank: each reads every file)."""
+        ``rl.on_bad_line=skip`` dropped (the same on every rank: each reads every file). After
+        :meth:`interrupt`, raises :class:`~megatron_klear.training.signals.StepInterrupted` on every
+        rank, the prompt position as before the step."""
+        from megatron_klear.training.signals import StepInterrupted
+
         result = None
         if is_rank0():
             try:
@@ -106,6 +112,8 @@ class RolloutManager:
                 result = (samples, metrics, None)
             except ShortfallError as e:
                 result = (None, {"rollout/generation_batches": self.cfg.rl.max_generation_batches}, str(e))
+            except GenerationCancelled as e:
+                result = (None, {"interrupted": True}, str(e))
             if isinstance(self.engine, ServerEngine):  # servers (not the in-process engine)
                 result[1].update(self._fleet_metrics(push=False))
             result = (*result, prompts.state_dict())
@@ -116,12 +124,22 @@ class RolloutManager:
         samples, metrics, error, position = broadcast_from_rank0(result)
         if not is_rank0():
             prompts.load_state_dict(position)
+        if error and metrics.get("interrupted"):
+            raise StepInterrupted(error)
         if error:
             raise ShortfallError(error)
         if self.generated == 0:
             metrics["data/skipped_prompt_lines"] = getattr(prompts, "skipped", 0)
         self.generated += 1
         return samples, metrics
+
+    def interrupt(self) -> None:
+        """(From the stop signal's thread.) Rank 0: the batch being generated, at the step or one
+        step ahead, is cancelled (its requests aborted) and its prompts go back unconsumed: the
+        step asking for it raises StepInterrupted, a checkpoint holds no batch ahead
+        (:mod:`.schedules`). An update in flight is not cut: it ends, and its step is saved."""
+        if is_rank0() and self.batches is not None:
+            self.batches.interrupt()
 
     def warn_unweighted_stale_tokens(self) -> None:
         """Once, at start-up: an asynchronous or partial run whose stale tokens would train as

@@ -32,7 +32,13 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from megatron_klear.rl.rollout.sampling import build_samples, check_shortfall, grading_text, sampling_params
+from megatron_klear.rl.rollout.sampling import (
+    GenerationCancelled,
+    build_samples,
+    check_shortfall,
+    grading_text,
+    sampling_params,
+)
 from megatron_klear.rollout.base import Completion, SampleRequest
 
 
@@ -160,8 +166,9 @@ class PartialRollouts:
         self._cancelled = False
 
     def cancel(self) -> None:
-        """(From another thread.) End the step being produced: its running requests are aborted
-        and no further batch is started; :meth:`produce` returns what it has."""
+        """(From another thread; for good: the run is ending.) End the step being produced: its
+        running requests are aborted, no further batch is started, what came back waits in the
+        buffer and :meth:`produce` raises :class:`GenerationCancelled`."""
         self._cancelled = True
         stream = self._stream
         if stream is not None:
@@ -178,7 +185,8 @@ class PartialRollouts:
         rl = self.cfg.rl
         params = sampling_params(self.cfg, self.stop_token_ids, step=step)
         width = rl.oversample_prompts or rl.prompts_per_step
-        self._cancelled = False
+        if self._cancelled:
+            raise GenerationCancelled("the generation was cancelled")
         carried, self.buffer.groups = self.buffer.groups, []
         counts = {
             "stale_regenerated": 0,
@@ -206,7 +214,7 @@ class PartialRollouts:
         self._kept = {}
         if self._cancelled:  # the run is ending: nothing is trained from this
             self.buffer.groups = _unique([g for g in groups + [g for g, _ in done]])
-            return [], {}
+            raise GenerationCancelled("the generation was cancelled")
         # unfinished groups, and complete survivors beyond the quota, wait for the next step
         trained = survivors[: rl.prompts_per_step]
         chosen = {id(g) for g, _ in trained}

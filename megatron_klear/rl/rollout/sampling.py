@@ -5,6 +5,7 @@ manager (:mod:`megatron_klear.rl.rollout.manager`) runs them on rank 0."""
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from dataclasses import replace
@@ -28,11 +29,17 @@ def sampling_params(cfg, stop_token_ids, *, step: int, batch: int = 0) -> Sampli
     )
 
 
-def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams, cfg, stop_token_ids):
+class GenerationCancelled(Exception):
+    """A producer's generation was cancelled (``cancel()``: a stop signal, or the run ending): it
+    raises this instead of returning a batch."""
+
+
+def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams, cfg, stop_token_ids, cancel=None):
     """Sample ``rl.responses_per_prompt`` responses per prompt and grade them. The engine hands back
     each prompt's responses as they complete (an HTTP engine runs many requests concurrently; the
     in-process engine works through ``rollout.chunk_prompts`` at a time), and each is submitted to the
-    grading pool at once, so grading overlaps generation. Returns (samples, metrics)."""
+    grading pool at once, so grading overlaps generation. Returns (samples, metrics); raises
+    :class:`GenerationCancelled` once ``cancel`` (a ``threading.Event``) is set."""
     completions, futures = [None] * len(prompts), [None] * len(prompts)
     t0 = time.time()
     stream = engine.generate_iter(
@@ -40,6 +47,7 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
         params,
         n=cfg.rl.responses_per_prompt,
         chunk_size=cfg.rollout.chunk_prompts or None,
+        cancel=cancel,
     )
     t_quota, arrived = None, 0
     for i, cs in stream:
@@ -50,6 +58,8 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
         futures[i] = []
         for c in cs:
             futures[i].append(pool.submit(prompts[i].grade_item(grading_text(tokenizer, c.token_ids, stop_token_ids))))
+    if cancel is not None and cancel.is_set():
+        raise GenerationCancelled("the generation was cancelled")
     t_gen = time.time() - t0
     grades = [[f.result() for f in row] for row in futures]
     t_grade = time.time() - t0 - t_gen  # grading left after the last response arrived
@@ -237,10 +247,14 @@ class FullBatches:
     def __init__(self, cfg, engine, pool, tokenizer, stop_token_ids):
         self.cfg, self.engine, self.pool, self.tokenizer = cfg, engine, pool, tokenizer
         self.stop_token_ids = list(stop_token_ids)
+        self._cancel = threading.Event()
 
     def produce(self, prompts, step: int, weight_version: int) -> tuple:
         """The samples of the step after ``step`` steps (the seed key; ``weight_version``, the
-        version it trains at, changes nothing here: whole batches are never regenerated), and metrics."""
+        version it trains at, changes nothing here: whole batches are never regenerated), and
+        metrics. Raises :class:`GenerationCancelled` after :meth:`cancel`."""
+        if self._cancel.is_set():
+            raise GenerationCancelled("the generation was cancelled")
         n = self.cfg.rl.oversample_prompts or self.cfg.rl.prompts_per_step
         samples, metrics = dynamic_sampling(lambda b: self.generate_batch(prompts.take(n), step, b), self.cfg.rl)
         # the partial-rollout counts, none here (one set of metrics whatever the mode)
@@ -251,11 +265,14 @@ class FullBatches:
         """One generation batch of ``prompts``, generated and graded -> (samples, metrics)."""
         params = sampling_params(self.cfg, self.stop_token_ids, step=step, batch=batch)
         return generate_and_grade(
-            self.engine, self.pool, self.tokenizer, prompts, params, self.cfg, self.stop_token_ids
+            self.engine, self.pool, self.tokenizer, prompts, params, self.cfg, self.stop_token_ids, self._cancel
         )
 
     def cancel(self) -> None:
-        """Nothing to abort here: a batch in flight runs to its end (asynchronous runs only)."""
+        """(From another thread; for good: the run is ending.) The requests in flight are
+        abandoned (their connections closed: the servers end them) and :meth:`produce` raises
+        :class:`GenerationCancelled`."""
+        self._cancel.set()
 
     def state_dict(self) -> dict:
         return {}

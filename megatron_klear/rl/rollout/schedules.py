@@ -25,6 +25,14 @@ busy) and ``perf/generate_wait_s`` (what the step waited for it).
 Exact resume: a checkpoint holds the producer's state (the partial buffer) and, one step ahead,
 the batch generated for the next step -- :meth:`OneStepAhead.state_dict` waits for it -- so a resumed
 run trains on what the uninterrupted run trains on. Runs on rank 0.
+
+A stop signal (``interrupt()``, from another thread) cancels the batch being generated instead of
+waiting for it (minutes at scale, more than a preemption's grace): the prompts it took and the
+producer's state go back to what they were before it started (a snapshot taken at its start), so
+the checkpoint saved next resumes with that batch not generated yet -- its prompts, its seeds --
+and the resumed run trains every step once. The step asking for a cancelled batch gets
+:class:`~megatron_klear.rl.rollout.sampling.GenerationCancelled`; a checkpoint saved after the
+step being trained while the next batch generated ahead was cancelled holds no batch ahead.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 from megatron_klear.rl.batch import RolloutSample
+from megatron_klear.rl.rollout.sampling import GenerationCancelled
 from megatron_klear.rl.staleness import staleness_metrics
 
 
@@ -48,7 +57,8 @@ class Producer(Protocol):
         version the batch is expected to train at."""
 
     def cancel(self) -> None:
-        """Stop what runs now (the run is ending); :meth:`produce` returns soon after."""
+        """(From another thread; for good: the run is ending.) Stop what runs now: :meth:`produce`
+        raises :class:`~megatron_klear.rl.rollout.sampling.GenerationCancelled` soon after."""
 
     def state_dict(self) -> dict:
         """What a resumed run needs to produce what the uninterrupted run would (``{}``: nothing)."""
@@ -69,6 +79,11 @@ class Schedule(Protocol):
     def ahead(self, prompts, step: int, weight_version: int) -> None:
         """Start the following step's batch now, if the schedule generates ahead."""
 
+    def interrupt(self) -> None:
+        """(From another thread: a stop signal.) Cancel the batch being generated, for good: the
+        step asking for it gets GenerationCancelled, with the prompts and the producer's state as
+        before the batch started."""
+
     def state_dict(self) -> dict:
         """What a resumed run needs (the producer's state, a batch generated ahead)."""
 
@@ -79,16 +94,60 @@ class Schedule(Protocol):
         """Stop what runs between steps."""
 
 
+class _Interruption:
+    """A schedule's stop: set once (:meth:`set`, from the signal's thread), read by the step."""
+
+    def __init__(self):
+        self.at = None  # time.time() of the interruption
+
+    def set(self, producer: Producer) -> None:
+        if self.at is None:
+            self.at = time.time()
+        producer.cancel()
+
+    def raise_for(self, step: int, before: "_Snapshot"):
+        """The prompts and the producer back as they were before the batch of the step after
+        ``step`` steps started; raises GenerationCancelled saying how long the cancel took."""
+        before.restore()
+        raise GenerationCancelled(
+            f"the generation of step {step + 1}, aborted {max(0.0, time.time() - self.at):.1f} s after the stop signal"
+        )
+
+
+class _Snapshot:
+    """The prompt position and the producer's state before a batch takes its prompts: a cancelled
+    batch puts them back, as if it had never started."""
+
+    def __init__(self, prompts, producer: Producer):
+        self.prompts, self.producer = prompts, producer
+        self.prompts_state, self.producer_state = prompts.state_dict(), producer.state_dict()
+
+    def restore(self) -> None:
+        self.prompts.load_state_dict(self.prompts_state)
+        if self.producer_state:
+            self.producer.load_state_dict(self.producer_state)
+
+
 class Synchronous:
     """Each step's batch generated when the step asks for it."""
 
     def __init__(self, producer: Producer):
         self.producer = producer
+        self.interruption = _Interruption()
 
     def next(self, prompts, step: int, weight_version: int) -> tuple:
         """The batch of the step after ``step`` steps, trained from weight version ``weight_version``."""
         t0 = time.time()
-        samples, metrics = self.producer.produce(prompts, step, weight_version)
+        before = _Snapshot(prompts, self.producer)
+        try:
+            if self.interruption.at is not None:
+                raise GenerationCancelled("interrupted before it started")
+            samples, metrics = self.producer.produce(prompts, step, weight_version)
+        except GenerationCancelled:
+            if self.interruption.at is None:
+                raise
+        if self.interruption.at is not None:  # (also when it ended just before: the run stops now)
+            self.interruption.raise_for(step, before)
         spent = time.time() - t0
         metrics.update({"perf/generate_s": spent, "perf/overlap_s": 0.0, "perf/generate_wait_s": spent})
         metrics.update(staleness_metrics(samples, weight_version))
@@ -96,6 +155,9 @@ class Synchronous:
 
     def ahead(self, prompts, step: int, weight_version: int) -> None:
         """Nothing is generated ahead: the next batch waits for its step."""
+
+    def interrupt(self) -> None:
+        self.interruption.set(self.producer)
 
     def state_dict(self) -> dict:
         state = self.producer.state_dict()
@@ -119,8 +181,12 @@ class _Batch:
         self.result = self.error = None
         self.done = threading.Event()
         self.thread = None
+        self.before = None  # the _Snapshot from before it took its prompts (a batch generated here)
 
-    def run(self, produce, prompts) -> "_Batch":
+    def run(self, producer: Producer, prompts) -> "_Batch":
+        self.before = _Snapshot(prompts, producer)
+        produce = producer.produce
+
         def work():
             try:
                 self.result = produce(prompts, self.step, self.weight_version)
@@ -148,6 +214,7 @@ class OneStepAhead:
     def __init__(self, producer: Producer):
         self.producer = producer
         self.pending = None  # the _Batch of the next step
+        self.interruption = _Interruption()
 
     def next(self, prompts, step: int, weight_version: int) -> tuple:
         """The batch of the step after ``step`` steps (generated ahead, or now at a run's first
@@ -155,12 +222,15 @@ class OneStepAhead:
         asked = time.time()
         batch, self.pending = self.pending, None
         if batch is None:  # the first step of a run: nothing was generated ahead
-            batch = _Batch(step, weight_version).run(self.producer.produce, prompts)
+            batch = _Batch(step, weight_version).run(self.producer, prompts)
         if batch.step != step:
             raise RuntimeError(
                 f"rl.async_steps: the batch generated ahead is for the step after {batch.step} steps, "
                 f"this is the step after {step}"
             )
+        batch.done.wait()
+        if self.interruption.at is not None and batch.before is not None:  # generated here, now cancelled
+            self.interruption.raise_for(step, batch.before)
         samples, metrics = batch.wait()
         spent = batch.ended - batch.started
         metrics = dict(metrics)
@@ -177,10 +247,19 @@ class OneStepAhead:
     def ahead(self, prompts, step: int, weight_version: int) -> None:
         """Start generating the batch of the step after ``step`` steps (expected to train at
         ``weight_version``) in a thread, while the current step trains."""
-        self.pending = _Batch(step, weight_version).run(self.producer.produce, prompts)
+        if self.interruption.at is None:
+            self.pending = _Batch(step, weight_version).run(self.producer, prompts)
+
+    def interrupt(self) -> None:
+        self.interruption.set(self.producer)
 
     def state_dict(self) -> dict:
-        """Waits for the batch generated ahead (it is part of the state: the resumed run trains on it)."""
+        """Waits for the batch generated ahead (it is part of the state: the resumed run trains on
+        it); a batch cancelled by :meth:`interrupt` is dropped, and the state is that from before it."""
+        if self.pending is not None and self.pending.before is not None and self.interruption.at is not None:
+            batch, self.pending = self.pending, None
+            batch.done.wait()
+            batch.before.restore()
         state = {"producer": self.producer.state_dict()}
         if self.pending is not None:
             samples, metrics = self.pending.wait()

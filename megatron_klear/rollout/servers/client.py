@@ -170,8 +170,8 @@ class ServerClient(ServerEngine):
     def generate(self, prompts: list, params, n: int = 1) -> list:
         return self.generation.generate(prompts, params, n)
 
-    def generate_iter(self, prompts: list, params, n: int = 1, *, chunk_size: int | None = None):
-        return self.generation.generate_iter(prompts, params, n, chunk_size=chunk_size)
+    def generate_iter(self, prompts: list, params, n: int = 1, *, chunk_size: int | None = None, cancel=None):
+        return self.generation.generate_iter(prompts, params, n, chunk_size=chunk_size, cancel=cancel)
 
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:
         """Every worker loads the tensors through a temporary HF directory (servers on this machine)."""

@@ -160,10 +160,14 @@ class Generation:
             out[i] = completions
         return out
 
-    def generate_iter(self, prompts: list, params: SamplingParams, n: int = 1, *, chunk_size: int | None = None):
+    def generate_iter(
+        self, prompts: list, params: SamplingParams, n: int = 1, *, chunk_size: int | None = None, cancel=None
+    ):
         """Yield ``(prompt index, [n Completions])`` in the order prompts complete. The requests run
-        on an event loop in a helper thread; closing the iterator early cancels them. (``chunk_size``
-        is for in-process engines; requests here are already one per prompt or per sample.)"""
+        on an event loop in a helper thread; closing the iterator early, or setting ``cancel`` (a
+        ``threading.Event``) from another thread, cancels them (their connections close, which ends
+        them on the servers) and ends the iteration. (``chunk_size`` is for in-process engines;
+        requests here are already one per prompt or per sample.)"""
         params.validate()
         if not prompts:
             return
@@ -176,7 +180,14 @@ class Generation:
         done = 0
         try:
             while done < len(prompts):
-                kind, a, b = results.get()
+                try:
+                    kind, a, b = results.get(timeout=0.2 if cancel is not None else None)
+                except queue.Empty:
+                    kind = None
+                if cancel is not None and cancel.is_set():
+                    return
+                if kind is None:
+                    continue
                 if kind == "error":
                     raise a
                 done += 1

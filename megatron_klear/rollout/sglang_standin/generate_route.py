@@ -38,6 +38,11 @@ router = APIRouter(route_class=StandinRoute)
 # 2 cores, benchmarks/RESULTS.md: a worker-thread hop costs more than a one-sample request's work)
 INLINE_BODY_BYTES = 64 * 1024
 INLINE_ANSWER_TOKENS = 4096
+# SGLang 0.5.23 (managers/tokenizer_manager.py, _stream_one_response) waits on a request's state in
+# slices of SGLANG_REQUEST_STATE_WAIT_TIMEOUT seconds (4) and, between two, aborts a non-streaming
+# request whose client has disconnected, waiting or running: a client that gives up on a
+# generation (a stop signal) frees the server within that time
+DISCONNECT_POLL_S = float(os.environ.get("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", "4"))
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])
@@ -57,7 +62,16 @@ async def generate(request: Request):
         return prepared  # 503: the memory is released
     call, job, limits, routing = prepared
     state.scheduler.submit(job)
-    await asyncio.wrap_future(job.future)
+    waiting = asyncio.wrap_future(job.future)
+    while True:
+        try:
+            await asyncio.wait_for(asyncio.shield(waiting), timeout=DISCONNECT_POLL_S)
+            break
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():  # SGLang's abort of a disconnected request
+                state.scheduler.abort(job.ids[0], message="the client disconnected")
+                await waiting
+                return Response(status_code=499)  # (nobody reads it)
     if job.error is not None:
         if isinstance(job.error, ValueError):
             raise BadRequest(str(job.error))

@@ -215,7 +215,7 @@ def test_a_whole_batch_logs_the_generation_after_its_quota_of_groups_ended():
     from megatron_klear.rollout.base import Completion, SamplingParams
 
     class Engine:  # groups end 0.05, 0.05, 0.2 and 0.2 s apart
-        def generate_iter(self, prompts, params, n, chunk_size=None):
+        def generate_iter(self, prompts, params, n, chunk_size=None, cancel=None):
             for i, wait in enumerate((0.05, 0.05, 0.2, 0.2)):
                 time.sleep(wait)
                 yield i, [Completion([7] * (i + j + 1), [-1.0] * (i + j + 1), "stop") for j in range(n)]

@@ -122,6 +122,12 @@ class Prompts:
     def progress(self):
         return {"data/position": self.next}
 
+    def state_dict(self):
+        return {"position": self.next}
+
+    def load_state_dict(self, state):
+        self.next = state["position"]
+
 
 def _cfg(**rl):
     cfg = JobConfig()
@@ -330,3 +336,71 @@ def test_a_continued_response_keeps_the_routes_of_every_token_it_was_fed():
     assert routes.shape == (len(s.prompt_ids) + 19 - 1, 1, 2)
     # the positions the first piece fed keep its routes; the continuation adds the rest
     assert bool((routes[:cut] == 1).all()) and bool((routes[cut:] == 2).all())
+
+
+# -- a stop signal mid-generation (rl/rollout/schedules.py interrupt) ------------------------------------
+def _interrupt_once_sent(schedule, engine, streams: int = 1):
+    """A thread that interrupts ``schedule`` (as the stop signal's thread does) once ``engine`` has
+    started ``streams`` streams."""
+
+    def later():
+        import time
+
+        deadline = time.time() + 10
+        while len(engine.sent) < streams and time.time() < deadline:
+            time.sleep(0.01)
+        schedule.interrupt()
+
+    t = threading.Thread(target=later)
+    t.start()
+    return t
+
+
+def test_a_stop_signal_mid_generation_cancels_the_batch_and_gives_its_prompts_back():
+    """Synchronous: the step's batch is cut short (its long responses aborted, not waited for) and the
+    step gets GenerationCancelled; the prompt position and the partial buffer are as before the
+    batch, so a resumed run draws the same prompts with the same group ids (seeds)."""
+    import time
+
+    from megatron_klear.rl.rollout.sampling import GenerationCancelled
+
+    engine = Engine({(0, 1): 30, (1, 1): 30, (2, 1): 30, (3, 1): 30})  # every group has a long response
+    producer = PartialRollouts(_cfg(), engine, Pool(), Tokenizer(), [])
+    sync, prompts = Synchronous(producer), Prompts()
+    before = (prompts.state_dict(), json.dumps(producer.state_dict()))
+    t0 = time.time()
+    thread = _interrupt_once_sent(sync, engine)
+    with pytest.raises(GenerationCancelled, match=r"the generation of step 1, aborted [\d.]+ s after the stop signal"):
+        sync.next(prompts, 0, 0)
+    thread.join()
+    assert time.time() - t0 < 1.5  # not the 2 s a long response runs without an abort
+    assert (prompts.state_dict(), json.dumps(producer.state_dict())) == before
+    with pytest.raises(GenerationCancelled, match="step 2"):  # for good: no later batch starts
+        sync.next(prompts, 1, 0)
+    assert len(engine.sent) == 1 and prompts.state_dict() == before[0]
+
+
+def test_a_stop_signal_while_the_next_batch_generates_ahead_leaves_no_batch_in_the_checkpoint():
+    """One step ahead: the signal comes while the step trains and the next batch generates. The
+    checkpoint taken after the step holds no batch ahead and the producer's state and prompt
+    position from before that batch started (its prompts are drawn again on resume); a step that
+    asks for the batch instead gets GenerationCancelled with the same state."""
+    from megatron_klear.rl.rollout.sampling import GenerationCancelled
+
+    long = {(g, 1): 30 for g in range(3, 12)}  # step 1's groups (0-2) are short, step 2's new ones long
+    for wait_in_next in (False, True):
+        engine = Engine(long)
+        producer = PartialRollouts(_cfg(oversample_prompts=3), engine, Pool(), Tokenizer(), [])
+        ahead, prompts = OneStepAhead(producer), Prompts()
+        ahead.next(prompts, 0, 0)  # step 1's batch: 2 groups trained, the third waits in the buffer
+        after_step_1 = (prompts.state_dict(), json.dumps(producer.state_dict()))
+        ahead.ahead(prompts, 1, 1)
+        thread = _interrupt_once_sent(ahead, engine, streams=2)
+        if wait_in_next:
+            with pytest.raises(GenerationCancelled, match="the generation of step 2"):
+                ahead.next(prompts, 1, 1)
+        thread.join()
+        state = json.loads(json.dumps(ahead.state_dict()))
+        assert "ahead" not in state
+        assert (prompts.state_dict(), json.dumps(state["producer"])) == after_step_1
+        assert [g.uid for g in producer.buffer.groups] == [2] and producer.buffer.next_uid == 3
