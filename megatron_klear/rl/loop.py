@@ -18,7 +18,8 @@
 rollout manager's ``generate``, docs/async.md)
 
 then metrics (console, JSONL, wandb/TensorBoard) and checkpoints on the configured cadence or on
-SIGTERM (which cancels a generation in flight: the last completed step is saved at once). Everything on the rollout side lives behind :class:`~megatron_klear.rl.rollout.manager.RolloutManager`.
+SIGTERM (which cancels a generation in flight: the last completed step is saved at once).
+Everything on the rollout side lives behind :class:`~megatron_klear.rl.rollout.manager.RolloutManager`.
 """
 
 from __future__ import annotations
