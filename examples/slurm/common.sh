@@ -171,13 +171,20 @@ klear_requeue() {
 # preempted, the job is requeued once the trainer has saved (its status 143: it stopped on the
 # forwarded signal). The step states its task count: it would otherwise inherit the job's
 # (SLURM_NTASKS), and on fewer nodes than the job has start several launchers per node.
+# When one node's launcher fails (a crash, the node's out-of-memory killer), srun ends the others
+# (--kill-on-bad-exit: SIGTERM, SIGKILL KillWait seconds later), so none waits in a collective for
+# the lost ranks. Each task's bash records when its launcher ended and with what status (it catches
+# SIGTERM, which Slurm sends to every process of the step, only to wait for the launcher), and the
+# job's log names the node that failed first.
 klear_run_trainer() {
   local nodes=$1 cmd=$2 n dead rc
   shift 2
   n=$(tr ',' '\n' <<<"$nodes" | wc -l)
+  rm -f "$LOG_DIR"/trainer-node*.exit
   klear_log "start the trainer on $nodes"
   srun --overlap --nodes="$n" --ntasks="$n" --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 \
-    --job-name=trainer --output="$LOG_DIR/trainer-node%t.log" "$@" bash -c "$cmd" &
+    --job-name=trainer --output="$LOG_DIR/trainer-node%t.log" "$@" \
+    bash -c "trap true TERM; $cmd; rc=\$?; echo \"\$rc \$(date +%s.%N)\" > $LOG_DIR/trainer-node\$SLURM_NODEID.exit; exit \$rc" &
   TRAINER_PID=$!
   while kill -0 "$TRAINER_PID" 2>/dev/null; do
     dead=$(klear_dead_role)
@@ -193,6 +200,24 @@ klear_run_trainer() {
   rc=$?
   TRAINER_PID=
   klear_log "the trainer ended with status $rc"
+  ((rc != 0 && PREEMPTED == 0)) && klear_first_failed_trainer_node "$nodes"
   ((PREEMPTED)) && klear_requeue
   klear_stop_all "$rc"
+}
+
+# klear_first_failed_trainer_node NODELIST: the line that names the trainer node whose launcher
+# ended first with a failure (from the tasks' trainer-node<i>.exit records), and its log.
+klear_first_failed_trainer_node() {
+  local first i code how
+  first=$(for f in "$LOG_DIR"/trainer-node*.exit; do
+    [[ -f "$f" ]] || continue
+    read -r code at <"$f"
+    ((code != 0)) && echo "$at ${f##*trainer-node} $code"
+  done | sort -n | head -1)
+  [[ -n "$first" ]] || return 0
+  read -r _ i code <<<"$first"
+  i=${i%.exit}
+  how="status $code"
+  ((code > 128)) && how="$how (killed by SIG$(kill -l $((code - 128)) 2>/dev/null || echo $((code - 128))))"
+  klear_log "error: the trainer's launcher on $(tr ',' '\n' <<<"$1" | sed -n "$((i + 1))p") (trainer node $i) failed first, with $how; see $LOG_DIR/trainer-node$i.log; srun ended the other nodes' launchers (--kill-on-bad-exit)" >&2
 }

@@ -218,19 +218,24 @@ def test_gppo_job_on_two_nodes_survives_two_preemptions(cluster, files, tmp_path
     assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
 
 
-def test_gppo_job_in_the_scripts_default_layout(cluster, files, tmp_path):
+def test_gppo_job_in_the_scripts_default_layout_stopped_mid_generation(cluster, files, tmp_path):
     """The script's default layout (``#SBATCH --nodes=3``, ROLLOUT_NODES=1, TRAIN_NODES=2, their
     defaults left unset) at the size of this cluster: two servers and the router on n1, the trainer
-    on n2 and n3 with two GPUs each (TP=2 inside a node, PP=2 across the two), preempted once through
-    Slurm's --signal path. Before, the trainer's step inherited the job's three tasks and started
-    several launchers on a node that all bound the rendezvous port: the job failed in seconds."""
+    on n2 and n3 with two GPUs each (TP=2 inside a node, PP=2 across the two). Before, the trainer's
+    step inherited the job's three tasks and started several launchers on a node that all bound the
+    rendezvous port: the job failed in seconds.
+
+    Preempted through Slurm's --signal path in the middle of step 3's generation (the servers run
+    one request at a time, so that a step generates for seconds; at 8B it is minutes, more than the
+    grace): the generation is cut, step 2 is saved at once, and the requeued job draws step 3's
+    prompts again -- every step trained once, the prompt order that of an uninterrupted run."""
     save, logs = str(tmp_path / "rl"), str(tmp_path / "logs")
     out = str(tmp_path / "job.out")
     env = _gppo_env(files, save, logs)
-    steps_wanted = 6
+    steps_wanted = 4
     for key in ("ROLLOUT_NODES", "TRAIN_NODES"):
         env.pop(key)  # the script's defaults
-    env.update(GPUS_PER_NODE="2", SERVERS_PER_NODE="2")
+    env.update(GPUS_PER_NODE="2", SERVERS_PER_NODE="2", SERVER_ARGS="--max-running-requests 1")
     # server k listens on SERVER_PORT + k: two servers need two ports before the router's
     server, _, router, metrics, master, sync = map(str, _ports(6))
     env.update(SERVER_PORT=server, ROUTER_PORT=router, ROUTER_METRICS_PORT=metrics)
@@ -239,24 +244,40 @@ def test_gppo_job_in_the_scripts_default_layout(cluster, files, tmp_path):
         env["TRAIN_ARGS"]
         .replace("parallel.tp=1", "parallel.tp=2")
         .replace(f"train.steps={GPPO_STEPS}", f"train.steps={steps_wanted}")
+        .replace("rollout.max_new_tokens=32", "rollout.max_new_tokens=64")
     )
     job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, nodes=3)
     metrics = os.path.join(save, "metrics.jsonl")
     _wait_for("two steps", lambda: len(_steps(metrics)) >= 2, 300, job, cluster)
+    time.sleep(1)  # step 3 generates (seconds: 32 responses of 64 tokens, one at a time on each server)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster.env, check=True)
     info = cluster.wait_done(job, 600)
     text = open(out).read()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
     assert info["Restarts"] == "1", info
     assert "rollout on n1, trainer on n2 n3" in text, text[-3000:]
+    trainer_log = os.path.join(logs, "trainer-node0.log")
     # one launcher per trainer node (rank 0's prints the steps: each once across the two runs)
-    assert _trained_steps(os.path.join(logs, "trainer-node0.log")) == list(range(1, steps_wanted + 1))
+    assert _trained_steps(trainer_log) == list(range(1, steps_wanted + 1))
     assert os.path.exists(os.path.join(logs, "trainer-node1.log"))
     assert not os.path.exists(os.path.join(logs, "trainer-node2.log"))
     assert os.path.exists(os.path.join(logs, "server-n1-0.log")) and os.path.exists(
         os.path.join(logs, "server-n1-1.log")
     )
+    # the stop came in step 3's generation: cut, step 2 saved at once (its bound reported)
+    import re
+
+    stop = re.search(
+        r"^stopped on SIGTERM after step 2/\d+ \(the generation of step 3, aborted ([\d.]+) s after the stop "
+        r"signal; nothing of it trained\): checkpoint of step 2 saved .*; ([\d.]+) s after the signal$",
+        open(trainer_log).read(),
+        re.M,
+    )
+    assert stop, open(trainer_log).read()[-3000:]
+    assert float(stop.group(1)) < 5 and float(stop.group(2)) < 30, stop.group(0)
     steps = _steps(metrics)
+    assert [m["step"] for m in steps] == list(range(1, steps_wanted + 1))
+    assert [m["data/order_digest"] for m in steps] == _expected_digests(files, steps_wanted)
     verified = [m for m in steps if "weights/verify_mean_diff_max" in m]
     assert verified and verified[-1]["step"] == steps_wanted
     assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
@@ -417,3 +438,80 @@ def test_a_server_that_never_comes_up_ends_the_job_naming_it(cluster, files, tmp
     assert f"error: rollout server {url} did not come up within 10s; see the logs in {logs}" in text, text[-3000:]
     assert "start the trainer" not in text
     assert not subprocess.run(["pgrep", "-f", str(hung)], capture_output=True).stdout
+
+
+def test_one_trainer_nodes_launcher_dying_ends_the_job_naming_the_node(cluster, files, tmp_path):
+    """The trainer's launcher on the second node is killed (SIGKILL: a crash, the node's OOM
+    killer) mid-run: its ranks die with it, srun ends the first node's launcher instead of leaving
+    its ranks waiting in a collective for the lost stage, and the job fails within Slurm's KillWait
+    with a line naming the node that failed first and its log; no trainer process is left."""
+    save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
+    env = _gppo_env(files, save, logs)
+    env["TRAIN_ARGS"] = env["TRAIN_ARGS"].replace(f"train.steps={GPPO_STEPS}", "train.steps=50")
+    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--no-requeue")
+    _wait_for("a step", lambda: len(_steps(os.path.join(save, "metrics.jsonl"))) >= 1, 300, job, cluster)
+    launcher = f"megatron_klear.platform.launch --nnodes 2 --node-rank 1 .*--master-port {env['MASTER_PORT']}"
+    pids = subprocess.run(["pgrep", "-f", launcher], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1, pids
+    subprocess.run(["kill", "-KILL", *pids], check=True)
+    killed = time.time()
+    info = cluster.wait_done(job, 300)
+    ended = time.time() - killed
+    text = open(out).read()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "137:0", (info, text[-3000:])
+    assert (
+        "error: the trainer's launcher on n2 (trainer node 1) failed first, with status 137 (killed by SIGKILL); "
+        f"see {logs}/trainer-node1.log" in text
+    ), text[-3000:]
+    assert ended < 30 + 30, ended  # KillWait (30 s here) and Slurm's bookkeeping; not a collective's timeout
+    assert not subprocess.run(["pgrep", "-f", f"megatron_klear rl .*{save}"], capture_output=True).stdout
+
+
+VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+
+
+def test_gppo_job_with_vllm_servers_in_their_own_environment(cluster, tmp_path):
+    """``ENGINE=vllm`` with the real vLLM CPU server run by its own interpreter (``SERVER_PY``:
+    .venv-vllm, not the trainer's), on a dedicated rollout node (n1) with the trainer on n2: the
+    trainer talks to the server itself (no router), pushes its weights into it over the
+    weight-transfer API after each step (distributed sync) and probes them; the server starts from
+    other weights, so a push that did not land fails the probe."""
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+
+    if not os.path.exists(VLLM_PY):
+        pytest.fail(f"vLLM's CPU build is not installed ({VLLM_PY}): `make venv` builds it")
+    # head_dim 64: vLLM's CPU attention has no kernel for the other tiny models' 24
+    hf = make_tiny_qwen3(str(tmp_path / "hf"), head_dim=64, flavor="base", num_layers=2, seed=11)
+    other = make_tiny_qwen3(str(tmp_path / "hf-other"), head_dim=64, flavor="base", num_layers=2, seed=12)
+    prompts = write_rl_prompts_jsonl(str(tmp_path / "rl.jsonl"), 32, seed=1)
+    save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
+    env = _gppo_env({"hf": hf, "hf_other": other, "rl": prompts}, save, logs)
+    env["TRAIN_ARGS"] = (
+        env["TRAIN_ARGS"]
+        .replace("parallel.pp=2", "parallel.pp=1")
+        .replace(f"train.steps={GPPO_STEPS}", "train.steps=3")
+        .replace("rl.oversample_prompts=8", "rl.oversample_prompts=4")
+    )
+    # the CPU build's flags (megatron_klear/rollout/vllm/launcher.py server_command) and the RL ones
+    # the script's vLLM defaults carry
+    server_args = "--max-model-len 1024 --enable-scale-out --logprobs-mode processed_logprobs --seed 0"
+    server_args += " --dtype float32 --enforce-eager --no-enable-chunked-prefill --max-num-batched-tokens 2048"
+    server_args += """ --weight-transfer-config '{"backend": "megatron_klear"}'"""
+    env.update(ENGINE="vllm", ROLLOUT_NODES="1", TRAIN_NODES="1", SERVER_PY=VLLM_PY, SERVER_ARGS=server_args)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", STARTUP_TIMEOUT="400")
+    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--no-requeue")
+    info = cluster.wait_done(job, 900)
+    text = open(out).read()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    assert "rollout on n1, trainer on n2, engine vllm" in text, text[-3000:]
+    assert "start server-n1-0 on n1" in text and "start router" not in text  # the trainer talks to vLLM itself
+    steps = _steps(os.path.join(save, "metrics.jsonl"))
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    # the first push (start-up) and every step's reached the vLLM server: the probe after each
+    verified = [m for m in steps if "weights/verify_mean_diff_max" in m]
+    assert [m["step"] for m in verified] == [1, 2, 3], verified
+    assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
+    server_log = open(os.path.join(logs, "server-n1-0.log")).read()
+    assert "vllm" in server_log.lower() and VLLM_PY in open(out).read(), server_log[-2000:]
