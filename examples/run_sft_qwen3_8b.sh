@@ -8,7 +8,7 @@
 #   python tools/preprocess_sft.py --input sft.jsonl --tokenizer /models/Qwen3-8B-Base \
 #       --output-prefix data/klear_sft --max-length 32768 --overlong drop --workers 32
 # After: export for evaluation / RL:
-#   python tools/convert_megatron_to_hf.py --ckpt runs/klear-sft-8b/iter_XXXXXXX --out hf/klear-sft-8b
+#   python tools/convert_megatron_to_hf.py --ckpt runs/klear-sft-8b/iter_NNNNNNN --out /shared/klear-sft-8b-hf
 set -euo pipefail
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
