@@ -241,3 +241,87 @@ def test_eval_cli_on_a_livecodebench_release_reports_every_problem(tmp_path):
     assert res["prompts"] == 2 and sorted(res["per_problem"]) == ["3044", "abc1_a"]  # the 2023 one is outside
     ids = sorted(json.loads(x)["id"] for x in (tmp_path / "res.samples.jsonl").read_text().splitlines())
     assert ids == ["3044", "abc1_a"]
+
+
+def test_a_livecodebench_window_reads_every_release_file_it_spans_and_prints_its_count(tmp_path, capsys):
+    """LiveCodeBench v5 (2024-08-01 .. 2025-02-01) spans two release files: test4.jsonl (August -
+    September 2024) and test5.jsonl. A quoted glob reads both; the window keeps the problems of its
+    dates from each, and the count is printed beside LiveCodeBench's (279) with the hint. Before,
+    the documented command read test5.jsonl only, and the Aug-Sep problems were silently missing."""
+    from megatron_klear.models.tiny import make_tiny_qwen3
+    from tests.data.format_fixtures import lcb_rows, write
+    from tools.eval import main
+
+    model = make_tiny_qwen3(str(tmp_path / "m"), seed=4)
+    rows = lcb_rows()  # dated 2024-09-01 (v5), 2025-03-01 (v6), 2023-05-01 (neither)
+    (tmp_path / "lcb").mkdir()
+    later = dict(rows[0], question_id="abc2_a", question_title="A+B again", contest_date="2024-11-01T00:00:00")
+    write(tmp_path / "lcb" / "test4.jsonl", [rows[0], rows[2]])
+    write(tmp_path / "lcb" / "test5.jsonl", [later])
+    write(tmp_path / "lcb" / "test6.jsonl", [rows[1]])
+    out = tmp_path / "res.json"
+    args = ["--model", model, "--k", "1", "--max-new-tokens", "4", "--dtype", "float32", "--workers", "1"]
+    args += ["--bench", f"lcb_v5={tmp_path}/lcb/test*.jsonl", "--bench-window", "lcb_v5=v5", "--output", str(out)]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "lcb_v5: 2 problems from 3 file(s); LiveCodeBench's v5 window has 279 (a window spans" in err, err
+    res = json.load(open(out))["results"]["lcb_v5"]
+    assert res["prompts"] == 2
+    samples = [json.loads(x) for x in open(tmp_path / "res.samples.jsonl")]
+    assert sorted(s["id"] for s in samples) == ["abc1_a", "abc2_a"]
+
+
+@pytest.mark.parametrize(
+    "bench, message",
+    [
+        (["a={f}", "a={f}"], "--bench a=... given twice"),
+        (["a={f},{d}/nothing.jsonl"], "no file"),
+        (["a={d}/none*.jsonl"], "matches no file"),
+    ],
+)
+def test_a_benchmark_named_twice_or_a_missing_file_is_an_error(tmp_path, capsys, bench, message):
+    """A repeated --bench name used to keep the last file silently; now it is refused, as is a file
+    or a glob that names nothing."""
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+    from tools.eval import main
+
+    model = make_tiny_qwen3(str(tmp_path / "m"), seed=4)
+    f = write_rl_prompts_jsonl(str(tmp_path / "b.jsonl"), 2)
+    args = ["--model", model, "--output", str(tmp_path / "r.json")]
+    for b in bench:
+        args += ["--bench", b.format(f=f, d=tmp_path)]
+    with pytest.raises(SystemExit):
+        main(args)
+    assert message in capsys.readouterr().err
+
+
+def test_the_yarn_server_flags_are_the_embedded_engines_yarn_and_keep_rope_theta():
+    """The 64K setting's server flags (examples/slurm/eval.sbatch, and the table of docs/data.md that
+    users copy) give the servers' transformers YaRN 2.5 over 32768 positions with rope_theta kept
+    (the older rope_scaling key leaves it None under transformers 5: every position would be
+    rotated wrongly)."""
+    import os
+    import re
+
+    from transformers import Qwen3Config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = open(os.path.join(root, "examples/slurm/eval.sbatch")).read()
+    flags = [re.search(r"^YARN='(.*)'$", script, re.M).group(1)]
+    docs = open(os.path.join(root, "docs/data.md")).read()
+    flags += re.findall(r"--(?:json-model-override-args|hf-overrides) '(\{.*?\}\})'", docs)
+    assert len(flags) == 3, flags  # the script's, and SGLang's and vLLM's in the docs
+    for flag in flags:
+        config = Qwen3Config(rope_theta=1e6)
+        config.update(json.loads(flag))
+        rope = config.rope_parameters
+        assert rope == {
+            "rope_type": "yarn",
+            "factor": 2.5,
+            "original_max_position_embeddings": 32768,
+            "rope_theta": 1e6,
+        }, (flag, rope)
+    legacy = Qwen3Config(rope_theta=1e6)
+    legacy.update({"rope_scaling": {"rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 32768}})
+    assert legacy.rope_parameters.get("rope_theta") is None  # why the flags do not use rope_scaling

@@ -1,9 +1,15 @@
 #!/usr/bin/env python
 """avg@k on math / code benchmarks with the paper's sampling (temperature 0.6, top_p 0.95, top_k 20).
 
-    python tools/eval.py --model hf/klear-8b --bench aime24=data/aime24.jsonl --bench aime25=data/aime25.jsonl \\
-        --k 64 --max-new-tokens 32768 --output results/klear-8b.json                    # embedded engine
-    python tools/eval.py --url http://router:30000 --tokenizer hf/klear-8b --bench lcb_v5=data/lcb_v5.jsonl --k 8 ...
+    python tools/eval.py --url http://router:31000 --tokenizer /shared/klear-8b-hf --preset klear --k 64 \\
+        --bench aime24=data/aime24.jsonl --bench aime25=data/aime25.jsonl --output results/klear-8b.json
+    python tools/eval.py --url http://router:31000 --tokenizer /shared/klear-8b-hf --preset klear --k 8 \\
+        --bench 'lcb_v5=data/lcb/test*.jsonl' --bench-window lcb_v5=v5 --output results/klear-8b-lcb.json
+    python tools/eval.py --model hf/tiny --bench aime24=data/aime24.jsonl --k 4 --max-new-tokens 1024 ...
+
+--url (SGLang servers behind a router, or vLLM servers with --server vllm; examples/slurm/eval.sbatch
+starts them) is the way at 8B: the servers share each prompt's KV cache across its k samples and
+batch continuously. --model runs the embedded engine in this process: small models and tests only.
 
 Benchmark files use the RL prompt format (data/prompts.py): {"id", "task": "math", "prompt", "answer"}
 or {"id", "task": "code", "prompt", "tests"}. Code responses run on every test of the problem
@@ -12,9 +18,13 @@ YaRN (factor 2.5 over 32768 positions) and pass --max-new-tokens 65536; with the
 --yarn-factor 2.5 edits the config it loads. --think-in-prompt: for chat templates whose generation
 prompt opens <think> (responses then never contain it); "auto" (the default) detects them.
 
---bench reads the project's JSONL or a published file as it is downloaded (docs/data.md): a
-LiveCodeBench release (--bench-window lcb=v5), AIME/HMMT/NeMo-Skills math JSONL or parquet, the
+--bench NAME=FILE reads the project's JSONL or a published file as it is downloaded (docs/data.md):
+a LiveCodeBench release (--bench-window lcb=v5), AIME/HMMT/NeMo-Skills math JSONL or parquet, the
 authors' *.qs.jsonl, a verl parquet; the format is detected (or --bench-format NAME=FMT) and logged.
+One benchmark may read several files, NAME=FILE1,FILE2 or a quoted glob (a LiveCodeBench window
+spans several release files: each holds only the problems its release added); a NAME given twice
+is an error. The problem count of each benchmark is printed (for a LiveCodeBench window, beside
+the count LiveCodeBench publishes for it).
 --preset klear is the authors' sampling (temperature 0.6, top_p 0.95, top_k 20, 64K new tokens,
 YaRN 2.5); their repetition penalty 1.05 is applied on vLLM servers (--url ... --server vllm) and
 announced as missing elsewhere, never silently dropped. --regrade NAME=FILE grades the authors' inference
@@ -24,6 +34,7 @@ output ({"id", "meta", "messages"} lines) with this project's graders, no model 
 """
 
 import argparse
+import os
 import sys
 
 
@@ -32,7 +43,11 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="HF checkpoint directory (embedded engine, in this process)")
+    src.add_argument(
+        "--model",
+        help="HF checkpoint directory: the embedded engine in this process, for small models and tests "
+        "(no KV sharing between a prompt's samples; at 8B serve the model and use --url)",
+    )
     src.add_argument("--url", action="append", help="SGLang server / router or vLLM server URL (repeatable)")
     src.add_argument(
         "--regrade",
@@ -47,7 +62,13 @@ def main(argv=None):
         help="--url: what serves there (vllm: vLLM servers started as docs/vllm.md says)",
     )
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
-    p.add_argument("--bench", action="append", default=[], metavar="NAME=FILE")
+    p.add_argument(
+        "--bench",
+        action="append",
+        default=[],
+        metavar="NAME=FILE[,FILE...]",
+        help="a benchmark and its file(s) (comma-separated, or a quoted glob); each NAME once",
+    )
     p.add_argument(
         "--bench-format",
         action="append",
@@ -116,6 +137,13 @@ def main(argv=None):
 
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     benchmarks = _read_benchmarks(p, args, tokenizer)
+    if args.model and args.max_new_tokens > EMBEDDED_LONG_TOKENS:
+        print(
+            f"warning: --model runs the embedded engine, meant for small models and tests; for "
+            f"{args.max_new_tokens} new tokens serve the model (SGLang or vLLM) and pass --url "
+            "(examples/slurm/eval.sbatch, docs/data.md)",
+            file=sys.stderr,
+        )
     think_in_prompt = args.think_in_prompt == "yes" or (
         args.think_in_prompt == "auto" and prompts_open_think(tokenizer, [q for ps in benchmarks.values() for q in ps])
     )
@@ -220,8 +248,32 @@ def _apply_klear_preset(args, argv, vllm: bool) -> None:
     )
 
 
+#: Above this many new tokens --model warns that the embedded engine is not the tool.
+EMBEDDED_LONG_TOKENS = 8192
+
+
+def _bench_files(p, name: str, value: str) -> list:
+    """The files of ``--bench NAME=VALUE``: comma-separated paths or globs, each matching something."""
+    import glob
+
+    files = []
+    for part in (x.strip() for x in value.split(",")):
+        if not part:
+            continue
+        matched = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
+        if not matched:
+            p.error(f"--bench {name}={value}: {part!r} matches no file")
+        for path in matched:
+            if not os.path.exists(path):
+                p.error(f"--bench {name}={value}: no file {path}")
+        files += matched
+    if not files:
+        p.error(f"--bench {name}=: no file given")
+    return files
+
+
 def _read_benchmarks(p, args, tokenizer) -> dict:
-    from megatron_klear.data.formats.livecodebench import WINDOWS
+    from megatron_klear.data.formats.livecodebench import PUBLISHED_COUNTS, WINDOWS
     from megatron_klear.data.prompts import PromptDataset
 
     def by_name(specs, flag):
@@ -230,6 +282,11 @@ def _read_benchmarks(p, args, tokenizer) -> dict:
             if "=" not in spec:
                 p.error(f"{flag} {spec!r}: expected NAME=VALUE")
             k, v = spec.split("=", 1)
+            if k in out:
+                p.error(
+                    f"{flag} {k}=... given twice ({out[k]!r} and {v!r}): give each name once; one benchmark "
+                    "reads several files as NAME=FILE1,FILE2 or a quoted glob"
+                )
             out[k] = v
         return out
 
@@ -239,7 +296,8 @@ def _read_benchmarks(p, args, tokenizer) -> dict:
         for name in set(named) - set(files):
             p.error(f"{flag} {name}=...: no --bench named {name!r}")
     benchmarks = {}
-    for name, path in files.items():
+    for name, value in files.items():
+        paths = _bench_files(p, name, value)
         since = until = None
         if name in windows:
             w = windows[name]
@@ -250,13 +308,21 @@ def _read_benchmarks(p, args, tokenizer) -> dict:
             else:
                 p.error(f"--bench-window {name}={w}: expected v5, v6 or SINCE..UNTIL")
         benchmarks[name] = PromptDataset(
-            [path],
+            paths,
             tokenizer,
             max_prompt_length=args.max_prompt_length,
             format=formats.get(name, "auto"),
             since=since,
             until=until,
         ).prompts
+        count = len(benchmarks[name])
+        line = f"{name}: {count} problems from {len(paths)} file(s)"
+        published = PUBLISHED_COUNTS.get(windows.get(name))
+        if published is not None:
+            line += f"; LiveCodeBench's {windows[name]} window has {published}"
+            if count != published:
+                line += " (a window spans several release files: pass every one, e.g. 'data/lcb/test*.jsonl')"
+        print(line, file=sys.stderr)
     return benchmarks
 
 

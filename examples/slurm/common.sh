@@ -81,6 +81,51 @@ klear_gpus() {
 
 klear_http_ok() { curl -sf -o /dev/null --max-time 5 "$1"; }
 
+# klear_start_servers NODE...: SERVERS_PER_NODE rollout servers on each NODE (ENGINE sglang, vllm or
+# standin; SERVER_PY, SERVER_MODEL, SERVER_PORT + k, SERVER_TP GPUs each, SERVER_ARGS, the srun
+# flags SERVER_SRUN), then waits until each answers /health; URLS: their addresses. Shared by the
+# GPPO and the evaluation scripts.
+klear_start_servers() {
+  local node addr k port gpus cmd server_gpus url
+  URLS=()
+  for node in "$@"; do
+    addr=$(klear_addr "$node")
+    for ((k = 0; k < SERVERS_PER_NODE; k++)); do
+      port=$((SERVER_PORT + k))
+      # with GPU GRES, Slurm gives each server step its own SERVER_TP GPUs (and sets
+      # CUDA_VISIBLE_DEVICES); without it, the script picks them
+      gpus=""
+      ((GRES_GPUS > 0)) || gpus="CUDA_VISIBLE_DEVICES=$(seq -s, $((k * SERVER_TP)) $(((k + 1) * SERVER_TP - 1))) "
+      case "$ENGINE" in
+        sglang) cmd="${gpus}SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 $SERVER_PY -m sglang.launch_server --model-path $SERVER_MODEL --host 0.0.0.0 --port $port --tp $SERVER_TP $SERVER_ARGS" ;;
+        vllm) cmd="${gpus}VLLM_SERVER_DEV_MODE=1 $SERVER_PY -m vllm.entrypoints.openai.api_server --model $SERVER_MODEL --host 0.0.0.0 --port $port --tensor-parallel-size $SERVER_TP $SERVER_ARGS" ;;
+        standin) cmd="$SERVER_PY -m megatron_klear.rollout.sglang_standin --model $SERVER_MODEL --host 0.0.0.0 --port $port $SERVER_ARGS" ;;
+        *) klear_die "ENGINE=$ENGINE: sglang, vllm or standin" ;;
+      esac
+      server_gpus=$SERVER_TP
+      [[ "$ENGINE" == standin ]] && server_gpus=0  # (the CPU stand-in)
+      # shellcheck disable=SC2046
+      klear_start "server-$node-$k" "$node" "$cmd" $(klear_gpus "$server_gpus") "${SERVER_SRUN[@]}"
+      URLS+=("http://$addr:$port")
+    done
+  done
+  for url in "${URLS[@]}"; do
+    klear_wait "rollout server $url" "$STARTUP_TIMEOUT" klear_http_ok "$url/health" || klear_stop_all 3
+  done
+}
+
+# klear_start_router NODE: sglang-router on NODE in front of URLS (ROUTER_PY, ROUTER_PORT,
+# ROUTER_METRICS_PORT, the srun flags ROUTER_SRUN), waits until it lists every server;
+# ROUTER_URL: its address.
+klear_start_router() {
+  ROUTER_URL="http://$(klear_addr "$1"):$ROUTER_PORT"
+  klear_start router "$1" "$ROUTER_PY -m sglang_router.launch_router --host 0.0.0.0 --port $ROUTER_PORT \
+    --worker-urls ${URLS[*]} --policy cache_aware --request-timeout-secs 10800 \
+    --prometheus-port $ROUTER_METRICS_PORT --disable-health-check" "${ROUTER_SRUN[@]}"
+  klear_wait "the router at $ROUTER_URL with ${#URLS[@]} workers" "$STARTUP_TIMEOUT" \
+    klear_router_has "$ROUTER_URL" "${#URLS[@]}" || klear_stop_all 3
+}
+
 # klear_router_has URL N: the sglang-router at URL lists N workers (GET /workers).
 klear_router_has() {
   local n

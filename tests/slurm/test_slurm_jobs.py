@@ -515,3 +515,42 @@ def test_gppo_job_with_vllm_servers_in_their_own_environment(cluster, tmp_path):
     assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
     server_log = open(os.path.join(logs, "server-n1-0.log")).read()
     assert "vllm" in server_log.lower() and VLLM_PY in open(out).read(), server_log[-2000:]
+
+
+def test_the_evaluation_script_serves_the_model_and_evaluates_it(cluster, files, tmp_path):
+    """examples/slurm/eval.sbatch on one node (two nodes of this one host would bind the same server
+    port): a stand-in server and the router, then tools/eval.py against the router; the results
+    file holds every problem's k samples, and the servers are gone when the job ends."""
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+
+    bench = write_rl_prompts_jsonl(str(tmp_path / "bench.jsonl"), 4, seed=5)
+    logs, out, results = str(tmp_path / "logs"), str(tmp_path / "job.out"), str(tmp_path / "res" / "eval.json")
+    server, router, metrics = map(str, _ports(3))
+    env = {
+        "MODEL": files["hf"],
+        "ENGINE": "standin",
+        "SERVERS_PER_NODE": "1",
+        "GPUS_PER_NODE": "1",
+        "SERVER_PORT": server,
+        "ROUTER_PORT": router,
+        "ROUTER_METRICS_PORT": metrics,
+        "BENCH_ARGS": f"--bench arith={bench}",
+        "EVAL_ARGS": "--k 2 --max-new-tokens 16 --workers 1",  # (a tiny model's context, not 32K)
+        "OUTPUT": results,
+        "LOG_DIR": logs,
+        "PY": PY,
+        "STARTUP_TIMEOUT": "120",
+    }
+    job = _submit(cluster, "eval.sbatch", out, env, "--export=ALL", nodes=1)
+    info = cluster.wait_done(job, 300)
+    text = open(out).read()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
+    assert "standin servers on n1," in text and "start router on n1" in text, text[-3000:]
+    assert f"--url http://127.0.0.1:{router}" in text
+    res = json.load(open(results))["results"]["arith"]
+    assert res["prompts"] == 4 and res["k"] == 2
+    samples = [json.loads(x) for x in open(os.path.join(tmp_path, "res", "eval.samples.jsonl"))]
+    assert len(samples) == 8
+    assert not subprocess.run(
+        ["pgrep", "-f", f"sglang_standin --model {files['hf']} --host 0.0.0.0 --port {server}"], capture_output=True
+    ).stdout

@@ -37,6 +37,10 @@ WITHOUT_STARTER = (
 )
 #: The windows the paper reports (docs/data.md).
 WINDOWS = {"v5": ("2024-08-01", "2025-02-01"), "v6": ("2025-02-01", "2025-05-01")}
+#: How many problems each window holds across LiveCodeBench's release files, as the benchmark's
+#: users report them (v5: 279; v6: 175): tools/eval.py prints a window's count beside it, so a
+#: window read from too few release files shows.
+PUBLISHED_COUNTS = {"v5": 279, "v6": 175}
 
 
 def prompt(question: str, starter_code: str | None) -> str:
