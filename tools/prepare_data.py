@@ -24,6 +24,7 @@ def main(argv=None):
     from megatron_klear.data.formats.livecodebench import WINDOWS
     from megatron_klear.data.formats.math_sets import DEFAULT_TEMPLATE
     from megatron_klear.data.jsonl import BadLinePolicy
+    from megatron_klear.utils import atomic
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
@@ -72,10 +73,7 @@ def main(argv=None):
             if os.path.exists(path):
                 os.remove(path)
             continue
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-        os.replace(tmp, path)
+        atomic.write_text(path, "".join(lines))
     print(f"wrote {len(out)} problems to {args.output}" + (f" ({len(rejected)} bad rows skipped)" if rejected else ""))
     return 0
 

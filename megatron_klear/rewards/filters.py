@@ -14,6 +14,14 @@ Each problem line is {"id", "task": "code", "tests": {...}, ...} or {"id", "task
     "reference_passed":    [true, false, ...]        precomputed
     "reference_responses": ["<think>..</think>..."]  graded here, exactly like rollouts
     "reference_solutions": ["print(...)", ...]       code only: bare programs, graded here
+or, for lines without those fields, the samples of a reference model that tools/eval.py graded
+(``--references results/ref.samples.jsonl``: each sample's ``solved``, by problem id; tools/eval.py
+grades code on every test, as this filter does):
+
+    python tools/eval.py --url http://router:31000 --tokenizer /shared/ref-model --k 16 \
+        --bench code=data/code_rl_raw.jsonl --output results/code-ref.json
+    python tools/filter_rl_data.py --input data/code_rl_raw.jsonl --references results/code-ref.samples.jsonl \
+        --output data/code_rl.jsonl --dropped data/code_rl.dropped.jsonl
 A reference response passes when it earns the full score: the `correct` score for math, every
 test (all of them, not a sample) for code. The pass metric is the unbiased pass@k estimator over
 the n references (k=1: the plain pass rate; fewer than k references: dropped, saying so). Kept
@@ -144,8 +152,28 @@ def _passed(task: str, res, rcfg: RewardConfig) -> bool:
     return res.reward == rcfg.correct if task == "math" else (res.total > 0 and res.passed == res.total)
 
 
-def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig, rcfg: RewardConfig) -> dict:
-    """Filter `inp` into `out` (kept lines, verbatim) and `dropped_path` (line, id, reason)."""
+def load_eval_references(paths) -> dict:
+    """``{problem id: [solved, ...]}`` from tools/eval.py sample files (``<output>.samples.jsonl``:
+    one line per sample with ``id`` and ``solved``), in sample order. A line without them is an
+    error naming the file and line."""
+    refs = {}
+    for path in paths:
+        for lineno, text in numbered_lines(path):
+            obj = decode_line(path, lineno, text)
+            if "id" not in obj or not isinstance(obj.get("solved"), bool):
+                raise ValueError(
+                    f"{path}:{lineno}: not a tools/eval.py sample line (needs 'id' and a true/false 'solved')"
+                )
+            refs.setdefault(str(obj["id"]), []).append(obj["solved"])
+    return refs
+
+
+def filter_file(
+    inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig, rcfg: RewardConfig, references=None
+) -> dict:
+    """Filter `inp` into `out` (kept lines, verbatim) and `dropped_path` (line, id, reason).
+    ``references``: ``{problem id: [passed, ...]}`` for lines without reference fields
+    (:func:`load_eval_references`)."""
     from .pool import GradingPool
 
     # Code references run on every test: a reference must solve the problem, not a sample of it.
@@ -190,6 +218,8 @@ def filter_file(inp: str, out: str, dropped_path: str | None, fcfg: FilterConfig
                     reason = structural_drop_reason(obj, fcfg)
                     if reason is None and fcfg.pass_filter:
                         items = _reference_items(obj)
+                        if items is None and references is not None:
+                            items = references.get(str(obj.get("id")))
                         if items is None:
                             reason = (
                                 "no reference results (give reference_passed, reference_responses "
@@ -267,6 +297,14 @@ def filter_main(argv=None) -> int:
         action="store_true",
         help="only the test-count filter; keep problems without reference results",
     )
+    ap.add_argument(
+        "--references",
+        action="append",
+        default=[],
+        metavar="SAMPLES.jsonl",
+        help="tools/eval.py sample files of a reference model: each problem's graded samples, by id, "
+        "for lines without reference fields (repeatable)",
+    )
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument(
         "--allow-fallback", action="store_true", help="grade code references without bubblewrap if it cannot isolate"
@@ -289,7 +327,11 @@ def filter_main(argv=None) -> int:
     from .sandbox import SandboxUnavailable
 
     try:
-        s = filter_file(args.input, args.output, args.dropped, fcfg, rcfg)
+        references = load_eval_references(args.references) if args.references else None
+        s = filter_file(args.input, args.output, args.dropped, fcfg, rcfg, references)
+    except ValueError as e:  # a references file that is not tools/eval.py's
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except SandboxUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
