@@ -28,7 +28,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_klear", "megatron_klear.*"]),
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.13",  # torchrun's --signals-to-handle and --shutdown-timeout (the launch scripts pass both)
         MEGATRON_CORE,
         "transformers>=4.51",
         "safetensors>=0.4",

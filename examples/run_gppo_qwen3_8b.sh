@@ -9,12 +9,15 @@
 #      python tools/convert_megatron_to_hf.py --ckpt runs/klear-sft-8b/iter_NNNNNNN --out /shared/klear-sft-8b-hf
 #    (the export's generation_config.json lists <|im_end|> besides Qwen3-Base's EOS <|endoftext|>;
 #    the trainer also sends both as stop_token_ids with every request).
+# Ports, as on every page and in examples/slurm/gppo_qwen3_8b.sbatch: server k of a node on 30000 + k,
+# the router on 31000, its Prometheus endpoint on 31001.
 # 2. One SGLang server per rollout GPU group. Prompt (4K) + response (32K) = 36864 tokens exceeds
 #    Qwen3-8B-Base's max_position_embeddings (32768): allow it explicitly (what the authors' 32K
 #    responses imply) or pick a RoPE scaling (YaRN) with --json-model-override-args:
-#      pip install -e '.[sglang]'   # sglang==0.5.23 (pins torch 2.14.1) and sglang-router==0.3.2
-#      SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 python -m sglang.launch_server \
-#          --model-path /shared/klear-sft-8b-hf --host 0.0.0.0 --port 30000 --tp 1 \
+#      # installed by docs/training.md's recipe ("Installing on a GPU cluster"): torch 2.14.1 (cu130),
+#      # then sglang==0.5.23 and sglang-router==0.3.2 with -c requirements/gpu-constraints.txt
+#      SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 CUDA_VISIBLE_DEVICES=$k python -m sglang.launch_server \
+#          --model-path /shared/klear-sft-8b-hf --host 0.0.0.0 --port $((30000 + k)) --tp-size 1 \
 #          --context-length 36864 --mem-fraction-static 0.85 --api-key "$KEY"
 #    The trainer checks every server's context at start-up and stops with this advice if it is short.
 #    --api-key is optional: with it every request needs "Authorization: Bearer $KEY" (/health
@@ -23,18 +26,18 @@
 #    trainer must run the torch SGLang 0.5.23 pins (2.14.1, same CUDA flavour: the same NCCL); the
 #    trainer checks the servers' SGLang version against its torch at start-up.
 # 3. The router, in front of all servers (requests are one per prompt, spread over the workers):
-#      python -m sglang_router.launch_router --host 0.0.0.0 --port 30000 --policy cache_aware \
-#          --worker-urls http://r0:30000 http://r1:30000 ... --request-timeout-secs 10800 \
-#          --prometheus-port 29000 --disable-health-check --api-key "$KEY"
+#      python -m sglang_router.launch_router --host 0.0.0.0 --port 31000 --policy cache_aware \
+#          --worker-urls http://r0:30000 http://r0:30001 ... http://r1:30000 ... --request-timeout-secs 10800 \
+#          --prometheus-port 31001 --disable-health-check --api-key "$KEY"
 #    --request-timeout-secs must exceed the longest request (rollout.generate_timeout_s), else the
 #    router re-sends it and finally answers HTTP 500; give each router on a host its own
-#    --prometheus-port (the default 29000 collides). --disable-health-check: SGLang's /health
+#    --prometheus-port (the default 29000 collides; 31001 here). --disable-health-check: SGLang's /health
 #    blocks while generation is paused and answers 503 after 20 s, and the router's default checks
 #    (every 60 s, unhealthy after 3 failures) drop every worker during a pause of about 2 minutes
 #    (a disk reload from a shared filesystem): the trainer pauses the servers itself, probes them
 #    and keeps the worker list (docs/sglang.md, "The router's health checks").
 # 4. On every trainer node:
-#      NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 bash examples/run_gppo_qwen3_8b.sh rollout.urls=[http://router:30000]
+#      NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 bash examples/run_gppo_qwen3_8b.sh rollout.urls=[http://router:31000]
 #    The trainer asks the router for its workers (GET /workers) and updates each worker directly
 #    (never through the router), checked by weight_version.
 #    Weights travel without files (rollout.weight_sync=distributed, the default): the leader of each
@@ -65,13 +68,16 @@
 #      SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false SGLANG_MEMORY_SAVER_CUDA_GRAPH=true \
 #      SGLANG_EXPOSE_OWN_ENV_VARS=true SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 \
 #      CUDA_VISIBLE_DEVICES=$GPU python -m sglang.launch_server --model-path /shared/klear-sft-8b-hf \
-#          --host 0.0.0.0 --port $((30000 + GPU)) --tp 1 --context-length 36864 \
+#          --host 0.0.0.0 --port $((30000 + GPU)) --tp-size 1 --context-length 36864 \
 #          --enable-memory-saver --mem-fraction-static 0.5
 #    (health generation off: a /health probe would otherwise generate on the released memory and
 #    crash the server; the CUDA-graph saver: without it releasing cuda_graph frees nothing;
 #    SGLANG_EXPOSE_OWN_ENV_VARS lets the trainer check both at start-up), and the router as in 3,
-#    with --disable-health-check.
-# For code RL afterwards: CONFIG=examples/configs/gppo_qwen3_8b_code.yaml model.path=<math RL checkpoint>
+#    with --disable-health-check. The weights then go through rollout.sync_dir (the configs:
+#    /shared/<run>/weights, one per run; default <train.save_dir>/weights), which every server must read: a
+#    shared filesystem across the trainer's nodes (on one node, /dev/shm will do).
+# For code RL afterwards: CONFIG=examples/configs/gppo_qwen3_8b_code.yaml (its model.path: the math
+# RL run's last checkpoint, runs/klear-gppo-8b-math/iter_0000240)
 set -euo pipefail
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}

@@ -2,6 +2,7 @@
 # Long-CoT SFT of Qwen3-8B at 32K on NNODES x 8 GPUs. Run the same command on every node:
 #
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 bash examples/run_sft_qwen3_8b.sh [key=value ...]
+#   CONFIG=examples/configs/sft_qwen3_30b_a3b.yaml NNODES=8 ... bash examples/run_sft_qwen3_8b.sh   # another model
 #
 # Before: convert the base model and tokenize the data once:
 #   python tools/convert_hf_to_megatron.py --hf-dir /models/Qwen3-8B-Base --out ckpt/qwen3-8b-base --tp 2
@@ -15,6 +16,7 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+CONFIG=${CONFIG:-examples/configs/sft_qwen3_8b.yaml}
 # seconds torchrun gives the ranks after forwarding a stop signal before SIGKILL (torchrun: 30): they
 # finish their step and save (the stop line in the log says how long that took; docs/slurm.md)
 SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-270}
@@ -29,4 +31,4 @@ exec "${PY:-python}" -m megatron_klear.platform.launch \
   --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
   --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$SHUTDOWN_TIMEOUT" \
-  -m megatron_klear sft --config examples/configs/sft_qwen3_8b.yaml "$@"
+  -m megatron_klear sft --config "$CONFIG" "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """HF checkpoint -> megatron-klear torch_dist model directory (loads at any TP/PP).
 
-python tools/convert_hf_to_megatron.py --hf-dir Qwen3-8B --out ckpt/qwen3-8b --tp 2 --pp 1
+python tools/convert_hf_to_megatron.py --hf-dir /models/Qwen3-8B-Base --out ckpt/qwen3-8b-base --tp 2 --pp 1
 """
 
 import argparse

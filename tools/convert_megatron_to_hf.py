@@ -2,8 +2,8 @@
 """megatron-klear torch_dist model directory -> HF checkpoint (sharded safetensors + index,
 config.json, tokenizer files) that ``transformers`` loads directly.
 
-    python tools/convert_megatron_to_hf.py --ckpt ckpt/qwen3-8b --out hf/qwen3-8b-rl
-    python tools/convert_megatron_to_hf.py --ckpt runs/sft/iter_0001000 --out hf/qwen3-8b-sft
+    python tools/convert_megatron_to_hf.py --ckpt ckpt/qwen3-8b-base --out ckpt/qwen3-8b-base-hf
+    python tools/convert_megatron_to_hf.py --ckpt runs/klear-sft-8b/iter_NNNNNNN --out /shared/klear-sft-8b-hf
 
 --ckpt may be any training checkpoint (its optimizer state, RNG and common state are skipped),
 written at any TP/PP with either layer backend (Transformer Engine's _extra_state is skipped).

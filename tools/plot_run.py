@@ -11,7 +11,7 @@ PNG by default (--format svg for vector files).
 staleness (mean and max), the off-policy token fraction, resumed / aborted / regenerated samples,
 the step's times (generate, train, overlap, step) and samples/s; each chart is named
 ``async_<name>``. Runs are named by their directory (runs/a/metrics.jsonl -> "a"). Needs matplotlib
-(pip install 'megatron-klear[logging]').
+(the ``[logging]`` extra: pip install -e '.[logging]' in the repository's root).
 """
 
 import argparse

@@ -46,7 +46,10 @@ def _megatron_indexed_dataset():
         try:
             from megatron.core.datasets import indexed_dataset
         except ImportError as e:
-            raise ImportError("the SFT dataset format needs megatron-core (pip install megatron-core)") from e
+            raise ImportError(
+                "the SFT dataset format needs megatron-core, a dependency of this package: pip install -e . "
+                "in the repository's root (megatron-core 0.16.x)"
+            ) from e
     return indexed_dataset
 
 

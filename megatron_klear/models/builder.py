@@ -77,10 +77,13 @@ def resolve_backend(options: ModelOptions, facts: DeviceFacts | None = None) -> 
         )
     if options.backend == "te" or (options.backend == "auto" and options.fp8):
         if not facts.te:
+            # TE's core must be built for torch's CUDA major: [gpu-cu12] beside a CUDA 12 torch
+            extra = "gpu-cu12" if (facts.cuda_version or "").startswith("12.") else "gpu"
             raise ImportError(
                 "Transformer Engine is required for backend=te and for FP8 "
                 "(Megatron-Core would otherwise accept fp8 and silently do nothing). "
-                "Install the GPU extra: pip install 'megatron-klear[gpu]' (README: GPU install)"
+                f"Install the [{extra}] extra, in the repository's root: pip install --no-build-isolation "
+                f"-e '.[{extra}]' -c requirements/gpu-constraints.txt (docs/training.md#installing-on-a-gpu-cluster)"
             )
         return "te"
     if options.backend == "auto":

@@ -57,7 +57,10 @@ class MetricsLogger:
             try:
                 import wandb as wandb_lib
             except ImportError:
-                raise ImportError("logging.wandb=true needs wandb: pip install 'megatron-klear[logging]'") from None
+                raise ImportError(
+                    "logging.wandb=true needs wandb, from the [logging] extra: pip install -e '.[logging]' "
+                    "in the repository's root"
+                ) from None
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             _drop_unreachable_wandb_service(self.stream)
             where = {}
@@ -72,7 +75,8 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ImportError(
-                    "logging.tensorboard=true needs tensorboard: pip install 'megatron-klear[logging]'"
+                    "logging.tensorboard=true needs tensorboard, from the [logging] extra: "
+                    "pip install -e '.[logging]' in the repository's root"
                 ) from None
             self._tb = SummaryWriter(tensorboard_dir)
 

@@ -14,7 +14,9 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'megatron-klear[logging]'") from None
+        raise ImportError(
+            "plots need matplotlib, from the [logging] extra: pip install -e '.[logging]' in the repository's root"
+        ) from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 

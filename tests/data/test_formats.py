@@ -289,7 +289,7 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
-    with pytest.raises(ImportError, match=r"pip install 'megatron-klear\[data\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[data\]'"):
         read_problems(path)
 
 

@@ -254,7 +254,9 @@ def test_fp8_without_transformer_engine_is_refused():
     if have_te():
         pytest.skip("Transformer Engine is installed")
     for opts in (ModelOptions(fp8="hybrid"), ModelOptions(backend="te")):
-        with pytest.raises(ImportError, match=r"megatron-klear\[gpu\]"):
+        with pytest.raises(
+            ImportError, match=r"pip install --no-build-isolation -e '\.\[gpu\]' -c requirements/gpu-constraints\.txt"
+        ):
             resolve_backend(opts)
     assert resolve_backend(ModelOptions()) == "local"
 

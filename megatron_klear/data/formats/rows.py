@@ -1,8 +1,9 @@
 """Rows of a published data file, JSONL or parquet, each with its 1-based row number.
 
-Parquet needs pyarrow (``pip install 'megatron-klear[data]'``), imported only when a parquet file
-is read. A row that cannot be read is a :class:`RowError` naming the column; the reader that
-calls these turns it into a :class:`~megatron_klear.data.jsonl.BadLineError` with the file and row.
+Parquet needs pyarrow, the ``[data]`` extra (``pip install -e '.[data]'`` in the repository's root),
+imported only when a parquet file is read. A row that cannot be read is a :class:`RowError` naming
+the column; the reader that calls these turns it into a
+:class:`~megatron_klear.data.jsonl.BadLineError` with the file and row.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def require_pyarrow():
         import pyarrow.parquet as pq
     except ImportError:
         raise ImportError(
-            "reading parquet needs pyarrow: pip install 'megatron-klear[data]' (or convert the file to JSONL)"
+            "reading parquet needs pyarrow, from the [data] extra: pip install -e '.[data]' in the repository's "
+            "root (or convert the file to JSONL)"
         ) from None
     return pq
 
