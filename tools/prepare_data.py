@@ -23,7 +23,7 @@ def main(argv=None):
     from megatron_klear.data.formats import FORMATS, read_problems
     from megatron_klear.data.formats.livecodebench import WINDOWS
     from megatron_klear.data.formats.math_sets import DEFAULT_TEMPLATE
-    from megatron_klear.data.jsonl import BadLinePolicy
+    from megatron_klear.data.jsonl import RejectedRows
     from megatron_klear.utils import atomic
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,13 +46,8 @@ def main(argv=None):
         args.since, args.until = WINDOWS[args.window]
     if "{problem}" not in args.math_template:
         p.error("--math-template must contain {problem}")
-    rejected = []
-    policy = BadLinePolicy(
-        on_bad_line=args.on_bad_row,
-        report=type("R", (), {"write": lambda s, x: rejected.append(x)})(),
-        stream=sys.stderr,
-        report_name=args.output + ".rejected.jsonl",
-    )
+    rejected = RejectedRows(args.output, args.on_bad_row)
+    policy = rejected.policy
     out, summaries = [], []
     for path in args.input:
         problems, summary = read_problems(
@@ -64,17 +59,11 @@ def main(argv=None):
     if not out:
         raise ValueError(f"no problems read from {args.input}")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)) or ".", exist_ok=True)
-    for path, lines in (
-        (args.output, [json.dumps(q, ensure_ascii=False) + "\n" for q in out]),
-        (args.output + ".rejected.jsonl", rejected),
-        (os.path.splitext(args.output)[0] + ".summary.json", [json.dumps(summaries, indent=2)]),
-    ):
-        if not lines and path.endswith(".rejected.jsonl"):
-            if os.path.exists(path):
-                os.remove(path)
-            continue
-        atomic.write_text(path, "".join(lines))
-    print(f"wrote {len(out)} problems to {args.output}" + (f" ({len(rejected)} bad rows skipped)" if rejected else ""))
+    atomic.write_text(args.output, "".join(json.dumps(q, ensure_ascii=False) + "\n" for q in out))
+    rejected.save()
+    atomic.write_text(os.path.splitext(args.output)[0] + ".summary.json", json.dumps(summaries, indent=2))
+    skipped = len(rejected.lines)
+    print(f"wrote {len(out)} problems to {args.output}" + (f" ({skipped} bad rows skipped)" if skipped else ""))
     return 0
 
 

@@ -24,7 +24,7 @@ import sys
 def main(argv=None):
     from megatron_klear.data.formats.rows import RowError, iter_rows
     from megatron_klear.data.formats.sft_sets import to_messages
-    from megatron_klear.data.jsonl import BadLineError, BadLinePolicy, ExampleError
+    from megatron_klear.data.jsonl import BadLineError, ExampleError, RejectedRows
     from megatron_klear.utils import atomic
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,13 +38,8 @@ def main(argv=None):
         if not matched:
             p.error(f"--input {spec}: matches no file")
         paths += matched
-    rejected = []
-    policy = BadLinePolicy(
-        on_bad_line=args.on_bad_row,
-        report=type("R", (), {"write": lambda s, x: rejected.append(x)})(),
-        stream=sys.stderr,
-        report_name=args.output + ".rejected.jsonl",
-    )
+    rejected = RejectedRows(args.output, args.on_bad_row)
+    policy = rejected.policy
     written = 0
     with atomic.atomic_file(args.output) as out:
         for path in paths:
@@ -61,10 +56,7 @@ def main(argv=None):
                 out.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
                 written += 1
             print(f"{path}: {rows} rows", file=sys.stderr)
-    if rejected:
-        atomic.write_text(args.output + ".rejected.jsonl", "".join(rejected))
-    elif os.path.exists(args.output + ".rejected.jsonl"):  # an earlier run's, about other data
-        os.remove(args.output + ".rejected.jsonl")
+    rejected.save()
     if not written:
         os.remove(args.output)
         raise ValueError(f"no conversation kept from {', '.join(paths)}")

@@ -192,3 +192,25 @@ def check_input_files(paths) -> None:
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"input file {path!r} does not exist")
+
+
+class RejectedRows:
+    """A tool's bad rows, kept in memory and written beside its output as ``<output>.rejected.jsonl``
+    (one record per row; a stale report of an earlier run is removed when none was rejected).
+    ``policy`` is the :class:`BadLinePolicy` that feeds it (``on_bad_line``: fail or skip)."""
+
+    def __init__(self, output: str, on_bad_line: str):
+        self.path = output + ".rejected.jsonl"
+        self.lines: list = []
+        self.policy = BadLinePolicy(on_bad_line=on_bad_line, report=self, stream=sys.stderr, report_name=self.path)
+
+    def write(self, line: str) -> None:  # (the policy's report stream)
+        self.lines.append(line)
+
+    def save(self) -> None:
+        from megatron_klear.utils import atomic
+
+        if self.lines:
+            atomic.write_text(self.path, "".join(self.lines))
+        elif os.path.exists(self.path):  # an earlier run's, about other data
+            os.remove(self.path)
