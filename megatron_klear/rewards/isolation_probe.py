@@ -8,26 +8,48 @@ reach a level must not allow is a problem, and for the fallback, each one it all
 stated limitation. `resolve_isolation` picks the level per `reward.sandbox` from that report, once
 per process and configuration, and refuses loudly (`SandboxUnavailable`) when the requested
 isolation cannot be had; falling back from bubblewrap is logged as an error.
+
+When bubblewrap fails, `host_facts` and `namespace_causes` say why (no binary, the kernel settings
+that switch unprivileged user namespaces off, a container without the privilege to create
+namespaces), and the refusal names the cause. Run on a compute node before a job, as the user
+the job runs as (`docs/rewards.md`, "On a cluster, as a normal user"):
+
+    python -m megatron_klear.rewards.isolation_probe [--allow-fallback] [--isolation L] [--python P]
+
+prints what this machine gives (bubblewrap, the root-only fallback, or nothing, and why) and exits
+0 when code can be graded with those settings, 1 when it cannot.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import shutil
 import socket
+import stat
+import subprocess
 import sys
 import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
 
-from .config import SandboxConfig
+from .config import ISOLATION_LEVELS, SandboxConfig
 from .processes import SandboxUnavailable
-from .sandbox import ENV_KEYS, Sandbox, bwrap_path, program_python
+from .sandbox import ENV_KEYS, Sandbox, bwrap_path, program_python, usr_view_args
 
-__all__ = ["IsolationReport", "probe_isolation", "resolve_isolation"]
+__all__ = [
+    "HostFacts",
+    "IsolationReport",
+    "check_main",
+    "choose_level",
+    "host_facts",
+    "namespace_causes",
+    "probe_isolation",
+    "resolve_isolation",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +64,14 @@ class IsolationReport:
     fallback_ok: bool = False
     fallback_problems: list[str] = field(default_factory=list)
     limitations: list[str] = field(default_factory=list)  # what the chosen level does not give
+    bwrap_causes: list[str] = field(default_factory=list)  # why bubblewrap fails, when known
 
     def summary(self) -> str:
         parts = [f"isolation={self.level}"]
         if self.bwrap_problems:
             parts.append("bubblewrap: " + "; ".join(self.bwrap_problems))
+        if self.bwrap_causes:
+            parts.append("why: " + "; ".join(self.bwrap_causes))
         if self.level == "fallback" and self.limitations:
             parts.append("fallback limitations: " + "; ".join(self.limitations))
         return " | ".join(parts)
@@ -168,6 +193,153 @@ def _probe_level(cfg: SandboxConfig, level: str) -> tuple[list[str], list[str]]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------- why bubblewrap fails
+
+#: The kernel settings that decide whether a user who is not root may create a user namespace,
+#: which bubblewrap needs when the grader is not root: (name, the value that forbids it, what it
+#: is, what to ask for).
+USERNS_SYSCTLS = (
+    (
+        "kernel.unprivileged_userns_clone",
+        0,
+        "the switch for them in Debian's and Ubuntu's kernels",
+        "kernel.unprivileged_userns_clone=1",
+    ),
+    (
+        "user.max_user_namespaces",
+        0,
+        "how many user namespaces may exist; 0: none",
+        "user.max_user_namespaces set to a positive number (e.g. 15000)",
+    ),
+    (
+        "kernel.apparmor_restrict_unprivileged_userns",
+        1,
+        "Ubuntu 23.10 and later: only programs whose AppArmor profile allows `userns` may create them",
+        "an AppArmor profile for bwrap that allows `userns`, or kernel.apparmor_restrict_unprivileged_userns=0",
+    ),
+)
+_CAP_SYS_ADMIN = 21
+
+
+@dataclass
+class HostFacts:
+    """What decides whether bubblewrap can create namespaces here (`host_facts`)."""
+
+    uid: int
+    bwrap: str | None  # its path; None: not installed
+    bwrap_setuid: bool = False  # installed setuid root (some distributions): unusable by a non-root grader
+    sysctls: dict[str, int | None] = field(default_factory=dict)  # name -> value; None: no such file
+    container: str | None = None  # what says this is a container; None: nothing does
+    cap_sys_admin: bool = False  # in this process's effective capabilities
+    seccomp_filtered: bool = False  # a seccomp filter is applied to this process
+    bare_bwrap_error: str | None = None  # a bare bubblewrap's failure; None: it ran (or was not tried)
+
+    @property
+    def unprivileged(self) -> bool:
+        """bubblewrap creates a user namespace: the grader is not root, and bwrap not setuid."""
+        return self.uid != 0 and not self.bwrap_setuid
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bare_bwrap(bwrap: str, unprivileged: bool) -> str | None:
+    """Run `true` in the namespaces the sandbox creates, nothing else; its error or None."""
+    true = shutil.which("true", path="/usr/bin:/bin") or "/usr/bin/true"
+    cmd = [bwrap] + (["--unshare-user"] if unprivileged else [])
+    cmd += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", *usr_view_args(), true]
+    try:
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    if done.returncode == 0:
+        return None
+    err = done.stderr.decode("utf-8", "replace").strip().splitlines()
+    return err[-1] if err else f"exit status {done.returncode}"
+
+
+def host_facts(proc: str = "/proc", root: str = "/", try_bwrap: bool = True) -> HostFacts:
+    """Read what decides bubblewrap's fate here: its binary, the user-namespace sysctls (under
+    `proc`/sys), container markers (under `root`), this process's capabilities and seccomp state,
+    and (`try_bwrap`) whether a bare bubblewrap can create the sandbox's namespaces."""
+    bwrap = bwrap_path()
+    facts = HostFacts(uid=os.getuid(), bwrap=bwrap)
+    if bwrap is not None:
+        try:
+            facts.bwrap_setuid = bool(os.stat(bwrap).st_mode & stat.S_ISUID)
+        except OSError:
+            pass
+    for name, *_ in USERNS_SYSCTLS:
+        facts.sysctls[name] = _read_int(os.path.join(proc, "sys", *name.split(".")))
+    status = {}
+    try:
+        with open(os.path.join(proc, "self", "status")) as f:
+            status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    except OSError:
+        pass
+    try:
+        facts.cap_sys_admin = bool(int(status.get("CapEff", "0"), 16) >> _CAP_SYS_ADMIN & 1)
+    except ValueError:
+        pass
+    facts.seccomp_filtered = status.get("Seccomp", "0").strip() == "2"
+    for marker, what in ((".dockerenv", "Docker"), ("run/.containerenv", "Podman"), (".singularity.d", "Apptainer")):
+        if os.path.exists(os.path.join(root, marker)):
+            facts.container = f"{what} (/{marker} exists)"
+            break
+    else:
+        if os.environ.get("container"):
+            facts.container = f"container={os.environ['container']} in the environment"
+    if try_bwrap and bwrap is not None:
+        facts.bare_bwrap_error = _bare_bwrap(bwrap, facts.unprivileged)
+    return facts
+
+
+def namespace_causes(facts: HostFacts) -> list[str]:
+    """Why bubblewrap cannot run the sandbox here, each cause with what would change it; [] when
+    nothing found here stops it (a failing probe then names its own problem)."""
+    if facts.bwrap is None:
+        return [
+            "no bwrap binary on PATH: bubblewrap must be installed (Debian/Ubuntu: apt-get install "
+            "bubblewrap; RHEL/Fedora: dnf install bubblewrap)"
+        ]
+    causes = []
+    if facts.uid != 0:
+        if facts.bwrap_setuid:
+            causes.append(
+                f"{facts.bwrap} is installed setuid root: in setuid mode bubblewrap refuses the size limit "
+                "(--size) of the sandbox's private /tmp; needs a bubblewrap without the setuid bit, and "
+                "unprivileged user namespaces"
+            )
+        for name, forbidding, what, ask in USERNS_SYSCTLS:
+            if facts.sysctls.get(name) == forbidding:
+                causes.append(f"{name} = {forbidding} ({what}): no user namespace for uid {facts.uid}; needs {ask}")
+    elif facts.container and not facts.cap_sys_admin:
+        causes.append(
+            f"root inside a container ({facts.container}) without CAP_SYS_ADMIN: bubblewrap cannot create "
+            "namespaces; needs that capability for the container, or the job run as a normal user with "
+            "user namespaces, or grading outside the container"
+        )
+    if not causes and facts.bare_bwrap_error is not None:
+        where = f"in a container ({facts.container})" if facts.container else "here"
+        filt = " under a seccomp filter (a container runtime's default profile denies unshare and mount)"
+        causes.append(
+            f"a bare bubblewrap cannot create namespaces {where}"
+            + (filt if facts.seccomp_filtered else "")
+            + f": {facts.bare_bwrap_error}; "
+            + (
+                "the user-namespace settings do not explain it"
+                if facts.uid != 0
+                else "this is not a user-namespace setting (bubblewrap runs privileged for root)"
+            )
+        )
+    return causes
+
+
 def probe_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
     """Test, with a real probe program, what isolation works here. Does not decide anything."""
     cfg = cfg or SandboxConfig()
@@ -177,6 +349,8 @@ def probe_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
     else:
         rep.bwrap_problems, _ = _probe_level(cfg, "bwrap")
         rep.bwrap_ok = not rep.bwrap_problems
+    if not rep.bwrap_ok and bwrap_path() is not None:
+        rep.bwrap_causes = namespace_causes(host_facts())
     if os.getuid() != 0:
         rep.fallback_problems.append("the fallback needs root (to run programs as a separate uid)")
     else:
@@ -187,6 +361,32 @@ def probe_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
 
 _resolved: dict[tuple, IsolationReport] = {}
 _resolved_lock = threading.Lock()
+
+
+def choose_level(cfg: SandboxConfig, rep: IsolationReport) -> str:
+    """The level `cfg` gets from what the probe found: "bwrap" or "fallback". Raises
+    SandboxUnavailable naming what failed when the requested isolation cannot be had."""
+    why = (" (why: " + "; ".join(rep.bwrap_causes) + ")") if rep.bwrap_causes else ""
+    if cfg.isolation in ("auto", "bwrap") and rep.bwrap_ok:
+        return "bwrap"
+    if cfg.isolation == "fallback" or (cfg.isolation == "auto" and cfg.allow_fallback):
+        if not rep.fallback_ok:
+            raise SandboxUnavailable(
+                "no usable sandbox: bubblewrap: "
+                + ("; ".join(rep.bwrap_problems) or "not requested")
+                + why
+                + " | fallback: "
+                + "; ".join(rep.fallback_problems)
+            )
+        return "fallback"
+    raise SandboxUnavailable(
+        "bubblewrap isolation does not work here: "
+        + "; ".join(rep.bwrap_problems)
+        + why
+        + ". Refusing to run untrusted code; set sandbox.allow_fallback=true to accept "
+        "the weaker rlimits + separate-uid fallback"
+        + ("" if rep.fallback_ok else " (which does not work either: " + "; ".join(rep.fallback_problems) + ")")
+    )
 
 
 def resolve_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
@@ -202,18 +402,10 @@ def resolve_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
         if key in _resolved:
             return _resolved[key]
         rep = probe_isolation(cfg)
-        if cfg.isolation in ("auto", "bwrap") and rep.bwrap_ok:
-            rep.level = "bwrap"
+        rep.level = choose_level(cfg, rep)
+        if rep.level == "bwrap":
             rep.limitations = []
-        elif cfg.isolation == "fallback" or (cfg.isolation == "auto" and cfg.allow_fallback):
-            if not rep.fallback_ok:
-                raise SandboxUnavailable(
-                    "no usable sandbox: bubblewrap: "
-                    + ("; ".join(rep.bwrap_problems) or "not requested")
-                    + " | fallback: "
-                    + "; ".join(rep.fallback_problems)
-                )
-            rep.level = "fallback"
+        else:
             msg = (
                 "SANDBOX DEGRADED: bubblewrap isolation unavailable ("
                 + ("; ".join(rep.bwrap_problems) or "fallback requested")
@@ -223,13 +415,79 @@ def resolve_isolation(cfg: SandboxConfig | None = None) -> IsolationReport:
             log.error(msg)  # without logging configured, Python's last-resort handler prints it
             if log.hasHandlers():  # configured handlers may write elsewhere: stderr as well
                 print(f"megatron_klear.rewards: {msg}", file=sys.stderr, flush=True)
-        else:
-            raise SandboxUnavailable(
-                "bubblewrap isolation does not work here: "
-                + "; ".join(rep.bwrap_problems)
-                + ". Refusing to run untrusted code; set sandbox.allow_fallback=true to accept "
-                "the weaker rlimits + separate-uid fallback"
-                + ("" if rep.fallback_ok else " (which does not work either: " + "; ".join(rep.fallback_problems) + ")")
-            )
         _resolved[key] = rep
         return rep
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _yes(b: bool) -> str:
+    return "yes" if b else "no"
+
+
+def check_main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_klear.rewards.isolation_probe`: what isolation this machine gives code
+    grading, for this user and these settings; exit status 0 when code can be graded, 1 when not."""
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_klear.rewards.isolation_probe",
+        description="Check, as the user a job runs as, which sandbox code grading gets on this machine "
+        "(bubblewrap, the root-only fallback, or none) and why. Exit status 0: code can be graded "
+        "with these settings; 1: it cannot.",
+    )
+    ap.add_argument("--isolation", choices=ISOLATION_LEVELS, default="auto", help="reward.sandbox.isolation")
+    ap.add_argument(
+        "--allow-fallback", action="store_true", help="reward.sandbox.allow_fallback: accept the root-only fallback"
+    )
+    ap.add_argument("--python", default=None, help="reward.sandbox.python: the programs' interpreter")
+    args = ap.parse_args(argv)
+    cfg = SandboxConfig(isolation=args.isolation, allow_fallback=args.allow_fallback, python=args.python)
+    rep = probe_isolation(cfg)
+    facts = host_facts(try_bwrap=False)
+    try:
+        level, refusal = choose_level(cfg, rep), None
+    except SandboxUnavailable as e:
+        level, refusal = None, str(e)
+    out = [
+        f"uid {facts.uid}{' (root)' if facts.uid == 0 else ''}, kernel {os.uname().release}, "
+        f"programs run with {program_python(cfg)}",
+        "sysctls: "
+        + ", ".join(f"{k}={'absent' if v is None else v}" for k, v in facts.sysctls.items())
+        + f"; container: {facts.container or 'none detected'}; CAP_SYS_ADMIN: {_yes(facts.cap_sys_admin)}"
+        + f"; seccomp filter: {_yes(facts.seccomp_filtered)}",
+    ]
+    if facts.bwrap is None:
+        out.append("bubblewrap: not installed")
+        out += ["why: " + c for c in namespace_causes(facts)]
+    elif rep.bwrap_ok:
+        how = (
+            "privileged (the grader is root; programs run as private uids)"
+            if facts.uid == 0
+            else f"in a user namespace (programs run as uid {facts.uid}, the grader's own)"
+        )
+        out.append(f"bubblewrap: works, {how} ({facts.bwrap})")
+    else:
+        out.append(f"bubblewrap: FAILS ({facts.bwrap}): " + "; ".join(rep.bwrap_problems))
+        out += ["why: " + c for c in rep.bwrap_causes]
+    if rep.fallback_ok:
+        out.append(
+            "fallback: works (root)"
+            + ("" if cfg.allow_fallback or cfg.isolation == "fallback" else ", not allowed (--allow-fallback)")
+            + "; it does not give: "
+            + "; ".join(rep.limitations)
+        )
+    else:
+        out.append("fallback: unavailable: " + "; ".join(rep.fallback_problems))
+    if level is not None:
+        out.append(f"isolation: {level}" + (" (DEGRADED: no namespaces)" if level == "fallback" else ""))
+    else:
+        out.append("isolation: none -- code grading is refused here with these settings")
+        if not any(line.startswith("why: ") for line in out):  # say what failed, at least
+            out.append(f"refused: {refusal}")
+        out.append("what to ask for, and the alternatives: docs/rewards.md, 'On a cluster, as a normal user'")
+    print("\n".join(out), flush=True)
+    return 0 if level is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(check_main())

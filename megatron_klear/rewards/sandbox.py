@@ -113,6 +113,18 @@ def bwrap_path() -> str | None:
     return shutil.which("bwrap")
 
 
+def usr_view_args() -> list[str]:
+    """bubblewrap arguments for the read-only view of the host a program gets: /usr, and the
+    top-level /bin, /lib, ... as the links or directories they are on this host."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    return args
+
+
 class Program:
     """One program's code, written once, run once per test."""
 
@@ -227,12 +239,7 @@ class Sandbox:
         ]
         for k, v in self._env(_IN_SANDBOX_WORKDIR).items():
             cmd += ["--setenv", k, v]
-        cmd += ["--ro-bind", "/usr", "/usr"]
-        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-            if os.path.islink(top):
-                cmd += ["--symlink", os.readlink(top), top]
-            elif os.path.isdir(top):
-                cmd += ["--ro-bind", top, top]
+        cmd += usr_view_args()
         prefix = os.path.dirname(os.path.dirname(self.python))
         if not (prefix == "/usr" or prefix.startswith("/usr/")):
             cmd += ["--ro-bind", prefix, prefix]
