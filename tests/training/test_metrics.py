@@ -73,7 +73,7 @@ def test_missing_extras_are_named(tmp_path, monkeypatch):
         return real_import(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
-    with pytest.raises(ImportError, match=r"megatron-klear\[logging\]"):
+    with pytest.raises(ImportError, match=r"the \[logging\] extra: pip install -e '\.\[logging\]'"):
         MetricsLogger(jsonl_path=str(tmp_path / "m.jsonl"), total_steps=1, wandb=True)
 
 
