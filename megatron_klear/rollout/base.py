@@ -357,6 +357,12 @@ class WeightWire(Protocol):
     def leave_group(self, group_name: str, timeout: float | None = None) -> None:
         """Drop the group on every worker (best effort)."""
 
+    def tensor_route(self) -> bool:
+        """Whether the servers load tensors shared in memory by a trainer on their machine."""
+
+    def load_tensors(self, payload: str) -> None:
+        """In a session: every worker loads one bucket shared in memory (weight_sync=memory)."""
+
     def start_update(self) -> None:
         """Pause generation, flush the caches and open a weight-update session on every worker."""
 

@@ -60,9 +60,11 @@ class RolloutConfig:
     chunk_prompts: int = 0  # embedded engine: prompts per generate call, graded while the next runs (0: one call)
     # servers: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
     # bucketed broadcast from each pipeline stage's leader over a process group with every server
-    # (rollout/weight_sync/distributed.py); disk: a versioned HF directory in sync_dir that every server reloads.
-    # auto: distributed, or disk with colocate (NCCL cannot pair the trainer's rank with a server on its own GPU).
-    weight_sync: str = "auto"  # auto | distributed | disk
+    # (rollout/weight_sync/distributed.py); disk: a versioned HF directory in sync_dir that every server reloads;
+    # memory (colocate): buckets shared in memory with the servers on rank 0's machine, loaded through
+    # SGLang's update_weights_from_tensor (rollout/weight_sync/in_memory.py; disk where it cannot serve).
+    # auto: distributed, or memory with colocate (NCCL cannot pair the trainer's rank with a server on its own GPU).
+    weight_sync: str = "auto"  # auto | distributed | disk | memory
     # servers: how a weight push pauses them: abort (requests in flight end and are sent again) |
     # retract (they survive the push and continue with the new weights) | auto (retract when
     # rl.async_steps > 0, else abort)
@@ -92,8 +94,8 @@ class RolloutConfig:
     router_replay: bool = False
     # servers: the SGLang servers share the trainer's GPUs (started with --enable-memory-saver): they
     # release their KV cache, weights and CUDA graphs (/release_memory_occupation) before the trainer
-    # builds its state and before every update; each sync resumes their weights, reloads them from
-    # disk, then resumes the rest. Needs weight_sync=disk (auto picks it).
+    # builds its state and before every update; each sync resumes their weights, loads them (in memory,
+    # or from disk), then resumes the rest. Needs weight_sync=memory or disk (auto picks memory).
     colocate: bool = False
     # colocate: the trainer frees its gradient buffers and moves its optimizer state to host memory
     # from each sync until the next update, while the servers hold theirs (training/offload.py)
@@ -137,8 +139,10 @@ class RolloutConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"rollout.{key} must be > 0, got {getattr(self, key)}")
-        if self.weight_sync not in ("auto", "distributed", "disk"):
-            raise ConfigError(f"rollout.weight_sync must be auto, distributed or disk, got {self.weight_sync!r}")
+        if self.weight_sync not in ("auto", "distributed", "disk", "memory"):
+            raise ConfigError(
+                f"rollout.weight_sync must be auto, distributed, disk or memory, got {self.weight_sync!r}"
+            )
         if self.colocate and not self.servers:
             raise ConfigError(
                 "rollout.colocate is for rollout servers on the trainer's GPUs (rollout.engine=sglang); the "
@@ -148,10 +152,16 @@ class RolloutConfig:
             raise ConfigError(
                 "rollout.colocate with rollout.weight_sync=distributed: a server on the trainer's own GPU "
                 "cannot join the trainer's NCCL group (NCCL refuses two ranks of one group on one "
-                "device); use rollout.weight_sync=disk (or auto)"
+                "device); use rollout.weight_sync=memory or disk (or auto)"
+            )
+        if self.weight_sync == "memory" and not self.colocate:
+            raise ConfigError(
+                "rollout.weight_sync=memory hands the trainer's weights to servers on its own GPUs "
+                "(rollout.colocate=true); servers on their own GPUs take them over update groups "
+                "(rollout.weight_sync=distributed, or auto)"
             )
         if self.weight_sync == "auto":
-            self.weight_sync = "disk" if self.colocate else "distributed"
+            self.weight_sync = "memory" if self.colocate else "distributed"
         if self.sync_delta not in ("off", "on", "auto"):
             raise ConfigError(f"rollout.sync_delta must be off, on or auto, got {self.sync_delta!r}")
         if self.sync_delta == "on" and self.weight_sync != "distributed":

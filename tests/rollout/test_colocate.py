@@ -156,9 +156,14 @@ def test_config_picks_disk_and_refuses_what_cannot_work():
         "rollout.max_new_tokens=64",
     ]
     assert load_config(None, base).rollout.weight_sync == "distributed"
-    assert load_config(None, base + ["rollout.colocate=true"]).rollout.weight_sync == "disk"
+    assert load_config(None, base + ["rollout.colocate=true"]).rollout.weight_sync == "memory"
+    assert load_config(None, base + ["rollout.colocate=true", "rollout.weight_sync=disk"]).rollout.weight_sync == "disk"
     with pytest.raises(ConfigError, match="NCCL"):
         load_config(None, base + ["rollout.colocate=true", "rollout.weight_sync=distributed"])
+    with pytest.raises(
+        ConfigError, match="rollout.weight_sync=memory hands the trainer's weights to servers on its own"
+    ):
+        load_config(None, base + ["rollout.weight_sync=memory"])
     with pytest.raises(ConfigError, match="engine=sglang"):
         load_config(None, ["rollout.colocate=true", "rl.prompts=[p.jsonl]", "rollout.max_new_tokens=64"])
 
@@ -223,12 +228,15 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     manager.close()
 
 
-def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
+@pytest.mark.parametrize("weight_sync", ["memory", "disk"])
+def test_the_rl_loop_releases_the_servers_while_training(tmp_path, weight_sync):
     """rollout.colocate against two embedded servers (--enable-memory-saver) behind the real
     sglang-router: both servers release their memory before the trainer builds its state and
     before every actor update; each sync first offloads the trainer's gradient buffers, then gives
-    the servers their memory back and reloads the weights from disk; verify_interval=1 checks after
-    every sync that both serve exactly the trainer's weights."""
+    the servers their memory back and loads the weights: from the trainer's memory (the default,
+    weight_sync=memory: buckets shared through SGLang's update_weights_from_tensor, nothing written
+    under rollout.sync_dir) or from disk; verify_interval=1 checks after every sync that both serve
+    exactly the trainer's weights."""
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
@@ -256,6 +264,8 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
                 "rollout.engine=sglang",
                 f"rollout.urls=[{url}]",
                 "rollout.colocate=true",
+                f"rollout.weight_sync={weight_sync}",
+                "rollout.sync_bucket_mb=0.05",  # several buckets a push (the tiny model is ~0.1 MB)
                 "rollout.verify_interval=1",
                 "rl.filter_zero_spread=false",
                 "rollout.max_concurrent_requests=4",
@@ -271,8 +281,12 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path):
             # one release before the trainer builds its state, one per step before the update
             assert info["memory_releases"] == 3 and info["released_memory_tags"] == [], info
             assert info["weight_version"] == "2"
-        assert "weight_sync: disk" in open(os.path.join(save, "config.yaml")).read()
-        assert sorted(os.listdir(os.path.join(save, "weights"))) == ["step_0000002"]  # older versions removed
+        assert f"weight_sync: {weight_sync}" in open(os.path.join(save, "config.yaml")).read()
+        if weight_sync == "disk":
+            assert sorted(os.listdir(os.path.join(save, "weights"))) == ["step_0000002"]  # older versions removed
+        else:
+            assert not os.path.exists(os.path.join(save, "weights"))  # nothing written for the servers
+            assert all(m["weights/in_memory"] == 1 and m["weights/sync_buckets"] > 1 for m in lines), lines
     finally:
         for s in servers:
             s.close()

@@ -63,7 +63,7 @@ class RolloutManager:
         # absolute: servers resolve model_path in their own working directory
         sync_dir = os.path.abspath(r.sync_dir or os.path.join(cfg.train.save_dir or "runs/rl", "weights"))
         in_process = not r.servers
-        if is_rank0() and (in_process or r.weight_sync == "disk"):
+        if is_rank0() and (in_process or r.weight_sync == "disk"):  # (memory's disk fallback makes it when taken)
             os.makedirs(sync_dir, exist_ok=True)
         model_dir = (
             export_hf_for_engine(state.model, arch, os.path.join(sync_dir, "current"), tokenizer_dir=tokenizer_dir)

@@ -9,11 +9,13 @@ never hold their memory at once:
 1. before the trainer builds its state and before every update, the servers release their KV cache,
    weights and CUDA graphs (rank 0), every rank waits for that, then the trainer takes back its
    gradient buffers and optimizer state if it had offloaded them;
-2. at each weight push (from disk), the trainer frees its gradient buffers and moves its optimizer
-   state to host memory (``rollout.offload_trainer``), then the servers resume their weights' memory
-   (its content lost), load the new weights, and resume the rest;
-3. if an update fails while the servers are released, they get the last pushed weights back, so
-   they never stay on freed or NaN weights.
+2. at each weight push, the trainer frees its gradient buffers and moves its optimizer state to
+   host memory (``rollout.offload_trainer``), then the servers resume their weights' memory (its
+   content lost), load the new weights (from the trainer's memory, ``weight_sync=memory``, or from
+   disk), and resume the rest;
+3. if an update fails while the servers are released, they get the last weights pushed from disk
+   back, so they never stay on freed or NaN weights (in-memory pushes keep no copy: the servers then
+   stay released, not serving, until the next push, and a warning says so).
 
 The SGLang protocol (0.5.23): ``/release_memory_occupation`` needs an idle server; resuming a tag
 that was not released breaks its scheduler, so only released tags are resumed.
@@ -43,6 +45,12 @@ class Placement(Protocol):
     def load(self, engine, path: str, version: int) -> None:
         """Rank 0: the servers load the HF directory ``path`` as weight version ``version``."""
 
+    def resume_weights(self, engine) -> None:
+        """Rank 0, before weights are loaded in memory: the servers' weights get their memory back."""
+
+    def finished_load(self, engine, version: int) -> None:
+        """Rank 0, after weights were loaded in memory as ``version``: the servers get the rest back."""
+
     def restore(self, engine) -> None:
         """Rank 0: give the servers back what :meth:`make_room` released, if anything."""
 
@@ -59,6 +67,12 @@ class Dedicated:
 
     def load(self, engine, path: str, version: int) -> None:
         engine.load_from_disk(path, version=version)
+
+    def resume_weights(self, engine) -> None:
+        """Nothing was released."""
+
+    def finished_load(self, engine, version: int) -> None:
+        """Nothing to give back."""
 
     def restore(self, engine) -> None:
         """Nothing was released, so nothing to give back."""
@@ -116,23 +130,43 @@ class Colocated:
         ``version``, then get their KV cache and CUDA graphs back. Only the servers that released
         resume (a rejoining one, restarted since, holds its memory and only loads); a server that
         is gone is dropped and the others go on (``engine.load_from_disk``)."""
-        only = {} if self.released_on is None else {"workers": self.released_on}
+        self.resume_weights(engine)
+        engine.load_from_disk(path, version=version)
+        self.finished_load(engine, version)
+        self.last_sync = (path, version)
+
+    def resume_weights(self, engine) -> None:
+        """Rank 0: released servers get their weights' memory back, its content lost."""
         if "weights" in self.released:
-            engine.resume_memory(["weights"], **only)
+            engine.resume_memory(["weights"], **self._only())
             self.released.discard("weights")
             self.weights_lost = True
-        engine.load_from_disk(path, version=version)
+
+    def finished_load(self, engine, version: int) -> None:
+        """Rank 0, once the servers hold ``version``: their KV cache and CUDA graphs come back. An
+        in-memory load leaves no directory to restore from (:attr:`last_sync` then names none)."""
         self.weights_lost = False
-        self.last_sync = (path, version)
         if self.released:
-            engine.resume_memory(sorted(self.released), **only)
+            engine.resume_memory(sorted(self.released), **self._only())
             self.released.clear()
         self.released_on = None
+        self.last_sync = None
+
+    def _only(self) -> dict:
+        return {} if self.released_on is None else {"workers": self.released_on}
 
     def restore(self, engine) -> None:
         """Rank 0, after a failure while the servers were released: they serve the last pushed
         weights again (best effort: a warning names what failed; the original error is raised)."""
-        if not (self.released or self.weights_lost) or engine is None or self.last_sync is None:
+        if not (self.released or self.weights_lost) or engine is None:
+            return
+        if self.last_sync is None:
+            warnings.warn(
+                "rollout.colocate: an update failed while the servers were released, and the last weights "
+                "were pushed in memory (rollout.weight_sync=memory keeps no copy to reload): the servers "
+                f"stay released (tags {sorted(self.released)}), serving nothing, until the next push",
+                stacklevel=2,
+            )
             return
         try:
             self.load(engine, *self.last_sync)

@@ -24,6 +24,7 @@ class ModelWeights:
         self.model, self._lock = model, lock
         self.version = None
         self._broken = None  # why the weights are inconsistent (a failed update), else None
+        self._refilled = set()  # the parameters written since they became inconsistent
         self._released = None  # {parameter: shape} while the weights are released (release_weights)
 
     def check_usable(self) -> None:
@@ -155,6 +156,7 @@ class ModelWeights:
                 fill = float("nan") if p.dtype.is_floating_point else 0
                 p.data = torch.full(shape, fill, dtype=p.dtype, device=p.device)
             self._broken = "since their memory was released and resumed (their content is lost)"
+            self._refilled = set()
 
     @property
     def released(self) -> bool:
@@ -242,6 +244,11 @@ class ModelWeights:
         except BaseException as e:
             if copied:
                 self._broken = f"after a failed update ({e})"
+                self._refilled = set()
             raise
-        if copy and not set(params) - seen:  # a complete update repairs a broken state; a partial one does not
-            self._broken = None
+        if copy and self._broken:
+            # a complete update repairs a broken state, in one call or bucket by bucket (every parameter
+            # written since it broke: an in-memory push loads the weights a bucket at a time)
+            self._refilled |= seen
+            if not set(params) - self._refilled:
+                self._broken, self._refilled = None, set()

@@ -113,6 +113,13 @@ class ServerDialect(abc.ABC):
         since the last sync, :mod:`.update_group`'s delta format), naming them; None when they can."""
         return f"{self.name} servers take no delta buckets"
 
+    def tensor_call(self, payload: str, transport, worker: str):
+        """The call that loads one bucket of tensors the trainer shares in memory with a server on
+        its own machine (``payload``: base64 of the bucket's :mod:`multiprocessing` pickle of
+        ``[(HF name, tensor)]``, :mod:`megatron_klear.rollout.weight_sync.in_memory`), or None
+        when the family has no such route (the push then goes through disk)."""
+        return None
+
     @abc.abstractmethod
     def bucket_call(
         self,

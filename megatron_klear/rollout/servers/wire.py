@@ -26,6 +26,7 @@ import threading
 import time
 
 from megatron_klear.rollout.base import Completion, EngineError, WorkerGone
+from megatron_klear.rollout.servers.dialect import ServerDialect
 from megatron_klear.rollout.servers.transport import in_background
 
 
@@ -319,6 +320,21 @@ class Wire:
         )
         timeout = self.weight_update_timeout if timeout is None else timeout
         return BucketPost(self.post, workers, call, timeout)
+
+    def tensor_route(self) -> bool:
+        """Whether this family loads tensors shared in memory (:meth:`load_tensors`)."""
+        return type(self.dialect).tensor_call is not ServerDialect.tensor_call
+
+    def load_tensors(self, payload: str) -> None:
+        """Inside a session (:meth:`start_update`): every worker loads one bucket the trainer shares
+        in memory (:meth:`~.dialect.ServerDialect.tensor_call`), in parallel; raises naming the
+        first worker that failed."""
+
+        def load(w):
+            path, body = self.dialect.tensor_call(payload, self.transport, w)
+            self.post(w, path, body, timeout=self.weight_update_timeout)
+
+        self.members.on_workers(load)
 
     def receive_bucket(self, names: list, dtypes: list, shapes: list, *, group_name: str, **keys) -> None:
         """:meth:`post_bucket` and wait: every worker receives one bucket (the sender broadcasts it

@@ -115,6 +115,17 @@ class SGLangAPI(ServerDialect):
             )
         return tp
 
+    def tensor_call(self, payload: str, transport, worker: str):
+        """SGLang 0.5.23's ``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``): one
+        entry of ``serialized_named_tensors`` per TP rank of the server, each read by that rank with
+        ``MultiprocessingSerializer.deserialize`` (``SafeUnpickler``: torch's tensor and storage
+        rebuild functions of ``torch.multiprocessing.reductions`` are allowed), then loaded through the
+        model's own ``load_weights`` (``load_format`` None: fused qkv / gate_up, vocab padding and TP
+        sharding as from a checkpoint). The cache is flushed before the first bucket (the session)."""
+        tp = int((transport.server_info(worker) or {}).get("tp_size") or 1)
+        body = {"serialized_named_tensors": [payload] * tp, "flush_cache": False, "abort_all_requests": False}
+        return "/update_weights_from_tensor", body
+
     def join_calls(self, group: dict, timeout: float) -> list:
         """A stale group of the same name (left by a trainer that died) is dropped first."""
         return [

@@ -414,19 +414,46 @@ def _end_update(state):
 
 # -- from serialized tensors (custom weight loaders) ---------------------------------------------------
 class _SafeUnpickler(pickle.Unpickler):
-    """SGLang 0.5.23's ``SafeUnpickler`` (``srt/utils/common.py``) for what a CPU tensor pickles to:
-    its containers, torch's tensor rebuild functions, and storages read by ``torch.load`` with
-    ``weights_only``; any other global is refused with SGLang's message."""
+    """SGLang 0.5.23's ``SafeUnpickler`` (``srt/utils/common.py``) for what tensors pickle to: their
+    containers, torch's tensor rebuild functions, storages read by ``torch.load`` with
+    ``weights_only``, and the rebuild functions of ``torch.multiprocessing.reductions`` with the
+    classes and dtypes they name (what ``MultiprocessingSerializer`` writes: a tensor shared in
+    memory, ``rollout.weight_sync=memory``); any other global is refused with SGLang's message."""
 
-    ALLOWED = {
-        ("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "str", "tuple")
-    } | {
-        ("collections", "OrderedDict"),
-        ("torch._utils", "_rebuild_tensor"),
-        ("torch._utils", "_rebuild_tensor_v2"),
-        ("torch._utils", "_rebuild_tensor_v3"),
-        ("torch._tensor", "_rebuild_from_type_v2"),
-    }
+    ALLOWED = (
+        {("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "str", "tuple")}
+        | {
+            ("collections", "OrderedDict"),
+            ("torch._utils", "_rebuild_tensor"),
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch._utils", "_rebuild_tensor_v3"),
+            ("torch._tensor", "_rebuild_from_type_v2"),
+            ("torch", "Tensor"),
+            ("torch", "Size"),
+            ("torch", "device"),
+            ("torch", "UntypedStorage"),
+            ("torch.storage", "UntypedStorage"),
+            ("torch.storage", "TypedStorage"),
+            ("torch.nn.parameter", "Parameter"),
+        }
+        | {
+            ("torch.multiprocessing.reductions", n)
+            for n in (
+                "rebuild_tensor",
+                "rebuild_cuda_tensor",
+                "rebuild_storage_fd",
+                "rebuild_storage_filename",
+                "rebuild_storage_empty",
+                "rebuild_typed_storage",
+                "rebuild_typed_storage_child",
+            )
+        }
+        | {
+            ("torch", n)
+            for n in ("float32", "float16", "bfloat16", "float64", "float", "half", "double", "int64", "int32")
+            + ("int16", "int8", "uint8", "bool", "long", "int", "short", "float8_e4m3fn", "float8_e5m2")
+        }
+    )
 
     def find_class(self, module, name):
         if (module, name) == ("torch.storage", "_load_from_bytes"):

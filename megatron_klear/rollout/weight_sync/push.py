@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 
 from megatron_klear.rollout.weight_sync.disk import DiskPush
 from megatron_klear.rollout.weight_sync.distributed import DistributedWeightSync
+from megatron_klear.rollout.weight_sync.in_memory import InMemoryPush
 from megatron_klear.rollout.weight_sync.in_process import InProcessPush
 
 
@@ -32,4 +33,7 @@ def make_weight_push(r, state, arch, engine, sync_dir: str, tokenizer_dir: str |
         return InProcessPush(state.model, engine)
     if r.weight_sync == "distributed":
         return DistributedWeightSync.from_config(state.model, engine, r)
-    return DiskPush(state, arch, engine, sync_dir, tokenizer_dir, placement)
+    disk = DiskPush(state, arch, engine, sync_dir, tokenizer_dir, placement)
+    if r.weight_sync == "memory":
+        return InMemoryPush(state, engine, placement, r.sync_bucket_mb, fallback=disk)
+    return disk

@@ -1,0 +1,177 @@
+"""``rollout.weight_sync=memory`` (the default with ``rollout.colocate``): the trainer hands its
+weights to the servers that share its machine in memory, bucket by bucket, as slime and verl do,
+instead of writing an HF checkpoint every step for the servers to reload.
+
+Each bucket's tensors are copied into one buffer (one storage, each tensor a view of it) and pickled
+with :mod:`multiprocessing`'s pickler (:func:`share_bucket`): on a GPU the storage becomes a CUDA IPC
+handle, on the CPU a shared-memory file (torch's ``file_system`` sharing strategy), so what goes over
+HTTP is a handle of some hundred bytes, not the weights. SGLang 0.5.23 reads it with
+``MultiprocessingSerializer.deserialize`` (its ``SafeUnpickler`` admits torch's rebuild functions of
+``torch.multiprocessing.reductions``) on every TP rank and loads the tensors through the model's own
+``load_weights``; the trainer keeps the buffer alive until every server has answered, then drops it.
+
+Only servers on rank 0's machine can map its memory, and only families with such a route (SGLang's
+``/update_weights_from_tensor``): otherwise the push goes through disk (:class:`~.disk.DiskPush`,
+``rollout.sync_dir``), and the log says why, once. Nothing is written under ``sync_dir`` by this path.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import socket
+import sys
+import time
+from urllib.parse import urlparse
+
+from megatron_klear.platform import barrier, broadcast_from_rank0, is_rank0
+from megatron_klear.rollout.weight_sync.gather import iter_model_hf_weights
+
+#: a bucket's tensors start at multiples of this many bytes (every dtype's alignment)
+ALIGN = 64
+
+
+def share_bucket(named: list) -> tuple:
+    """``(payload, buffer)``: the tensors ``[(name, tensor)]`` copied into one buffer on their device
+    and pickled as views of it with the multiprocessing pickler (base64); ``buffer`` must stay alive
+    until the receiver has read them."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+    import torch.multiprocessing  # (registers torch's reductions of tensors and storages with that pickler)
+
+    offsets, total = [], 0
+    for _, t in named:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    device = named[0][1].device
+    buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    views = []
+    for (name, t), start in zip(named, offsets):
+        n = t.numel() * t.element_size()
+        view = buffer[start : start + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        views.append((name, view))
+    out = io.BytesIO()
+    with _cpu_shared_by_file_name(device):
+        ForkingPickler(out).dump(views)
+    return base64.b64encode(out.getvalue()).decode("ascii"), buffer
+
+
+@contextlib.contextmanager
+def _cpu_shared_by_file_name(device):
+    """CPU storages pickle as shared-memory file names (``file_system``), which another process
+    opens by name; the default (``file_descriptor``) passes descriptors over a connection that only
+    the sender's own children may use."""
+    import torch.multiprocessing as mp
+
+    if device.type != "cpu":
+        yield
+        return
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+def iter_buckets(named_tensors, bucket_bytes: int):
+    """``[(name, tensor)]`` lists of at most ``bucket_bytes`` (a larger tensor alone)."""
+    bucket, size = [], 0
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+def _local_addresses() -> set:
+    names = {"localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname(), socket.getfqdn()}
+    for host in list(names):
+        with contextlib.suppress(OSError):
+            names.update(socket.gethostbyname_ex(host)[2])
+    return names
+
+
+def remote_workers(workers: list) -> list:
+    """The workers whose address is not this machine's (they cannot map its memory)."""
+    local = _local_addresses()
+    return [w for w in workers if (urlparse(w).hostname or "") not in local]
+
+
+class InMemoryPush:
+    """``rollout.weight_sync=memory`` (see the module docstring). ``placement``: the servers share the
+    trainer's GPUs (:class:`~megatron_klear.rl.rollout.placement.Colocated`): the trainer gives way,
+    the servers get their weights' memory back, the buckets are loaded, then the rest comes back.
+    ``fallback``: the disk push, taken when this path cannot serve (said once)."""
+
+    to_servers = True
+
+    def __init__(self, state, engine, placement, bucket_mb: float, fallback):
+        self.state, self.engine, self.placement = state, engine, placement
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.fallback = fallback
+        self.why_not = None  # rank 0's reason to go through disk (decided at the first push)
+        self.decided = False
+
+    def _decide(self) -> None:
+        why = None
+        if is_rank0():
+            wire = self.engine.wire
+            if not wire.tensor_route():
+                why = f"{wire.dialect.name} servers have no in-memory weight route"
+            else:
+                far = remote_workers(self.engine.workers())
+                if far:
+                    why = f"{', '.join(far)} not on this machine (in-memory handles reach local servers only)"
+            if why:
+                print(
+                    f"rollout.weight_sync=memory: {why}; the weights go through disk ({self.fallback.sync_dir})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        self.why_not = broadcast_from_rank0(why)
+        self.decided = True
+
+    def push(self, version: int) -> dict:
+        if not self.decided:
+            self._decide()
+        if self.why_not:
+            return {**self.fallback.push(version), "weights/in_memory": 0}
+        t0 = time.perf_counter()
+        metrics = self.placement.before_load(self.state)
+        wire = self.engine.wire if is_rank0() else None
+        if is_rank0():
+            self.placement.resume_weights(self.engine)
+            wire.start_update()
+        sent = buckets = 0
+        try:
+            for bucket in iter_buckets(iter_model_hf_weights(self.state.model), self.bucket_bytes):
+                if is_rank0():  # (the gather is collective: every rank walks the same buckets)
+                    payload, buffer = share_bucket(bucket)
+                    wire.load_tensors(payload)
+                    del buffer  # every server has copied it
+                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                    buckets += 1
+            if is_rank0():
+                wire.finish_update(version, check_received=False)
+                self.placement.finished_load(self.engine, version)
+        finally:
+            barrier()
+        return {
+            **metrics,
+            "weights/in_memory": 1,
+            "weights/sync_bytes": sent,
+            "weights/sync_buckets": buckets,
+            "weights/sync_s": time.perf_counter() - t0,
+        }
+
+    def close(self) -> None:
+        """Nothing is held between pushes."""
+        self.fallback.close()
