@@ -30,7 +30,11 @@ receiver processes for the raw broadcast. Every variant moves the whole model to
   and the servers receive into the storages the previous update replaced, as in a run where every
   step syncs this way;
 - ``raw_broadcast``: the same bucket sizes broadcast from trainer rank 0 to two receivers that do
-  nothing else (no HTTP, no gathering, no packing, no staging): the collective's floor.
+  nothing else (no HTTP, no gathering, no packing, no staging): the collective's floor;
+- ``in_memory``: ``rollout.weight_sync=memory``'s push (``InMemoryPush``: the TP shards gathered
+  bucket by bucket, each bucket shared in memory and loaded by both servers through
+  ``/update_weights_from_tensor``), what colocated servers get instead of ``disk_parallel``
+  (SGLang-API servers only: vLLM has no such route here).
 
 Each variant runs ``--repeats`` times, interleaved (median reported, and the fastest under ``best``:
 on a shared machine other jobs only ever add time); ``--variants`` runs a subset. JSON keys:
@@ -91,7 +95,7 @@ def make_checkpoint(path: str, layers: int, quick: bool = False) -> dict:
     )
 
 
-VARIANTS = ("disk_sequential", "disk_parallel", "disk_flushed", "distributed", "raw_broadcast")
+VARIANTS = ("disk_sequential", "disk_parallel", "disk_flushed", "distributed", "raw_broadcast", "in_memory")
 
 
 def flush_to_disk(path: str) -> None:
@@ -218,6 +222,12 @@ def _trainer(rank, ckpt, urls, args, raw_port):
             timeout=600,
             store=store,
         )
+    from types import SimpleNamespace
+
+    from megatron_klear.rl.rollout.placement import Dedicated
+    from megatron_klear.rollout.weight_sync.in_memory import InMemoryPush
+
+    in_memory = InMemoryPush(SimpleNamespace(model=chunks), engine, Dedicated(), args.bucket_mb, fallback=None)
     barrier()
     times = {v: [] for v in VARIANTS}
     stats = []
@@ -254,6 +264,8 @@ def _trainer(rank, ckpt, urls, args, raw_port):
             elif variant == "distributed":
                 sync.sync(version=version)
                 stats.append(dict(sync.stats))
+            elif variant == "in_memory":
+                in_memory.push(version)
             elif rank == 0:
                 buf = torch.empty(max(sizes), dtype=torch.uint8)
                 dist.broadcast(torch.tensor([len(sizes)], dtype=torch.int64), src=0, group=raw_pg)
@@ -455,6 +467,9 @@ def main() -> int:
     if args.quick:
         args.layers, args.bucket_mb, args.repeats = 2, 1.0, 1
     args.variants = [v for v in args.variants.split(",") if v]
+    if args.engine == "vllm" and "in_memory" in args.variants:
+        args.variants.remove("in_memory")  # (no in-memory route to vLLM servers: weight_sync=memory goes through disk)
+        print("in_memory: skipped with --engine vllm (no in-memory route to vLLM servers)", flush=True)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or not args.variants:
         ap.error(f"--variants: unknown {sorted(unknown)}" if unknown else "--variants: none given")
@@ -544,6 +559,8 @@ def main() -> int:
             "speedup_vs_disk": q("disk_parallel", "distributed"),
             "speedup_vs_disk_sequential": q("disk_sequential", "distributed"),
             "speedup_vs_disk_flushed": q("disk_flushed", "distributed"),
+            "in_memory_speedup_vs_disk": q("disk_parallel", "in_memory"),
+            "in_memory_speedup_vs_disk_flushed": q("disk_flushed", "in_memory"),
             "efficiency_vs_raw": q("raw_broadcast", "distributed"),
         }
 
@@ -603,6 +620,8 @@ def main() -> int:
         ("speedup_vs_disk", "speedup vs disk (parallel, page cache)"),
         ("speedup_vs_disk_flushed", "speedup vs disk (parallel, flushed to the disk)"),
         ("speedup_vs_disk_sequential", "speedup vs disk (sequential, page cache)"),
+        ("in_memory_speedup_vs_disk", "in memory (colocated) vs disk (parallel, page cache)"),
+        ("in_memory_speedup_vs_disk_flushed", "in memory (colocated) vs disk (flushed to the disk)"),
         ("efficiency_vs_raw", "efficiency vs raw broadcast"),
     ):
         if out[key] is not None:

@@ -36,7 +36,8 @@ result comes back over the helper's queue. What each proves, in order of value:
    moments come at the first optimizer step, not taken here). Figures only: it fails only on a
    crash or a non-finite loss.
 5. ``weight_sync``: trainer -> the project's SGLang stand-in server (a subprocess, on the CPU),
-   by the distributed (in-memory, update-group) path and by disk, each followed by the probe check
+   by the distributed (update-group) path, by disk, and in memory (``weight_sync=memory``: on cuda the
+   server maps the trainer's buckets through CUDA IPC handles), each followed by the probe check
    of ``rl/rollout/verify.py``; the trainer's weights are perturbed before each push and the probe
    must first tell the server's old weights from them. The trainer is the RL loop's own start-up
    (``RLLoop``), on the device. The update group is gloo even on cuda: with one GPU the server
@@ -440,6 +441,7 @@ def check_weight_sync(ctx):
     from megatron_klear.rl.rollout.placement import Dedicated
     from megatron_klear.rl.rollout.verify import WeightVerificationError, verify_servers
     from megatron_klear.rollout.weight_sync import DiskPush
+    from megatron_klear.rollout.weight_sync.in_memory import InMemoryPush
 
     error = ctx.get("server_error")
     if error and error.startswith("skip:"):
@@ -480,7 +482,7 @@ def check_weight_sync(ctx):
     engine = loop.rollout.engine
     figures, detail = [], {"startup_s": start_s}
     try:
-        for version, path in ((1, "distributed"), (2, "disk")):
+        for version, path in ((1, "distributed"), (2, "disk"), (3, "memory")):
             _perturb(loop.state)
             try:  # the server still holds the previous weights: the probe must say so
                 verify_servers(engine, loop.actor, loop.tokenizer, loop.arch.vocab_size, version, tolerance)
@@ -498,6 +500,8 @@ def check_weight_sync(ctx):
                 push = DiskPush(
                     loop.state, loop.arch, engine, os.path.join(work, "sync"), source.tokenizer_dir, Dedicated()
                 )
+                if path == "memory":  # weight_sync=memory: on cuda, CUDA IPC handles the server maps
+                    push = InMemoryPush(loop.state, engine, Dedicated(), 64, fallback=push)
                 with engine.push_session(version):
                     push.push(version)
                 diff = verify_servers(engine, loop.actor, loop.tokenizer, loop.arch.vocab_size, version, tolerance)[

@@ -46,7 +46,10 @@ def share_bucket(named: list) -> tuple:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     device = named[0][1].device
-    buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    with _cpu_shared_by_file_name(device):
+        buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+        if device.type == "cpu":  # in shared memory from the start: the pickler then copies nothing
+            buffer.share_memory_()
     views = []
     for (name, t), start in zip(named, offsets):
         n = t.numel() * t.element_size()
