@@ -89,6 +89,7 @@ class Colocated:
         self.last_sync = None  # rank 0: (directory, version) they loaded last
         self.released_on = None  # rank 0: the workers that released (None: all of them)
         self.trainer_offloaded = False  # every rank
+        self.pushed_in_memory = False  # rank 0: the last push went in memory (no directory to reload)
 
     def release_servers(self, engine) -> None:
         """Rank 0: every server frees its KV cache, weights and CUDA graphs."""
@@ -133,7 +134,7 @@ class Colocated:
         self.resume_weights(engine)
         engine.load_from_disk(path, version=version)
         self.finished_load(engine, version)
-        self.last_sync = (path, version)
+        self.last_sync, self.pushed_in_memory = (path, version), False
 
     def resume_weights(self, engine) -> None:
         """Rank 0: released servers get their weights' memory back, its content lost."""
@@ -150,7 +151,7 @@ class Colocated:
             engine.resume_memory(sorted(self.released), **self._only())
             self.released.clear()
         self.released_on = None
-        self.last_sync = None
+        self.last_sync, self.pushed_in_memory = None, True  # (a load from disk records its directory after)
 
     def _only(self) -> dict:
         return {} if self.released_on is None else {"workers": self.released_on}
@@ -161,6 +162,8 @@ class Colocated:
         if not (self.released or self.weights_lost) or engine is None:
             return
         if self.last_sync is None:
+            if not self.pushed_in_memory:  # nothing pushed yet: nothing to give back
+                return
             warnings.warn(
                 "rollout.colocate: an update failed while the servers were released, and the last weights "
                 "were pushed in memory (rollout.weight_sync=memory keeps no copy to reload): the servers "

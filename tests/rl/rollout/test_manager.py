@@ -287,3 +287,26 @@ def test_a_push_recalls_lost_workers_includes_them_probes_them_whatever_the_inte
     calls.clear()
     manager.push_weights(6, step=6)  # nobody rejoining, check not due: no probe
     assert calls == [("recall",), ("push", 6, ["a", "b"]), ("admit", 6)]
+
+
+def test_after_an_in_memory_push_a_failed_update_leaves_the_servers_released_and_says_so():
+    """weight_sync=memory keeps no directory: a failed update cannot reload the last weights, so the
+    servers stay released (nothing is loaded, nothing resumed: resumed weights would be NaN) and a
+    warning says until when; a push from disk afterwards is restorable again."""
+    servers, place = RecordingServers(), Colocated(offload_trainer=False)
+    manager = _manager(place, servers)
+    place.release_servers(servers)
+    place.resume_weights(servers)  # an in-memory push: weights back, buckets loaded, then the rest
+    place.finished_load(servers, 1)
+    servers.calls.clear()
+    with pytest.warns(UserWarning, match=r"keeps no copy to reload\): the servers stay released"):
+        with pytest.raises(RuntimeError):
+            with manager.make_room():
+                raise RuntimeError("the update failed")
+    assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph"))]  # no load, no resume
+    place.load(servers, "/w/step_0000002", 2)
+    servers.calls.clear()
+    with pytest.raises(RuntimeError):
+        with manager.make_room():
+            raise RuntimeError("again")
+    assert ("load", "/w/step_0000002", 2) in servers.calls  # from disk: given back
