@@ -101,6 +101,20 @@ def test_a_change_to_every_element_goes_whole_and_a_new_shape_too():
     assert counts == [DENSE, DENSE] and [p.shape for p in pieces] == [torch.Size([10]), torch.Size([5])]
 
 
+def test_a_non_float_tensor_always_goes_whole():
+    """The servers' delta loaders mark unchanged elements with NaN, which an integer tensor cannot
+    hold: one changed element of an integer buffer still sends the whole tensor."""
+    images = DeltaImages()
+    images.begin()
+    images.encode([("idx", torch.zeros(1000, dtype=torch.int32)), ("w", torch.zeros(1000))])
+    images.commit()
+    images.begin()
+    idx, w = torch.zeros(1000, dtype=torch.int32), torch.zeros(1000)
+    idx[3], w[3] = 1, 1.0
+    counts, pieces, _, _ = images.encode([("idx", idx), ("w", w)])
+    assert counts == [DENSE, 1] and pieces[0].dtype == torch.int32 and pieces[0].numel() == 1000
+
+
 def test_changes_without_an_image_are_refused_naming_the_tensor():
     segments = delta_segments(["w"], ["float32"], [[4]], [1])
     with pytest.raises(ValueError, match="no image of w"):

@@ -157,6 +157,13 @@ def test_the_loaders_pieces_write_only_the_changed_elements():
         fused[:, :3].copy_(out[0][1])
     assert fused.tolist() == [[0, 10, 0, 0, 0, 0], [0, 0, 50, 0, 0, 0]]
     assert torch.Tensor.copy_(torch.zeros(2), torch.tensor([float("nan"), 1.0]))[0].isnan()  # restored
+    with nan_masked_copies():  # a loader that broadcasts a delta into another shape: refused, nothing written
+        target = torch.zeros(2, 3)
+        with pytest.raises(ValueError, match=r"copied a delta tensor of shape \(3,\) into one of shape \(2, 3\)"):
+            target.copy_(torch.tensor([float("nan"), 1.0, float("nan")]))
+        assert not target.any()
+        target.copy_(torch.ones(3))  # a whole tensor of another shape: copied as always
+    assert target.tolist() == [[1, 1, 1], [1, 1, 1]]
     bad = [torch.tensor([0], dtype=torch.int32), torch.tensor([float("nan")])]
     with pytest.raises(ValueError, match="NaN among its changed values"):
         list(densified(delta_segments(["q"], ["float32"], [[2]], [1]), bad, {"q": [2]}))

@@ -108,13 +108,22 @@ _copy_lock = threading.Lock()
 def nan_masked_copies():
     """While open, ``Tensor.copy_`` from a floating tensor of the destination's shape keeps the
     destination's value wherever the source is NaN (the weight loaders' last step writes only the
-    changed elements)."""
+    changed elements). A copy from a NaN-bearing source of another shape (a loader that broadcasts,
+    reshapes or packs what it was given) raises instead of writing the NaN of the unchanged
+    elements into the weights, as vLLM's own masked-copy helper does."""
     original = torch.Tensor.copy_
 
     def copy_(self, src, non_blocking=False):
-        if isinstance(src, torch.Tensor) and src.is_floating_point() and src.shape == self.shape:
-            src = src.to(device=self.device, dtype=self.dtype)
-            return torch.where(torch.isnan(src), self, src, out=self)  # in place: one pass, no copy
+        if isinstance(src, torch.Tensor) and src.is_floating_point():
+            if src.shape == self.shape:
+                src = src.to(device=self.device, dtype=self.dtype)
+                return torch.where(torch.isnan(src), self, src, out=self)  # in place: one pass, no copy
+            if bool(torch.isnan(src).any()):
+                raise ValueError(
+                    f"{LOADER}: a weight loader copied a delta tensor of shape {tuple(src.shape)} into "
+                    f"one of shape {tuple(self.shape)}: its unchanged elements (NaN) would be written; "
+                    "this parameter's loader needs full syncs (rollout.sync_delta=off)"
+                )
         return original(self, src, non_blocking)
 
     with _copy_lock:

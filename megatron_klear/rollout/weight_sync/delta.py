@@ -53,16 +53,23 @@ class DeltaImages:
         """A bucket's ``[(name, tensor)]`` -> ``(counts, pieces, changed elements, elements)``: per
         tensor -1 and the tensor (whole), or the number of changed elements, their flat positions
         and their values. A tensor goes whole in a full sync, when it has no image of its shape and
-        dtype, when its changes would take as many bytes as the tensor (decided before listing the
-        positions: a dense change lists millions), and when a changed value is NaN (SGLang's delta
-        loader reads NaN as "unchanged")."""
+        dtype, when it is not floating-point (the servers' delta loaders mark unchanged elements
+        with NaN, which an integer tensor cannot hold), when its changes would take as many bytes
+        as the tensor (decided before listing the positions: a dense change lists millions), and
+        when a changed value is NaN (SGLang's delta loader reads NaN as "unchanged")."""
         counts, pieces, changed_total, elements = [], [], 0, 0
         for name, t in bucket:
             new = t.detach()
             old = self.images.get(name)
             elements += new.numel()
             changed = values = None
-            if not (self.full or old is None or old.shape != new.shape or old.dtype != new.dtype):
+            if not (
+                self.full
+                or old is None
+                or old.shape != new.shape
+                or old.dtype != new.dtype
+                or not new.is_floating_point()
+            ):
                 mask = _bits(new) != _bits(old)
                 c = int(torch.count_nonzero(mask))  # (a bool sum is 20x slower on CPU)
                 changed_total += c

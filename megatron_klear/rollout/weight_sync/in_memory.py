@@ -26,7 +26,7 @@ import time
 from urllib.parse import urlparse
 
 from megatron_klear.platform import barrier, broadcast_from_rank0, is_rank0
-from megatron_klear.rollout.weight_sync.gather import iter_model_hf_weights
+from megatron_klear.rollout.weight_sync.gather import iter_buckets, iter_model_hf_weights
 
 #: a bucket's tensors start at multiples of this many bytes (every dtype's alignment)
 ALIGN = 64
@@ -78,20 +78,6 @@ def _cpu_shared_by_file_name(device):
         yield
     finally:
         mp.set_sharing_strategy(before)
-
-
-def iter_buckets(named_tensors, bucket_bytes: int):
-    """``[(name, tensor)]`` lists of at most ``bucket_bytes`` (a larger tensor alone)."""
-    bucket, size = [], 0
-    for name, t in named_tensors:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
 
 
 def _local_addresses() -> set:
