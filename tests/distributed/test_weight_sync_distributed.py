@@ -403,7 +403,9 @@ def _delta_then_full(rank, world, model_dir, overrides, url_a, url_b):
 def test_delta_syncs_through_sglangs_custom_loader_match_a_full_sync_at_pp2(models):
     """rollout.sync_delta into SGLang-API servers started with the project's delta loader
     (rollout/sglang/delta_loader.py): each stage leader sends its changes; the server ends
-    bit-identical to one that took a full sync of the same weights."""
+    bit-identical to one that took a full sync of the same weights. Only buckets that carry changes
+    go through the loader: the first sync (every tensor whole) takes update_weights_from_distributed,
+    where SGLang answers a failure instead of ending its scheduler."""
     from megatron_klear.rollout.sglang.delta_loader import LOADER
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
@@ -414,12 +416,15 @@ def test_delta_syncs_through_sglangs_custom_loader_match_a_full_sync_at_pp2(mode
         try:
             out = run_distributed(_delta_then_full, 2, models["b"], ["parallel.pp=2"], a.url, b.url)
             got_a, got_b = _checksums(a.url), _checksums(b.url)
+            updates = httpx.get(a.url + "/server_info", timeout=10).json()["weight_updates"]
         finally:
             b.close()
     finally:
         a.close()
     stats = out[0]
     assert got_a == got_b
+    # the full sync's buckets through SGLang's own route, the delta syncs' through the loader
+    assert updates.get("update_weights_from_distributed", 0) >= 2 and updates.get("update_weights_from_tensor", 0) >= 2
     full_bytes = stats[0]["bytes"]
     assert stats[0]["changed"] == stats[0]["elements"]  # the first sync sends everything whole
     for s in stats[1:]:

@@ -179,6 +179,8 @@ async def server_info(request: Request):
             # not SGLang's: what is released now, and how often memory was released (tests, operators)
             "released_memory_tags": sorted(state.offload_tags),
             "memory_releases": state.memory_releases,
+            # not SGLang's: the weight-update calls that succeeded, by route
+            "weight_updates": dict(state.weight_updates),
             # not SGLang's: the released tags whose memory is really free (cuda_graph only with
             # SGLANG_MEMORY_SAVER_CUDA_GRAPH; none without --enable-memory-saver)
             "freed_memory_tags": sorted(state.freed_memory_tags()),

@@ -3,6 +3,7 @@ weight-update routes. One per app (``app.state.standin``), so that a process can
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -35,6 +36,7 @@ class ServerState:
         self.enable_memory_saver = bool(enable_memory_saver)
         self.offload_tags = set()
         self.memory_releases = 0
+        self.weight_updates = collections.Counter()  # update calls that loaded or staged, by route
         # SGLANG_MEMORY_SAVER_CUDA_GRAPH, read at start-up as SGLang reads it when it captures its graphs:
         # without it releasing "cuda_graph" frees nothing
         self.memory_saver_cuda_graph = sglang_env.bool_env_var(sglang_env.MEMORY_SAVER_CUDA_GRAPH)

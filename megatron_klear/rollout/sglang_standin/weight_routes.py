@@ -325,6 +325,7 @@ def _update_from_distributed(state, f):
             session.error = error
             return _weights_reply(False, error)
         session.staged.update(tensors)
+        state.weight_updates["update_weights_from_distributed"] += 1
         if f["weight_version"] is not None:
             session.version = f["weight_version"]
     message = f"Succeeded to update parameter online ({len(tensors)} tensors staged; applied by end_weight_update)."
@@ -533,6 +534,7 @@ def _update_from_tensor(state, f, payload: bytes):
                 state.on_fault()
             return error(500, state.fault)
         session.loaded = True
+        state.weight_updates["update_weights_from_tensor"] += 1
         if f["weight_version"] is not None:
             session.version = f["weight_version"]
         if f["flush_cache"] and not state.scheduler.cache_flushable():

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_klear.platform import rank, recv_object, send_object
 from megatron_klear.rollout.servers.update_group import (
+    DENSE,
     FLATTENED_BUCKET,
     dtype_name,
     dtype_of,
@@ -305,14 +306,18 @@ class BucketSchedule:
             meta = self._meta_of(bucket)
             if self.delta is not None:  # each tensor whole or its changes (positions, then values)
                 counts, pieces, changed, elements = self.delta.encode(bucket)
-                meta = (*meta, counts)
+                # only a bucket that carries changes goes through the servers' delta loader: whole
+                # tensors take the family's own update (SGLang answers a failure there, where an
+                # exception in a custom loader ends its scheduler)
+                if any(c != DENSE for c in counts):
+                    meta = (*meta, counts)
                 totals["changed"] += changed
                 totals["elements"] += elements
             else:
                 pieces = [t for _, t in bucket]
             if self.load_format == FLATTENED_BUCKET:  # one broadcast of the bucket's bytes back to back
                 pieces = [on_wire_device(p, dev) for p in pieces]
-                payload = [flatten_segments(pieces) if self.delta is not None else flatten_bucket(pieces)]
+                payload = [flatten_segments(pieces) if len(meta) > 3 else flatten_bucket(pieces)]
             else:  # SGLang's default: one broadcast per tensor, in order
                 payload = [on_wire_device(p.detach(), dev).contiguous() for p in pieces]
             if flight is not None:
