@@ -52,3 +52,34 @@ def level(request, isolation_report):
 @pytest.fixture
 def reward_cfg(level):
     return RewardConfig(sandbox=small_limits(level))
+
+
+@pytest.fixture(scope="module")
+def loopback_server(request):
+    """Serves the test module's ``SECRET`` to whoever connects to the host's loopback (a program that
+    reaches it has left the sandbox's network namespace); yields the port."""
+    import socket
+    import threading
+
+    secret = request.module.SECRET
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            c.sendall(secret.encode())
+            c.close()
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    th.join()
+    srv.close()

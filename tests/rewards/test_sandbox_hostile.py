@@ -13,9 +13,7 @@ killed or crashed, no process of the sandbox uids survives, nothing is left in /
 
 import hashlib
 import os
-import socket
 import stat
-import threading
 import time
 import uuid
 
@@ -373,32 +371,6 @@ def secret_file():
     os.chmod(p, 0o600)
     yield p
     shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def loopback_server():
-    """Serves SECRET to whoever connects to the host's loopback."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    srv.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                continue
-            c.sendall(SECRET.encode())
-            c.close()
-
-    th = threading.Thread(target=serve, daemon=True)
-    th.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    th.join()
-    srv.close()
 
 
 def _outside_paths():

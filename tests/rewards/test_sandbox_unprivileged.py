@@ -12,8 +12,6 @@ machine cannot drop privileges or gives that uid no sandbox, with the reason.
 
 import json
 import os
-import socket
-import threading
 import uuid
 
 import pytest
@@ -75,32 +73,6 @@ def user():
         pytest.skip(u.skip_reason)
     yield u
     u.close()
-
-
-@pytest.fixture(scope="module")
-def loopback_server():
-    """Serves SECRET to whoever connects to the host's loopback."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    srv.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                continue
-            c.sendall(SECRET.encode())
-            c.close()
-
-    th = threading.Thread(target=serve, daemon=True)
-    th.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    th.join()
-    srv.close()
 
 
 def _secret_file(directory: str, uid: int, gid: int) -> str:
