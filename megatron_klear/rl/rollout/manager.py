@@ -40,6 +40,7 @@ class RolloutManager:
         # the weight version the engine was last given, and the RL step it was given after (None:
         # nothing pushed by this process yet)
         self.pushed_version = self.pushed_step = None
+        self.last_sync_full = None  # rollout.sync_delta: whether the last push sent every tensor whole
         self.generated = 0  # generate() calls by this process (the first one's metrics count the skipped lines)
         self._fleet_step = self._fleet_carry = {}  # rank 0: fleet counts of this step / not yet logged
         if r.colocate:
@@ -214,7 +215,13 @@ class RolloutManager:
             metrics = self.weights.push(weight_version)
             if self.weights.to_servers:
                 self.syncs += 1
-                due = verification_due(self.syncs, step, r.verify_interval, since=self.pushed_step)
+                full = metrics.get("weights/sync_full")  # (delta syncs only)
+                first_delta = full == 0.0 and self.last_sync_full is not False
+                if full is not None:
+                    self.last_sync_full = bool(full)
+                due = verification_due(
+                    self.syncs, step, r.verify_interval, since=self.pushed_step, first_delta=first_delta
+                )
                 rejoining = broadcast_from_rank0(bool(self.engine.rejoining_workers()) if servers else False)
                 if due or rejoining:
                     metrics.update(

@@ -126,15 +126,19 @@ def first_mismatch(workers: list, diffs: list, tolerances: list):
     return None
 
 
-def verification_due(syncs: int, step: int, interval: int, *, since: int | None = None) -> bool:
-    """After the first push of this process (a fresh start or a resume) and every ``interval``
-    RL steps (``rollout.verify_interval``: 0 only the first, -1 never): a push after step ``step``
-    is checked when a multiple of ``interval`` lies in ``(since, step]``, ``since`` the step of
-    the previous push (default ``step - 1``). Steps that changed no weight push nothing, so the
-    check they were due for runs at the next push, and the cadence stays in steps."""
+def verification_due(
+    syncs: int, step: int, interval: int, *, since: int | None = None, first_delta: bool = False
+) -> bool:
+    """After the first push of this process (a fresh start or a resume), after the first delta sync
+    that follows a full one (``first_delta``, ``rollout.sync_delta``: the servers' delta loader is
+    checked as soon as it is used, not an interval later), and every ``interval`` RL steps
+    (``rollout.verify_interval``: 0 only those, -1 never): a push after step ``step`` is checked
+    when a multiple of ``interval`` lies in ``(since, step]``, ``since`` the step of the previous
+    push (default ``step - 1``). Steps that changed no weight push nothing, so the check they were
+    due for runs at the next push, and the cadence stays in steps."""
     if interval < 0:
         return False
-    if syncs == 1:
+    if syncs == 1 or first_delta:
         return True
     previous = step - 1 if since is None else since
     return bool(interval) and step // interval > previous // interval

@@ -122,6 +122,8 @@ def test_dedicated_servers_are_never_released():
 def test_the_weight_check_runs_after_the_first_push_and_every_interval(interval, checked):
     # push number k of this process comes after RL step k (a fresh run, no step skipped)
     assert [v for v in range(1, 21) if verification_due(v, v, interval, since=v - 1)] == checked
+    # rollout.sync_delta: the first delta sync after a full one is checked too (unless never)
+    assert verification_due(2, 2, interval, since=1, first_delta=True) == (interval >= 0)
 
 
 def test_a_resumed_run_checks_its_first_push_whatever_the_step():
@@ -156,6 +158,14 @@ def test_push_weights_checks_only_servers(monkeypatch):
     metrics = [manager.push_weights(v, step=v) for v in (2, 3, 4, 5)]
     assert checked == [2, 4] and metrics[0]["weights/verify_mean_diff_max"] == 0.0
     assert "weights/verify_mean_diff_max" not in metrics[1]
+    # rollout.sync_delta: the first delta sync after a full one is checked whatever the interval
+    checked.clear()
+    manager.cfg.rollout.verify_interval = 100
+    fulls = iter([1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    manager.weights = SimpleNamespace(push=lambda v: {"weights/sync_full": next(fulls)}, to_servers=True)
+    for v in range(6, 12):
+        manager.push_weights(v, step=v)
+    assert checked == [7, 10]
 
 
 def test_a_version_already_pushed_sends_nothing_and_gives_colocated_servers_their_weights_back():
