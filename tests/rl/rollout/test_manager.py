@@ -320,3 +320,18 @@ def test_after_an_in_memory_push_a_failed_update_leaves_the_servers_released_and
         with manager.make_room():
             raise RuntimeError("again")
     assert ("load", "/w/step_0000002", 2) in servers.calls  # from disk: given back
+
+
+def test_a_server_whose_log_probs_are_nan_cannot_pass_the_probe():
+    """A NaN-logit server (NaN weights, a delta that wrote the NaN of its unchanged elements) gives
+    NaN log-probs: a NaN or infinite difference is a mismatch (``not mean <= tolerance``), never
+    a pass by a comparison that is false for NaN."""
+    import math
+
+    from megatron_klear.rl.rollout.verify import first_mismatch
+
+    workers = ["http://a", "http://b", "http://c"]
+    diffs = [(1e-6, 1e-5, 16), (math.nan, math.nan, 16), (math.inf, math.inf, 16)]
+    assert first_mismatch(workers, diffs, [1e-3] * 3)[0] == "http://b"
+    assert first_mismatch(workers[2:], diffs[2:], [1e-3])[0] == "http://c"
+    assert first_mismatch(workers[:1], diffs[:1], [1e-3]) is None
