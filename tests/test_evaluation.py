@@ -275,7 +275,7 @@ def test_a_livecodebench_window_reads_every_release_file_it_spans_and_prints_its
     "bench, message",
     [
         (["a={f}", "a={f}"], "--bench a=... given twice"),
-        (["a={f},{d}/nothing.jsonl"], "no file"),
+        (["a={f},{d}/nothing.jsonl"], "nothing.jsonl' does not exist"),
         (["a={d}/none*.jsonl"], "matches no file"),
     ],
 )

@@ -34,7 +34,6 @@ output ({"id", "meta", "messages"} lines) with this project's graders, no model 
 """
 
 import argparse
-import os
 import sys
 
 
@@ -254,22 +253,12 @@ EMBEDDED_LONG_TOKENS = 8192
 
 def _bench_files(p, name: str, value: str) -> list:
     """The files of ``--bench NAME=VALUE``: comma-separated paths or globs, each matching something."""
-    import glob
+    from megatron_klear.data.jsonl import expand_input_files
 
-    files = []
-    for part in (x.strip() for x in value.split(",")):
-        if not part:
-            continue
-        matched = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
-        if not matched:
-            p.error(f"--bench {name}={value}: {part!r} matches no file")
-        for path in matched:
-            if not os.path.exists(path):
-                p.error(f"--bench {name}={value}: no file {path}")
-        files += matched
-    if not files:
-        p.error(f"--bench {name}=: no file given")
-    return files
+    try:
+        return expand_input_files([x.strip() for x in value.split(",") if x.strip()])
+    except (FileNotFoundError, ValueError) as e:
+        p.error(f"--bench {name}={value}: {e}")
 
 
 def _read_benchmarks(p, args, tokenizer) -> dict:

@@ -15,7 +15,6 @@ instead of stopping. --input is repeatable and takes quoted globs.
 """
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ import sys
 def main(argv=None):
     from megatron_klear.data.formats.rows import RowError, iter_rows
     from megatron_klear.data.formats.sft_sets import to_messages
-    from megatron_klear.data.jsonl import BadLineError, ExampleError, RejectedRows
+    from megatron_klear.data.jsonl import BadLineError, ExampleError, RejectedRows, expand_input_files
     from megatron_klear.utils import atomic
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -32,12 +31,10 @@ def main(argv=None):
     p.add_argument("--output", required=True, help="the SFT input JSONL ({'messages': [...]} lines)")
     p.add_argument("--on-bad-row", choices=("fail", "skip"), default="fail")
     args = p.parse_args(argv)
-    paths = []
-    for spec in args.input:
-        matched = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
-        if not matched:
-            p.error(f"--input {spec}: matches no file")
-        paths += matched
+    try:
+        paths = expand_input_files(args.input)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(f"--input: {e}")
     rejected = RejectedRows(args.output, args.on_bad_row)
     policy = rejected.policy
     written = 0

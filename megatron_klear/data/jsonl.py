@@ -185,6 +185,21 @@ def iter_jsonl_objects(path: str, policy: BadLinePolicy) -> Iterator[tuple[int, 
             policy.handle(BadLineError.from_example_error(path, lineno, e))
 
 
+def expand_input_files(specs) -> list:
+    """Paths and quoted globs (each ``*``/``?``/``[`` pattern expanded, sorted) -> the files, each of
+    which exists; a pattern that matches nothing or a missing file is an error naming it."""
+    import glob
+
+    files = []
+    for spec in specs:
+        matched = sorted(glob.glob(spec)) if glob.has_magic(spec) else [spec]
+        if not matched:
+            raise FileNotFoundError(f"{spec!r} matches no file")
+        files += matched
+    check_input_files(files)
+    return files
+
+
 def check_input_files(paths) -> None:
     """At least one path, each an existing file (errors name the path)."""
     if not paths:

@@ -23,6 +23,7 @@ prints what this machine gives (bubblewrap, the root-only fallback, or nothing, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -269,23 +270,18 @@ def host_facts(proc: str = "/proc", root: str = "/", try_bwrap: bool = True) -> 
     and (`try_bwrap`) whether a bare bubblewrap can create the sandbox's namespaces."""
     bwrap = bwrap_path()
     facts = HostFacts(uid=os.getuid(), bwrap=bwrap)
+    # a fact that cannot be read keeps its default (unknown), and the report says so
     if bwrap is not None:
-        try:
+        with contextlib.suppress(OSError):
             facts.bwrap_setuid = bool(os.stat(bwrap).st_mode & stat.S_ISUID)
-        except OSError:
-            pass
     for name, *_ in USERNS_SYSCTLS:
         facts.sysctls[name] = _read_int(os.path.join(proc, "sys", *name.split(".")))
     status = {}
-    try:
+    with contextlib.suppress(OSError):
         with open(os.path.join(proc, "self", "status")) as f:
             status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(ValueError):
         facts.cap_sys_admin = bool(int(status.get("CapEff", "0"), 16) >> _CAP_SYS_ADMIN & 1)
-    except ValueError:
-        pass
     facts.seccomp_filtered = status.get("Seccomp", "0").strip() == "2"
     for marker, what in ((".dockerenv", "Docker"), ("run/.containerenv", "Podman"), (".singularity.d", "Apptainer")):
         if os.path.exists(os.path.join(root, marker)):

@@ -112,9 +112,13 @@ class RolloutManager:
                 samples, metrics = self.batches.next(prompts, step, weight_version)
                 result = (samples, metrics, None)
             except ShortfallError as e:
-                result = (None, {"rollout/generation_batches": self.cfg.rl.max_generation_batches}, str(e))
+                result = (
+                    None,
+                    {"rollout/generation_batches": self.cfg.rl.max_generation_batches},
+                    (ShortfallError, str(e)),
+                )
             except GenerationCancelled as e:
-                result = (None, {"interrupted": True}, str(e))
+                result = (None, {}, (StepInterrupted, str(e)))
             if isinstance(self.engine, ServerEngine):  # servers (not the in-process engine)
                 result[1].update(self._fleet_metrics(push=False))
             result = (*result, prompts.state_dict())
@@ -125,10 +129,9 @@ class RolloutManager:
         samples, metrics, error, position = broadcast_from_rank0(result)
         if not is_rank0():
             prompts.load_state_dict(position)
-        if error and metrics.get("interrupted"):
-            raise StepInterrupted(error)
-        if error:
-            raise ShortfallError(error)
+        if error:  # (the same on every rank: what rank 0's generation ended with)
+            kind, message = error
+            raise kind(message)
         if self.generated == 0:
             metrics["data/skipped_prompt_lines"] = getattr(prompts, "skipped", 0)
         self.generated += 1

@@ -139,13 +139,12 @@ class Synchronous:
         """The batch of the step after ``step`` steps, trained from weight version ``weight_version``."""
         t0 = time.time()
         before = _Snapshot(prompts, self.producer)
-        try:
-            if self.interruption.at is not None:
-                raise GenerationCancelled("interrupted before it started")
-            samples, metrics = self.producer.produce(prompts, step, weight_version)
-        except GenerationCancelled:
-            if self.interruption.at is None:
-                raise
+        if self.interruption.at is None:
+            try:
+                samples, metrics = self.producer.produce(prompts, step, weight_version)
+            except GenerationCancelled:
+                if self.interruption.at is None:
+                    raise
         if self.interruption.at is not None:  # (also when it ended just before: the run stops now)
             self.interruption.raise_for(step, before)
         spent = time.time() - t0

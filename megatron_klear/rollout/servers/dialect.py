@@ -113,12 +113,15 @@ class ServerDialect(abc.ABC):
         since the last sync, :mod:`.update_group`'s delta format), naming them; None when they can."""
         return f"{self.name} servers take no delta buckets"
 
-    def tensor_call(self, payload: str, transport, worker: str):
+    #: whether the family loads tensors shared in memory (:meth:`tensor_call`)
+    tensor_route: bool = False
+
+    def tensor_call(self, payload: str, transport, worker: str) -> tuple:
         """The call that loads one bucket of tensors the trainer shares in memory with a server on
         its own machine (``payload``: base64 of the bucket's :mod:`multiprocessing` pickle of
-        ``[(HF name, tensor)]``, :mod:`megatron_klear.rollout.weight_sync.in_memory`), or None
-        when the family has no such route (the push then goes through disk)."""
-        return None
+        ``[(HF name, tensor)]``, :mod:`megatron_klear.rollout.weight_sync.in_memory`); only where
+        :attr:`tensor_route` (elsewhere the push goes through disk)."""
+        raise NotImplementedError(f"{self.name} servers have no in-memory weight route")
 
     @abc.abstractmethod
     def bucket_call(

@@ -26,7 +26,6 @@ import threading
 import time
 
 from megatron_klear.rollout.base import Completion, EngineError, WorkerGone
-from megatron_klear.rollout.servers.dialect import ServerDialect
 from megatron_klear.rollout.servers.transport import in_background
 
 
@@ -323,7 +322,7 @@ class Wire:
 
     def tensor_route(self) -> bool:
         """Whether this family loads tensors shared in memory (:meth:`load_tensors`)."""
-        return type(self.dialect).tensor_call is not ServerDialect.tensor_call
+        return self.dialect.tensor_route
 
     def load_tensors(self, payload: str) -> None:
         """Inside a session (:meth:`start_update`): every worker loads one bucket the trainer shares

@@ -25,6 +25,7 @@ class SGLangAPI(ServerDialect):
     begin_call = ("/begin_weight_update", {})
     end_call = ("/end_weight_update", {})
     session_open_text = "already open"
+    tensor_route = True  # /update_weights_from_tensor (rollout.weight_sync=memory)
     # no body: SGLang's route reads only an optional ``timeout`` query parameter; 0.5.23 flushes only
     # a fully idle scheduler (``Scheduler.flush_cache``) and otherwise answers HTTP 400
     flush_call = ("/flush_cache", None)

@@ -140,19 +140,17 @@ class InMemoryPush:
             self.placement.resume_weights(self.engine)
             wire.start_update()
         sent = buckets = 0
-        try:
-            for bucket in iter_buckets(iter_model_hf_weights(self.state.model), self.bucket_bytes):
-                if is_rank0():  # (the gather is collective: every rank walks the same buckets)
-                    payload, buffer = share_bucket(bucket)
-                    wire.load_tensors(payload)
-                    del buffer  # every server has copied it
-                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
-                    buckets += 1
-            if is_rank0():
-                wire.finish_update(version, check_received=False)
-                self.placement.finished_load(self.engine, version)
-        finally:
-            barrier()
+        for bucket in iter_buckets(iter_model_hf_weights(self.state.model), self.bucket_bytes):
+            if is_rank0():  # (the gather is collective: every rank walks the same buckets)
+                payload, buffer = share_bucket(bucket)
+                wire.load_tensors(payload)
+                del buffer  # every server has copied it
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                buckets += 1
+        if is_rank0():
+            wire.finish_update(version, check_received=False)
+            self.placement.finished_load(self.engine, version)
+        barrier()
         return {
             **metrics,
             "weights/in_memory": 1,
@@ -162,5 +160,4 @@ class InMemoryPush:
         }
 
     def close(self) -> None:
-        """Nothing is held between pushes."""
-        self.fallback.close()
+        """Nothing is held between pushes (nor by the disk fallback)."""
