@@ -477,8 +477,8 @@ def main() -> int:
     import torch.multiprocessing as mp
 
     from megatron_klear.platform.process import free_port
+    from megatron_klear.rollout.in_server.sglang_delta import LOADER
     from megatron_klear.rollout.servers.update_group import TIMELINE_ENV
-    from megatron_klear.rollout.sglang.delta_loader import LOADER
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
     from megatron_klear.rollout.vllm.launcher import VLLMServer
 

@@ -507,7 +507,7 @@ python -m vllm.entrypoints.openai.api_server --model /ckpt/qwen3-8b-sft \
     --max-model-len 36864
 sbatch --export=ALL,TRAIN_ARGS="a=1 rl.prompts=[a.jsonl,b.jsonl]" examples/slurm/gppo_qwen3_8b.sbatch
 export TRAIN_ARGS="model.path=runs/x rl.promts=[a.jsonl]"
-python -m sglang.launch_server --custom-weight-loader megatron_klear.rollout.sglang.delta_loader.no_such_hook
+python -m sglang.launch_server --custom-weight-loader megatron_klear.rollout.in_server.sglang_delta.no_such_hook
 make no-such-target
 huggingface-cli download --repo-type dataset x/y --local-dir data/y
 python tools/grade.py --input elsewhere/samples.jsonl --output graded.jsonl

@@ -7,9 +7,10 @@ that file; the bodies of the control calls (weight updates over a process group,
 versions) are checked against the request structs of ``sglang/srt/managers/io_struct.py``, read as
 source (importing it needs SGLang's dependencies), and the tensors the delta syncs send through
 ``update_weights_from_tensor`` against the allow-list of ``SafeUnpickler`` in
-``sglang/srt/utils/common.py``, read as source too. This script downloads the pinned wheel (no
-dependencies, the x86_64 / CPython 3.11 build whatever the host), checks its sha256 and extracts
-those files::
+``sglang/srt/utils/common.py``, read as source too, as are the sources the delta loader relies on
+(how a custom loader is called, how Qwen3's weight loaders write what they are given). This
+script downloads the pinned wheel (no dependencies, the x86_64 / CPython 3.11 build whatever the
+host), checks its sha256 and extracts those files::
 
     python tools/fetch_sglang_contract.py --out .venv/sglang-contract
 
@@ -35,6 +36,16 @@ MEMBERS = (
     "sglang/api/v1/api_types.py",
     "sglang/srt/managers/io_struct.py",
     "sglang/srt/utils/common.py",  # SafeUnpickler: what update_weights_from_tensor's payload may hold
+    # what the delta loader relies on (tests/rollout/test_sglang_loader_contract.py): how a custom
+    # loader is called and the update groups kept, and how Qwen3's weight loaders write a tensor
+    "sglang/srt/model_executor/model_runner_components/weight_updater.py",
+    "sglang/srt/managers/scheduler_components/weight_updater.py",
+    "sglang/srt/models/qwen3.py",
+    "sglang/srt/models/qwen3_moe.py",
+    "sglang/srt/layers/linear.py",
+    "sglang/srt/layers/vocab_parallel_embedding.py",
+    "sglang/srt/layers/moe/fused_moe_triton/layer.py",
+    "sglang/srt/model_loader/weight_utils.py",
 )
 
 

@@ -402,11 +402,11 @@ def _delta_then_full(rank, world, model_dir, overrides, url_a, url_b):
 @pytest.mark.slow
 def test_delta_syncs_through_sglangs_custom_loader_match_a_full_sync_at_pp2(models):
     """rollout.sync_delta into SGLang-API servers started with the project's delta loader
-    (rollout/sglang/delta_loader.py): each stage leader sends its changes; the server ends
+    (rollout/in_server/sglang_delta.py): each stage leader sends its changes; the server ends
     bit-identical to one that took a full sync of the same weights. Only buckets that carry changes
     go through the loader: the first sync (every tensor whole) takes update_weights_from_distributed,
     where SGLang answers a failure instead of ending its scheduler."""
-    from megatron_klear.rollout.sglang.delta_loader import LOADER
+    from megatron_klear.rollout.in_server.sglang_delta import LOADER
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     keys = {"weight_sync_timeout": 20, "startup_timeout": 120}
@@ -479,7 +479,7 @@ def test_a_server_lost_mid_delta_sync_makes_the_retry_and_the_next_sync_right(mo
     """A delta sync that loses a server mid-broadcast is retried on the survivor as a full sync (the
     survivor may hold part of the failed attempt); the sync after it is a delta again, and the
     survivor ends bit-identical to a server given one full sync of the same weights."""
-    from megatron_klear.rollout.sglang.delta_loader import LOADER
+    from megatron_klear.rollout.in_server.sglang_delta import LOADER
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
     keys = {"weight_sync_timeout": 20, "startup_timeout": 120}
@@ -497,4 +497,93 @@ def test_a_server_lost_mid_delta_sync_makes_the_retry_and_the_next_sync_right(mo
     assert first["changed"] == first["elements"]  # the first sync sends everything whole
     assert lossy["reforms"] >= 1 and lossy["changed"] == lossy["elements"], lossy  # the retry: whole
     assert 0 < after["changed"] < 0.05 * after["elements"], after  # a delta again
+    assert got_a == got_c
+
+
+def _delta_loads_that_fail(rank, world, model_dir, urls, url_c):
+    """Delta syncs to two servers started with the loader: v1 full; v2 a delta bucket with a NaN
+    among its changed values (the sender's rule broken on purpose: every server's loader fails on
+    it); v3 a delta; then server B loses its group (as a server restarted since it joined) and v4
+    is sent; then one full sync of the same weights to ``url_c``. Returns the syncs' stats and the
+    serving workers after v2 and after v4."""
+    import httpx
+
+    from megatron_klear.config import load_config
+    from megatron_klear.platform import init_parallel
+    from megatron_klear.rollout.servers.update_group import DENSE
+    from megatron_klear.rollout.sglang import SGLangEngine
+    from megatron_klear.rollout.weight_sync import DistributedWeightSync
+    from megatron_klear.rollout.weight_sync.delta import DeltaImages
+    from megatron_klear.training.setup import build_training_state
+
+    cfg = load_config(None, [f"model.path={model_dir}"])
+    init_parallel(cfg.parallel)
+    state = build_training_state(cfg, total_steps=1)
+    keys = {"bucket_mb": 0.02, "group_timeout": 30, "bucket_timeout": 30}
+    engine = SGLangEngine.at(urls, control_timeout_s=10, min_live_workers=1)
+    sync = DistributedWeightSync(state.model, engine, delta=True, full_every=50, **keys)
+    encode, poison = DeltaImages.encode, [False]
+
+    def encode_with_a_nan(self, bucket):
+        counts, pieces, changed, elements = encode(self, bucket)
+        k = 0
+        for c in counts:
+            if c > 0 and poison[0]:
+                poison[0] = False
+                pieces[k + 1] = pieces[k + 1].clone()
+                pieces[k + 1][0] = float("nan")
+            k += 1 if c == DENSE else 2
+        return counts, pieces, changed, elements
+
+    DeltaImages.encode = encode_with_a_nan
+    stats, workers = [], []
+    try:
+        for version in (1, 2, 3, 4):
+            if version > 1:
+                _nudge(state.model, version, 41)
+            poison[0] = version == 2
+            if version == 4:  # B no longer holds the group: a delta post would reach no receiver there
+                r = httpx.post(urls[1] + "/destroy_weights_update_group", json={"group_name": sync.groups.name(0)})
+                assert r.json()["success"], r.text
+            stats.append(sync.sync(version=version))
+            if version in (2, 4):
+                workers.append(list(engine.workers()))
+    finally:
+        DeltaImages.encode = encode
+        sync.close()
+    _full_sync(state.model, url_c, 4, keys)
+    return stats, workers
+
+
+@pytest.mark.slow
+def test_a_failed_delta_load_leaves_the_server_up_and_the_retry_sends_it_everything(models):
+    """A delta loader that fails (here a NaN among the changed values) does not end the SGLang-API
+    server: it marks its update group, the sender finds the mark, re-forms the groups with the same
+    servers and sends every weight whole; the next sync is a delta again. A server that no longer
+    holds its group (restarted since it joined) is found before any delta bucket is posted to it: it
+    is dropped from the fleet, still up, while the other takes the retry. The survivor ends
+    bit-identical to a server given one full sync of the same weights."""
+    from megatron_klear.rollout.in_server.sglang_delta import LOADER
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+
+    keys = {"weight_sync_timeout": 20, "startup_timeout": 120}
+    servers = []
+    try:
+        for loader in ([LOADER], [LOADER], []):
+            servers.append(EmbeddedHTTPEngine.launch(models["a"], custom_weight_loader=loader, **keys))
+        a, b, c = servers
+        out = run_distributed(_delta_loads_that_fail, 1, models["b"], [a.url, b.url], c.url)
+        got_a, got_c = _checksums(a.url), _checksums(c.url)
+        b_up = httpx.get(b.url + "/model_info", timeout=10).status_code  # (paused since it was dropped)
+        b_updates = httpx.get(b.url + "/server_info", timeout=10).json()["weight_updates"]
+    finally:
+        for s in servers:
+            s.close()
+    (full, failed, delta, restarted), (after_failure, after_restart) = out[0]
+    assert full["changed"] == full["elements"]
+    assert failed["reforms"] == 1 and failed["changed"] == failed["elements"], failed  # the retry: whole
+    assert after_failure == [a.url, b.url]  # both loaders failed; both kept their place
+    assert 0 < delta["changed"] < 0.05 * delta["elements"], delta
+    assert restarted["reforms"] == 1 and after_restart == [a.url]
+    assert b_up == 200 and b_updates.get("update_weights_from_tensor", 0) >= 1  # up, and it took deltas
     assert got_a == got_c

@@ -1,9 +1,11 @@
-"""Delta weight syncs into SGLang servers (rollout/sglang/delta_loader.py): the body the client sends
+"""Delta weight syncs into SGLang servers (rollout/in_server/sglang_delta.py): the body the client sends
 passes SGLang 0.5.23's request struct and its ``SafeUnpickler`` allow-list (both read from its
 wheel); 50 delta syncs through the wire into a stand-in server started with the project's custom
 weight loader leave it bit-identical (per-tensor checksums, probe log-probs) to a second server given
 one full sync of the same weights; a server started without the loader is named by the client
-before any delta is sent; a loader that fails ends the server, as SGLang's scheduler does."""
+before any delta is sent, and so are quantized and speculative servers; a loader that cannot find its
+group ends the server, as SGLang's scheduler does, and any other failure marks the group instead: the
+server keeps serving, its weights untouched, and names the failure to the next call on the group."""
 
 import base64
 
@@ -12,11 +14,11 @@ import pytest
 import torch
 
 from megatron_klear.checkpoint.hf_io import HFReader
+from megatron_klear.rollout.in_server.sglang_delta import LOADER, SPEC_NAME, read_spec
 from megatron_klear.rollout.servers.update_group import (
     DENSE,
 )
 from megatron_klear.rollout.sglang.api import SGLangAPI
-from megatron_klear.rollout.sglang.delta_loader import LOADER, SPEC_NAME, read_spec
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from megatron_klear.rollout.weight_sync.delta import DeltaImages
 from tests.rollout.sglang_contract import control_contract_errors, sglang_unpickle
@@ -82,6 +84,28 @@ def test_the_client_names_a_server_started_without_the_loader(servers):
         both.close()
 
 
+def test_quantized_and_speculative_servers_are_refused_delta_syncs_by_name():
+    """What SGLang 0.5.23's /server_info reports (ServerArgs.resolved_dict: ``quantization`` set by
+    the flag or from the checkpoint's quantization config, ``speculative_algorithm``) decides."""
+
+    class Reported:  # the servers' /server_info answers
+        infos = {
+            "http://q:1": {"custom_weight_loader": [LOADER], "quantization": "fp8"},
+            "http://s:1": {"custom_weight_loader": [LOADER], "quantization": None, "speculative_algorithm": "EAGLE3"},
+            "http://ok:1": {"custom_weight_loader": [LOADER], "quantization": None, "speculative_algorithm": None},
+        }
+
+        def server_info(self, w):
+            return self.infos[w]
+
+    api = SGLangAPI()
+    assert api.delta_refusal(Reported(), ["http://ok:1"]) is None
+    refusal = api.delta_refusal(Reported(), list(Reported.infos))
+    assert "http://q:1 serves quantized weights (quantization=fp8)" in refusal
+    assert "http://s:1 runs speculative decoding (speculative_algorithm=EAGLE3" in refusal
+    assert "http://ok:1" not in refusal
+
+
 def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(servers, tiny_hf):
     a, b = servers
     reader = HFReader(tiny_hf["untied"])
@@ -135,12 +159,70 @@ def test_a_failing_loader_ends_the_server_as_sglangs_scheduler_does(tiny_hf):
         server.server_close()
 
 
+def test_a_failed_delta_load_marks_the_group_and_the_server_keeps_serving(servers):
+    import torch.distributed as dist
+
+    from megatron_klear.rollout.servers.update_group import index_dtype
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    url = servers[0].url
+    client = SGLangEngine.at([url], control_timeout_s=30)
+    sender = GroupSender(client, url, "marked_group")
+    try:
+        before = _checksums(url)
+        wire = client.wire
+        wire.start_update()
+        # a delta bucket with a NaN among its changed values (the sender's rule broken on purpose)
+        post = wire.post_bucket(
+            ["model.norm.weight"], ["bfloat16"], [[64]], group_name="marked_group", counts=[1], timeout=30
+        )
+        assert post.refusals(0.2) == {}
+        dist.broadcast(torch.tensor([3], dtype=index_dtype(64)), src=0, group=sender.pg)
+        dist.broadcast(torch.tensor([float("nan")], dtype=torch.bfloat16), src=0, group=sender.pg)
+        assert post.result() == {}  # answered: SGLang would have ended its scheduler on a raise
+        refused = wire.check_group("marked_group", [url])
+        marked = wire.failed_load(refused[url], "marked_group")
+        assert marked is not None and marked.startswith("marked_group (delta load failed: ValueError: ")
+        assert "NaN among its changed values" in marked
+        assert wire.failed_load(refused[url], "another_group") is None
+        wire.finish_update(7, check_received=False)
+        assert _checksums(url) == before  # nothing of the refused bucket was written
+        assert len(wire.probe(url, [5, 6, 7], 3).token_ids) == 3  # serving
+        # the client drops the marked group; a group formed afresh takes updates again
+        wire.leave_group(marked)
+        fresh = GroupSender(client, url, "marked_group_2")
+        try:
+            fresh.sync([("model.norm.weight", torch.full((64,), 0.5, dtype=torch.bfloat16))], 8)
+        finally:
+            fresh.close()
+        after = _checksums(url)
+        assert after["model.norm.weight"] != before["model.norm.weight"]
+        assert {k: v for k, v in after.items() if k != "model.norm.weight"} == {
+            k: v for k, v in before.items() if k != "model.norm.weight"
+        }
+    finally:
+        sender.close()
+        client.close()
+
+
+def test_the_loader_refuses_a_bucket_that_would_not_fit_before_receiving_it(monkeypatch):
+    """The free-memory check on a GPU server (its device facts injected): a bucket whose pieces and
+    densified tensors exceed the free memory is refused before anything is received."""
+    from megatron_klear.rollout.in_server import sglang_delta
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 20, 80 << 30))
+    with pytest.raises(MemoryError, match=r"takes 4 MiB, 3 MiB are free on cuda:0"):
+        sglang_delta._check_memory(torch.device("cuda:0"), 4 << 20)
+    sglang_delta._check_memory(torch.device("cuda:0"), 2 << 20)
+    sglang_delta._check_memory(torch.device("cpu"), 1 << 40)  # a CPU server: not checked
+
+
 def test_the_loaders_pieces_write_only_the_changed_elements():
     """densified + nan_masked_copies, as SGLang's weight loaders meet them: a fused parameter written
     through a narrowed (non-contiguous) view keeps every element but the changed ones; a tensor
     without changes is not handed over; a NaN among the changes is refused."""
+    from megatron_klear.rollout.in_server.sglang_delta import densified, nan_masked_copies
     from megatron_klear.rollout.servers.update_group import delta_segments
-    from megatron_klear.rollout.sglang.delta_loader import densified, nan_masked_copies
 
     segments = delta_segments(["q", "k", "n"], ["float32"] * 3, [[2, 3], [2, 3], [4]], [2, 0, DENSE])
     tensors = [

@@ -52,7 +52,8 @@ class GroupSender:
         assert post.refusals(0.2) == {}
         for p in pieces:
             dist.broadcast(p.contiguous(), src=0, group=self.pg)
-        assert post.result() == {}
+        errors = post.result()
+        assert errors == {}, errors
         wire.finish_update(version, check_received=False)
         if images is not None:
             images.commit()

@@ -113,6 +113,19 @@ class ServerDialect(abc.ABC):
         since the last sync, :mod:`.update_group`'s delta format), naming them; None when they can."""
         return f"{self.name} servers take no delta buckets"
 
+    def group_check_call(self, group_name: str) -> tuple | None:
+        """A call that changes nothing and is refused by a worker that does not hold the update
+        group ``group_name`` (its answer naming the groups it holds), or None where the family has
+        none. Asked before each delta bucket and at the end of a delta sync, where a custom loader
+        reports its failures that way."""
+        return None
+
+    def failed_load(self, message: str, group_name: str) -> str | None:
+        """The name under which a worker whose answer was ``message`` holds the group
+        ``group_name`` after its delta loader failed on it (a name that says why), or None when the
+        answer is not that."""
+        return None
+
     #: whether the family loads tensors shared in memory (:meth:`tensor_call`)
     tensor_route: bool = False
 

@@ -320,6 +320,20 @@ class Wire:
         timeout = self.weight_update_timeout if timeout is None else timeout
         return BucketPost(self.post, workers, call, timeout)
 
+    def check_group(self, group_name: str, workers) -> dict:
+        """``{worker: error}`` of the ``workers`` that do not hold the update group ``group_name``
+        (the dialect's :meth:`~.dialect.ServerDialect.group_check_call`, asked in parallel; a
+        family without one: none)."""
+        call = self.dialect.group_check_call(group_name)
+        if call is None:
+            return {}
+        return BucketPost(self.post, workers, call, self.transport.timeout).result()
+
+    def failed_load(self, error, group_name: str) -> str | None:
+        """The marked name of ``group_name`` when the worker's answer ``error`` says its delta
+        loader failed on that group (:meth:`~.dialect.ServerDialect.failed_load`), or None."""
+        return self.dialect.failed_load(str(error), group_name)
+
     def tensor_route(self) -> bool:
         """Whether this family loads tensors shared in memory (:meth:`load_tensors`)."""
         return self.dialect.tensor_route

@@ -7,9 +7,9 @@ follow the request structs of SGLang 0.5.23's ``io_struct.py`` (the tests check 
 from __future__ import annotations
 
 from megatron_klear.rollout.base import Completion, EngineError, SamplingParams
+from megatron_klear.rollout.in_server.sglang_delta import LOADER, failed_load, request_body
 from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialect
 from megatron_klear.rollout.servers.versions import token_versions
-from megatron_klear.rollout.sglang.delta_loader import LOADER, request_body
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts
 
 
@@ -139,16 +139,40 @@ class SGLangAPI(ServerDialect):
 
     def delta_refusal(self, transport, workers: list) -> str | None:
         """Delta buckets reach SGLang 0.5.23 through the project's custom weight loader
-        (:mod:`.delta_loader`): every server must list it in ``--custom-weight-loader``."""
-        lacking = [
-            w for w in workers if LOADER not in ((transport.server_info(w) or {}).get("custom_weight_loader") or [])
-        ]
-        if not lacking:
+        (:mod:`megatron_klear.rollout.in_server.sglang_delta`): every server must list it in
+        ``--custom-weight-loader``. Refused by name: a quantized server (``quantization`` set, by
+        flag or from the checkpoint: its parameters are packed or rescaled, and a NaN-masked copy of
+        HF-shaped changes cannot be written into them), and speculative decoding (the loader updates
+        the target model; a draft that shares or copies its weights is refreshed only by the
+        family's own full update)."""
+        reasons = []
+        for w in workers:
+            info = transport.server_info(w) or {}
+            if LOADER not in (info.get("custom_weight_loader") or []):
+                reasons.append(f"{w} was started without --custom-weight-loader {LOADER}")
+            if info.get("quantization"):
+                reasons.append(f"{w} serves quantized weights (quantization={info['quantization']})")
+            if info.get("speculative_algorithm"):
+                reasons.append(
+                    f"{w} runs speculative decoding (speculative_algorithm={info['speculative_algorithm']}: "
+                    "its draft is refreshed only by full syncs)"
+                )
+        if not reasons:
             return None
         return (
-            f"{', '.join(lacking)} started without --custom-weight-loader {LOADER} (SGLang 0.5.23 loads "
-            "delta buckets only through that loader; docs/sglang.md, 'Delta syncs')"
+            "; ".join(reasons) + " (SGLang 0.5.23 takes delta buckets only through that loader, into "
+            "unquantized target weights; docs/sglang.md, 'Delta syncs')"
         )
+
+    def group_check_call(self, group_name: str) -> tuple:
+        """An empty ``/update_weights_from_distributed`` (no tensor, no flush, no version): SGLang
+        0.5.23 answers ``Group <name> not in [<its groups>]`` when the group is not in its table (a
+        server restarted since it joined, or one whose delta loader failed on it and marked it:
+        :func:`megatron_klear.rollout.in_server.sglang_delta.failed_load`), success otherwise."""
+        return self.bucket_call([], [], [], group_name=group_name, load_format=None)
+
+    def failed_load(self, message: str, group_name: str) -> str | None:
+        return failed_load(message, group_name)
 
     def bucket_call(
         self,
@@ -164,7 +188,8 @@ class SGLangAPI(ServerDialect):
         """``flush_cache`` False: the cache is flushed once before the first bucket (SGLang 0.5.23
         fails a bucket whose flush finds a request still queued); the version is set at the end.
         A delta bucket (``counts``) goes to ``/update_weights_from_tensor`` for the project's custom
-        loader (:mod:`.delta_loader`): ``update_weights_from_distributed`` loads whole tensors only."""
+        loader (:mod:`megatron_klear.rollout.in_server.sglang_delta`):
+        ``update_weights_from_distributed`` loads whole tensors only."""
         if counts is not None:
             return "/update_weights_from_tensor", request_body(
                 names, dtypes, shapes, counts, group_name=group_name, load_format=load_format, ranks=ranks

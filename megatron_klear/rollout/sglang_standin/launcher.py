@@ -251,7 +251,7 @@ def main(argv=None) -> int:
         nargs="*",
         default=[],
         help="import paths of weight loaders update_weights_from_tensor may name as its load_format "
-        "(SGLang's flag; the project's delta loader: megatron_klear.rollout.sglang.delta_loader.apply_delta)",
+        "(SGLang's flag; the project's delta loader: megatron_klear.rollout.in_server.sglang_delta.apply_delta)",
     )
     args = ap.parse_args(argv)
 

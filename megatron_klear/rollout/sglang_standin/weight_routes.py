@@ -284,11 +284,13 @@ def _update_from_distributed(state, f):
         name = f["group_name"]
         pg = state.update_groups.get(name)
         if pg is None:
-            session.error = (
+            message = (
                 f"Failed to receive weights: Group {name} not in {sorted(state.update_groups)}. "
                 "Please call `init_weights_update_group` first."
             )
-            return _weights_reply(False, session.error)
+            if f["names"]:  # (a call of no tensor misses nothing: the session stays whole)
+                session.error = message
+            return _weights_reply(False, message)
         session.groups.add(name)
 
         def receive():  # with no decoding under way (SGLang: paused, or behind the model-update lock)
@@ -481,6 +483,34 @@ class LoaderModel:
         self.weights.load_named_weights(list(named_tensors), version=self.weights.version)
 
 
+class TensorLoader:
+    """The part of SGLang 0.5.23's model-runner ``WeightUpdater`` the tensor route runs
+    (``srt/model_executor/model_runner_components/weight_updater.py``), laid out as there: the
+    update groups in ``_model_update_group`` (the server's own table, by name), and
+    ``update_weights_from_tensor`` handing ``(model, named_tensors)`` to the model's
+    ``load_weights`` or to a custom loader of ``--custom-weight-loader`` (which may mark a group in
+    that table instead of raising: megatron_klear/rollout/in_server/sglang_delta.py)."""
+
+    def __init__(self, state):
+        self._model_update_group = state.update_groups
+        self.custom_weight_loaders = state.custom_weight_loader
+        self.model = LoaderModel(state.engine.weights)
+
+    def get_model(self):
+        return self.model
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None) -> None:
+        if load_format in (None, "direct"):
+            self.get_model().load_weights(named_tensors)
+        elif load_format in self.custom_weight_loaders:
+            module, _, name = load_format.rpartition(".")
+            custom_loader = getattr(importlib.import_module(module), name)
+            custom_loader(self.get_model(), named_tensors)
+        else:
+            # SGLang 0.5.23's own answer (weight_updater.py), which ends its scheduler: not a stub
+            raise NotImplementedError(f"Unknown load_format={load_format}")
+
+
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request):
     """Loads the tensors of this rank's entry of ``serialized_named_tensors`` (base64 of a pickle,
@@ -516,14 +546,7 @@ def _update_from_tensor(state, f, payload: bytes):
 
         def load():
             named = _SafeUnpickler(io.BytesIO(payload)).load()
-            if load_format in (None, "direct"):
-                LoaderModel(state.engine.weights).load_weights(named)
-            elif load_format in state.custom_weight_loader:
-                module, _, name = load_format.rpartition(".")
-                getattr(importlib.import_module(module), name)(LoaderModel(state.engine.weights), named)
-            else:
-                # SGLang 0.5.23's own answer (weight_updater.py), which ends its scheduler: not a stub
-                raise NotImplementedError(f"Unknown load_format={load_format}")
+            TensorLoader(state).update_weights_from_tensor(named, load_format)
 
         try:
             state.scheduler.run_update(load)

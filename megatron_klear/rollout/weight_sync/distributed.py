@@ -201,7 +201,10 @@ class DistributedWeightSync:
         re-forms the groups without them and sends every bucket again (a server that got part of
         them is still paused and in its session, which the next attempt restarts). A failure with
         no member gone (a server refusing a bucket, a stale layout) ends the sync as before
-        (:meth:`_fail`); so does the last attempt."""
+        (:meth:`_fail`); so does the last attempt. A member whose delta loader failed (it marked its
+        group: :mod:`megatron_klear.rollout.in_server.sglang_delta`; alive, its weights partly
+        written) keeps its place: the groups are re-formed with it and the next attempt sends every
+        weight whole."""
         import time
 
         t0 = time.monotonic()
@@ -227,6 +230,7 @@ class DistributedWeightSync:
             # attempt reaches the next one's session.
             if rank() == 0:
                 self.groups.leave_server_groups(timeout=self.groups.bucket_wait() + self.control_timeout)
+                self.buckets.forget_failed_loads(timeout=self.control_timeout)
             self.groups.drop_local()
             self.groups.reforms += 1
             reforms += 1
@@ -293,6 +297,10 @@ class DistributedWeightSync:
             try:
                 if self.buckets.started.result() is not None:
                     raise WeightSyncError(self.buckets.started.result())
+                if self.buckets.delta_posted:  # a server's delta loader reports a failure by marking its group
+                    failed = self.buckets.check_loads()
+                    if failed is not None:
+                        raise WeightSyncError(failed)
                 # a rejoining worker that does not report the version is dropped; over NCCL a
                 # bucket's answer does not say it arrived (gloo's does): one token from each shows it
                 self.engine.wire.finish_update(version, check_received=self.groups.backend == "nccl")
@@ -318,10 +326,14 @@ class DistributedWeightSync:
         members = list(dict.fromkeys([*(self.groups.workers or []), *serving]))
         serving = set(serving)
         alive = dict(zip(members, self.engine.alive(members)))
+        if self.delta is not None:  # a delta loader that failed before the broadcast ended left a mark
+            self.buckets.check_loads([w for w in members if alive[w] and w in serving])
         rejoining = set(self.engine.rejoining_workers())
         dropped = [w for w in members if w not in serving]  # dropped by a control call already
         try:
             for w in members:
+                if w in self.buckets.load_failed:  # alive, its weights partly written: the retry sends it everything
+                    continue
                 if w in serving and (not alive[w] or w in self.buckets.disconnected):
                     self.engine.drop_worker(w, f"gone during the weight sync of version {version}: {error}")
                     dropped.append(w)
@@ -331,7 +343,7 @@ class DistributedWeightSync:
             self.engine.check_fleet()  # (a control call of the attempt may have dropped one already)
         except FleetError as e:
             return ("fleet", f"{e}. The weight sync of version {version} failed: {error}")
-        if not dropped or last:
+        if (not dropped and not self.buckets.load_failed) or last:
             return ("fail", error)
         return ("retry", error)
 

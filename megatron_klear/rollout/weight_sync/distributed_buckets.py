@@ -19,6 +19,8 @@ posts and the servers they lost) and sends over the sync's
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -65,10 +67,42 @@ class BucketSchedule:
         self.layouts = {}  # stage -> [(names, dtypes, shapes) per bucket] of the last sync (per-tensor format)
         self.started = None  # rank 0: the future of the servers' pause + flush + begin of the attempt
         self.disconnected, self.posts = set(), []  # rank 0: the attempt's lost members, its bucket posts
+        # rank 0: {worker: its marked group name} of the members whose delta loader failed (they
+        # are alive and keep their place: the next attempt sends them everything), and whether the
+        # attempt posted a delta bucket
+        self.load_failed, self.delta_posted = {}, False
 
     def begin_attempt(self, started) -> None:
         """A new attempt of a sync: ``started`` (rank 0) is the future of the servers' start calls."""
         self.started, self.disconnected, self.posts = started, set(), []
+        self.load_failed, self.delta_posted = {}, False
+
+    # -- the delta loader's failures (rank 0) --------------------------------------------------------
+    # A server's delta loader cannot fail a call (SGLang ends a server whose custom loader raises):
+    # it marks the update group instead, and the server then refuses any call naming the group
+    # (megatron_klear/rollout/in_server/sglang_delta.py). The group is checked before each delta
+    # bucket (a server restarted since it joined is found there too) and at the end of the sync.
+    def check_loads(self, workers=None) -> str | None:
+        """Every stage's group on ``workers`` (default: the groups' members): the error naming the
+        servers that do not hold it (each noted: restarted, or its loader failed), or None."""
+        from megatron_klear.rollout.servers.wire import bucket_error
+
+        wire, errors = self.groups.engine.wire, {}
+        for stage in sorted(self.groups.leaders):
+            refused = wire.check_group(self.groups.name(stage), self.groups.workers if workers is None else workers)
+            self._note_disconnected(refused)
+            errors.update(refused)
+        if not errors:
+            return None
+        return f"rollout: the delta sync's update groups are not whole on the servers: {bucket_error(errors)}"
+
+    def forget_failed_loads(self, timeout: float | None = None) -> None:
+        """Drop the marked groups on the servers whose loader failed (best effort)."""
+        wire = self.groups.engine.wire
+        for w, marked in sorted(self.load_failed.items()):
+            path, body = wire.dialect.leave_call(marked)
+            with contextlib.suppress(Exception):
+                wire.post(w, path, body, timeout=timeout)
 
     def _post_bucket(self, stage: int, meta, *, admit: bool = True):
         """Rank 0: post one bucket's metadata to every member of the group (once they paused and
@@ -80,6 +114,11 @@ class BucketSchedule:
         started = self.started.result()
         if started is not None:
             return None, started
+        if counts is not None:  # a delta bucket: every server must still hold the group (see check_loads)
+            refused = self.check_loads()
+            if refused is not None:
+                return None, self._bucket_failed(stage, names, refused) + " (not posted)"
+            self.delta_posted = True
         try:
             post = self.groups.engine.wire.post_bucket(
                 names,
@@ -129,12 +168,17 @@ class BucketSchedule:
         out is not counted: a survivor waits for a bucket a broken broadcast never completed; the
         liveness probe judges it.) A server that answers that it does not know the group (SGLang
         0.5.23's ``Group ... not in [...]. Please call init_weights_update_group first``) restarted
-        since the groups were formed: it is gone from them too."""
+        since the groups were formed: it is gone from them too -- unless it holds the group under
+        the name its delta loader marked it with (:attr:`load_failed`)."""
         from megatron_klear.rollout.base import WorkerGone
 
         for w, e in errors.items():
+            marked = [self.groups.engine.wire.failed_load(e, self.groups.name(k)) for k in self.groups.leaders]
+            marked = [m for m in marked if m]
             if isinstance(e, WorkerGone) and "did not answer within" not in str(e):
                 self.disconnected.add(w)
+            elif marked:  # its delta loader failed: alive, the next attempt sends it everything
+                self.load_failed[w] = marked[0]
             elif "init_weights_update_group" in str(e) and " not in " in str(e):
                 self.disconnected.add(w)
 

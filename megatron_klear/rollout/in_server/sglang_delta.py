@@ -23,23 +23,40 @@ thread). So a delta bucket travels as:
   (:func:`nan_masked_copies`). The server's parameters are the image the changes apply to: nothing
   else is kept.
 
-Limits: unquantized weights whose loaders write with ``copy_`` (SGLang's linear, embedding,
-norm and unquantized MoE loaders do; a loader that assigns by index would write the NaN and the
-probe check after the sync fails it); a changed value that is NaN goes whole (the sender's rule).
-SGLang answers a loader's exception by ending the server (its scheduler's handler sends SIGQUIT to
-the parent): a failed delta bucket loses that server, which the fleet drops and which rejoins with a
-full sync; the sender sends full syncs after any failure. Start servers with
-``--custom-weight-loader megatron_klear.rollout.sglang.delta_loader.apply_delta``, this package
-installed in the server's environment (docs/sglang.md, "Delta syncs").
+A failure is answered, never fatal. SGLang answers an exception of a custom loader by ending the
+server (its scheduler's handler sends SIGQUIT to the parent), so the loader raises only where it
+cannot tell the update group (a request it cannot read) or find it at all; every other failure --
+a description that does not hold together, too little
+free memory to densify the bucket (checked before anything is received), a receive that breaks, a
+NaN among the changed values, a weight loader that copies a delta into another shape -- is logged
+and *marks the group*: SGLang's table of this process's update groups (the
+``_model_update_group`` dict of the ``WeightUpdater`` whose ``update_weights_from_tensor`` called
+the loader) holds the group under ``"<name> (delta load failed: <why>)"`` instead of its name. The
+server keeps serving; its next call naming the group is answered with SGLang's own graceful
+``Group <name> not in ['<name> (delta load failed: <why>)']``, which the sender asks before each
+delta bucket and at the end of the sync (:func:`failed_load`), and answers by sending every weight
+again over new groups (the failed server included). Where the loader cannot reach that table (a
+SGLang other than 0.5.23's layout) it raises, as before.
 
-Only ``torch`` and :mod:`megatron_klear.rollout.servers.update_group` are needed at the server."""
+Limits: unquantized weights (the client refuses delta syncs to servers that report a
+``quantization``) whose loaders write with ``copy_`` (SGLang's linear, embedding, norm and
+unquantized MoE loaders do; a loader that assigns by index would write the NaN and the probe check
+after the sync fails it); a changed value that is NaN goes whole (the sender's rule); a bucket's
+tensors reach ``load_weights`` in one call (loaders that fuse two checkpoint tensors see both).
+Start servers with ``--custom-weight-loader megatron_klear.rollout.in_server.sglang_delta.apply_delta``,
+this package installed in the server's environment (docs/sglang.md, "Delta syncs").
+
+Only ``torch`` and :mod:`megatron_klear.rollout.servers.update_group` are imported at the server.
+"""
 
 from __future__ import annotations
 
+import ast
 import base64
 import contextlib
 import json
 import pickle
+import sys
 import threading
 
 import torch
@@ -50,8 +67,8 @@ from megatron_klear.rollout.servers.update_group import delta_segments, receive_
 LOADER = f"{__name__}.apply_delta"
 #: the name of the one tensor a delta bucket's request carries: its description
 SPEC_NAME = "megatron_klear.delta_bucket"
-#: the widest chunk of NaN-filled tensors handed to ``load_weights`` at once
-CHUNK_BYTES = 512 << 20
+#: how a group whose delta load failed is listed in SGLang's table (followed by the reason and ")")
+FAILED_MARK = " (delta load failed: "
 
 
 def request_body(names, dtypes, shapes, counts, *, group_name: str, load_format, ranks: int) -> dict:
@@ -156,28 +173,94 @@ def densified(segments, tensors, shapes: dict):
         yield name, out, False
 
 
+def _sglang_group_table(group_name: str):
+    """SGLang 0.5.23's table of this process's update groups -- the ``_model_update_group`` dict of
+    the ``WeightUpdater`` whose ``update_weights_from_tensor`` called the loader
+    (``custom_loader(self.get_model(), named_tensors)`` in
+    ``srt/model_executor/model_runner_components/weight_updater.py``) -- when it holds
+    ``group_name``; else None."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        table = getattr(frame.f_locals.get("self"), "_model_update_group", None)
+        if isinstance(table, dict) and group_name in table:
+            return table
+    return None
+
+
+def failed_load(message: str, group_name: str) -> str | None:
+    """The reason a delta load failed on the server that answered ``message`` (SGLang's
+    ``Group <name> not in [<its groups>]``, one of them marked by :func:`apply_delta`) for
+    ``group_name``, or None when the answer is not that."""
+    head = f"Group {group_name} not in "
+    at = message.find(head)
+    if at < 0:
+        return None
+    rest = message[at + len(head) :]
+    try:
+        names = ast.literal_eval(rest[: rest.index("]") + 1])
+    except (ValueError, SyntaxError):
+        return None
+    for name in names if isinstance(names, list) else []:
+        if isinstance(name, str) and name.startswith(group_name + FAILED_MARK):
+            return name
+    return None
+
+
+def _check_memory(device, need: int) -> None:
+    """Refuse a bucket whose densified tensors would not fit in the device's free memory (checked
+    before anything is received: the weights stay as they were)."""
+    if device.type != "cuda" or need <= 0:
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise MemoryError(
+            f"densifying this bucket takes {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free on {device} "
+            "(lower rollout.sync_bucket_mb, or --mem-fraction-static)"
+        )
+
+
+def _mark_failed(table, group_name: str, e: BaseException) -> None:
+    why = f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
+    print(f"{LOADER}: the delta load on group {group_name!r} failed ({why}); the group is marked", file=sys.stderr)
+    table[f"{group_name}{FAILED_MARK}{why})"] = table.pop(group_name)
+
+
 def apply_delta(model, named_tensors) -> None:
     """SGLang's custom loader for a delta bucket: receive its pieces over the update group and load
-    them through ``model.load_weights``, changed elements only."""
+    them through ``model.load_weights`` in one call, changed elements only. A failure marks the
+    group (see the module docstring) instead of ending the server."""
     spec = read_spec(named_tensors)
-    group = find_update_group(spec["group_name"])
+    group = find_update_group(spec["group_name"])  # (the sender checked it a moment ago: see failed_load)
+    table = _sglang_group_table(spec["group_name"])
+    try:
+        _load_bucket(model, group, spec)
+    except Exception as e:
+        if table is None:
+            raise
+        _mark_failed(table, spec["group_name"], e)
+
+
+def _load_bucket(model, group, spec: dict) -> None:
     segments = delta_segments(spec["names"], spec["dtypes"], spec["shapes"], spec["counts"])
-    device = next(model.parameters()).device
-    tensors = receive_delta_bucket(group, device, segments, spec["load_format"] or "auto")
-    whole, masked, size = [], [], 0
     shapes = dict(zip(spec["names"], spec["shapes"]))
+    device = next(model.parameters()).device
+    # the pieces received, then a full-shape tensor per tensor sent as changes
+    need = sum(torch.Size(shape).numel() * dt.itemsize for _, _, dt, shape in segments)
+    need += sum(torch.Size(shapes[n]).numel() * dt.itemsize for n, kind, dt, _ in segments if kind == "value")
+    _check_memory(device, need)
+    tensors = receive_delta_bucket(group, device, segments, spec["load_format"] or "auto")
+    masked, nan_whole = [], []
     for name, t, is_whole in densified(segments, tensors, shapes):
-        if is_whole:
-            whole.append((name, t))
-            continue
-        masked.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= CHUNK_BYTES:
-            with nan_masked_copies():
-                model.load_weights(masked)
-            masked, size = [], 0
+        # a whole tensor holding NaN must be written as it is, outside the masked copy
+        if is_whole and t.is_floating_point() and bool(torch.isnan(t).any()):
+            nan_whole.append((name, t))
+        else:
+            masked.append((name, t))
     if masked:
         with nan_masked_copies():
             model.load_weights(masked)
-    if whole:
-        model.load_weights(whole)
+    if nan_whole:
+        model.load_weights(nan_whole)
