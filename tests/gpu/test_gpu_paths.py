@@ -186,3 +186,33 @@ def test_router_replay_routes_the_update_on_the_gpu(moe_noaux_dir):  # noqa: F81
         _replayed_update, 1, moe_noaux_dir, ["model.recompute_granularity=full"], False, backend="nccl"
     )
     check_replayed_update(moe_noaux_dir, results, tol=5e-3, ratio_tol=1e-4)
+
+
+def test_the_delta_loader_writes_only_changed_elements_on_the_gpu_and_checks_free_memory():
+    """megatron_klear/rollout/in_server/sglang_delta.py on CUDA tensors, as in an SGLang server: a
+    delta densified on the GPU and copied into a narrowed (fused q/k/v-like) GPU parameter writes
+    only its changed elements; the free-memory check reads the device and refuses a bucket larger
+    than what is free, before anything is received."""
+    import torch
+
+    from megatron_klear.rollout.in_server.sglang_delta import _check_memory, densified, nan_masked_copies
+    from megatron_klear.rollout.servers.update_group import delta_segments, index_dtype
+
+    dev = torch.device("cuda")
+    fused = torch.zeros(8, 12, dtype=torch.bfloat16, device=dev)  # q and k side by side
+    segments = delta_segments(["q"], ["bfloat16"], [[8, 6]], [3])
+    positions = torch.tensor([0, 13, 47], dtype=index_dtype(48), device=dev)
+    values = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16, device=dev)
+    ((_, delta, whole),) = list(densified(segments, [positions, values], {"q": [8, 6]}))
+    assert not whole and delta.is_cuda
+    with nan_masked_copies():
+        fused[:, :6].copy_(delta)
+    expected = torch.zeros(8, 12, dtype=torch.bfloat16)
+    flat = torch.zeros(48, dtype=torch.bfloat16)
+    flat[[0, 13, 47]] = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    expected[:, :6] = flat.view(8, 6)
+    assert torch.equal(fused.cpu(), expected)
+    free, _ = torch.cuda.mem_get_info(dev)
+    _check_memory(dev, 1 << 20)
+    with pytest.raises(MemoryError, match="are free on cuda"):
+        _check_memory(dev, free + (1 << 30))
