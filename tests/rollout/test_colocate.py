@@ -290,3 +290,45 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path, weight_sync):
     finally:
         for s in servers:
             s.close()
+
+
+def _share_buckets_and_return(url, queue):
+    """A trainer's part of weight_sync=memory on the CPU: share three buckets with the server at
+    ``url`` (rollout/weight_sync/in_memory.py), then end."""
+    from megatron_klear.rollout.weight_sync.in_memory import share_bucket
+
+    client = SGLangEngine.at([url], control_timeout_s=30)
+    client.wire.start_update()
+    for k in range(3):
+        payload, buffer = share_bucket([("model.norm.weight", torch.full((64,), 1.0 + k))])
+        client.wire.load_tensors(payload)
+        del buffer
+    client.wire.finish_update(3, check_received=False)
+    queue.put("shared")
+
+
+def test_a_trainer_that_shared_buckets_ends_while_the_servers_live(tiny_hf):
+    """The shared-memory manager torch forks for the CPU's file-name sharing outlives the trainer
+    while a server holds its connection; started as torch starts it, it held the trainer's
+    descriptors (here the sentinel its parent waits on), and the trainer's ``join`` waited for the
+    server to exit."""
+    import multiprocessing as mp
+
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.sglang_standin import serve_in_thread
+
+    engine = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
+    server, url = serve_in_thread(engine)
+    try:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        trainer = ctx.Process(target=_share_buckets_and_return, args=(url, queue))
+        trainer.start()
+        assert queue.get(timeout=120) == "shared"
+        t0 = time.monotonic()
+        trainer.join(timeout=30)
+        assert trainer.exitcode == 0 and time.monotonic() - t0 < 10, time.monotonic() - t0
+        assert engine.weights.model.model.norm.weight.tolist() == [3.0] * 64  # the last bucket, copied
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -13,6 +13,14 @@ HTTP is a handle of some hundred bytes, not the weights. SGLang 0.5.23 reads it 
 Only servers on rank 0's machine can map its memory, and only families with such a route (SGLang's
 ``/update_weights_from_tensor``): otherwise the push goes through disk (:class:`~.disk.DiskPush`,
 ``rollout.sync_dir``), and the log says why, once. Nothing is written under ``sync_dir`` by this path.
+
+On the CPU, torch serves file-name sharing through a ``torch_shm_manager`` process it forks from the
+first process that shares, on first use, and that manager lives as long as any process holds one of
+its storages (the servers keep its connection to the end). Started as torch starts it, it would
+inherit every descriptor of the trainer (its stderr, a launcher's pipes, the sentinel a parent
+waits on): a trainer that ended would still hold its launcher's pipes open until the servers exit
+(measured: a spawned trainer's ``join`` waited its whole 60 s timeout). :func:`_start_shm_manager`
+starts it once, first, with none of them.
 """
 
 from __future__ import annotations
@@ -75,9 +83,50 @@ def _cpu_shared_by_file_name(device):
     before = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")
     try:
+        _start_shm_manager()
         yield
     finally:
         mp.set_sharing_strategy(before)
+
+
+_shm_manager_started = False
+
+
+def _start_shm_manager() -> None:
+    """Start this process's ``torch_shm_manager`` (see the module docstring) while its standard
+    input and error point at ``/dev/null`` and every other descriptor is close-on-exec, so that it
+    inherits none of them; then put everything back. Once per process (torch starts one manager per
+    process, on its first file-name share). The caller has set the ``file_system`` strategy."""
+    global _shm_manager_started
+    if _shm_manager_started:
+        return
+    import fcntl
+    import os
+
+    import torch
+
+    sys.stderr.flush()
+    fds = [int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2]
+    flags = {}
+    for fd in fds:
+        with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
+            flags[fd] = fcntl.fcntl(fd, fcntl.F_GETFD)
+            fcntl.fcntl(fd, fcntl.F_SETFD, flags[fd] | fcntl.FD_CLOEXEC)
+    saved = [os.dup(0), os.dup(2)]
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        os.dup2(null, 0)
+        os.dup2(null, 2)
+        torch.empty(1).share_memory_()  # the first file-name share: the manager is forked and exec'd now
+        _shm_manager_started = True
+    finally:
+        os.dup2(saved[0], 0)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+        for fd, flag in flags.items():
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, fcntl.F_SETFD, flag)
 
 
 def _local_addresses() -> set:
