@@ -156,3 +156,29 @@ def test_each_dialect_posts_delta_buckets_its_own_way():
     path, _ = SGLangAPI().bucket_call(["w"], ["float32"], [[4]], group_name="g", load_format=None, counts=[1])
     assert path == "/update_weights_from_tensor"  # tests/rollout/test_sglang_delta.py checks the body
     assert VLLMAPI().delta_refusal(None, ["http://s:1"]) is None
+
+
+def test_a_full_sync_holds_one_copy_of_the_weights_not_two():
+    """The stage leader's images are one copy of its weights; a full sync after delta syncs does
+    not keep them beside the copies it is making (the peak was twice the stage's weights)."""
+    images, w = DeltaImages(full_every=1), _weights(torch.float32)
+    size = sum(t.numel() * t.element_size() for t in w.values())
+
+    def held():
+        whole = sum(v.numel() * v.element_size() for v in images.images.values())
+        return whole + sum(v.numel() * v.element_size() for _, v in images.pending.values())
+
+    images.begin()
+    images.encode(list(w.items()))
+    images.commit()
+    assert held() == size
+    for t in w.values():
+        t.view(-1)[0] += 1.0
+    assert images.begin() is False  # a delta sync reads the images
+    images.encode(list(w.items()))
+    images.commit()
+    assert images.begin() is True  # full_every=1: a full sync now
+    images.encode(list(w.items()))
+    assert held() == size  # its copies only
+    images.commit()
+    assert held() == size and all(torch.equal(images.images[k], v) for k, v in w.items())

@@ -249,3 +249,32 @@ def test_the_loaders_pieces_write_only_the_changed_elements():
     bad = [torch.tensor([0], dtype=torch.int32), torch.tensor([float("nan")])]
     with pytest.raises(ValueError, match="NaN among its changed values"):
         list(densified(delta_segments(["q"], ["float32"], [[2]], [1]), bad, {"q": [2]}))
+
+
+def test_a_delta_into_fused_expert_parameters_writes_only_its_changed_elements(tmp_path):
+    """The stand-in's MoE layers hold each layer's experts fused (``gate_up_proj`` [E, 2I, H]) and
+    load a per-expert checkpoint tensor through a narrowed view of it, as SGLang's FusedMoE does
+    (``expert_data.narrow(...).copy_``): a delta handed to that loader (densified, under the masked
+    copy) changes its own elements of the fused parameter and nothing else."""
+    from megatron_klear.models.tiny import make_tiny_qwen3_moe
+    from megatron_klear.rollout.embedded import EmbeddedEngine
+    from megatron_klear.rollout.in_server.sglang_delta import densified, nan_masked_copies
+    from megatron_klear.rollout.servers.update_group import delta_segments
+    from megatron_klear.rollout.sglang_standin.weight_routes import LoaderModel
+
+    engine = EmbeddedEngine.from_pretrained(make_tiny_qwen3_moe(str(tmp_path / "moe"), seed=3))
+    fused = dict(engine.weights.model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+    before = fused.detach().clone()
+    e, half = 2, fused.shape[1] // 2
+    name = f"model.layers.0.mlp.experts.{e}.up_proj.weight"  # the up rows of expert 2
+    shape = [half, fused.shape[2]]
+    segments = delta_segments([name], [str(fused.dtype).split(".")[1]], [shape], [2])
+    positions = torch.tensor([1, half * fused.shape[2] - 1], dtype=torch.int32)
+    values = torch.tensor([7.0, -7.0], dtype=fused.dtype)
+    delta = list(densified(segments, [positions, values], {name: shape}))
+    with nan_masked_copies():
+        LoaderModel(engine.weights).load_weights([(n, t) for n, t, _ in delta])
+    expected = before.clone()
+    expected[e, half:].view(-1)[positions.long()] = values
+    assert torch.equal(fused.detach(), expected)
+    assert int((fused.detach() != before).sum()) == 2

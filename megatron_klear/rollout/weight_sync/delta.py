@@ -12,7 +12,9 @@ leave the servers bit-identical.
 :class:`DeltaImages` holds the last value of every tensor the leader sent (its image: one copy of
 the stage's weights, in the dtype sent, on the device they are gathered to) and the changes of the
 sync under way, applied to the image only when the whole sync succeeded (:meth:`commit`); a failed
-sync drops the images (:meth:`discard`) so that the next one sends everything whole."""
+sync drops the images (:meth:`discard`) so that the next one sends everything whole. A full sync
+drops the images when it begins: the leader holds at most one copy of its stage's weights beside
+them (the images, or the sync's own copies), never both."""
 
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ class DeltaImages:
         none), and every ``full_every`` delta syncs."""
         self.pending = {}
         self.full = bool(force_full) or not self.images or self.since_full >= self.full_every
+        if self.full:  # every tensor goes whole and becomes its own image: the old ones are not read
+            self.images = {}  # (held to the commit, they doubled the leader's memory for the sync)
         return self.full
 
     def encode(self, bucket) -> tuple:
