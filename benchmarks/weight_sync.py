@@ -32,9 +32,9 @@ receiver processes for the raw broadcast. Every variant moves the whole model to
 - ``raw_broadcast``: the same bucket sizes broadcast from trainer rank 0 to two receivers that do
   nothing else (no HTTP, no gathering, no packing, no staging): the collective's floor;
 - ``in_memory``: ``rollout.weight_sync=memory``'s push (``InMemoryPush``: the TP shards gathered
-  bucket by bucket, each bucket shared in memory and loaded by both servers through
-  ``/update_weights_from_tensor``), what colocated servers get instead of ``disk_parallel``
-  (SGLang-API servers only: vLLM has no such route here).
+  bucket by bucket, each bucket shared in memory and loaded by both servers: SGLang's
+  ``/update_weights_from_tensor``, vLLM's ``/update_weights`` through the project's transfer
+  engine), what colocated servers get instead of ``disk_parallel``.
 
 Each variant runs ``--repeats`` times, interleaved (median reported, and the fastest under ``best``:
 on a shared machine other jobs only ever add time); ``--variants`` runs a subset. JSON keys:
@@ -467,9 +467,6 @@ def main() -> int:
     if args.quick:
         args.layers, args.bucket_mb, args.repeats = 2, 1.0, 1
     args.variants = [v for v in args.variants.split(",") if v]
-    if args.engine == "vllm" and "in_memory" in args.variants:
-        args.variants.remove("in_memory")  # (no in-memory route to vLLM servers: weight_sync=memory goes through disk)
-        print("in_memory: skipped with --engine vllm (no in-memory route to vLLM servers)", flush=True)
     unknown = set(args.variants) - set(VARIANTS)
     if unknown or not args.variants:
         ap.error(f"--variants: unknown {sorted(unknown)}" if unknown else "--variants: none given")

@@ -357,8 +357,9 @@ class WeightWire(Protocol):
     def leave_group(self, group_name: str, timeout: float | None = None) -> None:
         """Drop the group on every worker (best effort)."""
 
-    def tensor_route(self) -> bool:
-        """Whether the servers load tensors shared in memory by a trainer on their machine."""
+    def tensor_refusal(self) -> str | None:
+        """Why the servers cannot load tensors shared in memory by a trainer on their machine
+        (naming them), or None when they can."""
 
     def load_tensors(self, payload: str) -> None:
         """In a session: every worker loads one bucket shared in memory (weight_sync=memory)."""

@@ -433,3 +433,39 @@ def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(engine, s
     assert got_a.token_ids == got_b.token_ids and got_a.logprobs == got_b.logprobs  # bit for bit
     assert got_a.logprobs != before.logprobs  # the syncs changed the model
     assert sent[0] == full and max(sent[1:]) < 0.15 * full, (sent[:3], full)
+
+
+def test_buckets_shared_in_memory_load_like_a_checkpoint(engine, servers, models):
+    """rollout.weight_sync=memory into vLLM: the trainer's buckets shared in memory (shared-memory
+    files on the CPU; CUDA IPC handles on a GPU) go to ``/update_weights`` with
+    ``update_info.tensors``, and the plugin's transfer engine reads them under SGLang's allow-list and
+    loads them. Server A, loaded that way with model b in three buckets, holds exactly what server B
+    holds after loading model b from its directory (every parameter's sha256, the greedy probe)."""
+    from megatron_klear.rollout.vllm import VLLMEngine
+    from megatron_klear.rollout.weight_sync.gather import iter_buckets
+    from megatron_klear.rollout.weight_sync.in_memory import share_bucket
+
+    weights = _hf_tensors(models["b"])
+    size = sum(t.numel() * t.element_size() for t in weights.values())
+    a = VLLMEngine.at([servers[0].url], control_timeout_s=30)
+    try:
+        assert a.wire.tensor_refusal() is None
+        a.wire.start_update()
+        buckets = list(iter_buckets(sorted(weights.items()), size // 3 + 1))
+        assert len(buckets) >= 2
+        for bucket in buckets:
+            payload, buffer = share_bucket(bucket)
+            a.wire.load_tensors(payload)
+            del buffer
+        a.wire.finish_update(7, check_received=False)
+    finally:
+        a.close()
+    b = VLLMEngine.at([servers[1].url], control_timeout_s=30)
+    try:
+        b.load_from_disk(models["b"], version=7)
+    finally:
+        b.close()
+    assert _checksums(servers[0].url) == _checksums(servers[1].url)
+    probe = [5, 17, 33, 60, 7]
+    got_a, got_b = engine.probe(servers[0].url, probe, 6), engine.probe(servers[1].url, probe, 6)
+    assert got_a.token_ids == got_b.token_ids and got_a.logprobs == got_b.logprobs

@@ -129,6 +129,10 @@ class ServerDialect(abc.ABC):
     #: whether the family loads tensors shared in memory (:meth:`tensor_call`)
     tensor_route: bool = False
 
+    def tensor_refusal(self, transport, workers: list) -> str | None:
+        """Why ``workers`` cannot load tensors shared in memory (naming them), or None."""
+        return None if self.tensor_route else f"{self.name} servers have no in-memory weight route"
+
     def tensor_call(self, payload: str, transport, worker: str) -> tuple:
         """The call that loads one bucket of tensors the trainer shares in memory with a server on
         its own machine (``payload``: base64 of the bucket's :mod:`multiprocessing` pickle of

@@ -334,9 +334,9 @@ class Wire:
         loader failed on that group (:meth:`~.dialect.ServerDialect.failed_load`), or None."""
         return self.dialect.failed_load(str(error), group_name)
 
-    def tensor_route(self) -> bool:
-        """Whether this family loads tensors shared in memory (:meth:`load_tensors`)."""
-        return self.dialect.tensor_route
+    def tensor_refusal(self) -> str | None:
+        """Why the workers cannot load tensors shared in memory (:meth:`load_tensors`), or None."""
+        return self.dialect.tensor_refusal(self.transport, self.members.workers())
 
     def load_tensors(self, payload: str) -> None:
         """Inside a session (:meth:`start_update`): every worker loads one bucket the trainer shares

@@ -11,12 +11,11 @@ import base64
 import binascii
 import hashlib
 import importlib
-import io
-import pickle
 import sys
 
 from fastapi import APIRouter, Request
 
+from megatron_klear.rollout.in_server.shared_tensors import load_shared_tensors
 from megatron_klear.rollout.sglang_standin.contract import (
     DEFAULT_GROUP_NAME,
     BadRequest,
@@ -416,58 +415,6 @@ def _end_update(state):
 
 
 # -- from serialized tensors (custom weight loaders) ---------------------------------------------------
-class _SafeUnpickler(pickle.Unpickler):
-    """SGLang 0.5.23's ``SafeUnpickler`` (``srt/utils/common.py``) for what tensors pickle to: their
-    containers, torch's tensor rebuild functions, storages read by ``torch.load`` with
-    ``weights_only``, and the rebuild functions of ``torch.multiprocessing.reductions`` with the
-    classes and dtypes they name (what ``MultiprocessingSerializer`` writes: a tensor shared in
-    memory, ``rollout.weight_sync=memory``); any other global is refused with SGLang's message."""
-
-    ALLOWED = (
-        {("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "str", "tuple")}
-        | {
-            ("collections", "OrderedDict"),
-            ("torch._utils", "_rebuild_tensor"),
-            ("torch._utils", "_rebuild_tensor_v2"),
-            ("torch._utils", "_rebuild_tensor_v3"),
-            ("torch._tensor", "_rebuild_from_type_v2"),
-            ("torch", "Tensor"),
-            ("torch", "Size"),
-            ("torch", "device"),
-            ("torch", "UntypedStorage"),
-            ("torch.storage", "UntypedStorage"),
-            ("torch.storage", "TypedStorage"),
-            ("torch.nn.parameter", "Parameter"),
-        }
-        | {
-            ("torch.multiprocessing.reductions", n)
-            for n in (
-                "rebuild_tensor",
-                "rebuild_cuda_tensor",
-                "rebuild_storage_fd",
-                "rebuild_storage_filename",
-                "rebuild_storage_empty",
-                "rebuild_typed_storage",
-                "rebuild_typed_storage_child",
-            )
-        }
-        | {
-            ("torch", n)
-            for n in ("float32", "float16", "bfloat16", "float64", "float", "half", "double", "int64", "int32")
-            + ("int16", "int8", "uint8", "bool", "long", "int", "short", "float8_e4m3fn", "float8_e5m2")
-        }
-    )
-
-    def find_class(self, module, name):
-        if (module, name) == ("torch.storage", "_load_from_bytes"):
-            import torch
-
-            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
-
-
 class LoaderModel:
     """What SGLang hands a custom weight loader as its model, for the embedded engine:
     ``load_weights([(HF name, tensor)])`` (some parameters, by HF name, written with ``copy_``) and
@@ -545,7 +492,7 @@ def _update_from_tensor(state, f, payload: bytes):
         load_format = f["load_format"]
 
         def load():
-            named = _SafeUnpickler(io.BytesIO(payload)).load()
+            named = load_shared_tensors(payload)
             TensorLoader(state).update_weights_from_tensor(named, load_format)
 
         try:

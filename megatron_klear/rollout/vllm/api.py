@@ -127,20 +127,43 @@ class VLLMAPI(ServerDialect):
     def version_call(self, version: str) -> tuple:
         return "/update_weight_version", {"new_version": str(version)}
 
+    @staticmethod
+    def _backend_refusal(config: dict, worker: str, what: str) -> str | None:
+        from megatron_klear.rollout.vllm.plugin import BACKEND
+
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if backend == BACKEND:
+            return None
+        return (
+            f"rollout: {worker} has weight-transfer backend {backend!r}; for rollout.weight_sync={what} "
+            f'start it with --weight-transfer-config \'{{"backend": "{BACKEND}"}}\' (megatron_klear '
+            "installed in the server's environment: its vLLM plugin registers the engine), or use "
+            "rollout.weight_sync=disk"
+        )
+
+    #: the project's transfer engine takes buckets shared in memory too (``update_info.tensors``)
+    tensor_route = True
+
+    def tensor_refusal(self, transport, workers: list) -> str | None:
+        """A server without the project's transfer engine, by name."""
+        refusals = [self._backend_refusal(config_of(transport, w), w, "memory") for w in workers]
+        refusals = [r for r in refusals if r]
+        return "; ".join(refusals) if refusals else None
+
+    def tensor_call(self, payload: str, transport, worker: str) -> tuple:
+        """``/update_weights`` with the bucket in ``update_info.tensors`` (the project's transfer
+        engine, :mod:`megatron_klear.rollout.vllm.transfer_engine`): every worker process reads it
+        (CUDA IPC handles, or shared-memory files on the CPU) and loads it, inside the
+        start/finish session."""
+        return "/update_weights", {"update_info": {"tensors": payload}}
+
     def group_ranks(self, transport, worker: str) -> int:
         """One rank per worker process (TP x PP); refuses a server without the plugin's transfer
         engine or with data parallelism, by name."""
-        from megatron_klear.rollout.vllm.plugin import BACKEND
-
         config = config_of(transport, worker)
-        backend = (config.get("weight_transfer_config") or {}).get("backend")
-        if backend != BACKEND:
-            raise EngineError(
-                f"rollout: {worker} has weight-transfer backend {backend!r}; for rollout.weight_sync=distributed "
-                f'start it with --weight-transfer-config \'{{"backend": "{BACKEND}"}}\' (megatron_klear '
-                "installed in the server's environment: its vLLM plugin registers the engine), or use "
-                "rollout.weight_sync=disk"
-            )
+        refusal = self._backend_refusal(config, worker, "distributed")
+        if refusal:
+            raise EngineError(refusal)
         par = config.get("parallel_config") or {}
         tp, pp, dp = (
             int(par.get(k) or 1) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")

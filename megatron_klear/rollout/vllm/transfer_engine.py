@@ -21,8 +21,13 @@ and loads the resulting tensors as a full sync does (layerwise reloading needs e
 model; vLLM's CPU build repacks its linear weights on load, so nothing is patched in place). The
 wire carries the changes only; a sync without ``counts`` drops the images.
 
-Only ``torch``, ``vllm`` and :mod:`~megatron_klear.rollout.servers.update_group` are imported:
-vLLM's environment holds this package without its dependencies (``make venv``)."""
+In memory (``rollout.weight_sync=memory``, a bucket whose ``update_info`` has ``tensors``): the
+trainer on this machine shares each bucket (CUDA IPC handles, or shared-memory files on the CPU) and
+every worker reads it, under SGLang's allow-list of tensor globals, and loads it; no group.
+
+Only ``torch``, ``vllm``, :mod:`~megatron_klear.rollout.servers.update_group` and
+:mod:`~megatron_klear.rollout.in_server.shared_tensors` are imported: vLLM's environment holds this
+package without its dependencies (``make venv``)."""
 
 from __future__ import annotations
 
@@ -62,14 +67,18 @@ class UpdateGroupInit:
 
 @dataclasses.dataclass
 class UpdateGroupBucket:
-    """``/update_weights``' ``update_info``: one bucket's tensors, broadcast over ``group_name``."""
+    """``/update_weights``' ``update_info``: one bucket's tensors, broadcast over ``group_name``; or,
+    with ``tensors``, handed over in memory by a trainer on this machine (``rollout.weight_sync=memory``:
+    the base64 of its multiprocessing pickle, :mod:`megatron_klear.rollout.in_server.shared_tensors`;
+    no group)."""
 
-    names: list
-    dtype_names: list
-    shapes: list
-    group_name: str
+    names: list = dataclasses.field(default_factory=list)
+    dtype_names: list = dataclasses.field(default_factory=list)
+    shapes: list = dataclasses.field(default_factory=list)
+    group_name: str = ""
     load_format: str = "auto"
     counts: list | None = None  # a delta bucket: per tensor -1 (whole) or its number of changed elements
+    tensors: str | None = None
 
 
 class UpdateGroupTransferEngine(WeightTransferEngine):
@@ -121,6 +130,9 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: UpdateGroupBucket) -> None:
+        if update_info.tensors is not None:
+            self._load_shared(update_info.tensors)
+            return
         group = self.groups.get(update_info.group_name)
         if group is None:
             raise RuntimeError(
@@ -139,6 +151,20 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
             tensors = self._receive(group, update_info)
         with timed("load", tensors=n):
             self.model.load_weights(tensors)
+
+    def _load_shared(self, payload: str) -> None:
+        """A bucket the trainer shares in memory: read under SGLang's allow-list of tensor globals
+        and loaded whole. A GPU worker loads copies: layerwise reloading may hold a tensor until its
+        layer is complete, after the trainer has reused the memory behind the handle."""
+        from megatron_klear.rollout.in_server.shared_tensors import load_shared_tensors
+
+        self.images.clear()  # whole tensors: the next delta sync starts from whole ones
+        with timed("receive_shared"):
+            named = load_shared_tensors(payload)
+            if self.device.type != "cpu":
+                named = [(name, t.to(self.device, copy=True)) for name, t in named]
+        with timed("load", tensors=len(named)):
+            self.model.load_weights(named)
 
     def _buffer(self, name: str, shape, dtype) -> torch.Tensor:
         """Where tensor ``name`` of a full sync is received. A CPU worker keeps one per tensor

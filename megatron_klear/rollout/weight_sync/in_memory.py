@@ -162,9 +162,8 @@ class InMemoryPush:
         why = None
         if is_rank0():
             wire = self.engine.wire
-            if not wire.tensor_route():
-                why = f"{wire.dialect.name} servers have no in-memory weight route"
-            else:
+            why = wire.tensor_refusal()
+            if why is None:
                 far = remote_workers(self.engine.workers())
                 if far:
                     why = f"{', '.join(far)} not on this machine (in-memory handles reach local servers only)"

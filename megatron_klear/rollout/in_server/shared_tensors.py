@@ -1,0 +1,74 @@
+"""Tensors handed over in memory (``rollout.weight_sync=memory``), read inside a server's process: a
+bucket pickled by :func:`megatron_klear.rollout.weight_sync.in_memory.share_bucket` (the
+multiprocessing pickler: CUDA IPC handles on a GPU, shared-memory file names on the CPU) is read
+under an allow-list of the globals tensors pickle to, SGLang 0.5.23's ``SafeUnpickler``
+(``srt/utils/common.py``) rules: the SGLang stand-in reads ``/update_weights_from_tensor`` with it,
+and the project's vLLM transfer engine its in-memory buckets.
+
+Only ``torch`` is imported."""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+
+import torch
+import torch.multiprocessing
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """SGLang 0.5.23's ``SafeUnpickler`` (``srt/utils/common.py``) for what tensors pickle to: their
+    containers, torch's tensor rebuild functions, storages read by ``torch.load`` with
+    ``weights_only``, and the rebuild functions of ``torch.multiprocessing.reductions`` with the
+    classes and dtypes they name (what ``MultiprocessingSerializer`` writes: a tensor shared in
+    memory, ``rollout.weight_sync=memory``); any other global is refused with SGLang's message."""
+
+    ALLOWED = (
+        {("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "str", "tuple")}
+        | {
+            ("collections", "OrderedDict"),
+            ("torch._utils", "_rebuild_tensor"),
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch._utils", "_rebuild_tensor_v3"),
+            ("torch._tensor", "_rebuild_from_type_v2"),
+            ("torch", "Tensor"),
+            ("torch", "Size"),
+            ("torch", "device"),
+            ("torch", "UntypedStorage"),
+            ("torch.storage", "UntypedStorage"),
+            ("torch.storage", "TypedStorage"),
+            ("torch.nn.parameter", "Parameter"),
+        }
+        | {
+            ("torch.multiprocessing.reductions", n)
+            for n in (
+                "rebuild_tensor",
+                "rebuild_cuda_tensor",
+                "rebuild_storage_fd",
+                "rebuild_storage_filename",
+                "rebuild_storage_empty",
+                "rebuild_typed_storage",
+                "rebuild_typed_storage_child",
+            )
+        }
+        | {
+            ("torch", n)
+            for n in ("float32", "float16", "bfloat16", "float64", "float", "half", "double", "int64", "int32")
+            + ("int16", "int8", "uint8", "bool", "long", "int", "short", "float8_e4m3fn", "float8_e5m2")
+        }
+    )
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return lambda data: torch.load(io.BytesIO(data), weights_only=True)
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+
+
+def load_shared_tensors(payload: bytes | str) -> list:
+    """``[(name, tensor)]`` of one shared bucket (``payload``: the pickle, or its base64 text)."""
+    if isinstance(payload, str):
+        payload = base64.b64decode(payload, validate=True)
+    return SafeUnpickler(io.BytesIO(payload)).load()
