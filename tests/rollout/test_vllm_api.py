@@ -145,3 +145,21 @@ def test_a_server_started_without_what_the_loop_needs_is_refused_by_name(answers
     with pytest.raises(EngineError, match=message) as e:
         upkeep.check_started()
     assert "http://w:1" in str(e.value)
+
+
+def test_a_server_without_the_transfer_engine_is_named_for_the_in_memory_route():
+    """weight_sync=memory into vLLM needs the project's transfer engine: a server started with
+    another backend (or none) is named, with the flag, and the push goes through disk."""
+    with_engine = {"vllm_config": {"weight_transfer_config": {"backend": "megatron_klear"}}}
+    without = {"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}}
+    api = VLLMAPI()
+    assert api.tensor_refusal(_Answers({"/server_info?config_format=json": with_engine}), ["http://w:1"]) is None
+    refusal = api.tensor_refusal(_Answers({"/server_info?config_format=json": without}), ["http://w:1"])
+    assert "http://w:1 has weight-transfer backend 'nccl'" in refusal
+    assert (
+        "rollout.weight_sync=memory" in refusal
+        and '--weight-transfer-config \'{"backend": "megatron_klear"}\'' in refusal
+    )
+    path, body = api.tensor_call("cGF5bG9hZA==", None, "http://w:1")
+    assert (path, body) == ("/update_weights", {"update_info": {"tensors": "cGF5bG9hZA=="}})
+    assert SGLangAPI().tensor_refusal(None, ["http://w:1"]) is None
