@@ -113,6 +113,7 @@ SUBLAYERS = {
         "engines": 0,  # the table of engines (builders named, not imported)
         "config": 1,
         "servers": 2,  # the client of rollout servers, written once
+        "in_server": 2,  # what runs inside the servers' processes (torch and servers.update_group only)
         "embedded": 2,
         "sglang": 3,  # a family of servers: its dialect and upkeep
         "vllm": 3,
