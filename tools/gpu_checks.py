@@ -50,6 +50,14 @@ result comes back over the helper's queue. What each proves, in order of value:
    on. Tiny on purpose: at 8B width the checkpoint with Adam's state is ~26 GB of writes, and the
    save/restore logic does not depend on the width. On cuda deterministic algorithms are on.
 
+8. ``delta_encode``: the delta sender (``rollout.sync_delta``, ``rollout/weight_sync/delta.py``)
+   on the device over the model's weights after a step of Klear's size (every weight moved by
+   1e-6, Adam's step at lr 1e-6): the changed fraction, the bytes sent against a full sync, the
+   encode's time, and the wire speed below which a delta sync is faster than a full one (full
+   bytes saved / encode time) -- the figure a cluster's update groups are compared with. Fails
+   unless the receiver's side (``servers/update_group.py`` ``apply_delta``) rebuilds the new
+   weights bit for bit.
+
 Tolerances are stated beside each check; ``--tolerance-scale`` multiplies them all (0 makes every
 compared check FAIL: the test of the failing path). Every tolerance compares with ``<``.
 
@@ -86,6 +94,7 @@ CHECKS = (
     "weight_sync",
     "moe",
     "rl_resume",
+    "delta_encode",
 )
 
 # make_tiny_model's arguments per shape; "dtype": the training dtype (the stand-in serves the same)
@@ -522,6 +531,66 @@ def check_weight_sync(ctx):
     return True, figure, detail
 
 
+# -- 8. delta encode ---------------------------------------------------------------------------------
+def check_delta_encode(ctx):
+    """Tolerance 0: the receiver rebuilds the new weights bit for bit. Figures: the changed
+    fraction, bytes against a full sync, the encode's time, the break-even wire speed."""
+    import torch
+
+    from megatron_klear.rollout.servers.update_group import apply_delta, delta_segments, dtype_name
+    from megatron_klear.rollout.weight_sync.delta import DeltaImages
+
+    _, state = _training_state(ctx["model_dir"], ctx["dtype"])
+    named = [(n, p.detach()) for m in state.model for n, p in m.named_parameters()]
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    images = DeltaImages()
+
+    def encode():
+        _sync(ctx)
+        t0 = time.perf_counter()
+        counts, pieces, changed, elements = images.encode(named)
+        _sync(ctx)
+        return counts, pieces, changed, elements, time.perf_counter() - t0
+
+    images.begin()
+    counts, pieces, _, _, full_s = encode()
+    received = {}  # the receiver's images, on the CPU
+    segments = delta_segments(
+        [n for n, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named], counts
+    )
+    apply_delta(received, segments, [p.cpu() for p in pieces])
+    images.commit()
+    g = torch.Generator(device=_device(ctx)).manual_seed(5)
+    with torch.no_grad():  # Adam's first step moves every (fp32 master) weight by lr in magnitude
+        for _, t in named:
+            step = torch.randint(0, 2, t.shape, generator=g, device=t.device).to(torch.float32) * 2 - 1
+            t.copy_((t.float() + 1e-6 * step).to(t.dtype))  # (in fp32 every element moves: all sent whole)
+    images.begin()
+    counts, pieces, changed, elements, delta_s = encode()
+    sent = sum(p.numel() * p.element_size() for p in pieces)
+    segments = delta_segments(
+        [n for n, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named], counts
+    )
+    rebuilt = dict(apply_delta(received, segments, [p.cpu() for p in pieces]))
+    exact = all(torch.equal(rebuilt[n], t.cpu()) for n, t in named)
+    saved = total - sent
+    break_even = saved / delta_s / 1e9 if delta_s > 0 else float("inf")
+    figure = (
+        f"{changed / elements:.2%} of {elements:,} elements changed; sends {sent / total:.2%} of "
+        f"{total / 1e6:,.1f} MB; encode {delta_s:.3f} s ({total / delta_s / 1e9:.2f} GB/s compared; the "
+        f"first, full one {full_s:.3f} s): faster than a full sync on any wire slower than {break_even:.2f} GB/s; "
+        f"rebuilt bit for bit: {exact}"
+    )
+    detail = {
+        "changed_frac": changed / elements,
+        "bytes_frac": sent / total,
+        "encode_s": delta_s,
+        "full_encode_s": full_s,
+        "break_even_gb_per_s": break_even,
+    }
+    return exact and ctx["tolerance_scale"] > 0, figure, detail
+
+
 # -- 6. MoE -----------------------------------------------------------------------------------------
 def check_moe(ctx):
     """check_parity on a tiny Qwen3-MoE (8 experts, top-2) in fp32: the same bound as parity's fp32."""
@@ -687,7 +756,7 @@ def make_models(shape, dtype, workdir, needed):
     from megatron_klear.models.tiny import make_tiny_qwen3, make_tiny_qwen3_moe
 
     out = {}
-    if needed & {"parity", "packed_vs_unpacked", "memory_and_speed", "weight_sync"}:
+    if needed & {"parity", "packed_vs_unpacked", "memory_and_speed", "weight_sync", "delta_encode"}:
         path = os.path.join(workdir, f"qwen3-{shape}-{dtype}")
         out["model_dir"] = path if os.path.isdir(path) else write_checkpoint(path, SHAPES[shape]["model"], 11, dtype)
     if "rl_resume" in needed:
