@@ -26,6 +26,7 @@ starts it once, first, with none of them.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import io
 import socket
@@ -146,7 +147,8 @@ def remote_workers(workers: list) -> list:
 class InMemoryPush:
     """``rollout.weight_sync=memory`` (see the module docstring). ``placement``: the servers share the
     trainer's GPUs (:class:`~megatron_klear.rl.rollout.placement.Colocated`): the trainer gives way,
-    the servers get their weights' memory back, the buckets are loaded, then the rest comes back.
+    the servers get their weights' memory back, the buckets are loaded (the servers load one while the
+    ranks gather the next: two buckets' buffers at most), then the rest comes back.
     ``fallback``: the disk push, taken when this path cannot serve (said once)."""
 
     to_servers = True
@@ -188,13 +190,26 @@ class InMemoryPush:
             self.placement.resume_weights(self.engine)
             wire.start_update()
         sent = buckets = 0
-        for bucket in iter_buckets(iter_model_hf_weights(self.state.model), self.bucket_bytes):
-            if is_rank0():  # (the gather is collective: every rank walks the same buckets)
-                payload, buffer = share_bucket(bucket)
-                wire.load_tensors(payload)
-                del buffer  # every server has copied it
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
-                buckets += 1
+        # the servers load bucket k while the ranks gather bucket k+1 (two buckets' buffers at most)
+        loader = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-in-memory") if is_rank0() else None
+        )
+        loading = None  # (the servers' load of the bucket in flight, its buffer)
+        try:
+            for bucket in iter_buckets(iter_model_hf_weights(self.state.model), self.bucket_bytes):
+                if is_rank0():  # (the gather is collective: every rank walks the same buckets)
+                    payload, buffer = share_bucket(bucket)
+                    if loading is not None:
+                        loading[0].result()  # every server has copied it: its buffer goes
+                    loading = (loader.submit(wire.load_tensors, payload), buffer)
+                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                    buckets += 1
+            if loading is not None:
+                loading[0].result()
+        finally:
+            loading = None
+            if loader is not None:
+                loader.shutdown(wait=True)
         if is_rank0():
             wire.finish_update(version, check_received=False)
             self.placement.finished_load(self.engine, version)
