@@ -431,18 +431,13 @@ def test_delta_syncs_through_sglangs_custom_loader_match_a_full_sync_at_pp2(mode
         assert 0 < s["changed"] < 0.05 * s["elements"] and s["bytes"] < 0.3 * full_bytes, (s, full_bytes)
 
 
-def _delta_sync_losing_a_server(rank, world, model_dir, urls, url_c, pid):
-    """Delta syncs to two servers; the second sync kills server ``pid`` mid-broadcast (a delta
-    loader that raises ends an SGLang server the same way); a third sync follows, then one full sync
-    of the same weights to ``url_c``. Returns the three syncs' stats."""
-    import os
-    import signal
-
+def _delta_sync_to(model_dir, urls):
+    """One rank's trainer and a delta sync (small buckets, 30 s timeouts) to the servers at
+    ``urls``: ``(state, engine, sync, the sync's keys)``."""
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.sglang import SGLangEngine
     from megatron_klear.rollout.weight_sync import DistributedWeightSync
-    from megatron_klear.rollout.weight_sync import distributed_buckets as schedule
     from megatron_klear.training.setup import build_training_state
 
     cfg = load_config(None, [f"model.path={model_dir}"])
@@ -450,7 +445,19 @@ def _delta_sync_losing_a_server(rank, world, model_dir, urls, url_c, pid):
     state = build_training_state(cfg, total_steps=1)
     keys = {"bucket_mb": 0.02, "group_timeout": 30, "bucket_timeout": 30}
     engine = SGLangEngine.at(urls, control_timeout_s=10, min_live_workers=1)
-    sync = DistributedWeightSync(state.model, engine, delta=True, full_every=50, **keys)
+    return state, engine, DistributedWeightSync(state.model, engine, delta=True, full_every=50, **keys), keys
+
+
+def _delta_sync_losing_a_server(rank, world, model_dir, urls, url_c, pid):
+    """Delta syncs to two servers; the second sync kills server ``pid`` mid-broadcast (a delta
+    loader that raises ends an SGLang server the same way); a third sync follows, then one full sync
+    of the same weights to ``url_c``. Returns the three syncs' stats."""
+    import os
+    import signal
+
+    from megatron_klear.rollout.weight_sync import distributed_buckets as schedule
+
+    state, engine, sync, keys = _delta_sync_to(model_dir, urls)
     buckets, armed = schedule.iter_buckets, [False]
 
     def killing(named, bucket_bytes):
@@ -508,20 +515,10 @@ def _delta_loads_that_fail(rank, world, model_dir, urls, url_c):
     serving workers after v2 and after v4."""
     import httpx
 
-    from megatron_klear.config import load_config
-    from megatron_klear.platform import init_parallel
     from megatron_klear.rollout.servers.update_group import DENSE
-    from megatron_klear.rollout.sglang import SGLangEngine
-    from megatron_klear.rollout.weight_sync import DistributedWeightSync
     from megatron_klear.rollout.weight_sync.delta import DeltaImages
-    from megatron_klear.training.setup import build_training_state
 
-    cfg = load_config(None, [f"model.path={model_dir}"])
-    init_parallel(cfg.parallel)
-    state = build_training_state(cfg, total_steps=1)
-    keys = {"bucket_mb": 0.02, "group_timeout": 30, "bucket_timeout": 30}
-    engine = SGLangEngine.at(urls, control_timeout_s=10, min_live_workers=1)
-    sync = DistributedWeightSync(state.model, engine, delta=True, full_every=50, **keys)
+    state, engine, sync, keys = _delta_sync_to(model_dir, urls)
     encode, poison = DeltaImages.encode, [False]
 
     def encode_with_a_nan(self, bucket):
