@@ -5,6 +5,7 @@ in a clear error in bounded time with nothing half-applied served: a server kill
 port already taken, a server that never joins. Every control body follows SGLang 0.5.23's request
 structs (``io_struct.py``)."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -431,6 +432,24 @@ def test_delta_syncs_through_sglangs_custom_loader_match_a_full_sync_at_pp2(mode
         assert 0 < s["changed"] < 0.05 * s["elements"] and s["bytes"] < 0.3 * full_bytes, (s, full_bytes)
 
 
+@contextlib.contextmanager
+def _loader_servers_and_a_reference(model_dir):
+    """Three stand-in servers of ``model_dir``: two started with SGLang's delta loader, the third
+    (the reference a full sync goes to) without it."""
+    from megatron_klear.rollout.in_server.sglang_delta import LOADER
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+
+    keys = {"weight_sync_timeout": 20, "startup_timeout": 120}
+    servers = []
+    try:
+        for loader in ([LOADER], [LOADER], []):
+            servers.append(EmbeddedHTTPEngine.launch(model_dir, custom_weight_loader=loader, **keys))
+        yield servers
+    finally:
+        for s in servers:
+            s.close()
+
+
 def _delta_sync_to(model_dir, urls):
     """One rank's trainer and a delta sync (small buckets, 30 s timeouts) to the servers at
     ``urls``: ``(state, engine, sync, the sync's keys)``."""
@@ -486,20 +505,9 @@ def test_a_server_lost_mid_delta_sync_makes_the_retry_and_the_next_sync_right(mo
     """A delta sync that loses a server mid-broadcast is retried on the survivor as a full sync (the
     survivor may hold part of the failed attempt); the sync after it is a delta again, and the
     survivor ends bit-identical to a server given one full sync of the same weights."""
-    from megatron_klear.rollout.in_server.sglang_delta import LOADER
-    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
-
-    keys = {"weight_sync_timeout": 20, "startup_timeout": 120}
-    servers = []
-    try:
-        for loader in ([LOADER], [LOADER], []):
-            servers.append(EmbeddedHTTPEngine.launch(models["a"], custom_weight_loader=loader, **keys))
-        a, b, c = servers
+    with _loader_servers_and_a_reference(models["a"]) as (a, b, c):
         out = run_distributed(_delta_sync_losing_a_server, 1, models["b"], [a.url, b.url], c.url, b._process.pid)
         got_a, got_c = _checksums(a.url), _checksums(c.url)
-    finally:
-        for s in servers:
-            s.close()
     first, lossy, after = out[0]
     assert first["changed"] == first["elements"]  # the first sync sends everything whole
     assert lossy["reforms"] >= 1 and lossy["changed"] == lossy["elements"], lossy  # the retry: whole
@@ -560,22 +568,11 @@ def test_a_failed_delta_load_leaves_the_server_up_and_the_retry_sends_it_everyth
     holds its group (restarted since it joined) is found before any delta bucket is posted to it: it
     is dropped from the fleet, still up, while the other takes the retry. The survivor ends
     bit-identical to a server given one full sync of the same weights."""
-    from megatron_klear.rollout.in_server.sglang_delta import LOADER
-    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
-
-    keys = {"weight_sync_timeout": 20, "startup_timeout": 120}
-    servers = []
-    try:
-        for loader in ([LOADER], [LOADER], []):
-            servers.append(EmbeddedHTTPEngine.launch(models["a"], custom_weight_loader=loader, **keys))
-        a, b, c = servers
+    with _loader_servers_and_a_reference(models["a"]) as (a, b, c):
         out = run_distributed(_delta_loads_that_fail, 1, models["b"], [a.url, b.url], c.url)
         got_a, got_c = _checksums(a.url), _checksums(c.url)
         b_up = httpx.get(b.url + "/model_info", timeout=10).status_code  # (paused since it was dropped)
         b_updates = httpx.get(b.url + "/server_info", timeout=10).json()["weight_updates"]
-    finally:
-        for s in servers:
-            s.close()
     (full, failed, delta, restarted), (after_failure, after_restart) = out[0]
     assert full["changed"] == full["elements"]
     assert failed["reforms"] == 1 and failed["changed"] == failed["elements"], failed  # the retry: whole
