@@ -37,6 +37,7 @@ TIMING_MODULES = {
 # they would end the pass with one worker running them while the other idles), and
 # `make test-fast` leaves them out, with tests/distributed and TIMING_MODULES.
 HEAVY_MODULES = [
+    "tests/test_journey_at_width.py",
     "tests/rollout/test_vllm_server.py",
     "tests/test_demo.py",
     "tests/test_journey.py",

@@ -1,0 +1,353 @@
+"""The user's journey at Qwen3-0.6B's real shapes, end to end on the CPU, phase by phase.
+
+    python benchmarks/journey.py            # the whole architecture (28 layers): ~30 minutes on 2 cores
+    python benchmarks/journey.py --quick    # 2 layers of the same width: a few minutes (tests/test_journey_at_width.py)
+
+A random-weight checkpoint of Qwen3-0.6B's architecture as published (vocabulary 151,936, hidden
+1024, 28 layers, 16 query / 8 KV heads of 128, intermediate 3072, tied embeddings, RoPE theta 1e6),
+with the project's tiny tokenizer (its few hundred tokens; the embedding rows past them are the
+padded vocabulary, as Qwen3's own 151,936 rows pad its 151,669 tokens), goes through what users run:
+
+1. ``make``: the HF checkpoint (sharded safetensors);
+2. ``convert``: ``tools/convert_hf_to_megatron.py --tp 2``;
+3. ``sft``: ``python -m megatron_klear sft`` with the shipped 8B config under torchrun (TP=2, two
+   processes of one thread), 3 steps of packed rows of 4,096 tokens (``--quick``: 1 step of 512);
+4. ``export``: ``tools/convert_megatron_to_hf.py`` of the SFT checkpoint;
+5. ``serve``: a real vLLM CPU server (``.venv-vllm``, ``make venv``) serving the export, with the
+   project's weight-transfer engine;
+6. ``gppo``: 3 steps (``--quick``: 1) of ``python -m megatron_klear rl`` with the shipped GPPO
+   config, ``rollout.engine=vllm``,
+   the weights streamed to the server after every step over an update group (``distributed``: the
+   in-memory path for dedicated servers) and the probe check after every push;
+7. ``resume``: the same command one step further: it resumes from the RL checkpoint;
+8. ``eval``: ``tools/eval.py --server vllm`` on held-out prompts.
+
+Per phase: wall time, the peak resident set of the largest process and the peak proportional set
+size of all of them together (the phase's processes and the server, sampled every 0.2 s; shared
+pages counted once), tokens/s where tokens are trained
+(SFT: real tokens; GPPO: trained samples' tokens), and for GPPO the weight sync's bytes and time.
+Progress goes to stderr with an ETA from the phases' expected shares; the table to stdout and to
+``--json``. The model is random: the rewards say nothing, the figures are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT_CONFIG = os.path.join(REPO, "examples/configs/sft_qwen3_8b.yaml")
+GPPO_CONFIG = os.path.join(REPO, "examples/configs/gppo_qwen3_8b_math.yaml")
+VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
+
+#: Qwen3-0.6B's config.json, as make_tiny_model's arguments
+QWEN3_0_6B = dict(
+    num_layers=28,
+    hidden_size=1024,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
+    tied=True,
+    init_std=0.02,
+    max_shard_size="512MB",
+    flavor="base",
+)
+PHASES = ("make", "convert", "sft", "export", "serve", "gppo", "resume", "eval")
+#: each phase's expected share of the run (from the first full run), for the ETA
+SHARES = {"make": 2, "convert": 3, "sft": 35, "export": 3, "serve": 4, "gppo": 35, "resume": 12, "eval": 6}
+
+
+class RSSSampler:
+    """Peak resident set of a process tree (this process's descendants and ``extra`` roots), every
+    ``interval`` seconds in a thread: per process and summed."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval, self.extra = interval, set()
+        self.peak_one = self.peak_all = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _pss(pid: int) -> int:
+        """The proportional set size (shared pages divided among their users): what a sum may add."""
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    @staticmethod
+    def _tree(roots: set) -> dict:
+        parents, rss = {}, {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                parents[int(pid)] = int(fields[1])
+                rss[int(pid)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                continue
+        members, grew = set(roots), True
+        while grew:
+            grew = False
+            for pid, parent in parents.items():
+                if parent in members and pid not in members:
+                    members.add(pid)
+                    grew = True
+        return {pid: rss[pid] for pid in members if pid in rss and pid != os.getpid()}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            sizes = self._tree({os.getpid(), *self.extra})
+            if sizes:
+                self.peak_one = max(self.peak_one, max(sizes.values()))
+                self.peak_all = max(self.peak_all, sum(self._pss(pid) for pid in sizes))
+
+
+def _run(cmd: list, log: str, env: dict | None = None, timeout: float = 7200) -> None:
+    """Run ``cmd`` (output to ``log``); raises with the log's end when it fails."""
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, timeout=timeout
+        )
+    if proc.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        raise SystemExit(f"journey: {' '.join(cmd[:6])} ... failed (exit {proc.returncode}); {log} ends:\n{tail}")
+
+
+def _torchrun(args: list) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+
+
+def _metrics(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Journey:
+    def __init__(self, args):
+        self.args, self.work = args, args.workdir
+        self.rows, self.server = [], None
+        self.t0 = time.monotonic()
+        self.env = {"WANDB_MODE": "offline", "WANDB_DIR": self.work, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+
+    def path(self, *parts) -> str:
+        return os.path.join(self.work, *parts)
+
+    def progress(self, phase: str, done: bool) -> None:
+        finished = PHASES[: PHASES.index(phase) + (1 if done else 0)]
+        share = sum(SHARES[p] for p in finished) / sum(SHARES.values())
+        spent = time.monotonic() - self.t0
+        eta = f", ETA {spent / share - spent:.0f} s" if share > 0.02 else ""
+        word = "done" if done else "starting"
+        print(f"journey: {phase} {word} ({len(finished)}/{len(PHASES)} phases, {spent:.0f} s{eta})", file=sys.stderr)
+
+    def phase(self, name: str, fn) -> None:
+        self.progress(name, done=False)
+        with RSSSampler() as rss:
+            if self.server is not None:
+                rss.extra.add(self.server.proc.pid)
+            start = time.monotonic()
+            figures = fn() or {}
+            seconds = time.monotonic() - start
+        self.rows.append(
+            {"phase": name, "seconds": seconds, "peak_rss_one": rss.peak_one, "peak_pss_all": rss.peak_all, **figures}
+        )
+        self.progress(name, done=True)
+
+    # -- the phases -----------------------------------------------------------------------------------
+    def make(self):
+        shape = dict(QWEN3_0_6B, num_layers=2 if self.args.quick else QWEN3_0_6B["num_layers"])
+        code = (
+            "import json, sys; from megatron_klear.models.tiny import make_tiny_model; "
+            "make_tiny_model(sys.argv[1], **json.loads(sys.argv[2]))"
+        )
+        _run([sys.executable, "-c", code, self.path("hf-base"), json.dumps(shape)], self.path("make.log"))
+        return {"layers": shape["num_layers"]}
+
+    def convert(self):
+        cmd = [sys.executable, "tools/convert_hf_to_megatron.py", "--hf-dir", self.path("hf-base")]
+        _run(cmd + ["--out", self.path("mg-base"), "--tp", "2"], self.path("convert.log"))
+
+    def sft(self):
+        from megatron_klear.data.synthetic import write_sft_jsonl
+
+        seq = self.args.seq_length
+        write_sft_jsonl(self.path("sft.jsonl"), self.args.sft_examples, seed=0)
+        cmd = [sys.executable, "tools/preprocess_sft.py", "--input", self.path("sft.jsonl")]
+        cmd += ["--tokenizer", self.path("hf-base"), "--output-prefix", self.path("sft-data"), "--max-length", str(seq)]
+        _run(cmd, self.path("preprocess.log"))
+        steps = self.args.sft_steps
+        args = ["-m", "megatron_klear", "sft", "--config", SFT_CONFIG, f"model.path={self.path('mg-base')}"]
+        args += [f"data.prefix={self.path('sft-data')}", f"data.seq_length={seq}", "data.micro_batches_per_step=1"]
+        args += ["parallel.cp=1", "train.epochs=0", f"train.steps={steps}", f"train.save_interval={steps}"]
+        args += [f"train.save_dir={self.path('sft-run')}", "optim.warmup_steps=1"]
+        _run(_torchrun(args), self.path("sft.log"), self.env)
+        rows = [m for m in _metrics(self.path("sft-run", "metrics.jsonl")) if "tokens_per_s" in m]
+        timed = rows[1:] or rows  # (the first step compiles and allocates)
+        return {"tokens_per_s": sum(m["tokens_per_s"] for m in timed) / len(timed), "steps": len(rows)}
+
+    def export(self):
+        ckpt = self.path("sft-run", f"iter_{self.args.sft_steps:07d}")
+        _run(
+            [sys.executable, "tools/convert_megatron_to_hf.py", "--ckpt", ckpt, "--out", self.path("hf-sft")],
+            self.path("export.log"),
+        )
+
+    def serve(self):
+        from megatron_klear.rollout.vllm.launcher import VLLMServer
+
+        transfer = ("--weight-transfer-config", '{"backend": "megatron_klear"}')
+        self.server = VLLMServer.launch(
+            self.path("hf-sft"), python=self.args.vllm_python, max_model_len=2048, extra_args=transfer
+        )
+        return {"url": self.server.url}
+
+    def _gppo(self, steps: int):
+        from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+
+        if not os.path.exists(self.path("rl.jsonl")):
+            write_rl_prompts_jsonl(self.path("rl.jsonl"), 64, seed=1)
+        ckpt = self.path("sft-run", f"iter_{self.args.sft_steps:07d}")
+        args = ["-m", "megatron_klear", "rl", "--config", GPPO_CONFIG, f"model.path={ckpt}", "parallel.cp=1"]
+        args += [f"rl.prompts=[{self.path('rl.jsonl')}]", "rl.prompts_per_step=2", "rl.oversample_prompts=4"]
+        args += ["rl.responses_per_prompt=4", "rl.mini_batch_prompts=2", "rl.max_tokens_per_micro_batch=2048"]
+        args += [
+            "rl.max_prompt_length=256",
+            f"rollout.max_new_tokens={self.args.max_new_tokens}",
+            "rl.filter_zero_spread=false",
+        ]
+        args += ["rollout.engine=vllm", f"rollout.urls=[{self.server.url}]", "rollout.verify_interval=1"]
+        args += [
+            "reward.workers=1",
+            f"train.steps={steps}",
+            f"train.save_interval={steps}",
+            f"train.save_dir={self.path('rl-run')}",
+        ]
+        _run(_torchrun(args), self.path(f"gppo-{steps}.log"), self.env)
+        rows = [m for m in _metrics(self.path("rl-run", "metrics.jsonl")) if "step" in m]
+        first = steps - (self.args.gppo_steps if steps == self.args.gppo_steps else 1)  # (resume: its one step)
+        mine = [m for m in rows if m["step"] > first]
+        out = {"steps": [m["step"] for m in mine]}
+        # generated tokens/s (the server), samples/s (the step, generation to push), the update's time
+        out["tokens_per_s"] = sum(m.get("rollout/tokens_per_s", 0.0) for m in mine) / len(mine)
+        out["samples_per_s"] = sum(m.get("perf/samples_per_s", 0.0) for m in mine) / len(mine)
+        out["train_s"] = sum(m.get("time/train_s", 0.0) for m in mine) / len(mine)
+        syncs = [m for m in mine if m.get("weights/pushed")]
+        if syncs:
+            out["sync_bytes"] = syncs[-1].get("weights/sync_bytes")
+            out["sync_s"] = sum(m["time/weight_sync_s"] for m in syncs) / len(syncs)
+            out["probe_max"] = max(m.get("weights/verify_mean_diff_max", float("nan")) for m in syncs)
+        return out
+
+    def gppo(self):
+        return self._gppo(self.args.gppo_steps)
+
+    def resume(self):
+        return self._gppo(self.args.gppo_steps + 1)
+
+    def eval(self):
+        from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+
+        write_rl_prompts_jsonl(self.path("heldout.jsonl"), 16, seed=2, split="heldout")
+        cmd = [sys.executable, "tools/eval.py", "--url", self.server.url, "--server", "vllm"]
+        cmd += ["--tokenizer", self.path("hf-sft"), "--bench", f"heldout={self.path('heldout.jsonl')}", "--k", "1"]
+        cmd += ["--max-new-tokens", str(self.args.max_new_tokens), "--output", self.path("eval.json")]
+        _run(cmd, self.path("eval.log"))
+        return {"prompts": 16}
+
+    def run(self) -> list:
+        try:
+            for name in PHASES:
+                self.phase(name, getattr(self, name))
+        finally:
+            if self.server is not None:
+                self.server.close()
+        return self.rows
+
+
+def table(rows: list) -> str:
+    gib = 2**30
+    lines = [
+        "| phase | seconds | peak RSS, largest process (GiB) | peak PSS, all (GiB) | tokens/s | weight sync |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else ""
+        if "samples_per_s" in r:  # GPPO: generated tokens/s, then the step's samples/s and update time
+            tps += f" generated; {r['samples_per_s']:.2f} samples/s, update {r['train_s']:.1f} s a step"
+        else:
+            tps += " trained" if tps else ""
+        sync = (
+            f"{r['sync_bytes'] / 1e9:.2f} GB in {r['sync_s']:.2f} s, probe {r['probe_max']:.2g}"
+            if "sync_bytes" in r
+            else ""
+        )
+        rss = f"{r['peak_rss_one'] / gib:.2f} | {r['peak_pss_all'] / gib:.2f}"
+        lines.append(f"| {r['phase']} | {r['seconds']:.1f} | {rss} | {tps} | {sync} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 layers of the same width, shorter rows and responses")
+    ap.add_argument("--workdir", default="", help="default: a temporary directory, removed at the end")
+    ap.add_argument("--json", default="", help="write the rows here")
+    ap.add_argument("--vllm-python", default=VLLM_PYTHON)
+    args = ap.parse_args(argv)
+    if not os.path.exists(args.vllm_python):
+        ap.error(f"vLLM's CPU build is not installed ({args.vllm_python}): run make venv")
+    args.seq_length = 512 if args.quick else 4096
+    args.sft_steps, args.gppo_steps = (1, 1) if args.quick else (3, 3)
+    args.sft_examples = 32 if args.quick else 512
+    args.max_new_tokens = 32 if args.quick else 128
+    keep = bool(args.workdir)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="klear-journey-")
+    os.makedirs(args.workdir, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        rows = Journey(args).run()
+    finally:
+        if not keep:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+    layers = rows[0].get("layers")
+    print(
+        f"Qwen3-0.6B's shapes, {layers} layers, vocabulary 151,936 (the tiny tokenizer's tokens, the rest padding), "
+        f"TP=2 under torchrun, one vLLM CPU server; {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores"
+    )
+    print(table(rows))
+    print(f"total {sum(r['seconds'] for r in rows):.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": started.isoformat(), "quick": args.quick, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""benchmarks/journey.py --quick: Qwen3-0.6B's width (vocabulary 151,936, hidden 1024, 16/8 heads of
+128, tied embeddings) with 2 layers, through every phase users run -- conversion at TP=2, SFT under
+torchrun, export, a real vLLM CPU server, GPPO with the weights streamed to it and probed after every
+push, a resume, the evaluation -- and the phase table's figures are the run's own."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PYTHON = os.environ.get("KLEAR_VLLM_PYTHON") or os.path.join(REPO, ".venv-vllm", "bin", "python")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason=f"vLLM's CPU build is not installed ({VLLM_PYTHON})")
+def test_the_quick_journey_at_qwen3_0_6b_width(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "journey.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/journey.py", "--quick", "--workdir", str(work), "--json", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["phase"] for r in rows] == ["make", "convert", "sft", "export", "serve", "gppo", "resume", "eval"]
+    by = {r["phase"]: r for r in rows}
+    config = json.loads((work / "hf-base" / "config.json").read_text())
+    assert (config["vocab_size"], config["hidden_size"], config["num_attention_heads"]) == (151936, 1024, 16)
+    assert (config["num_key_value_heads"], config["head_dim"], config["tie_word_embeddings"]) == (8, 128, True)
+    # every phase ran processes whose memory was seen; the trainers hold the width's weights
+    assert all(r["peak_rss_one"] > 0 and r["peak_pss_all"] > 0 for r in rows)
+    assert by["gppo"]["peak_rss_one"] > 2**30  # a trainer rank holds the width's weights and their optimizer
+    assert by["sft"]["tokens_per_s"] > 0 and by["sft"]["steps"] == 1
+    sft = [json.loads(x) for x in open(work / "sft-run" / "metrics.jsonl") if '"tokens_per_s"' in x]
+    assert by["sft"]["tokens_per_s"] == sft[0]["tokens_per_s"]
+    # GPPO: its step, then the resumed run's next one; each pushed every weight and passed the probe
+    assert by["gppo"]["steps"] == [1] and by["resume"]["steps"] == [2]
+    export = work / "hf-sft"
+    from safetensors import safe_open
+
+    weights = 0
+    for f in sorted(export.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            weights += sum(_numel(st.get_slice(k).get_shape()) * 2 for k in st.keys())
+    for phase in ("gppo", "resume"):
+        assert by[phase]["sync_bytes"] == weights, (by[phase], weights)  # bf16: every weight once
+        assert by[phase]["probe_max"] < 0.05  # the probe's bf16 tolerance
+    assert (work / "rl-run" / "iter_0000002").is_dir()
+    evaluated = json.loads((work / "eval.json").read_text())
+    assert "heldout" in json.dumps(evaluated)
+    assert "| gppo |" in proc.stdout and "samples/s" in proc.stdout
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
