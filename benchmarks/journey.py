@@ -1,6 +1,6 @@
 """The user's journey at Qwen3-0.6B's real shapes, end to end on the CPU, phase by phase.
 
-    python benchmarks/journey.py            # the whole architecture (28 layers): ~30 minutes on 2 cores
+    python benchmarks/journey.py            # the whole architecture (28 layers): ~17 minutes on 2 cores
     python benchmarks/journey.py --quick    # 2 layers of the same width: a few minutes (tests/test_journey_at_width.py)
 
 A random-weight checkpoint of Qwen3-0.6B's architecture as published (vocabulary 151,936, hidden
