@@ -65,8 +65,8 @@ QWEN3_0_6B = dict(
     flavor="base",
 )
 PHASES = ("make", "convert", "sft", "export", "serve", "gppo", "resume", "eval")
-#: each phase's expected share of the run (from the first full run), for the ETA
-SHARES = {"make": 2, "convert": 3, "sft": 35, "export": 3, "serve": 4, "gppo": 35, "resume": 12, "eval": 6}
+#: each phase's share of the run (the full run of 2026-12-06, benchmarks/RESULTS.md), for the ETA
+SHARES = {"make": 2, "convert": 1, "sft": 34, "export": 1, "serve": 3, "gppo": 33, "resume": 17, "eval": 9}
 
 
 class RSSSampler:
