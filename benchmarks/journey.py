@@ -48,22 +48,29 @@ SFT_CONFIG = os.path.join(REPO, "examples/configs/sft_qwen3_8b.yaml")
 GPPO_CONFIG = os.path.join(REPO, "examples/configs/gppo_qwen3_8b_math.yaml")
 VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
 
-#: Qwen3-0.6B's config.json, as make_tiny_model's arguments
-QWEN3_0_6B = dict(
-    num_layers=28,
-    hidden_size=1024,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=40960,
-    tied=True,
-    init_std=0.02,
-    max_shard_size="512MB",
-    flavor="base",
-)
+
+def qwen3_0_6b(layers: int) -> dict:
+    """make_tiny_model's arguments for Qwen3-0.6B's config.json (benchmarks/convert.py holds it) with
+    ``layers`` of its layers."""
+    from convert import QWEN3_0_6B as c  # benchmarks/convert.py (this script's directory is on sys.path)
+
+    return dict(
+        num_layers=layers,
+        hidden_size=c["hidden_size"],
+        num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_key_value_heads"],
+        head_dim=c["head_dim"],
+        intermediate_size=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        rope_theta=1_000_000.0,
+        max_position_embeddings=c["max_position_embeddings"],
+        tied=c["tie_word_embeddings"],
+        init_std=0.02,
+        max_shard_size="512MB",
+        flavor="base",
+    )
+
+
 PHASES = ("make", "convert", "sft", "export", "serve", "gppo", "resume", "eval")
 #: each phase's share of the run (the full run of 2026-12-06, benchmarks/RESULTS.md), for the ETA
 SHARES = {"make": 2, "convert": 1, "sft": 34, "export": 1, "serve": 3, "gppo": 33, "resume": 17, "eval": 9}
@@ -183,7 +190,7 @@ class Journey:
 
     # -- the phases -----------------------------------------------------------------------------------
     def make(self):
-        shape = dict(QWEN3_0_6B, num_layers=2 if self.args.quick else QWEN3_0_6B["num_layers"])
+        shape = qwen3_0_6b(2 if self.args.quick else 28)
         code = (
             "import json, sys; from megatron_klear.models.tiny import make_tiny_model; "
             "make_tiny_model(sys.argv[1], **json.loads(sys.argv[2]))"
