@@ -33,6 +33,7 @@ Progress goes to stderr with an ETA from the phases' expected shares; the table 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -97,13 +98,11 @@ class RSSSampler:
     @staticmethod
     def _pss(pid: int) -> int:
         """The proportional set size (shared pages divided among their users): what a sum may add."""
-        try:
+        with contextlib.suppress(OSError):  # (a process that ended meanwhile holds nothing)
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
                     if line.startswith("Pss:"):
                         return int(line.split()[1]) * 1024
-        except OSError:
-            pass
         return 0
 
     @staticmethod

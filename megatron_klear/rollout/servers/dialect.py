@@ -137,8 +137,8 @@ class ServerDialect(abc.ABC):
         """The call that loads one bucket of tensors the trainer shares in memory with a server on
         its own machine (``payload``: base64 of the bucket's :mod:`multiprocessing` pickle of
         ``[(HF name, tensor)]``, :mod:`megatron_klear.rollout.weight_sync.in_memory`); only where
-        :attr:`tensor_route` (elsewhere the push goes through disk)."""
-        raise NotImplementedError(f"{self.name} servers have no in-memory weight route")
+        :attr:`tensor_route` (elsewhere :meth:`tensor_refusal` sends the push through disk first)."""
+        raise EngineError(f"rollout: {self.tensor_refusal(transport, [worker])}")
 
     @abc.abstractmethod
     def bucket_call(

@@ -19,8 +19,6 @@ posts and the servers they lost) and sends over the sync's
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -82,13 +80,14 @@ class BucketSchedule:
     # it marks the update group instead, and the server then refuses any call naming the group
     # (megatron_klear/rollout/in_server/sglang_delta.py). The group is checked before each delta
     # bucket (a server restarted since it joined is found there too) and at the end of the sync.
-    def check_loads(self, workers=None) -> str | None:
-        """Every stage's group on ``workers`` (default: the groups' members): the error naming the
-        servers that do not hold it (each noted: restarted, or its loader failed), or None."""
+    def check_loads(self, workers=None, stages=None) -> str | None:
+        """The groups of ``stages`` (default: every stage's) on ``workers`` (default: the groups'
+        members): the error naming the servers that do not hold them (each noted: restarted, or its
+        loader failed), or None."""
         from megatron_klear.rollout.servers.wire import bucket_error
 
         wire, errors = self.groups.engine.wire, {}
-        for stage in sorted(self.groups.leaders):
+        for stage in sorted(self.groups.leaders) if stages is None else stages:
             refused = wire.check_group(self.groups.name(stage), self.groups.workers if workers is None else workers)
             self._note_disconnected(refused)
             errors.update(refused)
@@ -97,12 +96,9 @@ class BucketSchedule:
         return f"rollout: the delta sync's update groups are not whole on the servers: {bucket_error(errors)}"
 
     def forget_failed_loads(self, timeout: float | None = None) -> None:
-        """Drop the marked groups on the servers whose loader failed (best effort)."""
-        wire = self.groups.engine.wire
-        for w, marked in sorted(self.load_failed.items()):
-            path, body = wire.dialect.leave_call(marked)
-            with contextlib.suppress(Exception):
-                wire.post(w, path, body, timeout=timeout)
+        """Drop the marked groups on the servers whose loader failed (best effort, as any leave)."""
+        for marked in sorted(set(self.load_failed.values())):
+            self.groups.engine.wire.leave_group(marked, timeout=timeout)
 
     def _post_bucket(self, stage: int, meta, *, admit: bool = True):
         """Rank 0: post one bucket's metadata to every member of the group (once they paused and
@@ -114,8 +110,8 @@ class BucketSchedule:
         started = self.started.result()
         if started is not None:
             return None, started
-        if counts is not None:  # a delta bucket: every server must still hold the group (see check_loads)
-            refused = self.check_loads()
+        if counts is not None:  # a delta bucket: every server must still hold its group (see check_loads)
+            refused = self.check_loads(stages=[stage])
             if refused is not None:
                 return None, self._bucket_failed(stage, names, refused) + " (not posted)"
             self.delta_posted = True
@@ -172,13 +168,15 @@ class BucketSchedule:
         the name its delta loader marked it with (:attr:`load_failed`)."""
         from megatron_klear.rollout.base import WorkerGone
 
+        wire = self.groups.engine.wire
         for w, e in errors.items():
-            marked = [self.groups.engine.wire.failed_load(e, self.groups.name(k)) for k in self.groups.leaders]
-            marked = [m for m in marked if m]
-            if isinstance(e, WorkerGone) and "did not answer within" not in str(e):
-                self.disconnected.add(w)
-            elif marked:  # its delta loader failed: alive, the next attempt sends it everything
-                self.load_failed[w] = marked[0]
+            if isinstance(e, WorkerGone):
+                if "did not answer within" not in str(e):
+                    self.disconnected.add(w)
+                continue
+            marked = next(filter(None, (wire.failed_load(e, self.groups.name(k)) for k in self.groups.leaders)), None)
+            if marked:  # its delta loader failed: alive, the next attempt sends it everything
+                self.load_failed[w] = marked
             elif "init_weights_update_group" in str(e) and " not in " in str(e):
                 self.disconnected.add(w)
 
