@@ -6,6 +6,7 @@ TRL's reward function.
     python benchmarks/vs_trl.py --sft runs/demo/hf-sft --prompts runs/demo/rl-prompts.jsonl \\
         --heldout runs/demo/heldout.jsonl              # from an existing SFT model
     python benchmarks/vs_trl.py --quick                # every stage at tiny sizes (the test suite)
+    python benchmarks/vs_trl.py --shape qwen3-0.6b     # where compute dominates (~50 minutes on 2 cores)
 
 Pairs (the same rule on both sides, ``PAIRS``):
 
@@ -28,6 +29,17 @@ medians over the steps), held-out avg@8 of the SFT model and of each run's check
 project's evaluation, the demo's: ``megatron_klear/demo_recipe.py``, on both models), the ratio of samples/s and the
 difference in held-out gain with its seed spread. Written: ``<out>/details.json``, ``<out>/results.md``,
 ``<out>/heldout_vs_samples.png`` and ``<out>/heldout_vs_seconds.png``.
+
+``--shape qwen3-0.6b``: the same comparison where compute dominates, on a random-weight checkpoint of
+Qwen3-0.6B's architecture (benchmarks/journey.py builds it: vocabulary 151,936, 28 layers, GQA 16/8
+of 128, tied embeddings; ``--layers`` fewer): ``--steps`` (3) steps of 2 prompts x 8 responses of 64
+new tokens (the random model seldom samples an end token: every response runs to 64), the
+``clip_higher`` pair, each side in fp32 and in bf16 (TRL: ``bf16=True``, autocast over fp32 weights;
+the project: ``model.dtype=bf16``, fp32 main weights in the optimizer, and the engine in bf16), the
+project in its fastest shipped layout (one process, two threads) and the demo's (TP=2 under the
+launcher, one thread a rank). Printed: samples/s from the command to its exit and per step (the
+median step), the step split, and each project layout's ratio against TRL's faster dtype. No
+held-out evaluation: the weights are random, only the figures mean something.
 """
 
 from __future__ import annotations
@@ -155,23 +167,27 @@ def trl_worker(args) -> None:
 
 
 # -- the project's side -----------------------------------------------------------------------------
-def project_run(args, settings, files, pair: str, seed: int, run: str) -> dict:
-    """The project's RL command (its launcher, as a user runs it); returns its step log."""
+def project_run(args, settings, files, pair: str, seed: int, run: str, layout: tuple, dtype: str) -> dict:
+    """The project's RL command (its launcher, as a user runs it) with ``layout`` = (processes,
+    threads each: TP = processes) in ``dtype``; returns its step log."""
     from megatron_klear.demo_recipe import rl_overrides
 
-    overrides = rl_overrides(settings, files["sft"], run, prompts=files["prompts"], tp=args.nproc)
+    nproc, threads = layout
+    overrides = rl_overrides(settings, files["sft"], run, prompts=files["prompts"], tp=nproc)
     overrides += [
         f"train.seed={seed}",
         f"train.save_interval={args.eval_every}",
         *PAIRS[pair][0],
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if dtype == "bf16":  # the trainer's weights and the embedded engine's (fp32 main weights stay in the optimizer)
+        overrides += ["model.dtype=bf16", "rollout.dtype=bf16"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     t0 = time.time()
     # one process: plain python, as TRL's side runs (the package starts a world of one without a
     # launcher); more: the project's launcher, as torchrun
     cmd = [sys.executable]
-    if args.nproc > 1:
-        cmd += ["-m", "megatron_klear.platform.launch", "--nproc-per-node", str(args.nproc)]
+    if nproc > 1:
+        cmd += ["-m", "megatron_klear.platform.launch", "--nproc-per-node", str(nproc)]
     with open(os.path.join(os.path.dirname(run), os.path.basename(run) + ".log"), "w") as log:
         subprocess.run(
             [*cmd, "-m", "megatron_klear", "rl", *overrides], cwd=ROOT, env=env, stdout=log, stderr=log, check=True
@@ -232,6 +248,17 @@ def prepare(args, settings) -> dict:
     if args.sft:
         return {"sft": args.sft, "prompts": args.prompts, "heldout": args.heldout}
     out = os.path.abspath(os.path.join(args.out, "sft"))
+    if args.shape != "demo":  # a random-weight checkpoint of the real architecture
+        from benchmarks.journey import qwen3_0_6b
+        from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+        from megatron_klear.models.tiny import make_tiny_model
+
+        sft = os.path.join(out, f"hf-{args.shape}-{args.layers}l")
+        if not os.path.exists(os.path.join(sft, "config.json")):
+            print(f"building {args.shape} ({args.layers} layers, random weights) in {sft}", flush=True)
+            make_tiny_model(sft, **qwen3_0_6b(args.layers))
+        write_rl_prompts_jsonl(f"{out}/rl-prompts.jsonl", 64, seed=1)
+        return {"sft": sft, "prompts": f"{out}/rl-prompts.jsonl", "heldout": None}
     if args.quick:  # a random tiny model stands in for the SFT stage (the demo's --quick covers it)
         from megatron_klear.data.synthetic import write_rl_prompts_jsonl
         from megatron_klear.models.tiny import make_tiny_qwen3
@@ -247,57 +274,92 @@ def prepare(args, settings) -> dict:
     return {"sft": sft, "prompts": f"{out}/rl-prompts.jsonl", "heldout": f"{out}/heldout.jsonl"}
 
 
-def summarize(runs: list, baseline: float) -> dict:
-    """pair -> framework -> per-seed figures and their means; the ratio and the gain difference."""
+def side(r: dict) -> str:
+    """A run's side: ``project`` / ``trl``, with its layout and dtype when the runs vary them."""
+    return r["framework"] + (f" {r['layout']} {r['dtype']}" if r.get("variant") else "")
+
+
+def summarize(runs: list, baseline: float | None) -> dict:
+    """pair -> side -> per-seed figures and their means; the project's fastest side against TRL's
+    (``ratio``), every project side's ratio (``ratios``) and the held-out gain difference."""
     table = {}
     for r in runs:
-        table.setdefault(r["pair"], {}).setdefault(r["framework"], []).append(r)
+        table.setdefault(r["pair"], {}).setdefault(side(r), []).append(r)
     out = {}
     for pair, sides in table.items():
         row = {}
-        for fw, rs in sides.items():
-            row[fw] = {
+        for name, rs in sides.items():
+            row[name] = {
                 "samples_per_s": [r["samples"] / r["seconds"] for r in rs],
-                "gain": [r["heldout"][-1][1] - baseline for r in rs],
-                "final": [r["heldout"][-1][1] for r in rs],
+                # per step: the median step's trained samples over its time (start-up and saves not counted)
+                "step_samples_per_s": statistics.median(s["samples"] / s["step_s"] for r in rs for s in r["steps"]),
                 "seconds": [r["seconds"] for r in rs],
                 "split": {
                     k: statistics.median(s[k] for r in rs for s in r["steps"])
                     for k in ("generate_s", "grade_s", "train_s", "sync_s", "step_s")
                 },
             }
-        if {"project", "trl"} <= set(row):
-            p, t = row["project"], row["trl"]
+            if baseline is not None:
+                row[name]["gain"] = [r["heldout"][-1][1] - baseline for r in rs]
+                row[name]["final"] = [r["heldout"][-1][1] for r in rs]
+        fastest = {
+            fw: max((n for n in row if n.split()[0] == fw), key=lambda n: statistics.fmean(row[n]["samples_per_s"]))
+            for fw in ("project", "trl")
+            if any(n.split()[0] == fw for n in row)
+        }
+        if len(fastest) == 2:
+            p, t = row[fastest["project"]], row[fastest["trl"]]
+            row["fastest"] = fastest
             row["ratio"] = statistics.fmean(p["samples_per_s"]) / statistics.fmean(t["samples_per_s"])
-            diffs = [a - b for a, b in zip(p["gain"], t["gain"])]
-            row["gain_diff"] = statistics.fmean(diffs)
-            row["gain_diff_spread"] = (min(diffs), max(diffs))
+            row["ratios"] = {
+                n: {
+                    "run": statistics.fmean(row[n]["samples_per_s"]) / statistics.fmean(t["samples_per_s"]),
+                    "step": row[n]["step_samples_per_s"] / t["step_samples_per_s"],
+                }
+                for n in list(row)
+                if n.split()[0] == "project"
+            }
+            if baseline is not None:
+                diffs = [a - b for a, b in zip(p["gain"], t["gain"])]
+                row["gain_diff"] = statistics.fmean(diffs)
+                row["gain_diff_spread"] = (min(diffs), max(diffs))
         out[pair] = row
     return out
 
 
-def table(summary: dict, baseline: float) -> str:
-    f = lambda xs: " / ".join(f"{x:.0f}" for x in xs)  # noqa: E731
+def table(summary: dict, baseline: float | None) -> str:
+    f = lambda xs: " / ".join(f"{x:.0f}" if x >= 10 else f"{x:.2f}" for x in xs)  # noqa: E731
     g = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
     lines = [
-        f"SFT model held-out avg@k: {baseline:.1f}%",
+        f"SFT model held-out avg@k: {baseline:.1f}%"
+        if baseline is not None
+        else "random weights: no held-out evaluation",
         "",
-        "| pair | framework | samples/s (per seed) | step s: generate / grade / train / sync "
-        "| held-out avg@k after (per seed) |",
-        "|---|---|---|---|---|",
+        "| pair | side | samples/s, command to exit (per seed) | samples/s, median step "
+        "| step s: generate / grade / train / sync | held-out avg@k after (per seed) |",
+        "|---|---|---|---|---|---|",
     ]
     for pair, row in summary.items():
-        for fw in ("project", "trl"):
-            if fw in row:
-                sp = row[fw]["split"]
-                split = f"{sp['generate_s']:.2f} / {sp['grade_s']:.2f} / {sp['train_s']:.2f} / {sp['sync_s']:.2f}"
-                lines.append(f"| {pair} | {fw} | {f(row[fw]['samples_per_s'])} | {split} | {g(row[fw]['final'])} |")
-        if "ratio" in row:
-            lo, hi = row["gain_diff_spread"]
+        for name, fig in row.items():
+            if not isinstance(fig, dict) or "split" not in fig:
+                continue
+            sp = fig["split"]
+            split = f"{sp['generate_s']:.2f} / {sp['grade_s']:.2f} / {sp['train_s']:.2f} / {sp['sync_s']:.2f}"
+            held = g(fig["final"]) if "final" in fig else "-"
             lines.append(
-                f"| {pair} | **project / TRL** | **{row['ratio']:.2f}x** | | gain difference {row['gain_diff']:+.1f} "
-                f"points (seeds {lo:+.1f} .. {hi:+.1f}) |"
+                f"| {pair} | {name} | {f(fig['samples_per_s'])} | {f([fig['step_samples_per_s']])} | {split} | {held} |"
             )
+        if "ratio" in row:
+            gain = ""
+            if "gain_diff" in row:
+                lo, hi = row["gain_diff_spread"]
+                gain = f"gain difference {row['gain_diff']:+.1f} points (seeds {lo:+.1f} .. {hi:+.1f})"
+            lines.append(f"| {pair} | **project / TRL** | **{row['ratio']:.2f}x** | | | {gain} |")
+            if len(row["ratios"]) > 1:
+                for name, x in row["ratios"].items():
+                    lines.append(
+                        f"| {pair} | {name} / {row['fastest']['trl']} | {x['run']:.2f}x | {x['step']:.2f}x | | |"
+                    )
     return "\n".join(lines)
 
 
@@ -316,7 +378,7 @@ def plots(out: str, runs: list, baseline: float) -> None:
             for step, acc in r["heldout"]:
                 done = r["steps"][:step]
                 pts.append((sum(s["samples"] for s in done) if x == "samples" else done[-1]["t"], acc))
-            by_line.setdefault(f"{r['framework']} {r['pair']}", []).append(pts)
+            by_line.setdefault(f"{side(r)} {r['pair']}", []).append(pts)
         series = {
             f"{line} ({len(seeds)} seeds)": [
                 (statistics.fmean(p[0] for p in column), statistics.fmean(p[1] for p in column))
@@ -327,18 +389,55 @@ def plots(out: str, runs: list, baseline: float) -> None:
         line_chart(os.path.join(out, name), series, title=f"Held-out avg@k against {label}", xlabel=label, ylabel="%")
 
 
+def trl_run(args, settings, files, pair: str, seed: int, run: str, dtype: str) -> dict:
+    """TRL's side in a worker process (this script, ``--trl-worker``): one process, ``--threads``."""
+    os.makedirs(run, exist_ok=True)
+    cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", "--run", run, "--pair", pair]
+    cmd += ["--seed", str(seed), "--sft", files["sft"], "--prompts", files["prompts"], "--steps", str(args.steps)]
+    cmd += ["--eval-every", str(args.eval_every), "--threads", str(args.threads), "--t-start", str(time.time())]
+    cmd += ["--prompts-per-step", str(settings.rl_prompts_per_step), "--max-new-tokens", str(settings.max_new_tokens)]
+    cmd += ["--lr", str(settings.rl_lr)] + (["--trl-bf16"] if dtype == "bf16" else [])
+    start = time.time()
+    with open(run + ".log", "w") as log:
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=log, check=True)
+    result = json.load(open(os.path.join(run, "trl.json")))
+    result["seconds"] = time.time() - start
+    for s in result["steps"]:
+        s["samples"] = settings.rl_prompts_per_step * 8
+    return result
+
+
+def parse_layouts(text: str) -> list:
+    """ "1x2,2x1" -> [(1, 2), (2, 1)]: processes x torch threads each."""
+    try:
+        return [tuple(int(n) for n in part.split("x")) for part in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--layouts: processes x threads, comma-separated (e.g. 1x2,2x1), got {text!r}") from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/vs-trl")
+    p.add_argument("--shape", choices=("demo", "qwen3-0.6b"), default="demo")
+    p.add_argument("--layers", type=int, default=28, help="--shape qwen3-0.6b: this many of its layers")
     p.add_argument("--sft", default=None, help="an HF SFT model (default: build the demo's)")
     p.add_argument("--prompts", default=None, help="RL prompts JSONL (with --sft)")
     p.add_argument("--heldout", default=None, help="held-out problems JSONL (with --sft)")
-    p.add_argument("--pairs", default=",".join(PAIRS))
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--pairs", default=None, help=f"of {','.join(PAIRS)} (default: all; --shape: clip_higher)")
+    p.add_argument("--seeds", type=int, default=None, help="default 3 (--shape: 1)")
+    p.add_argument("--steps", type=int, default=None, help="default 40 (--shape: 3)")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--nproc", type=int, default=1, help="processes on each side (the project: TP = nproc)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    p.add_argument(
+        "--layouts",
+        default=None,
+        help="the project's layouts, processes x threads (default: nproc x threads; --shape: 1x2,2x1)",
+    )
+    p.add_argument(
+        "--dtypes", default=None, help="fp32 and/or bf16, each side in each (default fp32; --shape: fp32,bf16)"
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None, help="also write the summary here")
     # the TRL worker
@@ -358,80 +457,68 @@ def main(argv=None) -> int:
     from megatron_klear.demo_recipe import QUICK, Settings
     from megatron_klear.utils.progress import format_seconds
 
+    shape = args.shape != "demo"
+    args.pairs = args.pairs or ("clip_higher" if shape else ",".join(PAIRS))
+    args.seeds = args.seeds or (1 if shape else 3)
+    args.steps = args.steps or (3 if shape else 40)
+    layouts = parse_layouts(args.layouts or ("1x2,2x1" if shape else f"{args.nproc}x{args.threads}"))
+    dtypes = (args.dtypes or ("fp32,bf16" if shape else "fp32")).split(",")
     if args.quick:
         args.steps, args.eval_every, args.seeds = 2, 2, 1
     settings = Settings(**(QUICK if args.quick else {}))
     settings.rl_steps = args.steps
+    if shape:  # 2 prompts x 8 responses of 64 tokens a step, one optimizer step on all of them
+        args.eval_every = args.steps  # (each side saves once, at the end)
+        settings.rl_prompts_per_step = settings.rl_mini_batch_prompts = 2
+        settings.max_new_tokens = 64
     if args.quick:
         settings.eval_prompts, settings.eval_k = 4, 2
     os.makedirs(args.out, exist_ok=True)
     files = prepare(args, settings)
     # the evaluations' records go to <out>/eval/, not beside the SFT model
     evaluations = os.path.join(args.out, "eval")
-    baseline = heldout(settings, files, files["sft"], os.path.join(evaluations, "eval-sft.json"))
-    print(f"SFT model: held-out avg@{settings.eval_k} {baseline:.1f}%", flush=True)
-    jobs = [
-        (pair, seed, fw) for seed in range(args.seeds) for pair in args.pairs.split(",") for fw in ("project", "trl")
-    ]
+    baseline = None
+    if files["heldout"]:
+        baseline = heldout(settings, files, files["sft"], os.path.join(evaluations, "eval-sft.json"))
+        print(f"SFT model: held-out avg@{settings.eval_k} {baseline:.1f}%", flush=True)
+    variant = len(layouts) > 1 or len(dtypes) > 1
+    jobs = []
+    for seed in range(args.seeds):
+        for pair in args.pairs.split(","):
+            for dtype in dtypes:
+                jobs += [(pair, seed, "project", layout, dtype) for layout in layouts]
+                jobs.append((pair, seed, "trl", (1, args.threads), dtype))
     runs, t0 = [], time.time()
-    for i, (pair, seed, fw) in enumerate(jobs):
-        run = os.path.abspath(os.path.join(args.out, "runs", f"{pair}-{fw}-s{seed}"))
+    for i, (pair, seed, fw, layout, dtype) in enumerate(jobs):
+        name = f"{pair}-{fw}-{layout[0]}x{layout[1]}-{dtype}-s{seed}" if variant else f"{pair}-{fw}-s{seed}"
+        run = os.path.abspath(os.path.join(args.out, "runs", name))
         os.makedirs(os.path.dirname(run), exist_ok=True)
         if fw == "project":
-            result = project_run(args, settings, files, pair, seed, run)
+            result = project_run(args, settings, files, pair, seed, run, layout, dtype)
         else:
-            os.makedirs(run, exist_ok=True)
-            cmd = [sys.executable, os.path.abspath(__file__), "--trl-worker", "--run", run, "--pair", pair]
-            cmd += [
-                "--seed",
-                str(seed),
-                "--sft",
-                files["sft"],
-                "--prompts",
-                files["prompts"],
-                "--steps",
-                str(args.steps),
-            ]
-            cmd += ["--eval-every", str(args.eval_every), "--threads", str(args.threads), "--t-start", str(time.time())]
-            cmd += [
-                "--prompts-per-step",
-                str(settings.rl_prompts_per_step),
-                "--max-new-tokens",
-                str(settings.max_new_tokens),
-            ]
-            cmd += ["--lr", str(settings.rl_lr)]
-            start = time.time()
-            with open(run + ".log", "w") as log:
-                subprocess.run(
-                    cmd,
-                    cwd=ROOT,
-                    env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
-                    stdout=log,
-                    stderr=log,
-                    check=True,
-                )
-            result = json.load(open(os.path.join(run, "trl.json")))
-            result["seconds"] = time.time() - start
-            for s in result["steps"]:
-                s["samples"] = settings.rl_prompts_per_step * 8
-        result.update(pair=pair, seed=seed, framework=fw)
+            result = trl_run(args, settings, files, pair, seed, run, dtype)
+        result.update(
+            pair=pair, seed=seed, framework=fw, layout=f"{layout[0]}x{layout[1]}", dtype=dtype, variant=variant
+        )
         result["samples"] = sum(s.get("samples", settings.rl_prompts_per_step * 8) for s in result["steps"])
         result["heldout"] = [
             (step, heldout(settings, files, path, os.path.join(evaluations, f"eval-{pair}-{fw}-s{seed}-{step}.json")))
-            for step, path in sorted(checkpoints(run, fw).items())
+            for step, path in (sorted(checkpoints(run, fw).items()) if baseline is not None else [])
         ]
         runs.append(result)
         done = i + 1
         eta = (len(jobs) - done) * (time.time() - t0) / done
+        held = f", held-out {' '.join(f'{a:.1f}' for _, a in result['heldout'])}" if result["heldout"] else ""
         print(
-            f"  {pair} {fw} seed {seed}: {result['samples'] / result['seconds']:.0f} samples/s, held-out "
-            f"{' '.join(f'{a:.1f}' for _, a in result['heldout'])}  [{done}/{len(jobs)}, ETA {format_seconds(eta)}]",
+            f"  {pair} {side(result)} seed {seed}: {result['samples'] / result['seconds']:.2f} samples/s "
+            f"({result['seconds']:.0f} s){held}  [{done}/{len(jobs)}, ETA {format_seconds(eta)}]",
             flush=True,
         )
     summary = summarize(runs, baseline)
     text = table(summary, baseline)
     print(text, flush=True)
-    plots(args.out, runs, baseline)
+    if baseline is not None:
+        plots(args.out, runs, baseline)
     details = {"baseline": baseline, "summary": summary, "runs": runs, "args": vars(args)}
     from megatron_klear.utils.atomic import write_text
 

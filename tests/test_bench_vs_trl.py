@@ -38,3 +38,45 @@ def test_vs_trl_benchmark_quick(tmp_path):
     assert statistics.median(s["train_s"] for s in runs["trl"]["steps"]) == row["trl"]["split"]["train_s"]
     for name in ("heldout_vs_samples.png", "heldout_vs_seconds.png", "results.md"):
         assert (out / name).stat().st_size > 0, name
+
+
+def test_the_shape_runs_summary_takes_each_sides_fastest_variant():
+    """--shape runs each side in several layouts and dtypes: the headline ratio is the project's
+    fastest variant over TRL's fastest, every project variant gets its ratio against TRL's fastest
+    (from the command to exit, and per median step), and without a held-out evaluation no gain is
+    computed (the weights are random)."""
+    import benchmarks.vs_trl as vs
+
+    def run(fw, layout, dtype, seconds, step_s):
+        steps = [
+            {"samples": 16, "step_s": s, "generate_s": 1.0, "grade_s": 0.0, "train_s": 1.0, "sync_s": 0.0}
+            for s in step_s
+        ]
+        return {
+            "pair": "clip_higher",
+            "framework": fw,
+            "layout": layout,
+            "dtype": dtype,
+            "variant": True,
+            "samples": 16 * len(steps),
+            "seconds": seconds,
+            "steps": steps,
+            "heldout": [],
+        }
+
+    runs = [
+        run("project", "1x2", "fp32", 100.0, [20.0, 30.0, 40.0]),
+        run("project", "2x1", "bf16", 60.0, [10.0, 12.0, 14.0]),
+        run("trl", "1x2", "fp32", 120.0, [35.0, 40.0, 45.0]),
+        run("trl", "1x2", "bf16", 80.0, [20.0, 25.0, 30.0]),
+    ]
+    row = vs.summarize(runs, None)["clip_higher"]
+    assert row["fastest"] == {"project": "project 2x1 bf16", "trl": "trl 1x2 bf16"}
+    assert abs(row["ratio"] - (48 / 60) / (48 / 80)) < 1e-12
+    assert abs(row["ratios"]["project 1x2 fp32"]["run"] - (48 / 100) / (48 / 80)) < 1e-12
+    assert abs(row["ratios"]["project 1x2 fp32"]["step"] - (16 / 30) / (16 / 25)) < 1e-12  # median steps
+    assert abs(row["project 2x1 bf16"]["step_samples_per_s"] - 16 / 12) < 1e-12
+    assert "gain_diff" not in row and "gain" not in row["trl 1x2 bf16"]
+    text = vs.table(vs.summarize(runs, None), None)
+    assert "| clip_higher | **project / TRL** | **1.33x** |" in text, text
+    assert "| clip_higher | project 1x2 fp32 / trl 1x2 bf16 | 0.80x | 0.83x |" in text, text

@@ -211,6 +211,8 @@ def test_a_port_already_taken_is_named(models, servers):
     status, message, seconds = out[0]
     assert status == "error" and f"port {port} is already in use" in message and "rollout.sync_master_port" in message
     assert seconds < 10, seconds
+    # (bind(0) handed out an ephemeral port: the message says why such a port is a poor fixed choice)
+    assert "ephemeral range" in message, message
 
 
 def test_a_server_that_never_joins_is_named_within_the_group_timeout(models, tmp_path):

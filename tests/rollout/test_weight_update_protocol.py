@@ -18,9 +18,11 @@ from megatron_klear.rollout.servers.update_group import (
     FLATTENED_BUCKET,
     destroy_update_group,
     dtype_name,
+    ephemeral_range,
     flatten_bucket,
     join_update_group,
     open_master_store,
+    port_in_use_message,
 )
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
@@ -248,3 +250,17 @@ def test_weights_checker_answers_sglangs_shape(server, tiny_hf):
     assert rank["parallelism_info"][0]["tp_size"] == 1
     status, body = post(server.url, "/weights_checker", {"action": "snapshot"})
     assert status == 400 and "not supported" in body["message"]
+
+
+def test_a_taken_port_in_the_ephemeral_range_is_named_as_such(tmp_path):
+    """A fixed port inside the host's ephemeral range can be taken by any outgoing connection or
+    bind(0) between a job's restarts (what the Slurm tests met with ports from bind(0)): the error says
+    so, with the range read from the kernel's file; a port below it gets the plain message."""
+    proc_file = tmp_path / "ip_local_port_range"
+    proc_file.write_text("32768\t60999\n")
+    assert ephemeral_range(str(proc_file)) == (32768, 60999)
+    assert ephemeral_range(str(tmp_path / "missing")) is None
+    inside = port_in_use_message(33903, (32768, 60999))
+    assert "port 33903 is already in use" in inside and "ephemeral range (32768-60999" in inside
+    below = port_in_use_message(29600, (32768, 60999))
+    assert below == "port 29600 is already in use on this host"

@@ -4,7 +4,7 @@ Debian's ``slurm-wlm`` and ``munge`` (``make slurm`` installs them): one ``munge
 key and socket, one ``slurmctld`` and three ``slurmd`` (``n1``-``n3``: all ``localhost``, each on
 its own port, addresses given to Slurm as ``NodeAddr=127.0.0.1`` because the node names resolve to
 nothing, as on clusters where the scripts must take addresses from Slurm). Everything lives under
-one temporary directory with free ports; :meth:`LocalSlurm.stop` cancels the jobs, stops the
+one temporary directory with free ports (below the ephemeral range); :meth:`LocalSlurm.stop` cancels the jobs, stops the
 daemons and checks that none is left running.
 
 Each node declares ``Gres=gpu:2`` (two empty files as its devices: counted, never opened), so the scripts'
@@ -17,6 +17,7 @@ GPU requests are checked as on a cluster with GPU GRES. Settings that matter to 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import time
 
 from megatron_klear.platform.process import free_port
+from megatron_klear.rollout.servers.update_group import ephemeral_range
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 GPUS_PER_NODE = 2  # the GPU GRES each test node declares
@@ -36,9 +38,15 @@ def missing_binaries() -> list:
 
 
 def _free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive free TCP ports."""
+    """The first of ``count`` consecutive free TCP ports, below the host's ephemeral range: a job
+    keeps its ports across restarts, and a port inside the range (as bind(0) hands out) can be taken
+    meanwhile by any outgoing connection or bind(0), e.g. a trainer's gloo listeners, which then
+    fails the restarted job's bind (megatron_klear/rollout/servers/update_group.py
+    ``port_in_use_message``). Where the range starts too low, any free run."""
+    low = (ephemeral_range() or (32768, 60999))[0]
+    rng = random.Random()
     for _ in range(200):
-        base = free_port()
+        base = rng.randrange(20000, low - count) if low - count > 20000 else free_port()
         if base + count > 65000:
             continue
         ok = True

@@ -1,8 +1,8 @@
 """A failed Slurm test keeps its job's logs: the test's directory (the job's output, every role's
 log, the run directory) and the local Slurm's daemon logs are copied to
 ``test-artifacts/slurm/<test>/`` in the repository (ignored by git, kept by CI's workspace), and the
-failure report ends with the tail of each log, so that a failure on a machine nobody can log into
-still says what the job printed."""
+failure report ends with the tail of each log (the job's output and the trainer's first), so that a
+failure on a machine nobody can log into still says what the job printed."""
 
 import os
 import shutil
@@ -22,6 +22,14 @@ def _tail(path: str) -> str:
         return f"(unreadable: {e})"
 
 
+def _shown_first(path: str) -> tuple:
+    """The order of the report's tails: the job's output, then the trainer's logs, the other roles'
+    and Slurm's daemons' last (CI shows the start of a long report: what explains a failure first)."""
+    name = os.path.basename(path)
+    rank = 0 if name.endswith(".out") else 1 if name.startswith("trainer") else 3 if "slurm-log" in path else 2
+    return rank, path
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -39,7 +47,10 @@ def pytest_runtest_makereport(item, call):
         )
     if cluster is not None:
         shutil.copytree(os.path.join(cluster.root, "log"), os.path.join(dest, "slurm-log"), dirs_exist_ok=True)
-    logs = sorted(os.path.join(d, n) for d, _, names in os.walk(dest) for n in names if n.endswith((".log", ".out")))
+    logs = sorted(
+        (os.path.join(d, n) for d, _, names in os.walk(dest) for n in names if n.endswith((".log", ".out"))),
+        key=_shown_first,
+    )
     text = [f"the job's logs are kept in {dest}"]
     text += [f"--- {os.path.relpath(p, dest)} (last {TAIL_LINES} lines)\n{_tail(p)}" for p in logs]
     report.sections.append(("Slurm job logs", "\n".join(text)))

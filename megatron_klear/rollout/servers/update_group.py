@@ -56,6 +56,33 @@ class PortInUseError(RuntimeError):
     pass
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
+    """The host's ephemeral ports (Linux: 32768-60999 by default), None where unknown. A fixed port
+    inside it can be taken at any time by any process's outgoing connection or ``bind(0)`` (the
+    trainer's own gloo listeners among them), so a job that reuses its ports across restarts should
+    pick them below it (the launch scripts' defaults: 29500-31001)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            low, high = (int(n) for n in f.read().split())
+        return low, high
+    return None
+
+
+def port_in_use_message(port: int, ephemeral: tuple[int, int] | None = None) -> str:
+    """What :class:`PortInUseError` says: a port inside the ephemeral range is named as such."""
+    text = f"port {port} is already in use on this host"
+    ephemeral = ephemeral or ephemeral_range()
+    if ephemeral and ephemeral[0] <= port <= ephemeral[1]:
+        text += (
+            f"; it lies in the host's ephemeral range ({ephemeral[0]}-{ephemeral[1]}, {EPHEMERAL_RANGE_FILE}), "
+            "where any process's outgoing connection or bind(0) can take it: pick a port below it"
+        )
+    return text
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The name SGLang reads back with :func:`dtype_of` (``torch.bfloat16`` -> ``"bfloat16"``)."""
     return canonical_name(dtype)
@@ -122,7 +149,7 @@ def open_master_store(host: str, port: int, world_size: int, timeout: float):
     except Exception as e:
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower() or "errno: 98" in text:
-            raise PortInUseError(f"port {port} is already in use on this host") from None
+            raise PortInUseError(port_in_use_message(int(port))) from None
         raise
 
 
