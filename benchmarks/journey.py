@@ -26,6 +26,8 @@ Per phase: wall time, the peak resident set of the largest process and the peak 
 size of all of them together (the phase's processes and the server, sampled every 0.2 s; shared
 pages counted once), tokens/s where tokens are trained
 (SFT: real tokens; GPPO: trained samples' tokens), and for GPPO the weight sync's bytes and time.
+The ratio against a baseline of the same run: GPPO's push against the disk route a run without the
+update protocol takes (the ``export`` phase plus the ``serve`` phase: a server started on the export).
 Progress goes to stderr with an ETA from the phases' expected shares; the table to stdout and to
 ``--json``. The model is random: the rewards say nothing, the figures are the point.
 """
@@ -320,6 +322,22 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def push_ratio(rows: list) -> dict | None:
+    """The run's baseline: GPPO's mean push time against what a run without the update protocol does
+    to get new weights into a server, measured in the same run: export the checkpoint to HF, start a
+    server on it (the ``export`` and ``serve`` phases). None when no push happened."""
+    by = {r["phase"]: r for r in rows}
+    if "sync_s" not in by.get("gppo", {}):
+        return None
+    disk = by["export"]["seconds"] + by["serve"]["seconds"]
+    return {
+        "push_s": by["gppo"]["sync_s"],
+        "export_s": by["export"]["seconds"],
+        "serve_s": by["serve"]["seconds"],
+        "ratio": by["gppo"]["sync_s"] / disk,
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 layers of the same width, shorter rows and responses")
@@ -349,9 +367,18 @@ def main(argv=None) -> int:
     )
     print(table(rows))
     print(f"total {sum(r['seconds'] for r in rows):.0f} s")
+    ratio = push_ratio(rows)
+    if ratio:
+        print(
+            f"weights into the server: a push {ratio['push_s']:.1f} s against the disk route measured in this run "
+            f"(export {ratio['export_s']:.1f} s + a server started on the export {ratio['serve_s']:.1f} s): "
+            f"{ratio['ratio']:.2f}x"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": started.isoformat(), "quick": args.quick, "rows": rows}, f, indent=2)
+            json.dump(
+                {"date": started.isoformat(), "quick": args.quick, "rows": rows, "push_ratio": ratio}, f, indent=2
+            )
     return 0
 
 

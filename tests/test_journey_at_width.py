@@ -55,6 +55,11 @@ def test_the_quick_journey_at_qwen3_0_6b_width(tmp_path):
     evaluated = json.loads((work / "eval.json").read_text())
     assert "heldout" in json.dumps(evaluated)
     assert "| gppo |" in proc.stdout and "samples/s" in proc.stdout
+    # the same-run baseline: the push against export + a server started on the export
+    ratio = json.loads(out.read_text())["push_ratio"]
+    disk = by["export"]["seconds"] + by["serve"]["seconds"]
+    assert ratio["push_s"] == by["gppo"]["sync_s"] and abs(ratio["ratio"] - by["gppo"]["sync_s"] / disk) < 1e-12
+    assert f"{ratio['ratio']:.2f}x" in proc.stdout
 
 
 def _numel(shape) -> int:

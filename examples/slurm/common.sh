@@ -5,10 +5,13 @@
 # Conventions: LOG_DIR is set; every role runs as one `srun --overlap` step named after it, with
 # its log in $LOG_DIR/<role>.log; klear_run_trainer ends the script with the trainer's exit status.
 #
-# Stopping. The servers and the router ignore SIGTERM (their tasks start with it ignored), so that
-# the trainer can finish its step and save while Slurm signals every process of the job (scancel,
-# scontrol requeue, preemption with PreemptMode=REQUEUE: SIGTERM to all, SIGKILL KillWait seconds
-# later); the script stops them itself with SIGKILL once the trainer has ended.
+# Stopping. The servers' and the router's tasks start with SIGTERM ignored, for the programs that
+# keep that (the CPU stand-in); sglang-router and SGLang's / vLLM's HTTP servers install their own
+# handler and stop at once when Slurm signals every process of the job (scancel, scontrol requeue,
+# preemption with PreemptMode=REQUEUE: SIGTERM to all, SIGKILL KillWait seconds later). The trainer
+# does not need them then: it cancels the generation in flight, ends an update without pushing it,
+# and saves (docs/slurm.md, Preemption). The script stops the roles with SIGKILL once the trainer
+# has ended.
 # - SIGUSR1 to this script (#SBATCH --signal=B:USR1@<seconds>: the time limit or a preemption
 #   announced ahead): the trainer's step gets SIGTERM (it saves and stops), then the script
 #   requeues the job, which resumes from that step.

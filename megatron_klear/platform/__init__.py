@@ -5,6 +5,7 @@ library only) loads without torch in helper processes."""
 
 _DISTRIBUTED = (
     "ParallelConfig",
+    "any_rank",
     "barrier",
     "broadcast_from_rank0",
     "comm_device",

@@ -178,6 +178,16 @@ def broadcast_from_rank0(obj):
     return box[0]
 
 
+def any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is true on any rank (the same answer everywhere), over the gloo
+    control group (a CPU tensor, under NCCL too)."""
+    if not _multi():
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL["group"])
+    return bool(t.item())
+
+
 def send_object(obj, dst: int) -> None:
     """Point to point over the control group (a picklable object to global rank ``dst``)."""
     dist.send_object_list([obj], dst=dst, group=_CONTROL["group"])

@@ -85,17 +85,9 @@ def _optimizer_has_state(optimizer) -> bool:
     """Whether any (chained) Megatron optimizer holds per-parameter state (Adam moments)."""
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     local = any(len(st) > 0 for o in chained for st in getattr(getattr(o, "optimizer", None), "state", {}).values())
-    if dist.is_initialized() and dist.get_world_size() > 1:  # the same answer on every rank
-        flag = torch.tensor([int(local)], dtype=torch.int64)
-        from megatron_klear.platform import control_group
+    from megatron_klear.platform import any_rank
 
-        try:
-            group = control_group()  # gloo: a CPU tensor works under NCCL too
-        except RuntimeError:
-            group = None
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
-    return local
+    return any_rank(local)  # the same answer on every rank
 
 
 def _optimizer_sharding_kwargs(optimizer) -> dict:

@@ -20,10 +20,11 @@ from tests.distributed.helper import TOY_RL_TRAINING, run_distributed
 STEPS, PER_STEP = 3, 4  # train.steps; prompts drawn and trained per step (one batch a step)
 
 
-def _run(rank, world, overrides, stop_in_generation=None):
+def _run(rank, world, overrides, stop_in_generation=None, stop_in_update=None):
     """The RL loop; with ``stop_in_generation=k``, every rank gets SIGTERM once generation call k
-    (1-based) has yielded its first prompt's responses. Returns (the steps' trained prompt ids, how
-    many prompts that generation yielded, seconds from the signal to the end of ``run``)."""
+    (1-based) has yielded its first prompt's responses; with ``stop_in_update=k``, at the start of
+    update k. Returns (the steps' trained prompt ids, how many prompts that generation yielded,
+    seconds from the signal to the end of ``run``)."""
     import torch.distributed as dist
 
     from megatron_klear.config import load_config
@@ -37,6 +38,10 @@ def _run(rank, world, overrides, stop_in_generation=None):
 
     def recording(samples):
         trained.append(sorted({tuple(s.prompt_ids) for s in samples}))
+        if rank == 0 and len(trained) == stop_in_update:
+            signalled.append(time.monotonic())
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
         return update(samples)
 
     loop.actor.update = recording
@@ -132,10 +137,15 @@ def test_a_stop_signal_mid_generation_saves_the_last_step_at_once_and_the_resume
             time.sleep(0.5)
         assert _running(server.url) == 0
 
-        resumed = run_distributed(_run, 2, args)
+        # resumed, and stopped again during step 3's update: the update ends and is saved, its
+        # weights are not pushed (the servers stop with the job; the next run pushes at start-up)
+        resumed = run_distributed(_run, 2, args, None, 2)
         (trained, calls, _), _ = resumed
         assert trained == _expected_prompt_order(setup)[1:]  # step 2's prompts drawn again, then step 3's
         lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
         assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+        assert lines[1]["weights/pushed"] == 1 and "weights/skipped_on_stop" not in lines[1]
+        assert lines[2]["weights/pushed"] == 0 and lines[2]["weights/skipped_on_stop"] == 1
+        assert os.path.isdir(os.path.join(save, f"iter_{STEPS:07d}"))
     finally:
         server.close()

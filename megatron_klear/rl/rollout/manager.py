@@ -21,7 +21,7 @@ import contextlib
 import os
 import warnings
 
-from megatron_klear.platform import broadcast_from_rank0, is_rank0
+from megatron_klear.platform import any_rank, broadcast_from_rank0, is_rank0
 from megatron_klear.rl.rollout.placement import Colocated, Dedicated
 from megatron_klear.rl.rollout.sampling import GenerationCancelled, ShortfallError
 from megatron_klear.rollout.base import ServerEngine
@@ -43,6 +43,7 @@ class RolloutManager:
         self.last_sync_full = None  # rollout.sync_delta: whether the last push sent every tensor whole
         self.generated = 0  # generate() calls by this process (the first one's metrics count the skipped lines)
         self._fleet_step = self._fleet_carry = {}  # rank 0: fleet counts of this step / not yet logged
+        self.stop_requested = False  # a stop signal came (this rank): no more pushes (see push_weights)
         if r.colocate:
             if is_rank0():
                 from megatron_klear.rollout.factory import make_engine
@@ -141,7 +142,9 @@ class RolloutManager:
         """(From the stop signal's thread.) Rank 0: the batch being generated, at the step or one
         step ahead, is cancelled (its requests aborted) and its prompts go back unconsumed: the
         step asking for it raises StepInterrupted, a checkpoint holds no batch ahead
-        (:mod:`.schedules`). An update in flight is not cut: it ends, and its step is saved."""
+        (:mod:`.schedules`). An update in flight is not cut: it ends, its weights are not pushed
+        (:meth:`push_weights`), and its step is saved."""
+        self.stop_requested = True
         if is_rank0() and self.batches is not None:
             self.batches.interrupt()
 
@@ -203,6 +206,12 @@ class RolloutManager:
         (``rollout/live_workers``, ``rollout/worker_failures``, ``rollout/worker_rejoins``)."""
         from megatron_klear.rl.rollout.verify import verification_due, verify_servers
 
+        # After a stop signal (on any rank: decided together) nothing is pushed: the run saves and
+        # ends, the servers are stopping with the job (SGLang's server and router, vLLM's, end on
+        # Slurm's SIGTERM), and a resumed run pushes its weights at start-up. The grace then covers
+        # the update and the save, not a push to servers that may be gone.
+        if any_rank(self.stop_requested):
+            return {"weights/version": self.pushed_version, "weights/pushed": 0, "weights/skipped_on_stop": 1}
         if weight_version == self.pushed_version:
             # colocated: the trainer gives way first (as before a load), then the servers take their
             # memory back with the weights they had

@@ -335,3 +335,21 @@ def test_a_server_whose_log_probs_are_nan_cannot_pass_the_probe():
     assert first_mismatch(workers, diffs, [1e-3] * 3)[0] == "http://b"
     assert first_mismatch(workers[2:], diffs[2:], [1e-3])[0] == "http://c"
     assert first_mismatch(workers[:1], diffs[:1], [1e-3]) is None
+
+
+def test_after_a_stop_signal_nothing_is_pushed_and_the_step_says_so():
+    """A stop signal during an update (interrupt() from the signal's thread): the update's weights are
+    not pushed (the run saves and ends; the servers stop with the job; a resumed run pushes at
+    start-up), the servers see no call, and the metrics name the skip; before the signal the same
+    manager pushes."""
+    from types import SimpleNamespace
+
+    servers = RecordingServers()
+    manager = _manager(Dedicated(), servers)
+    sent = []
+    manager.weights = SimpleNamespace(push=lambda v: sent.append(v) or {}, to_servers=False)
+    assert manager.push_weights(1, step=1)["weights/pushed"] == 1 and sent == [1]
+    manager.interrupt()  # (rank 0 of no distributed world, no batch in flight)
+    metrics = manager.push_weights(2, step=2)
+    assert metrics == {"weights/version": 1, "weights/pushed": 0, "weights/skipped_on_stop": 1}
+    assert sent == [1] and servers.calls == [] and manager.pushed_version == 1
