@@ -19,6 +19,7 @@ spend most of their time in the program, so the worker count is the number of pr
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import itertools
 import logging
@@ -28,6 +29,7 @@ import shutil
 import signal
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from multiprocessing.connection import wait as mp_wait
 
@@ -79,6 +81,12 @@ def _signal_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _close_at_exit(ref) -> None:
+    pool = ref()
+    if pool is not None and not pool._closed:
+        pool.close(cancel_pending=True)  # (bounded: the items being graded have hard deadlines)
+
+
 class GradingPool:
     """Grade items in `workers` processes. Thread-safe submit(); results as futures.
 
@@ -110,6 +118,12 @@ class GradingPool:
         self.stats = collections.Counter()
         self._thread = threading.Thread(target=self._dispatch, name="klear-grading-pool", daemon=True)
         self._thread.start()
+        # A process that exits without close() (an error raised past the pool's owner): the
+        # interpreter's exit would join the workers, and they ignore the SIGTERM multiprocessing
+        # sends first (forkserver_preload.py: Slurm's job-wide SIGTERM must not take them), so the
+        # process would hang instead of exiting with its error. Registered after multiprocessing's
+        # own exit hook, this one runs before it and closes the pool.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ public API
 

@@ -240,3 +240,21 @@ def test_a_sigterm_to_every_process_leaves_the_graders_working(pool1):
     assert pool1.grade_many([MATH_OK])[0].reward == 1.0
     pool1.close()
     psutil.wait_procs([p for p in helpers if p.pid == _worker_pid(pool1)], timeout=10)
+
+
+def test_a_process_that_raises_past_an_open_pool_exits_with_its_error():
+    """An error that ends the process before the pool's owner closes it (the RL command failing its
+    checkpoint's disk-space check did): the workers ignore SIGTERM, so multiprocessing's own exit
+    hook (SIGTERM, then join) waited for them forever and the process hung; the pool's exit hook
+    closes it first, and the process ends with its error."""
+    import subprocess
+    import sys
+
+    code = (
+        "from megatron_klear.rewards import GradingPool, RewardConfig\n"
+        "pool = GradingPool(RewardConfig(workers=1))\n"
+        f"assert pool.grade_many([{MATH_OK!r}])[0].reward == 1.0\n"
+        "raise RuntimeError('the run failed with its pool open')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "the run failed with its pool open" in proc.stderr, proc.stderr[-2000:]
