@@ -192,7 +192,12 @@ def project_run(args, settings, files, pair: str, seed: int, run: str, layout: t
         subprocess.run(
             [*cmd, "-m", "megatron_klear", "rl", *overrides], cwd=ROOT, env=env, stdout=log, stderr=log, check=True
         )
-    seconds = time.time() - t0
+    return project_result(run, time.time() - t0)
+
+
+def project_result(run: str, seconds: float) -> dict:
+    """A finished project run's step log (its ``metrics.jsonl``) with ``seconds`` from the command to
+    its exit."""
     steps = []
     with open(os.path.join(run, "metrics.jsonl")) as f:
         for line in f:
@@ -438,6 +443,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--dtypes", default=None, help="fp32 and/or bf16, each side in each (default fp32; --shape: fp32,bf16)"
     )
+    p.add_argument("--reuse", action="store_true", help="read back the runs already finished in --out")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None, help="also write the summary here")
     # the TRL worker
@@ -455,6 +461,7 @@ def main(argv=None) -> int:
         return 0
 
     from megatron_klear.demo_recipe import QUICK, Settings
+    from megatron_klear.utils.atomic import write_text
     from megatron_klear.utils.progress import format_seconds
 
     shape = args.shape != "demo"
@@ -488,15 +495,27 @@ def main(argv=None) -> int:
             for dtype in dtypes:
                 jobs += [(pair, seed, "project", layout, dtype) for layout in layouts]
                 jobs.append((pair, seed, "trl", (1, args.threads), dtype))
-    runs, t0 = [], time.time()
+    runs, failed, t0 = [], [], time.time()
     for i, (pair, seed, fw, layout, dtype) in enumerate(jobs):
         name = f"{pair}-{fw}-{layout[0]}x{layout[1]}-{dtype}-s{seed}" if variant else f"{pair}-{fw}-s{seed}"
         run = os.path.abspath(os.path.join(args.out, "runs", name))
         os.makedirs(os.path.dirname(run), exist_ok=True)
-        if fw == "project":
-            result = project_run(args, settings, files, pair, seed, run, layout, dtype)
-        else:
-            result = trl_run(args, settings, files, pair, seed, run, dtype)
+        record = run + ".result.json"  # a finished run's figures (--reuse reads them back)
+        try:
+            if args.reuse and os.path.exists(record):
+                result = json.load(open(record))
+            elif fw == "project":
+                result = project_run(args, settings, files, pair, seed, run, layout, dtype)
+            else:
+                result = trl_run(args, settings, files, pair, seed, run, dtype)
+        except subprocess.CalledProcessError as e:  # one variant failing (out of memory) is a finding too
+            why = "killed by SIGKILL (the out-of-memory killer?)" if "SIGKILL" in open(run + ".log").read() else ""
+            failed.append({"run": name, "status": e.returncode, "why": why, "log": run + ".log"})
+            print(
+                f"  {pair} {fw} {layout[0]}x{layout[1]} {dtype} seed {seed}: FAILED ({e.returncode}) {why}", flush=True
+            )
+            continue
+        write_text(record, json.dumps(result))
         result.update(
             pair=pair, seed=seed, framework=fw, layout=f"{layout[0]}x{layout[1]}", dtype=dtype, variant=variant
         )
@@ -516,11 +535,11 @@ def main(argv=None) -> int:
         )
     summary = summarize(runs, baseline)
     text = table(summary, baseline)
+    text += "".join(f"\n\nfailed: {f['run']} (status {f['status']}) {f['why']}; see {f['log']}" for f in failed)
     print(text, flush=True)
     if baseline is not None:
         plots(args.out, runs, baseline)
-    details = {"baseline": baseline, "summary": summary, "runs": runs, "args": vars(args)}
-    from megatron_klear.utils.atomic import write_text
+    details = {"baseline": baseline, "summary": summary, "runs": runs, "failed": failed, "args": vars(args)}
 
     write_text(os.path.join(args.out, "details.json"), json.dumps(details, indent=1))
     write_text(os.path.join(args.out, "results.md"), text + "\n")
