@@ -214,8 +214,8 @@ klear_requeue() {
 }
 
 # klear_run_trainer NODELIST COMMAND [SRUN FLAGS...]: the trainer, one task per node (NODE_RANK =
-# SLURM_NODEID of the step); ends the script: with the trainer's status, after stopping the other
-# roles; when a role dies first, the trainer is stopped and the job fails naming it; when
+# SLURM_NODEID of the step); ends the script: with the trainer's status (when a node failed, the
+# first failed node's), after stopping the other roles; when a role dies first, the trainer is stopped and the job fails naming it; when
 # preempted, the job is requeued once the trainer has saved (its status 143: it stopped on the
 # forwarded signal). The step states its task count: it would otherwise inherit the job's
 # (SLURM_NTASKS), and on fewer nodes than the job has start several launchers per node.
@@ -248,13 +248,19 @@ klear_run_trainer() {
   rc=$?
   TRAINER_PID=
   klear_log "the trainer ended with status $rc"
-  ((rc != 0 && PREEMPTED == 0)) && klear_first_failed_trainer_node "$nodes"
+  if ((rc != 0 && PREEMPTED == 0)); then
+    # the job ends with the status of the node that failed first (srun's own is the highest of its
+    # tasks': the others' 143, from the SIGTERM it sent them, would hide a node's 137)
+    klear_first_failed_trainer_node "$nodes"
+    rc=${FIRST_FAILED_STATUS:-$rc}
+  fi
   ((PREEMPTED)) && klear_requeue
   klear_stop_all "$rc"
 }
 
 # klear_first_failed_trainer_node NODELIST: the line that names the trainer node whose launcher
-# ended first with a failure (from the tasks' trainer-node<i>.exit records), and its log.
+# ended first with a failure (from the tasks' trainer-node<i>.exit records), and its log;
+# FIRST_FAILED_STATUS: that launcher's status.
 klear_first_failed_trainer_node() {
   local first i code how
   first=$(for f in "$LOG_DIR"/trainer-node*.exit; do
@@ -265,6 +271,7 @@ klear_first_failed_trainer_node() {
   [[ -n "$first" ]] || return 0
   read -r _ i code <<<"$first"
   i=${i%.exit}
+  FIRST_FAILED_STATUS=$code
   how="status $code"
   ((code > 128)) && how="$how (killed by SIG$(kill -l $((code - 128)) 2>/dev/null || echo $((code - 128))))"
   klear_log "error: the trainer's launcher on $(tr ',' '\n' <<<"$1" | sed -n "$((i + 1))p") (trainer node $i) failed first, with $how; see $LOG_DIR/trainer-node$i.log; srun ended the other nodes' launchers (--kill-on-bad-exit)" >&2
