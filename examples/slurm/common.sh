@@ -217,8 +217,9 @@ klear_requeue() {
 # SLURM_NODEID of the step); ends the script: with the trainer's status (when a node failed, the
 # first failed node's), after stopping the other roles; when a role dies first, the trainer is
 # stopped and the job fails naming it; when preempted, the job is requeued once the trainer has
-# saved (its status 143: it stopped on the forwarded signal). The step states its task count: it would otherwise inherit the job's
-# (SLURM_NTASKS), and on fewer nodes than the job has start several launchers per node.
+# saved (its status 143: it stopped on the forwarded signal). The step states its task count: it
+# would otherwise inherit the job's (SLURM_NTASKS), and on fewer nodes than the job has start
+# several launchers per node.
 # When one node's launcher fails (a crash, the node's out-of-memory killer), srun ends the others
 # (--kill-on-bad-exit: SIGTERM, SIGKILL KillWait seconds later), so none waits in a collective for
 # the lost ranks. Each task's bash records when its launcher ended and with what status (it catches
