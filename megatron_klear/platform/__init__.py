@@ -12,6 +12,7 @@ _DISTRIBUTED = (
     "control_group",
     "destroy_parallel",
     "device",
+    "gather_to_rank0",
     "init_parallel",
     "is_rank0",
     "rank",

@@ -178,6 +178,16 @@ def broadcast_from_rank0(obj):
     return box[0]
 
 
+def gather_to_rank0(obj) -> list | None:
+    """Collective: every rank's ``obj`` (picklable) as a list by rank on rank 0, None elsewhere,
+    over the control group."""
+    if not _multi():
+        return [obj]
+    out = [None] * dist.get_world_size() if rank() == 0 else None
+    dist.gather_object(obj, out, dst=0, group=_CONTROL["group"])
+    return out
+
+
 def any_rank(flag: bool) -> bool:
     """Collective: whether ``flag`` is true on any rank (the same answer everywhere), over the gloo
     control group (a CPU tensor, under NCCL too)."""

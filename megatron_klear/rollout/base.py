@@ -361,8 +361,9 @@ class WeightWire(Protocol):
         """Why the servers cannot load tensors shared in memory by a trainer on their machine
         (naming them), or None when they can."""
 
-    def load_tensors(self, payload: str) -> None:
-        """In a session: every worker loads one bucket shared in memory (weight_sync=memory)."""
+    def load_tensors(self, payload) -> None:
+        """In a session: every worker loads one bucket shared in memory (weight_sync=memory);
+        ``payload``: its handles for every worker, or ``{worker: handles}`` (each machine its copy)."""
 
     def start_update(self) -> None:
         """Pause generation, flush the caches and open a weight-update session on every worker."""

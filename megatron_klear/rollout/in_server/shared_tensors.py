@@ -22,7 +22,8 @@ class SafeUnpickler(pickle.Unpickler):
     containers, torch's tensor rebuild functions, storages read by ``torch.load`` with
     ``weights_only``, and the rebuild functions of ``torch.multiprocessing.reductions`` with the
     classes and dtypes they name (what ``MultiprocessingSerializer`` writes: a tensor shared in
-    memory, ``rollout.weight_sync=memory``); any other global is refused with SGLang's message."""
+    memory, ``rollout.weight_sync=memory``); any other global is refused with SGLang's message.
+    ``managers``: a set that gets the shared-memory manager of each CPU storage read."""
 
     ALLOWED = (
         {("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "str", "tuple")}
@@ -59,7 +60,21 @@ class SafeUnpickler(pickle.Unpickler):
         }
     )
 
+    def __init__(self, file, managers: set | None = None):
+        super().__init__(file)
+        self.managers = managers
+
     def find_class(self, module, name):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename") and (
+            self.managers is not None
+        ):
+            rebuild = super().find_class(module, name)
+
+            def rebuild_noting_the_manager(cls, manager, *rest):
+                self.managers.add(manager.decode() if isinstance(manager, bytes) else str(manager))
+                return rebuild(cls, manager, *rest)
+
+            return rebuild_noting_the_manager
         if (module, name) == ("torch.storage", "_load_from_bytes"):
             return lambda data: torch.load(io.BytesIO(data), weights_only=True)
         if (module, name) in self.ALLOWED:
@@ -67,8 +82,10 @@ class SafeUnpickler(pickle.Unpickler):
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
-def load_shared_tensors(payload: bytes | str) -> list:
-    """``[(name, tensor)]`` of one shared bucket (``payload``: the pickle, or its base64 text)."""
+def load_shared_tensors(payload: bytes | str, managers: set | None = None) -> list:
+    """``[(name, tensor)]`` of one shared bucket (``payload``: the pickle, or its base64 text).
+    ``managers``: a set that gets the shared-memory manager of every CPU storage read (torch starts
+    one per sharing process: it tells which process shared the bucket)."""
     if isinstance(payload, str):
         payload = base64.b64decode(payload, validate=True)
-    return SafeUnpickler(io.BytesIO(payload)).load()
+    return SafeUnpickler(io.BytesIO(payload), managers).load()

@@ -338,13 +338,17 @@ class Wire:
         """Why the workers cannot load tensors shared in memory (:meth:`load_tensors`), or None."""
         return self.dialect.tensor_refusal(self.transport, self.members.workers())
 
-    def load_tensors(self, payload: str) -> None:
+    def load_tensors(self, payload) -> None:
         """Inside a session (:meth:`start_update`): every worker loads one bucket the trainer shares
         in memory (:meth:`~.dialect.ServerDialect.tensor_call`), in parallel; raises naming the
-        first worker that failed."""
+        first worker that failed. ``payload``: the bucket's handles, the same for every worker, or
+        ``{worker: handles}`` (each worker those of a copy on its own machine)."""
 
         def load(w):
-            path, body = self.dialect.tensor_call(payload, self.transport, w)
+            handles = payload if isinstance(payload, str) else payload.get(w)
+            if handles is None:
+                raise EngineError(f"rollout: no copy of the bucket on {w}'s machine (it joined after the push began)")
+            path, body = self.dialect.tensor_call(handles, self.transport, w)
             self.post(w, path, body, timeout=self.weight_update_timeout)
 
         self.members.on_workers(load)

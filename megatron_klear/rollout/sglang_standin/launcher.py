@@ -325,6 +325,7 @@ class EmbeddedHTTPEngine(SGLangEngine):
         model_dir: str,
         *,
         port: int = 0,
+        host: str = HOST,
         dtype: str = "float32",
         max_running_requests: int | None = None,
         max_total_tokens: int | None = None,
@@ -340,7 +341,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
         **kwargs,
     ) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.sglang_standin`` for ``model_dir`` and wait until
-        it is healthy; :meth:`close` stops it. The server's output goes to a log file named in errors.
+        it is healthy at ``host`` (the address it binds); :meth:`close` stops it. The server's output
+        goes to a log file named in errors.
         ``context_length`` / ``served_model_name`` / ``weight_sync_timeout`` /
         ``return_routed_experts`` / ``enable_memory_saver`` / ``api_key`` / ``custom_weight_loader``:
         the server's flags of those names (the client sends ``api_key`` too); ``env``: variables
@@ -355,6 +357,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
             model_dir,
             "--port",
             str(port),
+            "--host",
+            host,
             "--dtype",
             dtype,
             "--port-file",
@@ -396,7 +400,7 @@ class EmbeddedHTTPEngine(SGLangEngine):
                 if os.path.isfile(port_file):
                     if engine is None:
                         with open(port_file) as f:
-                            engine = cls(f"http://{HOST}:{int(f.read())}", api_key=api_key, **kwargs)
+                            engine = cls(f"http://{host}:{int(f.read())}", api_key=api_key, **kwargs)
                     if engine.health():
                         break
                 if time.monotonic() > deadline:

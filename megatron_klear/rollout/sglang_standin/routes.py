@@ -181,6 +181,9 @@ async def server_info(request: Request):
             "memory_releases": state.memory_releases,
             # not SGLang's: the weight-update calls that succeeded, by route
             "weight_updates": dict(state.weight_updates),
+            # not SGLang's: the shared-memory managers whose storages /update_weights_from_tensor
+            # read (torch starts one per sharing process: which trainer process shared the buckets)
+            "tensor_sharers": sorted(state.tensor_sharers),
             # not SGLang's: the released tags whose memory is really free (cuda_graph only with
             # SGLANG_MEMORY_SAVER_CUDA_GRAPH; none without --enable-memory-saver)
             "freed_memory_tags": sorted(state.freed_memory_tags()),

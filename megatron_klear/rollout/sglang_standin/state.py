@@ -37,6 +37,8 @@ class ServerState:
         self.offload_tags = set()
         self.memory_releases = 0
         self.weight_updates = collections.Counter()  # update calls that loaded or staged, by route
+        # the shared-memory managers of the CPU storages loaded in memory (one per sharing process)
+        self.tensor_sharers = set()
         # SGLANG_MEMORY_SAVER_CUDA_GRAPH, read at start-up as SGLang reads it when it captures its graphs:
         # without it releasing "cuda_graph" frees nothing
         self.memory_saver_cuda_graph = sglang_env.bool_env_var(sglang_env.MEMORY_SAVER_CUDA_GRAPH)

@@ -492,7 +492,7 @@ def _update_from_tensor(state, f, payload: bytes):
         load_format = f["load_format"]
 
         def load():
-            named = load_shared_tensors(payload)
+            named = load_shared_tensors(payload, state.tensor_sharers)
             TensorLoader(state).update_weights_from_tensor(named, load_format)
 
         try:

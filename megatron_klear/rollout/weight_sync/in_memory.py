@@ -10,9 +10,13 @@ HTTP is a handle of some hundred bytes, not the weights. SGLang 0.5.23 reads it 
 ``torch.multiprocessing.reductions``) on every TP rank and loads the tensors through the model's own
 ``load_weights``; the trainer keeps the buffer alive until every server has answered, then drops it.
 
-Only servers on rank 0's machine can map its memory, and only families with such a route (SGLang's
-``/update_weights_from_tensor``): otherwise the push goes through disk (:class:`~.disk.DiskPush`,
-``rollout.sync_dir``), and the log says why, once. Nothing is written under ``sync_dir`` by this path.
+Only a server on rank 0's machine can map its memory: when servers run on several machines (a
+colocated multi-node job), rank 0 relays each bucket to one trainer rank on each other machine
+(:mod:`.relay`, chosen by :mod:`.machines`), and each server gets the handles of its own machine's
+copy. The push goes through disk (:class:`~.disk.DiskPush`, ``rollout.sync_dir``) when a family has
+no such route (SGLang's ``/update_weights_from_tensor``, the project's vLLM transfer engine) or a
+server is on no trainer rank's machine, and the log says why, once. Nothing is written under
+``sync_dir`` by this path.
 
 On the CPU, torch serves file-name sharing through a ``torch_shm_manager`` process it forks from the
 first process that shares, on first use, and that manager lives as long as any process holds one of
@@ -29,46 +33,86 @@ import base64
 import concurrent.futures
 import contextlib
 import io
-import socket
 import sys
 import time
-from urllib.parse import urlparse
 
-from megatron_klear.platform import barrier, broadcast_from_rank0, is_rank0
+from megatron_klear.platform import barrier, broadcast_from_rank0, device, gather_to_rank0, is_rank0
 from megatron_klear.rollout.weight_sync.gather import iter_buckets, iter_model_hf_weights
+from megatron_klear.rollout.weight_sync.machines import machine_addresses, place_workers
+from megatron_klear.rollout.weight_sync.relay import BucketRelay
 
 #: a bucket's tensors start at multiples of this many bytes (every dtype's alignment)
 ALIGN = 64
 
 
-def share_bucket(named: list) -> tuple:
-    """``(payload, buffer)``: the tensors ``[(name, tensor)]`` copied into one buffer on their device
-    and pickled as views of it with the multiprocessing pickler (base64); ``buffer`` must stay alive
-    until the receiver has read them."""
+def bucket_layout(named: list) -> tuple:
+    """``(layout, nbytes)``: where each tensor of ``[(name, tensor)]`` lies in one flat buffer,
+    ``layout = [(name, dtype, shape, start)]`` (each start a multiple of :data:`ALIGN`)."""
+    layout, total = [], 0
+    for name, t in named:
+        layout.append((name, t.dtype, tuple(t.shape), total))
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return layout, total
+
+
+def ready_to_share(device) -> None:
+    """Start what sharing on ``device`` (a ``torch.device``) needs, now and on this thread: on the CPU, this process's
+    memory manager (:func:`_start_shm_manager` swaps the standard descriptors while it starts, which
+    a thread that shares later must not do while others write)."""
+    with _cpu_shared_by_file_name(device):
+        pass
+
+
+def shared_buffer(nbytes: int, device):
+    """A flat byte buffer on ``device`` that can be shared (on the CPU in shared memory from the
+    start: the pickler then copies nothing)."""
+    import torch
+
+    with _cpu_shared_by_file_name(device):
+        buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        if device.type == "cpu":
+            buffer.share_memory_()
+    return buffer
+
+
+def _views(layout: list, buffer) -> list:
+    views = []
+    for name, dtype, shape, start in layout:
+        n = dtype.itemsize * _numel(shape)
+        views.append((name, buffer[start : start + n].view(dtype).view(shape)))
+    return views
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def share_views(layout: list, buffer) -> str:
+    """The tensors ``layout`` places in ``buffer`` pickled with the multiprocessing pickler as
+    views of it (base64): what a server on this machine reads (``buffer`` must stay alive until it
+    has)."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch
-    import torch.multiprocessing  # (registers torch's reductions of tensors and storages with that pickler)
+    import torch.multiprocessing  # noqa: F401 -- registers torch's reductions of tensors and storages with that pickler
 
-    offsets, total = [], 0
-    for _, t in named:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    device = named[0][1].device
-    with _cpu_shared_by_file_name(device):
-        buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-        if device.type == "cpu":  # in shared memory from the start: the pickler then copies nothing
-            buffer.share_memory_()
-    views = []
-    for (name, t), start in zip(named, offsets):
-        n = t.numel() * t.element_size()
-        view = buffer[start : start + n].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        views.append((name, view))
     out = io.BytesIO()
-    with _cpu_shared_by_file_name(device):
-        ForkingPickler(out).dump(views)
-    return base64.b64encode(out.getvalue()).decode("ascii"), buffer
+    with _cpu_shared_by_file_name(buffer.device):
+        ForkingPickler(out).dump(_views(layout, buffer))
+    return base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def share_bucket(named: list) -> tuple:
+    """``(payload, buffer)``: the tensors ``[(name, tensor)]`` copied into one buffer on their device
+    (at :func:`bucket_layout`'s places) and pickled as views of it (:func:`share_views`); ``buffer``
+    must stay alive until the receiver has read them."""
+    layout, total = bucket_layout(named)
+    buffer = shared_buffer(total, named[0][1].device)
+    for (_, t), (_, view) in zip(named, _views(layout, buffer)):
+        view.copy_(t)
+    return share_views(layout, buffer), buffer
 
 
 @contextlib.contextmanager
@@ -130,20 +174,6 @@ def _start_shm_manager() -> None:
                 fcntl.fcntl(fd, fcntl.F_SETFD, flag)
 
 
-def _local_addresses() -> set:
-    names = {"localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname(), socket.getfqdn()}
-    for host in list(names):
-        with contextlib.suppress(OSError):
-            names.update(socket.gethostbyname_ex(host)[2])
-    return names
-
-
-def remote_workers(workers: list) -> list:
-    """The workers whose address is not this machine's (they cannot map its memory)."""
-    local = _local_addresses()
-    return [w for w in workers if (urlparse(w).hostname or "") not in local]
-
-
 class InMemoryPush:
     """``rollout.weight_sync=memory`` (see the module docstring). ``placement``: the servers share the
     trainer's GPUs (:class:`~megatron_klear.rl.rollout.placement.Colocated`): the trainer gives way,
@@ -157,38 +187,58 @@ class InMemoryPush:
         self.state, self.engine, self.placement = state, engine, placement
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.fallback = fallback
-        self.why_not = None  # rank 0's reason to go through disk (decided at the first push)
-        self.decided = False
+        self.addresses = None  # every rank's machine_addresses() on rank 0 (asked once: [] elsewhere)
+        self.why_not = None  # rank 0's reason to go through disk (decided before each push)
+        self.placed = {}  # {worker: the rank whose copies it maps}
+        self.relay = None  # a BucketRelay when servers live on other machines than rank 0's
+        self.said = None  # what the log said last (said again only when it changes)
 
-    def _decide(self) -> None:
-        why = None
+    def _plan(self) -> None:
+        """Collective, before each push (servers come and go): through disk or in memory, and which
+        rank's copies each server maps (:mod:`.machines`); a new set of relay ranks gets its group."""
+        if self.addresses is None:
+            self.addresses = gather_to_rank0(sorted(machine_addresses())) or []
+        why, placed = None, {}
         if is_rank0():
-            wire = self.engine.wire
-            why = wire.tensor_refusal()
+            why = self.engine.wire.tensor_refusal()
             if why is None:
-                far = remote_workers(self.engine.workers())
-                if far:
-                    why = f"{', '.join(far)} not on this machine (in-memory handles reach local servers only)"
-            if why:
-                print(
-                    f"rollout.weight_sync=memory: {why}; the weights go through disk ({self.fallback.sync_dir})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        self.why_not = broadcast_from_rank0(why)
-        self.decided = True
+                placed, unplaced = place_workers(self.engine.workers(), self.addresses)
+                if unplaced:
+                    why = (
+                        f"{', '.join(unplaced)} on no trainer rank's machine (handles to memory reach servers "
+                        "of the same machine only)"
+                    )
+            relays = sorted(set(placed.values()) - {0})
+            said = (
+                f"{why}; the weights go through disk ({self.fallback.sync_dir})"
+                if why
+                else f"rank 0 relays each bucket to rank(s) {relays} for the servers of their machines"
+                if relays
+                else None
+            )
+            if said and said != self.said:
+                print(f"rollout.weight_sync=memory: {said}", file=sys.stderr, flush=True)
+            self.said = said
+        self.why_not, self.placed = broadcast_from_rank0((why, placed))
+        relays = sorted(set(self.placed.values()) - {0})
+        if not relays:
+            self.relay = None
+        elif self.relay is None or self.relay.relays != relays:
+            self.relay = BucketRelay(relays, device())
 
     def push(self, version: int) -> dict:
-        if not self.decided:
-            self._decide()
+        self._plan()
         if self.why_not:
             return {**self.fallback.push(version), "weights/in_memory": 0}
         t0 = time.perf_counter()
         metrics = self.placement.before_load(self.state)
+        relay = self.relay
         wire = self.engine.wire if is_rank0() else None
         if is_rank0():
             self.placement.resume_weights(self.engine)
             wire.start_update()
+        elif relay is not None and relay.relaying:
+            relay.start()  # it receives rank 0's buckets while this rank takes part in the gather
         sent = buckets = 0
         # the servers load bucket k while the ranks gather bucket k+1 (two buckets' buffers at most)
         loader = (
@@ -199,9 +249,13 @@ class InMemoryPush:
             for bucket in iter_buckets(iter_model_hf_weights(self.state.model), self.bucket_bytes):
                 if is_rank0():  # (the gather is collective: every rank walks the same buckets)
                     payload, buffer = share_bucket(bucket)
+                    payloads = payload
+                    if relay is not None:  # each server maps the copy of its own machine
+                        by_rank = {0: payload, **relay.send(bucket_layout(bucket)[0], buffer)}
+                        payloads = {w: by_rank[r] for w, r in self.placed.items()}
                     if loading is not None:
                         loading[0].result()  # every server has copied it: its buffer goes
-                    loading = (loader.submit(wire.load_tensors, payload), buffer)
+                    loading = (loader.submit(wire.load_tensors, payloads), buffer)
                     sent += sum(t.numel() * t.element_size() for _, t in bucket)
                     buckets += 1
             if loading is not None:
@@ -210,6 +264,11 @@ class InMemoryPush:
             loading = None
             if loader is not None:
                 loader.shutdown(wait=True)
+        if relay is not None:
+            if is_rank0():
+                relay.end()  # every server has loaded the last bucket: the relay ranks drop theirs
+            elif relay.relaying:
+                relay.join()
         if is_rank0():
             wire.finish_update(version, check_received=False)
             self.placement.finished_load(self.engine, version)
@@ -217,6 +276,7 @@ class InMemoryPush:
         return {
             **metrics,
             "weights/in_memory": 1,
+            "weights/in_memory_machines": 1 + (len(relay.relays) if relay is not None else 0),
             "weights/sync_bytes": sent,
             "weights/sync_buckets": buckets,
             "weights/sync_s": time.perf_counter() - t0,
