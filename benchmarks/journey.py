@@ -23,8 +23,8 @@ padded vocabulary, as Qwen3's own 151,936 rows pad its 151,669 tokens), goes thr
 8. ``eval``: ``tools/eval.py --server vllm`` on held-out prompts.
 
 Per phase: wall time, the peak resident set of the largest process and the peak proportional set
-size of all of them together (the phase's processes and the server, sampled every 0.2 s; shared
-pages counted once), tokens/s where tokens are trained
+size of all of them together (the phase's processes and the server: RSS looked at every 0.2 s,
+PSS as often as 1/10 of a core allows; shared pages counted once), tokens/s where tokens are trained
 (SFT: real tokens; GPPO: trained samples' tokens), and for GPPO the weight sync's bytes and time.
 The ratio against a baseline of the same run: GPPO's push against the disk route a run without the
 update protocol takes (the ``export`` phase plus the ``serve`` phase: a server started on the export).
@@ -80,8 +80,14 @@ SHARES = {"make": 2, "convert": 1, "sft": 34, "export": 1, "serve": 3, "gppo": 3
 
 
 class RSSSampler:
-    """Peak resident set of a process tree (this process's descendants and ``extra`` roots), every
-    ``interval`` seconds in a thread: per process and summed."""
+    """Peak memory of a process tree (this process's descendants and ``extra`` roots), looked at every
+    ``interval`` seconds in a thread: the largest process's resident set and the proportional set
+    size of them all, the peaks of each. A PSS read walks the process's page tables (~75 ms for
+    4 GiB here, in the reader's system time): summed over the tree every 0.2 s it took most of a
+    core from the phase it measured, so the next sum waits ``PSS_COST_FACTOR`` times as long as the
+    last one took (at most ~1/10 of a core)."""
+
+    PSS_COST_FACTOR = 10
 
     def __init__(self, interval: float = 0.2):
         self.interval, self.extra = interval, set()
@@ -130,11 +136,16 @@ class RSSSampler:
         return {pid: rss[pid] for pid in members if pid in rss and pid != os.getpid()}
 
     def _run(self) -> None:
+        next_pss = 0.0
         while not self._stop.wait(self.interval):
             sizes = self._tree({os.getpid(), *self.extra})
-            if sizes:
-                self.peak_one = max(self.peak_one, max(sizes.values()))
+            if not sizes:
+                continue
+            self.peak_one = max(self.peak_one, max(sizes.values()))
+            if time.monotonic() >= next_pss:
+                t0 = time.monotonic()
                 self.peak_all = max(self.peak_all, sum(self._pss(pid) for pid in sizes))
+                next_pss = time.monotonic() + self.PSS_COST_FACTOR * (time.monotonic() - t0)
 
 
 def _run(cmd: list, log: str, env: dict | None = None, timeout: float = 7200) -> None:
