@@ -41,9 +41,9 @@ sandbox:
 		|| echo "warning: bubblewrap (bwrap) is missing and could not be installed: the code-grading tests will fail"
 
 test: venv lint sandbox
-	@$(PYTEST) -n 2 --dist loadfile -m "not timing and not slurm" tests; heavy=$$?; \
+	@$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m "not timing and not slurm" tests; heavy=$$?; \
 	echo "== the timing-bound tests (tests/conftest.py TIMING_MODULES) =="; \
-	$(PYTEST) -n 2 --dist loadfile -m timing tests; timing=$$?; \
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m timing tests; timing=$$?; \
 	[ $$heavy -eq 0 ] && [ $$timing -eq 0 ]
 
 # Slurm and munge from Debian's packages (the launch tests start their own controller and three nodes

@@ -16,43 +16,47 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 # pass of their own, two at a time, after the CPU-heavy tests (also two at a time: pytest-xdist),
 # so that no CPU-heavy test's load moves their timings (they mostly wait: two of them keep the
 # machine about half busy). A new module of that kind goes here.
-TIMING_MODULES = {
-    "tests/distributed/test_async_rl_loop.py",
+# (the longest first, as measured: the pass hands modules out in this order, see HEAVY_MODULES)
+TIMING_MODULES = [
     "tests/distributed/test_fleet_runs.py",
-    "tests/distributed/test_preemption.py",
-    "tests/distributed/test_rl_loop.py",
     "tests/distributed/test_weight_sync_distributed.py",
     "tests/distributed/test_distributed_sync_fleet.py",
+    "tests/distributed/test_rl_loop.py",
+    "tests/rollout/test_fleet.py",
+    "tests/rollout/test_vllm_probe_abort.py",
+    "tests/rollout/test_sglang_client.py",
+    "tests/rollout/test_streams.py",
+    "tests/distributed/test_preemption.py",
+    "tests/rollout/test_sglang_divergences.py",
+    "tests/distributed/test_async_rl_loop.py",
     "tests/rewards/test_pool.py",
     "tests/rewards/test_sandbox.py",
-    "tests/rollout/test_fleet.py",
     "tests/rollout/test_received_check.py",
-    "tests/rollout/test_sglang_client.py",
-    "tests/rollout/test_sglang_divergences.py",
-    "tests/rollout/test_streams.py",
-    "tests/rollout/test_vllm_probe_abort.py",
-}
-# Modules that start torchrun, the CLIs or server processes, tens of seconds each on 2 cores: the
-# parallel pass hands them out first (xdist's loadfile hands out modules in collection order: last,
-# they would end the pass with one worker running them while the other idles), and
+]
+# Modules that start torchrun, the CLIs or server processes, tens of seconds each on 2 cores, the
+# longest first: the parallel pass hands them out first (the Makefile's --no-loadscope-reorder keeps
+# this order: xdist's default hands out the modules with the most tests first, which put the
+# 4-minute journey last, ending the pass with one worker running it while the other idled), and
 # `make test-fast` leaves them out, with tests/distributed and TIMING_MODULES.
 HEAVY_MODULES = [
     "tests/test_journey_at_width.py",
     "tests/rollout/test_vllm_server.py",
     "tests/test_demo.py",
-    "tests/test_journey.py",
-    "tests/test_shipped_configs.py",
-    "tests/test_bench_async_rl.py",
-    "tests/test_bench_vs_trl.py",
-    "tests/test_bench_rl_step.py",
-    "tests/test_bench_weight_sync.py",
-    "tests/distributed/test_bad_lines_and_foreign_runs.py",
     "tests/rollout/test_colocate.py",
+    "tests/test_shipped_configs.py",
+    "tests/test_journey.py",
+    "tests/distributed/test_rl_weight_sync.py",
+    "tests/test_bench_async_rl.py",
+    "tests/distributed/test_bad_lines_and_foreign_runs.py",
+    "tests/distributed/test_stop_mid_generation.py",
+    "tests/test_gpu_checks.py",
+    "tests/test_cli_errors.py",
+    "tests/test_bench_vs_trl.py",
+    "tests/test_bench_weight_sync.py",
+    "tests/test_bench_rl_step.py",
     "tests/rollout/test_routed_experts.py",
     "tests/rewards/test_sandbox_hostile.py",
     "tests/test_bench_moe.py",
-    "tests/test_gpu_checks.py",
-    "tests/test_cli_errors.py",
     "tests/rollout/test_embedded_http.py",
     "tests/rollout/test_weight_update_protocol.py",
     "tests/rollout/test_standin_versions.py",
@@ -78,13 +82,14 @@ def pytest_collection_modifyitems(config, items):
     if missing:  # a renamed test module would silently leave its pass
         raise pytest.UsageError(f"tests/conftest.py names test modules that do not exist: {missing}")
     rank = {m: i for i, m in enumerate(HEAVY_MODULES)}
+    first = {m: i for i, m in enumerate([*HEAVY_MODULES, *TIMING_MODULES])}
     for item in items:
         module = _module(item)
         if module in TIMING_MODULES:
             item.add_marker(pytest.mark.timing)
         if module in rank or module.startswith("tests/distributed/"):
             item.add_marker(pytest.mark.processes)
-    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: the rest keep their order
+    items.sort(key=lambda item: first.get(_module(item), len(first)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -216,3 +216,40 @@ def test_the_delta_loader_writes_only_changed_elements_on_the_gpu_and_checks_fre
     _check_memory(dev, 1 << 20)
     with pytest.raises(MemoryError, match="are free on cuda"):
         _check_memory(dev, free + (1 << 30))
+
+
+def _relay_a_cuda_bucket(rank, world):
+    """Rank 0 relays a CUDA bucket to rank 1 (both on GPU 0, gloo as in the product), rank 1 shares
+    its device copy as CUDA IPC handles, and rank 0 (another process, as a server would be) maps
+    them."""
+    import torch
+
+    from megatron_klear.rollout.in_server.shared_tensors import load_shared_tensors
+    from megatron_klear.rollout.weight_sync.relay import BucketRelay
+    from megatron_klear.rollout.weight_sync.sharing import bucket_layout, share_bucket
+
+    torch.cuda.set_device(0)
+    relay = BucketRelay([1], torch.device("cuda", 0))
+    named = [
+        ("model.norm.weight", torch.arange(96, dtype=torch.bfloat16, device="cuda")),
+        ("lm_head.weight", torch.randn(7, 5, device="cuda").to(torch.bfloat16)),
+    ]
+    if rank == 1:
+        relay.start()
+        relay.join()
+        return relay.received
+    _, buffer = share_bucket(named)
+    handles = relay.send(bucket_layout(named)[0], buffer)[1]
+    mapped = dict(load_shared_tensors(handles))  # rank 1's copy, through its CUDA IPC handles
+    same = all(mapped[n].is_cuda and torch.equal(mapped[n], t) for n, t in named)
+    del mapped
+    relay.end()
+    return same
+
+
+def test_a_bucket_relayed_to_another_rank_is_mapped_from_its_gpu_copy():
+    """rollout/weight_sync/relay.py's GPU path (a colocated job on several nodes): the bucket leaves
+    rank 0's GPU as host memory, lands on the relay rank's GPU, and the handles that rank shares
+    (CUDA IPC, from its receiving thread) map to exactly the sent tensors in another process."""
+    same, received = run_distributed(_relay_a_cuda_bucket, 2)
+    assert same is True and received == 1

@@ -294,8 +294,8 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path, weight_sync):
 
 def _share_buckets_and_return(url, queue):
     """A trainer's part of weight_sync=memory on the CPU: share three buckets with the server at
-    ``url`` (rollout/weight_sync/in_memory.py), then end."""
-    from megatron_klear.rollout.weight_sync.in_memory import share_bucket
+    ``url`` (rollout/weight_sync/sharing.py), then end."""
+    from megatron_klear.rollout.weight_sync.sharing import share_bucket
 
     client = SGLangEngine.at([url], control_timeout_s=30)
     client.wire.start_update()

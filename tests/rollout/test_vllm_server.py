@@ -443,7 +443,7 @@ def test_buckets_shared_in_memory_load_like_a_checkpoint(engine, servers, models
     holds after loading model b from its directory (every parameter's sha256, the greedy probe)."""
     from megatron_klear.rollout.vllm import VLLMEngine
     from megatron_klear.rollout.weight_sync.gather import iter_buckets
-    from megatron_klear.rollout.weight_sync.in_memory import share_bucket
+    from megatron_klear.rollout.weight_sync.sharing import share_bucket
 
     weights = _hf_tensors(models["b"])
     size = sum(t.numel() * t.element_size() for t in weights.values())

@@ -1,5 +1,5 @@
 """Tensors handed over in memory (``rollout.weight_sync=memory``), read inside a server's process: a
-bucket pickled by :func:`megatron_klear.rollout.weight_sync.in_memory.share_bucket` (the
+bucket pickled by :func:`megatron_klear.rollout.weight_sync.sharing.share_bucket` (the
 multiprocessing pickler: CUDA IPC handles on a GPU, shared-memory file names on the CPU) is read
 under an allow-list of the globals tensors pickle to, SGLang 0.5.23's ``SafeUnpickler``
 (``srt/utils/common.py``) rules: the SGLang stand-in reads ``/update_weights_from_tensor`` with it,

@@ -3,7 +3,7 @@ weights to the servers that share its machine in memory, bucket by bucket, as sl
 instead of writing an HF checkpoint every step for the servers to reload.
 
 Each bucket's tensors are copied into one buffer (one storage, each tensor a view of it) and pickled
-with :mod:`multiprocessing`'s pickler (:func:`share_bucket`): on a GPU the storage becomes a CUDA IPC
+with :mod:`multiprocessing`'s pickler (:func:`~.sharing.share_bucket`): on a GPU the storage becomes a CUDA IPC
 handle, on the CPU a shared-memory file (torch's ``file_system`` sharing strategy), so what goes over
 HTTP is a handle of some hundred bytes, not the weights. SGLang 0.5.23 reads it with
 ``MultiprocessingSerializer.deserialize`` (its ``SafeUnpickler`` admits torch's rebuild functions of
@@ -17,22 +17,11 @@ copy. The push goes through disk (:class:`~.disk.DiskPush`, ``rollout.sync_dir``
 no such route (SGLang's ``/update_weights_from_tensor``, the project's vLLM transfer engine) or a
 server is on no trainer rank's machine, and the log says why, once. Nothing is written under
 ``sync_dir`` by this path.
-
-On the CPU, torch serves file-name sharing through a ``torch_shm_manager`` process it forks from the
-first process that shares, on first use, and that manager lives as long as any process holds one of
-its storages (the servers keep its connection to the end). Started as torch starts it, it would
-inherit every descriptor of the trainer (its stderr, a launcher's pipes, the sentinel a parent
-waits on): a trainer that ended would still hold its launcher's pipes open until the servers exit
-(measured: a spawned trainer's ``join`` waited its whole 60 s timeout). :func:`_start_shm_manager`
-starts it once, first, with none of them.
 """
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import contextlib
-import io
 import sys
 import time
 
@@ -40,138 +29,7 @@ from megatron_klear.platform import barrier, broadcast_from_rank0, device, gathe
 from megatron_klear.rollout.weight_sync.gather import iter_buckets, iter_model_hf_weights
 from megatron_klear.rollout.weight_sync.machines import machine_addresses, place_workers
 from megatron_klear.rollout.weight_sync.relay import BucketRelay
-
-#: a bucket's tensors start at multiples of this many bytes (every dtype's alignment)
-ALIGN = 64
-
-
-def bucket_layout(named: list) -> tuple:
-    """``(layout, nbytes)``: where each tensor of ``[(name, tensor)]`` lies in one flat buffer,
-    ``layout = [(name, dtype, shape, start)]`` (each start a multiple of :data:`ALIGN`)."""
-    layout, total = [], 0
-    for name, t in named:
-        layout.append((name, t.dtype, tuple(t.shape), total))
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    return layout, total
-
-
-def ready_to_share(device) -> None:
-    """Start what sharing on ``device`` (a ``torch.device``) needs, now and on this thread: on the CPU, this process's
-    memory manager (:func:`_start_shm_manager` swaps the standard descriptors while it starts, which
-    a thread that shares later must not do while others write)."""
-    with _cpu_shared_by_file_name(device):
-        pass
-
-
-def shared_buffer(nbytes: int, device):
-    """A flat byte buffer on ``device`` that can be shared (on the CPU in shared memory from the
-    start: the pickler then copies nothing)."""
-    import torch
-
-    with _cpu_shared_by_file_name(device):
-        buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-        if device.type == "cpu":
-            buffer.share_memory_()
-    return buffer
-
-
-def _views(layout: list, buffer) -> list:
-    views = []
-    for name, dtype, shape, start in layout:
-        n = dtype.itemsize * _numel(shape)
-        views.append((name, buffer[start : start + n].view(dtype).view(shape)))
-    return views
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def share_views(layout: list, buffer) -> str:
-    """The tensors ``layout`` places in ``buffer`` pickled with the multiprocessing pickler as
-    views of it (base64): what a server on this machine reads (``buffer`` must stay alive until it
-    has)."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 -- registers torch's reductions of tensors and storages with that pickler
-
-    out = io.BytesIO()
-    with _cpu_shared_by_file_name(buffer.device):
-        ForkingPickler(out).dump(_views(layout, buffer))
-    return base64.b64encode(out.getvalue()).decode("ascii")
-
-
-def share_bucket(named: list) -> tuple:
-    """``(payload, buffer)``: the tensors ``[(name, tensor)]`` copied into one buffer on their device
-    (at :func:`bucket_layout`'s places) and pickled as views of it (:func:`share_views`); ``buffer``
-    must stay alive until the receiver has read them."""
-    layout, total = bucket_layout(named)
-    buffer = shared_buffer(total, named[0][1].device)
-    for (_, t), (_, view) in zip(named, _views(layout, buffer)):
-        view.copy_(t)
-    return share_views(layout, buffer), buffer
-
-
-@contextlib.contextmanager
-def _cpu_shared_by_file_name(device):
-    """CPU storages pickle as shared-memory file names (``file_system``), which another process
-    opens by name; the default (``file_descriptor``) passes descriptors over a connection that only
-    the sender's own children may use."""
-    import torch.multiprocessing as mp
-
-    if device.type != "cpu":
-        yield
-        return
-    before = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
-        _start_shm_manager()
-        yield
-    finally:
-        mp.set_sharing_strategy(before)
-
-
-_shm_manager_started = False
-
-
-def _start_shm_manager() -> None:
-    """Start this process's ``torch_shm_manager`` (see the module docstring) while its standard
-    input and error point at ``/dev/null`` and every other descriptor is close-on-exec, so that it
-    inherits none of them; then put everything back. Once per process (torch starts one manager per
-    process, on its first file-name share). The caller has set the ``file_system`` strategy."""
-    global _shm_manager_started
-    if _shm_manager_started:
-        return
-    import fcntl
-    import os
-
-    import torch
-
-    sys.stderr.flush()
-    fds = [int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2]
-    flags = {}
-    for fd in fds:
-        with contextlib.suppress(OSError):  # (the listing's own descriptor is gone by now)
-            flags[fd] = fcntl.fcntl(fd, fcntl.F_GETFD)
-            fcntl.fcntl(fd, fcntl.F_SETFD, flags[fd] | fcntl.FD_CLOEXEC)
-    saved = [os.dup(0), os.dup(2)]
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        os.dup2(null, 0)
-        os.dup2(null, 2)
-        torch.empty(1).share_memory_()  # the first file-name share: the manager is forked and exec'd now
-        _shm_manager_started = True
-    finally:
-        os.dup2(saved[0], 0)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, null):
-            os.close(fd)
-        for fd, flag in flags.items():
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(fd, fcntl.F_SETFD, flag)
+from megatron_klear.rollout.weight_sync.sharing import bucket_layout, share_bucket
 
 
 class InMemoryPush:

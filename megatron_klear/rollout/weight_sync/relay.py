@@ -4,7 +4,7 @@ Rank 0 gathers the model's buckets (:mod:`.gather`); servers on its machine map 
 bucket, but a server on another node can only map memory of its own node. :class:`BucketRelay`
 sends each bucket from rank 0 to one trainer rank per other machine that hosts servers (its
 *relay rank*, :mod:`.machines`), which copies it onto its device, shares it as rank 0 does
-(:func:`~.in_memory.share_views`) and hands the handles back to rank 0; rank 0 then posts to each
+(:func:`~.sharing.share_views`) and hands the handles back to rank 0; rank 0 then posts to each
 server the handles of its own machine. Only handles (some hundred bytes) go to the servers over
 HTTP; each bucket crosses the network once per machine.
 
@@ -24,6 +24,8 @@ import threading
 
 import torch
 import torch.distributed as dist
+
+from megatron_klear.rollout.weight_sync.sharing import ready_to_share, share_views, shared_buffer
 
 #: how long rank 0 and a relay rank wait for each other at one bucket (the gather of a stage and a
 #: server's load of the bucket before come in between)
@@ -51,7 +53,7 @@ class BucketRelay:
     # -- rank 0 ----------------------------------------------------------------------------------
     def send(self, layout: list, buffer) -> dict:
         """Rank 0: the bucket (``buffer``, its tensors at ``layout``'s places: see
-        :func:`~.in_memory.bucket_layout`) to every relay rank; ``{relay rank: its handles}``."""
+        :func:`~.sharing.bucket_layout`) to every relay rank; ``{relay rank: its handles}``."""
         dist.broadcast_object_list([(layout, buffer.numel())], src=0, group=self.group)
         host = buffer if buffer.device.type == "cpu" else buffer.to("cpu")
         dist.broadcast(host, src=0, group=self.group)
@@ -66,8 +68,6 @@ class BucketRelay:
     # -- a relay rank ----------------------------------------------------------------------------
     def start(self) -> None:
         """A relay rank, before the gather: receive buckets in a thread until rank 0's :meth:`end`."""
-        from megatron_klear.rollout.weight_sync.in_memory import ready_to_share
-
         ready_to_share(self.device)
         self.error, self.received = None, 0
         self.thread = threading.Thread(target=self._receive, name="weights-relay", daemon=True)
@@ -83,8 +83,6 @@ class BucketRelay:
             )
 
     def _receive(self) -> None:
-        from megatron_klear.rollout.weight_sync.in_memory import share_views, shared_buffer
-
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         held = collections.deque(maxlen=2)  # the bucket the servers may still be loading, and this one
