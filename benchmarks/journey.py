@@ -19,7 +19,8 @@ padded vocabulary, as Qwen3's own 151,936 rows pad its 151,669 tokens), goes thr
    config, ``rollout.engine=vllm``,
    the weights streamed to the server after every step over an update group (``distributed``: the
    in-memory path for dedicated servers) and the probe check after every push;
-7. ``resume``: the same command one step further: it resumes from the RL checkpoint;
+7. ``resume``: the same command one step further: it resumes from the RL checkpoint (not with
+   ``--quick``: the tiny-model tests resume RL runs, and this phase was a fifth of the quick run);
 8. ``eval``: ``tools/eval.py --server vllm`` on held-out prompts.
 
 Per phase: wall time, the peak resident set of the largest process and the peak proportional set
@@ -179,13 +180,18 @@ class Journey:
     def path(self, *parts) -> str:
         return os.path.join(self.work, *parts)
 
+    @property
+    def phases(self) -> tuple:
+        return tuple(p for p in PHASES if p != "resume") if self.args.quick else PHASES
+
     def progress(self, phase: str, done: bool) -> None:
-        finished = PHASES[: PHASES.index(phase) + (1 if done else 0)]
-        share = sum(SHARES[p] for p in finished) / sum(SHARES.values())
+        finished = self.phases[: self.phases.index(phase) + (1 if done else 0)]
+        share = sum(SHARES[p] for p in finished) / sum(SHARES[p] for p in self.phases)
         spent = time.monotonic() - self.t0
         eta = f", ETA {spent / share - spent:.0f} s" if share > 0.02 else ""
         word = "done" if done else "starting"
-        print(f"journey: {phase} {word} ({len(finished)}/{len(PHASES)} phases, {spent:.0f} s{eta})", file=sys.stderr)
+        count = f"{len(finished)}/{len(self.phases)} phases"
+        print(f"journey: {phase} {word} ({count}, {spent:.0f} s{eta})", file=sys.stderr)
 
     def phase(self, name: str, fn) -> None:
         self.progress(name, done=False)
@@ -303,7 +309,7 @@ class Journey:
 
     def run(self) -> list:
         try:
-            for name in PHASES:
+            for name in self.phases:
                 self.phase(name, getattr(self, name))
         finally:
             if self.server is not None:

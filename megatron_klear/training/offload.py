@@ -1,13 +1,17 @@
 """The trainer's memory handed to colocated rollout servers while they generate (``rollout.colocate``).
 
-Megatron-Core's own RL hooks do the work (read from megatron-core 0.16.1):
+Megatron-Core's own RL hooks free the gradient buffers (read from megatron-core 0.16.1):
 ``DistributedDataParallel.offload_grad_buffers`` frees each gradient buffer's storage (the views
-into it stay valid) and ``restore_grad_buffers`` reallocates it zeroed; the optimizer's
-``offload_to_cpu`` / ``restore_from_cpu`` move its state (Adam moments, the fp32 main parameters of
-mixed precision) to host memory and back. The model's own weights stay: the servers' weights are
-reloaded from them at the next sync, and the probe check runs the model then (so with an optimizer
-that updates the model's fp32 weights in place, without a separate copy, its state stays too). Between
-:func:`offload_trainer` and :func:`restore_trainer` nothing may train.
+into it stay valid) and ``restore_grad_buffers`` reallocates it zeroed. The optimizer's state (Adam
+moments, the fp32 main parameters of mixed precision) goes to host memory through
+:class:`HostStash`, not through the optimizer's ``offload_to_cpu`` / ``restore_from_cpu``: those
+call ``.cpu()`` and ``.cuda()``, fresh pageable host memory at every offload (its page faults, and
+copies at pageable speed), where the stash keeps one host buffer per tensor for the whole run,
+pinned, and copies asynchronously with one synchronization at the end. The model's own weights
+stay: the servers' weights are reloaded from them at the next sync, and the probe check runs the
+model then (so with an optimizer that updates the model's fp32 weights in place, without a separate
+copy, its state stays too). Between :func:`offload_trainer` and :func:`restore_trainer` nothing may
+train.
 
 A Megatron-Core without these hooks (older than 0.16) keeps the memory, with one warning.
 """
@@ -15,6 +19,70 @@ A Megatron-Core without these hooks (older than 0.16) keeps the memory, with one
 from __future__ import annotations
 
 import warnings
+
+import torch
+
+
+class HostStash:
+    """The optimizer's tensors that live on a device (its groups' parameters: the fp32 main weights
+    of mixed precision; its state: Adam's moments), moved to host buffers that are kept from one
+    :meth:`offload` to the next (``pin``: page-locked, as the copies to and from a GPU want them) and
+    back by :meth:`restore`. Each tensor's slot in the optimizer (a parameter's ``.data``, a state
+    entry) is pointed at the host copy, then at a new device tensor: every holder of the parameter
+    object sees the move, as with Megatron-Core's own hook. ``on_device``: which tensors move
+    (those not on the CPU; a test names its own)."""
+
+    def __init__(self, pin: bool, on_device=None):
+        self.pin = pin
+        self.on_device = on_device or (lambda t: t.device.type != "cpu")
+        self.host = {}  # {slot key: the host buffer, kept for the run}
+        self.moved = {}  # {slot key: the device its tensor came from}: what restore() puts back
+
+    @staticmethod
+    def _slots(optimizer):
+        """``(key, tensor, put)`` for every tensor the optimizer holds; ``put(t)`` puts ``t`` in its
+        slot. Chained optimizers (one per parameter kind) are walked one by one."""
+        for i, part in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+            inner = getattr(part, "optimizer", None)
+            if inner is None or getattr(part, "is_stub_optimizer", False):
+                continue
+            for g, group in enumerate(inner.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if not isinstance(p, torch.Tensor):
+                        continue
+                    yield (i, g, j, None), p.data, lambda t, p=p: setattr(p, "data", t)
+                    for k, v in inner.state.get(p, {}).items():
+                        if isinstance(v, torch.Tensor):
+                            yield (i, g, j, k), v, lambda t, d=inner.state[p], k=k: d.__setitem__(k, t)
+
+    def offload(self, optimizer) -> int:
+        """Every device tensor of ``optimizer`` to its host buffer (allocated at the first offload);
+        returns the bytes moved."""
+        moved = 0
+        for key, t, put in self._slots(optimizer):
+            if not self.on_device(t):
+                continue
+            host = self.host.get(key)
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = self.host[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+            host.copy_(t, non_blocking=self.pin)
+            self.moved[key] = t.device
+            put(host)
+            moved += t.numel() * t.element_size()
+        self._synchronize()
+        return moved
+
+    def restore(self, optimizer) -> None:
+        """What :meth:`offload` moved back onto its device (new device tensors, the host buffers kept)."""
+        for key, t, put in self._slots(optimizer):
+            device = self.moved.pop(key, None)
+            if device is not None:
+                put(t.to(device, non_blocking=self.pin, copy=True))
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        if self.pin and torch.cuda.is_available():  # the asynchronous copies end before anything reuses
+            torch.cuda.synchronize()
 
 
 def _grad_buffers(chunk) -> list:
@@ -46,14 +114,13 @@ def _hooks_missing(state) -> list:
     missing = [
         f"{type(c).__name__}.offload_grad_buffers" for c in state.model if not hasattr(c, "offload_grad_buffers")
     ]
-    if not hasattr(state.optimizer, "offload_to_cpu"):
-        missing.append(f"{type(state.optimizer).__name__}.offload_to_cpu")
     return missing
 
 
 def offload_trainer(state) -> int:
-    """Free the gradient buffers and move the optimizer state to host memory; returns the bytes of
-    gradient buffer freed. Undo with :func:`restore_trainer` before the next update."""
+    """Free the gradient buffers and move the optimizer state to host memory (pinned buffers kept
+    on ``state.host_stash``); returns the bytes of gradient buffer freed. Undo with
+    :func:`restore_trainer` before the next update."""
     missing = _hooks_missing(state)
     if missing:
         warnings.warn(
@@ -66,10 +133,13 @@ def offload_trainer(state) -> int:
     freed = grad_buffer_bytes(state.model)
     for chunk in state.model:
         chunk.offload_grad_buffers(synchronize=on_gpu, empty_cache=False)
-    # Megatron moves only CUDA tensors (and back with .cuda()): nothing to do on a CPU
+    # only device tensors move: nothing to do on a CPU
     if on_gpu and not optimizer_holds_model_weights(state):
-        state.optimizer.offload_to_cpu()  # also empties the CUDA cache
+        if state.host_stash is None:
+            state.host_stash = HostStash(pin=True)
+        state.host_stash.offload(state.optimizer)
         state.optimizer_offloaded = True
+        torch.cuda.empty_cache()
     return freed
 
 
@@ -81,5 +151,5 @@ def restore_trainer(state) -> None:
     for chunk in state.model:
         chunk.restore_grad_buffers(synchronize=on_gpu)
     if state.optimizer_offloaded:
-        state.optimizer.restore_from_cpu()
+        state.host_stash.restore(state.optimizer)
         state.optimizer_offloaded = False

@@ -20,6 +20,7 @@ class TrainingState:
     config: object  # the JobConfig
     step: int = 0
     optimizer_offloaded: bool = False  # its state in host memory (training/offload.py)
+    host_stash: object = None  # the host buffers it goes to (training/offload.py HostStash)
 
 
 def model_arch(path: str):

@@ -1,7 +1,8 @@
 """rollout.colocate, the trainer's side (training/offload.py): while the servers generate, the
 gradient buffers are freed (Megatron-Core 0.16's DistributedDataParallel.offload_grad_buffers) and
 given back zeroed before the next update, which must then be exactly the update without offloading.
-The optimizer-state half (MegatronOptimizer.offload_to_cpu) moves CUDA tensors only: tests/gpu."""
+The optimizer-state half (training/offload.py HostStash) moves device tensors only: its logic in
+tests/training/test_host_stash.py, on a GPU in tests/gpu."""
 
 import pytest
 import torch

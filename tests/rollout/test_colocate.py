@@ -228,6 +228,19 @@ def test_a_failed_update_gives_the_servers_back_the_last_weights(served, tiny_hf
     manager.close()
 
 
+def _colocated(urls: list) -> list:
+    """A colocated RL run's overrides against the servers ``urls``, its weights checked after every push."""
+    return [
+        "rollout.engine=sglang",
+        f"rollout.urls=[{','.join(urls)}]",
+        "rollout.colocate=true",
+        "rollout.sync_bucket_mb=0.05",  # several buckets a push (the tiny model is ~0.1 MB)
+        "rollout.verify_interval=1",
+        "rl.filter_zero_spread=false",
+        "rollout.max_concurrent_requests=4",
+    ]
+
+
 @pytest.mark.parametrize("weight_sync", ["memory", "disk"])
 def test_the_rl_loop_releases_the_servers_while_training(tmp_path, weight_sync):
     """rollout.colocate against two embedded servers (--enable-memory-saver) behind the real
@@ -258,18 +271,7 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path, weight_sync):
                 for a in _overrides({"model": model, "prompts": prompts}, save)
                 if not a.startswith(("parallel.tp", "train.steps"))
             ]
-            args += [
-                "parallel.tp=1",
-                "train.steps=2",
-                "rollout.engine=sglang",
-                f"rollout.urls=[{url}]",
-                "rollout.colocate=true",
-                f"rollout.weight_sync={weight_sync}",
-                "rollout.sync_bucket_mb=0.05",  # several buckets a push (the tiny model is ~0.1 MB)
-                "rollout.verify_interval=1",
-                "rl.filter_zero_spread=false",
-                "rollout.max_concurrent_requests=4",
-            ]
+            args += ["parallel.tp=1", "train.steps=2", f"rollout.weight_sync={weight_sync}", *_colocated([url])]
             run_distributed(_run, 1, args)
         lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
         assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 2, lines
@@ -366,16 +368,7 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
     save = str(tmp_path / "run")
     try:
         args = [a for a in _overrides({"model": model, "prompts": prompts}, save) if not a.startswith("train.steps")]
-        args += [
-            "train.steps=1",
-            "rollout.engine=sglang",
-            f"rollout.urls=[{','.join(s.url for s in servers)}]",
-            "rollout.colocate=true",
-            "rollout.sync_bucket_mb=0.05",  # several buckets a push
-            "rollout.verify_interval=1",
-            "rl.filter_zero_spread=false",
-            "rollout.max_concurrent_requests=4",
-        ]
+        args += ["train.steps=1", *_colocated([s.url for s in servers])]
         run_distributed(_run_as_two_machines, 2, args)
         lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
         assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 1, lines
