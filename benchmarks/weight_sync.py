@@ -34,7 +34,12 @@ receiver processes for the raw broadcast. Every variant moves the whole model to
 - ``in_memory``: ``rollout.weight_sync=memory``'s push (``InMemoryPush``: the TP shards gathered
   bucket by bucket, each bucket shared in memory and loaded by both servers: SGLang's
   ``/update_weights_from_tensor``, vLLM's ``/update_weights`` through the project's transfer
-  engine), what colocated servers get instead of ``disk_parallel``.
+  engine), what colocated servers get instead of ``disk_parallel``;
+- ``in_memory_relay`` (not in the default set; SGLang stand-in): the same push as a two-node
+  colocated job makes it: trainer rank 1 stands for a second machine (its addresses are those of
+  127.0.0.2, where the second server listens), so rank 0 relays every bucket to it over gloo and
+  the second server maps rank 1's copy (``rollout/weight_sync/relay.py``); its ratio to
+  ``in_memory`` is the relay's cost (``relay_cost_vs_in_memory``).
 
 Each variant runs ``--repeats`` times, interleaved (median reported, and the fastest under ``best``:
 on a shared machine other jobs only ever add time); ``--variants`` runs a subset. JSON keys:
@@ -96,6 +101,8 @@ def make_checkpoint(path: str, layers: int, quick: bool = False) -> dict:
 
 
 VARIANTS = ("disk_sequential", "disk_parallel", "disk_flushed", "distributed", "raw_broadcast", "in_memory")
+RELAY = "in_memory_relay"  # asked for by name (--variants)
+SECOND_SERVER_HOST = "127.0.0.2"  # the second stand-in server's address (loopback, this machine)
 
 
 def flush_to_disk(path: str) -> None:
@@ -225,11 +232,19 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     from types import SimpleNamespace
 
     from megatron_klear.rl.rollout.placement import Dedicated
+    from megatron_klear.rollout.weight_sync import in_memory as in_memory_module
     from megatron_klear.rollout.weight_sync.in_memory import InMemoryPush
 
+    # which machine each rank reports (read once, at each push object's first push): one machine
+    # with both servers, or (the relay variant) rank 1 on a second one with the second server
+    two_machines = [False]
+    in_memory_module.machine_addresses = lambda: (
+        {f"127.0.0.{rank + 1}"} if two_machines[0] else {"127.0.0.1", SECOND_SERVER_HOST}
+    )
     in_memory = InMemoryPush(SimpleNamespace(model=chunks), engine, Dedicated(), args.bucket_mb, fallback=None)
+    relayed = InMemoryPush(SimpleNamespace(model=chunks), engine, Dedicated(), args.bucket_mb, fallback=None)
     barrier()
-    times = {v: [] for v in VARIANTS}
+    times = {v: [] for v in (*VARIANTS, RELAY)}
     stats = []
     t0 = time.perf_counter()
     sync.sync(version="warmup")  # creates the groups
@@ -266,6 +281,10 @@ def _trainer(rank, ckpt, urls, args, raw_port):
                 stats.append(dict(sync.stats))
             elif variant == "in_memory":
                 in_memory.push(version)
+            elif variant == RELAY:
+                two_machines[0] = True
+                relayed.push(version)
+                two_machines[0] = False
             elif rank == 0:
                 buf = torch.empty(max(sizes), dtype=torch.uint8)
                 dist.broadcast(torch.tensor([len(sizes)], dtype=torch.int64), src=0, group=raw_pg)
@@ -434,7 +453,9 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default=",".join(VARIANTS),
-        help="comma-separated subset of " + ", ".join(VARIANTS) + " (a ratio needs both of its variants)",
+        help="comma-separated subset of "
+        + ", ".join((*VARIANTS, RELAY))
+        + f" (a ratio needs both of its variants; {RELAY} only when named)",
     )
     ap.add_argument(
         "--engine",
@@ -467,9 +488,11 @@ def main() -> int:
     if args.quick:
         args.layers, args.bucket_mb, args.repeats = 2, 1.0, 1
     args.variants = [v for v in args.variants.split(",") if v]
-    unknown = set(args.variants) - set(VARIANTS)
+    unknown = set(args.variants) - {*VARIANTS, RELAY}
     if unknown or not args.variants:
         ap.error(f"--variants: unknown {sorted(unknown)}" if unknown else "--variants: none given")
+    if RELAY in args.variants and args.engine != "sglang":
+        ap.error(f"--variants: {RELAY} runs with the SGLang stand-in only (--engine sglang)")
 
     import torch.multiprocessing as mp
 
@@ -493,7 +516,7 @@ def main() -> int:
     servers = []
     procs = []
     try:
-        for _ in range(2):
+        for host in ("127.0.0.1", SECOND_SERVER_HOST):
             if args.engine == "vllm":  # bf16, the plugin's transfer engine for the distributed variant
                 servers.append(
                     VLLMServer.launch(
@@ -509,6 +532,7 @@ def main() -> int:
             servers.append(  # with the delta loader SGLang servers need for --delta-lrs
                 EmbeddedHTTPEngine.launch(
                     ckpt,
+                    host=host,  # the second on another loopback address: another machine to in_memory_relay
                     dtype="bfloat16",
                     weight_sync_timeout=600,
                     startup_timeout=600,
@@ -558,6 +582,7 @@ def main() -> int:
             "speedup_vs_disk_flushed": q("disk_flushed", "distributed"),
             "in_memory_speedup_vs_disk": q("disk_parallel", "in_memory"),
             "in_memory_speedup_vs_disk_flushed": q("disk_flushed", "in_memory"),
+            "relay_cost_vs_in_memory": q(RELAY, "in_memory"),
             "efficiency_vs_raw": q("raw_broadcast", "distributed"),
         }
 
@@ -619,6 +644,7 @@ def main() -> int:
         ("speedup_vs_disk_sequential", "speedup vs disk (sequential, page cache)"),
         ("in_memory_speedup_vs_disk", "in memory (colocated) vs disk (parallel, page cache)"),
         ("in_memory_speedup_vs_disk_flushed", "in memory (colocated) vs disk (flushed to the disk)"),
+        ("relay_cost_vs_in_memory", "in memory across two machines (relayed) / on one machine"),
         ("efficiency_vs_raw", "efficiency vs raw broadcast"),
     ):
         if out[key] is not None:

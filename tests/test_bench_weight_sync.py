@@ -1,4 +1,6 @@
-"""benchmarks/weight_sync.py --quick: every variant runs against two real embedded servers, the bytes
+"""benchmarks/weight_sync.py --quick: every variant runs against two real embedded servers (the
+relayed in-memory push too: the second server on another loopback address, trainer rank 1 standing
+for its machine), the bytes
 and buckets reported match the checkpoint's tensors (counted here from the file), each timed
 distributed sync took the streamed schedule, and the ratios are the ones of the reported times."""
 
@@ -17,7 +19,13 @@ def test_weight_sync_benchmark_quick(tmp_path):
     out = tmp_path / "ws.json"
     work = tmp_path / "work"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/weight_sync.py", "--quick", "--json", str(out), "--workdir", str(work)],
+        [
+            *(sys.executable, "benchmarks/weight_sync.py", "--quick", "--json", str(out), "--workdir", str(work)),
+            *(
+                "--variants",
+                "disk_sequential,disk_parallel,disk_flushed,distributed,raw_broadcast,in_memory,in_memory_relay",
+            ),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -35,7 +43,15 @@ def test_weight_sync_benchmark_quick(tmp_path):
     # tensor plus the rest's bytes over the bucket size
     big = [s for s in sizes if s > 1 << 20]
     assert r["buckets"] >= len(big) + -(-(sum(sizes) - sum(big)) // (1 << 20)) >= 4
-    for v in ("disk_sequential", "disk_parallel", "disk_flushed", "distributed", "raw_broadcast", "in_memory"):
+    for v in (
+        "disk_sequential",
+        "disk_parallel",
+        "disk_flushed",
+        "distributed",
+        "raw_broadcast",
+        "in_memory",
+        "in_memory_relay",
+    ):
         assert len(r["all_times"][v]) == 1 and r[f"{v}_s"] == r["all_times"][v][0] > 0, v
     for stats in r["distributed_stats"]:
         assert stats["bytes"] == r["model_bytes"] and stats["buckets"] == r["buckets"] and stats["streamed_stages"] == 1
@@ -43,4 +59,6 @@ def test_weight_sync_benchmark_quick(tmp_path):
     assert r["speedup_vs_disk_flushed"] == r["disk_flushed_s"] / r["distributed_s"]
     assert r["efficiency_vs_raw"] == r["raw_broadcast_s"] / r["distributed_s"]
     assert r["in_memory_speedup_vs_disk"] == r["disk_parallel_s"] / r["in_memory_s"]
+    assert r["relay_cost_vs_in_memory"] == r["in_memory_relay_s"] / r["in_memory_s"]
+    assert "relays each bucket to rank(s) [1]" in proc.stderr  # the relayed push went through rank 1
     assert f"efficiency vs raw broadcast: {r['efficiency_vs_raw']:.2f}" in proc.stdout
