@@ -165,10 +165,12 @@ def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_mod
     again = engine.generate(prompts, long)
     assert [c[0].token_ids for c in again] == [c[0].token_ids for c in whole]  # greedy: the same again
     assert sorted(len(c[0].token_ids) for c in whole)[-2:] == [900, 900]  # two run to the budget
-    # abort once the servers generated 200 tokens of the stream's (under 900 each: two still run);
-    # on 2 shared cores a server's HTTP can stall for seconds (the abort then comes too late): tried
-    # up to 3 times until one abort lands mid-way. The stream also holds one request for two samples
-    # (a group not started yet): each sample answers its own output so far
+    # abort once the servers generated 200 tokens of the stream's (under 900 each: two still run).
+    # The servers are paused first (vLLM's ``keep``: the requests freeze where they are), so the
+    # abort cannot come too late however the 2 shared cores stall a server's HTTP (unpaused, it
+    # missed three tries in a row under the heavy pass's load); tried up to 3 times all the same.
+    # The stream also holds one request for two samples (a group not started yet): each sample
+    # answers its own output so far
     g = next(i for i, c in enumerate(whole) if len(c[0].token_ids) == 900)
     for _ in range(3):
         start = _generated_tokens(engine.workers())
@@ -178,9 +180,15 @@ def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_mod
         deadline = time.monotonic() + 120
         while _generated_tokens(engine.workers()) - start < 200 and time.monotonic() < deadline:
             time.sleep(0.02)
-        stream.abort()
-        got = dict(stream)
-        stream.close()
+        for w in engine.workers():
+            engine.wire.pause_worker(w, "retract")
+        try:
+            stream.abort()
+            got = dict(stream)
+            stream.close()
+        finally:
+            for w in engine.workers():
+                engine.wire.resume_worker(w)
         aborted = [k for k, c in got.items() if c.aborted and c.token_ids and k in range(len(prompts))]
         if aborted and all(got[("g", k)].aborted for k in range(2)):  # (the group too: a late abort misses it)
             break
