@@ -38,8 +38,9 @@ def ready_to_share(device) -> None:
     """Start what sharing on ``device`` (a ``torch.device``) needs, now and on this thread: on the
     CPU, this process's memory manager (:func:`_start_shm_manager` swaps the standard descriptors
     while it starts, which a thread that shares later must not do while others write)."""
-    with _cpu_shared_by_file_name(device):
-        pass
+    if device.type == "cpu":
+        with _file_system_strategy():
+            _start_shm_manager()
 
 
 def shared_buffer(nbytes: int, device):
@@ -99,15 +100,21 @@ def _cpu_shared_by_file_name(device):
     """CPU storages pickle as shared-memory file names (``file_system``), which another process
     opens by name; the default (``file_descriptor``) passes descriptors over a connection that only
     the sender's own children may use."""
-    import torch.multiprocessing as mp
-
     if device.type != "cpu":
         yield
         return
+    with _file_system_strategy():
+        _start_shm_manager()
+        yield
+
+
+@contextlib.contextmanager
+def _file_system_strategy():
+    import torch.multiprocessing as mp
+
     before = mp.get_sharing_strategy()
     mp.set_sharing_strategy("file_system")
     try:
-        _start_shm_manager()
         yield
     finally:
         mp.set_sharing_strategy(before)
