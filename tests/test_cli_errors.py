@@ -112,6 +112,32 @@ def test_under_torchrun_the_message_is_printed_once_and_ends_torchruns_summary()
     assert f"traceback : {message}" in causes, out
 
 
+def test_under_plain_torchrun_a_rank_other_than_0_waits_for_rank_0_to_print(tmp_path, monkeypatch, capsys):
+    """The torchrun test above failed once: rank 1 met the bad key first, torchrun ended rank 0 at
+    rank 1's exit, and no rank printed the line. A rank other than 0 now waits before its exit
+    (torchrun ends it when rank 0 has printed and left); rank 0, and every rank under the project's
+    launcher (which prints the line itself), exits at once."""
+    from megatron_klear.platform import entry
+
+    slept = []
+    monkeypatch.setattr(entry.time, "sleep", slept.append)
+
+    def bad_key():
+        raise ValueError("command line: unknown key 'x'")
+
+    for rank, launcher, waits in ((1, "", True), (0, "", False), (1, "1", False)):
+        slept.clear()
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error{rank}{launcher}.json"))
+        monkeypatch.setenv("KLEAR_LAUNCHER", launcher)
+        assert entry.run_entry_point(bad_key) == 2
+        printed = capsys.readouterr().err.strip()
+        assert slept == ([entry.RANK0_GRACE_S] if waits else []), (rank, launcher)
+        assert printed == ("error: command line: unknown key 'x'" if rank == 0 and not launcher else ""), printed
+        with open(tmp_path / f"error{rank}{launcher}.json") as f:  # the message is in the error file either way
+            assert json.load(f)["message"]["message"] == "command line: unknown key 'x'"
+
+
 def _launch(*args, timeout=300):
     """``python -m megatron_klear.platform.launch`` (torchrun's arguments) at 2 ranks; (status, output lines)."""
     rc, out = torchrun(*args, launcher="megatron_klear.platform.launch", timeout=timeout)

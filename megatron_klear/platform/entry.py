@@ -1,7 +1,9 @@
 """How the SFT and RL entry points end on a user's mistake: one line, once, and a non-zero exit.
 
 A wrong config key, a missing file or a save directory in use is reported as ``error: <message>``
-by global rank 0 only, without a traceback, and every rank exits with status 2. Under torchrun
+by global rank 0 only, without a traceback, and every rank exits with status 2 (under plain
+torchrun the other ranks first wait ``RANK0_GRACE_S`` for rank 0: torchrun stops every rank at the
+first exit, and a rank that met the error first would stop rank 0 before it printed). Under torchrun
 each rank also leaves the message in torchrun's error file (marked as a user error), so that
 torchrun's failure summary names the cause instead of "To enable traceback see ...", and so that
 ``python -m megatron_klear.platform.launch`` (torchrun's arguments) can end the job with that one
@@ -41,6 +43,9 @@ EXIT_CONSEQUENCE = 1
 # extraInfo["klear"] in torchrun's error file: what megatron_klear.platform.launch reads
 USER_ERROR, CONSEQUENCE, CRASH = "user_error", "consequence", "crash"
 LAUNCHER_ENV = "KLEAR_LAUNCHER"  # set by megatron_klear.platform.launch: it prints the user error itself
+#: seconds a rank other than 0 waits, after a user error under plain torchrun, for rank 0 to meet it
+#: and print it (torchrun then ends the waiting ranks; an error of that rank alone costs the wait)
+RANK0_GRACE_S = 5.0
 
 # what gloo / NCCL / the c10d store say when the peer on the other side is gone
 _PEER_GONE = (
@@ -102,6 +107,10 @@ def report_user_error(exc: BaseException, stream=None) -> None:
     written = write_error_file(message, USER_ERROR)
     if _global_rank() == 0 and not (written and _launcher_reports()):
         print(f"error: {message}", file=stream or sys.stderr, flush=True)
+    elif written and not _launcher_reports():
+        # plain torchrun ends every rank at the first exit: a rank other than 0 that got here
+        # first (a config error every rank meets) would end rank 0 before it prints the line
+        time.sleep(RANK0_GRACE_S)
 
 
 def is_collective_failure(exc: BaseException) -> bool:

@@ -84,6 +84,18 @@ def _generated_tokens(urls) -> float:
     return total
 
 
+def _settled_tokens(url) -> float:
+    """A paused server's token count once it stands still (a loaded server's HTTP process counts
+    the tokens its engine made a while ago)."""
+    last = _generated_tokens([url])
+    while True:
+        time.sleep(0.1)
+        now = _generated_tokens([url])
+        if now == last:
+            return now
+        last = now
+
+
 def _reference_logprobs(model_dir, prompt, response, temperature=1.0):
     """float64 log-probs of ``response`` after ``prompt`` at ``temperature`` (transformers)."""
     import torch
@@ -165,32 +177,39 @@ def test_an_abort_mid_request_returns_the_prefix_and_its_continuation_is_the_mod
     again = engine.generate(prompts, long)
     assert [c[0].token_ids for c in again] == [c[0].token_ids for c in whole]  # greedy: the same again
     assert sorted(len(c[0].token_ids) for c in whole)[-2:] == [900, 900]  # two run to the budget
-    # abort once the servers generated 200 tokens of the stream's (under 900 each: two still run).
-    # The servers are paused first (vLLM's ``keep``: the requests freeze where they are), so the
-    # abort cannot come too late however the 2 shared cores stall a server's HTTP (unpaused, it
-    # missed three tries in a row under the heavy pass's load); tried up to 3 times all the same.
-    # The stream also holds one request for two samples (a group not started yet): each sample
-    # answers its own output so far
+    # The servers are paused (vLLM's ``keep``: requests freeze where they are) before the stream
+    # starts, then each let run in short bursts (resume, pause) until it has generated tokens:
+    # the abort then meets every request mid-way however fast the tiny model runs or slow the
+    # loaded cores answer (polling the token count while they ran found a server already past 900
+    # tokens at the first read). A server starved of CPU can still answer a pause late enough for
+    # its requests to end: tried up to 3 times. The stream also holds one request for two samples:
+    # each sample answers its own output so far
     g = next(i for i, c in enumerate(whole) if len(c[0].token_ids) == 900)
+    workers = engine.workers()
+
     for _ in range(3):
-        start = _generated_tokens(engine.workers())
-        stream = engine.stream(
-            [SampleRequest(i, p, long) for i, p in enumerate(prompts)] + [SampleRequest("g", prompts[g], long, n=2)]
-        )
-        deadline = time.monotonic() + 120
-        while _generated_tokens(engine.workers()) - start < 200 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for w in engine.workers():
+        start = [_generated_tokens([w]) for w in workers]
+        for w in workers:
             engine.wire.pause_worker(w, "retract")
         try:
+            stream = engine.stream(
+                [SampleRequest(i, p, long) for i, p in enumerate(prompts)] + [SampleRequest("g", prompts[g], long, n=2)]
+            )
+            for _burst in range(500):  # (paused: the counts settle)
+                idle = [w for w, s in zip(workers, start) if _settled_tokens(w) == s]
+                if not idle:
+                    break
+                for w in idle:  # one server at a time, each for one HTTP round trip
+                    engine.wire.resume_worker(w)
+                    engine.wire.pause_worker(w, "retract")
             stream.abort()
             got = dict(stream)
             stream.close()
         finally:
-            for w in engine.workers():
+            for w in workers:
                 engine.wire.resume_worker(w)
         aborted = [k for k, c in got.items() if c.aborted and c.token_ids and k in range(len(prompts))]
-        if aborted and all(got[("g", k)].aborted for k in range(2)):  # (the group too: a late abort misses it)
+        if aborted and all(got[("g", k)].aborted for k in range(2)):
             break
     assert aborted, {k: (c.finish_reason, len(c.token_ids)) for k, c in got.items()}
     for k in aborted:
