@@ -200,6 +200,18 @@ def _wait_steps(engine, steps, timeout=60):
     assert engine.decode_steps >= steps
 
 
+def _wait_jobs(sched, rids, timeout=60):
+    """Until the scheduler holds a request of every id in ``rids`` (running or waiting)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with sched.cond:
+            held = {i for job in sched.jobs.values() for i in job.ids}
+        if rids <= held:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the scheduler never held {sorted(rids - held)}")
+
+
 def _body(prompt, max_new_tokens, seed, rid):
     return {
         "input_ids": prompt,
@@ -396,6 +408,7 @@ def test_abort_request_matches_ids_by_prefix_once_one_is_exact(server, monkeypat
     _hold(monkeypatch, engine, start + K, gate)
     started = [_start(url, _body(PROMPTS[i], N, i, rid)) for i, rid in enumerate(["q1", "q10", "z"])]
     _wait_steps(engine, start + K)
+    _wait_jobs(sched, {"q1", "q10", "z"})  # (one sent late may still be on its way when the others hold)
     assert _control(url, "/abort_request", {"rid": "q"}) == 200  # not an id: ignored
     assert not gate.is_set() and all(t.is_alive() for t, _ in started)
     assert _control(url, "/abort_request", {"rid": "q1"}) == 200
