@@ -15,6 +15,7 @@ _DISTRIBUTED = (
     "gather_to_rank0",
     "init_parallel",
     "is_rank0",
+    "max_over_ranks",
     "rank",
     "recv_object",
     "send_object",

@@ -188,14 +188,21 @@ def gather_to_rank0(obj) -> list | None:
     return out
 
 
-def any_rank(flag: bool) -> bool:
-    """Collective: whether ``flag`` is true on any rank (the same answer everywhere), over the gloo
-    control group (a CPU tensor, under NCCL too)."""
+def max_over_ranks(value: int) -> int:
+    """Collective: the largest ``value`` of all ranks (the same answer everywhere), over the gloo
+    control group (a CPU tensor, under NCCL too: no NCCL communicator is touched); before
+    init_parallel made that group, over the default group, on its device."""
     if not _multi():
-        return bool(flag)
-    t = torch.tensor([int(bool(flag))], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL["group"])
-    return bool(t.item())
+        return int(value)
+    group = _CONTROL["group"]
+    t = torch.tensor([int(value)], dtype=torch.int64, device="cpu" if group is not None else comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is true on any rank (:func:`max_over_ranks`)."""
+    return bool(max_over_ranks(int(bool(flag))))
 
 
 def send_object(obj, dst: int) -> None:

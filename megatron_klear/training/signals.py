@@ -32,9 +32,6 @@ import sys
 import threading
 import time
 
-import torch
-import torch.distributed as dist
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
@@ -99,12 +96,10 @@ class TerminationFlag:
         self.received = signum
 
     def should_stop(self) -> bool:
-        from megatron_klear.platform import comm_device
+        from megatron_klear.platform import max_over_ranks
 
-        flag = torch.tensor([int(self.received)], dtype=torch.int32, device=comm_device())
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        got = int(flag.item())
+        # over the gloo control group: no NCCL communicator is needed between two steps
+        got = max_over_ranks(self.received)
         if got:
             try:
                 self.signal_name = signal.Signals(got).name
