@@ -253,3 +253,29 @@ def test_a_bucket_relayed_to_another_rank_is_mapped_from_its_gpu_copy():
     (CUDA IPC, from its receiving thread) map to exactly the sent tensors in another process."""
     same, received = run_distributed(_relay_a_cuda_bucket, 2)
     assert same is True and received == 1
+
+
+def _nccl_communicator_memory(rank, world):
+    """One NCCL rank: what its communicators hold before and after the first collective."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_klear.training.comm_memory import communicator_memory, nccl_groups
+
+    before = communicator_memory()
+    t = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    return str(torch.__version__), before, communicator_memory(), len(nccl_groups())
+
+
+def test_the_nccl_communicators_memory_is_read_after_the_first_collective():
+    """training/comm_memory.py on a GPU (PyTorch 2.12+ with NCCL 2.29.7+): before any collective the
+    default group's communicator does not exist (it holds nothing), after one it holds memory, part
+    of it releasable. An older PyTorch or NCCL cannot say: the metric is then left out."""
+    version, before, after, groups = run_distributed(_nccl_communicator_memory, 1, backend="nccl")[0]
+    assert groups == 1
+    if after is None:
+        pytest.skip(f"PyTorch {version} or its NCCL has no memory_stats (2.12+ with NCCL 2.29.7+)")
+    assert before == {"total": 0, "suspend": 0}, before
+    assert after["total"] > 0 and 0 < after["suspend"] <= after["total"], after

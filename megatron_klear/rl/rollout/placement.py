@@ -113,7 +113,8 @@ class Colocated:
 
     def before_load(self, state) -> dict:
         """Collective, before the servers take their memory back: the trainer gives way (its
-        weights stay, for the probe check and the next push). Returns metrics."""
+        weights stay, for the probe check and the next push). Returns metrics (what was offloaded,
+        and what its NCCL communicators hold: :mod:`megatron_klear.training.comm_memory`)."""
         metrics = {}
         if self.offload_trainer and not self.trainer_offloaded:
             from megatron_klear.training.offload import offload_trainer
@@ -122,8 +123,13 @@ class Colocated:
             self.trainer_offloaded = True
         import torch
 
+        from megatron_klear.training.comm_memory import memory_metrics
+
         if torch.cuda.is_available():  # the caching allocator's free blocks back to the device
             torch.cuda.empty_cache()
+        # what the trainer still holds beside its weights: Megatron's NCCL communicators (where
+        # PyTorch and NCCL can say: 2.12+ and 2.29.7+)
+        metrics.update(memory_metrics())
         return metrics
 
     def load(self, engine, path: str, version: int) -> None:
