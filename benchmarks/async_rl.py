@@ -57,9 +57,7 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -144,41 +142,6 @@ def build_sft(out: str, settings, bench: Bench) -> dict:
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 
-def _start_router(workers: list, tries: int = 3):
-    """``(process, url)``: sglang-router in front of ``workers``, healthy. Its two ports are found
-    free, then bound by the router a moment later, so another process can take one meanwhile (the
-    ephemeral range is shared with every outgoing connection): a router that exits at start-up is
-    started again on new ports, ``tries`` times, and its output is kept for the error."""
-    from megatron_klear.platform.process import free_port
-
-    for attempt in range(tries):
-        port = free_port()
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--worker-urls", *workers, "--policy", "round_robin", "--log-level", "warn"]
-        cmd += ["--prometheus-port", str(free_port())]
-        log = tempfile.TemporaryFile()
-        router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            if router.poll() is not None:
-                log.seek(0)
-                why = log.read().decode(errors="replace")[-2000:]
-                if attempt + 1 < tries:
-                    break
-                raise RuntimeError(f"sglang-router exited with code {router.returncode}: {' '.join(cmd)}\n{why}")
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                with urllib.request.urlopen(url + "/workers", timeout=2) as r:
-                    listed = json.loads(r.read()).get("workers", [])
-                if len(listed) == len(workers) and all(w.get("is_healthy") for w in listed):
-                    return router, url
-            if time.monotonic() > deadline:
-                router.kill()
-                raise RuntimeError(f"sglang-router did not register {workers} within 60 s")
-            time.sleep(0.2)
-    raise AssertionError("unreachable")
-
-
 @contextlib.contextmanager
 def rollout_servers(model: str, n: int, env: dict, engine: str = "sglang"):
     """``n`` rollout servers for ``model``; yields ``(urls, servers)``: stand-in SGLang servers behind
@@ -201,22 +164,15 @@ def rollout_servers(model: str, n: int, env: dict, engine: str = "sglang"):
                 s.close()
         return
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+    from tests.rollout.processes import router
 
     servers = []
     try:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             for fut in [pool.submit(EmbeddedHTTPEngine.launch, model, startup_timeout=300, env=env) for _ in range(n)]:
                 servers.append(fut.result())
-        router, url = _start_router([s.url for s in servers])
-        try:
+        with router([s.url for s in servers]) as url:  # the test suite's (restarted on a port race)
             yield [url], servers
-        finally:
-            router.terminate()
-            try:
-                router.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                router.kill()
-                router.wait()
     finally:
         for s in servers:
             s.close()

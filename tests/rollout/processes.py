@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -54,51 +55,57 @@ def recorded(record_path: str, path: str = "/generate") -> list:
 
 @contextlib.contextmanager
 def router(
-    worker_urls, *, policy: str = "round_robin", startup_timeout: float = 60.0, extra=(), api_key: str | None = None
+    worker_urls,
+    *,
+    policy: str = "round_robin",
+    startup_timeout: float = 60.0,
+    extra=(),
+    api_key: str | None = None,
+    tries: int = 3,
 ):
     """The real sglang-router in front of ``worker_urls``; yields its URL once every worker is
     registered and healthy (``GET /workers``). ``api_key``: the router's ``--api-key`` (it then
-    refuses clients without it and sends it to the workers)."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang_router.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *worker_urls,
-        "--policy",
-        policy,
-        "--log-level",
-        "warn",
-        "--prometheus-port",
-        str(free_port()),
-        *extra,
-        *(("--api-key", api_key) if api_key else ()),
-    ]
+    refuses clients without it and sends it to the workers). Its two ports are found free, then
+    bound by the router a moment later, so another process can take one meanwhile (the ephemeral
+    range is shared with every outgoing connection): a router that exits at start-up is started
+    again on new ports, up to ``tries`` times, and its output is kept for the error."""
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with code {proc.returncode}: {' '.join(cmd)}")
-            try:
-                listed = _get_json(url + "/workers", headers=auth).get("workers", [])
-                if len(listed) == len(worker_urls) and all(w.get("is_healthy") for w in listed):
-                    break
-            except (OSError, ValueError, AttributeError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"sglang-router did not register {worker_urls} within {startup_timeout:g} s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        stop(proc)
+    for attempt in range(tries):
+        port = free_port()
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--worker-urls", *worker_urls, "--policy", policy, "--log-level", "warn"]
+        cmd += ["--prometheus-port", str(free_port()), *extra, *(("--api-key", api_key) if api_key else ())]
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            if _registered(proc, url, worker_urls, auth, startup_timeout):
+                yield url
+                return
+            log.seek(0)
+            why = log.read().decode(errors="replace")[-2000:]
+            if attempt + 1 == tries:
+                raise RuntimeError(f"sglang-router exited with code {proc.returncode}: {' '.join(cmd)}\n{why}")
+        finally:
+            stop(proc)
+            log.close()
+
+
+def _registered(proc, url: str, worker_urls, auth, timeout: float) -> bool:
+    """Whether the router at ``url`` lists every worker as healthy before ``timeout``; False when it
+    exits first; RuntimeError when it is still up without them at the deadline."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        try:
+            listed = _get_json(url + "/workers", headers=auth).get("workers", [])
+            if len(listed) == len(worker_urls) and all(w.get("is_healthy") for w in listed):
+                return True
+        except (OSError, ValueError, AttributeError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"sglang-router did not register {worker_urls} within {timeout:g} s")
+        time.sleep(0.2)
+    return False
 
 
 @contextlib.contextmanager
