@@ -51,6 +51,8 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
 
     facts = device_facts()
     check_training_dtype(cfg.model, facts)
+    if not facts.cuda:
+        warn_slow_cpu_dtype(resolve_dtype(cfg.model, facts))
     arch = model_arch(cfg.model.path)
     chunks = build_model_chunks(arch, cfg.model, cfg.parallel)
     if cfg.train.logprobs_from_hidden:
@@ -98,6 +100,20 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
     config.grad_scale_func = optimizer.scale_loss
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, arch=arch, config=cfg)
+
+
+def warn_slow_cpu_dtype(dtype: torch.dtype) -> None:
+    """Rank 0 of a CPU run warns when this CPU multiplies ``dtype`` matrices far slower than fp32
+    (``platform/cpu_matmul.py``: bf16 on a CPU without AVX-512, ~100x)."""
+    import warnings
+
+    from megatron_klear.platform.cpu_matmul import check_cpu_matmul
+
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    message = check_cpu_matmul(dtype)
+    if message:
+        warnings.warn(message, stacklevel=2)
 
 
 def ddp_settings(dtype: torch.dtype, distributed_optimizer: bool, facts) -> dict:

@@ -20,12 +20,14 @@ def model_dir(tmp_path_factory):
 
 def _overflow_then_train(rank, world, model_dir):
     import dataclasses
+    import warnings
 
     import torch
 
     from megatron_klear.checkpoint.model_weights import iter_hf_tensors
     from megatron_klear.config import load_config
     from megatron_klear.platform import init_parallel
+    from megatron_klear.platform.cpu_matmul import half_matmul_slowdown
     from megatron_klear.rl.actor import Actor
     from megatron_klear.training.setup import build_training_state
 
@@ -43,7 +45,10 @@ def _overflow_then_train(rank, world, model_dir):
         ],
     )
     init_parallel(cfg.parallel, seed=1)
-    state = build_training_state(cfg, total_steps=10)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        state = build_training_state(cfg, total_steps=10)
+    slow_fp16 = [str(w.message) for w in seen if str(w.message).startswith("model.dtype=fp16 on a CPU")]
     actor = Actor(state, cfg.rl, logprob_chunk_size=7)
 
     def weights():
@@ -74,6 +79,8 @@ def _overflow_then_train(rank, world, model_dir):
         "version_end": actor.weight_version,
         "moved": moved,
         "dtype": str(next(state.model[0].parameters()).dtype),
+        "slow_fp16_warnings": slow_fp16,
+        "fp16_slowdown": half_matmul_slowdown(torch.float16),
     }
 
 
@@ -81,6 +88,12 @@ def _overflow_then_train(rank, world, model_dir):
 def test_an_fp16_overflow_skips_the_update_and_the_run_goes_on(model_dir):
     out = run_distributed(_overflow_then_train, 1, model_dir)[0]
     assert out["dtype"] == "torch.float16"
+    # a CPU whose fp16 products are slow (AVX2 only) is told so once (the same measurement), with the way out
+    from megatron_klear.platform.cpu_matmul import SLOW
+
+    slow = out["fp16_slowdown"] >= SLOW
+    assert len(out["slow_fp16_warnings"]) == int(slow), out
+    assert all("set model.dtype=fp32" in w for w in out["slow_fp16_warnings"])
     skipped = out["skipped"]
     assert [s["update_ok"] for s in out["skipped_steps"]] == [False]
     assert skipped["actor/optimizer_steps"] == 0 and skipped["actor/skipped_updates"] == 1
