@@ -11,11 +11,11 @@ padded vocabulary, as Qwen3's own 151,936 rows pad its 151,669 tokens), goes thr
 1. ``make``: the HF checkpoint (sharded safetensors);
 2. ``convert``: ``tools/convert_hf_to_megatron.py --tp 2``;
 3. ``sft``: ``python -m megatron_klear sft`` with the shipped 8B config under torchrun (TP=2, two
-   processes of one thread), 3 steps of packed rows of 4,096 tokens (``--quick``: 1 step of 128);
+   processes of one thread), 3 steps of packed rows of 4,096 tokens (``--quick``: 1 step of 64);
 4. ``export``: ``tools/convert_megatron_to_hf.py`` of the SFT checkpoint;
 5. ``serve``: a real vLLM CPU server (``.venv-vllm``, ``make venv``) serving the export, with the
    project's weight-transfer engine;
-6. ``gppo``: 3 steps of 2 prompts x 4 responses of 128 tokens (``--quick``: 1 step of 1 x 4 of 8)
+6. ``gppo``: 3 steps of 2 prompts x 4 responses of 128 tokens (``--quick``: 1 step of 1 x 2 of 8)
    of ``python -m megatron_klear rl`` with the shipped GPPO config, ``rollout.engine=vllm``,
    the weights streamed to the server after every step over an update group (``distributed``: the
    in-memory path for dedicated servers) and the probe check after every push;
@@ -263,7 +263,8 @@ class Journey:
         args = ["-m", "megatron_klear", "rl", "--config", GPPO_CONFIG, f"model.path={ckpt}", "parallel.cp=1"]
         prompts = self.args.prompts_per_step
         args += [f"rl.prompts=[{self.path('rl.jsonl')}]", f"rl.prompts_per_step={prompts}", "rl.oversample_prompts=4"]
-        args += ["rl.responses_per_prompt=4", f"rl.mini_batch_prompts={prompts}", "rl.max_tokens_per_micro_batch=2048"]
+        args += [f"rl.responses_per_prompt={self.args.responses_per_prompt}", f"rl.mini_batch_prompts={prompts}"]
+        args += ["rl.max_tokens_per_micro_batch=2048"]
         args += [
             "rl.max_prompt_length=256",
             f"rollout.max_new_tokens={self.args.max_new_tokens}",
@@ -368,11 +369,11 @@ def main(argv=None) -> int:
     # --quick keeps the width (the shapes users' checkpoints have) and trains few tokens: at this
     # vocabulary the output layer's GEMM is most of a step, and a CPU without native bf16 (AVX2 only)
     # runs it ~100x slower than one with AVX512 (docs/training.md, CPU runs)
-    args.seq_length = 128 if args.quick else 4096
+    args.seq_length = 64 if args.quick else 4096  # (one synthetic example, 53-58 tokens, a row)
     args.sft_steps, args.gppo_steps = (1, 1) if args.quick else (3, 3)
     args.sft_examples = 16 if args.quick else 512
     args.max_new_tokens = 8 if args.quick else 128
-    args.prompts_per_step = 1 if args.quick else 2
+    args.prompts_per_step, args.responses_per_prompt = (1, 2) if args.quick else (2, 4)
     keep = bool(args.workdir)
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="klear-journey-")
     os.makedirs(args.workdir, exist_ok=True)
