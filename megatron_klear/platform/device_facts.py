@@ -48,6 +48,8 @@ class DeviceFacts:
     mcore_version: str | None = None
     apex_fused_wgrad: bool = False  # apex's fused_weight_gradient_mlp_cuda (local gradient-accumulation fusion)
     nccl_env: dict = field(default_factory=dict)  # the NCCL_* settings of this process
+    nccl_version: str | None = None  # the NCCL torch runs with ("2.29.7"), None without CUDA
+    nccl_suspend_api: bool = False  # torch's ProcessGroupNCCL has suspend/resume (PyTorch 2.12+)
 
     @property
     def te(self) -> bool:
@@ -101,7 +103,30 @@ def probe() -> DeviceFacts:
         mcore_version=_installed_version("megatron-core", "megatron_core"),
         apex_fused_wgrad=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
         nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        nccl_version=_nccl_version() if cuda else None,
+        nccl_suspend_api=_nccl_suspend_api(),
     )
+
+
+def _nccl_version() -> str | None:
+    """torch.cuda.nccl.version(): a tuple (2.x) or one int (older: 21803 for 2.18.3)."""
+    try:
+        import torch.cuda.nccl
+
+        v = torch.cuda.nccl.version()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    if isinstance(v, int):
+        v = (v // 10000, v // 100 % 100, v % 100) if v >= 10000 else (v // 1000, v // 100 % 10, v % 100)
+    return ".".join(str(int(x)) for x in v[:3])
+
+
+def _nccl_suspend_api() -> bool:
+    try:
+        from torch.distributed import ProcessGroupNCCL
+    except ImportError:  # a torch built without NCCL (the CPU wheel)
+        return False
+    return all(hasattr(ProcessGroupNCCL, name) for name in ("suspend", "resume", "memory_stats"))
 
 
 @functools.lru_cache(maxsize=1)

@@ -149,7 +149,8 @@ class RLLoop:
             "config": self.cfg.to_dict(),
             "weight_version": self.actor.weight_version,
         }
-        self.job_run.ckpt.save(self.state, self.rl_step, {**common, "rollout": rollout} if rollout else common)
+        with self.rollout.trainer_turn():  # (colocated servers make room for the save's collectives)
+            self.job_run.ckpt.save(self.state, self.rl_step, {**common, "rollout": rollout} if rollout else common)
 
     def run(self, stop_after: int | None = None) -> dict:
         metrics = self.job_run.drive(

@@ -100,6 +100,10 @@ class RolloutConfig:
     # colocate: the trainer frees its gradient buffers and moves its optimizer state to host memory
     # from each sync until the next update, while the servers hold theirs (training/offload.py)
     offload_trainer: bool = True
+    # colocate: Megatron's NCCL communicators release their GPU memory while the servers hold theirs
+    # (from each sync until the next update; training/comm_memory.py CommSuspension). auto: where
+    # PyTorch (2.12+) and NCCL (2.29.7+) can; on: refused where they cannot; off: never
+    suspend_nccl: bool | str = "auto"
 
     @property
     def servers(self) -> bool:
@@ -109,6 +113,15 @@ class RolloutConfig:
     def validate(self):
         if isinstance(self.sync_delta, bool):  # YAML's on / off
             self.sync_delta = "on" if self.sync_delta else "off"
+        if isinstance(self.suspend_nccl, bool):
+            self.suspend_nccl = "on" if self.suspend_nccl else "off"
+        if self.suspend_nccl not in ("auto", "on", "off"):
+            raise ConfigError(f"rollout.suspend_nccl must be auto, on or off, got {self.suspend_nccl!r}")
+        if self.suspend_nccl == "on" and not self.colocate:
+            raise ConfigError(
+                "rollout.suspend_nccl=on releases the trainer's NCCL memory for servers on its GPUs: it needs "
+                "rollout.colocate=true"
+            )
         spec = engine_spec(self.engine)
         self.engine = spec.name  # an older name (http) is read as the engine's own
         if spec.check is not None:

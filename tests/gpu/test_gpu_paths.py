@@ -279,3 +279,42 @@ def test_the_nccl_communicators_memory_is_read_after_the_first_collective():
         pytest.skip(f"PyTorch {version} or its NCCL has no memory_stats (2.12+ with NCCL 2.29.7+)")
     assert before == {"total": 0, "suspend": 0}, before
     assert after["total"] > 0 and 0 < after["suspend"] <= after["total"], after
+
+
+def _nccl_suspend_and_resume(rank, world):
+    """One NCCL rank: its default group suspended (memory released) and resumed (a collective works)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_klear.platform.device_facts import probe
+    from megatron_klear.training.comm_memory import CommSuspension, communicator_memory, suspend_refusal
+
+    why = suspend_refusal(probe())
+    if why:
+        return why, None
+    t = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(t)  # the communicator exists from here
+    torch.cuda.synchronize()
+    held = communicator_memory()
+    free_before = torch.cuda.mem_get_info()[0]
+    comms = CommSuspension()
+    metrics = comms.suspend()
+    free_suspended = torch.cuda.mem_get_info()[0]
+    comms.resume()
+    t.fill_(1.0)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    return None, (held, metrics, free_suspended - free_before, float(t[0].item()))
+
+
+def test_suspended_nccl_communicators_release_their_memory_and_work_after_resume():
+    """training/comm_memory.py CommSuspension on a GPU (PyTorch 2.12+ with NCCL 2.29.7+: what
+    rollout.suspend_nccl does to Megatron's groups from a colocated push to the next update): the
+    releasable bytes come back to the device while suspended, and the group works again after."""
+    why, out = run_distributed(_nccl_suspend_and_resume, 1, backend="nccl")[0]
+    if why:
+        pytest.skip(why)
+    held, metrics, freed, value = out
+    assert held["suspend"] > 0 and metrics["memory/nccl_released_gb"] == held["suspend"] / 1e9, (held, metrics)
+    assert freed >= 0.5 * held["suspend"], (freed, held)  # (the driver rounds to its pages)
+    assert value == 1.0  # world size 1: the all-reduce of ones is ones

@@ -338,12 +338,19 @@ def test_a_trainer_that_shared_buckets_ends_while_the_servers_live(tiny_hf):
 
 def _run_as_two_machines(rank, world, overrides):
     """A trainer rank of a two-machine colocated job on one host: rank 0's machine is 127.0.0.1,
-    rank 1's 127.0.0.2 (the addresses each rank reports for itself: the device fact injected)."""
+    rank 1's 127.0.0.2 (the addresses each rank reports for itself: the device fact injected). Its
+    Megatron groups follow NCCL's suspension rules (tests/training/nccl_guard.py: a collective on a
+    suspended group raises) and rollout.suspend_nccl suspends them, as on a GPU with PyTorch 2.12+
+    and NCCL 2.29.7+. Returns the suspensions and resumptions, in order."""
+    from megatron_klear.rl.rollout import manager
     from megatron_klear.rollout.weight_sync import in_memory
     from tests.distributed.test_rl_loop import _run
+    from tests.training import nccl_guard
 
     in_memory.machine_addresses = lambda: {f"127.0.0.{rank + 1}"}
-    return _run(rank, world, overrides)
+    manager.nccl_suspension = lambda setting: nccl_guard.suspension()
+    _run(rank, world, overrides)
+    return nccl_guard.EVENTS
 
 
 def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_path):
@@ -352,7 +359,12 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
     rank 1 (which meanwhile sends rank 0 its TP shards), each server loads the copy of its own
     machine (the stand-in names the sharing processes' memory managers: one per server, not the
     same), nothing is written under rollout.sync_dir, and both serve exactly the trainer's weights
-    after every push (verify_interval=1)."""
+    after every push (verify_interval=1).
+
+    Meanwhile the trainer's communicators are suspended from each push until the next update, and
+    resumed for each collective between (the probe check's scoring, the save), while the servers
+    give up their KV cache: no collective runs on a suspended group (the NCCL rules injected), and
+    the servers generate only with their KV cache back (the stand-in dies otherwise)."""
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
     from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
@@ -369,9 +381,18 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
     try:
         args = [a for a in _overrides({"model": model, "prompts": prompts}, save) if not a.startswith("train.steps")]
         args += ["train.steps=1", *_colocated([s.url for s in servers])]
-        run_distributed(_run_as_two_machines, 2, args)
+        events = run_distributed(_run_as_two_machines, 2, args)
         lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
         assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 1, lines
+        assert events[0] == events[1], events  # the same groups, in the same order, on both ranks
+        # suspended at each push (start-up, step 1), resumed for the two probe scorings, the update
+        # and the save, and at the end of the run
+        blocks = []  # [(groups suspended, groups then resumed)]
+        for kind, group in events[0]:
+            if kind == "suspend" and (not blocks or blocks[-1][1]):
+                blocks.append(([], []))
+            blocks[-1][0 if kind == "suspend" else 1].append(group)
+        assert len(blocks) == 5 and all(s == r and len(s) >= 2 for s, r in blocks), events[0]
         for m in lines:
             assert m["weights/in_memory"] == 1 and m["weights/in_memory_machines"] == 2, m
             assert m["weights/sync_buckets"] > 1 and m["weights/verify_mean_diff_max"] < 1e-4, m
@@ -380,6 +401,9 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
         for s in servers:
             info = _info(s.url)
             assert info["weight_version"] == "1" and info["released_memory_tags"] == [], info
+            # everything before the trainer builds its state and before the update; the KV cache for
+            # each probe scoring (2) and the save
+            assert info["memory_releases"] == 5, info
             sharers.append(set(info["tensor_sharers"]))
         # each server mapped one process's copies, and not the same process's
         assert [len(x) for x in sharers] == [1, 1] and not sharers[0] & sharers[1], sharers

@@ -22,7 +22,7 @@ import os
 import warnings
 
 from megatron_klear.platform import any_rank, broadcast_from_rank0, is_rank0
-from megatron_klear.rl.rollout.placement import Colocated, Dedicated
+from megatron_klear.rl.rollout.placement import Colocated, Dedicated, nccl_suspension
 from megatron_klear.rl.rollout.sampling import GenerationCancelled, ShortfallError
 from megatron_klear.rollout.base import ServerEngine
 
@@ -33,7 +33,7 @@ class RolloutManager:
         (``rollout.colocate``) are connected to and release their memory first."""
         self.cfg = cfg
         r = cfg.rollout
-        self.placement = Colocated(r.offload_trainer) if r.colocate else Dedicated()
+        self.placement = Colocated(r.offload_trainer, nccl_suspension(r.suspend_nccl)) if r.colocate else Dedicated()
         self.engine = self.pool = self.weights = self.batches = None
         self.state = self.actor = self.tokenizer = None
         self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
@@ -187,6 +187,12 @@ class RolloutManager:
                 self.placement.restore(self.engine)
             raise
 
+    def trainer_turn(self):
+        """Collective context for the trainer's collectives between a push and the next update (a
+        checkpoint save, the probe check's scoring): colocated servers whose trainer suspended its
+        NCCL communicators give up their KV cache meanwhile (``placement.trainer_turn``)."""
+        return self.placement.trainer_turn(self.engine)
+
     def push_weights(self, weight_version: int, *, step: int) -> dict:
         """Collective: the trainer's weights to the engine as version ``weight_version``, after RL
         step ``step``; servers are then checked against the trainer (:mod:`megatron_klear.rl.rollout.verify`)
@@ -216,8 +222,7 @@ class RolloutManager:
             # colocated: the trainer gives way first (as before a load), then the servers take their
             # memory back with the weights they had
             metrics = self.placement.before_load(self.state)
-            if is_rank0():
-                self.placement.restore(self.engine)
+            self.placement.give_back(self.engine)
             return {**metrics, "weights/version": weight_version, "weights/pushed": 0}
         r = self.cfg.rollout
         # rank 0 holds the engine: with servers, the push runs in its session (lost workers recalled
@@ -245,6 +250,7 @@ class RolloutManager:
                             weight_version,
                             r.verify_tolerance,
                             only_rejoining=not due,
+                            trainer_turn=self.trainer_turn,
                         )
                     )
         self.pushed_version, self.pushed_step = weight_version, step
@@ -300,6 +306,7 @@ class RolloutManager:
             if self.batches is not None:
                 self.batches.close()
             self.placement.restore(self.engine)
+        self.placement.close()  # (collective: every rank closes at the end of a run)
         if self.pool is not None:
             self.pool.close(cancel_pending=True)
         if self.weights is not None:

@@ -12,7 +12,11 @@ never hold their memory at once:
 2. at each weight push, the trainer frees its gradient buffers and moves its optimizer state to
    host memory (``rollout.offload_trainer``), then the servers resume their weights' memory (its
    content lost), load the new weights (from the trainer's memory, ``weight_sync=memory``, or from
-   disk), and resume the rest;
+   disk), every rank suspends its NCCL communicators (``rollout.suspend_nccl``:
+   :class:`~megatron_klear.training.comm_memory.CommSuspension`), and the servers resume the rest;
+   the communicators come back in step 1, once the servers have released, and for each collective
+   the trainer runs while the servers hold their memory (the probe check's scoring, a save:
+   :meth:`Colocated.trainer_turn`, which takes the servers' KV cache away meanwhile);
 3. if an update fails while the servers are released, they get the last weights pushed from disk
    back, so they never stay on freed or NaN weights (in-memory pushes keep no copy: the servers then
    stay released, not serving, until the next push, and a warning says so).
@@ -23,11 +27,28 @@ that was not released breaks its scheduler, so only released tags are resumed.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Protocol, runtime_checkable
 
 from megatron_klear.platform import barrier, is_rank0
 from megatron_klear.rollout.base import ServerEngine
+from megatron_klear.training.comm_memory import CommSuspension
+
+
+def nccl_suspension(setting: str, facts=None) -> CommSuspension:
+    """The colocated trainer's :class:`CommSuspension` for ``rollout.suspend_nccl`` (``auto``: on
+    where this process can suspend, ``on``: a ConfigError naming why it cannot, ``off``)."""
+    from megatron_klear.platform.device_facts import device_facts
+    from megatron_klear.platform.errors import ConfigError
+    from megatron_klear.training.comm_memory import suspend_refusal
+
+    if setting == "off":
+        return CommSuspension(enabled=False)
+    why = suspend_refusal(facts or device_facts())
+    if why and setting == "on":
+        raise ConfigError(f"rollout.suspend_nccl=on: {why}; set rollout.suspend_nccl=auto or off")
+    return CommSuspension(enabled=why is None)
 
 
 @runtime_checkable
@@ -42,17 +63,30 @@ class Placement(Protocol):
     def before_load(self, state) -> dict:
         """Collective, before the servers load new weights: make room for them; metrics."""
 
-    def load(self, engine, path: str, version: int) -> None:
-        """Rank 0: the servers load the HF directory ``path`` as weight version ``version``."""
+    def load(self, engine, path: str, version: int) -> dict:
+        """Collective: the servers (rank 0's engine) load the HF directory ``path`` as weight
+        version ``version``; metrics."""
 
     def resume_weights(self, engine) -> None:
         """Rank 0, before weights are loaded in memory: the servers' weights get their memory back."""
 
-    def finished_load(self, engine, version: int) -> None:
-        """Rank 0, after weights were loaded in memory as ``version``: the servers get the rest back."""
+    def finished_load(self, engine, version: int) -> dict:
+        """Collective, after weights were loaded in memory as ``version``: the servers get the rest
+        back; metrics."""
+
+    def give_back(self, engine) -> None:
+        """Collective, after :meth:`before_load` when no weights are pushed: the servers get back
+        what :meth:`make_room` released, with the weights they had."""
+
+    def trainer_turn(self, engine):
+        """Collective context: the trainer may run collectives inside it (between a push and the
+        next update)."""
 
     def restore(self, engine) -> None:
-        """Rank 0: give the servers back what :meth:`make_room` released, if anything."""
+        """Rank 0, after a failure: give the servers back what :meth:`make_room` released, if anything."""
+
+    def close(self) -> None:
+        """Collective, at the end of a run: the trainer's communicators back, if they were suspended."""
 
 
 class Dedicated:
@@ -65,25 +99,40 @@ class Dedicated:
     def before_load(self, state) -> dict:
         return {}  # the trainer keeps its state: nothing offloaded, nothing to report
 
-    def load(self, engine, path: str, version: int) -> None:
-        engine.load_from_disk(path, version=version)
+    def load(self, engine, path: str, version: int) -> dict:
+        if is_rank0():
+            engine.load_from_disk(path, version=version)
+        return {}
 
     def resume_weights(self, engine) -> None:
         """Nothing was released."""
 
-    def finished_load(self, engine, version: int) -> None:
+    def finished_load(self, engine, version: int) -> dict:
         """Nothing to give back."""
+        return {}
+
+    def give_back(self, engine) -> None:
+        """Nothing was released."""
+
+    @contextlib.contextmanager
+    def trainer_turn(self, engine):
+        """The trainer's communicators are always there."""
+        yield
 
     def restore(self, engine) -> None:
         """Nothing was released, so nothing to give back."""
+
+    def close(self) -> None:
+        """Nothing was suspended."""
 
 
 class Colocated:
     """Servers on the trainer's GPUs (see the module docstring). ``offload_trainer``: the trainer's
     gradient buffers and optimizer state leave the GPU from each push until the next update."""
 
-    def __init__(self, offload_trainer: bool = True):
+    def __init__(self, offload_trainer: bool = True, comms: CommSuspension | None = None):
         self.offload_trainer = offload_trainer
+        self.comms = comms or CommSuspension(enabled=False)  # every rank: its NCCL communicators
         self.released = set()  # rank 0: the memory tags the servers have released
         self.weights_lost = False  # rank 0: their weights' memory came back without content
         self.last_sync = None  # rank 0: (directory, version) they loaded last
@@ -105,6 +154,7 @@ class Colocated:
         if is_rank0():
             self.release_servers(engine)
         barrier()
+        self.comms.resume()  # (their memory comes back once the servers' is gone)
         if self.trainer_offloaded:
             from megatron_klear.training.offload import restore_trainer
 
@@ -132,15 +182,18 @@ class Colocated:
         metrics.update(memory_metrics())
         return metrics
 
-    def load(self, engine, path: str, version: int) -> None:
-        """Rank 0: released servers get their weights' memory back (content lost), load ``path`` as
-        ``version``, then get their KV cache and CUDA graphs back. Only the servers that released
-        resume (a rejoining one, restarted since, holds its memory and only loads); a server that
-        is gone is dropped and the others go on (``engine.load_from_disk``)."""
-        self.resume_weights(engine)
-        engine.load_from_disk(path, version=version)
-        self.finished_load(engine, version)
-        self.last_sync, self.pushed_in_memory = (path, version), False
+    def load(self, engine, path: str, version: int) -> dict:
+        """Collective: released servers (rank 0's engine) get their weights' memory back (content
+        lost) and load ``path`` as ``version``; then :meth:`finished_load`. Only the servers that
+        released resume (a rejoining one, restarted since, holds its memory and only loads); a
+        server that is gone is dropped and the others go on (``engine.load_from_disk``)."""
+        if is_rank0():
+            self.resume_weights(engine)
+            engine.load_from_disk(path, version=version)
+        metrics = self.finished_load(engine, version)
+        if is_rank0():
+            self.last_sync, self.pushed_in_memory = (path, version), False
+        return metrics
 
     def resume_weights(self, engine) -> None:
         """Rank 0: released servers get their weights' memory back, its content lost."""
@@ -149,15 +202,69 @@ class Colocated:
             self.released.discard("weights")
             self.weights_lost = True
 
-    def finished_load(self, engine, version: int) -> None:
-        """Rank 0, once the servers hold ``version``: their KV cache and CUDA graphs come back. An
-        in-memory load leaves no directory to restore from (:attr:`last_sync` then names none)."""
+    def finished_load(self, engine, version: int) -> dict:
+        """Collective, once the servers hold ``version``: the trainer's NCCL communicators are
+        suspended (every rank), then (rank 0) the servers' KV cache and CUDA graphs come back. An
+        in-memory load leaves no directory to restore from (:attr:`last_sync` then names none).
+        Metrics: what the suspension released (``memory/nccl_released_gb``)."""
+        metrics = self._make_way()
+        if is_rank0():
+            self._resume_rest(engine)
+            self.last_sync, self.pushed_in_memory = None, True  # (a load from disk records its directory after)
+        return metrics
+
+    def give_back(self, engine) -> None:
+        """Collective, when a push sends nothing (the weights did not change): the communicators are
+        suspended, then the servers get their memory back with the weights they had."""
+        self._make_way()
+        if is_rank0():
+            self.restore(engine)
+
+    @contextlib.contextmanager
+    def trainer_turn(self, engine):
+        """Collective context for the trainer's collectives while the servers hold their memory
+        (the probe check's scoring, a checkpoint save): with the communicators suspended, the servers
+        (idle between steps) release their KV cache first and the communicators resume; on the way
+        out they are suspended again and the KV cache comes back. Without suspension: nothing."""
+        if not self.comms.asleep:
+            yield
+            return
+        took_kv = is_rank0() and not self.released  # (servers released already: nothing to take)
+        if took_kv:
+            released_on = engine.release_memory(["kv_cache"])
+            self.released_on = released_on if isinstance(engine, ServerEngine) else None
+            self.released = {"kv_cache"}
+        barrier()
+        self.comms.resume()
+        # an error inside ends the run: the communicators stay up and the KV cache released
+        # (:meth:`restore` gives it back where it can)
+        yield
+        self._make_way()
+        if took_kv:
+            self._resume_rest(engine)
+
+    def close(self) -> None:
+        """Collective, at the end of a run: the communicators get their memory back (Megatron then
+        destroys its groups)."""
+        self.comms.resume()
+
+    def _make_way(self) -> dict:
+        """Collective: every rank suspends its communicators, and rank 0 waits for them all before
+        the servers take memory back; metrics."""
+        if not self.comms.enabled:
+            return {}
+        metrics = self.comms.suspend()
+        barrier()
+        return metrics
+
+    def _resume_rest(self, engine) -> None:
+        """Rank 0: the released servers get back their KV cache and CUDA graphs (their weights hold
+        a version again)."""
         self.weights_lost = False
         if self.released:
             engine.resume_memory(sorted(self.released), **self._only())
             self.released.clear()
         self.released_on = None
-        self.last_sync, self.pushed_in_memory = None, True  # (a load from disk records its directory after)
 
     def _only(self) -> dict:
         return {} if self.released_on is None else {"workers": self.released_on}
@@ -178,7 +285,10 @@ class Colocated:
             )
             return
         try:
-            self.load(engine, *self.last_sync)
+            path, version = self.last_sync
+            self.resume_weights(engine)
+            engine.load_from_disk(path, version=version)
+            self._resume_rest(engine)
         except Exception as e:  # noqa: BLE001 -- the original failure is the one raised
             warnings.warn(
                 f"rollout.colocate: the servers could not be given back their memory and weight version "

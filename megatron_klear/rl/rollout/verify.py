@@ -17,6 +17,7 @@ reporting SGLang's ``auto`` dtype is taken as bfloat16. ``rollout.verify_toleran
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -166,7 +167,15 @@ def _probe_workers(engine, prompt, only_rejoining: bool):
 
 
 def verify_servers(
-    engine, actor, tokenizer, vocab_size: int, version: int, tolerance: float = 0.0, *, only_rejoining: bool = False
+    engine,
+    actor,
+    tokenizer,
+    vocab_size: int,
+    version: int,
+    tolerance: float = 0.0,
+    *,
+    only_rejoining: bool = False,
+    trainer_turn=contextlib.nullcontext,
 ) -> dict:
     """Collective: every server's log-probs of the probe must equal the trainer's within the
     dtype-aware tolerance (``tolerance`` > 0 overrides it); else :class:`WeightVerificationError`
@@ -177,7 +186,8 @@ def verify_servers(
     checks every worker that rejoins). A rejoining worker that differs is dropped again (it gets no
     request; rank 0 drops it), a live one that differs is the error above; a worker gone by the
     time it is probed is dropped. Returns metrics (``weights/verify_mean_diff_max``, over the
-    workers probed)."""
+    workers probed). ``trainer_turn()``: the context the trainer's scoring runs in (colocated
+    servers give up their KV cache for it when the trainer's communicators are suspended)."""
     from megatron_klear.checkpoint.model_weights import unwrap
     from megatron_klear.platform import broadcast_from_rank0, is_rank0
 
@@ -194,7 +204,8 @@ def verify_servers(
     workers, outs, dtypes, rejoining = payload
     if not workers:
         return {}
-    diffs = trainer_logprob_diffs(actor, [(prompt, ids, lps) for ids, lps in outs])
+    with trainer_turn():
+        diffs = trainer_logprob_diffs(actor, [(prompt, ids, lps) for ids, lps in outs])
     config = unwrap(actor.state.model[0]).config
     trainer_dtype = "fp8" if config.fp8 else config.params_dtype  # FP8 GEMMs under bf16 parameters
     tols = [tolerance or dtype_tolerance(dtypes.get(w), trainer_dtype) for w in workers]

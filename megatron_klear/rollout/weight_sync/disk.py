@@ -43,7 +43,7 @@ class DiskPush:
     every server reloads them; older versions are removed once the servers report the new one.
     ``placement`` (the rollout manager's: servers on their own GPUs, or sharing the trainer's) makes
     the trainer give way before the load (``before_load(state) -> metrics``) and performs it
-    (``load(engine, path, version)``, rank 0)."""
+    (``load(engine, path, version)``, collective: rank 0 holds the engine)."""
 
     to_servers = True
 
@@ -57,8 +57,8 @@ class DiskPush:
             self.state.model, self.arch, os.path.join(self.sync_dir, name), tokenizer_dir=self.tokenizer_dir
         )
         metrics = self.placement.before_load(self.state)
+        metrics.update(self.placement.load(self.engine, path, version))  # (collective)
         if is_rank0():
-            self.placement.load(self.engine, path, version)
             remove_old_versions(self.sync_dir, keep=name)
         barrier()
         return metrics

@@ -129,7 +129,7 @@ class InMemoryPush:
                 relay.join()
         if is_rank0():
             wire.finish_update(version, check_received=False)
-            self.placement.finished_load(self.engine, version)
+        metrics.update(self.placement.finished_load(self.engine, version))  # (collective)
         barrier()
         return {
             **metrics,

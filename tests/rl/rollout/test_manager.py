@@ -285,12 +285,14 @@ def test_a_push_recalls_lost_workers_includes_them_probes_them_whatever_the_inte
     manager = _manager(Dedicated(), engine)
     manager.actor = manager.tokenizer = manager.vocab_size = None
     manager.cfg.rollout.verify_interval = -1  # never due: the rejoining worker is still probed
-    monkeypatch.setattr(verify, "verify_servers", lambda *a, **k: calls.append(("verify", a[4], k)) or {})
+    monkeypatch.setattr(
+        verify, "verify_servers", lambda *a, **k: calls.append(("verify", a[4], k["only_rejoining"])) or {}
+    )
     manager.weights = SimpleNamespace(
         push=lambda v: calls.append(("push", v, engine.fleet.serving())) or {}, to_servers=True
     )
     metrics = manager.push_weights(5, step=5)
-    assert calls == [("recall",), ("push", 5, ["a", "b"]), ("verify", 5, {"only_rejoining": True}), ("admit", 5)]
+    assert calls == [("recall",), ("push", 5, ["a", "b"]), ("verify", 5, True), ("admit", 5)]
     assert engine.fleet.live() == ["a", "b"]
     assert metrics["rollout/live_workers"] == 2 and metrics["rollout/worker_rejoins"] == 1
     assert metrics["rollout/worker_failures"] == 1  # the start-up push carries the loss before it
