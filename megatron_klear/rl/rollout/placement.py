@@ -250,9 +250,12 @@ class Colocated:
 
     def _make_way(self) -> dict:
         """Collective: every rank suspends its communicators, and rank 0 waits for them all before
-        the servers take memory back; metrics."""
+        the servers take memory back; metrics. The ranks meet over the gloo control group first: a
+        rank that failed before (rank 0's load) then ends the others' wait there, at once, instead
+        of inside NCCL's suspend."""
         if not self.comms.enabled:
             return {}
+        barrier()
         metrics = self.comms.suspend()
         barrier()
         return metrics
