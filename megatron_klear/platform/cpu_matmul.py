@@ -16,15 +16,26 @@ import time
 import torch
 
 SIZE = 256  # 2 * 256^3 flops: ~0.1 s in the slow loop, microseconds in a fast kernel
-SLOW = 8.0  # warn from this ratio up (a fast bf16 kernel is 0.5-2x fp32's time)
+SLOW = 4.0  # warn from this ratio up (a fast bf16 kernel is 0.5-2x fp32's time; the scalar loop 25-100x)
 
 
 @functools.lru_cache(maxsize=None)
-def half_matmul_slowdown(dtype: torch.dtype, size: int = SIZE, repeats: int = 3) -> float:
+def half_matmul_slowdown(dtype: torch.dtype, size: int = SIZE, repeats: int = 5) -> float:
     """Seconds of a ``size`` x ``size`` matrix product in ``dtype`` over its fp32 seconds on this
-    CPU (each the best of ``repeats``, after a warm-up); 1.0 for fp32 itself."""
+    CPU (each the best of ``repeats``, after a warm-up, on one thread: a multi-threaded fp32 GEMM
+    beside other busy processes loses more to them than the scalar loop, and the ratio with it);
+    1.0 for fp32 itself."""
     if dtype == torch.float32:
         return 1.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _ratio(dtype, size, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _ratio(dtype: torch.dtype, size: int, repeats: int) -> float:
     gen = torch.Generator().manual_seed(0)
     a32 = torch.randn(size, size, generator=gen)
 
