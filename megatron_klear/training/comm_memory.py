@@ -51,7 +51,7 @@ def communicator_memory(groups=None, backend_of=None) -> dict | None:
         except AttributeError:  # a PyTorch older than 2.12: no group can say
             return None
         except RuntimeError as e:
-            if "not initialized" in str(e):  # no communicator yet: it holds nothing
+            if _no_communicator(e):  # it holds nothing
                 answered = True
                 continue
             return None  # "does not support" (not NCCL), "requires NCCL 2.29.7": none can say
@@ -107,7 +107,6 @@ class CommSuspension:
         self.groups_of = groups_of or nccl_groups
         self.backend_of = backend_of or _device_backend
         self.suspended = []  # the groups suspended, in the order they were
-        self.released_bytes = 0  # what the last suspension released (memory_stats' "suspend")
         self.suspensions = 0
 
     @property
@@ -126,12 +125,12 @@ class CommSuspension:
                 before = int(backend.memory_stats().get("suspend", 0))
                 backend.suspend()
             except RuntimeError as e:
-                if "not initialized" in str(e):  # never used: nothing to release, nothing to resume
+                if _no_communicator(e):  # never used: nothing to release, nothing to resume
                     continue
                 raise
             self.suspended.append(group)
             released += before
-        self.released_bytes, self.suspensions = released, self.suspensions + 1
+        self.suspensions += 1
         return {"memory/nccl_released_gb": released / 1e9}
 
     def resume(self) -> None:
@@ -139,6 +138,12 @@ class CommSuspension:
         groups, self.suspended = self.suspended, []
         for group in groups:
             self.backend_of(group).resume()
+
+
+def _no_communicator(error: RuntimeError) -> bool:
+    """PyTorch's answer for a group whose NCCL communicator was never created (no collective ran on
+    it yet): "NCCL communicator not initialized."."""
+    return "not initialized" in str(error)
 
 
 def _synchronize() -> None:

@@ -107,9 +107,10 @@ def warn_slow_cpu_dtype(dtype: torch.dtype) -> None:
     (``platform/cpu_matmul.py``: bf16 on a CPU without AVX-512, ~100x)."""
     import warnings
 
+    from megatron_klear.platform import is_rank0
     from megatron_klear.platform.cpu_matmul import check_cpu_matmul
 
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if not is_rank0():
         return
     message = check_cpu_matmul(dtype)
     if message:

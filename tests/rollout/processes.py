@@ -98,10 +98,10 @@ def _registered(proc, url: str, worker_urls, auth, timeout: float) -> bool:
     while proc.poll() is None:
         try:
             listed = _get_json(url + "/workers", headers=auth).get("workers", [])
-            if len(listed) == len(worker_urls) and all(w.get("is_healthy") for w in listed):
-                return True
         except (OSError, ValueError, AttributeError):
-            pass
+            listed = []  # not answering yet (still starting): asked again
+        if listed and len(listed) == len(worker_urls) and all(w.get("is_healthy") for w in listed):
+            return True
         if time.monotonic() > deadline:
             raise RuntimeError(f"sglang-router did not register {worker_urls} within {timeout:g} s")
         time.sleep(0.2)

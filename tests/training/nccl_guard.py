@@ -45,7 +45,7 @@ EVENTS = []  # ("suspend" | "resume", group index in device_groups())
 
 
 class SuspendedCollective(RuntimeError):
-    pass
+    """A collective ran on a suspended communicator (undefined under NCCL)."""
 
 
 def install() -> None:

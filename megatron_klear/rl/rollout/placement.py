@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 
 from megatron_klear.platform import barrier, is_rank0
 from megatron_klear.rollout.base import ServerEngine
-from megatron_klear.training.comm_memory import CommSuspension
+from megatron_klear.training.comm_memory import CommSuspension, suspend_refusal
 
 
 def nccl_suspension(setting: str, facts=None) -> CommSuspension:
@@ -41,7 +41,6 @@ def nccl_suspension(setting: str, facts=None) -> CommSuspension:
     where this process can suspend, ``on``: a ConfigError naming why it cannot, ``off``)."""
     from megatron_klear.platform.device_facts import device_facts
     from megatron_klear.platform.errors import ConfigError
-    from megatron_klear.training.comm_memory import suspend_refusal
 
     if setting == "off":
         return CommSuspension(enabled=False)
@@ -188,8 +187,7 @@ class Colocated:
         released resume (a rejoining one, restarted since, holds its memory and only loads); a
         server that is gone is dropped and the others go on (``engine.load_from_disk``)."""
         if is_rank0():
-            self.resume_weights(engine)
-            engine.load_from_disk(path, version=version)
+            self._reload(engine, path, version)
         metrics = self.finished_load(engine, version)
         if is_rank0():
             self.last_sync, self.pushed_in_memory = (path, version), False
@@ -260,6 +258,11 @@ class Colocated:
         barrier()
         return metrics
 
+    def _reload(self, engine, path: str, version: int) -> None:
+        """Rank 0: released servers get their weights' memory back and load ``path`` as ``version``."""
+        self.resume_weights(engine)
+        engine.load_from_disk(path, version=version)
+
     def _resume_rest(self, engine) -> None:
         """Rank 0: the released servers get back their KV cache and CUDA graphs (their weights hold
         a version again)."""
@@ -288,9 +291,7 @@ class Colocated:
             )
             return
         try:
-            path, version = self.last_sync
-            self.resume_weights(engine)
-            engine.load_from_disk(path, version=version)
+            self._reload(engine, *self.last_sync)
             self._resume_rest(engine)
         except Exception as e:  # noqa: BLE001 -- the original failure is the one raised
             warnings.warn(
