@@ -12,6 +12,9 @@ padded vocabulary, as Qwen3's own 151,936 rows pad its 151,669 tokens), goes thr
 2. ``convert``: ``tools/convert_hf_to_megatron.py --tp 2``;
 3. ``sft``: ``python -m megatron_klear sft`` with the shipped 8B config under torchrun (TP=2, two
    processes of one thread), 3 steps of packed rows of 4,096 tokens (``--quick``: 1 step of 64);
+   in the config's bf16, ``--quick`` in fp32 (``--dtype``: on a CPU without AVX-512, torch's bf16
+   matrix product is a scalar loop, ~100x slower at this vocabulary's output layer; the bf16 path
+   at tiny width is tests/test_journey.py's);
 4. ``export``: ``tools/convert_megatron_to_hf.py`` of the SFT checkpoint;
 5. ``serve``: a real vLLM CPU server (``.venv-vllm``, ``make venv``) serving the export, with the
    project's weight-transfer engine;
@@ -232,7 +235,7 @@ class Journey:
         args = ["-m", "megatron_klear", "sft", "--config", SFT_CONFIG, f"model.path={self.path('mg-base')}"]
         args += [f"data.prefix={self.path('sft-data')}", f"data.seq_length={seq}", "data.micro_batches_per_step=1"]
         args += ["parallel.cp=1", "train.epochs=0", f"train.steps={steps}", f"train.save_interval={steps}"]
-        args += [f"train.save_dir={self.path('sft-run')}", "optim.warmup_steps=1"]
+        args += [f"train.save_dir={self.path('sft-run')}", "optim.warmup_steps=1", f"model.dtype={self.args.dtype}"]
         _run(_torchrun(args), self.path("sft.log"), self.env)
         rows = [m for m in _metrics(self.path("sft-run", "metrics.jsonl")) if "tokens_per_s" in m]
         timed = rows[1:] or rows  # (the first step compiles and allocates)
@@ -261,6 +264,7 @@ class Journey:
             write_rl_prompts_jsonl(self.path("rl.jsonl"), 64, seed=1)
         ckpt = self.path("sft-run", f"iter_{self.args.sft_steps:07d}")
         args = ["-m", "megatron_klear", "rl", "--config", GPPO_CONFIG, f"model.path={ckpt}", "parallel.cp=1"]
+        args.append(f"model.dtype={self.args.dtype}")
         prompts = self.args.prompts_per_step
         args += [f"rl.prompts=[{self.path('rl.jsonl')}]", f"rl.prompts_per_step={prompts}", "rl.oversample_prompts=4"]
         args += [f"rl.responses_per_prompt={self.args.responses_per_prompt}", f"rl.mini_batch_prompts={prompts}"]
@@ -363,12 +367,20 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="", help="default: a temporary directory, removed at the end")
     ap.add_argument("--json", default="", help="write the rows here")
     ap.add_argument("--vllm-python", default=VLLM_PYTHON)
+    ap.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default="",
+        help="the trainers' model.dtype (default: the shipped configs' bf16; fp32 with --quick)",
+    )
     args = ap.parse_args(argv)
     if not os.path.exists(args.vllm_python):
         ap.error(f"vLLM's CPU build is not installed ({args.vllm_python}): run make venv")
-    # --quick keeps the width (the shapes users' checkpoints have) and trains few tokens: at this
-    # vocabulary the output layer's GEMM is most of a step, and a CPU without native bf16 (AVX2 only)
-    # runs it ~100x slower than one with AVX512 (docs/training.md, CPU runs)
+    # --quick keeps the width (the shapes users' checkpoints have) and trains few tokens in fp32: at
+    # this vocabulary the output layer's GEMM is most of a step, and a CPU without native bf16 (AVX2
+    # only) runs it in bf16 ~100x slower than in fp32 (docs/training.md, CPU runs). The shipped
+    # configs' bf16 is the tiny journey's (tests/test_journey.py) and the full run's.
+    args.dtype = args.dtype or ("fp32" if args.quick else "bf16")
     args.seq_length = 64 if args.quick else 4096  # (one synthetic example, 53-58 tokens, a row)
     args.sft_steps, args.gppo_steps = (1, 1) if args.quick else (3, 3)
     args.sft_examples = 16 if args.quick else 512
@@ -386,7 +398,8 @@ def main(argv=None) -> int:
     layers = rows[0].get("layers")
     print(
         f"Qwen3-0.6B's shapes, {layers} layers, vocabulary 151,936 (the tiny tokenizer's tokens, the rest padding), "
-        f"TP=2 under torchrun, one vLLM CPU server; {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores"
+        f"TP=2 under torchrun in {args.dtype}, one vLLM CPU server; "
+        f"{started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores"
     )
     print(table(rows))
     print(f"total {sum(r['seconds'] for r in rows):.0f} s")
@@ -400,7 +413,15 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"date": started.isoformat(), "quick": args.quick, "rows": rows, "push_ratio": ratio}, f, indent=2
+                {
+                    "date": started.isoformat(),
+                    "quick": args.quick,
+                    "dtype": args.dtype,
+                    "rows": rows,
+                    "push_ratio": ratio,
+                },
+                f,
+                indent=2,
             )
     return 0
 
