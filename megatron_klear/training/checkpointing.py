@@ -243,6 +243,7 @@ class CheckpointManager:
             "model_source": src,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "optimizer_state": has_optimizer_state,
+            "param_dtype": _param_dtype(state),
         }
         if self.run_dir.job is not None:
             info["job"] = self.run_dir.job
@@ -336,6 +337,7 @@ class CheckpointManager:
             raise RunDirError(f"{ckpt_dir}: not a complete training checkpoint (no manifest.json)") from None
         except (ValueError, AttributeError) as e:
             raise RunDirError(f"{manifest}: unreadable ({e})") from None
+        _check_precision(info.get("param_dtype"), _param_dtype(state), ckpt_dir)
         # saved before any optimizer step: no moments were saved, the fresh optimizer is that state
         sharded = self._sharded_state(state, is_loading=True, optimizer=info.get("optimizer_state", True))
         restore_rng = saved_world == world
@@ -359,6 +361,33 @@ class CheckpointManager:
             set_rng_state(loaded["rng"])
         state.step = int(common["step"])
         return common
+
+
+def _param_dtype(state) -> str:
+    """The model's parameter dtype as torch names it (``bfloat16``): the precision ``model.dtype``
+    resolved to, which lays out the distributed optimizer's state."""
+    from megatron_klear.checkpoint.dist_ckpt import unwrap_model
+    from megatron_klear.platform.dtypes import canonical_name
+
+    param = next(p for chunk in state.model for p in unwrap_model(chunk).parameters() if p.is_floating_point())
+    return canonical_name(param.dtype)
+
+
+def _check_precision(saved: str | None, current: str, ckpt_dir: str) -> None:
+    """A run resumed in another precision than its checkpoints' is refused by name: Megatron's
+    optimizers lay out their state by parameter dtype (a bf16 model's fp32 main parameters; the
+    distributed optimizer's buffers keyed by dtype), and the load would end in a KeyError listing
+    every key. Checkpoints written before the manifest recorded it are not checked."""
+    from megatron_klear.platform.dtypes import SHORT_NAMES
+
+    if saved is None or saved == current:
+        return
+    was, now = SHORT_NAMES.get(saved, saved), SHORT_NAMES.get(current, current)
+    raise RunDirError(
+        f"{ckpt_dir}: its model and optimizer state were trained in {was}, this run builds the model in {now} "
+        f"(model.dtype): a run resumes only in its own precision. Set model.dtype={was} to resume it, or "
+        f"start a new run from its weights: model.path={ckpt_dir} with another train.save_dir"
+    )
 
 
 def _give_distributed_optimizer_a_state(optimizer) -> None:

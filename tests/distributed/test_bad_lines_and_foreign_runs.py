@@ -8,7 +8,8 @@ tests/training/test_save_dir_owner_and_disk_full.py and tests/data/test_prompt_s
   refused before any load, with the choices (another model width, other data: at unit level, through
   the same CheckpointManager.start_run);
 * ``rl.on_bad_line=skip`` on an RL run started from that checkpoint: each rejected line printed once,
-  the total on the console and in metrics.jsonl, every line in the report, real JSON columns."""
+  the total on the console and in metrics.jsonl, every line in the report, real JSON columns;
+* that SFT run resumed in another precision: refused by name, and its weights start a new run."""
 
 import json
 import os
@@ -146,3 +147,28 @@ def test_skipped_prompt_lines_are_named_once_counted_and_reported(sft_run):
     assert [r["line"] for r in map(json.loads, open(report))] == list(range(9, 34))
     first = json.loads(open(os.path.join(run, "metrics.jsonl")).readline())
     assert first["step"] == 1 and first["data/skipped_prompt_lines"] == 25
+
+
+def test_a_run_resumed_in_another_precision_is_refused_by_name_and_its_weights_start_a_new_one(sft_run):
+    """The SFT run above trained in fp32 (model.dtype auto on the CPU); resumed with model.dtype=bf16
+    it is refused before any load, naming both precisions and both ways on (Megatron's optimizer
+    state is laid out by parameter dtype: the load alone ends in a KeyError of every key); the way
+    it names, a new run from the checkpoint's weights in bf16, trains."""
+    save, root, model = sft_run["save"], sft_run["root"], sft_run["model"]
+    manifest = json.load(open(os.path.join(save, "iter_0000001", "manifest.json")))
+    assert manifest["param_dtype"] == "float32", manifest
+    common = [f"data.prefix={root}/data", "data.seq_length=128", "model.dtype=bf16", "train.steps=2"]
+    rc, out = torchrun("-m", "megatron_klear", "sft", f"model.path={model}", f"train.save_dir={save}", *common)
+    ckpt = f"{save}/iter_0000001"
+    _user_error(
+        rc,
+        out,
+        f"{ckpt}: its model and optimizer state were trained in fp32, this run builds the model in bf16 "
+        f"(model.dtype): a run resumes only in its own precision. Set model.dtype=fp32 to resume it, or "
+        f"start a new run from its weights: model.path={ckpt} with another train.save_dir",
+    )
+    assert "KeyError" not in out and "resumed from" not in out, out
+    fresh = os.path.join(root, "sft-bf16")
+    rc, out = torchrun("-m", "megatron_klear", "sft", f"model.path={ckpt}", f"train.save_dir={fresh}", *common)
+    assert rc == 0, out
+    assert json.load(open(os.path.join(fresh, "iter_0000002", "manifest.json")))["param_dtype"] == "bfloat16"

@@ -6,6 +6,7 @@ and the prefix's continuation is the model's; weights from disk; a server SIGKIL
 restarted and rejoined; GPPO runs of 3 steps through both servers, synchronous and with
 ``rl.async_steps=1 rollout.partial=true``, ending with both servers on the trainer's final weights."""
 
+import functools
 import json
 import os
 import time
@@ -96,12 +97,20 @@ def _settled_tokens(url) -> float:
         last = now
 
 
-def _reference_logprobs(model_dir, prompt, response, temperature=1.0):
-    """float64 log-probs of ``response`` after ``prompt`` at ``temperature`` (transformers)."""
+@functools.cache
+def _reference_model(model_dir):
+    """The checkpoint in float64 (transformers), loaded once per directory."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+
+
+def _reference_logprobs(model_dir, prompt, response, temperature=1.0):
+    """float64 log-probs of ``response`` after ``prompt`` at ``temperature`` (transformers)."""
+    import torch
+
+    model = _reference_model(model_dir)
     ids = torch.tensor([list(prompt) + list(response)])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0] / temperature, -1)
@@ -351,14 +360,13 @@ def test_repetition_penalty_is_vllms_rule(engine, models):
     every token already in the prompt or response is divided by the penalty when positive,
     multiplied by it when negative."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from megatron_klear.rollout.base import SamplingParams
 
     prompt, penalty, n = [5, 17, 33, 60, 7], 1.5, 8
     out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=n, repetition_penalty=penalty))[0][0]
     plain = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=n))[0][0]
-    model = AutoModelForCausalLM.from_pretrained(models["a"], dtype=torch.float64).eval()
+    model = _reference_model(models["a"])
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
