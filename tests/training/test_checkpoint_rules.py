@@ -68,7 +68,10 @@ def no_torch_dist_save(monkeypatch, tmp_path):
     monkeypatch.setattr(mdc, "save", fake_save)
     monkeypatch.setattr(CheckpointManager, "_sharded_state", lambda self, state, **kw: {})
     monkeypatch.chdir(tmp_path)
+    import torch
+
     return types.SimpleNamespace(
+        model=[torch.nn.Linear(2, 2, dtype=torch.bfloat16)],  # (its dtype goes to the manifest)
         scheduler=types.SimpleNamespace(state_dict=lambda: {}),
         optimizer=types.SimpleNamespace(optimizer=types.SimpleNamespace(state={})),
         arch=types.SimpleNamespace(hf_config={"model_type": "qwen3"}),
@@ -98,6 +101,8 @@ def test_rotation_keeps_the_last_of_a_run(tmp_path, no_torch_dist_save):
         mgr.save(no_torch_dist_save, step, {})
     assert _iters(save) == ["iter_0000003", "iter_0000004"]
     assert not [n for n in os.listdir(save) if n.startswith(".tmp")]
+    # the manifest records the parameters' precision: a resume in another one is refused by it
+    assert json.load(open(os.path.join(save, "iter_0000004", "manifest.json")))["param_dtype"] == "bfloat16"
 
 
 def test_a_fresh_run_into_an_earlier_run_refuses_naming_the_choices(tmp_path):

@@ -87,6 +87,7 @@ def fake_writer(monkeypatch, tmp_path):
     )
     monkeypatch.chdir(tmp_path)
     writer.state = types.SimpleNamespace(
+        model=[torch.nn.Linear(2, 2)],  # (its dtype goes to the manifest)
         scheduler=types.SimpleNamespace(state_dict=lambda: {}),
         optimizer=types.SimpleNamespace(optimizer=types.SimpleNamespace(state={})),
         arch=types.SimpleNamespace(hf_config=QWEN3),
