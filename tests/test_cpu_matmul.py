@@ -9,6 +9,7 @@ from megatron_klear.platform.cpu_matmul import (
     SLOW,
     check_cpu_matmul,
     half_matmul_slowdown,
+    one_thread,
     slow_half_matmul_warning,
 )
 
@@ -36,14 +37,13 @@ def test_the_slowdown_is_measured_once_and_matches_this_cpus_kernels():
         assert ratio >= SLOW and "capability: AVX2" in warning
     # an independent measurement at another size agrees on which side of the line this CPU is
     a, times, threads = torch.randn(384, 384), {}, torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
+        assert torch.get_num_threads() == 1
         for dtype in (torch.float32, torch.bfloat16):
             x = a.to(dtype)
             torch.mm(x, x)
             times[dtype] = min(_timed(torch.mm, x, x) for _ in range(3))
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == threads  # the process's setting is back
     independent = times[torch.bfloat16] / times[torch.float32]
     if ratio >= 3 * SLOW or ratio <= SLOW / 3:  # clear cases only: timings on a shared CPU are noisy
         assert (independent >= SLOW) == (ratio >= SLOW), (ratio, independent)

@@ -10,6 +10,7 @@ run in bf16 or fp16 is warned (``training/setup.py``), with the figure and the w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -27,10 +28,17 @@ def half_matmul_slowdown(dtype: torch.dtype, size: int = SIZE, repeats: int = 5)
     1.0 for fp32 itself."""
     if dtype == torch.float32:
         return 1.0
+    with one_thread():
+        return _ratio(dtype, size, repeats)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's CPU operators on one thread inside, the process's setting back after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _ratio(dtype, size, repeats)
+        yield
     finally:
         torch.set_num_threads(threads)
 
