@@ -106,6 +106,38 @@ def test_a_format_rewrites_its_own_output_in_place(name, written, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["again"]
 
 
+def test_torch_dist_shapes_are_megatrons_and_reading_them_imports_no_megatron(written, source):
+    """The torch_dist reader takes each tensor's global shape and dtype from the checkpoint's own
+    metadata: they equal what Megatron-Core's ``dist_checkpointing.load_tensors_metadata`` says (the
+    reference), and a process that reads the weights (an export) never imports Megatron-Core."""
+    import subprocess
+    import sys
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_klear.checkpoint.stored_chunks import StoredChunks
+    from megatron_klear.platform import init_parallel
+
+    path = written["torch_dist"]
+    init_parallel()  # Megatron's metadata read needs a process group, even of one
+    reference = dist_checkpointing.load_tensors_metadata(path)
+    ours = StoredChunks(path).tensors
+    assert ours.keys() == reference.keys() and len(ours) > 10
+    for key, spec in ours.items():
+        assert (spec.global_shape, spec.dtype) == (tuple(reference[key].global_shape), reference[key].dtype), key
+    last = source.names()[-1]
+    code = (
+        "import sys, torch; from megatron_klear.checkpoint.formats.torch_dist import TorchDistWeights\n"
+        f"w = TorchDistWeights(sys.argv[1]); t = w.rows({last!r}, 0, w.shape({last!r})[0])\n"
+        "print(float(t.double().sum()), sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    total, imported = out.stdout.strip().split(" ", 1)
+    assert float(total) == float(source.rows(last, 0, source.shape(last)[0]).double().sum())
+    assert imported == "[]"
+
+
 def test_an_unknown_directory_names_the_path_and_every_format_tried(tmp_path):
     (tmp_path / "notes.txt").write_text("not weights")
     with pytest.raises(UnknownFormatError) as e:

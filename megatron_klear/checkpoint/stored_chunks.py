@@ -22,6 +22,16 @@ import torch
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """A stored tensor's global shape and dtype, as the checkpoint's metadata records them (what
+    Megatron-Core's ``dist_checkpointing.load_tensors_metadata`` returns for a tensor key, read
+    here without importing Megatron-Core or forming a process group)."""
+
+    global_shape: tuple
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class Chunk:
     key: str
     offsets: tuple  # its place in the global tensor
@@ -68,7 +78,7 @@ class StoredChunks:
 
         metadata = FileSystemReader(ckpt_dir).read_metadata()
         self.dir = ckpt_dir
-        self.by_key = {}
+        self.by_key, self.tensors = {}, {}
         for key, md in metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 continue
@@ -85,6 +95,7 @@ class StoredChunks:
                     Chunk(key, tuple(c.offsets), tuple(c.sizes), info.relative_path, info.offset, info.length)
                 )
             self.by_key[key] = chunks
+            self.tensors[key] = TensorSpec(tuple(md.size), md.properties.dtype)
 
     def covering(self, key: str, index: tuple) -> list:
         """The chunks of ``key`` that hold part of ``key[index]`` (``index`` into its leading
