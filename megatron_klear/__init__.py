@@ -9,3 +9,10 @@ from megatron_klear.platform.quiet import quiet_third_party as _quiet
 
 _quiet()
 del _quiet
+
+# on a CPU, Megatron-Core's fusions are compiled at their first call rather than at its import
+# (TorchDynamo and Inductor, ~3 s a process, are not imported: platform/deferred_compile.py)
+from megatron_klear.platform.deferred_compile import install as _install_deferred_compile  # noqa: E402
+
+_install_deferred_compile()
+del _install_deferred_compile

@@ -78,9 +78,10 @@ class Unprivileged:
         for rel in ("megatron_klear/__init__.py", "megatron_klear/platform/__init__.py"):
             os.makedirs(os.path.dirname(os.path.join(self.code, rel)), exist_ok=True)
             shutil.copy(os.path.join(_REPO, rel), os.path.join(self.code, rel))
-        shutil.copy(
-            os.path.join(_REPO, "megatron_klear/platform/quiet.py"), os.path.join(self.code, "megatron_klear/platform")
-        )
+        for rel in ("quiet.py", "deferred_compile.py"):  # (what megatron_klear/__init__.py imports)
+            shutil.copy(
+                os.path.join(_REPO, "megatron_klear/platform", rel), os.path.join(self.code, "megatron_klear/platform")
+            )
         shutil.copytree(
             os.path.join(_REPO, "megatron_klear/rewards"),
             os.path.join(self.code, "megatron_klear/rewards"),

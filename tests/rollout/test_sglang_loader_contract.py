@@ -233,6 +233,7 @@ def test_the_loader_brings_little_into_sglangs_scheduler():
     assert set(out.stdout.split()) == {
         "megatron_klear",
         "megatron_klear.platform",
+        "megatron_klear.platform.deferred_compile",  # (standard library only; inert without megatron.core)
         "megatron_klear.platform.dtypes",
         "megatron_klear.platform.quiet",
         "megatron_klear.rollout",
