@@ -54,6 +54,10 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
     if not facts.cuda:
         warn_slow_cpu_dtype(resolve_dtype(cfg.model, facts))
     arch = model_arch(cfg.model.path)
+    # (Megatron's random initialisation is overwritten by the load below, yet it stays: Megatron-Core
+    # sets the tensor-parallel attributes of its weights inside that initialisation
+    # (tensor_parallel/layers.py), and without them the gradient norm counts a TP-split weight on
+    # one rank only: at TP=2 tests/distributed/test_actor.py's layouts then differ)
     chunks = build_model_chunks(arch, cfg.model, cfg.parallel)
     if cfg.train.logprobs_from_hidden:
         from megatron_klear.models.output_head import defer_output_layer
