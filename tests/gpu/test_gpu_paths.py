@@ -318,3 +318,19 @@ def test_suspended_nccl_communicators_release_their_memory_and_work_after_resume
     assert held["suspend"] > 0 and metrics["memory/nccl_released_gb"] == held["suspend"] / 1e9, (held, metrics)
     assert freed >= 0.5 * held["suspend"], (freed, held)  # (the driver rounds to its pages)
     assert value == 1.0  # world size 1: the all-reduce of ones is ones
+
+
+def test_a_cuda_machine_keeps_megatrons_jit_fuser():
+    """platform/deferred_compile.py defers Megatron-Core's fusions only without CUDA: in a fresh
+    process on a GPU machine ``jit_fuser`` is still ``torch.compile`` (its CPU twin:
+    tests/test_deferred_compile.py, with the device fact injected)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, megatron_klear; from megatron.core import jit\n"
+        "print(torch.cuda.is_available(), jit.jit_fuser is torch.compile)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "True"], out.stdout
