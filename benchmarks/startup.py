@@ -52,14 +52,6 @@ SHAPES_OURS = (
 DIST_ENV = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
 
 
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def measure(code: str, args: list, env: dict) -> tuple:
     """(wall seconds, CPU seconds, stdout) of ``python -c code args`` in a fresh process."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -111,7 +103,9 @@ def run(rounds: int, only: list, workdir: str) -> dict:
         for _ in range(rounds):
             for side, (code, args, env) in (("baseline", base), ("ours", ours)):
                 if "MASTER_PORT" in env:
-                    env = {**env, "MASTER_PORT": _free_port()}
+                    from megatron_klear.platform.process import free_port
+
+                    env = {**env, "MASTER_PORT": str(free_port())}
                 wall, cpu, out = measure(code, args, env)
                 runs[side].append((wall, cpu))
                 outputs.add(out)

@@ -45,7 +45,6 @@ def compile_on_first_call(fn=None, **options):
                     compiled.append(torch.compile(fn, **options))
         return compiled[0](*args, **kwargs)
 
-    run.compile_on_first_call = True
     return run
 
 
