@@ -324,7 +324,7 @@ def test_api_key_refusals_and_the_client_sending_the_key(tiny_hf):
         with pytest.raises(EngineError, match="401.*rollout.api_key"):
             bare.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
         keyed.load_from_disk(tiny_hf["tied"], version=3)  # pause, load, continue, version: all admin routes
-        out = keyed.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
+        out = keyed.generate([[5, 17]], SamplingParams(max_new_tokens=2, top_k=1), n=1)  # (greedy: no EOS)
         assert len(out[0][0].token_ids) == 2 and keyed.members.weight_versions() == {url: "3"}
     finally:
         keyed.close()
@@ -362,7 +362,8 @@ def test_api_key_through_the_real_router(tiny_hf):
                 with pytest.raises(EngineError, match="HTTP 401.*rollout.api_key"):
                     bare.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
                 assert sorted(keyed.workers()) == sorted(urls)  # GET /workers needs the key too
-                out = keyed.generate([[5, 17]], SamplingParams(max_new_tokens=2), n=1)
+                # greedy: a sampled first token can be EOS (then one token comes back)
+                out = keyed.generate([[5, 17]], SamplingParams(max_new_tokens=2, top_k=1), n=1)
                 assert len(out[0][0].token_ids) == 2
                 keyed.load_from_disk(tiny_hf["tied"], version=4)  # the workers' admin routes, with the key
                 assert keyed.members.weight_versions() == {u: "4" for u in urls}
