@@ -108,3 +108,32 @@ def tiny_hf(tmp_path_factory):
         "untied": make_tiny_qwen3(str(base / "untied"), tied=False, seed=1),
         "tied": make_tiny_qwen3(str(base / "tied"), tied=True, seed=2),
     }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def standin_fork_server():
+    """The stand-in servers the tests launch (EmbeddedHTTPEngine.launch) are forked from one warm
+    process (tests/rollout/standin_zygote.py): each would otherwise import torch and transformers
+    again, 5-10 s of CPU, dozens of times a run. ``KLEAR_TEST_EXEC_STANDIN=1``: every launch starts a
+    new interpreter, as the package does outside the tests."""
+    if os.environ.get("KLEAR_TEST_EXEC_STANDIN") == "1":
+        yield None
+        return
+    from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
+    from tests.rollout.standin_zygote import StandinZygote
+
+    zygote = StandinZygote()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EmbeddedHTTPEngine, "start_process", staticmethod(zygote.start))
+        try:
+            yield zygote
+        finally:
+            zygote.close()
+
+
+@pytest.fixture
+def exec_standin_launch(monkeypatch):
+    """EmbeddedHTTPEngine.launch starts a new interpreter in this test (the launch users run)."""
+    from megatron_klear.rollout.sglang_standin import launcher
+
+    monkeypatch.setattr(launcher.EmbeddedHTTPEngine, "start_process", staticmethod(launcher.start_server_process))

@@ -27,7 +27,6 @@ its servers and ends when its parent does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import glob
 import itertools
 import json
@@ -37,6 +36,8 @@ import sys
 import threading
 import time
 import traceback
+
+from tests.rollout.standin_zygote import stop_children
 
 
 class _Events:
@@ -167,31 +168,8 @@ def zygote(control: str, model: str) -> int:
                 break
             children.discard(pid)
         if os.path.exists(os.path.join(control, "stop")) or os.getppid() != parent:
-            _stop_all(children)
+            stop_children(children)
             return 0
-        time.sleep(0.02)
-
-
-def _signal_all(children: set, sig) -> None:
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):  # already gone
-            os.kill(pid, sig)
-
-
-def _stop_all(children: set, grace: float = 10.0) -> None:
-    """SIGTERM every server (SIGCONT first: a frozen one would not act on it), SIGKILL those still
-    there after ``grace`` seconds, and reap them."""
-    _signal_all(children, signal.SIGCONT)
-    _signal_all(children, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while children:
-        pid, _ = os.waitpid(-1, os.WNOHANG)
-        if pid:
-            children.discard(pid)
-            continue
-        if time.monotonic() > deadline:
-            _signal_all(children, signal.SIGKILL)
-            deadline = float("inf")
         time.sleep(0.02)
 
 

@@ -7,6 +7,7 @@ of two servers."""
 import concurrent.futures
 import http.client
 import json
+import os
 import re
 import socket
 import subprocess
@@ -76,7 +77,7 @@ def _stop(server):
 # ------------------------------------------------------------------------------------------------
 # the CLI server subprocess
 # ------------------------------------------------------------------------------------------------
-def test_server_subprocess_matches_in_process(tiny_hf, other_hf):
+def test_server_subprocess_matches_in_process(tiny_hf, other_hf, exec_standin_launch):
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, stop_token_ids=[40, 41], seed=9)
     local = EmbeddedEngine.from_pretrained(tiny_hf["untied"])
     want = local.generate(PROMPTS, params, n=2)
@@ -138,6 +139,59 @@ def test_server_subprocess_matches_in_process(tiny_hf, other_hf):
             client.update_weights([("nope.weight", _tensors(other_hf)[0][1])])
     finally:
         client.close()
+
+
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_server_from_the_tests_fork_server_is_the_clis_server(tiny_hf, tmp_path, standin_fork_server):
+    """The tests fork their stand-in servers from one warm process (tests/rollout/standin_zygote.py):
+    such a server answers as one started as a new interpreter (python -m ...) with the same flags
+    and environment does: the same answers to a seeded batch, the same info, the caller's working
+    directory and environment; it ends with the exit status the interpreter's would (SIGTERM,
+    SIGKILL, a missing model)."""
+    from megatron_klear.rollout.sglang_standin import launcher
+    from tests.rollout.standin_zygote import ForkedProcess
+
+    env = {"SGLANG_EXPOSE_OWN_ENV_VARS": "true", "SGLANG_TEST_ONLY_MARK": "forked-or-not"}
+    sp = {"temperature": 0.7, "top_k": 20, "max_new_tokens": 8, "n": 2, "sampling_seed": 3}
+    body = {"input_ids": PROMPTS, "sampling_params": sp, "return_logprob": True}
+    seen = {}
+    for how in ("interpreter", "fork server"):
+        start = launcher.start_server_process if how == "interpreter" else standin_fork_server.start
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(EmbeddedHTTPEngine, "start_process", staticmethod(start))
+            client = EmbeddedHTTPEngine.launch(tiny_hf["tied"], served_model_name="tiny", env=env, startup_timeout=120)
+        proc = client._process
+        try:
+            assert isinstance(proc, ForkedProcess) == (how == "fork server")
+            parent = _parent_pid(proc.pid)
+            assert (parent == os.getpid()) == (how == "interpreter"), (how, parent)
+            assert os.readlink(f"/proc/{proc.pid}/cwd") == os.getcwd()
+            status, info = _get(client.url + "/server_info")
+            assert status == 200
+            outs = _post(client.url + "/generate", body)[1]
+            seen[how] = {
+                "model_info": client.model_info(),
+                "env_vars": info["internal_states"][0]["env_vars"],
+                "generated": [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs],
+            }
+        finally:
+            client.close()
+        seen[how]["terminated"] = proc.returncode
+    assert seen["fork server"] == seen["interpreter"]
+    assert seen["interpreter"]["env_vars"]["SGLANG_TEST_ONLY_MARK"] == "forked-or-not"
+    assert len(seen["interpreter"]["generated"]) == len(PROMPTS) * 2
+    # SIGKILL: the status Popen gives; a model that is not there: the launch names exit status 1
+    client = EmbeddedHTTPEngine.launch(tiny_hf["tied"], startup_timeout=120)
+    proc = client._process
+    proc.kill()
+    assert proc.wait(timeout=10) == -9
+    client.close()
+    with pytest.raises(RuntimeError, match=r"exited with code 1 before serving(.|\n)*no-such-model"):
+        EmbeddedHTTPEngine.launch(str(tmp_path / "no-such-model"), startup_timeout=120)
     assert not client.health()
 
 

@@ -295,6 +295,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def start_server_process(cmd: list, log_path: str, env: dict) -> subprocess.Popen:
+    """``cmd`` (a server's command line) in a new interpreter, its output to ``log_path``."""
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
 class EmbeddedHTTPEngine(SGLangEngine):
     """The SGLang-API client (:class:`megatron_klear.rollout.sglang.SGLangEngine`) pointed at a
     stand-in server, plus :meth:`launch` to start one. Every request has a timeout: ``timeout``
@@ -318,6 +324,12 @@ class EmbeddedHTTPEngine(SGLangEngine):
         super().__init__(config)
         self._process = None
         self._workdir = None
+
+    #: how :meth:`launch` starts a server: ``(cmd, log_path, env) -> process`` with
+    #: :class:`subprocess.Popen`'s ``pid``, ``returncode``, ``poll``, ``wait``, ``terminate`` and
+    #: ``kill``. The tests, which start dozens of servers, swap in a fork server that runs the same
+    #: :func:`main` from warm imports (tests/rollout/standin_zygote.py).
+    start_process = staticmethod(start_server_process)
 
     @classmethod
     def launch(
@@ -386,8 +398,7 @@ class EmbeddedHTTPEngine(SGLangEngine):
         env = dict(
             os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         )
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = cls.start_process(cmd, log_path, env)
         engine = None
         deadline = time.monotonic() + startup_timeout
         try:
