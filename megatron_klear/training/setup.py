@@ -100,10 +100,35 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
         use_distributed_optimizer=cfg.optim.distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
+    fuse_cpu_adam(optimizer)
     # Megatron scales the loss only through this hook (fp16's dynamic loss scale; 1 otherwise)
     config.grad_scale_func = optimizer.scale_loss
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     return TrainingState(model=model, optimizer=optimizer, scheduler=scheduler, arch=arch, config=cfg)
+
+
+def fuse_cpu_adam(optimizer) -> list:
+    """Step torch's Adam with its fused kernel where the parameters are on the CPU.
+
+    Without Transformer Engine or Apex (a CPU machine), Megatron-Core uses ``torch.optim.Adam``,
+    which on CPU tensors defaults to the one-tensor-at-a-time update: an intermediate tensor the
+    size of each parameter per operation (at Qwen3-0.6B's width, 3.5 s of one rank's first step).
+    The fused CPU kernel makes the same update in one pass over each tensor (~10x less CPU);
+    CUDA parameters keep torch's default (and Transformer Engine's or Apex's FusedAdam where
+    installed). Returns the torch optimizers changed."""
+    changed = []
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(megatron_optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam) or not inner.param_groups:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not params or any(p.device.type != "cpu" for p in params):
+            continue
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)
+        inner.defaults.update(fused=True, foreach=False)
+        changed.append(inner)
+    return changed
 
 
 def warn_slow_cpu_dtype(dtype: torch.dtype) -> None:

@@ -40,6 +40,9 @@ def _check(rank, world, hf_dir, root, layout):
         return ok, [p.detach().clone() for c in state.model for p in c.parameters()]
 
     first = build_training_state(cfg, total_steps=2)
+    # on the CPU Megatron-Core's torch Adam steps with the fused kernel (training/setup.py)
+    inner = [o.optimizer for o in getattr(first.optimizer, "chained_optimizers", [first.optimizer])]
+    assert inner and all(g["fused"] for o in inner for g in o.param_groups), inner
     manager = CheckpointManager(cfg.train.save_dir, keep_last=2, model_source=hf_dir)
 
     def resumed_steps_as_the_run(at: int) -> bool:
