@@ -112,8 +112,8 @@ def fuse_cpu_adam(optimizer) -> list:
 
     Without Transformer Engine or Apex (a CPU machine), Megatron-Core uses ``torch.optim.Adam``,
     which on CPU tensors defaults to the one-tensor-at-a-time update: an intermediate tensor the
-    size of each parameter per operation (at Qwen3-0.6B's width, 3.5 s of one rank's first step).
-    The fused CPU kernel makes the same update in one pass over each tensor (~10x less CPU);
+    size of each parameter per operation. The fused CPU kernel makes the same update in one pass
+    over each tensor (~10x less CPU a step; docs/training.md, "The CPU path");
     CUDA parameters keep torch's default (and Transformer Engine's or Apex's FusedAdam where
     installed). Returns the torch optimizers changed."""
     changed = []
