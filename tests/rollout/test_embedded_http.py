@@ -155,6 +155,9 @@ def test_a_server_from_the_tests_fork_server_is_the_clis_server(tiny_hf, tmp_pat
     from megatron_klear.rollout.sglang_standin import launcher
     from tests.rollout.standin_zygote import ForkedProcess
 
+    if standin_fork_server is None:
+        pytest.skip("KLEAR_TEST_EXEC_STANDIN=1: no fork server in this run")
+
     env = {"SGLANG_EXPOSE_OWN_ENV_VARS": "true", "SGLANG_TEST_ONLY_MARK": "forked-or-not"}
     sp = {"temperature": 0.7, "top_k": 20, "max_new_tokens": 8, "n": 2, "sampling_seed": 3}
     body = {"input_ids": PROMPTS, "sampling_params": sp, "return_logprob": True}
