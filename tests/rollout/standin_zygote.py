@@ -5,7 +5,9 @@ request in a fraction of a second.
 
 A forked server is what :meth:`EmbeddedHTTPEngine.launch` would have started: its own process (pid,
 memory, log file), the caller's working directory and environment, and the stand-in's ``main`` run
-with the same arguments. The fork server imports no module of this package (a module that reads an
+with the same arguments (only its command line, as ``ps`` shows it, stays the fork server's: a
+test that finds servers by their command line starts them itself). The fork server imports no
+module of this package (a module that reads an
 environment variable when imported reads the server's own), and runs no tensor operation (torch's
 thread pool starts in the server, as it does in a new interpreter). tests/conftest.py installs it as
 :attr:`EmbeddedHTTPEngine.start_process` for the whole session; the tests of the launch itself
