@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -75,7 +76,7 @@ def run(shapes: list, rounds: int, steps: int) -> dict:
         order = ("baseline", "ours") if r % 2 == 0 else ("ours", "baseline")
         for side in order:
             sides[side].append(one_side(shapes, fused=side == "ours", steps=steps, seed=r))
-    result = {"parameters": sum(_numel(s) for s in shapes), "rounds": rounds, "steps": steps}
+    result = {"parameters": sum(math.prod(s) for s in shapes), "rounds": rounds, "steps": steps}
     for side, runs in sides.items():
         result[f"{side}_fused"] = all(x["fused"] for x in runs)
         for key in ("first_cpu_s", "first_wall_s", "later_cpu_s", "later_wall_s"):
@@ -83,13 +84,6 @@ def run(shapes: list, rounds: int, steps: int) -> dict:
     for key in ("first_cpu_s", "first_wall_s", "later_cpu_s", "later_wall_s"):
         result[f"{key[:-2]}_ratio"] = result[f"ours_{key}"] / result[f"baseline_{key}"]
     return result
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def table(r: dict) -> str:
