@@ -119,7 +119,7 @@ def fuse_cpu_adam(optimizer) -> list:
     changed = []
     for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(megatron_optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam) or not inner.param_groups:
+        if not isinstance(inner, torch.optim.Adam):
             continue
         params = [p for group in inner.param_groups for p in group["params"]]
         if not params or any(p.device.type != "cpu" for p in params):

@@ -139,6 +139,7 @@ def test_server_subprocess_matches_in_process(tiny_hf, other_hf, exec_standin_la
             client.update_weights([("nope.weight", _tensors(other_hf)[0][1])])
     finally:
         client.close()
+    assert not client.health()
 
 
 def _parent_pid(pid: int) -> int:
@@ -193,9 +194,9 @@ def test_a_server_from_the_tests_fork_server_is_the_clis_server(tiny_hf, tmp_pat
     proc.kill()
     assert proc.wait(timeout=10) == -9
     client.close()
+    assert not client.health()
     with pytest.raises(RuntimeError, match=r"exited with code 1 before serving(.|\n)*no-such-model"):
         EmbeddedHTTPEngine.launch(str(tmp_path / "no-such-model"), startup_timeout=120)
-    assert not client.health()
 
 
 # ------------------------------------------------------------------------------------------------
