@@ -361,9 +361,13 @@ class WeightWire(Protocol):
         """Why the servers cannot load tensors shared in memory by a trainer on their machine
         (naming them), or None when they can."""
 
-    def load_tensors(self, payload) -> None:
+    def tensor_gpus(self) -> dict:
+        """``{worker: [the physical GPU index each of its ranks runs on, on its machine]}``: which
+        trainer rank's copy each rank maps (weight_sync=memory)."""
+
+    def load_tensors(self, payload: dict) -> None:
         """In a session: every worker loads one bucket shared in memory (weight_sync=memory);
-        ``payload``: its handles for every worker, or ``{worker: handles}`` (each machine its copy)."""
+        ``payload``: ``{worker: [handles for each of its ranks]}`` (each rank its GPU's copy)."""
 
     def start_update(self) -> None:
         """Pause generation, flush the caches and open a weight-update session on every worker."""
@@ -384,6 +388,7 @@ class WeightWire(Protocol):
         delta bucket's per-tensor counts (``rollout.sync_delta``; only where :meth:`delta_refusal`
         is None)."""
 
-    def finish_update(self, version, *, check_received: bool) -> None:
-        """Close the session, set ``version``, continue generation, check every worker reports it;
-        ``check_received``: one greedy token from every worker shows the bytes arrived (NCCL)."""
+    def finish_update(self, version, *, check_received: bool, before_resume=None) -> None:
+        """Close the session, set ``version``, call ``before_resume`` (if any), continue generation,
+        check every worker reports it; ``check_received``: one greedy token from every worker shows
+        the bytes arrived (NCCL)."""

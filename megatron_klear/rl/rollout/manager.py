@@ -201,7 +201,9 @@ class RolloutManager:
 
         A version already pushed (a step that changed no weight) sends nothing and relabels nothing:
         the servers keep their weights and their label; colocated servers released for the update
-        get them back once the trainer has offloaded (``placement.before_load``), as for a load.
+        get them back once the trainer has offloaded (``placement.before_load``), as for a load --
+        except after an in-memory push, which left nothing to reload them from: that version is
+        pushed again (``weights/repushed``).
 
         With servers (a fleet), lost workers that answer again are recalled first (rejoining,
         :meth:`~megatron_klear.rollout.base.ServerEngine.recall_workers`) and the push includes
@@ -218,12 +220,17 @@ class RolloutManager:
         # the update and the save, not a push to servers that may be gone.
         if any_rank(self.stop_requested):
             return {"weights/version": self.pushed_version, "weights/pushed": 0, "weights/skipped_on_stop": 1}
+        repush = False
         if weight_version == self.pushed_version:
-            # colocated: the trainer gives way first (as before a load), then the servers take their
-            # memory back with the weights they had
-            metrics = self.placement.before_load(self.state)
-            self.placement.give_back(self.engine)
-            return {**metrics, "weights/version": weight_version, "weights/pushed": 0}
+            # colocated servers that released weights pushed in memory have nothing to reload them
+            # from: the trainer pushes the same version again
+            repush = not broadcast_from_rank0(self.placement.can_give_back() if is_rank0() else None)
+            if not repush:
+                # colocated: the trainer gives way first (as before a load), then the servers take
+                # their memory back with the weights they had
+                metrics = self.placement.before_load(self.state)
+                self.placement.give_back(self.engine)
+                return {**metrics, "weights/version": weight_version, "weights/pushed": 0}
         r = self.cfg.rollout
         # rank 0 holds the engine: with servers, the push runs in its session (lost workers recalled
         # first, the rejoining ones admitted once checked)
@@ -257,6 +264,8 @@ class RolloutManager:
         if servers:
             metrics.update(self._fleet_metrics(push=True))
         metrics.update({"weights/version": weight_version, "weights/pushed": 1})
+        if repush:
+            metrics["weights/repushed"] = 1
         return metrics
 
     def _batches(self):

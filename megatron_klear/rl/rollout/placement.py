@@ -19,7 +19,9 @@ never hold their memory at once:
    :meth:`Colocated.trainer_turn`, which takes the servers' KV cache away meanwhile);
 3. if an update fails while the servers are released, they get the last weights pushed from disk
    back, so they never stay on freed or NaN weights (in-memory pushes keep no copy: the servers then
-   stay released, not serving, until the next push, and a warning says so).
+   stay released, not serving, until the next push, and a warning says so); an update that changes
+   no weight after an in-memory push has the same version pushed again in memory
+   (:meth:`Colocated.can_give_back` is false), since the trainer holds the only copy.
 
 The SGLang protocol (0.5.23): ``/release_memory_occupation`` needs an idle server; resuming a tag
 that was not released breaks its scheduler, so only released tags are resumed.
@@ -73,6 +75,10 @@ class Placement(Protocol):
         """Collective, after weights were loaded in memory as ``version``: the servers get the rest
         back; metrics."""
 
+    def can_give_back(self) -> bool:
+        """Rank 0: whether :meth:`give_back` can return the servers the weights they had (false when
+        they released weights that came in memory: nothing holds a copy to reload but the trainer)."""
+
     def give_back(self, engine) -> None:
         """Collective, after :meth:`before_load` when no weights are pushed: the servers get back
         what :meth:`make_room` released, with the weights they had."""
@@ -109,6 +115,9 @@ class Dedicated:
     def finished_load(self, engine, version: int) -> dict:
         """Nothing to give back."""
         return {}
+
+    def can_give_back(self) -> bool:
+        return True  # nothing was released
 
     def give_back(self, engine) -> None:
         """Nothing was released."""
@@ -210,6 +219,12 @@ class Colocated:
             self._resume_rest(engine)
             self.last_sync, self.pushed_in_memory = None, True  # (a load from disk records its directory after)
         return metrics
+
+    def can_give_back(self) -> bool:
+        """False when the servers released weights the last push gave them in memory (no directory
+        to reload): the caller pushes the same version again instead."""
+        released_weights = "weights" in self.released or self.weights_lost
+        return not (released_weights and self.pushed_in_memory and self.last_sync is None)
 
     def give_back(self, engine) -> None:
         """Collective, when a push sends nothing (the weights did not change): the communicators are

@@ -75,6 +75,8 @@ class SafeUnpickler(pickle.Unpickler):
                 return rebuild(cls, manager, *rest)
 
             return rebuild_noting_the_manager
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor_on_uuid
         if (module, name) == ("torch.storage", "_load_from_bytes"):
             return lambda data: torch.load(io.BytesIO(data), weights_only=True)
         if (module, name) in self.ALLOWED:
@@ -82,10 +84,45 @@ class SafeUnpickler(pickle.Unpickler):
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
-def load_shared_tensors(payload: bytes | str, managers: set | None = None) -> list:
-    """``[(name, tensor)]`` of one shared bucket (``payload``: the pickle, or its base64 text).
-    ``managers``: a set that gets the shared-memory manager of every CPU storage read (torch starts
-    one per sharing process: it tells which process shared the bucket)."""
+def _rebuild_cuda_tensor_on_uuid(*args):
+    """torch's ``rebuild_cuda_tensor`` with its device (argument 6) given as a GPU UUID mapped to the
+    visible device of that UUID, as SGLang 0.5.23's patched rebuild does
+    (``srt/utils/patch_torch.py`` ``_device_from_maybe_uuid``, with its error for a device this
+    process cannot see): the trainer pickles devices by UUID for SGLang and vLLM alike."""
+    from torch.multiprocessing import reductions
+
+    device = args[6]
+    if isinstance(device, str):
+        for index in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(index).uuid) == device:
+                device = index
+                break
+        else:
+            raise RuntimeError("Invalid device_uuid=" + device)
+    return reductions.rebuild_cuda_tensor(*args[:6], device, *args[7:])
+
+
+#: the key of the CPU's envelope (``megatron_klear.rollout.weight_sync.sharing.CPU_HANDLE``: kept equal
+#: by a test; this module imports only torch)
+CPU_HANDLE = "klear_cpu_ipc"
+
+
+def open_shared_bucket(payload: bytes | str, managers: set | None = None) -> tuple:
+    """``(named, handle)`` of one shared bucket (``payload``: the pickle, or its base64 text):
+    ``named`` = ``[(name, tensor)]``; ``handle`` = on the CPU, what the envelope says of the memory
+    (``{"device": the stand-in GPU's UUID, "node", "token"}``), None for a plain list (a GPU's
+    pickle names its device inside each tensor). ``managers``: a set that gets the shared-memory
+    manager of every CPU storage read (torch starts one per sharing process: it tells which process
+    shared the bucket)."""
     if isinstance(payload, str):
         payload = base64.b64decode(payload, validate=True)
-    return SafeUnpickler(io.BytesIO(payload), managers).load()
+    data = SafeUnpickler(io.BytesIO(payload), managers).load()
+    if isinstance(data, dict) and data.get(CPU_HANDLE) == 1:
+        handle = {k: str(data.get(k)) for k in ("device", "node", "token")}
+        return list(data["tensors"]), handle
+    return data, None
+
+
+def load_shared_tensors(payload: bytes | str, managers: set | None = None) -> list:
+    """``[(name, tensor)]`` of one shared bucket (:func:`open_shared_bucket` without the handle)."""
+    return open_shared_bucket(payload, managers)[0]

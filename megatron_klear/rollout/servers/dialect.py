@@ -133,10 +133,16 @@ class ServerDialect(abc.ABC):
         """Why ``workers`` cannot load tensors shared in memory (naming them), or None."""
         return None if self.tensor_route else f"{self.name} servers have no in-memory weight route"
 
-    def tensor_call(self, payload: str, transport, worker: str) -> tuple:
+    def tensor_gpus(self, transport, worker: str) -> list:
+        """The physical GPU index (on its machine) each rank of ``worker`` runs on, in the order of
+        the handles :meth:`tensor_call` gives it; only where :attr:`tensor_route`."""
+        raise EngineError(f"rollout: {self.tensor_refusal(transport, [worker])}")
+
+    def tensor_call(self, handles: list, transport, worker: str) -> tuple:
         """The call that loads one bucket of tensors the trainer shares in memory with a server on
-        its own machine (``payload``: base64 of the bucket's :mod:`multiprocessing` pickle of
-        ``[(HF name, tensor)]``, :mod:`megatron_klear.rollout.weight_sync.in_memory`); only where
+        its own machine (``handles``: for each rank of the server, in :meth:`tensor_gpus`' order,
+        base64 of the :mod:`multiprocessing` pickle of ``[(HF name, tensor)]`` made on that rank's
+        GPU for it alone, :mod:`megatron_klear.rollout.weight_sync.in_memory`); only where
         :attr:`tensor_route` (elsewhere :meth:`tensor_refusal` sends the push through disk first)."""
         raise EngineError(f"rollout: {self.tensor_refusal(transport, [worker])}")
 

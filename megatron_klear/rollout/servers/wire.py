@@ -338,17 +338,21 @@ class Wire:
         """Why the workers cannot load tensors shared in memory (:meth:`load_tensors`), or None."""
         return self.dialect.tensor_refusal(self.transport, self.members.workers())
 
-    def load_tensors(self, payload) -> None:
+    def tensor_gpus(self) -> dict:
+        """``{worker: [the physical GPU each of its ranks runs on]}`` (:meth:`~.dialect.ServerDialect.tensor_gpus`)."""
+        return {w: self.dialect.tensor_gpus(self.transport, w) for w in self.members.workers()}
+
+    def load_tensors(self, payload: dict) -> None:
         """Inside a session (:meth:`start_update`): every worker loads one bucket the trainer shares
         in memory (:meth:`~.dialect.ServerDialect.tensor_call`), in parallel; raises naming the
-        first worker that failed. ``payload``: the bucket's handles, the same for every worker, or
-        ``{worker: handles}`` (each worker those of a copy on its own machine)."""
+        first worker that failed. ``payload``: ``{worker: [handles for each of its ranks]}`` (each
+        rank those of a copy on its own GPU, pickled for it alone)."""
 
         def load(w):
-            handles = payload if isinstance(payload, str) else payload.get(w)
+            handles = payload.get(w)
             if handles is None:
-                raise EngineError(f"rollout: no copy of the bucket on {w}'s machine (it joined after the push began)")
-            path, body = self.dialect.tensor_call(handles, self.transport, w)
+                raise EngineError(f"rollout: no copy of the bucket on {w}'s GPUs (it joined after the push began)")
+            path, body = self.dialect.tensor_call(list(handles), self.transport, w)
             self.post(w, path, body, timeout=self.weight_update_timeout)
 
         self.members.on_workers(load)
@@ -360,12 +364,15 @@ class Wire:
         if errors:
             raise EngineError(bucket_error(errors))
 
-    def finish_update(self, version, *, check_received: bool) -> None:
-        """Close the session, set ``version``, continue generation, then every worker must report
-        ``version`` (a rejoining one that does not is dropped again); ``check_received``: then
+    def finish_update(self, version, *, check_received: bool, before_resume=None) -> None:
+        """Close the session, set ``version``, call ``before_resume`` (colocated servers take back
+        their KV cache there), continue generation, then every worker must report ``version`` (a
+        rejoining one that does not is dropped again); ``check_received``: then
         :meth:`check_received`."""
         self.end()
         self.set_version(version)
+        if before_resume is not None:
+            before_resume()
         self.resume()
         self.members.check_weight_versions(version)
         if check_received:

@@ -116,15 +116,28 @@ class SGLangAPI(ServerDialect):
             )
         return tp
 
-    def tensor_call(self, payload: str, transport, worker: str):
+    def tensor_gpus(self, transport, worker: str) -> list:
+        """TP rank ``i`` runs on local GPU ``base_gpu_id + i * gpu_id_step`` (SGLang 0.5.23
+        ``compute_local_gpu_id``, one node), counted over the GPUs the server sees; SGLang does not
+        report ``CUDA_VISIBLE_DEVICES``, so a colocated server must see every GPU of its node (as
+        the trainer does) for that count to be the physical one (docs/sglang.md)."""
+        from megatron_klear.platform.gpus import server_rank_gpu
+
+        info = transport.server_info(worker) or {}
+        tp = int(info.get("tp_size") or 1)
+        base, step = int(info.get("base_gpu_id") or 0), int(info.get("gpu_id_step") or 1)
+        return [server_rank_gpu(i, base, step) for i in range(tp)]
+
+    def tensor_call(self, handles: list, transport, worker: str):
         """SGLang 0.5.23's ``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``): one
-        entry of ``serialized_named_tensors`` per TP rank of the server, each read by that rank with
+        entry of ``serialized_named_tensors`` per TP rank of the server, entry ``i`` read by TP rank
+        ``i`` alone (``managers/tp_worker.py`` ``deserialize_own_rank``) with
         ``MultiprocessingSerializer.deserialize`` (``SafeUnpickler``: torch's tensor and storage
-        rebuild functions of ``torch.multiprocessing.reductions`` are allowed), then loaded through the
-        model's own ``load_weights`` (``load_format`` None: fused qkv / gate_up, vocab padding and TP
-        sharding as from a checkpoint). The cache is flushed before the first bucket (the session)."""
-        tp = int((transport.server_info(worker) or {}).get("tp_size") or 1)
-        body = {"serialized_named_tensors": [payload] * tp, "flush_cache": False, "abort_all_requests": False}
+        rebuild functions of ``torch.multiprocessing.reductions`` are allowed; the device is a GPU
+        UUID, ``srt/utils/patch_torch.py``), then loaded through the model's own ``load_weights``
+        (``load_format`` None: fused qkv / gate_up, vocab padding and TP sharding as from a
+        checkpoint). The cache is flushed before the first bucket (the session)."""
+        body = {"serialized_named_tensors": list(handles), "flush_cache": False, "abort_all_requests": False}
         return "/update_weights_from_tensor", body
 
     def join_calls(self, group: dict, timeout: float) -> list:

@@ -142,6 +142,7 @@ def make_server(
     admin_api_key: str | None = None,
     custom_weight_loader=(),
     host: str = HOST,
+    gpus=None,
 ) -> StandinServer:
     """A server for ``engine`` on ``host``:``port`` (127.0.0.1 by default; 0: a free port, see
     ``server.server_address``).
@@ -153,7 +154,8 @@ def make_server(
     ``enable_memory_saver``: SGLang's ``--enable-memory-saver`` (releasing weights frees them);
     ``api_key`` / ``admin_api_key``: SGLang's ``--api-key`` / ``--admin-api-key``;
     ``custom_weight_loader``: SGLang's ``--custom-weight-loader`` (import paths of loaders
-    ``update_weights_from_tensor`` may call)."""
+    ``update_weights_from_tensor`` may call); ``gpus``: its TP ranks' GPUs
+    (:class:`~.gpus.ServerGPUs`; default one rank on local GPU 0 of this process's)."""
     state = ServerState(
         engine,
         tokenizer,
@@ -168,6 +170,7 @@ def make_server(
         api_key,
         admin_api_key,
         custom_weight_loader,
+        gpus,
     )
     return StandinServer(state, port, host=host)
 
@@ -253,9 +256,21 @@ def main(argv=None) -> int:
         help="import paths of weight loaders update_weights_from_tensor may name as its load_format "
         "(SGLang's flag; the project's delta loader: megatron_klear.rollout.in_server.sglang_delta.apply_delta)",
     )
+    ap.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: one model here, but each rank opens its own handles of an in-memory "
+        "push on its own GPU, as SGLang's do (rollout/sglang_standin/gpus.py)",
+    )
+    ap.add_argument("--base-gpu-id", type=int, default=0, help="the local GPU of TP rank 0 (SGLang's flag)")
+    ap.add_argument("--gpu-id-step", type=int, default=1, help="local GPUs between TP ranks (SGLang's flag)")
     args = ap.parse_args(argv)
 
     from megatron_klear.rollout.embedded import EmbeddedEngine, load_tokenizer
+    from megatron_klear.rollout.sglang_standin.gpus import ServerGPUs
+
+    gpus = ServerGPUs(args.tp_size, args.base_gpu_id, args.gpu_id_step)  # (CUDA's error for a GPU it cannot see)
 
     tokenizer = load_tokenizer(args.model)
     engine = EmbeddedEngine.from_pretrained(
@@ -281,6 +296,7 @@ def main(argv=None) -> int:
         admin_api_key=args.admin_api_key,
         custom_weight_loader=args.custom_weight_loader,
         host=args.host,
+        gpus=gpus,
     )
     server.exit_on_fault = True
     port = server.server_address[1]
@@ -350,6 +366,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
         api_key: str | None = None,
         custom_weight_loader=(),
         env: dict | None = None,
+        tp_size: int = 1,
+        base_gpu_id: int = 0,
         **kwargs,
     ) -> "EmbeddedHTTPEngine":
         """Start ``python -m megatron_klear.rollout.sglang_standin`` for ``model_dir`` and wait until
@@ -357,8 +375,10 @@ class EmbeddedHTTPEngine(SGLangEngine):
         goes to a log file named in errors.
         ``context_length`` / ``served_model_name`` / ``weight_sync_timeout`` /
         ``return_routed_experts`` / ``enable_memory_saver`` / ``api_key`` / ``custom_weight_loader``:
-        the server's flags of those names (the client sends ``api_key`` too); ``env``: variables
-        added to the server's environment (e.g. ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``)."""
+        the server's flags of those names (the client sends ``api_key`` too); ``tp_size`` /
+        ``base_gpu_id``: ``--tp-size`` / ``--base-gpu-id`` (its ranks' GPUs); ``env``: variables
+        added to the server's environment (e.g. ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``,
+        ``CUDA_VISIBLE_DEVICES``)."""
         workdir = tempfile.mkdtemp(prefix="klear-embedded-server-")
         port_file, log_path = os.path.join(workdir, "port"), os.path.join(workdir, "server.log")
         cmd = [
@@ -394,6 +414,8 @@ class EmbeddedHTTPEngine(SGLangEngine):
             cmd += ["--api-key", api_key]
         if custom_weight_loader:
             cmd += ["--custom-weight-loader", *custom_weight_loader]
+        if tp_size != 1 or base_gpu_id:
+            cmd += ["--tp-size", str(tp_size), "--base-gpu-id", str(base_gpu_id)]
         root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_klear.__file__)))
         env = dict(
             os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

@@ -164,7 +164,7 @@ async def server_info(request: Request):
             "device": str(engine.device),
             "host": state.host,
             "port": state.port,
-            "tp_size": 1,
+            **state.gpus.info(),
             "pp_size": 1,
             "dp_size": 1,
             "version": SGLANG_API_VERSION,

@@ -9,6 +9,7 @@ import time
 
 from megatron_klear.rollout.sglang_standin import sglang_env
 from megatron_klear.rollout.sglang_standin.contract import DEFAULT_WEIGHT_VERSION
+from megatron_klear.rollout.sglang_standin.gpus import ServerGPUs
 from megatron_klear.rollout.sglang_standin.scheduler import Scheduler
 
 HOST = "127.0.0.1"
@@ -30,8 +31,11 @@ class ServerState:
         api_key: str | None = None,
         admin_api_key: str | None = None,
         custom_weight_loader=(),
+        gpus=None,
     ):
         self.engine, self.tokenizer = engine, tokenizer
+        # its TP ranks' GPUs as CUDA gives them (--tp-size, --base-gpu-id, CUDA_VISIBLE_DEVICES): gpus.py
+        self.gpus = gpus if gpus is not None else ServerGPUs()
         # --enable-memory-saver: releasing "weights" frees them (rollout.colocate); the tags released
         self.enable_memory_saver = bool(enable_memory_saver)
         self.offload_tags = set()

@@ -15,7 +15,6 @@ import sys
 
 from fastapi import APIRouter, Request
 
-from megatron_klear.rollout.in_server.shared_tensors import load_shared_tensors
 from megatron_klear.rollout.sglang_standin.contract import (
     DEFAULT_GROUP_NAME,
     BadRequest,
@@ -159,6 +158,12 @@ def _init_group(state, f):
             False,
             f"{prefix}backend nccl needs CUDA; this embedded engine runs on "
             f"{state.engine.device.type}: use backend gloo.",
+        )
+    if state.gpus.tp_size > 1:
+        return _weights_reply(
+            False,
+            f"{prefix}this stand-in serves one model for its --tp-size {state.gpus.tp_size} ranks and joins "
+            "update groups as one rank only (in-memory pushes reach each rank; distributed ones need --tp-size 1).",
         )
     if not 0 < rank < f["world_size"]:
         return _weights_reply(
@@ -475,14 +480,34 @@ async def update_weights_from_tensor(request: Request):
     )
     if not f["serialized_named_tensors"]:
         raise BadRequest("serialized_named_tensors: one entry per TP rank, got none")
-    try:
-        payload = base64.b64decode(f["serialized_named_tensors"][0], validate=True)  # this server's TP rank 0
-    except (binascii.Error, ValueError) as e:
-        raise BadRequest(f"serialized_named_tensors[0] is not base64: {e}") from None
-    return await off_loop(_update_from_tensor, server_state(request), f, payload)
+    entries = []
+    for i, entry in enumerate(f["serialized_named_tensors"]):
+        try:
+            entries.append(base64.b64decode(entry, validate=True))
+        except (binascii.Error, ValueError) as e:
+            raise BadRequest(f"serialized_named_tensors[{i}] is not base64: {e}") from None
+    return await off_loop(_update_from_tensor, server_state(request), f, entries)
 
 
-def _update_from_tensor(state, f, payload: bytes):
+def _open_every_rank(state, entries: list) -> list:
+    """Each TP rank opens its own entry on its own GPU (:class:`~.gpus.ServerGPUs`, SGLang's
+    ``deserialize_own_rank``); the one model here loads rank 0's tensors, and every other rank must
+    have been handed the same (a GPU server's ranks would otherwise serve different weights)."""
+    import torch
+
+    named = None
+    for rank in range(state.gpus.tp_size):
+        mine = state.gpus.open(rank, entries, state.tensor_sharers)
+        if named is None:
+            named = mine
+        elif [n for n, _ in mine] != [n for n, _ in named] or not all(
+            torch.equal(a, b) for (_, a), (_, b) in zip(mine, named)
+        ):
+            raise RuntimeError(f"TP rank {rank} was handed other tensors than TP rank 0")
+    return named
+
+
+def _update_from_tensor(state, f, entries: list):
     if f["abort_all_requests"]:
         state.scheduler.abort(abort_all=True)
     with state.weight_lock:
@@ -492,7 +517,7 @@ def _update_from_tensor(state, f, payload: bytes):
         load_format = f["load_format"]
 
         def load():
-            named = load_shared_tensors(payload, state.tensor_sharers)
+            named = _open_every_rank(state, entries)
             TensorLoader(state).update_weights_from_tensor(named, load_format)
 
         try:

@@ -150,12 +150,29 @@ class VLLMAPI(ServerDialect):
         refusals = [r for r in refusals if r]
         return "; ".join(refusals) if refusals else None
 
-    def tensor_call(self, payload: str, transport, worker: str) -> tuple:
+    def tensor_gpus(self, transport, worker: str) -> list:
+        """Worker process ``r`` (TP x PP) runs on local GPU ``r`` of those the server sees; vLLM's
+        dev-mode ``/server_info`` lists the server's ``CUDA_VISIBLE_DEVICES`` among its
+        ``system_env.env_vars`` (``collect_env.get_env_vars``: the ``CUDA`` prefix), which maps it
+        to the physical GPU."""
+        from megatron_klear.platform.gpus import physical_index
+
+        info = transport.request("GET", "/server_info?config_format=json", url=worker) or {}
+        par = (info.get("vllm_config") or {}).get("parallel_config") or {}
+        ranks = int(par.get("tensor_parallel_size") or 1) * int(par.get("pipeline_parallel_size") or 1)
+        env = {}
+        for line in str((info.get("system_env") or {}).get("env_vars") or "").splitlines():
+            key, _, value = line.partition("=")
+            if key == "CUDA_VISIBLE_DEVICES":
+                env[key] = value
+        return [physical_index(r, env) for r in range(ranks)]
+
+    def tensor_call(self, handles: list, transport, worker: str) -> tuple:
         """``/update_weights`` with the bucket in ``update_info.tensors`` (the project's transfer
-        engine, :mod:`megatron_klear.rollout.vllm.transfer_engine`): every worker process reads it
-        (CUDA IPC handles, or shared-memory files on the CPU) and loads it, inside the
-        start/finish session."""
-        return "/update_weights", {"update_info": {"tensors": payload}}
+        engine, :mod:`megatron_klear.rollout.vllm.transfer_engine`): worker process ``r`` reads
+        entry ``r`` (CUDA IPC handles made on its GPU, or shared-memory files on the CPU) and loads
+        it, inside the start/finish session."""
+        return "/update_weights", {"update_info": {"tensors": list(handles)}}
 
     def group_ranks(self, transport, worker: str) -> int:
         """One rank per worker process (TP x PP); refuses a server without the plugin's transfer

@@ -78,7 +78,7 @@ class UpdateGroupBucket:
     group_name: str = ""
     load_format: str = "auto"
     counts: list | None = None  # a delta bucket: per tensor -1 (whole) or its number of changed elements
-    tensors: str | None = None
+    tensors: str | list | None = None  # one pickle per worker rank (or one for a single worker)
 
 
 class UpdateGroupTransferEngine(WeightTransferEngine):
@@ -152,12 +152,22 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
         with timed("load", tensors=n):
             self.model.load_weights(tensors)
 
-    def _load_shared(self, payload: str) -> None:
+    def _load_shared(self, payload) -> None:
         """A bucket the trainer shares in memory: read under SGLang's allow-list of tensor globals
-        and loaded whole. A GPU worker loads copies: layerwise reloading may hold a tensor until its
+        and loaded whole. ``payload``: one pickle per worker process, each made on that worker's
+        GPU (entry ``rank`` is this worker's, as SGLang's TP rank reads its own entry), or one pickle
+        for a single worker. A GPU worker loads copies: layerwise reloading may hold a tensor until its
         layer is complete, after the trainer has reused the memory behind the handle."""
         from megatron_klear.rollout.in_server.shared_tensors import load_shared_tensors
 
+        if isinstance(payload, list):
+            rank = self._worker_rank()
+            if not 0 <= rank < len(payload):
+                raise RuntimeError(
+                    f"update_info.tensors has {len(payload)} entries, none for worker rank {rank} (one per "
+                    "worker process, each made on that worker's GPU)"
+                )
+            payload = payload[rank]
         self.images.clear()  # whole tensors: the next delta sync starts from whole ones
         with timed("receive_shared"):
             named = load_shared_tensors(payload)

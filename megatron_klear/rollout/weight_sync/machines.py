@@ -1,7 +1,9 @@
-"""Which trainer rank shares a machine with which rollout server: ``rollout.weight_sync=memory``
+"""Which trainer rank holds the copy each rollout server rank maps: ``rollout.weight_sync=memory``
 hands a server handles to memory (CUDA IPC, or shared-memory files on the CPU) that only a process
-on the same machine can map, so each server's buckets must come from a trainer rank of its own
-machine (:mod:`.relay` carries them there from rank 0).
+on the same machine can map, and each rank of a server opens the handle of a copy on its own GPU
+(SGLang's TP rank ``i`` reads entry ``i`` of a request, :mod:`megatron_klear.platform.gpus`), so
+each server rank's buckets come from the trainer rank on the same machine and the same physical GPU
+(:mod:`.relay` carries them there from rank 0).
 
 A machine is known by its addresses: its host names, the addresses they resolve to and every
 IPv4 address of its interfaces (a server URL may name the node by an InfiniBand or management
@@ -50,16 +52,42 @@ def machine_addresses() -> set:
     return names | _interface_ipv4s()
 
 
-def place_workers(workers: list, addresses_by_rank: list) -> tuple:
-    """``(placed, unplaced)``: ``placed[worker]`` = the lowest trainer rank on the worker's machine
-    (``addresses_by_rank[r]``: rank ``r``'s :func:`machine_addresses`), ``unplaced`` the workers on
-    no trainer rank's machine, in order."""
-    placed, unplaced = {}, []
-    for w in workers:
+def place_server_ranks(gpus_by_worker: dict, ranks: list) -> tuple:
+    """``(placed, refusals)``: ``placed[worker]`` = for each rank of the worker, in the order of its
+    entries, the lowest trainer rank on the same machine and the same physical GPU;
+    ``refusals``: why a worker cannot be served so (naming it). ``gpus_by_worker``: ``{worker:
+    [physical GPU index of each of its ranks]}``; ``ranks[r]`` = trainer rank ``r``'s
+    ``(machine_addresses, physical GPU index)``.
+
+    Two server ranks on one GPU of one machine are refused: with colocated servers one per GPU
+    group, that is a server that sees other GPUs than it reports (``CUDA_VISIBLE_DEVICES=$GPU`` makes
+    each server's first rank GPU 0 by its own count), and the handles of GPU 0 would reach a server
+    that cannot open them (docs/sglang.md, 'Colocated servers')."""
+    placed, refusals, claimed = {}, [], {}
+    for w, gpus in gpus_by_worker.items():
         host = _resolved(urlparse(w).hostname or "")
-        rank = next((r for r, addresses in enumerate(addresses_by_rank) if host & set(addresses)), None)
-        if rank is None:
-            unplaced.append(w)
-        else:
-            placed[w] = rank
-    return placed, unplaced
+        on_machine = [r for r, (addresses, _) in enumerate(ranks) if host & set(addresses)]
+        if not on_machine:
+            refusals.append(
+                f"{w} is on no trainer rank's machine (handles to memory reach servers of the same machine only)"
+            )
+            continue
+        machine = on_machine[0]
+        mine, missing = [], []
+        for i, gpu in enumerate(gpus):
+            rank = next((r for r in on_machine if ranks[r][1] == gpu), None)
+            if rank is None:
+                missing.append(f"its rank {i} runs on GPU {gpu}, where no trainer rank of its machine runs")
+            mine.append(rank)
+            other = claimed.setdefault((machine, gpu), (w, i))
+            if other != (w, i):
+                refusals.append(
+                    f"{other[0]} (rank {other[1]}) and {w} (rank {i}) both report GPU {gpu} of one machine: colocated "
+                    "servers must see every GPU of their node and each take its own with --base-gpu-id "
+                    "(CUDA_VISIBLE_DEVICES=$GPU makes every server's first GPU 0 by its own count)"
+                )
+        if missing:
+            refusals.append(f"{w}: " + "; ".join(missing))
+        elif not any(w in r for r in refusals):
+            placed[w] = mine
+    return placed, refusals

@@ -1,12 +1,12 @@
-"""Buckets for colocated servers on other machines (``rollout.weight_sync=memory`` across nodes).
+"""Buckets for the server ranks that rank 0's GPU does not serve (``rollout.weight_sync=memory``).
 
-Rank 0 gathers the model's buckets (:mod:`.gather`); servers on its machine map its copy of each
-bucket, but a server on another node can only map memory of its own node. :class:`BucketRelay`
-sends each bucket from rank 0 to one trainer rank per other machine that hosts servers (its
-*relay rank*, :mod:`.machines`), which copies it onto its device, shares it as rank 0 does
-(:func:`~.sharing.share_views`) and hands the handles back to rank 0; rank 0 then posts to each
-server the handles of its own machine. Only handles (some hundred bytes) go to the servers over
-HTTP; each bucket crosses the network once per machine.
+Rank 0 gathers the model's buckets (:mod:`.gather`), but each rank of a server maps a copy on its
+own GPU of its own node (:mod:`.machines`). :class:`BucketRelay` sends each bucket from rank 0 to
+the trainer ranks on those GPUs (its *relay ranks*, on rank 0's machine and others), each of which
+copies it onto its device, shares it once per server rank it serves
+(:func:`~.sharing.share_views`: one pickle per opener) and hands the handles back to rank 0; rank 0
+then posts to each server, rank by rank, the handles of the copy on that rank's GPU. Only handles
+(some hundred bytes) go to the servers over HTTP.
 
 A relay rank may itself be taking part in the gather (a pipeline stage's leader sending its stage
 to rank 0, a tensor-parallel peer): it receives in a thread of its own, over a gloo group of rank 0
@@ -33,11 +33,13 @@ TIMEOUT = datetime.timedelta(minutes=30)
 
 
 class BucketRelay:
-    """Collective to build (every rank creates the group). ``relays``: the relay ranks (not 0),
-    ``device``: where a relay rank puts its copy (the device its servers map)."""
+    """Collective to build (every rank creates the group). ``copies``: ``{relay rank (not 0): how
+    many server ranks map its copy}``, ``device``: where a relay rank puts its copy (its own GPU,
+    the one those server ranks run on)."""
 
-    def __init__(self, relays: list, device):
-        self.relays = sorted(relays)
+    def __init__(self, copies: dict, device):
+        self.copies = {int(r): int(n) for r, n in copies.items()}
+        self.relays = sorted(self.copies)
         self.device = torch.device(device)
         self.rank = dist.get_rank()
         self.group = dist.new_group([0, *self.relays], backend="gloo", timeout=TIMEOUT)
@@ -53,7 +55,8 @@ class BucketRelay:
     # -- rank 0 ----------------------------------------------------------------------------------
     def send(self, layout: list, buffer) -> dict:
         """Rank 0: the bucket (``buffer``, its tensors at ``layout``'s places: see
-        :func:`~.sharing.bucket_layout`) to every relay rank; ``{relay rank: its handles}``."""
+        :func:`~.sharing.bucket_layout`) to every relay rank; ``{relay rank: [its handles, one per
+        server rank it serves]}``."""
         dist.broadcast_object_list([(layout, buffer.numel())], src=0, group=self.group)
         host = buffer if buffer.device.type == "cpu" else buffer.to("cpu")
         dist.broadcast(host, src=0, group=self.group)
@@ -97,7 +100,8 @@ class BucketRelay:
                 dist.broadcast(host, src=0, group=self.group)
                 buffer = host if self.device.type == "cpu" else host.to(self.device)
                 held.append(buffer)
-                dist.gather_object(share_views(layout, buffer), None, dst=0, group=self.group)
+                handles = [share_views(layout, buffer) for _ in range(self.copies[self.rank])]
+                dist.gather_object(handles, None, dst=0, group=self.group)
                 self.received += 1
         except Exception as e:  # noqa: BLE001 -- raised by join() on the rank's own thread
             self.error = e

@@ -18,10 +18,17 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import os
+import secrets
 import sys
 
 #: a bucket's tensors start at multiples of this many bytes (every dtype's alignment)
 ALIGN = 64
+#: the key of the CPU's envelope: ``{CPU_HANDLE: 1, "device": uuid, "node": ..., "token": ...,
+#: "tensors": [(name, tensor)]}`` (on a GPU the pickle is the plain list, as SGLang reads it)
+CPU_HANDLE = "klear_cpu_ipc"
+#: torch's allocator setting that turns expandable segments on (PYTORCH_CUDA_ALLOC_CONF)
+EXPANDABLE = "expandable_segments:True"
 
 
 def bucket_layout(named: list) -> tuple:
@@ -48,11 +55,37 @@ def shared_buffer(nbytes: int, device):
     start: the pickler then copies nothing)."""
     import torch
 
-    with _cpu_shared_by_file_name(device):
+    with _cpu_shared_by_file_name(device), _no_expandable_segments(device):
         buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         if device.type == "cpu":
             buffer.share_memory_()
     return buffer
+
+
+def expandable_segments_on(env=None) -> bool:
+    """Whether this process's CUDA allocator was configured with expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF``, or ``PYTORCH_ALLOC_CONF`` that newer torch reads first)."""
+    env = os.environ if env is None else env
+    conf = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    return EXPANDABLE in conf.replace(" ", "")
+
+
+@contextlib.contextmanager
+def _no_expandable_segments(device):
+    """On a GPU whose allocator uses expandable segments: allocate from ordinary segments meanwhile
+    (torch's runtime switch, ``torch._C._accelerator_setAllocatorSettings``, as slime and verl switch
+    it around their IPC buffers), then switch back."""
+    if device.type != "cuda" or not expandable_segments_on():
+        yield
+        return
+    import torch
+
+    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setting("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setting(EXPANDABLE)
 
 
 def _views(layout: list, buffer) -> list:
@@ -72,16 +105,45 @@ def _numel(shape) -> int:
 
 def share_views(layout: list, buffer) -> str:
     """The tensors ``layout`` places in ``buffer`` pickled with the multiprocessing pickler as
-    views of it (base64): what a server on this machine reads (``buffer`` must stay alive until it
-    has)."""
+    views of it (base64), the device named by its UUID (see the module docstring): what one rank
+    of a server on this machine reads, once (``buffer`` must stay alive until it has). Call it again
+    for every other rank that maps the same buffer."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401 -- registers torch's reductions of tensors and storages with that pickler
+    import torch
+    import torch.multiprocessing  # registers torch's reductions of tensors and storages with that pickler
 
     out = io.BytesIO()
+    views = _views(layout, buffer)
     with _cpu_shared_by_file_name(buffer.device):
-        ForkingPickler(out).dump(_views(layout, buffer))
+        pickler = ForkingPickler(out)
+        if buffer.device.type == "cuda":
+            pickler.dispatch_table[torch.Tensor] = _reduce_naming_the_gpu
+            pickler.dump(views)
+        else:
+            from megatron_klear.platform.gpus import node_name, this_rank_gpu
+
+            envelope = {
+                CPU_HANDLE: 1,
+                "device": this_rank_gpu()[1],
+                "node": node_name(),
+                "token": secrets.token_hex(8),
+                "tensors": views,
+            }
+            pickler.dump(envelope)
     return base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def _reduce_naming_the_gpu(tensor):
+    """torch's reduction of a CUDA tensor with its device index replaced by the device's UUID (SGLang
+    0.5.23 ``patch_torch._reduce_tensor_modified``; its rebuild maps the UUID back)."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+    return rebuild, args
 
 
 def share_bucket(named: list) -> tuple:
