@@ -516,7 +516,9 @@ def main() -> int:
     servers = []
     procs = []
     try:
-        for host in ("127.0.0.1", SECOND_SERVER_HOST):
+        # server k on GPU k of the node, where trainer rank k runs (in memory each server maps the copy
+        # of the rank on its own GPU): SGLang's --base-gpu-id, vLLM's CUDA_VISIBLE_DEVICES
+        for k, host in enumerate(("127.0.0.1", SECOND_SERVER_HOST)):
             if args.engine == "vllm":  # bf16, the plugin's transfer engine for the distributed variant
                 servers.append(
                     VLLMServer.launch(
@@ -525,7 +527,10 @@ def main() -> int:
                         dtype="bfloat16",
                         max_model_len=512,
                         extra_args=("--weight-transfer-config", '{"backend": "megatron_klear"}'),
-                        env={TIMELINE_ENV: args.timeline} if args.timeline else None,
+                        env={
+                            "CUDA_VISIBLE_DEVICES": str(k),
+                            **({TIMELINE_ENV: args.timeline} if args.timeline else {}),
+                        },
                     )
                 )
                 continue
@@ -538,6 +543,7 @@ def main() -> int:
                     startup_timeout=600,
                     timeout=120,
                     custom_weight_loader=[LOADER],
+                    base_gpu_id=k,
                 )
             )
         print("servers:", [s.url for s in servers], flush=True)

@@ -63,19 +63,22 @@
 #    weight version; on a filesystem the servers read) and has every server reload it in parallel
 #    (update_weights_from_disk).
 #    Servers on the training GPUs instead (no rollout nodes), with rollout.colocate=true: the
-#    servers release their memory while the actor trains and reload the weights from disk
-#    (docs/sglang.md, "Colocated servers"). Start each server on its training GPU with:
+#    servers release their memory while the actor trains and get the weights in memory, each
+#    server rank from the trainer rank on its own GPU (docs/sglang.md, "Colocated servers"). Start
+#    each server on its training GPU, every GPU left visible (no CUDA_VISIBLE_DEVICES: the
+#    trainer maps server ranks to its own ranks by the GPU index each reports), with:
 #      SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false SGLANG_MEMORY_SAVER_CUDA_GRAPH=true \
 #      SGLANG_EXPOSE_OWN_ENV_VARS=true SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 \
-#      CUDA_VISIBLE_DEVICES=$GPU python -m sglang.launch_server --model-path /shared/klear-sft-8b-hf \
+#      python -m sglang.launch_server --base-gpu-id $GPU --model-path /shared/klear-sft-8b-hf \
 #          --host 0.0.0.0 --port $((30000 + GPU)) --tp-size 1 --context-length 36864 \
 #          --enable-memory-saver --mem-fraction-static 0.5
 #    (health generation off: a /health probe would otherwise generate on the released memory and
 #    crash the server; the CUDA-graph saver: without it releasing cuda_graph frees nothing;
 #    SGLANG_EXPOSE_OWN_ENV_VARS lets the trainer check both at start-up), and the router as in 3,
-#    with --disable-health-check. The weights then go through rollout.sync_dir (the configs:
-#    /shared/<run>/weights, one per run; default <train.save_dir>/weights), which every server must read: a
-#    shared filesystem across the trainer's nodes (on one node, /dev/shm will do).
+#    with --disable-health-check. With rollout.weight_sync=disk the weights go through
+#    rollout.sync_dir instead (the configs: /shared/<run>/weights, one per run; default
+#    <train.save_dir>/weights), which every server must read: a shared filesystem across the
+#    trainer's nodes (on one node, /dev/shm will do).
 # For code RL afterwards: CONFIG=examples/configs/gppo_qwen3_8b_code.yaml (its model.path: the math
 # RL run's last checkpoint, runs/klear-gppo-8b-math/iter_0000240)
 set -euo pipefail

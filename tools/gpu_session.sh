@@ -31,7 +31,16 @@ python3 tools/gpu_checks.py --device cuda --shape 8b-layers --out "$OUT" ${GPU_C
     2> "$OUT/gpu-checks.log" | tee "$OUT/gpu-checks.txt"
 checks=${PIPESTATUS[0]}
 [ "$checks" -eq 0 ] || { echo "== gpu_checks.py failed (exit $checks); the end of $OUT/gpu-checks.log:"; tail -40 "$OUT/gpu-checks.log"; }
-python3 -m pytest -q -rs -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.txt" | tail -15
+python3 -m pytest -q -rs -m gpu tests/gpu -p no:cacheprovider --deselect tests/gpu/test_gpu_ipc.py 2>&1 | tee "$OUT/gpu-tests.txt" | tail -15
 tests=${PIPESTATUS[0]}
+# the in-memory push (rollout.weight_sync=memory), one check a line (tests/gpu/test_gpu_ipc.py):
+# expandable_segments with a separately launched opener; the per-GPU rule with two GPUs (skipped,
+# with the reason, on one); memory_reserved before and after the push
+for check in test_a_handle_made_under_expandable_segments_opens_in_a_separately_launched_process \
+    test_a_handle_of_a_gpu_the_opener_cannot_see_fails_and_its_own_opens \
+    test_the_push_buffers_go_back_to_the_device_after_the_push; do
+    python3 -m pytest -q -rs -m gpu "tests/gpu/test_gpu_ipc.py::$check" -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu-tests.txt" | tail -3
+    [ "${PIPESTATUS[0]}" -eq 0 ] || tests=1
+done
 echo "== gpu_checks.py exit $checks, pytest -m gpu exit $tests"
 [ "$checks" -eq 0 ] && [ "$tests" -eq 0 ]

@@ -61,7 +61,8 @@ class RolloutConfig:
     # servers: how weights reach the servers. distributed: SGLang's update_weights_from_distributed, a
     # bucketed broadcast from each pipeline stage's leader over a process group with every server
     # (rollout/weight_sync/distributed.py); disk: a versioned HF directory in sync_dir that every server reloads;
-    # memory (colocate): buckets shared in memory with the servers of each trainer node (relayed from rank 0),
+    # memory (colocate): buckets shared in memory, each server rank mapping the copy of the trainer rank on its
+    # own GPU (relayed from rank 0),
     # loaded through SGLang's update_weights_from_tensor (rollout/weight_sync/in_memory.py; disk where it cannot).
     # auto: distributed, or memory with colocate (NCCL cannot pair the trainer's rank with a server on its own GPU).
     weight_sync: str = "auto"  # auto | distributed | disk | memory

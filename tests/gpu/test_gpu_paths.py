@@ -229,7 +229,7 @@ def _relay_a_cuda_bucket(rank, world):
     from megatron_klear.rollout.weight_sync.sharing import bucket_layout, share_bucket
 
     torch.cuda.set_device(0)
-    relay = BucketRelay([1], torch.device("cuda", 0))
+    relay = BucketRelay({1: 1}, torch.device("cuda", 0))
     named = [
         ("model.norm.weight", torch.arange(96, dtype=torch.bfloat16, device="cuda")),
         ("lm_head.weight", torch.randn(7, 5, device="cuda").to(torch.bfloat16)),
@@ -239,7 +239,7 @@ def _relay_a_cuda_bucket(rank, world):
         relay.join()
         return relay.received
     _, buffer = share_bucket(named)
-    handles = relay.send(bucket_layout(named)[0], buffer)[1]
+    (handles,) = relay.send(bucket_layout(named)[0], buffer)[1]
     mapped = dict(load_shared_tensors(handles))  # rank 1's copy, through its CUDA IPC handles
     same = all(mapped[n].is_cuda and torch.equal(mapped[n], t) for n, t in named)
     del mapped

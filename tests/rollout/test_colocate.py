@@ -259,9 +259,14 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path, weight_sync):
 
     model = make_tiny_qwen3(str(tmp_path / "m"), num_layers=2, seed=21)
     prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 12, seed=3)
+    # in memory each server rank maps the copy of the trainer rank on its GPU: one server per GPU of a
+    # two-GPU node, each its own with --base-gpu-id, and a trainer rank per GPU (TP=2)
+    ranks = 2 if weight_sync == "memory" else 1
     servers = [
-        EmbeddedHTTPEngine.launch(model, enable_memory_saver=True, startup_timeout=120, env=COLOCATED_ENV)
-        for _ in range(2)
+        EmbeddedHTTPEngine.launch(
+            model, enable_memory_saver=True, startup_timeout=120, env=COLOCATED_ENV, base_gpu_id=k % ranks
+        )
+        for k in range(2)
     ]
     save = str(tmp_path / "run")
     try:
@@ -271,8 +276,8 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path, weight_sync):
                 for a in _overrides({"model": model, "prompts": prompts}, save)
                 if not a.startswith(("parallel.tp", "train.steps"))
             ]
-            args += ["parallel.tp=1", "train.steps=2", f"rollout.weight_sync={weight_sync}", *_colocated([url])]
-            run_distributed(_run, 1, args)
+            args += [f"parallel.tp={ranks}", "train.steps=2", f"rollout.weight_sync={weight_sync}", *_colocated([url])]
+            run_distributed(_run, ranks, args)
         lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
         assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 2, lines
         for m in lines:
@@ -289,6 +294,9 @@ def test_the_rl_loop_releases_the_servers_while_training(tmp_path, weight_sync):
         else:
             assert not os.path.exists(os.path.join(save, "weights"))  # nothing written for the servers
             assert all(m["weights/in_memory"] == 1 and m["weights/sync_buckets"] > 1 for m in lines), lines
+            for s in servers:  # each server mapped the copy on its own GPU, one rank's
+                info = _info(s.url)
+                assert info["gpu_opens"]["cross_device_opens"] == 0 and len(info["tensor_sharers"]) == 1, info
     finally:
         for s in servers:
             s.close()
@@ -303,7 +311,7 @@ def _share_buckets_and_return(url, queue):
     client.wire.start_update()
     for k in range(3):
         payload, buffer = share_bucket([("model.norm.weight", torch.full((64,), 1.0 + k))])
-        client.wire.load_tensors(payload)
+        client.wire.load_tensors({url: [payload]})
         del buffer
     client.wire.finish_update(3, check_received=False)
     queue.put("shared")
@@ -348,6 +356,8 @@ def _run_as_two_machines(rank, world, overrides):
     from tests.training import nccl_guard
 
     in_memory.machine_addresses = lambda: {f"127.0.0.{rank + 1}"}
+    # each machine's one GPU, named by its own node (the servers' KLEAR_NODE_NAME says the same)
+    os.environ.update(LOCAL_RANK="0", KLEAR_NODE_NAME=f"machine-{rank + 1}")
     manager.nccl_suspension = lambda setting: nccl_guard.suspension()
     _run(rank, world, overrides)
     return nccl_guard.EVENTS
@@ -374,8 +384,14 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
     model = make_tiny_qwen3(str(tmp_path / "m"), num_layers=2, seed=21)
     prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 8, seed=3)
     servers = [
-        EmbeddedHTTPEngine.launch(model, host=host, enable_memory_saver=True, startup_timeout=120, env=COLOCATED_ENV)
-        for host in ("127.0.0.1", "127.0.0.2")
+        EmbeddedHTTPEngine.launch(
+            model,
+            host=host,
+            enable_memory_saver=True,
+            startup_timeout=120,
+            env={**COLOCATED_ENV, "KLEAR_NODE_NAME": f"machine-{k + 1}"},
+        )
+        for k, host in enumerate(("127.0.0.1", "127.0.0.2"))
     ]
     save = str(tmp_path / "run")
     try:
@@ -394,7 +410,7 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
             blocks[-1][0 if kind == "suspend" else 1].append(group)
         assert len(blocks) == 5 and all(s == r and len(s) >= 2 for s, r in blocks), events[0]
         for m in lines:
-            assert m["weights/in_memory"] == 1 and m["weights/in_memory_machines"] == 2, m
+            assert m["weights/in_memory"] == 1 and m["weights/in_memory_copies"] == 2, m
             assert m["weights/sync_buckets"] > 1 and m["weights/verify_mean_diff_max"] < 1e-4, m
         assert not os.path.exists(os.path.join(save, "weights"))  # nothing written for the servers
         sharers = []

@@ -18,7 +18,9 @@ def test_each_server_rank_maps_the_copy_of_the_trainer_rank_on_its_machine_and_g
     assert refusals == []
     assert placed == {"http://10.0.0.2:30000": [3], "http://node-a:30000": [0, 1], "http://10.0.0.2:30001": [2]}
     # a host name that resolves to one of a rank's addresses; DP replicas on one GPU: the lowest rank
-    placed, _ = place_server_ranks({"http://localhost:30000": [0]}, [({"10.0.0.3"}, 0), ({"127.0.0.1"}, 0), ({"127.0.0.1"}, 0)])
+    placed, _ = place_server_ranks(
+        {"http://localhost:30000": [0]}, [({"10.0.0.3"}, 0), ({"127.0.0.1"}, 0), ({"127.0.0.1"}, 0)]
+    )
     assert placed == {"http://localhost:30000": [1]}
 
 
@@ -28,7 +30,8 @@ def test_a_server_rank_without_a_trainer_rank_on_its_gpu_or_two_on_one_gpu_are_r
     assert placed == {}
     assert refusals == [
         "http://10.0.0.1:30000: its rank 0 runs on GPU 2, where no trainer rank of its machine runs",
-        "http://10.0.0.9:30000 is on no trainer rank's machine (handles to memory reach servers of the same machine only)",
+        "http://10.0.0.9:30000 is on no trainer rank's machine "
+        "(handles to memory reach servers of the same machine only)",
     ]
     # the launch of one server per GPU with CUDA_VISIBLE_DEVICES=$GPU: every server reports GPU 0
     placed, refusals = place_server_ranks({"http://10.0.0.1:30000": [0], "http://10.0.0.1:30001": [0]}, ranks)

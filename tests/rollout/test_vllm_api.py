@@ -160,6 +160,18 @@ def test_a_server_without_the_transfer_engine_is_named_for_the_in_memory_route()
         "rollout.weight_sync=memory" in refusal
         and '--weight-transfer-config \'{"backend": "megatron_klear"}\'' in refusal
     )
-    path, body = api.tensor_call("cGF5bG9hZA==", None, "http://w:1")
-    assert (path, body) == ("/update_weights", {"update_info": {"tensors": "cGF5bG9hZA=="}})
+    path, body = api.tensor_call(["cGF5bG9hZA==", "b3RoZXI="], None, "http://w:1")  # one per worker process
+    assert (path, body) == ("/update_weights", {"update_info": {"tensors": ["cGF5bG9hZA==", "b3RoZXI="]}})
     assert SGLangAPI().tensor_refusal(None, ["http://w:1"]) is None
+
+
+def test_each_vllm_worker_process_runs_on_the_physical_gpu_its_servers_cuda_visible_devices_gives():
+    """Worker process r runs on local GPU r; the server's CUDA_VISIBLE_DEVICES comes from dev mode's
+    /server_info (system_env.env_vars, vLLM's collect_env lists the CUDA variables)."""
+    info = {
+        "vllm_config": {"parallel_config": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1}},
+        "system_env": {"env_vars": "NCCL_DEBUG=WARN\nCUDA_VISIBLE_DEVICES=6,3\nOMP_NUM_THREADS=1\n"},
+    }
+    assert VLLMAPI().tensor_gpus(_Answers({"/server_info?config_format=json": info}), "http://w:1") == [6, 3]
+    info["system_env"]["env_vars"] = "NCCL_DEBUG=WARN\n"  # every GPU visible
+    assert VLLMAPI().tensor_gpus(_Answers({"/server_info?config_format=json": info}), "http://w:1") == [0, 1]

@@ -490,7 +490,7 @@ def test_buckets_shared_in_memory_load_like_a_checkpoint(engine, servers, models
         assert len(buckets) >= 2
         for bucket in buckets:
             payload, buffer = share_bucket(bucket)
-            a.wire.load_tensors(payload)
+            a.wire.load_tensors({servers[0].url: [payload]})
             del buffer
         a.wire.finish_update(7, check_received=False)
     finally:

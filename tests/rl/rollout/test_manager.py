@@ -191,6 +191,41 @@ def test_a_version_already_pushed_sends_nothing_and_gives_colocated_servers_thei
     ]
 
 
+def test_a_version_already_pushed_in_memory_is_pushed_again_to_servers_that_released_it():
+    """A step that changed no weight (every token masked; fp16's first overflow) after an in-memory
+    push (weight_sync=memory): the servers released weights that only the trainer holds, so the same
+    version is pushed again in memory (before: give_back found no directory, warned, and the servers
+    generated on released memory)."""
+    from types import SimpleNamespace
+
+    servers, place = RecordingServers(), Colocated(offload_trainer=False)
+    manager = _manager(place, servers)
+
+    def in_memory(version):  # what InMemoryPush does around its buckets, on one rank
+        place.before_load(None)
+        place.resume_weights(servers)
+        servers.calls.append(("load in memory", version))
+        return place.finished_load(servers, version)
+
+    manager.weights = SimpleNamespace(push=in_memory, to_servers=False)
+    place.make_room(servers, None)
+    manager.push_weights(3, step=5)
+    assert place.can_give_back()  # nothing released now
+    servers.calls.clear()
+    with manager.make_room():
+        pass  # an update that changed nothing
+    assert not place.can_give_back()
+    metrics = manager.push_weights(3, step=6)
+    assert metrics["weights/pushed"] == 1 and metrics["weights/repushed"] == 1 and metrics["weights/version"] == 3
+    assert servers.calls == [
+        ("release", ("weights", "kv_cache", "cuda_graph")),
+        ("resume", ("weights",)),
+        ("load in memory", 3),
+        ("resume", ("cuda_graph", "kv_cache")),
+    ]
+    assert not place.released and not place.weights_lost
+
+
 def test_a_version_already_pushed_offloads_the_trainer_before_colocated_servers_take_their_memory_back(monkeypatch):
     """A step that changed no weight, colocated with ``rollout.offload_trainer``: the trainer took its
     gradient buffers and optimizer state back for the update, so it gives them up again before the
