@@ -11,6 +11,8 @@ Servers started the way the docs used to say (``CUDA_VISIBLE_DEVICES=$GPU``: eac
 GPU 0) are refused by name before anything is sent, and the push goes through disk: before, every
 server was handed rank 0's copy, and all but the first died of it."""
 
+import time
+
 import httpx
 import pytest
 
@@ -58,6 +60,26 @@ def _push_to(rank, world, model, good, old_style):
         out[name] = push.push(version=1 if name == "good" else 2)
         if engine is not None:
             engine.close()
+    # a server that fails at the second bucket: rank 0 stops posting, and every rank ends the push
+    # together, naming it, instead of the others waiting inside the gather for rank 0
+    engine = SGLangEngine.at(good, control_timeout_s=30) if is_rank0() else None
+    if engine is not None:
+        load, calls = engine.wire.load_tensors, []
+
+        def failing(payload):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("the server died loading bucket 2")
+            return load(payload)
+
+        engine.wire.load_tensors = failing
+    t0 = time.monotonic()
+    try:
+        InMemoryPush(state, engine, Dedicated(), bucket_mb=0.05, fallback=None).push(version=3)
+    except RuntimeError as e:
+        out["failure"] = (str(e), time.monotonic() - t0)
+    if engine is not None:
+        engine.close()
     return out
 
 
@@ -82,7 +104,7 @@ def test_each_server_rank_maps_the_copy_on_its_own_gpu_and_ends_on_the_trainers_
             servers.append(EmbeddedHTTPEngine.launch(models["a"], startup_timeout=120, **kwargs))
         good, old_style = [s.url for s in servers[:3]], [s.url for s in servers[3:]]
         start = _checksums(good[0])
-        (out, *_) = run_distributed(_push_to, WORLD, models["b"], good, old_style, timeout=400)
+        (out, *others) = run_distributed(_push_to, WORLD, models["b"], good, old_style, timeout=400)
         m = out["good"]
         assert m["weights/in_memory"] == 1 and m["weights/sync_buckets"] > 1, m
         assert m["weights/in_memory_copies"] == 4, m  # ranks 0-3 each hold the copy on its GPU
@@ -94,8 +116,10 @@ def test_each_server_rank_maps_the_copy_on_its_own_gpu_and_ends_on_the_trainers_
             info = _info(url)
             assert _checksums(url) == reference, url
             assert info["weight_version"] == "1"
-            # every rank opened one handle a bucket, each of the copy on its own GPU
-            assert info["gpu_opens"] == {"opens": ranks * m["weights/sync_buckets"], "cross_device_opens": 0}, info
+            # every rank opened one handle a bucket (the push, and the first bucket of the failing one
+            # below), each of the copy on its own GPU
+            opens = ranks * (m["weights/sync_buckets"] + 1)
+            assert info["gpu_opens"] == {"opens": opens, "cross_device_opens": 0}, info
             sharers.append(set(info["tensor_sharers"]))
         # one sharing process per GPU: the TP=2 server mapped two ranks' copies, no two servers the same
         assert [len(x) for x in sharers] == [1, 1, 2] and len(set().union(*sharers)) == 4, sharers
@@ -104,6 +128,11 @@ def test_each_server_rank_maps_the_copy_on_its_own_gpu_and_ends_on_the_trainers_
         for url in old_style:
             info = _info(url)
             assert info["gpu_opens"]["opens"] == 0 and info["weight_version"] != "2", info
+        # the failure mid-push: raised on rank 0, and on every other rank at once, naming it
+        assert out["failure"][0] == "the server died loading bucket 2", out["failure"]
+        for o in others:
+            message, seconds = o["failure"]
+            assert "failed on rank 0: RuntimeError: the server died loading bucket 2" in message and seconds < 60
     finally:
         for s in servers:
             s.close()

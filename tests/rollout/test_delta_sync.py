@@ -182,3 +182,39 @@ def test_a_full_sync_holds_one_copy_of_the_weights_not_two():
     assert held() == size  # its copies only
     images.commit()
     assert held() == size and all(torch.equal(images.images[k], v) for k, v in w.items())
+
+
+def _agree_on_a_delta_bucket(rank, world):
+    """Group rank 0 sends a delta bucket; rank 2, one TP rank of a server, cannot take it (a reason
+    found before the receive) while rank 1, its other TP rank, can: what each rank ends with."""
+    import torch.distributed as dist
+
+    from megatron_klear.rollout.servers.update_group import NotReceived, agree_ready, delta_segments
+    from megatron_klear.rollout.servers.update_group import receive_delta_bucket as receive
+
+    segments = delta_segments(["w"], ["float32"], [[4]], [DENSE])
+    if rank == 0:
+        ready = agree_ready(dist.group.WORLD, "cpu", True)
+        if ready:  # (not reached: a sender broadcasts only after a yes)
+            dist.broadcast(torch.ones(4), src=0)
+        return ready
+    refusal = MemoryError("densifying this bucket takes 9 MiB, 1 MiB are free") if rank == 2 else None
+    try:
+        receive(dist.group.WORLD, "cpu", segments if rank == 1 else None, "auto", refusal)
+    except NotReceived as e:
+        return f"NotReceived: {e}"
+    except MemoryError as e:
+        return f"MemoryError: {e}"
+    return "received"
+
+
+def test_one_tp_rank_that_cannot_take_a_delta_bucket_makes_every_member_skip_it():
+    """Every member of an update group agrees before any piece of a delta bucket is broadcast: one
+    TP rank's refusal (before: rank 0 of that server blocked in the receive while the sender waited
+    for the bucket timeout, and the server stayed wedged) reaches the sender and the other ranks."""
+    from tests.distributed.helper import run_distributed
+
+    sender, other_rank, refusing = run_distributed(_agree_on_a_delta_bucket, 3, timeout=120)
+    assert sender is False
+    assert other_rank.startswith("NotReceived: another member of the update group could not take")
+    assert refusing == "MemoryError: densifying this bucket takes 9 MiB, 1 MiB are free"

@@ -15,9 +15,7 @@ import torch
 
 from megatron_klear.checkpoint.hf_io import HFReader
 from megatron_klear.rollout.in_server.sglang_delta import LOADER, SPEC_NAME, read_spec
-from megatron_klear.rollout.servers.update_group import (
-    DENSE,
-)
+from megatron_klear.rollout.servers.update_group import DENSE, agree_ready
 from megatron_klear.rollout.sglang.api import SGLangAPI
 from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 from megatron_klear.rollout.weight_sync.delta import DeltaImages
@@ -85,8 +83,8 @@ def test_the_client_names_a_server_started_without_the_loader(servers):
 
 
 def test_quantized_and_speculative_servers_are_refused_delta_syncs_by_name():
-    """What SGLang 0.5.23's /server_info reports (ServerArgs.resolved_dict: ``quantization`` set by
-    the flag or from the checkpoint's quantization config, ``speculative_algorithm``) decides."""
+    """What SGLang 0.5.23's /server_info reports (ServerArgs.resolved_dict: ``quantization`` as the
+    flag set it, ``speculative_algorithm``) decides."""
 
     class Reported:  # the servers' /server_info answers
         infos = {
@@ -104,6 +102,41 @@ def test_quantized_and_speculative_servers_are_refused_delta_syncs_by_name():
     assert "http://q:1 serves quantized weights (quantization=fp8)" in refusal
     assert "http://s:1 runs speculative decoding (speculative_algorithm=EAGLE3" in refusal
     assert "http://ok:1" not in refusal
+
+
+def test_a_checkpoint_quantized_by_its_config_and_weights_permuted_after_loading_are_refused_delta(tmp_path):
+    """SGLang's /server_info reports only the --quantization flag: a checkpoint that declares its
+    quantization in config.json is read from the model path where the trainer can; a server listing
+    SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED (SGLANG_EXPOSE_OWN_ENV_VARS) permutes MoE weights after loading."""
+    import json
+
+    quantized = tmp_path / "fp8"
+    quantized.mkdir()
+    (quantized / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    listed = [{"env_vars": {"SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED": "true"}}]
+
+    class Reported:
+        infos = {
+            "http://q:1": {"custom_weight_loader": [LOADER], "model_path": str(quantized)},
+            "http://p:1": {"custom_weight_loader": [LOADER], "model_path": str(plain), "internal_states": listed},
+            "http://ok:1": {"custom_weight_loader": [LOADER], "model_path": str(plain)},
+            "http://far:1": {"custom_weight_loader": [LOADER], "model_path": "/not/readable/here"},
+        }
+
+        def server_info(self, w):
+            return self.infos[w]
+
+    api = SGLangAPI()
+    assert api.delta_refusal(Reported(), ["http://ok:1", "http://far:1"]) is None
+    refusal = api.delta_refusal(Reported(), list(Reported.infos))
+    assert (
+        "http://q:1 serves quantized weights (its checkpoint's config.json declares quantization_config fp8" in refusal
+    )
+    assert "http://p:1 runs with SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED=true" in refusal
+    assert "http://ok:1" not in refusal and "http://far:1" not in refusal
 
 
 def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(servers, tiny_hf):
@@ -139,7 +172,10 @@ def test_fifty_delta_syncs_leave_a_server_bit_identical_to_a_full_sync(servers, 
     assert sent[0] == full and max(sent[1:]) < 0.15 * full, (sent[:3], full)
 
 
-def test_a_failing_loader_ends_the_server_as_sglangs_scheduler_does(tiny_hf):
+def test_a_delta_request_for_a_group_it_never_joined_or_cannot_read_leaves_the_server_serving(tiny_hf):
+    """Nothing of the loader's raises inside SGLang's scheduler (which would end the server): a
+    request naming a group this server never joined is answered (the sender's check of the group
+    then says so), and one whose description cannot be read marks every group of the server."""
     from megatron_klear.rollout.embedded import EmbeddedEngine
     from megatron_klear.rollout.sglang_standin import serve_in_thread
 
@@ -151,10 +187,21 @@ def test_a_failing_loader_ends_the_server_as_sglangs_scheduler_does(tiny_hf):
             ["model.norm.weight"], ["float32"], [[32]], group_name="never_joined", load_format=None, counts=[1]
         )
         r = httpx.post(url + "/update_weights_from_tensor", json=body, timeout=30)
-        assert r.status_code == 500 and "no weight update group named 'never_joined'" in r.text
-        assert server._stopped.wait(10)  # the server is gone (a server process exits)
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(url + "/health", timeout=5)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        check = SGLangAPI().group_check_call("never_joined")
+        answer = httpx.post(url + check[0], json=check[1], timeout=30).json()
+        assert not answer["success"] and "Group never_joined not in" in answer["message"], answer
+        # a description that is not one (another tensor's name): every group the server holds is marked
+        state = server.state
+        state.update_groups["held"] = object()
+        garbled = base64.b64encode(__import__("pickle").dumps([("not.a.spec", torch.zeros(1))])).decode()
+        body = {**body, "serialized_named_tensors": [garbled]}
+        r = httpx.post(url + "/update_weights_from_tensor", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert [n for n in state.update_groups if n.startswith("held (delta load failed: ValueError: ")], list(
+            state.update_groups
+        )
+        assert httpx.get(url + "/health", timeout=5).status_code == 200  # serving
     finally:
         server.server_close()
 
@@ -177,6 +224,7 @@ def test_a_failed_delta_load_marks_the_group_and_the_server_keeps_serving(server
             ["model.norm.weight"], ["bfloat16"], [[64]], group_name="marked_group", counts=[1], timeout=30
         )
         assert post.refusals(0.2) == {}
+        assert agree_ready(sender.pg, "cpu", True)  # (the NaN is found after the receive)
         dist.broadcast(torch.tensor([3], dtype=index_dtype(64)), src=0, group=sender.pg)
         dist.broadcast(torch.tensor([float("nan")], dtype=torch.bfloat16), src=0, group=sender.pg)
         assert post.result() == {}  # answered: SGLang would have ended its scheduler on a raise
@@ -278,3 +326,39 @@ def test_a_delta_into_fused_expert_parameters_writes_only_its_changed_elements(t
     expected[e, half:].view(-1)[positions.long()] = values
     assert torch.equal(fused.detach(), expected)
     assert int((fused.detach() != before).sum()) == 2
+
+
+def test_a_delta_bucket_refused_before_the_receive_is_agreed_and_never_broadcast(servers):
+    """The loader finds a bucket it cannot take before receiving anything (here a count larger than
+    its tensor; on a GPU also too little free memory to densify it): every member of the group
+    agrees not to receive it, at once, and the sender does not broadcast (before: the loader
+    answered Success without receiving and the sender's broadcast waited for the bucket timeout, 300
+    s by default, at every delta sync); the group is marked with the reason."""
+    import time
+
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    url = servers[0].url
+    client = SGLangEngine.at([url], control_timeout_s=30)
+    sender = GroupSender(client, url, "unready_group")
+    try:
+        wire = client.wire
+        wire.start_update()
+        t0 = time.monotonic()
+        post = wire.post_bucket(
+            ["model.norm.weight"], ["bfloat16"], [[64]], group_name="unready_group", counts=[65], timeout=30
+        )
+        work, flag = agree_ready(sender.pg, "cpu", True, async_op=True)
+        deadline = time.monotonic() + 20
+        while not work.is_completed():
+            assert time.monotonic() < deadline, "the loader never took part in the agreement"
+            time.sleep(0.01)
+        assert int(flag.item()) == 0 and time.monotonic() - t0 < 20
+        assert post.result() == {}
+        marked = wire.failed_load(wire.check_group("unready_group", [url])[url], "unready_group")
+        assert marked is not None and "count 65 is not -1 or 0..64" in marked, marked
+        wire.finish_update(9, check_received=False)
+        wire.leave_group(marked)
+    finally:
+        sender.close()
+        client.close()

@@ -175,3 +175,34 @@ def test_each_vllm_worker_process_runs_on_the_physical_gpu_its_servers_cuda_visi
     assert VLLMAPI().tensor_gpus(_Answers({"/server_info?config_format=json": info}), "http://w:1") == [6, 3]
     info["system_env"]["env_vars"] = "NCCL_DEBUG=WARN\n"  # every GPU visible
     assert VLLMAPI().tensor_gpus(_Answers({"/server_info?config_format=json": info}), "http://w:1") == [0, 1]
+
+
+def test_colocated_vllm_releases_the_kv_cache_alone_with_its_own_route_not_a_level_1_sleep():
+    """vLLM 0.32's /sleep?level=1 offloads the weights too, and waking only kv_cache then leaves the
+    engine asleep with its scheduler paused; the KV cache alone goes through a completed pause and
+    /release_kv_cache_memory. Everything: a level-2 sleep."""
+    from megatron_klear.rollout.config import RolloutConfig
+    from megatron_klear.rollout.vllm.upkeep import VLLMUpkeep
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def request(self, method, path, body=None, timeout=None, url=None, expect_json=True):
+            self.calls.append((method, path))
+            return {}
+
+    class Members(_OneWorker):
+        def on_workers(self, fn, tolerate_loss=False):
+            return {"http://w:1": fn("http://w:1")}
+
+    transport = Recording()
+    upkeep = VLLMUpkeep(transport, Members(), None, RolloutConfig(engine="vllm", urls=["http://w:1"]))
+    assert upkeep.release_memory(["kv_cache"]) == ["http://w:1"]
+    assert transport.calls == [("POST", "/sleep?level=0&mode=abort"), ("POST", "/release_kv_cache_memory")]
+    transport.calls.clear()
+    upkeep.resume_memory(["kv_cache"])
+    assert transport.calls == [("POST", "/wake_up?tags=kv_cache")]
+    transport.calls.clear()
+    upkeep.release_memory(None)
+    assert transport.calls == [("POST", "/sleep?level=2&mode=abort")]

@@ -240,6 +240,33 @@ def test_colocation_is_refused_on_the_cpu_build_by_name(engine):
         engine.check_memory_saver()
 
 
+def test_the_kv_cache_alone_is_released_after_a_completed_pause_as_far_as_the_cpu_build_goes(engine, servers):
+    """The trainer's turn between a push and the next update (colocated, NCCL suspended) takes the KV
+    cache alone (rollout/vllm/upkeep.py): a completed pause (/sleep?level=0), then
+    /release_kv_cache_memory (vLLM 0.32's route for it: /sleep?level=1 would offload the weights
+    too), then /wake_up?tags=kv_cache. The real CPU server checks the order: without the pause the
+    release is refused ("requires a completed pause first", v1/engine/core.py); after it the engine
+    goes as far as the discard, which only the CPU build cannot do; the wake-up then resumes it. (On
+    a GPU the discard frees the KV cache and the wake-up, all memory resident again, restarts the
+    scheduler: read in core.py wake_up, not run here.)"""
+    import httpx
+
+    from megatron_klear.rollout.base import SamplingParams
+
+    url = servers[0].url
+    greedy = SamplingParams(top_k=1, max_new_tokens=4)
+    before = engine.generate([[5, 17, 33]], greedy)[0][0].token_ids
+    unpaused = httpx.post(url + "/release_kv_cache_memory", timeout=60)
+    assert unpaused.status_code == 500 and "requires a completed pause first" in unpaused.text, unpaused.text
+    assert httpx.post(url + "/sleep?level=0&mode=abort", timeout=60).status_code == 200
+    assert httpx.get(url + "/is_sleeping", timeout=30).json()["is_sleeping"] is True
+    paused = httpx.post(url + "/release_kv_cache_memory", timeout=60)
+    assert paused.status_code == 500 and "Selective discard is not supported on CPU" in paused.text, paused.text
+    engine.resume_memory(["kv_cache"])  # /wake_up?tags=kv_cache
+    assert httpx.get(url + "/is_sleeping", timeout=30).json()["is_sleeping"] is False
+    assert engine.generate([[5, 17, 33]], greedy)[0][0].token_ids == before
+
+
 def test_weights_from_disk_and_back(engine, models):
     prompt = [5, 17, 33, 60, 7]
     engine.load_from_disk(models["b"], version=5)

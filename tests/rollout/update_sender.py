@@ -9,6 +9,7 @@ import threading
 import torch.distributed as dist
 
 from megatron_klear.rollout.servers.update_group import (
+    agree_ready,
     destroy_update_group,
     dtype_name,
     join_update_group,
@@ -50,6 +51,8 @@ class GroupSender:
         wire.start_update()
         post = wire.post_bucket(names, dtypes, shapes, group_name=self.name, counts=counts, timeout=60)
         assert post.refusals(0.2) == {}
+        if counts is not None:  # a delta bucket: every member agrees to take it before any piece
+            assert agree_ready(self.pg, "cpu", True)
         for p in pieces:
             dist.broadcast(p.contiguous(), src=0, group=self.pg)
         errors = post.result()

@@ -25,9 +25,10 @@ thread). So a delta bucket travels as:
 
 A failure is answered, never fatal. SGLang answers an exception of a custom loader by ending the
 server (its scheduler's handler sends SIGQUIT to the parent), so the loader raises only where it
-cannot tell the update group (a request it cannot read) or find it at all; every other failure --
-a description that does not hold together, too little
-free memory to densify the bucket (checked before anything is received), a receive that breaks, a
+cannot reach SGLang's table of update groups; every failure -- a description that does not hold
+together, too little free memory to densify the bucket (both found before anything is received,
+and then agreed with every other member of the group, which all skip the bucket:
+``agree_ready`` of :mod:`megatron_klear.rollout.servers.update_group`), a receive that breaks, a
 NaN among the changed values, a weight loader that copies a delta into another shape -- is logged
 and *marks the group*: SGLang's table of this process's update groups (the
 ``_model_update_group`` dict of the ``WeightUpdater`` whose ``update_weights_from_tensor`` called
@@ -173,19 +174,19 @@ def densified(segments, tensors, shapes: dict):
         yield name, out, False
 
 
-def _sglang_group_table(group_name: str):
+def _sglang_group_table(group_name: str | None):
     """SGLang 0.5.23's table of this process's update groups -- the ``_model_update_group`` dict of
     the ``WeightUpdater`` whose ``update_weights_from_tensor`` called the loader
     (``custom_loader(self.get_model(), named_tensors)`` in
     ``srt/model_executor/model_runner_components/weight_updater.py``) -- when it holds
-    ``group_name``; else None."""
+    ``group_name`` (None: any table); else None."""
     frame = sys._getframe(1)
     for _ in range(8):
         frame = frame.f_back
         if frame is None:
             return None
         table = getattr(frame.f_locals.get("self"), "_model_update_group", None)
-        if isinstance(table, dict) and group_name in table:
+        if isinstance(table, dict) and (group_name is None or group_name in table):
             return table
     return None
 
@@ -231,9 +232,27 @@ def _mark_failed(table, group_name: str, e: BaseException) -> None:
 def apply_delta(model, named_tensors) -> None:
     """SGLang's custom loader for a delta bucket: receive its pieces over the update group and load
     them through ``model.load_weights`` in one call, changed elements only. A failure marks the
-    group (see the module docstring) instead of ending the server."""
-    spec = read_spec(named_tensors)
-    group = find_update_group(spec["group_name"])  # (the sender checked it a moment ago: see failed_load)
+    group (see the module docstring) instead of ending the server: one found before the receive
+    makes every member of the group skip the bucket (:func:`agree_ready`). A request it cannot
+    read (no group to agree in) marks every update group of the server, and one naming a group this
+    process never joined returns: the sender's wait is bounded, and its check of the group then
+    finds the mark, or no group."""
+    try:
+        spec = read_spec(named_tensors)
+    except Exception as e:  # (raising here would end SGLang's scheduler)
+        table = _sglang_group_table(None)
+        if table is None:
+            raise
+        for name in [n for n in table if FAILED_MARK not in n]:
+            _mark_failed(table, name, e)
+        return
+    try:
+        group = find_update_group(spec["group_name"])  # (the sender checked it a moment ago: see failed_load)
+    except RuntimeError as e:
+        if _sglang_group_table(None) is None:
+            raise
+        print(f"{LOADER}: {e}", file=sys.stderr)
+        return
     table = _sglang_group_table(spec["group_name"])
     try:
         _load_bucket(model, group, spec)
@@ -244,14 +263,20 @@ def apply_delta(model, named_tensors) -> None:
 
 
 def _load_bucket(model, group, spec: dict) -> None:
-    segments = delta_segments(spec["names"], spec["dtypes"], spec["shapes"], spec["counts"])
-    shapes = dict(zip(spec["names"], spec["shapes"]))
     device = next(model.parameters()).device
-    # the pieces received, then a full-shape tensor per tensor sent as changes
-    need = sum(torch.Size(shape).numel() * dt.itemsize for _, _, dt, shape in segments)
-    need += sum(torch.Size(shapes[n]).numel() * dt.itemsize for n, kind, dt, _ in segments if kind == "value")
-    _check_memory(device, need)
-    tensors = receive_delta_bucket(group, device, segments, spec["load_format"] or "auto")
+    # whether this rank can take the bucket, decided before anything is received, and agreed by every
+    # member of the group (receive_delta_bucket): a rank that cannot makes the others skip it too
+    segments, shapes, refusal = None, None, None
+    try:
+        segments = delta_segments(spec["names"], spec["dtypes"], spec["shapes"], spec["counts"])
+        shapes = dict(zip(spec["names"], spec["shapes"]))
+        # the pieces received, then a full-shape tensor per tensor sent as changes
+        need = sum(torch.Size(shape).numel() * dt.itemsize for _, _, dt, shape in segments)
+        need += sum(torch.Size(shapes[n]).numel() * dt.itemsize for n, kind, dt, _ in segments if kind == "value")
+        _check_memory(device, need)
+    except (ValueError, KeyError, TypeError, MemoryError) as e:
+        refusal = e
+    tensors = receive_delta_bucket(group, device, segments, spec.get("load_format") or "auto", refusal)
     masked, nan_whole = [], []
     for name, t, is_whole in densified(segments, tensors, shapes):
         # a whole tensor holding NaN must be written as it is, outside the masked copy

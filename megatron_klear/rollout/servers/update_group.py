@@ -295,9 +295,38 @@ def flatten_segments(tensors) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def receive_delta_bucket(group, device, segments, load_format: str) -> list:
+def agreement_device(group, device) -> torch.device:
+    """Where the flag of :func:`agree_ready` lives: the host for a gloo group, ``device`` for NCCL."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(device)
+
+
+def agree_ready(group, device, ready: bool, *, async_op: bool = False):
+    """A delta bucket's first collective: every member of the update group says whether it can take
+    the bucket (the sender says yes), MIN over the group, before any piece is broadcast; one receiver
+    rank that cannot (a bucket it cannot read, too little free memory) makes every member skip it,
+    where a broadcast to a member that is not receiving would never complete. Returns whether all
+    can, or with ``async_op`` ``(work, flag)`` (the sender bounds its wait)."""
+    flag = torch.tensor([1 if ready else 0], dtype=torch.int32, device=agreement_device(group, device))
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=async_op)
+    if async_op:
+        return work, flag
+    return bool(flag.item())
+
+
+class NotReceived(RuntimeError):
+    """A delta bucket that some member of its update group could not take: nothing was received."""
+
+
+def receive_delta_bucket(group, device, segments, load_format: str, refusal: BaseException | None = None) -> list:
     """Receive a delta bucket's pieces broadcast from group rank 0: one broadcast per piece, or one
-    ``uint8`` broadcast of them all (``flattened_bucket``). [tensor] in the order of ``segments``."""
+    ``uint8`` broadcast of them all (``flattened_bucket``). [tensor] in the order of ``segments``.
+    First every member agrees it can (:func:`agree_ready`): ``refusal``, this rank's reason not to
+    (then ``segments`` may be None), is raised after the agreement; another member's raises
+    :class:`NotReceived`."""
+    if not agree_ready(group, device, refusal is None):
+        if refusal is not None:
+            raise refusal
+        raise NotReceived("another member of the update group could not take this delta bucket: nothing was received")
     if load_format == FLATTENED_BUCKET:
         layout = segments_layout(segments)
         flat = torch.empty(layout[-1][1] if layout else 0, dtype=torch.uint8, device=device)

@@ -10,7 +10,37 @@ from megatron_klear.rollout.base import Completion, EngineError, SamplingParams
 from megatron_klear.rollout.in_server.sglang_delta import LOADER, failed_load, request_body
 from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialect
 from megatron_klear.rollout.servers.versions import token_versions
+from megatron_klear.rollout.sglang.compat import env_bool, own_env_vars
 from megatron_klear.rollout.sglang.routed_experts import decode_routed_experts
+
+#: SGLang 0.5.23 variables under which a loaded weight is permuted in place after loading, so that
+#: a delta written in the checkpoint's layout lands in the wrong elements
+PERMUTING_ENV = {
+    "SGLANG_OPT_FUSE_SWIGLU_INTERLEAVED": "SGLang interleaves the MoE gate/up rows after loading "
+    "(layers/quantization/unquant.py _maybe_interleave_w13_for_fused_swiglu; 'not compatible with runtime "
+    "weight updates', srt/environ.py)",
+    "SGLANG_USE_AITER": "on ROCm SGLang shuffles the MoE weights after loading (unquant.py "
+    "process_weights_after_loading, aiter's shuffle_weight)",
+}
+
+
+def checkpoint_quantization(model_path) -> str | None:
+    """The ``quantization_config`` of the checkpoint at ``model_path`` (its ``quant_method``, or the
+    whole entry), where this process can read its ``config.json``; None otherwise."""
+    import json
+    import os
+
+    if not model_path:
+        return None
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not quant:
+        return None
+    return str(quant.get("quant_method") or quant) if isinstance(quant, dict) else str(quant)
 
 
 class SGLangAPI(ServerDialect):
@@ -153,9 +183,12 @@ class SGLangAPI(ServerDialect):
     def delta_refusal(self, transport, workers: list) -> str | None:
         """Delta buckets reach SGLang 0.5.23 through the project's custom weight loader
         (:mod:`megatron_klear.rollout.in_server.sglang_delta`): every server must list it in
-        ``--custom-weight-loader``. Refused by name: a quantized server (``quantization`` set, by
-        flag or from the checkpoint: its parameters are packed or rescaled, and a NaN-masked copy of
-        HF-shaped changes cannot be written into them), and speculative decoding (the loader updates
+        ``--custom-weight-loader``. Refused by name: a quantized server (``quantization`` set by the
+        flag, or a ``quantization_config`` in the checkpoint's ``config.json`` where the trainer can
+        read it: its parameters are packed or rescaled, and a NaN-masked copy of HF-shaped changes
+        cannot be written into them), a server that permutes weights after loading them
+        (:data:`PERMUTING_ENV`, where it lists its variables: the masked copy would land in the
+        permuted layout), and speculative decoding (the loader updates
         the target model; a draft that shares or copies its weights is refreshed only by the
         family's own full update)."""
         reasons = []
@@ -165,6 +198,17 @@ class SGLangAPI(ServerDialect):
                 reasons.append(f"{w} was started without --custom-weight-loader {LOADER}")
             if info.get("quantization"):
                 reasons.append(f"{w} serves quantized weights (quantization={info['quantization']})")
+            else:
+                declared = checkpoint_quantization(info.get("model_path"))
+                if declared:
+                    reasons.append(
+                        f"{w} serves quantized weights (its checkpoint's config.json declares quantization_config "
+                        f"{declared}; SGLang's /server_info reports only the --quantization flag)"
+                    )
+            env = own_env_vars(info) or {}
+            for var, what in PERMUTING_ENV.items():
+                if env_bool(env.get(var), False):
+                    reasons.append(f"{w} runs with {var}={env[var]}: {what}")
             if info.get("speculative_algorithm"):
                 reasons.append(
                     f"{w} runs speculative decoding (speculative_algorithm={info['speculative_algorithm']}: "

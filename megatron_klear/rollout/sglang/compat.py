@@ -98,17 +98,23 @@ def check_nccl_build(engine, *, trainer_torch: str | None = None, trainer_nccl: 
             )
 
 
+def own_env_vars(info) -> dict | None:
+    """The SGLang variables a server lists in its ``/server_info`` answer ``info``
+    (``internal_states[0].env_vars``, with ``SGLANG_EXPOSE_OWN_ENV_VARS=true``), or None."""
+    states = (info or {}).get("internal_states") or []
+    listed = [s["env_vars"] for s in states if isinstance(s, dict) and isinstance(s.get("env_vars"), dict)]
+    return listed[0] if listed else None
+
+
 def check_colocated_env(engine) -> None:
     """Colocated servers must run with health generation off and the CUDA-graph memory saver on,
     where they say so (``SGLANG_EXPOSE_OWN_ENV_VARS=true``); fails naming the variable."""
     unknown = []
     for w, info in _server_infos(engine).items():
-        states = (info or {}).get("internal_states") or []
-        listed = [s["env_vars"] for s in states if isinstance(s, dict) and isinstance(s.get("env_vars"), dict)]
-        if not listed:
+        env = own_env_vars(info)
+        if env is None:
             unknown.append(w)
             continue
-        env = listed[0]
         if env_bool(env.get(HEALTH_GENERATION), True):
             raise EngineError(
                 f"rollout.colocate: {w} runs with {HEALTH_GENERATION} "

@@ -216,10 +216,16 @@ class UpdateGroupTransferEngine(WeightTransferEngine):
 
     def _receive_delta(self, group, update_info: UpdateGroupBucket) -> list:
         """A delta bucket: its pieces received, written into the images; [(name, tensor)] to load."""
-        if update_info.load_format not in (FLATTENED_BUCKET, "auto", None):
-            raise ValueError(f"load_format {update_info.load_format!r}: expected 'auto' or {FLATTENED_BUCKET!r}")
-        segments = delta_segments(update_info.names, update_info.dtype_names, update_info.shapes, update_info.counts)
-        pieces = receive_delta_bucket(group, self.device, segments, update_info.load_format or "auto")
+        segments, refusal = None, None  # (agreed with every member before anything is received)
+        try:
+            if update_info.load_format not in (FLATTENED_BUCKET, "auto", None):
+                raise ValueError(f"load_format {update_info.load_format!r}: expected 'auto' or {FLATTENED_BUCKET!r}")
+            segments = delta_segments(
+                update_info.names, update_info.dtype_names, update_info.shapes, update_info.counts
+            )
+        except ValueError as e:
+            refusal = e
+        pieces = receive_delta_bucket(group, self.device, segments, update_info.load_format or "auto", refusal)
         self.buffers.clear()  # (the images take their place: one host copy of the weights at most)
         pieces = [p.to("cpu") for p in pieces]
         # a GPU worker loads a copy of each image; a CPU worker the image itself (load_weights copies

@@ -12,7 +12,8 @@ dropped from the fleet where the SGLang client drops it.
   ``/reset_prefix_cache`` (the reload keeps cached prefixes of the old weights) ->
   ``/update_weight_version`` -> ``/resume``; then each must report the version (``/weight_info``).
 - Context length (``/v1/models``' ``max_model_len``) and dtypes (``/server_info``).
-- Colocated servers: ``/sleep`` and ``/wake_up`` (GPU only).
+- Colocated servers: ``/sleep`` (level 2), or ``/sleep?level=0`` and ``/release_kv_cache_memory`` for
+  the KV cache alone, and ``/wake_up`` (GPU only).
 """
 
 from __future__ import annotations
@@ -152,16 +153,31 @@ class VLLMUpkeep:
         self.members.on_workers(ask)
 
     def release_memory(self, tags=None) -> list:
-        """vLLM's ``/sleep`` on every worker: level 2 (weights and KV cache discarded) when ``tags``
-        include ``weights`` (None: all), else level 1 (weights kept in host memory, KV cache
-        discarded). Released weights lose their content: resume them, then load weights. A worker
-        that is gone is dropped; returns the workers that released."""
-        level = 2 if tags is None or "weights" in tags else 1
+        """vLLM's ``/sleep`` on every worker at level 2 (weights and KV cache discarded) when ``tags``
+        include ``weights`` (None: all), else the KV cache alone (:meth:`_release_kv_cache`).
+        Released weights lose their content: resume them, then load weights. A worker that is gone
+        is dropped; returns the workers that released."""
+        if tags is not None and "weights" not in tags:
+            return self._release_kv_cache()
         done = self.members.on_workers(
-            lambda w: self.transport.request("POST", f"/sleep?level={level}&mode=abort", None, url=w),
+            lambda w: self.transport.request("POST", "/sleep?level=2&mode=abort", None, url=w),
             tolerate_loss=True,
         )
         return list(done)
+
+    def _release_kv_cache(self) -> list:
+        """The KV cache alone (the trainer's turn between a push and the next update): a completed
+        pause (``/sleep?level=0``), then ``/release_kv_cache_memory``, which vLLM 0.32 allows only
+        paused and with every allocation resident (``v1/engine/core.py`` ``release_kv_cache_memory``);
+        ``/wake_up?tags=kv_cache`` then leaves the engine fully awake, which resumes its scheduler
+        (``wake_up``). Not ``/sleep?level=1``: that offloads the weights too (``sleep``), and waking
+        only ``kv_cache`` would leave the engine asleep and its scheduler paused."""
+
+        def release(w):
+            self.transport.request("POST", "/sleep?level=0&mode=abort", None, url=w)
+            self.transport.request("POST", "/release_kv_cache_memory", None, url=w)
+
+        return list(self.members.on_workers(release, tolerate_loss=True))
 
     def resume_memory(self, tags=None, workers=None) -> None:
         """vLLM's ``/wake_up`` for ``tags`` (``weights``, ``kv_cache``; None: all) on every worker, or

@@ -242,6 +242,8 @@ class BucketSchedule:
         flight = {"meta": meta, "post": post, "refused": refused, "admitted": admitted or refused is not None}
         flight.update(stage=stage, totals=totals, held=[], taken=0, works=[], payload=[], nbytes=0)
         totals["buckets"] += 1
+        if flight["admitted"]:
+            self._agree(flight)
         for x in payload:
             self._broadcast_into(flight, x, totals)
         return flight
@@ -252,9 +254,38 @@ class BucketSchedule:
         flight["admitted"] = True
         post, flight["refused"] = self._admit(flight["stage"], flight["meta"], flight["post"])
         flight["post"] = post or flight["post"]  # (a refused bucket's posts are still consumed)
+        self._agree(flight)
         held, flight["held"] = flight["held"], []
         for x in held:
             self._broadcast_into(flight, x, flight["totals"], count=False)
+
+    def _agree(self, flight: dict) -> None:
+        """A delta bucket admitted for broadcast: first every member of the group says whether it can
+        take it (:func:`~megatron_klear.rollout.servers.update_group.agree_ready`); one that cannot
+        (its loader refused it before the receive and marked its group) makes the bucket refused,
+        never broadcast. The wait is bounded (``rollout.control_timeout_s`` once the group is warm: the
+        receivers only have to reach their loader)."""
+        from megatron_klear.rollout.servers.update_group import agree_ready
+
+        if len(flight["meta"]) <= 3 or flight["refused"] is not None:
+            return
+        work, flag = agree_ready(self.groups.pg, self.groups.device(), True, async_op=True)
+        wait = min(self.control_timeout, self.groups.bucket_wait()) if self.groups.warm else self.groups.bucket_wait()
+        names = flight["meta"][0]
+        try:
+            self._wait_works([work], wait)
+        except Exception as e:  # noqa: BLE001 -- a member that never reached its loader
+            flight["refused"] = self._bucket_failed(
+                flight["stage"], names, f"no agreement to receive within {wait:g} s: {e}"
+            )
+            return
+        if not bool(flag.item()):
+            flight["refused"] = (
+                self._bucket_failed(
+                    flight["stage"], names, "a server's delta loader could not take it (its update group is marked)"
+                )
+                + " (not broadcast)"
+            )
 
     def _broadcast_into(self, flight: dict, x: torch.Tensor, totals: dict, *, count: bool = True) -> None:
         if count:

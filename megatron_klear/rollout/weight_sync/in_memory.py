@@ -128,15 +128,22 @@ class InMemoryPush:
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weights-in-memory") if is_rank0() else None
         )
         loading = None  # (the servers' load of the bucket in flight, its buffer)
+        failure = None  # rank 0: what stopped the posts; the gather still runs to its end (collective)
         try:
             for bucket in iter_buckets(iter_model_hf_weights(self.state.model), self.bucket_bytes):
-                if is_rank0():  # (the gather is collective: every rank walks the same buckets)
-                    loading = self._post(bucket, loading, loader, wire)
+                if is_rank0() and failure is None:  # (the gather is collective: every rank walks the same buckets)
+                    try:
+                        loading = self._post(bucket, loading, loader, wire)
+                    except Exception as e:  # noqa: BLE001 -- raised below, once every rank is past the gather
+                        failure, loading = e, None
                     sent += sum(t.numel() * t.element_size() for _, t in bucket)
                     buckets += 1
                 del bucket  # (no copy outlives the push: see _return_cached_memory)
             if loading is not None:
-                loading[0].result()
+                try:
+                    loading[0].result()
+                except Exception as e:  # noqa: BLE001 -- as above
+                    failure = e
         finally:
             loading = None
             if loader is not None:
@@ -146,6 +153,13 @@ class InMemoryPush:
                 relay.end()  # every server has loaded the last bucket: the relay ranks drop theirs
             elif relay.relaying:
                 relay.join()
+        # a failure on rank 0 ends the push on every rank, together (none is left inside a collective)
+        failed = broadcast_from_rank0(f"{type(failure).__name__}: {failure}" if failure is not None else None)
+        if failed is not None:
+            _return_cached_memory()
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"rollout.weight_sync=memory: the push of version {version} failed on rank 0: {failed}")
         # every rank's copies are gone: their cached blocks go back to the device before the servers
         # take back their KV cache (finished_load), and generation continues only after that
         _return_cached_memory()
