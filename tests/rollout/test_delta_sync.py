@@ -218,3 +218,42 @@ def test_one_tp_rank_that_cannot_take_a_delta_bucket_makes_every_member_skip_it(
     assert sender is False
     assert other_rank.startswith("NotReceived: another member of the update group could not take")
     assert refusing == "MemoryError: densifying this bucket takes 9 MiB, 1 MiB are free"
+
+
+def test_a_wait_on_an_nccl_collective_that_never_completes_aborts_its_group_at_the_deadline(monkeypatch):
+    """Over NCCL ``work.wait()`` only orders the streams and a collective whose peer is gone never
+    completes: a delta loader's receive (and the sender's wait) polls until its deadline, then aborts
+    the group's communicator and raises, which the loader answers by marking its group."""
+    import time
+
+    from megatron_klear.rollout.servers import update_group
+
+    monkeypatch.setattr(update_group.dist, "get_backend", lambda pg: "nccl")
+    aborted = []
+    monkeypatch.setattr(update_group, "abort_update_group", aborted.append)
+
+    class NeverCompletes:
+        def is_completed(self):
+            return False
+
+        def wait(self):
+            raise AssertionError("NCCL's wait would not block the host: never reached")
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="the delta bucket's receive did not complete within 0.2 s"):
+        update_group.wait_bounded("pg", [NeverCompletes()], 0.2, "the delta bucket's receive")
+    assert aborted == ["pg"] and time.monotonic() - t0 < 5
+
+
+def test_the_loader_is_told_how_long_to_wait_for_a_delta_bucket():
+    import base64
+    import pickle
+
+    from megatron_klear.rollout.in_server.sglang_delta import read_spec
+    from megatron_klear.rollout.sglang.api import SGLangAPI
+
+    _, body = SGLangAPI().bucket_call(
+        ["w"], ["float32"], [[4]], group_name="g", load_format=None, counts=[1], timeout=42
+    )
+    spec = read_spec(pickle.loads(base64.b64decode(body["serialized_named_tensors"][0])))
+    assert spec["timeout_s"] == 42.0

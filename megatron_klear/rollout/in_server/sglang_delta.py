@@ -72,10 +72,13 @@ SPEC_NAME = "megatron_klear.delta_bucket"
 FAILED_MARK = " (delta load failed: "
 
 
-def request_body(names, dtypes, shapes, counts, *, group_name: str, load_format, ranks: int) -> dict:
+def request_body(
+    names, dtypes, shapes, counts, *, group_name: str, load_format, ranks: int, timeout: float | None = None
+) -> dict:
     """The ``/update_weights_from_tensor`` body of one delta bucket (``UpdateWeightsFromTensorReqInput``
     of SGLang 0.5.23's ``io_struct.py``): the description pickled once, repeated for each of the
-    ``ranks`` TP ranks of the widest server (each rank reads its own entry)."""
+    ``ranks`` TP ranks of the widest server (each rank reads its own entry). ``timeout``: how long the
+    loader waits for the bucket's pieces over NCCL (the sender's own wait for the bucket)."""
     spec = {
         "group_name": group_name,
         "load_format": load_format,
@@ -84,6 +87,8 @@ def request_body(names, dtypes, shapes, counts, *, group_name: str, load_format,
         "shapes": [[int(x) for x in s] for s in shapes],
         "counts": [int(c) for c in counts],
     }
+    if timeout is not None:
+        spec["timeout_s"] = float(timeout)
     raw = torch.frombuffer(bytearray(json.dumps(spec).encode()), dtype=torch.uint8)
     payload = base64.b64encode(pickle.dumps([(SPEC_NAME, raw)], protocol=pickle.HIGHEST_PROTOCOL)).decode()
     return {
@@ -276,7 +281,9 @@ def _load_bucket(model, group, spec: dict) -> None:
         _check_memory(device, need)
     except (ValueError, KeyError, TypeError, MemoryError) as e:
         refusal = e
-    tensors = receive_delta_bucket(group, device, segments, spec.get("load_format") or "auto", refusal)
+    tensors = receive_delta_bucket(
+        group, device, segments, spec.get("load_format") or "auto", refusal, timeout=spec.get("timeout_s")
+    )
     masked, nan_whole = [], []
     for name, t, is_whole in densified(segments, tensors, shapes):
         # a whole tensor holding NaN must be written as it is, outside the masked copy

@@ -157,7 +157,9 @@ class ServerDialect(abc.ABC):
         load_format: str | None,
         counts=None,
         ranks: int = 1,
+        timeout: float | None = None,
     ) -> tuple:
         """The call that receives one bucket (the sender broadcasts it meanwhile); ``counts``: a
         delta bucket's per-tensor counts (only where :meth:`delta_refusal` is None); ``ranks``: the
-        most update-group ranks one receiving worker holds."""
+        most update-group ranks one receiving worker holds; ``timeout``: the sender's wait for the bucket
+        (a delta loader bounds its receive by it)."""

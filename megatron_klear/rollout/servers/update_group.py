@@ -220,6 +220,24 @@ def abort_update_group(pg) -> None:
             abort(pg)
 
 
+def wait_bounded(pg, works, seconds: float, what: str = "the broadcast") -> None:
+    """Wait for ``works`` (collectives of ``pg``), at most ``seconds``. gloo: each ``wait`` is bounded
+    by the group's own timeout (a dead peer fails it at once). NCCL: ``wait`` does not block the host
+    (it only orders the streams), and a collective whose peer is gone never completes: the works are
+    polled until the deadline, then the group's communicator is aborted and TimeoutError raised."""
+    import time
+
+    if dist.get_backend(pg) != "gloo":
+        deadline = time.monotonic() + float(seconds)
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() > deadline:
+                abort_update_group(pg)
+                raise TimeoutError(f"{what} did not complete within {seconds:g} s (NCCL communicator aborted)")
+            time.sleep(0.002)
+    for w in works:
+        w.wait()
+
+
 def set_group_timeout(pg, seconds: float) -> None:
     """Every later collective of ``pg`` fails after ``seconds`` (gloo / NCCL)."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -317,26 +335,42 @@ class NotReceived(RuntimeError):
     """A delta bucket that some member of its update group could not take: nothing was received."""
 
 
-def receive_delta_bucket(group, device, segments, load_format: str, refusal: BaseException | None = None) -> list:
+def receive_delta_bucket(
+    group, device, segments, load_format: str, refusal: BaseException | None = None, timeout: float | None = None
+) -> list:
     """Receive a delta bucket's pieces broadcast from group rank 0: one broadcast per piece, or one
     ``uint8`` broadcast of them all (``flattened_bucket``). [tensor] in the order of ``segments``.
     First every member agrees it can (:func:`agree_ready`): ``refusal``, this rank's reason not to
     (then ``segments`` may be None), is raised after the agreement; another member's raises
-    :class:`NotReceived`."""
+    :class:`NotReceived`. ``timeout``: over NCCL, the receive is waited for at most this long
+    (:func:`wait_bounded`: a sender gone mid-bucket raises instead of leaving the receiver waiting on
+    its stream); gloo's group timeout bounds it already."""
     if not agree_ready(group, device, refusal is None):
         if refusal is not None:
             raise refusal
         raise NotReceived("another member of the update group could not take this delta bucket: nothing was received")
+    bounded = timeout is not None and dist.get_backend(group) != "gloo"
+    works = []
+
+    def receive(t):
+        work = dist.broadcast(t, src=0, group=group, async_op=bounded)
+        if bounded:
+            works.append(work)
+
     if load_format == FLATTENED_BUCKET:
         layout = segments_layout(segments)
         flat = torch.empty(layout[-1][1] if layout else 0, dtype=torch.uint8, device=device)
-        dist.broadcast(flat, src=0, group=group)
+        receive(flat)
+        if bounded:
+            wait_bounded(group, works, timeout, "the delta bucket's receive")
         return [flat[a:b].view(dt).reshape(shape).clone() for (_, _, dt, shape), (a, b) in zip(segments, layout)]
     out = []
     for _, _, dt, shape in segments:
         t = torch.empty(shape, dtype=dt, device=device)
-        dist.broadcast(t, src=0, group=group)
+        receive(t)
         out.append(t)
+    if bounded:
+        wait_bounded(group, works, timeout, "the delta bucket's receive")
     return out
 
 

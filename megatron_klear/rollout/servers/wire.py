@@ -314,10 +314,17 @@ class Wire:
         delta bucket's per-tensor counts (:mod:`.update_group`), where the servers take them."""
         workers = self.members.workers() if workers is None else list(workers)
         ranks = max((int(self.ranks.get(w, 1)) for w in workers), default=1)
-        call = self.dialect.bucket_call(
-            names, dtypes, shapes, group_name=group_name, load_format=load_format, counts=counts, ranks=ranks
-        )
         timeout = self.weight_update_timeout if timeout is None else timeout
+        call = self.dialect.bucket_call(
+            names,
+            dtypes,
+            shapes,
+            group_name=group_name,
+            load_format=load_format,
+            counts=counts,
+            ranks=ranks,
+            timeout=timeout,
+        )
         return BucketPost(self.post, workers, call, timeout)
 
     def check_group(self, group_name: str, workers) -> dict:

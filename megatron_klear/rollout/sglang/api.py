@@ -241,6 +241,7 @@ class SGLangAPI(ServerDialect):
         load_format: str | None,
         counts=None,
         ranks: int = 1,
+        timeout: float | None = None,
     ) -> tuple:
         """``flush_cache`` False: the cache is flushed once before the first bucket (SGLang 0.5.23
         fails a bucket whose flush finds a request still queued); the version is set at the end.
@@ -249,7 +250,14 @@ class SGLangAPI(ServerDialect):
         ``update_weights_from_distributed`` loads whole tensors only."""
         if counts is not None:
             return "/update_weights_from_tensor", request_body(
-                names, dtypes, shapes, counts, group_name=group_name, load_format=load_format, ranks=ranks
+                names,
+                dtypes,
+                shapes,
+                counts,
+                group_name=group_name,
+                load_format=load_format,
+                ranks=ranks,
+                timeout=timeout,
             )
         body = {
             "names": list(names),

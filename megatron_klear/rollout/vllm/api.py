@@ -213,6 +213,7 @@ class VLLMAPI(ServerDialect):
         load_format: str | None,
         counts=None,
         ranks: int = 1,
+        timeout: float | None = None,
     ) -> tuple:
         info = {
             "names": list(names),

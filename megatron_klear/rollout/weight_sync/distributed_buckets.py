@@ -304,26 +304,11 @@ class BucketSchedule:
         totals["bytes"] += nbytes
 
     def _wait_works(self, works, seconds: float) -> None:
-        """Wait for a bucket's broadcasts, at most ``seconds``. gloo: each ``wait`` is bounded by the
-        group's timeout (a dead peer fails it at once). NCCL: ``wait`` does not block the host (it
-        only orders the streams), so the works are polled until the deadline, then the group's
-        communicator is aborted (the watchdog would also abort it at the group's timeout: the group
-        is built to raise, not to end the process)."""
-        import time
+        """Wait for a bucket's collectives, at most ``seconds``
+        (:func:`~megatron_klear.rollout.servers.update_group.wait_bounded`)."""
+        from megatron_klear.rollout.servers.update_group import wait_bounded
 
-        from megatron_klear.rollout.servers.update_group import abort_update_group
-
-        if self.groups.backend == "nccl":
-            deadline = time.monotonic() + seconds
-            while not all(w.is_completed() for w in works):
-                if time.monotonic() > deadline:
-                    abort_update_group(self.groups.pg)
-                    raise TimeoutError(
-                        f"the broadcast did not complete within {seconds:g} s (NCCL communicator aborted)"
-                    )
-                time.sleep(0.002)
-        for w in works:
-            w.wait()
+        wait_bounded(self.groups.pg, works, seconds)
 
     def _finish_bucket(self, stage: int, flight: dict):
         """Wait for a bucket: the servers' answer first, always consumed (rank 0's answers stay in

@@ -37,7 +37,12 @@ from megatron_klear.platform.gpus import physical_index, this_rank_gpu
 from megatron_klear.rollout.weight_sync.gather import iter_buckets, iter_model_hf_weights
 from megatron_klear.rollout.weight_sync.machines import machine_addresses, place_server_ranks
 from megatron_klear.rollout.weight_sync.relay import BucketRelay
-from megatron_klear.rollout.weight_sync.sharing import bucket_layout, share_bucket, share_views
+from megatron_klear.rollout.weight_sync.sharing import (
+    bucket_layout,
+    expandable_refusal,
+    share_bucket,
+    share_views,
+)
 
 
 class InMemoryPush:
@@ -67,7 +72,7 @@ class InMemoryPush:
             self.ranks = gather_to_rank0((sorted(machine_addresses()), physical_index(local))) or []
         why, placed = None, {}
         if is_rank0():
-            why = self.engine.wire.tensor_refusal()
+            why = self.engine.wire.tensor_refusal() or expandable_refusal()
             if why is None:
                 placed, refusals = place_server_ranks(self.engine.wire.tensor_gpus(), self.ranks)
                 why = "; ".join(refusals) or None

@@ -70,6 +70,24 @@ def expandable_segments_on(env=None) -> bool:
     return EXPANDABLE in conf.replace(" ", "")
 
 
+def expandable_refusal() -> str | None:
+    """Why this process cannot keep its share buffers out of expandable segments (a GPU whose
+    allocator uses them, and a torch without the runtime switch of the setting), or None."""
+    import torch
+
+    if not torch.cuda.is_available() or not expandable_segments_on():
+        return None
+    if getattr(torch._C, "_accelerator_setAllocatorSettings", None) or hasattr(
+        torch.cuda.memory, "_set_allocator_settings"
+    ):
+        return None
+    return (
+        "the trainer's CUDA allocator uses expandable segments (PYTORCH_CUDA_ALLOC_CONF) and this torch "
+        f"({torch.__version__}) cannot switch them off for the share buffers: a server opens such memory only "
+        "through pidfd_getfd, which ptrace_scope=1 or a container's seccomp refuses (unset the variable)"
+    )
+
+
 @contextlib.contextmanager
 def _no_expandable_segments(device):
     """On a GPU whose allocator uses expandable segments: allocate from ordinary segments meanwhile
