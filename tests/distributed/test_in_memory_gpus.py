@@ -80,6 +80,29 @@ def _push_to(rank, world, model, good, old_style):
         out["failure"] = (str(e), time.monotonic() - t0)
     if engine is not None:
         engine.close()
+    # a relay rank (rank 2, holding the TP=2 server's first copy) that fails to share its copy of the
+    # second bucket: it answers rank 0 with its error and keeps to the relay's protocol, and every
+    # rank ends the push together, naming it (before, rank 0 waited for it at the next bucket)
+    from megatron_klear.rollout.weight_sync import relay as relay_module
+
+    if rank == 2:
+        share, shared = relay_module.share_views, []
+
+        def failing_share(layout, buffer):
+            shared.append(1)
+            if len(shared) > 1:
+                raise RuntimeError("no memory left to share on GPU 2")
+            return share(layout, buffer)
+
+        relay_module.share_views = failing_share
+    engine = SGLangEngine.at(good, control_timeout_s=30) if is_rank0() else None
+    t0 = time.monotonic()
+    try:
+        InMemoryPush(state, engine, Dedicated(), bucket_mb=0.05, fallback=None).push(version=4)
+    except RuntimeError as e:
+        out["relay_failure"] = (str(e), time.monotonic() - t0)
+    if engine is not None:
+        engine.close()
     return out
 
 
@@ -116,9 +139,9 @@ def test_each_server_rank_maps_the_copy_on_its_own_gpu_and_ends_on_the_trainers_
             info = _info(url)
             assert _checksums(url) == reference, url
             assert info["weight_version"] == "1"
-            # every rank opened one handle a bucket (the push, and the first bucket of the failing one
+            # every rank opened one handle a bucket (the push, the first bucket of each failing one
             # below), each of the copy on its own GPU
-            opens = ranks * (m["weights/sync_buckets"] + 1)
+            opens = ranks * (m["weights/sync_buckets"] + 2)
             assert info["gpu_opens"] == {"opens": opens, "cross_device_opens": 0}, info
             sharers.append(set(info["tensor_sharers"]))
         # one sharing process per GPU: the TP=2 server mapped two ranks' copies, no two servers the same
@@ -128,6 +151,11 @@ def test_each_server_rank_maps_the_copy_on_its_own_gpu_and_ends_on_the_trainers_
         for url in old_style:
             info = _info(url)
             assert info["gpu_opens"]["opens"] == 0 and info["weight_version"] != "2", info
+        # a relay rank's failure: answered to rank 0, raised there and on every rank, naming it
+        for o in (out, *others):
+            message, seconds = o["relay_failure"]
+            assert "the bucket relay failed on rank(s) {2: 'RuntimeError: no memory left to share on GPU 2'}" in message
+            assert seconds < 60
         # the failure mid-push: raised on rank 0, and on every other rank at once, naming it
         assert out["failure"][0] == "the server died loading bucket 2", out["failure"]
         for o in others:

@@ -57,6 +57,7 @@ class SafeUnpickler(pickle.Unpickler):
             ("torch", n)
             for n in ("float32", "float16", "bfloat16", "float64", "float", "half", "double", "int64", "int32")
             + ("int16", "int8", "uint8", "bool", "long", "int", "short", "float8_e4m3fn", "float8_e5m2")
+            + ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "uint16", "uint32", "uint64")
         }
     )
 

@@ -345,11 +345,17 @@ def receive_delta_bucket(
     :class:`NotReceived`. ``timeout``: over NCCL, the receive is waited for at most this long
     (:func:`wait_bounded`: a sender gone mid-bucket raises instead of leaving the receiver waiting on
     its stream); gloo's group timeout bounds it already."""
-    if not agree_ready(group, device, refusal is None):
+    bounded = timeout is not None and dist.get_backend(group) != "gloo"
+    if bounded:  # (a sender that skipped the agreement leaves it waiting: bounded, then the group aborted)
+        work, flag = agree_ready(group, device, refusal is None, async_op=True)
+        wait_bounded(group, [work], timeout, "the delta bucket's agreement")
+        agreed = bool(flag.item())
+    else:
+        agreed = agree_ready(group, device, refusal is None)
+    if not agreed:
         if refusal is not None:
             raise refusal
         raise NotReceived("another member of the update group could not take this delta bucket: nothing was received")
-    bounded = timeout is not None and dist.get_backend(group) != "gloo"
     works = []
 
     def receive(t):

@@ -157,8 +157,9 @@ class InMemoryPush:
             if is_rank0():
                 relay.end()  # every server has loaded the last bucket: the relay ranks drop theirs
             elif relay.relaying:
-                relay.join()
-        # a failure on rank 0 ends the push on every rank, together (none is left inside a collective)
+                relay.join()  # (a failure here was answered to rank 0, which fails the push below)
+        # a failure on rank 0 (or one a relay rank answered it) ends the push on every rank, together:
+        # none is left inside a collective
         failed = broadcast_from_rank0(f"{type(failure).__name__}: {failure}" if failure is not None else None)
         if failed is not None:
             _return_cached_memory()

@@ -56,12 +56,16 @@ class BucketRelay:
     def send(self, layout: list, buffer) -> dict:
         """Rank 0: the bucket (``buffer``, its tensors at ``layout``'s places: see
         :func:`~.sharing.bucket_layout`) to every relay rank; ``{relay rank: [its handles, one per
-        server rank it serves]}``."""
+        server rank it serves]}``. A relay rank that could not share it answers its error (it keeps
+        to the protocol until :meth:`end`): raised here, naming the rank."""
         dist.broadcast_object_list([(layout, buffer.numel())], src=0, group=self.group)
         host = buffer if buffer.device.type == "cpu" else buffer.to("cpu")
         dist.broadcast(host, src=0, group=self.group)
         payloads = [None] * (len(self.relays) + 1)
         dist.gather_object(None, payloads, dst=0, group=self.group)
+        failed = {r: p[1] for r, p in zip(self.relays, payloads[1:]) if isinstance(p, tuple) and p[:1] == ("error",)}
+        if failed:
+            raise RuntimeError(f"rollout.weight_sync=memory: the bucket relay failed on rank(s) {failed}")
         return dict(zip(self.relays, payloads[1:]))
 
     def end(self) -> None:
@@ -76,19 +80,18 @@ class BucketRelay:
         self.thread = threading.Thread(target=self._receive, name="weights-relay", daemon=True)
         self.thread.start()
 
-    def join(self) -> None:
-        """A relay rank, after the gather: wait for the end; raises what went wrong in the thread."""
+    def join(self):
+        """A relay rank, after the gather: wait for the end; returns what went wrong in the thread,
+        or None (rank 0 was told at that bucket and fails the push on every rank)."""
         self.thread.join()
         self.thread = None
-        if self.error is not None:
-            raise RuntimeError(f"rollout.weight_sync=memory: the bucket relay on rank {self.rank} failed") from (
-                self.error
-            )
+        return self.error
 
     def _receive(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         held = collections.deque(maxlen=2)  # the bucket the servers may still be loading, and this one
+        cpu = self.device.type == "cpu"
         try:
             while True:
                 head = [None]
@@ -96,12 +99,18 @@ class BucketRelay:
                 if head[0] is None:
                     return
                 layout, nbytes = head[0]
-                host = shared_buffer(nbytes, torch.device("cpu"))
+                # on the CPU the copy the servers map; on a GPU plain host memory to stage it
+                host = shared_buffer(nbytes, self.device) if cpu else torch.empty(max(nbytes, 1), dtype=torch.uint8)
                 dist.broadcast(host, src=0, group=self.group)
-                buffer = host if self.device.type == "cpu" else host.to(self.device)
-                held.append(buffer)
-                handles = [share_views(layout, buffer) for _ in range(self.copies[self.rank])]
-                dist.gather_object(handles, None, dst=0, group=self.group)
-                self.received += 1
-        except Exception as e:  # noqa: BLE001 -- raised by join() on the rank's own thread
+                answer = ("error", repr(self.error)) if self.error is not None else None
+                if answer is None:
+                    try:
+                        buffer = host if cpu else shared_buffer(nbytes, self.device).copy_(host)
+                        held.append(buffer)
+                        answer = [share_views(layout, buffer) for _ in range(self.copies[self.rank])]
+                        self.received += 1
+                    except Exception as e:  # noqa: BLE001 -- answered to rank 0, which fails the push
+                        self.error, answer = e, ("error", f"{type(e).__name__}: {e}")
+                dist.gather_object(answer, None, dst=0, group=self.group)
+        except Exception as e:  # noqa: BLE001 -- the group itself broke (rank 0 gone): returned by join()
             self.error = e

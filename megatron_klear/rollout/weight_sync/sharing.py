@@ -92,18 +92,29 @@ def expandable_refusal() -> str | None:
 def _no_expandable_segments(device):
     """On a GPU whose allocator uses expandable segments: allocate from ordinary segments meanwhile
     (torch's runtime switch, ``torch._C._accelerator_setAllocatorSettings``, as slime and verl switch
-    it around their IPC buffers), then switch back."""
+    it around their IPC buffers), then switch back. The whole setting string is set each time (torch
+    resets the options a setting leaves out: ``AcceleratorAllocatorConfig::parseArgs``), so the
+    user's other options (``max_split_size_mb``, ...) stay."""
     if device.type != "cuda" or not expandable_segments_on():
         yield
         return
     import torch
 
     setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    setting("expandable_segments:False")
+    reading = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    before = reading() if reading is not None else ""
+    before = before or os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or EXPANDABLE
+    setting(_with_expandable(before, False))
     try:
         yield
     finally:
-        setting(EXPANDABLE)
+        setting(before)
+
+
+def _with_expandable(settings: str, on: bool) -> str:
+    """The allocator setting string ``settings`` with ``expandable_segments`` set to ``on``."""
+    parts = [p for p in settings.replace(" ", "").split(",") if p and not p.startswith("expandable_segments:")]
+    return ",".join([*parts, f"expandable_segments:{on}"])
 
 
 def _views(layout: list, buffer) -> list:
