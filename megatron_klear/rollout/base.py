@@ -210,8 +210,9 @@ class ServerEngine(RolloutEngine):
         the control timeout, then :class:`WorkerGone`."""
 
     @abc.abstractmethod
-    def load_from_disk(self, model_dir: str, *, version=None) -> None:
-        """Every worker loads the HF checkpoint ``model_dir`` as weight version ``version``."""
+    def load_from_disk(self, model_dir: str, *, version=None, before_resume=None) -> None:
+        """Every worker loads the HF checkpoint ``model_dir`` as weight version ``version``;
+        ``before_resume(worker)``, if given, runs between a worker's load and its continue."""
 
     @abc.abstractmethod
     def check_context_length(self, needed: int, what: str = "") -> dict:

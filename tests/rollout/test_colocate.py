@@ -430,8 +430,7 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
 
 def test_a_step_that_changes_no_weight_pushes_the_same_version_again_in_memory(tmp_path):
     """A step that changes no weight after the servers released theirs for the update (fp16: the
-    dynamic loss scale starts at 2**32, so the first updates overflow and are skipped; a step whose
-    groups all lack reward spread is filtered whole and skipped too, whichever the sampling gives):
+    dynamic loss scale starts at 2**32, so the first updates overflow and are skipped):
     with weight_sync=memory nothing holds a copy to reload but the trainer, so the same version is
     pushed again in memory (before: the servers were given back released memory, with a warning,
     and the next rollout ran on it); they serve exactly the trainer's weights after it
@@ -443,7 +442,7 @@ def test_a_step_that_changes_no_weight_pushes_the_same_version_again_in_memory(t
     from tests.distributed.test_rl_loop import _overrides, _run
 
     model = make_tiny_qwen3(str(tmp_path / "m"), num_layers=2, seed=21)
-    prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 8, seed=3)
+    prompts = write_rl_prompts_jsonl(str(tmp_path / "prompts.jsonl"), 8, seed=4)
     server = EmbeddedHTTPEngine.launch(
         model, dtype="float16", enable_memory_saver=True, startup_timeout=120, env=COLOCATED_ENV
     )
@@ -455,9 +454,12 @@ def test_a_step_that_changes_no_weight_pushes_the_same_version_again_in_memory(t
             if not a.startswith(("parallel.tp", "train.steps"))
         ]
         args += ["parallel.tp=1", "train.steps=1", "model.dtype=fp16", *_colocated([server.url])]
-        args += ["rl.filter_zero_spread=true"]
+        # seeded samples (the same every run): among the 6 groups some have reward spread, so the
+        # update runs on released servers and fp16's first update overflows
+        args += ["rl.filter_zero_spread=true", "rollout.send_seed=true"]
         run_distributed(_run, 1, args)
         (step,) = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
+        assert step["rollout/groups_kept"] > 0 and step["actor/skipped_updates"] == 1, step  # the overflow
         assert step["weights/version"] == 0 and not step.get("actor/optimizer_steps"), step  # no weight changed
         assert step["weights/pushed"] == 1 and step["weights/repushed"] == 1 and step["weights/in_memory"] == 1, step
         assert step["weights/verify_mean_diff_max"] < 1e-2, step  # (fp16 on both sides)

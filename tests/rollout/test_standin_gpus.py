@@ -142,3 +142,19 @@ def test_a_server_whose_ranks_are_past_its_visible_gpus_does_not_start(tiny_hf):
 
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         ServerGPUs(tp_size=2, base_gpu_id=0, env={"CUDA_VISIBLE_DEVICES": "3"})
+
+
+def test_the_allocator_switch_around_a_share_buffer_keeps_the_users_other_settings():
+    """torch resets the allocator options a setting string leaves out
+    (``AcceleratorAllocatorConfig::parseArgs``): the switch sets the whole string, expandable
+    segments off, and puts the user's own back."""
+    from megatron_klear.rollout.weight_sync.sharing import _with_expandable, expandable_segments_on
+
+    user = "max_split_size_mb:128,expandable_segments:True,garbage_collection_threshold:0.8"
+    assert (
+        _with_expandable(user, False)
+        == "max_split_size_mb:128,garbage_collection_threshold:0.8,expandable_segments:False"
+    )
+    assert expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": user})
+    assert not expandable_segments_on({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
+    assert expandable_segments_on({"PYTORCH_ALLOC_CONF": "expandable_segments:True"})

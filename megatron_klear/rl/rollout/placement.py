@@ -191,14 +191,32 @@ class Colocated:
         return metrics
 
     def load(self, engine, path: str, version: int) -> dict:
-        """Collective: released servers (rank 0's engine) get their weights' memory back (content
-        lost) and load ``path`` as ``version``; then :meth:`finished_load`. Only the servers that
-        released resume (a rejoining one, restarted since, holds its memory and only loads); a
-        server that is gone is dropped and the others go on (``engine.load_from_disk``)."""
+        """Collective: the trainer's communicators are suspended (every rank), then released servers
+        (rank 0's engine) get their weights' memory back (content lost), load ``path`` as
+        ``version`` and each takes back its KV cache and CUDA graphs before it continues generating.
+        Only the servers that released resume (a rejoining one, restarted since, holds its memory
+        and only loads); a server that is gone is dropped and the others go on
+        (``engine.load_from_disk``). If the load fails, the servers that took their KV cache back
+        are left out of a later :meth:`restore`'s resume (SGLang's scheduler breaks on resuming a
+        tag that is not released)."""
+        metrics = self._make_way()  # (every rank: the communicators go before the servers' memory comes back)
         if is_rank0():
-            self._reload(engine, path, version)
-        metrics = self.finished_load(engine, version)
-        if is_rank0():
+            self.resume_weights(engine)
+            resumed = []
+
+            def before_resume(worker):  # after the worker's load, before it continues
+                self._resume_rest_on(engine, worker)
+                resumed.append(worker)
+
+            try:
+                engine.load_from_disk(path, version=version, before_resume=before_resume)
+            except BaseException:
+                if resumed:
+                    released_on = self.released_on if self.released_on is not None else engine.workers()
+                    self.released_on = [w for w in released_on if w not in resumed]
+                raise
+            self.weights_lost, self.released_on = False, None
+            self.released.clear()
             self.last_sync, self.pushed_in_memory = (path, version), False
         return metrics
 
@@ -286,6 +304,13 @@ class Colocated:
             engine.resume_memory(sorted(self.released), **self._only())
             self.released.clear()
         self.released_on = None
+
+    def _resume_rest_on(self, engine, worker: str) -> None:
+        """Rank 0, inside a load from disk: ``worker`` gets back its released KV cache and CUDA graphs
+        before it continues generating (only a worker that released them)."""
+        tags = sorted(self.released - {"weights"})
+        if tags and (self.released_on is None or worker in self.released_on):
+            engine.resume_memory(tags, workers=[worker])
 
     def _only(self) -> dict:
         return {} if self.released_on is None else {"workers": self.released_on}

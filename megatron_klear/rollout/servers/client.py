@@ -36,8 +36,9 @@ class Upkeep(Protocol):
     def check_started(self) -> None:
         """The family's start-up checks of its servers (after every URL answered ``/health``)."""
 
-    def load_from_disk(self, model_dir: str, *, version=None) -> None:
-        """Every worker loads the HF checkpoint ``model_dir`` as weight version ``version``."""
+    def load_from_disk(self, model_dir: str, *, version=None, before_resume=None) -> None:
+        """Every worker loads the HF checkpoint ``model_dir`` as weight version ``version``;
+        ``before_resume(worker)`` runs between a worker's load and its continue."""
 
     def worker_dtypes(self) -> dict:
         """``{worker: dtype name}`` as each server reports it."""
@@ -196,8 +197,8 @@ class ServerClient(ServerEngine):
     def probe(self, worker: str, prompt_ids: list, max_new_tokens: int):
         return self._wire.probe(worker, prompt_ids, max_new_tokens)
 
-    def load_from_disk(self, model_dir: str, *, version=None) -> None:
-        self.upkeep.load_from_disk(model_dir, version=version)
+    def load_from_disk(self, model_dir: str, *, version=None, before_resume=None) -> None:
+        self.upkeep.load_from_disk(model_dir, version=version, before_resume=before_resume)
 
     def check_context_length(self, needed: int, what: str = "") -> dict:
         return self.upkeep.check_context_length(needed, what)

@@ -220,14 +220,15 @@ def abort_update_group(pg) -> None:
             abort(pg)
 
 
-def wait_bounded(pg, works, seconds: float, what: str = "the broadcast") -> None:
+def wait_bounded(pg, works, seconds: float, what: str = "the broadcast", backend: str | None = None) -> None:
     """Wait for ``works`` (collectives of ``pg``), at most ``seconds``. gloo: each ``wait`` is bounded
     by the group's own timeout (a dead peer fails it at once). NCCL: ``wait`` does not block the host
     (it only orders the streams), and a collective whose peer is gone never completes: the works are
-    polled until the deadline, then the group's communicator is aborted and TimeoutError raised."""
+    polled until the deadline, then the group's communicator is aborted and TimeoutError raised.
+    ``backend``: the group's (default: asked of ``pg``)."""
     import time
 
-    if dist.get_backend(pg) != "gloo":
+    if (backend or dist.get_backend(pg)) != "gloo":
         deadline = time.monotonic() + float(seconds)
         while not all(w.is_completed() for w in works):
             if time.monotonic() > deadline:

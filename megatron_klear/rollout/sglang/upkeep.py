@@ -93,7 +93,7 @@ class SGLangUpkeep:
         return lengths
 
     # -- weights -----------------------------------------------------------------------------------
-    def load_from_disk(self, model_dir: str, *, version=None) -> None:
+    def load_from_disk(self, model_dir: str, *, version=None, before_resume=None) -> None:
         """Every worker (live and rejoining) loads the HF checkpoint ``model_dir`` (a path the servers
         can read), in parallel: pause -> flush the cache (once, retried by the wire's flush) ->
         update_weights_from_disk (``flush_cache=False``: SGLang would fail the load if a request were
@@ -104,7 +104,8 @@ class SGLangUpkeep:
         ``min_live_workers``). A worker that *answers* with a failure (the path unreadable there, its
         weights released, a wrong version) is an error for a live worker -- the same cause would
         usually hit every server, and it must be seen -- while a rejoining one is only dropped again
-        (it keeps its old weights and gets no request)."""
+        (it keeps its old weights and gets no request). ``before_resume(worker)``: called between a
+        worker's load and its continue (colocated servers take their KV cache back there)."""
         version = None if version is None else str(version)
 
         def update(w):
@@ -128,6 +129,8 @@ class SGLangUpkeep:
                 except Exception as cleanup:  # noqa: BLE001 -- a note on the update's own failure
                     cause.add_note(f"(then {w}/continue_generation failed too: {cleanup})")
                 raise
+            if before_resume is not None:
+                before_resume(w)
             self.wire.resume_worker(w)
             if version is not None:
                 reported = (self.transport.model_info(w) or {}).get("weight_version")

@@ -102,11 +102,12 @@ class VLLMUpkeep:
         return dict(zip(self.members.workers(), self.members.on_workers(dtype)))
 
     # -- weights -----------------------------------------------------------------------------------
-    def load_from_disk(self, model_dir: str, *, version=None) -> None:
+    def load_from_disk(self, model_dir: str, *, version=None, before_resume=None) -> None:
         """Every worker (live and rejoining) reloads the HF checkpoint ``model_dir`` (a path the
         servers can read), in parallel (see the module's docstring). A worker that is gone is dropped;
         one that answers with a failure is an error for a live worker and dropped again when
-        rejoining, as the SGLang client does."""
+        rejoining, as the SGLang client does. ``before_resume(worker)``: called between a worker's
+        load and its resume (colocated servers take their KV cache back there)."""
         version = None if version is None else str(version)
 
         def update(w):
@@ -117,6 +118,8 @@ class VLLMUpkeep:
                 self.transport.request("POST", "/reset_prefix_cache?reset_running_requests=true", None, url=w)
                 if version is not None:
                     self.transport.request("POST", "/update_weight_version", {"new_version": version}, url=w)
+                if before_resume is not None:
+                    before_resume(w)
             finally:
                 self.wire.resume_worker(w)
             if version is not None:

@@ -308,7 +308,7 @@ class BucketSchedule:
         (:func:`~megatron_klear.rollout.servers.update_group.wait_bounded`)."""
         from megatron_klear.rollout.servers.update_group import wait_bounded
 
-        wait_bounded(self.groups.pg, works, seconds)
+        wait_bounded(self.groups.pg, works, seconds, backend=self.groups.backend)
 
     def _finish_bucket(self, stage: int, flight: dict):
         """Wait for a bucket: the servers' answer first, always consumed (rank 0's answers stay in

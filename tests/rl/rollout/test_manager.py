@@ -23,13 +23,16 @@ class RecordingServers:
     def release_memory(self, tags):
         self.calls.append(("release", tuple(tags)))
 
-    def resume_memory(self, tags):
+    def resume_memory(self, tags, workers=None):
         self.calls.append(("resume", tuple(tags)))
 
-    def load_from_disk(self, path, *, version):
+    def load_from_disk(self, path, *, version, before_resume=None):
         self.calls.append(("load", path, version))
         if self.fail_load:
             raise RuntimeError("the server is gone")
+        if before_resume is not None:  # between the server's load and its continue
+            before_resume("w")
+            self.calls.append(("continue",))
 
 
 def _manager(placement, engine):
@@ -45,15 +48,17 @@ def test_colocated_servers_release_everything_and_a_load_resumes_the_weights_fir
     place.make_room(servers, None)
     assert servers.calls == [("release", ("weights", "kv_cache", "cuda_graph"))]
     place.load(servers, "/w/step_0000001", 1)
-    # weights' memory first (SGLang gives it back empty), the load, then the KV cache and CUDA graphs
+    # weights' memory first (SGLang gives it back empty), the load, then the KV cache and CUDA graphs,
+    # and only then does the server continue generating
     assert servers.calls[1:] == [
         ("resume", ("weights",)),
         ("load", "/w/step_0000001", 1),
         ("resume", ("cuda_graph", "kv_cache")),
+        ("continue",),
     ]
     assert not place.released and not place.weights_lost and place.last_sync == ("/w/step_0000001", 1)
     place.load(servers, "/w/step_0000002", 2)  # nothing released: a plain load, no resume of unreleased tags
-    assert servers.calls[4:] == [("load", "/w/step_0000002", 2)]
+    assert servers.calls[5:] == [("load", "/w/step_0000002", 2), ("continue",)]
 
 
 def test_a_failed_update_reloads_the_last_pushed_weights_and_a_good_one_leaves_the_servers_released():
