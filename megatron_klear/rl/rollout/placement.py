@@ -11,9 +11,11 @@ never hold their memory at once:
    gradient buffers and optimizer state if it had offloaded them;
 2. at each weight push, the trainer frees its gradient buffers and moves its optimizer state to
    host memory (``rollout.offload_trainer``), then the servers resume their weights' memory (its
-   content lost), load the new weights (from the trainer's memory, ``weight_sync=memory``, or from
+   content lost) and load the new weights (from the trainer's memory, ``weight_sync=memory``, or from
    disk), every rank suspends its NCCL communicators (``rollout.suspend_nccl``:
-   :class:`~megatron_klear.training.comm_memory.CommSuspension`), and the servers resume the rest;
+   :class:`~megatron_klear.training.comm_memory.CommSuspension`; before a load from disk, which
+   needs no collective, after one in memory), and each server takes back the rest before it
+   continues generating;
    the communicators come back in step 1, once the servers have released, and for each collective
    the trainer runs while the servers hold their memory (the probe check's scoring, a save:
    :meth:`Colocated.trainer_turn`, which takes the servers' KV cache away meanwhile);
