@@ -84,6 +84,30 @@ klear_gpus() {
 
 klear_http_ok() { curl -sf -o /dev/null --max-time 5 "$1"; }
 
+# klear_check_python VAR MODULE...: the interpreter named by the variable VAR finds every MODULE
+# (importlib's find_spec: nothing is imported), checked on the batch host before any step, within
+# 60 s; otherwise the job ends at once (status 2) naming the variable to set. Each role runs from its
+# own environment on a cluster (SGLang and vLLM pin their own torch), so a default of `python` for a
+# server would otherwise fail only after the job waited for its nodes.
+klear_check_python() {
+  local var=$1 py=${!1} missing
+  shift
+  missing=$(timeout 60 "$py" -c 'import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@" 2>&1) ||
+    klear_die "$var=$py cannot run here ($missing): set $var to the python of the environment that has ${*} (docs/slurm.md)"
+  [[ -z "$missing" ]] ||
+    klear_die "$var=$py has no module ${missing// /, }: set $var to the python of the environment that has it (docs/slurm.md)"
+}
+
+# klear_check_server_python: SERVER_PY as ENGINE needs it
+klear_check_server_python() {
+  case "$ENGINE" in
+    sglang) klear_check_python SERVER_PY sglang ;;
+    vllm) klear_check_python SERVER_PY vllm ;;
+    standin) klear_check_python SERVER_PY megatron_klear torch uvicorn ;;
+  esac
+}
+
 # klear_start_servers NODE...: SERVERS_PER_NODE rollout servers on each NODE (ENGINE sglang, vllm or
 # standin; SERVER_PY, SERVER_MODEL, SERVER_PORT + k, SERVER_TP GPUs each, SERVER_ARGS, the srun
 # flags SERVER_SRUN), then waits until each answers /health; URLS: their addresses. Shared by the

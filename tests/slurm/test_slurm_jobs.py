@@ -433,8 +433,8 @@ def test_a_server_that_never_comes_up_ends_the_job_naming_it(cluster, files, tmp
     left running."""
     save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
     env = _gppo_env(files, save, logs)
-    hung = tmp_path / "hung-python"
-    hung.write_text("#!/bin/sh\nexec sleep 600\n")
+    hung = tmp_path / "hung-python"  # answers the job's check of the interpreter, then hangs as a server
+    hung.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nexec sleep 600\n')
     hung.chmod(0o755)
     env.update(SERVER_PY=str(hung), STARTUP_TIMEOUT="10")
     job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--no-requeue")
@@ -445,6 +445,25 @@ def test_a_server_that_never_comes_up_ends_the_job_naming_it(cluster, files, tmp
     assert f"error: rollout server {url} did not come up within 10s; see the logs in {logs}" in text, text[-3000:]
     assert "start the trainer" not in text
     assert not subprocess.run(["pgrep", "-f", str(hung)], capture_output=True).stdout
+
+
+def test_a_role_whose_interpreter_lacks_its_modules_ends_the_job_before_any_step(cluster, files, tmp_path):
+    """SERVER_PY defaults to the trainer's `python`, while SGLang (and vLLM) live in an environment of
+    their own: a server interpreter without what its role runs (here one that sees no site-packages)
+    ends the job at once with status 2, naming the variable and the missing modules, before any step
+    started (before: the servers failed on their nodes, after the job had waited for them)."""
+    save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
+    env = _gppo_env(files, save, logs)
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    env["SERVER_PY"] = str(bare)
+    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--no-requeue")
+    info = cluster.wait_done(job, 120)
+    text = open(out).read()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, text[-3000:])
+    assert f"error: SERVER_PY={bare} has no module torch, uvicorn: set SERVER_PY to the python" in text, text[-3000:]
+    assert not os.path.exists(os.path.join(logs, "server-n1-0.log")) and "start the trainer" not in text
 
 
 def test_one_trainer_nodes_launcher_dying_ends_the_job_naming_the_node(cluster, files, tmp_path):
