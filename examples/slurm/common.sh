@@ -125,7 +125,9 @@ klear_start_servers() {
       ((GRES_GPUS > 0)) || gpus="CUDA_VISIBLE_DEVICES=$(seq -s, $((k * SERVER_TP)) $(((k + 1) * SERVER_TP - 1))) "
       case "$ENGINE" in
         sglang) cmd="${gpus}SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 $SERVER_PY -m sglang.launch_server --model-path $SERVER_MODEL --host 0.0.0.0 --port $port --tp-size $SERVER_TP $SERVER_ARGS" ;;
-        vllm) cmd="${gpus}VLLM_SERVER_DEV_MODE=1 $SERVER_PY -m vllm.entrypoints.openai.api_server --model $SERVER_MODEL --host 0.0.0.0 --port $port --tensor-parallel-size $SERVER_TP $SERVER_ARGS" ;;
+        # (a context beyond the checkpoint's positions, Klear's 36864 over Qwen3-Base's 32768: vLLM
+        # 0.32 refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, config/model.py; SGLang's variable above)
+        vllm) cmd="${gpus}VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 $SERVER_PY -m vllm.entrypoints.openai.api_server --model $SERVER_MODEL --host 0.0.0.0 --port $port --tensor-parallel-size $SERVER_TP $SERVER_ARGS" ;;
         standin) cmd="$SERVER_PY -m megatron_klear.rollout.sglang_standin --model $SERVER_MODEL --host 0.0.0.0 --port $port $SERVER_ARGS" ;;
         *) klear_die "ENGINE=$ENGINE: sglang, vllm or standin" ;;
       esac

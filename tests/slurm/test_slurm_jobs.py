@@ -501,15 +501,18 @@ def test_gppo_job_with_vllm_servers_in_their_own_environment(cluster, tmp_path):
     .venv-vllm, not the trainer's), on a dedicated rollout node (n1) with the trainer on n2: the
     trainer talks to the server itself (no router), pushes its weights into it over the
     weight-transfer API after each step (distributed sync) and probes them; the server starts from
-    other weights, so a push that did not land fails the probe."""
+    other weights, so a push that did not land fails the probe. Its context (1024) is beyond the
+    checkpoint's positions (512), as Klear's 36864 is beyond Qwen3-Base's 32768: vLLM refuses that
+    unless the script sets VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."""
     from megatron_klear.data.synthetic import write_rl_prompts_jsonl
     from megatron_klear.models.tiny import make_tiny_qwen3
 
     if not os.path.exists(VLLM_PY):
         pytest.fail(f"vLLM's CPU build is not installed ({VLLM_PY}): `make venv` builds it")
     # head_dim 64: vLLM's CPU attention has no kernel for the other tiny models' 24
-    hf = make_tiny_qwen3(str(tmp_path / "hf"), head_dim=64, flavor="base", num_layers=2, seed=11)
-    other = make_tiny_qwen3(str(tmp_path / "hf-other"), head_dim=64, flavor="base", num_layers=2, seed=12)
+    shape = {"head_dim": 64, "flavor": "base", "num_layers": 2, "max_position_embeddings": 512}
+    hf = make_tiny_qwen3(str(tmp_path / "hf"), seed=11, **shape)
+    other = make_tiny_qwen3(str(tmp_path / "hf-other"), seed=12, **shape)
     prompts = write_rl_prompts_jsonl(str(tmp_path / "rl.jsonl"), 32, seed=1)
     save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
     env = _gppo_env({"hf": hf, "hf_other": other, "rl": prompts}, save, logs)
