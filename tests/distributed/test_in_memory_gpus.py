@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.distributed.helper import run_distributed
+from tests.distributed.test_weight_sync_distributed import _checksums
 
 pytestmark = pytest.mark.slow
 
@@ -64,54 +65,50 @@ def _push_to(rank, world, model, good, old_style):
     # together, naming it, instead of the others waiting inside the gather for rank 0
     engine = SGLangEngine.at(good, control_timeout_s=30) if is_rank0() else None
     if engine is not None:
-        load, calls = engine.wire.load_tensors, []
-
-        def failing(payload):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("the server died loading bucket 2")
-            return load(payload)
-
-        engine.wire.load_tensors = failing
-    t0 = time.monotonic()
-    try:
-        InMemoryPush(state, engine, Dedicated(), bucket_mb=0.05, fallback=None).push(version=3)
-    except RuntimeError as e:
-        out["failure"] = (str(e), time.monotonic() - t0)
-    if engine is not None:
-        engine.close()
+        engine.wire.load_tensors = _second_call_raises(engine.wire.load_tensors, "the server died loading bucket 2")
+    out["failure"] = _failed_push(InMemoryPush(state, engine, Dedicated(), bucket_mb=0.05, fallback=None), 3, engine)
     # a relay rank (rank 2, holding the TP=2 server's first copy) that fails to share its copy of the
     # second bucket: it answers rank 0 with its error and keeps to the relay's protocol, and every
     # rank ends the push together, naming it (before, rank 0 waited for it at the next bucket)
     from megatron_klear.rollout.weight_sync import relay as relay_module
 
     if rank == 2:
-        share, shared = relay_module.share_views, []
-
-        def failing_share(layout, buffer):
-            shared.append(1)
-            if len(shared) > 1:
-                raise RuntimeError("no memory left to share on GPU 2")
-            return share(layout, buffer)
-
-        relay_module.share_views = failing_share
+        relay_module.share_views = _second_call_raises(relay_module.share_views, "no memory left to share on GPU 2")
     engine = SGLangEngine.at(good, control_timeout_s=30) if is_rank0() else None
+    push = InMemoryPush(state, engine, Dedicated(), bucket_mb=0.05, fallback=None)
+    out["relay_failure"] = _failed_push(push, 4, engine)
+    return out
+
+
+def _second_call_raises(fn, message: str):
+    """``fn``, except that its second call (and every later one) raises RuntimeError(``message``)."""
+    calls = []
+
+    def wrapped(*args):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError(message)
+        return fn(*args)
+
+    return wrapped
+
+
+def _failed_push(push, version: int, engine) -> tuple | None:
+    """``(message, seconds)`` of the RuntimeError ``push.push(version)`` ends with (None: it did not
+    fail); rank 0's ``engine`` is closed after it."""
     t0 = time.monotonic()
     try:
-        InMemoryPush(state, engine, Dedicated(), bucket_mb=0.05, fallback=None).push(version=4)
+        push.push(version=version)
     except RuntimeError as e:
-        out["relay_failure"] = (str(e), time.monotonic() - t0)
-    if engine is not None:
-        engine.close()
-    return out
+        return str(e), time.monotonic() - t0
+    finally:
+        if engine is not None:
+            engine.close()
+    return None
 
 
 def _info(url):
     return httpx.get(url + "/server_info", timeout=10).json()
-
-
-def _checksums(url):
-    return httpx.get(url + "/weights_checker", timeout=60).json()["ranks"][0]["checksums"]
 
 
 def test_each_server_rank_maps_the_copy_on_its_own_gpu_and_ends_on_the_trainers_weights(models):

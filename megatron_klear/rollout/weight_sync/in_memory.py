@@ -158,17 +158,16 @@ class InMemoryPush:
                 relay.end()  # every server has loaded the last bucket: the relay ranks drop theirs
             elif relay.relaying:
                 relay.join()  # (a failure here was answered to rank 0, which fails the push below)
+        # every rank's copies are gone: their cached blocks go back to the device before the servers
+        # take back their KV cache (finished_load), and generation continues only after that
+        _return_cached_memory()
         # a failure on rank 0 (or one a relay rank answered it) ends the push on every rank, together:
         # none is left inside a collective
         failed = broadcast_from_rank0(f"{type(failure).__name__}: {failure}" if failure is not None else None)
         if failed is not None:
-            _return_cached_memory()
             if failure is not None:
                 raise failure
             raise RuntimeError(f"rollout.weight_sync=memory: the push of version {version} failed on rank 0: {failed}")
-        # every rank's copies are gone: their cached blocks go back to the device before the servers
-        # take back their KV cache (finished_load), and generation continues only after that
-        _return_cached_memory()
         if is_rank0():
             wire.finish_update(
                 version,
@@ -192,11 +191,9 @@ class InMemoryPush:
 
 
 def _return_cached_memory() -> None:
-    """Every rank: the caching allocator's free blocks (the buckets' buffers) back to the device."""
-    import gc
-
+    """Every rank: the caching allocator's free blocks (the buckets' buffers, dropped by now) back
+    to the device."""
     import torch
 
-    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
