@@ -18,12 +18,12 @@
 # - SIGTERM to this script (Slurm stopping the job): the trainer got it too and saves; the script
 #   waits for it and ends with its status; Slurm requeues the job or not, as it was told.
 
-# NCCL, for every role of the job (srun passes the environment on): the weight-update groups put
-# the trainer's stage leaders and the servers' ranks in one NCCL communicator, and SGLang starts its
-# processes with NCCL's cuMem allocator and NVLink SHARP off; a trainer with NCCL's defaults hangs
-# or fails same-node updates. NCCL reads them once per process; a value exported before sbatch wins.
-export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# NCCL's cuMem allocator and NVLink SHARP (NVLS) stay as NCCL sets them for every role this file
+# starts: the GPPO trainer turns both off itself (examples/run_gppo_qwen3_8b.sh: its weight-update
+# groups share one communicator with SGLang's ranks, which run with both off), SGLang 0.5.23 turns
+# both off in its own processes when they are unset (srt/entrypoints/engine.py
+# _set_envs_and_config), and an SFT job keeps NVLS (its all-reduces gain from it on NVSwitch nodes).
+# A value exported before sbatch still reaches every role.
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is set by the trainer's launcher
 # (examples/run_gppo_qwen3_8b.sh, run_sft_qwen3_8b.sh), not here: exported job-wide it would reach
 # the servers, where SGLang's memory saver (colocated servers) does not work with expandable segments.
@@ -52,15 +52,17 @@ klear_addr() {
   echo "${addr:-$1}"
 }
 
-# klear_start ROLE NODE COMMAND [SRUN FLAGS...]: one task on NODE running COMMAND (bash -c), in the
-# background; the extra srun flags (GPUs, a container image) apply to this step only.
+# klear_start ROLE NODE SETUP COMMAND [SRUN FLAGS...]: one task on NODE running SETUP (shell text: the
+# step's GPUs, klear_step_gpus; may be empty) then COMMAND (bash -c), in the background; the extra
+# srun flags (a container image) apply to this step only.
 klear_start() {
-  local role=$1 node=$2 cmd=$3
-  shift 3
+  local role=$1 node=$2 setup=$3 cmd=$4
+  shift 4
   klear_log "start $role on $node: $cmd"
   # shellcheck disable=SC2068
   srun --overlap --nodes=1 --ntasks=1 --nodelist="$node" --kill-on-bad-exit=0 --job-name="$role" \
-    --output="$LOG_DIR/$role.log" "$@" bash -c "trap '' TERM; $cmd" &
+    --output="$LOG_DIR/$role.log" "$@" bash -c "trap '' TERM; $setup
+$cmd" &
   ROLE_PIDS+=($!)
   ROLE_NAMES+=("$role")
 }
@@ -76,10 +78,32 @@ klear_dead_role() {
   done
 }
 
-# klear_gpus N: the srun flag that gives a step N GPUs of each of its nodes (none when N is 0 or the
-# cluster has no GPU GRES: GRES_GPUS=0).
-klear_gpus() {
-  if ((${GRES_GPUS:-1} > 0 && $1 > 0)); then echo "--gres=gpu:$1"; fi
+# GPUs. No step asks Slurm for GPUs of its own: a step that names no GRES is given all of the job's
+# GPUs on its node (srun(1), --gres: "By default, a job step is allocated all of the generic
+# resources that have been allocated to the job"), and the script hands each server its own slice
+# of that list. Steps that ask --gres=gpu:N with --overlap share instead of splitting: srun sets
+# SSF_OVERLAP_FORCE, and Slurm's step manager then allocates GRES without taking them from what the
+# other steps hold (gres_stepmgr_step_alloc(..., decr_job_alloc = !(flags & SSF_OVERLAP_FORCE))),
+# so every server of a node got the lowest indices, GPU 0.
+# The router and the evaluation use no GPU: --gres=none.
+
+# klear_step_gpus FIRST COUNT ROLE: shell text that a step runs first: CUDA_VISIBLE_DEVICES becomes
+# entries FIRST .. FIRST+COUNT-1 of the list Slurm gave the step (0 1 2 ... where it set none: a
+# cluster without GPU GRES), or the step ends naming the shortfall; then the step's log says what
+# ROLE got ("<role> on <node>: CUDA_VISIBLE_DEVICES=<list>").
+klear_step_gpus() {
+  local first=$1 count=$2 role=$3 last=$(($1 + $2))
+  cat <<EOF
+ids=\${CUDA_VISIBLE_DEVICES-\$(seq -s, 0 $((last - 1)))}; IFS=, read -ra ids <<<"\$ids"
+if ((\${#ids[@]} < $last)); then echo "error: $role needs entries $first-$((last - 1)) of its node's GPUs, and Slurm gave this step \${#ids[@]} (CUDA_VISIBLE_DEVICES=\${CUDA_VISIBLE_DEVICES-unset}): SERVERS_PER_NODE x SERVER_TP (or GPUS_PER_NODE) is more than the job's GPUs a node" >&2; exit 2; fi
+export CUDA_VISIBLE_DEVICES=\$(IFS=,; echo "\${ids[*]:$first:$count}")
+echo "$role on \${SLURMD_NODENAME:-\$(hostname)}: CUDA_VISIBLE_DEVICES=\$CUDA_VISIBLE_DEVICES"
+EOF
+}
+
+# klear_no_gpus: the srun flag of a step that uses no GPU (none where the cluster has no GPU GRES)
+klear_no_gpus() {
+  if ((${GRES_GPUS:-1} > 0)); then echo "--gres=none"; fi
 }
 
 klear_http_ok() { curl -sf -o /dev/null --max-time 5 "$1"; }
@@ -113,28 +137,24 @@ klear_check_server_python() {
 # flags SERVER_SRUN), then waits until each answers /health; URLS: their addresses. Shared by the
 # GPPO and the evaluation scripts.
 klear_start_servers() {
-  local node addr k port gpus cmd server_gpus url
+  local node addr k port gpus cmd url
   URLS=()
   for node in "$@"; do
     addr=$(klear_addr "$node")
     for ((k = 0; k < SERVERS_PER_NODE; k++)); do
       port=$((SERVER_PORT + k))
-      # with GPU GRES, Slurm gives each server step its own SERVER_TP GPUs (and sets
-      # CUDA_VISIBLE_DEVICES); without it, the script picks them
-      gpus=""
-      ((GRES_GPUS > 0)) || gpus="CUDA_VISIBLE_DEVICES=$(seq -s, $((k * SERVER_TP)) $(((k + 1) * SERVER_TP - 1))) "
+      # server k: entries k*SERVER_TP ... of the node's GPUs (klear_step_gpus)
+      gpus=$(klear_step_gpus $((k * SERVER_TP)) "$SERVER_TP" "server-$node-$k")
       case "$ENGINE" in
-        sglang) cmd="${gpus}SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 $SERVER_PY -m sglang.launch_server --model-path $SERVER_MODEL --host 0.0.0.0 --port $port --tp-size $SERVER_TP $SERVER_ARGS" ;;
+        sglang) cmd="SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 $SERVER_PY -m sglang.launch_server --model-path $SERVER_MODEL --host 0.0.0.0 --port $port --tp-size $SERVER_TP $SERVER_ARGS" ;;
         # (a context beyond the checkpoint's positions, Klear's 36864 over Qwen3-Base's 32768: vLLM
         # 0.32 refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, config/model.py; SGLang's variable above)
-        vllm) cmd="${gpus}VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 $SERVER_PY -m vllm.entrypoints.openai.api_server --model $SERVER_MODEL --host 0.0.0.0 --port $port --tensor-parallel-size $SERVER_TP $SERVER_ARGS" ;;
-        standin) cmd="$SERVER_PY -m megatron_klear.rollout.sglang_standin --model $SERVER_MODEL --host 0.0.0.0 --port $port $SERVER_ARGS" ;;
+        vllm) cmd="VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 $SERVER_PY -m vllm.entrypoints.openai.api_server --model $SERVER_MODEL --host 0.0.0.0 --port $port --tensor-parallel-size $SERVER_TP $SERVER_ARGS" ;;
+        # (the CPU stand-in models SERVER_TP ranks on the GPUs it is given: rollout/sglang_standin/gpus.py)
+        standin) cmd="$SERVER_PY -m megatron_klear.rollout.sglang_standin --model $SERVER_MODEL --host 0.0.0.0 --port $port --tp-size $SERVER_TP $SERVER_ARGS" ;;
         *) klear_die "ENGINE=$ENGINE: sglang, vllm or standin" ;;
       esac
-      server_gpus=$SERVER_TP
-      [[ "$ENGINE" == standin ]] && server_gpus=0  # (the CPU stand-in)
-      # shellcheck disable=SC2046
-      klear_start "server-$node-$k" "$node" "$cmd" $(klear_gpus "$server_gpus") "${SERVER_SRUN[@]}"
+      klear_start "server-$node-$k" "$node" "$gpus" "$cmd" "${SERVER_SRUN[@]}"
       URLS+=("http://$addr:$port")
     done
   done
@@ -148,9 +168,9 @@ klear_start_servers() {
 # ROUTER_URL: its address.
 klear_start_router() {
   ROUTER_URL="http://$(klear_addr "$1"):$ROUTER_PORT"
-  klear_start router "$1" "$ROUTER_PY -m sglang_router.launch_router --host 0.0.0.0 --port $ROUTER_PORT \
+  klear_start router "$1" "" "$ROUTER_PY -m sglang_router.launch_router --host 0.0.0.0 --port $ROUTER_PORT \
     --worker-urls ${URLS[*]} --policy cache_aware --request-timeout-secs 10800 \
-    --prometheus-port $ROUTER_METRICS_PORT --disable-health-check" "${ROUTER_SRUN[@]}"
+    --prometheus-port $ROUTER_METRICS_PORT --disable-health-check" $(klear_no_gpus) "${ROUTER_SRUN[@]}"
   klear_wait "the router at $ROUTER_URL with ${#URLS[@]} workers" "$STARTUP_TIMEOUT" \
     klear_router_has "$ROUTER_URL" "${#URLS[@]}" || klear_stop_all 3
 }
@@ -240,7 +260,7 @@ klear_requeue() {
 }
 
 # klear_run_trainer NODELIST COMMAND [SRUN FLAGS...]: the trainer, one task per node (NODE_RANK =
-# SLURM_NODEID of the step); ends the script: with the trainer's status (when a node failed, the
+# SLURM_NODEID of the step), each with the first GPUS_PER_NODE of its node's GPUs; ends the script: with the trainer's status (when a node failed, the
 # first failed node's), after stopping the other roles; when a role dies first, the trainer is
 # stopped and the job fails naming it; when preempted, the job is requeued once the trainer has
 # saved (its status 143: it stopped on the forwarded signal). The step states its task count: it
@@ -252,14 +272,16 @@ klear_requeue() {
 # SIGTERM, which Slurm sends to every process of the step, only to wait for the launcher), and the
 # job's log names the node that failed first.
 klear_run_trainer() {
-  local nodes=$1 cmd=$2 n dead rc
+  local nodes=$1 cmd=$2 n dead rc gpus
   shift 2
   n=$(tr ',' '\n' <<<"$nodes" | wc -l)
+  gpus=$(klear_step_gpus 0 "$GPUS_PER_NODE" 'trainer-node$SLURM_NODEID')
   rm -f "$LOG_DIR"/trainer-node*.exit
   klear_log "start the trainer on $nodes"
   srun --overlap --nodes="$n" --ntasks="$n" --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 \
     --job-name=trainer --output="$LOG_DIR/trainer-node%t.log" "$@" \
-    bash -c "trap true TERM; $cmd; rc=\$?; echo \"\$rc \$(date +%s.%N)\" > $LOG_DIR/trainer-node\$SLURM_NODEID.exit; exit \$rc" &
+    bash -c "trap true TERM; $gpus
+$cmd; rc=\$?; echo \"\$rc \$(date +%s.%N)\" > $LOG_DIR/trainer-node\$SLURM_NODEID.exit; exit \$rc" &
   TRAINER_PID=$!
   while kill -0 "$TRAINER_PID" 2>/dev/null; do
     dead=$(klear_dead_role)

@@ -7,8 +7,9 @@ nothing, as on clusters where the scripts must take addresses from Slurm). Every
 one temporary directory with free ports (below the ephemeral range); :meth:`LocalSlurm.stop` cancels the jobs, stops the
 daemons and checks that none is left running.
 
-Each node declares ``Gres=gpu:2`` (two empty files as its devices: counted, never opened), so the scripts'
-GPU requests are checked as on a cluster with GPU GRES. Settings that matter to the tests:
+Each node declares ``Gres=gpu:4``, four character devices (copies of ``/dev/null``: slurmd accepts
+them, nothing opens them), so Slurm checks every GPU request and sets ``CUDA_VISIBLE_DEVICES`` per
+job and per step as on a GPU cluster. Settings that matter to the tests:
 ``cred_expire=10`` (a requeued job becomes eligible again after ~11 s instead of Slurm's default
 121 s), ``KillWait=30`` (a job told to stop has 30 s to save before SIGKILL),
 ``proctrack/linuxproc`` and ``task/none`` (no cgroups in a container).
@@ -21,6 +22,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 
@@ -28,7 +30,7 @@ from megatron_klear.platform.process import free_port
 from megatron_klear.rollout.servers.update_group import ephemeral_range
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
-GPUS_PER_NODE = 2  # the GPU GRES each test node declares
+GPUS_PER_NODE = 4  # the GPU GRES each test node declares
 # three nodes: the GPPO script's default layout (one rollout node, two trainer nodes) fits
 NODES = ("n1", "n2", "n3")
 
@@ -96,11 +98,14 @@ class LocalSlurm:
             f"Port=[{base + 1}-{base + len(NODES)}] "
             f"CPUs={os.cpu_count()} RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
         )
-        # GPUs as Slurm counts them (empty files for devices: nothing is bound, but every step's
-        # request is checked against the node's count as on a GPU cluster)
+        # GPUs as Slurm binds them: character devices (each a copy of /dev/null, as mknod makes it),
+        # which slurmd accepts as GRES files (it refuses plain files: "not a valid character or block
+        # device") and so sets CUDA_VISIBLE_DEVICES per job and per step, as on a GPU cluster
         os.makedirs(os.path.join(r, "dev"), exist_ok=True)
-        for k in range(GPUS_PER_NODE):  # device files Slurm can count (nothing opens them)
-            open(os.path.join(r, "dev", f"gpu{k}"), "w").close()
+        for k in range(GPUS_PER_NODE):
+            path = os.path.join(r, "dev", f"gpu{k}")
+            if not os.path.exists(path):
+                os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
         with open(os.path.join(r, "gres.conf"), "w") as f:
             f.write(f"AutoDetect=off\nNodeName=n[1-{len(NODES)}] Name=gpu File={r}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
         with open(self.conf, "w") as f:
@@ -151,10 +156,12 @@ PartitionName=main Nodes=n[1-{len(NODES)}] Default=YES MaxTime=INFINITE State=UP
         raise RuntimeError(f"the local Slurm did not come up: sinfo says {out}; see {r}/log")
 
     # -- jobs -------------------------------------------------------------------------------------
-    def sbatch(self, script: str, *args: str, env: dict | None = None, cwd: str | None = None) -> str:
-        """Submit ``script``; the GPU request is sized to these nodes (the scripts ask for 8 a node)."""
+    def sbatch(
+        self, script: str, *args: str, env: dict | None = None, cwd: str | None = None, gpus: int = GPUS_PER_NODE
+    ) -> str:
+        """Submit ``script`` asking ``gpus`` GPUs a node (the scripts ask for 8: more than these nodes have)."""
         out = subprocess.run(
-            ["sbatch", "--parsable", f"--gres=gpu:{GPUS_PER_NODE}", *args, script],
+            ["sbatch", "--parsable", f"--gres=gpu:{gpus}", *args, script],
             env={**self.env, **(env or {})},
             cwd=cwd,
             capture_output=True,

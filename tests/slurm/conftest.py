@@ -6,12 +6,51 @@ failure on a machine nobody can log into still says what the job printed."""
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
+
+from tests.slurm.cluster import LocalSlurm, missing_binaries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARTIFACTS = os.path.join(ROOT, "test-artifacts", "slurm")
 TAIL_LINES = 40
+PY = sys.executable
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    missing = missing_binaries()
+    if missing:
+        why = f"Slurm is not installed ({', '.join(missing)} missing): `make slurm` installs slurm-wlm and munge"
+        if os.environ.get("KLEAR_REQUIRE_SLURM"):  # `make test-slurm` asked for these tests: no silent skip
+            pytest.fail(why)
+        pytest.skip(why)
+    c = LocalSlurm(str(tmp_path_factory.mktemp("slurm"))).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl, write_sft_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+
+    d = tmp_path_factory.mktemp("slurm-files")
+    hf = make_tiny_qwen3(str(d / "hf"), flavor="base", num_layers=2, seed=0)
+    # the servers start from other weights: a probe after a push that never landed cannot pass
+    other = make_tiny_qwen3(str(d / "hf-other"), flavor="base", num_layers=2, seed=1)
+    write_rl_prompts_jsonl(str(d / "rl.jsonl"), 64, seed=1)
+    write_sft_jsonl(str(d / "sft.jsonl"), 64, seed=0)
+    subprocess.run(
+        [PY, "tools/preprocess_sft.py", "--input", str(d / "sft.jsonl"), "--tokenizer", hf]
+        + ["--output-prefix", str(d / "sft-data"), "--max-length", "256"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    return {"dir": d, "hf": hf, "hf_other": other, "rl": str(d / "rl.jsonl"), "sft": str(d / "sft-data")}
 
 
 def _tail(path: str) -> str:

@@ -79,11 +79,13 @@ class ServerGPUs:
 
     def info(self) -> dict:
         """``/server_info``'s fields: SGLang's (``tp_size``, ``base_gpu_id``, ``gpu_id_step``) and the
-        stand-in's own counts (``gpu_opens``)."""
+        stand-in's own counts (``gpu_opens``) and the devices it was given (``visible_devices``)."""
         return {
             "tp_size": self.tp_size,
             "base_gpu_id": self.base_gpu_id,
             "gpu_id_step": self.gpu_id_step,
             # not SGLang's: the handles opened, and those on another GPU than the opening rank's
             "gpu_opens": {"opens": self.counts["opens"], "cross_device_opens": self.counts["cross_device_opens"]},
+            # not SGLang's: the node and the CUDA_VISIBLE_DEVICES the server started with (None: unset)
+            "visible_devices": {"node": self.node, "cuda_visible_devices": self.env.get("CUDA_VISIBLE_DEVICES")},
         }

@@ -190,7 +190,12 @@ def main(argv=None) -> int:
         description="Serve an HF checkpoint with the embedded rollout engine on 127.0.0.1 "
         "(a subset of SGLang's native HTTP API).",
     )
-    ap.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    ap.add_argument(
+        "--model",
+        "--model-path",
+        required=True,
+        help="HF checkpoint directory (config.json + safetensors; SGLang: --model-path)",
+    )
     ap.add_argument("--port", type=int, default=30000, help="port (0: any free port)")
     ap.add_argument(
         "--host", default=HOST, help="address to bind (default 127.0.0.1; 0.0.0.0 to be reached from other nodes)"
