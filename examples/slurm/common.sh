@@ -109,18 +109,31 @@ klear_no_gpus() {
 klear_http_ok() { curl -sf -o /dev/null --max-time 5 "$1"; }
 
 # klear_check_python VAR MODULE...: the interpreter named by the variable VAR finds every MODULE
-# (importlib's find_spec: nothing is imported), checked on the batch host before any step, within
-# 60 s; otherwise the job ends at once (status 2) naming the variable to set. Each role runs from its
-# own environment on a cluster (SGLang and vLLM pin their own torch), so a default of `python` for a
-# server would otherwise fail only after the job waited for its nodes.
+# (importlib's find_spec: nothing is imported), checked before any role starts; otherwise the job
+# ends at once (status 2) naming the variable to set. Each role runs from its own environment on a
+# cluster (SGLang and vLLM pin their own torch), so a default of `python` for a server would
+# otherwise fail only after the job waited for its nodes. Where the role has srun flags of its own
+# (<ROLE>_SRUN_ARGS for <ROLE>_PY: a pyxis container image, whose python exists only inside it),
+# the check runs as a one-task step with them on the first node (up to 10 minutes: the image may be
+# imported first); otherwise on the batch host, within 60 s.
 klear_check_python() {
-  local var=$1 py=${!1} missing
+  local var=$1 py=${!1} flags_var=${1%_PY}_SRUN_ARGS missing where="here" flags=()
   shift
-  missing=$(timeout 60 "$py" -c 'import importlib.util, sys
-print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@" 2>&1) ||
-    klear_die "$var=$py cannot run here ($missing): set $var to the python of the environment that has ${*} (docs/slurm.md)"
+  read -ra flags <<<"${!flags_var:-}"
+  local probe=("$py" -c 'import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@")
+  if ((${#flags[@]})); then
+    where="in $flags_var's environment on ${NODES[0]}"
+    # shellcheck disable=SC2046
+    missing=$(timeout 600 srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" --job-name="check-$var" \
+      $(klear_no_gpus) "${flags[@]}" "${probe[@]}" 2>&1) ||
+      klear_die "$var=$py cannot run $where ($missing): set $var (and $flags_var) to the environment that has ${*} (docs/slurm.md)"
+  else
+    missing=$(timeout 60 "${probe[@]}" 2>&1) ||
+      klear_die "$var=$py cannot run here ($missing): set $var to the python of the environment that has ${*} (docs/slurm.md)"
+  fi
   [[ -z "$missing" ]] ||
-    klear_die "$var=$py has no module ${missing// /, }: set $var to the python of the environment that has it (docs/slurm.md)"
+    klear_die "$var=$py has no module ${missing// /, } ($where): set $var to the python of the environment that has it (docs/slurm.md)"
 }
 
 # klear_check_server_python: SERVER_PY as ENGINE needs it
@@ -260,8 +273,9 @@ klear_requeue() {
 }
 
 # klear_run_trainer NODELIST COMMAND [SRUN FLAGS...]: the trainer, one task per node (NODE_RANK =
-# SLURM_NODEID of the step), each with the first GPUS_PER_NODE of its node's GPUs; ends the script: with the trainer's status (when a node failed, the
-# first failed node's), after stopping the other roles; when a role dies first, the trainer is
+# SLURM_NODEID of the step), each with the first GPUS_PER_NODE of its node's GPUs (TRAINER_LOG:
+# the logs' name, trainer-node<i>.log by default); ends the script: with the trainer's status (when
+# a node failed, the first failed node's), after stopping the other roles; when a role dies first, the trainer is
 # stopped and the job fails naming it; when preempted, the job is requeued once the trainer has
 # saved (its status 143: it stopped on the forwarded signal). The step states its task count: it
 # would otherwise inherit the job's (SLURM_NTASKS), and on fewer nodes than the job has start
@@ -272,14 +286,31 @@ klear_requeue() {
 # SIGTERM, which Slurm sends to every process of the step, only to wait for the launcher), and the
 # job's log names the node that failed first.
 klear_run_trainer() {
-  local nodes=$1 cmd=$2 n dead rc gpus
+  local nodes=$1 rc
+  klear_train "$@"
+  rc=$TRAINER_RC
+  if ((rc != 0 && PREEMPTED == 0)); then
+    # the job ends with the status of the node that failed first (srun's own is the highest of its
+    # tasks': the others' 143, from the SIGTERM it sent them, would hide a node's 137)
+    klear_first_failed_trainer_node "$nodes"
+    rc=${FIRST_FAILED_STATUS:-$rc}
+  fi
+  ((PREEMPTED)) && klear_requeue
+  klear_stop_all "$rc"
+}
+
+# klear_train NODELIST COMMAND [SRUN FLAGS...]: the trainer's step as klear_run_trainer starts it;
+# returns once it has ended (TRAINER_RC: its status), the other roles left running; a role that
+# dies first ends the job as there.
+klear_train() {
+  local nodes=$1 cmd=$2 n dead gpus
   shift 2
   n=$(tr ',' '\n' <<<"$nodes" | wc -l)
   gpus=$(klear_step_gpus 0 "$GPUS_PER_NODE" 'trainer-node$SLURM_NODEID')
   rm -f "$LOG_DIR"/trainer-node*.exit
   klear_log "start the trainer on $nodes"
   srun --overlap --nodes="$n" --ntasks="$n" --ntasks-per-node=1 --nodelist="$nodes" --kill-on-bad-exit=1 \
-    --job-name=trainer --output="$LOG_DIR/trainer-node%t.log" "$@" \
+    --job-name=trainer --output="$LOG_DIR/${TRAINER_LOG:-trainer}-node%t.log" "$@" \
     bash -c "trap true TERM; $gpus
 $cmd; rc=\$?; echo \"\$rc \$(date +%s.%N)\" > $LOG_DIR/trainer-node\$SLURM_NODEID.exit; exit \$rc" &
   TRAINER_PID=$!
@@ -294,17 +325,9 @@ $cmd; rc=\$?; echo \"\$rc \$(date +%s.%N)\" > $LOG_DIR/trainer-node\$SLURM_NODEI
     wait $! 2>/dev/null
   done
   wait "$TRAINER_PID"
-  rc=$?
+  TRAINER_RC=$?
   TRAINER_PID=
-  klear_log "the trainer ended with status $rc"
-  if ((rc != 0 && PREEMPTED == 0)); then
-    # the job ends with the status of the node that failed first (srun's own is the highest of its
-    # tasks': the others' 143, from the SIGTERM it sent them, would hide a node's 137)
-    klear_first_failed_trainer_node "$nodes"
-    rc=${FIRST_FAILED_STATUS:-$rc}
-  fi
-  ((PREEMPTED)) && klear_requeue
-  klear_stop_all "$rc"
+  klear_log "the trainer ended with status $TRAINER_RC"
 }
 
 # klear_first_failed_trainer_node NODELIST: the line that names the trainer node whose launcher

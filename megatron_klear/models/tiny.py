@@ -126,10 +126,12 @@ def make_tiny_model(
     mlp_only_layers: tuple = (),
     decoder_sparse_step: int = 1,
     router_aux_loss_coef: float = 0.01,
+    dtype: str = "float32",
 ) -> str:
     """Write a random checkpoint of ``model_type`` (qwen3 | qwen3_moe | qwen2 | llama) to ``out_dir``
     (atomically) and return the path. ``flavor``: "instruct" | "base" special tokens (module docstring).
     The ``num_experts`` ... ``router_aux_loss_coef`` arguments are Qwen3MoeConfig's (qwen3_moe only).
+    ``dtype``: of the saved weights and the config's ``dtype`` (bfloat16 for GPU servers).
 
     Sizes are deliberately awkward: vocab not a multiple of 128, head_dim != hidden/heads, GQA.
     ``init_std`` is larger than HF's default so that logits differ visibly between tokens.
@@ -183,6 +185,8 @@ def make_tiny_model(
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)

@@ -422,19 +422,33 @@ def test_a_role_whose_interpreter_lacks_its_modules_ends_the_job_before_any_step
     """SERVER_PY defaults to the trainer's `python`, while SGLang (and vLLM) live in an environment of
     their own: a server interpreter without what its role runs (here one that sees no site-packages)
     ends the job at once with status 2, naming the variable and the missing modules, before any step
-    started (before: the servers failed on their nodes, after the job had waited for them)."""
+    started (before: the servers failed on their nodes, after the job had waited for them).
+
+    Where the role has srun flags of its own (a pyxis image: its python exists only inside), the
+    check runs in a step with them: here SERVER_SRUN_ARGS gives the server's steps the variable that
+    makes the same interpreter complete, so SERVER_PY passes there although it is bare on the batch
+    host, and the job goes on to the router's check (a bare ROUTER_PY), which ends it."""
     save, logs, out = str(tmp_path / "rl"), str(tmp_path / "logs"), str(tmp_path / "job.out")
     env = _gppo_env(files, save, logs)
-    bare = tmp_path / "bare-python"
-    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare = tmp_path / "bare-python"  # complete only where KLEAR_IMAGE is set (the "container")
+    bare.write_text(f'#!/bin/sh\n[ -n "$KLEAR_IMAGE" ] && exec {sys.executable} "$@"\nexec {sys.executable} -S "$@"\n')
     bare.chmod(0o755)
     env["SERVER_PY"] = str(bare)
     job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--no-requeue")
     info = cluster.wait_done(job, 120)
     text = open(out).read()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, text[-3000:])
-    assert f"error: SERVER_PY={bare} has no module torch, uvicorn: set SERVER_PY to the python" in text, text[-3000:]
+    assert f"error: SERVER_PY={bare} has no module torch, uvicorn (here): set SERVER_PY to the python" in text, text
     assert not os.path.exists(os.path.join(logs, "server-n1-0.log")) and "start the trainer" not in text
+    # the same interpreter, complete in the server's "image": checked there, it passes
+    out2 = str(tmp_path / "job2.out")
+    env.update(SERVER_SRUN_ARGS="--export=ALL,KLEAR_IMAGE=1", ROUTER_PY=str(bare))
+    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out2, env, "--no-requeue")
+    info = cluster.wait_done(job, 120)
+    text = open(out2).read()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, text[-3000:])
+    assert "error: SERVER_PY" not in text, text
+    assert f"error: ROUTER_PY={bare} has no module sglang_router (here)" in text, text
 
 
 def test_one_trainer_nodes_launcher_dying_ends_the_job_naming_the_node(cluster, files, tmp_path):
