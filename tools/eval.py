@@ -26,8 +26,9 @@ spans several release files: each holds only the problems its release added); a 
 is an error. The problem count of each benchmark is printed (for a LiveCodeBench window, beside
 the count LiveCodeBench publishes for it).
 --preset klear is the authors' sampling (temperature 0.6, top_p 0.95, top_k 20, 64K new tokens,
-YaRN 2.5); their repetition penalty 1.05 is applied on vLLM servers (--url ... --server vllm) and
-announced as missing elsewhere, never silently dropped. --regrade NAME=FILE grades the authors' inference
+YaRN 2.5, repetition penalty 1.05). The penalty counts what each engine counts: vLLM (the authors'
+engine) the prompt's tokens and the response's, SGLang and the embedded engine the response's only
+(SGLang's rule); the log says which. --regrade NAME=FILE grades the authors' inference
 output ({"id", "meta", "messages"} lines) with this project's graders, no model needed:
 
     python tools/eval.py --regrade aime24=inference_results_105.jsonl --output results/authors_aime24.json
@@ -87,7 +88,8 @@ def main(argv=None):
         "--repetition-penalty",
         type=float,
         default=None,
-        help="vLLM servers only (--server vllm); the embedded engine and SGLang have none (refused)",
+        help="on the tokens seen so far: vLLM counts the prompt's and the response's, SGLang and the embedded "
+        "engine the response's only (SGLang's rule)",
     )
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--temperature", type=float, default=PAPER_SAMPLING["temperature"])
@@ -112,12 +114,8 @@ def main(argv=None):
     p.add_argument("--output", required=True, help="summary JSON (samples go to <output>.samples.jsonl)")
     args = p.parse_args(argv)
     vllm = bool(args.url) and args.server == "vllm"
-    if args.repetition_penalty not in (None, 1.0) and not vllm:
-        p.error(
-            f"--repetition-penalty {args.repetition_penalty:g}: only vLLM servers apply a repetition penalty "
-            "(--url ... --server vllm); the embedded engine and SGLang have none: refused rather than ignored "
-            "(docs/data.md)"
-        )
+    if args.repetition_penalty is not None and not 0 < args.repetition_penalty <= 2:
+        p.error(f"--repetition-penalty {args.repetition_penalty:g}: in (0, 2] (1.0 = none), as SGLang and vLLM take it")
     if args.preset == "klear":
         _apply_klear_preset(args, sys.argv[1:] if argv is None else argv, vllm)
     if args.repetition_penalty is None:
@@ -227,18 +225,19 @@ KLEAR_PRESET = dict(
 
 
 def _apply_klear_preset(args, argv, vllm: bool) -> None:
-    """The preset's values where the command line did not set them. The repetition penalty 1.05 is
-    applied on vLLM servers; elsewhere (no engine applies one) it is announced as missing."""
+    """The preset's values where the command line did not set them; the log says which tokens the
+    repetition penalty counts on this engine."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    keys = ["temperature", "top_p", "top_k", "max_new_tokens", "yarn_factor", "yarn_original"]
-    for key in keys + (["repetition_penalty"] if vllm else []):
+    keys = ["temperature", "top_p", "top_k", "max_new_tokens", "yarn_factor", "yarn_original", "repetition_penalty"]
+    for key in keys:
         if "--" + key.replace("_", "-") not in given:
             setattr(args, key, KLEAR_PRESET[key])
     penalty = (
-        f"repetition_penalty {args.repetition_penalty:g} (vLLM)."
+        f"repetition_penalty {args.repetition_penalty:g} on the prompt's and the response's tokens "
+        "(vLLM, as the authors')."
         if vllm
-        else "NOT applied: the authors' repetition_penalty 1.05 (only vLLM servers apply one: --server vllm); "
-        "scores can differ from theirs by that."
+        else f"repetition_penalty {args.repetition_penalty:g} on the response's tokens only (SGLang's rule; the "
+        "authors' vLLM also counts the prompt's: scores can differ from theirs by that)."
     )
     print(
         "--preset klear: temperature 0.6, top_p 0.95, top_k 20, 65536 new tokens, YaRN 2.5 over 32768 "

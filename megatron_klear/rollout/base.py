@@ -64,14 +64,6 @@ class SamplingParams:
         if not self.repetition_penalty > 0:
             raise ValueError(f"rollout: repetition_penalty must be > 0, got {self.repetition_penalty}")
 
-    def refuse_repetition_penalty(self, engine: str) -> None:
-        """For engines without a repetition penalty: a value other than 1 is an error, never dropped."""
-        if self.repetition_penalty != 1.0:
-            raise ValueError(
-                f"rollout: repetition_penalty {self.repetition_penalty:g} is applied only by vLLM servers "
-                f"(rollout.engine=vllm, tools/eval.py --server vllm); {engine} has none"
-            )
-
 
 @dataclass
 class Completion:

@@ -249,8 +249,8 @@ def test_response_shapes_and_order(thread_server):
         ({"input_ids": [1, 2], "return_entropy": True}, "field 'return_entropy'=True"),
         ({"input_ids": [1, 2], "sampling_params": {"stop": ["</s>"]}}, r"sampling_params.stop=\['</s>'\]"),
         (
-            {"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 1.05}},
-            "sampling_params.repetition_penalty=1.05",
+            {"input_ids": [1, 2], "sampling_params": {"repetition_penalty": 2.5}},
+            r"repetition_penalty must be in \(0, 2\] \(1.0 = no penalty\), got 2.5.",
         ),
         ({"input_ids": [1, 2], "sampling_params": {"min_new_tokens": 2}}, "sampling_params.min_new_tokens=2"),
         ({"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}}, r"top_p must be in \(0, 1\], got 1.5."),
@@ -361,6 +361,43 @@ def test_info_routes_have_sglang_shapes(thread_server, sglang_contract):
     assert _get(url + "/nope") == (404, {"detail": "Not Found"})
     with pytest.raises(RuntimeError, match="HTTP 404"):
         EmbeddedHTTPEngine(url, timeout=5).transport.request("GET", "/nope")
+
+
+def test_repetition_penalty_sent_by_the_sglang_client_is_sglangs_rule(thread_server, tiny_hf):
+    """The SGLang client sends the repetition penalty and the stand-in applies SGLang's rule: greedy
+    tokens equal a float64 reference in which each token the RESPONSE already holds (not the
+    prompt's: SGLang's penalizer gathers output tokens only) has its logit divided by the penalty
+    when positive, multiplied when negative. A prompt whose tokens the plain response repeats tells
+    this rule from vLLM's, which counts the prompt too."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    _, url, _ = thread_server
+    client = SGLangEngine.at([url], control_timeout_s=30)
+    penalty, n = 1.8, 10
+    model = AutoModelForCausalLM.from_pretrained(tiny_hf["untied"], dtype=torch.float64).eval()
+
+    def greedy(prompt: list, count_prompt: bool) -> list:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                seen = sorted(set(ids if count_prompt else ids[len(prompt) :]))
+                if seen:
+                    z = logits[seen]
+                    logits[seen] = torch.where(z > 0, z / penalty, z * penalty)
+                ids.append(int(logits.argmax()))
+        return ids[len(prompt) :]
+
+    # a prompt on which the two rules differ (its tokens come back in the response)
+    candidates = [[5, 17, 33, 60, 7] + [t] * 3 for t in range(40, 80)]
+    prompt = next(q for q in candidates if greedy(q, False) != greedy(q, True))
+    out = client.generate([prompt], SamplingParams(top_k=1, max_new_tokens=n, repetition_penalty=penalty))[0][0]
+    plain = client.generate([prompt], SamplingParams(top_k=1, max_new_tokens=n))[0][0]
+    sglang_rule = greedy(prompt, False)
+    assert out.token_ids == sglang_rule[: len(out.token_ids)] and len(out.token_ids) >= 2
+    assert out.token_ids != plain.token_ids[: len(out.token_ids)]  # (the penalty changed something)
 
 
 def test_parse_generate_request_defaults():

@@ -195,7 +195,7 @@ def test_type_violations_are_refused_as_the_contract_does(server, body):
 @pytest.mark.parametrize(
     "body, field",
     [
-        ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.1}}, "repetition_penalty"),
+        ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty"),
         ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "regex"),
         ({"input_ids": [1], "sampling_params": {"logit_bias": {"5": 1.0}}}, "logit_bias"),
         ({"input_ids": [1], "sampling_params": {"beam_width": 2}}, "beam_width"),

@@ -41,7 +41,12 @@ import torch
 from megatron_klear.rollout.base import Completion
 from megatron_klear.rollout.embedded.kv_batch import KVBatch
 from megatron_klear.rollout.embedded.rules import GREEDY_TEMPERATURE_EPS
-from megatron_klear.rollout.embedded.sampling import SampleStream, next_uniforms, sample_tokens
+from megatron_klear.rollout.embedded.sampling import (
+    SampleStream,
+    apply_repetition_penalty,
+    next_uniforms,
+    sample_tokens,
+)
 
 # SGLang 0.5.23's admission estimate (managers/schedule_policy.py PrefillAdder, mem_cache/prefill_budget.py,
 # new_token_ratio_tracker.py, environ.py): a running request will still add its remaining max_new_tokens,
@@ -203,7 +208,8 @@ class ContinuousBatcher:
         t, k = request.params.temperature, request.params.top_k
         if t < GREEDY_TEMPERATURE_EPS:  # SGLang's greedy: top-1 at temperature 1
             t, k = 1.0, 1
-        ticket = Ticket(request, on_done, stops, (float(t), int(k), float(request.params.top_p)))
+        sampling = (float(t), int(k), float(request.params.top_p), float(request.params.repetition_penalty))
+        ticket = Ticket(request, on_done, stops, sampling)
         self.check(request)
         if request.max_new_tokens == 0:
             for row in ticket.rows:
@@ -378,11 +384,16 @@ class ContinuousBatcher:
             torch.cat([lane.batch.logits for lane in self.lanes]) if len(self.lanes) > 1 else self.lanes[0].batch.logits
         )
         uniforms = next_uniforms([r.stream for r in rows])
+        penalised = [b for b, r in enumerate(rows) if r.ticket.sampling[3] != 1.0 and r.tokens]
+        if penalised:  # (on a copy: the lanes' logits stay the model's)
+            logits = logits.clone()
+            for b in penalised:
+                apply_repetition_penalty(logits, b, rows[b].tokens, rows[b].ticket.sampling[3])
         groups = {}
         for b, r in enumerate(rows):
             groups.setdefault(r.ticket.sampling, []).append(b)
         tok, lp = [0] * len(rows), [0.0] * len(rows)
-        for (t, k, p), members in groups.items():
+        for (t, k, p, _), members in groups.items():
             idx = torch.tensor(members, dtype=torch.long)
             g_tok, g_lp = sample_tokens(logits[idx.to(logits.device)], t, k, p, uniforms[idx])
             for b, a, c in zip(members, g_tok.tolist(), g_lp.tolist()):

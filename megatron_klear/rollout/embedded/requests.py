@@ -68,7 +68,6 @@ def check_requests(requests, vocab_size: int, context_length: int) -> list:
                 f"rollout.embedded: requests[{i}]: max_new_tokens must be an integer >= 0, got {max_new!r}"
             )
         dataclasses.replace(r.params, max_new_tokens=max(1, int(max_new))).validate()
-        r.params.refuse_repetition_penalty("the embedded engine")
         if (
             not isinstance(r.seeds, (list, tuple))
             or not r.seeds

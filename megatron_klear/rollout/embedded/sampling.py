@@ -5,6 +5,10 @@ What is sampled, and what log-prob is returned
 At each step, for each sequence, with ``z`` the model's logits over its FULL vocabulary (the model's
 ``vocab_size``, which may exceed the tokenizer's, e.g. Qwen3's 151936 > 151669):
 
+0. a repetition penalty ``r != 1`` (:func:`apply_repetition_penalty`), as SGLang 0.5.23 applies it:
+   on the tokens this sample has generated so far (not the prompt's), ``z < 0`` times ``r``,
+   otherwise divided by ``r``, before the temperature (``srt/sampling/penaltylib/
+   repetition_penalty.py``; ``model_runner._preprocess_logits`` ahead of the sampler's division).
 1. ``p = softmax(z / temperature)`` (float32, computed as ``exp(log_softmax)``).
 2. top-k (``top_k >= 1``): only the ``top_k`` most probable tokens stay candidates.
 3. top-p (``top_p < 1``): walking the tokens from most to least probable, a token stays a candidate
@@ -118,6 +122,17 @@ def _sample_chunk(logits, temperature, top_k, top_p, uniforms):
     pos = torch.searchsorted(cdf, target, right=True)
     tokens = pos.squeeze(1) if cand_ids is None else cand_ids.gather(1, pos).squeeze(1)
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, row: int, generated: list, penalty: float) -> None:
+    """SGLang's repetition penalty on ``logits[row]`` (in place): each token id in ``generated`` (the
+    sample's output so far) has its logit multiplied by ``penalty`` when negative, divided by it
+    otherwise. vLLM and HF also count the prompt's tokens; SGLang does not."""
+    if penalty == 1.0 or not generated:
+        return
+    ids = torch.tensor(sorted(set(generated)), dtype=torch.long, device=logits.device)
+    z = logits[row, ids]
+    logits[row, ids] = torch.where(z < 0, z * penalty, z / penalty)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, uniforms: torch.Tensor):

@@ -65,7 +65,6 @@ class SGLangAPI(ServerDialect):
         self.send_seed = bool(send_seed)
 
     def generate_body(self, input_ids: list, params: SamplingParams, n: int, seed, *, routing: bool) -> dict:
-        params.refuse_repetition_penalty("the SGLang client")
         sp = {
             "temperature": params.temperature,
             "top_p": params.top_p,
@@ -75,6 +74,8 @@ class SGLangAPI(ServerDialect):
             "stop_token_ids": list(params.stop_token_ids),
             "skip_special_tokens": False,
         }
+        if params.repetition_penalty != 1.0:  # SGLang's rule: the response's tokens only (docs/data.md)
+            sp["repetition_penalty"] = float(params.repetition_penalty)
         if seed is not None and self.send_seed:
             sp["sampling_seed"] = int(seed)
         body = {"input_ids": [int(t) for t in input_ids], "return_logprob": True, "sampling_params": sp}

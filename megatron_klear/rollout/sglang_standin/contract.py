@@ -319,6 +319,8 @@ def _check_values(s: dict, where: str) -> None:
         raise BadRequest(f"min_p must be in [0, 1], got {s['min_p']}.")
     if s["top_k"] < 1 and s["top_k"] != -1:
         raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {s['top_k']}.")
+    if not 0.0 < s["repetition_penalty"] <= 2.0:
+        raise BadRequest(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {s['repetition_penalty']}.")
     if s["max_new_tokens"] is not None and s["max_new_tokens"] < 0:
         raise BadRequest(f"max_new_tokens must be at least 0, got {s['max_new_tokens']}.")
     if s["n"] < 1:
@@ -332,7 +334,6 @@ def _check_values(s: dict, where: str) -> None:
         "min_p": lambda v: v == 0,
         "frequency_penalty": lambda v: v == 0,
         "presence_penalty": lambda v: v == 0,
-        "repetition_penalty": lambda v: v == 1,
         "min_new_tokens": lambda v: v == 0,
         "json_schema": lambda v: not v,
         "regex": lambda v: not v,
@@ -412,6 +413,7 @@ def parse_generate_request(body) -> GenerateCall:
                 max_new_tokens=s["max_new_tokens"],
                 stop_token_ids=list(s["stop_token_ids"] or []),
                 seed=s["sampling_seed"],
+                repetition_penalty=s["repetition_penalty"],
             )
         )
 

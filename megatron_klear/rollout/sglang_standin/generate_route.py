@@ -122,6 +122,7 @@ def _prepare(state, raw: bytes):
                     top_k=params.top_k if params.temperature > 0 else 1,
                     max_new_tokens=max(1, limit),
                     stop_token_ids=params.stop_token_ids,
+                    repetition_penalty=params.repetition_penalty,
                 ),
                 seeds=[sample_seed(base, i, j) for j in range(call.n)],
                 max_new_tokens=limit,
