@@ -51,9 +51,10 @@ def prompts_open_think(tokenizer, prompts, tail_tokens: int = 32) -> bool:
     return True
 
 
-def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progress=print) -> tuple:
+def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progress=print, on_benchmark=None) -> tuple:
     """``benchmarks``: name -> list of :class:`megatron_klear.data.prompts.Prompt`.
-    Returns ``(summary, records)``: per-benchmark metrics and one record per response."""
+    Returns ``(summary, records)``: per-benchmark metrics and one record per response.
+    ``on_benchmark(name, summary, records)``: called as each benchmark finishes, with its own."""
     from dataclasses import replace
 
     from megatron_klear.data.chat import generation_stop_ids
@@ -71,7 +72,7 @@ def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progr
     params = replace(params, stop_token_ids=stop_ids)
     strip = [t for t in (tokenizer.eos_token, tokenizer.pad_token, *tokenizer.convert_ids_to_tokens(stop_ids)) if t]
     for name, prompts in benchmarks.items():
-        t0 = time.time()
+        t0, first = time.time(), len(records)
         completions, graded = [None] * len(prompts), [None] * len(prompts)
         for i, cs in engine.generate_iter([p.prompt_ids for p in prompts], params, n=k):  # grade as they arrive
             completions[i], graded[i] = cs, []
@@ -116,13 +117,20 @@ def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progr
             f"{name}: avg@{k} {summary[name][f'avg@{k}']:.1f}  pass@{k} {summary[name][f'pass@{k}']:.1f}  "
             f"({len(prompts)} prompts, {summary[name]['seconds']:.0f}s)"
         )
+        if on_benchmark is not None:
+            on_benchmark(name, summary[name], records[first:])
     return summary, records
+
+
+def samples_path(out_path: str) -> str:
+    """Where :func:`write_results` puts the responses of ``out_path``."""
+    return os.path.splitext(out_path)[0] + ".samples.jsonl"
 
 
 def write_results(out_path: str, summary: dict, records: list, meta: dict) -> None:
     """``out_path`` (JSON summary) and ``out_path`` with .samples.jsonl, both atomically."""
     os.makedirs(os.path.dirname(os.path.abspath(out_path)) or ".", exist_ok=True)
-    samples = os.path.splitext(out_path)[0] + ".samples.jsonl"
+    samples = samples_path(out_path)
     for path, write in (
         (samples, lambda f: [f.write(json.dumps(r) + "\n") for r in records]),
         (out_path, lambda f: json.dump({"meta": meta, "results": summary}, f, indent=2)),

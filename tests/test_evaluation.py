@@ -109,6 +109,53 @@ def test_eval_cli_on_a_tiny_model(tmp_path):
     assert len(lines) == 6 and all(json.loads(x)["length"] <= 8 for x in lines)
 
 
+def test_eval_writes_each_benchmark_as_it_finishes_and_a_rerun_keeps_them(tmp_path, capsys, monkeypatch):
+    """An evaluation job that ends early (a time limit, a lost server) keeps what it finished: the
+    results file is written as each benchmark ends (with the ones still pending), and a rerun at
+    the same setting evaluates only the rest; a rerun at another setting is refused, naming it."""
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from megatron_klear.models.tiny import make_tiny_qwen3
+    from tools import eval as eval_tool
+
+    model = make_tiny_qwen3(str(tmp_path / "m"), seed=4)
+    a = write_rl_prompts_jsonl(str(tmp_path / "a.jsonl"), 2, seed=1)
+    b = write_rl_prompts_jsonl(str(tmp_path / "b.jsonl"), 3, seed=2)
+    out = tmp_path / "res.json"
+    common = ["--model", model, "--k", "2", "--max-new-tokens", "6", "--dtype", "float32", "--workers", "1"]
+    written = []
+    import megatron_klear.evaluation as evaluation  # (tools/eval.py imports write_results from it in main)
+
+    monkeypatch.setattr(
+        evaluation,
+        "write_results",
+        lambda path, summary, records, meta, _w=evaluation.write_results: (
+            written.append((sorted(summary), meta["pending"])),
+            _w(path, summary, records, meta),
+        ),
+    )
+    assert eval_tool.main([*common, "--bench", f"a={a}", "--bench", f"b={b}", "--output", str(out)]) == 0
+    assert written == [(["a"], ["b"]), (["a", "b"], [])]  # a on disk before b started
+    first = [json.loads(x) for x in (tmp_path / "res.samples.jsonl").read_text().splitlines()]
+    # the job "ended" after a: the file as it was then, and a rerun that only evaluates b
+    done = json.load(open(out))
+    del done["results"]["b"]
+    out.write_text(json.dumps(done))
+    (tmp_path / "res.samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first if r["benchmark"] == "a"))
+    written.clear()
+    capsys.readouterr()
+    assert eval_tool.main([*common, "--bench", f"a={a}", "--bench", f"b={b}", "--output", str(out)]) == 0
+    assert "a: already evaluated at this setting" in capsys.readouterr().err
+    assert written == [(["a", "b"], [])]  # only b was evaluated
+    again = [json.loads(x) for x in (tmp_path / "res.samples.jsonl").read_text().splitlines()]
+    assert [r for r in again if r["benchmark"] == "a"] == [r for r in first if r["benchmark"] == "a"]
+    assert len([r for r in again if r["benchmark"] == "b"]) == 6
+    # another setting: refused, nothing overwritten
+    before = out.read_text()
+    with pytest.raises(SystemExit, match=r"holds results of another setting \(k: 2 there, 3 now\)"):
+        eval_tool.main([*common[:2], "--k", "3", *common[4:], "--bench", f"a={a}", "--output", str(out)])
+    assert out.read_text() == before
+
+
 def _authors_output_lines():
     """The authors' inference output layout: {"id", "meta": <input line>, "messages": [..., assistant]},
     the input repeated n (= 2) times; ids count every sample."""

@@ -111,7 +111,13 @@ def main(argv=None):
         help="the chat template opens <think> in the prompt, so responses need not write it "
         "(auto: when every rendered prompt ends inside an open <think>)",
     )
-    p.add_argument("--output", required=True, help="summary JSON (samples go to <output>.samples.jsonl)")
+    p.add_argument(
+        "--output",
+        required=True,
+        help="summary JSON (samples go to <output>.samples.jsonl), rewritten as each benchmark finishes; "
+        "a rerun skips the benchmarks it already holds at the same setting",
+    )
+    p.add_argument("--fresh", action="store_true", help="evaluate every benchmark again, replacing --output")
     args = p.parse_args(argv)
     vllm = bool(args.url) and args.server == "vllm"
     if args.repetition_penalty is not None and not 0 < args.repetition_penalty <= 2:
@@ -197,19 +203,103 @@ def main(argv=None):
         repetition_penalty=args.repetition_penalty,
     )
     reward_cfg = evaluation_reward_config(RewardConfig(workers=args.workers), think_in_prompt=think_in_prompt)
-    with GradingPool(reward_cfg) as pool:
-        summary, records = evaluate(
-            engine, benchmarks, tokenizer, pool, k=args.k, params=params, progress=lambda s: print(s, file=sys.stderr)
+    meta = {**vars(args), "think_in_prompt_resolved": think_in_prompt, "code_tests": "all"}
+    summary, records = {} if args.fresh else _finished(args.output, meta, benchmarks)
+    if summary:
+        print(
+            f"{', '.join(summary)}: already evaluated at this setting in {args.output}, kept (--fresh: again)",
+            file=sys.stderr,
         )
-    _per_problem(summary, records)
-    write_results(
-        args.output,
-        summary,
-        records,
-        meta={**vars(args), "think_in_prompt_resolved": think_in_prompt, "code_tests": "all"},
-    )
+
+    def save(name, result, recs):  # each benchmark's results, as it finishes
+        _per_problem({name: result}, recs)
+        summary[name] = result
+        records.extend(recs)
+        pending = [n for n in benchmarks if n not in summary]
+        write_results(args.output, summary, records, meta={**meta, "pending": pending})
+        print(f"wrote {name} to {args.output}" + (f" ({len(pending)} to go)" if pending else ""), file=sys.stderr)
+
+    todo = {n: ps for n, ps in benchmarks.items() if n not in summary}
+    with GradingPool(reward_cfg) as pool:
+        evaluate(
+            engine,
+            todo,
+            tokenizer,
+            pool,
+            k=args.k,
+            params=params,
+            progress=lambda s: print(s, file=sys.stderr),
+            on_benchmark=save,
+        )
     print(f"wrote {args.output}")
     return 0
+
+
+#: What must match for a rerun to keep an earlier run's benchmark (tools/eval.py's flags).
+SETTING_KEYS = (
+    "model",
+    "url",
+    "server",
+    "tokenizer",
+    "k",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "max_prompt_length",
+    "seed",
+    "repetition_penalty",
+    "yarn_factor",
+    "yarn_original",
+    "think_in_prompt_resolved",
+)
+
+
+def _finished(output: str, meta: dict, benchmarks: dict) -> tuple:
+    """The benchmarks ``output`` already holds from a run at the same setting: (summary, records).
+    Another setting there is an error naming the first flag that differs (nothing is overwritten)."""
+    import json
+    import os
+
+    from megatron_klear.evaluation import samples_path
+
+    if not os.path.exists(output):
+        return {}, []
+    try:
+        with open(output) as f:
+            before = json.load(f)
+        old_meta, results = before["meta"], before["results"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"error: --output {output} is not a results file of tools/eval.py ({e}): pass another --output")
+    for key in SETTING_KEYS:
+        now = json.loads(json.dumps(meta.get(key)))
+        if old_meta.get(key) != now:
+            sys.exit(
+                f"error: --output {output} holds results of another setting ({key}: {old_meta.get(key)!r} there, "
+                f"{now!r} now): pass another --output, or --fresh to replace them"
+            )
+
+    def per_name(m: dict) -> dict:  # each benchmark's --bench, --bench-format and --bench-window
+        out = {}
+        for flag in ("bench", "bench_format", "bench_window"):
+            for spec in m.get(flag) or []:
+                name, _, value = str(spec).partition("=")
+                out.setdefault(name, {})[flag] = value
+        return out
+
+    old_specs, new_specs = per_name(old_meta), per_name(meta)
+    keep = {n: r for n, r in results.items() if n in benchmarks}
+    for name in keep:
+        if old_specs.get(name) != new_specs.get(name):
+            sys.exit(
+                f"error: --output {output} holds benchmark {name} read from {old_specs.get(name)}, not "
+                f"{new_specs.get(name)}: pass another --output, or --fresh to replace it"
+            )
+    records = []
+    if keep:
+        with open(samples_path(output)) as f:
+            records = [r for r in map(json.loads, filter(str.strip, f)) if r["benchmark"] in keep]
+    return keep, records
 
 
 #: The authors' evaluation setting (KlearReasoner benchmarks/inference.py, README "Evaluation").
