@@ -89,7 +89,7 @@ MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 # seconds torchrun gives the ranks after forwarding a stop signal before SIGKILL (torchrun: 30): they
 # finish their step and save (the stop line in the log says how long that took; docs/slurm.md)
-SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-270}
+export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-540}  # (exported: the trainer says when a stop would need more)
 CONFIG=${CONFIG:-examples/configs/gppo_qwen3_8b_math.yaml}
 SYNC_MASTER_PORT=${SYNC_MASTER_PORT:-0}  # the weight-update groups' store port (stage s: + s); 0: a free one
 export CUDA_DEVICE_MAX_CONNECTIONS=1

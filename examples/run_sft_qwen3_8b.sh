@@ -19,7 +19,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 CONFIG=${CONFIG:-examples/configs/sft_qwen3_8b.yaml}
 # seconds torchrun gives the ranks after forwarding a stop signal before SIGKILL (torchrun: 30): they
 # finish their step and save (the stop line in the log says how long that took; docs/slurm.md)
-SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-270}
+export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-540}  # (exported: the trainer says when a stop would need more)
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # needed by Megatron's TP/SP communication overlap
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 # fewer fragmentation OOMs with packed micro-batches of varying length

@@ -106,6 +106,17 @@ klear_no_gpus() {
   if ((${GRES_GPUS:-1} > 0)); then echo "--gres=none"; fi
 }
 
+# klear_check_grace: SHUTDOWN_TIMEOUT against the --signal lead (SIGNAL_LEAD, else this script's own
+# #SBATCH --signal=B:USR1@<lead> line): the trainer's grace must end at least 30 s before the job's
+# time does, or the requeue comes too late; logged, not refused.
+klear_check_grace() {
+  local lead=${SIGNAL_LEAD:-$(sed -n 's/^#SBATCH --signal=B:USR1@\([0-9]*\).*/\1/p' "$0" | head -1)}
+  [[ -n "$lead" ]] || return 0
+  if ((SHUTDOWN_TIMEOUT + 30 > lead)); then
+    klear_log "warning: SHUTDOWN_TIMEOUT=$SHUTDOWN_TIMEOUT s leaves less than 30 s of the --signal lead ($lead s) to requeue the job: raise the lead (#SBATCH --signal=B:USR1@<s>, and SIGNAL_LEAD when given on the command line) or lower SHUTDOWN_TIMEOUT (docs/slurm.md, Sizing the grace)" >&2
+  fi
+}
+
 klear_http_ok() { curl -sf -o /dev/null --max-time 5 "$1"; }
 
 # klear_check_python VAR MODULE...: the interpreter named by the variable VAR finds every MODULE

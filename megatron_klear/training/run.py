@@ -96,16 +96,19 @@ class Run:
         last completed step is saved at once. ``stop_after`` ends the run after that step without
         touching the schedule (tests of resume)."""
         from megatron_klear.training.signals import StepInterrupted, TerminationFlag
+        from megatron_klear.training.stop_grace import StopGrace
 
         term = TerminationFlag().install(on_signal=on_stop)
+        grace = StopGrace.from_env()
         interval, total = self.cfg.train.save_interval, self.total_steps
         shown = {"console_keys": console_keys} if console_keys else {}  # else the logger's own (SFT's)
         metrics = {}
         try:
             while position() < total:
-                cut = None
+                cut, t_step = None, time.monotonic()
                 try:
                     metrics = step()
+                    grace.step(metrics, time.monotonic() - t_step)
                 except StepInterrupted as e:  # nothing of the step happened: the last one is saved
                     cut = e
                 at = position()
@@ -116,6 +119,9 @@ class Run:
                 if self.ckpt and at != self.saved_at and (stopping or at == total or (interval and at % interval == 0)):
                     save()
                     self.saved_at, saved = at, True
+                    warning = grace.saved(time.monotonic() - t_save)
+                    if warning and is_rank0() and not stopping:
+                        print(warning, flush=True)
                 if stopping:
                     self._say_stopped(term, at, total, cut, time.monotonic() - t_save if saved else None)
                     break

@@ -36,9 +36,9 @@ def setup(tmp_path_factory):
     return {"model": model, "data": str(root / "data"), "root": root}
 
 
-def _sft(setup, save, steps, *torchrun_args, launcher=TORCHRUN):
+def _sft(setup, save, steps, *torchrun_args, launcher=TORCHRUN, env=None):
     """The SFT command at 2 ranks under ``launcher``, started (its output: one pipe) in a session
-    of its own, as Slurm starts a job step."""
+    of its own, as Slurm starts a job step; ``env``: variables added."""
     return start_torchrun(
         *torchrun_args,
         "-m",
@@ -57,6 +57,7 @@ def _sft(setup, save, steps, *torchrun_args, launcher=TORCHRUN):
         "train.keep_last=2",
         f"train.save_dir={save}",
         launcher=launcher,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -198,6 +199,7 @@ def test_sigterm_then_sigusr1_save_the_current_step_and_the_run_resumes_from_it(
         "--signals-to-handle",
         "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         launcher="megatron_klear.platform.launch",
+        env={"SHUTDOWN_TIMEOUT": "0.001"},  # a grace no save fits: the trainer says so at its first save
     )
 
     def usr1_everywhere(p):
@@ -210,6 +212,8 @@ def test_sigterm_then_sigusr1_save_the_current_step_and_the_run_resumes_from_it(
     assert f"resumed from {os.path.join(save, f'iter_{stopped:07d}')} at step {stopped}" in out, out[-4000:]
     again = _check_stopped_with_checkpoint(save, out, rc, 128 + signal.SIGUSR1)
     assert "stopped on SIGUSR1" in out and "SignalException" not in out, out[-4000:]
+    warned = [line for line in out.splitlines() if line.startswith("warning: a stop signal can now cost")]
+    assert len(warned) == 1 and "more than the SHUTDOWN_TIMEOUT=0.001 s" in warned[0], out[-4000:]
     assert out.rstrip().splitlines()[-1].startswith("stopped on SIGUSR1: the ranks were asked"), out[-2000:]
     after = _logged_steps(save)
     assert [m["step"] for m in after] == list(range(1, again + 1))

@@ -408,6 +408,7 @@ def test_a_server_that_never_comes_up_ends_the_job_naming_it(cluster, files, tmp
     hung.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nexec sleep 600\n')
     hung.chmod(0o755)
     env.update(SERVER_PY=str(hung), STARTUP_TIMEOUT="10")
+    env["SHUTDOWN_TIMEOUT"] = "590"  # past the script's --signal lead (600) less 30 s: said at start
     job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--no-requeue")
     info = cluster.wait_done(job, 120)
     text = open(out).read()
@@ -415,6 +416,7 @@ def test_a_server_that_never_comes_up_ends_the_job_naming_it(cluster, files, tmp
     url = f"http://127.0.0.1:{env['SERVER_PORT']}"
     assert f"error: rollout server {url} did not come up within 10s; see the logs in {logs}" in text, text[-3000:]
     assert "start the trainer" not in text
+    assert "warning: SHUTDOWN_TIMEOUT=590 s leaves less than 30 s of the --signal lead (600 s)" in text, text[:3000]
     assert not subprocess.run(["pgrep", "-f", str(hung)], capture_output=True).stdout
 
 
