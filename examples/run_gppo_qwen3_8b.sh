@@ -36,8 +36,9 @@
 #    (every 60 s, unhealthy after 3 failures) drop every worker during a pause of about 2 minutes
 #    (a disk reload from a shared filesystem): the trainer pauses the servers itself, probes them
 #    and keeps the worker list (docs/sglang.md, "The router's health checks").
-# 4. On every trainer node:
-#      NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 bash examples/run_gppo_qwen3_8b.sh rollout.urls=[http://router:31000]
+# 4. On every trainer node (the default layout: two trainer nodes, node1 and node2, after the
+#    rollout node; NODE_RANK 0 on node1, 1 on node2):
+#      NNODES=2 NODE_RANK=$RANK MASTER_ADDR=node1 bash examples/run_gppo_qwen3_8b.sh rollout.urls=[http://router:31000]
 #    The trainer asks the router for its workers (GET /workers) and updates each worker directly
 #    (never through the router), checked by weight_version.
 #    Weights travel without files (rollout.weight_sync=distributed, the default): the leader of each
