@@ -21,7 +21,8 @@ CONFIG=${CONFIG:-examples/configs/sft_qwen3_8b.yaml}
 # finish their step and save (the stop line in the log says how long that took; docs/slurm.md)
 export SHUTDOWN_TIMEOUT=${SHUTDOWN_TIMEOUT:-540}  # (exported: the trainer says when a stop would need more)
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # needed by Megatron's TP/SP communication overlap
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# NCCL's NVLS and cuMem stay NCCL's defaults here: no weight-update group shares a communicator
+# with servers (examples/run_gppo_qwen3_8b.sh turns both off for that); export them to choose.
 # fewer fragmentation OOMs with packed micro-batches of varying length
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 

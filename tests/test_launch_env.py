@@ -56,9 +56,9 @@ def _launcher_args(script: str, tmp_path, **env) -> str:
 @pytest.mark.parametrize("script", ["examples/run_gppo_qwen3_8b.sh", "examples/run_sft_qwen3_8b.sh"])
 def test_torchrun_gives_the_ranks_time_to_save_after_a_stop_signal(script, tmp_path):
     """torchrun SIGKILLs the ranks --shutdown-timeout seconds after forwarding a stop signal (30 by
-    default: less than a step and a save at 8B); the launchers give 270 (under the sbatch scripts'
-    300 s lead), SHUTDOWN_TIMEOUT sets it."""
-    assert " --shutdown-timeout 270 " in f" {_launcher_args(script, tmp_path)} "
+    default: less than a step and a save at 8B); the launchers give 540 (under the sbatch scripts'
+    600 s lead), SHUTDOWN_TIMEOUT sets it."""
+    assert " --shutdown-timeout 540 " in f" {_launcher_args(script, tmp_path)} "
     assert " --shutdown-timeout 900 " in f" {_launcher_args(script, tmp_path, SHUTDOWN_TIMEOUT='900')} "
     assert "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in _launcher_args(script, tmp_path)
 
@@ -71,7 +71,7 @@ def _run_launcher(script: str, tmp_path, **env) -> dict:
     "script,expected",
     [
         ("examples/run_gppo_qwen3_8b.sh", {**NCCL_AS_SGLANG, **ALLOC}),
-        ("examples/run_sft_qwen3_8b.sh", {"NCCL_NVLS_ENABLE": "0", **ALLOC}),
+        ("examples/run_sft_qwen3_8b.sh", {**ALLOC}),  # no update group: NCCL's defaults
     ],
 )
 def test_the_gpu_launchers_set_the_trainers_environment(script, expected, tmp_path):
@@ -82,16 +82,19 @@ def test_the_gpu_launchers_set_the_trainers_environment(script, expected, tmp_pa
 
 
 def test_the_sbatch_roles_get_the_nccl_settings_and_not_the_allocator_setting(tmp_path):
-    """examples/slurm/common.sh, sourced by both sbatch scripts: NCCL's settings for every role (srun
-    passes them on to servers and trainer alike); the allocator setting stays the trainer launcher's
-    (SGLang's memory saver does not work with expandable segments)."""
+    """examples/slurm/common.sh's klear_nccl_for_weight_updates, called by the jobs with weight-update
+    groups (GPPO, smoke): NCCL's settings for every role (srun passes them on to servers and trainer
+    alike: vLLM's servers keep NCCL's defaults otherwise); not by the SFT job, which keeps NCCL's
+    defaults; the allocator setting stays the trainer launcher's (SGLang's memory saver does not
+    work with expandable segments)."""
 
-    def sourced(**env):
+    def sourced(call="klear_nccl_for_weight_updates", **env):
         out = subprocess.run(
             [
                 "bash",
                 "-c",
-                "source examples/slurm/common.sh && " + "; ".join(f'echo "{n}=${{{n}-<unset>}}"' for n in NAMES),
+                f"source examples/slurm/common.sh && {call} && "
+                + "; ".join(f'echo "{n}=${{{n}-<unset>}}"' for n in NAMES),
             ],
             cwd=ROOT,
             env=_clean_env(**env),
@@ -104,7 +107,9 @@ def test_the_sbatch_roles_get_the_nccl_settings_and_not_the_allocator_setting(tm
 
     assert sourced() == NCCL_AS_SGLANG
     assert sourced(NCCL_CUMEM_ENABLE="1") == {**NCCL_AS_SGLANG, "NCCL_CUMEM_ENABLE": "1"}
-    for sbatch in ("gppo_qwen3_8b.sbatch", "sft_qwen3_8b.sbatch"):
+    assert sourced(call="true") == {}  # sourcing alone sets nothing
+    for sbatch, calls in (("gppo_qwen3_8b.sbatch", True), ("smoke.sbatch", True), ("sft_qwen3_8b.sbatch", False)):
         with open(os.path.join(ROOT, "examples", "slurm", sbatch), encoding="utf-8") as f:
             text = f.read()
-        assert "source examples/slurm/common.sh" in text and "bash examples/run_" in text, sbatch
+        assert "source examples/slurm/common.sh" in text and "examples/run_" in text, sbatch
+        assert ("\nklear_nccl_for_weight_updates\n" in text) == calls, sbatch

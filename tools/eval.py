@@ -238,8 +238,7 @@ def main(argv=None):
 #: What must match for a rerun to keep an earlier run's benchmark (tools/eval.py's flags).
 SETTING_KEYS = (
     "model",
-    "url",
-    "server",
+    "server",  # (not the URLs: a rerun's servers may run on other nodes)
     "tokenizer",
     "k",
     "temperature",
@@ -330,8 +329,14 @@ def _apply_klear_preset(args, argv, vllm: bool) -> None:
         "authors' vLLM also counts the prompt's: scores can differ from theirs by that)."
     )
     print(
-        "--preset klear: temperature 0.6, top_p 0.95, top_k 20, 65536 new tokens, YaRN 2.5 over 32768 "
-        f"positions, {penalty}" + ("" if args.model else " With --url, serve the model with YaRN (docs/data.md)."),
+        f"--preset klear: temperature {args.temperature:g}, top_p {args.top_p:g}, top_k {args.top_k}, "
+        f"{args.max_new_tokens} new tokens"
+        + (
+            f", YaRN {args.yarn_factor:g} over {args.yarn_original} positions"
+            if args.model
+            else " (past 32768 positions, serve the model with YaRN 2.5: docs/data.md)"
+        )
+        + f", {penalty}",
         file=sys.stderr,
     )
 

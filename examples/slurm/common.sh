@@ -18,12 +18,17 @@
 # - SIGTERM to this script (Slurm stopping the job): the trainer got it too and saves; the script
 #   waits for it and ends with its status; Slurm requeues the job or not, as it was told.
 
-# NCCL's cuMem allocator and NVLink SHARP (NVLS) stay as NCCL sets them for every role this file
-# starts: the GPPO trainer turns both off itself (examples/run_gppo_qwen3_8b.sh: its weight-update
-# groups share one communicator with SGLang's ranks, which run with both off), SGLang 0.5.23 turns
-# both off in its own processes when they are unset (srt/entrypoints/engine.py
-# _set_envs_and_config), and an SFT job keeps NVLS (its all-reduces gain from it on NVSwitch nodes).
-# A value exported before sbatch still reaches every role.
+# klear_nccl_for_weight_updates: NCCL's cuMem allocator and NVLink SHARP (NVLS) off for every role
+# of a job whose weight-update groups put the trainer's stage leaders and the servers' ranks in one
+# NCCL communicator (GPPO: both sides must match, or same-node updates hang or fail). SGLang 0.5.23
+# turns both off in its own processes when unset (srt/entrypoints/engine.py _set_envs_and_config);
+# vLLM 0.32 keeps NCCL's defaults, so its servers get them from here (srun passes the environment
+# on). NCCL reads them once per process; a value exported before sbatch wins. An SFT job does not
+# call this: it keeps NCCL's defaults (NVLS speeds its all-reduces on NVSwitch nodes).
+klear_nccl_for_weight_updates() {
+  export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}
+  export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+}
 # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is set by the trainer's launcher
 # (examples/run_gppo_qwen3_8b.sh, run_sft_qwen3_8b.sh), not here: exported job-wide it would reach
 # the servers, where SGLang's memory saver (colocated servers) does not work with expandable segments.
@@ -128,21 +133,31 @@ klear_http_ok() { curl -sf -o /dev/null --max-time 5 "$1"; }
 # the check runs as a one-task step with them on the first node (up to 10 minutes: the image may be
 # imported first); otherwise on the batch host, within 60 s.
 klear_check_python() {
-  local var=$1 py=${!1} flags_var=${1%_PY}_SRUN_ARGS missing where="here" flags=()
+  local var=$1 py=${!1} flags_var=${1%_PY}_SRUN_ARGS out missing where="here" flags=()
   shift
   read -ra flags <<<"${!flags_var:-}"
+  # one marked line, so that what else the step prints (srun's or a container's notices) is not read
+  # as module names; a package whose parent is missing (megatron.core) counts as missing
   local probe=("$py" -c 'import importlib.util, sys
-print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' "$@")
+def gone(m):
+    try:
+        return importlib.util.find_spec(m) is None
+    except ImportError:
+        return True
+print("klear-missing:", " ".join(m for m in sys.argv[1:] if gone(m)))' "$@")
   if ((${#flags[@]})); then
     where="in $flags_var's environment on ${NODES[0]}"
     # shellcheck disable=SC2046
-    missing=$(timeout 600 srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" --job-name="check-$var" \
+    out=$(timeout 600 srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" --job-name="check-$var" \
       $(klear_no_gpus) "${flags[@]}" "${probe[@]}" 2>&1) ||
-      klear_die "$var=$py cannot run $where ($missing): set $var (and $flags_var) to the environment that has ${*} (docs/slurm.md)"
+      klear_die "$var=$py cannot run $where ($(tail -3 <<<"$out")): set $var (and $flags_var) to the environment that has ${*} (docs/slurm.md)"
   else
-    missing=$(timeout 60 "${probe[@]}" 2>&1) ||
-      klear_die "$var=$py cannot run here ($missing): set $var to the python of the environment that has ${*} (docs/slurm.md)"
+    out=$(timeout 60 "${probe[@]}" 2>&1) ||
+      klear_die "$var=$py cannot run here ($(tail -3 <<<"$out")): set $var to the python of the environment that has ${*} (docs/slurm.md)"
   fi
+  missing=$(sed -n 's/^klear-missing: *//p' <<<"$out" | tail -1)
+  grep -q '^klear-missing:' <<<"$out" ||
+    klear_die "$var=$py did not answer the module check $where ($(tail -3 <<<"$out")) (docs/slurm.md)"
   [[ -z "$missing" ]] ||
     klear_die "$var=$py has no module ${missing// /, } ($where): set $var to the python of the environment that has it (docs/slurm.md)"
 }
@@ -256,6 +271,8 @@ klear_stop_roles() {
 }
 klear_stop_all() {
   klear_stop_roles
+  # a script's last words before it ends (the smoke job's table), when it defines them
+  if declare -F klear_before_exit >/dev/null; then klear_before_exit "${1:-0}"; fi
   exit "${1:-0}"
 }
 
@@ -279,7 +296,8 @@ klear_on_term() {
 klear_requeue() {
   klear_stop_roles
   klear_log "requeueing job $SLURM_JOB_ID (it resumes from the step just saved)"
-  scontrol requeue "$SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID" ||
+    { klear_log "error: scontrol requeue $SLURM_JOB_ID failed: submit the job again (it resumes from the step saved)" >&2; exit 4; }
   exit 0
 }
 
