@@ -154,6 +154,12 @@ def test_eval_writes_each_benchmark_as_it_finishes_and_a_rerun_keeps_them(tmp_pa
     with pytest.raises(SystemExit, match=r"holds results of another setting \(k: 2 there, 3 now\)"):
         eval_tool.main([*common[:2], "--k", "3", *common[4:], "--bench", f"a={a}", "--output", str(out)])
     assert out.read_text() == before
+    # --fresh: evaluated again at the new setting, the old results replaced
+    assert (
+        eval_tool.main([*common[:2], "--k", "3", *common[4:], "--bench", f"a={a}", "--output", str(out), "--fresh"])
+        == 0
+    )
+    assert set(json.load(open(out))["results"]) == {"a"} and json.load(open(out))["results"]["a"]["k"] == 3
 
 
 def _authors_output_lines():

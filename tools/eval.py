@@ -204,7 +204,7 @@ def main(argv=None):
     )
     reward_cfg = evaluation_reward_config(RewardConfig(workers=args.workers), think_in_prompt=think_in_prompt)
     meta = {**vars(args), "think_in_prompt_resolved": think_in_prompt, "code_tests": "all"}
-    summary, records = {} if args.fresh else _finished(args.output, meta, benchmarks)
+    summary, records = ({}, []) if args.fresh else _finished(args.output, meta, benchmarks)
     if summary:
         print(
             f"{', '.join(summary)}: already evaluated at this setting in {args.output}, kept (--fresh: again)",

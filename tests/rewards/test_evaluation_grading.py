@@ -104,6 +104,7 @@ def eval_main(monkeypatch, tmp_path, level):
                     "1",
                     "--output",
                     str(out),
+                    "--fresh",  # (each call another scripted response: never the last call's results)
                     *extra,
                 ]
             )

@@ -91,8 +91,12 @@ def test_the_body_holds_exactly_what_vllm_reads():
     assert (
         VLLMAPI().generate_body([1], penalised, 1, None, routing=False)["sampling_params"]["repetition_penalty"] == 1.05
     )
-    with pytest.raises(ValueError, match="applied only by vLLM servers"):
-        SGLangAPI().generate_body([1], penalised, 1, None, routing=False)
+    # SGLang takes it too (its rule counts the response's tokens only: the stand-in applies it)
+    assert (
+        SGLangAPI().generate_body([1], penalised, 1, None, routing=False)["sampling_params"]["repetition_penalty"]
+        == 1.05
+    )
+    assert "repetition_penalty" not in SGLangAPI().generate_body([1], params, 1, None, routing=False)["sampling_params"]
     with pytest.raises(EngineError, match="router replay"):
         VLLMAPI().generate_body([1], params, 1, None, routing=True)
 
