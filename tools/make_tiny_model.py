@@ -4,30 +4,14 @@ and tests, or a real model's shape (``--shape qwen3-0.6b``) for a cluster's smok
 
 import argparse
 
-from megatron_klear.models.tiny import make_tiny_qwen3
-
-# real models' shapes (their config.json), for runs that need the size but not the weights
-SHAPES = {
-    "qwen3-0.6b": dict(
-        num_layers=28,
-        hidden_size=1024,
-        num_heads=16,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-        vocab_size=151936,
-        tied=True,
-        max_position_embeddings=40960,
-        init_std=0.02,
-        max_shard_size="2GB",
-        dtype="bfloat16",
-    ),
-}
+from megatron_klear.models.tiny import REAL_SHAPES, make_tiny_qwen3
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="a real model's shape (the flags below: tiny)")
+    p.add_argument(
+        "--shape", choices=sorted(REAL_SHAPES), default=None, help="a real model's shape (the flags below: tiny)"
+    )
     p.add_argument("--tied", action="store_true")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
@@ -42,7 +26,7 @@ if __name__ == "__main__":
     )
     a = p.parse_args()
     shape = (
-        SHAPES[a.shape]
+        REAL_SHAPES[a.shape]
         if a.shape
         else dict(tied=a.tied, num_layers=a.layers, hidden_size=a.hidden, head_dim=a.head_dim)
     )

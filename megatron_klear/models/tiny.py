@@ -88,6 +88,26 @@ def build_tokenizer(out_dir: str, vocab_size: int = 320, flavor: str = "instruct
     return hf
 
 
+#: Real models' shapes in :func:`make_tiny_model`'s arguments (their config.json), for runs that need
+#: the size but not the weights (tools/make_tiny_model.py --shape: the Slurm smoke job).
+REAL_SHAPES = {
+    "qwen3-0.6b": dict(
+        num_layers=28,
+        hidden_size=1024,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=151936,
+        tied=True,
+        max_position_embeddings=40960,
+        init_std=0.02,
+        max_shard_size="2GB",
+        dtype="bfloat16",
+    ),
+}
+
+
 def make_tiny_qwen3(out_dir: str, **kwargs) -> str:
     """A tiny random Qwen3 checkpoint (see :func:`make_tiny_model`)."""
     return make_tiny_model(out_dir, model_type="qwen3", **kwargs)
