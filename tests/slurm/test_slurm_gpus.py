@@ -23,11 +23,15 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 def _shims(tmp_path, servers: int, port: int, infos: str) -> tuple:
     """(SERVER_PY, the stand-in behind SGLang's command line; a program standing for the trainer
     or the evaluation that writes each server's /server_info to ``infos`` and ends). Both answer
-    the job's check of their interpreter (``-c``) with the real one."""
+    the job's check of their interpreter (``-c``) with the real one; the server's also sees an
+    (empty) ``sglang`` package, as SGLang's environment would."""
+    stub = tmp_path / "stub-site" / "sglang"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
     server = tmp_path / "sglang-python"
     server.write_text(
         "#!/bin/sh\n"
-        f'[ "$1" = -c ] && {{ [ "$3" = sglang ] && exit 0; exec {PY} "$@"; }}\n'
+        f'[ "$1" = -c ] && PYTHONPATH={stub.parent} exec {PY} "$@"\n'
         '[ "$2" = sglang.launch_server ] || { echo "not SGLang\'s command line: $*" >&2; exit 2; }\n'
         "shift 2\n"
         f'exec {PY} -m megatron_klear.rollout.sglang_standin "$@"\n'
