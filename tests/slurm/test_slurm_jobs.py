@@ -281,7 +281,9 @@ def test_sft_job_on_two_nodes_survives_a_preemption(cluster, files, tmp_path):
         f"train.save_dir={save}",
         "optim.warmup_steps=1",
     ]
+    # one thread a rank in both runs: the same summation order, so each step's loss can be compared closely
     env = {"TRAIN_NODES": "2", "GPUS_PER_NODE": "1", "PY": PY, "LOG_DIR": logs, "MASTER_PORT": str(master)}
+    env["OMP_NUM_THREADS"] = "1"
     env.update(TRAIN_ARGS=" ".join(train), WANDB_MODE="offline", WANDB_DIR=logs)
     job = _submit(cluster, "sft_qwen3_8b.sbatch", out, env)
     metrics = os.path.join(save, "metrics.jsonl")
@@ -299,7 +301,7 @@ def test_sft_job_on_two_nodes_survives_a_preemption(cluster, files, tmp_path):
     ref_args = [a.replace(save, ref_save) if a.startswith("train.save_dir=") else a for a in train]
     (ref_master,) = _ports(1)
     ref_env = dict(os.environ, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ref_master), GPUS_PER_NODE="1")
-    ref_env.update(PY=PY, WANDB_MODE="offline", WANDB_DIR=str(tmp_path))
+    ref_env.update(PY=PY, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), OMP_NUM_THREADS="1")
     codes, outs = _two_launchers("examples/run_sft_qwen3_8b.sh", ref_args, ref_env)
     assert codes == [0, 0], outs[0][-3000:]
     got = {m["step"]: m["loss"] for m in _steps(metrics) if "loss" in m}
