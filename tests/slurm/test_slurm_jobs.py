@@ -235,9 +235,17 @@ def test_gppo_job_in_the_scripts_default_layout_stopped_mid_generation(cluster, 
     assert _trained_steps(trainer_log) == list(range(1, steps_wanted + 1))
     assert os.path.exists(os.path.join(logs, "trainer-node1.log"))
     assert not os.path.exists(os.path.join(logs, "trainer-node2.log"))
-    assert os.path.exists(os.path.join(logs, "server-n1-0.log")) and os.path.exists(
-        os.path.join(logs, "server-n1-1.log")
-    )
+    # each role's GPUs as Slurm gave them (four a node): the servers one each, every trainer node two
+    firsts = {
+        role: open(os.path.join(logs, f"{role}.log")).readline().strip()
+        for role in ("server-n1-0", "server-n1-1", "trainer-node0", "trainer-node1")
+    }
+    assert firsts == {
+        "server-n1-0": "server-n1-0 on n1: CUDA_VISIBLE_DEVICES=0",
+        "server-n1-1": "server-n1-1 on n1: CUDA_VISIBLE_DEVICES=1",
+        "trainer-node0": "trainer-node0 on n2: CUDA_VISIBLE_DEVICES=0,1",
+        "trainer-node1": "trainer-node1 on n3: CUDA_VISIBLE_DEVICES=0,1",
+    }, firsts
     # the stop came in step 3's generation: cut, step 2 saved at once (its bound reported)
     import re
 
