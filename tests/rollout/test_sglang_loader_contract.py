@@ -92,6 +92,15 @@ def test_the_marked_table_reads_back_through_sglangs_refusal():
     assert failed_load(refusal, "g_r1") == next(iter(table))
     assert failed_load(refusal, "g") is None  # another group's mark is not this one's
     assert failed_load(f"Group g_r1 not in {['other']}.", "g_r1") is None  # restarted: no mark
+    # a reason with brackets of its own: gloo's, when a peer of the group died mid-receive (read as
+    # "no group" before: the live server taken for a restarted one and dropped from the fleet)
+    gloo = (
+        "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+        "by peer [127.0.0.1]:16275. This is typically caused by a remote worker crashing. GLHF! \U0001f3d6\ufe0f)"
+    )
+    table = {"other": 1, "klear_weights" + FAILED_MARK + gloo: object()}
+    refusal = f"Failed to receive weights: Group klear_weights not in {list(table.keys())}. Please call ..."
+    assert failed_load(refusal, "klear_weights") == list(table)[1]
 
 
 # The writes into parameters on the unquantized paths of Qwen3 / Qwen3-MoE, and each rebinding of

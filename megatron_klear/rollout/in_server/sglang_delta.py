@@ -205,10 +205,15 @@ def failed_load(message: str, group_name: str) -> str | None:
     if at < 0:
         return None
     rest = message[at + len(head) :]
-    try:
-        names = ast.literal_eval(rest[: rest.index("]") + 1])
-    except (ValueError, SyntaxError):
-        return None
+    # the list ends at one of the "]" after it: not always the first, since a mark's reason may
+    # hold brackets of its own (gloo's "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:...")
+    names = None
+    for end in (k for k, c in enumerate(rest) if c == "]"):
+        try:
+            names = ast.literal_eval(rest[: end + 1])
+            break
+        except (ValueError, SyntaxError):
+            continue
     for name in names if isinstance(names, list) else []:
         if isinstance(name, str) and name.startswith(group_name + FAILED_MARK):
             return name

@@ -335,7 +335,12 @@ class DistributedWeightSync:
                 if w in self.buckets.load_failed:  # alive, its weights partly written: the retry sends it everything
                     continue
                 if w in serving and (not alive[w] or w in self.buckets.disconnected):
-                    self.engine.drop_worker(w, f"gone during the weight sync of version {version}: {error}")
+                    how = (
+                        "no answer to /model_info"
+                        if not alive[w]
+                        else "its connection was lost, or it no longer holds the update group"
+                    )
+                    self.engine.drop_worker(w, f"gone during the weight sync of version {version} ({how}): {error}")
                     dropped.append(w)
                 elif w in serving and w in rejoining and w in error:
                     self.engine.drop_worker(w, f"failed the weight sync of version {version} as it rejoined: {error}")
