@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv lint format test test-fast test-slurm demo bench clean sandbox slurm
+.PHONY: venv lint format test test-fast test-slurm demo bench clean sandbox slurm gpu-wheels
 
 venv: $(STAMP) $(VLLM_STAMP)
 
@@ -84,3 +84,15 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+
+# The wheels a lent GPU machine installs before tools/gpu_session.sh runs (its image runs Python 3.12
+# and has torch; nothing can be fetched there): requirements/gpu-session.txt, downloaded whole into a
+# temporary directory, then renamed; the time it took goes to .gpu-wheels/BUILT.
+gpu-wheels:
+	@start=$$(date +%s); rm -rf .gpu-wheels.tmp && \
+	$(PY) -m pip download -q -d .gpu-wheels.tmp --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -r requirements/gpu-session.txt && \
+	rm -rf .gpu-wheels && mv .gpu-wheels.tmp .gpu-wheels && \
+	echo "$$(ls .gpu-wheels/*.whl | wc -l) wheels, $$(du -sh .gpu-wheels | cut -f1), built $$(date -u +%FT%TZ) in $$(( $$(date +%s) - start )) s" \
+		| tee .gpu-wheels/BUILT

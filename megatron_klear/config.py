@@ -101,8 +101,14 @@ class TrainConfig:
     log_interval: int = 1
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocab-parallel log-prob
     logprobs_from_hidden: bool = True  # never materialise [tokens, vocab/TP] logits (models/output_head.py)
+    # fp16's dynamic loss scale to start from (null: 2^16 for RL, as NeMo-RL and slime start fp16;
+    # Megatron-Core's 2^32 for SFT). From 2^32 an RL run's first ~16 steps -- each a whole rollout --
+    # overflow and are skipped while the scale halves (every second overflow: hysteresis 2).
+    initial_loss_scale: float | None = None
 
     def validate(self):
+        if self.initial_loss_scale is not None and not self.initial_loss_scale >= 1:
+            raise ConfigError(f"train.initial_loss_scale must be >= 1 (or null), got {self.initial_loss_scale}")
         if self.steps < 0 or self.epochs < 0 or (self.steps == 0 and self.epochs == 0):
             raise ConfigError("train: set train.steps > 0 or train.epochs > 0")
         if self.keep_last < 1:

@@ -1,7 +1,8 @@
-"""platform/deferred_compile.py: on a machine without CUDA, Megatron-Core's ``jit_fuser`` compiles a
-fused function at its first call (through torch.compile, once, with the decorator's options)
-instead of importing TorchDynamo and Inductor at Megatron-Core's import; on CUDA, or with
-KLEAR_EAGER_TORCH_COMPILE=1, Megatron-Core's own ``jit_fuser`` stays."""
+"""platform/deferred_compile.py: Megatron-Core's ``jit_fuser`` compiles a fused function at its
+first call (through torch.compile, once, with the decorator's options) instead of importing
+TorchDynamo and Inductor at Megatron-Core's import, on every machine (on CUDA too, so that
+``model.fusions=off`` can run them eagerly); with KLEAR_EAGER_TORCH_COMPILE=1 Megatron-Core's own
+``jit_fuser`` stays."""
 
 import json
 import math
@@ -63,6 +64,7 @@ def test_megatrons_fusions_compile_at_their_first_call_and_compute_what_they_did
 
 
 def test_the_decorator_forms_compile_once_with_their_options(monkeypatch):
+    monkeypatch.setattr(deferred_compile, "_FUSIONS", [True])  # (a model built before may have turned them off)
     calls = []
 
     def spy(fn, **options):
@@ -98,14 +100,15 @@ class _Inner:
 
 
 @pytest.mark.parametrize("cuda", [False, True])
-def test_only_a_machine_without_cuda_gets_the_deferred_fuser(monkeypatch, cuda):
-    """The loader's decision with the device's fact injected: on CUDA Megatron-Core's own
-    ``jit_fuser`` (torch.compile) stays; the module's own loader still answers the rest."""
+def test_every_machine_gets_the_deferred_fuser(monkeypatch, cuda):
+    """The loader's decision with the device's fact injected: with or without CUDA the deferred
+    fuser replaces torch.compile (the switch of model.fusions lives in it); the module's own
+    loader still answers the rest."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     loader = deferred_compile._Loader(_Inner())
     module = types.ModuleType(deferred_compile.MODULE)
     loader.exec_module(module)
-    assert module.jit_fuser is (torch.compile if cuda else compile_on_first_call)
+    assert module.jit_fuser is compile_on_first_call
     assert loader.get_filename(deferred_compile.MODULE) == "megatron/core/jit.py"
 
 

@@ -99,6 +99,15 @@ def test_fp32_training_with_te_before_2_11_is_refused():
     check_training_dtype(ModelOptions(), CPU)  # auto: fp32, local layers
 
 
+def test_fp32_training_with_te_and_context_parallelism_is_refused_on_every_te_version():
+    with pytest.raises(ValueError, match=r"parallel.cp=2.*TE 2.11.0 has no fp32 attention under context parallelism"):
+        check_training_dtype(ModelOptions(dtype="fp32"), B200, cp=2)
+    check_training_dtype(ModelOptions(dtype="bf16"), B200, cp=2)
+    check_training_dtype(ModelOptions(dtype="fp32", backend="local"), B200, cp=2)  # our own core attention
+    with pytest.raises(ValueError, match="model.fusions must be auto or off"):
+        ModelOptions(fusions="on").validate()
+
+
 def test_the_fused_kernels_each_machine_gets():
     cpu = training_fusions(_arch(), CPU)
     assert not any(cpu.values())  # none of them runs without CUDA
@@ -112,6 +121,37 @@ def test_the_fused_kernels_each_machine_gets():
     yarn = _arch(rope_scaling={"rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 128})
     assert not training_fusions(yarn, H100)["apply_rope_fusion"]  # TE's THD kernel would drop YaRN's mscale
     assert set(cpu) == set(gpu)
+    assert not any(training_fusions(_arch(), H100, "off").values())  # model.fusions=off
+
+
+@pytest.fixture
+def rope_kernel_present(monkeypatch):
+    """TE's fused RoPE as Megatron-Core's config check looks for it (``transformer_config.py``
+    ``__post_init__``: apply_rope_fusion needs ``fused_apply_rotary_pos_emb_thd`` from TE)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_klear.platform import deferred_compile
+
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", lambda *a, **k: None)
+    before = deferred_compile.fusions()
+    yield
+    deferred_compile.set_fusions(before)
+
+
+@pytest.mark.parametrize("fusions", ["auto", "off"])
+def test_the_transformer_config_a_gpu_job_hands_megatron(rope_kernel_present, fusions):
+    """The GPU ``TransformerConfig`` built here with an H100's facts (TE 2.10, no apex): what
+    Megatron-Core is given, and the switch of the ``jit_fuser`` functions the flags do not reach."""
+    from megatron_klear.models.builder import transformer_config
+    from megatron_klear.platform import ParallelConfig, deferred_compile
+
+    config = transformer_config(_arch(), ModelOptions(fusions=fusions), ParallelConfig(), facts=H100, cpu_init=True)
+    on = fusions == "auto"
+    assert config.params_dtype == torch.bfloat16 and config.bf16  # auto: bf16 on a GPU
+    for name in ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion"):
+        assert getattr(config, name) is on, name
+    assert config.deallocate_pipeline_outputs is on and not config.gradient_accumulation_fusion  # no apex
+    assert deferred_compile.fusions() is on
 
 
 def test_a_cpu_transformer_config_gets_the_cpu_settings():
@@ -163,6 +203,22 @@ def test_checkpoints_keep_the_model_parallel_rng_tracker(monkeypatch):
     set_rng_state({k: v for k, v in saved.items() if k != "tracker"})  # an older checkpoint: the rest restored
 
 
+def test_random_states_are_restored_only_onto_the_world_and_layout_that_saved_them():
+    """Rank r's tracker states are its TP and EP ranks' streams: on the same world size with another
+    TP/PP/CP/EP split, rank r would take another rank's (TP ranks with one dropout mask)."""
+    from megatron_klear.platform import ParallelConfig
+    from megatron_klear.training.checkpointing import parallel_layout, rng_restore_refusal
+
+    tp2 = parallel_layout(ParallelConfig(tp=2))
+    assert tp2 == {"tp": 2, "pp": 1, "vpp": None, "cp": 1, "ep": 1, "etp": 1}
+    saved = {"world_size": 4, "layout": tp2}
+    assert rng_restore_refusal(saved, 4, tp2) is None
+    assert rng_restore_refusal(saved, 4, parallel_layout(ParallelConfig())) == "world size 4->4, tp=2->1"
+    assert rng_restore_refusal(saved, 2, tp2) == "world size 4->2"
+    assert rng_restore_refusal(saved, 4, parallel_layout(ParallelConfig(tp=2, ep=2))) == "world size 4->4, ep=1->2"
+    assert rng_restore_refusal({"world_size": 4}, 4, tp2) is None  # an older manifest: its world size alone
+
+
 def test_a_gpu_tensor_goes_to_a_cpu_update_group_by_a_blocking_copy():
     """A CUDA tensor copied to the CPU with ``non_blocking`` may be broadcast over gloo before the
     copy has finished; toward CUDA (NCCL groups) the copy stays asynchronous."""
@@ -176,13 +232,28 @@ def test_a_gpu_tensor_goes_to_a_cpu_update_group_by_a_blocking_copy():
     assert on_wire_device(Recorder(), torch.device("cuda", 0)) == ("cuda:0", True)
 
 
-def test_a_trainer_without_sglangs_nccl_settings_is_named():
-    from megatron_klear.platform.device_facts import nccl_update_group_gaps
+def test_a_trainer_whose_nccl_settings_differ_from_its_servers_is_named():
+    """The servers' values by SGLang 0.5.23's rule (engine.py ``_set_envs_and_config``): kept when
+    their environment sets them (the launchers give every step the job's), else 0; 1 with the
+    symmetric-memory or NVLS flags of /server_info's server arguments."""
+    from megatron_klear.platform.device_facts import nccl_update_group_gaps, sglang_nccl_env
 
-    bare = DeviceFacts(cuda=True, capability=(9, 0), nccl_env={"NCCL_CUMEM_ENABLE": "1"})
+    assert sglang_nccl_env({}) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+    assert sglang_nccl_env({"NCCL_CUMEM_ENABLE": "1"}) == {"NCCL_CUMEM_ENABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+    assert sglang_nccl_env({}, {"enable_nccl_nvls": True}) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "1"}
+    assert sglang_nccl_env({"NCCL_CUMEM_ENABLE": "0"}, {"enable_symm_mem": True})["NCCL_CUMEM_ENABLE"] == "1"
+    bare = DeviceFacts(cuda=True, capability=(9, 0))  # torchrun without the launchers' exports
     assert nccl_update_group_gaps(bare) == [
-        "NCCL_CUMEM_ENABLE=1 (servers: 0)",
+        "NCCL_CUMEM_ENABLE=<unset> (servers: 0)",
         "NCCL_NVLS_ENABLE=<unset> (servers: 0)",
     ]
     launched = DeviceFacts(cuda=True, nccl_env={"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"})
     assert nccl_update_group_gaps(launched) == []
+    assert nccl_update_group_gaps(launched, {"enable_nccl_nvls": True}) == ["NCCL_NVLS_ENABLE=0 (servers: 1)"]
+    # a job that exports 1 to every step: SGLang keeps it, the two ends agree (the old rule warned)
+    both_on = DeviceFacts(cuda=True, nccl_env={"NCCL_CUMEM_ENABLE": "1", "NCCL_NVLS_ENABLE": "1"})
+    assert nccl_update_group_gaps(both_on) == []
+    assert nccl_update_group_gaps(both_on, server_env={}) == [
+        "NCCL_CUMEM_ENABLE=1 (servers: 0)",
+        "NCCL_NVLS_ENABLE=1 (servers: 0)",
+    ]

@@ -1,7 +1,7 @@
-"""tools/gpu_checks.py, the GPU check, on the CPU path (``--device cpu --shape tiny``), so that the
-script a lent GPU runs (tools/gpu_session.sh, at 8b-layers) cannot rot here: every check runs and
-passes, the one table lists each of them, the table is written as markdown and JSON, and the exit
-status is 0; a check over its tolerance (``--tolerance-scale 0``) is reported FAIL with exit status 1."""
+"""tools/gpu_checks.py, the GPU check, on the CPU path (``--device cpu --shape tiny``): a check over
+its tolerance (``--tolerance-scale 0``) is reported FAIL with exit status 1, in the printed table and
+in the JSON. (Every check passing at the tiny shape, in the order a session runs them, is
+tests/test_gpu_session.py's dry run.)"""
 
 import json
 import os
@@ -34,20 +34,6 @@ def _run(out_dir, *args):
         if len(cells) == 4 and cells[0] in CHECKS:
             rows[cells[0]] = cells
     return proc, rows
-
-
-def test_every_check_runs_and_passes_on_the_cpu_in_one_table(tmp_path):
-    proc, rows = _run(tmp_path)
-    failure = f"stdout:\n{proc.stdout}\nstderr (end):\n{proc.stderr[-4000:]}"
-    assert list(rows) == list(CHECKS), failure
-    assert {c: r[1] for c, r in rows.items()} == dict.fromkeys(CHECKS, "PASS"), failure
-    assert proc.returncode == 0, failure
-    assert "tokens/s" in rows["memory_and_speed"][2], rows["memory_and_speed"]
-    recorded = json.loads((tmp_path / "gpu-checks.json").read_text())
-    assert [c["check"] for c in recorded["checks"]] == list(CHECKS) and recorded["failed"] == []
-    assert recorded["device"] == "cpu" and recorded["shape"] == "tiny"
-    table = (tmp_path / "gpu-checks.md").read_text()
-    assert all(f"| {c} | PASS |" in table for c in CHECKS), table
 
 
 def test_a_check_over_its_tolerance_is_reported_fail_with_a_non_zero_exit_status(tmp_path):

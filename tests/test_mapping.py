@@ -225,6 +225,21 @@ def test_moe_router_settings_match_transformers():
     )
     assert kw["moe_router_pre_softmax"] is True and kw["moe_layer_freq"] == 1
     assert kw["moe_router_load_balancing_type"] == "none" and kw["moe_aux_loss_coeff"] == 0.0
+    assert not kw["moe_permute_fusion"] and not kw["moe_router_fusion"]
+
+
+def test_moe_fusions_the_te_backend_gets():
+    """TE's fused permutation with the fusions on; the fused router never (it ignores router replay)."""
+    from megatron_klear.models.builder import ModelOptions, moe_kwargs
+    from megatron_klear.platform.distributed import ParallelConfig
+
+    arch = arch_from_dict(_moe_cfg())
+    te = moe_kwargs(arch, ModelOptions(backend="te"), ParallelConfig(), "te", fuse=True)
+    assert te["moe_permute_fusion"] and not te["moe_router_fusion"] and te["moe_grouped_gemm"]
+    assert not moe_kwargs(arch, ModelOptions(backend="te"), ParallelConfig(), "te", fuse=False)["moe_permute_fusion"]
+    assert not moe_kwargs(arch, ModelOptions(backend="local"), ParallelConfig(), "local", fuse=True)[
+        "moe_permute_fusion"
+    ]
 
 
 def test_expert_parallel_is_validated():

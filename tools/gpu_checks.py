@@ -16,7 +16,8 @@ overrides the shape's dtype). The random checkpoint is transformers' Qwen3ForCau
 Each check is a small function over the project's library (never a re-implementation) and runs in
 a fresh process of its own, a world of one rank (NCCL on cuda, gloo on cpu) started by the test
 suite's helper (``tests/distributed/helper.py``: spawn on cuda, a warm fork server on cpu); its
-result comes back over the helper's queue. What each proves, in order of value:
+result comes back over the helper's queue. What each proves (numbered as first written; they run in
+``CHECKS``' order, the riskiest first: 2, 3, 5, 7, 1, 4, 6, 8):
 
 1. ``parity``: Megatron's logits equal transformers' on the same checkpoint
    (``checkpoint/parity.py`` ``check_parity``, fp32): the mapping, the layer spec and RoPE at the
@@ -66,7 +67,8 @@ the FLOPs and bytes, not yet measured on a GPU: the budget is 10 minutes; the ch
 3.3 GB, a stand-in server loading it on the CPU and ~8 process starts dominate). On 2 CPU cores
 8b-layers takes ~2 min for parity and ~1.5 min for packed_vs_unpacked (logprob_precision's float64
 reference needs ~25 GB at that vocabulary: the GPU's memory, not a small CPU machine's). Exit status: 0 when no
-check FAILed (SKIP is not a failure), 1 otherwise, 2 on a usage error.
+check FAILed (SKIP is not a failure here; tools/gpu_session.py fails a SKIP that hides a missing
+module), 1 otherwise, 2 on a usage error. ``--out`` is rewritten after every check.
 """
 
 from __future__ import annotations
@@ -86,16 +88,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+# in the order they run: the riskiest questions first (a lent GPU's time may end before the last)
 CHECKS = (
-    "parity",
     "packed_vs_unpacked",
     "logprob_precision",
-    "memory_and_speed",
     "weight_sync",
-    "moe",
     "rl_resume",
+    "parity",
+    "memory_and_speed",
+    "moe",
     "delta_encode",
 )
+SYNC_PATHS = ("distributed", "disk", "memory")
 
 # make_tiny_model's arguments per shape; "dtype": the training dtype (the stand-in serves the same)
 SHAPES = {
@@ -491,7 +495,7 @@ def check_weight_sync(ctx):
     engine = loop.rollout.engine
     figures, detail = [], {"startup_s": start_s}
     try:
-        for version, path in ((1, "distributed"), (2, "disk"), (3, "memory")):
+        for version, path in enumerate(ctx.get("sync_paths") or SYNC_PATHS, 1):
             _perturb(loop.state)
             try:  # the server still holds the previous weights: the probe must say so
                 verify_servers(engine, loop.actor, loop.tokenizer, loop.arch.vocab_size, version, tolerance)
@@ -512,7 +516,10 @@ def check_weight_sync(ctx):
                 if path == "memory":  # weight_sync=memory: on cuda, CUDA IPC handles the server maps
                     push = InMemoryPush(loop.state, engine, Dedicated(), 64, fallback=push)
                 with engine.push_session(version):
-                    push.push(version)
+                    pushed = push.push(version)
+                if path == "memory" and not pushed.get("weights/in_memory"):
+                    # the disk fallback passes the probe too: the row must say which path ran
+                    return False, f"memory: the push went through disk ({push.why_not})", detail
                 diff = verify_servers(engine, loop.actor, loop.tokenizer, loop.arch.vocab_size, version, tolerance)[
                     "weights/verify_mean_diff_max"
                 ]
@@ -823,6 +830,26 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def write_outputs(out, header, rows, args, env, started, t_start) -> None:
+    """``gpu-checks.md`` (the header and the table) and ``gpu-checks.json`` in ``out``, each
+    replaced whole (temporary name, then rename)."""
+    from megatron_klear.utils import atomic
+
+    os.makedirs(out, exist_ok=True)
+    atomic.write_text(os.path.join(out, "gpu-checks.md"), header + "\n\n" + table(rows) + "\n")
+    record = {
+        "device": args.device,
+        "shape": args.shape,
+        "environment": env,
+        "date": started.isoformat(timespec="seconds"),
+        "seconds": time.monotonic() - t_start,
+        "tolerance_scale": args.tolerance_scale,
+        "checks": rows,
+        "failed": [r["check"] for r in rows if r["result"] == "FAIL"],
+    }
+    atomic.write_text(os.path.join(out, "gpu-checks.json"), json.dumps(record, indent=2, default=str))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), required=True)
@@ -835,12 +862,20 @@ def main(argv=None) -> int:
         "--tolerance-scale", type=float, default=1.0, help="multiply every tolerance (0: every compared check fails)"
     )
     ap.add_argument("--timeout", type=float, default=0, help="seconds per check (default 300 on cuda, 240 on cpu)")
+    ap.add_argument(
+        "--sync-paths",
+        default=",".join(SYNC_PATHS),
+        help="weight_sync's pushes, in order (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
+    sync_paths = [p.strip() for p in args.sync_paths.split(",") if p.strip()]
+    if not sync_paths or any(p not in SYNC_PATHS for p in sync_paths):
+        ap.error(f"--sync-paths: choose among {', '.join(SYNC_PATHS)}, got {args.sync_paths!r}")
     only = [c.strip() for c in args.only.split(",") if c.strip()] or list(CHECKS)
     unknown = [c for c in only if c not in CHECKS]
     if unknown:
         ap.error(f"--only: unknown check(s) {unknown}; known: {', '.join(CHECKS)}")
-    only = [c for c in CHECKS if c in only]  # in order of value
+    only = [c for c in CHECKS if c in only]  # in CHECKS' order: the riskiest first
     import torch
 
     import megatron_klear  # noqa: F401 -- its warning filter before Megatron's and transformers' imports
@@ -864,7 +899,22 @@ def main(argv=None) -> int:
         "serve": {"fp32": "float32", "bf16": "bfloat16"}[args.dtype or shape["dtype"]],
         "tolerance_scale": args.tolerance_scale,
         "workdir": workdir,
+        "sync_paths": sync_paths,
     }
+    env = environment_line(args.device)
+
+    def header():
+        return (
+            f"tools/gpu_checks.py --device {args.device} --shape {args.shape} ({ctx['dtype']}"
+            f"{'' if args.tolerance_scale == 1 else f', tolerances x{args.tolerance_scale:g}'}): {env}; "
+            f"{started.isoformat(timespec='seconds')}, {time.monotonic() - t_start:.0f} s in all"
+        )
+
+    def record(rows, done):
+        """The table so far, in --out (rewritten after each check: a run cut short leaves its rows)."""
+        if args.out:
+            write_outputs(args.out, header() + ("" if done else " (running)"), rows, args, env, started, t_start)
+
     server = None
     rows = []
     try:
@@ -883,42 +933,17 @@ def main(argv=None) -> int:
             row = run_one(name, ctx, timeout)
             print(f"{name}: {row['result']} ({row['seconds']:.1f} s) {row['figure']}", file=sys.stderr, flush=True)
             rows.append(row)
+            record(rows, done=False)
     finally:
         if server is not None:
             server.close()
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    env = environment_line(args.device)
-    total = time.monotonic() - t_start
-    header = (
-        f"tools/gpu_checks.py --device {args.device} --shape {args.shape} ({ctx['dtype']}"
-        f"{'' if args.tolerance_scale == 1 else f', tolerances x{args.tolerance_scale:g}'}): {env}; "
-        f"{started.isoformat(timespec='seconds')}, {total:.0f} s in all"
-    )
     text = table(rows)
-    print(header)
+    print(header())
     print(text)
+    record(rows, done=True)
     failed = [r["check"] for r in rows if r["result"] == "FAIL"]
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu-checks.md"), "w") as f:
-            f.write(header + "\n\n" + text + "\n")
-        with open(os.path.join(args.out, "gpu-checks.json"), "w") as f:
-            json.dump(
-                {
-                    "device": args.device,
-                    "shape": args.shape,
-                    "environment": env,
-                    "date": started.isoformat(timespec="seconds"),
-                    "seconds": total,
-                    "tolerance_scale": args.tolerance_scale,
-                    "checks": rows,
-                    "failed": failed,
-                },
-                f,
-                indent=2,
-                default=str,
-            )
     return 1 if failed else 0
 
 

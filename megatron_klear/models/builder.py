@@ -42,8 +42,14 @@ class ModelOptions:
     # 0: no auxiliary loss). Megatron-Core adds coeff * aux_loss of every MoE layer to the loss.
     moe_aux_loss_coeff: float | None = None
     moe_grouped_gemm: bool | None = None  # None: with Transformer Engine (GPU), else SequentialMLP
+    # Megatron-Core's fused kernels (SwiGLU, bias-dropout-add, softmax, RoPE, the MoE activations):
+    # auto: on with CUDA (their ``jit_fuser`` functions are ``torch.compile``: Triton needs a C
+    # compiler and Python's headers on the node); off: none of them, every ``jit_fuser`` function eager
+    fusions: str = "auto"  # auto | off
 
     def validate(self) -> None:
+        if self.fusions not in ("auto", "off"):
+            raise ValueError(f"model.fusions must be auto or off, got {self.fusions!r}")
         if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
             raise ValueError(f"model.moe_aux_loss_coeff must be >= 0 or null, got {self.moe_aux_loss_coeff!r}")
         if self.backend not in ("auto", "te", "local"):
@@ -146,14 +152,25 @@ def fp8_settings(options: ModelOptions) -> dict:
     return out
 
 
-def check_training_dtype(options: ModelOptions, facts: DeviceFacts | None = None) -> None:
+def check_training_dtype(options: ModelOptions, facts: DeviceFacts | None = None, cp: int = 1) -> None:
     """Training packs every micro-batch (THD). Transformer Engine before 2.11 has no attention
     backend for fp32 THD (flash and fused attention need bf16/fp16, its unfused attention refused
     THD until 2.11): refused here with the way out, instead of TE's "No dot product attention
-    backend is available" at the first forward."""
+    backend is available" at the first forward. With context parallelism (``cp`` > 1) no TE
+    version has one: its unfused attention is the only fp32 backend, and TE turns it off under
+    CP in every release (``transformer_engine/pytorch/attention/dot_product_attention/utils.py``,
+    ``get_attention_backend``, "Filter: Context parallelism": "Disabling UnfusedDotProductAttention
+    as it does not support context parallelism")."""
     facts = facts or device_facts()
     if resolve_dtype(options, facts) != torch.float32 or resolve_backend(options, facts) != "te":
         return
+    if cp > 1:
+        raise ValueError(
+            f"model.dtype=fp32 with the Transformer Engine backend and parallel.cp={cp}: TE "
+            f"{facts.te_version} has no fp32 attention under context parallelism (flash/fused attention need "
+            "bf16 or fp16, its unfused attention refuses CP); use model.dtype=bf16, parallel.cp=1, or "
+            "model.backend=local"
+        )
     if not facts.te_at_least(2, 11):
         raise ValueError(
             f"model.dtype=fp32 with the Transformer Engine backend: training packs sequences (THD) and TE "
@@ -162,8 +179,15 @@ def check_training_dtype(options: ModelOptions, facts: DeviceFacts | None = None
         )
 
 
-def training_fusions(arch: ModelArch, facts: DeviceFacts) -> dict:
-    """The fused kernels a model gets (``TransformerConfig`` fields): on CUDA with Transformer
+def fusions_on(options: ModelOptions, facts: DeviceFacts) -> bool:
+    """Whether ``model.fusions`` turns Megatron-Core's fused kernels on on the machine ``facts``
+    describes: ``auto`` on CUDA, never with ``off``."""
+    return options.fusions == "auto" and facts.cuda
+
+
+def training_fusions(arch: ModelArch, facts: DeviceFacts, fusions: str = "auto") -> dict:
+    """The fused kernels a model gets (``TransformerConfig`` fields), none with ``fusions="off"``
+    (``model.fusions``): on CUDA with Transformer
     Engine, Megatron's fusions (RoPE through TE's fused THD kernel: the unfused THD path loops over
     the sequences with a host sync per layer; weight-gradient accumulation into ``main_grad`` inside
     the GEMM, with apex; SwiGLU and bias-dropout-add as fused functions; pipeline outputs freed once sent).
@@ -179,7 +203,7 @@ def training_fusions(arch: ModelArch, facts: DeviceFacts) -> dict:
         cross_entropy_loss_fusion=False,  # log-probs are computed by training/logprobs.py, not this loss
         deallocate_pipeline_outputs=False,
     )
-    if not facts.cuda:
+    if not facts.cuda or fusions == "off":
         return off
     yarn = bool(arch.rope_scaling) and arch.rope_scaling.get("rope_type", arch.rope_scaling.get("type")) == "yarn"
     return dict(
@@ -291,10 +315,14 @@ def transformer_config(
         # Packed micro-batches vary in length: PP must exchange shapes.
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # only to pass a validation tied to the line above
-        **training_fusions(arch, facts),
+        **training_fusions(arch, facts, options.fusions),
     )
+    # the jit_fuser functions the flags above do not reach (the MoE experts' activations, ...)
+    from megatron_klear.platform.deferred_compile import set_fusions
+
+    set_fusions(fusions_on(options, facts))
     if arch.is_moe:
-        kwargs.update(moe_kwargs(arch, options, parallel, backend))
+        kwargs.update(moe_kwargs(arch, options, parallel, backend, fuse=fusions_on(options, facts)))
     if options.recompute_granularity:
         kwargs.update(recompute_granularity=options.recompute_granularity)
         if options.recompute_granularity == "full":
@@ -329,7 +357,9 @@ def use_grouped_gemm(options: ModelOptions, backend: str) -> bool:
     return backend == "te" if options.moe_grouped_gemm is None else bool(options.moe_grouped_gemm)
 
 
-def moe_kwargs(arch: ModelArch, options: ModelOptions, parallel, backend: str | None = None) -> dict:
+def moe_kwargs(
+    arch: ModelArch, options: ModelOptions, parallel, backend: str | None = None, fuse: bool = False
+) -> dict:
     """Megatron-Core MoE settings that reproduce transformers' Qwen3MoeSparseMoeBlock.
 
     Routing: HF takes softmax over all experts, then the top-k, renormalised to sum to one when
@@ -342,8 +372,15 @@ def moe_kwargs(arch: ModelArch, options: ModelOptions, parallel, backend: str | 
     Load balancing: Megatron's switch-transformer loss per MoE layer, ``coeff * E / (T * k) *
     sum_e f_e P_e`` summed over the MoE layers; transformers (only when ``output_router_logits``)
     pools the counts and probabilities of all layers before the product. The coefficient is HF's
-    ``router_aux_loss_coef`` unless ``model.moe_aux_loss_coeff`` says otherwise."""
+    ``router_aux_loss_coef`` unless ``model.moe_aux_loss_coeff`` says otherwise.
+
+    Fusions (``fuse``: ``model.fusions`` on this machine): the token permutation is TE's fused
+    kernel with the TE backend (Megatron-Core asks TE >= 2.1 for it). The router's fused top-k stays
+    off: with it, megatron-core 0.16.1's ``moe_utils.topk_routing_with_score_function`` returns the
+    fused kernel's choice before it consults the RouterReplay, so ``rollout.router_replay`` would
+    silently route by itself again."""
     coeff = aux_loss_coeff(arch, options)
+    backend = backend or resolve_backend(options)
     return dict(
         num_moe_experts=arch.num_experts,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
@@ -354,14 +391,14 @@ def moe_kwargs(arch: ModelArch, options: ModelOptions, parallel, backend: str | 
         moe_aux_loss_coeff=coeff,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=use_grouped_gemm(options, backend or resolve_backend(options)),
+        moe_grouped_gemm=use_grouped_gemm(options, backend),
         # 1: every layer is MoE (stacked checkpoint keys); a list marks layers "non-homogeneous",
         # which Megatron-Core checkpoints with per-layer keys (mapping.checkpoint_location)
         moe_layer_freq=1 if all(arch.moe_layer_pattern) else list(arch.moe_layer_pattern),
         expert_model_parallel_size=getattr(parallel, "ep", 1),
         expert_tensor_parallel_size=getattr(parallel, "etp", 1),
-        moe_permute_fusion=False,
-        moe_router_fusion=False,
+        moe_permute_fusion=fuse and backend == "te",
+        moe_router_fusion=False,  # (see above: the fused router ignores router replay)
         # a RouterReplay per router (inactive unless told: rollout.router_replay's old-log-prob pass)
         moe_enable_routing_replay=True,
     )

@@ -1,4 +1,4 @@
-"""Megatron-Core's fusions compiled at their first call, not at its import, on machines without CUDA.
+"""Megatron-Core's fusions compiled at their first call, not at its import, and switched off by ``model.fusions=off``.
 
 Megatron-Core decorates its fused elementwise functions (bias-GeLU/SwiGLU/GeGLU, MoE activations,
 norms) with ``megatron.core.jit.jit_fuser``, which is ``torch.compile``. ``torch.compile(fn)``
@@ -7,12 +7,17 @@ every process that imports ``megatron.core`` on a CPU (rank processes, conversio
 check), over ~1.5 s for the rest of Megatron-Core. A CPU run calls none of those functions.
 
 :func:`install` (called by ``megatron_klear/__init__.py``, before anything of ours imports
-Megatron-Core) lets ``megatron/core/jit.py`` run as it is and then, on a machine without CUDA,
-replaces its ``jit_fuser`` by :func:`compile_on_first_call`: the same ``torch.compile``, with the
-same arguments, called when the decorated function first runs. Functions decorated later get it
-too (Megatron's modules import ``jit_fuser`` from there). On a machine with CUDA nothing changes:
-there the fusions run and a compiled function may sit inside a larger ``torch.compile`` region.
-If ``megatron.core`` was imported before ``megatron_klear``, nothing changes either.
+Megatron-Core) lets ``megatron/core/jit.py`` run as it is and then replaces its ``jit_fuser`` by
+:func:`compile_on_first_call`: the same ``torch.compile``, with the same arguments, called when the
+decorated function first runs -- and only while the fusions are on (:func:`set_fusions`, which
+the model builder calls from ``model.fusions``: ``auto`` is on with CUDA, ``off`` never). With them
+off every decorated function runs eagerly: Megatron-Core 0.16.1 has switches for some fusions
+(``bias_activation_fusion``, ``bias_dropout_fusion``, ...) but none for the MoE experts'
+activations (``transformer/moe/experts.py``), which are ``jit_fuser`` functions whatever the config
+says. Functions decorated later get it too (Megatron's modules import ``jit_fuser`` from there).
+A decorated function called inside a larger ``torch.compile`` region would break its graph at the
+wrapper (nothing of this project compiles such a region). If ``megatron.core`` was imported before
+``megatron_klear``, nothing changes.
 
 ``KLEAR_EAGER_TORCH_COMPILE=1`` keeps Megatron-Core's own ``jit_fuser`` everywhere.
 """
@@ -27,6 +32,18 @@ import threading
 
 MODULE = "megatron.core.jit"
 
+#: whether a decorated function is compiled (True) or runs eagerly (False): :func:`set_fusions`
+_FUSIONS = [True]
+
+
+def set_fusions(on: bool) -> None:
+    """Turn the ``jit_fuser`` functions' compilation on or off for this process (``model.fusions``)."""
+    _FUSIONS[0] = bool(on)
+
+
+def fusions() -> bool:
+    return _FUSIONS[0]
+
 
 def compile_on_first_call(fn=None, **options):
     """``torch.compile(fn, **options)``, done when the returned function is first called (once, under
@@ -37,6 +54,8 @@ def compile_on_first_call(fn=None, **options):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if not _FUSIONS[0]:
+            return fn(*args, **kwargs)
         if not compiled:
             with lock:
                 if not compiled:
@@ -61,7 +80,7 @@ class _Loader(importlib.abc.Loader):
         self.inner.exec_module(module)
         import torch
 
-        if getattr(module, "jit_fuser", None) is torch.compile and not torch.cuda.is_available():
+        if getattr(module, "jit_fuser", None) is torch.compile:
             module.jit_fuser = compile_on_first_call
 
     def __getattr__(self, name):  # get_source, get_filename, ...: the module's own loader's

@@ -15,12 +15,15 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
-# NCCL settings that a trainer sharing its node's GPUs with SGLang/vLLM servers needs in its update
-# groups: SGLang 0.5.23 sets both to 0 in its own processes (sglang/srt/entrypoints/engine.py,
-# _set_envs_and_config) and an NCCL communicator whose two ends disagree on cuMem / NVLS buffers
-# hangs or fails on a same-node weight update. NCCL reads them once per process, so the launch
-# scripts export them; a trainer started without them is warned (:func:`nccl_update_group_gaps`).
-NCCL_UPDATE_GROUP_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+# NCCL settings that the two ends of an update group must agree on: a communicator whose ends
+# disagree on cuMem / NVLS buffers hangs or fails on a same-node weight update. NCCL reads them once
+# per process. SGLang sets them in its own processes (:func:`sglang_nccl_env`: 0 unless the server's
+# environment set them or a flag asks for them), so the launch scripts export both as 0 to every
+# step (trainer and servers alike); a trainer whose values differ from its servers' is warned
+# (:func:`nccl_update_group_gaps`). The cost: 0 turns them off for the trainer's own collectives too
+# (NVLink SHARP for Megatron's all-reduces on NVSwitch machines; cuMem buffers, which NCCL
+# suspension releases: docs/training.md says what to measure on a GPU).
+NCCL_UPDATE_GROUP_KEYS = ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")
 
 
 def parse_version(text: str | None) -> tuple:
@@ -135,11 +138,29 @@ def device_facts() -> DeviceFacts:
     return probe()
 
 
-def nccl_update_group_gaps(facts: DeviceFacts) -> list:
-    """The NCCL settings of ``facts`` that differ from what SGLang's processes run with
-    (:data:`NCCL_UPDATE_GROUP_ENV`), each as ``"NAME=value (servers: 0)"``; [] when they agree."""
+def sglang_nccl_env(env: dict, server_args: dict | None = None) -> dict:
+    """``NCCL_CUMEM_ENABLE`` and ``NCCL_NVLS_ENABLE`` as an SGLang 0.5.23 server runs with them,
+    from the environment it was started in and its server arguments (``/server_info``), by
+    ``srt/entrypoints/engine.py`` ``_set_envs_and_config``: a value the environment sets is kept,
+    an unset one becomes 0; ``--enable-symm-mem`` sets both to 1, ``--enable-nccl-nvls`` the
+    second. (Its two other cases are left out: cuMem on by default across multi-node NVLink
+    fabrics, and for the KV-shard gather's symmetric scratch.)"""
+    args = server_args or {}
+    symm, nvls = bool(args.get("enable_symm_mem")), bool(args.get("enable_nccl_nvls"))
+    out = {}
+    for key, forced in zip(NCCL_UPDATE_GROUP_KEYS, (symm, symm or nvls)):
+        out[key] = "1" if forced else env.get(key, "0")
+    return out
+
+
+def nccl_update_group_gaps(facts: DeviceFacts, server_args: dict | None = None, server_env: dict | None = None) -> list:
+    """The NCCL settings of ``facts`` that differ from what the servers run with
+    (:func:`sglang_nccl_env` of ``server_env``, by default this process's own: the launch scripts
+    start every step with the job's environment), each as ``"NAME=value (servers: v)"``; [] when
+    they agree."""
+    servers = sglang_nccl_env(facts.nccl_env if server_env is None else server_env, server_args)
     return [
         f"{k}={facts.nccl_env.get(k, '<unset>')} (servers: {v})"
-        for k, v in NCCL_UPDATE_GROUP_ENV.items()
+        for k, v in servers.items()
         if facts.nccl_env.get(k) != v
     ]

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_klear.rl.batch import RL_PER_TOKEN_KEYS, plan_mini_batch, split_mini_batches
+from megatron_klear.rl.batch import RL_PER_TOKEN_KEYS, check_routes, plan_mini_batch, split_mini_batches
 from megatron_klear.rl.importance import rollout_correction
 from megatron_klear.rl.losses import LossBatch, LossCounts, loss_spec, policy_loss
 from megatron_klear.rl.staleness import counted_tokens, stale_flags
@@ -122,6 +122,8 @@ class Actor:
         # with router replay every row carries routes, filler rows too (see replay_routing); samples
         # none of which carries any (the weight probe's) route by themselves
         replayed = self.router_replay and any(s.routed_experts is not None for s in samples)
+        if replayed:  # decided here, alike on every rank, before any row or collective
+            check_routes(samples)
         routes = (sum(arch.moe_layer_pattern), arch.moe_topk) if replayed else None
         plans = []
         for ids in split_mini_batches(samples, self.rl.mini_batch_prompts):
@@ -418,6 +420,19 @@ def recomputed_layers(model_chunks) -> set:
     for chunk in model_chunks:
         model = unwrap(chunk)
         cfg = model.config
+        # Megatron-Core's selective recompute of "moe" reruns the whole MoE layer, its router
+        # included, inside the backward: none of that is listed here, so its replay would take the
+        # wrong routes. model.recompute_granularity=selective recomputes the core attention only;
+        # a config that asks more must not reach router replay.
+        selective = (
+            set(getattr(cfg, "recompute_modules", None) or ()) if cfg.recompute_granularity == "selective" else set()
+        )
+        if "moe" in selective:
+            raise ValueError(
+                "router replay with selective recompute of 'moe' (recompute_modules="
+                f"{sorted(selective)}): the recomputed routers would replay the wrong routes; recompute 'moe_act' "
+                "or use model.recompute_granularity=full"
+            )
         if cfg.recompute_granularity != "full":
             continue
         layers = model.decoder.layers

@@ -123,14 +123,24 @@ def build_rl_micro_batch(
         has_rollout_logprobs=all(s.rollout_logprobs is not None for s in samples),
     )
     if route_shape is not None:
-        missing = [sid for s, sid in zip(samples, sample_ids) if s.routed_experts is None]
-        if missing:
-            raise ValueError(
-                f"rollout.router_replay: sample {missing[0]} carries no routed_experts (the engine did not "
-                "return the experts it routed to); every token of the update must replay the engine's routes"
-            )
+        check_routes(samples, sample_ids)
         row["routed_experts"] = routed_experts_row(samples, size, route_shape)
     return row
+
+
+def check_routes(samples: list, sample_ids=None) -> None:
+    """With router replay, every sample must carry the engine's routes: refused, naming the first
+    that does not. The actor checks the whole batch in its plan, on every rank alike, before any
+    rank builds a row or enters a collective (a refusal on the one rank whose row holds the sample
+    would leave the others waiting in theirs)."""
+    ids = range(len(samples)) if sample_ids is None else sample_ids
+    missing = [sid for s, sid in zip(samples, ids) if s.routed_experts is None]
+    if missing:
+        raise ValueError(
+            f"rollout.router_replay: sample {missing[0]} ({len(missing)} of {len(samples)} without) carries no "
+            "routed_experts (the engine did not return the experts it routed to); every token of the update "
+            "must replay the engine's routes"
+        )
 
 
 def routed_experts_row(samples: list, size: int, route_shape: tuple) -> torch.Tensor:

@@ -53,6 +53,13 @@ class Correction:
             raise ValueError(f"{where}.tis_cap must be > 0 (or null), got {self.tis_cap}")
         if self.is_level not in IS_LEVELS:
             raise ValueError(f"{where}.is_level must be one of {IS_LEVELS}, got {self.is_level!r}")
+        if self.is_level != "token" and self.tis_cap is None:
+            # the level says how the weight min(ratio, tis_cap) is taken: without a cap there is none
+            raise ValueError(
+                f"{where}.is_level={self.is_level} without {where}.tis_cap weights nothing: the level applies to the "
+                f"truncated importance weight min(ratio, {where}.tis_cap). Set {where}.tis_cap (verl's sequence-level "
+                f"IS: is_level=sequence, tis_cap=2), or for a sequence-level rejection alone {where}.is_reject=sequence"
+            )
         if self.is_reject is None:
             return
         if self.is_reject not in REJECT_MODES:

@@ -61,7 +61,7 @@ class RLLoop:
         self.steps = train.steps or 100
         # the lr schedule's length in its own unit (optim.schedule_unit): RL steps or optimizer steps
         per_step = 1 if cfg.optim.schedule_unit == "rl_step" else rl.prompts_per_step // rl.mini_batch_prompts
-        self.state = build_training_state(cfg, total_steps=self.steps * per_step)
+        self.state = build_training_state(cfg, total_steps=self.steps * per_step, job="rl")
         source = ModelSource.at(cfg.model.path)  # HF or converted: the architecture and the tokenizer
         self.arch = source.arch()
         self.tokenizer = load_tokenizer(source.tokenizer_dir)

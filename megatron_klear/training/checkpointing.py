@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -66,6 +67,30 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
     if state.get("tracker"):
         get_cuda_rng_tracker().set_states(dict(state["tracker"]))
+
+
+#: the parallel sizes that decide which random streams a global rank holds (its TP and EP ranks'
+#: tracker seeds, its data-parallel place): random states are restored only onto the same ones
+LAYOUT_KEYS = ("tp", "pp", "vpp", "cp", "ep", "etp")
+
+
+def parallel_layout(parallel) -> dict:
+    """``{tp, pp, vpp, cp, ep, etp}`` of a ``parallel`` config section (1 or None where absent)."""
+    return {k: getattr(parallel, k, None if k == "vpp" else 1) for k in LAYOUT_KEYS}
+
+
+def rng_restore_refusal(info: dict, world: int, layout: dict) -> str | None:
+    """Why a checkpoint's per-rank random states must not be restored here (None: they may be).
+    They are saved per global rank; rank r's tracker states are the streams of its TP and EP ranks.
+    On another world size or another layout, rank r would take another rank's streams (correlated
+    dropout masks across TP ranks, for one), so the run keeps the states seeded from train.seed.
+    A checkpoint written before the manifest kept the layout is judged by its world size alone."""
+    saved_world = info.get("world_size", world)
+    saved = info.get("layout", layout)
+    if saved_world == world and saved == layout:
+        return None
+    said = ", ".join(f"{k}={saved.get(k)}->{layout.get(k)}" for k in LAYOUT_KEYS if saved.get(k) != layout.get(k))
+    return f"world size {saved_world}->{world}" + (f", {said}" if said else "")
 
 
 @contextlib.contextmanager
@@ -242,6 +267,7 @@ class CheckpointManager:
             "step": step,
             "model_source": src,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "layout": parallel_layout(state.config.parallel),
             "optimizer_state": has_optimizer_state,
             "param_dtype": _param_dtype(state),
         }
@@ -332,7 +358,6 @@ class CheckpointManager:
         try:
             with open(manifest, encoding="utf-8") as f:
                 info = json.load(f)
-            saved_world = info.get("world_size", world)
         except FileNotFoundError:
             raise RunDirError(f"{ckpt_dir}: not a complete training checkpoint (no manifest.json)") from None
         except (ValueError, AttributeError) as e:
@@ -340,9 +365,18 @@ class CheckpointManager:
         _check_precision(info.get("param_dtype"), _param_dtype(state), ckpt_dir)
         # saved before any optimizer step: no moments were saved, the fresh optimizer is that state
         sharded = self._sharded_state(state, is_loading=True, optimizer=info.get("optimizer_state", True))
-        restore_rng = saved_world == world
+        refusal = rng_restore_refusal(info, world, parallel_layout(state.config.parallel))
+        restore_rng = refusal is None
         if not restore_rng:
             sharded.pop("rng")
+            if is_rank0():
+                print(
+                    f"resume: {ckpt_dir} was saved on another layout ({refusal}): its random states are not "
+                    "restored; every rank keeps the states seeded from train.seed (dropout masks and other "
+                    "random draws differ from an uninterrupted run)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         with torch.no_grad():
             loaded = dist_checkpointing.load(sharded, ckpt_dir)
         from megatron_klear.checkpoint.dist_ckpt import check_loaded, unwrap_model

@@ -55,12 +55,16 @@ class HostStash:
                         if isinstance(v, torch.Tensor):
                             yield (i, g, j, k), v, lambda t, d=inner.state[p], k=k: d.__setitem__(k, t)
 
-    def offload(self, optimizer) -> int:
+    def offload(self, optimizer, keep=frozenset()) -> int:
         """Every device tensor of ``optimizer`` to its host buffer (allocated at the first offload);
-        returns the bytes moved."""
+        returns the bytes moved. A tensor whose storage is in ``keep`` (the model's weights: with
+        fp32 weights Megatron-Core's distributed optimizer steps on a view of each weight's shard,
+        ``distrib_optimizer.py`` ``_build_model_and_main_param_groups``) stays: moving it frees
+        nothing -- the weight stays -- and :meth:`restore` would bring back a copy, the weight's
+        memory twice from then on."""
         moved = 0
         for key, t, put in self._slots(optimizer):
-            if not self.on_device(t):
+            if not self.on_device(t) or t.untyped_storage().data_ptr() in keep:
                 continue
             host = self.host.get(key)
             if host is None or host.shape != t.shape or host.dtype != t.dtype:
@@ -96,6 +100,11 @@ def _grad_buffers(chunk) -> list:
 def grad_buffer_bytes(model) -> int:
     """Bytes the gradient buffers of ``model`` (DDP-wrapped chunks) hold now (0 once offloaded)."""
     return sum(b.grad_data.untyped_storage().nbytes() for chunk in model for b in _grad_buffers(chunk))
+
+
+def model_storages(model) -> set:
+    """The storage addresses of the model's weights (DDP-wrapped chunks): what :meth:`HostStash.offload` keeps."""
+    return {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
 
 
 def _on_gpu(state) -> bool:
@@ -137,7 +146,7 @@ def offload_trainer(state) -> int:
     if on_gpu and not optimizer_holds_model_weights(state):
         if state.host_stash is None:
             state.host_stash = HostStash(pin=True)
-        state.host_stash.offload(state.optimizer)
+        state.host_stash.offload(state.optimizer, keep=model_storages(state.model))
         state.optimizer_offloaded = True
         torch.cuda.empty_cache()
     return freed

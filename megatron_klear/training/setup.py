@@ -40,17 +40,26 @@ def load_initial_weights(model_chunks, path: str) -> None:
     ModelSource(path).load_model([unwrap(c) for c in model_chunks])
 
 
-def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) -> TrainingState:
+#: fp16's first loss scale when ``train.initial_loss_scale`` is null: RL jobs, SFT jobs (Megatron-Core's)
+INITIAL_LOSS_SCALE = {"rl": 2.0**16, "sft": 2.0**32}
+
+
+def build_training_state(cfg, *, total_steps: int, load_weights: bool = True, job: str = "sft") -> TrainingState:
     """Parallel state must be up (``init_parallel``). Builds model chunks, wraps them in Megatron's
-    DDP, and creates the Megatron optimizer and the warm-up + decay schedule."""
+    DDP, and creates the Megatron optimizer and the warm-up + decay schedule. ``job`` (``sft`` |
+    ``rl``) picks fp16's first loss scale when ``train.initial_loss_scale`` is null."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_klear.models.builder import build_model_chunks, check_training_dtype, resolve_dtype
+    from megatron_klear.models.builder import build_model_chunks, check_training_dtype, fusions_on, resolve_dtype
     from megatron_klear.platform.device_facts import device_facts
 
     facts = device_facts()
-    check_training_dtype(cfg.model, facts)
+    check_training_dtype(cfg.model, facts, cp=cfg.parallel.cp)
+    if fusions_on(cfg.model, facts):  # before the first forward compiles them (or fails deep in Triton)
+        from megatron_klear.platform.compile_check import check_fusions_compile
+
+        check_fusions_compile("cuda")
     if not facts.cuda:
         warn_slow_cpu_dtype(resolve_dtype(cfg.model, facts))
     arch = model_arch(cfg.model.path)
@@ -98,6 +107,7 @@ def build_training_state(cfg, *, total_steps: int, load_weights: bool = True) ->
         fp16=dtype == torch.float16,
         params_dtype=dtype,
         use_distributed_optimizer=cfg.optim.distributed_optimizer,
+        initial_loss_scale=cfg.train.initial_loss_scale or INITIAL_LOSS_SCALE[job],
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     fuse_cpu_adam(optimizer)

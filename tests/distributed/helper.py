@@ -113,11 +113,18 @@ _FORK_SERVER = forkserver.ForkServer()
 _FORK_SERVER.set_forkserver_preload(_PRELOAD)
 
 
+def _cuda_machine() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _context(backend: str = "gloo"):
     # NCCL ranks use CUDA, which a child forked from the fork server cannot initialise once one of
     # the preloaded imports has touched it ("Cannot re-initialize CUDA in forked subprocess", seen
-    # on an H200 with torch 2.11): they start the plain way
-    if backend == "nccl" or os.environ.get("KLEAR_TEST_START_METHOD") == "spawn":
+    # on an H200 with torch 2.11): they start the plain way, and so does every rank on a machine
+    # with CUDA (a gloo world of the GPU tests may put tensors on the device too)
+    if backend == "nccl" or os.environ.get("KLEAR_TEST_START_METHOD") == "spawn" or _cuda_machine():
         return mp.get_context("spawn")
     return _Context()
 

@@ -290,3 +290,20 @@ def test_a_world_of_one_leaves_the_environment_to_its_children(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.split("\n")[:2] == ["ok ['child']", "ok []"]
+
+
+@pytest.mark.parametrize("cuda,env,spawned", [(False, None, False), (True, None, True), (False, "spawn", True)])
+def test_the_test_helper_spawns_its_ranks_on_a_cuda_machine(monkeypatch, cuda, env, spawned):
+    """The helper's warm fork server cannot give its children CUDA ("Cannot re-initialize CUDA in
+    forked subprocess"): on a machine with CUDA every world spawns, gloo ones included."""
+    import torch
+
+    from tests.distributed import helper
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if env:
+        monkeypatch.setenv("KLEAR_TEST_START_METHOD", env)
+    else:
+        monkeypatch.delenv("KLEAR_TEST_START_METHOD", raising=False)
+    context = helper._context("gloo")
+    assert (getattr(context, "get_start_method", lambda: "fork-server")() == "spawn") is spawned

@@ -47,35 +47,34 @@ def _overflow_then_train(rank, world, model_dir):
     init_parallel(cfg.parallel, seed=1)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        state = build_training_state(cfg, total_steps=10)
+        state = build_training_state(cfg, total_steps=10, job="rl")  # the RL loop's: fp16 from 2^16
     slow_fp16 = [str(w.message) for w in seen if str(w.message).startswith("model.dtype=fp16 on a CPU")]
     actor = Actor(state, cfg.rl, logprob_chunk_size=7)
 
     def weights():
         return {k: v.clone() for k, v in iter_hf_tensors(state.model)}
 
-    before, scale0 = weights(), float(state.optimizer.get_loss_scale())
-    # advantages of 6e4: the loss scale (2^32 to start) times them is far beyond fp16's 65504
+    def scale():
+        return float(state.optimizer.get_loss_scale())
+
+    scales = [scale()]
+    first = actor.update(make_samples())  # an RL run's first step applies (from 2^32 it overflowed)
+    before, scales = weights(), scales + [scale()]
+    # advantages of 6e4: the loss scale times them is far beyond fp16's 65504
     huge = [dataclasses.replace(s, advantage=6e4 * (1 if s.advantage > 0 else -1)) for s in make_samples()]
     skipped = actor.update(huge)
-    after_skip, scale1 = weights(), float(state.optimizer.get_loss_scale())
+    after_skip, scales = weights(), scales + [scale()]
     version_after_skip = actor.weight_version
-    # the run goes on: the scale backs off until an update is applied (Megatron's dynamic scaler halves
-    # it per overflow; from 2^32 a handful of steps reach a scale the tiny model's gradients fit)
-    applied = None
-    for _ in range(40):
-        m = actor.update(make_samples())
-        if m["actor/optimizer_steps"]:
-            applied = m
-            break
+    applied = actor.update(make_samples())  # the run goes on: the next step applies again
     moved = max(float((v - after_skip[k]).abs().max()) for k, v in weights().items())
     return {
+        "first": {k: v for k, v in first.items() if k != "actor/steps"},
         "skipped": {k: v for k, v in skipped.items() if k != "actor/steps"},
         "skipped_steps": skipped["actor/steps"],
         "unchanged": all(torch.equal(before[k], v) for k, v in after_skip.items()),
-        "scales": (scale0, scale1),
+        "scales": scales,
         "version_after_skip": version_after_skip,
-        "applied": None if applied is None else {k: v for k, v in applied.items() if k != "actor/steps"},
+        "applied": {k: v for k, v in applied.items() if k != "actor/steps"},
         "version_end": actor.weight_version,
         "moved": moved,
         "dtype": str(next(state.model[0].parameters()).dtype),
@@ -94,14 +93,26 @@ def test_an_fp16_overflow_skips_the_update_and_the_run_goes_on(model_dir):
     slow = out["fp16_slowdown"] >= SLOW
     assert len(out["slow_fp16_warnings"]) == int(slow), out
     assert all("set model.dtype=fp32" in w for w in out["slow_fp16_warnings"])
+    # the RL loop's first scale is 2^16 (train.initial_loss_scale: null), and its first step applies
+    assert out["first"]["actor/optimizer_steps"] == 1 and out["scales"][0] == 2.0**16, out
     skipped = out["skipped"]
     assert [s["update_ok"] for s in out["skipped_steps"]] == [False]
     assert skipped["actor/optimizer_steps"] == 0 and skipped["actor/skipped_updates"] == 1
     assert "actor/grad_norm" not in skipped  # no NaN mean of a norm that was never computed
-    assert out["unchanged"] and out["version_after_skip"] == 0  # nothing applied: version 0, nothing to push
-    # the scale backs off after two overflows in a row (Megatron's hysteresis), so the run reaches an
-    # applied update within a few dozen steps from 2^32
+    assert out["unchanged"] and out["version_after_skip"] == 1  # nothing applied: the version stays, nothing to push
+    # one overflow does not halve the scale (Megatron's hysteresis 2), and the next step applies
+    assert out["scales"][2] == out["scales"][1]
     applied = out["applied"]
-    assert applied is not None and applied["actor/optimizer_steps"] == 1
+    assert applied["actor/optimizer_steps"] == 1
     assert math.isfinite(applied["actor/grad_norm"]) and applied["actor/grad_norm"] > 0
-    assert out["version_end"] == 1 and out["moved"] > 0 and out["scales"][0] == 2.0**32
+    assert out["version_end"] == 2 and out["moved"] > 0
+
+
+def test_the_initial_loss_scale_by_job_and_by_key():
+    from megatron_klear.config import ConfigError, load_config
+    from megatron_klear.training.setup import INITIAL_LOSS_SCALE
+
+    assert INITIAL_LOSS_SCALE == {"rl": 2.0**16, "sft": 2.0**32}  # SFT keeps Megatron-Core's
+    assert load_config(None, ["train.initial_loss_scale=1024"]).train.initial_loss_scale == 1024
+    with pytest.raises(ConfigError, match="train.initial_loss_scale must be >= 1"):
+        load_config(None, ["train.initial_loss_scale=0.5"])

@@ -320,17 +320,38 @@ def test_suspended_nccl_communicators_release_their_memory_and_work_after_resume
     assert value == 1.0  # world size 1: the all-reduce of ones is ones
 
 
-def test_a_cuda_machine_keeps_megatrons_jit_fuser():
-    """platform/deferred_compile.py defers Megatron-Core's fusions only without CUDA: in a fresh
-    process on a GPU machine ``jit_fuser`` is still ``torch.compile`` (its CPU twin:
-    tests/test_deferred_compile.py, with the device fact injected)."""
+def test_on_a_cuda_machine_the_fusions_compile_and_model_fusions_off_runs_them_eagerly():
+    """platform/deferred_compile.py on a GPU machine: Megatron-Core's fused SwiGLU, called on CUDA
+    tensors in a fresh process, is compiled by Inductor/Triton (one frame compiled) while the fusions
+    are on, and runs eagerly (nothing compiled) after ``set_fusions(False)`` (``model.fusions=off``);
+    the answers agree with the eager formula (its CPU twin: tests/test_compile_check.py)."""
+    import json
     import subprocess
     import sys
 
-    code = (
-        "import torch, megatron_klear; from megatron.core import jit\n"
-        "print(torch.cuda.is_available(), jit.jit_fuser is torch.compile)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["True", "True"], out.stdout
+    code = """
+import json, torch, megatron_klear
+from torch._dynamo.utils import counters
+from megatron.core import jit
+from megatron.core.fusions.fused_bias_swiglu import swiglu
+from megatron_klear.platform import deferred_compile
+
+x = torch.randn(300, 2 * 128, device="cuda")
+a, b = torch.chunk(x, 2, -1)
+want = torch.nn.functional.silu(a) * b
+out = {"deferred": jit.jit_fuser is deferred_compile.compile_on_first_call}
+deferred_compile.set_fusions(False)
+eager = swiglu(x)
+out["frames_off"] = sum(counters["frames"].values())
+deferred_compile.set_fusions(True)
+fused = swiglu(x)
+out["frames_on"] = sum(counters["frames"].values())
+out["eager_err"] = float((eager - want).abs().max())
+out["fused_err"] = float((fused - want).abs().max())
+print(json.dumps(out))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["deferred"] and out["frames_off"] == 0 and out["frames_on"] >= 1, out
+    assert out["eager_err"] == 0.0 and out["fused_err"] < 1e-5, out

@@ -275,6 +275,8 @@ def test_the_weights_scale_the_gradient_and_keep_the_clip_regions():
         ("rl.is_level=seq", "rl.is_level must be one of"),
         ("rl.is_reject=token", "rl.is_reject_high"),
         ("rl.is_reject=tokens", "rl.is_reject must be one of"),
+        # the level of a weight with no cap: nothing would be weighted (it was silently a no-op)
+        ("rl.is_level=sequence", r"rl.is_level=sequence without rl.tis_cap weights nothing"),
     ],
 )
 def test_bad_keys_are_refused_by_name(override, words):

@@ -65,3 +65,25 @@ def test_tensors_not_on_a_device_stay_where_they_are():
     assert stash.offload(SimpleNamespace(optimizer=adam)) == 0 and not stash.host
     stash.restore(SimpleNamespace(optimizer=adam))
     assert [p.data_ptr() for p in params] == ptrs
+
+
+def test_an_optimizer_shard_that_views_a_weight_stays_a_view():
+    """fp32 weights with the distributed optimizer: its parameters are views of the weights' shards.
+    Moving such a view frees nothing (the weight stays) and would come back as a copy (the weight's
+    memory twice, and the optimizer no longer stepping on the weight itself): it stays where it is;
+    Adam's moments still move."""
+    weight = torch.nn.Parameter(torch.randn(12))
+    shard = torch.nn.Parameter(weight.data.view(-1)[4:10])  # as distrib_optimizer builds an fp32 shard
+    adam = torch.optim.Adam([shard], lr=0.1)
+    shard.grad = torch.ones_like(shard)
+    adam.step()
+    stash = HostStash(pin=False, on_device=lambda t: True)
+    keep = {weight.untyped_storage().data_ptr()}
+    moved = stash.offload(SimpleNamespace(optimizer=adam), keep=keep)
+    assert moved == sum(v.numel() * v.element_size() for v in adam.state[shard].values())  # the moments only
+    stash.restore(SimpleNamespace(optimizer=adam))
+    shard.grad = torch.ones_like(shard)
+    before = weight.detach().clone()
+    adam.step()
+    assert shard.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert not torch.equal(weight[4:10], before[4:10]) and torch.equal(weight[:4], before[:4])  # stepped in place

@@ -109,14 +109,20 @@ class UpdateGroups:
         if self.backend == "nccl" and not self.connected and not self.reforms:
             from megatron_klear.platform.device_facts import device_facts, nccl_update_group_gaps
 
-            gaps = nccl_update_group_gaps(device_facts())
-            if gaps and me == 0:
-                warnings.warn(
-                    f"rollout.sync_backend=nccl with {', '.join(gaps)}: SGLang starts its processes with them at 0, "
-                    "and a communicator whose ends disagree can hang same-node weight updates; export them before "
-                    "torchrun (examples/run_gppo_qwen3_8b.sh does; docs/sglang.md)",
-                    stacklevel=2,
-                )
+            if me == 0:
+                try:  # the servers' flags that change their NCCL settings (SGLang's /server_info)
+                    server_args = self.engine.server_info()
+                except Exception:  # noqa: BLE001 -- a family without it, a server gone: the environment alone
+                    server_args = None
+                gaps = nccl_update_group_gaps(device_facts(), server_args if isinstance(server_args, dict) else None)
+                if gaps:
+                    warnings.warn(
+                        f"rollout.sync_backend=nccl with {', '.join(gaps)}: SGLang sets them in its processes (0 "
+                        "unless their environment sets them), and a communicator whose ends disagree can hang "
+                        "same-node weight updates; export the servers' values before torchrun "
+                        "(examples/run_gppo_qwen3_8b.sh exports 0; docs/sglang.md)",
+                        stacklevel=2,
+                    )
         self.leaders, self.part = stage_leaders()
         assert self.leaders[0] == 0, "global rank 0 must lead pipeline stage 0"
         plan = None
