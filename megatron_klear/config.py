@@ -102,8 +102,8 @@ class TrainConfig:
     logprob_chunk_size: int = 4096  # tokens per chunk of the vocab-parallel log-prob
     logprobs_from_hidden: bool = True  # never materialise [tokens, vocab/TP] logits (models/output_head.py)
     # fp16's dynamic loss scale to start from (null: 2^16 for RL, as NeMo-RL and slime start fp16;
-    # Megatron-Core's 2^32 for SFT). From 2^32 an RL run's first ~16 steps -- each a whole rollout --
-    # overflow and are skipped while the scale halves (every second overflow: hysteresis 2).
+    # Megatron-Core's 2^32 for SFT). From 2^32 an RL run's first ~17 steps -- each a whole rollout --
+    # overflow and are skipped while the scale halves (hysteresis 2 absorbs only the first overflow).
     initial_loss_scale: float | None = None
 
     def validate(self):

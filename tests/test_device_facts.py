@@ -105,7 +105,18 @@ def test_fp32_training_with_te_and_context_parallelism_is_refused_on_every_te_ve
     check_training_dtype(ModelOptions(dtype="bf16"), B200, cp=2)
     check_training_dtype(ModelOptions(dtype="fp32", backend="local"), B200, cp=2)  # our own core attention
     with pytest.raises(ValueError, match="model.fusions must be auto or off"):
-        ModelOptions(fusions="on").validate()
+        ModelOptions(fusions="fast").validate()
+
+
+def test_model_fusions_off_reads_from_the_command_line_and_yaml(tmp_path):
+    """YAML reads a bare ``off`` as false (the config's loader is yaml.safe_load): it means off."""
+    from megatron_klear.config import load_config
+
+    assert load_config(None, ["model.fusions=off"]).model.fusions == "off"
+    assert load_config(None, []).model.fusions == "auto"
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  fusions: off\n")
+    assert load_config(str(path), []).model.fusions == "off"
 
 
 def test_the_fused_kernels_each_machine_gets():

@@ -372,6 +372,11 @@ def main(argv=None) -> int:
     run.add_argument(
         "--workdir", default="", help="the checkpoints (default: a temporary directory, removed at the end)"
     )
+    run.add_argument(
+        "--steps",
+        default=os.environ.get("GPU_SESSION_STEPS", ""),
+        help="comma-separated steps to run (default all: preflight, checks, expandable, tests)",
+    )
     args = ap.parse_args(argv)
     import megatron_klear  # noqa: F401 -- its warning filter first
 
@@ -384,6 +389,11 @@ def main(argv=None) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="klear-gpu-session-")
     try:
         steps = session_steps(device, shape, args.out, workdir)
+        wanted = [x.strip() for x in args.steps.split(",") if x.strip()]
+        unknown = sorted(set(wanted) - {step.name for step in steps})
+        if unknown:
+            ap.error(f"--steps: unknown step(s) {unknown}; known: {', '.join(step.name for step in steps)}")
+        steps = [step for step in steps if not wanted or step.name in wanted]
         title = f"tools/gpu_session.py{' --dry-run' if args.dry_run else ''} ({device}, {shape})"
         return run_session(steps, args.out, args.budget, title)
     finally:

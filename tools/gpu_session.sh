@@ -11,7 +11,8 @@
 #   bash tools/gpu_session.sh --dry-run   # the same control flow on the CPU (tiny shape; tests/test_gpu_session.py)
 # Then through the device tool, with carry=[".gpu-wheels"] and a timeout that leaves time to rerun once:
 #   bash tools/gpu_session.sh
-# Record the table ($OUT/gpu-session.md) in docs/training.md, "The GPU check".
+# GPU_SESSION_STEPS=expandable,tests runs some steps alone (a rerun of what a cut run left).
+# Record the table ($OUT/gpu-session.md) in docs/training.md, "The GPU session".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}

@@ -45,9 +45,11 @@ class ModelOptions:
     # Megatron-Core's fused kernels (SwiGLU, bias-dropout-add, softmax, RoPE, the MoE activations):
     # auto: on with CUDA (their ``jit_fuser`` functions are ``torch.compile``: Triton needs a C
     # compiler and Python's headers on the node); off: none of them, every ``jit_fuser`` function eager
-    fusions: str = "auto"  # auto | off
+    fusions: str | bool = "auto"  # auto | off (YAML reads a bare off as false: taken as off)
 
     def validate(self) -> None:
+        if isinstance(self.fusions, bool):
+            self.fusions = "auto" if self.fusions else "off"
         if self.fusions not in ("auto", "off"):
             raise ValueError(f"model.fusions must be auto or off, got {self.fusions!r}")
         if self.moe_aux_loss_coeff is not None and self.moe_aux_loss_coeff < 0:
@@ -187,8 +189,8 @@ def fusions_on(options: ModelOptions, facts: DeviceFacts) -> bool:
 
 def training_fusions(arch: ModelArch, facts: DeviceFacts, fusions: str = "auto") -> dict:
     """The fused kernels a model gets (``TransformerConfig`` fields), none with ``fusions="off"``
-    (``model.fusions``): on CUDA with Transformer
-    Engine, Megatron's fusions (RoPE through TE's fused THD kernel: the unfused THD path loops over
+    (``model.fusions``): on CUDA, Megatron's fusions (RoPE through TE's fused THD kernel, where TE
+    is installed: the unfused THD path loops over
     the sequences with a host sync per layer; weight-gradient accumulation into ``main_grad`` inside
     the GEMM, with apex; SwiGLU and bias-dropout-add as fused functions; pipeline outputs freed once sent).
     Elsewhere they stay off: they need CUDA, TE or apex. RoPE fusion also stays off with YaRN: TE's

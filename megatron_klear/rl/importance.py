@@ -1,5 +1,5 @@
 """Importance corrections between the rollout engine's policy and the trainer's (docs/gppo.md,
-"Engine/trainer corrections").
+"Sequence weights and rejection").
 
 The clipped objective's ratio ``r = pi / pi_old`` is taken against the trainer's recomputed
 log-probs (the proximal policy). The tokens were sampled by the engine, whose policy ``pi_behav``
