@@ -26,6 +26,80 @@ import time
 from megatron_klear.utils import atomic
 
 PAPER_SAMPLING = dict(temperature=0.6, top_p=0.95, top_k=20)
+#: each benchmark's figures of :func:`evaluate` that ``rl.eval`` logs (``{k}``: the k of avg@k)
+EVAL_METRICS = ("avg@{k}", "pass@{k}", "response_length_mean", "truncated_frac", "grader_errors")
+
+
+def parse_named(specs, flag: str) -> dict:
+    """``["NAME=VALUE", ...]`` -> ``{NAME: VALUE}``; ValueError naming ``flag`` for a spec without
+    ``=`` or a name given twice (one benchmark reads several files as NAME=FILE1,FILE2)."""
+    out = {}
+    for spec in specs or []:
+        if "=" not in str(spec):
+            raise ValueError(f"{flag} {spec!r}: expected NAME=VALUE")
+        name, value = str(spec).split("=", 1)
+        if name in out:
+            raise ValueError(
+                f"{flag} {name}=... given twice ({out[name]!r} and {value!r}): give each name once; one benchmark "
+                "reads several files as NAME=FILE1,FILE2 or a quoted glob"
+            )
+        out[name] = value
+    return out
+
+
+def bench_window(name: str, value: str) -> tuple:
+    """``(since, until)`` of a LiveCodeBench window: ``v5``, ``v6`` or ``SINCE..UNTIL``."""
+    from megatron_klear.data.formats.livecodebench import WINDOWS
+
+    if value in WINDOWS:
+        return WINDOWS[value]
+    if ".." in value:
+        since, until = value.split("..", 1)
+        return since or None, until or None
+    raise ValueError(f"--bench-window {name}={value}: expected v5, v6 or SINCE..UNTIL")
+
+
+def read_benchmarks(
+    files: dict, tokenizer, *, max_prompt_length: int, formats=None, windows=None, report=None, flag="--bench"
+) -> dict:
+    """``{NAME: prompts}`` from ``{NAME: "FILE[,FILE...]"}`` (paths or globs, each matching
+    something), read in the published formats ``tools/eval.py`` and ``rl.eval`` take
+    (``formats``: ``{NAME: format}``, auto-detected by default; ``windows``: ``{NAME: window}``
+    of a LiveCodeBench file). ``report(line)`` hears each benchmark's problem count. A bad name or
+    file is a ValueError naming it (as ``flag`` NAME=VALUE)."""
+    from megatron_klear.data.formats.livecodebench import PUBLISHED_COUNTS
+    from megatron_klear.data.jsonl import expand_input_files
+    from megatron_klear.data.prompts import PromptDataset
+
+    formats, windows = formats or {}, windows or {}
+    for flag, named in (("--bench-format", formats), ("--bench-window", windows)):
+        for name in set(named) - set(files):
+            raise ValueError(f"{flag} {name}=...: no --bench named {name!r}")
+    benchmarks = {}
+    for name, value in files.items():
+        try:
+            paths = expand_input_files([x.strip() for x in value.split(",") if x.strip()])
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"{flag} {name}={value}: {e}") from None
+        since, until = bench_window(name, windows[name]) if name in windows else (None, None)
+        benchmarks[name] = PromptDataset(
+            paths,
+            tokenizer,
+            max_prompt_length=max_prompt_length,
+            format=formats.get(name, "auto"),
+            since=since,
+            until=until,
+        ).prompts
+        count = len(benchmarks[name])
+        line = f"{name}: {count} problems from {len(paths)} file(s)"
+        published = PUBLISHED_COUNTS.get(windows.get(name))
+        if published is not None:
+            line += f"; LiveCodeBench's {windows[name]} window has {published}"
+            if count != published:
+                line += " (a window spans several release files: pass every one, e.g. 'data/lcb/test*.jsonl')"
+        if report is not None:
+            report(line)
+    return benchmarks
 
 
 def evaluation_reward_config(base=None, *, think_in_prompt: bool = False):

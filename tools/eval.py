@@ -345,68 +345,22 @@ def _apply_klear_preset(args, argv, vllm: bool) -> None:
 EMBEDDED_LONG_TOKENS = 8192
 
 
-def _bench_files(p, name: str, value: str) -> list:
-    """The files of ``--bench NAME=VALUE``: comma-separated paths or globs, each matching something."""
-    from megatron_klear.data.jsonl import expand_input_files
+def _read_benchmarks(p, args, tokenizer) -> dict:
+    """--bench / --bench-format / --bench-window through the library's reader (rl.eval reads its
+    sets with it too); a bad one ends with the usage error naming it."""
+    from megatron_klear.evaluation import parse_named, read_benchmarks
 
     try:
-        return expand_input_files([x.strip() for x in value.split(",") if x.strip()])
-    except (FileNotFoundError, ValueError) as e:
-        p.error(f"--bench {name}={value}: {e}")
-
-
-def _read_benchmarks(p, args, tokenizer) -> dict:
-    from megatron_klear.data.formats.livecodebench import PUBLISHED_COUNTS, WINDOWS
-    from megatron_klear.data.prompts import PromptDataset
-
-    def by_name(specs, flag):
-        out = {}
-        for spec in specs:
-            if "=" not in spec:
-                p.error(f"{flag} {spec!r}: expected NAME=VALUE")
-            k, v = spec.split("=", 1)
-            if k in out:
-                p.error(
-                    f"{flag} {k}=... given twice ({out[k]!r} and {v!r}): give each name once; one benchmark "
-                    "reads several files as NAME=FILE1,FILE2 or a quoted glob"
-                )
-            out[k] = v
-        return out
-
-    files = by_name(args.bench, "--bench")
-    formats, windows = by_name(args.bench_format, "--bench-format"), by_name(args.bench_window, "--bench-window")
-    for flag, named in (("--bench-format", formats), ("--bench-window", windows)):
-        for name in set(named) - set(files):
-            p.error(f"{flag} {name}=...: no --bench named {name!r}")
-    benchmarks = {}
-    for name, value in files.items():
-        paths = _bench_files(p, name, value)
-        since = until = None
-        if name in windows:
-            w = windows[name]
-            if w in WINDOWS:
-                since, until = WINDOWS[w]
-            elif ".." in w:
-                since, until = (x or None for x in w.split("..", 1))
-            else:
-                p.error(f"--bench-window {name}={w}: expected v5, v6 or SINCE..UNTIL")
-        benchmarks[name] = PromptDataset(
-            paths,
+        return read_benchmarks(
+            parse_named(args.bench, "--bench"),
             tokenizer,
             max_prompt_length=args.max_prompt_length,
-            format=formats.get(name, "auto"),
-            since=since,
-            until=until,
-        ).prompts
-        count = len(benchmarks[name])
-        line = f"{name}: {count} problems from {len(paths)} file(s)"
-        published = PUBLISHED_COUNTS.get(windows.get(name))
-        if published is not None:
-            line += f"; LiveCodeBench's {windows[name]} window has {published}"
-            if count != published:
-                line += " (a window spans several release files: pass every one, e.g. 'data/lcb/test*.jsonl')"
-        print(line, file=sys.stderr)
-    return benchmarks
+            formats=parse_named(args.bench_format, "--bench-format"),
+            windows=parse_named(args.bench_window, "--bench-window"),
+            report=lambda line: print(line, file=sys.stderr),
+        )
+    except ValueError as e:
+        p.error(str(e))
 
 
 def _per_problem(summary: dict, records: list) -> None:

@@ -10,7 +10,9 @@ PNG by default (--format svg for vector files).
 ``--preset async`` draws the asynchronous / partial-rollout metrics (docs/async.md): token
 staleness (mean and max), the off-policy token fraction, resumed / aborted / regenerated samples,
 the step's times (generate, train, overlap, step) and samples/s; each chart is named
-``async_<name>``. Runs are named by their directory (runs/a/metrics.jsonl -> "a"). Needs matplotlib
+``async_<name>``. ``--preset eval`` draws the held-out curves of ``rl.eval`` (docs/gppo.md): every
+set's ``eval/NAME/avg@k`` in one chart (``eval_avg``), their pass@k in another (``eval_pass``).
+Runs are named by their directory (runs/a/metrics.jsonl -> "a"). Needs matplotlib
 (the ``[logging]`` extra: pip install -e '.[logging]' in the repository's root).
 """
 
@@ -54,6 +56,18 @@ TITLES = {
 }
 
 
+def eval_charts(runs: dict) -> dict:
+    """``--preset eval``: one chart of every held-out set's avg@k (``rl.eval``: ``eval/NAME/avg@k``)
+    and one of their pass@k, from the keys the runs logged."""
+    keys = sorted({k for rows in runs.values() for r in rows for k in r if k.startswith("eval/")})
+    charts = {}
+    for figure in ("avg@", "pass@"):
+        chosen = [k for k in keys if k.rsplit("/", 1)[-1].startswith(figure)]
+        if chosen:
+            charts[f"eval_{figure.rstrip('@')}"] = chosen
+    return charts
+
+
 def collect_series(runs: dict, metrics: list) -> dict:
     """label -> [(step, value), ...] for every (run, metric) with values; labelled by the metric,
     or ``run: metric`` when there are several runs."""
@@ -75,21 +89,22 @@ def main(argv=None):
         "--preset",
         action="append",
         default=[],
-        choices=sorted(PRESETS),
-        help="a set of charts (async: staleness, off-policy tokens, partial samples, step times, samples/s)",
+        choices=sorted([*PRESETS, "eval"]),
+        help="a set of charts (async: staleness, off-policy tokens, partial samples, step times, samples/s; "
+        "eval: the held-out sets' avg@k and pass@k of rl.eval)",
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--format", choices=("png", "svg", "pdf"), default="png")
     args = p.parse_args(argv)
     charts = {m: [m] for m in args.metric}
     for preset in args.preset:
-        charts.update(PRESETS[preset])
+        charts.update(PRESETS.get(preset, {}))
     for g in args.group:
         name, _, metrics = g.partition("=")
         if not name or not metrics:
             p.error(f"--group {g!r}: expected NAME=metric1,metric2")
         charts[name] = metrics.split(",")
-    if not charts:
+    if not charts and not args.preset:
         p.error("give at least one --metric, --group or --preset")
     from megatron_klear.utils.plots import line_chart
 
@@ -97,6 +112,8 @@ def main(argv=None):
     for path in args.runs:
         name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
         runs[name if name not in runs else path] = read_metrics(path)
+    if "eval" in args.preset:
+        charts.update(eval_charts(runs))
     written = 0
     for name, metrics in charts.items():
         series = collect_series(runs, metrics)

@@ -70,8 +70,42 @@ class RLConfig:
     std_normalize: bool = True  # False: Dr.GRPO advantages (no division by the std)
     filter_zero_spread: bool = True
     overlong_filter: bool = False
+    # Held-out evaluation during the run (rl/rollout/validation.py, docs/gppo.md "Evaluation during
+    # training"): sets as NAME=FILE[,FILE...] in the formats tools/eval.py reads, evaluated through
+    # the run's own engine with that step's weights every eval_interval steps (and before the first
+    # with eval_before_train), eval_k samples a prompt; metrics eval/NAME/avg@k, pass@k, ...
+    eval: list = field(default_factory=list)
+    eval_interval: int = 0  # RL steps between evaluations (0: none during the run)
+    eval_before_train: bool = False
+    eval_k: int = 4
+    eval_temperature: float = 0.6  # the paper's evaluation sampling (tools/eval.py's defaults)
+    eval_top_p: float = 0.95
+    eval_top_k: int = 20  # -1: off
+    eval_max_new_tokens: int = 0  # 0: rollout.max_new_tokens
+    eval_seed: int = 0
+    # The rollouts on disk (rl/rollout/records.py, tools/rollouts.py): every response of every
+    # dump_rollouts-th step as <save_dir>/rollouts/step_N.jsonl.gz (0: none), the last
+    # dump_rollouts_keep files kept (0: all)
+    dump_rollouts: int = 0
+    dump_rollouts_keep: int = 0
 
     def validate(self):
+        if self.eval and not (self.eval_interval or self.eval_before_train):
+            raise ConfigError(
+                "rl.eval names held-out sets but neither rl.eval_interval (> 0) nor rl.eval_before_train is set: "
+                "nothing would evaluate them"
+            )
+        from megatron_klear.evaluation import parse_named
+
+        try:
+            parse_named(self.eval, "rl.eval")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for key in ("eval_interval", "eval_max_new_tokens", "dump_rollouts", "dump_rollouts_keep"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"rl.{key} must be >= 0, got {getattr(self, key)}")
+        if self.eval_k < 1:
+            raise ConfigError(f"rl.eval_k must be >= 1, got {self.eval_k}")
         formats = ("auto", "project", "verl", "livecodebench", "math")
         if self.prompts_format not in formats:
             raise ConfigError(f"rl.prompts_format={self.prompts_format!r}: expected one of {', '.join(formats)}")

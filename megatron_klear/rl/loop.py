@@ -12,6 +12,8 @@
 4. **push weights**: the new weights reach the engine labelled with their weight version (the
    actor's, +1 for each update that changed the weights; a step that changed none pushes nothing),
    and the servers are checked against the trainer when due;
+5. **validate**: when due, the held-out sets of ``rl.eval`` are evaluated on the engine with those
+   weights;
 
 (with ``rl.async_steps=1`` the next step's batch generates while 2-4 run, and with
 ``rollout.partial`` a step's unfinished responses are continued at the next: both behind the
@@ -109,6 +111,9 @@ class RLLoop:
         self.rollout.push_weights(self.actor.weight_version, step=self.rl_step)
         self.rollout.warn_unweighted_stale_tokens()
         self.job_run.open_log(self.steps, position=self.rl_step)
+        # the held-out sets before the first step (rl.eval_before_train), logged at step 0
+        version = self.actor.weight_version
+        self.job_run.log_now(self.rl_step, self.rollout.validate(step=self.rl_step, version=version, before_train=True))
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -129,6 +134,8 @@ class RLLoop:
         # the weights at their version (unchanged weights: nothing is sent, the servers keep their label)
         metrics.update(self.rollout.push_weights(self.actor.weight_version, step=self.rl_step))
         metrics.update({"time/train_s": t2 - t1, "time/weight_sync_s": time.time() - t2})
+        # the held-out sets with the weights just pushed, when due (rl.eval)
+        metrics.update(self.rollout.validate(step=self.rl_step, version=self.actor.weight_version))
         step_s = time.time() - t0
         metrics.update(
             {

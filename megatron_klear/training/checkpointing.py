@@ -79,14 +79,22 @@ def parallel_layout(parallel) -> dict:
     return {k: getattr(parallel, k, None if k == "vpp" else 1) for k in LAYOUT_KEYS}
 
 
-def rng_restore_refusal(info: dict, world: int, layout: dict) -> str | None:
+def state_layout(state) -> dict | None:
+    """The layout of a training state's job (None for a state built without a job config)."""
+    parallel = getattr(getattr(state, "config", None), "parallel", None)
+    return None if parallel is None else parallel_layout(parallel)
+
+
+def rng_restore_refusal(info: dict, world: int, layout: dict | None) -> str | None:
     """Why a checkpoint's per-rank random states must not be restored here (None: they may be).
     They are saved per global rank; rank r's tracker states are the streams of its TP and EP ranks.
     On another world size or another layout, rank r would take another rank's streams (correlated
     dropout masks across TP ranks, for one), so the run keeps the states seeded from train.seed.
     A checkpoint written before the manifest kept the layout is judged by its world size alone."""
     saved_world = info.get("world_size", world)
-    saved = info.get("layout", layout)
+    saved = info.get("layout") or layout
+    layout = layout or saved or {}  # (a state without a job config: the world size alone)
+    saved = saved or {}
     if saved_world == world and saved == layout:
         return None
     said = ", ".join(f"{k}={saved.get(k)}->{layout.get(k)}" for k in LAYOUT_KEYS if saved.get(k) != layout.get(k))
@@ -267,7 +275,7 @@ class CheckpointManager:
             "step": step,
             "model_source": src,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "layout": parallel_layout(state.config.parallel),
+            "layout": state_layout(state),
             "optimizer_state": has_optimizer_state,
             "param_dtype": _param_dtype(state),
         }
@@ -365,7 +373,7 @@ class CheckpointManager:
         _check_precision(info.get("param_dtype"), _param_dtype(state), ckpt_dir)
         # saved before any optimizer step: no moments were saved, the fresh optimizer is that state
         sharded = self._sharded_state(state, is_loading=True, optimizer=info.get("optimizer_state", True))
-        refusal = rng_restore_refusal(info, world, parallel_layout(state.config.parallel))
+        refusal = rng_restore_refusal(info, world, state_layout(state))
         restore_rng = refusal is None
         if not restore_rng:
             sharded.pop("rng")

@@ -77,6 +77,12 @@ class Run:
         if is_rank0() and save_dir:
             atomic.write_text(os.path.join(save_dir, "config.yaml"), cfg.to_yaml())
 
+    def log_now(self, at: int, metrics: dict) -> None:
+        """Log ``metrics`` at position ``at`` outside a step (an evaluation before the first); nothing
+        when empty."""
+        if metrics and self.logger is not None:
+            self.logger.log(at, metrics)
+
     def drive(
         self,
         step: Callable[[], dict],

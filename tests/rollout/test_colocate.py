@@ -429,8 +429,9 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
 
 
 def test_a_step_that_changes_no_weight_pushes_the_same_version_again_in_memory(tmp_path):
-    """A step that changes no weight after the servers released theirs for the update (fp16: the
-    dynamic loss scale starts at 2**32, so the first updates overflow and are skipped):
+    """A step that changes no weight after the servers released theirs for the update (fp16 with
+    the dynamic loss scale started at 2**32, ``train.initial_loss_scale``: the first updates
+    overflow and are skipped):
     with weight_sync=memory nothing holds a copy to reload but the trainer, so the same version is
     pushed again in memory (before: the servers were given back released memory, with a warning,
     and the next rollout ran on it); they serve exactly the trainer's weights after it
@@ -453,7 +454,8 @@ def test_a_step_that_changes_no_weight_pushes_the_same_version_again_in_memory(t
             for a in _overrides({"model": model, "prompts": prompts}, save)
             if not a.startswith(("parallel.tp", "train.steps"))
         ]
-        args += ["parallel.tp=1", "train.steps=1", "model.dtype=fp16", *_colocated([server.url])]
+        args += ["parallel.tp=1", "train.steps=1", "model.dtype=fp16", "train.initial_loss_scale=4294967296"]
+        args += _colocated([server.url])
         # seeded samples (the same every run): among the 6 groups some have reward spread, so the
         # update runs on released servers and fp16's first update overflows
         args += ["rl.filter_zero_spread=true", "rollout.send_seed=true"]

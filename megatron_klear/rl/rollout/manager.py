@@ -6,12 +6,15 @@
   trainer when they share its GPUs (a no-op otherwise), and get their weights back if the update fails;
 - :meth:`RolloutManager.push_weights`: the trainer's weights to the engine as a new version, then
   the probe check of the servers when it is due;
+- :meth:`RolloutManager.validate`: the held-out sets of ``rl.eval`` evaluated on the engine with the
+  step's weights, when due (:mod:`.validation`);
 - :meth:`RolloutManager.interrupt`: a stop signal cancels the generation in flight (the step asking
   for it raises StepInterrupted with nothing of it consumed; training/signals.py);
 - :meth:`RolloutManager.close`.
 
 It owns the engine and the grading pool (rank 0), the weight-push path (every rank), the placement of
-the servers (:mod:`.colocation`) and the weight check (:mod:`.verify`). Each feature lives in its own
+the servers (:mod:`.colocation`), the weight check (:mod:`.verify`), the held-out evaluation
+(:mod:`.validation`) and the rollouts on disk (:mod:`.records`). Each feature lives in its own
 module; this class only wires them.
 """
 
@@ -35,6 +38,7 @@ class RolloutManager:
         r = cfg.rollout
         self.placement = Colocated(r.offload_trainer, nccl_suspension(r.suspend_nccl)) if r.colocate else Dedicated()
         self.engine = self.pool = self.weights = self.batches = None
+        self.validation = self.recorder = self.dump = None  # rank 0: rl.eval, rl.dump_rollouts
         self.state = self.actor = self.tokenizer = None
         self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
         # the weight version the engine was last given, and the RL step it was given after (None:
@@ -88,6 +92,19 @@ class RolloutManager:
             self.pool = GradingPool(cfg.reward)
             if needs_sandbox:
                 self.pool.prepare_sandbox()  # no usable sandbox: fail now, not at the first code item
+            if cfg.rl.eval:
+                from megatron_klear.rl.rollout.validation import Validation
+
+                self.validation = Validation(cfg.rl, cfg.reward, tokenizer, save_dir=cfg.train.save_dir)
+                new_tokens = cfg.rl.eval_max_new_tokens or r.max_new_tokens
+                self.engine.check_context(
+                    cfg.rl.max_prompt_length + new_tokens, "rl.max_prompt_length + rl.eval_max_new_tokens"
+                )
+            if cfg.rl.dump_rollouts:
+                from megatron_klear.rl.rollout.records import RolloutDump, RolloutRecorder
+
+                self.recorder = RolloutRecorder()
+                self.dump = RolloutDump(cfg.train.save_dir, cfg.rl.dump_rollouts, cfg.rl.dump_rollouts_keep, tokenizer)
             self.batches = self._batches()
         self.weights = make_weight_push(r, state, arch, self.engine, sync_dir, tokenizer_dir, self.placement)
 
@@ -111,6 +128,8 @@ class RolloutManager:
         if is_rank0():
             try:
                 samples, metrics = self.batches.next(prompts, step, weight_version)
+                if self.recorder is not None:  # (before a batch ahead starts adding its own)
+                    metrics.update(self._dump(step + 1, samples))
                 result = (samples, metrics, None)
             except ShortfallError as e:
                 result = (
@@ -137,6 +156,36 @@ class RolloutManager:
             metrics["data/skipped_prompt_lines"] = getattr(prompts, "skipped", 0)
         self.generated += 1
         return samples, metrics
+
+    def validate(self, *, step: int, version: int, before_train: bool = False) -> dict:
+        """Rank 0: the held-out evaluation (``rl.eval``) when it is due after RL step ``step``
+        (``before_train``: before the first), on the engine serving weight version ``version``;
+        its metrics, or {} (not due, and on every other rank: they go on to the next step's
+        collectives and wait there)."""
+        if not is_rank0() or self.validation is None or not self.validation.due(step, before_train=before_train):
+            return {}
+        return self.validation.run(
+            self.engine, step=step, version=version, max_new_tokens=self.cfg.rollout.max_new_tokens
+        )
+
+    def _dump(self, step: int, samples: list) -> dict:
+        """Rank 0: the records of the batch of RL step ``step`` (taken whatever the cadence), written
+        when ``rl.dump_rollouts`` is due; a response the filters kept but dynamic sampling cut past
+        the step's quota is marked so."""
+        import time
+
+        records = self.recorder.take()
+        if not self.dump.due(step):
+            return {}
+        t0 = time.time()
+        trained = {id(s.response_ids) for s in samples}
+        for r in records:
+            ref = r.pop("_ref")
+            if r["dropped"] is None and id(ref) not in trained:
+                r["dropped"] = "over_quota"
+            r["trained"] = r["dropped"] is None
+        self.dump.write(step, records)
+        return {"time/dump_s": time.time() - t0}
 
     def interrupt(self) -> None:
         """(From the stop signal's thread.) Rank 0: the batch being generated, at the step or one
@@ -276,7 +325,7 @@ class RolloutManager:
         from megatron_klear.rl.rollout.schedules import OneStepAhead, Synchronous
 
         make = PartialRollouts if self.cfg.rollout.partial else FullBatches
-        producer = make(self.cfg, self.engine, self.pool, self.tokenizer, self.stop_token_ids)
+        producer = make(self.cfg, self.engine, self.pool, self.tokenizer, self.stop_token_ids, recorder=self.recorder)
         if not self.cfg.rl.async_steps:
             return Synchronous(producer)
         if self.cfg.rollout.partial and self.cfg.rl.max_staleness < 2:
@@ -316,6 +365,8 @@ class RolloutManager:
                 self.batches.close()
             self.placement.restore(self.engine)
         self.placement.close()  # (collective: every rank closes at the end of a run)
+        if self.validation is not None:
+            self.validation.close()
         if self.pool is not None:
             self.pool.close(cancel_pending=True)
         if self.weights is not None:

@@ -157,9 +157,10 @@ class PartialRollouts:
     grading pool; ``params``: the step's :class:`~megatron_klear.rollout.base.SamplingParams`
     (``max_new_tokens`` = the whole response budget)."""
 
-    def __init__(self, cfg, engine, pool, tokenizer, stop_token_ids):
+    def __init__(self, cfg, engine, pool, tokenizer, stop_token_ids, recorder=None):
         self.cfg, self.engine, self.pool, self.tokenizer = cfg, engine, pool, tokenizer
         self.stop_token_ids = list(stop_token_ids)
+        self.recorder = recorder  # rl.dump_rollouts: hears every response graded for a step
         self.buffer = PartialBuffer()
         self._kept = {}  # id(group) -> whether it keeps reward spread (its grades are final)
         self._stream = None  # the stream running now
@@ -400,7 +401,7 @@ class PartialRollouts:
         prompts = [g.prompt for g, _ in order]
         completions = [[s.completion() for s in g.slots] for g, _ in order]
         grades = [gr for _, gr in order]
-        samples, metrics = build_samples(prompts, completions, grades, self.cfg)
+        samples, metrics = build_samples(prompts, completions, grades, self.cfg, recorder=self.recorder)
         return samples, metrics
 
     # -- checkpoint ---------------------------------------------------------------------------------

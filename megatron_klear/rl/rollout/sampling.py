@@ -34,12 +34,15 @@ class GenerationCancelled(Exception):
     raises this instead of returning a batch."""
 
 
-def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams, cfg, stop_token_ids, cancel=None):
+def generate_and_grade(
+    engine, pool, tokenizer, prompts, params: SamplingParams, cfg, stop_token_ids, cancel=None, recorder=None
+):
     """Sample ``rl.responses_per_prompt`` responses per prompt and grade them. The engine hands back
     each prompt's responses as they complete (an HTTP engine runs many requests concurrently; the
     in-process engine works through ``rollout.chunk_prompts`` at a time), and each is submitted to the
     grading pool at once, so grading overlaps generation. Returns (samples, metrics); raises
-    :class:`GenerationCancelled` once ``cancel`` (a ``threading.Event``) is set."""
+    :class:`GenerationCancelled` once ``cancel`` (a ``threading.Event``) is set. ``recorder``: a
+    :class:`~megatron_klear.rl.rollout.records.RolloutRecorder` that hears every graded response."""
     completions, futures = [None] * len(prompts), [None] * len(prompts)
     t0 = time.time()
     stream = engine.generate_iter(
@@ -63,7 +66,7 @@ def generate_and_grade(engine, pool, tokenizer, prompts, params: SamplingParams,
     t_gen = time.time() - t0
     grades = [[f.result() for f in row] for row in futures]
     t_grade = time.time() - t0 - t_gen  # grading left after the last response arrived
-    samples, metrics = build_samples(prompts, completions, grades, cfg)
+    samples, metrics = build_samples(prompts, completions, grades, cfg, recorder=recorder)
     n_tokens = sum(len(c.token_ids) for cs in completions for c in cs)
     metrics.update(
         {
@@ -87,17 +90,20 @@ def grading_text(tokenizer, token_ids, stop_token_ids) -> str:
     return text
 
 
-def build_samples(prompts, completions, grades, cfg):
-    """Graded completions -> (RolloutSamples to train on, rollout metrics)."""
+def build_samples(prompts, completions, grades, cfg, recorder=None):
+    """Graded completions -> (RolloutSamples to train on, rollout metrics). ``recorder`` hears
+    every response, with why it is not trained (``grader_error``, ``zero_spread``, ``overlong``,
+    ``over_quota``) or None (a later cut of dynamic sampling is found by the manager)."""
     flat = [(g, c, r) for g, (cs, rs) in enumerate(zip(completions, grades)) for c, r in zip(cs, rs)]
     rewards = torch.tensor([r.reward for _, _, r in flat], dtype=torch.float64)
     groups = torch.tensor([g for g, _, _ in flat])
     errored = {g for g, _, r in flat if r.error is not None}  # grader failures: never train on them
     # two independent filters: groups without reward spread, and (optionally) responses that hit
     # the length limit (advantages still use the whole group as the baseline)
-    keep = (
+    spread = (
         nonzero_spread_mask(rewards, groups) if cfg.rl.filter_zero_spread else torch.ones(len(flat), dtype=torch.bool)
     )
+    keep = spread.clone()
     if cfg.rl.overlong_filter:
         keep &= torch.tensor([c.finished for _, c, _ in flat])
     adv = group_advantages(rewards, groups, normalize_by_std=cfg.rl.std_normalize)
@@ -109,8 +115,20 @@ def build_samples(prompts, completions, grades, cfg):
             kept_groups.append(g)
     kept_groups = kept_groups[: cfg.rl.prompts_per_step]
     chosen = set(kept_groups)
-    samples = []
+    samples, seen = [], {}
     for i, (g, c, r) in enumerate(flat):
+        if recorder is not None:
+            why = None
+            if g in errored:
+                why = "grader_error"
+            elif not spread[i]:
+                why = "zero_spread"
+            elif not keep[i]:
+                why = "overlong"
+            elif g not in chosen:
+                why = "over_quota"
+            seen[g] = seen.get(g, -1) + 1
+            recorder.add(prompts[g], c, r, group=g, sample=seen[g], advantage=float(adv[i]), dropped=why)
         if g not in chosen or not keep[i]:
             continue
         samples.append(
@@ -244,9 +262,10 @@ class FullBatches:
     end, graded, filtered, with DAPO's dynamic sampling over further batches. (Partial rollouts:
     :class:`megatron_klear.rl.rollout.partial.PartialRollouts`.)"""
 
-    def __init__(self, cfg, engine, pool, tokenizer, stop_token_ids):
+    def __init__(self, cfg, engine, pool, tokenizer, stop_token_ids, recorder=None):
         self.cfg, self.engine, self.pool, self.tokenizer = cfg, engine, pool, tokenizer
         self.stop_token_ids = list(stop_token_ids)
+        self.recorder = recorder  # rl.dump_rollouts: hears every graded response
         self._cancel = threading.Event()
 
     def produce(self, prompts, step: int, weight_version: int) -> tuple:
@@ -265,7 +284,15 @@ class FullBatches:
         """One generation batch of ``prompts``, generated and graded -> (samples, metrics)."""
         params = sampling_params(self.cfg, self.stop_token_ids, step=step, batch=batch)
         return generate_and_grade(
-            self.engine, self.pool, self.tokenizer, prompts, params, self.cfg, self.stop_token_ids, self._cancel
+            self.engine,
+            self.pool,
+            self.tokenizer,
+            prompts,
+            params,
+            self.cfg,
+            self.stop_token_ids,
+            self._cancel,
+            recorder=self.recorder,
         )
 
     def cancel(self) -> None:
