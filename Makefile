@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: venv lint format test test-fast test-slurm demo bench clean sandbox slurm gpu-wheels
+.PHONY: venv lint format test test-fast test-slurm test-width demo bench clean sandbox slurm gpu-wheels
 
 venv: $(STAMP) $(VLLM_STAMP)
 
@@ -42,10 +42,15 @@ sandbox:
 		|| echo "warning: bubblewrap (bwrap) is missing and could not be installed: the code-grading tests will fail"
 
 test: venv lint sandbox
-	@$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m "not timing and not slurm" tests; heavy=$$?; \
+	@$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m "not timing and not slurm and not width" tests; heavy=$$?; \
 	echo "== the timing-bound tests (tests/conftest.py TIMING_MODULES) =="; \
 	$(PYTEST) -n 3 --dist loadfile --no-loadscope-reorder -m timing tests; timing=$$?; \
 	[ $$heavy -eq 0 ] && [ $$timing -eq 0 ]
+
+# The journey at Qwen3-0.6B's real width (tests/test_journey_at_width.py, ~4 minutes on 2 cores: the
+# largest single test), apart from `make test`'s 20-minute budget; .ci/run runs it too.
+test-width: venv sandbox
+	$(PYTEST) -m width tests
 
 # Slurm and munge from Debian's packages (the launch tests start their own controller and three nodes
 # on this machine: tests/slurm/cluster.py). Installed when missing and apt-get can.

@@ -38,6 +38,10 @@ TIMING_MODULES = [
 # this order: xdist's default hands out the modules with the most tests first, which put the
 # 4-minute journey last, ending the pass with one worker running it while the other idled), and
 # `make test-fast` leaves them out, with tests/distributed and TIMING_MODULES.
+#: the journey at Qwen3-0.6B's real width (~4 minutes on 2 cores): `make test-width`, apart from
+#: `make test`'s 20-minute budget (CI runs both: .ci/run)
+WIDTH_MODULES = ["tests/test_journey_at_width.py"]
+
 HEAVY_MODULES = [
     "tests/test_journey_at_width.py",
     "tests/rollout/test_vllm_server.py",
@@ -69,6 +73,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "timing: races a deadline or a server's timing (TIMING_MODULES)")
     config.addinivalue_line("markers", "processes: starts ranks, CLIs or servers (tests/distributed, HEAVY_MODULES)")
     config.addinivalue_line("markers", "slurm: needs Slurm and munge (tests/slurm; `make test-slurm`)")
+    config.addinivalue_line("markers", "width: the journey at a real model's width (WIDTH_MODULES; `make test-width`)")
 
 
 def _module(item) -> str:
@@ -87,6 +92,8 @@ def pytest_collection_modifyitems(config, items):
         module = _module(item)
         if module in TIMING_MODULES:
             item.add_marker(pytest.mark.timing)
+        if module in WIDTH_MODULES:
+            item.add_marker(pytest.mark.width)
         if module in rank or module.startswith("tests/distributed/"):
             item.add_marker(pytest.mark.processes)
     items.sort(key=lambda item: first.get(_module(item), len(first)))  # stable: the rest keep their order

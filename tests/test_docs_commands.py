@@ -195,15 +195,33 @@ def _python_word(w: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def tool_flags(argv: tuple) -> frozenset | str:
-    """The long options in the usage of ``python <argv> --help``, or what it printed when it failed."""
+def tool_usage(argv: tuple) -> str:
+    """The usage of ``python <argv> --help`` (its first paragraph); raises RuntimeError with what it
+    printed when it failed."""
     r = subprocess.run(
         [sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=_env()
     )
     if r.returncode != 0:
-        return f"`python {' '.join(argv)} --help` fails: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
-    usage = r.stdout.split("\n\n", 1)[0]
+        raise RuntimeError(f"`python {' '.join(argv)} --help` fails: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return r.stdout.split("\n\n", 1)[0]
+
+
+def tool_flags(argv: tuple) -> frozenset | str:
+    """The long options in the usage of ``python <argv> --help``, or what it printed when it failed."""
+    try:
+        usage = tool_usage(argv)
+    except RuntimeError as e:
+        return str(e)
     return frozenset(re.findall(r"--[A-Za-z0-9][\w-]*", usage))
+
+
+def subcommands(argv: tuple) -> set:
+    """The subcommands a tool's usage offers (argparse's ``{a,b,c}``), or none."""
+    try:
+        usage = tool_usage(argv)
+    except RuntimeError:
+        return set()
+    return {name for group in re.findall(r"\{([\w,-]+)\}", usage) for name in group.split(",")}
 
 
 def _env() -> dict:
@@ -376,6 +394,8 @@ def _python(args: list) -> list:
         if script.startswith(REPO_DIRS):
             return [f"{script}: no such script"]
         return []
+    if len(args) > 1 and args[1] in subcommands((script,)):  # a tool's subcommand: its own options
+        return _flags((script, args[1]), args[2:])
     return _flags((script,), args[1:])
 
 
