@@ -123,6 +123,25 @@ def test_torch_is_the_one_the_pinned_sglang_pins():
     assert _pin(C["torch"]) == SGLANG_TORCH[sglang]
 
 
+def test_the_stack_the_sglang_wheel_pins_is_the_constraints_and_the_start_up_checks():
+    """Read from the pinned SGLang wheel's own METADATA (fetched with its contract by ``make venv``:
+    tools/fetch_sglang_contract.py), not from the project's tables: its torch is the constraints'
+    and compat.SGLANG_TORCH's, and its transformers and tokenizers are the constraints' (the trainer
+    tokenises with the releases the servers detokenise with)."""
+    sglang = _pin(C["sglang"])
+    path = os.path.join(ROOT, ".venv", "sglang-contract", f"sglang-{sglang}.dist-info", "METADATA")
+    assert os.path.isfile(path), f"{path}: missing (make venv fetches it: tools/fetch_sglang_contract.py)"
+    pins = {}
+    for line in open(path, encoding="utf-8"):
+        if line.startswith("Requires-Dist:"):
+            req = Requirement(line.split(":", 1)[1].strip())
+            if req.marker is None and str(req.specifier).startswith("=="):
+                pins[canonicalize_name(req.name)] = str(req.specifier)[2:]
+    assert pins["torch"] == _pin(C["torch"]) == SGLANG_TORCH[sglang], pins.get("torch")
+    for name in ("transformers", "tokenizers"):
+        assert pins[name] == _pin(C[name]), (name, pins.get(name))
+
+
 def test_sglang_and_its_router_are_the_versions_of_setup_py_and_the_contract():
     extras = _extras()
     assert _pin(_named(extras["sglang"], "sglang")) == _pin(C["sglang"])
