@@ -103,8 +103,9 @@ class RolloutConfig:
     offload_trainer: bool = True
     # colocate: Megatron's NCCL communicators release their GPU memory while the servers hold theirs
     # (from each sync until the next update; training/comm_memory.py CommSuspension). auto: where
-    # PyTorch (2.12+) and NCCL (2.29.7+) can; on: refused where they cannot; off: never
-    suspend_nccl: bool | str = "auto"
+    # PyTorch (2.12+) and NCCL (2.29.7+) can; on: refused where they cannot; off: never (the default
+    # until tools/gpu_session.sh has passed its suspension check on the pinned torch: docs/sglang.md)
+    suspend_nccl: bool | str = "off"
 
     @property
     def servers(self) -> bool:

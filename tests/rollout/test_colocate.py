@@ -396,7 +396,7 @@ def test_colocated_servers_on_two_machines_each_load_their_machines_copy(tmp_pat
     save = str(tmp_path / "run")
     try:
         args = [a for a in _overrides({"model": model, "prompts": prompts}, save) if not a.startswith("train.steps")]
-        args += ["train.steps=1", *_colocated([s.url for s in servers])]
+        args += ["train.steps=1", *_colocated([s.url for s in servers]), "rollout.suspend_nccl=auto"]
         events = run_distributed(_run_as_two_machines, 2, args)
         lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
         assert len([m for m in lines if m.get("actor/optimizer_steps")]) == 1, lines

@@ -165,7 +165,7 @@ def test_the_setting_is_checked_with_the_config():
     from megatron_klear.platform.errors import ConfigError
 
     base = ["rl.prompts=[p.jsonl]", "rollout.max_new_tokens=64", "rollout.engine=sglang", "rollout.urls=[http://h:1]"]
-    assert load_config(None, base).rollout.suspend_nccl == "auto"
+    assert load_config(None, base).rollout.suspend_nccl == "off"  # until a GPU has run its check
     assert load_config(None, base + ["rollout.colocate=true", "rollout.suspend_nccl=true"]).rollout.suspend_nccl == "on"
     with pytest.raises(ConfigError, match="rollout.suspend_nccl must be auto, on or off"):
         load_config(None, base + ["rollout.suspend_nccl=sometimes"])
