@@ -57,6 +57,12 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     distributed_optimizer: bool = False
+    # The distributed optimizer's checkpoint format. false: Megatron-Core's dp_reshardable (each rank
+    # writes its own shard, no gather; a resume may change only the data-parallel size). true:
+    # fully_reshardable (the state gathered per parameter on each data-parallel group's first rank,
+    # over gloo, into CPU memory; a resume may change TP, PP and DP). Megatron-LM's
+    # --dist-ckpt-optim-fully-reshardable with --distrib-optim-fully-reshardable-mem-efficient.
+    reshardable_checkpoints: bool = False
 
     def validate(self):
         if self.decay_style not in ("cosine", "linear", "constant"):

@@ -104,6 +104,7 @@ def train(cfg, *, stop_after: int | None = None) -> dict:
     common = run.resume(state)
     if common:
         dataset.load_state_dict(common["data"])
+        _say_batch_change(common["data"], dataset, cfg)
     run.open_log(total_steps, position=state.step)
 
     def save():
@@ -118,6 +119,29 @@ def train(cfg, *, stop_after: int | None = None) -> dict:
     )
     run.close()
     return metrics
+
+
+def _say_batch_change(saved: dict, dataset, cfg) -> None:
+    """A run resumed on another data-parallel size (a requeue on fewer nodes) keeps
+    ``data.micro_batches_per_step`` per rank, so its global batch changes: said once, with the
+    setting that keeps the checkpoint's."""
+    from megatron_klear.platform.distributed import is_rank0
+
+    was, now = saved.get("bins_per_step"), dataset.bins_per_step
+    if not is_rank0() or was in (None, now):
+        return
+    keep = was / dataset.dp_size
+    hint = (
+        f"data.micro_batches_per_step={int(keep)} keeps it"
+        if keep == int(keep)
+        else f"no data.micro_batches_per_step gives it back at data-parallel size {dataset.dp_size}"
+    )
+    print(
+        f"resume: the global batch is now {now} packed rows a step ({dataset.dp_size} data-parallel ranks x "
+        f"data.micro_batches_per_step={cfg.data.micro_batches_per_step}); the checkpoint's run took {was}: "
+        f"{hint}. The data position carries over (no row is skipped or repeated).",
+        flush=True,
+    )
 
 
 def sft_step(cfg, state, dataset) -> dict:

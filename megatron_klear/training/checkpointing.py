@@ -10,7 +10,11 @@ Layout of ``save_dir``::
     latest_checkpointed_iteration.txt
 
 The model part has the same keys as a converted model directory, so any training checkpoint is
-also a model directory (it loads at any TP/PP; the optimizer state reloads at the same TP/PP).
+also a model directory (it loads at any TP/PP). A run resumes on another layout (TP, PP, CP or DP
+size) with its optimizer state, scheduler and data position, except where the distributed
+optimizer's state was saved in Megatron-Core's dp_reshardable format, which moves only to another
+data-parallel size: that resume is refused by name (:func:`optimizer_resume_refusal`), and
+``optim.reshardable_checkpoints`` saves the fully reshardable format instead.
 The rules of the directory itself (one run at a time, resume or refuse, which checkpoints are a
 run's own, rotation) are :mod:`megatron_klear.training.run_dir`'s. A save that does not fit on the
 disk (checked before writing, and any ENOSPC while writing) ends the run with
@@ -123,15 +127,86 @@ def _optimizer_has_state(optimizer) -> bool:
     return any_rank(local)  # the same answer on every rank
 
 
-def _optimizer_sharding_kwargs(optimizer) -> dict:
-    # The default distributed-optimizer layout needs CUDA ("flattened_range is not supported" on
-    # CPU); dp_reshardable works everywhere.
+#: the distributed optimizer's checkpoint formats (Megatron-Core's ``distrib_optim_sharding_type``)
+#: and what a resume may change: dp_reshardable "allows checkpoint resharding only in DP dimension"
+#: (megatron/core/optimizer/distrib_optimizer.py, ``DistributedOptimizer.sharded_state_dict``'s
+#: docstring), fully_reshardable is laid out per parameter like a plain optimizer's state
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+#: a plain (not distributed) optimizer's state: per parameter, in the model's sharded keys
+MODEL_SPACE = "model_space"
+
+
+def _is_distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    if any(isinstance(o, DistributedOptimizer) for o in chained):
-        return {"sharding_type": "dp_reshardable"}
-    return {}
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_format(state) -> str:
+    """The format this run saves its optimizer state in: :data:`MODEL_SPACE` for a plain optimizer;
+    for the distributed optimizer ``optim.reshardable_checkpoints`` chooses between
+    :data:`FULLY_RESHARDABLE` and Megatron-Core's cheaper :data:`DP_RESHARDABLE` (each rank writes
+    its own buffers; Megatron-Core's default, fully_sharded_model_space, needs CUDA: "flattened_range
+    is not supported" on the CPU)."""
+    if not _is_distributed(state.optimizer):
+        return MODEL_SPACE
+    optim = getattr(getattr(state, "config", None), "optim", None)
+    return FULLY_RESHARDABLE if getattr(optim, "reshardable_checkpoints", False) else DP_RESHARDABLE
+
+
+def _optimizer_sharding_kwargs(fmt: str) -> dict:
+    if fmt == MODEL_SPACE:
+        return {}
+    # fully_reshardable gathers each data-parallel group's state on its first rank over gloo, into
+    # CPU memory (Megatron-Core's mem-efficient variant), instead of an all-gather into every GPU
+    return {
+        "metadata": {
+            "distrib_optim_sharding_type": fmt,
+            "distrib_optim_fully_reshardable_mem_efficient": fmt == FULLY_RESHARDABLE,
+        }
+    }
+
+
+def optimizer_resume_refusal(info: dict, layout: dict | None, fmt: str) -> str | None:
+    """Why a checkpoint's optimizer state cannot be resumed here (None: it can), in one sentence
+    with the choices; ``fmt``: this run's :func:`optimizer_format`. The rules: the optimizer kind
+    (``optim.distributed_optimizer``) stays; a dp_reshardable state moves only to another
+    data-parallel size (Megatron-Core's own rule, quoted at :data:`DP_RESHARDABLE`); a change of
+    ``parallel.vpp`` is refused for every format (the model's chunks, untested); checkpoints from
+    before the manifest recorded the format are not judged."""
+    saved = info.get("optimizer_format")
+    if saved is None or not info.get("optimizer_state", True):
+        return None
+    if (saved == MODEL_SPACE) != (fmt == MODEL_SPACE):
+        was = "true" if saved != MODEL_SPACE else "false"
+        return (
+            f"its optimizer state was written with optim.distributed_optimizer={was} and this run sets "
+            f"{'false' if was == 'true' else 'true'}: resume with optim.distributed_optimizer={was}"
+        )
+    saved_layout, layout = info.get("layout") or {}, layout or {}
+    if not saved_layout or not layout:
+        return None
+    keys = ("vpp",) if saved != DP_RESHARDABLE else tuple(k for k in LAYOUT_KEYS)
+    changed = [k for k in keys if saved_layout.get(k) != layout.get(k)]
+    if not changed:
+        return None
+    said = ", ".join(f"parallel.{k} {saved_layout.get(k)} -> {layout.get(k)}" for k in changed)
+    if saved == DP_RESHARDABLE:
+        why = (
+            f"the distributed optimizer's state was saved dp_reshardable, which Megatron-Core reshards only "
+            f"across data-parallel sizes, and this run changes {said}"
+        )
+        fix = (
+            "resume at the checkpoint's layout (a change of node count alone is a data-parallel change), "
+            "with optim.reshardable_checkpoints=true for the checkpoints that follow to be movable"
+        )
+    else:
+        why = f"this run changes {said}, and a change of virtual pipeline stages is not supported on resume"
+        fix = f"resume with parallel.vpp={saved_layout.get('vpp')}"
+    new_run = (
+        "start a new run from its weights with a fresh optimizer (model.path=<checkpoint>, another train.save_dir)"
+    )
+    return f"{why}. Choose: {fix}; or {new_run}"
 
 
 def _control_group():
@@ -197,7 +272,7 @@ class CheckpointManager:
         self.run_dir.finish()
 
     # -- save --------------------------------------------------------------------------------------
-    def _sharded_state(self, state, *, is_loading: bool, optimizer: bool = True) -> dict:
+    def _sharded_state(self, state, *, is_loading: bool, optimizer: bool = True, fmt: str | None = None) -> dict:
         from megatron.core.dist_checkpointing import ShardedObject
 
         from megatron_klear.checkpoint.dist_ckpt import model_sharded_state_dict
@@ -209,7 +284,7 @@ class CheckpointManager:
             if is_loading:
                 _give_distributed_optimizer_a_state(state.optimizer)
             sharded["optimizer"] = state.optimizer.sharded_state_dict(
-                model_sd, is_loading=is_loading, **_optimizer_sharding_kwargs(state.optimizer)
+                model_sd, is_loading=is_loading, **_optimizer_sharding_kwargs(fmt or optimizer_format(state))
             )
         sharded["rng"] = ShardedObject("rng_state", rng_state(), (world,), (rank(),), replica_id=0)
         return sharded
@@ -277,6 +352,7 @@ class CheckpointManager:
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "layout": state_layout(state),
             "optimizer_state": has_optimizer_state,
+            "optimizer_format": optimizer_format(state),
             "param_dtype": _param_dtype(state),
         }
         if self.run_dir.job is not None:
@@ -371,8 +447,15 @@ class CheckpointManager:
         except (ValueError, AttributeError) as e:
             raise RunDirError(f"{manifest}: unreadable ({e})") from None
         _check_precision(info.get("param_dtype"), _param_dtype(state), ckpt_dir)
+        fmt = optimizer_format(state)
+        refusal = optimizer_resume_refusal(info, state_layout(state), fmt)
+        if refusal:
+            raise RunDirError(f"{ckpt_dir}: cannot resume here: {refusal}")
+        saved_fmt = info.get("optimizer_format") or (DP_RESHARDABLE if fmt != MODEL_SPACE else fmt)
         # saved before any optimizer step: no moments were saved, the fresh optimizer is that state
-        sharded = self._sharded_state(state, is_loading=True, optimizer=info.get("optimizer_state", True))
+        sharded = self._sharded_state(
+            state, is_loading=True, optimizer=info.get("optimizer_state", True), fmt=saved_fmt
+        )
         refusal = rng_restore_refusal(info, world, state_layout(state))
         restore_rng = refusal is None
         if not restore_rng:
@@ -393,8 +476,8 @@ class CheckpointManager:
             key = "model" if len(state.model) == 1 else f"model{i}"
             check_loaded(unwrap_model(chunk).load_state_dict(loaded[key], strict=False), ckpt_dir)
         if "optimizer" in sharded:
-            with torch.no_grad():  # (the distributed optimizer copies into its fp32 parameters in place)
-                state.optimizer.load_state_dict(loaded["optimizer"])
+            with torch.no_grad(), _without_adam_step_state(state.optimizer, saved_fmt):
+                state.optimizer.load_state_dict(loaded["optimizer"])  # (copies into its fp32 parameters in place)
             _restore_adam_steps(state.optimizer, loaded["optimizer"])
         common = loaded["common"]
         state.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved count to this
@@ -452,6 +535,46 @@ def _give_distributed_optimizer_a_state(optimizer) -> None:
         finally:
             for g, lr in zip(opt.optimizer.param_groups, lrs):
                 g["lr"] = lr
+
+
+@contextlib.contextmanager
+def _without_adam_step_state(optimizer, fmt: str):
+    """Around a fully_reshardable load into megatron-core 0.16.1's ``DistributedOptimizer`` without
+    Apex or Transformer Engine (the CPU: torch's Adam keeps ``step`` per parameter):
+    ``load_state_dict`` first gives every state a ``step`` (its "non-Apex/TE support"), then
+    ``load_parameter_state_from_fully_reshardable`` hands ``_set_main_param_and_optimizer_states``
+    each parameter's loaded tensors, which hold no ``step`` (it is read from the param groups), and
+    that copies every entry of the state from them: ``KeyError: 'step'``. For the load, the
+    instance's method is wrapped to pass each state's own ``step`` along (a copy onto itself);
+    :func:`_restore_adam_steps` then sets the saved count. On a GPU, Apex's and TE's Adam keep no
+    per-parameter step and the wrapper passes the tensors through."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    wrapped = []
+    if fmt == FULLY_RESHARDABLE:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if isinstance(opt, DistributedOptimizer):
+                wrapped.append(opt)
+                opt._set_main_param_and_optimizer_states = _passing_step(opt)
+    try:
+        yield
+    finally:
+        for opt in wrapped:
+            del opt._set_main_param_and_optimizer_states  # the class's method again
+
+
+def _passing_step(opt):
+    original = type(opt)._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+        step = opt.optimizer.state.get(main_param, {}).get("step")
+        if step is not None and "step" not in tensors:
+            tensors = {**tensors, "step": step}
+        original(opt, model_param, tensors)
+
+    return set_states
 
 
 def _restore_adam_steps(optimizer, loaded: dict) -> None:

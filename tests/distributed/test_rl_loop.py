@@ -4,6 +4,7 @@ recompute (same weights, same temperature): that checks weight sync and the temp
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -83,10 +84,29 @@ def test_rl_loop_runs_syncs_and_resumes(setup):
         for k, v in trainer_w.items():
             assert torch.allclose(engine_w[k].float(), v.float(), atol=1e-6), k
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    moved = os.path.join(setup["root"], "run_at_tp1")  # the same checkpoint, resumed at TP=1 below
+    shutil.copytree(save, moved, ignore=shutil.ignore_patterns("run.lock"))
     # resume: step 3 continues from the saved prompt position
-    run_distributed(_run, 2, args)
+    _, _, at_tp2 = run_distributed(_run, 2, args)[0]
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     assert [m["step"] for m in lines] == [1, 2, 3]
+    # resume on another layout: step 3 at TP=1 in one process generates the same rollouts (the engine
+    # starts from the checkpoint's weights, the prompts from its position) and makes the TP=2 run's
+    # update within float tolerance: the optimizer's moments, the data position and the weight
+    # version crossed the change (a fresh Adam, or a prompt position off by one, fails it)
+    args_tp1 = [a for a in args if not a.startswith(("parallel.tp=", "train.save_dir="))]
+    _, _, at_tp1 = run_distributed(_run, 1, [*args_tp1, f"train.save_dir={moved}", "parallel.tp=1"])[0]
+    tp1 = [json.loads(x) for x in open(os.path.join(moved, "metrics.jsonl"))]
+    assert [m["step"] for m in tp1] == [1, 2, 3]
+    want, got = lines[-1], tp1[-1]
+    keys = ("rollout/reward_mean", "rollout/response_length_mean", "rollout/groups_kept", "actor/optimizer_steps")
+    for key in (*keys, "data/position", "data/order_digest", "weights/version"):
+        assert got[key] == want[key], (key, got[key], want[key])
+    assert want.get("actor/optimizer_steps"), "step 3 made no update: the comparison would be vacuous"
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert abs(got[key] - want[key]) <= 1e-4 * max(1.0, abs(want[key])), (key, got[key], want[key])
+    for k, v in at_tp2.items():
+        assert torch.allclose(at_tp1[k], v, atol=1e-5, rtol=0), (k, (at_tp1[k] - v).abs().max())
 
 
 def _probe_logprobs_of_trainer(model_dir, trainer_weights, prompt, response):

@@ -98,13 +98,29 @@ def reference(sft_setup):
         ("pp2_recompute", 2, ["parallel.pp=2", "data.micro_batches_per_step=2", "model.recompute_granularity=full"]),
         ("cp2", 2, ["parallel.cp=2", "data.micro_batches_per_step=2"]),
         ("dp2_distopt", 2, ["data.micro_batches_per_step=1", "optim.distributed_optimizer=true"]),
+        (  # TP=2 x DP=2: the fully reshardable format gathered over a data-parallel group
+            "tp2_dp2_distopt_reshardable",
+            4,
+            [
+                "parallel.tp=2",
+                "data.micro_batches_per_step=1",
+                "optim.distributed_optimizer=true",
+                "optim.reshardable_checkpoints=true",
+            ],
+        ),
     ],
 )
 def test_parallel_layout_matches_one_process(sft_setup, reference, name, world, extra):
     import torch
 
     save = os.path.join(sft_setup["root"], name)
-    run_distributed(_train, world, _overrides(sft_setup, save, f"train.steps={STEPS}", *extra))
+    # every step saved (and kept): test_resume_on_another_layout resumes step 1 in one process
+    run_distributed(
+        _train,
+        world,
+        _overrides(sft_setup, save, f"train.steps={STEPS}", "train.save_interval=1", *extra)
+        + [f"train.keep_last={STEPS}"],
+    )
     got = _read_metrics(os.path.join(save, "metrics.jsonl"))
     ref = reference["metrics"]
     assert [m["loss_tokens"] for m in got] == [m["loss_tokens"] for m in ref]
@@ -117,6 +133,77 @@ def test_parallel_layout_matches_one_process(sft_setup, reference, name, world, 
     for k, v in reference["params"].items():
         assert torch.allclose(params[k], v, atol=2e-4, rtol=0), (name, k, (params[k] - v).abs().max())
     assert ref[0]["loss"] > ref[-1]["loss"]  # it trained
+
+
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("tp2_sp", []),
+        ("pp2_recompute", []),
+        ("cp2", []),
+        ("dp2_distopt", ["optim.distributed_optimizer=true"]),
+        ("tp2_dp2_distopt_reshardable", ["optim.distributed_optimizer=true"]),
+    ],
+    ids=["tp2-to-tp1", "pp2-to-pp1", "cp2-to-cp1", "dp2-to-dp1-distopt", "tp2dp2-to-1-distopt-reshardable"],
+)
+def test_resume_on_another_layout_continues_as_the_run_at_that_layout(sft_setup, reference, tmp_path, name, extra):
+    """Step 1's checkpoint of a TP=2, PP=2 or DP=2 run (test_parallel_layout_matches_one_process),
+    resumed in one process: steps 2 and 3 log the losses and gradient norms of the one-process run
+    (the same global batch: two micro-batches a step) and end at its weights, within the float
+    tolerance that run's own layout comparison allows. The optimizer's moments, Adam's step count,
+    the scheduler and the data position all crossed the change of layout (zeroing the loaded Adam
+    moments fails every case: step 3's loss moves by 1e-2). The distributed optimizer's fully
+    reshardable format crosses a TP and a DP change at once (its dp_reshardable format is refused:
+    test_a_resume_megatron_core_cannot_reshard_is_refused_by_name)."""
+    import shutil
+
+    import torch
+
+    src = os.path.join(sft_setup["root"], name)
+    if not os.path.isdir(os.path.join(src, "iter_0000001")):
+        pytest.skip(f"needs test_parallel_layout_matches_one_process[{name}]'s checkpoints (run the module)")
+    save = str(tmp_path / "resumed")
+    os.makedirs(save)
+    shutil.copytree(os.path.join(src, "iter_0000001"), os.path.join(save, "iter_0000001"))
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    run_distributed(
+        _train, 1, _overrides(sft_setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2", *extra)
+    )
+    got = _read_metrics(os.path.join(save, "metrics.jsonl"))
+    ref = reference["metrics"]
+    assert [m["step"] for m in got] == [2, 3]
+    for a, b in zip(got, ref[1:]):
+        assert a["loss_tokens"] == b["loss_tokens"] and a["lr"] == b["lr"], (name, a, b)
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (name, a["loss"], b["loss"])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (name, a["grad_norm"], b["grad_norm"])
+    params = run_distributed(_final_params, 1, os.path.join(save, f"iter_{STEPS:07d}"))[0]
+    for k, v in reference["params"].items():
+        assert torch.allclose(params[k], v, atol=2e-4, rtol=0), (name, k, (params[k] - v).abs().max())
+
+
+def test_a_resume_megatron_core_cannot_reshard_is_refused_by_name(sft_setup, tmp_path):
+    """The DP=2 distributed-optimizer run's checkpoint (dp_reshardable) resumed at TP=2: refused
+    before anything is loaded, naming the change and the choices (without the rule, Megatron-Core
+    fails in its shape validation: "Global shape mismatch ... bucket_idx_0.param")."""
+    import shutil
+
+    src = os.path.join(sft_setup["root"], "dp2_distopt")
+    if not os.path.isdir(os.path.join(src, "iter_0000001")):
+        pytest.skip("needs test_parallel_layout_matches_one_process[dp2_distopt]'s checkpoints (run the module)")
+    save = str(tmp_path / "moved")
+    os.makedirs(save)
+    shutil.copytree(os.path.join(src, "iter_0000001"), os.path.join(save, "iter_0000001"))
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    extra = ["parallel.tp=2", "data.micro_batches_per_step=1", "optim.distributed_optimizer=true"]
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(_train, 2, _overrides(sft_setup, save, f"train.steps={STEPS}", *extra))
+    said = str(err.value)
+    assert "RunDirError" in said and "cannot resume here" in said, said
+    assert "dp_reshardable" in said and "parallel.tp 1 -> 2" in said, said
+    assert "optim.reshardable_checkpoints=true" in said and "model.path=" in said, said
+    assert [n for n in os.listdir(save) if n.startswith(("iter_", ".tmp"))] == ["iter_0000001"]
 
 
 def test_resume_continues_exactly(sft_setup, reference):

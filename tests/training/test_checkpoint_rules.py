@@ -414,3 +414,55 @@ def test_module_doc_states_the_rules():
     doc = run_dir.__doc__  # the run directory's rules live with their code
     for rule in ("one run at a time", ".tmp-iter_", "train.overwrite=true", "rotation"):
         assert rule in doc
+
+
+def test_an_optimizer_state_is_resumed_only_where_megatron_core_can_reshard_it():
+    """:func:`optimizer_resume_refusal`'s rules (the processes' side: tests/distributed/test_sft.py
+    resumes TP=2, PP=2, CP=2 and DP=2 checkpoints in one process and refuses a dp_reshardable one at
+    TP=2): the dp_reshardable format moves only across data-parallel sizes, the others anywhere but
+    across virtual pipeline stages; the optimizer kind stays; an older manifest is not judged."""
+    from megatron_klear.platform import ParallelConfig
+    from megatron_klear.training.checkpointing import (
+        DP_RESHARDABLE,
+        FULLY_RESHARDABLE,
+        MODEL_SPACE,
+        optimizer_resume_refusal,
+        parallel_layout,
+    )
+
+    tp2, tp1 = parallel_layout(ParallelConfig(tp=2)), parallel_layout(ParallelConfig())
+    saved = {"world_size": 4, "layout": tp2, "optimizer_state": True}
+    # a data-parallel change (the world size alone) is fine in every format
+    for fmt in (DP_RESHARDABLE, FULLY_RESHARDABLE, MODEL_SPACE):
+        assert optimizer_resume_refusal({**saved, "optimizer_format": fmt}, tp2, fmt) is None
+    said = optimizer_resume_refusal({**saved, "optimizer_format": DP_RESHARDABLE}, tp1, DP_RESHARDABLE)
+    assert "dp_reshardable" in said and "parallel.tp 2 -> 1" in said and "reshardable_checkpoints=true" in said
+    assert optimizer_resume_refusal({**saved, "optimizer_format": FULLY_RESHARDABLE}, tp1, FULLY_RESHARDABLE) is None
+    assert optimizer_resume_refusal({**saved, "optimizer_format": MODEL_SPACE}, tp1, MODEL_SPACE) is None
+    vpp = parallel_layout(ParallelConfig(tp=2, pp=2, vpp=2))
+    said = optimizer_resume_refusal({**saved, "layout": vpp, "optimizer_format": MODEL_SPACE}, tp2, MODEL_SPACE)
+    assert "parallel.vpp 2 -> None" in said and "parallel.vpp=2" in said
+    said = optimizer_resume_refusal({**saved, "optimizer_format": MODEL_SPACE}, tp2, DP_RESHARDABLE)
+    assert "optim.distributed_optimizer=false" in said
+    said = optimizer_resume_refusal({**saved, "optimizer_format": FULLY_RESHARDABLE}, tp2, MODEL_SPACE)
+    assert "optim.distributed_optimizer=true" in said
+    # no moments saved (before the first optimizer step), or a manifest from before the format: not judged
+    no_state = {**saved, "optimizer_format": DP_RESHARDABLE, "optimizer_state": False}
+    assert optimizer_resume_refusal(no_state, tp1, DP_RESHARDABLE) is None
+    assert optimizer_resume_refusal(saved, tp1, DP_RESHARDABLE) is None
+
+
+def test_a_resume_that_changes_the_global_batch_says_so_and_how_to_keep_it(capsys):
+    """A requeue on half the nodes: data.micro_batches_per_step is per rank, so the global batch
+    halves; the resume says so and names the setting that keeps the checkpoint's batch."""
+    from megatron_klear.sft.trainer import _say_batch_change
+
+    cfg = types.SimpleNamespace(data=types.SimpleNamespace(micro_batches_per_step=2))
+    _say_batch_change({"bins_per_step": 8}, types.SimpleNamespace(bins_per_step=4, dp_size=2), cfg)
+    out = capsys.readouterr().out
+    assert "global batch is now 4 packed rows" in out and "took 8" in out
+    assert "data.micro_batches_per_step=4 keeps it" in out
+    _say_batch_change({"bins_per_step": 6}, types.SimpleNamespace(bins_per_step=4, dp_size=4), cfg)
+    assert "no data.micro_batches_per_step gives it back" in capsys.readouterr().out
+    _say_batch_change({"bins_per_step": 4}, types.SimpleNamespace(bins_per_step=4, dp_size=2), cfg)
+    assert capsys.readouterr().out == ""
