@@ -125,10 +125,27 @@ def prompts_open_think(tokenizer, prompts, tail_tokens: int = 32) -> bool:
     return True
 
 
-def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progress=print, on_benchmark=None) -> tuple:
+def evaluate(
+    engine,
+    benchmarks: dict,
+    tokenizer,
+    pool,
+    *,
+    k: int,
+    params,
+    progress=print,
+    on_benchmark=None,
+    on_prompt=None,
+    finished: dict | None = None,
+) -> tuple:
     """``benchmarks``: name -> list of :class:`megatron_klear.data.prompts.Prompt`.
     Returns ``(summary, records)``: per-benchmark metrics and one record per response.
-    ``on_benchmark(name, summary, records)``: called as each benchmark finishes, with its own."""
+    ``on_benchmark(name, summary, records)``: called as each benchmark finishes, with its own.
+    ``on_prompt(name, index, records)``: called as each prompt's ``k`` responses are graded.
+    ``finished``: ``{name: {prompt index: its records}}`` of an interrupted evaluation at the same
+    setting (what ``on_prompt`` was given): those prompts are not generated again, and each of the
+    others is seeded by its index in the benchmark (the engines' ``seed_keys``), as in a run of the
+    whole list, so the results equal an uninterrupted evaluation's."""
     from dataclasses import replace
 
     from megatron_klear.data.chat import generation_stop_ids
@@ -145,55 +162,153 @@ def evaluate(engine, benchmarks: dict, tokenizer, pool, *, k: int, params, progr
     stop_ids = sorted(set(params.stop_token_ids) | set(generation_stop_ids(tokenizer)))
     params = replace(params, stop_token_ids=stop_ids)
     strip = [t for t in (tokenizer.eos_token, tokenizer.pad_token, *tokenizer.convert_ids_to_tokens(stop_ids)) if t]
+
+    def text_of(completion) -> str:
+        text = tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+        for t in strip:
+            text = text.replace(t, "")
+        return text
+
     for name, prompts in benchmarks.items():
-        t0, first = time.time(), len(records)
-        completions, graded = [None] * len(prompts), [None] * len(prompts)
-        for i, cs in engine.generate_iter([p.prompt_ids for p in prompts], params, n=k):  # grade as they arrive
-            completions[i], graded[i] = cs, []
-            for j, c in enumerate(cs):
-                text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
-                for t in strip:
-                    text = text.replace(t, "")
-                graded[i].append((prompts[i], j, c, text, pool.submit(prompts[i].grade_item(text))))
-        futures = [item for row in graded for item in row]
-        per_prompt: dict = {}
-        errors = 0
-        for p, j, c, text, fut in futures:
-            g = fut.result()
-            errors += g.error is not None
-            per_prompt.setdefault(p.id, []).append(g.solved)
-            records.append(
-                {
-                    "benchmark": name,
-                    "id": p.id,
-                    "sample": j,
-                    "solved": g.solved,
-                    "reward": g.reward,
-                    "error": g.error,
-                    "detail": g.detail,
-                    "length": len(c.token_ids),
-                    "finish_reason": c.finish_reason,
-                    "response": text,
-                }
-            )
-        flat = [c for cs in completions for c in cs]
-        summary[name] = {
-            "prompts": len(prompts),
-            "k": k,
-            f"avg@{k}": 100.0 * sum(sum(v) / len(v) for v in per_prompt.values()) / len(per_prompt),
-            f"pass@{k}": 100.0 * sum(any(v) for v in per_prompt.values()) / len(per_prompt),
-            "response_length_mean": sum(len(c.token_ids) for c in flat) / len(flat),
-            "truncated_frac": sum(not c.finished for c in flat) / len(flat),
-            "grader_errors": errors,
-            "seconds": time.time() - t0,
-        }
+        t0 = time.time()
+        done = {int(i): recs for i, recs in ((finished or {}).get(name) or {}).items()}
+        if done:
+            progress(f"{name}: {len(done)} of {len(prompts)} prompts kept from the interrupted run")
+        _generate_and_grade(engine, pool, name, prompts, done, k=k, params=params, text_of=text_of, on_prompt=on_prompt)
+        mine = [r for i in sorted(done) for r in done[i]]
+        records.extend(mine)
+        summary[name] = {**summarize(mine, k, len(prompts)), "seconds": time.time() - t0}
         progress(
             f"{name}: avg@{k} {summary[name][f'avg@{k}']:.1f}  pass@{k} {summary[name][f'pass@{k}']:.1f}  "
             f"({len(prompts)} prompts, {summary[name]['seconds']:.0f}s)"
         )
         if on_benchmark is not None:
-            on_benchmark(name, summary[name], records[first:])
+            on_benchmark(name, summary[name], mine)
     return summary, records
+
+
+def _generate_and_grade(engine, pool, name, prompts, done: dict, *, k, params, text_of, on_prompt) -> None:
+    """The prompts of one benchmark not in ``done`` (index -> records), generated, graded as they
+    arrive and recorded into ``done`` as their grades come back; each prompt seeded by its index."""
+    todo = [i for i in range(len(prompts)) if i not in done]
+    grading: dict = {}  # prompt index -> [(sample, completion, text, future)]
+
+    def record(i: int) -> None:
+        recs = [_record(name, prompts[i], j, c, text, fut.result()) for j, c, text, fut in grading.pop(i)]
+        done[i] = recs
+        if on_prompt is not None:
+            on_prompt(name, i, recs)
+
+    for local, cs in engine.generate_iter([prompts[i].prompt_ids for i in todo], params, n=k, seed_keys=todo):
+        i = todo[local]
+        texts = [text_of(c) for c in cs]
+        grading[i] = [(j, c, t, pool.submit(prompts[i].grade_item(t))) for j, (c, t) in enumerate(zip(cs, texts))]
+        for ready in [i for i, items in grading.items() if all(f.done() for *_, f in items)]:
+            record(ready)
+    for i in list(grading):
+        record(i)
+
+
+def _record(name: str, prompt, sample: int, completion, text: str, grade) -> dict:
+    return {
+        "benchmark": name,
+        "id": prompt.id,
+        "sample": sample,
+        "solved": grade.solved,
+        "reward": grade.reward,
+        "error": grade.error,
+        "detail": grade.detail,
+        "length": len(completion.token_ids),
+        "finish_reason": completion.finish_reason,
+        "response": text,
+    }
+
+
+def summarize(records: list, k: int, prompts: int) -> dict:
+    """A benchmark's metrics from its response records (:func:`evaluate`'s)."""
+    per_prompt: dict = {}
+    for r in records:
+        per_prompt.setdefault(r["id"], []).append(r["solved"])
+    return {
+        "prompts": prompts,
+        "k": k,
+        f"avg@{k}": 100.0 * sum(sum(v) / len(v) for v in per_prompt.values()) / len(per_prompt),
+        f"pass@{k}": 100.0 * sum(any(v) for v in per_prompt.values()) / len(per_prompt),
+        "response_length_mean": sum(r["length"] for r in records) / len(records),
+        "truncated_frac": sum(r["finish_reason"] != "stop" for r in records) / len(records),
+        "grader_errors": sum(r["error"] is not None for r in records),
+    }
+
+
+def partial_path(out_path: str) -> str:
+    """Where tools/eval.py keeps each graded prompt of ``out_path`` until the evaluation ends."""
+    return os.path.splitext(out_path)[0] + ".partial.jsonl"
+
+
+class PartialResults:
+    """The graded prompts of an evaluation in progress, one JSON line each (``{"benchmark", "index",
+    "records"}``) after a header line holding the setting (``{"setting": ...}``): appended and
+    flushed to the disk as each prompt is graded, so that an evaluation killed halfway loses at most
+    the prompts in flight. A torn last line (the kill came mid-write) is ignored on reading."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = None
+
+    def read(self, setting: dict) -> dict | None:
+        """``{benchmark: {index: records}}`` kept at ``setting``; None when there is no file; a file
+        of another setting raises ValueError naming the first key that differs."""
+        if not os.path.exists(self.path):
+            return None
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        out: dict = {}
+        for n, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                if n >= len(lines) - 2:  # the torn last line of a killed run
+                    break
+                raise ValueError(f"{self.path}, line {n + 1}: not JSON") from None
+            if n == 0:
+                saved = entry.get("setting") if isinstance(entry, dict) else None
+                if not isinstance(saved, dict):
+                    raise ValueError(f"{self.path}, line 1: no setting header")
+                now = json.loads(json.dumps(setting))
+                for key in [*now, *(k for k in saved if k not in now)]:
+                    if saved.get(key) != now.get(key):
+                        raise ValueError(
+                            f"{self.path} was written at another setting ({key}: {saved.get(key)!r} there, "
+                            f"{now.get(key)!r} now)"
+                        )
+                continue
+            out.setdefault(entry["benchmark"], {})[int(entry["index"])] = entry["records"]
+        return out
+
+    def start(self, setting: dict, keep: bool) -> None:
+        """Open for appending: after what :meth:`read` found (``keep``), or a new file with the header."""
+        if not keep:
+            with atomic.atomic_file(self.path) as f:
+                f.write(json.dumps({"setting": setting}) + "\n")
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def add(self, name: str, index: int, records: list) -> None:
+        self._f.write(json.dumps({"benchmark": name, "index": index, "records": records}) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def finish(self) -> None:
+        """The evaluation ended: its results file holds everything; the partial file goes."""
+        self.close()
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
 
 def samples_path(out_path: str) -> str:

@@ -162,6 +162,65 @@ def test_eval_writes_each_benchmark_as_it_finishes_and_a_rerun_keeps_them(tmp_pa
     assert set(json.load(open(out))["results"]) == {"a"} and json.load(open(out))["results"]["a"]["k"] == 3
 
 
+def test_an_evaluation_killed_halfway_resumes_to_the_uninterrupted_results(tmp_path, capsys, monkeypatch):
+    """Killed after three graded prompts (before any benchmark finished), a rerun with the same
+    --output keeps those three from <output>.partial.jsonl, generates only the rest, and ends with
+    the uninterrupted run's responses and metrics: each prompt is seeded by its index in the
+    benchmark, not by its place among the prompts left (seeding by that place changes the resumed
+    prompts' responses and fails this test). The partial file is gone once the evaluation ends."""
+    from megatron_klear.data.synthetic import write_rl_prompts_jsonl
+    from megatron_klear.evaluation import PartialResults
+    from megatron_klear.models.tiny import make_tiny_qwen3
+    from tools import eval as eval_tool
+
+    model = make_tiny_qwen3(str(tmp_path / "m"), seed=4)
+    a = write_rl_prompts_jsonl(str(tmp_path / "a.jsonl"), 5, seed=1)
+    b = write_rl_prompts_jsonl(str(tmp_path / "b.jsonl"), 2, seed=2)
+    common = ["--model", model, "--k", "2", "--max-new-tokens", "6", "--dtype", "float32", "--workers", "1"]
+    common += ["--temperature", "1.0", "--seed", "7", "--bench", f"a={a}", "--bench", f"b={b}"]
+    whole, cut = tmp_path / "whole.json", tmp_path / "cut.json"
+    assert eval_tool.main([*common, "--output", str(whole)]) == 0
+
+    added, add = [], PartialResults.add
+
+    class Killed(Exception):
+        pass
+
+    def add_then_die(self, name, index, records):
+        add(self, name, index, records)
+        added.append((name, index))
+        if len(added) == 3:
+            raise Killed
+
+    monkeypatch.setattr(PartialResults, "add", add_then_die)
+    with pytest.raises(Killed):
+        eval_tool.main([*common, "--output", str(cut)])
+    assert not cut.exists()  # no benchmark had finished
+    partial = tmp_path / "cut.partial.jsonl"
+    assert len(partial.read_text().splitlines()) == 1 + 3  # the header and three prompts
+    header = json.loads(partial.read_text().splitlines()[0])
+    monkeypatch.setattr(PartialResults, "add", add)
+    added.clear()
+    capsys.readouterr()
+    assert eval_tool.main([*common, "--output", str(cut)]) == 0
+    assert "a: 3 of 5 prompts kept from the interrupted run" in capsys.readouterr().err
+    assert not partial.exists()
+
+    def samples(path):
+        return [json.loads(x) for x in open(str(path).replace(".json", ".samples.jsonl"))]
+
+    want, got = samples(whole), samples(cut)
+    assert got == want and len(got) == 14
+    assert len({r["response"] for r in want if r["benchmark"] == "a"}) > 3  # sampled, not one answer
+    strip = lambda res: {n: {k: v for k, v in r.items() if k != "seconds"} for n, r in res.items()}  # noqa: E731
+    assert strip(json.load(open(cut))["results"]) == strip(json.load(open(whole))["results"])
+    # a partial file of another setting is refused by name
+    header["setting"]["k"] = 3
+    partial.write_text(json.dumps(header) + "\n")
+    with pytest.raises(SystemExit, match=r"cut.partial.jsonl was written at another setting \(k: 3 there, 2 now\)"):
+        eval_tool.main([*common, "--output", str(cut)])
+
+
 def _authors_output_lines():
     """The authors' inference output layout: {"id", "meta": <input line>, "messages": [..., assistant]},
     the input repeated n (= 2) times; ids count every sample."""

@@ -134,7 +134,14 @@ def main(argv=None):
         p.error("--bench is required (unless --regrade)")
 
     from megatron_klear.data.chat import load_tokenizer
-    from megatron_klear.evaluation import evaluate, evaluation_reward_config, prompts_open_think, write_results
+    from megatron_klear.evaluation import (
+        PartialResults,
+        evaluate,
+        evaluation_reward_config,
+        partial_path,
+        prompts_open_think,
+        write_results,
+    )
     from megatron_klear.rewards import GradingPool, RewardConfig
     from megatron_klear.rollout.base import SamplingParams
 
@@ -220,6 +227,18 @@ def main(argv=None):
         print(f"wrote {name} to {args.output}" + (f" ({len(pending)} to go)" if pending else ""), file=sys.stderr)
 
     todo = {n: ps for n, ps in benchmarks.items() if n not in summary}
+    # each graded prompt is kept in <output>.partial.jsonl until the end: a rerun after a kill
+    # generates only the prompts that were not graded, seeded as the uninterrupted run seeds them
+    partial = PartialResults(partial_path(args.output))
+    setting = _setting(meta)
+    try:
+        kept = None if args.fresh else partial.read(setting)
+    except ValueError as e:
+        sys.exit(f"error: {e}: pass another --output, or --fresh to start over")
+    if kept:
+        counts = ", ".join(f"{n} {len(v)}" for n, v in kept.items() if n in todo)
+        print(f"prompts graded before the interruption, kept from {partial.path}: {counts}", file=sys.stderr)
+    partial.start(setting, keep=kept is not None)
     with GradingPool(reward_cfg) as pool:
         evaluate(
             engine,
@@ -230,9 +249,21 @@ def main(argv=None):
             params=params,
             progress=lambda s: print(s, file=sys.stderr),
             on_benchmark=save,
+            on_prompt=partial.add,
+            finished=kept,
         )
+    partial.finish()
     print(f"wrote {args.output}")
     return 0
+
+
+def _setting(meta: dict) -> dict:
+    """What an interrupted run's graded prompts must have been generated with to be kept: the
+    setting keys and each benchmark's file, format and window."""
+    return {
+        **{key: meta.get(key) for key in SETTING_KEYS},
+        **{f: meta.get(f) for f in ("bench", "bench_format", "bench_window")},
+    }
 
 
 #: What must match for a rerun to keep an earlier run's benchmark (tools/eval.py's flags).

@@ -126,28 +126,64 @@ class SampleRequest:
     n: int = 1
 
 
+def keyed_seed(seed: int, key: int) -> int:
+    """The seed of the prompt keyed ``key`` in a call seeded ``seed`` (:meth:`RolloutEngine.generate_iter`'s
+    ``seed_keys``): the servers' per-prompt rule, ``seed * 1_000_003 + key`` modulo 2^63."""
+    return (int(seed) * 1_000_003 + int(key)) % (1 << 63)
+
+
 class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list, params: SamplingParams, n: int = 1) -> list:
         """``prompts``: list of token-id lists. Returns, per prompt, a list of ``n`` Completions."""
 
     def generate_iter(
-        self, prompts: list, params: SamplingParams, n: int = 1, *, chunk_size: int | None = None, cancel=None
+        self,
+        prompts: list,
+        params: SamplingParams,
+        n: int = 1,
+        *,
+        chunk_size: int | None = None,
+        cancel=None,
+        seed_keys: list | None = None,
     ):
         """Yield ``(prompt index, [n Completions])`` as results become available. By default the
         prompts go to :meth:`generate` in chunks of ``chunk_size`` (all at once when None), chunk
         ``k`` starting at prompt ``s`` with the seed ``params.seed * 7919 + s`` (reproducible
         whatever the chunking of other calls); engines serving concurrent requests override this.
         ``cancel`` (a ``threading.Event``), set from another thread, ends the iteration early: what
-        still runs is abandoned (here: after the chunk in progress) and not yielded."""
+        still runs is abandoned (here: after the chunk in progress) and not yielded.
+
+        ``seed_keys`` (one int per prompt): prompt ``i``'s samples are seeded from ``params.seed``
+        and ``seed_keys[i]`` alone, whatever else the call holds or how it is chunked, so that a
+        call on some prompts of a list, keyed by their indices in it, samples for them what the call
+        on the whole list keyed by its indices did (an evaluation that resumes). Here through
+        :meth:`generate_keyed`."""
         size = chunk_size or len(prompts) or 1
+        if seed_keys is not None and len(seed_keys) != len(prompts):
+            raise ValueError(f"generate_iter: {len(seed_keys)} seed_keys for {len(prompts)} prompts")
         for start in range(0, len(prompts), size):
             if cancel is not None and cancel.is_set():
                 return
-            seed = None if params.seed is None else params.seed * 7919 + start
-            chunk_params = SamplingParams(**{**params.__dict__, "seed": seed})
-            for k, row in enumerate(self.generate(prompts[start : start + size], chunk_params, n)):
+            if seed_keys is not None:
+                rows = self.generate_keyed(prompts[start : start + size], params, n, seed_keys[start : start + size])
+            else:
+                seed = None if params.seed is None else params.seed * 7919 + start
+                rows = self.generate(
+                    prompts[start : start + size], SamplingParams(**{**params.__dict__, "seed": seed}), n
+                )
+            for k, row in enumerate(rows):
                 yield start + k, row
+
+    def generate_keyed(self, prompts: list, params: SamplingParams, n: int, keys: list) -> list:
+        """:meth:`generate` with prompt ``i``'s samples seeded from ``params.seed`` and ``keys[i]``
+        (:meth:`generate_iter`'s ``seed_keys``). By default one :meth:`generate` per prompt, seeded
+        ``keyed_seed(params.seed, key)``; engines that can seed each prompt of a batch override it."""
+        out = []
+        for prompt, key in zip(prompts, keys):
+            seed = None if params.seed is None else keyed_seed(params.seed, key)
+            out.append(self.generate([prompt], SamplingParams(**{**params.__dict__, "seed": seed}), n)[0])
+        return out
 
     @abc.abstractmethod
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:

@@ -72,6 +72,21 @@ def test_every_request_follows_sglangs_contract(tmp_path, granularity):
     assert update == [{"model_path": "/some/dir", "flush_cache": False, "weight_version": "3"}]
 
 
+def test_a_prompts_seed_follows_its_key_not_its_place_in_the_call(tmp_path):
+    """generate_iter's seed_keys (an evaluation that resumes sends the prompts left, keyed by their
+    indices in the benchmark): each request carries the seed the whole list's call gave that prompt."""
+    params = SamplingParams(temperature=0.7, max_new_tokens=3, seed=5)
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8]]
+    with fake_worker(tmp_path) as (url, record, _):
+        client = SGLangEngine.at([url], send_seed=True, **FAST)
+        list(client.generate_iter(prompts, params, n=2, seed_keys=[0, 1, 2, 3]))
+        whole = {tuple(b["input_ids"]): b["sampling_params"]["sampling_seed"] for b in recorded(record)}
+        list(client.generate_iter([prompts[1], prompts[3]], params, n=2, seed_keys=[1, 3]))
+        later = {tuple(b["input_ids"]): b["sampling_params"]["sampling_seed"] for b in recorded(record)[4:]}
+    assert later == {tuple(prompts[1]): whole[tuple(prompts[1])], tuple(prompts[3]): whole[tuple(prompts[3])]}
+    assert len(set(whole.values())) == 4
+
+
 def test_no_seed_is_sent_to_sglang_by_default(tmp_path):
     with fake_worker(tmp_path) as (url, record, _):
         SGLangEngine.at([url], **FAST).generate([[1, 2]], SamplingParams(seed=3, max_new_tokens=3), n=4)

@@ -37,7 +37,7 @@ import threading
 import torch
 
 from megatron_klear.platform.dtypes import torch_dtype
-from megatron_klear.rollout.base import RolloutEngine, SamplingParams
+from megatron_klear.rollout.base import RolloutEngine, SamplingParams, keyed_seed
 from megatron_klear.rollout.embedded.batcher import ContinuousBatcher
 from megatron_klear.rollout.embedded.requests import PromptRequest, check_prompts, check_requests
 from megatron_klear.rollout.embedded.rules import eos_token_ids_of, resolve_context_length, token_id_list
@@ -240,6 +240,14 @@ class EmbeddedEngine(RolloutEngine):
         base = params.seed if params.seed is not None else secrets.randbits(63)
         count = len(prompts) if isinstance(prompts, (list, tuple)) else 0
         return self.generate_with_seeds(prompts, params, request_seeds(base, count, n))
+
+    def generate_keyed(self, prompts: list, params: SamplingParams, n: int, keys: list) -> list:
+        """One batch, prompt ``i``'s samples seeded ``sample_seed(keyed_seed(params.seed, keys[i]), 0, j)``:
+        each prompt as if it were alone in a call seeded by its key (``RolloutEngine.generate_keyed``)."""
+        if params.seed is None:
+            return self.generate(prompts, params, n)
+        seeds = [request_seeds(keyed_seed(params.seed, key), 1, n)[0] for key in keys]
+        return self.generate_with_seeds(prompts, params, seeds)
 
     def generate_with_seeds(self, prompts: list, params: SamplingParams, seeds: list) -> list:
         """Like :meth:`generate` with explicit per-sample seeds: ``seeds[i]`` lists one seed per sample

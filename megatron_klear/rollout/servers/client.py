@@ -171,8 +171,12 @@ class ServerClient(ServerEngine):
     def generate(self, prompts: list, params, n: int = 1) -> list:
         return self.generation.generate(prompts, params, n)
 
-    def generate_iter(self, prompts: list, params, n: int = 1, *, chunk_size: int | None = None, cancel=None):
-        return self.generation.generate_iter(prompts, params, n, chunk_size=chunk_size, cancel=cancel)
+    def generate_iter(
+        self, prompts: list, params, n: int = 1, *, chunk_size: int | None = None, cancel=None, seed_keys=None
+    ):
+        return self.generation.generate_iter(
+            prompts, params, n, chunk_size=chunk_size, cancel=cancel, seed_keys=seed_keys
+        )
 
     def update_weights(self, named_tensors, *, version: int | None = None) -> None:
         """Every worker loads the tensors through a temporary HF directory (servers on this machine)."""

@@ -59,7 +59,7 @@ import queue
 import threading
 import time
 
-from megatron_klear.rollout.base import Completion, FleetError, SamplingParams
+from megatron_klear.rollout.base import Completion, FleetError, SamplingParams, keyed_seed
 from megatron_klear.rollout.servers.call_http import CallHTTP, HTTPFailure, NoAnswerInTime
 from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialect
 from megatron_klear.rollout.servers.fleet import LIVE
@@ -161,13 +161,23 @@ class Generation:
         return out
 
     def generate_iter(
-        self, prompts: list, params: SamplingParams, n: int = 1, *, chunk_size: int | None = None, cancel=None
+        self,
+        prompts: list,
+        params: SamplingParams,
+        n: int = 1,
+        *,
+        chunk_size: int | None = None,
+        cancel=None,
+        seed_keys: list | None = None,
     ):
         """Yield ``(prompt index, [n Completions])`` in the order prompts complete. The requests run
         on an event loop in a helper thread; closing the iterator early, or setting ``cancel`` (a
         ``threading.Event``) from another thread, cancels them (their connections close, which ends
         them on the servers) and ends the iteration. (``chunk_size`` is for in-process engines;
-        requests here are already one per prompt or per sample.)"""
+        requests here are already one per prompt or per sample.) ``seed_keys``: prompt ``i``'s
+        request is seeded by ``seed_keys[i]`` instead of ``i`` (``RolloutEngine.generate_iter``)."""
+        if seed_keys is not None and len(seed_keys) != len(prompts):
+            raise ValueError(f"generate_iter: {len(seed_keys)} seed_keys for {len(prompts)} prompts")
         params.validate()
         if not prompts:
             return
@@ -175,7 +185,7 @@ class Generation:
         results: queue.Queue = queue.Queue()
         stop = threading.Event()
         thread = self._in_thread(
-            lambda: self._generate_all(prompts, params, int(n), results, stop), results, "sglang-client"
+            lambda: self._generate_all(prompts, params, int(n), results, stop, seed_keys), results, "sglang-client"
         )
         done = 0
         try:
@@ -224,8 +234,9 @@ class Generation:
         ) as http:
             yield CallState(http)
 
-    async def _generate_all(self, prompts, params, n, results, stop):
+    async def _generate_all(self, prompts, params, n, results, stop, seed_keys=None):
         base_seed = params.seed
+        keys = seed_keys if seed_keys is not None else range(len(prompts))
         per_sample = self.request_granularity == "sample" and n > 1
         units = (
             [(i, j) for i in range(len(prompts)) for j in range(n)]
@@ -241,9 +252,9 @@ class Generation:
                 if base_seed is None:
                     seed = None
                 elif j is None:
-                    seed = (base_seed * 1_000_003 + i) % (1 << 63)
+                    seed = keyed_seed(base_seed, keys[i])
                 else:
-                    seed = ((base_seed * 1_000_003 + i) * 1_000_033 + j) % (1 << 63)
+                    seed = ((base_seed * 1_000_003 + keys[i]) * 1_000_033 + j) % (1 << 63)
                 body = self._request_body(prompts[i], params, 1 if per_sample else n, seed)
                 async with sem:
                     return unit, await self._post_generate(call, body, 1 if per_sample else n)
