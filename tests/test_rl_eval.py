@@ -126,6 +126,7 @@ def test_every_generated_response_is_on_disk_and_the_tool_reads_it(run):
     directory = os.path.join(run["save"], "rollouts")
     assert dumped_steps(directory) == [1, 2]
     by_step = {r["step"]: r for r in run["records"]}
+    checked = 0
     for step in (1, 2):
         records = read_step(directory, step)
         m = by_step[step]
@@ -137,6 +138,18 @@ def test_every_generated_response_is_on_disk_and_the_tool_reads_it(run):
         trained = [r for r in records if r["trained"]]
         assert abs(sum(r["reward"] for r in records) / len(records) - m["rollout/reward_mean"]) < 1e-9
         assert all(r["behaviour_logprob_mean"] is not None and r["behaviour_logprob_mean"] <= 0 for r in trained)
+        # the trainer's old log-probs of the same response (same weights, fp32): within the step's
+        # largest engine/trainer token difference; a mean given to another response is far off
+        assert all(r["old_logprob_mean"] is None for r in records if not r["trained"])
+        if not m.get("actor/optimizer_steps"):  # every group filtered: nothing trained
+            continue
+        checked += 1
+        bound = m["actor/logprob_mismatch_max"] + 1e-6
+        gaps = [abs(r["old_logprob_mean"] - r["behaviour_logprob_mean"]) for r in trained]
+        assert max(gaps) <= bound, (max(gaps), bound)
+        spread = max(r["behaviour_logprob_mean"] for r in trained) - min(r["behaviour_logprob_mean"] for r in trained)
+        assert spread > 10 * bound, (spread, bound)  # responses differ: the match above is per response
+    assert checked, "no dumped step had an update"
     with gzip.open(os.path.join(directory, "step_0000002.jsonl.gz"), "rt") as f:
         assert json.loads(f.readline())["step"] == 2
     tool = [_python(), "tools/rollouts.py"]

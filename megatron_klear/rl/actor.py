@@ -89,6 +89,34 @@ def counted_mask(local: dict, mask_stale: bool) -> torch.Tensor:
     return mask
 
 
+class PerSampleMeans:
+    """Per sample of an update, the mean of a per-token value (the trainer's old log-probs) over its
+    response tokens: accumulated from the micro-batches each rank computes (its CP slice, on the last
+    pipeline stage; DP ranks hold other samples) and summed over every rank. TP ranks repeat the
+    same sums and the same counts, which leaves each mean as it is."""
+
+    def __init__(self, num_samples: int):
+        self.sums = torch.zeros(num_samples, dtype=torch.float64)
+        self.counts = torch.zeros(num_samples, dtype=torch.float64)
+
+    @torch.no_grad()
+    def add(self, values, mask, seq_ids) -> None:
+        ids = seq_ids.reshape(-1).long().cpu()
+        weight = mask.reshape(-1).double().cpu()
+        keep = (ids >= 0) & (weight > 0)
+        self.sums.index_add_(0, ids[keep], (values.detach().reshape(-1).double().cpu() * weight)[keep])
+        self.counts.index_add_(0, ids[keep], weight[keep])
+
+    def reduce(self) -> list:
+        """Collective: every sample's mean (None for one without response tokens), on every rank."""
+        both = torch.stack([self.sums, self.counts])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from megatron_klear.platform import control_group
+
+            dist.all_reduce(both, group=control_group())  # gloo: CPU tensors under NCCL too
+        return [float(s / c) if c > 0 else None for s, c in zip(both[0].tolist(), both[1].tolist())]
+
+
 class Actor:
     def __init__(
         self, state, rl_cfg, *, pad_id: int = 0, logprob_chunk_size: int | None = 4096, router_replay: bool = False
@@ -108,6 +136,11 @@ class Actor:
         # the first mini-batch's old log-probs are its own forward's (see update); False: a pass
         # before the update recomputes them as for every later mini-batch (the reference in tests)
         self.reuse_first_forward = True
+        # rl.dump_rollouts: each sample's mean old log-prob (the trainer's, at the weights the update
+        # starts from) after every update, for the rollout records (None: not kept, or no update)
+        self.keep_old_logprobs = bool(getattr(rl_cfg, "dump_rollouts", 0))
+        self.old_logprob_means = None
+        self._old_means = None
 
     # -- planning ------------------------------------------------------------------------------------
     def plan(self, samples: list, weight_version: int | None = None) -> list:
@@ -217,6 +250,8 @@ class Actor:
         def loss_fn(local, logprobs, entropy):
             mask = counted_mask(local, self.mask_stale)
             old = logprobs.detach() if old_is_current else local["old_logprobs_local"].to(logprobs.dtype)
+            if self._old_means is not None:
+                self._old_means.add(old, local["loss_mask"], local["seq_ids"])
             adv = local["advantages"].to(logprobs.dtype)
             m = mask.bool()
             mismatch = torch.zeros((), dtype=torch.float64)
@@ -285,6 +320,7 @@ class Actor:
         optimizer step is applied the weights changed: :attr:`weight_version` goes up by one."""
         if not samples:
             raise ValueError("actor.update: no samples (every group filtered out?)")
+        self.old_logprob_means = None
         version = self.weight_version
         plans = self.plan(samples, version)
         n_mini_batches = len(plans)
@@ -312,7 +348,13 @@ class Actor:
         t0 = time.perf_counter()
         self.recompute_old_logprobs(plans[1:] if reuse else plans)
         old_logprobs_s = time.perf_counter() - t0
-        totals, steps, maxima = self._train(plans, reuse)
+        self._old_means = PerSampleMeans(len(samples)) if self.keep_old_logprobs else None
+        try:
+            totals, steps, maxima = self._train(plans, reuse)
+        finally:
+            means, self._old_means = self._old_means, None
+        if means is not None:
+            self.old_logprob_means = means.reduce()
         ratio_max, mismatch_max, log_ratio_abs_max = maxima
         self._end_rl_step()
         if any(st["update_ok"] for st in steps):
@@ -403,6 +445,7 @@ class Actor:
     def skip_step(self) -> dict:
         """An RL step with no sample to train on (every group filtered): no update, the weights and
         their version stay; the lr schedule still counts the step (:meth:`_end_rl_step`)."""
+        self.old_logprob_means = None
         self._end_rl_step()
         return {"actor/skipped": 1, "actor/optimizer_steps": 0}
 

@@ -68,10 +68,11 @@ def test_rl_loop_runs_syncs_and_resumes(setup):
     import torch
 
     save = os.path.join(setup["root"], "run")
-    args = _overrides(setup, save)
+    args = [*_overrides(setup, save), "rl.dump_rollouts=1"]
     metrics, engine_w, trainer_w = run_distributed(_run, 2, args, 2)[0]
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     assert [m["step"] for m in lines] == [1, 2]
+    _check_dumped_old_logprobs(os.path.join(save, "rollouts"), lines)
     for m in lines:
         assert m["rollout/groups_generated"] == 6 and m["rollout/groups_kept"] <= 4
         assert -2.0 <= m["rollout/reward_mean"] <= 1.0
@@ -107,6 +108,23 @@ def test_rl_loop_runs_syncs_and_resumes(setup):
         assert abs(got[key] - want[key]) <= 1e-4 * max(1.0, abs(want[key])), (key, got[key], want[key])
     for k, v in at_tp2.items():
         assert torch.allclose(at_tp1[k], v, atol=1e-5, rtol=0), (k, (at_tp1[k] - v).abs().max())
+
+
+def _check_dumped_old_logprobs(directory, lines):
+    """At TP=2 the trainer's per-response old log-probs (summed over both ranks, each holding the
+    whole vocabulary's log-probs) are the engine's, response by response, within the step's largest
+    token difference."""
+    from megatron_klear.rl.rollout.records import read_step
+
+    checked = 0
+    for m in lines:
+        trained = [r for r in read_step(directory, m["step"]) if r["trained"]]
+        if not m.get("actor/optimizer_steps"):
+            continue
+        gaps = [abs(r["old_logprob_mean"] - r["behaviour_logprob_mean"]) for r in trained]
+        assert max(gaps) <= m["actor/logprob_mismatch_max"] + 1e-6, (max(gaps), m["actor/logprob_mismatch_max"])
+        checked += 1
+    assert checked
 
 
 def _probe_logprobs_of_trainer(model_dir, trainer_weights, prompt, response):

@@ -39,6 +39,7 @@ class RolloutManager:
         self.placement = Colocated(r.offload_trainer, nccl_suspension(r.suspend_nccl)) if r.colocate else Dedicated()
         self.engine = self.pool = self.weights = self.batches = None
         self.validation = self.recorder = self.dump = None  # rank 0: rl.eval, rl.dump_rollouts
+        self._pending_dump = None  # (step, records) of a batch whose update has not ended yet
         self.state = self.actor = self.tokenizer = None
         self.syncs = 0  # weight pushes by this process (the first one, fresh or resumed, is verified)
         # the weight version the engine was last given, and the RL step it was given after (None:
@@ -169,22 +170,39 @@ class RolloutManager:
         )
 
     def _dump(self, step: int, samples: list) -> dict:
-        """Rank 0: the records of the batch of RL step ``step`` (taken whatever the cadence), written
-        when ``rl.dump_rollouts`` is due; a response the filters kept but dynamic sampling cut past
-        the step's quota is marked so."""
-        import time
-
+        """Rank 0: the records of the batch of RL step ``step`` (taken whatever the cadence), kept
+        for :meth:`_write_dump` when ``rl.dump_rollouts`` is due; a response the filters kept but
+        dynamic sampling cut past the step's quota is marked so."""
         records = self.recorder.take()
         if not self.dump.due(step):
             return {}
-        t0 = time.time()
-        trained = {id(s.response_ids) for s in samples}
+        trained = {id(s.response_ids): i for i, s in enumerate(samples)}
         for r in records:
             ref = r.pop("_ref")
             if r["dropped"] is None and id(ref) not in trained:
                 r["dropped"] = "over_quota"
             r["trained"] = r["dropped"] is None
-        self.dump.write(step, records)
+            r["_sample"] = trained.get(id(ref)) if r["trained"] else None
+        self._pending_dump = (step, records)
+        return {}
+
+    def _write_dump(self, step: int | None = None) -> dict:
+        """Rank 0, after the update of RL step ``step`` (None: at the end of the run, whatever is
+        pending): the step's records with each trained response's mean old log-prob as the trainer
+        recomputed it before the update (``old_logprob_mean``; null without an update)."""
+        import time
+
+        pending = self._pending_dump
+        if pending is None or (step is not None and pending[0] != step):
+            return {}
+        self._pending_dump = None
+        t0 = time.time()
+        written, records = pending
+        means = getattr(self.actor, "old_logprob_means", None) if step is not None else None
+        for r in records:
+            i = r.pop("_sample")
+            r["old_logprob_mean"] = means[i] if means is not None and i is not None and i < len(means) else None
+        self.dump.write(written, records)
         return {"time/dump_s": time.time() - t0}
 
     def interrupt(self) -> None:
@@ -261,6 +279,10 @@ class RolloutManager:
         ``rollout.verify_interval`` says -- before it is admitted (live: it gets requests again); one
         that fails is dropped again, not an error of the run. The metrics carry the fleet's
         (``rollout/live_workers``, ``rollout/worker_failures``, ``rollout/worker_rejoins``)."""
+        dumped = self._write_dump(step) if self.dump is not None and is_rank0() else {}
+        return {**dumped, **self._push_weights(weight_version, step=step)}
+
+    def _push_weights(self, weight_version: int, *, step: int) -> dict:
         from megatron_klear.rl.rollout.verify import verification_due, verify_servers
 
         # After a stop signal (on any rank: decided together) nothing is pushed: the run saves and
@@ -361,6 +383,8 @@ class RolloutManager:
         """Servers released by a failed step get their weights back; the pool, the update groups and
         the engine are shut."""
         if is_rank0():
+            if self.dump is not None:
+                self._write_dump()  # a step's records whose update never came (the run stopped)
             if self.batches is not None:
                 self.batches.close()
             self.placement.restore(self.engine)

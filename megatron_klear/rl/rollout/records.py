@@ -10,8 +10,11 @@ the last ``rl.dump_rollouts_keep`` files (0: all). One line per response:
 ``prompt_ids``, ``response_ids``, ``reward``, ``solved``, ``grader_error``, ``grader_detail``,
 ``advantage``, ``trained`` (bool) and ``dropped`` (why not: ``zero_spread``, ``overlong``,
 ``grader_error``, ``over_quota``, or null), ``finish_reason``, ``length``,
-``behaviour_logprob_mean`` (the engine's log-probs of the response, averaged), ``weight_versions``
-(``[oldest, newest]`` version that sampled its tokens, null when the engine did not say).
+``behaviour_logprob_mean`` (the engine's log-probs of the response, averaged),
+``old_logprob_mean`` (the trainer's, recomputed at the weights the update started from, averaged
+over the same tokens; null for a response not trained), ``weight_versions`` (``[oldest, newest]``
+version that sampled its tokens, null when the engine did not say). A step's file is written once
+its update has ended (at the push that follows it), or at the end of the run.
 
 ``tools/rollouts.py`` reads them (show a step, filter by reward, diff two steps).
 """
