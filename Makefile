@@ -42,7 +42,8 @@ sandbox:
 		|| echo "warning: bubblewrap (bwrap) is missing and could not be installed: the code-grading tests will fail"
 
 test: venv lint sandbox
-	@$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m "not timing and not slurm and not width" tests; heavy=$$?; \
+	@export KLEAR_REQUIRE_COMPONENTS=1; \
+	$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder -m "not timing and not slurm and not width" tests; heavy=$$?; \
 	echo "== the timing-bound tests (tests/conftest.py TIMING_MODULES) =="; \
 	$(PYTEST) -n 3 --dist loadfile --no-loadscope-reorder -m timing tests; timing=$$?; \
 	[ $$heavy -eq 0 ] && [ $$timing -eq 0 ]
@@ -50,7 +51,7 @@ test: venv lint sandbox
 # The journey at Qwen3-0.6B's real width (tests/test_journey_at_width.py, ~4 minutes on 2 cores: the
 # largest single test), apart from `make test`'s 20-minute budget; .ci/run runs it too.
 test-width: venv sandbox
-	$(PYTEST) -m width tests
+	KLEAR_REQUIRE_COMPONENTS=1 $(PYTEST) -m width tests
 
 # Slurm and munge from Debian's packages (the launch tests start their own controller and three nodes
 # on this machine: tests/slurm/cluster.py). Installed when missing and apt-get can.

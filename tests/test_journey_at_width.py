@@ -11,14 +11,15 @@ import sys
 
 import pytest
 
+from tests.components import require_vllm
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VLLM_PYTHON = os.environ.get("KLEAR_VLLM_PYTHON") or os.path.join(REPO, ".venv-vllm", "bin", "python")
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason=f"vLLM's CPU build is not installed ({VLLM_PYTHON})")
 def test_the_quick_journey_at_qwen3_0_6b_width(tmp_path):
+    require_vllm()
     work, out = tmp_path / "work", tmp_path / "journey.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/journey.py", "--quick", "--workdir", str(work), "--json", str(out)],

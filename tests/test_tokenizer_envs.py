@@ -8,10 +8,9 @@ import os
 import subprocess
 import sys
 
-import pytest
+from tests.components import VLLM_PYTHON, require_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VLLM_PYTHON = os.environ.get("KLEAR_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
 
 # run in each interpreter: the chat template rendered, strings encoded, ids decoded, for each tokenizer
 PROBE = r"""
@@ -46,8 +45,8 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason=f"vLLM's CPU build is not installed ({VLLM_PYTHON})")
 def test_the_trainer_and_vllm_environments_tokenize_and_template_alike(tmp_path):
+    require_vllm()
     from megatron_klear.models.tiny import build_tokenizer
 
     dirs = []

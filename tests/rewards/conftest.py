@@ -7,8 +7,9 @@ runs wherever the grader is root. The hostile suite runs on every level availabl
 
 import pytest
 
-from megatron_klear.rewards import RewardConfig, SandboxConfig
+from megatron_klear.rewards import RewardConfig, SandboxConfig, isolation_probe
 from megatron_klear.rewards.isolation_probe import probe_isolation
+from tests.components import missing
 
 T = "<think>thinking</think>\n"
 
@@ -43,7 +44,10 @@ def isolation_report():
 def level(request, isolation_report):
     rep = isolation_report
     if request.param == "bwrap" and not rep.bwrap_ok:
-        pytest.skip("bubblewrap isolation unavailable here: " + "; ".join(rep.bwrap_problems))
+        why = "bubblewrap isolation unavailable here: " + "; ".join(rep.bwrap_problems)
+        if not isolation_probe.bwrap_path():  # not installed (make sandbox installs it): a missing component
+            missing(why + " (run `make sandbox`)")
+        pytest.skip(why)
     if request.param == "fallback" and not rep.fallback_ok:
         pytest.skip("fallback isolation unavailable here: " + "; ".join(rep.fallback_problems))
     return request.param

@@ -25,6 +25,7 @@ from megatron_klear.rewards.isolation_probe import (
     probe_isolation,
 )
 from megatron_klear.rewards.processes import SandboxUnavailable
+from tests.components import missing
 
 from .conftest import small_limits
 from .unprivileged import Unprivileged
@@ -244,7 +245,7 @@ def test_the_command_where_user_namespaces_are_off(user):
     if os.getuid() != 0:
         pytest.skip("staging a user namespace with user namespaces off needs root")
     if not isolation_probe.bwrap_path():
-        pytest.skip("bubblewrap is not installed here")
+        missing("bubblewrap is not installed here: run `make sandbox`")
     done = user.run(["-m", MODULE], no_userns=True)
     if done.returncode == 97:
         pytest.skip("cannot stage a user namespace here: " + done.stderr.strip())

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VLLM_PYTHON = os.environ.get("KLEAR_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
+from tests.components import VLLM_PYTHON, require_vllm
 
-if not os.path.exists(VLLM_PYTHON):  # `make venv` builds it; a bare pytest run may not have it
-    pytest.skip(f"vLLM's CPU build is not installed ({VLLM_PYTHON}): run `make venv`", allow_module_level=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+require_vllm(module_level=True)
 
 
 # the in-memory weight path: this package's transfer engine, registered by its vLLM plugin
