@@ -139,6 +139,7 @@ class Actor:
         # rl.dump_rollouts: each sample's mean old log-prob (the trainer's, at the weights the update
         # starts from) after every update, for the rollout records (None: not kept, or no update)
         self.keep_old_logprobs = bool(getattr(rl_cfg, "dump_rollouts", 0))
+        self.last_plan = []  # (set by update: this rank's micro-batches, see there)
         self.old_logprob_means = None
         self._old_means = None
 
@@ -325,6 +326,9 @@ class Actor:
         plans = self.plan(samples, version)
         n_mini_batches = len(plans)
         plans = [(counts, mbs) for counts, mbs in plans if counts.num_tokens > 0]  # no forward, no step
+        # this rank's schedule, as the tests read it: per mini-batch, the samples in each of its
+        # micro-batches in the order they run (0: a filler row, which only keeps the ranks in step)
+        self.last_plan = [[_samples_in(mb) for mb in mbs] for _, mbs in plans]
         masked = (
             sum(int(stale_flags(s, version, index=i).sum()) for i, s in enumerate(samples)) if self.mask_stale else 0
         )
@@ -448,6 +452,11 @@ class Actor:
         self.old_logprob_means = None
         self._end_rl_step()
         return {"actor/skipped": 1, "actor/optimizer_steps": 0}
+
+
+def _samples_in(micro_batch: dict) -> int:
+    ids = micro_batch["seq_ids"]
+    return int(torch.unique(ids[ids >= 0]).numel())
 
 
 def recomputed_layers(model_chunks) -> set:
