@@ -42,7 +42,11 @@ receiver processes for the raw broadcast. Every variant moves the whole model to
   ``in_memory`` is the relay's cost (``relay_cost_vs_in_memory``).
 
 Each variant runs ``--repeats`` times, interleaved (median reported, and the fastest under ``best``:
-on a shared machine other jobs only ever add time); ``--variants`` runs a subset. JSON keys:
+on a shared machine other jobs only ever add time); ``--variants`` runs a subset. Every timed push
+is checked where it lands, outside its time: the trainer negates its weights before each push (so
+it carries bytes no server holds), and after it both servers' weight version, and with the SGLang
+stand-ins every weight's ``/weights_checker`` checksum, must be the trainer's (vLLM has no checksum
+route: its version only); a push that did not land ends the benchmark (JSON ``landed``). JSON keys:
 ``disk_s`` (= ``disk_parallel_s``, the fallback, page cache), ``disk_sequential_s``,
 ``disk_flushed_s``, ``distributed_s``, ``raw_broadcast_s``, ``speedup_vs_disk`` (disk_s /
 distributed_s), ``speedup_vs_disk_flushed``, ``speedup_vs_disk_sequential``, ``efficiency_vs_raw``
@@ -245,6 +249,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
     relayed = InMemoryPush(SimpleNamespace(model=chunks), engine, Dedicated(), args.bucket_mb, fallback=None)
     barrier()
     times = {v: [] for v in (*VARIANTS, RELAY)}
+    landed = {v: [] for v in (*VARIANTS, RELAY)}  # how each timed push was seen on the servers
     stats = []
     t0 = time.perf_counter()
     sync.sync(version="warmup")  # creates the groups
@@ -261,6 +266,8 @@ def _trainer(rank, ckpt, urls, args, raw_port):
                 # steady state: in a run every update takes this path, so the servers receive into
                 # the storages the previous one replaced (after a disk reload they allocate afresh)
                 sync.sync(version=f"{version}-prep")
+            if variant != "raw_broadcast":  # new bytes for this push: the check after it sees whether they landed
+                _flip_signs(chunks)
             barrier()
             t0 = time.perf_counter()
             if variant.startswith("disk"):
@@ -295,6 +302,7 @@ def _trainer(rank, ckpt, urls, args, raw_port):
             times[variant].append(time.perf_counter() - t0)
             if variant != "raw_broadcast":
                 served = version
+                landed[variant].append(_check_landed(chunks, engine, urls, args, version, tp_group))
             if rank == 0 and variant.startswith("disk"):
                 shutil.rmtree(os.path.join(workdir, f"step_{version:07d}"), ignore_errors=True)
     if rank == 0:
@@ -303,7 +311,55 @@ def _trainer(rank, ckpt, urls, args, raw_port):
         engine.members.check_weight_versions(served)  # the last update reached both servers
     sync.close()
     delta = _delta_phase(chunks, engine, args, barrier, version) if args.delta_lrs else {}
-    return {"times": times, "first_distributed_s": first, "sizes": sizes, "stats": stats, "delta": delta}
+    return {
+        "times": times,
+        "landed": landed,
+        "first_distributed_s": first,
+        "sizes": sizes,
+        "stats": stats,
+        "delta": delta,
+    }
+
+
+def _flip_signs(chunks) -> None:
+    """Every weight of the trainer negated (exact in any dtype): the next push carries bytes no
+    server holds, so a push that did not land fails :func:`_check_landed`."""
+    import torch
+
+    from megatron_klear.checkpoint.model_weights import unwrap
+
+    with torch.no_grad():
+        for chunk in chunks:
+            for p in unwrap(chunk).parameters():
+                p.neg_()
+
+
+def _check_landed(chunks, engine, urls, args, version, tp_group) -> str:
+    """Collective, after a timed push (outside its time): every server holds the trainer's weights.
+    SGLang stand-ins: each parameter's checksum (``/weights_checker``) equals the trainer's, and the
+    version; vLLM (no checksum route): the version. Raises naming the server and the first weight
+    that differs; returns how it was checked."""
+    import httpx
+
+    from megatron_klear.checkpoint.model_weights import iter_hf_tensors
+    from megatron_klear.rollout.embedded.weights import tensor_checksum
+
+    want = {name: tensor_checksum(t) for name, t in iter_hf_tensors(chunks, tp_group=tp_group)}
+    if engine is None:  # (rank 1: its part of the gather is done)
+        return ""
+    engine.members.check_weight_versions(version)
+    if args.engine == "vllm":
+        return "version"
+    for url in urls:
+        got = httpx.get(url + "/weights_checker", timeout=120).json()["ranks"][0]["checksums"]
+        compared = [name for name in want if name in got]
+        differs = [name for name in compared if got[name] != want[name]]
+        if differs or len(compared) < len(want) - 1:  # (a tied lm_head is not a parameter of its own)
+            raise RuntimeError(
+                f"weight_sync benchmark: the push of version {version} did not land on {url}: "
+                f"{len(differs)} of {len(compared)} weights differ (first: {differs[:1]})"
+            )
+    return "checksums"
 
 
 def _make_sync(chunks, engine, args, **keys):
@@ -619,6 +675,9 @@ def main() -> int:
         # the fastest of the repeats (a shared machine adds delays, never removes them)
         "best": {**{f"{k}_s": v for k, v in best.items()}, **ratios(best)},
         "all_times": r["times"],
+        # how each timed push was seen to land on both servers (checksums: every weight's; version:
+        # vLLM's label only, it has no checksum route)
+        "landed": {k: v for k, v in r["landed"].items() if v},
         "distributed_stats": r["stats"],
         "delta": {
             str(lr): {

@@ -14,6 +14,17 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+VARIANTS_RUN = (
+    "disk_sequential",
+    "disk_parallel",
+    "disk_flushed",
+    "distributed",
+    "raw_broadcast",
+    "in_memory",
+    "in_memory_relay",
+)
+
+
 @pytest.mark.slow
 def test_weight_sync_benchmark_quick(tmp_path):
     out = tmp_path / "ws.json"
@@ -21,10 +32,7 @@ def test_weight_sync_benchmark_quick(tmp_path):
     proc = subprocess.run(
         [
             *(sys.executable, "benchmarks/weight_sync.py", "--quick", "--json", str(out), "--workdir", str(work)),
-            *(
-                "--variants",
-                "disk_sequential,disk_parallel,disk_flushed,distributed,raw_broadcast,in_memory,in_memory_relay",
-            ),
+            *("--variants", ",".join(VARIANTS_RUN)),
         ],
         cwd=REPO,
         capture_output=True,
@@ -39,6 +47,9 @@ def test_weight_sync_benchmark_quick(tmp_path):
     sizes = [reader.get(k).numel() * reader.get(k).element_size() for k in reader.keys()]
     assert r["model_bytes"] == sum(sizes)
     assert r["layers"] == 2 and r["repeats"] == 1
+    # every timed push was checked where it lands (the trainer negates its weights before each):
+    # each server's checksum of every weight equals the trainer's
+    assert r["landed"] == {v: ["checksums"] for v in VARIANTS_RUN if v != "raw_broadcast"}, r["landed"]
     # buckets of <= 1 MiB, but a tensor larger than that travels alone: at least one bucket per such
     # tensor plus the rest's bytes over the bucket size
     big = [s for s in sizes if s > 1 << 20]

@@ -16,6 +16,14 @@ class WeightUpdateError(ValueError):
     """A weight update that does not fit the model; the message names the tensor."""
 
 
+def tensor_checksum(t: torch.Tensor) -> str:
+    """The sha256 of a tensor's bytes, 16 hex digits (what ``/weights_checker`` lists per parameter)."""
+    import hashlib
+
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 class ModelWeights:
     """The weights of ``model``, loaded by HF name under ``lock`` (the engine's: no decode step runs
     while they change). ``version``: the weight version they are (None: the checkpoint's own)."""
@@ -115,16 +123,13 @@ class ModelWeights:
             self._apply_weights(list(named_tensors), copy=False, require_all=False)
 
     def checksums(self, skip=()) -> dict:
-        """{parameter name: sha256 of its bytes (16 hex digits)} (SGLang's ``/weights_checker``)."""
-        import hashlib
-
+        """{parameter name: :func:`tensor_checksum`} (SGLang's ``/weights_checker``)."""
         out = {}
         with self._lock, torch.no_grad():
             for name, p in self.model.named_parameters():
                 if any(s in name for s in skip):
                     continue
-                data = p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-                out[name] = hashlib.sha256(data).hexdigest()[:16]
+                out[name] = tensor_checksum(p)
         return out
 
     # ---------------------------------------------------------------- memory (colocated servers)
