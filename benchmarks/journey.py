@@ -21,7 +21,8 @@ padded vocabulary, as Qwen3's own 151,936 rows pad its 151,669 tokens), goes thr
 6. ``gppo``: 3 steps of 2 prompts x 4 responses of 128 tokens (``--quick``: 1 step of 1 x 2 of 8)
    of ``python -m megatron_klear rl`` with the shipped GPPO config, ``rollout.engine=vllm``,
    the weights streamed to the server after every step over an update group (``distributed``: the
-   in-memory path for dedicated servers) and the probe check after every push;
+   in-memory path for dedicated servers) and the probe check after every push (at lr 1e-3, so that
+   every step moves the log-probs beyond the probe's tolerance: a push that did not land fails it);
 7. ``resume``: the same command one step further: it resumes from the RL checkpoint (not with
    ``--quick``: the tiny-model tests resume RL runs, and this phase was a fifth of the quick run);
 8. ``eval``: ``tools/eval.py --server vllm`` on held-out prompts.
@@ -275,6 +276,11 @@ class Journey:
             "rl.filter_zero_spread=false",
         ]
         args += ["rollout.engine=vllm", f"rollout.urls=[{self.server.url}]", "rollout.verify_interval=1"]
+        # a learning rate whose first Adam step (~lr on every weight with a gradient) moves the model's
+        # log-probs far beyond the probe's fp32 tolerance: the probe after each push then holds only
+        # if the push landed (the shipped 1e-6, warmed up from 0, leaves the weights where the server's
+        # are, and the probe would pass with nothing pushed)
+        args += ["optim.lr=1e-3", "optim.min_lr=1e-3", "optim.warmup_steps=0"]
         args += [
             "reward.workers=1",
             f"train.steps={steps}",
@@ -290,6 +296,9 @@ class Journey:
         out["tokens_per_s"] = sum(m.get("rollout/tokens_per_s", 0.0) for m in mine) / len(mine)
         out["samples_per_s"] = sum(m.get("perf/samples_per_s", 0.0) for m in mine) / len(mine)
         out["train_s"] = sum(m.get("time/train_s", 0.0) for m in mine) / len(mine)
+        out["lr"] = min(m.get("lr", 0.0) for m in mine)
+        out["optimizer_steps"] = sum(m.get("actor/optimizer_steps", 0) for m in mine)
+        out["weights_version"] = mine[-1].get("weights/version")
         syncs = [m for m in mine if m.get("weights/pushed")]
         if syncs:
             out["sync_bytes"] = syncs[-1].get("weights/sync_bytes")

@@ -58,6 +58,10 @@ def test_the_quick_journey_at_qwen3_0_6b_width(tmp_path):
                 weights += _numel(st.get_slice(k).get_shape()) * 4
     assert by["gppo"]["sync_bytes"] == weights, (by["gppo"], weights)
     assert by["gppo"]["probe_max"] < 1e-4
+    # ... after an update that moved every weight by ~1e-3 (Adam's first step): the server's log-probs
+    # equal the trainer's new ones only if the push landed; the server is labelled with its version
+    assert by["gppo"]["optimizer_steps"] >= 1 and by["gppo"]["lr"] >= 1e-3, by["gppo"]
+    assert by["gppo"]["weights_version"] == 1, by["gppo"]
     assert (work / "rl-run" / "iter_0000001").is_dir()
     evaluated = json.loads((work / "eval.json").read_text())
     assert "heldout" in json.dumps(evaluated)
