@@ -357,7 +357,8 @@ def test_the_plain_launch_scripts_as_two_nodes_on_one_host(files, tmp_path, job)
     else:
         from megatron_klear.rollout.sglang_standin import EmbeddedHTTPEngine
 
-        standin = EmbeddedHTTPEngine.launch(files["hf"], startup_timeout=120)
+        # the server starts from other weights: only the trainer's pushes can make it hold the trainer's
+        standin = EmbeddedHTTPEngine.launch(files["hf_other"], startup_timeout=120)
         script = "examples/run_gppo_qwen3_8b.sh"
         args = common + [f"rl.prompts=[{files['rl']}]", "rl.prompts_per_step=2", "rl.oversample_prompts=4"]
         args += ["rl.responses_per_prompt=4", "rl.mini_batch_prompts=1", "rl.max_tokens_per_micro_batch=512"]
@@ -367,17 +368,47 @@ def test_the_plain_launch_scripts_as_two_nodes_on_one_host(files, tmp_path, job)
         args += ["rollout.verify_interval=1", "reward.workers=1", "rl.filter_zero_spread=false"]
     try:
         codes, outs = _two_launchers(script, args, env)
+        assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+        steps = _steps(os.path.join(save, "metrics.jsonl"))
+        assert [m["step"] for m in steps if "step" in m][-1] == 2
+        assert os.path.isdir(os.path.join(save, "iter_0000002"))
+        if job == "gppo":
+            pushed = [m for m in steps if "step" in m]
+            assert [m.get("weights/pushed") for m in pushed] == [1, 1], pushed
+            assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in pushed), pushed
+            # the last push landed: the server holds the saved step-2 weights, every one of them
+            # (checksums of its parameters against the checkpoint's, cast to the server's dtype)
+            _assert_server_holds(standin.url, os.path.join(save, "iter_0000002"), version=pushed[-1]["weights/version"])
     finally:
         if standin is not None:
             standin.close()
-    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
-    steps = _steps(os.path.join(save, "metrics.jsonl"))
-    assert [m["step"] for m in steps if "step" in m][-1] == 2
-    assert os.path.isdir(os.path.join(save, "iter_0000002"))
-    if job == "gppo":
-        pushed = [m for m in steps if "step" in m]
-        assert [m.get("weights/pushed") for m in pushed] == [1, 1], pushed
-        assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in pushed), pushed
+
+
+def _assert_server_holds(url, ckpt_dir, version):
+    """The stand-in server at ``url`` serves weight version ``version`` and its every parameter's
+    ``/weights_checker`` checksum is that of ``ckpt_dir``'s weight (exported to HF names) in the
+    server's dtype."""
+    import tempfile
+
+    import httpx
+
+    from megatron_klear.checkpoint.convert import megatron_to_hf
+    from megatron_klear.checkpoint.hf_io import HFReader
+    from megatron_klear.platform.dtypes import torch_dtype
+    from megatron_klear.rollout.embedded.weights import tensor_checksum
+    from megatron_klear.rollout.sglang import SGLangEngine
+
+    engine = SGLangEngine.at([url])
+    engine.members.check_weight_versions(version)
+    dtype = torch_dtype(engine.worker_dtypes()[url])
+    out = tempfile.mkdtemp(prefix="klear-served-")
+    megatron_to_hf(ckpt_dir, out, progress=False)
+    reader = HFReader(out)
+    got = httpx.get(url + "/weights_checker", timeout=60).json()["ranks"][0]["checksums"]
+    compared = [k for k in reader.keys() if k in got]
+    assert len(compared) >= len(list(reader.keys())) - 1, (sorted(got)[:5], sorted(reader.keys())[:5])
+    differ = [k for k in compared if got[k] != tensor_checksum(reader.get(k).to(dtype))]
+    assert not differ, f"{len(differ)} of {len(compared)} weights differ on {url}, first {differ[:1]}"
 
 
 @pytest.mark.parametrize("role", ["server-n1-0", "router"])
