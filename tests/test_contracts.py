@@ -1,15 +1,21 @@
 """Every declared contract, checked for every implementation: a class that another module relies on
 implements a protocol written down in the package (rollout/base.py, servers/client.py,
 weight_sync/push.py, rl/rollout/schedules.py and placement.py), with the protocol's methods and
-parameters. ``isinstance`` against a ``runtime_checkable`` protocol sees only that the names exist;
+parameters. The implementations of the weight-push, producer, schedule and placement protocols are
+found by searching the package for classes with the protocol's members (:func:`implementations`),
+not listed by hand: a new path is checked the day it is written. ``isinstance`` against a ``runtime_checkable`` protocol sees only that the names exist;
 :func:`conforms` also checks that each method takes the protocol's parameters (by name, or through
 ``**kwargs``), its positional ones at the protocol's positions (callers pass ``step`` and
 ``weight_version`` by position), and asks for nothing more."""
 
+import importlib
 import inspect
+import pkgutil
+import typing
 
 import pytest
 
+import megatron_klear
 from megatron_klear.rl.rollout.partial import PartialRollouts
 from megatron_klear.rl.rollout.placement import Colocated, Dedicated, Placement
 from megatron_klear.rl.rollout.sampling import FullBatches
@@ -20,6 +26,7 @@ from megatron_klear.rollout.servers.wire import BucketPost
 from megatron_klear.rollout.sglang import SGLangEngine
 from megatron_klear.rollout.vllm import VLLMEngine
 from megatron_klear.rollout.weight_sync import DiskPush, DistributedWeightSync, InProcessPush, WeightPush
+from megatron_klear.rollout.weight_sync.in_memory import InMemoryPush
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -72,6 +79,43 @@ def conforms(impl, proto) -> list:
     return problems
 
 
+def _package_classes() -> list:
+    """Every class defined in a module of the package that imports here (modules that need a GPU
+    extra at import are left out: none declares an implementation today)."""
+    found = []
+    for info in pkgutil.walk_packages(megatron_klear.__path__, "megatron_klear."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:
+            continue
+        found += [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == info.name]
+    return found
+
+
+PACKAGE_CLASSES = _package_classes()
+
+
+def implementations(proto) -> list:
+    """The package's classes that have every member of ``proto`` by name (data members as class
+    attributes or annotations): the implementations the protocol's callers may be handed, found
+    rather than listed, so that a new one cannot be left out of the check."""
+    names = list(_members(proto))
+    out = []
+    for c in PACKAGE_CLASSES:
+        if c is proto or getattr(c, "_is_protocol", False):
+            continue
+        have = set(dir(c)) | set(typing.get_type_hints(c) if hasattr(c, "__annotations__") else ())
+        if all(n in have for n in names):
+            out.append(c)
+    return sorted(out, key=lambda c: (c.__module__, c.__qualname__))
+
+
+def _ids(classes):
+    return [c.__qualname__ for c in classes]
+
+
 @pytest.fixture(scope="module", params=[SGLangEngine, VLLMEngine], ids=["sglang", "vllm"])
 def engine(request):
     e = request.param.at(["http://127.0.0.1:9"])  # nothing is asked of the server before a call
@@ -90,24 +134,25 @@ def test_a_bucket_post_is_what_the_sync_waits_on():
     assert post.result() == {} and isinstance(post, BucketPosting) and conforms(post, BucketPosting) == []
 
 
-@pytest.mark.parametrize("path", [InProcessPush, DiskPush, DistributedWeightSync])
-def test_every_weight_path_is_a_weight_push(path):
-    assert conforms(path, WeightPush) == []
+#: what each protocol's implementations must at least include (the search's own check: a protocol
+#: whose member names changed would find nothing, and its test would pass on no class)
+KNOWN = {
+    WeightPush: {InProcessPush, DiskPush, DistributedWeightSync, InMemoryPush},
+    Producer: {FullBatches, PartialRollouts},
+    Schedule: {Synchronous, OneStepAhead},
+    Placement: {Dedicated, Colocated},
+}
+CASES = [(proto, impl) for proto in KNOWN for impl in implementations(proto)]
 
 
-@pytest.mark.parametrize("producer", [FullBatches, PartialRollouts])
-def test_every_producer_conforms(producer):
-    assert conforms(producer, Producer) == []
+def test_the_search_finds_every_known_implementation():
+    for proto, known in KNOWN.items():
+        assert known <= set(implementations(proto)), (proto.__name__, _ids(implementations(proto)))
 
 
-@pytest.mark.parametrize("schedule", [Synchronous, OneStepAhead])
-def test_every_schedule_conforms(schedule):
-    assert conforms(schedule, Schedule) == []
-
-
-@pytest.mark.parametrize("placement", [Dedicated, Colocated])
-def test_every_placement_conforms(placement):
-    assert conforms(placement, Placement) == []
+@pytest.mark.parametrize("proto,impl", CASES, ids=[f"{p.__name__}-{c.__qualname__}" for p, c in CASES])
+def test_every_implementation_found_conforms(proto, impl):
+    assert conforms(impl, proto) == []
 
 
 def test_the_checker_sees_a_missing_method_and_a_parameter_too_many():
