@@ -3,10 +3,11 @@ implements a protocol written down in the package (rollout/base.py, servers/clie
 weight_sync/push.py, rl/rollout/schedules.py and placement.py), with the protocol's methods and
 parameters. The implementations of the weight-push, producer, schedule and placement protocols are
 found by searching the package for classes with the protocol's members (:func:`implementations`),
-not listed by hand: a new path is checked the day it is written. ``isinstance`` against a ``runtime_checkable`` protocol sees only that the names exist;
-:func:`conforms` also checks that each method takes the protocol's parameters (by name, or through
-``**kwargs``), its positional ones at the protocol's positions (callers pass ``step`` and
-``weight_version`` by position), and asks for nothing more."""
+not listed by hand: a new path is checked the day it is written. ``isinstance`` against a
+``runtime_checkable`` protocol sees only that the names exist; :func:`conforms` also checks that
+each method takes the protocol's parameters (by name, or through ``**kwargs``), its positional ones
+at the protocol's positions (callers pass ``step`` and ``weight_version`` by position), and asks
+for nothing more."""
 
 import importlib
 import inspect

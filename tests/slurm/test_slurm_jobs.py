@@ -140,73 +140,25 @@ def _expected_digests(files, steps, per_step=8, seed=1234):
     return out
 
 
-def test_gppo_job_on_two_nodes_survives_two_preemptions(cluster, files, tmp_path):
-    save, logs = str(tmp_path / "rl"), str(tmp_path / "logs")
-    out = str(tmp_path / "job.out")
-    env = _gppo_env(files, save, logs)
-    job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, "--export=ALL")
-    metrics = os.path.join(save, "metrics.jsonl")
-    # 1. Slurm's --signal path: USR1 to the batch script, which has the trainer save and requeues
-    _wait_for("two steps", lambda: len(_steps(metrics)) >= 2, 300, job, cluster)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster.env, check=True)
-    _wait_for("the first requeue", lambda: cluster.job(job).get("Restarts") == "1", 120)
-    # 2. scontrol requeue: Slurm stops every step (SIGTERM) and requeues; the trainer saves
-    before = len(_steps(metrics))
-    _wait_for("a step after the restart", lambda: len(_steps(metrics)) > before, 300, job, cluster)
-    subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
-    info = cluster.wait_done(job, 600)
-    text = open(out).read()
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
-    assert info["Restarts"] == "2", info
-    assert "(restart 1)" in text and "(restart 2)" in text, text[-3000:]
-    assert "preempted (SIGUSR1)" in text and "Slurm stops the job (SIGTERM)" in text, text[-3000:]
-
-    steps = _steps(metrics)
-    assert [m["step"] for m in steps] == list(range(1, GPPO_STEPS + 1))
-    # no step lost, none repeated: the trainer's own step lines across the three runs (the metrics
-    # file is rewound to the checkpoint on resume, so it would not show a repeated step)
-    assert _trained_steps(os.path.join(logs, "trainer-node0.log")) == list(range(1, GPPO_STEPS + 1))
-    saved = sorted(int(n[5:]) for n in os.listdir(save) if n.startswith("iter_"))
-    stops = _stop_saves(os.path.join(logs, "trainer-node0.log"))
-    assert len(stops) == 2 and stops[-1] < GPPO_STEPS, stops  # both preemptions came mid-run
-    assert set(stops) | {GPPO_STEPS} == set(saved), (stops, saved)  # saved on each, and at the end
-    assert os.path.isdir(os.path.join(save, f"iter_{GPPO_STEPS:07d}"))
-    # the data order of an uninterrupted run, step by step, across both restarts
-    assert [m["data/order_digest"] for m in steps] == _expected_digests(files, GPPO_STEPS)
-    # PP=2 over the two nodes: both stage leaders pushed their layers (bf16: 2 bytes a parameter)
-    from safetensors import safe_open
-
-    params = 0
-    for name in os.listdir(files["hf"]):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(files["hf"], name), "pt") as f:
-                params += sum(int(__import__("math").prod(f.get_slice(k).get_shape())) for k in f.keys())
-    pushed = [m for m in steps if m.get("weights/pushed")]
-    assert pushed and all(m["weights/sync_bytes"] == 2 * params for m in pushed), pushed
-    assert os.path.exists(os.path.join(logs, "trainer-node0.log")) and os.path.exists(
-        os.path.join(logs, "trainer-node1.log")
-    )
-    # the servers hold the trainer's weights: the probe after every push, the last one included
-    verified = [m for m in steps if "weights/verify_mean_diff_max" in m]
-    assert verified and verified[-1]["step"] == GPPO_STEPS, [m["step"] for m in verified]
-    assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
-
-
-def test_gppo_job_in_the_scripts_default_layout_stopped_mid_generation(cluster, files, tmp_path):
+def test_gppo_job_in_the_scripts_default_layout_survives_two_preemptions(cluster, files, tmp_path):
     """The script's default layout (``#SBATCH --nodes=3``, ROLLOUT_NODES=1, TRAIN_NODES=2, their
     defaults left unset) at the size of this cluster: two servers and the router on n1, the trainer
     on n2 and n3 with two GPUs each (TP=2 inside a node, PP=2 across the two). Before, the trainer's
     step inherited the job's three tasks and started several launchers on a node that all bound the
     rendezvous port: the job failed in seconds.
 
-    Preempted through Slurm's --signal path in the middle of step 3's generation (the servers run
-    one request at a time, so that a step generates for seconds; at 8B it is minutes, more than the
-    grace): the generation is cut, step 2 is saved at once, and the requeued job draws step 3's
-    prompts again -- every step trained once, the prompt order that of an uninterrupted run."""
+    Preempted twice. First through Slurm's --signal path (USR1 to the batch script) in the middle of
+    step 3's generation (the servers run one request at a time, so that a step generates for
+    seconds; at 8B it is minutes, more than the grace): the generation is cut, step 2 is saved at
+    once, and the requeued job draws step 3's prompts again. Then with ``scontrol requeue`` (Slurm
+    stops every step with SIGTERM): the trainer saves its step and the job comes back a third time.
+    Every step is trained once, in the prompt order of an uninterrupted run, and the servers hold
+    the trainer's weights after every push. (One job for what two jobs checked before: the layout
+    with the servers on the first trainer node runs in the role-failure jobs.)"""
     save, logs = str(tmp_path / "rl"), str(tmp_path / "logs")
     out = str(tmp_path / "job.out")
     env = _gppo_env(files, save, logs)
-    steps_wanted = 4
+    steps_wanted = 6
     for key in ("ROLLOUT_NODES", "TRAIN_NODES"):
         env.pop(key)  # the script's defaults
     env.update(GPUS_PER_NODE="2", SERVERS_PER_NODE="2", SERVER_ARGS="--max-running-requests 1")
@@ -222,16 +174,24 @@ def test_gppo_job_in_the_scripts_default_layout_stopped_mid_generation(cluster, 
     )
     job = _submit(cluster, "gppo_qwen3_8b.sbatch", out, env, nodes=3)
     metrics = os.path.join(save, "metrics.jsonl")
+    # 1. Slurm's --signal path, in step 3's generation
     _wait_for("two steps", lambda: len(_steps(metrics)) >= 2, 300, job, cluster)
     time.sleep(1)  # step 3 generates (seconds: 32 responses of 64 tokens, one at a time on each server)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=cluster.env, check=True)
+    _wait_for("the first requeue", lambda: cluster.job(job).get("Restarts") == "1", 120)
+    # 2. scontrol requeue: Slurm stops every step (SIGTERM) and requeues; the trainer saves
+    trainer_log = os.path.join(logs, "trainer-node0.log")
+    _wait_for("a step after the restart", lambda: len(_trained_steps(trainer_log)) >= 3, 300, job, cluster)
+    subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
     info = cluster.wait_done(job, 600)
     text = open(out).read()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-3000:])
-    assert info["Restarts"] == "1", info
+    assert info["Restarts"] == "2", info
+    assert "(restart 1)" in text and "(restart 2)" in text, text[-3000:]
+    assert "preempted (SIGUSR1)" in text and "Slurm stops the job (SIGTERM)" in text, text[-3000:]
     assert "rollout on n1, trainer on n2 n3" in text, text[-3000:]
-    trainer_log = os.path.join(logs, "trainer-node0.log")
-    # one launcher per trainer node (rank 0's prints the steps: each once across the two runs)
+    # one launcher per trainer node (rank 0's prints the steps: each once across the three runs; the
+    # metrics file is rewound to the checkpoint on resume, so it would not show a repeated step)
     assert _trained_steps(trainer_log) == list(range(1, steps_wanted + 1))
     assert os.path.exists(os.path.join(logs, "trainer-node1.log"))
     assert not os.path.exists(os.path.join(logs, "trainer-node2.log"))
@@ -246,7 +206,7 @@ def test_gppo_job_in_the_scripts_default_layout_stopped_mid_generation(cluster, 
         "trainer-node0": "trainer-node0 on n2: CUDA_VISIBLE_DEVICES=0,1",
         "trainer-node1": "trainer-node1 on n3: CUDA_VISIBLE_DEVICES=0,1",
     }, firsts
-    # the stop came in step 3's generation: cut, step 2 saved at once (its bound reported)
+    # the first stop came in step 3's generation: cut, step 2 saved at once (its bound reported)
     import re
 
     stop = re.search(
@@ -257,11 +217,27 @@ def test_gppo_job_in_the_scripts_default_layout_stopped_mid_generation(cluster, 
     )
     assert stop, open(trainer_log).read()[-3000:]
     assert float(stop.group(1)) < 5 and float(stop.group(2)) < 30, stop.group(0)
+    saved = sorted(int(n[5:]) for n in os.listdir(save) if n.startswith("iter_"))
+    stops = _stop_saves(trainer_log)
+    assert len(stops) == 2 and stops[0] == 2 and stops[-1] < steps_wanted, stops  # both came mid-run
+    assert set(stops) | {steps_wanted} == set(saved), (stops, saved)  # saved on each, and at the end
     steps = _steps(metrics)
     assert [m["step"] for m in steps] == list(range(1, steps_wanted + 1))
+    # the data order of an uninterrupted run, step by step, across both restarts
     assert [m["data/order_digest"] for m in steps] == _expected_digests(files, steps_wanted)
+    # PP=2 over the two trainer nodes: both stage leaders pushed their layers (bf16: 2 bytes a parameter)
+    from safetensors import safe_open
+
+    params = 0
+    for name in os.listdir(files["hf"]):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(files["hf"], name), "pt") as f:
+                params += sum(int(__import__("math").prod(f.get_slice(k).get_shape())) for k in f.keys())
+    pushed = [m for m in steps if m.get("weights/pushed")]
+    assert pushed and all(m["weights/sync_bytes"] == 2 * params for m in pushed), pushed
+    # the servers (started from other weights) hold the trainer's: the probe after every push
     verified = [m for m in steps if "weights/verify_mean_diff_max" in m]
-    assert verified and verified[-1]["step"] == steps_wanted
+    assert verified and verified[-1]["step"] == steps_wanted, [m["step"] for m in verified]
     assert all(m["weights/verify_mean_diff_max"] < 0.05 for m in verified), verified
 
 
