@@ -46,6 +46,7 @@ MEMBERS = (
     "sglang/srt/layers/vocab_parallel_embedding.py",
     "sglang/srt/layers/moe/fused_moe_triton/layer.py",
     "sglang/srt/model_loader/weight_utils.py",
+    "sglang/srt/layers/utils/common.py",  # pad_or_narrow_weight, a helper those loaders hand the tensor to
     # the wheel's own dependency pins (torch, transformers, tokenizers): what
     # requirements/gpu-constraints.txt must agree with (tests/test_gpu_constraints.py)
     f"sglang-{SGLANG_VERSION}.dist-info/METADATA",
