@@ -32,6 +32,11 @@ TIMING_MODULES = [
     "tests/rewards/test_pool.py",
     "tests/rewards/test_sandbox.py",
     "tests/rollout/test_received_check.py",
+    # (modules with a wall-clock bound of their own: a stop saved at once, a failure raised on every
+    # rank at once, the time a batch generated past its quota)
+    "tests/distributed/test_stop_mid_generation.py",
+    "tests/distributed/test_in_memory_gpus.py",
+    "tests/rl/rollout/test_dynamic_sampling.py",
 ]
 # Modules that start torchrun, the CLIs or server processes, tens of seconds each on 2 cores, the
 # longest first: the parallel pass hands them out first (the Makefile's --no-loadscope-reorder keeps
@@ -64,6 +69,7 @@ HEAVY_MODULES = [
     "tests/rollout/test_embedded_http.py",
     "tests/rollout/test_weight_update_protocol.py",
     "tests/rollout/test_standin_versions.py",
+    "tests/rollout/test_sglang_delta.py",  # (stand-in servers and delta syncs: ~15 s; out of make test-fast)
 ]
 
 

@@ -483,9 +483,11 @@ def test_writes_outside_the_temp_dir_did_not_land(graded):
 
 
 def test_attacks_are_cut_at_their_limits(graded):
-    # 2 workers; at most ~10 attacks can use their full wall limit (+1 s of CPU-limit slack)
-    limits = graded["cfg"].sandbox
-    assert graded["elapsed"] < len(ATTACKS) * (limits.wall_s + 1) / 2 + 10, graded["elapsed"]
+    """Every attack ended by its sandbox's own limits, none by the pool's hard deadline (which kills a
+    worker that outlives them): a structural check, not a wall-clock bound, which this CPU-heavy
+    module could not keep reliably beside the other tests of its pass."""
+    assert graded["stats"].get("killed", 0) == 0, graded["stats"]
+    assert graded["workers_alive"], "a grading worker died"
 
 
 def test_the_orphan_did_not_stall_the_grader(graded):

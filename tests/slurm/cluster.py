@@ -11,7 +11,9 @@ Each node declares ``Gres=gpu:4``, four character devices (copies of ``/dev/null
 them, nothing opens them), so Slurm checks every GPU request and sets ``CUDA_VISIBLE_DEVICES`` per
 job and per step as on a GPU cluster. Settings that matter to the tests:
 ``cred_expire=10`` (a requeued job becomes eligible again after ~11 s instead of Slurm's default
-121 s), ``KillWait=30`` (a job told to stop has 30 s to save before SIGKILL),
+121 s), ``sched_interval=2,bf_interval=2`` (the scheduler starts it within seconds of that, not at
+its next periodic pass: 60 s by default, which had a requeued test job wait up to a minute),
+``KillWait=30`` (a job told to stop has 30 s to save before SIGKILL),
 ``proctrack/linuxproc`` and ``task/none`` (no cgroups in a container).
 """
 
@@ -128,6 +130,7 @@ SlurmdLogFile={r}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
