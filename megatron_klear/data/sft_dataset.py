@@ -278,9 +278,12 @@ class PackedSFTDataset:
             raise ValueError(f"SFT data state version {state.get('version')}, expected {STATE_VERSION}")
         for key, mine in self._identity().items():
             if state.get(key) != mine:
+                setting = {"seed": "data.seed", "seq_length": "data.seq_length", "remainder": "data.remainder"}
+                setting["segment_multiple"] = "data.segment_multiple (by default 2 x parallel.cp, 1 without CP)"
+                fix = f": set {setting[key]} to {state.get(key)!r} to resume" if key in setting else ""
                 raise ValueError(
                     f"SFT data state was saved with {key}={state.get(key)!r} but this run has "
-                    f"{key}={mine!r}; the batch order would differ"
+                    f"{key}={mine!r}; the batch order would differ{fix}"
                 )
         epoch, offset, step, micro = (state[k] for k in ("epoch", "bin_offset", "step", "micro_batch"))
         if state["bins_per_step"] != self.bins_per_step:

@@ -480,12 +480,46 @@ class CheckpointManager:
                 state.optimizer.load_state_dict(loaded["optimizer"])  # (copies into its fp32 parameters in place)
             _restore_adam_steps(state.optimizer, loaded["optimizer"])
         common = loaded["common"]
+        _check_schedule(common["scheduler"], state.scheduler, ckpt_dir)
         state.scheduler.num_steps = 0  # Megatron's load_state_dict adds the saved count to this
         state.scheduler.load_state_dict(common["scheduler"])
         if restore_rng:
             set_rng_state(loaded["rng"])
         state.step = int(common["step"])
         return common
+
+
+#: the scheduler's settings a resume must keep (Megatron-Core's ``OptimizerParamScheduler.load_state_dict``
+#: asserts each, naming only its own field), and the settings that make them
+SCHEDULE_KEYS = {
+    "max_lr": "optim.lr",
+    "min_lr": "optim.min_lr",
+    "lr_warmup_steps": "optim.warmup_steps",
+    "lr_decay_steps": "optim.decay_steps, or train.steps / train.epochs with the global batch",
+    "lr_decay_style": "optim.decay_style",
+    "start_wd": "optim.weight_decay",
+    "end_wd": "optim.weight_decay",
+}
+
+
+def _check_schedule(saved: dict, scheduler, ckpt_dir: str) -> None:
+    """A resume whose learning-rate schedule differs from its checkpoint's is refused by name, before
+    Megatron-Core's assertion (``class input value ... do not match``). The decay length is the one a
+    change of layout moves in SFT: with ``train.steps: 0`` it is ``train.epochs`` of steps of
+    ``data.micro_batches_per_step`` rows on each data-parallel rank."""
+    now = scheduler.state_dict()
+    differ = [k for k in SCHEDULE_KEYS if k in saved and k in now and saved[k] != now[k]]
+    if not differ:
+        return
+    said = "; ".join(f"{k} {saved[k]} there, {now[k]} here ({SCHEDULE_KEYS[k]})" for k in differ)
+    hint = ""
+    if "lr_decay_steps" in differ:
+        hint = (
+            f". A run resumed on another number of data-parallel ranks keeps its schedule with the same "
+            f"global batch (data.micro_batches_per_step x the data-parallel size), or with "
+            f"optim.decay_steps={saved['lr_decay_steps']} (and train.steps) set"
+        )
+    raise RunDirError(f"{ckpt_dir}: cannot resume here: its learning-rate schedule differs: {said}{hint}")
 
 
 def _param_dtype(state) -> str:
