@@ -22,7 +22,7 @@ padded vocabulary, as Qwen3's own 151,936 rows pad its 151,669 tokens), goes thr
    of ``python -m megatron_klear rl`` with the shipped GPPO config, ``rollout.engine=vllm``,
    the weights streamed to the server after every step over an update group (``distributed``: the
    in-memory path for dedicated servers) and the probe check after every push (at lr 1e-3, so that
-   every step moves the log-probs beyond the probe's tolerance: a push that did not land fails it);
+   every step changes the weights the server must then hold);
 7. ``resume``: the same command one step further: it resumes from the RL checkpoint (not with
    ``--quick``: the tiny-model tests resume RL runs, and this phase was a fifth of the quick run);
 8. ``eval``: ``tools/eval.py --server vllm`` on held-out prompts.
@@ -276,10 +276,10 @@ class Journey:
             "rl.filter_zero_spread=false",
         ]
         args += ["rollout.engine=vllm", f"rollout.urls=[{self.server.url}]", "rollout.verify_interval=1"]
-        # a learning rate whose first Adam step (~lr on every weight with a gradient) moves the model's
-        # log-probs far beyond the probe's fp32 tolerance: the probe after each push then holds only
-        # if the push landed (the shipped 1e-6, warmed up from 0, leaves the weights where the server's
-        # are, and the probe would pass with nothing pushed)
+        # a learning rate that changes the weights at every step (Adam's step, ~lr on every weight
+        # with a gradient, and at least the weight decay, lr x 0.1): the probe after the push then
+        # compares the server against weights it did not start from (the shipped 1e-6, warmed up from
+        # 0, left the weights where the server's are, and the probe passed with nothing pushed)
         args += ["optim.lr=1e-3", "optim.min_lr=1e-3", "optim.warmup_steps=0"]
         args += [
             "reward.workers=1",

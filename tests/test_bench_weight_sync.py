@@ -54,15 +54,7 @@ def test_weight_sync_benchmark_quick(tmp_path):
     # tensor plus the rest's bytes over the bucket size
     big = [s for s in sizes if s > 1 << 20]
     assert r["buckets"] >= len(big) + -(-(sum(sizes) - sum(big)) // (1 << 20)) >= 4
-    for v in (
-        "disk_sequential",
-        "disk_parallel",
-        "disk_flushed",
-        "distributed",
-        "raw_broadcast",
-        "in_memory",
-        "in_memory_relay",
-    ):
+    for v in VARIANTS_RUN:
         assert len(r["all_times"][v]) == 1 and r[f"{v}_s"] == r["all_times"][v][0] > 0, v
     for stats in r["distributed_stats"]:
         assert stats["bytes"] == r["model_bytes"] and stats["buckets"] == r["buckets"] and stats["streamed_stages"] == 1

@@ -132,6 +132,12 @@ def keyed_seed(seed: int, key: int) -> int:
     return (int(seed) * 1_000_003 + int(key)) % (1 << 63)
 
 
+def check_seed_keys(prompts: list, seed_keys) -> None:
+    """``seed_keys`` (:meth:`RolloutEngine.generate_iter`): None, or one key per prompt."""
+    if seed_keys is not None and len(seed_keys) != len(prompts):
+        raise ValueError(f"generate_iter: {len(seed_keys)} seed_keys for {len(prompts)} prompts")
+
+
 class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: list, params: SamplingParams, n: int = 1) -> list:
@@ -160,8 +166,7 @@ class RolloutEngine(abc.ABC):
         on the whole list keyed by its indices did (an evaluation that resumes). Here through
         :meth:`generate_keyed`."""
         size = chunk_size or len(prompts) or 1
-        if seed_keys is not None and len(seed_keys) != len(prompts):
-            raise ValueError(f"generate_iter: {len(seed_keys)} seed_keys for {len(prompts)} prompts")
+        check_seed_keys(prompts, seed_keys)
         for start in range(0, len(prompts), size):
             if cancel is not None and cancel.is_set():
                 return

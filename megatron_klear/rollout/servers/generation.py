@@ -59,7 +59,7 @@ import queue
 import threading
 import time
 
-from megatron_klear.rollout.base import Completion, FleetError, SamplingParams, keyed_seed
+from megatron_klear.rollout.base import Completion, FleetError, SamplingParams, check_seed_keys, keyed_seed
 from megatron_klear.rollout.servers.call_http import CallHTTP, HTTPFailure, NoAnswerInTime
 from megatron_klear.rollout.servers.dialect import AbortedByServer, ServerDialect
 from megatron_klear.rollout.servers.fleet import LIVE
@@ -176,8 +176,7 @@ class Generation:
         them on the servers) and ends the iteration. (``chunk_size`` is for in-process engines;
         requests here are already one per prompt or per sample.) ``seed_keys``: prompt ``i``'s
         request is seeded by ``seed_keys[i]`` instead of ``i`` (``RolloutEngine.generate_iter``)."""
-        if seed_keys is not None and len(seed_keys) != len(prompts):
-            raise ValueError(f"generate_iter: {len(seed_keys)} seed_keys for {len(prompts)} prompts")
+        check_seed_keys(prompts, seed_keys)
         params.validate()
         if not prompts:
             return
