@@ -39,28 +39,6 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULE = "megatron_klear.rollout.sglang_standin"
 SOCKET = "zygote.sock"
-#: the variables the fork server's warm imports may read when they are imported (huggingface_hub's
-#: and transformers' constants: HF_HOME, HF_HUB_OFFLINE, TRANSFORMERS_*; torch's TORCH_* switches;
-#: the thread libraries' OMP_, MKL_, KMP_; Python's hash seed). A forked server keeps what its fork
-#: server read, so a launch whose environment sets any of them otherwise gets a new interpreter,
-#: which reads its own. (Variables read when used, SGLANG_* or CUDA_VISIBLE_DEVICES, are the
-#: launch's in a forked server too: its environment is replaced before the stand-in's main runs.)
-READ_AT_IMPORT = (
-    "HF_",
-    "HUGGINGFACE_",
-    "TRANSFORMERS_",
-    "TOKENIZERS_",
-    "TORCH_",
-    "OMP_",
-    "MKL_",
-    "KMP_",
-    "PYTHONHASHSEED",
-)
-
-
-def read_at_import(env: dict) -> dict:
-    """The part of ``env`` a forked server would take from its fork server (:data:`READ_AT_IMPORT`)."""
-    return {k: v for k, v in env.items() if k.startswith(READ_AT_IMPORT)}
 
 
 # -- the fork server ------------------------------------------------------------------------------
@@ -231,7 +209,6 @@ class StandinZygote:
     def __init__(self, startup_timeout: float = 300.0):
         self.startup_timeout = startup_timeout
         self.control = self.proc = None
-        self.env = dict(os.environ)  # the fork server's (set again when it starts)
         self._lock = threading.Lock()
 
     def _ensure_started(self) -> None:
@@ -239,7 +216,6 @@ class StandinZygote:
             return
         self.control = tempfile.mkdtemp(prefix="klear-standin-zygote-")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-        self.env = env
         with open(os.path.join(self.control, "zygote.log"), "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.rollout.standin_zygote", self.control],
@@ -273,8 +249,7 @@ class StandinZygote:
 
     def start(self, cmd: list, log_path: str, env: dict):
         """:attr:`EmbeddedHTTPEngine.start_process`: the stand-in's ``cmd`` forked, any other
-        command, or one whose environment differs from the fork server's in a variable read at
-        import (:data:`READ_AT_IMPORT`), in a new interpreter."""
+        command in a new interpreter."""
         from megatron_klear.rollout.sglang_standin.launcher import start_server_process
 
         if list(cmd[1:3]) != ["-m", MODULE]:
@@ -282,10 +257,7 @@ class StandinZygote:
         request = {"argv": list(cmd[3:]), "env": dict(env), "cwd": os.getcwd(), "log": log_path}
         with self._lock:
             self._ensure_started()
-            forkable = read_at_import(env) == read_at_import(self.env)
-            pid = int(self._ask(request)) if forkable else None
-        if not forkable:
-            return start_server_process(cmd, log_path, env)
+            pid = int(self._ask(request))
         return ForkedProcess(pid, os.path.join(self.control, f"exit-{pid}"), cmd)
 
     def close(self) -> None:

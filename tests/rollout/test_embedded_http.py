@@ -147,30 +147,6 @@ def _parent_pid(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def test_a_launch_whose_import_time_environment_differs_gets_a_new_interpreter(standin_fork_server, monkeypatch):
-    """A forked server keeps what its fork server's imports read (HF_HUB_OFFLINE, TRANSFORMERS_*,
-    OMP_*, ...): a launch that sets one of them otherwise is started as a new interpreter; variables
-    read when used (SGLANG_*) do not matter."""
-    from megatron_klear.rollout.sglang_standin import launcher
-    from tests.rollout.standin_zygote import MODULE, read_at_import
-
-    if standin_fork_server is None:
-        pytest.skip("KLEAR_TEST_EXEC_STANDIN=1: no fork server in this run")
-    started = []
-    monkeypatch.setattr(launcher, "start_server_process", lambda cmd, log, env: started.append(env) or "new")
-    cmd = [sys.executable, "-m", MODULE, "--model-path", "/nowhere"]
-    for key, value in (
-        ("HF_HUB_OFFLINE", "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1"),
-        ("OMP_NUM_THREADS", "7"),
-    ):
-        env = {**os.environ, key: value}
-        assert standin_fork_server.start(cmd, os.devnull, env) == "new", key
-        assert started[-1][key] == value
-    assert read_at_import({"SGLANG_X": "1", "CUDA_VISIBLE_DEVICES": "3", "TRANSFORMERS_VERBOSITY": "info"}) == {
-        "TRANSFORMERS_VERBOSITY": "info"
-    }
-
-
 def test_a_server_from_the_tests_fork_server_is_the_clis_server(tiny_hf, tmp_path, standin_fork_server):
     """The tests fork their stand-in servers from one warm process (tests/rollout/standin_zygote.py):
     such a server answers as one started as a new interpreter (python -m ...) with the same flags
