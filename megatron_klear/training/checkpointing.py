@@ -489,8 +489,8 @@ class CheckpointManager:
         return common
 
 
-#: the scheduler's settings a resume must keep (Megatron-Core's ``OptimizerParamScheduler.load_state_dict``
-#: asserts each, naming only its own field), and the settings that make them
+#: the scheduler's settings a resume takes from its checkpoint (Megatron-Core's
+#: ``OptimizerParamScheduler.load_state_dict``), and the settings of this run that make them
 SCHEDULE_KEYS = {
     "max_lr": "optim.lr",
     "min_lr": "optim.min_lr",
@@ -503,23 +503,24 @@ SCHEDULE_KEYS = {
 
 
 def _check_schedule(saved: dict, scheduler, ckpt_dir: str) -> None:
-    """A resume whose learning-rate schedule differs from its checkpoint's is refused by name, before
-    Megatron-Core's assertion (``class input value ... do not match``). The decay length is the one a
-    change of layout moves in SFT: with ``train.steps: 0`` it is ``train.epochs`` of steps of
-    ``data.micro_batches_per_step`` rows on each data-parallel rank."""
+    """Say when this run's schedule settings differ from its checkpoint's: Megatron-Core's scheduler,
+    built with ``use_checkpoint_opt_param_scheduler`` (its default), keeps the checkpoint's values
+    on load, silently. The decay length is the one a change of layout moves in SFT: with
+    ``train.steps: 0`` it is ``train.epochs`` of steps of ``data.micro_batches_per_step`` rows on each
+    data-parallel rank, so a run requeued on fewer ranks decays over the checkpoint's step count and
+    reaches ``optim.min_lr`` before its last step."""
     now = scheduler.state_dict()
     differ = [k for k in SCHEDULE_KEYS if k in saved and k in now and saved[k] != now[k]]
-    if not differ:
+    if not differ or not is_rank0():
         return
-    said = "; ".join(f"{k} {saved[k]} there, {now[k]} here ({SCHEDULE_KEYS[k]})" for k in differ)
+    said = "; ".join(f"{k} {saved[k]} (this run's settings give {now[k]}: {SCHEDULE_KEYS[k]})" for k in differ)
     hint = ""
     if "lr_decay_steps" in differ:
         hint = (
-            f". A run resumed on another number of data-parallel ranks keeps its schedule with the same "
-            f"global batch (data.micro_batches_per_step x the data-parallel size), or with "
-            f"optim.decay_steps={saved['lr_decay_steps']} (and train.steps) set"
+            ". On another number of data-parallel ranks, the checkpoint's global batch "
+            "(data.micro_batches_per_step x the data-parallel size) keeps its schedule's length in rows"
         )
-    raise RunDirError(f"{ckpt_dir}: cannot resume here: its learning-rate schedule differs: {said}{hint}")
+    print(f"resume: {ckpt_dir}'s learning-rate schedule is kept: {said}{hint}", file=sys.stderr, flush=True)
 
 
 def _param_dtype(state) -> str:

@@ -466,3 +466,20 @@ def test_a_resume_that_changes_the_global_batch_says_so_and_how_to_keep_it(capsy
     assert "no data.micro_batches_per_step gives it back" in capsys.readouterr().out
     _say_batch_change({"bins_per_step": 4}, types.SimpleNamespace(bins_per_step=4, dp_size=2), cfg)
     assert capsys.readouterr().out == ""
+
+
+def test_a_resume_says_when_the_checkpoints_schedule_is_kept_over_this_runs(capsys):
+    """Megatron-Core's scheduler keeps the checkpoint's schedule on load (use_checkpoint_opt_param_scheduler):
+    a run resumed with other settings, or on fewer ranks with its step count from the epochs, is told
+    which values it keeps and what keeps the schedule's length."""
+    from megatron_klear.training.checkpointing import _check_schedule
+
+    class Scheduler:
+        def state_dict(self):
+            return {"max_lr": 1e-5, "lr_decay_steps": 240, "lr_decay_style": "cosine"}
+
+    _check_schedule({"max_lr": 1e-5, "lr_decay_steps": 120, "lr_decay_style": "cosine"}, Scheduler(), "ckpt")
+    err = capsys.readouterr().err
+    assert "schedule is kept: lr_decay_steps 120 (this run's settings give 240" in err and "global batch" in err
+    _check_schedule(Scheduler().state_dict(), Scheduler(), "ckpt")
+    assert capsys.readouterr().err == ""
