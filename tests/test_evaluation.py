@@ -184,7 +184,7 @@ def test_an_evaluation_killed_halfway_resumes_to_the_uninterrupted_results(tmp_p
     added, add = [], PartialResults.add
 
     class Killed(Exception):
-        pass
+        """The evaluation's process ending after three graded prompts (a time limit, a lost node)."""
 
     def add_then_die(self, name, index, records):
         add(self, name, index, records)

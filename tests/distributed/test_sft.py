@@ -135,6 +135,21 @@ def test_parallel_layout_matches_one_process(sft_setup, reference, name, world, 
     assert ref[0]["loss"] > ref[-1]["loss"]  # it trained
 
 
+def _step1_of(sft_setup, name, save):
+    """A new run directory ``save`` holding only step 1's checkpoint of the layout run ``name``
+    (test_parallel_layout_matches_one_process, which saves every step), pointed at for a resume."""
+    import shutil
+
+    src = os.path.join(sft_setup["root"], name)
+    if not os.path.isdir(os.path.join(src, "iter_0000001")):
+        pytest.skip(f"needs test_parallel_layout_matches_one_process[{name}]'s checkpoints (run the module)")
+    os.makedirs(save)
+    shutil.copytree(os.path.join(src, "iter_0000001"), os.path.join(save, "iter_0000001"))
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    return save
+
+
 @pytest.mark.parametrize(
     "name,extra",
     [
@@ -155,18 +170,9 @@ def test_resume_on_another_layout_continues_as_the_run_at_that_layout(sft_setup,
     moments fails every case: step 3's loss moves by 1e-2). The distributed optimizer's fully
     reshardable format crosses a TP and a DP change at once (its dp_reshardable format is refused:
     test_a_resume_megatron_core_cannot_reshard_is_refused_by_name)."""
-    import shutil
-
     import torch
 
-    src = os.path.join(sft_setup["root"], name)
-    if not os.path.isdir(os.path.join(src, "iter_0000001")):
-        pytest.skip(f"needs test_parallel_layout_matches_one_process[{name}]'s checkpoints (run the module)")
-    save = str(tmp_path / "resumed")
-    os.makedirs(save)
-    shutil.copytree(os.path.join(src, "iter_0000001"), os.path.join(save, "iter_0000001"))
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("1")
+    save = _step1_of(sft_setup, name, str(tmp_path / "resumed"))
     run_distributed(
         _train, 1, _overrides(sft_setup, save, f"train.steps={STEPS}", "data.micro_batches_per_step=2", *extra)
     )
@@ -186,16 +192,7 @@ def test_a_resume_megatron_core_cannot_reshard_is_refused_by_name(sft_setup, tmp
     """The DP=2 distributed-optimizer run's checkpoint (dp_reshardable) resumed at TP=2: refused
     before anything is loaded, naming the change and the choices (without the rule, Megatron-Core
     fails in its shape validation: "Global shape mismatch ... bucket_idx_0.param")."""
-    import shutil
-
-    src = os.path.join(sft_setup["root"], "dp2_distopt")
-    if not os.path.isdir(os.path.join(src, "iter_0000001")):
-        pytest.skip("needs test_parallel_layout_matches_one_process[dp2_distopt]'s checkpoints (run the module)")
-    save = str(tmp_path / "moved")
-    os.makedirs(save)
-    shutil.copytree(os.path.join(src, "iter_0000001"), os.path.join(save, "iter_0000001"))
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("1")
+    save = _step1_of(sft_setup, "dp2_distopt", str(tmp_path / "moved"))
     extra = ["parallel.tp=2", "data.micro_batches_per_step=1", "optim.distributed_optimizer=true"]
     with pytest.raises(RuntimeError) as err:
         run_distributed(_train, 2, _overrides(sft_setup, save, f"train.steps={STEPS}", *extra))
@@ -209,16 +206,7 @@ def test_a_resume_megatron_core_cannot_reshard_is_refused_by_name(sft_setup, tmp
 def test_a_resume_whose_packing_differs_is_refused_naming_the_setting(sft_setup, tmp_path):
     """The CP=2 run's checkpoint at CP=1 with the default packing multiple (2 x CP): another batch
     order, refused by name with the setting and the value that resume it."""
-    import shutil
-
-    src = os.path.join(sft_setup["root"], "cp2")
-    if not os.path.isdir(os.path.join(src, "iter_0000001")):
-        pytest.skip("needs test_parallel_layout_matches_one_process[cp2]'s checkpoints (run the module)")
-    save = str(tmp_path / "cp2")
-    os.makedirs(save)
-    shutil.copytree(os.path.join(src, "iter_0000001"), os.path.join(save, "iter_0000001"))
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("1")
+    save = _step1_of(sft_setup, "cp2", str(tmp_path / "cp2"))
     args = [a for a in _overrides(sft_setup, save, "data.micro_batches_per_step=2") if "segment_multiple" not in a]
     with pytest.raises(RuntimeError) as err:
         run_distributed(_train, 1, [*args, "train.steps=3", "data.segment_multiple=0"])
